@@ -1,0 +1,20 @@
+"""Install: ``pip install -e .`` (CPU/CUDA), ``pip install -e .[xla]`` for TPU / XLA:CPU."""
+
+from setuptools import find_packages, setup
+
+XLA = ["torch==2.9.0", "torch_xla==2.9.0"]  # torch_xla declares no torch pin: pin both together
+TEST = ["pytest>=8", "numpy>=1.26", "hypothesis>=6.100", "ruff>=0.6", "mypy>=1.11"]
+
+setup(
+    name="torch_tpu_embedding",
+    version="0.1.0",
+    description="Large embedding tables for PyTorch on Cloud TPU: row-sparse lookups and optimizers.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["torch_tpu_embedding", "torch_tpu_embedding.*"]),
+    package_data={"torch_tpu_embedding": ["py.typed"]},
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4", "numpy>=1.26"],
+    extras_require={"xla": XLA, "test": TEST, "dev": XLA + TEST},
+    license="Apache-2.0",
+)

@@ -1,0 +1,36 @@
+"""torch_tpu_embedding: large embedding tables for PyTorch on Cloud TPU (and CPU/CUDA).
+
+Tables are row-sparse end to end: lookups gather rows, the backward produces per-id gradient rows,
+and the optimizers in :mod:`torch_tpu_embedding.optim` update only the rows a batch touched.
+XLA-specific code lives in :mod:`torch_tpu_embedding.xla`, imported only when asked for.
+"""
+
+from torch_tpu_embedding._rows import install_stock_optimizer_guard as _install_guard
+from torch_tpu_embedding.collection import EmbeddingCollection, EmbeddingTable, split_parameters
+from torch_tpu_embedding.combiners import bag_gains
+from torch_tpu_embedding.config import (
+    COMBINERS,
+    OPTIMIZER_NAMES,
+    FeatureConfig,
+    TableConfig,
+    default_initializer,
+)
+from torch_tpu_embedding.inputs import Jagged, Padded
+
+__all__ = [
+    "COMBINERS",
+    "OPTIMIZER_NAMES",
+    "EmbeddingCollection",
+    "EmbeddingTable",
+    "FeatureConfig",
+    "Jagged",
+    "Padded",
+    "TableConfig",
+    "bag_gains",
+    "default_initializer",
+    "split_parameters",
+]
+
+__version__ = "0.1.0"
+
+_install_guard()

@@ -1,0 +1,62 @@
+"""The lookup: gather rows, combine them, and send the backward to the table's :class:`RowGrad`.
+
+Autograd never produces a ``[V, D]`` gradient for a table: the backward returns ``None`` for the
+table and instead records ``(ids, gain · dL/dout)`` — one row per looked-up id — in the table's
+:class:`~torch_tpu_embedding._rows.RowGrad`. ``F.embedding_bag`` is not used: on XLA its mean mode
+and its backward run on the host (xla_spmd_measurements §1); gather + weighted sum partitions well.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torch_tpu_embedding._rows import RowGrad
+
+__all__ = ["lookup"]
+
+
+class _RowSparseLookup(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, weight: torch.Tensor, ids: torch.Tensor, gains: torch.Tensor, row_grad: RowGrad
+    ) -> torch.Tensor:
+        n, width = ids.shape
+        # The sentinel (== weight.shape[0]) is clamped to a real row; its gain is 0.
+        safe = ids.clamp(max=weight.shape[0] - 1)
+        rows = weight.index_select(0, safe.reshape(-1))
+        if width == 1:
+            out = rows * gains
+        else:
+            out = torch.bmm(gains.unsqueeze(1), rows.view(n, width, -1)).squeeze(1)
+        ctx.save_for_backward(ids, gains)
+        ctx.row_grad = row_grad
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[None, None, None, None]:  # type: ignore[override]
+        ids, gains = ctx.saved_tensors
+        # dL/de_{i_k} = gain_k · dL/dout_b, one row per (bag, position); padding rows are 0.
+        grad_rows = gains.unsqueeze(-1) * grad_out.unsqueeze(1)
+        ctx.row_grad.add(ids.reshape(-1), grad_rows.reshape(-1, grad_out.shape[-1]))
+        return None, None, None, None
+
+
+def lookup(
+    weight: torch.Tensor, ids: torch.Tensor, gains: torch.Tensor, row_grad: RowGrad
+) -> torch.Tensor:
+    """Combined lookup ``out[n] = Σ_l gains[n, l] · weight[ids[n, l]]``.
+
+    Args:
+        weight: the table ``[R, D]`` (``R`` physical rows; ids ``== R`` are padding).
+        ids: ``[N, L]`` int64 ids.
+        gains: ``[N, L]`` per-id factors from :func:`~torch_tpu_embedding.combiners.bag_gains`
+            (0 at padding).
+        row_grad: where the backward puts ``(ids [N·L], rows [N·L, D])``.
+
+    Returns:
+        ``[N, D]`` activations, differentiable (row-sparsely) with respect to ``weight``.
+    """
+    out: torch.Tensor = _RowSparseLookup.apply(weight, ids, gains, row_grad)
+    return out

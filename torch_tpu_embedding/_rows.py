@@ -1,0 +1,168 @@
+"""Row bookkeeping, written once: row-sparse gradients, dedup, gather and scatter of rows.
+
+An embedding table never receives a dense ``[V, D]`` gradient. The lookup's backward hands each
+table a :class:`RowGrad`: the ids it looked up and one gradient row per id (``[N]`` and ``[N, D]``),
+accumulated across features sharing the table and across backward calls until an optimizer
+consumes it (or ``zero_grad`` clears it).
+
+Padding positions carry the *sentinel* id ``rows`` (one past the last physical row of the table).
+On XLA, gather clamps that index and scatter drops it, so the step keeps static shapes; in eager
+mode the sentinel entries are filtered out before the update (``-1`` is never a sentinel: XLA
+wraps it to ``V-1``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = [
+    "RowGrad",
+    "TableInfo",
+    "coalesce_rows",
+    "dedup_static",
+    "install_stock_optimizer_guard",
+    "is_static_device",
+    "register_table",
+    "table_info",
+]
+
+
+class RowGrad:
+    """Accumulated row-sparse gradient of one table: chunks of ``(ids [n], rows [n, D])``.
+
+    Chunks are kept as a list and concatenated when consumed, so a steady training loop (the same
+    features, the same number of backward calls per step) always produces the same shapes.
+    """
+
+    __slots__ = ("_ids", "_rows")
+
+    def __init__(self) -> None:
+        self._ids: list[torch.Tensor] = []
+        self._rows: list[torch.Tensor] = []
+
+    def add(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Add ``ids [n]`` with gradient ``rows [n, D]`` (sentinel ids allowed for padding)."""
+        self._ids.append(ids.reshape(-1))
+        self._rows.append(rows.reshape(ids.numel(), -1))
+
+    def __bool__(self) -> bool:
+        return bool(self._ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def collect(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All chunks as one ``(ids [N], rows [N, D])`` pair (duplicates and sentinels kept)."""
+        if not self._ids:
+            raise RuntimeError("RowGrad is empty: no backward pass reached this table.")
+        if len(self._ids) == 1:
+            return self._ids[0], self._rows[0]
+        return torch.cat(self._ids), torch.cat(self._rows)
+
+    def clear(self) -> None:
+        self._ids.clear()
+        self._rows.clear()
+
+
+@dataclasses.dataclass
+class TableInfo:
+    """What the library knows about a table parameter."""
+
+    name: str
+    num_embeddings: int
+    row_grad: RowGrad = dataclasses.field(default_factory=RowGrad)
+
+
+_TABLES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def register_table(param: torch.Tensor, name: str, num_embeddings: int) -> TableInfo:
+    """Mark ``param`` as an embedding table whose gradient arrives row-sparse."""
+    info = TableInfo(name=name, num_embeddings=num_embeddings)
+    _TABLES[param] = info
+    return info
+
+
+def table_info(param: torch.Tensor) -> TableInfo | None:
+    """The :class:`TableInfo` of ``param``, or ``None`` for an ordinary (dense) parameter."""
+    info: TableInfo | None = _TABLES.get(param)
+    return info
+
+
+def is_static_device(device: torch.device) -> bool:
+    """Devices that need static shapes (XLA): dedup by sort + sentinel, no host round trips."""
+    return device.type == "xla"
+
+
+def dedup_static(ids: torch.Tensor, sentinel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Static-shape unique: ``ids [N] -> (uniq [N], inv [N])`` with ``uniq[inv] == ids``.
+
+    ``uniq[:U]`` holds the sorted unique ids, ``uniq[U:]`` the sentinel. Padding ids must already
+    equal ``sentinel`` (they sort last). Only sort, cumsum and scatter: no host fallback on XLA.
+    """
+    sorted_ids, perm = torch.sort(ids)
+    is_start = torch.ones_like(sorted_ids, dtype=torch.bool)
+    is_start[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    seg = torch.cumsum(is_start.to(torch.int32), 0).to(ids.dtype) - 1
+    inv = torch.zeros_like(seg).scatter(0, perm, seg)
+    # Slots of the same segment all write the same value, so the scatter is deterministic.
+    uniq = torch.full_like(ids, sentinel).scatter(0, seg, sorted_ids)
+    return uniq, inv
+
+
+def coalesce_rows(
+    ids: torch.Tensor, rows: torch.Tensor, sentinel: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum the gradient rows of duplicate ids: ``(ids [N], rows [N, D]) -> (uniq [U], g [U, D])``.
+
+    The update of every optimizer is non-linear in the gradient, so duplicates must be summed
+    before it (TF's gradient accumulation). On static-shape devices ``U == N`` and the tail of
+    ``uniq`` is the sentinel with zero rows; elsewhere sentinel entries are dropped and ``U`` is the
+    number of distinct ids.
+    """
+    if is_static_device(ids.device):
+        uniq, inv = dedup_static(ids, sentinel)
+    else:
+        keep = ids != sentinel
+        if not bool(keep.all()):
+            ids, rows = ids[keep], rows[keep]
+        uniq, inv = torch.unique(ids, return_inverse=True)
+    summed = torch.zeros(uniq.shape[0], rows.shape[1], dtype=rows.dtype, device=rows.device)
+    summed.index_add_(0, inv, rows)
+    return uniq, summed
+
+
+_GUARD_INSTALLED = False
+
+
+def _stock_optimizer_pre_hook(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+    """Refuse to let an optimizer that cannot read row-sparse gradients step a table.
+
+    A table's gradient lives in its :class:`RowGrad`, never in ``.grad``; an ordinary optimizer
+    would find ``.grad is None`` and silently leave the table untrained.
+    """
+    if getattr(optimizer, "_tte_reads_row_grads", False):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            info = table_info(p)
+            if info is not None:
+                raise TypeError(
+                    f"{type(optimizer).__module__}.{type(optimizer).__name__} was given embedding "
+                    f"table '{info.name}', whose gradient is row-sparse and never stored in "
+                    "`.grad`, so it would silently not train. Use an optimizer from "
+                    "torch_tpu_embedding.optim for the tables (it also trains dense parameters), "
+                    "or split the parameters with torch_tpu_embedding.split_parameters()."
+                )
+
+
+def install_stock_optimizer_guard() -> None:
+    """Register the global ``torch.optim`` step pre-hook (idempotent)."""
+    global _GUARD_INSTALLED
+    if not _GUARD_INSTALLED:
+        register_optimizer_step_pre_hook(_stock_optimizer_pre_hook)
+        _GUARD_INSTALLED = True

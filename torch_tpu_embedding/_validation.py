@@ -1,0 +1,70 @@
+"""Argument checks that raise errors in the house format.
+
+Every message names the argument, states the rule and prints the received value:
+``Argument `lr` must be >= 0. Received: -1``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = [
+    "arg_error",
+    "check_bool",
+    "check_int",
+    "check_number",
+    "check_one_of",
+]
+
+
+def arg_error(name: str, rule: str, received: Any) -> ValueError:
+    """Return (not raise) the standard ``ValueError`` for argument ``name``."""
+    return ValueError(f"Argument `{name}` {rule}. Received: {received!r}")
+
+
+def check_int(name: str, value: Any, *, minimum: int | None = None) -> int:
+    """``value`` must be a Python int (not bool) and ``>= minimum``."""
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    if not ok or (minimum is not None and value < minimum):
+        rule = "must be an int" + (f" and must be >= {minimum}" if minimum is not None else "")
+        raise arg_error(name, rule, value)
+    return int(value)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise arg_error(name, "must be a boolean", value)
+    return value
+
+
+def check_number(
+    name: str,
+    value: Any,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    min_inclusive: bool = True,
+    max_inclusive: bool = True,
+) -> float:
+    """``value`` must be a finite real number within the given bounds."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and minimum is not None:
+        ok = value >= minimum if min_inclusive else value > minimum
+    if ok and maximum is not None:
+        ok = value <= maximum if max_inclusive else value < maximum
+    if not ok:
+        parts = []
+        if minimum is not None:
+            parts.append(f"{'>=' if min_inclusive else '>'} {minimum}")
+        if maximum is not None:
+            parts.append(f"{'<=' if max_inclusive else '<'} {maximum}")
+        rule = "must be a finite number" + (" and " + " and ".join(parts) if parts else "")
+        raise arg_error(name, rule, value)
+    return float(value)
+
+
+def check_one_of(name: str, value: Any, allowed: tuple[Any, ...]) -> Any:
+    if value not in allowed:
+        raise arg_error(name, f"must be one of {allowed}", value)
+    return value

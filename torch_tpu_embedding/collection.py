@@ -1,0 +1,311 @@
+"""``EmbeddingCollection``: many tables, many features, row-sparse gradients."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from torch_tpu_embedding._lookup import lookup
+from torch_tpu_embedding._rows import RowGrad, register_table, table_info
+from torch_tpu_embedding.combiners import bag_gains
+from torch_tpu_embedding.config import FeatureConfig, TableConfig, default_initializer
+from torch_tpu_embedding.inputs import to_bags
+
+__all__ = ["EmbeddingCollection", "EmbeddingTable", "split_parameters"]
+
+Path = tuple[Any, ...]
+
+
+def _flatten(struct: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
+    """Leaves of a nested dict/list/tuple in TF ``nest`` order (dict keys sorted)."""
+    if isinstance(struct, Mapping):
+        for key in sorted(struct, key=str):
+            yield from _flatten(struct[key], (*path, key))
+    elif isinstance(struct, (list, tuple)):
+        for i, item in enumerate(struct):
+            yield from _flatten(item, (*path, i))
+    else:
+        yield path, struct
+
+
+def _path_name(path: Path) -> str:
+    return "/".join(str(p) for p in path) if path else "<root>"
+
+
+def _pick(struct: Any, path: Path) -> Any:
+    for key in path:
+        struct = struct[key]
+    return struct
+
+
+def _rebuild(template: Any, values: dict[Path, Any], path: Path = ()) -> Any:
+    """``template``'s structure with the leaf at ``path`` replaced by ``values[path]``."""
+    if isinstance(template, Mapping):
+        return {k: _rebuild(v, values, (*path, k)) for k, v in template.items()}
+    if isinstance(template, (list, tuple)):
+        items = [_rebuild(v, values, (*path, i)) for i, v in enumerate(template)]
+        return items if isinstance(template, list) else tuple(items)
+    return values[path]
+
+
+def _check_structure(config: Any, given: Any, what: str, path: Path = ()) -> None:
+    """``given`` must have ``config``'s structure (leaves of ``given`` may be anything)."""
+    where = f" at `{_path_name(path)}`" if path else ""
+    if isinstance(config, Mapping):
+        if not isinstance(given, Mapping):
+            raise TypeError(f"{what}{where} must be a mapping like the feature config. "
+                            f"Received: {type(given).__name__}")
+        missing = sorted(set(map(str, config)) - set(map(str, given)))
+        unknown = sorted(set(map(str, given)) - set(map(str, config)))
+        if missing or unknown:
+            raise ValueError(
+                f"{what}{where} do not match the feature config: missing {missing}, "
+                f"unknown {unknown}."
+            )
+        for key in config:
+            _check_structure(config[key], given[key], what, (*path, key))
+    elif isinstance(config, (list, tuple)):
+        if not isinstance(given, (list, tuple)) or len(given) != len(config):
+            raise ValueError(
+                f"{what}{where} must be a list/tuple of {len(config)} entries like the feature "
+                f"config. Received: {type(given).__name__}"
+                + (f" of {len(given)}" if isinstance(given, (list, tuple)) else "")
+            )
+        for i, (c, g) in enumerate(zip(config, given)):
+            _check_structure(c, g, what, (*path, i))
+
+
+class EmbeddingTable(nn.Module):
+    """One table: ``weight`` ``[num_embeddings, embedding_dim]`` plus its config.
+
+    The weight is an ordinary ``nn.Parameter`` whose gradient arrives row-sparse in a
+    :class:`~torch_tpu_embedding._rows.RowGrad` (never in ``.grad``).
+    """
+
+    def __init__(self, config: TableConfig, name: str) -> None:
+        super().__init__()
+        self.config = config
+        self.name = name
+        self.weight = nn.Parameter(
+            torch.empty(config.num_embeddings, config.embedding_dim, dtype=config.dtype)
+        )
+        self.reset_parameters()
+        register_table(self.weight, name, config.num_embeddings)
+
+    def reset_parameters(self) -> None:
+        """Fill the weight from the config's initializer (drawn on the CPU, then copied)."""
+        init = self.config.initializer
+        with torch.no_grad():
+            host = torch.empty(tuple(self.weight.shape), dtype=self.weight.dtype)
+            if init is None:
+                default_initializer(host)
+            elif isinstance(init, torch.Tensor):
+                host.copy_(init)
+            else:
+                result = init(host)
+                if isinstance(result, torch.Tensor) and result is not host:
+                    if tuple(result.shape) != tuple(host.shape):
+                        raise ValueError(
+                            f"Table `{self.name}`: the initializer returned shape "
+                            f"{tuple(result.shape)}, expected {tuple(host.shape)}."
+                        )
+                    host.copy_(result)
+            self.weight.copy_(host)
+
+    @property
+    def row_grad(self) -> RowGrad:
+        info = table_info(self.weight)
+        if info is None:  # the Parameter object was replaced (e.g. by .to() or load with assign)
+            info = register_table(self.weight, self.name, self.config.num_embeddings)
+        return info.row_grad
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> EmbeddingTable:
+        old = self.weight
+        super()._apply(fn, recurse)
+        if self.weight is not old or table_info(self.weight) is None:
+            register_table(self.weight, self.name, self.config.num_embeddings)
+        return self
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (
+            f"name={self.name!r}, num_embeddings={c.num_embeddings}, "
+            f"embedding_dim={c.embedding_dim}, combiner={c.combiner!r}, dtype={c.dtype}"
+        )
+
+
+class EmbeddingCollection(nn.Module):
+    """Many embedding tables looked up by many features, with row-sparse gradients.
+
+    Args:
+        feature_config: a :class:`FeatureConfig` or a nested ``dict``/``list``/``tuple`` of them.
+            Features may share a :class:`TableConfig` object; tables are created once, in order of
+            first occurrence (dict keys sorted, as TF's ``nest.flatten``). Unnamed tables are
+            called ``table_<i>``.
+        device: where the tables live (CPU by default; CUDA or an XLA device). Initial values are
+            drawn on the CPU, so a seed gives the same tables on every device.
+
+    Forward:
+        ``forward(features, weights=None)`` takes inputs in the structure of ``feature_config``
+        (any form of :mod:`torch_tpu_embedding.inputs`) and optional per-id weights in the same
+        structure (``None`` leaves allowed), and returns activations in that structure: ``[B, D]``
+        for combined bags, ``[B, S, D]`` for sequence features, ``output_shape + [D]`` where set.
+
+    Gradients:
+        ``backward`` gives each table a row-sparse gradient: per looked-up id, one ``[D]`` row,
+        summed over features sharing the table and accumulated over backward calls until an
+        optimizer from :mod:`torch_tpu_embedding.optim` consumes it or ``zero_grad`` clears it.
+        No ``[V, D]`` gradient is ever made. Stock ``torch.optim`` optimizers refuse to step a
+        table (they would silently not train it).
+
+    Example::
+
+        >>> import torch, torch_tpu_embedding as tte
+        >>> movie = tte.TableConfig(num_embeddings=100, embedding_dim=4, name="movie")
+        >>> ec = tte.EmbeddingCollection({
+        ...     "watched": tte.FeatureConfig(movie),
+        ...     "liked": tte.FeatureConfig(movie, max_sequence_length=3),
+        ... })
+        >>> out = ec({"watched": tte.Jagged(torch.tensor([1, 2, 7]), lengths=torch.tensor([2, 1])),
+        ...           "liked": tte.Jagged(torch.tensor([4]), lengths=torch.tensor([0, 1]))})
+        >>> out["watched"].shape, out["liked"].shape
+        (torch.Size([2, 4]), torch.Size([2, 3, 4]))
+    """
+
+    def __init__(self, feature_config: Any, *, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        flat = list(_flatten(feature_config))
+        if not flat:
+            raise ValueError("Argument `feature_config` must hold at least one FeatureConfig. Received: "
+                             f"{feature_config!r}")
+        for path, fc in flat:
+            if not isinstance(fc, FeatureConfig):
+                raise TypeError(
+                    f"Argument `feature_config` must hold only FeatureConfig leaves; found "
+                    f"{type(fc).__name__} at `{_path_name(path)}`."
+                )
+        table_names: dict[int, str] = {}  # id(TableConfig) -> name
+        configs: dict[int, TableConfig] = {}
+        for _, fc in flat:
+            if id(fc.table) not in configs:
+                configs[id(fc.table)] = fc.table
+                i = len(table_names)
+                table_names[id(fc.table)] = fc.table.name if fc.table.name is not None else f"table_{i}"
+        names = list(table_names.values())
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(
+                f"Tables must have a unique name. Multiple tables with name {dupes[0]!r} found."
+            )
+        self._config = feature_config
+        self._features: list[tuple[Path, str, FeatureConfig, str]] = [
+            (path, fc.name or _path_name(path), fc, table_names[id(fc.table)]) for path, fc in flat
+        ]
+        feature_names = [f[1] for f in self._features]
+        dupe_features = sorted({n for n in feature_names if feature_names.count(n) > 1})
+        if dupe_features:
+            raise ValueError(f"Features must have unique names. Duplicated: {dupe_features}")
+        self.tables = nn.ModuleDict(
+            {table_names[key]: EmbeddingTable(cfg, table_names[key]) for key, cfg in configs.items()}
+        )
+        if device is not None:
+            self.to(device)
+
+    # ------------------------------------------------------------------ accessors
+    @property
+    def embedding_tables(self) -> dict[str, nn.Parameter]:
+        """Table name → weight parameter ``[num_embeddings, embedding_dim]``."""
+        return {name: t.weight for name, t in self.tables.items()}  # type: ignore[misc]
+
+    @property
+    def table_configs(self) -> dict[str, TableConfig]:
+        return {name: t.config for name, t in self.tables.items()}  # type: ignore[misc]
+
+    @property
+    def feature_names(self) -> list[str]:
+        return [f[1] for f in self._features]
+
+    def feature_tables(self) -> dict[str, str]:
+        """Feature name → the name of the table it is looked up in."""
+        return {f[1]: f[3] for f in self._features}
+
+    def row_grads(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Pending row-sparse gradients: table name → ``(ids [N], rows [N, D])``.
+
+        Raw accumulation: duplicate ids are not summed and padding entries carry the sentinel id
+        ``weight.shape[0]`` with zero rows. Tables with no pending gradient are omitted.
+        """
+        out = {}
+        for name, t in self.tables.items():
+            rg = t.row_grad  # type: ignore[union-attr]
+            if rg:
+                out[name] = rg.collect()
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear pending row-sparse table gradients and the ``.grad`` of any other parameter."""
+        super().zero_grad(set_to_none)
+        for t in self.tables.values():
+            t.row_grad.clear()  # type: ignore[union-attr]
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, features: Any, weights: Any = None) -> Any:
+        _check_structure(self._config, features, "Inputs `features`")
+        if weights is not None:
+            _check_structure(self._config, weights, "Argument `weights`")
+        outputs: dict[Path, torch.Tensor] = {}
+        for path, fname, fc, tname in self._features:
+            table: EmbeddingTable = self.tables[tname]  # type: ignore[assignment]
+            weight = table.weight
+            bags = to_bags(
+                fname,
+                fc,
+                _pick(features, path),
+                None if weights is None else _pick(weights, path),
+                sentinel=weight.shape[0],
+                device=weight.device,
+                dtype=weight.dtype,
+            )
+            combiner = fc.table.combiner if bags.combine else "sum"
+            gains = bag_gains(bags.valid, bags.weights, combiner, weight.dtype)
+            out = lookup(weight, bags.ids, gains, table.row_grad)
+            outputs[path] = out.reshape(*bags.out_shape, weight.shape[1])
+        return _rebuild(self._config, outputs)
+
+    def extra_repr(self) -> str:
+        by_table: dict[str, list[str]] = {}
+        for _, fname, fc, tname in self._features:
+            tag = fname + (f"[seq {fc.max_sequence_length}]" if fc.is_sequence else "")
+            by_table.setdefault(tname, []).append(tag)
+        lines = [f"features: {len(self._features)}, tables: {len(self.tables)}"]
+        for tname, feats in by_table.items():
+            lines.append(f"{tname} ← {', '.join(feats)}")
+        return "\n".join(lines)
+
+
+def split_parameters(
+    module: nn.Module,
+) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """Split ``module``'s parameters into ``(embedding_tables, dense_parameters)``.
+
+    For users who want one optimizer for the tables (from :mod:`torch_tpu_embedding.optim`) and
+    any ``torch.optim`` optimizer for the rest::
+
+        >>> tables, dense = tte.split_parameters(model)
+        >>> opt_tables = tte.optim.Adagrad(tables, lr=0.1)
+        >>> opt_dense = torch.optim.AdamW(dense, lr=1e-3)
+    """
+    tables: list[nn.Parameter] = []
+    dense: list[nn.Parameter] = []
+    seen: set[int] = set()
+    for sub in module.modules():
+        if isinstance(sub, EmbeddingTable):
+            tables.append(sub.weight)
+            seen.add(id(sub.weight))
+    for p in module.parameters():
+        if id(p) not in seen:
+            dense.append(p)
+    return tables, dense

@@ -1,0 +1,52 @@
+"""Combiners: how a bag of looked-up rows is reduced to one row (tf_spec §3.1).
+
+For bag ``b`` with ids ``i_1..i_n``, weights ``w_1..w_n`` (default 1) and rows ``e_i``::
+
+    sum  : out_b = Σ_k w_k e_{i_k}
+    mean : out_b = Σ_k w_k e_{i_k} / Σ_k w_k
+    sqrtn: out_b = Σ_k w_k e_{i_k} / sqrt(Σ_k w_k²)
+
+Each id's *gain* is the factor multiplying its row (``w_k``, ``w_k/Σw``, ``w_k/sqrt(Σw²)``); the
+backward gives id ``i_k`` the gradient ``gain_k · dL/dout_b``. Duplicate ids count separately,
+negative weights are used as given, and an empty bag or a zero weight sum gives 0, never NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["bag_gains"]
+
+
+def bag_gains(
+    valid: torch.Tensor, weights: torch.Tensor | None, combiner: str, dtype: torch.dtype
+) -> torch.Tensor:
+    """Per-id gains ``[N, L]`` of padded bags.
+
+    Args:
+        valid: ``[N, L]`` bool, True at real ids.
+        weights: ``[N, L]`` per-id weights or ``None`` (all 1). Values at padding are ignored.
+        combiner: ``"sum"``, ``"mean"`` or ``"sqrtn"``.
+        dtype: float dtype of the result (the table's).
+
+    Example::
+
+        >>> valid = torch.tensor([[True, True, False], [False, False, False]])
+        >>> bag_gains(valid, None, "mean", torch.float32)
+        tensor([[0.5000, 0.5000, 0.0000],
+                [0.0000, 0.0000, 0.0000]])
+    """
+    zero = torch.zeros((), dtype=dtype, device=valid.device)
+    w = valid.to(dtype) if weights is None else torch.where(valid, weights.to(dtype), zero)
+    if combiner == "sum":
+        return w
+    if combiner == "mean":
+        total = w.sum(dim=1, keepdim=True)
+        # T(x) = 0 if x == 0 else 1/x; the inner where keeps inf/NaN out of the graph.
+        scale = torch.where(total == 0, zero, 1.0 / torch.where(total == 0, 1.0, total))
+    elif combiner == "sqrtn":
+        total = (w * w).sum(dim=1, keepdim=True)
+        scale = torch.where(total == 0, zero, torch.rsqrt(torch.where(total == 0, 1.0, total)))
+    else:
+        raise ValueError(f"Argument `combiner` must be in ('mean', 'sum', 'sqrtn'). Received: {combiner!r}")
+    return w * scale

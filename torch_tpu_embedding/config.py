@@ -1,0 +1,201 @@
+"""Table and feature configuration: frozen, validated dataclasses.
+
+A :class:`TableConfig` describes one embedding table (``[num_embeddings, embedding_dim]``); a
+:class:`FeatureConfig` describes one input feature looked up in a table. Several features may share
+one ``TableConfig`` object (sharing is by object identity). The configs are immutable and
+:class:`~torch_tpu_embedding.EmbeddingCollection` never mutates them (TF's ``TPUEmbedding`` fills in
+``optimizer`` and ``name`` on the user's objects; we do not).
+
+Example::
+
+    >>> import torch_tpu_embedding as tte
+    >>> user = tte.TableConfig(num_embeddings=1000, embedding_dim=16, name="user")
+    >>> tte.FeatureConfig(user, name="user_id")
+    FeatureConfig(table=TableConfig(num_embeddings=1000, embedding_dim=16, name='user', ...), ...)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Union
+
+import torch
+
+from torch_tpu_embedding._validation import arg_error, check_int
+
+__all__ = [
+    "COMBINERS",
+    "OPTIMIZER_NAMES",
+    "FeatureConfig",
+    "Initializer",
+    "TableConfig",
+    "default_initializer",
+]
+
+COMBINERS = ("mean", "sum", "sqrtn")
+# The names a TableConfig may use for its optimizer override (torch_tpu_embedding.optim).
+OPTIMIZER_NAMES = ("sgd", "adagrad", "adagrad_momentum", "adam", "lazy_adam", "ftrl", "adafactor")
+_FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+#: An initializer fills a ``[num_embeddings, embedding_dim]`` tensor in place (torch.nn.init style,
+#: e.g. ``functools.partial(torch.nn.init.normal_, std=0.01)``), or is a tensor of that shape
+#: holding pretrained values.
+Initializer = Union[Callable[[torch.Tensor], Any], torch.Tensor]
+
+
+def default_initializer(weight: torch.Tensor) -> torch.Tensor:
+    """TF's default table initializer: truncated normal, std ``1/sqrt(dim)``, cut at ±2 std.
+
+    TF re-draws samples outside ±2σ; ``torch.nn.init.trunc_normal_`` does the same. The standard
+    deviation is not variance-scaled (the truncated draw has std ≈ 0.88/sqrt(dim)).
+    """
+    std = 1.0 / math.sqrt(weight.shape[-1])
+    with torch.no_grad():
+        return torch.nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-2 * std, b=2 * std)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TableConfig:
+    """One embedding table.
+
+    Args:
+        num_embeddings: vocabulary size V (TF ``vocabulary_size``), an int >= 1.
+        embedding_dim: row width D (TF ``dim``), an int >= 1.
+        name: unique table name; used in ``state_dict`` keys (``tables.<name>.weight``) and in
+            optimizer state. ``None`` → ``"table_<i>"`` in table order. No ``.`` allowed.
+        initializer: ``None`` (TF default: truncated normal, std 1/sqrt(D), cut at ±2 std), a
+            callable that fills a ``[V, D]`` tensor in place, or a ``[V, D]`` tensor of values.
+        optimizer: per-table optimizer override, a name in ``OPTIMIZER_NAMES`` or a factory such as
+            ``functools.partial(tte.optim.FTRL, lr=0.1)``. ``None`` uses the optimizer's default.
+        combiner: how bags of ids are reduced: ``"mean"`` (default), ``"sum"`` or ``"sqrtn"``.
+        dtype: parameter dtype (float32 default; float64 for reference tests).
+
+    Two ``TableConfig`` objects are two tables even when their fields are equal; share a table by
+    passing the same object to several :class:`FeatureConfig` s.
+
+    Raises:
+        ValueError: for any argument that breaks the rules above.
+    """
+
+    num_embeddings: int
+    embedding_dim: int
+    name: str | None = None
+    initializer: Initializer | None = None
+    optimizer: Any = None
+    combiner: str = "mean"
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        check_int("num_embeddings", self.num_embeddings, minimum=1)
+        check_int("embedding_dim", self.embedding_dim, minimum=1)
+        if self.name is not None and (
+            not isinstance(self.name, str) or not self.name or "." in self.name
+        ):
+            raise arg_error("name", "must be a non-empty str without '.' (or None)", self.name)
+        init = self.initializer
+        if isinstance(init, torch.Tensor):
+            if tuple(init.shape) != (self.num_embeddings, self.embedding_dim):
+                raise arg_error(
+                    "initializer",
+                    f"must have shape ({self.num_embeddings}, {self.embedding_dim}) when it is "
+                    "a tensor",
+                    tuple(init.shape),
+                )
+        elif init is not None and not callable(init):
+            raise arg_error("initializer", "must be a callable, a tensor or None", init)
+        if not isinstance(self.combiner, str):
+            raise arg_error("combiner", f"must be a str in {COMBINERS}", self.combiner)
+        if self.combiner not in COMBINERS:
+            raise arg_error("combiner", f"must be in {COMBINERS}", self.combiner)
+        opt = self.optimizer
+        if isinstance(opt, str):
+            if opt not in OPTIMIZER_NAMES:
+                raise arg_error("optimizer", f"must be one of {OPTIMIZER_NAMES} when a str", opt)
+        elif opt is not None and not callable(opt):
+            raise arg_error(
+                "optimizer", f"must be None, a name in {OPTIMIZER_NAMES} or a factory", opt
+            )
+        if self.dtype not in _FLOAT_DTYPES:
+            raise arg_error("dtype", f"must be one of {_FLOAT_DTYPES}", self.dtype)
+
+    def __repr__(self) -> str:
+        init = self.initializer
+        init_repr = (
+            "None"
+            if init is None
+            else f"tensor{tuple(init.shape)}"
+            if isinstance(init, torch.Tensor)
+            else getattr(init, "__name__", repr(init))
+        )
+        return (
+            f"TableConfig(num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, "
+            f"name={self.name!r}, initializer={init_repr}, optimizer={self.optimizer!r}, "
+            f"combiner={self.combiner!r}, dtype={self.dtype})"
+        )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FeatureConfig:
+    """One input feature, looked up in ``table``.
+
+    Args:
+        table: the :class:`TableConfig` to look ids up in (may be shared with other features).
+        max_sequence_length: 0 (default) combines each bag into one row with the table's combiner.
+            ``S > 0`` makes a sequence feature: a rank-2 bag input gives ``[B, S, D]`` with position
+            ``p`` holding the row of the ``p``-th id, truncated at ``S`` and zero padded; weights are
+            rejected.
+        output_shape: activation shape without the trailing ``D`` (TF semantics, §2.4 of the spec):
+            for bag inputs ``prod(output_shape) == B`` combines then reshapes, ``== k·B`` gives a
+            sequence of length ``k`` (combiner not used, weights rejected); for dense inputs it must
+            hold as many positions as the input. ``None`` derives it from the input.
+        name: feature name used in error messages; ``None`` → its path in the config structure.
+        max_ids_per_bag: static bag capacity ``L`` for XLA (ids per bag after padding). More ids in a
+            bag raise an error, never truncate. ``None`` pads to the batch's longest bag, rounded up
+            to a power of two on XLA so that few shapes (and compilations) occur.
+
+    Raises:
+        ValueError / TypeError: for any argument that breaks the rules above.
+    """
+
+    table: TableConfig
+    max_sequence_length: int = 0
+    output_shape: Sequence[int] | None = None
+    name: str | None = None
+    max_ids_per_bag: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.table, TableConfig):
+            raise TypeError(
+                f"Argument `table` has invalid type {type(self.table).__name__}. "
+                "Expected `torch_tpu_embedding.TableConfig`."
+            )
+        check_int("max_sequence_length", self.max_sequence_length, minimum=0)
+        if self.output_shape is not None:
+            shape = self.output_shape
+            if isinstance(shape, torch.Size):
+                shape = tuple(shape)
+            if not isinstance(shape, (tuple, list)) or not all(
+                isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in shape
+            ):
+                raise arg_error(
+                    "output_shape", "must be a sequence of ints >= 1 (or None)", self.output_shape
+                )
+            # Stored as a tuple so the frozen config stays hashable-by-identity and immutable.
+            object.__setattr__(self, "output_shape", tuple(int(s) for s in shape))
+        if self.name is not None and (not isinstance(self.name, str) or not self.name):
+            raise arg_error("name", "must be a non-empty str (or None)", self.name)
+        if self.max_ids_per_bag is not None:
+            check_int("max_ids_per_bag", self.max_ids_per_bag, minimum=1)
+
+    @property
+    def is_sequence(self) -> bool:
+        return self.max_sequence_length > 0
+
+    def __repr__(self) -> str:
+        return (
+            f"FeatureConfig(table={self.table!r}, max_sequence_length={self.max_sequence_length}, "
+            f"output_shape={self.output_shape}, name={self.name!r}, "
+            f"max_ids_per_bag={self.max_ids_per_bag})"
+        )

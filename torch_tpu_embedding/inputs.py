@@ -1,0 +1,416 @@
+"""Input forms, and their normalisation to fixed-capacity padded bags.
+
+Every feature input becomes :class:`Bags`: ``ids [N, L]`` (padding = the table's sentinel id),
+a validity mask and optional per-id weights ``[N, L]``. ``N`` is the number of output positions and
+``L`` the bag capacity. Accepted forms, per feature:
+
+======================  ===================================================  =====================
+form                    what it is                                           weights
+======================  ===================================================  =====================
+dense ``Tensor``        ``[B]`` or ``[B, ..., 1]`` int ids, one per output    rejected (always 1)
+:class:`Jagged`         ``values [nnz]`` + ``offsets [B+1]`` or ``lengths``   ``[nnz]``
+nested jagged tensor    ``torch.nested`` with ``layout=torch.jagged``         same offsets
+sparse COO ``Tensor``   ``[B, L]`` (or ``[B, ..., L]``) like tf.SparseTensor  COO, same indices
+:class:`Padded`         ``ids [B, L]`` + ``mask [B, L]`` (True = real id)     ``[B, L]``
+======================  ===================================================  =====================
+
+Variable-length forms are normalised on the host (they must be CPU tensors when the table is on
+XLA), so that the device sees static shapes; :class:`Padded` and dense inputs may already live on
+the device. A bag with more ids than ``FeatureConfig.max_ids_per_bag`` is an error, never truncated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from torch_tpu_embedding.config import FeatureConfig
+
+__all__ = ["Bags", "Jagged", "Padded", "to_bags"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Jagged:
+    """Variable-length bags as flat ``values`` plus ``offsets`` (``[B+1]``) or ``lengths`` (``[B]``).
+
+    Example::
+
+        >>> Jagged(torch.tensor([1, 2, 3, 3, 5]), lengths=torch.tensor([2, 0, 3]))  # 3 bags
+        Jagged(...)
+    """
+
+    values: torch.Tensor
+    offsets: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Padded:
+    """Bags padded to a fixed width: ``ids [B, L]``, ``mask [B, L]`` (True = real id; ``None`` = all).
+
+    The cheapest form on XLA: it can be built on the device and needs no host work.
+    """
+
+    ids: torch.Tensor
+    mask: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Bags:
+    """A feature normalised for lookup.
+
+    Attributes:
+        ids: ``[N, L]`` int64 row ids; padding positions hold ``sentinel``.
+        valid: ``[N, L]`` bool, True at real ids.
+        weights: ``[N, L]`` per-id weights (any value at padding), or ``None`` for unit weights.
+        out_shape: activation shape without ``D``; ``prod(out_shape) == N``.
+        combine: True → reduce each row of ``ids`` with the table's combiner; False → ``L == 1``
+            and each position is looked up as is (dense and sequence features).
+    """
+
+    ids: torch.Tensor
+    valid: torch.Tensor
+    weights: torch.Tensor | None
+    out_shape: tuple[int, ...]
+    combine: bool
+
+
+def _err(feature: str, msg: str) -> ValueError:
+    return ValueError(f"Feature `{feature}`: {msg}")
+
+
+def _check_ids(feature: str, ids: torch.Tensor, vocab: int) -> None:
+    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        raise TypeError(
+            f"Feature `{feature}`: ids must be an integer tensor. Received dtype {ids.dtype}."
+        )
+    # Range checks need the values: done wherever they are readable without a device sync
+    # (host tensors, and eager accelerators). XLA-resident ids are not read back here.
+    if ids.numel() and ids.device.type != "xla":
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= vocab:
+            bad = lo if lo < 0 else hi
+            raise _err(
+                feature, f"ids must be in [0, {vocab}) (the table's num_embeddings). Received: {bad}"
+            )
+
+
+def _check_weights(feature: str, w: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
+    if not torch.is_floating_point(w):
+        raise TypeError(
+            f"Feature `{feature}`: weights must be a floating point tensor. Received dtype {w.dtype}."
+        )
+    if tuple(w.shape) != shape:
+        raise _err(feature, f"weights must have the shape of {what} {shape}. Received: {tuple(w.shape)}")
+    if w.device.type != "xla" and w.numel() and not bool(torch.isfinite(w).all()):
+        raise _err(feature, "weights must be finite. Received a NaN or inf weight.")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+@dataclasses.dataclass
+class _RowPos:
+    """Variable-length bags as coordinates: id ``vals[k]`` sits in bag ``row[k]`` at ``pos[k]``."""
+
+    row: torch.Tensor
+    pos: torch.Tensor  # position used for sequences (column index for sparse, rank for jagged)
+    rank: torch.Tensor  # 0-based rank of the id inside its bag (for packing combined bags)
+    vals: torch.Tensor
+    weights: torch.Tensor | None
+    leading: tuple[int, ...]  # bag grid: prod(leading) bags
+
+
+def _from_offsets(
+    feature: str, values: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None
+) -> _RowPos:
+    if values.dim() != 1:
+        raise _err(feature, f"jagged values must be 1-D. Received shape {tuple(values.shape)}")
+    if offsets.dim() != 1 or offsets.numel() < 1:
+        raise _err(feature, f"offsets must be 1-D with B+1 entries. Received shape {tuple(offsets.shape)}")
+    offsets = offsets.to(torch.int64)
+    lengths = offsets[1:] - offsets[:-1]
+    if int(offsets[0]) != 0 or int(offsets[-1]) != values.numel() or bool((lengths < 0).any()):
+        raise _err(
+            feature,
+            f"offsets must start at 0, be non-decreasing and end at len(values)={values.numel()}. "
+            f"Received: {offsets.tolist() if offsets.numel() <= 16 else offsets}",
+        )
+    b = lengths.numel()
+    row = torch.repeat_interleave(torch.arange(b), lengths)
+    rank = torch.arange(values.numel()) - offsets[:-1][row]
+    if weights is not None:
+        _check_weights(feature, weights, tuple(values.shape), "the jagged values")
+    return _RowPos(row, rank, rank, values, weights, (b,))
+
+
+def _from_sparse(feature: str, sp: torch.Tensor, wsp: torch.Tensor | None) -> _RowPos:
+    if sp.dim() < 2:
+        raise _err(feature, f"a sparse input must have rank >= 2. Received shape {tuple(sp.shape)}")
+    idx, vals = sp._indices(), sp._values()
+    leading = tuple(sp.shape[:-1])
+    # Linear bag index over the leading dims, then sort entries by (bag, column) as TF requires.
+    row = torch.zeros(idx.shape[1], dtype=torch.int64)
+    for d, size in enumerate(leading):
+        row = row * size + idx[d]
+    col = idx[-1]
+    order = torch.argsort(row * sp.shape[-1] + col, stable=True)
+    row, col, vals = row[order], col[order], vals[order]
+    w = None
+    if wsp is not None:
+        if not (isinstance(wsp, torch.Tensor) and wsp.layout == torch.sparse_coo):
+            raise TypeError(
+                f"Weight for `{feature}` is type {type(wsp).__name__} "
+                f"({getattr(wsp, 'layout', '-')}) which does not match type input which is a "
+                "sparse COO tensor."
+            )
+        if wsp.shape != sp.shape or not torch.equal(wsp._indices(), sp._indices()):
+            raise _err(feature, "sparse weights must have the same shape and indices as the ids")
+        w = wsp._values()[order]
+        _check_weights(feature, w, tuple(vals.shape), "the sparse values")
+    counts = torch.bincount(row, minlength=math.prod(leading))
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(vals.numel()) - starts[row]
+    return _RowPos(row, col, rank, vals, w, leading)
+
+
+def _normalise_variable(
+    feature: str, value: object, weight: torch.Tensor | None
+) -> _RowPos | Padded:
+    """Variable-length forms → :class:`_RowPos` on the host; :class:`Padded` is passed through."""
+    if isinstance(value, Padded):
+        if weight is not None and value.weights is not None:
+            raise _err(feature, "weights given twice (inside Padded and in `weights`)")
+        return dataclasses.replace(value, weights=weight if weight is not None else value.weights)
+    if isinstance(value, Jagged):
+        if weight is not None and value.weights is not None:
+            raise _err(feature, "weights given twice (inside Jagged and in `weights`)")
+        w = weight if weight is not None else value.weights
+        if (value.offsets is None) == (value.lengths is None):
+            raise _err(feature, "Jagged needs exactly one of `offsets` and `lengths`")
+        if value.offsets is not None:
+            offsets = value.offsets
+        else:
+            lengths = value.lengths
+            assert lengths is not None  # for type checkers; guarded just above
+            if lengths.dim() != 1 or bool((lengths < 0).any()):
+                raise _err(feature, f"lengths must be 1-D and >= 0. Received: {lengths}")
+            offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
+        if isinstance(w, torch.Tensor) and w.is_nested:
+            w = w.values()
+        return _from_offsets(feature, value.values.cpu(), offsets.cpu(), None if w is None else w.cpu())
+    assert isinstance(value, torch.Tensor)
+    if value.is_nested:
+        if value.layout != torch.jagged or value.dim() != 2:
+            raise _err(feature, "nested inputs must be 2-D torch.nested tensors with layout=torch.jagged")
+        w = weight
+        if isinstance(w, torch.Tensor) and w.is_nested:
+            if not torch.equal(w.offsets().cpu(), value.offsets().cpu()):
+                raise _err(feature, "nested weights must have the same offsets as the ids")
+            w = w.values()
+        return _from_offsets(
+            feature, value.values().cpu(), value.offsets().cpu(), None if w is None else w.cpu()
+        )
+    # sparse COO
+    return _from_sparse(feature, value.cpu(), None if weight is None else weight.cpu())
+
+
+def _mode(feature: str, fc: FeatureConfig, leading: tuple[int, ...]) -> tuple[bool, int, tuple[int, ...]]:
+    """Resolve TF's output-shape rules (§2.4) → (combine, seq_len, out_shape)."""
+    b = math.prod(leading)
+    os = fc.output_shape
+    if os is None:
+        if fc.is_sequence:
+            if len(leading) != 1:
+                raise _err(
+                    feature,
+                    f"sequence features need rank-2 inputs [B, L]; got a bag grid of shape {leading}",
+                )
+            return False, fc.max_sequence_length, (b, fc.max_sequence_length)
+        return True, 0, leading
+    p = math.prod(os)
+    if fc.is_sequence:
+        if p != b * fc.max_sequence_length:
+            raise _err(
+                feature,
+                f"Inconsistent shape: output_shape is set to {tuple(os)} but the input gives "
+                f"{(b, fc.max_sequence_length)} (batch {b} × max_sequence_length).",
+            )
+        return False, fc.max_sequence_length, tuple(os)
+    if p == b:
+        return True, 0, tuple(os)
+    if b > 0 and p % b == 0 and len(leading) == 1:
+        return False, p // b, tuple(os)
+    raise ValueError(
+        f"Output shape set in the FeatureConfig should be the factor of the input data batch size. "
+        f"But instead got output shape {tuple(os)}, input data batch size {b} (feature `{feature}`)."
+    )
+
+
+def to_bags(
+    feature: str,
+    fc: FeatureConfig,
+    value: object,
+    weight: torch.Tensor | None,
+    *,
+    sentinel: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> Bags:
+    """Normalise one feature's input (and optional weights) to :class:`Bags` on ``device``.
+
+    Args:
+        feature: the feature's name, for error messages.
+        fc: its :class:`FeatureConfig`.
+        value: one of the input forms in this module's table.
+        weight: per-id weights in the form matching ``value`` (or ``None``).
+        sentinel: the id that marks padding (the table's physical row count).
+        device, dtype: where and in which float dtype the table lives.
+    """
+    vocab = fc.table.num_embeddings
+    static = device.type == "xla"
+    if isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_nested:
+        return _dense_bags(feature, fc, value, weight, vocab, device)
+    if not isinstance(value, (Jagged, Padded, torch.Tensor)):
+        raise TypeError(
+            f"Feature `{feature}`: unsupported input type {type(value).__name__}. Use a dense id "
+            "tensor, Jagged, Padded, a sparse COO tensor or a torch.nested jagged tensor."
+        )
+    if static and not isinstance(value, Padded):
+        tensors = [value] if isinstance(value, torch.Tensor) else [value.values, value.offsets, value.lengths]
+        if any(isinstance(t, torch.Tensor) and t.device.type == "xla" for t in tensors):
+            raise _err(
+                feature,
+                "variable-length inputs must be host (CPU) tensors when the table is on XLA: "
+                "they are padded on the host to a static shape. Pass CPU tensors, or a Padded input.",
+            )
+    rp = _normalise_variable(feature, value, weight)
+    if isinstance(rp, Padded):
+        return _padded_bags(feature, fc, rp, vocab, sentinel, device, dtype)
+    _check_ids(feature, rp.vals, vocab)
+    combine, seq_len, out_shape = _mode(feature, fc, rp.leading)
+    nbags = math.prod(rp.leading)
+    if not combine:
+        if rp.weights is not None:
+            raise ValueError(f"Weight specified for `{feature}`, but this is a sequence feature.")
+        keep = rp.pos < seq_len
+        ids2d = torch.full((nbags, seq_len), sentinel, dtype=torch.int64)
+        ids2d[rp.row[keep], rp.pos[keep]] = rp.vals[keep].to(torch.int64)
+        ids = ids2d.reshape(-1, 1)
+        return Bags(ids.to(device), (ids != sentinel).to(device), None, out_shape, False)
+    longest = int(rp.rank.max()) + 1 if rp.rank.numel() else 0
+    cap = fc.max_ids_per_bag
+    if cap is not None:
+        if longest > cap:
+            raise _err(
+                feature,
+                f"a bag holds {longest} ids, more than max_ids_per_bag={cap}. Raise the capacity; "
+                "ids are never dropped silently.",
+            )
+        width = cap
+    else:
+        width = _next_pow2(longest) if static else max(longest, 1)
+    ids2d = torch.full((nbags, width), sentinel, dtype=torch.int64)
+    ids2d[rp.row, rp.rank] = rp.vals.to(torch.int64)
+    w2d = None
+    if rp.weights is not None:
+        w2d = torch.zeros((nbags, width), dtype=dtype)
+        w2d[rp.row, rp.rank] = rp.weights.to(dtype)
+        w2d = w2d.to(device)
+    return Bags(ids2d.to(device), (ids2d != sentinel).to(device), w2d, out_shape, True)
+
+
+def _dense_bags(
+    feature: str,
+    fc: FeatureConfig,
+    value: torch.Tensor,
+    weight: torch.Tensor | None,
+    vocab: int,
+    device: torch.device,
+) -> Bags:
+    if fc.is_sequence:
+        raise _err(feature, "is a sequence feature but a dense tensor was passed. Use Jagged, "
+                   "Padded, a sparse COO or a nested jagged tensor.")
+    if weight is not None:
+        raise ValueError(
+            f"Weight specified for `{feature}`, but input is dense. Weight will always be 1 in "
+            "this case; use Padded or Jagged inputs for weighted bags."
+        )
+    if value.dim() == 0:
+        raise _err(feature, "dense ids must have rank >= 1. Received a scalar.")
+    if value.dim() >= 2 and value.shape[-1] != 1:
+        raise _err(
+            feature,
+            "Rank 2 or above dense tensor should have last dimension as 1 as the last dimension "
+            f"will always be reduced. Received shape {tuple(value.shape)}. For bags of ids use "
+            "Padded(ids, mask) or Jagged.",
+        )
+    _check_ids(feature, value, vocab)
+    natural = tuple(value.shape) if value.dim() == 1 else tuple(value.shape[:-1])
+    out_shape = natural
+    if fc.output_shape is not None:
+        if math.prod(fc.output_shape) != math.prod(natural):
+            raise _err(
+                feature,
+                f"Inconsistent shape: output_shape is set to {tuple(fc.output_shape)} but the "
+                f"dense input gives {natural}.",
+            )
+        out_shape = tuple(fc.output_shape)
+    ids = value.reshape(-1, 1).to(device=device, dtype=torch.int64)
+    return Bags(ids, torch.ones_like(ids, dtype=torch.bool), None, out_shape, False)
+
+
+def _padded_bags(
+    feature: str,
+    fc: FeatureConfig,
+    p: Padded,
+    vocab: int,
+    sentinel: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> Bags:
+    ids = p.ids
+    if ids.dim() != 2:
+        raise _err(feature, f"Padded ids must be [B, L]. Received shape {tuple(ids.shape)}")
+    mask = p.mask
+    if mask is not None:
+        if mask.dtype != torch.bool or tuple(mask.shape) != tuple(ids.shape):
+            raise _err(
+                feature,
+                f"Padded mask must be a bool tensor of the ids' shape {tuple(ids.shape)}. "
+                f"Received {mask.dtype} {tuple(mask.shape)}",
+            )
+    if ids.device.type != "xla":
+        _check_ids(feature, ids if mask is None else ids[mask], vocab)
+    elif ids.dtype.is_floating_point:
+        _check_ids(feature, ids, vocab)  # dtype error only
+    if p.weights is not None:
+        _check_weights(feature, p.weights, tuple(ids.shape), "the padded ids")
+    combine, seq_len, out_shape = _mode(feature, fc, (ids.shape[0],))
+    ids = ids.to(device=device, dtype=torch.int64)
+    valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.to(device)
+    if combine and fc.max_ids_per_bag is not None and ids.shape[1] > fc.max_ids_per_bag:
+        raise _err(
+            feature,
+            f"Padded width {ids.shape[1]} exceeds max_ids_per_bag={fc.max_ids_per_bag}.",
+        )
+    if not combine:
+        if p.weights is not None:
+            raise ValueError(f"Weight specified for `{feature}`, but this is a sequence feature.")
+        width = ids.shape[1]
+        if width >= seq_len:
+            ids, valid = ids[:, :seq_len], valid[:, :seq_len]
+        else:
+            pad = seq_len - width
+            ids = torch.nn.functional.pad(ids, (0, pad), value=sentinel)
+            valid = torch.nn.functional.pad(valid, (0, pad), value=False)
+        ids = torch.where(valid, ids, sentinel).reshape(-1, 1)
+        return Bags(ids, valid.reshape(-1, 1), None, out_shape, False)
+    ids = torch.where(valid, ids, sentinel)
+    w = None if p.weights is None else p.weights.to(device=device, dtype=dtype)
+    return Bags(ids, valid, w, out_shape, True)

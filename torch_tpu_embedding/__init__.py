@@ -15,6 +15,7 @@ from torch_tpu_embedding.config import (
     TableConfig,
     default_initializer,
 )
+from torch_tpu_embedding import optim
 from torch_tpu_embedding.inputs import Jagged, Padded
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "TableConfig",
     "bag_gains",
     "default_initializer",
+    "optim",
     "split_parameters",
 ]
 

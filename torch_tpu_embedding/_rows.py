@@ -14,6 +14,7 @@ wraps it to ``V-1``).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -24,6 +25,7 @@ __all__ = [
     "TableInfo",
     "coalesce_rows",
     "dedup_static",
+    "drop_sentinel",
     "install_stock_optimizer_guard",
     "is_static_device",
     "register_table",
@@ -74,15 +76,19 @@ class TableInfo:
 
     name: str
     num_embeddings: int
+    #: the table's per-table optimizer override (``TableConfig.optimizer``), if any
+    optimizer: Any = None
     row_grad: RowGrad = dataclasses.field(default_factory=RowGrad)
 
 
 _TABLES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def register_table(param: torch.Tensor, name: str, num_embeddings: int) -> TableInfo:
+def register_table(
+    param: torch.Tensor, name: str, num_embeddings: int, optimizer: Any = None
+) -> TableInfo:
     """Mark ``param`` as an embedding table whose gradient arrives row-sparse."""
-    info = TableInfo(name=name, num_embeddings=num_embeddings)
+    info = TableInfo(name=name, num_embeddings=num_embeddings, optimizer=optimizer)
     _TABLES[param] = info
     return info
 
@@ -127,13 +133,21 @@ def coalesce_rows(
     if is_static_device(ids.device):
         uniq, inv = dedup_static(ids, sentinel)
     else:
-        keep = ids != sentinel
-        if not bool(keep.all()):
-            ids, rows = ids[keep], rows[keep]
+        ids, rows = drop_sentinel(ids, rows, sentinel)
         uniq, inv = torch.unique(ids, return_inverse=True)
     summed = torch.zeros(uniq.shape[0], rows.shape[1], dtype=rows.dtype, device=rows.device)
     summed.index_add_(0, inv, rows)
     return uniq, summed
+
+
+def drop_sentinel(
+    ids: torch.Tensor, rows: torch.Tensor, sentinel: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Remove padding entries in eager mode; static-shape devices keep them (scatter drops them)."""
+    if is_static_device(ids.device):
+        return ids, rows
+    keep = ids != sentinel
+    return ids[keep], rows[keep]
 
 
 _GUARD_INSTALLED = False

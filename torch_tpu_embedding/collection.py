@@ -93,7 +93,7 @@ class EmbeddingTable(nn.Module):
             torch.empty(config.num_embeddings, config.embedding_dim, dtype=config.dtype)
         )
         self.reset_parameters()
-        register_table(self.weight, name, config.num_embeddings)
+        register_table(self.weight, name, config.num_embeddings, config.optimizer)
 
     def reset_parameters(self) -> None:
         """Fill the weight from the config's initializer (drawn on the CPU, then copied)."""
@@ -119,14 +119,18 @@ class EmbeddingTable(nn.Module):
     def row_grad(self) -> RowGrad:
         info = table_info(self.weight)
         if info is None:  # the Parameter object was replaced (e.g. by .to() or load with assign)
-            info = register_table(self.weight, self.name, self.config.num_embeddings)
+            info = register_table(
+                self.weight, self.name, self.config.num_embeddings, self.config.optimizer
+            )
         return info.row_grad
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> EmbeddingTable:
         old = self.weight
         super()._apply(fn, recurse)
         if self.weight is not old or table_info(self.weight) is None:
-            register_table(self.weight, self.name, self.config.num_embeddings)
+            register_table(
+                self.weight, self.name, self.config.num_embeddings, self.config.optimizer
+            )
         return self
 
     def extra_repr(self) -> str:

@@ -1,0 +1,343 @@
+"""Generic optimizer suite driven by the registry: invariants, state_dict, schedules, overrides."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import re
+
+import pytest
+import torch
+from optim_registry import IDS, NON_LAZY_INFOS, OPTIM_INFOS, OptimInfo
+
+import torch_tpu_embedding as tte
+
+V, D = 12, 3
+
+
+def make_model(seed: int = 0, dtype: torch.dtype = torch.float64, optimizer: object = None):
+    torch.manual_seed(seed)
+    t = tte.TableConfig(V, D, name="t", combiner="mean", dtype=dtype, optimizer=optimizer)
+    ec = tte.EmbeddingCollection({"a": tte.FeatureConfig(t), "b": tte.FeatureConfig(t)})
+    head = torch.nn.Linear(D, 1).to(dtype)
+    return ec, head
+
+
+def batch(step: int, all_rows: bool = False):
+    g = torch.Generator().manual_seed(100 + step)
+    if all_rows:
+        a = torch.randperm(V, generator=g)
+        lengths = torch.full((V // 2,), 2)
+    else:  # rows 0..V/2-1 only, with duplicates; rows >= V/2 never touched
+        a = torch.randint(0, V // 2, (8,), generator=g)
+        lengths = torch.tensor([3, 1, 0, 4])
+    b = torch.randint(0, V // 2 if not all_rows else V, (lengths.numel(),), generator=g)
+    return {"a": tte.Jagged(a, lengths=lengths), "b": b}
+
+
+def train(ec, head, opt, steps: int, all_rows: bool = False, start: int = 0):
+    for s in range(start, start + steps):
+        out = ec(batch(s, all_rows))
+        loss = (head(out["a"]).tanh() * 2 + head(out["b"]).square()).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("info", OPTIM_INFOS, ids=IDS)
+def test_untouched_rows_and_slots_bit_identical(info: OptimInfo) -> None:
+    ec, head = make_model()
+    opt = info.make(list(ec.parameters()) + list(head.parameters()))
+    w0 = ec.tables.t.weight.detach().clone()
+    train(ec, head, opt, 4)
+    w = ec.tables.t.weight.detach()
+    assert torch.equal(w[V // 2 :], w0[V // 2 :])
+    assert not torch.equal(w[: V // 2], w0[: V // 2])
+    state = opt.state[ec.tables.t.weight]
+    init = info.cls.slot_initial_values(opt.param_groups[0])
+    for name in info.cls.slot_names:
+        assert torch.all(state[name][V // 2 :] == init[name]), name
+
+
+@pytest.mark.parametrize("info", OPTIM_INFOS + NON_LAZY_INFOS, ids=IDS + ["adam-nonlazy"])
+def test_lazy_equals_dense_when_every_row_is_touched(info: OptimInfo) -> None:
+    """Table path (row-sparse grads) == dense path (the same grads densified on a plain param)."""
+    ec, head = make_model()
+    dense = torch.nn.Parameter(ec.tables.t.weight.detach().clone())
+    opt_rows = info.make([ec.tables.t.weight])
+    opt_dense = info.make([dense])
+    for s in range(4):
+        out = ec(batch(s, all_rows=True))
+        loss = (head(out["a"]).tanh() + head(out["b"]).square()).sum()
+        loss.backward()
+        ids, rows = ec.row_grads()["t"]
+        keep = ids < V
+        dense.grad = torch.zeros_like(dense).index_add_(0, ids[keep], rows[keep])
+        opt_rows.step()
+        opt_dense.step()
+        opt_rows.zero_grad()
+        opt_dense.zero_grad()
+        head.zero_grad()
+    torch.testing.assert_close(ec.tables.t.weight.detach(), dense.detach(), rtol=1e-12, atol=1e-12)
+    for name in info.cls.slot_names:
+        torch.testing.assert_close(
+            opt_rows.state[ec.tables.t.weight][name], opt_dense.state[dense][name],
+            rtol=1e-12, atol=1e-12,
+        )
+
+
+def test_nonlazy_adam_moves_untouched_rows() -> None:
+    ec, head = make_model()
+    opt = tte.optim.Adam(ec.parameters(), lr=0.01, lazy_adam=False)
+    w0 = ec.tables.t.weight.detach().clone()
+    train(ec, head, opt, 3)  # momentum keeps moving rows whose gradient became 0
+    m = opt.state[ec.tables.t.weight]["momenta"]
+    assert torch.all(m[V // 2 :] == 0)  # never touched: g = 0 always → m stays 0
+    assert not torch.equal(ec.tables.t.weight.detach()[: V // 2], w0[: V // 2])
+
+
+@pytest.mark.parametrize("info", OPTIM_INFOS, ids=IDS)
+def test_state_dict_round_trip_continues_bitwise(info: OptimInfo) -> None:
+    ec, head = make_model()
+    opt = info.make(list(ec.parameters()) + list(head.parameters()))
+    train(ec, head, opt, 2)
+    saved_model = copy.deepcopy((ec.state_dict(), head.state_dict()))
+    saved_opt = copy.deepcopy(opt.state_dict())
+    assert set(saved_opt["state"]) == {"table:t", "param:1", "param:2"}
+    for name in info.cls.slot_names:
+        assert saved_opt["state"]["table:t"][name].shape == (V, D)
+    train(ec, head, opt, 3, start=2)
+
+    ec2, head2 = make_model(seed=99)
+    ec2.load_state_dict(saved_model[0])
+    head2.load_state_dict(saved_model[1])
+    opt2 = info.make(list(ec2.parameters()) + list(head2.parameters()))
+    opt2.load_state_dict(saved_opt)
+    train(ec2, head2, opt2, 3, start=2)
+    assert torch.equal(ec.tables.t.weight, ec2.tables.t.weight)
+    assert torch.equal(head.weight, head2.weight)
+
+
+@pytest.mark.parametrize("info", OPTIM_INFOS, ids=IDS)
+def test_step_without_gradients_is_a_no_op(info: OptimInfo) -> None:
+    ec, head = make_model()
+    opt = info.make(list(ec.parameters()) + list(head.parameters()))
+    w0 = ec.tables.t.weight.detach().clone()
+    opt.step()
+    assert torch.equal(ec.tables.t.weight, w0)
+    assert len(opt.state) == 0
+    ec(batch(0))  # forward without backward: still nothing to apply
+    opt.step()
+    assert torch.equal(ec.tables.t.weight, w0)
+
+
+@pytest.mark.parametrize("info", OPTIM_INFOS, ids=IDS)
+def test_lr_scheduler_and_callable_and_tensor_agree(info: OptimInfo) -> None:
+    """LambdaLR through 0 and 1, a callable lr and a tensor lr set by hand give the same weights."""
+    factors = [1.0, 0.0, 0.5, 1.0, 0.25]
+    if info.cls is tte.optim.FTRL and not info.kwargs.get("multiply_linear_by_learning_rate"):
+        factors[1] = 0.01  # TF's FTRL divides by lr; lr = 0 needs multiply_linear_by_learning_rate
+    base = info.kwargs["lr"]
+
+    ec1, h1 = make_model()
+    o1 = info.make(ec1.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(o1, lambda s: factors[min(s, len(factors) - 1)])
+    ec2, h2 = make_model()
+    k = {"i": 0}
+    o2 = info.make(ec2.parameters(), lr=lambda: base * factors[k["i"]])
+    ec3, h3 = make_model()
+    lr_t = torch.tensor(base, dtype=torch.float64)
+    o3 = info.make(ec3.parameters(), lr=lr_t)
+    for s in range(len(factors)):
+        for ec, h, o in ((ec1, h1, o1), (ec2, h2, o2), (ec3, h3, o3)):
+            lr_t.fill_(base * factors[s])
+            out = ec(batch(s))
+            (h(out["a"]).square().sum() + out["b"].sum()).backward()
+            o.step()
+            o.zero_grad()
+        sched.step()
+        k["i"] += 1
+    torch.testing.assert_close(ec1.tables.t.weight, ec2.tables.t.weight, rtol=0, atol=0)
+    torch.testing.assert_close(ec1.tables.t.weight, ec3.tables.t.weight, rtol=0, atol=0)
+
+
+def test_zero_lr_step_keeps_sgd_weights() -> None:
+    ec, head = make_model()
+    opt = tte.optim.SGD(ec.parameters(), lr=0.0)
+    w0 = ec.tables.t.weight.detach().clone()
+    train(ec, head, opt, 1)
+    assert torch.equal(ec.tables.t.weight, w0)
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("ftrl", tte.optim.FTRL),
+        (functools.partial(tte.optim.FTRL, lr=0.3, l1_regularization_strength=0.01), tte.optim.FTRL),
+        ("adagrad", tte.optim.Adagrad),
+        (functools.partial(tte.optim.Adam, lr=0.02, bias_correction=True), tte.optim.Adam),
+    ],
+    ids=["ftrl-name", "ftrl-partial", "adagrad-name", "adam-partial"],
+)
+def test_per_table_override_matches_standalone(override: object, expected: type) -> None:
+    """Global SGD + a table-level override == the override optimizer run alone on that table."""
+    ec, head = make_model(optimizer=override)
+    opt = tte.optim.SGD(list(ec.parameters()) + list(head.parameters()), lr=0.05)
+    algos = sorted(g["algorithm"] for g in opt.param_groups)
+    assert algos == sorted(["sgd", expected.algorithm])
+    ec_ref, head_ref = make_model(optimizer=None)
+    factory = expected if isinstance(override, str) else override
+    opt_ref_table = factory([ec_ref.tables.t.weight])
+    opt_ref_head = tte.optim.SGD(head_ref.parameters(), lr=0.05)
+    for s in range(3):
+        for e, h, opts in ((ec, head, [opt]), (ec_ref, head_ref, [opt_ref_table, opt_ref_head])):
+            out = e(batch(s))
+            (h(out["a"]).square().sum() + h(out["b"]).sum()).backward()
+            for o in opts:
+                o.step()
+                o.zero_grad()
+    assert torch.equal(ec.tables.t.weight, ec_ref.tables.t.weight)
+    assert torch.equal(head.weight, head_ref.weight)
+    sd = opt.state_dict()
+    assert set(sd["state"]["table:t"]) == set(expected.slot_names) | {"step"}
+
+
+def test_override_works_with_lr_scheduler() -> None:
+    ec, head = make_model(optimizer=functools.partial(tte.optim.Adagrad, lr=0.4))
+    opt = tte.optim.SGD(list(ec.parameters()) + list(head.parameters()), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    train(ec, head, opt, 1)
+    sched.step()
+    lrs = sorted(g["lr"] for g in opt.param_groups)
+    assert lrs == [0.05, 0.2]
+
+
+def test_split_parameters_and_separate_optimizers() -> None:
+    ec, head = make_model()
+    model = torch.nn.ModuleDict({"ec": ec, "head": head})
+    tables, dense = tte.split_parameters(model)
+    assert [t.shape for t in tables] == [(V, D)]
+    assert len(dense) == 2
+    opt_t = tte.optim.Adagrad(tables, lr=0.1)
+    opt_d = torch.optim.AdamW(dense, lr=0.01)  # stock optimizer on dense params: fine
+    w0 = ec.tables.t.weight.detach().clone()
+    out = ec(batch(0))
+    head(out["a"]).sum().backward()
+    opt_t.step()
+    opt_d.step()
+    assert not torch.equal(ec.tables.t.weight, w0)
+
+
+def test_stock_optimizer_refuses_tables() -> None:
+    ec, _ = make_model()
+    opt = torch.optim.Adam(ec.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"embedding table 't'.*row-sparse.*silently not train"):
+        opt.step()
+
+
+def test_dense_params_match_plain_sgd() -> None:
+    torch.manual_seed(0)
+    a = torch.nn.Linear(4, 2).double()
+    b = copy.deepcopy(a)
+    oa = tte.optim.SGD(a.parameters(), lr=0.1)
+    ob = torch.optim.SGD(b.parameters(), lr=0.1)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    for _ in range(3):
+        for m, o in ((a, oa), (b, ob)):
+            m(x).square().sum().backward()
+            o.step()
+            o.zero_grad()
+    assert torch.allclose(a.weight, b.weight, rtol=0, atol=1e-15)
+
+
+def test_sparse_grad_of_nn_embedding_takes_row_path() -> None:
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 3, sparse=True).double()
+    ref = torch.nn.Embedding(10, 3, sparse=True).double()
+    ref.load_state_dict(emb.state_dict())
+    opt = tte.optim.LazyAdam(emb.parameters(), lr=0.01, bias_correction=True,
+                             sum_inside_sqrt=False, eps=1e-8)
+    opt_ref = torch.optim.SparseAdam(ref.parameters(), lr=0.01, eps=1e-8)
+    for s in range(10):
+        ids = torch.randint(0, 6, (7,), generator=torch.Generator().manual_seed(s))
+        for m, o in ((emb, opt), (ref, opt_ref)):
+            m(ids).pow(3).sum().backward()
+            o.step()
+            o.zero_grad()
+    torch.testing.assert_close(emb.weight, ref.weight, rtol=1e-6, atol=1e-12)
+    assert torch.equal(emb.weight[6:], ref.weight[6:])
+
+
+def test_lazy_adam_matches_torch_sparse_adam_on_tables() -> None:
+    """LazyAdam(bias_correction=True, sum_inside_sqrt=False) == torch.optim.SparseAdam, 10 steps."""
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-6)):
+        ec, head = make_model(dtype=dtype)
+        ref = torch.nn.Embedding(V, D, sparse=True).to(dtype)
+        with torch.no_grad():
+            ref.weight.copy_(ec.tables.t.weight)
+        opt = tte.optim.LazyAdam(ec.parameters(), lr=0.01, bias_correction=True,
+                                 sum_inside_sqrt=False, eps=1e-8)
+        opt_ref = torch.optim.SparseAdam(ref.parameters(), lr=0.01, eps=1e-8)
+        for s in range(10):
+            out = ec(batch(s))
+            (head(out["a"]).square().sum() + head(out["b"]).sum()).backward()
+            ids, rows = ec.row_grads()["t"]
+            keep = ids < V
+            ref.weight.grad = torch.sparse_coo_tensor(ids[keep].unsqueeze(0), rows[keep], (V, D))
+            opt.step()
+            opt_ref.step()
+            opt.zero_grad()
+            head.zero_grad()
+        torch.testing.assert_close(ec.tables.t.weight.detach(), ref.weight.detach(),
+                                   rtol=tol, atol=tol)
+
+
+def test_gradient_accumulation_false_is_exact_for_sgd() -> None:
+    ec1, h1 = make_model()
+    ec2, h2 = make_model()
+    o1 = tte.optim.SGD(ec1.parameters(), lr=0.1)
+    o2 = tte.optim.SGD(ec2.parameters(), lr=0.1, use_gradient_accumulation=False)
+    train(ec1, h1, o1, 3)
+    train(ec2, h2, o2, 3)
+    torch.testing.assert_close(ec1.tables.t.weight, ec2.tables.t.weight, rtol=1e-12, atol=1e-12)
+
+
+def test_gradient_accumulation_false_approximates_adagrad() -> None:
+    """The no-dedup path differs from the exact one only where an id repeats within a step."""
+    ec1, h1 = make_model()
+    ec2, h2 = make_model()
+    o1 = tte.optim.Adagrad(ec1.parameters(), lr=0.1)
+    o2 = tte.optim.Adagrad(ec2.parameters(), lr=0.1, use_gradient_accumulation=False)
+    train(ec1, h1, o1, 3)
+    train(ec2, h2, o2, 3)
+    diff = (ec1.tables.t.weight - ec2.tables.t.weight).abs().max().item()
+    assert 0 < diff < 0.5
+
+
+def test_slot_creation_fn_is_used() -> None:
+    ec, head = make_model()
+    calls = []
+
+    def make_slots(param, names, initial):
+        calls.append((tuple(param.shape), tuple(names), dict(initial)))
+        return {n: torch.full_like(param, 0.7) for n in names}
+
+    opt = tte.optim.Adagrad(ec.parameters(), lr=0.1, slot_creation_fn=make_slots)
+    train(ec, head, opt, 1)
+    assert calls == [((V, D), ("accumulators",), {"accumulators": 0.1})]
+    acc = opt.state[ec.tables.t.weight]["accumulators"]
+    assert torch.all(acc[V // 2 :] == 0.7)
+
+
+def test_load_state_dict_reports_mismatches() -> None:
+    ec, head = make_model()
+    opt = tte.optim.Adagrad(ec.parameters(), lr=0.1)
+    train(ec, head, opt, 1)
+    sd = opt.state_dict()
+    other = tte.optim.FTRL(make_model()[0].parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"saved by optimizer 'adagrad', loading into 'ftrl'"):
+        other.load_state_dict(sd)
+    t2 = tte.TableConfig(V, D, name="u", dtype=torch.float64)
+    ec2 = tte.EmbeddingCollection({"a": tte.FeatureConfig(t2)})
+    with pytest.raises(ValueError, match=re.escape("missing ['table:u'], unexpected ['table:t']")):
+        tte.optim.Adagrad(ec2.parameters(), lr=0.1).load_state_dict(sd)

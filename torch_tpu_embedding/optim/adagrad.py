@@ -1,0 +1,86 @@
+"""Adagrad with TPU-embedding semantics (no epsilon)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from torch_tpu_embedding._validation import arg_error
+from torch_tpu_embedding.optim._base import RowSparseOptimizer, Slots, common_defaults
+
+__all__ = ["Adagrad", "adagrad_rule"]
+
+
+def adagrad_rule(
+    w: torch.Tensor,
+    g: torch.Tensor,
+    slots: Slots,
+    lr: torch.Tensor,
+    step: torch.Tensor,
+    hp: Mapping[str, Any],
+) -> tuple[torch.Tensor, Slots]:
+    """``a ← a + g²; w ← w − lr·g/√a`` (TPU: no epsilon; Keras uses √(a+1e-7))."""
+    a = slots["accumulators"] + g * g
+    return w - lr * g * torch.rsqrt(a), {"accumulators": a}
+
+
+class Adagrad(RowSparseOptimizer):
+    r"""Adagrad, as ``tf.tpu.experimental.embedding.Adagrad``.
+
+    .. math::
+        a \leftarrow a + g^2, \qquad w \leftarrow w - \eta\, g / \sqrt{a}
+
+    Slot ``accumulators`` starts at ``initial_accumulator_value``. There is no epsilon (Keras and
+    torch.optim.Adagrad add one). Rows not looked up in a step are not changed, nor are their slots.
+
+    Args:
+        params: parameters or parameter groups.
+        lr: learning rate η (TF default 0.001).
+        initial_accumulator_value: initial ``a`` (> 0, TF default 0.1).
+        slot_creation_fn: ``fn(param, slot_names, initial_values) -> {name: tensor}`` to create
+            the slots yourself (TF's ``slot_variable_creation_fn``).
+        Others: as :class:`~torch_tpu_embedding.optim.SGD`.
+
+    Example::
+
+        >>> opt = tte.optim.Adagrad(model.parameters(), lr=0.1)
+    """
+
+    algorithm = "adagrad"
+    slot_names = ("accumulators",)
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: Any = 0.001,
+        initial_accumulator_value: float = 0.1,
+        *,
+        use_gradient_accumulation: bool = True,
+        clip_weight_min: float | None = None,
+        clip_weight_max: float | None = None,
+        weight_decay_factor: float | None = None,
+        multiply_weight_decay_factor_by_learning_rate: bool | None = None,
+        slot_creation_fn: Any = None,
+        clipvalue: Any = None,
+    ) -> None:
+        defaults = common_defaults(
+            lr, use_gradient_accumulation, clip_weight_min, clip_weight_max,
+            weight_decay_factor, multiply_weight_decay_factor_by_learning_rate, clipvalue,
+            slot_creation_fn,
+        )
+        defaults["initial_accumulator_value"] = initial_accumulator_value
+        super().__init__(params, defaults)
+
+    rule = staticmethod(adagrad_rule)
+
+    @classmethod
+    def _validate(cls, hp: dict[str, Any]) -> None:
+        v = hp["initial_accumulator_value"]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise arg_error("initial_accumulator_value", "must be a positive float", v)
+
+    @classmethod
+    def slot_initial_values(cls, hp: Mapping[str, Any]) -> dict[str, float]:
+        return {"accumulators": float(hp["initial_accumulator_value"])}

@@ -1,0 +1,144 @@
+"""Adam and LazyAdam with TPU-embedding semantics (optionally torch SparseAdam / tfa LazyAdam)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from torch_tpu_embedding._validation import arg_error, check_bool, check_number
+from torch_tpu_embedding.optim._base import RowSparseOptimizer, Slots, common_defaults
+
+__all__ = ["Adam", "LazyAdam", "adam_rule"]
+
+
+def adam_rule(
+    w: torch.Tensor,
+    g: torch.Tensor,
+    slots: Slots,
+    lr: torch.Tensor,
+    step: torch.Tensor,
+    hp: Mapping[str, Any],
+) -> tuple[torch.Tensor, Slots]:
+    """TF SparseCore ``BuildAdamOptimizerComputation``; optional bias correction (tf_spec §4.2, §6)."""
+    b1, b2 = hp["betas"]
+    eps = hp["eps"]
+    m = b1 * slots["momenta"] + (1 - b1) * g
+    v = b2 * slots["velocities"] + (1 - b2) * g * g
+    if hp["bias_correction"]:
+        t = step.to(w.dtype)  # bias corrections in the parameter dtype (not fp32) for fp64 tests
+        lr = lr * torch.sqrt(1 - torch.pow(b2, t)) / (1 - torch.pow(b1, t))
+    # eps inside the sqrt is the TPU default; outside matches SparseAdam / Keras.
+    denom = torch.sqrt(v + eps * eps) if hp["sum_inside_sqrt"] else torch.sqrt(v) + eps
+    return w - lr * m / denom, {"momenta": m, "velocities": v}
+
+
+class Adam(RowSparseOptimizer):
+    r"""Adam, as ``tf.tpu.experimental.embedding.Adam`` (lazy by default).
+
+    .. math::
+        m &\leftarrow \beta_1 m + (1-\beta_1) g \\
+        v &\leftarrow \beta_2 v + (1-\beta_2) g^2 \\
+        w &\leftarrow w - \eta_t\, m / \sqrt{v + \epsilon^2}
+            \quad (\texttt{sum\_inside\_sqrt}) \quad\text{or}\quad w - \eta_t\, m / (\sqrt{v} + \epsilon)
+
+    with :math:`\eta_t = \eta` (TPU: no bias correction) or, with ``bias_correction=True``,
+    :math:`\eta_t = \eta \sqrt{1-\beta_2^t} / (1-\beta_1^t)` where ``t`` counts the steps in
+    which this parameter had a gradient (as ``torch.optim.SparseAdam``). With
+    ``bias_correction=True, sum_inside_sqrt=False`` the update is exactly SparseAdam / tfa LazyAdam.
+
+    ``lazy_adam=True`` (default): rows not looked up in a step are not changed, nor are their
+    slots. ``lazy_adam=False``: every row of a table is updated each step with ``g = 0`` where it
+    was not looked up (moments decay, momentum keeps moving the weights) — O(V·D) per step.
+
+    Args:
+        lr: η (TF default 0.001). betas: (β1, β2), each in [0, 1). eps: ε > 0 (TF default 1e-7).
+        lazy_adam, sum_inside_sqrt, bias_correction: as above.
+        Others: as :class:`~torch_tpu_embedding.optim.Adagrad`.
+
+    Example::
+
+        >>> opt = tte.optim.Adam(model.parameters(), lr=1e-3)
+    """
+
+    algorithm = "adam"
+    slot_names = ("momenta", "velocities")
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: Any = 0.001,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-07,
+        lazy_adam: bool = True,
+        sum_inside_sqrt: bool = True,
+        bias_correction: bool = False,
+        *,
+        use_gradient_accumulation: bool = True,
+        clip_weight_min: float | None = None,
+        clip_weight_max: float | None = None,
+        weight_decay_factor: float | None = None,
+        multiply_weight_decay_factor_by_learning_rate: bool | None = None,
+        slot_creation_fn: Any = None,
+        clipvalue: Any = None,
+    ) -> None:
+        defaults = common_defaults(
+            lr, use_gradient_accumulation, clip_weight_min, clip_weight_max,
+            weight_decay_factor, multiply_weight_decay_factor_by_learning_rate, clipvalue,
+            slot_creation_fn,
+        )
+        defaults.update(
+            betas=betas, eps=eps, lazy_adam=lazy_adam, sum_inside_sqrt=sum_inside_sqrt,
+            bias_correction=bias_correction,
+        )
+        super().__init__(params, defaults)
+
+    rule = staticmethod(adam_rule)
+
+    @classmethod
+    def _validate(cls, hp: dict[str, Any]) -> None:
+        betas = hp["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise arg_error("betas", "must be a pair (beta_1, beta_2)", betas)
+        for i, b in enumerate(betas):
+            check_number(f"betas[{i}]", b, minimum=0.0, maximum=1.0, max_inclusive=False)
+        hp["betas"] = (float(betas[0]), float(betas[1]))
+        check_number("eps", hp["eps"], minimum=0.0, min_inclusive=False)
+        for name in ("lazy_adam", "sum_inside_sqrt", "bias_correction"):
+            check_bool(name, hp[name])
+        if not hp["lazy_adam"] and not hp["use_gradient_accumulation"]:
+            raise ValueError(
+                "When disabling lazy Adam (`lazy_adam=False`), gradient accumulation must be "
+                "used. Set `use_gradient_accumulation` to True."
+            )
+
+    @classmethod
+    def is_lazy(cls, hp: Mapping[str, Any]) -> bool:
+        return bool(hp["lazy_adam"])
+
+
+class LazyAdam(Adam):
+    """:class:`Adam` with ``lazy_adam=True`` fixed (the TPU default).
+
+    For tfa ``LazyAdam`` / ``torch.optim.SparseAdam`` numbers pass
+    ``bias_correction=True, sum_inside_sqrt=False`` (and SparseAdam's ``eps=1e-8``).
+    """
+
+    algorithm = "lazy_adam"
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: Any = 0.001,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-07,
+        sum_inside_sqrt: bool = True,
+        bias_correction: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if "lazy_adam" in kwargs:
+            raise arg_error("lazy_adam", "is not an argument of LazyAdam (use Adam)", kwargs["lazy_adam"])
+        super().__init__(
+            params, lr, betas, eps, True, sum_inside_sqrt, bias_correction, **kwargs
+        )

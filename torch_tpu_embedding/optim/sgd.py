@@ -1,0 +1,73 @@
+"""SGD with TPU-embedding semantics."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from torch_tpu_embedding.optim._base import RowSparseOptimizer, Slots, common_defaults
+
+__all__ = ["SGD", "sgd_rule"]
+
+
+def sgd_rule(
+    w: torch.Tensor,
+    g: torch.Tensor,
+    slots: Slots,
+    lr: torch.Tensor,
+    step: torch.Tensor,
+    hp: Mapping[str, Any],
+) -> tuple[torch.Tensor, Slots]:
+    """``w ← w − lr·g`` (no slots)."""
+    return w - lr * g, slots
+
+
+class SGD(RowSparseOptimizer):
+    r"""Stochastic gradient descent, as ``tf.tpu.experimental.embedding.SGD``.
+
+    .. math::
+        w \leftarrow w - \eta\, g
+
+    where ``g`` is the gradient row of an id summed over the batch (all features sharing the table).
+    Rows not looked up in a step are not changed.
+
+    Args:
+        params: parameters or parameter groups (tables and/or dense parameters).
+        lr: learning rate η (float >= 0, 0-d tensor, or zero-argument callable). TF default 0.01.
+        use_gradient_accumulation: True sums the per-row gradients before the update (exact);
+            False skips the dedup (identical for SGD).
+        clip_weight_min, clip_weight_max: clamp updated rows after the update.
+        weight_decay_factor, multiply_weight_decay_factor_by_learning_rate: decoupled decay
+            ``w ← w − λ·w`` of the updated rows before the update (λ times lr if the flag is set).
+        clipvalue: clip the summed gradient to ``(−c, c)`` or ``(min, max)``.
+
+    Example::
+
+        >>> opt = tte.optim.SGD(model.parameters(), lr=0.1)
+        >>> loss.backward(); opt.step(); opt.zero_grad()
+    """
+
+    algorithm = "sgd"
+    slot_names = ()
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: Any = 0.01,
+        *,
+        use_gradient_accumulation: bool = True,
+        clip_weight_min: float | None = None,
+        clip_weight_max: float | None = None,
+        weight_decay_factor: float | None = None,
+        multiply_weight_decay_factor_by_learning_rate: bool | None = None,
+        clipvalue: Any = None,
+    ) -> None:
+        defaults = common_defaults(
+            lr, use_gradient_accumulation, clip_weight_min, clip_weight_max,
+            weight_decay_factor, multiply_weight_decay_factor_by_learning_rate, clipvalue,
+        )
+        super().__init__(params, defaults)
+
+    rule = staticmethod(sgd_rule)

@@ -18,7 +18,7 @@ class OptimInfo:
         return self.cls(params, **{**self.kwargs, **overrides})
 
 
-O = tte.optim
+O = tte.optim  # noqa: E741
 OPTIM_INFOS = [
     OptimInfo("sgd", O.SGD, {"lr": 0.1}),
     OptimInfo("sgd-clip-decay", O.SGD, {"lr": 0.1, "clipvalue": 0.05, "weight_decay_factor": 0.01,

@@ -58,5 +58,5 @@ def lookup(
     Returns:
         ``[N, D]`` activations, differentiable (row-sparsely) with respect to ``weight``.
     """
-    out: torch.Tensor = _RowSparseLookup.apply(weight, ids, gains, row_grad)
+    out: torch.Tensor = _RowSparseLookup.apply(weight, ids, gains, row_grad)  # type: ignore[no-untyped-call]
     return out

@@ -81,7 +81,7 @@ class TableInfo:
     row_grad: RowGrad = dataclasses.field(default_factory=RowGrad)
 
 
-_TABLES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_TABLES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # type: ignore[no-untyped-call]
 
 
 def register_table(
@@ -95,7 +95,7 @@ def register_table(
 
 def table_info(param: torch.Tensor) -> TableInfo | None:
     """The :class:`TableInfo` of ``param``, or ``None`` for an ordinary (dense) parameter."""
-    info: TableInfo | None = _TABLES.get(param)
+    info: TableInfo | None = _TABLES.get(param)  # type: ignore[no-untyped-call]
     return info
 
 

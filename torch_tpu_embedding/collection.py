@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -74,7 +74,7 @@ def _check_structure(config: Any, given: Any, what: str, path: Path = ()) -> Non
                 f"config. Received: {type(given).__name__}"
                 + (f" of {len(given)}" if isinstance(given, (list, tuple)) else "")
             )
-        for i, (c, g) in enumerate(zip(config, given)):
+        for i, (c, g) in enumerate(zip(config, given, strict=True)):
             _check_structure(c, g, what, (*path, i))
 
 
@@ -126,7 +126,7 @@ class EmbeddingTable(nn.Module):
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> EmbeddingTable:
         old = self.weight
-        super()._apply(fn, recurse)
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         if self.weight is not old or table_info(self.weight) is None:
             register_table(
                 self.weight, self.name, self.config.num_embeddings, self.config.optimizer
@@ -244,7 +244,7 @@ class EmbeddingCollection(nn.Module):
         """
         out = {}
         for name, t in self.tables.items():
-            rg = t.row_grad  # type: ignore[union-attr]
+            rg = cast(EmbeddingTable, t).row_grad
             if rg:
                 out[name] = rg.collect()
         return out
@@ -253,7 +253,7 @@ class EmbeddingCollection(nn.Module):
         """Clear pending row-sparse table gradients and the ``.grad`` of any other parameter."""
         super().zero_grad(set_to_none)
         for t in self.tables.values():
-            t.row_grad.clear()  # type: ignore[union-attr]
+            cast(EmbeddingTable, t).row_grad.clear()
 
     # ------------------------------------------------------------------ forward
     def forward(self, features: Any, weights: Any = None) -> Any:

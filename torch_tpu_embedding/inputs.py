@@ -210,11 +210,14 @@ def _normalise_variable(
             raise _err(feature, "nested inputs must be 2-D torch.nested tensors with layout=torch.jagged")
         w = weight
         if isinstance(w, torch.Tensor) and w.is_nested:
-            if not torch.equal(w.offsets().cpu(), value.offsets().cpu()):
+            if not torch.equal(w.offsets().cpu(), value.offsets().cpu()):  # type: ignore[attr-defined]
                 raise _err(feature, "nested weights must have the same offsets as the ids")
             w = w.values()
         return _from_offsets(
-            feature, value.values().cpu(), value.offsets().cpu(), None if w is None else w.cpu()
+            feature,
+            value.values().cpu(),
+            value.offsets().cpu(),  # type: ignore[attr-defined]
+            None if w is None else w.cpu(),
         )
     # sparse COO
     return _from_sparse(feature, value.cpu(), None if weight is None else weight.cpu())
@@ -282,7 +285,9 @@ def to_bags(
             "tensor, Jagged, Padded, a sparse COO tensor or a torch.nested jagged tensor."
         )
     if static and not isinstance(value, Padded):
-        tensors = [value] if isinstance(value, torch.Tensor) else [value.values, value.offsets, value.lengths]
+        tensors: list[object] = (
+            [value] if isinstance(value, torch.Tensor) else [value.values, value.offsets, value.lengths]
+        )
         if any(isinstance(t, torch.Tensor) and t.device.type == "xla" for t in tensors):
             raise _err(
                 feature,

@@ -222,7 +222,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ per-step helpers
     def _lr_value(self, group: dict[str, Any]) -> float | Tensor:
         lr = group["lr"]
-        return lr() if callable(lr) and not isinstance(lr, Tensor) else lr
+        value: float | Tensor = lr() if callable(lr) and not isinstance(lr, Tensor) else lr
+        return value
 
     def _lr_tensor(self, gi: int, lr: float | Tensor, p: Tensor) -> Tensor:
         """The learning rate as device data (never a traced constant: no recompiles on XLA)."""
@@ -275,7 +276,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                     slot[: p.shape[0]] = made[name].detach().to(device=p.device, dtype=p.dtype)
                 state[name] = slot
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        return state
+        return state  # type: ignore[no-any-return]
 
     def _pipeline(
         self,
@@ -352,7 +353,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         """Apply one update to every parameter that has a gradient (rows: only touched rows)."""
         loss = None
         if closure is not None:
-            with torch.enable_grad():
+            with torch.enable_grad():  # type: ignore[no-untyped-call]
                 loss = closure()
         for gi, group in enumerate(self.param_groups):
             lr_value: float | Tensor | None = None
@@ -456,7 +457,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             problems.append(
                 f"{len(saved_groups)} parameter groups saved, {len(self.param_groups)} here"
             )
-        for i, (sg, g) in enumerate(zip(saved_groups, self.param_groups)):
+        for i, (sg, g) in enumerate(zip(saved_groups, self.param_groups, strict=False)):
             mine = [keys[id(p)] for p in g["params"]]
             if sorted(sg["params"]) != sorted(mine):
                 missing = sorted(set(mine) - set(sg["params"]))
@@ -480,7 +481,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             raise ValueError("Optimizer state does not match: " + "; ".join(problems))
         self.state.clear()
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
-        for sg, g in zip(saved_groups, self.param_groups):
+        for sg, g in zip(saved_groups, self.param_groups, strict=True):
             g["algorithm"] = sg.get("algorithm", g["algorithm"])
         for key, s in state_dict["state"].items():
             p = by_key[key]
@@ -491,7 +492,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                     state[name] = v.to(torch.float32).clone()
                 else:
                     state[name][: p.shape[0]] = v.to(p.dtype)
-        for sg, g in zip(saved_groups, self.param_groups):
+        for sg, g in zip(saved_groups, self.param_groups, strict=True):
             for k, v in sg.items():
                 if k != "params" and not (callable(g.get(k)) and not isinstance(g.get(k), Tensor)):
                     g[k] = v

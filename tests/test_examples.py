@@ -1,0 +1,19 @@
+"""The examples run and learn (short mode)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+
+
+def test_quickstart_learns() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py"), "--steps", "60"],
+                         capture_output=True, text=True, env=env, timeout=300, check=True)
+    losses = [float(x) for x in re.findall(r"loss ([\d.]+)", out.stdout)]
+    assert len(losses) >= 2 and losses[-1] < 0.5 * losses[0], out.stdout

@@ -341,3 +341,26 @@ def test_load_state_dict_reports_mismatches() -> None:
     ec2 = tte.EmbeddingCollection({"a": tte.FeatureConfig(t2)})
     with pytest.raises(ValueError, match=re.escape("missing ['table:u'], unexpected ['table:t']")):
         tte.optim.Adagrad(ec2.parameters(), lr=0.1).load_state_dict(sd)
+
+
+def test_allow_zero_accumulator_gives_zero_not_nan() -> None:
+    """Our choice (docs/optimizers.md): with n0 = 0, a coordinate whose gradient is 0 gets w = 0, not 0/0."""
+    w = torch.nn.Parameter(torch.tensor([[0.5, -0.5]], dtype=torch.float64))
+    opt = tte.optim.FTRL([w], lr=0.1, initial_accumulator_value=0.0, allow_zero_accumulator=True)
+    w.grad = torch.tensor([[0.2, 0.0]], dtype=torch.float64)
+    opt.step()
+    assert torch.isfinite(w).all() and w[0, 1] == 0
+    # The other coordinate follows the formula with n0 = 0: z = g − √(g²)·w/lr, w = −z / (√(g²)/lr).
+    g, w0, lr = 0.2, 0.5, 0.1
+    z = g - (g - 0.0) * w0 / lr
+    assert torch.isclose(w[0, 0], torch.tensor(-z / (g / lr), dtype=torch.float64))
+
+
+def test_ftrl_zero_lr_needs_multiply_linear_by_learning_rate() -> None:
+    """As TF: the default FTRL divides by lr (NaN at lr = 0); the lr-multiplied mode does not."""
+    for mult, finite in ((False, False), (True, True)):
+        w = torch.nn.Parameter(torch.ones(2, 2, dtype=torch.float64))
+        opt = tte.optim.FTRL([w], lr=0.0, multiply_linear_by_learning_rate=mult)
+        w.grad = torch.ones(2, 2, dtype=torch.float64)
+        opt.step()
+        assert bool(torch.isfinite(w).all()) is finite

@@ -327,26 +327,24 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         state = self._state_for(p, group)
         state["step"].add_(1)
         if group["use_gradient_accumulation"]:
-            uniq, g = coalesce_rows(ids, rows, sentinel)
-            # On XLA the sentinel tail is clamped for the gather and dropped by the scatter.
-            at = uniq.clamp(max=sentinel - 1)
-            w0 = p.index_select(0, at)
-            slots = {k: state[k].index_select(0, at) for k in cls.slot_names}
-            w, new = self._pipeline(cls, w0, g, slots, lr, state["step"], group)
-            for k in cls.slot_names:
-                state[k].index_copy_(0, uniq, new[k])
-            p.index_copy_(0, uniq, w)
-            return
-        # use_gradient_accumulation=False: every contribution updates from the same old rows and
-        # the changes are added (no dedup). Exact for SGD; a cheaper approximation otherwise.
-        ids, rows = drop_sentinel(ids, rows, sentinel)
+            ids, rows = coalesce_rows(ids, rows, sentinel)
+        else:
+            # No dedup: every contribution updates from the same old rows and the changes are
+            # added. Exact for SGD; a cheaper approximation otherwise (docs/optimizers.md).
+            ids, rows = drop_sentinel(ids, rows, sentinel)
+        # On XLA the sentinel tail is clamped for the gather and dropped by the scatter.
         at = ids.clamp(max=sentinel - 1)
         w0 = p.index_select(0, at)
         slots = {k: state[k].index_select(0, at) for k in cls.slot_names}
         w, new = self._pipeline(cls, w0, rows, slots, lr, state["step"], group)
-        for k in cls.slot_names:
-            state[k].index_add_(0, ids, new[k] - slots[k])
-        p.index_add_(0, ids, w - w0)
+        if group["use_gradient_accumulation"]:  # ids are unique: write the rows
+            for k in cls.slot_names:
+                state[k].index_copy_(0, ids, new[k])
+            p.index_copy_(0, ids, w)
+        else:  # ids repeat: add the changes
+            for k in cls.slot_names:
+                state[k].index_add_(0, ids, new[k] - slots[k])
+            p.index_add_(0, ids, w - w0)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]

@@ -234,3 +234,15 @@ def test_golden_tf_output_shape_cases() -> None:
     with pytest.raises(ValueError, match=r"should be the factor of the input data batch size.*\(3,\), input data "
                                          r"batch size 4"):
         _tf_collection("sum", output_shape=[3])({"f": _tf_input(False)})
+
+
+def test_state_dict_names_repr_and_embedding_tables() -> None:
+    u = tte.TableConfig(5, 2, name="user")
+    ec = tte.EmbeddingCollection({"a": {"x": tte.FeatureConfig(u), "y": tte.FeatureConfig(tte.TableConfig(4, 2))}})
+    assert list(ec.state_dict()) == ["tables.user.weight", "tables.table_1.weight"]
+    assert list(ec.embedding_tables) == ["user", "table_1"]
+    assert ec.embedding_tables["user"] is ec.tables.user.weight
+    text = repr(ec)
+    assert "user ← a/x" in text and "table_1 ← a/y" in text and "num_embeddings=5" in text
+    out = ec({"a": {"x": torch.tensor([1]), "y": torch.tensor([3])}})
+    assert set(out) == {"a"} and set(out["a"]) == {"x", "y"}  # the config's nested structure

@@ -364,3 +364,12 @@ def test_ftrl_zero_lr_needs_multiply_linear_by_learning_rate() -> None:
         w.grad = torch.ones(2, 2, dtype=torch.float64)
         opt.step()
         assert bool(torch.isfinite(w).all()) is finite
+
+
+def test_stock_optimizer_guard_rechecks_after_add_param_group() -> None:
+    ec, head = make_model()
+    opt = torch.optim.SGD(head.parameters(), lr=0.1)
+    opt.step()  # dense only: fine (and remembered)
+    opt.add_param_group({"params": [ec.tables.t.weight]})
+    with pytest.raises(TypeError, match="embedding table 't'"):
+        opt.step()

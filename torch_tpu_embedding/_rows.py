@@ -14,6 +14,7 @@ wraps it to ``V-1``).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
@@ -151,6 +152,7 @@ def drop_sentinel(
 
 
 _GUARD_INSTALLED = False
+_CHECKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
 
 
 def _stock_optimizer_pre_hook(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
@@ -160,6 +162,9 @@ def _stock_optimizer_pre_hook(optimizer: torch.optim.Optimizer, args: object, kw
     would find ``.grad is None`` and silently leave the table untrained.
     """
     if getattr(optimizer, "_tte_reads_row_grads", False):
+        return
+    count = sum(len(g["params"]) for g in optimizer.param_groups)
+    if _CHECKED.get(optimizer) == count:  # checked already (re-checked after add_param_group)
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -172,6 +177,7 @@ def _stock_optimizer_pre_hook(optimizer: torch.optim.Optimizer, args: object, kw
                     "torch_tpu_embedding.optim for the tables (it also trains dense parameters), "
                     "or split the parameters with torch_tpu_embedding.split_parameters()."
                 )
+    _CHECKED[optimizer] = count
 
 
 def install_stock_optimizer_guard() -> None:

@@ -93,11 +93,17 @@ def test_empty_parameter_list() -> None:
         O.SGD([], lr=0.1)
 
 
-def test_unknown_table_optimizer_name_at_optimizer_build() -> None:
-    t = tte.TableConfig(4, 2, name="t", optimizer="adafactor")  # accepted by the config
+@pytest.mark.parametrize("name", tte.OPTIMIZER_NAMES)
+def test_every_config_optimizer_name_builds(name: str) -> None:
+    t = tte.TableConfig(4, 2, name="t", optimizer=name)
     ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(t)})
+    opt = O.SGD(ec.parameters(), lr=0.1)
+    assert opt.param_groups[0]["algorithm"] == name
+
+
+def test_unknown_optimizer_name() -> None:
     with pytest.raises(ValueError, match=re.escape("Argument `optimizer` must be one of")):
-        O.SGD(ec.parameters(), lr=0.1)
+        O.optimizer_class("adamw")
 
 
 def test_bad_table_optimizer_factory() -> None:

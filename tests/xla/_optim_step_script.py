@@ -20,6 +20,12 @@ make = {
     "adam": lambda p: tte.optim.Adam(p, lr=0.1),
     "lazy_adam": lambda p: tte.optim.LazyAdam(p, lr=0.1, bias_correction=True),
     "ftrl": lambda p: tte.optim.FTRL(p, lr=0.1, multiply_linear_by_learning_rate=True),
+    "adafactor": lambda p: tte.optim.Adafactor(p, lr=0.1),
+    # The Keras extras: accumulation calls and update calls must share one graph.
+    "adam-ema-accum": lambda p: tte.optim.Adam(p, lr=0.1, use_ema=True, gradient_accumulation_steps=4,
+                                               clipnorm=1.0, loss_scale_factor=8.0),
+    "adafactor-ema-accum": lambda p: tte.optim.Adafactor(p, lr=0.1, use_ema=True, ema_momentum=0.9,
+                                                         gradient_accumulation_steps=3, global_clipnorm=0.5),
 }[sys.argv[2]]
 dev = torch_xla.device()
 t = tte.TableConfig(V, D, name="t", combiner="mean")

@@ -5,7 +5,9 @@ Real ``torch.optim.Optimizer`` subclasses: they train embedding tables (row-spar
 CUDA and XLA with one code path. See ``docs/optimizers.md``.
 """
 
-from torch_tpu_embedding.optim._base import RowSparseOptimizer, optimizer_class
+from torch_tpu_embedding.optim._base import RowContext, RowSparseOptimizer, SlotSpec, optimizer_class
+from torch_tpu_embedding.optim._extras import KerasExtras
+from torch_tpu_embedding.optim.adafactor import Adafactor, adafactor_rule
 from torch_tpu_embedding.optim.adagrad import Adagrad, adagrad_rule
 from torch_tpu_embedding.optim.adagrad_momentum import AdagradMomentum, adagrad_momentum_rule
 from torch_tpu_embedding.optim.adam import Adam, LazyAdam, adam_rule
@@ -15,11 +17,16 @@ from torch_tpu_embedding.optim.sgd import SGD, sgd_rule
 __all__ = [
     "FTRL",
     "SGD",
+    "Adafactor",
     "Adagrad",
     "AdagradMomentum",
     "Adam",
+    "KerasExtras",
     "LazyAdam",
+    "RowContext",
     "RowSparseOptimizer",
+    "SlotSpec",
+    "adafactor_rule",
     "adagrad_momentum_rule",
     "adagrad_rule",
     "adam_rule",

@@ -10,10 +10,11 @@ once, for every device:
   step are not changed, nor are their slots.
 * dense parameters: the same pipeline on the whole tensor (every row touched); a sparse COO
   ``.grad`` (``nn.Embedding(sparse=True)``) takes the table path.
-* pipeline, in TF's order (tf_spec §4.1): ``clipvalue`` on the summed gradient → decoupled weight
-  decay ``w ← w − λ·w`` (``λ = weight_decay_factor``, times lr if
-  ``multiply_weight_decay_factor_by_learning_rate``) → ``rule`` → weight clipping to
-  ``[clip_weight_min, clip_weight_max]``.
+* pipeline, in Keras's order (tf_spec §5.1) with TF's steps in place (§4.1): loss scale →
+  gradient accumulation over calls → ``clipnorm`` / ``global_clipnorm`` / ``clipvalue`` on the
+  summed gradient → decoupled weight decay ``w ← w − λ·w`` (``λ = weight_decay_factor``, times lr
+  if ``multiply_weight_decay_factor_by_learning_rate``) → ``rule`` → weight clipping to
+  ``[clip_weight_min, clip_weight_max]`` → EMA. The Keras extras are in ``_extras.py``.
 * learning rates: a float, a 0-d tensor or a zero-argument callable (called once per step); it
   reaches the device as a tensor, so changing it (schedulers, callables) never recompiles on XLA.
 * per-table optimizers: a table whose ``TableConfig.optimizer`` is set gets its own parameter group
@@ -23,22 +24,68 @@ once, for every device:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
 
-from torch_tpu_embedding._rows import coalesce_rows, drop_sentinel, table_info
+from torch_tpu_embedding._rows import (
+    coalesce_rows,
+    dedup_static,
+    drop_sentinel,
+    is_static_device,
+    table_info,
+)
 from torch_tpu_embedding._validation import arg_error, check_bool, check_number
+from torch_tpu_embedding.optim._extras import (
+    EXTRA_DEFAULTS,
+    check_extras,
+    clip_by_norm,
+    ema_catch_up,
+    global_norm_scale,
+)
 
-__all__ = ["RowSparseOptimizer", "Rule", "optimizer_class"]
+__all__ = ["RowContext", "RowSparseOptimizer", "Rule", "SlotSpec", "optimizer_class"]
 
 Tensor = torch.Tensor
 Slots = dict[str, Tensor]
-#: ``rule(w [U, D], g [U, D], slots, lr (0-d), step (0-d), hp) -> (w_new, slots_new)``
-Rule = Callable[[Tensor, Tensor, Slots, Tensor, Tensor, Mapping[str, Any]], tuple[Tensor, Slots]]
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotSpec:
+    """One optimizer state tensor of a parameter.
+
+    ``rows``: dim 0 indexes the parameter's rows — gathered and scattered per touched row, given
+    trash rows on XLA, and trimmed to the table's logical rows in checkpoints. Otherwise the slot
+    belongs to the whole parameter (e.g. Adafactor's column statistic) and is passed whole.
+    """
+
+    shape: tuple[int, ...]
+    init: float = 0.0
+    rows: bool = True
+    dtype: torch.dtype | None = None  # None: the parameter's dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class RowContext:
+    """What a rule may need beyond its rows: which of them are real, and the table's size.
+
+    ``mask [U]`` is True for touched rows and False for the static-shape padding tail on XLA;
+    ``count`` is ``mask.sum()``. Both are ``None`` for a dense update (every row real). Per-row
+    rules ignore the context; rules with reductions over rows (Adafactor) use it.
+    """
+
+    mask: Tensor | None
+    count: Tensor | None
+    num_rows: int  # logical rows of the whole parameter
+
+
+#: ``rule(w [U, D], g [U, D], slots, lr (0-d), step (0-d), hp, ctx) -> (w_new, slots_new)``
+Rule = Callable[[Tensor, Tensor, Slots, Tensor, Tensor, Mapping[str, Any], RowContext], tuple[Tensor, Slots]]
 
 _REGISTRY: dict[str, type[RowSparseOptimizer]] = {}
+
 _BUILDING_OVERRIDE = False
 
 
@@ -89,24 +136,35 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         self,
         params: Iterable[Any],
         defaults: dict[str, Any],
+        extras: Mapping[str, Any] | None = None,
     ) -> None:
         defaults = dict(defaults)
         defaults.setdefault("algorithm", self.algorithm)
+        check_extras(defaults, dict(extras or {}))
         self._validate_common(defaults)
         type(self)._validate(defaults)
         self._lr_cache: dict[tuple[int, torch.device, torch.dtype], tuple[float, Tensor]] = {}
+        self._clocks: dict[torch.device, Tensor] = {}
+        #: calls of ``step()`` so far (Keras ``iterations`` before the ``// k`` of accumulation)
+        self._iterations = 0
         super().__init__(self._with_table_overrides(params, defaults), defaults)
 
     # ------------------------------------------------------------------ subclass API
     @staticmethod
     def rule(
-        w: Tensor, g: Tensor, slots: Slots, lr: Tensor, step: Tensor, hp: Mapping[str, Any]
+        w: Tensor, g: Tensor, slots: Slots, lr: Tensor, step: Tensor, hp: Mapping[str, Any], ctx: RowContext
     ) -> tuple[Tensor, Slots]:
         raise NotImplementedError
 
     @classmethod
     def slot_initial_values(cls, hp: Mapping[str, Any]) -> dict[str, float]:
         return {name: 0.0 for name in cls.slot_names}
+
+    @classmethod
+    def slot_specs(cls, shape: tuple[int, ...], hp: Mapping[str, Any], table: bool) -> dict[str, SlotSpec]:
+        """The rule's slots for a parameter of ``shape`` (default: each like the parameter)."""
+        init = cls.slot_initial_values(hp)
+        return {name: SlotSpec(shape, init[name]) for name in cls.slot_names}
 
     @classmethod
     def _validate(cls, hp: dict[str, Any]) -> None:
@@ -215,9 +273,13 @@ class RowSparseOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_lr_cache", {})
+        self.__dict__.setdefault("_clocks", {})
+        self.__dict__.setdefault("_iterations", 0)
         for group in self.param_groups:
             group.setdefault("algorithm", self.algorithm)
             group.setdefault("slot_creation_fn", None)
+            for k, v in EXTRA_DEFAULTS.items():
+                group.setdefault(k, v)
 
     # ------------------------------------------------------------------ per-step helpers
     def _lr_value(self, group: dict[str, Any]) -> float | Tensor:
@@ -241,9 +303,10 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         self._lr_cache[key] = (float(lr), t)
         return t
 
+    # ------------------------------------------------------------------ state
     @staticmethod
     def _trash_rows(p: Tensor, k: int) -> int:
-        """Extra rows for slot ``k`` (1-based) of a table on XLA.
+        """Extra rows for row-indexed slot ``k`` (1-based) of a table on XLA.
 
         XLA pairs donated buffers with outputs by byte size; equal-sized weight and slots can be
         mis-paired, and then whole tables are copied every step (XLA_NOTES: "donation pitfall").
@@ -252,31 +315,255 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         """
         return k if table_info(p) is not None and p.device.type == "xla" else 0
 
+    def _group_of(self, p: Tensor) -> dict[str, Any]:
+        for group in self.param_groups:
+            if any(q is p for q in group["params"]):
+                return group
+        raise KeyError("parameter is not in this optimizer")
+
+    @staticmethod
+    def _lazy_table(p: Tensor, group: Mapping[str, Any]) -> bool:
+        return table_info(p) is not None and optimizer_class(group["algorithm"]).is_lazy(group)
+
+    @staticmethod
+    def _rule_slots(p: Tensor, group: Mapping[str, Any]) -> list[str]:
+        """Names of the slots the rule reads and returns for ``p``."""
+        cls = optimizer_class(group["algorithm"])
+        return list(cls.slot_specs(tuple(p.shape), group, table_info(p) is not None))
+
+    def _specs(self, p: Tensor, group: Mapping[str, Any]) -> dict[str, SlotSpec]:
+        """Every state tensor of ``p`` except ``step`` and the accumulation buffers of tables."""
+        cls = optimizer_class(group["algorithm"])
+        specs = dict(cls.slot_specs(tuple(p.shape), group, table_info(p) is not None))
+        if group["use_ema"]:
+            specs["ema"] = SlotSpec(tuple(p.shape))
+            if self._lazy_table(p, group):
+                specs["ema_last"] = SlotSpec((p.shape[0],), init=-1.0, dtype=torch.int32)
+        if group["gradient_accumulation_steps"] and table_info(p) is None:
+            specs["accumulated_gradients"] = SlotSpec(tuple(p.shape))
+        return specs
+
     def _state_for(self, p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
         state = self.state[p]
-        if not state:
-            cls = optimizer_class(group["algorithm"])
-            init = cls.slot_initial_values(group)
-            fn = group.get("slot_creation_fn")
-            made: Mapping[str, Any] = {}
-            if fn is not None:
-                made = fn(p, list(cls.slot_names), dict(init))
-                for name in cls.slot_names:
-                    s = made.get(name) if isinstance(made, Mapping) else None
-                    if not isinstance(s, Tensor) or s.shape != p.shape:
-                        raise ValueError(
-                            f"slot_creation_fn must return a dict with a tensor of shape "
-                            f"{tuple(p.shape)} for slot '{name}'. Received: {type(s).__name__}"
-                            + (f" {tuple(s.shape)}" if isinstance(s, Tensor) else "")
-                        )
-            for k, name in enumerate(cls.slot_names, start=1):
-                shape = (p.shape[0] + self._trash_rows(p, k), *p.shape[1:])
-                slot = torch.full(shape, init[name], dtype=p.dtype, device=p.device)
-                if fn is not None:
-                    slot[: p.shape[0]] = made[name].detach().to(device=p.device, dtype=p.dtype)
-                state[name] = slot
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        if state:
+            return state  # type: ignore[no-any-return]
+        specs = self._specs(p, group)
+        fn = group.get("slot_creation_fn")
+        made: Mapping[str, Any] = {}
+        if fn is not None:
+            names = self._rule_slots(p, group)
+            made = fn(p, names, {n: specs[n].init for n in names})
+            for name in names:
+                s = made.get(name) if isinstance(made, Mapping) else None
+                if not isinstance(s, Tensor) or tuple(s.shape) != specs[name].shape:
+                    raise ValueError(
+                        f"slot_creation_fn must return a dict with a tensor of shape "
+                        f"{specs[name].shape} for slot '{name}'. Received: {type(s).__name__}"
+                        + (f" {tuple(s.shape)}" if isinstance(s, Tensor) else "")
+                    )
+        k = 0
+        for name, spec in specs.items():
+            shape = spec.shape
+            if spec.rows and shape:
+                k += 1
+                shape = (shape[0] + self._trash_rows(p, k), *shape[1:])
+            if name == "ema":  # Keras's first EMA update copies the weights
+                # A new tensor, not a slice assignment from p: on XLA that ties the two as views
+                # and the next step traces a different graph.
+                if shape == tuple(p.shape):
+                    slot = p.detach().clone()
+                else:
+                    pad = torch.zeros((shape[0] - p.shape[0], *shape[1:]), dtype=p.dtype, device=p.device)
+                    slot = torch.cat([p.detach(), pad])
+            else:
+                slot = torch.full(shape, spec.init, dtype=spec.dtype or p.dtype, device=p.device)
+            if name in made:
+                slot[: spec.shape[0]] = made[name].detach().to(device=p.device, dtype=slot.dtype)
+            state[name] = slot
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         return state  # type: ignore[no-any-return]
+
+    def _clock(self, device: torch.device) -> Tensor:
+        """The call counter ``iterations`` as device data (0-d int64), uploaded once per step."""
+        t = self._clocks.get(device)
+        if t is None:
+            # Through a 1-element shape: a 0-d host tensor would become an XLA constant.
+            t = torch.tensor([self._iterations], dtype=torch.int64).to(device).reshape(())
+            self._clocks[device] = t
+        return t
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Apply one update to every parameter that has a gradient (tables: touched rows only).
+
+        Order (Keras, tf_spec §5.1): loss scale → gradient accumulation → clipnorm /
+        global_clipnorm / clipvalue → weight decay → rule → weight clipping → EMA.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():  # type: ignore[no-untyped-call]
+                loss = closure()
+        self._clocks = {}
+        work: list[_Work] = []
+        for gi, group in enumerate(self.param_groups):
+            lr_value: float | Tensor | None = None
+            for p in group["params"]:
+                item = self._prepare(p, group)
+                if item is None:
+                    continue
+                if lr_value is None:
+                    lr_value = self._lr_value(group)
+                item.lr = self._lr_tensor(gi, lr_value, p)
+                work.append(item)
+        scale = self._global_clip_scales(work)
+        for item in work:
+            if item.group["global_clipnorm"]:
+                item.g = item.g * scale[item.g.device].to(item.g.dtype)
+            if item.ids is None:
+                self._update_dense(item)
+            else:
+                self._update_rows(item)
+        self._ema_dense_and_overwrite()
+        self._iterations += 1
+        return loss
+
+    def _prepare(self, p: Tensor, group: dict[str, Any]) -> _Work | None:
+        """The gradient of ``p`` this call after loss scaling, accumulation, dedup and clipnorm."""
+        info = table_info(p)
+        k = group["gradient_accumulation_steps"]
+        ids: Tensor | None = None
+        rows: Tensor | None = None
+        g: Tensor | None = None
+        if info is not None and info.row_grad:
+            ids, rows = info.row_grad.collect()
+            info.row_grad.clear()
+        elif p.grad is not None and p.grad.is_sparse:
+            if p.dim() != 2:
+                raise ValueError(
+                    "Sparse gradients are supported for 2-D (embedding) parameters only. "
+                    f"Received a sparse gradient for a parameter of shape {tuple(p.shape)}."
+                )
+            coalesced = p.grad.coalesce()
+            ids, rows = coalesced.indices()[0], coalesced.values()
+        elif p.grad is not None and info is None:
+            g = p.grad
+        pending = bool(k) and "acc_ids" in self.state.get(p, {})  # a table mid-accumulation
+        if ids is None and g is None and not pending:
+            return None
+        state = self._state_for(p, group)
+        cls = optimizer_class(group["algorithm"])
+        s = group["loss_scale_factor"]
+        gate: Tensor | None = None
+        if g is not None:
+            g = g if s is None else g / s
+            if k:
+                acc = self._accumulate_dense(state, g, k, p.device)
+                if acc is None:
+                    return None
+                g, gate = acc
+        else:
+            sentinel = p.shape[0]
+            if rows is not None:
+                rows = rows.to(p.dtype) if s is None else rows.to(p.dtype) / s
+            if k:
+                acc_rows = self._accumulate_rows(state, ids, rows, k, p)
+                if acc_rows is None:
+                    return None
+                ids, rows, gate = acc_rows
+            assert ids is not None and rows is not None
+            lazy = cls.is_lazy(group)
+            if group["use_gradient_accumulation"] or not lazy:
+                ids, rows = coalesce_rows(ids, rows, sentinel)
+            else:
+                # No dedup: every contribution updates from the same old rows and the changes are
+                # added. Exact for SGD; a cheaper approximation otherwise (docs/optimizers.md).
+                ids, rows = drop_sentinel(ids, rows, sentinel)
+            if k:
+                rows = rows / k
+            if lazy:
+                g = rows
+            else:  # every row updates, with g = 0 where not looked up (O(V·D))
+                g = torch.zeros_like(p).index_add_(0, ids, rows)
+                ids = None
+        if group["clipnorm"]:
+            g = clip_by_norm(g, group["clipnorm"])
+        return _Work(p=p, group=group, state=state, ids=ids, g=g, gate=gate)
+
+    def _accumulate_dense(
+        self, state: dict[str, Tensor], g: Tensor, k: int, device: torch.device
+    ) -> tuple[Tensor, Tensor | None] | None:
+        """Keras accumulation for a dense gradient: ``None`` on accumulate-only calls (eager)."""
+        acc = state["accumulated_gradients"]
+        total = acc + g
+        if is_static_device(device):
+            # One graph for every call: the update runs always and is kept only on the k-th call.
+            it = self._clock(device)
+            gate = torch.remainder(it + 1, k) == 0
+            acc.copy_(torch.where(gate, torch.zeros_like(total), total))
+            return total / k, gate
+        if (self._iterations + 1) % k:
+            acc.copy_(total)
+            return None
+        acc.zero_()
+        return total / k, None
+
+    def _accumulate_rows(
+        self, state: dict[str, Tensor], ids: Tensor | None, rows: Tensor | None, k: int, p: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor | None] | None:
+        """Keras accumulation for a table: a ``[k, capacity]`` buffer of (ids, rows), one slot per call.
+
+        Call ``i`` writes slot ``i % k`` (a call without lookups writes padding), so every slot is
+        rewritten each cycle and the buffer never needs clearing; the k-th call updates from all
+        slots. Capacity grows to the largest chunk seen; in a steady loop the shapes are static.
+        """
+        sentinel, dim = p.shape[0], p.shape[1]
+        n = 0 if ids is None else ids.numel()
+        buf_ids, buf_rows = state.get("acc_ids"), state.get("acc_rows")
+        if buf_ids is None or buf_rows is None or buf_ids.shape[1] < n:
+            cap = max(n, 0 if buf_ids is None else buf_ids.shape[1])
+            # Built on the host and transferred: device data, not graph constants, on XLA.
+            new_ids = torch.full((k, cap), sentinel, dtype=torch.int64)
+            new_rows = torch.zeros((k, cap, dim), dtype=p.dtype)
+            if buf_ids is not None and buf_rows is not None:
+                old = buf_ids.shape[1]
+                new_ids, new_rows = new_ids.to(p.device), new_rows.to(p.device)
+                new_ids[:, :old] = buf_ids
+                new_rows[:, :old] = buf_rows
+            buf_ids, buf_rows = new_ids.to(p.device), new_rows.to(p.device)
+            state["acc_ids"], state["acc_rows"] = buf_ids, buf_rows
+        cap = buf_ids.shape[1]
+        chunk_ids = torch.full((cap,), sentinel, dtype=torch.int64, device=p.device)
+        chunk_rows = torch.zeros((cap, dim), dtype=p.dtype, device=p.device)
+        if ids is not None and rows is not None and n:
+            chunk_ids = torch.cat([ids.to(torch.int64), chunk_ids[n:]])
+            chunk_rows = torch.cat([rows, chunk_rows[n:]])
+        if is_static_device(p.device):
+            it = self._clock(p.device)
+            at = torch.remainder(it, k).reshape(1)
+            buf_ids.index_copy_(0, at, chunk_ids[None])
+            buf_rows.index_copy_(0, at, chunk_rows[None])
+            gate = torch.remainder(it + 1, k) == 0
+            return buf_ids.reshape(-1), buf_rows.reshape(-1, dim), gate
+        buf_ids[self._iterations % k] = chunk_ids
+        buf_rows[self._iterations % k] = chunk_rows
+        if (self._iterations + 1) % k:
+            return None
+        return buf_ids.reshape(-1), buf_rows.reshape(-1, dim), None
+
+    def _global_clip_scales(self, work: list[_Work]) -> dict[torch.device, Tensor]:
+        """Keras ``global_clipnorm``: one norm over every gradient of the groups that set it."""
+        clipped = [w for w in work if w.group["global_clipnorm"]]
+        if not clipped:
+            return {}
+        dev = clipped[0].g.device
+        sq = torch.zeros((), dtype=torch.float64 if clipped[0].g.dtype == torch.float64 else torch.float32, device=dev)
+        for w in clipped:
+            part = (w.g * w.g).sum().to(device=dev, dtype=sq.dtype)
+            sq = sq + (part if w.gate is None else torch.where(w.gate.to(dev), part, torch.zeros_like(part)))
+        c = float(clipped[0].group["global_clipnorm"])
+        scale = global_norm_scale(sq, c)
+        return {w.g.device: scale.to(w.g.device) for w in clipped}
 
     def _pipeline(
         self,
@@ -287,6 +574,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         lr: Tensor,
         step: Tensor,
         group: Mapping[str, Any],
+        ctx: RowContext,
     ) -> tuple[Tensor, Slots]:
         clip = group["clipvalue"]
         if clip is not None:
@@ -295,92 +583,158 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         if wd:
             decay = lr * wd if group.get("multiply_weight_decay_factor_by_learning_rate") else wd
             w = w - decay * w
-        w, slots = cls.rule(w, g, slots, lr, step, group)
+        w, slots = cls.rule(w, g, slots, lr, step, group, ctx)
         lo, hi = group.get("clip_weight_min"), group.get("clip_weight_max")
         if lo is not None or hi is not None:
             w = w.clamp(min=lo, max=hi)
         return w, slots
 
-    # ------------------------------------------------------------------ updates
-    def _update_dense(self, p: Tensor, g: Tensor, group: dict[str, Any], lr: Tensor) -> None:
-        cls = optimizer_class(group["algorithm"])
-        state = self._state_for(p, group)
-        state["step"].add_(1)
-        n = p.shape[0] if p.dim() else 1
-        slots = {k: state[k][:n] if p.dim() else state[k] for k in cls.slot_names}
-        w, new = self._pipeline(cls, p, g, slots, lr, state["step"], group)
-        for k in cls.slot_names:
-            slots[k].copy_(new[k])  # a view of the slot without its trash rows
-        p.copy_(w)
+    @staticmethod
+    def _gated(gate: Tensor | None, new: Tensor, old: Tensor) -> Tensor:
+        return new if gate is None else torch.where(gate, new, old)
 
-    def _update_rows(
-        self, p: Tensor, ids: Tensor, rows: Tensor, group: dict[str, Any], lr: Tensor
-    ) -> None:
+    def _update_dense(self, item: _Work) -> None:
+        p, group, state, gate = item.p, item.group, item.state, item.gate
         cls = optimizer_class(group["algorithm"])
+        specs = self._specs(p, group)
+        n = p.shape[0] if p.dim() else 1
+        # Views without the trash rows of a (non-lazy) table's slots.
+        names = self._rule_slots(p, group)
+        slots = {k: state[k][:n] if specs[k].rows and p.dim() else state[k] for k in names}
+        info = table_info(p)
+        ctx = RowContext(mask=None, count=None, num_rows=n if info is None else info.num_embeddings)
+        step = state["step"] + 1
+        w, new = self._pipeline(cls, p, item.g, slots, item.lr, step, group, ctx)
+        for k in names:
+            slots[k].copy_(self._gated(gate, new[k].to(slots[k].dtype), slots[k]))
+        state["step"].copy_(self._gated(gate, step, state["step"]))
+        p.copy_(self._gated(gate, w, p))
+
+    def _update_rows(self, item: _Work) -> None:
+        p, group, state, gate, ids = item.p, item.group, item.state, item.gate, item.ids
+        assert ids is not None
+        cls = optimizer_class(group["algorithm"])
+        specs = self._specs(p, group)
         sentinel = p.shape[0]
-        rows = rows.to(p.dtype)
-        if not cls.is_lazy(group):
-            uniq, g = coalesce_rows(ids, rows, sentinel)
-            full = torch.zeros_like(p).index_add_(0, uniq, g)  # g = 0 for rows not looked up
-            self._update_dense(p, full, group, lr)
-            return
-        state = self._state_for(p, group)
-        state["step"].add_(1)
-        if group["use_gradient_accumulation"]:
-            ids, rows = coalesce_rows(ids, rows, sentinel)
-        else:
-            # No dedup: every contribution updates from the same old rows and the changes are
-            # added. Exact for SGD; a cheaper approximation otherwise (docs/optimizers.md).
-            ids, rows = drop_sentinel(ids, rows, sentinel)
+        dedup = group["use_gradient_accumulation"]
         # On XLA the sentinel tail is clamped for the gather and dropped by the scatter.
         at = ids.clamp(max=sentinel - 1)
         w0 = p.index_select(0, at)
-        slots = {k: state[k].index_select(0, at) for k in cls.slot_names}
-        w, new = self._pipeline(cls, w0, rows, slots, lr, state["step"], group)
-        if group["use_gradient_accumulation"]:  # ids are unique: write the rows
-            for k in cls.slot_names:
+        names = self._rule_slots(p, group)
+        row_slots = [k for k in names if specs[k].rows]
+        slots = {k: state[k].index_select(0, at) if k in row_slots else state[k] for k in names}
+        mask = ids < sentinel
+        info = table_info(p)
+        ctx = RowContext(mask=mask, count=mask.sum(), num_rows=sentinel if info is None else info.num_embeddings)
+        ema = group["use_ema"]
+        ema_ids = ids
+        if ema and not dedup:  # ids repeat: the average needs each row once
+            ema_ids = unique_ids(ids, sentinel)
+            ema_w0 = p.index_select(0, ema_ids.clamp(max=sentinel - 1))
+        step = state["step"] + 1
+        w, new = self._pipeline(cls, w0, item.g, slots, item.lr, step, group, ctx)
+        w = self._gated(gate, w, w0)
+        new = {k: self._gated(gate, new[k].to(slots[k].dtype), slots[k]) for k in names}
+        state["step"].copy_(self._gated(gate, step, state["step"]))
+        for k in names:
+            if k not in row_slots:
+                state[k].copy_(new[k])
+            elif dedup:  # ids are unique: write the rows
                 state[k].index_copy_(0, ids, new[k])
-            p.index_copy_(0, ids, w)
-        else:  # ids repeat: add the changes
-            for k in cls.slot_names:
+            else:  # ids repeat: add the changes
                 state[k].index_add_(0, ids, new[k] - slots[k])
+        if dedup:
+            p.index_copy_(0, ids, w)
+        else:
             p.index_add_(0, ids, w - w0)
+        if ema:
+            if dedup:
+                self._ema_rows(p, group, state, ids, w0, w)
+            else:
+                self._ema_rows(p, group, state, ema_ids, ema_w0, p.index_select(0, ema_ids.clamp(max=sentinel - 1)))
+
+    # ------------------------------------------------------------------ EMA
+    def _ema_momentum_now(self, group: Mapping[str, Any], device: torch.device, dtype: torch.dtype) -> Tensor:
+        """μ' = 0 while Keras's ``iterations`` (calls // k) is 0, else ``ema_momentum``."""
+        k = group["gradient_accumulation_steps"] or 1
+        it = self._clock(device)
+        mu: Tensor = (torch.div(it, k, rounding_mode="floor") != 0).to(dtype) * group["ema_momentum"]
+        return mu
+
+    def _ema_rows(
+        self, p: Tensor, group: Mapping[str, Any], state: dict[str, Tensor], ids: Tensor, w_old: Tensor, w_new: Tensor
+    ) -> None:
+        """Catch the touched rows' averages up over their idle calls, then apply this call's EMA."""
+        sentinel = p.shape[0]
+        at = ids.clamp(max=sentinel - 1)
+        it = self._clock(p.device).to(torch.int32)
+        avg = state["ema"].index_select(0, at)
+        idle = it - state["ema_last"].index_select(0, at) - 1
+        caught = ema_catch_up(avg, w_old, idle, group["ema_momentum"])
+        mu = self._ema_momentum_now(group, p.device, p.dtype)
+        state["ema"].index_copy_(0, ids, mu * caught + (1 - mu) * w_new)
+        state["ema_last"].index_copy_(0, ids, it.expand(ids.shape))
+
+    def _ema_all_rows(self, p: Tensor, group: Mapping[str, Any], state: dict[str, Tensor], upto: Tensor) -> Tensor:
+        """Every row's average as of call ``upto`` (lazy table): ``[rows, D]``, not stored."""
+        n = p.shape[0]
+        idle = upto.to(torch.int32) - state["ema_last"][:n]
+        return ema_catch_up(state["ema"][:n], p, idle, group["ema_momentum"])
+
+    def _ema_dense_and_overwrite(self) -> None:
+        """EMA of dense (and non-lazy) parameters every call; Keras's periodic overwrite."""
+        for group in self.param_groups:
+            if not group["use_ema"]:
+                continue
+            k = group["gradient_accumulation_steps"] or 1
+            f = group["ema_overwrite_frequency"]
+            overwrite = bool(f) and ((self._iterations // k) + 1) % f == 0
+            for p in group["params"]:
+                state = self._state_for(p, group)
+                avg = state["ema"]
+                if avg.shape != p.shape:  # a non-lazy table's slot with trash rows
+                    avg = avg[: p.shape[0]]
+                if self._lazy_table(p, group):
+                    if overwrite:  # O(V·D), every f calls, as in Keras
+                        it = self._clock(p.device)
+                        caught = self._ema_all_rows(p, group, state, it)
+                        avg.copy_(caught)
+                        state["ema_last"][: p.shape[0]] = it.to(torch.int32)
+                        p.copy_(caught)
+                    continue
+                mu = self._ema_momentum_now(group, p.device, p.dtype)
+                avg.copy_(mu * avg + (1 - mu) * p)
+                if overwrite:
+                    p.copy_(avg)
+
+    def moving_average(self, p: Tensor) -> Tensor:
+        """The EMA of ``p`` now (every row caught up), as a new tensor. Needs ``use_ema=True``."""
+        group = self._group_of(p)
+        if not group["use_ema"]:
+            raise ValueError("moving_average() needs an optimizer built with `use_ema=True`.")
+        with torch.no_grad():
+            state = self._state_for(p, group)
+            if self._lazy_table(p, group):
+                upto = torch.tensor([self._iterations - 1], dtype=torch.int64).to(p.device).reshape(())
+                return self._ema_all_rows(p, group, state, upto)
+            n = p.shape[0] if p.dim() else 1
+            return (state["ema"][:n] if p.dim() else state["ema"]).clone()
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """Apply one update to every parameter that has a gradient (rows: only touched rows)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():  # type: ignore[no-untyped-call]
-                loss = closure()
-        for gi, group in enumerate(self.param_groups):
-            lr_value: float | Tensor | None = None
+    def finalize_variable_values(self) -> None:
+        """Copy the moving averages into the parameters (Keras; end of training with ``use_ema``)."""
+        for group in self.param_groups:
+            if not group["use_ema"]:
+                continue
             for p in group["params"]:
-                info = table_info(p)
-                if info is not None and info.row_grad:
-                    ids, rows = info.row_grad.collect()
-                    info.row_grad.clear()
-                elif p.grad is not None and p.grad.is_sparse:
-                    if p.dim() != 2:
-                        raise ValueError(
-                            "Sparse gradients are supported for 2-D (embedding) parameters only. "
-                            f"Received a sparse gradient for a parameter of shape {tuple(p.shape)}."
-                        )
-                    coalesced = p.grad.coalesce()
-                    ids, rows = coalesced.indices()[0], coalesced.values()
-                elif p.grad is not None:
-                    ids, rows = None, None
-                else:
-                    continue
-                if lr_value is None:
-                    lr_value = self._lr_value(group)
-                lr = self._lr_tensor(gi, lr_value, p)
-                if ids is None or rows is None:
-                    self._update_dense(p, p.grad, group, lr)  # type: ignore[arg-type]
-                else:
-                    self._update_rows(p, ids, rows, group, lr)
-        return loss
+                avg = self.moving_average(p)
+                p.copy_(avg)
+                if self._lazy_table(p, group):
+                    state = self.state[p]
+                    state["ema"][: p.shape[0]] = avg
+                    state["ema_last"][: p.shape[0]] = self._iterations - 1
 
+    # ------------------------------------------------------------------ lifecycle
     @torch.no_grad()
     def init_state(self) -> None:
         """Create every slot now instead of at the first step.
@@ -419,21 +773,37 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 i += 1
         return keys
 
+    @staticmethod
+    def _logical_rows(p: Tensor) -> int:
+        info = table_info(p)
+        return info.num_embeddings if info is not None else (p.shape[0] if p.dim() else 1)
+
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """``{"state": {key: {slot: tensor, "step": tensor}}, "param_groups": [...]}``.
+        """``{"state": {key: {slot: tensor, "step": tensor}}, "param_groups": [...], "iterations": n}``.
 
         Keys are ``table:<name>`` (slots named as TF: ``accumulators``, ``momenta``,
-        ``velocities``, ``linears``) and ``param:<name or index>``. Callables (a callable ``lr``,
-        ``slot_creation_fn``) are not saved; the loading optimizer keeps its own.
+        ``velocities``, ``linears``; Keras: ``r``, ``c``, ``v``, ``ema``) and ``param:<name or
+        index>``. Row slots are saved with the table's logical rows (no device padding); ids in
+        a pending accumulation buffer that are padding are saved as ``-1``. Callables (a callable
+        ``lr``, ``slot_creation_fn``) are not saved; the loading optimizer keeps its own.
         """
         keys = self._param_keys()
-        state = {
-            keys[id(p)]: {
-                name: v if name == "step" else v[: p.shape[0]] for name, v in s.items()
-            }
-            for p, s in self.state.items()
-            if id(p) in keys
-        }
+        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        state: dict[str, Any] = {}
+        for p, s in self.state.items():
+            if id(p) not in keys:
+                continue
+            specs = self._specs(p, group_of[id(p)])
+            n = self._logical_rows(p)
+            out: dict[str, Tensor] = {}
+            for name, v in s.items():
+                if name == "acc_ids":
+                    out[name] = torch.where(v >= n, torch.full_like(v, -1), v)
+                elif name in specs and specs[name].rows and v.dim():
+                    out[name] = v[:n]
+                else:
+                    out[name] = v
+            state[keys[id(p)]] = out
         groups = []
         for group in self.param_groups:
             saved = {
@@ -443,12 +813,13 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             }
             saved["params"] = [keys[id(p)] for p in group["params"]]
             groups.append(saved)
-        return {"state": state, "param_groups": groups}
+        return {"state": state, "param_groups": groups, "iterations": self._iterations}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Load a :meth:`state_dict`, matching parameters by key (table name), not by position."""
         keys = self._param_keys()
         by_key = {keys[id(p)]: p for g in self.param_groups for p in g["params"]}
+        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         saved_groups = state_dict["param_groups"]
         problems: list[str] = []
         if len(saved_groups) != len(self.param_groups):
@@ -470,31 +841,73 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             p = by_key.get(key)
             if p is None:
                 continue  # reported above through the groups
+            specs = self._specs(p, {**group_of[id(p)], **_saved_group_of(saved_groups, key)})
+            n = self._logical_rows(p)
             for name, v in s.items():
-                if name != "step" and tuple(v.shape) != tuple(p.shape):
-                    problems.append(
-                        f"{key}: slot '{name}' has shape {tuple(v.shape)}, expected {tuple(p.shape)}"
-                    )
+                if name in ("step", "acc_ids", "acc_rows"):
+                    continue
+                spec = specs.get(name)
+                if spec is None:
+                    problems.append(f"{key}: unexpected slot '{name}' (expected {sorted(specs)})")
+                    continue
+                want = (n, *spec.shape[1:]) if spec.rows and spec.shape else spec.shape
+                if tuple(v.shape) != tuple(want):
+                    problems.append(f"{key}: slot '{name}' has shape {tuple(v.shape)}, expected {tuple(want)}")
         if problems:
             raise ValueError("Optimizer state does not match: " + "; ".join(problems))
         self.state.clear()
-        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
-        for sg, g in zip(saved_groups, self.param_groups, strict=True):
-            g["algorithm"] = sg.get("algorithm", g["algorithm"])
-        for key, s in state_dict["state"].items():
-            p = by_key[key]
-            state = self._state_for(p, group_of[id(p)])
-            for name, v in s.items():
-                v = v.detach().to(device=p.device)
-                if name == "step":
-                    state[name] = v.to(torch.float32).clone()
-                else:
-                    state[name][: p.shape[0]] = v.to(p.dtype)
         for sg, g in zip(saved_groups, self.param_groups, strict=True):
             for k, v in sg.items():
                 if k != "params" and not (callable(g.get(k)) and not isinstance(g.get(k), Tensor)):
                     g[k] = v
+        for key, s in state_dict["state"].items():
+            p = by_key[key]
+            state = self._state_for(p, group_of[id(p)])
+            specs = self._specs(p, group_of[id(p)])
+            for name, v in s.items():
+                v = v.detach()
+                if name == "step":
+                    state[name] = v.to(device=p.device, dtype=torch.float32).clone()
+                elif name == "acc_ids":
+                    v = v.to(torch.int64)
+                    state[name] = torch.where(v < 0, torch.full_like(v, p.shape[0]), v).to(p.device)
+                elif name == "acc_rows":
+                    state[name] = v.to(dtype=p.dtype).clone().to(p.device)
+                elif specs[name].rows and v.dim():
+                    state[name][: v.shape[0]] = v.to(device=p.device, dtype=state[name].dtype)
+                else:
+                    state[name].copy_(v.to(device=p.device, dtype=state[name].dtype))
+        self._iterations = int(state_dict.get("iterations", 0))
         self._lr_cache.clear()
+
+
+def _saved_group_of(saved_groups: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """The saved hyper-parameters of the group holding ``key`` (to know which slots it saved)."""
+    for sg in saved_groups:
+        if key in sg["params"]:
+            return {k: v for k, v in sg.items() if k != "params"}
+    return {}
+
+
+def unique_ids(ids: Tensor, sentinel: int) -> Tensor:
+    """Distinct ids (static shape with a sentinel tail on XLA; padding dropped elsewhere)."""
+    if is_static_device(ids.device):
+        return dedup_static(ids, sentinel)[0]
+    uniq: Tensor = torch.unique(ids[ids != sentinel])
+    return uniq
+
+
+@dataclasses.dataclass
+class _Work:
+    """One parameter's prepared gradient for this call."""
+
+    p: Tensor
+    group: dict[str, Any]
+    state: dict[str, Tensor]
+    ids: Tensor | None  # unique touched rows (tables); None: dense update of the whole tensor
+    g: Tensor  # [U, D] rows or the full gradient
+    gate: Tensor | None  # XLA accumulation: update kept only where True (one graph for all calls)
+    lr: Tensor = dataclasses.field(default_factory=lambda: torch.zeros(()))
 
 
 def common_defaults(
@@ -518,4 +931,3 @@ def common_defaults(
         "clipvalue": clipvalue,
         "slot_creation_fn": slot_creation_fn,
     }
-

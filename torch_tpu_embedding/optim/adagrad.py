@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
 from torch_tpu_embedding._validation import arg_error
-from torch_tpu_embedding.optim._base import RowSparseOptimizer, Slots, common_defaults
+from torch_tpu_embedding.optim._base import RowContext, RowSparseOptimizer, Slots, common_defaults
+from torch_tpu_embedding.optim._extras import KerasExtras
 
 __all__ = ["Adagrad", "adagrad_rule"]
 
@@ -20,6 +21,7 @@ def adagrad_rule(
     lr: torch.Tensor,
     step: torch.Tensor,
     hp: Mapping[str, Any],
+    ctx: RowContext,
 ) -> tuple[torch.Tensor, Slots]:
     """``a ← a + g²; w ← w − lr·g/√a`` (TPU: no epsilon; Keras uses √(a+1e-7))."""
     a = slots["accumulators"] + g * g
@@ -64,6 +66,7 @@ class Adagrad(RowSparseOptimizer):
         multiply_weight_decay_factor_by_learning_rate: bool | None = None,
         slot_creation_fn: Any = None,
         clipvalue: Any = None,
+        **extras: Unpack[KerasExtras],
     ) -> None:
         defaults = common_defaults(
             lr, use_gradient_accumulation, clip_weight_min, clip_weight_max,
@@ -71,7 +74,7 @@ class Adagrad(RowSparseOptimizer):
             slot_creation_fn,
         )
         defaults["initial_accumulator_value"] = initial_accumulator_value
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, extras)
 
     rule = staticmethod(adagrad_rule)
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
 from torch_tpu_embedding._validation import check_bool, check_number
-from torch_tpu_embedding.optim._base import RowSparseOptimizer, Slots, common_defaults
+from torch_tpu_embedding.optim._base import RowContext, RowSparseOptimizer, Slots, common_defaults
+from torch_tpu_embedding.optim._extras import KerasExtras
 
 __all__ = ["AdagradMomentum", "adagrad_momentum_rule"]
 
@@ -20,6 +21,7 @@ def adagrad_momentum_rule(
     lr: torch.Tensor,
     step: torch.Tensor,
     hp: Mapping[str, Any],
+    ctx: RowContext,
 ) -> tuple[torch.Tensor, Slots]:
     """TF SparseCore ``BuildAdagradMomentumOptimizerComputation`` (tf_spec §4.2)."""
     beta2 = hp["beta2"]
@@ -69,6 +71,7 @@ class AdagradMomentum(RowSparseOptimizer):
         multiply_weight_decay_factor_by_learning_rate: bool | None = None,
         slot_creation_fn: Any = None,
         clipvalue: Any = None,
+        **extras: Unpack[KerasExtras],
     ) -> None:
         defaults = common_defaults(
             lr, use_gradient_accumulation, clip_weight_min, clip_weight_max,
@@ -79,7 +82,7 @@ class AdagradMomentum(RowSparseOptimizer):
             momentum=momentum, use_nesterov=use_nesterov, exponent=exponent, beta2=beta2,
             epsilon=epsilon,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, extras)
 
     rule = staticmethod(adagrad_momentum_rule)
 

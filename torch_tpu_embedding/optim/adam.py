@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
 from torch_tpu_embedding._validation import arg_error, check_bool, check_number
-from torch_tpu_embedding.optim._base import RowSparseOptimizer, Slots, common_defaults
+from torch_tpu_embedding.optim._base import RowContext, RowSparseOptimizer, Slots, common_defaults
+from torch_tpu_embedding.optim._extras import KerasExtras
 
 __all__ = ["Adam", "LazyAdam", "adam_rule"]
 
@@ -20,6 +21,7 @@ def adam_rule(
     lr: torch.Tensor,
     step: torch.Tensor,
     hp: Mapping[str, Any],
+    ctx: RowContext,
 ) -> tuple[torch.Tensor, Slots]:
     """TF SparseCore ``BuildAdamOptimizerComputation``; optional bias correction (tf_spec §4.2, §6)."""
     b1, b2 = hp["betas"]
@@ -82,6 +84,7 @@ class Adam(RowSparseOptimizer):
         multiply_weight_decay_factor_by_learning_rate: bool | None = None,
         slot_creation_fn: Any = None,
         clipvalue: Any = None,
+        **extras: Unpack[KerasExtras],
     ) -> None:
         defaults = common_defaults(
             lr, use_gradient_accumulation, clip_weight_min, clip_weight_max,
@@ -92,7 +95,7 @@ class Adam(RowSparseOptimizer):
             betas=betas, eps=eps, lazy_adam=lazy_adam, sum_inside_sqrt=sum_inside_sqrt,
             bias_correction=bias_correction,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, extras)
 
     rule = staticmethod(adam_rule)
 

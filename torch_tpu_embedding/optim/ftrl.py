@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
 from torch_tpu_embedding._validation import arg_error, check_bool, check_number
-from torch_tpu_embedding.optim._base import RowSparseOptimizer, Slots, common_defaults
+from torch_tpu_embedding.optim._base import RowContext, RowSparseOptimizer, Slots, common_defaults
+from torch_tpu_embedding.optim._extras import KerasExtras
 
 __all__ = ["FTRL", "ftrl_rule"]
 
@@ -20,6 +21,7 @@ def ftrl_rule(
     lr: torch.Tensor,
     step: torch.Tensor,
     hp: Mapping[str, Any],
+    ctx: RowContext,
 ) -> tuple[torch.Tensor, Slots]:
     """TF SparseCore ``BuildFtrlOptimizerComputation`` (tf_spec §4.2), both linear modes."""
     p = hp["learning_rate_power"]
@@ -92,6 +94,7 @@ class FTRL(RowSparseOptimizer):
         clipvalue: Any = None,
         multiply_linear_by_learning_rate: bool = False,
         allow_zero_accumulator: bool = False,
+        **extras: Unpack[KerasExtras],
     ) -> None:
         defaults = common_defaults(
             lr, use_gradient_accumulation, clip_weight_min, clip_weight_max,
@@ -107,7 +110,7 @@ class FTRL(RowSparseOptimizer):
             multiply_linear_by_learning_rate=multiply_linear_by_learning_rate,
             allow_zero_accumulator=allow_zero_accumulator,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, extras)
 
     rule = staticmethod(ftrl_rule)
 

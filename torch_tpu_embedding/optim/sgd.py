@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
-from torch_tpu_embedding.optim._base import RowSparseOptimizer, Slots, common_defaults
+from torch_tpu_embedding.optim._base import RowContext, RowSparseOptimizer, Slots, common_defaults
+from torch_tpu_embedding.optim._extras import KerasExtras
 
 __all__ = ["SGD", "sgd_rule"]
 
@@ -19,6 +20,7 @@ def sgd_rule(
     lr: torch.Tensor,
     step: torch.Tensor,
     hp: Mapping[str, Any],
+    ctx: RowContext,
 ) -> tuple[torch.Tensor, Slots]:
     """``w ← w − lr·g`` (no slots)."""
     return w - lr * g, slots
@@ -63,11 +65,12 @@ class SGD(RowSparseOptimizer):
         weight_decay_factor: float | None = None,
         multiply_weight_decay_factor_by_learning_rate: bool | None = None,
         clipvalue: Any = None,
+        **extras: Unpack[KerasExtras],
     ) -> None:
         defaults = common_defaults(
             lr, use_gradient_accumulation, clip_weight_min, clip_weight_max,
             weight_decay_factor, multiply_weight_decay_factor_by_learning_rate, clipvalue,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, extras)
 
     rule = staticmethod(sgd_rule)

@@ -1,0 +1,184 @@
+"""Adafactor (Keras semantics) with truly factored, lazy state for embedding tables."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from torch_tpu_embedding._validation import arg_error, check_bool, check_number
+from torch_tpu_embedding.optim._base import RowContext, RowSparseOptimizer, Slots, SlotSpec, common_defaults
+
+__all__ = ["Adafactor", "adafactor_rule"]
+
+
+def adafactor_rule(
+    w: torch.Tensor,
+    g: torch.Tensor,
+    slots: Slots,
+    lr: torch.Tensor,
+    step: torch.Tensor,
+    hp: Mapping[str, Any],
+    ctx: RowContext,
+) -> tuple[torch.Tensor, Slots]:
+    """Keras ``Adafactor.update_step`` (tf_spec §5.2); over touched rows for tables (docs/optimizers.md).
+
+    ``w, g``: ``[..., m, n]`` (factored: slots ``r [..., m]``, ``c [..., n]``; tables also
+    ``r_sum`` = Σ r over all rows) or rank < 2 (slot ``v`` like ``w``). With ``ctx.mask`` the rows
+    are the touched rows of a table: RMS terms and the column mean run over them, the row mean over
+    the whole table comes from ``r_sum``. With every row touched this is Keras on the dense gradient.
+    """
+    t = step.to(w.dtype)
+    rho = torch.minimum(lr, torch.rsqrt(t)) if hp["relative_step"] else lr
+    b2 = 1.0 - torch.pow(t, hp["beta_2_decay"])
+    g2 = g * g + hp["epsilon_1"]
+    mask = ctx.mask
+
+    def real(x: torch.Tensor) -> torch.Tensor:  # zero the static-shape padding rows
+        if mask is None:
+            return x
+        return torch.where(mask.reshape(-1, *([1] * (x.dim() - 1))), x, torch.zeros_like(x))
+
+    if mask is None or ctx.count is None:
+        n_elems: torch.Tensor | float = float(w.numel())
+        count: torch.Tensor | None = None
+    else:
+        count = ctx.count.clamp(min=1).to(w.dtype)
+        n_elems = count * (w.numel() // max(w.shape[0], 1))
+    alpha = torch.clamp(torch.sqrt(real(w * w).sum() / n_elems), min=hp["epsilon_2"]) * rho
+    new: Slots = {}
+    if "r" in slots:
+        r_old = slots["r"].to(w.dtype)
+        # Stored precision (row_stat_dtype) decides r, so r_sum stays the sum of the stored values.
+        r = (b2 * r_old + (1 - b2) * g2.mean(-1)).to(slots["r"].dtype).to(w.dtype)
+        c_old = slots["c"]
+        if count is None:
+            c = b2 * c_old + (1 - b2) * g2.mean(-2)
+            r_mean = r.mean(-1, keepdim=True)
+        else:
+            assert ctx.count is not None
+            c = b2 * c_old + (1 - b2) * real(g2).sum(-2) / count
+            c = torch.where(ctx.count > 0, c, c_old)  # a step without touched rows keeps c
+            r_sum = slots["r_sum"] + real(r - r_old).sum()
+            new["r_sum"] = r_sum
+            r_mean = r_sum / ctx.num_rows
+        v = (r / r_mean)[..., None] * c[..., None, :]
+        new["r"], new["c"] = r, c
+    else:
+        v = b2 * slots["v"] + (1 - b2) * g2
+        new["v"] = v
+    u = g * torch.rsqrt(v)
+    rms_u = torch.sqrt(real(u * u).sum() / n_elems)
+    u = u / torch.clamp(rms_u / hp["clip_threshold"], min=1.0)
+    return w - alpha * u, new
+
+
+class Adafactor(RowSparseOptimizer):
+    r"""Adafactor, as ``keras.optimizers.Adafactor``, with O(V + D) state for embedding tables.
+
+    For a parameter of rank >= 2 (last two dims ``m × n``), with ``t`` the step and
+    :math:`\epsilon_1, \epsilon_2, d` = ``epsilon_1, epsilon_2, clip_threshold``:
+
+    .. math::
+        \rho &= \min(\eta, 1/\sqrt t) \ (\texttt{relative\_step}) \ \text{or}\ \eta, \qquad
+        \alpha = \max(\epsilon_2, \mathrm{RMS}(w))\,\rho, \qquad \beta_t = 1 - t^{\texttt{beta\_2\_decay}} \\
+        r &\leftarrow \beta_t r + (1-\beta_t)\,\mathrm{mean}_j(g^2 + \epsilon_1), \qquad
+        c \leftarrow \beta_t c + (1-\beta_t)\,\mathrm{mean}_i(g^2 + \epsilon_1) \\
+        v_{ij} &= r_i c_j / \mathrm{mean}(r), \qquad u = g / \sqrt v, \qquad
+        w \leftarrow w - \alpha\, u / \max(1, \mathrm{RMS}(u)/d)
+
+    Rank < 2: ``v ← β_t v + (1−β_t)(g² + ε1)``. Dense parameters give Keras's numbers. Keras
+    applies the cap ``min(lr, 1/√t)`` whether or not ``relative_step`` is set; here
+    ``relative_step=False`` uses ``lr`` as given, as documented (the default matches Keras).
+
+    **Embedding tables** (lazy, exact when every row is touched): the state is ``r [V]``,
+    ``c [D]`` and ``r_sum`` (Σ r) — no ``[V, D]`` second moment (Keras stores one). A step updates
+    ``r`` of the touched rows only; ``c`` averages ``g²`` over the touched rows; ``mean(r)`` is
+    ``r_sum / V``, kept current in O(touched) work; ``RMS(w)`` and ``RMS(u)`` run over the touched
+    rows. On batches that touch every row this is Keras on the densified gradient; otherwise rows
+    not looked up keep their weights and statistics.
+
+    Args:
+        params: parameters or parameter groups (tables and/or dense parameters).
+        lr: η (float, 0-d tensor or callable; default 0.001).
+        beta_2_decay: exponent of the second-moment decay (<= 0; default -0.8).
+        epsilon_1: added to ``g²`` (>= 0; default 1e-30). epsilon_2: floor of the parameter
+            scale (>= 0; default 1e-3). clip_threshold: ``d`` (> 0; default 1.0).
+        relative_step: cap the step size by ``1/√t`` (default True).
+        weight_decay: decoupled ``w ← w − w·wd·lr`` before the update (Keras).
+        row_stat_dtype: storage dtype of a table's ``r`` (default: the table's dtype).
+            ``torch.bfloat16`` halves it: a 1,000,000 × 64 float32 table then needs 0.78% of its
+            bytes for optimizer state instead of 1.56%.
+        clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum, ema_overwrite_frequency,
+        loss_scale_factor, gradient_accumulation_steps: the Keras extras (docs/optimizers.md).
+
+    Example::
+
+        >>> opt = tte.optim.Adafactor(model.parameters(), lr=0.01)
+        >>> loss.backward(); opt.step(); opt.zero_grad()
+    """
+
+    algorithm = "adafactor"
+    slot_names = ("r", "c", "r_sum", "v")  # those present depend on the parameter (slot_specs)
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: Any = 0.001,
+        beta_2_decay: float = -0.8,
+        epsilon_1: float = 1e-30,
+        epsilon_2: float = 1e-3,
+        clip_threshold: float = 1.0,
+        relative_step: bool = True,
+        weight_decay: float | None = None,
+        clipnorm: float | None = None,
+        clipvalue: float | None = None,
+        global_clipnorm: float | None = None,
+        use_ema: bool = False,
+        ema_momentum: float = 0.99,
+        ema_overwrite_frequency: int | None = None,
+        loss_scale_factor: float | None = None,
+        gradient_accumulation_steps: int | None = None,
+        *,
+        row_stat_dtype: torch.dtype | None = None,
+    ) -> None:
+        if weight_decay is not None:
+            check_number("weight_decay", weight_decay, minimum=0.0)
+        # Keras decoupled weight decay w·wd·lr is TF's weight_decay_factor times the lr.
+        defaults = common_defaults(lr, True, None, None, weight_decay, True if weight_decay else None, clipvalue)
+        defaults.update(
+            beta_2_decay=beta_2_decay, epsilon_1=epsilon_1, epsilon_2=epsilon_2,
+            clip_threshold=clip_threshold, relative_step=relative_step, row_stat_dtype=row_stat_dtype,
+        )
+        extras = {
+            "clipnorm": clipnorm, "global_clipnorm": global_clipnorm, "use_ema": use_ema,
+            "ema_momentum": ema_momentum, "ema_overwrite_frequency": ema_overwrite_frequency,
+            "loss_scale_factor": loss_scale_factor, "gradient_accumulation_steps": gradient_accumulation_steps,
+        }
+        super().__init__(params, defaults, extras)
+
+    rule = staticmethod(adafactor_rule)
+
+    @classmethod
+    def _validate(cls, hp: dict[str, Any]) -> None:
+        hp["beta_2_decay"] = check_number("beta_2_decay", hp["beta_2_decay"], maximum=0.0)
+        hp["epsilon_1"] = check_number("epsilon_1", hp["epsilon_1"], minimum=0.0)
+        hp["epsilon_2"] = check_number("epsilon_2", hp["epsilon_2"], minimum=0.0)
+        hp["clip_threshold"] = check_number("clip_threshold", hp["clip_threshold"], minimum=0.0, min_inclusive=False)
+        check_bool("relative_step", hp["relative_step"])
+        dt = hp["row_stat_dtype"]
+        if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
+            raise arg_error("row_stat_dtype", "must be a floating torch.dtype or None", dt)
+
+    @classmethod
+    def slot_specs(cls, shape: tuple[int, ...], hp: Mapping[str, Any], table: bool) -> dict[str, SlotSpec]:
+        if len(shape) < 2:
+            return {"v": SlotSpec(shape)}
+        specs = {
+            "r": SlotSpec(shape[:-1], dtype=hp["row_stat_dtype"] if table else None),
+            "c": SlotSpec((*shape[:-2], shape[-1]), rows=False),
+        }
+        if table:
+            specs["r_sum"] = SlotSpec((), rows=False)
+        return specs

@@ -132,6 +132,12 @@ def test_import_without_torch_xla() -> None:
         "assert all(hasattr(tte, n) for n in tte.__all__)\n"
         "assert all(hasattr(tte.optim, n) for n in tte.optim.__all__)\n"
         "assert sys.modules['torch_xla'] is None\n"
+        "try:\n"
+        "    torch_tpu_embedding.xla.shard\n"
+        "except ImportError as e:\n"
+        "    assert 'needs torch_xla' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('no ImportError')\n"
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -12,6 +12,7 @@ from torch_tpu_embedding.combiners import bag_gains
 from torch_tpu_embedding.config import (
     COMBINERS,
     OPTIMIZER_NAMES,
+    PLACEMENTS,
     FeatureConfig,
     TableConfig,
     default_initializer,
@@ -21,6 +22,7 @@ from torch_tpu_embedding.inputs import Jagged, Padded
 __all__ = [
     "COMBINERS",
     "OPTIMIZER_NAMES",
+    "PLACEMENTS",
     "EmbeddingCollection",
     "EmbeddingTable",
     "FeatureConfig",

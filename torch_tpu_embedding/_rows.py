@@ -80,6 +80,9 @@ class TableInfo:
     #: the table's per-table optimizer override (``TableConfig.optimizer``), if any
     optimizer: Any = None
     row_grad: RowGrad = dataclasses.field(default_factory=RowGrad)
+    #: how the table is laid out on a device mesh (set by :func:`torch_tpu_embedding.xla.shard`);
+    #: optimizer slots are created with the same layout
+    sharding: Any = None
 
 
 _TABLES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # type: ignore[no-untyped-call]

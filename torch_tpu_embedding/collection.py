@@ -94,6 +94,29 @@ class EmbeddingTable(nn.Module):
         )
         self.reset_parameters()
         register_table(self.weight, name, config.num_embeddings, config.optimizer)
+        # Padding rows (added for even sharding) never reach a checkpoint.
+        self._register_state_dict_hook(_trim_padding_rows)  # type: ignore[no-untyped-call]
+        self.register_load_state_dict_pre_hook(_restore_padding_rows)  # type: ignore[no-untyped-call]
+
+    @property
+    def padding_rows(self) -> int:
+        """Rows past ``num_embeddings`` that exist only so the rows split evenly over devices."""
+        return int(self.weight.shape[0]) - self.config.num_embeddings
+
+    def pad_rows(self, multiple: int) -> None:
+        """Round the physical rows up to a multiple of ``multiple`` with zero rows (never looked up).
+
+        Replaces ``weight`` with a new parameter: call before building the optimizer.
+        """
+        n = self.config.num_embeddings
+        rows = -(-n // multiple) * multiple
+        if rows == self.weight.shape[0]:
+            return
+        with torch.no_grad():
+            w = self.weight
+            pad = torch.zeros(rows - n, w.shape[1], dtype=w.dtype, device=w.device)
+            self.weight = nn.Parameter(torch.cat([w[:n], pad]))
+        register_table(self.weight, self.name, n, self.config.optimizer)
 
     def reset_parameters(self) -> None:
         """Fill the weight from the config's initializer (drawn on the CPU, then copied)."""
@@ -135,10 +158,31 @@ class EmbeddingTable(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.config
+        pad = f", padding_rows={self.padding_rows}" if self.padding_rows else ""
         return (
             f"name={self.name!r}, num_embeddings={c.num_embeddings}, "
-            f"embedding_dim={c.embedding_dim}, combiner={c.combiner!r}, dtype={c.dtype}"
+            f"embedding_dim={c.embedding_dim}, combiner={c.combiner!r}, dtype={c.dtype}{pad}"
         )
+
+
+def _trim_padding_rows(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    table = cast(EmbeddingTable, module)
+    key = prefix + "weight"
+    if key in state_dict and table.padding_rows:
+        state_dict[key] = state_dict[key][: table.config.num_embeddings]
+
+
+def _restore_padding_rows(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
+    missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str],
+) -> None:
+    table = cast(EmbeddingTable, module)
+    key = prefix + "weight"
+    value = state_dict.get(key)
+    n = table.config.num_embeddings
+    if table.padding_rows and isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[0] == n:
+        pad = torch.zeros(table.padding_rows, value.shape[1], dtype=value.dtype, device=value.device)
+        state_dict[key] = torch.cat([value, pad])
 
 
 class EmbeddingCollection(nn.Module):

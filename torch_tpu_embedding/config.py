@@ -28,6 +28,7 @@ from torch_tpu_embedding._validation import arg_error, check_int
 __all__ = [
     "COMBINERS",
     "OPTIMIZER_NAMES",
+    "PLACEMENTS",
     "FeatureConfig",
     "Initializer",
     "TableConfig",
@@ -35,6 +36,8 @@ __all__ = [
 ]
 
 COMBINERS = ("mean", "sum", "sqrtn")
+#: Table layouts on a device mesh (see ``TableConfig.placement`` and docs/sharding.md).
+PLACEMENTS = ("auto", "row", "column", "replicated")
 # The names a TableConfig may use for its optimizer override (torch_tpu_embedding.optim).
 OPTIMIZER_NAMES = ("sgd", "adagrad", "adagrad_momentum", "adam", "lazy_adam", "ftrl", "adafactor")
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -71,6 +74,12 @@ class TableConfig:
             ``functools.partial(tte.optim.FTRL, lr=0.1)``. ``None`` uses the optimizer's default.
         combiner: how bags of ids are reduced: ``"mean"`` (default), ``"sum"`` or ``"sqrtn"``.
         dtype: parameter dtype (float32 default; float64 for reference tests).
+        placement: how :func:`torch_tpu_embedding.xla.shard` lays the table out on a device mesh:
+            ``"row"`` (rows split over the devices; large tables), ``"column"`` (the embedding
+            dimension split; needs ``embedding_dim`` divisible by the device count),
+            ``"replicated"`` (a full copy on every device; small tables — TF's mode without the
+            embedding accelerator) or ``"auto"`` (default: replicated below a size threshold,
+            else row-sharded). Ignored off XLA and on one device.
 
     Two ``TableConfig`` objects are two tables even when their fields are equal; share a table by
     passing the same object to several :class:`FeatureConfig` s.
@@ -86,6 +95,7 @@ class TableConfig:
     optimizer: Any = None
     combiner: str = "mean"
     dtype: torch.dtype = torch.float32
+    placement: str = "auto"
 
     def __post_init__(self) -> None:
         check_int("num_embeddings", self.num_embeddings, minimum=1)
@@ -119,6 +129,8 @@ class TableConfig:
             )
         if self.dtype not in _FLOAT_DTYPES:
             raise arg_error("dtype", f"must be one of {_FLOAT_DTYPES}", self.dtype)
+        if self.placement not in PLACEMENTS:
+            raise arg_error("placement", f"must be one of {PLACEMENTS}", self.placement)
 
     def __repr__(self) -> str:
         init = self.initializer
@@ -132,7 +144,7 @@ class TableConfig:
         return (
             f"TableConfig(num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, "
             f"name={self.name!r}, initializer={init_repr}, optimizer={self.optimizer!r}, "
-            f"combiner={self.combiner!r}, dtype={self.dtype})"
+            f"combiner={self.combiner!r}, dtype={self.dtype}, placement={self.placement!r})"
         )
 
 

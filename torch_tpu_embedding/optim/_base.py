@@ -295,13 +295,14 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             return lr if lr.device == p.device else lr.reshape(1).to(p.device).reshape(())
         key = (gi, p.device, p.dtype)
         cached = self._lr_cache.get(key)
-        if cached is not None and cached[0] == lr:
-            return cached[1]
-        # A 0-d host tensor moved to XLA is folded into the graph as a constant (one compile per
-        # value); a 1-element tensor arrives as device data.
-        t = torch.tensor([float(lr)], dtype=p.dtype).to(p.device).reshape(())
-        self._lr_cache[key] = (float(lr), t)
-        return t
+        if cached is None or cached[0] != lr:
+            # A 0-d host tensor moved to XLA is folded into the graph as a constant (one compile
+            # per value); a 1-element tensor arrives as device data.
+            cached = (float(lr), torch.tensor([float(lr)], dtype=p.dtype).to(p.device))
+            self._lr_cache[key] = cached
+        # Reshaped on every use: a cached 0-d view would be materialised by the first step's sync
+        # and change the next step's graph inputs ([1] -> []), compiling twice.
+        return cached[1].reshape(())
 
     # ------------------------------------------------------------------ state
     @staticmethod
@@ -310,10 +311,15 @@ class RowSparseOptimizer(torch.optim.Optimizer):
 
         XLA pairs donated buffers with outputs by byte size; equal-sized weight and slots can be
         mis-paired, and then whole tables are copied every step (XLA_NOTES: "donation pitfall").
-        Giving slot ``k`` ``k`` extra rows makes every table-sized buffer a distinct size. The
-        extra rows also absorb the sentinel id's scatter. They never reach a checkpoint.
+        Giving slot ``k`` ``k`` extra rows (``k × shards`` when row-sharded, to keep the split even)
+        makes every table-sized buffer a distinct size. The extra rows also absorb the sentinel id's
+        scatter. They never reach a checkpoint.
         """
-        return k if table_info(p) is not None and p.device.type == "xla" else 0
+        if table_info(p) is None or p.device.type != "xla":
+            return 0
+        from torch_tpu_embedding.xla.sharding import slot_extra_rows
+
+        return slot_extra_rows(p, k)
 
     def _group_of(self, p: Tensor) -> dict[str, Any]:
         for group in self.param_groups:
@@ -379,6 +385,10 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 slot = torch.full(shape, spec.init, dtype=spec.dtype or p.dtype, device=p.device)
             if name in made:
                 slot[: spec.shape[0]] = made[name].detach().to(device=p.device, dtype=slot.dtype)
+            if p.device.type == "xla":  # created with the parameter's layout (SPMD)
+                from torch_tpu_embedding.xla.sharding import shard_slot
+
+                shard_slot(p, slot, spec.rows)
             state[name] = slot
         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         return state  # type: ignore[no-any-return]
@@ -531,6 +541,11 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 new_ids[:, :old] = buf_ids
                 new_rows[:, :old] = buf_rows
             buf_ids, buf_rows = new_ids.to(p.device), new_rows.to(p.device)
+            if p.device.type == "xla":
+                from torch_tpu_embedding.xla.sharding import shard_slot
+
+                shard_slot(p, buf_ids, rows=False)
+                shard_slot(p, buf_rows, rows=False)
             state["acc_ids"], state["acc_rows"] = buf_ids, buf_rows
         cap = buf_ids.shape[1]
         chunk_ids = torch.full((cap,), sentinel, dtype=torch.int64, device=p.device)
@@ -598,15 +613,15 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         cls = optimizer_class(group["algorithm"])
         specs = self._specs(p, group)
         n = p.shape[0] if p.dim() else 1
-        # Views without the trash rows of a (non-lazy) table's slots.
         names = self._rule_slots(p, group)
-        slots = {k: state[k][:n] if specs[k].rows and p.dim() else state[k] for k in names}
+        # Without the trash rows of a (non-lazy) table's slots.
+        slots = {k: _without_trash(state[k], n) if specs[k].rows and p.dim() else state[k] for k in names}
         info = table_info(p)
         ctx = RowContext(mask=None, count=None, num_rows=n if info is None else info.num_embeddings)
         step = state["step"] + 1
         w, new = self._pipeline(cls, p, item.g, slots, item.lr, step, group, ctx)
         for k in names:
-            slots[k].copy_(self._gated(gate, new[k].to(slots[k].dtype), slots[k]))
+            _write_whole(state[k], self._gated(gate, new[k].to(slots[k].dtype), slots[k]))
         state["step"].copy_(self._gated(gate, step, state["step"]))
         p.copy_(self._gated(gate, w, p))
 
@@ -669,11 +684,13 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         at = ids.clamp(max=sentinel - 1)
         it = self._clock(p.device).to(torch.int32)
         avg = state["ema"].index_select(0, at)
-        idle = it - state["ema_last"].index_select(0, at) - 1
-        caught = ema_catch_up(avg, w_old, idle, group["ema_momentum"])
+        last = state["ema_last"].index_select(0, at)
+        caught = ema_catch_up(avg, w_old, it - last - 1, group["ema_momentum"])
         mu = self._ema_momentum_now(group, p.device, p.dtype)
         state["ema"].index_copy_(0, ids, mu * caught + (1 - mu) * w_new)
-        state["ema_last"].index_copy_(0, ids, it.expand(ids.shape))
+        # max(last, it) == it, but written as a function of the gathered rows so that XLA orders the
+        # gather before the in-place scatter (otherwise it copies the whole [V] slot every step).
+        state["ema_last"].index_copy_(0, ids, torch.maximum(last, it))
 
     def _ema_all_rows(self, p: Tensor, group: Mapping[str, Any], state: dict[str, Tensor], upto: Tensor) -> Tensor:
         """Every row's average as of call ``upto`` (lazy table): ``[rows, D]``, not stored."""
@@ -691,19 +708,19 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             overwrite = bool(f) and ((self._iterations // k) + 1) % f == 0
             for p in group["params"]:
                 state = self._state_for(p, group)
-                avg = state["ema"]
-                if avg.shape != p.shape:  # a non-lazy table's slot with trash rows
-                    avg = avg[: p.shape[0]]
+                n = p.shape[0] if p.dim() else 1
+                avg = _without_trash(state["ema"], n) if p.dim() else state["ema"]
                 if self._lazy_table(p, group):
                     if overwrite:  # O(V·D), every f calls, as in Keras
                         it = self._clock(p.device)
                         caught = self._ema_all_rows(p, group, state, it)
-                        avg.copy_(caught)
-                        state["ema_last"][: p.shape[0]] = it.to(torch.int32)
+                        _write_whole(state["ema"], caught)
+                        _write_whole(state["ema_last"], it.to(torch.int32).expand(n))
                         p.copy_(caught)
                     continue
                 mu = self._ema_momentum_now(group, p.device, p.dtype)
-                avg.copy_(mu * avg + (1 - mu) * p)
+                avg = mu * avg + (1 - mu) * p
+                _write_whole(state["ema"], avg)
                 if overwrite:
                     p.copy_(avg)
 
@@ -731,8 +748,9 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 p.copy_(avg)
                 if self._lazy_table(p, group):
                     state = self.state[p]
-                    state["ema"][: p.shape[0]] = avg
-                    state["ema_last"][: p.shape[0]] = self._iterations - 1
+                    _write_whole(state["ema"], avg)
+                    last = torch.full_like(state["ema_last"][: p.shape[0]], self._iterations - 1)
+                    _write_whole(state["ema_last"], last)
 
     # ------------------------------------------------------------------ lifecycle
     @torch.no_grad()
@@ -879,6 +897,22 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                     state[name].copy_(v.to(device=p.device, dtype=state[name].dtype))
         self._iterations = int(state_dict.get("iterations", 0))
         self._lr_cache.clear()
+
+
+def _without_trash(slot: Tensor, n: int) -> Tensor:
+    """The first ``n`` rows of a slot (the slot itself when it has no trash rows)."""
+    return slot if slot.shape[0] == n else slot[:n]
+
+
+def _write_whole(slot: Tensor, value: Tensor) -> None:
+    """Write ``value`` into the leading rows of ``slot`` by one whole-tensor ``copy_``.
+
+    Not through a slice view: an in-place update of a view re-traces the base on XLA, and under
+    SPMD the base then loses its sharding annotation (the next step compiles another graph).
+    """
+    if slot.dim() and value.shape[0] != slot.shape[0]:
+        value = torch.cat([value, slot[value.shape[0] :]])
+    slot.copy_(value)
 
 
 def _saved_group_of(saved_groups: list[dict[str, Any]], key: str) -> dict[str, Any]:

@@ -1,0 +1,212 @@
+"""Tables and optimizer slots laid out on a torch_xla SPMD device mesh.
+
+Placements (``TableConfig.placement``):
+
+* ``"row"``: rows split over the mesh axis (``mark_sharding(w, mesh, ("x", None))``). A lookup is a
+  local masked gather plus an all-reduce of the ``[N, D]`` result; the optimizer's scatters are
+  local. Rows are padded to a multiple of the device count (an uneven split makes XLA silently
+  replicate the table after an in-place update; XLA_NOTES).
+* ``"column"``: the embedding dimension split (``(None, "x")``); needs ``D % devices == 0``.
+* ``"replicated"``: a full copy per device, for small tables (TF's mode without the embedding
+  accelerator).
+* ``"auto"``: replicated below ``replicate_below_bytes``, else row-sharded.
+
+Optimizer slots are created with their table's layout (the optimizer calls :func:`shard_slot` and
+:func:`slot_extra_rows`), so no slot is ever materialised whole on one device.
+
+Example (single-process SPMD; on Cloud TPU the same code runs on every host)::
+
+    import torch_xla, torch_xla.runtime as xr
+    xr.use_spmd()                      # before any XLA tensor exists
+    from torch_tpu_embedding.xla import shard, device_mesh
+    ec = tte.EmbeddingCollection(features, device=torch_xla.device())
+    shard(ec, device_mesh())           # before building the optimizer
+    opt = tte.optim.Adam(ec.parameters(), lr=1e-3)
+    opt.init_state(); torch_xla.sync()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any
+
+import numpy as np
+import torch
+
+from torch_tpu_embedding._rows import table_info
+from torch_tpu_embedding._validation import arg_error, check_int
+from torch_tpu_embedding.collection import EmbeddingCollection, EmbeddingTable
+from torch_tpu_embedding.config import TableConfig
+
+# torch_xla's partial type hints are not part of its API: treat its modules as untyped.
+xs: Any = importlib.import_module("torch_xla.distributed.spmd")
+xr: Any = importlib.import_module("torch_xla.runtime")
+_XLAC: Any = importlib.import_module("torch_xla")._XLAC
+#: ``torch_xla.distributed.spmd.Mesh``
+Mesh = Any
+
+__all__ = [
+    "DEFAULT_REPLICATE_BELOW_BYTES",
+    "TableSharding",
+    "choose_placement",
+    "device_mesh",
+    "replicate",
+    "shard",
+    "shard_batch",
+    "shard_slot",
+    "sharding_spec",
+    "slot_extra_rows",
+]
+
+#: ``placement="auto"`` replicates tables smaller than this (4 MiB: 16,384 rows of 64 float32).
+DEFAULT_REPLICATE_BELOW_BYTES = 4 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class TableSharding:
+    """A table's layout: ``placement`` in ``("row", "column", "replicated")`` over ``mesh[axis]``."""
+
+    placement: str
+    mesh: Any
+    axis: str
+
+    @property
+    def num_shards(self) -> int:
+        return int(self.mesh.shape()[self.axis])
+
+    def spec(self, dim: int, rows: bool = True) -> tuple[str | None, ...]:
+        """The partition spec of a ``dim``-d tensor laid out like the table (``rows``: dim 0 = rows)."""
+        none: tuple[str | None, ...] = (None,) * dim
+        if self.placement == "row" and rows and dim >= 1:
+            return (self.axis, *none[1:])
+        if self.placement == "column" and rows and dim == 2:
+            return (None, self.axis)
+        return none
+
+
+def device_mesh(axis: str = "x") -> Mesh:
+    """A 1-D mesh over every device of every host (``xr.global_runtime_device_count()``)."""
+    n = xr.global_runtime_device_count()
+    return xs.Mesh(np.arange(n), (n,), (axis,))
+
+
+def choose_placement(config: TableConfig, num_devices: int, replicate_below_bytes: int) -> str:
+    """``config.placement``, with ``"auto"`` resolved by the size rule."""
+    if config.placement != "auto":
+        return config.placement
+    size = config.num_embeddings * config.embedding_dim * torch.empty((), dtype=config.dtype).element_size()
+    return "replicated" if num_devices == 1 or size < replicate_below_bytes else "row"
+
+
+def shard(
+    collection: EmbeddingCollection,
+    mesh: Mesh | None = None,
+    *,
+    axis: str | None = None,
+    replicate_below_bytes: int = DEFAULT_REPLICATE_BELOW_BYTES,
+) -> dict[str, str]:
+    """Lay every table of ``collection`` out on ``mesh`` by its placement; returns name → placement.
+
+    Call after moving the collection to the XLA device and before building the optimizer (row
+    sharding may add padding rows, which replaces the weight parameter). Padding rows are never
+    looked up, never updated and never saved: ``state_dict`` holds ``[num_embeddings, D]``.
+    """
+    if not xr.is_spmd():
+        raise RuntimeError(
+            "torch_tpu_embedding.xla.shard needs SPMD mode: call torch_xla.runtime.use_spmd() before "
+            "any XLA tensor is created."
+        )
+    mesh = device_mesh() if mesh is None else mesh
+    axis = mesh.axis_names[0] if axis is None else axis
+    if axis not in mesh.axis_names:
+        raise arg_error("axis", f"must be one of the mesh axes {tuple(mesh.axis_names)}", axis)
+    check_int("replicate_below_bytes", replicate_below_bytes, minimum=0)
+    n = int(mesh.shape()[axis])
+    placements: dict[str, str] = {}
+    for name, module in collection.tables.items():
+        table: EmbeddingTable = module  # type: ignore[assignment]
+        if table.weight.device.type != "xla":
+            raise ValueError(
+                f"Table `{name}` is on {table.weight.device}; move the collection to the XLA device "
+                "(EmbeddingCollection(..., device=torch_xla.device())) before sharding it."
+            )
+        placement = choose_placement(table.config, n, replicate_below_bytes)
+        if placement == "column" and table.config.embedding_dim % n:
+            raise ValueError(
+                f"Table `{name}`: placement 'column' needs embedding_dim divisible by the {n} devices "
+                f"of mesh axis '{axis}'. Received: embedding_dim={table.config.embedding_dim}"
+            )
+        if placement == "row":
+            table.pad_rows(n)
+        layout = TableSharding(placement, mesh, axis)
+        xs.mark_sharding(table.weight, mesh, layout.spec(2))
+        info = table_info(table.weight)
+        assert info is not None  # pad_rows / the constructor registered it
+        info.sharding = layout
+        placements[name] = placement
+    return placements
+
+
+def shard_batch(x: torch.Tensor, mesh: Mesh | None = None, axis: str | None = None) -> torch.Tensor:
+    """Mark dim 0 of an XLA tensor as split over ``axis`` (data parallelism); returns ``x``."""
+    mesh = device_mesh() if mesh is None else mesh
+    axis = mesh.axis_names[0] if axis is None else axis
+    xs.mark_sharding(x, mesh, (axis, *([None] * (x.dim() - 1))))
+    return x
+
+
+def slot_extra_rows(table: torch.Tensor, k: int) -> int:
+    """Trash rows of row-indexed optimizer slot ``k`` (1-based) of an XLA table.
+
+    Distinct row counts keep every table-sized buffer a distinct size, so XLA cannot mis-pair
+    donated buffers (which copies whole tables each step); ``k × shards`` keeps a row-sharded slot
+    evenly split. At least one row, which absorbs scatters at the sentinel id.
+    """
+    info = table_info(table)
+    layout = None if info is None else info.sharding
+    if layout is not None and layout.placement == "row":
+        return k * int(layout.num_shards)
+    return k
+
+
+def shard_slot(param: torch.Tensor, slot: torch.Tensor, rows: bool) -> None:
+    """Give an optimizer slot its parameter's layout (``rows``: dim 0 indexes the parameter's rows).
+
+    Tables follow their placement. A dense parameter's same-shaped slots copy its sharding and other
+    slots are replicated; without this XLA may pick another layout for them after the first step,
+    which changes the next step's input shardings and compiles a second graph. No-op outside SPMD.
+    """
+    if not xr.is_spmd() or slot.dim() == 0:
+        return
+    info = table_info(param)
+    layout = None if info is None else info.sharding
+    if layout is not None:
+        xs.mark_sharding(slot, layout.mesh, layout.spec(slot.dim(), rows))
+        return
+    op = _XLAC._get_xla_op_sharding(param)
+    if op is None:
+        return
+    if tuple(slot.shape) == tuple(param.shape):
+        _XLAC._xla_mark_sharding(slot, op)
+    else:
+        xs.mark_sharding(slot, device_mesh(), (None,) * slot.dim())
+
+
+def replicate(params: Any, mesh: Mesh | None = None) -> None:
+    """Mark dense parameters (a module or an iterable of tensors) replicated on the mesh.
+
+    Data-parallel parameters should carry an explicit layout: left unmarked, XLA may give the
+    updated parameter a sharded layout after the first step, and the second step compiles again.
+    """
+    mesh = device_mesh() if mesh is None else mesh
+    tensors = params.parameters() if isinstance(params, torch.nn.Module) else params
+    for p in tensors:
+        if table_info(p) is None and p.dim():
+            xs.mark_sharding(p, mesh, (None,) * p.dim())
+
+
+def sharding_spec(t: torch.Tensor) -> str:
+    """XLA's sharding annotation of ``t`` (``""`` when it has none), e.g. ``{devices=[4,1]0,1,2,3}``."""
+    spec: str = _XLAC._get_xla_sharding_spec(t)
+    return spec

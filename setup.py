@@ -3,7 +3,7 @@
 from setuptools import find_packages, setup
 
 XLA = ["torch==2.9.0", "torch_xla==2.9.0"]  # torch_xla declares no torch pin: pin both together
-TEST = ["pytest>=8", "numpy>=1.26", "hypothesis>=6.100", "ruff>=0.6", "mypy>=1.11"]
+TEST = ["pytest>=8", "numpy>=1.26", "hypothesis>=6.100", "ruff>=0.6", "mypy>=1.11", "keras>=3.12"]
 
 setup(
     name="torch_tpu_embedding",

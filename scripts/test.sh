@@ -9,7 +9,7 @@ PY="$ENV_DIR/bin/python"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_WAIT_POLICY=PASSIVE  # spinning OpenMP threads stall a busy 2-core machine
 
-echo "== ruff"; "$ENV_DIR/bin/ruff" check torch_tpu_embedding tests examples
+echo "== ruff"; "$ENV_DIR/bin/ruff" check torch_tpu_embedding tests examples benchmarks
 echo "== mypy (strict, package)"; "$ENV_DIR/bin/mypy" torch_tpu_embedding
 status=0
 echo "== CPU tests"

@@ -119,3 +119,48 @@ def test_placements_match_single_device_cpu(name: str, dtype: torch.dtype, rtol:
         for slot, v in opt.state[t].items():
             if v.dim() == 2 and not slot.startswith("acc_"):  # table-shaped slots carry the table's layout
                 assert sharding_spec(v) == specs[name_], (name_, slot)
+
+
+def test_batch_sharded_inputs_data_parallel() -> None:
+    """Ids and dense features on the device, split over the mesh by batch (shard_batch): same numbers."""
+    from torch_tpu_embedding.xla import shard_batch
+
+    def run(device: torch.device):
+        torch.manual_seed(0)
+        t = tte.TableConfig(4001, D, name="t", placement="row", combiner="sum")
+        ec = tte.EmbeddingCollection({"u": tte.FeatureConfig(t), "s": tte.FeatureConfig(t, max_sequence_length=3)},
+                                     device=device)
+        head = torch.nn.Linear(2 * D, 1).to(device)
+        if device.type == "xla":
+            shard(ec, device_mesh())
+            replicate(head)
+        opt = O.Adagrad(list(ec.parameters()) + list(head.parameters()), lr=0.1, gradient_accumulation_steps=2)
+        opt.init_state()
+        compiles = []
+        if device.type == "xla":
+            torch_xla.sync()
+            met.clear_all()
+        g = torch.Generator().manual_seed(3)
+        for _ in range(8):
+            u = torch.randint(0, 4001, (16,), generator=g).to(device)
+            s = torch.randint(0, 4001, (16, 3), generator=g).to(device)
+            x = torch.randn(16, D, generator=g).to(device)
+            if device.type == "xla":
+                u, s, x = shard_batch(u), shard_batch(s), shard_batch(x)
+            out = ec({"u": u, "s": tte.Padded(s)})
+            pred = head(torch.cat([out["u"] * x, out["s"].sum(1)], dim=1))
+            pred.square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if device.type == "xla":
+                torch_xla.sync()
+                compiles.append(met.counter_value("UncachedCompile"))
+        return ec, compiles
+
+    ec, compiles = run(DEV)
+    assert met.executed_fallback_ops() == []
+    assert compiles[0] == 1 and compiles[-1] == 1, compiles
+    assert sharding_spec(ec.tables.t.weight).startswith("{devices=[4,1]")
+    ref, _ = run(torch.device("cpu"))
+    torch.testing.assert_close(ec.tables.t.weight.detach().cpu()[:4001], ref.tables.t.weight.detach(),
+                               rtol=1e-5, atol=1e-6)

@@ -18,6 +18,7 @@ ROOT = Path(__file__).parents[2]
 def test_tpu_example_single_process_spmd(tmp_path: Path) -> None:
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("XLA_USE_SPMD", None)  # set by use_spmd() in this process; the child calls use_spmd() itself
     ckpt = tmp_path / "ckpt.pt"
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "tpu_train.py"), "--steps", "12",
                           "--users", "10001", "--optimizer", "adafactor", "--save", str(ckpt)],

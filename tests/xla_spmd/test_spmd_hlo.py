@@ -31,6 +31,7 @@ def run(v: int, opt: str, dump: Path) -> dict:
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4",
            "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("XLA_USE_SPMD", None)  # set by use_spmd() in this process; the child calls use_spmd() itself
     out = subprocess.run([sys.executable, str(SCRIPT), str(v), opt], env=env, check=True, capture_output=True,
                          text=True, timeout=600)
     result: dict = json.loads(out.stdout.strip().splitlines()[-1])

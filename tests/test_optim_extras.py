@@ -182,20 +182,27 @@ def test_accumulation_is_one_step_on_the_mean_gradient() -> None:
     assert o.state[w]["step"].item() == 1
 
 
-def test_global_clipnorm_spans_tables_and_dense_parameters() -> None:
+def one_sgd_step(**extras: float):
+    """One SGD (lr 1) step on table + head; returns (params, values before, densified gradients)."""
     ec, head = model()
     w = ec.tables.t.weight
-    o = O.SGD([w, *head.parameters()], lr=1.0, global_clipnorm=0.1)
-    params = [w.detach().clone(), head.weight.detach().clone(), head.bias.detach().clone()]
+    params = [w, head.weight, head.bias]
+    o = O.SGD(params, lr=1.0, **extras)
+    before = [p.detach().clone() for p in params]
     loss_of(ec({"f": batch(0, False)})["f"], head, 0).backward()
     ids, rows = ec.row_grads()["t"]
     keep = ids < V
-    g_table = torch.zeros(V, D, dtype=w.dtype).index_add_(0, ids[keep], rows[keep])
-    grads = [g_table, head.weight.grad.clone(), head.bias.grad.clone()]
+    grads = [torch.zeros(V, D, dtype=w.dtype).index_add_(0, ids[keep], rows[keep]),
+             head.weight.grad.clone(), head.bias.grad.clone()]
+    o.step()
+    return params, before, grads
+
+
+def test_global_clipnorm_spans_tables_and_dense_parameters() -> None:
+    params, before, grads = one_sgd_step(global_clipnorm=0.1)
     norm = torch.sqrt(sum((g * g).sum() for g in grads))
     assert norm > 0.1
-    o.step()
-    for p, p0, g in zip([w, head.weight, head.bias], params, grads, strict=True):
+    for p, p0, g in zip(params, before, grads, strict=True):
         torch.testing.assert_close(p.detach(), p0 - g * 0.1 / norm, rtol=1e-12, atol=1e-12)
 
 
@@ -283,17 +290,8 @@ def test_moving_average_needs_use_ema() -> None:
 
 
 def test_clipnorm_clips_each_parameter_by_its_own_norm() -> None:
-    ec, head = model()
-    w = ec.tables.t.weight
-    o = O.SGD([w, *head.parameters()], lr=1.0, clipnorm=0.05)
-    params = [w.detach().clone(), head.weight.detach().clone(), head.bias.detach().clone()]
-    loss_of(ec({"f": batch(0, False)})["f"], head, 0).backward()
-    ids, rows = ec.row_grads()["t"]
-    keep = ids < V
-    grads = [torch.zeros(V, D, dtype=w.dtype).index_add_(0, ids[keep], rows[keep]),
-             head.weight.grad.clone(), head.bias.grad.clone()]
-    o.step()
-    for p, p0, g in zip([w, head.weight, head.bias], params, grads, strict=True):
+    params, before, grads = one_sgd_step(clipnorm=0.05)
+    for p, p0, g in zip(params, before, grads, strict=True):
         norm = torch.linalg.vector_norm(g)
         assert norm > 0.05
         torch.testing.assert_close(p.detach(), p0 - g * 0.05 / norm, rtol=1e-12, atol=1e-12)

@@ -884,19 +884,28 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             specs = self._specs(p, group_of[id(p)])
             for name, v in s.items():
                 v = v.detach()
+                # Whole-tensor writes into the slots made by _state_for: they keep their layout
+                # (SPMD sharding, trash and padding rows); 0-d values arrive as device data.
                 if name == "step":
-                    state[name] = v.to(device=p.device, dtype=torch.float32).clone()
+                    state[name].copy_(_to_device(v.to(torch.float32), p.device))
                 elif name == "acc_ids":
                     v = v.to(torch.int64)
-                    state[name] = torch.where(v < 0, torch.full_like(v, p.shape[0]), v).to(p.device)
+                    state[name] = _to_device(torch.where(v < 0, torch.full_like(v, p.shape[0]), v), p.device)
                 elif name == "acc_rows":
-                    state[name] = v.to(dtype=p.dtype).clone().to(p.device)
+                    state[name] = _to_device(v.to(dtype=p.dtype), p.device)
                 elif specs[name].rows and v.dim():
-                    state[name][: v.shape[0]] = v.to(device=p.device, dtype=state[name].dtype)
+                    _write_whole(state[name], _to_device(v.to(state[name].dtype), p.device))
                 else:
-                    state[name].copy_(v.to(device=p.device, dtype=state[name].dtype))
+                    state[name].copy_(_to_device(v.to(state[name].dtype), p.device))
         self._iterations = int(state_dict.get("iterations", 0))
         self._lr_cache.clear()
+
+
+def _to_device(v: Tensor, device: torch.device) -> Tensor:
+    """``v`` on ``device`` as a new tensor; a 0-d value goes through shape [1] (an XLA constant otherwise)."""
+    if v.device == device:
+        return v.clone()
+    return v.reshape(1).to(device).reshape(()) if v.dim() == 0 else v.to(device)
 
 
 def _without_trash(slot: Tensor, n: int) -> Tensor:

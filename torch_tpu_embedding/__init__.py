@@ -5,7 +5,7 @@ and the optimizers in :mod:`torch_tpu_embedding.optim` update only the rows a ba
 XLA-specific code lives in :mod:`torch_tpu_embedding.xla`, imported only when asked for.
 """
 
-from torch_tpu_embedding import checkpoint, optim
+from torch_tpu_embedding import checkpoint, interop, optim
 from torch_tpu_embedding._rows import install_stock_optimizer_guard as _install_guard
 from torch_tpu_embedding.collection import EmbeddingCollection, EmbeddingTable, split_parameters
 from torch_tpu_embedding.combiners import bag_gains
@@ -31,6 +31,7 @@ __all__ = [
     "TableConfig",
     "bag_gains",
     "checkpoint",
+    "interop",
     "default_initializer",
     "optim",
     "split_parameters",

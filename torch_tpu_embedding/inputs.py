@@ -83,14 +83,19 @@ def _err(feature: str, msg: str) -> ValueError:
     return ValueError(f"Feature `{feature}`: {msg}")
 
 
+def _tracing() -> bool:
+    return bool(torch.compiler.is_compiling() or torch.compiler.is_exporting())
+
+
 def _check_ids(feature: str, ids: torch.Tensor, vocab: int) -> None:
     if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
         raise TypeError(
             f"Feature `{feature}`: ids must be an integer tensor. Received dtype {ids.dtype}."
         )
     # Range checks need the values: done wherever they are readable without a device sync
-    # (host tensors, and eager accelerators). XLA-resident ids are not read back here.
-    if ids.numel() and ids.device.type != "xla":
+    # (host tensors, and eager accelerators). XLA-resident ids are not read back here, nor are
+    # ids being traced by torch.export / torch.compile (their values do not exist yet).
+    if ids.numel() and ids.device.type != "xla" and not _tracing():
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= vocab:
             bad = lo if lo < 0 else hi
@@ -106,7 +111,7 @@ def _check_weights(feature: str, w: torch.Tensor, shape: tuple[int, ...], what: 
         )
     if tuple(w.shape) != shape:
         raise _err(feature, f"weights must have the shape of {what} {shape}. Received: {tuple(w.shape)}")
-    if w.device.type != "xla" and w.numel() and not bool(torch.isfinite(w).all()):
+    if w.device.type != "xla" and w.numel() and not _tracing() and not bool(torch.isfinite(w).all()):
         raise _err(feature, "weights must be finite. Received a NaN or inf weight.")
 
 
@@ -391,7 +396,7 @@ def _padded_bags(
                 f"Received {mask.dtype} {tuple(mask.shape)}",
             )
     if ids.device.type != "xla":
-        _check_ids(feature, ids if mask is None else ids[mask], vocab)
+        _check_ids(feature, ids if mask is None or _tracing() else ids[mask], vocab)
     elif ids.dtype.is_floating_point:
         _check_ids(feature, ids, vocab)  # dtype error only
     if p.weights is not None:

@@ -1,0 +1,228 @@
+"""tte.checkpoint (weights_only, atomic, mismatch errors), interop layouts, serving and torch.export."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import torch_tpu_embedding as tte
+
+V, D = 20, 4
+
+
+def model(dtype: torch.dtype = torch.float64, extra_table: bool = False, rows: int = V, combiner: str = "mean"):
+    torch.manual_seed(0)
+    t = tte.TableConfig(rows, D, name="t", combiner=combiner, dtype=dtype)
+    feats = {"a": tte.FeatureConfig(t, max_ids_per_bag=3), "b": tte.FeatureConfig(t)}
+    if extra_table:
+        feats["c"] = tte.FeatureConfig(tte.TableConfig(8, D, name="u", dtype=dtype))
+    ec = tte.EmbeddingCollection(feats)
+    return torch.nn.ModuleDict({"ec": ec, "head": torch.nn.Linear(D, 1).to(dtype)})
+
+
+def train(m, opt, start: int, steps: int) -> None:
+    for s in range(start, start + steps):
+        g = torch.Generator().manual_seed(s)
+        a = torch.randint(0, 12, (6,), generator=g)
+        b = torch.randint(0, 12, (3,), generator=g)
+        batch = {"a": tte.Jagged(a, lengths=torch.tensor([3, 1, 2])), "b": b}
+        if "c" in m["ec"].feature_names:
+            batch["c"] = torch.randint(0, 8, (3,), generator=g)
+        out = m["ec"](batch)
+        (m["head"](out["a"]) * out["b"].sum(1, keepdim=True)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def make_opt(m):
+    return tte.optim.Adafactor(m.parameters(), lr=0.1, row_stat_dtype=torch.bfloat16, use_ema=True,
+                               ema_momentum=0.9, gradient_accumulation_steps=3, clipnorm=1.0)
+
+
+def test_save_load_weights_only_resumes_bitwise(tmp_path: Path) -> None:
+    m, ref = model(), model()
+    opt, opt_ref = make_opt(m), make_opt(ref)
+    train(m, opt, 0, 4)  # mid-accumulation: the pending buffer is saved too
+    train(ref, opt_ref, 0, 4)
+    path = tmp_path / "ckpt.pt"
+    tte.checkpoint.save(path, model=m, optimizer=opt, extra={"step": 4, "note": "mid-cycle"})
+    payload = torch.load(path, weights_only=True)  # no pickled code needed
+    assert payload["format"] == tte.checkpoint.FORMAT and payload["extra"] == {"step": 4, "note": "mid-cycle"}
+    m2 = model(dtype=torch.float64)
+    with torch.no_grad():
+        for p in m2.parameters():
+            p.add_(1.0)  # not the saved values
+    opt2 = make_opt(m2)
+    assert tte.checkpoint.load(path, model=m2, optimizer=opt2) == {"step": 4, "note": "mid-cycle"}
+    train(m2, opt2, 4, 5)
+    train(ref, opt_ref, 4, 5)
+    for (k, a), b in zip(ref.state_dict().items(), m2.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+    assert torch.equal(opt_ref.moving_average(ref["ec"].tables.t.weight), opt2.moving_average(m2["ec"].tables.t.weight))
+
+
+def test_save_is_atomic(tmp_path: Path) -> None:
+    m = model()
+    path = tmp_path / "ckpt.pt"
+    tte.checkpoint.save(path, model=m)
+    before = path.read_bytes()
+    with pytest.raises(Exception):  # noqa: B017 - whatever pickling raises
+        tte.checkpoint.save(path, model=m, extra={"bad": lambda: None})
+    assert path.read_bytes() == before  # the old checkpoint is intact
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]  # no temporary left behind
+
+
+def test_not_a_checkpoint(tmp_path: Path) -> None:
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "x.pt")
+    with pytest.raises(ValueError, match="is not a torch_tpu_embedding checkpoint"):
+        tte.checkpoint.load(tmp_path / "x.pt", model=model())
+
+
+def _target(kind: str):
+    """(model to load into or None, optimizer to load into or None) for each mismatch kind."""
+    if kind == "missing table":
+        return model(extra_table=True), None
+    if kind == "unexpected table":
+        return model(), None
+    if kind == "wrong shape":
+        return model(rows=V + 1), None
+    m = model(rows=V + 1) if kind == "wrong slot shape" else model()
+    if kind == "wrong optimizer":
+        return None, tte.optim.FTRL(m.parameters(), lr=0.1)
+    if kind == "different parameters":
+        return None, make_opt(torch.nn.ModuleDict({"ec": m["ec"]}))
+    return None, make_opt(m)
+
+
+@pytest.mark.parametrize(
+    "kind, error, match",
+    [
+        ("missing table", RuntimeError, r"Missing key\(s\) in state_dict: \"ec.tables.u.weight\""),
+        ("unexpected table", RuntimeError, r"Unexpected key\(s\) in state_dict: \"ec.tables.u.weight\""),
+        ("wrong shape", RuntimeError,
+         r"size mismatch for ec.tables.t.weight: copying a param with shape torch.Size\(\[20, 4\]\)"),
+        ("wrong optimizer", ValueError, r"group 0: saved by optimizer 'adafactor', loading into 'ftrl'"),
+        ("different parameters", ValueError, r"group 0: missing \[\], unexpected \['param:1', 'param:2'\]"),
+        ("wrong slot shape", ValueError, r"table:t: slot 'r' has shape \(20,\), expected \(21,\)"),
+    ],
+)
+def test_mismatches_are_listed(tmp_path: Path, kind: str, error: type, match: str) -> None:
+    src = model(extra_table=kind == "unexpected table")
+    opt = make_opt(src)
+    train(src, opt, 0, 3)
+    path = tmp_path / "ckpt.pt"
+    tte.checkpoint.save(path, model=src, optimizer=opt)
+    dst_model, dst_opt = _target(kind)
+    with pytest.raises(error, match=match):
+        tte.checkpoint.load(path, model=dst_model, optimizer=dst_opt)
+
+
+def test_model_only_serving_needs_no_optimizer_state(tmp_path: Path) -> None:
+    m = model()
+    opt = make_opt(m)
+    train(m, opt, 0, 3)
+    tte.checkpoint.save(tmp_path / "c.pt", model=m, optimizer=opt)
+    serve = model()
+    tte.checkpoint.load(tmp_path / "c.pt", model=serve)  # TF's optimizer=None
+    serve.eval()
+    with torch.no_grad():
+        out = serve["ec"]({"a": tte.Padded(torch.tensor([[1, 2, 3]])), "b": torch.tensor([4])})
+    assert not serve["ec"].tables.t.row_grad  # inference records no gradient rows
+    with torch.no_grad():
+        want = m["ec"]({"a": tte.Padded(torch.tensor([[1, 2, 3]])), "b": torch.tensor([4])})
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+class Ranker(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        t = tte.TableConfig(100, 4, name="t", combiner="mean")
+        u = tte.TableConfig(50, 4, name="u", combiner="sqrtn")
+        self.ec = tte.EmbeddingCollection({"a": tte.FeatureConfig(t), "b": tte.FeatureConfig(u, max_ids_per_bag=3),
+                                           "s": tte.FeatureConfig(t, max_sequence_length=2)})
+        self.head = torch.nn.Linear(12, 1)
+
+    def forward(self, a, b_ids, b_mask, b_w, s_ids):
+        out = self.ec({"a": a, "b": tte.Padded(b_ids, b_mask, b_w), "s": tte.Padded(s_ids)})
+        return self.head(torch.cat([out["a"], out["b"], out["s"].sum(1)], 1))
+
+
+def test_torch_export_matches_eager() -> None:
+    torch.manual_seed(0)
+    m = Ranker().eval()
+    g = torch.Generator().manual_seed(0)
+
+    def inputs():
+        return (torch.randint(0, 100, (5,), generator=g), torch.randint(0, 50, (5, 3), generator=g),
+                torch.rand(5, 3, generator=g) > 0.3, torch.rand(5, 3, generator=g), torch.randint(0, 100, (5, 2), generator=g))
+
+    ep = torch.export.export(m, inputs())
+    for _ in range(3):  # fresh ids, masks and weights: the program is not specialised to the example
+        x = inputs()
+        torch.testing.assert_close(ep.module()(*x), m(*x), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------ interop
+def test_torchrec_layout_round_trip_and_embedding_bag_lookups() -> None:
+    m = model(combiner="sum", extra_table=True)
+    ec = m["ec"]
+    sd = tte.interop.to_torchrec_state_dict(ec)
+    assert sorted(sd) == ["embedding_bags.t.weight", "embedding_bags.u.weight"]
+    # A module with TorchRec's EmbeddingBagCollection key layout, built from nn.EmbeddingBag.
+    trec = torch.nn.Module()
+    trec.embedding_bags = torch.nn.ModuleDict({n: tte.interop.to_embedding_bag(ec, n) for n in ("t", "u")})
+    assert trec.state_dict().keys() == sd.keys()
+    ids, offsets = torch.tensor([1, 2, 3, 7, 7]), torch.tensor([0, 3])
+    ours = ec({"a": tte.Jagged(ids, offsets=torch.tensor([0, 3, 5])), "b": torch.tensor([0, 1]),
+               "c": torch.tensor([0, 1])})["a"]
+    torch.testing.assert_close(trec.embedding_bags["t"](ids, offsets).double(), ours, rtol=0, atol=0)
+    # Into a fresh collection through the TorchRec layout.
+    fresh = model(combiner="sum", extra_table=True, dtype=torch.float64)["ec"]
+    with torch.no_grad():
+        fresh.tables.t.weight.zero_()
+    tte.interop.load_torchrec_state_dict(fresh, trec.state_dict())
+    assert torch.equal(fresh.tables.t.weight, ec.tables.t.weight.detach())
+    with pytest.raises(ValueError, match=re.escape("missing tables ['u']; unexpected keys ['embedding_bags.x.weight']")):
+        tte.interop.load_torchrec_state_dict(fresh, {"embedding_bags.t.weight": sd["embedding_bags.t.weight"],
+                                                     "embedding_bags.x.weight": torch.zeros(1, D)})
+    with pytest.raises(ValueError, match=re.escape("table 't' has shape (3, 4) in the state_dict, expected (20, 4)")):
+        tte.interop.load_torchrec_state_dict(fresh, {"embedding_bags.t.weight": torch.zeros(3, D),
+                                                     "embedding_bags.u.weight": sd["embedding_bags.u.weight"]})
+    bag = torch.nn.EmbeddingBag(V, D, mode="sum").double()
+    tte.interop.load_embedding_bag(fresh, "t", bag)
+    assert torch.equal(fresh.tables.t.weight, bag.weight.detach())
+    with pytest.raises(ValueError, match="has no nn.EmbeddingBag mode"):
+        tte.interop.to_embedding_bag(model(combiner="sqrtn")["ec"], "t")
+
+
+def test_ftrl_linears_convert_between_modes() -> None:
+    runs = {}
+    for mult in (False, True):
+        m = model()
+        opt = tte.optim.FTRL(m.parameters(), lr=0.2, l1_regularization_strength=0.01,
+                             multiply_linear_by_learning_rate=mult)
+        train(m, opt, 0, 3)
+        runs[mult] = (m, opt)
+    m_plain, opt_plain = runs[False]
+    converted = tte.interop.convert_ftrl_linears(opt_plain.state_dict(), multiply_linear_by_learning_rate=True)
+    for key, slots in converted["state"].items():
+        torch.testing.assert_close(slots["linears"], runs[True][1].state_dict()["state"][key]["linears"],
+                                   rtol=1e-10, atol=1e-12)
+    # Continue in the other mode: the same trajectory as never switching.
+    m2 = model()
+    m2.load_state_dict(m_plain.state_dict())
+    opt2 = tte.optim.FTRL(m2.parameters(), lr=0.2, l1_regularization_strength=0.01, multiply_linear_by_learning_rate=True)
+    opt2.load_state_dict(converted)
+    train(m2, opt2, 3, 3)
+    train(m_plain, opt_plain, 3, 3)
+    for a, b in zip(m2.parameters(), m_plain.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    back = tte.interop.convert_ftrl_linears(opt2.state_dict(), multiply_linear_by_learning_rate=False)
+    assert back["param_groups"][0]["multiply_linear_by_learning_rate"] is False
+    for key, slots in back["state"].items():
+        torch.testing.assert_close(slots["linears"], opt_plain.state_dict()["state"][key]["linears"],
+                                   rtol=1e-10, atol=1e-12)

@@ -13,13 +13,14 @@ Example::
 
 from __future__ import annotations
 
+import importlib
 import os
 import tempfile
 from typing import Any
 
 import torch
 
-__all__ = ["FORMAT", "load", "save", "to_cpu"]
+__all__ = ["FORMAT", "convert_distributed", "load", "load_distributed", "save", "save_distributed", "to_cpu"]
 
 #: written into every checkpoint; :func:`load` refuses other formats
 FORMAT = "torch_tpu_embedding.checkpoint/1"
@@ -100,3 +101,172 @@ def load(
         optimizer.load_state_dict(payload["optimizer"])
     extra: dict[str, Any] | None = payload.get("extra")
     return extra
+
+
+# ---------------------------------------------------------------------------------------------
+# Distributed checkpoints (torch.distributed.checkpoint): huge tables, written shard by shard
+# ---------------------------------------------------------------------------------------------
+_META = "tte_meta.pt"
+
+
+def _physical(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[
+    dict[str, torch.Tensor], dict[str, int | None], dict[str, Any]
+]:
+    """Every model parameter/buffer and optimizer slot as it is on the device, plus the rest."""
+    from torch_tpu_embedding._rows import table_info
+
+    tensors: dict[str, torch.Tensor] = {}
+    rows: dict[str, int | None] = {}
+    for name, p in [*model.named_parameters(), *model.named_buffers()]:
+        info = table_info(p)
+        tensors[f"model/{name}"] = p.detach()
+        rows[f"model/{name}"] = None if info is None else info.num_embeddings
+    rest: dict[str, Any] = {}
+    if optimizer is not None:
+        o_tensors, o_rows, rest = _row_sparse(optimizer).physical_state()
+        tensors.update({f"optim/{k}": v for k, v in o_tensors.items()})
+        rows.update({f"optim/{k}": v for k, v in o_rows.items()})
+    return tensors, rows, rest
+
+
+def _row_sparse(optimizer: torch.optim.Optimizer) -> Any:
+    from torch_tpu_embedding.optim._base import RowSparseOptimizer
+
+    if not isinstance(optimizer, RowSparseOptimizer):
+        raise TypeError("Distributed checkpoints need a torch_tpu_embedding.optim optimizer.")
+    return optimizer
+
+
+def _dcp() -> Any:
+    """``torch.distributed.checkpoint`` (untyped here: its names are not re-exported for mypy)."""
+    return importlib.import_module("torch.distributed.checkpoint")
+
+
+def _xla_planner(kind: str) -> Any:
+    return getattr(importlib.import_module("torch_xla.experimental.distributed_checkpoint"), kind)()
+
+
+def _uses_xla(tensors: dict[str, torch.Tensor]) -> bool:
+    return any(t.device.type == "xla" for t in tensors.values())
+
+
+def save_distributed(
+    path: str | os.PathLike[str], *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """Write a ``torch.distributed.checkpoint`` directory: each device's shards of every table and slot.
+
+    No table is gathered: on XLA the tensors are written shard by shard with torch_xla's
+    ``SPMDSavePlanner``. Physical shapes include padding and trash rows, which are the same in every
+    sharded layout (``torch_tpu_embedding.xla.ROW_ALIGNMENT``), so :func:`load_distributed` reshards
+    in place (4 → 2 → 1 devices, row ↔ column); a CPU model or :func:`convert_distributed` reads the
+    logical rows. On several hosts every process calls it (each writes its shards).
+    """
+    dcp = _dcp()
+    tensors, rows, rest = _physical(model, optimizer)
+    planner = _xla_planner("SPMDSavePlanner") if _uses_xla(tensors) else None
+    target = os.fspath(path)
+    os.makedirs(target, exist_ok=True)
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(target), planner=planner)
+    meta = {"format": FORMAT, "rows": rows, "optimizer": to_cpu(rest) if optimizer is not None else None}
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=target)
+    with os.fdopen(fd, "wb") as f:
+        torch.save(meta, f)
+    os.replace(tmp, os.path.join(target, _META))
+
+
+def _read(path: str, dest: dict[str, torch.Tensor]) -> None:
+    dcp = _dcp()
+    planner = _xla_planner("SPMDLoadPlanner") if _uses_xla(dest) else None
+    dcp.load(dest, storage_reader=dcp.FileSystemReader(path), planner=planner)
+
+
+def _saved_sizes(path: str) -> dict[str, torch.Size]:
+    md = _dcp().FileSystemReader(path).read_metadata()
+    return {k: v.size for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
+
+
+def load_distributed(
+    path: str | os.PathLike[str], *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """Load a :func:`save_distributed` directory into ``model`` (and ``optimizer``) on any device/layout.
+
+    Tensors whose physical shape matches the saved one are loaded in place, shard by shard (sharded
+    XLA tensors through ``SPMDLoadPlanner``, which reshards). Others (a CPU model without padding
+    rows) are read into host staging tensors and their logical rows copied. Build the model and
+    call ``optimizer.init_state()`` first. Mismatched tables or slots raise one ``ValueError``.
+    """
+    target = os.fspath(path)
+    meta = torch.load(os.path.join(target, _META), map_location="cpu", weights_only=True)
+    if optimizer is not None and hasattr(optimizer, "init_state"):
+        optimizer.init_state()
+    dest, rows, _ = _physical(model, optimizer)
+    saved = _saved_sizes(target)
+    missing = sorted(set(dest) - set(saved))
+    unexpected = sorted(k for k in set(saved) - set(dest) if optimizer is not None or k.startswith("model/"))
+    problems = [f"missing {missing}"] if missing else []
+    if unexpected:
+        problems.append(f"unexpected {unexpected}")
+    for k in sorted(set(dest) & set(saved)):
+        n_saved, n_here = meta["rows"].get(k), rows[k]
+        logical_saved = (n_saved, *saved[k][1:]) if n_saved is not None else tuple(saved[k])
+        logical_here = (n_here, *dest[k].shape[1:]) if n_here is not None else tuple(dest[k].shape)
+        if tuple(logical_saved) != tuple(logical_here):
+            problems.append(f"{k} has shape {tuple(logical_saved)} saved, {tuple(logical_here)} here")
+    if problems:
+        raise ValueError("Distributed checkpoint does not match: " + "; ".join(problems))
+    if optimizer is not None and meta["optimizer"] is None:
+        raise ValueError(f"{target} holds no optimizer state.")
+    wanted = {k: dest[k] for k in dest}
+    staged: dict[str, torch.Tensor] = {}
+    for k, t in dest.items():
+        if tuple(t.shape) != tuple(saved[k]):
+            staged[k] = torch.empty(saved[k], dtype=t.dtype)
+            wanted[k] = staged[k]
+    _read(target, wanted)
+    with torch.no_grad():
+        for k, host in staged.items():
+            t = dest[k]
+            n = rows[k] if rows[k] is not None else t.shape[0]
+            value = host[:n].to(t.device)
+            t.copy_(torch.cat([value, t[n:]]) if t.dim() and n != t.shape[0] else value)
+    if optimizer is not None:
+        _row_sparse(optimizer).load_physical_rest(meta["optimizer"])
+
+
+def convert_distributed(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> None:
+    """Turn a :func:`save_distributed` directory into one :func:`save` file (logical rows, CPU).
+
+    Reads on the host without torch_xla; the result loads anywhere with :func:`load`.
+    """
+    target = os.fspath(path)
+    meta = torch.load(os.path.join(target, _META), map_location="cpu", weights_only=True)
+    md = _dcp().FileSystemReader(target).read_metadata()
+    host: dict[str, torch.Tensor] = {
+        k: torch.empty(v.size, dtype=v.properties.dtype)
+        for k, v in md.state_dict_metadata.items()
+        if hasattr(v, "size")
+    }
+    _read(target, host)
+
+    def logical(k: str) -> torch.Tensor:
+        n = meta["rows"].get(k)
+        return host[k] if n is None else host[k][:n].clone()
+
+    model_sd = {k[len("model/"):]: logical(k) for k in host if k.startswith("model/")}
+    optimizer_sd = None
+    if meta["optimizer"] is not None:
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for k in host:
+            if k.startswith("optim/"):
+                key, slot = k[len("optim/"):].rsplit("/", 1)
+                state.setdefault(key, {})[slot] = logical(k)
+        for key, bufs in meta["optimizer"]["acc"].items():
+            state.setdefault(key, {}).update(bufs)
+        optimizer_sd = {"state": state, "param_groups": meta["optimizer"]["param_groups"],
+                        "iterations": meta["optimizer"]["iterations"]}
+    payload = {"format": FORMAT, "model": model_sd, "optimizer": optimizer_sd, "extra": None}
+    folder = os.path.dirname(os.path.abspath(os.fspath(out)))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=folder)
+    with os.fdopen(fd, "wb") as f:
+        torch.save(payload, f)
+    os.replace(tmp, os.fspath(out))

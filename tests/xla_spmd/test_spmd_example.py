@@ -26,5 +26,5 @@ def test_tpu_example_single_process_spmd(tmp_path: Path) -> None:
     assert "devices=4" in out and "'user': 'row'" in out and "'item': 'column'" in out
     assert re.search(r"compiled graphs: 1; host fallbacks: \[\]", out), out
     saved = torch.load(ckpt, weights_only=False)
-    assert saved["model"]["tables.user.weight"].shape == (10001, 16)  # padding rows (10004) not saved
+    assert saved["model"]["tables.user.weight"].shape == (10001, 16)  # padding rows (to 10240) not saved
     assert saved["optimizer"]["state"]["table:user"]["r"].shape == (10001,)

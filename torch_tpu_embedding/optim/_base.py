@@ -833,6 +833,62 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             groups.append(saved)
         return {"state": state, "param_groups": groups, "iterations": self._iterations}
 
+    def physical_state(self) -> tuple[dict[str, Tensor], dict[str, int | None], dict[str, Any]]:
+        """The slots as they are on the device, for distributed checkpoints (``tte.checkpoint``).
+
+        Returns ``(tensors, logical_rows, rest)``: ``tensors["<key>/<slot>"]`` is the slot itself
+        (sharded, with trash/padding rows), ``logical_rows`` its rows in :meth:`state_dict` (``None``:
+        saved whole), and ``rest`` everything else of :meth:`state_dict` (hyper-parameters, the call
+        counter, pending accumulation buffers) as small CPU values.
+        """
+        keys = self._param_keys()
+        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        tensors: dict[str, Tensor] = {}
+        rows: dict[str, int | None] = {}
+        acc: dict[str, dict[str, Tensor]] = {}
+        for p, s in self.state.items():
+            key = keys[id(p)]
+            specs = self._specs(p, group_of[id(p)])
+            n = self._logical_rows(p)
+            for name, v in s.items():
+                if name in ("acc_ids", "acc_rows"):
+                    small = torch.where(v >= n, torch.full_like(v, -1), v) if name == "acc_ids" else v
+                    acc.setdefault(key, {})[name] = small.detach().cpu()
+                    continue
+                tensors[f"{key}/{name}"] = v
+                rows[f"{key}/{name}"] = n if name in specs and specs[name].rows and v.dim() else None
+        sd = self.state_dict()
+        return tensors, rows, {"param_groups": sd["param_groups"], "iterations": sd["iterations"], "acc": acc}
+
+    def load_physical_rest(self, rest: Mapping[str, Any]) -> None:
+        """Finish a distributed-checkpoint load: the slots were loaded in place (:meth:`physical_state`);
+        this restores hyper-parameters, the call counter and pending accumulation buffers."""
+        keys = self._param_keys()
+        by_key = {keys[id(p)]: p for g in self.param_groups for p in g["params"]}
+        saved = rest["param_groups"]
+        problems = []
+        if len(saved) != len(self.param_groups):
+            problems.append(f"{len(saved)} parameter groups saved, {len(self.param_groups)} here")
+        for i, (sg, g) in enumerate(zip(saved, self.param_groups, strict=False)):
+            if sg.get("algorithm") != g["algorithm"]:
+                problems.append(
+                    f"group {i}: saved by optimizer '{sg.get('algorithm')}', loading into '{g['algorithm']}'"
+                )
+        if problems:
+            raise ValueError("Optimizer state does not match: " + "; ".join(problems))
+        for sg, g in zip(saved, self.param_groups, strict=True):
+            for k, v in sg.items():
+                if k != "params" and not (callable(g.get(k)) and not isinstance(g.get(k), Tensor)):
+                    g[k] = v
+        self._iterations = int(rest["iterations"])
+        for key, bufs in rest["acc"].items():
+            p = by_key[key]
+            state = self.state[p]
+            ids = bufs["acc_ids"].to(torch.int64)
+            state["acc_ids"] = _to_device(torch.where(ids < 0, torch.full_like(ids, p.shape[0]), ids), p.device)
+            state["acc_rows"] = _to_device(bufs["acc_rows"].to(p.dtype), p.device)
+        self._lr_cache.clear()
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Load a :meth:`state_dict`, matching parameters by key (table name), not by position."""
         keys = self._param_keys()

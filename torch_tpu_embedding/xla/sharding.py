@@ -5,7 +5,8 @@ Placements (``TableConfig.placement``):
 * ``"row"``: rows split over the mesh axis (``mark_sharding(w, mesh, ("x", None))``). A lookup is a
   local masked gather plus an all-reduce of the ``[N, D]`` result; the optimizer's scatters are
   local. Rows are padded to a multiple of the device count (an uneven split makes XLA silently
-  replicate the table after an in-place update; XLA_NOTES).
+  replicate the table after an in-place update; XLA_NOTES) — in fact of ``ROW_ALIGNMENT`` (512),
+  so that every layout has the same physical shapes (distributed checkpoints reshard in place).
 * ``"column"``: the embedding dimension split (``(None, "x")``); needs ``D % devices == 0``.
 * ``"replicated"``: a full copy per device, for small tables (TF's mode without the embedding
   accelerator).
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 from typing import Any
 
 import numpy as np
@@ -48,6 +50,7 @@ Mesh = Any
 
 __all__ = [
     "DEFAULT_REPLICATE_BELOW_BYTES",
+    "ROW_ALIGNMENT",
     "TableSharding",
     "choose_placement",
     "device_mesh",
@@ -61,6 +64,11 @@ __all__ = [
 
 #: ``placement="auto"`` replicates tables smaller than this (4 MiB: 16,384 rows of 64 float32).
 DEFAULT_REPLICATE_BELOW_BYTES = 4 << 20
+#: Sharded tables get rows up to a multiple of ``lcm(ROW_ALIGNMENT, devices)`` and slot ``k`` gets
+#: ``k`` such blocks of trash rows. For device counts dividing 512 (every TPU slice) the physical
+#: shapes are then the same in every layout — row or column, 1 to 512 devices — which lets a
+#: distributed checkpoint be resharded in place on load.
+ROW_ALIGNMENT = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +82,11 @@ class TableSharding:
     @property
     def num_shards(self) -> int:
         return int(self.mesh.shape()[self.axis])
+
+    @property
+    def row_block(self) -> int:
+        """Physical rows are a multiple of this: ``lcm(ROW_ALIGNMENT, num_shards)``."""
+        return math.lcm(ROW_ALIGNMENT, self.num_shards)
 
     def spec(self, dim: int, rows: bool = True) -> tuple[str | None, ...]:
         """The partition spec of a ``dim``-d tensor laid out like the table (``rows``: dim 0 = rows)."""
@@ -108,8 +121,8 @@ def shard(
 ) -> dict[str, str]:
     """Lay every table of ``collection`` out on ``mesh`` by its placement; returns name → placement.
 
-    Call after moving the collection to the XLA device and before building the optimizer (row
-    sharding may add padding rows, which replaces the weight parameter). Padding rows are never
+    Call after moving the collection to the XLA device and before building the optimizer (padding
+    rows up to a multiple of ``lcm(ROW_ALIGNMENT, devices)`` replace the weight parameter). Padding rows are never
     looked up, never updated and never saved: ``state_dict`` holds ``[num_embeddings, D]``.
     """
     if not xr.is_spmd():
@@ -137,9 +150,8 @@ def shard(
                 f"Table `{name}`: placement 'column' needs embedding_dim divisible by the {n} devices "
                 f"of mesh axis '{axis}'. Received: embedding_dim={table.config.embedding_dim}"
             )
-        if placement == "row":
-            table.pad_rows(n)
         layout = TableSharding(placement, mesh, axis)
+        table.pad_rows(layout.row_block)
         xs.mark_sharding(table.weight, mesh, layout.spec(2))
         info = table_info(table.weight)
         assert info is not None  # pad_rows / the constructor registered it
@@ -160,13 +172,14 @@ def slot_extra_rows(table: torch.Tensor, k: int) -> int:
     """Trash rows of row-indexed optimizer slot ``k`` (1-based) of an XLA table.
 
     Distinct row counts keep every table-sized buffer a distinct size, so XLA cannot mis-pair
-    donated buffers (which copies whole tables each step); ``k × shards`` keeps a row-sharded slot
-    evenly split. At least one row, which absorbs scatters at the sentinel id.
+    donated buffers (which copies whole tables each step); on a mesh ``k`` row blocks keep a
+    row-sharded slot evenly split and every layout's shapes equal (:data:`ROW_ALIGNMENT`). At least
+    one row, which absorbs scatters at the sentinel id.
     """
     info = table_info(table)
     layout = None if info is None else info.sharding
-    if layout is not None and layout.placement == "row":
-        return k * int(layout.num_shards)
+    if layout is not None:
+        return k * int(layout.row_block)
     return k
 
 

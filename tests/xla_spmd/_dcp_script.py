@@ -1,0 +1,93 @@
+"""Distributed-checkpoint resharding chain worker (used by test_dcp_resharding.py).
+
+Usage: python _dcp_script.py STAGE DIR
+  save4: 4 devices, big table row-sharded: 3 steps, save_distributed(DIR/dcp4), logical reference DIR/ref.pt
+  load2: 2 devices, big table column-sharded: load DIR/dcp4 → DIR/after2.pt, save_distributed(DIR/dcp2)
+  load1: 1 device (SPMD), row placement: load DIR/dcp2 → DIR/after1.pt, save_distributed(DIR/dcp1)
+  cpu:   no torch_xla at all: load DIR/dcp1 into a CPU model → DIR/aftercpu.pt; convert_distributed → DIR/conv.pt
+Each "after" file is tte.checkpoint.save of the loaded model and optimizer (logical rows).
+"""
+
+import os
+import sys
+
+STAGE, DIR = sys.argv[1], sys.argv[2]
+if STAGE == "cpu":
+    sys.modules["torch_xla"] = None  # type: ignore[assignment]  # prove the CPU path needs no torch_xla
+
+import torch  # noqa: E402
+
+import torch_tpu_embedding as tte  # noqa: E402
+
+PLACEMENT = {"save4": "row", "load2": "column", "load1": "row", "cpu": "auto"}[STAGE]
+if STAGE != "cpu":
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    xr.use_spmd()
+    DEV = torch_xla.device()
+else:
+    DEV = torch.device("cpu")
+
+
+def build():
+    torch.manual_seed(0)
+    big = tte.TableConfig(1001, 8, name="big", combiner="mean", placement=PLACEMENT)
+    small = tte.TableConfig(40, 8, name="small", combiner="sum", placement="replicated")
+    ec = tte.EmbeddingCollection({"a": tte.FeatureConfig(big, max_ids_per_bag=4), "b": tte.FeatureConfig(small)},
+                                 device=DEV)
+    head = torch.nn.Linear(8, 1).to(DEV)
+    if STAGE != "cpu":
+        from torch_tpu_embedding.xla import replicate, shard
+
+        shard(ec)
+        replicate(head)
+    model = torch.nn.ModuleDict({"ec": ec, "head": head})
+    opt = tte.optim.Adafactor(model.parameters(), lr=0.1, use_ema=True, gradient_accumulation_steps=2)
+    opt.init_state()
+    if STAGE != "cpu":
+        torch_xla.sync()
+    return model, opt
+
+
+def step(model, opt, s: int) -> None:
+    g = torch.Generator().manual_seed(s)
+    a = torch.randint(0, 1001, (16,), generator=g)
+    b = torch.randint(0, 40, (4,), generator=g)
+    out = model["ec"]({"a": tte.Jagged(a, lengths=torch.full((4,), 4)), "b": b})
+    (model["head"](out["a"]) * out["b"]).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    if STAGE != "cpu":
+        torch_xla.sync()
+
+
+def spec(model) -> str:
+    if STAGE == "cpu":
+        return ""
+    from torch_tpu_embedding.xla import sharding_spec
+
+    return str(sharding_spec(model["ec"].tables.big.weight))
+
+
+model, opt = build()
+if STAGE == "save4":
+    for s in range(3):  # 3 calls with k = 2: a pending accumulation buffer is saved too
+        step(model, opt, s)
+    tte.checkpoint.save_distributed(os.path.join(DIR, "dcp4"), model=model, optimizer=opt)
+    tte.checkpoint.save(os.path.join(DIR, "ref.pt"), model=model, optimizer=opt)
+else:
+    source = {"load2": "dcp4", "load1": "dcp2", "cpu": "dcp1"}[STAGE]
+    before = spec(model)
+    tte.checkpoint.load_distributed(os.path.join(DIR, source), model=model, optimizer=opt)
+    if STAGE != "cpu":
+        torch_xla.sync()
+    assert spec(model) == before, (spec(model), before)  # loaded in place: the layout is kept
+    tte.checkpoint.save(os.path.join(DIR, f"after{STAGE[4:] or STAGE}.pt"), model=model, optimizer=opt)
+    if STAGE == "cpu":
+        tte.checkpoint.convert_distributed(os.path.join(DIR, source), os.path.join(DIR, "conv.pt"))
+    else:
+        tte.checkpoint.save_distributed(os.path.join(DIR, {"load2": "dcp2", "load1": "dcp1"}[STAGE]), model=model,
+                                        optimizer=opt)
+        step(model, opt, 3)  # training continues on the new layout
+print("ok", model["ec"].tables.big.weight.shape[0])

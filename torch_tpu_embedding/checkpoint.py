@@ -87,7 +87,13 @@ def load(
     Build the model on its device and layout first (and ``optimizer.init_state()`` on XLA); the
     tensors are copied into the existing parameters and slots, which keep their sharding.
     """
-    payload = torch.load(os.fspath(path), map_location="cpu", weights_only=True)
+    target = os.fspath(path)
+    if not os.path.exists(target):
+        raise FileNotFoundError(f"No checkpoint at {target}")
+    try:
+        payload = torch.load(target, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises several types for a damaged zip / pickle stream
+        raise ValueError(f"{target} is not a readable checkpoint (truncated or corrupt): {e}") from e
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
         raise ValueError(f"{os.fspath(path)} is not a torch_tpu_embedding checkpoint ({FORMAT}). Found: {found!r}")

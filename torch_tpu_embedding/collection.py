@@ -165,6 +165,14 @@ class EmbeddingTable(nn.Module):
         )
 
 
+def _device_resident(value: Any) -> bool:
+    """True when a feature's ids arrived already on an XLA device (not readable without a sync)."""
+    if isinstance(value, torch.Tensor):
+        return value.device.type == "xla"
+    ids = getattr(value, "ids", getattr(value, "values", None))  # Padded / Jagged
+    return isinstance(ids, torch.Tensor) and ids.device.type == "xla"
+
+
 def _trim_padding_rows(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     table = cast(EmbeddingTable, module)
     key = prefix + "weight"
@@ -256,6 +264,7 @@ class EmbeddingCollection(nn.Module):
         dupe_features = sorted({n for n in feature_names if feature_names.count(n) > 1})
         if dupe_features:
             raise ValueError(f"Features must have unique names. Duplicated: {dupe_features}")
+        self._invalid_ids: dict[str, torch.Tensor] = {}  # device-side counts, see check_ids()
         self.tables = nn.ModuleDict(
             {table_names[key]: EmbeddingTable(cfg, table_names[key]) for key, cfg in configs.items()}
         )
@@ -317,11 +326,48 @@ class EmbeddingCollection(nn.Module):
                 device=weight.device,
                 dtype=weight.dtype,
             )
+            ids, valid = bags.ids, bags.valid
+            if _device_resident(_pick(features, path)):  # host inputs were checked in to_bags
+                ids, valid = self._screen_device_ids(fname, fc.table.num_embeddings, ids, valid, weight.shape[0])
             combiner = fc.table.combiner if bags.combine else "sum"
-            gains = bag_gains(bags.valid, bags.weights, combiner, weight.dtype)
-            out = lookup(weight, bags.ids, gains, table.row_grad)
+            gains = bag_gains(valid, bags.weights, combiner, weight.dtype)
+            out = lookup(weight, ids, gains, table.row_grad)
             outputs[path] = out.reshape(*bags.out_shape, weight.shape[1])
         return _rebuild(self._config, outputs)
+
+    # ------------------------------------------------------------------ device-side id validation
+    def _screen_device_ids(
+        self, feature: str, vocab: int, ids: torch.Tensor, valid: torch.Tensor, sentinel: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ids already on an XLA device cannot be read without a sync: count the out-of-range ones on
+        the device, and turn them into padding so they train nothing (never a silent remap to a row).
+        :meth:`check_ids` raises at a sync point of the user's choosing."""
+        bad = valid & ((ids < 0) | (ids >= vocab))
+        prev = self._invalid_ids.get(feature)
+        if prev is None:  # uploaded (not created on the device) and kept [1]-shaped: every step traces one graph
+            prev = torch.zeros(1, dtype=torch.int64).to(ids.device)
+        self._invalid_ids[feature] = prev + bad.sum().reshape(1)
+        return torch.where(bad, torch.full_like(ids, sentinel), ids), valid & ~bad
+
+    def invalid_id_counts(self) -> dict[str, int]:
+        """Out-of-range ids seen on the device per feature since the last :meth:`check_ids` (syncs XLA)."""
+        return {f: int(c.item()) for f, c in self._invalid_ids.items()}
+
+    def check_ids(self) -> None:
+        """Raise if any XLA-resident input held an out-of-range id since the last call, then reset.
+
+        Host inputs (the usual case) are checked during input normalisation and raise at once. Ids
+        built on the device are screened on the device instead: an out-of-range id is dropped (it
+        trains no row) and counted; call this at a sync point (e.g. every N steps, or with the
+        loss logging) to turn the count into an error.
+        """
+        counts = {f: n for f, n in self.invalid_id_counts().items() if n}
+        self._invalid_ids.clear()
+        if counts:
+            vocab = {fname: fc.table.num_embeddings for _, fname, fc, _ in self._features}
+            detail = "; ".join(f"Feature `{f}`: {n} id(s) outside [0, {vocab[f]})" for f, n in sorted(counts.items()))
+            raise ValueError(f"Out-of-range ids in device inputs since the last check_ids(): {detail}. They were "
+                             "dropped from their bags (no row was trained with them).")
 
     def extra_repr(self) -> str:
         by_table: dict[str, list[str]] = {}

@@ -118,3 +118,37 @@ def test_variable_length_inputs_on_device_are_rejected() -> None:
     ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(V, D, name="t"))}, device=DEV)
     with pytest.raises(ValueError, match=r"variable-length inputs must be host \(CPU\) tensors"):
         ec({"f": tte.Jagged(torch.tensor([1, 2]).to(DEV), lengths=torch.tensor([2]))})
+
+
+def test_device_resident_out_of_range_ids_are_counted_dropped_and_raised() -> None:
+    """Ids built on the XLA device cannot be checked without a sync: they are screened on the device
+    (dropped, never remapped to a row) and check_ids() raises at the user's sync point."""
+    dev = torch_xla.device()
+    torch.manual_seed(0)
+    t = tte.TableConfig(10, 3, name="t", combiner="sum")
+    ec = tte.EmbeddingCollection({"g": tte.FeatureConfig(t), "p": tte.FeatureConfig(t, max_ids_per_bag=2)},
+                                 device=dev)
+    opt = tte.optim.SGD(ec.parameters(), lr=1.0)
+    opt.init_state()
+    torch_xla.sync()
+    w0 = ec.tables.t.weight.detach().cpu().clone()
+    met.clear_all()
+    for step in range(3):
+        lr = 1.0 if step == 0 else 0.0
+        opt.param_groups[0]["lr"] = lr
+        g = torch.tensor([1, 12, -3], device=dev)  # two bad ids on the device
+        p = tte.Padded(torch.tensor([[2, 10], [3, 4]], device=dev))  # 10 == num_embeddings: bad
+        out = ec({"g": g, "p": p})
+        (out["g"].sum() + out["p"].sum()).backward()
+        opt.step()
+        opt.zero_grad()
+        torch_xla.sync()
+    assert met.counter_value("UncachedCompile") == 1  # the screening is part of the one step graph
+    assert ec.invalid_id_counts() == {"g": 6, "p": 3}
+    with pytest.raises(ValueError, match=r"Feature `g`: 6 id\(s\) outside \[0, 10\); Feature `p`: 3 id\(s\)"):
+        ec.check_ids()
+    ec.check_ids()  # reset: nothing new since
+    w = ec.tables.t.weight.detach().cpu()
+    assert torch.equal(out["g"][1].cpu(), torch.zeros(3)) and torch.equal(out["g"][2].cpu(), torch.zeros(3))
+    changed = sorted(int(i) for i in torch.nonzero((w != w0).any(1)).flatten())
+    assert changed == [1, 2, 3, 4]  # no bad id trained any row (row 9 = clamp target untouched)

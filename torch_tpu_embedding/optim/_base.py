@@ -147,6 +147,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         self._clocks: dict[torch.device, Tensor] = {}
         #: calls of ``step()`` so far (Keras ``iterations`` before the ``// k`` of accumulation)
         self._iterations = 0
+        self._skipped: Tensor | None = None  # device-side count of calls dropped by skip_nonfinite
         super().__init__(self._with_table_overrides(params, defaults), defaults)
 
     # ------------------------------------------------------------------ subclass API
@@ -275,6 +276,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         self.__dict__.setdefault("_lr_cache", {})
         self.__dict__.setdefault("_clocks", {})
         self.__dict__.setdefault("_iterations", 0)
+        self.__dict__.setdefault("_skipped", None)
         for group in self.param_groups:
             group.setdefault("algorithm", self.algorithm)
             group.setdefault("slot_creation_fn", None)
@@ -430,6 +432,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         for item in work:
             if item.group["global_clipnorm"]:
                 item.g = item.g * scale[item.g.device].to(item.g.dtype)
+        self._gate_nonfinite(work)
+        for item in work:
             if item.ids is None:
                 self._update_dense(item)
             else:
@@ -499,6 +503,29 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         if group["clipnorm"]:
             g = clip_by_norm(g, group["clipnorm"])
         return _Work(p=p, group=group, state=state, ids=ids, g=g, gate=gate)
+
+    def _gate_nonfinite(self, work: list[_Work]) -> None:
+        """``skip_nonfinite``: keep every update of this call only if all gradients are finite."""
+        checked = [w for w in work if w.group["skip_nonfinite"]]
+        if not checked:
+            return
+        dev = checked[0].g.device
+        finite = torch.ones((), dtype=torch.bool, device=dev)
+        for w in checked:
+            finite = finite & torch.isfinite(w.g).all().to(dev)
+        for w in checked:
+            ok = finite.to(w.g.device)
+            w.gate = ok if w.gate is None else w.gate & ok
+        if self._skipped is None:
+            self._skipped = _to_device(torch.zeros((), dtype=torch.int64), dev)
+        elif self._skipped.device != dev:
+            self._skipped = _to_device(self._skipped, dev)
+        self._skipped = self._skipped + (~finite).to(torch.int64)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Calls whose update ``skip_nonfinite`` dropped (reading it syncs an XLA device)."""
+        return 0 if self._skipped is None else int(self._skipped.item())
 
     def _accumulate_dense(
         self, state: dict[str, Tensor], g: Tensor, k: int, device: torch.device
@@ -831,7 +858,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             }
             saved["params"] = [keys[id(p)] for p in group["params"]]
             groups.append(saved)
-        return {"state": state, "param_groups": groups, "iterations": self._iterations}
+        return {"state": state, "param_groups": groups, "iterations": self._iterations,
+                "skipped_steps": self.skipped_steps}
 
     def physical_state(self) -> tuple[dict[str, Tensor], dict[str, int | None], dict[str, Any]]:
         """The slots as they are on the device, for distributed checkpoints (``tte.checkpoint``).
@@ -954,6 +982,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 else:
                     state[name].copy_(_to_device(v.to(state[name].dtype), p.device))
         self._iterations = int(state_dict.get("iterations", 0))
+        skipped = int(state_dict.get("skipped_steps", 0))
+        self._skipped = torch.tensor(skipped, dtype=torch.int64) if skipped else None
         self._lr_cache.clear()
 
 

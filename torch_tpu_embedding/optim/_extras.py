@@ -11,6 +11,10 @@
 3. clipping: ``clipnorm`` (per parameter), ``global_clipnorm`` (all parameters jointly) or
    ``clipvalue`` — at most one.
 4. decoupled weight decay, 5. the optimizer's rule, then weight clipping.
+``skip_nonfinite`` (ours, not Keras): when any gradient of the call (after accumulation and
+clipping) holds a NaN or inf, no parameter or slot changes; ``optimizer.skipped_steps`` counts such
+calls. It is a device-side mask, so it costs no sync and no recompilation on XLA.
+
 6. EMA: ``avg ← μ'·avg + (1−μ')·w`` after every call (μ' = 0 while ``iterations // k == 0``);
    every ``ema_overwrite_frequency`` calls ``w ← avg``; ``finalize_variable_values()`` copies
    the averages into the parameters.
@@ -52,6 +56,7 @@ class KerasExtras(TypedDict, total=False):
     ema_overwrite_frequency: int | None
     loss_scale_factor: float | None
     gradient_accumulation_steps: int | None
+    skip_nonfinite: bool
 
 
 EXTRA_DEFAULTS: dict[str, Any] = {
@@ -62,6 +67,7 @@ EXTRA_DEFAULTS: dict[str, Any] = {
     "ema_overwrite_frequency": None,
     "loss_scale_factor": None,
     "gradient_accumulation_steps": None,
+    "skip_nonfinite": False,
 }
 EXTRA_NAMES = tuple(EXTRA_DEFAULTS)
 
@@ -84,6 +90,7 @@ def check_extras(hp: dict[str, Any], given: dict[str, Any]) -> None:
             f"global_clipnorm={hp['global_clipnorm']}"
         )
     check_bool("use_ema", hp["use_ema"])
+    check_bool("skip_nonfinite", hp["skip_nonfinite"])
     hp["ema_momentum"] = check_number("ema_momentum", hp["ema_momentum"], minimum=0.0, maximum=1.0)
     if hp["ema_overwrite_frequency"] is not None:
         check_int("ema_overwrite_frequency", hp["ema_overwrite_frequency"], minimum=1)

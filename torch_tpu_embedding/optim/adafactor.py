@@ -112,6 +112,8 @@ class Adafactor(RowSparseOptimizer):
             bytes for optimizer state instead of 1.56%.
         clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum, ema_overwrite_frequency,
         loss_scale_factor, gradient_accumulation_steps: the Keras extras (docs/optimizers.md).
+        skip_nonfinite: drop the whole update of a call whose gradients hold NaN/inf
+            (``skipped_steps`` counts them).
 
     Example::
 
@@ -142,6 +144,7 @@ class Adafactor(RowSparseOptimizer):
         gradient_accumulation_steps: int | None = None,
         *,
         row_stat_dtype: torch.dtype | None = None,
+        skip_nonfinite: bool = False,
     ) -> None:
         if weight_decay is not None:
             check_number("weight_decay", weight_decay, minimum=0.0)
@@ -155,6 +158,7 @@ class Adafactor(RowSparseOptimizer):
             "clipnorm": clipnorm, "global_clipnorm": global_clipnorm, "use_ema": use_ema,
             "ema_momentum": ema_momentum, "ema_overwrite_frequency": ema_overwrite_frequency,
             "loss_scale_factor": loss_scale_factor, "gradient_accumulation_steps": gradient_accumulation_steps,
+            "skip_nonfinite": skip_nonfinite,
         }
         super().__init__(params, defaults, extras)
 

@@ -54,10 +54,9 @@ def to_cpu(obj: Any) -> Any:
 def _host_rows(t: torch.Tensor, n: int | None) -> torch.Tensor:
     """The first ``n`` rows of ``t`` on the host: the whole tensor moves, then it is cut on the CPU.
 
-    Slicing on an XLA device first would trace and run a graph per tensor, and its results stay
-    cached by the runtime (host memory grew ~35 MiB per checkpoint in benchmarks/soak.py).
+    Slicing on an XLA device first would trace, compile and run a graph per tensor at every save.
     """
-    host = to_cpu(t)
+    host: torch.Tensor = to_cpu(t)
     return host if n is None or n == host.shape[0] else host[:n].clone()
 
 

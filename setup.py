@@ -1,8 +1,12 @@
-"""Install: ``pip install -e .`` (CPU/CUDA), ``pip install -e .[xla]`` for TPU / XLA:CPU."""
+"""Install: ``pip install -e .`` (CPU/CUDA), ``pip install -e .[xla]`` for TPU / XLA:CPU, ``[examples]``
+for examples/ (progress bars, plots)."""
 
 from setuptools import find_packages, setup
 
 XLA = ["torch==2.9.0", "torch_xla==2.9.0"]  # torch_xla declares no torch pin: pin both together
+# examples/movielens.py also reads MovieLens-100k from `pip install --no-deps recbole==1.2.1`
+# (not an extra: its own dependencies are not needed and --no-deps cannot be expressed here).
+EXAMPLES = ["tqdm>=4.60", "matplotlib>=3.7"]
 TEST = ["pytest>=8", "numpy>=1.26", "hypothesis>=6.100", "ruff>=0.6", "mypy>=1.11", "keras>=3.12"]
 
 setup(
@@ -15,6 +19,6 @@ setup(
     package_data={"torch_tpu_embedding": ["py.typed"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "numpy>=1.26"],
-    extras_require={"xla": XLA, "test": TEST, "dev": XLA + TEST},
+    extras_require={"xla": XLA, "examples": EXAMPLES, "test": TEST, "dev": XLA + EXAMPLES + TEST},
     license="Apache-2.0",
 )

@@ -351,7 +351,8 @@ class EmbeddingCollection(nn.Module):
 
     def invalid_id_counts(self) -> dict[str, int]:
         """Out-of-range ids seen on the device per feature since the last :meth:`check_ids` (syncs XLA)."""
-        return {f: int(c.item()) for f, c in self._invalid_ids.items()}
+        # .cpu() is a device-to-host transfer; .item() on an XLA tensor counts as a host fallback op.
+        return {f: int(c.cpu().reshape(-1)[0]) for f, c in self._invalid_ids.items()}
 
     def check_ids(self) -> None:
         """Raise if any XLA-resident input held an out-of-range id since the last call, then reset.

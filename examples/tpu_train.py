@@ -100,10 +100,12 @@ def main() -> None:
     compiles = met.counter_value("UncachedCompile") or 0
     fallbacks = met.executed_fallback_ops()
     print(f"{args.steps} steps in {elapsed:.1f}s; compiled graphs: {compiles}; host fallbacks: {fallbacks}")
-    if args.save and xr.process_index() == 0:
+    if args.save:
+        # Every process calls save: gathering a sharded table to the host runs on all devices. On
+        # several hosts each writes the same logical checkpoint to its own (local) path; for tables
+        # too large for one host use tte.checkpoint.save_distributed (docs/checkpoints.md).
         os.makedirs(os.path.dirname(os.path.abspath(args.save)), exist_ok=True)
-        torch.save({"model": {k: v.cpu() for k, v in ec.state_dict().items()},
-                    "optimizer": opt.state_dict()}, args.save)
+        tte.checkpoint.save(args.save, model=ec, optimizer=opt)
         print(f"saved {args.save}")
 
 

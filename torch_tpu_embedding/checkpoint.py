@@ -97,7 +97,9 @@ def save(
 ) -> None:
     """Write ``{"format", "model", "optimizer", "extra"}`` to ``path`` atomically (temp file + rename).
 
-    On several hosts call it from one process (``torch_xla.runtime.process_index() == 0``).
+    Under multi-host SPMD call it from every process, each with a path on its own disk: reading a
+    sharded tensor to the host is a computation over all devices, so a process that skips it
+    stalls the others. Tables larger than one host's memory: :func:`save_distributed`.
     """
     payload = {
         "format": FORMAT,

@@ -1,0 +1,354 @@
+"""Eager CPU training step: ours vs torch's sparse optimizers, FBGEMM TBE, dense Adam and a measured floor.
+
+Run (from the repository root; 15–30 min at full size with 2 thread counts, 6 GB of memory at most):
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/eager_cpu.py [--threads 1 2] [--rows 1000000] [--iters 20]
+        [--bags 1 20] [--modes ours_lazyadam torch_sparseadam ...] [--no-fbgemm]
+
+Quick check: ``... --rows 100000 --iters 3 --threads 1``.
+
+Workload (as ``shared/reference/anchors_torchrec.md`` §5.4): 4 tables × 1,000,000 rows × 64 fp32, one
+feature per table, batch 4096, ids uniform random; (a) 1 id per bag, sum; (b) 20 ids per bag, mean. One
+step = forward + ``out.sum().backward()`` + the optimizer's update (FBGEMM: fused into the backward).
+Inputs are pre-built (a ring of 4 batches, the same ids for every contender); ms/step is the median
+(p10–p90) of ``--iters`` timed steps after 3 warm-up steps (dense Adam: ``--dense-iters`` after 1).
+
+Contenders, each in its own subprocess (clean thread settings and memory), per thread count:
+
+* ours: ``tte.EmbeddingCollection`` + ``tte.optim`` SGD, Adagrad, LazyAdam, FTRL, Adafactor (lr 0.01);
+  inputs: dense ids ``[B]`` (1 id) or ``tte.Padded`` ``[B, 20]`` (20 ids).
+* ``nn.EmbeddingBag(sparse=True)`` + ``torch.optim`` SGD / SparseAdam / Adagrad.
+* FBGEMM TBE ``SplitTableBatchedEmbeddingBagsCodegen`` on CPU, EXACT_SGD / EXACT_ADAGRAD /
+  EXACT_ROWWISE_ADAGRAD (``benchmarks/_fbgemm_step.py``), in a virtualenv with torch 2.13.0 and
+  fbgemm-gpu-cpu 1.8.0 built on first use under ``~/.cache/torch_tpu_embedding/`` (about 1 GB, 1–2
+  minutes; ``--fbgemm-venv`` to use another). If it cannot be built the FBGEMM rows are left out, with
+  the reason printed.
+* dense: ``nn.EmbeddingBag(sparse=False)`` + ``torch.optim.Adam`` (every row, every step; ~4 s/step).
+* floor: the same ids gathered (``index_select`` into a preallocated buffer) and the same rows
+  scattered back (``index_copy_``) with plain torch indexing — the memory traffic every step needs
+  (weights only, no optimizer slots), at the speed of torch's own kernels. FBGEMM's fused kernels can
+  come in under it (pooled forward without a gathered buffer; one read-modify-write per row), so a
+  second floor, gather only (the rows every step must read), is printed as well.
+
+Prints, per thread count, ms/step of each run with the torch thread count and ``OMP_WAIT_POLICY`` it
+reported (children get ``OMP_NUM_THREADS`` = the thread count, and ``OMP_WAIT_POLICY=PASSIVE`` unless
+set: spinning OpenMP threads slow a busy 2-core machine ~30×), its peak RSS and its minor page faults per
+step (glibc returns freed heap above its trim threshold to the OS, and steps that allocate large
+temporaries fault it back in; ``GLIBC_TUNABLES``, if set, is passed on and printed). Then ratios of ours
+to each peer measured in the same run, against the goals (printed, not asserted):
+
+* LazyAdam ≥ 5× faster than SparseAdam at 20 ids/bag and ≥ 2× at 1 id/bag;
+* our SGD and Adagrad no slower than FBGEMM EXACT_SGD / EXACT_ADAGRAD;
+* LazyAdam within 2× of FBGEMM EXACT_ROWWISE_ADAGRAD (FBGEMM's one optimised CPU path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from _fbgemm_step import environment, make_batches, time_steps  # sibling script: benchmarks/ is sys.path[0]
+
+REPO = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+
+OURS = {"ours_sgd": "SGD", "ours_adagrad": "Adagrad", "ours_lazyadam": "LazyAdam", "ours_ftrl": "FTRL",
+        "ours_adafactor": "Adafactor"}
+FBGEMM = {"fbgemm_sgd": "sgd", "fbgemm_adagrad": "adagrad", "fbgemm_rowwise_adagrad": "rowwise_adagrad"}
+LABELS = {
+    "ours_sgd": "ours: tte.optim.SGD",
+    "ours_adagrad": "ours: tte.optim.Adagrad",
+    "ours_lazyadam": "ours: tte.optim.LazyAdam",
+    "ours_ftrl": "ours: tte.optim.FTRL",
+    "ours_adafactor": "ours: tte.optim.Adafactor",
+    "torch_sgd": "EmbeddingBag(sparse) + torch SGD",
+    "torch_sparseadam": "EmbeddingBag(sparse) + SparseAdam",
+    "torch_adagrad": "EmbeddingBag(sparse) + torch Adagrad",
+    "fbgemm_sgd": "FBGEMM TBE EXACT_SGD",
+    "fbgemm_adagrad": "FBGEMM TBE EXACT_ADAGRAD",
+    "fbgemm_rowwise_adagrad": "FBGEMM TBE EXACT_ROWWISE_ADAGRAD",
+    "dense_adam": "EmbeddingBag(dense) + torch Adam",
+    "floor": "floor: index_select + index_copy_",
+    "floor_gather": "floor, gather only: index_select",
+}
+MODES = list(LABELS)
+
+# (label, ours, peer, {bag: largest ours/peer time ratio that meets the goal}); < 1: ours is faster.
+RATIOS: list[tuple[str, str, str, dict[int, float]]] = [
+    ("LazyAdam / SparseAdam", "ours_lazyadam", "torch_sparseadam", {1: 1 / 2, 20: 1 / 5}),
+    ("our SGD / FBGEMM EXACT_SGD", "ours_sgd", "fbgemm_sgd", {1: 1.0, 20: 1.0}),
+    ("our Adagrad / FBGEMM EXACT_ADAGRAD", "ours_adagrad", "fbgemm_adagrad", {1: 1.0, 20: 1.0}),
+    ("LazyAdam / FBGEMM rowwise Adagrad", "ours_lazyadam", "fbgemm_rowwise_adagrad", {1: 2.0, 20: 2.0}),
+    ("our SGD / torch sparse SGD", "ours_sgd", "torch_sgd", {}),
+    ("our Adagrad / torch sparse Adagrad", "ours_adagrad", "torch_adagrad", {}),
+    ("LazyAdam / dense Adam", "ours_lazyadam", "dense_adam", {}),
+    *[(f"our {name} / floor", mode, "floor", {}) for mode, name in OURS.items()],
+    ("FBGEMM EXACT_SGD / floor", "fbgemm_sgd", "floor", {}),
+    ("FBGEMM rowwise Adagrad / floor", "fbgemm_rowwise_adagrad", "floor", {}),
+    ("our SGD / gather-only floor", "ours_sgd", "floor_gather", {}),
+]
+
+# anchors_torchrec.md §5.2, without TorchRec (raw TBE needs only torch and fbgemm_gpu).
+FBGEMM_PINS = ["torch==2.13.0", "fbgemm-gpu-cpu==1.8.0", "numpy"]
+
+
+# ---------------------------------------------------------------------------------------- children
+def _ours(args: argparse.Namespace, opt_name: str, raw: list[list[torch.Tensor]]) -> dict[str, Any]:
+    import torch_tpu_embedding as tte
+
+    t, b, n = args.tables, args.batch, args.bag
+    tables = [tte.TableConfig(args.rows, args.dim, name=f"t{i}", combiner=args.pool) for i in range(t)]
+    features = {f"f{i}": tte.FeatureConfig(tables[i], max_ids_per_bag=n if n > 1 else None) for i in range(t)}
+    ec = tte.EmbeddingCollection(features)
+    opt = getattr(tte.optim, opt_name)(ec.parameters(), lr=args.lr)
+    opt.init_state()  # slots are allocated before timing, like the peers' (torch's are lazy: warm-up)
+    names = sorted(features)
+    batches = [{f"f{i}": (ids[i] if n == 1 else tte.Padded(ids[i].view(b, n))) for i in range(t)} for ids in raw]
+
+    def step(batch: dict[str, Any]) -> torch.Tensor:
+        out = ec(batch)
+        loss = torch.cat([out[f] for f in names], dim=1).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return time_steps(step, batches, args.warmup, args.iters)
+
+
+def _torch(args: argparse.Namespace, mode: str, raw: list[list[torch.Tensor]]) -> dict[str, Any]:
+    t, b, n = args.tables, args.batch, args.bag
+    dense = mode == "dense_adam"
+    embs = torch.nn.ModuleList([torch.nn.EmbeddingBag(args.rows, args.dim, mode=args.pool, sparse=not dense,
+                                                      include_last_offset=True) for _ in range(t)])
+    params = list(embs.parameters())
+    opt: torch.optim.Optimizer = {
+        "torch_sgd": lambda: torch.optim.SGD(params, lr=args.lr),
+        "torch_sparseadam": lambda: torch.optim.SparseAdam(params, lr=args.lr),
+        "torch_adagrad": lambda: torch.optim.Adagrad(params, lr=args.lr),
+        "dense_adam": lambda: torch.optim.Adam(params, lr=args.lr),
+    }[mode]()
+    offsets = torch.arange(0, b * n + 1, n, dtype=torch.int64)
+
+    def step(ids: list[torch.Tensor]) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = torch.cat([embs[i](ids[i], offsets) for i in range(t)], dim=1).sum()
+        loss.backward()
+        opt.step()
+        return loss
+
+    warmup, iters = (1, min(args.iters, args.dense_iters)) if dense else (args.warmup, args.iters)
+    return time_steps(step, raw, warmup, iters)
+
+
+def _floor(args: argparse.Namespace, raw: list[list[torch.Tensor]], scatter: bool) -> dict[str, Any]:
+    weights = [torch.randn(args.rows, args.dim) for _ in range(args.tables)]
+    rows = [torch.empty(ids.numel(), args.dim) for ids in raw[0]]  # preallocated: no allocator cost
+
+    def step(ids: list[torch.Tensor]) -> None:
+        for w, i, r in zip(weights, ids, rows, strict=True):
+            torch.index_select(w, 0, i, out=r)
+            if scatter:
+                w.index_copy_(0, i, r)
+
+    return time_steps(step, raw, args.warmup, args.iters)
+
+
+def child(args: argparse.Namespace) -> None:
+    args.threads = args.threads[0]  # the parent passes one thread count
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    raw = make_batches(args.tables, args.rows, args.batch, args.bag, args.nbatches)
+    if args.child in OURS:
+        res = _ours(args, OURS[args.child], raw)
+    elif args.child in ("floor", "floor_gather"):
+        res = _floor(args, raw, scatter=args.child == "floor")
+    else:
+        res = _torch(args, args.child, raw)
+    res.update(environment())
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+# ---------------------------------------------------------------------------------------- FBGEMM venv
+def fbgemm_python(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The FBGEMM virtualenv's python (built on first use) and a line saying what happened."""
+    if args.fbgemm_venv:
+        py = Path(args.fbgemm_venv) / "bin" / "python"
+        return (str(py), f"FBGEMM venv {args.fbgemm_venv} (given)") if py.exists() else (
+            None, f"FBGEMM rows left out: {py} does not exist")
+    key = hashlib.sha256(" ".join(FBGEMM_PINS).encode()).hexdigest()[:12]
+    cache = Path(os.environ.get("TTE_ENV_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                 / "torch_tpu_embedding")
+    venv = cache / f"fbgemm-venv-py{sys.version_info.major}{sys.version_info.minor}-{key}"
+    py = venv / "bin" / "python"
+    if (venv / ".complete").exists():
+        return str(py), f"FBGEMM venv {venv} (cached)"
+    log = cache / f"{venv.name}.log"
+    cmds = [[sys.executable, "-m", "venv", "--clear", str(venv)],
+            [str(py), "-m", "pip", "install", "-q", *FBGEMM_PINS],
+            [str(py), "-c", "import torch, fbgemm_gpu; print(torch.__version__, fbgemm_gpu.__version__)"]]
+    print(f"building the FBGEMM venv {venv} ({' '.join(FBGEMM_PINS)}); log: {log}", flush=True)
+    cache.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        for cmd in cmds:
+            f.write("$ " + " ".join(cmd) + "\n")
+            f.flush()
+            r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, text=True)
+            if r.returncode:
+                tail = log.read_text().strip().splitlines()[-3:]
+                return None, (f"FBGEMM rows left out: `{' '.join(cmd[:4])} ...` failed (exit {r.returncode}) "
+                              f"after {time.perf_counter() - t0:.0f} s: {' | '.join(tail)}")
+    (venv / ".complete").touch()
+    versions = log.read_text().strip().splitlines()[-1]
+    return str(py), f"FBGEMM venv {venv} built in {time.perf_counter() - t0:.0f} s (torch, fbgemm_gpu: {versions})"
+
+
+# ---------------------------------------------------------------------------------------- parent
+def run_one(args: argparse.Namespace, mode: str, bag: int, threads: int, fbgemm_py: str | None) -> dict[str, Any]:
+    pool = "sum" if bag == 1 else "mean"
+    common = ["--bag", str(bag), "--pool", pool, "--rows", str(args.rows), "--dim", str(args.dim),
+              "--tables", str(args.tables), "--batch", str(args.batch), "--iters", str(args.iters),
+              "--warmup", str(args.warmup), "--nbatches", str(args.nbatches), "--threads", str(threads),
+              "--lr", str(args.lr)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if mode in FBGEMM:
+        assert fbgemm_py is not None  # FBGEMM modes are dropped when there is no venv
+        env.pop("PYTHONPATH", None)
+        cmd = [fbgemm_py, str(HERE / "_fbgemm_step.py"), "--optimizer", FBGEMM[mode], *common]
+    else:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", mode, "--dense-iters",
+               str(args.dense_iters), *common]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
+    for line in r.stdout.splitlines():
+        if line.startswith("RESULT "):
+            res: dict[str, Any] = json.loads(line[len("RESULT "):])
+            return res
+    tail = (r.stderr.strip() or r.stdout.strip() or "no output").splitlines()[-1]
+    return {"error": f"exit {r.returncode}: {tail}"}
+
+
+def fmt_ms(res: dict[str, Any] | None) -> str:
+    if res is None:
+        return "-"
+    if "error" in res:
+        return "failed"
+    return f"{res['median_ms']:.2f} ({res['p10_ms']:.2f}–{res['p90_ms']:.2f})"
+
+
+def print_tables(args: argparse.Namespace, threads: int, results: dict[tuple[str, int], dict[str, Any]]) -> None:
+    bags = args.bags
+    heads = [f"{b} id{'s' if b > 1 else ''}/bag, {'sum' if b == 1 else 'mean'}" for b in bags]
+    ok = [r for r in results.values() if "error" not in r]
+    reported = sorted({(r["torch_threads"], r["OMP_WAIT_POLICY"], r.get("GLIBC_TUNABLES") or "-") for r in ok})
+    print(f"\n== threads={threads}: {args.tables} tables × {args.rows:,} × {args.dim} fp32, batch {args.batch}; "
+          f"median (p10–p90) ms/step over {args.iters} steps after {args.warmup} warm-up (dense Adam: "
+          f"{min(args.iters, args.dense_iters)} after 1)")
+    print(f"every run reported (torch threads, OMP_WAIT_POLICY, GLIBC_TUNABLES) = {reported}; "
+          "RSS = peak resident set of the run; faults = minor page faults per timed step")
+    w = 38
+    print(f"{'contender':{w}s} " + " ".join(f"{h:>27s} {'RSS':>6s} {'faults':>7s}" for h in heads) + "  torch")
+    for mode in args.modes:
+        cells, version = [], ""
+        for b in bags:
+            r = results.get((mode, b))
+            good = r is not None and "error" not in r
+            rss = f"{r['peak_rss_mib'] / 1024:.1f}G" if good else ""
+            faults = f"{r['page_faults_per_step']:.0f}" if good else ""
+            cells.append(f"{fmt_ms(r):>27s} {rss:>6s} {faults:>7s}")
+            if good:
+                version = r["torch"] + (f" + fbgemm {r['fbgemm_gpu']}" if "fbgemm_gpu" in r else "")
+        print(f"{LABELS[mode]:{w}s} " + " ".join(cells) + f"  {version}")
+    for mode in args.modes:
+        for b in bags:
+            r = results.get((mode, b))
+            if r and "error" in r:
+                print(f"  {LABELS[mode]} ({b} ids/bag) failed: {r['error']}")
+
+    print(f"\nratios of medians (time of ours / time of peer; < 1: ours faster), threads={threads}; "
+          "goal: ratio ≤ bound")
+    print(f"{'ratio':{w}s} " + " ".join(f"{h:>27s}" for h in heads))
+    for label, ours, peer, goals in RATIOS:
+        if ours not in args.modes or peer not in args.modes:
+            continue
+        cells = []
+        for b in bags:
+            a, p = results.get((ours, b)), results.get((peer, b))
+            if not a or not p or "error" in a or "error" in p:
+                cells.append(f"{'-':>27s}")
+                continue
+            ratio = a["median_ms"] / p["median_ms"]
+            goal = goals.get(b)
+            verdict = "" if goal is None else f"≤ {goal:.2f} {'met' if ratio <= goal else 'MISSED'}"
+            cells.append(f"{ratio:7.2f} {verdict:>19s}")
+        print(f"{label:{w}s} " + " ".join(cells))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--bags", type=int, nargs="+", default=[1, 20], help="ids per bag: 1 → sum, more → mean")
+    ap.add_argument("--modes", nargs="+", default=MODES, choices=MODES, metavar="MODE",
+                    help=f"contenders (default: all): {' '.join(MODES)}")
+    ap.add_argument("--rows", type=int, default=1_000_000)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--tables", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=4096)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--dense-iters", type=int, default=5, help="timed steps of dense Adam (~4 s each)")
+    ap.add_argument("--nbatches", type=int, default=4, help="ring of pre-built batches")
+    ap.add_argument("--lr", type=float, default=0.01)
+    ap.add_argument("--fbgemm-venv", default=None, help="an existing venv with torch + fbgemm-gpu-cpu")
+    ap.add_argument("--no-fbgemm", action="store_true", help="leave the FBGEMM rows out")
+    ap.add_argument("--child-timeout", type=float, default=3600)
+    ap.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    ap.add_argument("--bag", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--pool", default="sum", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return
+
+    policy = os.environ.get("OMP_WAIT_POLICY")
+    print(f"parent: torch {torch.__version__}, torch threads={torch.get_num_threads()}, OMP_WAIT_POLICY="
+          f"{policy or 'unset (children get PASSIVE)'}; {os.cpu_count()} CPUs, load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    fbgemm_py = None
+    if any(m in FBGEMM for m in args.modes):
+        if args.no_fbgemm:
+            args.modes = [m for m in args.modes if m not in FBGEMM]
+        else:
+            fbgemm_py, note = fbgemm_python(args)
+            print(note, flush=True)
+            if fbgemm_py is None:
+                args.modes = [m for m in args.modes if m not in FBGEMM]
+    for threads in args.threads:
+        results: dict[tuple[str, int], dict[str, Any]] = {}
+        for bag in args.bags:
+            for mode in args.modes:
+                t0 = time.perf_counter()
+                try:
+                    res = run_one(args, mode, bag, threads, fbgemm_py)
+                except subprocess.TimeoutExpired:
+                    res = {"error": f"timed out after {args.child_timeout:.0f} s"}
+                results[(mode, bag)] = res
+                status = f"failed: {res['error']}" if "error" in res else f"{fmt_ms(res)} ms"
+                print(f"  threads={threads} bag={bag:<3d} {mode:24s} {status}  ({time.perf_counter() - t0:.0f} s)",
+                      file=sys.stderr, flush=True)
+        print_tables(args, threads, results)
+    print(f"\nload average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""XLA:CPU (one device): a lazy step vs a dense one, and compile / step time vs the number of tables.
+
+Run (from the repository root; a few minutes):
+
+    PJRT_DEVICE=CPU OMP_WAIT_POLICY=PASSIVE python benchmarks/xla_tables.py [--tables 1 10 100] [--steps 20]
+        [--parts lazy-dense tables]
+
+Quick check (under a minute): ``... --steps 3 --vocab 20000 --table-rows 100000``.
+
+Every configuration runs in its own subprocess: a fresh process has an empty compile cache (no
+persistent cache is configured), so its first step compiles from nothing. Per configuration: the wall
+time of the first step (trace + compile + run), XLA's ``CompileTime`` metric summed over that step, the
+number of compiles (counter ``UncachedCompile``) in the first step, in the other warm-up steps and in
+the timed steps (must be 0), and the ops that fell back to the host (``executed_fallback_ops()``, must be
+empty for ours). Steady step time: median (p10–p90) of ``--steps`` synchronous steps
+(``torch_xla.sync()`` + ``wait_device_ops()`` each) after 3 warm-up steps, and how much of it is
+host-side tracing (the Python step up to ``sync()``). Inputs are a ring of 4 pre-built host batches.
+Every run records torch's thread count, ``OMP_WAIT_POLICY`` (children get ``PASSIVE`` unless set) and the
+XLA device count; the table prints them.
+
+(a) lazy vs dense, at a moderate vocabulary (``--vocab``, default 100,000 × 64, batch 1024 × 8 ids,
+    mean): ours (``EmbeddingCollection`` + ``tte.optim.Adam``, lazy rows) vs ``nn.EmbeddingBag`` + dense
+    autograd + ``torch.optim.Adam`` on the XLA device, once through the module's own forward (whose
+    training lowering falls back to the host, XLA_NOTES) and once as a gather + mean of its weight (no
+    fallback). The step time vs vocabulary (100,000 and 2,000,000 rows, row-sharded on 4 devices) is
+    ``benchmarks/spmd_vocab.py``; not repeated here.
+(b) 1, 10 and 100 tables with the same total work: the same batch (256), 100 ids per example split
+    evenly over the tables (100/T ids per bag, one feature per table, mean) and 1,000,000 rows × 16
+    split evenly (1,000,000/T rows per table); ours with ``tte.optim.Adam``. Only the number of tables
+    in the graph changes. Goals (printed, not asserted): 100 tables compile in ≤ 2× the time of one
+    table and step in ≤ 3× its time; ratios 10/1 and 100/1 are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _percentile(sorted_ms: list[float], q: float) -> float:
+    pos = q * (len(sorted_ms) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_ms) - 1)
+    return sorted_ms[lo] + (sorted_ms[hi] - sorted_ms[lo]) * (pos - lo)
+
+
+# ---------------------------------------------------------------------------------------- children
+def measure(build: Callable[[Any], None], batches: list[Any], warmup: int, steps: int) -> dict[str, Any]:
+    """Compile and step metrics of ``build`` (traces one step; the caller's graph ends at our sync)."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.debug.metrics as met
+
+    def compiles() -> int:
+        return int(met.counter_value("UncachedCompile") or 0)
+
+    def run(i: int) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        build(batches[i % len(batches)])
+        t1 = time.perf_counter()
+        torch_xla.sync()
+        xm.wait_device_ops()
+        return 1000 * (t1 - t0), 1000 * (time.perf_counter() - t0)
+
+    met.clear_all()
+    _, first_ms = run(0)
+    compile_data = met.metric_data("CompileTime")
+    first_compile_ms = (compile_data[1] / 1e6) if compile_data else 0.0  # the accumulator is in ns
+    first_compiles = compiles()
+    for i in range(1, warmup):
+        run(i)
+    warm_compiles = compiles() - first_compiles
+    trace, total = [], []
+    for i in range(warmup, warmup + steps):
+        tr, tt = run(i)
+        trace.append(tr)
+        total.append(tt)
+    total.sort()
+    return {"first_step_ms": first_ms, "compile_ms": first_compile_ms, "compiles_first": first_compiles,
+            "compiles_warmup": warm_compiles, "compiles_timed": compiles() - first_compiles - warm_compiles,
+            "fallbacks": sorted(met.executed_fallback_ops()), "median_ms": _percentile(total, 0.5),
+            "p10_ms": _percentile(total, 0.1), "p90_ms": _percentile(total, 0.9),
+            "trace_ms": statistics.median(trace), "steps": steps, "warmup": warmup}
+
+
+def _ours(tables: int, rows: int, dim: int, batch: int, bag: int, lr: float) -> tuple[Callable[[Any], None], list[Any]]:
+    import torch_xla
+
+    import torch_tpu_embedding as tte
+
+    dev = torch_xla.device()
+    configs = [tte.TableConfig(rows, dim, name=f"t{i}", combiner="mean") for i in range(tables)]
+    features = {f"f{i:03d}": tte.FeatureConfig(configs[i], max_ids_per_bag=bag) for i in range(tables)}
+    ec = tte.EmbeddingCollection(features, device=dev)
+    opt = tte.optim.Adam(ec.parameters(), lr=lr)
+    opt.init_state()  # then one sync: the steady step is the only graph (docs/optimizers.md)
+    torch_xla.sync()
+    names = sorted(features)
+    g = torch.Generator().manual_seed(0)
+    batches = [{f: tte.Padded(torch.randint(0, rows, (batch, bag), generator=g)) for f in names} for _ in range(4)]
+
+    def build(b: dict[str, Any]) -> None:
+        out = ec(b)
+        torch.cat([out[f] for f in names], dim=1).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    return build, batches
+
+
+def _dense(kind: str, rows: int, dim: int, batch: int, bag: int, lr: float) -> tuple[Callable[[Any], None], list[Any]]:
+    import torch_xla
+
+    dev = torch_xla.device()
+    emb = torch.nn.EmbeddingBag(rows, dim, mode="mean").to(dev)
+    opt = torch.optim.Adam(emb.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, rows, (batch, bag), generator=g) for _ in range(4)]
+
+    def build(ids: torch.Tensor) -> None:
+        ids = ids.to(dev)
+        out = emb(ids) if kind == "dense_module" else emb.weight[ids].mean(1)
+        out.sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    return build, batches
+
+
+def child(args: argparse.Namespace) -> None:
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    torch.manual_seed(0)
+    if args.child == "tables":
+        t = args.ntables
+        build, batches = _ours(t, args.table_rows // t, args.table_dim, args.table_batch,
+                               args.ids_per_example // t, args.lr)
+    elif args.child == "lazy":
+        build, batches = _ours(1, args.vocab, args.dim, args.batch, args.bag, args.lr)
+    else:
+        build, batches = _dense(args.child, args.vocab, args.dim, args.batch, args.bag, args.lr)
+    res = measure(build, batches, args.warmup, args.steps)
+    res.update(torch=torch.__version__, torch_xla=torch_xla.__version__, devices=xr.global_runtime_device_count(),
+               torch_threads=torch.get_num_threads(), OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "<unset>"))
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+# ---------------------------------------------------------------------------------------- parent
+def run_child(args: argparse.Namespace, *extra: str) -> dict[str, Any]:
+    env = dict(os.environ)
+    env.setdefault("PJRT_DEVICE", "CPU")
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    env.pop("CPU_NUM_DEVICES", None)  # one device
+    env.pop("XLA_PERSISTENT_CACHE_PATH", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    flags = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--lr", str(args.lr), "--vocab",
+             str(args.vocab), "--dim", str(args.dim), "--batch", str(args.batch), "--bag", str(args.bag),
+             "--table-rows", str(args.table_rows), "--table-dim", str(args.table_dim), "--table-batch",
+             str(args.table_batch), "--ids-per-example", str(args.ids_per_example)]
+    cmd = [sys.executable, str(Path(__file__).resolve()), *extra, *flags]
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.child_timeout:.0f} s"}
+    for line in r.stdout.splitlines():
+        if line.startswith("RESULT "):
+            res: dict[str, Any] = json.loads(line[len("RESULT "):])
+            res["process_s"] = time.perf_counter() - t0
+            print(f"  {' '.join(extra):24s} first step {res['first_step_ms']:9.0f} ms, step {res['median_ms']:8.2f} ms"
+                  f"  ({res['process_s']:.0f} s)", file=sys.stderr, flush=True)
+            return res
+    tail = (r.stderr.strip() or r.stdout.strip() or "no output").splitlines()[-1]
+    print(f"  {' '.join(extra):24s} failed: {tail}", file=sys.stderr, flush=True)
+    return {"error": f"exit {r.returncode}: {tail}"}
+
+
+def row(label: str, r: dict[str, Any], w: int) -> str:
+    if "error" in r:
+        return f"{label:{w}s} failed: {r['error']}"
+    fb = ", ".join(r["fallbacks"]) if r["fallbacks"] else "0"
+    return (f"{label:{w}s} {r['first_step_ms']:10.0f} {r['compile_ms']:10.0f} "
+            f"{r['compiles_first']:>3d}/{r['compiles_warmup']}/{r['compiles_timed']:<3d}"
+            f" {r['median_ms']:9.2f} ({r['p10_ms']:.2f}–{r['p90_ms']:.2f}) {r['trace_ms']:8.2f}  {fb}")
+
+
+def header(w: int) -> str:
+    return (f"{'':{w}s} {'1st step':>10s} {'compile':>10s} {'compiles':>9s} {'step ms (p10–p90)':>24s} "
+            f"{'trace ms':>8s}  fallbacks\n{'':{w}s} {'ms':>10s} {'ms':>10s} {'1st/wu/t':>9s}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--parts", nargs="+", default=["lazy-dense", "tables"], choices=["lazy-dense", "tables"])
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
+    ap.add_argument("--warmup", type=int, default=3, help="warm-up steps (the first compiles)")
+    ap.add_argument("--lr", type=float, default=0.01)
+    ap.add_argument("--vocab", type=int, default=100_000, help="(a): rows of the table")
+    ap.add_argument("--dim", type=int, default=64, help="(a)")
+    ap.add_argument("--batch", type=int, default=1024, help="(a)")
+    ap.add_argument("--bag", type=int, default=8, help="(a): ids per bag")
+    ap.add_argument("--tables", type=int, nargs="+", default=[1, 10, 100], help="(b): table counts")
+    ap.add_argument("--table-rows", type=int, default=1_000_000, help="(b): rows of all tables together")
+    ap.add_argument("--table-dim", type=int, default=16, help="(b)")
+    ap.add_argument("--table-batch", type=int, default=256, help="(b)")
+    ap.add_argument("--ids-per-example", type=int, default=100, help="(b): ids per example over all tables")
+    ap.add_argument("--child-timeout", type=float, default=1800)
+    ap.add_argument("--child", choices=["lazy", "dense_module", "dense_gather", "tables"], help=argparse.SUPPRESS)
+    ap.add_argument("--ntables", type=int, default=1, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return
+    for t in args.tables:
+        if args.ids_per_example % t or args.table_rows % t:
+            ap.error(f"--tables {t} must divide --ids-per-example ({args.ids_per_example}) and --table-rows "
+                     f"({args.table_rows})")
+    print(f"parent: torch {torch.__version__}, PJRT_DEVICE={os.environ.get('PJRT_DEVICE', 'unset (children: CPU)')}, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset (children: PASSIVE)')}; {os.cpu_count()} CPUs, "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    results: list[dict[str, Any]] = []
+    w = 44
+    if "lazy-dense" in args.parts:
+        runs = [("ours: EmbeddingCollection + tte Adam (lazy)", run_child(args, "--child", "lazy")),
+                ("nn.EmbeddingBag forward + torch Adam", run_child(args, "--child", "dense_module")),
+                ("EmbeddingBag weight gather+mean + torch Adam", run_child(args, "--child", "dense_gather"))]
+        results += [r for _, r in runs]
+        print(f"\n(a) lazy vs dense on XLA:CPU: 1 table {args.vocab:,} × {args.dim}, batch {args.batch} × "
+              f"{args.bag} ids, mean, Adam; {args.steps} timed steps after {args.warmup} warm-up "
+              "(vocabulary sweep: benchmarks/spmd_vocab.py)")
+        print(header(w))
+        for label, r in runs:
+            print(row(label, r, w))
+        ours = runs[0][1]
+        for label, r in runs[1:]:
+            if "error" not in ours and "error" not in r:
+                print(f"  {label} / ours: {r['median_ms'] / ours['median_ms']:.1f}× the step time")
+    if "tables" in args.parts:
+        by_t = {t: run_child(args, "--child", "tables", "--ntables", str(t)) for t in args.tables}
+        results += list(by_t.values())
+        print(f"\n(b) tables on XLA:CPU, same total work: batch {args.table_batch}, {args.ids_per_example} ids per "
+              f"example and {args.table_rows:,} rows × {args.table_dim} split evenly over T tables (one feature "
+              f"each, mean), tte Adam; {args.steps} timed steps after {args.warmup} warm-up")
+        print(header(w))
+        for t, r in by_t.items():
+            label = f"T={t}: {args.table_rows // t:,} rows, {args.ids_per_example // t} ids/bag"
+            print(row(label, r, w))
+        base = by_t.get(1)
+        if base and "error" not in base:
+            print(f"\n{'ratio to T=1':{w}s} {'compile':>10s} {'1st step':>10s} {'step':>8s}")
+            for t, r in by_t.items():
+                if t == 1 or "error" in r:
+                    continue
+                c = r["compile_ms"] / base["compile_ms"] if base["compile_ms"] else float("nan")
+                f = r["first_step_ms"] / base["first_step_ms"]
+                s = r["median_ms"] / base["median_ms"]
+                goal = ""
+                if t == 100:
+                    goal = (f"   goals: compile ≤ 2 {'met' if c <= 2 else 'MISSED'}, "
+                            f"step ≤ 3 {'met' if s <= 3 else 'MISSED'}")
+                print(f"{f'T={t} / T=1':{w}s} {c:10.2f} {f:10.2f} {s:8.2f}{goal}")
+    ok = [r for r in results if "error" not in r]
+    if ok:
+        seen = sorted({(r["torch_threads"], r["OMP_WAIT_POLICY"], r["devices"], r["torch"], r["torch_xla"])
+                       for r in ok})
+        print(f"\nevery run reported (torch threads, OMP_WAIT_POLICY, XLA devices, torch, torch_xla) = {seen}; "
+              f"load average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()

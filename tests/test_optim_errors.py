@@ -119,3 +119,22 @@ def test_slot_creation_fn_wrong_shape() -> None:
     p.grad = torch.ones(3, 2)
     with pytest.raises(ValueError, match=r"slot_creation_fn must return .* shape \(3, 2\) for slot 'accumulators'"):
         opt.step()
+
+
+def test_param_group_options_are_validated_like_the_constructor() -> None:
+    import re
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match=re.escape("Argument `eps` must be a finite number and > 0.0. Received: -1.0")):
+        tte.optim.Adam([{"params": [p], "eps": -1.0}], lr=0.1)
+    with pytest.raises(ValueError, match=re.escape("Argument `initial_accumulator_value` must be a positive float")):
+        tte.optim.Adagrad([{"params": [p], "initial_accumulator_value": -1.0}], lr=0.1)
+    opt = tte.optim.SGD([{"params": [p], "clipvalue": 0.5}], lr=0.1)
+    assert opt.param_groups[0]["clipvalue"] == (-0.5, 0.5)  # normalised, as the constructor's
+    p.grad = torch.full((3,), 2.0)
+    opt.step()
+    assert torch.allclose(p.detach(), torch.full((3,), -0.05))  # clipped to 0.5, times lr 0.1
+    q = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(ValueError, match=re.escape("Argument `lr` must be a finite number and >= 0.0. Received: -1")):
+        opt.add_param_group({"params": [q], "lr": -1})
+    assert len(opt.param_groups) == 1  # the rejected group was not added

@@ -177,6 +177,21 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         return True
 
     # ------------------------------------------------------------------ construction
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As ``torch.optim.Optimizer.add_param_group``; options given in the group are validated
+        (and normalised) like the constructor's, and a rejected group is not added."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            rule_cls = _REGISTRY.get(group.get("algorithm", ""), type(self))
+            extras = {k: group[k] for k in EXTRA_DEFAULTS if k in group}
+            check_extras(group, extras)
+            self._validate_common(group)
+            rule_cls._validate(group)
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
+
     @staticmethod
     def _validate_common(hp: dict[str, Any]) -> None:
         lr = hp.get("lr")

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import os
 import re
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -36,6 +38,11 @@ FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RUNNERS = {
     "xla": ROOT / "tests" / "xla" / "test_docs_snippets_xla.py",
     "spmd": ROOT / "tests" / "xla_spmd" / "test_docs_snippets_spmd.py",
+}
+#: marker -> the device settings of its process (None: unset)
+DEVICE_ENV: dict[str, dict[str, str | None]] = {
+    "xla": {"CPU_NUM_DEVICES": None},  # one device
+    "spmd": {"CPU_NUM_DEVICES": "4"},
 }
 FENCE = re.compile(r"^\s*```\s*([^\s`]*)")  # the language; indented fences (in lists) count too
 MARKER = re.compile(r"^<!--\s*([\w-]+)\s*-->$")
@@ -98,6 +105,26 @@ def run_blocks(path: Path, selected: list[Block]) -> None:
             exec(compile(b.code, f"{path.name}[block {b.index}, line {b.line}]", "exec"), namespace)  # noqa: S102
         except Exception as e:  # pragma: no cover - the message names the failing block
             raise AssertionError(f"{path.name} block {b.index} (line {b.line}) failed: {e!r}\n{b.code}") from e
+
+
+def run_marked_file(path: Path, marker: str, cwd: Path) -> None:
+    """Run ``path``'s unmarked and ``marker`` blocks in a fresh process (``PJRT_DEVICE=CPU`` and the
+    marker's :data:`DEVICE_ENV`); fail unless it ran exactly the file's ``marker`` blocks. Called by
+    the runner tests (:data:`RUNNERS`)."""
+    env = {**os.environ, "PJRT_DEVICE": "CPU"}
+    env.pop("XLA_USE_SPMD", None)  # set by use_spmd() in the runner's process; the child sets its own
+    for name, value in DEVICE_ENV[marker].items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, str(Path(__file__)), str(path), marker], env=env, cwd=cwd,
+                         capture_output=True, text=True, timeout=600)
+    if out.returncode:
+        pytest.fail(f"{path.name}: the docs harness exited with {out.returncode}\n{out.stderr[-6000:]}", pytrace=False)
+    want = [b.index for b in blocks(path) if b.marker == marker]
+    assert out.stdout.strip().splitlines()[-1] == f"ran {marker} blocks {want}", out.stdout[-3000:]
 
 
 @pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])

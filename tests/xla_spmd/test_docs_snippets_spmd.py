@@ -9,8 +9,6 @@ The CPU docs test skips these blocks and checks that this test covers every file
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -32,13 +30,4 @@ pytest.importorskip("torch_xla")
 
 @pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
 def test_spmd_blocks_run(path: Path, tmp_path: Path) -> None:
-    env = {**os.environ, "PJRT_DEVICE": "CPU"}
-    env.pop("XLA_USE_SPMD", None)  # set by use_spmd() in this process; the block calls it itself
-    env["CPU_NUM_DEVICES"] = "4"
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, str(HARNESS), str(path), MARKER], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=600)
-    if out.returncode:
-        pytest.fail(f"{path.name}: the docs harness exited with {out.returncode}\n{out.stderr[-6000:]}", pytrace=False)
-    want = [b.index for b in harness.blocks(path) if b.marker == MARKER]
-    assert out.stdout.strip().splitlines()[-1] == f"ran {MARKER} blocks {want}", out.stdout[-3000:]
+    harness.run_marked_file(path, MARKER, tmp_path)

@@ -73,20 +73,25 @@ def environment() -> dict[str, Any]:
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--optimizer", choices=OPTIMIZERS, required=True)
-    ap.add_argument("--bag", type=int, default=1)
-    ap.add_argument("--pool", choices=("sum", "mean"), required=True)
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The workload flags every contender of eager_cpu.py shares (the FBGEMM child takes the same)."""
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--tables", type=int, default=4)
     ap.add_argument("--batch", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--nbatches", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--nbatches", type=int, default=4, help="ring of pre-built batches")
     ap.add_argument("--lr", type=float, default=0.01)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--optimizer", choices=OPTIMIZERS, required=True)
+    ap.add_argument("--bag", type=int, default=1)
+    ap.add_argument("--pool", choices=("sum", "mean"), required=True)
+    add_workload_args(ap)
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 

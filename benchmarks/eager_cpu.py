@@ -54,8 +54,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+# A sibling script: benchmarks/ is sys.path[0].
 import torch
-from _fbgemm_step import environment, make_batches, time_steps  # sibling script: benchmarks/ is sys.path[0]
+from _fbgemm_step import add_workload_args, environment, make_batches, time_steps
 
 REPO = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
@@ -300,15 +301,8 @@ def main() -> None:
     ap.add_argument("--bags", type=int, nargs="+", default=[1, 20], help="ids per bag: 1 → sum, more → mean")
     ap.add_argument("--modes", nargs="+", default=MODES, choices=MODES, metavar="MODE",
                     help=f"contenders (default: all): {' '.join(MODES)}")
-    ap.add_argument("--rows", type=int, default=1_000_000)
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--tables", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=4096)
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
+    add_workload_args(ap)
     ap.add_argument("--dense-iters", type=int, default=5, help="timed steps of dense Adam (~4 s each)")
-    ap.add_argument("--nbatches", type=int, default=4, help="ring of pre-built batches")
-    ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--fbgemm-venv", default=None, help="an existing venv with torch + fbgemm-gpu-cpu")
     ap.add_argument("--no-fbgemm", action="store_true", help="leave the FBGEMM rows out")
     ap.add_argument("--child-timeout", type=float, default=3600)

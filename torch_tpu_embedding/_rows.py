@@ -83,16 +83,22 @@ class TableInfo:
     #: how the table is laid out on a device mesh (set by :func:`torch_tpu_embedding.xla.shard`);
     #: optimizer slots are created with the same layout
     sharding: Any = None
+    #: a fused group's tables as ``(name, first row, rows)`` in row order; ``None`` for one table
+    members: tuple[tuple[str, int, int], ...] | None = None
 
 
 _TABLES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # type: ignore[no-untyped-call]
 
 
 def register_table(
-    param: torch.Tensor, name: str, num_embeddings: int, optimizer: Any = None
+    param: torch.Tensor,
+    name: str,
+    num_embeddings: int,
+    optimizer: Any = None,
+    members: tuple[tuple[str, int, int], ...] | None = None,
 ) -> TableInfo:
     """Mark ``param`` as an embedding table whose gradient arrives row-sparse."""
-    info = TableInfo(name=name, num_embeddings=num_embeddings, optimizer=optimizer)
+    info = TableInfo(name=name, num_embeddings=num_embeddings, optimizer=optimizer, members=members)
     _TABLES[param] = info
     return info
 

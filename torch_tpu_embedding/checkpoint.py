@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from torch_tpu_embedding._fused import split_member_state
+
 __all__ = ["FORMAT", "convert_distributed", "load", "load_distributed", "save", "save_distributed", "to_cpu"]
 
 #: written into every checkpoint; :func:`load` refuses other formats
@@ -61,14 +63,36 @@ def _host_rows(t: torch.Tensor, n: int | None) -> torch.Tensor:
     return host if n is None or n == host.shape[0] else host[:n].clone()
 
 
+def _fused_sources(model: torch.nn.Module) -> dict[str, tuple[str, int, int]]:
+    """``tables.<name>.weight`` keys of fused tables → (their group's parameter name, first row, rows)."""
+    from torch_tpu_embedding._rows import table_info
+
+    out = {}
+    for pname, p in model.named_parameters():
+        info = table_info(p)
+        if info is not None and info.members is not None:
+            prefix = pname[: -len(f"groups.{info.name}.weight")]
+            for tname, off, n in info.members:
+                out[f"{prefix}tables.{tname}.weight"] = (pname, off, n)
+    return out
+
+
 def _host_model_state(model: torch.nn.Module) -> dict[str, Any]:
     state = model.state_dict(keep_vars=True)
     whole = dict(model.named_parameters())
+    fused = _fused_sources(model)
+    hosts: dict[str, torch.Tensor] = {}  # a fused group's weight moves to the host once per save
     out = {}
     for k, v in state.items():
+        if k in fused:
+            pname, off, n = fused[k]
+            if pname not in hosts:
+                hosts[pname] = to_cpu(whole[pname])
+            out[k] = hosts[pname][off : off + n]  # views of one host tensor: written once
+            continue
         source = whole.get(k, v)  # a table's weight: the physical parameter, cut to its logical rows
-        n = v.shape[0] if isinstance(v, torch.Tensor) and v.dim() and source.shape != v.shape else None
-        out[k] = _host_rows(source, n) if isinstance(v, torch.Tensor) else v
+        n_rows = v.shape[0] if isinstance(v, torch.Tensor) and v.dim() and source.shape != v.shape else None
+        out[k] = _host_rows(source, n_rows) if isinstance(v, torch.Tensor) else v
     return out
 
 
@@ -84,6 +108,10 @@ def _host_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         state.setdefault(key, {})[slot] = _host_rows(v, rows[name])
     for key, bufs in rest["acc"].items():
         state.setdefault(key, {}).update(bufs)
+    for key, members in rest["members"].items():  # a fused group: saved per table, as unfused
+        row_slots = [k.rsplit("/", 1)[1] for k, n in rows.items() if k.startswith(key + "/") and n is not None]
+        parts = split_member_state(state.pop(key), members, row_slots)
+        state.update({f"table:{t}": part for t, part in parts.items()})
     return {"state": state, "param_groups": rest["param_groups"], "iterations": rest["iterations"],
             "skipped_steps": optimizer.skipped_steps}
 
@@ -181,13 +209,17 @@ def _physical(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -
 
     tensors: dict[str, torch.Tensor] = {}
     rows: dict[str, int | None] = {}
+    members: dict[str, Any] = {}  # fused groups: their tables, for convert_distributed
     for name, p in [*model.named_parameters(), *model.named_buffers()]:
         info = table_info(p)
         tensors[f"model/{name}"] = p.detach()
         rows[f"model/{name}"] = None if info is None else info.num_embeddings
-    rest: dict[str, Any] = {}
+        if info is not None and info.members is not None:
+            members[f"model/{name}"] = info.members
+    rest: dict[str, Any] = {"members": members}
     if optimizer is not None:
         o_tensors, o_rows, rest = _row_sparse(optimizer).physical_state()
+        rest["members"] = {**members, **{f"optim/{k}": m for k, m in rest["members"].items()}}
         tensors.update({f"optim/{k}": v for k, v in o_tensors.items()})
         rows.update({f"optim/{k}": v for k, v in o_rows.items()})
     return tensors, rows, rest
@@ -231,7 +263,9 @@ def save_distributed(
     target = os.fspath(path)
     os.makedirs(target, exist_ok=True)
     dcp.save(tensors, storage_writer=dcp.FileSystemWriter(target), planner=planner)
-    meta = {"format": FORMAT, "rows": rows, "optimizer": to_cpu(rest) if optimizer is not None else None}
+    members = rest.pop("members")
+    meta = {"format": FORMAT, "rows": rows, "members": members,
+            "optimizer": to_cpu(rest) if optimizer is not None else None}
     _write_atomic(meta, os.path.join(target, _META))
 
 
@@ -313,7 +347,15 @@ def convert_distributed(path: str | os.PathLike[str], out: str | os.PathLike[str
         n = meta["rows"].get(k)
         return host[k] if n is None else host[k][:n].clone()
 
-    model_sd = {k[len("model/"):]: logical(k) for k in host if k.startswith("model/")}
+    members = meta.get("members", {})
+    model_sd: dict[str, torch.Tensor] = {}
+    for k in host:
+        if k.startswith("model/") and k in members:  # a fused group: its tables' weights
+            prefix = k[len("model/"):].rsplit("groups.", 1)[0]
+            value = logical(k)
+            model_sd.update({f"{prefix}tables.{t}.weight": value[off : off + n] for t, off, n in members[k]})
+        elif k.startswith("model/"):
+            model_sd[k[len("model/"):]] = logical(k)
     optimizer_sd = None
     if meta["optimizer"] is not None:
         state: dict[str, dict[str, torch.Tensor]] = {}
@@ -323,6 +365,11 @@ def convert_distributed(path: str | os.PathLike[str], out: str | os.PathLike[str
                 state.setdefault(key, {})[slot] = logical(k)
         for key, bufs in meta["optimizer"]["acc"].items():
             state.setdefault(key, {}).update(bufs)
+        for key in [k for k in state if f"optim/{k}" in members]:  # fused groups: per table
+            row_slots = [k.rsplit("/", 1)[1] for k, n in meta["rows"].items()
+                         if k.startswith(f"optim/{key}/") and n is not None]
+            parts = split_member_state(state.pop(key), members[f"optim/{key}"], row_slots)
+            state.update({f"table:{t}": part for t, part in parts.items()})
         optimizer_sd = {"state": state, "param_groups": meta["optimizer"]["param_groups"],
                         "iterations": meta["optimizer"]["iterations"]}
     _write_atomic({"format": FORMAT, "model": model_sd, "optimizer": optimizer_sd, "extra": None}, out)

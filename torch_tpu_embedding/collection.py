@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
 import torch
 from torch import nn
 
+from torch_tpu_embedding._fused import FusedTables, TableView, fuse_key
 from torch_tpu_embedding._lookup import lookup
-from torch_tpu_embedding._rows import RowGrad, register_table, table_info
+from torch_tpu_embedding._validation import check_bool
 from torch_tpu_embedding.combiners import bag_gains
-from torch_tpu_embedding.config import FeatureConfig, TableConfig, default_initializer
+from torch_tpu_embedding.config import FeatureConfig, TableConfig
 from torch_tpu_embedding.inputs import to_bags
+from torch_tpu_embedding.table import EmbeddingTable
 
 __all__ = ["EmbeddingCollection", "EmbeddingTable", "split_parameters"]
 
@@ -78,119 +80,12 @@ def _check_structure(config: Any, given: Any, what: str, path: Path = ()) -> Non
             _check_structure(c, g, what, (*path, i))
 
 
-class EmbeddingTable(nn.Module):
-    """One table: ``weight`` ``[num_embeddings, embedding_dim]`` plus its config.
-
-    The weight is an ordinary ``nn.Parameter`` whose gradient arrives row-sparse in a
-    :class:`~torch_tpu_embedding._rows.RowGrad` (never in ``.grad``).
-    """
-
-    def __init__(self, config: TableConfig, name: str) -> None:
-        super().__init__()
-        self.config = config
-        self.name = name
-        self.weight = nn.Parameter(
-            torch.empty(config.num_embeddings, config.embedding_dim, dtype=config.dtype)
-        )
-        self.reset_parameters()
-        register_table(self.weight, name, config.num_embeddings, config.optimizer)
-        # Padding rows (added for even sharding) never reach a checkpoint.
-        self._register_state_dict_hook(_trim_padding_rows)  # type: ignore[no-untyped-call]
-        self.register_load_state_dict_pre_hook(_restore_padding_rows)  # type: ignore[no-untyped-call]
-
-    @property
-    def padding_rows(self) -> int:
-        """Rows past ``num_embeddings`` that exist only so the rows split evenly over devices."""
-        return int(self.weight.shape[0]) - self.config.num_embeddings
-
-    def pad_rows(self, multiple: int) -> None:
-        """Round the physical rows up to a multiple of ``multiple`` with zero rows (never looked up).
-
-        Replaces ``weight`` with a new parameter: call before building the optimizer.
-        """
-        n = self.config.num_embeddings
-        rows = -(-n // multiple) * multiple
-        if rows == self.weight.shape[0]:
-            return
-        with torch.no_grad():
-            w = self.weight
-            pad = torch.zeros(rows - n, w.shape[1], dtype=w.dtype, device=w.device)
-            self.weight = nn.Parameter(torch.cat([w[:n], pad]))
-        register_table(self.weight, self.name, n, self.config.optimizer)
-
-    def reset_parameters(self) -> None:
-        """Fill the weight from the config's initializer (drawn on the CPU, then copied)."""
-        init = self.config.initializer
-        with torch.no_grad():
-            host = torch.empty(tuple(self.weight.shape), dtype=self.weight.dtype)
-            if init is None:
-                default_initializer(host)
-            elif isinstance(init, torch.Tensor):
-                host.copy_(init)
-            else:
-                result = init(host)
-                if isinstance(result, torch.Tensor) and result is not host:
-                    if tuple(result.shape) != tuple(host.shape):
-                        raise ValueError(
-                            f"Table `{self.name}`: the initializer returned shape "
-                            f"{tuple(result.shape)}, expected {tuple(host.shape)}."
-                        )
-                    host.copy_(result)
-            self.weight.copy_(host)
-
-    @property
-    def row_grad(self) -> RowGrad:
-        info = table_info(self.weight)
-        if info is None:  # the Parameter object was replaced (e.g. by .to() or load with assign)
-            info = register_table(
-                self.weight, self.name, self.config.num_embeddings, self.config.optimizer
-            )
-        return info.row_grad
-
-    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> EmbeddingTable:
-        old = self.weight
-        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
-        if self.weight is not old or table_info(self.weight) is None:
-            register_table(
-                self.weight, self.name, self.config.num_embeddings, self.config.optimizer
-            )
-        return self
-
-    def extra_repr(self) -> str:
-        c = self.config
-        pad = f", padding_rows={self.padding_rows}" if self.padding_rows else ""
-        return (
-            f"name={self.name!r}, num_embeddings={c.num_embeddings}, "
-            f"embedding_dim={c.embedding_dim}, combiner={c.combiner!r}, dtype={c.dtype}{pad}"
-        )
-
-
 def _device_resident(value: Any) -> bool:
     """True when a feature's ids arrived already on an XLA device (not readable without a sync)."""
     if isinstance(value, torch.Tensor):
         return value.device.type == "xla"
     ids = getattr(value, "ids", getattr(value, "values", None))  # Padded / Jagged
     return isinstance(ids, torch.Tensor) and ids.device.type == "xla"
-
-
-def _trim_padding_rows(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-    table = cast(EmbeddingTable, module)
-    key = prefix + "weight"
-    if key in state_dict and table.padding_rows:
-        state_dict[key] = state_dict[key][: table.config.num_embeddings]
-
-
-def _restore_padding_rows(
-    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
-    missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str],
-) -> None:
-    table = cast(EmbeddingTable, module)
-    key = prefix + "weight"
-    value = state_dict.get(key)
-    n = table.config.num_embeddings
-    if table.padding_rows and isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[0] == n:
-        pad = torch.zeros(table.padding_rows, value.shape[1], dtype=value.dtype, device=value.device)
-        state_dict[key] = torch.cat([value, pad])
 
 
 class EmbeddingCollection(nn.Module):
@@ -203,6 +98,12 @@ class EmbeddingCollection(nn.Module):
             called ``table_<i>``.
         device: where the tables live (CPU by default; CUDA or an XLA device). Initial values are
             drawn on the CPU, so a seed gives the same tables on every device.
+        fuse_tables: stack tables with the same ``embedding_dim``, ``dtype``, ``placement`` and
+            ``optimizer`` override in one buffer per group (``groups``), so an optimizer step does
+            one dedup, gather and scatter per group instead of per table (much faster with many
+            tables, above all on XLA; docs/benchmarks.md). Values, updates and ``state_dict``
+            (per table) are the same as unfused. Not for optimizers whose state spans a whole table
+            (Adafactor's factored statistics) or ``clipnorm`` (a norm per table): those raise.
 
     Forward:
         ``forward(features, weights=None)`` takes inputs in the structure of ``feature_config``
@@ -231,8 +132,11 @@ class EmbeddingCollection(nn.Module):
         (torch.Size([2, 4]), torch.Size([2, 3, 4]))
     """
 
-    def __init__(self, feature_config: Any, *, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self, feature_config: Any, *, device: torch.device | str | None = None, fuse_tables: bool = False
+    ) -> None:
         super().__init__()
+        check_bool("fuse_tables", fuse_tables)
         flat = list(_flatten(feature_config))
         if not flat:
             raise ValueError("Argument `feature_config` must hold at least one FeatureConfig. Received: "
@@ -265,17 +169,58 @@ class EmbeddingCollection(nn.Module):
         if dupe_features:
             raise ValueError(f"Features must have unique names. Duplicated: {dupe_features}")
         self._invalid_ids: dict[str, torch.Tensor] = {}  # device-side counts, see check_ids()
-        self.tables = nn.ModuleDict(
-            {table_names[key]: EmbeddingTable(cfg, table_names[key]) for key, cfg in configs.items()}
-        )
+        tables: dict[str, nn.Module] = {
+            table_names[key]: EmbeddingTable(cfg, table_names[key]) for key, cfg in configs.items()
+        }
+        #: fused table groups (``fuse_tables=True``): group name → :class:`FusedTables`
+        self.groups = nn.ModuleDict()
+        #: table name → (the module holding its rows, its first row there)
+        self._located = {n: (cast(EmbeddingTable, t), 0) for n, t in tables.items()}
+        if fuse_tables:
+            tables = self._fuse(tables)
+        self.tables = nn.ModuleDict(tables)
+        self._register_state_dict_hook(_split_fused_weights)  # type: ignore[no-untyped-call]
+        self.register_load_state_dict_pre_hook(_join_fused_weights)  # type: ignore[no-untyped-call]
         if device is not None:
             self.to(device)
 
+    def _fuse(self, tables: dict[str, nn.Module]) -> dict[str, nn.Module]:
+        """Stack tables with equal :func:`fuse_key` (two or more) into :class:`FusedTables`."""
+        by_key: dict[tuple[Any, ...], list[EmbeddingTable]] = {}
+        for t in tables.values():
+            table = cast(EmbeddingTable, t)
+            by_key.setdefault(fuse_key(table.config), []).append(table)
+        out: dict[str, nn.Module] = dict(tables)
+        for same in by_key.values():
+            if len(same) < 2:
+                continue
+            i = len(self.groups)
+            name = f"fused_{i}"
+            while name in tables:  # a table may be called fused_<i> already
+                name = "_" + name
+            group = FusedTables(same, name)
+            self.groups[name] = group
+            for (tname, off, _), t in zip(group.members(), same, strict=True):
+                out[tname] = TableView(t.config, tname, group, off)
+                self._located[tname] = (group, off)
+        return out
+
     # ------------------------------------------------------------------ accessors
     @property
-    def embedding_tables(self) -> dict[str, nn.Parameter]:
-        """Table name → weight parameter ``[num_embeddings, embedding_dim]``."""
+    def embedding_tables(self) -> dict[str, torch.Tensor]:
+        """Table name → weight ``[num_embeddings, embedding_dim]`` (the parameter; for a fused table,
+        a view of its group's parameter)."""
         return {name: t.weight for name, t in self.tables.items()}  # type: ignore[misc]
+
+    def physical_tables(self) -> dict[str, EmbeddingTable]:
+        """The modules that own table parameters: unfused tables by name, then fused groups."""
+        out = {n: t for n, t in self.tables.items() if isinstance(t, EmbeddingTable)}
+        out.update({n: cast(EmbeddingTable, g) for n, g in self.groups.items()})
+        return out
+
+    def fused_members(self) -> dict[str, tuple[tuple[str, int, int], ...]]:
+        """Fused group name → its tables as ``(name, first row, rows)``."""
+        return {n: cast(FusedTables, g).members() for n, g in self.groups.items()}
 
     @property
     def table_configs(self) -> dict[str, TableConfig]:
@@ -293,20 +238,20 @@ class EmbeddingCollection(nn.Module):
         """Pending row-sparse gradients: table name → ``(ids [N], rows [N, D])``.
 
         Raw accumulation: duplicate ids are not summed and padding entries carry the sentinel id
-        ``weight.shape[0]`` with zero rows. Tables with no pending gradient are omitted.
+        ``weight.shape[0]`` with zero rows. Tables with no pending gradient are omitted. A fused
+        group reports under its group name, with ids of the group's rows.
         """
         out = {}
-        for name, t in self.tables.items():
-            rg = cast(EmbeddingTable, t).row_grad
-            if rg:
-                out[name] = rg.collect()
+        for name, t in self.physical_tables().items():
+            if t.row_grad:
+                out[name] = t.row_grad.collect()
         return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear pending row-sparse table gradients and the ``.grad`` of any other parameter."""
         super().zero_grad(set_to_none)
-        for t in self.tables.values():
-            cast(EmbeddingTable, t).row_grad.clear()
+        for t in self.physical_tables().values():
+            t.row_grad.clear()
 
     # ------------------------------------------------------------------ forward
     def forward(self, features: Any, weights: Any = None) -> Any:
@@ -315,7 +260,7 @@ class EmbeddingCollection(nn.Module):
             _check_structure(self._config, weights, "Argument `weights`")
         outputs: dict[Path, torch.Tensor] = {}
         for path, fname, fc, tname in self._features:
-            table: EmbeddingTable = self.tables[tname]  # type: ignore[assignment]
+            table, offset = self._located[tname]
             weight = table.weight
             bags = to_bags(
                 fname,
@@ -329,6 +274,8 @@ class EmbeddingCollection(nn.Module):
             ids, valid = bags.ids, bags.valid
             if _device_resident(_pick(features, path)):  # host inputs were checked in to_bags
                 ids, valid = self._screen_device_ids(fname, fc.table.num_embeddings, ids, valid, weight.shape[0])
+            if offset:  # a fused table's rows start at `offset` of the group; padding stays the sentinel
+                ids = torch.where(valid, ids + offset, ids)
             combiner = fc.table.combiner if bags.combine else "sum"
             gains = bag_gains(valid, bags.weights, combiner, weight.dtype)
             out = lookup(weight, ids, gains, table.row_grad)
@@ -397,10 +344,68 @@ def split_parameters(
     dense: list[nn.Parameter] = []
     seen: set[int] = set()
     for sub in module.modules():
-        if isinstance(sub, EmbeddingTable):
+        if isinstance(sub, EmbeddingTable):  # fused groups included
             tables.append(sub.weight)
             seen.add(id(sub.weight))
     for p in module.parameters():
         if id(p) not in seen:
             dense.append(p)
     return tables, dense
+
+
+def _split_fused_weights(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """``state_dict`` hook: each fused group's weight becomes its tables' ``tables.<name>.weight``
+    (in table order, as an unfused collection's)."""
+    collection = cast(EmbeddingCollection, module)
+    fused = collection.fused_members()
+    if not fused:
+        return
+    mine = {k: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)]}
+    for gname, members in fused.items():
+        value = mine.pop(prefix + f"groups.{gname}.weight", None)
+        if value is not None:
+            mine.update({prefix + f"tables.{t}.weight": value[off : off + n] for t, off, n in members})
+    order = [prefix + f"tables.{t}.weight" for t in collection.tables]
+    state_dict.update({k: mine.pop(k) for k in order if k in mine})
+    state_dict.update(mine)
+
+
+def _join_fused_weights(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
+    missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str],
+) -> None:
+    """Load pre-hook: per-table weights of fused tables stacked into their group's weight.
+
+    Tables absent from ``state_dict`` keep their values (and are reported missing when ``strict``);
+    a state_dict that holds the group's weight itself (a distributed checkpoint) loads as is.
+    """
+    for gname, members in cast(EmbeddingCollection, module).fused_members().items():
+        gkey = prefix + f"groups.{gname}.weight"
+        keys = [prefix + f"tables.{tname}.weight" for tname, _, _ in members]
+        if gkey in state_dict or not any(k in state_dict for k in keys):
+            if gkey not in state_dict and strict:
+                missing_keys.extend(keys)
+                state_dict[gkey] = _current_rows(module, gname)
+            continue
+        device = next(state_dict[k].device for k in keys if k in state_dict)
+        pieces = []
+        for key, (_, off, n) in zip(keys, members, strict=True):
+            value = state_dict.pop(key, None)
+            current = _current_rows(module, gname)[off : off + n]
+            if value is None:
+                if strict:
+                    missing_keys.append(key)
+                value = current
+            elif tuple(value.shape) != tuple(current.shape):
+                error_msgs.append(
+                    f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from "
+                    f"checkpoint, the shape in current model is {tuple(current.shape)}."
+                )
+                value = current
+            pieces.append(value.detach().to(device=device))
+        state_dict[gkey] = torch.cat(pieces)
+
+
+def _current_rows(module: nn.Module, gname: str) -> torch.Tensor:
+    group = cast(FusedTables, cast(EmbeddingCollection, module).groups[gname])
+    return group.weight.detach()[: group.config.num_embeddings]

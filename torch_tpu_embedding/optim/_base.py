@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from torch_tpu_embedding._fused import merge_member_state, split_member_state
 from torch_tpu_embedding._rows import (
     coalesce_rows,
     dedup_static,
@@ -188,6 +189,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             check_extras(group, extras)
             self._validate_common(group)
             rule_cls._validate(group)
+            _check_fused(group, rule_cls)
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
@@ -863,7 +865,13 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                     out[name] = v[:n]
                 else:
                     out[name] = v
-            state[keys[id(p)]] = out
+            members = _members(p)
+            if members is None:
+                state[keys[id(p)]] = out
+                continue
+            row_slots = [k for k, spec in specs.items() if spec.rows and spec.shape]
+            parts = split_member_state(out, members, row_slots)
+            state.update({f"table:{name}": part for name, part in parts.items()})
         groups = []
         for group in self.param_groups:
             saved = {
@@ -871,7 +879,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 for k, v in group.items()
                 if k not in ("params", "slot_creation_fn") and not (callable(v) and not isinstance(v, Tensor))
             }
-            saved["params"] = [keys[id(p)] for p in group["params"]]
+            saved["params"] = [k for p in group["params"] for k in _logical_keys(p, keys[id(p)])]
             groups.append(saved)
         return {"state": state, "param_groups": groups, "iterations": self._iterations,
                 "skipped_steps": self.skipped_steps}
@@ -901,7 +909,9 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 tensors[f"{key}/{name}"] = v
                 rows[f"{key}/{name}"] = n if name in specs and specs[name].rows and v.dim() else None
         sd = self.state_dict()
-        return tensors, rows, {"param_groups": sd["param_groups"], "iterations": sd["iterations"], "acc": acc}
+        members = {keys[id(p)]: m for p in self.state if (m := _members(p)) is not None}
+        return tensors, rows, {"param_groups": sd["param_groups"], "iterations": sd["iterations"], "acc": acc,
+                               "members": members}
 
     def load_physical_rest(self, rest: Mapping[str, Any]) -> None:
         """Finish a distributed-checkpoint load: the slots were loaded in place (:meth:`physical_state`);
@@ -932,10 +942,44 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             state["acc_rows"] = _to_device(bufs["acc_rows"].to(p.dtype), p.device)
         self._lr_cache.clear()
 
+    def _merged_state(
+        self, saved: Mapping[str, Mapping[str, Tensor]], by_key: Mapping[str, Tensor], keys: Mapping[int, str]
+    ) -> dict[str, Mapping[str, Tensor]]:
+        """Saved state by physical key: the per-table entries of a fused group's tables stacked."""
+        out: dict[str, Mapping[str, Tensor]] = {}
+        fused: dict[int, dict[str, Mapping[str, Tensor]]] = {}
+        for key, s in saved.items():
+            p = by_key[key]
+            if _members(p) is None:
+                out[key] = s
+            else:
+                fused.setdefault(id(p), {})[key[len("table:"):]] = s
+        params = {id(p): p for p in by_key.values()}
+        for pid, parts in fused.items():
+            p = params[pid]
+            members = _members(p)
+            assert members is not None
+            group = self._group_of(p)
+            state = self._state_for(p, group)
+            specs = self._specs(p, group)
+
+            def current(slot: str, off: int, n: int, state: dict[str, Tensor] = state) -> Tensor:
+                return state[slot][off : off + n]
+
+            row_slots = [k for k, spec in specs.items() if spec.rows and spec.shape]
+            out[keys[pid]] = merge_member_state(parts, members, row_slots, current)
+        return out
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Load a :meth:`state_dict`, matching parameters by key (table name), not by position."""
         keys = self._param_keys()
-        by_key = {keys[id(p)]: p for g in self.param_groups for p in g["params"]}
+        # Logical keys: a fused group answers to each of its tables' keys, with that table's rows.
+        by_key: dict[str, Tensor] = {}
+        rows_of: dict[str, int] = {}
+        for g in self.param_groups:
+            for p in g["params"]:
+                for key, n in _logical_keys_rows(p, keys[id(p)], self._logical_rows(p)):
+                    by_key[key], rows_of[key] = p, n
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         saved_groups = state_dict["param_groups"]
         problems: list[str] = []
@@ -944,7 +988,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 f"{len(saved_groups)} parameter groups saved, {len(self.param_groups)} here"
             )
         for i, (sg, g) in enumerate(zip(saved_groups, self.param_groups, strict=False)):
-            mine = [keys[id(p)] for p in g["params"]]
+            mine = [k for p in g["params"] for k in _logical_keys(p, keys[id(p)])]
             if sorted(sg["params"]) != sorted(mine):
                 missing = sorted(set(mine) - set(sg["params"]))
                 extra = sorted(set(sg["params"]) - set(mine))
@@ -959,7 +1003,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             if p is None:
                 continue  # reported above through the groups
             specs = self._specs(p, {**group_of[id(p)], **_saved_group_of(saved_groups, key)})
-            n = self._logical_rows(p)
+            n = rows_of[key]
             for name, v in s.items():
                 if name in ("step", "acc_ids", "acc_rows"):
                     continue
@@ -977,8 +1021,9 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             for k, v in sg.items():
                 if k != "params" and not (callable(g.get(k)) and not isinstance(g.get(k), Tensor)):
                     g[k] = v
-        for key, s in state_dict["state"].items():
-            p = by_key[key]
+        physical = {keys[id(p)]: p for g in self.param_groups for p in g["params"]}
+        for key, s in self._merged_state(state_dict["state"], by_key, keys).items():
+            p = physical[key]
             state = self._state_for(p, group_of[id(p)])
             specs = self._specs(p, group_of[id(p)])
             for name, v in s.items():
@@ -1000,6 +1045,46 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         skipped = int(state_dict.get("skipped_steps", 0))
         self._skipped = torch.tensor(skipped, dtype=torch.int64) if skipped else None
         self._lr_cache.clear()
+
+
+def _members(p: Tensor) -> tuple[tuple[str, int, int], ...] | None:
+    info = table_info(p)
+    return None if info is None else info.members
+
+
+def _logical_keys(p: Tensor, key: str) -> list[str]:
+    """``p``'s keys in :meth:`RowSparseOptimizer.state_dict`: one per table of a fused group."""
+    members = _members(p)
+    return [key] if members is None else [f"table:{name}" for name, _, _ in members]
+
+
+def _logical_keys_rows(p: Tensor, key: str, rows: int) -> list[tuple[str, int]]:
+    members = _members(p)
+    return [(key, rows)] if members is None else [(f"table:{name}", n) for name, _, n in members]
+
+
+def _check_fused(group: Mapping[str, Any], rule_cls: type[RowSparseOptimizer]) -> None:
+    """Reject what a fused group cannot do exactly as its separate tables would (by name)."""
+    for p in group["params"]:
+        info = table_info(p)
+        if info is None or info.members is None:
+            continue
+        names = [m[0] for m in info.members]
+        whole = [k for k, spec in rule_cls.slot_specs(tuple(p.shape), group, True).items() if not spec.rows]
+        reason = None
+        if whole:
+            reason = (f"optimizer '{group['algorithm']}' keeps per-table state {whole} (statistics over all "
+                      "of a table's rows)")
+        elif group.get("clipnorm"):
+            reason = "`clipnorm` clips each table's gradient by its own norm"
+        elif group.get("slot_creation_fn") is not None:
+            reason = "`slot_creation_fn` creates the slots of one table"
+        if reason:
+            raise ValueError(
+                f"Fused table group '{info.name}' (tables {names}) cannot be trained this way: {reason}. "
+                "Build the EmbeddingCollection with fuse_tables=False, or give these tables their own "
+                "optimizer with TableConfig.optimizer (tables with different optimizers are not fused)."
+            )
 
 
 def _to_device(v: Tensor, device: torch.device) -> Tensor:

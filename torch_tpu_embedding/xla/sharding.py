@@ -38,7 +38,7 @@ import torch
 
 from torch_tpu_embedding._rows import table_info
 from torch_tpu_embedding._validation import arg_error, check_int
-from torch_tpu_embedding.collection import EmbeddingCollection, EmbeddingTable
+from torch_tpu_embedding.collection import EmbeddingCollection
 from torch_tpu_embedding.config import TableConfig
 
 # torch_xla's partial type hints are not part of its API: treat its modules as untyped.
@@ -121,6 +121,9 @@ def shard(
 ) -> dict[str, str]:
     """Lay every table of ``collection`` out on ``mesh`` by its placement; returns name → placement.
 
+    A fused group (``fuse_tables=True``) is laid out as one table: its tables share a placement
+    (``"auto"`` decides by the group's size).
+
     Call after moving the collection to the XLA device and before building the optimizer (padding
     rows up to a multiple of ``lcm(ROW_ALIGNMENT, devices)`` replace the weight parameter). Padding rows are never
     looked up, never updated and never saved: ``state_dict`` holds ``[num_embeddings, D]``.
@@ -137,8 +140,7 @@ def shard(
     check_int("replicate_below_bytes", replicate_below_bytes, minimum=0)
     n = int(mesh.shape()[axis])
     placements: dict[str, str] = {}
-    for name, module in collection.tables.items():
-        table: EmbeddingTable = module  # type: ignore[assignment]
+    for name, table in collection.physical_tables().items():  # a fused group is laid out once
         if table.weight.device.type != "xla":
             raise ValueError(
                 f"Table `{name}` is on {table.weight.device}; move the collection to the XLA device "
@@ -156,7 +158,8 @@ def shard(
         info = table_info(table.weight)
         assert info is not None  # pad_rows / the constructor registered it
         info.sharding = layout
-        placements[name] = placement
+        for tname in [name] if info.members is None else [m[0] for m in info.members]:
+            placements[tname] = placement
     return placements
 
 

@@ -1,0 +1,300 @@
+"""Fused table groups (``fuse_tables=True``) against the unfused collection, which is the reference.
+
+Same seeds give the same weights; a training run gives bitwise the same weights and slots; state_dicts
+have the same keys and move between the two layouts; a step does one dedup, one gather and one scatter
+per group (counted at the aten level); unsupported options are rejected by name.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torch_tpu_embedding as tte
+
+O = tte.optim  # noqa: E741
+OPTIMIZERS: dict[str, tuple[Any, dict[str, Any]]] = {
+    "sgd": (O.SGD, {"lr": 0.1, "clipvalue": 0.5, "weight_decay_factor": 0.01}),
+    "adagrad": (O.Adagrad, {"lr": 0.1, "clip_weight_min": -0.3, "clip_weight_max": 0.3}),
+    "adagrad_momentum": (O.AdagradMomentum, {"lr": 0.1, "momentum": 0.9, "use_nesterov": True}),
+    "adam": (O.Adam, {"lr": 0.05}),
+    "adam-nonlazy": (O.Adam, {"lr": 0.05, "lazy_adam": False}),
+    "lazy_adam": (O.LazyAdam, {"lr": 0.05, "bias_correction": True}),
+    "ftrl": (O.FTRL, {"lr": 0.1, "l1_regularization_strength": 0.001, "beta": 0.1}),
+    "sgd-noaccum": (O.SGD, {"lr": 0.1, "use_gradient_accumulation": False}),
+    "adam-ema-accum-gclip": (O.Adam, {"lr": 0.05, "use_ema": True, "ema_momentum": 0.8,
+                                      "gradient_accumulation_steps": 2, "global_clipnorm": 0.5}),
+    "ftrl-accum3-scale-skip": (O.FTRL, {"lr": 0.1, "gradient_accumulation_steps": 3,
+                                        "loss_scale_factor": 16.0, "skip_nonfinite": True}),
+}
+
+
+def features(dtype: torch.dtype = torch.float64, override: Any = None) -> dict[str, tte.FeatureConfig]:
+    """Seven tables: four of dim 4 (one with its own optimizer), two of dim 8, one of dim 4 in float32."""
+    t = [
+        tte.TableConfig(40, 4, name="a", combiner="sqrtn", dtype=dtype),
+        tte.TableConfig(17, 4, name="b", combiner="sum", dtype=dtype),
+        tte.TableConfig(9, 8, name="c", dtype=dtype),
+        tte.TableConfig(23, 4, name="d", dtype=dtype),
+        tte.TableConfig(11, 8, name="e", combiner="sum", dtype=dtype),
+        tte.TableConfig(5, 4, name="f", dtype=torch.float32),
+        tte.TableConfig(13, 4, name="g", dtype=dtype, optimizer=override),
+    ]
+    return {
+        "a": tte.FeatureConfig(t[0], max_ids_per_bag=4), "a2": tte.FeatureConfig(t[0]),  # a shared table
+        "b": tte.FeatureConfig(t[1]), "c": tte.FeatureConfig(t[2], max_sequence_length=3),
+        "d": tte.FeatureConfig(t[3]), "e": tte.FeatureConfig(t[4]), "f": tte.FeatureConfig(t[5]),
+        "g": tte.FeatureConfig(t[6]),
+    }
+
+
+VOCAB = {"a": 40, "a2": 40, "b": 17, "c": 9, "d": 23, "e": 11, "f": 5, "g": 13}
+
+
+def batch(g: torch.Generator) -> dict[str, tte.Jagged]:
+    out = {}
+    for name, vocab in VOCAB.items():
+        lengths = torch.randint(0, 4, (6,), generator=g)
+        ids = torch.randint(0, vocab, (int(lengths.sum()),), generator=g)
+        weights = None if name == "c" else torch.rand(ids.numel(), generator=g, dtype=torch.float64) + 0.5
+        out[name] = tte.Jagged(ids, lengths=lengths, weights=weights)  # c: a sequence feature, no weights
+    return out
+
+
+def train(ec: tte.EmbeddingCollection, opt: torch.optim.Optimizer, steps: int = 6, seed: int = 1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        out = ec(batch(g))
+        loss = sum((i + 1) * o.double().square().sum() for i, o in enumerate(out.values()))
+        loss.backward()  # type: ignore[union-attr]
+        opt.step()
+        opt.zero_grad()
+
+
+def build(fuse: bool, name: str, override: Any = None) -> tuple[tte.EmbeddingCollection, Any]:
+    cls, kwargs = OPTIMIZERS[name]
+    torch.manual_seed(0)
+    ec = tte.EmbeddingCollection(features(override=override), fuse_tables=fuse)
+    return ec, cls(ec.parameters(), **kwargs)
+
+
+def assert_same_state(sd1: dict[str, Any], sd2: dict[str, Any], exact: bool = True) -> None:
+    assert list(sd1) == list(sd2)
+    for k in sd1:
+        if exact:
+            assert torch.equal(sd1[k], sd2[k]), k
+        else:
+            torch.testing.assert_close(sd1[k], sd2[k], rtol=1e-12, atol=1e-14, msg=k)
+
+
+def test_groups_by_dim_dtype_placement_and_optimizer() -> None:
+    ec = tte.EmbeddingCollection(features(override="ftrl"), fuse_tables=True)
+    assert ec.fused_members() == {
+        "fused_0": (("a", 0, 40), ("b", 40, 17), ("d", 57, 23)),
+        "fused_1": (("c", 0, 9), ("e", 9, 11)),
+    }
+    assert set(ec.physical_tables()) == {"f", "g", "fused_0", "fused_1"}  # alone in their key: not fused
+    assert ec.groups["fused_0"].weight.shape == (80, 4)
+    assert [p.shape for p in ec.parameters()] == [(80, 4), (20, 8), (5, 4), (13, 4)]
+    tables, dense = tte.split_parameters(ec)
+    assert len(tables) == 4 and dense == []
+    assert "fused in 'fused_0' at row 40" in repr(ec)
+
+
+def test_same_seed_same_initial_weights() -> None:
+    torch.manual_seed(0)
+    plain = tte.EmbeddingCollection(features())
+    torch.manual_seed(0)
+    fused = tte.EmbeddingCollection(features(), fuse_tables=True)
+    assert_same_state(plain.state_dict(), fused.state_dict())
+    for name, w in fused.embedding_tables.items():
+        assert torch.equal(w, plain.embedding_tables[name])
+    torch.manual_seed(3)
+    fused.groups["fused_0"].reset_parameters()
+    torch.manual_seed(3)
+    for t in ("a", "b", "d"):
+        expected = tte.EmbeddingTable(plain.table_configs[t], t).weight
+        assert torch.equal(fused.embedding_tables[t], expected)
+
+
+def test_forward_matches_unfused() -> None:
+    torch.manual_seed(0)
+    plain = tte.EmbeddingCollection(features())
+    torch.manual_seed(0)
+    fused = tte.EmbeddingCollection(features(), fuse_tables=True)
+    inputs = batch(torch.Generator().manual_seed(5))
+    a, b = plain(inputs), fused(inputs)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_training_is_bitwise_the_same(name: str) -> None:
+    """Bitwise, except with global_clipnorm: its norm sums squares per group instead of per table."""
+    exact = "global_clipnorm" not in OPTIMIZERS[name][1]
+    plain, opt_p = build(False, name)
+    fused, opt_f = build(True, name)
+    train(plain, opt_p)
+    train(fused, opt_f)
+    assert_same_state(plain.state_dict(), fused.state_dict(), exact)
+    sp, sf = opt_p.state_dict(), opt_f.state_dict()
+    assert sorted(sp["state"]) == sorted(sf["state"]) == [f"table:{t}" for t in "abcdefg"]
+    assert [g["params"] for g in sp["param_groups"]] != [] and sorted(sp["param_groups"][0]["params"]) == sorted(
+        sf["param_groups"][0]["params"])
+    for key, slots in sp["state"].items():
+        assert sorted(slots) == sorted(sf["state"][key]), key
+        for slot, v in slots.items():
+            if slot.startswith("acc_"):  # buffer capacity differs (per table vs per group)
+                continue
+            assert_same_state({slot: v}, {slot: sf["state"][key][slot]}, exact)
+    if OPTIMIZERS[name][1].get("use_ema"):
+        for t, w in fused.embedding_tables.items():
+            pw = plain.embedding_tables[t]
+            n = pw.shape[0]
+            group = fused.groups[next(g for g, m in fused.fused_members().items() if t in [x[0] for x in m])] \
+                if t not in fused.physical_tables() else None
+            avg_f = opt_f.moving_average(group.weight if group is not None else w)
+            off = dict((m[0], m[1]) for ms in fused.fused_members().values() for m in ms).get(t, 0)
+            assert_same_state({t: avg_f[off: off + n]}, {t: opt_p.moving_average(pw)}, exact)
+
+
+@pytest.mark.parametrize("name", ["adagrad", "adam-ema-accum-gclip", "ftrl-accum3-scale-skip"])
+@pytest.mark.parametrize("direction", ["plain->fused", "fused->plain"])
+def test_state_dicts_move_between_layouts_and_training_goes_on(name: str, direction: str) -> None:
+    src_fused = direction == "fused->plain"
+    ref, opt_ref = build(False, name)
+    train(ref, opt_ref, steps=4)  # 4 calls: mid-accumulation for k=3, pending buffers are saved
+    src, opt_src = build(src_fused, name)
+    train(src, opt_src, steps=4)
+    dst, opt_dst = build(not src_fused, name)
+    dst.load_state_dict(src.state_dict())
+    opt_dst.load_state_dict(opt_src.state_dict())
+    train(ref, opt_ref, steps=3, seed=9)
+    train(dst, opt_dst, steps=3, seed=9)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(dst.state_dict()[k], v, rtol=1e-12, atol=1e-12, msg=k)
+
+
+def test_checkpoint_files_move_between_layouts(tmp_path: Path) -> None:
+    plain, opt_p = build(False, "lazy_adam")
+    fused, opt_f = build(True, "lazy_adam")
+    train(fused, opt_f)
+    tte.checkpoint.save(tmp_path / "f.pt", model=fused, optimizer=opt_f)
+    payload = torch.load(tmp_path / "f.pt", weights_only=True)
+    assert sorted(payload["optimizer"]["state"]) == [f"table:{t}" for t in "abcdefg"]
+    assert list(payload["model"]) == list(plain.state_dict())
+    tte.checkpoint.load(tmp_path / "f.pt", model=plain, optimizer=opt_p)
+    assert_same_state(plain.state_dict(), fused.state_dict())
+    tte.checkpoint.save(tmp_path / "p.pt", model=plain, optimizer=opt_p)
+    fused2, opt_f2 = build(True, "lazy_adam")
+    tte.checkpoint.load(tmp_path / "p.pt", model=fused2, optimizer=opt_f2)
+    train(fused, opt_f, seed=4)
+    train(fused2, opt_f2, seed=4)
+    assert_same_state(fused.state_dict(), fused2.state_dict())
+
+
+def test_partial_and_mismatched_loads() -> None:
+    torch.manual_seed(0)
+    fused = tte.EmbeddingCollection(features(), fuse_tables=True)
+    before = fused.state_dict()
+    new_b = torch.full((17, 4), 0.5, dtype=torch.float64)
+    result = fused.load_state_dict({"tables.b.weight": new_b}, strict=False)
+    after = fused.state_dict()
+    assert torch.equal(after["tables.b.weight"], new_b)
+    assert torch.equal(after["tables.a.weight"], before["tables.a.weight"])
+    assert torch.equal(after["tables.d.weight"], before["tables.d.weight"])
+    assert "tables.b.weight" not in result.missing_keys
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: .*tables\.a\.weight"):
+        fused.load_state_dict({"tables.b.weight": new_b})
+    with pytest.raises(RuntimeError, match=r"size mismatch for tables\.b\.weight.*\(16, 4\).*\(17, 4\)"):
+        fused.load_state_dict({**before, "tables.b.weight": new_b[:16]})
+    # interop writes one table at a time through load_state_dict
+    bag = torch.nn.EmbeddingBag(17, 4, mode="sum").double()
+    tte.interop.load_embedding_bag(fused, "b", bag)
+    assert torch.equal(fused.embedding_tables["b"], bag.weight.detach())
+    assert torch.equal(tte.interop.to_embedding_bag(fused, "b").weight, bag.weight)
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_one_dedup_gather_and_scatter_per_group(fuse: bool) -> None:
+    torch.manual_seed(0)
+    tables = [tte.TableConfig(50, 4, name=f"t{i}") for i in range(6)]
+    ec = tte.EmbeddingCollection({f"f{i}": tte.FeatureConfig(t) for i, t in enumerate(tables)}, fuse_tables=fuse)
+    opt = tte.optim.Adagrad(ec.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    sum(o.sum() for o in ec({f"f{i}": torch.randint(0, 50, (8,), generator=g) for i in range(6)}).values()).backward()
+    with _CountOps() as ops:
+        opt.step()
+    physical = 1 if fuse else 6
+    assert ops.counts["_unique2"] == physical  # dedup
+    assert ops.counts["index_select"] == 2 * physical  # rows of the weight and of `accumulators`
+    assert ops.counts["index_copy_"] == 2 * physical  # scatter of both
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"clipnorm": 1.0}, "clipnorm"), ({"slot_creation_fn": lambda p, names, init: {}}, "slot_creation_fn")],
+)
+def test_options_that_need_a_table_of_their_own_are_rejected(kwargs: dict[str, Any], match: str) -> None:
+    ec = tte.EmbeddingCollection(features(), fuse_tables=True)
+    with pytest.raises(ValueError, match=rf"Fused table group 'fused_0' \(tables \['a', 'b', 'd', 'g'\]\).*{match}"):
+        tte.optim.Adagrad(ec.parameters(), lr=0.1, **kwargs)
+    plain = tte.EmbeddingCollection(features())
+    tte.optim.Adagrad(plain.parameters(), lr=0.1, **kwargs)  # fine unfused
+
+
+def test_adafactor_is_rejected_also_as_a_table_override() -> None:
+    ec = tte.EmbeddingCollection(features(), fuse_tables=True)
+    with pytest.raises(ValueError, match=r"optimizer 'adafactor' keeps per-table state \['c', 'r_sum'\]"):
+        tte.optim.Adafactor(ec.parameters(), lr=0.1)
+    both = {
+        "x": tte.FeatureConfig(tte.TableConfig(10, 4, optimizer="adafactor")),
+        "y": tte.FeatureConfig(tte.TableConfig(12, 4, optimizer="adafactor")),
+    }
+    ec2 = tte.EmbeddingCollection(both, fuse_tables=True)
+    with pytest.raises(ValueError, match="fuse_tables=False"):
+        tte.optim.SGD(ec2.parameters(), lr=0.1)
+    # a table with its own optimizer is grouped only with tables naming the same one
+    factory = functools.partial(tte.optim.FTRL, lr=0.1)
+    ec3 = tte.EmbeddingCollection(features(override=factory), fuse_tables=True)
+    assert [m[0] for m in ec3.fused_members()["fused_0"]] == ["a", "b", "d"]
+
+
+def test_row_grads_and_zero_grad_per_group() -> None:
+    ec = tte.EmbeddingCollection(features(), fuse_tables=True)
+    ec(batch(torch.Generator().manual_seed(0)))["b"].sum().backward()
+    grads = ec.row_grads()
+    assert set(grads) == {"fused_0"}  # only b (in the group) was reached
+    ids, _ = grads["fused_0"]
+    real = ids[ids < 80]
+    assert bool(((real >= 40) & (real < 57)).all())  # b's rows of the group
+    ec.zero_grad()
+    assert ec.row_grads() == {}
+
+
+def test_fuse_tables_must_be_a_bool() -> None:
+    with pytest.raises(ValueError, match="Argument `fuse_tables` must be a boolean. Received: 'yes'"):
+        tte.EmbeddingCollection(features(), fuse_tables="yes")  # type: ignore[arg-type]
+
+
+def test_group_name_avoids_table_names() -> None:
+    t = [tte.TableConfig(3, 2, name="fused_0"), tte.TableConfig(4, 2, name="x")]
+    ec = tte.EmbeddingCollection({"a": tte.FeatureConfig(t[0]), "b": tte.FeatureConfig(t[1])}, fuse_tables=True)
+    assert list(ec.groups) == ["_fused_0"]
+    assert list(ec.state_dict()) == ["tables.fused_0.weight", "tables.x.weight"]

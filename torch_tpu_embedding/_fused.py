@@ -1,0 +1,210 @@
+"""Fused table groups: tables stacked in one buffer, so a step updates a group at once.
+
+Tables with the same ``embedding_dim``, ``dtype``, ``placement`` and per-table optimizer override
+share one ``[Σ rows, D]`` parameter (keras-rs and SparseCore call this *table stacking*; TorchRec's
+TBE groups tables the same way). A feature of a stacked table looks up ``id + first row``; every
+feature of the group adds to one row-sparse gradient, so the optimizer does one dedup, one gather
+and one scatter per group instead of one per table. On XLA that removes the per-table part of
+tracing and of the compiled graph, and it stops equally sized tables from being separate buffers
+that XLA's donation pairing can mix up (XLA_NOTES: "donation pitfall").
+
+Only the layout changes: every feature still reads its own table's rows, and the per-row update is
+the same. ``state_dict`` stays per table (``tables.<name>.weight``; optimizer state keyed
+``table:<name>``), so checkpoints move between fused and unfused collections.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from torch_tpu_embedding._rows import RowGrad
+from torch_tpu_embedding.config import TableConfig
+from torch_tpu_embedding.table import EmbeddingTable
+
+__all__ = [
+    "FusedTables",
+    "TableView",
+    "fuse_key",
+    "merge_member_state",
+    "split_member_state",
+]
+
+Members = tuple[tuple[str, int, int], ...]
+
+
+def fuse_key(config: TableConfig) -> tuple[Any, ...]:
+    """Tables with equal keys can share one buffer (the optimizer override compares by identity,
+    a name by value)."""
+    opt = config.optimizer
+    return (config.embedding_dim, config.dtype, config.placement, opt if isinstance(opt, str) else id(opt))
+
+
+class FusedTables(EmbeddingTable):
+    """Several tables stacked in one ``weight`` ``[Σ num_embeddings (+ padding), D]``.
+
+    Table ``i`` holds rows ``[offset_i, offset_i + num_embeddings_i)``; padding rows for sharding
+    come after the last table. Built by :class:`~torch_tpu_embedding.EmbeddingCollection` with
+    ``fuse_tables=True`` from tables whose weights are already drawn, so a seed gives the same
+    values fused or not.
+    """
+
+    def __init__(self, tables: Sequence[EmbeddingTable], name: str) -> None:
+        first = tables[0].config
+        offsets, total = [], 0
+        for t in tables:
+            offsets.append(total)
+            total += t.config.num_embeddings
+        self.member_configs: dict[str, TableConfig] = {t.name: t.config for t in tables}
+        self._members: Members = tuple(
+            (t.name, off, t.config.num_embeddings) for t, off in zip(tables, offsets, strict=True)
+        )
+        config = TableConfig(
+            num_embeddings=total,
+            embedding_dim=first.embedding_dim,
+            name=name,
+            optimizer=first.optimizer,
+            dtype=first.dtype,
+            placement=first.placement,
+        )
+        weight = torch.cat([t.weight.detach()[: t.config.num_embeddings] for t in tables])
+        super().__init__(config, name, weight=weight)
+
+    def members(self) -> Members:
+        return self._members
+
+    def reset_parameters(self) -> None:
+        """Draw each table's rows from its own initializer, in table order."""
+        with torch.no_grad():
+            for name, off, n in self._members:
+                t = EmbeddingTable(self.member_configs[name], name)
+                self.weight[off : off + n].copy_(t.weight.detach().to(self.weight.device))
+
+    def extra_repr(self) -> str:
+        names = ", ".join(m[0] for m in self._members)
+        return f"{super().extra_repr()}, tables=[{names}]"
+
+
+class TableView(nn.Module):
+    """A table stacked in a :class:`FusedTables`: its config, and its rows of the group's weight.
+
+    Holds no parameter (the group does); ``weight`` is a view of the group's rows, for reading.
+    Write a table's values with ``load_state_dict`` (``tables.<name>.weight``).
+    """
+
+    def __init__(self, config: TableConfig, name: str, group: FusedTables, offset: int) -> None:
+        super().__init__()
+        self.config = config
+        self.name = name
+        self.offset = offset
+        self.__dict__["group"] = group  # not a submodule: the group is registered once, in `groups`
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """``[num_embeddings, D]`` rows of the group's weight (a view)."""
+        group: FusedTables = self.__dict__["group"]
+        return group.weight[self.offset : self.offset + self.config.num_embeddings]
+
+    @property
+    def padding_rows(self) -> int:
+        return 0
+
+    @property
+    def row_grad(self) -> RowGrad:
+        group: FusedTables = self.__dict__["group"]
+        return group.row_grad
+
+    def extra_repr(self) -> str:
+        c = self.config
+        group: FusedTables = self.__dict__["group"]
+        return (
+            f"name={self.name!r}, num_embeddings={c.num_embeddings}, embedding_dim={c.embedding_dim}, "
+            f"combiner={c.combiner!r}, dtype={c.dtype}, fused in {group.name!r} at row {self.offset}"
+        )
+
+
+# ------------------------------------------------------------------ optimizer state, per table
+def split_member_state(
+    entry: Mapping[str, torch.Tensor], members: Members, row_slots: Collection[str]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """One group's optimizer state (logical rows) → ``{table name: state}``, as unfused tables keep it.
+
+    Row slots are cut per table; whole-parameter values (``step``) are copied to every table; a
+    pending accumulation buffer keeps, per table, its own ids (re-based; ``-1`` elsewhere) and rows
+    (zero elsewhere).
+    """
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    ids = entry.get("acc_ids")
+    for name, off, n in members:
+        mine: dict[str, torch.Tensor] = {}
+        inside = None if ids is None else (ids >= off) & (ids < off + n)
+        for slot, v in entry.items():
+            if slot == "acc_ids" and inside is not None:
+                mine[slot] = torch.where(inside, v - off, torch.full_like(v, -1))
+            elif slot == "acc_rows" and inside is not None:
+                mine[slot] = v * inside.unsqueeze(-1).to(v.dtype)
+            elif slot in row_slots:
+                mine[slot] = v[off : off + n]
+            else:
+                mine[slot] = v
+        out[name] = mine
+    return out
+
+
+def merge_member_state(
+    parts: Mapping[str, Mapping[str, torch.Tensor]],
+    members: Members,
+    row_slots: Collection[str],
+    current: Callable[[str, int, int], torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`split_member_state`: per-table states → one group state (logical rows).
+
+    A table with no saved state (it was never stepped) keeps the group's current rows
+    (``current(slot, first row, rows)``). ``step`` is the largest of the tables' counts (they are
+    equal when every table is looked up in every step).
+    """
+    slots = sorted({s for p in parts.values() for s in p})
+    out: dict[str, torch.Tensor] = {}
+    if "acc_ids" in slots:
+        out.update(_merge_accumulation(parts, members))
+    for slot in slots:
+        if slot in ("acc_ids", "acc_rows"):
+            continue
+        if slot in row_slots:
+            out[slot] = torch.cat([
+                parts[name][slot] if slot in parts.get(name, {}) else current(slot, off, n).to(_device_of(parts, slot))
+                for name, off, n in members
+            ])
+        else:
+            vals = [parts[n][slot] for n, _, _ in members if slot in parts.get(n, {})]
+            out[slot] = torch.stack(vals).amax(0) if slot == "step" else vals[0]
+    return out
+
+
+def _merge_accumulation(
+    parts: Mapping[str, Mapping[str, torch.Tensor]], members: Members
+) -> dict[str, torch.Tensor]:
+    """Pending accumulation buffers ``[k, cap]`` / ``[k, cap, D]`` of the tables → the group's.
+
+    Buffers split from a group (equal capacity, each position owned by at most one table) are
+    summed back into the group's capacity; others are laid side by side (capacity = the sum).
+    """
+    got = [(parts[n]["acc_ids"], parts[n]["acc_rows"], off) for n, off, _ in members if "acc_ids" in parts.get(n, {})]
+    ids = [torch.where(i >= 0, i + off, torch.full_like(i, -1)) for i, _, off in got]
+    rows = [r for _, r, _ in got]
+    if len({tuple(i.shape) for i in ids}) == 1 and int(torch.stack([i >= 0 for i in ids]).sum(0).max()) <= 1:
+        owned = torch.stack([i >= 0 for i in ids]).any(0)
+        summed = torch.stack([i.clamp(min=0) for i in ids]).sum(0)
+        return {"acc_ids": torch.where(owned, summed, torch.full_like(summed, -1)),
+                "acc_rows": torch.stack(rows).sum(0)}
+    return {"acc_ids": torch.cat(ids, dim=1), "acc_rows": torch.cat(rows, dim=1)}
+
+
+def _device_of(parts: Mapping[str, Mapping[str, torch.Tensor]], slot: str) -> torch.device:
+    for p in parts.values():
+        if slot in p:
+            return p[slot].device
+    return torch.device("cpu")

@@ -1,0 +1,128 @@
+"""``EmbeddingTable``: one table's weight, its config, and the row padding used for sharding."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from torch_tpu_embedding._rows import RowGrad, TableInfo, register_table, table_info
+from torch_tpu_embedding.config import TableConfig, default_initializer
+
+__all__ = ["EmbeddingTable"]
+
+class EmbeddingTable(nn.Module):
+    """One table: ``weight`` ``[num_embeddings, embedding_dim]`` plus its config.
+
+    The weight is an ordinary ``nn.Parameter`` whose gradient arrives row-sparse in a
+    :class:`~torch_tpu_embedding._rows.RowGrad` (never in ``.grad``).
+    """
+
+    def __init__(self, config: TableConfig, name: str, weight: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.name = name
+        if weight is None:
+            self.weight = nn.Parameter(
+                torch.empty(config.num_embeddings, config.embedding_dim, dtype=config.dtype)
+            )
+            self.reset_parameters()
+        else:  # initial values given (a fused group stacks its tables' drawn weights)
+            self.weight = nn.Parameter(weight)
+        self._register()
+        # Padding rows (added for even sharding) never reach a checkpoint.
+        self._register_state_dict_hook(_trim_padding_rows)  # type: ignore[no-untyped-call]
+        self.register_load_state_dict_pre_hook(_restore_padding_rows)  # type: ignore[no-untyped-call]
+
+    @property
+    def padding_rows(self) -> int:
+        """Rows past ``num_embeddings`` that exist only so the rows split evenly over devices."""
+        return int(self.weight.shape[0]) - self.config.num_embeddings
+
+    def pad_rows(self, multiple: int) -> None:
+        """Round the physical rows up to a multiple of ``multiple`` with zero rows (never looked up).
+
+        Replaces ``weight`` with a new parameter: call before building the optimizer.
+        """
+        n = self.config.num_embeddings
+        rows = -(-n // multiple) * multiple
+        if rows == self.weight.shape[0]:
+            return
+        with torch.no_grad():
+            w = self.weight
+            pad = torch.zeros(rows - n, w.shape[1], dtype=w.dtype, device=w.device)
+            self.weight = nn.Parameter(torch.cat([w[:n], pad]))
+        self._register()
+
+    def members(self) -> tuple[tuple[str, int, int], ...] | None:
+        """``(table name, first row, rows)`` of each table stacked in this one (``None``: just itself)."""
+        return None
+
+    def _register(self) -> TableInfo:
+        return register_table(
+            self.weight, self.name, self.config.num_embeddings, self.config.optimizer, self.members()
+        )
+
+    def reset_parameters(self) -> None:
+        """Fill the weight from the config's initializer (drawn on the CPU, then copied)."""
+        init = self.config.initializer
+        with torch.no_grad():
+            host = torch.empty(tuple(self.weight.shape), dtype=self.weight.dtype)
+            if init is None:
+                default_initializer(host)
+            elif isinstance(init, torch.Tensor):
+                host.copy_(init)
+            else:
+                result = init(host)
+                if isinstance(result, torch.Tensor) and result is not host:
+                    if tuple(result.shape) != tuple(host.shape):
+                        raise ValueError(
+                            f"Table `{self.name}`: the initializer returned shape "
+                            f"{tuple(result.shape)}, expected {tuple(host.shape)}."
+                        )
+                    host.copy_(result)
+            self.weight.copy_(host)
+
+    @property
+    def row_grad(self) -> RowGrad:
+        info = table_info(self.weight)
+        if info is None:  # the Parameter object was replaced (e.g. by .to() or load with assign)
+            info = self._register()
+        return info.row_grad
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> EmbeddingTable:
+        old = self.weight
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        if self.weight is not old or table_info(self.weight) is None:
+            self._register()
+        return self
+
+    def extra_repr(self) -> str:
+        c = self.config
+        pad = f", padding_rows={self.padding_rows}" if self.padding_rows else ""
+        return (
+            f"name={self.name!r}, num_embeddings={c.num_embeddings}, "
+            f"embedding_dim={c.embedding_dim}, combiner={c.combiner!r}, dtype={c.dtype}{pad}"
+        )
+
+
+def _trim_padding_rows(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    table = cast(EmbeddingTable, module)
+    key = prefix + "weight"
+    if key in state_dict and table.padding_rows:
+        state_dict[key] = state_dict[key][: table.config.num_embeddings]
+
+
+def _restore_padding_rows(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
+    missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str],
+) -> None:
+    table = cast(EmbeddingTable, module)
+    key = prefix + "weight"
+    value = state_dict.get(key)
+    n = table.config.num_embeddings
+    if table.padding_rows and isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[0] == n:
+        pad = torch.zeros(table.padding_rows, value.shape[1], dtype=value.dtype, device=value.device)
+        state_dict[key] = torch.cat([value, pad])

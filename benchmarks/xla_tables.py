@@ -27,8 +27,9 @@ XLA device count; the table prints them.
 (b) 1, 10 and 100 tables with the same total work: the same batch (256), 100 ids per example split
     evenly over the tables (100/T ids per bag, one feature per table, mean) and 1,000,000 rows × 16
     split evenly (1,000,000/T rows per table); ours with ``tte.optim.Adam``. Only the number of tables
-    in the graph changes. Goals (printed, not asserted): 100 tables compile in ≤ 2× the time of one
-    table and step in ≤ 3× its time; ratios 10/1 and 100/1 are printed.
+    in the graph changes. Each T > 1 runs twice: separate tables, and ``fuse_tables=True`` (all T tables
+    in one group: one dedup, gather and scatter per step). Goals (printed, not asserted): 100 tables
+    compile in ≤ 2× the time of one table and step in ≤ 3× its time; ratios 10/1 and 100/1 are printed.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ def measure(build: Callable[[Any], None], batches: list[Any], warmup: int, steps
             "trace_ms": statistics.median(trace), "steps": steps, "warmup": warmup}
 
 
-def _ours(tables: int, rows: int, dim: int, batch: int, bag: int, lr: float) -> tuple[Callable[[Any], None], list[Any]]:
+def _ours(tables: int, rows: int, dim: int, batch: int, bag: int, lr: float,
+          fuse: bool = False) -> tuple[Callable[[Any], None], list[Any]]:
     import torch_xla
 
     import torch_tpu_embedding as tte
@@ -103,7 +105,7 @@ def _ours(tables: int, rows: int, dim: int, batch: int, bag: int, lr: float) -> 
     dev = torch_xla.device()
     configs = [tte.TableConfig(rows, dim, name=f"t{i}", combiner="mean") for i in range(tables)]
     features = {f"f{i:03d}": tte.FeatureConfig(configs[i], max_ids_per_bag=bag) for i in range(tables)}
-    ec = tte.EmbeddingCollection(features, device=dev)
+    ec = tte.EmbeddingCollection(features, device=dev, fuse_tables=fuse)
     opt = tte.optim.Adam(ec.parameters(), lr=lr)
     opt.init_state()  # then one sync: the steady step is the only graph (docs/optimizers.md)
     torch_xla.sync()
@@ -147,7 +149,7 @@ def child(args: argparse.Namespace) -> None:
     if args.child == "tables":
         t = args.ntables
         build, batches = _ours(t, args.table_rows // t, args.table_dim, args.table_batch,
-                               args.ids_per_example // t, args.lr)
+                               args.ids_per_example // t, args.lr, fuse=args.fused)
     elif args.child == "lazy":
         build, batches = _ours(1, args.vocab, args.dim, args.batch, args.bag, args.lr)
     else:
@@ -220,6 +222,7 @@ def main() -> None:
     ap.add_argument("--child-timeout", type=float, default=1800)
     ap.add_argument("--child", choices=["lazy", "dense_module", "dense_gather", "tables"], help=argparse.SUPPRESS)
     ap.add_argument("--ntables", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--fused", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(args)
@@ -250,7 +253,8 @@ def main() -> None:
                 print(f"  {label} / ours: {r['median_ms'] / ours['median_ms']:.1f}× the step time")
     if "tables" in args.parts:
         by_t = {t: run_child(args, "--child", "tables", "--ntables", str(t)) for t in args.tables}
-        results += list(by_t.values())
+        fused = {t: run_child(args, "--child", "tables", "--ntables", str(t), "--fused") for t in args.tables if t > 1}
+        results += list(by_t.values()) + list(fused.values())
         print(f"\n(b) tables on XLA:CPU, same total work: batch {args.table_batch}, {args.ids_per_example} ids per "
               f"example and {args.table_rows:,} rows × {args.table_dim} split evenly over T tables (one feature "
               f"each, mean), tte Adam; {args.steps} timed steps after {args.warmup} warm-up")
@@ -258,10 +262,14 @@ def main() -> None:
         for t, r in by_t.items():
             label = f"T={t}: {args.table_rows // t:,} rows, {args.ids_per_example // t} ids/bag"
             print(row(label, r, w))
+            if t in fused:
+                print(row(f"T={t} fuse_tables=True (one group)", fused[t], w))
         base = by_t.get(1)
         if base and "error" not in base:
             print(f"\n{'ratio to T=1':{w}s} {'compile':>10s} {'1st step':>10s} {'step':>8s}")
-            for t, r in by_t.items():
+            runs_t = [(f"T={t} / T=1", t, r) for t, r in by_t.items()]
+            runs_t += [(f"T={t} fused / T=1", t, r) for t, r in fused.items()]
+            for label_t, t, r in runs_t:
                 if t == 1 or "error" in r:
                     continue
                 c = r["compile_ms"] / base["compile_ms"] if base["compile_ms"] else float("nan")
@@ -271,7 +279,7 @@ def main() -> None:
                 if t == 100:
                     goal = (f"   goals: compile ≤ 2 {'met' if c <= 2 else 'MISSED'}, "
                             f"step ≤ 3 {'met' if s <= 3 else 'MISSED'}")
-                print(f"{f'T={t} / T=1':{w}s} {c:10.2f} {f:10.2f} {s:8.2f}{goal}")
+                print(f"{label_t:{w}s} {c:10.2f} {f:10.2f} {s:8.2f}{goal}")
     ok = [r for r in results if "error" not in r]
     if ok:
         seen = sorted({(r["torch_threads"], r["OMP_WAIT_POLICY"], r["devices"], r["torch"], r["torch_xla"])

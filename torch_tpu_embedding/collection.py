@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
@@ -13,7 +14,7 @@ from torch_tpu_embedding._lookup import lookup
 from torch_tpu_embedding._validation import check_bool
 from torch_tpu_embedding.combiners import bag_gains
 from torch_tpu_embedding.config import FeatureConfig, TableConfig
-from torch_tpu_embedding.inputs import to_bags
+from torch_tpu_embedding.inputs import Bags, to_bags
 from torch_tpu_embedding.table import EmbeddingTable
 
 __all__ = ["EmbeddingCollection", "EmbeddingTable", "split_parameters"]
@@ -80,12 +81,15 @@ def _check_structure(config: Any, given: Any, what: str, path: Path = ()) -> Non
             _check_structure(c, g, what, (*path, i))
 
 
+def _input_device(value: Any) -> str:
+    """The device type of a feature's ids (``"cpu"`` for anything else)."""
+    ids = value if isinstance(value, torch.Tensor) else getattr(value, "ids", getattr(value, "values", None))
+    return ids.device.type if isinstance(ids, torch.Tensor) else "cpu"
+
+
 def _device_resident(value: Any) -> bool:
     """True when a feature's ids arrived already on an XLA device (not readable without a sync)."""
-    if isinstance(value, torch.Tensor):
-        return value.device.type == "xla"
-    ids = getattr(value, "ids", getattr(value, "values", None))  # Padded / Jagged
-    return isinstance(ids, torch.Tensor) and ids.device.type == "xla"
+    return _input_device(value) == "xla"
 
 
 class EmbeddingCollection(nn.Module):
@@ -258,28 +262,58 @@ class EmbeddingCollection(nn.Module):
         _check_structure(self._config, features, "Inputs `features`")
         if weights is not None:
             _check_structure(self._config, weights, "Argument `weights`")
-        outputs: dict[Path, torch.Tensor] = {}
+        # Features looked up in the same physical table with the same bag width and combiner are
+        # looked up together: one gather and one backward node per such batch, not per feature. Host
+        # inputs for a device table are normalised and batched on the host and then moved in one
+        # transfer per batch (TorchRec's KJT and TBE do the same).
+        batches: dict[tuple[int, int, str, bool], list[tuple[Path, Bags]]] = {}
+        tables: dict[int, EmbeddingTable] = {}
+        host = torch.device("cpu")
         for path, fname, fc, tname in self._features:
             table, offset = self._located[tname]
             weight = table.weight
+            value = _pick(features, path)
+            resident = weight.device.type == "cpu" or _input_device(value) != "cpu"
             bags = to_bags(
                 fname,
                 fc,
-                _pick(features, path),
+                value,
                 None if weights is None else _pick(weights, path),
                 sentinel=weight.shape[0],
-                device=weight.device,
+                device=weight.device if resident else host,
                 dtype=weight.dtype,
+                static=weight.device.type == "xla",
             )
-            ids, valid = bags.ids, bags.valid
-            if _device_resident(_pick(features, path)):  # host inputs were checked in to_bags
-                ids, valid = self._screen_device_ids(fname, fc.table.num_embeddings, ids, valid, weight.shape[0])
+            if _device_resident(value):  # host inputs were checked in to_bags
+                ids, valid = self._screen_device_ids(
+                    fname, fc.table.num_embeddings, bags.ids, bags.valid, weight.shape[0]
+                )
+                bags = dataclasses.replace(bags, ids=ids, valid=valid)
             if offset:  # a fused table's rows start at `offset` of the group; padding stays the sentinel
-                ids = torch.where(valid, ids + offset, ids)
+                bags = dataclasses.replace(bags, ids=torch.where(bags.valid, bags.ids + offset, bags.ids))
             combiner = fc.table.combiner if bags.combine else "sum"
-            gains = bag_gains(valid, bags.weights, combiner, weight.dtype)
-            out = lookup(weight, ids, gains, table.row_grad)
-            outputs[path] = out.reshape(*bags.out_shape, weight.shape[1])
+            tables[id(table)] = table
+            batches.setdefault((id(table), bags.ids.shape[1], combiner, resident), []).append((path, bags))
+        outputs: dict[Path, torch.Tensor] = {}
+        for (key, _, combiner, resident), items in batches.items():
+            table = tables[key]
+            dtype, dim, device = table.weight.dtype, table.weight.shape[1], table.weight.device
+            if len(items) == 1:
+                ids, valid, w = items[0][1].ids, items[0][1].valid, items[0][1].weights
+            else:
+                ids = torch.cat([b.ids for _, b in items])
+                valid = torch.cat([b.valid for _, b in items])
+                w = None
+                if any(b.weights is not None for _, b in items):
+                    w = torch.cat([b.valid.to(dtype) if b.weights is None else b.weights for _, b in items])
+            if not resident:  # one transfer of the batch's ids (and weights); padding is the sentinel
+                ids = ids.to(device)
+                valid = ids != table.weight.shape[0]
+                w = None if w is None else w.to(device)
+            out = lookup(table.weight, ids, bag_gains(valid, w, combiner, dtype), table.row_grad)
+            pieces = torch.split(out, [b.ids.shape[0] for _, b in items]) if len(items) > 1 else (out,)
+            for (path, b), piece in zip(items, pieces, strict=True):
+                outputs[path] = piece.reshape(*b.out_shape, dim)
         return _rebuild(self._config, outputs)
 
     # ------------------------------------------------------------------ device-side id validation

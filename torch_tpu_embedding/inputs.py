@@ -269,6 +269,7 @@ def to_bags(
     sentinel: int,
     device: torch.device,
     dtype: torch.dtype,
+    static: bool | None = None,
 ) -> Bags:
     """Normalise one feature's input (and optional weights) to :class:`Bags` on ``device``.
 
@@ -278,10 +279,13 @@ def to_bags(
         value: one of the input forms in this module's table.
         weight: per-id weights in the form matching ``value`` (or ``None``).
         sentinel: the id that marks padding (the table's physical row count).
-        device, dtype: where and in which float dtype the table lives.
+        device, dtype: where the bags are built (the table's device, or the host for a batched
+            transfer) and the table's float dtype.
+        static: whether the table needs static shapes (default: ``device`` is XLA); bag widths of
+            variable-length inputs are then rounded up to a power of two.
     """
     vocab = fc.table.num_embeddings
-    static = device.type == "xla"
+    static = device.type == "xla" if static is None else static
     if isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_nested:
         return _dense_bags(feature, fc, value, weight, vocab, device)
     if not isinstance(value, (Jagged, Padded, torch.Tensor)):

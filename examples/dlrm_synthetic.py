@@ -59,6 +59,13 @@ host fallback, loss 0.69 -> 0.57 (the teacher's own loss is 0.37). Steady steps/
 * ``--placement auto --no-shard-batch``: 7.1-7.2
 * one XLA device (``CPU_NUM_DEVICES=1``, no SPMD): 9.0-9.7; ``--device cpu`` (eager): 26-28
 
+With ``--fuse-tables`` (one run each, the machine otherwise idle; unfused in brackets, same run):
+``--placement replicated`` 17.1 (7.3), ``row`` 13.5 (11.4), ``auto`` 16.8 (12.8; fused, ``auto`` decides by
+the size of the whole group, so all 26 tables are one row-sharded group). Unfused replicated tables of one
+size are equal-sized buffers that XLA's donation pairing mixes up: the step copied whole tables (8
+``f32[20480,16]`` copies per step in the test's short mode); one group has no such copy
+(``tests/xla_spmd/test_dlrm_example.py``).
+
 ``torch-adam``/``torch-sgd`` dense optimizers create their state in the first step, so the run
 compiles two graphs (steps 1 and 2) and none after.
 """
@@ -110,6 +117,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="TableConfig.placement of every table (auto: the size rule)")
     ap.add_argument("--replicate-below-bytes", type=int, default=4 << 20,
                     help="placement auto replicates tables smaller than this")
+    ap.add_argument("--fuse-tables", action=argparse.BooleanOptionalAction, default=False,
+                    help="stack tables of one placement in one buffer per group (EmbeddingCollection fuse_tables)")
     ap.add_argument("--shard-batch", action=argparse.BooleanOptionalAction, default=True,
                     help="split the inputs over the mesh by batch (data parallel dense layers)")
     ap.add_argument("--optimizer", choices=sorted(TABLE_LR), default="adam", help="for the tables")
@@ -197,10 +206,10 @@ class DLRM(nn.Module):
     vectors (``[B, (T+1) T / 2]``, the strict upper triangle), top MLP on ``[bottom, dots]`` -> ``[B]``."""
 
     def __init__(self, features: dict[str, tte.FeatureConfig], dense_features: int, dim: int,
-                 device: torch.device) -> None:
+                 device: torch.device, fuse_tables: bool = False) -> None:
         super().__init__()
         self.names = list(features)
-        self.embeddings = tte.EmbeddingCollection(features, device=device)
+        self.embeddings = tte.EmbeddingCollection(features, device=device, fuse_tables=fuse_tables)
         self.bottom = mlp([dense_features, 64, dim], last_relu=True)
         n = len(features) + 1
         upper = torch.triu_indices(n, n, offset=1)
@@ -229,7 +238,7 @@ def build_model(args: argparse.Namespace, device: torch.device) -> DLRM:
             max_ids_per_bag=args.max_ids_per_bag if t < args.multi_hot else None)
         for t, v in enumerate(vocabs(args))
     }
-    return DLRM(features, args.dense_features, args.dim, device)
+    return DLRM(features, args.dense_features, args.dim, device, fuse_tables=args.fuse_tables)
 
 
 def vocabs(args: argparse.Namespace) -> list[int]:
@@ -308,7 +317,7 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"shard_batch={args.shard_batch and spmd} tables={args.tables} batch={args.batch} "
           f"optimizer={args.optimizer}(lr={table_lr(args)}) dense_optimizer={args.dense_optimizer}")
     if spmd:
-        log(f"placements: {counts} (--placement {args.placement}, "
+        log(f"placements: {counts} (--placement {args.placement}, --fuse-tables {args.fuse_tables}, "
               f"--replicate-below-bytes {args.replicate_below_bytes})")
 
     data = SyntheticClicks(vocabs(args), args.dense_features, args.multi_hot, args.max_ids_per_bag,
@@ -373,8 +382,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         # raise now if any was out of range. After the metrics: its .item() counts as a fallback op.
         model.embeddings.check_ids()
     if spmd:
-        tables = model.embeddings.embedding_tables
-        log("shardings: " + json.dumps({n: [placements[n], t.shape[0], sharding_spec(t)] for n, t in tables.items()}))
+        # Per table: its placement, and the rows and layout of the parameter holding it (its group's, if fused).
+        physical = model.embeddings.physical_tables()
+        owner = {t: g for g, members in model.embeddings.fused_members().items() for t, _, _ in members}
+        weights = {n: physical[owner.get(n, n)].weight for n in model.embeddings.tables}
+        log("shardings: " + json.dumps({n: [placements[n], w.shape[0], sharding_spec(w)] for n, w in weights.items()}))
     if args.save:
         save(args.save, model, optimizers, process_index)
         log(f"saved {args.save}")

@@ -143,10 +143,12 @@ def coalesce_rows(
     if is_static_device(ids.device):
         uniq, inv = dedup_static(ids, sentinel)
     else:
-        ids, rows = drop_sentinel(ids, rows, sentinel)
         uniq, inv = torch.unique(ids, return_inverse=True)
     summed = torch.zeros(uniq.shape[0], rows.shape[1], dtype=rows.dtype, device=rows.device)
     summed.index_add_(0, inv, rows)
+    if not is_static_device(ids.device) and uniq.numel() and int(uniq[-1]) == sentinel:
+        # Padding sorts last: drop it as a prefix view (no masked copy of the [N, D] rows).
+        uniq, summed = uniq[:-1], summed[:-1]
     return uniq, summed
 
 

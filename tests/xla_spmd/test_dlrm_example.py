@@ -27,8 +27,8 @@ SHORT = ["--tables", "8", "--vocab", "20000,600", "--multi-hot", "2", "--batch",
          "--log-every", "10"]
 
 
-def run(*args: str) -> str:
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "OMP_WAIT_POLICY": "PASSIVE"}
+def run(*args: str, env_extra: dict[str, str] | None = None) -> str:
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "OMP_WAIT_POLICY": "PASSIVE", **(env_extra or {})}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("XLA_USE_SPMD", None)  # set by use_spmd() in this process; the child calls use_spmd() itself
     done = subprocess.run([sys.executable, str(EXAMPLE), *SHORT, *args], env=env, capture_output=True,
@@ -85,3 +85,17 @@ def test_auto_placement_mixes_row_and_replicated() -> None:
             assert placement == "row" and spec == "{devices=[4,1]0,1,2,3}", (name, placement, spec)
         else:
             assert placement == "replicated" and spec == "{replicated}", (name, placement, spec)
+
+
+def test_fused_replicated_tables_share_one_buffer_and_copy_no_table(tmp_path: Path) -> None:
+    """--fuse-tables --placement replicated: all 8 tables in one group. Unfused, the four 20,000-row
+    tables are equal-sized buffers, and XLA's donation pairing copied whole tables every step."""
+    dump = tmp_path / "hlo"
+    out = run("--fuse-tables", "--placement", "replicated",
+              env_extra={"XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text"})
+    shardings = check_learns_in_one_graph(out)
+    assert "placements: {'replicated': 8}" in out and "--fuse-tables True" in out, out
+    assert {tuple(v) for v in shardings.values()} == {("replicated", 82432, "{replicated}")}  # 82,400 rows padded
+    step = max(dump.glob("*after_optimizations.txt"), key=lambda f: f.stat().st_size)  # the training step
+    copies = re.findall(r"f32\[(\d+),16\]\S* copy\(", step.read_text())
+    assert not [c for c in copies if int(c) >= 600], copies

@@ -87,6 +87,9 @@ Rule = Callable[[Tensor, Tensor, Slots, Tensor, Tensor, Mapping[str, Any], RowCo
 
 _REGISTRY: dict[str, type[RowSparseOptimizer]] = {}
 
+#: Eager row updates run in chunks of this many rows (see ``RowSparseOptimizer._update_rows``).
+ROW_CHUNK = 2048
+
 _BUILDING_OVERRIDE = False
 
 
@@ -670,8 +673,30 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         p.copy_(self._gated(gate, w, p))
 
     def _update_rows(self, item: _Work) -> None:
-        p, group, state, gate, ids = item.p, item.group, item.state, item.gate, item.ids
+        """Gather the touched rows (and slots), run the pipeline, scatter them back.
+
+        In eager mode, with unique ids and a per-row rule, in chunks of :data:`ROW_CHUNK` rows: the
+        rule's ~10 element-wise passes then run over temporaries that stay in cache instead of over
+        ``[U, D]`` arrays (Adam's rule ran 3.2× faster at 100k rows × 64; docs/benchmarks.md). XLA
+        fuses the passes itself and keeps one static-shape graph, so it gets the whole batch at once.
+        """
+        ids = item.ids
         assert ids is not None
+        group = item.group
+        chunk = ROW_CHUNK
+        separable = all(
+            spec.rows for spec in optimizer_class(group["algorithm"]).slot_specs(
+                tuple(item.p.shape), group, True).values()
+        )
+        if is_static_device(ids.device) or not group["use_gradient_accumulation"] or not separable \
+                or ids.shape[0] <= chunk:
+            self._update_row_chunk(item, ids, item.g)
+            return
+        for start in range(0, ids.shape[0], chunk):
+            self._update_row_chunk(item, ids[start : start + chunk], item.g[start : start + chunk])
+
+    def _update_row_chunk(self, item: _Work, ids: Tensor, g: Tensor) -> None:
+        p, group, state, gate = item.p, item.group, item.state, item.gate
         cls = optimizer_class(group["algorithm"])
         specs = self._specs(p, group)
         sentinel = p.shape[0]
@@ -690,11 +715,13 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         if ema and not dedup:  # ids repeat: the average needs each row once
             ema_ids = unique_ids(ids, sentinel)
             ema_w0 = p.index_select(0, ema_ids.clamp(max=sentinel - 1))
-        step = state["step"] + 1
-        w, new = self._pipeline(cls, w0, item.g, slots, item.lr, step, group, ctx)
+        step = item.step_now if item.step_now is not None else state["step"] + 1
+        w, new = self._pipeline(cls, w0, g, slots, item.lr, step, group, ctx)
         w = self._gated(gate, w, w0)
         new = {k: self._gated(gate, new[k].to(slots[k].dtype), slots[k]) for k in names}
-        state["step"].copy_(self._gated(gate, step, state["step"]))
+        if item.step_now is None:  # the first chunk counts the step; later chunks use the same count
+            item.step_now = step
+            state["step"].copy_(self._gated(gate, step, state["step"]))
         for k in names:
             if k not in row_slots:
                 state[k].copy_(new[k])
@@ -1137,6 +1164,7 @@ class _Work:
     g: Tensor  # [U, D] rows or the full gradient
     gate: Tensor | None  # XLA accumulation: update kept only where True (one graph for all calls)
     lr: Tensor = dataclasses.field(default_factory=lambda: torch.zeros(()))
+    step_now: Tensor | None = None  # this call's step count, once the first row chunk has set it
 
 
 def common_defaults(

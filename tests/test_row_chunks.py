@@ -49,3 +49,35 @@ def test_chunked_updates_equal_whole_batch(name: str, monkeypatch: pytest.Monkey
     for key, slots in whole_s.items():
         for slot, v in slots.items():
             assert torch.equal(chunked_s[key][slot], v), (key, slot)
+
+
+def test_sgd_adds_per_id_without_dedup_and_matches_the_summed_update() -> None:
+    """SGD is additive: a plain eager step is one index_add_ of rule(0, g) per looked-up id. An option
+    that needs the summed rows (here a weight clip that never binds) takes the dedup path instead."""
+    from test_fused_tables import _CountOps
+
+    def run(**kwargs: Any) -> tuple[dict[str, Any], Any]:
+        torch.manual_seed(0)
+        t = tte.TableConfig(50, 6, name="t", combiner="sum", dtype=torch.float64)
+        ec = tte.EmbeddingCollection({"a": tte.FeatureConfig(t, max_ids_per_bag=5), "b": tte.FeatureConfig(t)})
+        opt = O.SGD(ec.parameters(), lr=0.1, **kwargs)
+        g = torch.Generator().manual_seed(1)
+        ops = None
+        for i in range(4):
+            ids = torch.randint(0, 50, (30, 5), generator=g)  # many duplicates, and padding (id 0 masked)
+            out = ec({"a": tte.Padded(ids, ids != 0), "b": torch.randint(0, 50, (30,), generator=g)})
+            (out["a"] * out["b"]).sum().backward()
+            if i == 3:
+                with _CountOps() as ops:
+                    opt.step()
+            else:
+                opt.step()
+            opt.zero_grad()
+        return ec.state_dict(), ops
+
+    fast, fast_ops = run()
+    summed, summed_ops = run(clip_weight_min=-1e9)
+    torch.testing.assert_close(fast["tables.t.weight"], summed["tables.t.weight"], rtol=1e-12, atol=1e-14)
+    assert fast_ops.counts["_unique2"] == 0 and fast_ops.counts["index_select"] == 0
+    assert fast_ops.counts["index_add_"] == 1
+    assert summed_ops.counts["_unique2"] == 1 and summed_ops.counts["index_copy_"] == 1

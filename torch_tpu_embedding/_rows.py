@@ -159,6 +159,8 @@ def drop_sentinel(
     if is_static_device(ids.device):
         return ids, rows
     keep = ids != sentinel
+    if bool(keep.all()):  # no padding: no masked copy of the rows
+        return ids, rows
     return ids[keep], rows[keep]
 
 

@@ -128,6 +128,11 @@ class RowSparseOptimizer(torch.optim.Optimizer):
 
     algorithm: ClassVar[str] = ""
     slot_names: ClassVar[tuple[str, ...]] = ()
+    #: ``rule(w, g) == w + rule(0, g)`` and ``rule(0, ·)`` is linear (SGD). Then, in eager mode and
+    #: with no option that needs the summed rows (clipping, decay, EMA, ...), a step adds
+    #: ``rule(0, g)`` per looked-up id with one ``index_add_`` — no dedup, gather or scatter. Equal to
+    #: summing duplicates first up to float rounding (the sum's order differs).
+    additive: ClassVar[bool] = False
     # Read by the global torch.optim guard: this optimizer consumes row-sparse table gradients.
     _tte_reads_row_grads: ClassVar[bool] = True
 
@@ -489,6 +494,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         cls = optimizer_class(group["algorithm"])
         s = group["loss_scale_factor"]
         gate: Tensor | None = None
+        additive = False
         if g is not None:
             g = g if s is None else g / s
             if k:
@@ -507,7 +513,10 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 ids, rows, gate = acc_rows
             assert ids is not None and rows is not None
             lazy = cls.is_lazy(group)
-            if group["use_gradient_accumulation"] or not lazy:
+            if self._additive(cls, group, p):
+                ids, rows = drop_sentinel(ids, rows, sentinel)
+                additive = True
+            elif group["use_gradient_accumulation"] or not lazy:
                 ids, rows = coalesce_rows(ids, rows, sentinel)
             else:
                 # No dedup: every contribution updates from the same old rows and the changes are
@@ -522,7 +531,16 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 ids = None
         if group["clipnorm"]:
             g = clip_by_norm(g, group["clipnorm"])
-        return _Work(p=p, group=group, state=state, ids=ids, g=g, gate=gate)
+        return _Work(p=p, group=group, state=state, ids=ids, g=g, gate=gate, additive=additive)
+
+    @staticmethod
+    def _additive(cls: type[RowSparseOptimizer], group: Mapping[str, Any], p: Tensor) -> bool:
+        """Whether this table's step may add ``rule(0, g)`` per id (see :attr:`additive`)."""
+        if not cls.additive or is_static_device(p.device):
+            return False
+        needs_sum = ("clipvalue", "weight_decay_factor", "clip_weight_min", "clip_weight_max", "use_ema",
+                     "clipnorm", "global_clipnorm", "skip_nonfinite")
+        return not any(group.get(k) not in (None, False, 0) for k in needs_sum)
 
     def _gate_nonfinite(self, work: list[_Work]) -> None:
         """``skip_nonfinite``: keep every update of this call only if all gradients are finite."""
@@ -683,6 +701,15 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         ids = item.ids
         assert ids is not None
         group = item.group
+        if item.additive:
+            p, state = item.p, item.state
+            step = state["step"] + 1
+            ctx = RowContext(mask=None, count=None, num_rows=self._logical_rows(p))
+            zero = torch.zeros((), dtype=p.dtype, device=p.device)
+            delta, _ = optimizer_class(group["algorithm"]).rule(zero, item.g, {}, item.lr, step, group, ctx)
+            p.index_add_(0, ids, delta.to(p.dtype))
+            state["step"].copy_(step)
+            return
         chunk = ROW_CHUNK
         separable = all(
             spec.rows for spec in optimizer_class(group["algorithm"]).slot_specs(
@@ -1165,6 +1192,7 @@ class _Work:
     gate: Tensor | None  # XLA accumulation: update kept only where True (one graph for all calls)
     lr: Tensor = dataclasses.field(default_factory=lambda: torch.zeros(()))
     step_now: Tensor | None = None  # this call's step count, once the first row chunk has set it
+    additive: bool = False  # ids repeat; the update adds rule(0, g) per id (RowSparseOptimizer.additive)
 
 
 def common_defaults(

@@ -53,6 +53,7 @@ class SGD(RowSparseOptimizer):
 
     algorithm = "sgd"
     slot_names = ()
+    additive = True  # eager steps without clipping or decay: one index_add_ of -lr·g per looked-up id
 
     def __init__(
         self,

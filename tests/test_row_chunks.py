@@ -25,6 +25,7 @@ CASES: dict[str, tuple[Any, dict[str, Any]]] = {
 
 def run(name: str, chunk: int, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, Any], dict[str, Any]]:
     monkeypatch.setattr(_base, "ROW_CHUNK", chunk)
+    monkeypatch.setattr(_base, "ROW_CHUNK_PARALLEL", chunk)
     cls, kwargs = CASES[name]
     torch.manual_seed(0)
     t = tte.TableConfig(300, 6, name="t", combiner="sqrtn")

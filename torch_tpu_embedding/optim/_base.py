@@ -706,16 +706,18 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         ids = item.ids
         assert ids is not None
         group = item.group
-        if item.additive:
+        chunk = ROW_CHUNK if torch.get_num_threads() == 1 else ROW_CHUNK_PARALLEL
+        if item.additive:  # one index_add_ of rule(0, g) per id, in chunks (small temporaries)
             p, state = item.p, item.state
             step = state["step"] + 1
             ctx = RowContext(mask=None, count=None, num_rows=self._logical_rows(p))
             zero = torch.zeros((), dtype=p.dtype, device=p.device)
-            delta, _ = optimizer_class(group["algorithm"]).rule(zero, item.g, {}, item.lr, step, group, ctx)
-            p.index_add_(0, ids, delta.to(p.dtype))
+            rule = optimizer_class(group["algorithm"]).rule
+            for start in range(0, ids.shape[0], chunk):
+                delta, _ = rule(zero, item.g[start : start + chunk], {}, item.lr, step, group, ctx)
+                p.index_add_(0, ids[start : start + chunk], delta.to(p.dtype))
             state["step"].copy_(step)
             return
-        chunk = ROW_CHUNK if torch.get_num_threads() == 1 else ROW_CHUNK_PARALLEL
         separable = all(
             spec.rows for spec in optimizer_class(group["algorithm"]).slot_specs(
                 tuple(item.p.shape), group, True).values()

@@ -6,7 +6,7 @@ without this library (``nn.Embedding`` + autograd + ``torch.optim.Adam``: a dens
 and a dense update), and the ratios to the smallest V. Timings include no compilation (two warm-up
 steps). Goal (printed, not asserted): ours at the largest V within 1.2× of ours at the smallest.
 
-Run: PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 python benchmarks/spmd_vocab.py [--steps 10] [--dim 16]
+Run: PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 python benchmarks/spmd_vocab.py [--steps 40] [--dim 16]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--dim", type=int, default=16)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--vocab", type=int, nargs="+", default=[100_000, 500_000, 1_000_000, 2_000_000])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
+    "BagRows",
     "RowGrad",
     "TableInfo",
     "coalesce_rows",
@@ -34,23 +36,51 @@ __all__ = [
 ]
 
 
+class BagRows:
+    """The per-id gradient rows of a lookup, ``gains[n, l] · grad_out[n]``, not yet multiplied out.
+
+    ``[N·L, D]`` rows at 20 ids per bag are 21 MB per table and step; made whole they cost a pass
+    over memory and, with glibc's defaults, page faults every step. SGD's eager step multiplies them
+    out in small pieces (:meth:`RowGrad.pieces`) and adds each to the table; the other optimizers
+    sum rows per id first and multiply them out whole (:meth:`RowGrad.collect`), which measured
+    faster for them than summing piece by piece.
+    """
+
+    __slots__ = ("gains", "grad_out")
+
+    def __init__(self, gains: torch.Tensor, grad_out: torch.Tensor) -> None:
+        self.gains = gains  # [N, L]
+        self.grad_out = grad_out  # [N, D]
+
+    def rows(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows of bags ``[start, stop)`` as ``[(stop - start)·L, D]``."""
+        g, out = self.gains[start:stop], self.grad_out[start:stop]
+        return (g.unsqueeze(-1) * out.unsqueeze(1)).reshape(-1, out.shape[-1])
+
+
 class RowGrad:
     """Accumulated row-sparse gradient of one table: chunks of ``(ids [n], rows [n, D])``.
 
     Chunks are kept as a list and concatenated when consumed, so a steady training loop (the same
-    features, the same number of backward calls per step) always produces the same shapes.
+    features, the same number of backward calls per step) always produces the same shapes. A chunk's
+    rows may be a :class:`BagRows` (eager lookups), multiplied out when consumed.
     """
 
     __slots__ = ("_ids", "_rows")
 
     def __init__(self) -> None:
         self._ids: list[torch.Tensor] = []
-        self._rows: list[torch.Tensor] = []
+        self._rows: list[torch.Tensor | BagRows] = []
 
     def add(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Add ``ids [n]`` with gradient ``rows [n, D]`` (sentinel ids allowed for padding)."""
         self._ids.append(ids.reshape(-1))
         self._rows.append(rows.reshape(ids.numel(), -1))
+
+    def add_bags(self, ids: torch.Tensor, gains: torch.Tensor, grad_out: torch.Tensor) -> None:
+        """Add ``ids [N, L]`` whose gradient rows are ``gains[n, l] · grad_out[n]`` (kept factored)."""
+        self._ids.append(ids.reshape(-1))
+        self._rows.append(BagRows(gains, grad_out))
 
     def __bool__(self) -> bool:
         return bool(self._ids)
@@ -62,9 +92,33 @@ class RowGrad:
         """All chunks as one ``(ids [N], rows [N, D])`` pair (duplicates and sentinels kept)."""
         if not self._ids:
             raise RuntimeError("RowGrad is empty: no backward pass reached this table.")
+        rows = [r.rows() if isinstance(r, BagRows) else r for r in self._rows]
         if len(self._ids) == 1:
-            return self._ids[0], self._rows[0]
-        return torch.cat(self._ids), torch.cat(self._rows)
+            return self._ids[0], rows[0]
+        return torch.cat(self._ids), torch.cat(rows)
+
+    def pieces(self, max_rows: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """``(position, ids, rows)`` in order, about ``max_rows`` rows at a time; ``position`` is the
+        first row's index in :meth:`collect`'s order."""
+        pos = 0
+        for ids, rows in zip(self._ids, self._rows, strict=True):
+            if isinstance(rows, BagRows):
+                width = max(1, ids.numel() // max(1, rows.gains.shape[0]))
+                step = max(1, max_rows // width)
+                for b in range(0, rows.gains.shape[0], step):
+                    part = rows.rows(b, b + step)
+                    yield pos + b * width, ids[b * width : b * width + part.shape[0]], part
+            else:
+                for a in range(0, ids.numel(), max_rows):
+                    yield pos + a, ids[a : a + max_rows], rows[a : a + max_rows]
+            pos += ids.numel()
+
+    def take(self) -> RowGrad:
+        """A new :class:`RowGrad` holding this one's chunks; this one is left empty."""
+        out = RowGrad()
+        out._ids, out._rows = list(self._ids), list(self._rows)
+        self.clear()
+        return out
 
     def clear(self) -> None:
         self._ids.clear()

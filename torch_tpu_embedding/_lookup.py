@@ -43,11 +43,11 @@ class _RowSparseLookup(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[None, None, None, None]:  # type: ignore[override]
         ids, gains = ctx.saved_tensors
         # dL/de_{i_k} = gain_k · dL/dout_b, one row per (bag, position); padding rows are 0.
-        if ids.device.type == "xla":
+        if ctx.row_grad.keep_factored and ids.device.type != "xla":
+            ctx.row_grad.add_bags(ids, gains, grad_out)  # multiplied out piecewise by SGD's step
+        else:
             grad_rows = gains.unsqueeze(-1) * grad_out.unsqueeze(1)
             ctx.row_grad.add(ids.reshape(-1), grad_rows.reshape(-1, grad_out.shape[-1]))
-        else:  # multiplied out piecewise by the optimizer (no [N·L, D] temporary)
-            ctx.row_grad.add_bags(ids, gains, grad_out)
         return None, None, None, None
 
 

@@ -482,12 +482,13 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         g: Tensor | None = None
         cls = optimizer_class(group["algorithm"])
         grad: RowGrad | None = None  # additive, eager, no accumulation: rows multiplied out piecewise
+        piecewise = info is not None and not k and cls.is_lazy(group) and self._additive(cls, group, p)
+        if info is not None:
+            info.row_grad.keep_factored = piecewise  # how the next backward should hand over its rows
         if info is not None and info.row_grad:
-            if not k and cls.is_lazy(group) and self._additive(cls, group, p):
+            if piecewise:
                 grad = info.row_grad.take()
             else:
-                # Summed per id below: one multiply and one index_add_ over all rows measured faster
-                # than multiplying out piecewise (whose win is the additive path's).
                 ids, rows = info.row_grad.collect()
                 info.row_grad.clear()
         elif p.grad is not None and p.grad.is_sparse:

@@ -17,6 +17,7 @@ import gc
 import importlib
 import os
 import tempfile
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -108,12 +109,21 @@ def _host_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         state.setdefault(key, {})[slot] = _host_rows(v, rows[name])
     for key, bufs in rest["acc"].items():
         state.setdefault(key, {}).update(bufs)
-    for key, members in rest["members"].items():  # a fused group: saved per table, as unfused
-        row_slots = [k.rsplit("/", 1)[1] for k, n in rows.items() if k.startswith(key + "/") and n is not None]
-        parts = split_member_state(state.pop(key), members, row_slots)
-        state.update({f"table:{t}": part for t, part in parts.items()})
+    _split_fused_entries(state, rest["members"], rows)
     return {"state": state, "param_groups": rest["param_groups"], "iterations": rest["iterations"],
             "skipped_steps": optimizer.skipped_steps}
+
+
+def _split_fused_entries(
+    state: dict[str, Any], members: Mapping[str, Any], rows: Mapping[str, int | None], prefix: str = ""
+) -> None:
+    """Replace each fused group's optimizer entry in ``state`` by one entry per table, as an unfused
+    optimizer saves them. ``members`` and ``rows`` are keyed ``<prefix><key>`` and
+    ``<prefix><key>/<slot>`` (a slot with logical rows is cut per table)."""
+    for key in [k for k in state if prefix + k in members]:
+        row_slots = [slot for slot in state[key] if rows.get(f"{prefix}{key}/{slot}") is not None]
+        parts = split_member_state(state.pop(key), members[prefix + key], row_slots)
+        state.update({f"table:{t}": part for t, part in parts.items()})
 
 
 def _write_atomic(payload: dict[str, Any], path: str | os.PathLike[str]) -> None:
@@ -365,11 +375,7 @@ def convert_distributed(path: str | os.PathLike[str], out: str | os.PathLike[str
                 state.setdefault(key, {})[slot] = logical(k)
         for key, bufs in meta["optimizer"]["acc"].items():
             state.setdefault(key, {}).update(bufs)
-        for key in [k for k in state if f"optim/{k}" in members]:  # fused groups: per table
-            row_slots = [k.rsplit("/", 1)[1] for k, n in meta["rows"].items()
-                         if k.startswith(f"optim/{key}/") and n is not None]
-            parts = split_member_state(state.pop(key), members[f"optim/{key}"], row_slots)
-            state.update({f"table:{t}": part for t, part in parts.items()})
+        _split_fused_entries(state, members, meta["rows"], prefix="optim/")
         optimizer_sd = {"state": state, "param_groups": meta["optimizer"]["param_groups"],
                         "iterations": meta["optimizer"]["iterations"]}
     _write_atomic({"format": FORMAT, "model": model_sd, "optimizer": optimizer_sd, "extra": None}, out)

@@ -482,7 +482,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         g: Tensor | None = None
         cls = optimizer_class(group["algorithm"])
         grad: RowGrad | None = None  # additive, eager, no accumulation: rows multiplied out piecewise
-        piecewise = info is not None and not k and cls.is_lazy(group) and self._additive(cls, group, p)
+        additive = cls.is_lazy(group) and self._additive(cls, group, p)
+        piecewise = info is not None and not k and additive
         if info is not None:
             info.row_grad.keep_factored = piecewise  # how the next backward should hand over its rows
         if info is not None and info.row_grad:
@@ -507,7 +508,6 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         state = self._state_for(p, group)
         s = group["loss_scale_factor"]
         gate: Tensor | None = None
-        additive = False
         if g is not None:
             g = g if s is None else g / s
             if k:
@@ -519,8 +519,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             sentinel = p.shape[0]
             lazy = cls.is_lazy(group)
             if grad is not None:
-                return _Work(p=p, group=group, state=state, ids=torch.empty(0, dtype=torch.int64), g=torch.empty(0),
-                             gate=None, additive=True, pieces=grad, divisor=s)
+                return self._additive_work(p, group, state, grad, s)
             if rows is not None:
                 rows = rows.to(p.dtype) if s is None else rows.to(p.dtype) / s
             if k:
@@ -529,10 +528,11 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                     return None
                 ids, rows, gate = acc_rows
             assert ids is not None and rows is not None
-            if self._additive(cls, group, p):
-                ids, rows = drop_sentinel(ids, rows, sentinel)
-                additive = True
-            elif group["use_gradient_accumulation"] or not lazy:
+            if additive:  # accumulated (or sparse COO) rows: added per id like the piecewise path
+                whole = RowGrad()
+                whole.add(ids, rows / k if k else rows)
+                return self._additive_work(p, group, state, whole, None)
+            if group["use_gradient_accumulation"] or not lazy:
                 ids, rows = coalesce_rows(ids, rows, sentinel)
             else:
                 # No dedup: every contribution updates from the same old rows and the changes are
@@ -547,7 +547,15 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 ids = None
         if group["clipnorm"]:
             g = clip_by_norm(g, group["clipnorm"])
-        return _Work(p=p, group=group, state=state, ids=ids, g=g, gate=gate, additive=additive)
+        return _Work(p=p, group=group, state=state, ids=ids, g=g, gate=gate)
+
+    @staticmethod
+    def _additive_work(
+        p: Tensor, group: dict[str, Any], state: dict[str, Tensor], grad: RowGrad, divisor: float | None
+    ) -> _Work:
+        """Work for :attr:`additive` rules: ``grad``'s rows are added per id in pieces (no dedup)."""
+        return _Work(p=p, group=group, state=state, ids=torch.empty(0, dtype=torch.int64), g=torch.empty(0),
+                     gate=None, pieces=grad, divisor=divisor)
 
     @staticmethod
     def _additive(cls: type[RowSparseOptimizer], group: Mapping[str, Any], p: Tensor) -> bool:
@@ -718,22 +726,16 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         assert ids is not None
         group = item.group
         chunk = _row_chunk()
-        if item.additive:  # one index_add_ of rule(0, g) per id, in chunks (small temporaries)
+        if item.pieces is not None:  # additive: one index_add_ of rule(0, g) per id, in small pieces
             p, state = item.p, item.state
             step = state["step"] + 1
             ctx = RowContext(mask=None, count=None, num_rows=self._logical_rows(p))
             zero = torch.zeros((), dtype=p.dtype, device=p.device)
             rule = optimizer_class(group["algorithm"]).rule
-            if item.pieces is not None:
-                parts: Iterable[tuple[Tensor, Tensor]] = (
-                    drop_sentinel(i, r.to(p.dtype) if item.divisor is None else r.to(p.dtype) / item.divisor,
-                                  p.shape[0])
-                    for _, i, r in item.pieces.pieces(chunk)
-                )
-            else:
-                parts = ((ids[a : a + chunk], item.g[a : a + chunk]) for a in range(0, ids.shape[0], chunk))
-            for part_ids, part_g in parts:
-                delta, _ = rule(zero, part_g, {}, item.lr, step, group, ctx)
+            for _, part_ids, part in item.pieces.pieces(chunk):
+                part = part.to(p.dtype) if item.divisor is None else part.to(p.dtype) / item.divisor
+                part_ids, part = drop_sentinel(part_ids, part, p.shape[0])
+                delta, _ = rule(zero, part, {}, item.lr, step, group, ctx)
                 p.index_add_(0, part_ids, delta.to(p.dtype))
             state["step"].copy_(step)
             return
@@ -959,7 +961,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 for k, v in group.items()
                 if k not in ("params", "slot_creation_fn") and not (callable(v) and not isinstance(v, Tensor))
             }
-            saved["params"] = [k for p in group["params"] for k in _logical_keys(p, keys[id(p)])]
+            saved["params"] = [k for p in group["params"] for k, _ in _logical_keys(p, keys[id(p)], 0)]
             groups.append(saved)
         return {"state": state, "param_groups": groups, "iterations": self._iterations,
                 "skipped_steps": self.skipped_steps}
@@ -1058,7 +1060,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         rows_of: dict[str, int] = {}
         for g in self.param_groups:
             for p in g["params"]:
-                for key, n in _logical_keys_rows(p, keys[id(p)], self._logical_rows(p)):
+                for key, n in _logical_keys(p, keys[id(p)], self._logical_rows(p)):
                     by_key[key], rows_of[key] = p, n
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         saved_groups = state_dict["param_groups"]
@@ -1068,7 +1070,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 f"{len(saved_groups)} parameter groups saved, {len(self.param_groups)} here"
             )
         for i, (sg, g) in enumerate(zip(saved_groups, self.param_groups, strict=False)):
-            mine = [k for p in g["params"] for k in _logical_keys(p, keys[id(p)])]
+            mine = [k for p in g["params"] for k, _ in _logical_keys(p, keys[id(p)], 0)]
             if sorted(sg["params"]) != sorted(mine):
                 missing = sorted(set(mine) - set(sg["params"]))
                 extra = sorted(set(sg["params"]) - set(mine))
@@ -1136,13 +1138,9 @@ def _members(p: Tensor) -> tuple[tuple[str, int, int], ...] | None:
     return None if info is None else info.members
 
 
-def _logical_keys(p: Tensor, key: str) -> list[str]:
-    """``p``'s keys in :meth:`RowSparseOptimizer.state_dict`: one per table of a fused group."""
-    members = _members(p)
-    return [key] if members is None else [f"table:{name}" for name, _, _ in members]
-
-
-def _logical_keys_rows(p: Tensor, key: str, rows: int) -> list[tuple[str, int]]:
+def _logical_keys(p: Tensor, key: str, rows: int) -> list[tuple[str, int]]:
+    """``p``'s keys in :meth:`RowSparseOptimizer.state_dict` with their logical rows (``p``'s
+    ``key`` and ``rows``, or one per table of a fused group)."""
     members = _members(p)
     return [(key, rows)] if members is None else [(f"table:{name}", n) for name, _, n in members]
 
@@ -1222,8 +1220,8 @@ class _Work:
     gate: Tensor | None  # XLA accumulation: update kept only where True (one graph for all calls)
     lr: Tensor = dataclasses.field(default_factory=lambda: torch.zeros(()))
     step_now: Tensor | None = None  # this call's step count, once the first row chunk has set it
-    additive: bool = False  # ids repeat; the update adds rule(0, g) per id (RowSparseOptimizer.additive)
-    pieces: RowGrad | None = None  # additive, eager: the row gradient, multiplied out piecewise
+    #: additive rules (RowSparseOptimizer.additive): the row gradient, added per id piece by piece
+    pieces: RowGrad | None = None
     divisor: float | None = None  # loss_scale_factor, applied to the pieces
 
 

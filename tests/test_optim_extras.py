@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import torch_tpu_embedding as tte
+from torch_tpu_embedding.optim import _slots
 
 O = tte.optim  # noqa: E741
 V, D = 10, 3
@@ -96,7 +97,7 @@ def test_lazy_equals_dense_when_every_row_is_touched(opt: str, extra: str) -> No
     torch.testing.assert_close(w.detach(), dense.detach(), **tol)
     torch.testing.assert_close(head.weight.detach(), head2.weight.detach(), **tol)
     s_rows, s_dense = o_rows.state[w], o_dense.state[dense]
-    for name in o_rows._rule_slots(w, o_rows.param_groups[0]):
+    for name in _slots.rule_slots(w, o_rows.param_groups[0]):
         if name == "r_sum":  # the table's Σr; the dense twin recomputes mean(r)
             torch.testing.assert_close(s_rows[name], s_dense["r"].sum(), **tol)
         else:
@@ -122,7 +123,7 @@ def test_untouched_rows_bit_identical(opt: str, extra: str) -> None:
     assert torch.equal(w.detach()[V // 2 :], w0[V // 2 :])
     assert not torch.equal(w.detach()[: V // 2], w0[: V // 2])
     state = o.state[w]
-    for name, spec in o._specs(w, o.param_groups[0]).items():
+    for name, spec in _slots.specs(w, o.param_groups[0]).items():
         if spec.rows and name not in ("ema", "ema_last"):
             assert torch.all(state[name][V // 2 :] == spec.init), name
     if EXTRAS[extra].get("use_ema"):  # the average of a constant row is that row, exactly

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding.optim import _base
+from torch_tpu_embedding.optim import _paths
 
 O = tte.optim  # noqa: E741
 CASES: dict[str, tuple[Any, dict[str, Any]]] = {
@@ -24,8 +24,8 @@ CASES: dict[str, tuple[Any, dict[str, Any]]] = {
 
 
 def run(name: str, chunk: int, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, Any], dict[str, Any]]:
-    monkeypatch.setattr(_base, "ROW_CHUNK", chunk)
-    monkeypatch.setattr(_base, "ROW_CHUNK_PARALLEL", chunk)
+    monkeypatch.setattr(_paths, "ROW_CHUNK", chunk)
+    monkeypatch.setattr(_paths, "ROW_CHUNK_PARALLEL", chunk)
     cls, kwargs = CASES[name]
     torch.manual_seed(0)
     t = tte.TableConfig(300, 6, name="t", combiner="sqrtn")

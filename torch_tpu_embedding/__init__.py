@@ -11,13 +11,13 @@ from torch_tpu_embedding.collection import EmbeddingCollection, EmbeddingTable, 
 from torch_tpu_embedding.combiners import bag_gains
 from torch_tpu_embedding.config import (
     COMBINERS,
-    OPTIMIZER_NAMES,
     PLACEMENTS,
     FeatureConfig,
     TableConfig,
     default_initializer,
 )
 from torch_tpu_embedding.inputs import Jagged, Padded
+from torch_tpu_embedding.optim import OPTIMIZER_NAMES
 
 __all__ = [
     "COMBINERS",

@@ -6,7 +6,7 @@ TBE groups tables the same way). A feature of a stacked table looks up ``id + fi
 feature of the group adds to one row-sparse gradient, so the optimizer does one dedup, one gather
 and one scatter per group instead of one per table. On XLA that removes the per-table part of
 tracing and of the compiled graph, and it stops equally sized tables from being separate buffers
-that XLA's donation pairing can mix up (XLA_NOTES: "donation pitfall").
+that XLA's donation pairing can mix up (see ``optim/_slots.py``, ``trash_rows``).
 
 Only the layout changes: every feature still reads its own table's rows, and the per-row update is
 the same. ``state_dict`` stays per table (``tables.<name>.weight``; optimizer state keyed
@@ -16,7 +16,7 @@ the same. ``state_dict`` stays per table (``tables.<name>.weight``; optimizer st
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -27,9 +27,13 @@ from torch_tpu_embedding.table import EmbeddingTable
 
 __all__ = [
     "FusedTables",
+    "Members",
     "TableView",
+    "fuse",
     "fuse_key",
+    "join_fused_weights",
     "merge_member_state",
+    "split_fused_weights",
     "split_member_state",
 ]
 
@@ -124,6 +128,97 @@ class TableView(nn.Module):
             f"name={self.name!r}, num_embeddings={c.num_embeddings}, embedding_dim={c.embedding_dim}, "
             f"combiner={c.combiner!r}, dtype={c.dtype}, fused in {group.name!r} at row {self.offset}"
         )
+
+
+# ------------------------------------------------------------------ building groups, module state
+def fuse(
+    tables: dict[str, nn.Module], groups: nn.ModuleDict, located: dict[str, tuple[EmbeddingTable, int]]
+) -> dict[str, nn.Module]:
+    """Stack tables with equal :func:`fuse_key` (two or more) into :class:`FusedTables`.
+
+    Each group is added to ``groups`` (``fused_<i>``); returns ``tables`` with each stacked table
+    replaced by its :class:`TableView`, and records in ``located`` each stacked table's group and
+    first row there.
+    """
+    by_key: dict[tuple[Any, ...], list[EmbeddingTable]] = {}
+    for t in tables.values():
+        table = cast(EmbeddingTable, t)
+        by_key.setdefault(fuse_key(table.config), []).append(table)
+    out: dict[str, nn.Module] = dict(tables)
+    for same in by_key.values():
+        if len(same) < 2:
+            continue
+        name = f"fused_{len(groups)}"
+        while name in tables:  # a table may be called fused_<i> already
+            name = "_" + name
+        group = FusedTables(same, name)
+        groups[name] = group
+        for (tname, off, _), t in zip(group.members(), same, strict=True):
+            out[tname] = TableView(t.config, tname, group, off)
+            located[tname] = (group, off)
+    return out
+
+
+def _fused_members(module: nn.Module) -> dict[str, Members]:
+    groups = cast(nn.ModuleDict, module.groups)
+    return {n: cast(FusedTables, g).members() for n, g in groups.items()}
+
+
+def split_fused_weights(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """``state_dict`` hook: each fused group's weight becomes its tables' ``tables.<name>.weight``
+    (in table order, as an unfused collection's)."""
+    fused = _fused_members(module)
+    if not fused:
+        return
+    mine = {k: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)]}
+    for gname, members in fused.items():
+        value = mine.pop(prefix + f"groups.{gname}.weight", None)
+        if value is not None:
+            mine.update({prefix + f"tables.{t}.weight": value[off : off + n] for t, off, n in members})
+    order = [prefix + f"tables.{t}.weight" for t in cast(nn.ModuleDict, module.tables)]
+    state_dict.update({k: mine.pop(k) for k in order if k in mine})
+    state_dict.update(mine)
+
+
+def join_fused_weights(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
+    missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str],
+) -> None:
+    """Load pre-hook: per-table weights of fused tables stacked into their group's weight.
+
+    Tables absent from ``state_dict`` keep their values (and are reported missing when ``strict``);
+    a state_dict that holds the group's weight itself (a distributed checkpoint) loads as is.
+    """
+    for gname, members in _fused_members(module).items():
+        gkey = prefix + f"groups.{gname}.weight"
+        keys = [prefix + f"tables.{tname}.weight" for tname, _, _ in members]
+        if gkey in state_dict or not any(k in state_dict for k in keys):
+            if gkey not in state_dict and strict:
+                missing_keys.extend(keys)
+                state_dict[gkey] = _current_rows(module, gname)
+            continue
+        device = next(state_dict[k].device for k in keys if k in state_dict)
+        pieces = []
+        for key, (_, off, n) in zip(keys, members, strict=True):
+            value = state_dict.pop(key, None)
+            current = _current_rows(module, gname)[off : off + n]
+            if value is None:
+                if strict:
+                    missing_keys.append(key)
+                value = current
+            elif tuple(value.shape) != tuple(current.shape):
+                error_msgs.append(
+                    f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from "
+                    f"checkpoint, the shape in current model is {tuple(current.shape)}."
+                )
+                value = current
+            pieces.append(value.detach().to(device=device))
+        state_dict[gkey] = torch.cat(pieces)
+
+
+def _current_rows(module: nn.Module, gname: str) -> torch.Tensor:
+    group = cast(FusedTables, cast(nn.ModuleDict, module.groups)[gname])
+    return group.weight.detach()[: group.config.num_embeddings]
 
 
 # ------------------------------------------------------------------ optimizer state, per table

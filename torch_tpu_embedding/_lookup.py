@@ -4,18 +4,23 @@ Autograd never produces a ``[V, D]`` gradient for a table: the backward returns 
 table and instead records ``(ids, gain · dL/dout)`` — one row per looked-up id — in the table's
 :class:`~torch_tpu_embedding._rows.RowGrad`. The forward is ``F.embedding_bag`` (sum of
 ``gain · row``) off XLA; on XLA its mean mode and its backward run on the host
-(xla_spmd_measurements §1), so there it is gather + weighted sum, which partitions well.
+(measured on torch_xla 2.9: its sum mode also unrolls one loop per bag), so there it is gather +
+weighted sum, which partitions well.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
+from torch_tpu_embedding._nest import Path
 from torch_tpu_embedding._rows import RowGrad
+from torch_tpu_embedding.combiners import bag_gains
+from torch_tpu_embedding.inputs import Bags
 
-__all__ = ["lookup"]
+__all__ = ["LookupBatch", "lookup"]
 
 
 class _RowSparseLookup(torch.autograd.Function):
@@ -68,3 +73,38 @@ def lookup(
     """
     out: torch.Tensor = _RowSparseLookup.apply(weight, ids, gains, row_grad)  # type: ignore[no-untyped-call]
     return out
+
+
+@dataclasses.dataclass
+class LookupBatch:
+    """Features looked up together: one physical table, one bag width, one combiner.
+
+    ``items`` are the features' positions in the input structure and their :class:`Bags` (ids on
+    the table's device when ``resident``, else on the host, moved in one transfer by :meth:`run`).
+    """
+
+    weight: torch.Tensor
+    row_grad: RowGrad
+    combiner: str
+    resident: bool
+    items: list[tuple[Path, Bags]] = dataclasses.field(default_factory=list)
+
+    def run(self) -> dict[Path, torch.Tensor]:
+        """Look the batch up: each feature's activations ``[*out_shape, D]`` by its position."""
+        weight, items = self.weight, self.items
+        dtype, dim = weight.dtype, weight.shape[1]
+        if len(items) == 1:
+            ids, valid, w = items[0][1].ids, items[0][1].valid, items[0][1].weights
+        else:
+            ids = torch.cat([b.ids for _, b in items])
+            valid = torch.cat([b.valid for _, b in items])
+            w = None
+            if any(b.weights is not None for _, b in items):
+                w = torch.cat([b.valid.to(dtype) if b.weights is None else b.weights for _, b in items])
+        if not self.resident:  # one transfer of the batch's ids (and weights); padding is the sentinel
+            ids = ids.to(weight.device)
+            valid = ids != weight.shape[0]
+            w = None if w is None else w.to(weight.device)
+        out = lookup(weight, ids, bag_gains(valid, w, self.combiner, dtype), self.row_grad)
+        pieces = torch.split(out, [b.ids.shape[0] for _, b in items]) if len(items) > 1 else (out,)
+        return {path: piece.reshape(*b.out_shape, dim) for (path, b), piece in zip(items, pieces, strict=True)}

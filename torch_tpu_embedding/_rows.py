@@ -33,6 +33,7 @@ __all__ = [
     "is_static_device",
     "register_table",
     "table_info",
+    "unique_ids",
 ]
 
 
@@ -219,6 +220,14 @@ def drop_sentinel(
     if bool(keep.all()):  # no padding: no masked copy of the rows
         return ids, rows
     return ids[keep], rows[keep]
+
+
+def unique_ids(ids: torch.Tensor, sentinel: int) -> torch.Tensor:
+    """Distinct ids (static shape with a sentinel tail on XLA; padding dropped elsewhere)."""
+    if is_static_device(ids.device):
+        return dedup_static(ids, sentinel)[0]
+    uniq: torch.Tensor = torch.unique(ids[ids != sentinel])
+    return uniq
 
 
 _GUARD_INSTALLED = False

@@ -102,15 +102,15 @@ def _host_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
     if not isinstance(optimizer, RowSparseOptimizer):
         return dict(to_cpu(optimizer.state_dict()))
-    tensors, rows, rest = optimizer.physical_state()
+    physical = optimizer.physical_state()
     state: dict[str, dict[str, Any]] = {}
-    for name, v in tensors.items():
+    for name, v in physical.tensors.items():
         key, slot = name.rsplit("/", 1)
-        state.setdefault(key, {})[slot] = _host_rows(v, rows[name])
-    for key, bufs in rest["acc"].items():
+        state.setdefault(key, {})[slot] = _host_rows(v, physical.logical_rows[name])
+    for key, bufs in physical.accumulation.items():
         state.setdefault(key, {}).update(bufs)
-    _split_fused_entries(state, rest["members"], rows)
-    return {"state": state, "param_groups": rest["param_groups"], "iterations": rest["iterations"],
+    _split_fused_entries(state, physical.members, physical.logical_rows)
+    return {"state": state, "param_groups": physical.param_groups, "iterations": physical.iterations,
             "skipped_steps": optimizer.skipped_steps}
 
 
@@ -228,10 +228,11 @@ def _physical(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -
             members[f"model/{name}"] = info.members
     rest: dict[str, Any] = {"members": members}
     if optimizer is not None:
-        o_tensors, o_rows, rest = _row_sparse(optimizer).physical_state()
-        rest["members"] = {**members, **{f"optim/{k}": m for k, m in rest["members"].items()}}
-        tensors.update({f"optim/{k}": v for k, v in o_tensors.items()})
-        rows.update({f"optim/{k}": v for k, v in o_rows.items()})
+        physical = _row_sparse(optimizer).physical_state()
+        rest = {**physical.rest(),
+                "members": {**members, **{f"optim/{k}": m for k, m in physical.members.items()}}}
+        tensors.update({f"optim/{k}": v for k, v in physical.tensors.items()})
+        rows.update({f"optim/{k}": v for k, v in physical.logical_rows.items()})
     return tensors, rows, rest
 
 

@@ -3,83 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
 import torch
 from torch import nn
 
-from torch_tpu_embedding._fused import FusedTables, TableView, fuse_key
-from torch_tpu_embedding._lookup import lookup
+from torch_tpu_embedding._fused import FusedTables, fuse, join_fused_weights, split_fused_weights
+from torch_tpu_embedding._lookup import LookupBatch
+from torch_tpu_embedding._nest import Path, check_structure, flatten, path_name, pick, rebuild
 from torch_tpu_embedding._validation import check_bool
-from torch_tpu_embedding.combiners import bag_gains
 from torch_tpu_embedding.config import FeatureConfig, TableConfig
-from torch_tpu_embedding.inputs import Bags, to_bags
+from torch_tpu_embedding.inputs import to_bags
 from torch_tpu_embedding.table import EmbeddingTable
 
 __all__ = ["EmbeddingCollection", "EmbeddingTable", "split_parameters"]
-
-Path = tuple[Any, ...]
-
-
-def _flatten(struct: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
-    """Leaves of a nested dict/list/tuple in TF ``nest`` order (dict keys sorted)."""
-    if isinstance(struct, Mapping):
-        for key in sorted(struct, key=str):
-            yield from _flatten(struct[key], (*path, key))
-    elif isinstance(struct, (list, tuple)):
-        for i, item in enumerate(struct):
-            yield from _flatten(item, (*path, i))
-    else:
-        yield path, struct
-
-
-def _path_name(path: Path) -> str:
-    return "/".join(str(p) for p in path) if path else "<root>"
-
-
-def _pick(struct: Any, path: Path) -> Any:
-    for key in path:
-        struct = struct[key]
-    return struct
-
-
-def _rebuild(template: Any, values: dict[Path, Any], path: Path = ()) -> Any:
-    """``template``'s structure with the leaf at ``path`` replaced by ``values[path]``."""
-    if isinstance(template, Mapping):
-        return {k: _rebuild(v, values, (*path, k)) for k, v in template.items()}
-    if isinstance(template, (list, tuple)):
-        items = [_rebuild(v, values, (*path, i)) for i, v in enumerate(template)]
-        return items if isinstance(template, list) else tuple(items)
-    return values[path]
-
-
-def _check_structure(config: Any, given: Any, what: str, path: Path = ()) -> None:
-    """``given`` must have ``config``'s structure (leaves of ``given`` may be anything)."""
-    where = f" at `{_path_name(path)}`" if path else ""
-    if isinstance(config, Mapping):
-        if not isinstance(given, Mapping):
-            raise TypeError(f"{what}{where} must be a mapping like the feature config. "
-                            f"Received: {type(given).__name__}")
-        missing = sorted(set(map(str, config)) - set(map(str, given)))
-        unknown = sorted(set(map(str, given)) - set(map(str, config)))
-        if missing or unknown:
-            raise ValueError(
-                f"{what}{where} do not match the feature config: missing {missing}, "
-                f"unknown {unknown}."
-            )
-        for key in config:
-            _check_structure(config[key], given[key], what, (*path, key))
-    elif isinstance(config, (list, tuple)):
-        if not isinstance(given, (list, tuple)) or len(given) != len(config):
-            raise ValueError(
-                f"{what}{where} must be a list/tuple of {len(config)} entries like the feature "
-                f"config. Received: {type(given).__name__}"
-                + (f" of {len(given)}" if isinstance(given, (list, tuple)) else "")
-            )
-        for i, (c, g) in enumerate(zip(config, given, strict=True)):
-            _check_structure(c, g, what, (*path, i))
-
 
 def _input_device(value: Any) -> str:
     """The device type of a feature's ids (``"cpu"`` for anything else)."""
@@ -141,7 +78,7 @@ class EmbeddingCollection(nn.Module):
     ) -> None:
         super().__init__()
         check_bool("fuse_tables", fuse_tables)
-        flat = list(_flatten(feature_config))
+        flat = list(flatten(feature_config))
         if not flat:
             raise ValueError("Argument `feature_config` must hold at least one FeatureConfig. Received: "
                              f"{feature_config!r}")
@@ -149,7 +86,7 @@ class EmbeddingCollection(nn.Module):
             if not isinstance(fc, FeatureConfig):
                 raise TypeError(
                     f"Argument `feature_config` must hold only FeatureConfig leaves; found "
-                    f"{type(fc).__name__} at `{_path_name(path)}`."
+                    f"{type(fc).__name__} at `{path_name(path)}`."
                 )
         table_names: dict[int, str] = {}  # id(TableConfig) -> name
         configs: dict[int, TableConfig] = {}
@@ -166,7 +103,7 @@ class EmbeddingCollection(nn.Module):
             )
         self._config = feature_config
         self._features: list[tuple[Path, str, FeatureConfig, str]] = [
-            (path, fc.name or _path_name(path), fc, table_names[id(fc.table)]) for path, fc in flat
+            (path, fc.name or path_name(path), fc, table_names[id(fc.table)]) for path, fc in flat
         ]
         feature_names = [f[1] for f in self._features]
         dupe_features = sorted({n for n in feature_names if feature_names.count(n) > 1})
@@ -181,33 +118,12 @@ class EmbeddingCollection(nn.Module):
         #: table name → (the module holding its rows, its first row there)
         self._located = {n: (cast(EmbeddingTable, t), 0) for n, t in tables.items()}
         if fuse_tables:
-            tables = self._fuse(tables)
+            tables = fuse(tables, self.groups, self._located)
         self.tables = nn.ModuleDict(tables)
-        self._register_state_dict_hook(_split_fused_weights)  # type: ignore[no-untyped-call]
-        self.register_load_state_dict_pre_hook(_join_fused_weights)  # type: ignore[no-untyped-call]
+        self._register_state_dict_hook(split_fused_weights)  # type: ignore[no-untyped-call]
+        self.register_load_state_dict_pre_hook(join_fused_weights)  # type: ignore[no-untyped-call]
         if device is not None:
             self.to(device)
-
-    def _fuse(self, tables: dict[str, nn.Module]) -> dict[str, nn.Module]:
-        """Stack tables with equal :func:`fuse_key` (two or more) into :class:`FusedTables`."""
-        by_key: dict[tuple[Any, ...], list[EmbeddingTable]] = {}
-        for t in tables.values():
-            table = cast(EmbeddingTable, t)
-            by_key.setdefault(fuse_key(table.config), []).append(table)
-        out: dict[str, nn.Module] = dict(tables)
-        for same in by_key.values():
-            if len(same) < 2:
-                continue
-            i = len(self.groups)
-            name = f"fused_{i}"
-            while name in tables:  # a table may be called fused_<i> already
-                name = "_" + name
-            group = FusedTables(same, name)
-            self.groups[name] = group
-            for (tname, off, _), t in zip(group.members(), same, strict=True):
-                out[tname] = TableView(t.config, tname, group, off)
-                self._located[tname] = (group, off)
-        return out
 
     # ------------------------------------------------------------------ accessors
     @property
@@ -259,26 +175,34 @@ class EmbeddingCollection(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, features: Any, weights: Any = None) -> Any:
-        _check_structure(self._config, features, "Inputs `features`")
+        check_structure(self._config, features, "Inputs `features`")
         if weights is not None:
-            _check_structure(self._config, weights, "Argument `weights`")
-        # Features looked up in the same physical table with the same bag width and combiner are
-        # looked up together: one gather and one backward node per such batch, not per feature. Host
-        # inputs for a device table are normalised and batched on the host and then moved in one
-        # transfer per batch (TorchRec's KJT and TBE do the same).
-        batches: dict[tuple[int, int, str, bool], list[tuple[Path, Bags]]] = {}
-        tables: dict[int, EmbeddingTable] = {}
+            check_structure(self._config, weights, "Argument `weights`")
+        outputs: dict[Path, torch.Tensor] = {}
+        for batch in self._plan(features, weights):
+            outputs.update(batch.run())
+        return rebuild(self._config, outputs)
+
+    def _plan(self, features: Any, weights: Any) -> list[LookupBatch]:
+        """Every feature normalised to padded bags, grouped into the batches looked up together.
+
+        Features of the same physical table with the same bag width and combiner are looked up
+        together: one gather and one backward node per batch, not per feature. Host inputs for a
+        device table are normalised and batched on the host and moved in one transfer per batch
+        (TorchRec's KJT and TBE do the same).
+        """
+        batches: dict[tuple[int, int, str, bool], LookupBatch] = {}
         host = torch.device("cpu")
         for path, fname, fc, tname in self._features:
             table, offset = self._located[tname]
             weight = table.weight
-            value = _pick(features, path)
+            value = pick(features, path)
             resident = weight.device.type == "cpu" or _input_device(value) != "cpu"
             bags = to_bags(
                 fname,
                 fc,
                 value,
-                None if weights is None else _pick(weights, path),
+                None if weights is None else pick(weights, path),
                 sentinel=weight.shape[0],
                 device=weight.device if resident else host,
                 dtype=weight.dtype,
@@ -292,29 +216,11 @@ class EmbeddingCollection(nn.Module):
             if offset:  # a fused table's rows start at `offset` of the group; padding stays the sentinel
                 bags = dataclasses.replace(bags, ids=torch.where(bags.valid, bags.ids + offset, bags.ids))
             combiner = fc.table.combiner if bags.combine else "sum"
-            tables[id(table)] = table
-            batches.setdefault((id(table), bags.ids.shape[1], combiner, resident), []).append((path, bags))
-        outputs: dict[Path, torch.Tensor] = {}
-        for (key, _, combiner, resident), items in batches.items():
-            table = tables[key]
-            dtype, dim, device = table.weight.dtype, table.weight.shape[1], table.weight.device
-            if len(items) == 1:
-                ids, valid, w = items[0][1].ids, items[0][1].valid, items[0][1].weights
-            else:
-                ids = torch.cat([b.ids for _, b in items])
-                valid = torch.cat([b.valid for _, b in items])
-                w = None
-                if any(b.weights is not None for _, b in items):
-                    w = torch.cat([b.valid.to(dtype) if b.weights is None else b.weights for _, b in items])
-            if not resident:  # one transfer of the batch's ids (and weights); padding is the sentinel
-                ids = ids.to(device)
-                valid = ids != table.weight.shape[0]
-                w = None if w is None else w.to(device)
-            out = lookup(table.weight, ids, bag_gains(valid, w, combiner, dtype), table.row_grad)
-            pieces = torch.split(out, [b.ids.shape[0] for _, b in items]) if len(items) > 1 else (out,)
-            for (path, b), piece in zip(items, pieces, strict=True):
-                outputs[path] = piece.reshape(*b.out_shape, dim)
-        return _rebuild(self._config, outputs)
+            key = (id(table), bags.ids.shape[1], combiner, resident)
+            if key not in batches:
+                batches[key] = LookupBatch(weight, table.row_grad, combiner, resident)
+            batches[key].items.append((path, bags))
+        return list(batches.values())
 
     # ------------------------------------------------------------------ device-side id validation
     def _screen_device_ids(
@@ -385,61 +291,3 @@ def split_parameters(
         if id(p) not in seen:
             dense.append(p)
     return tables, dense
-
-
-def _split_fused_weights(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-    """``state_dict`` hook: each fused group's weight becomes its tables' ``tables.<name>.weight``
-    (in table order, as an unfused collection's)."""
-    collection = cast(EmbeddingCollection, module)
-    fused = collection.fused_members()
-    if not fused:
-        return
-    mine = {k: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)]}
-    for gname, members in fused.items():
-        value = mine.pop(prefix + f"groups.{gname}.weight", None)
-        if value is not None:
-            mine.update({prefix + f"tables.{t}.weight": value[off : off + n] for t, off, n in members})
-    order = [prefix + f"tables.{t}.weight" for t in collection.tables]
-    state_dict.update({k: mine.pop(k) for k in order if k in mine})
-    state_dict.update(mine)
-
-
-def _join_fused_weights(
-    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
-    missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str],
-) -> None:
-    """Load pre-hook: per-table weights of fused tables stacked into their group's weight.
-
-    Tables absent from ``state_dict`` keep their values (and are reported missing when ``strict``);
-    a state_dict that holds the group's weight itself (a distributed checkpoint) loads as is.
-    """
-    for gname, members in cast(EmbeddingCollection, module).fused_members().items():
-        gkey = prefix + f"groups.{gname}.weight"
-        keys = [prefix + f"tables.{tname}.weight" for tname, _, _ in members]
-        if gkey in state_dict or not any(k in state_dict for k in keys):
-            if gkey not in state_dict and strict:
-                missing_keys.extend(keys)
-                state_dict[gkey] = _current_rows(module, gname)
-            continue
-        device = next(state_dict[k].device for k in keys if k in state_dict)
-        pieces = []
-        for key, (_, off, n) in zip(keys, members, strict=True):
-            value = state_dict.pop(key, None)
-            current = _current_rows(module, gname)[off : off + n]
-            if value is None:
-                if strict:
-                    missing_keys.append(key)
-                value = current
-            elif tuple(value.shape) != tuple(current.shape):
-                error_msgs.append(
-                    f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from "
-                    f"checkpoint, the shape in current model is {tuple(current.shape)}."
-                )
-                value = current
-            pieces.append(value.detach().to(device=device))
-        state_dict[gkey] = torch.cat(pieces)
-
-
-def _current_rows(module: nn.Module, gname: str) -> torch.Tensor:
-    group = cast(FusedTables, cast(EmbeddingCollection, module).groups[gname])
-    return group.weight.detach()[: group.config.num_embeddings]

@@ -1,4 +1,4 @@
-"""Combiners: how a bag of looked-up rows is reduced to one row (tf_spec §3.1).
+"""Combiners: how a bag of looked-up rows is reduced to one row (as TF's TPU embedding combiners).
 
 For bag ``b`` with ids ``i_1..i_n``, weights ``w_1..w_n`` (default 1) and rows ``e_i``::
 

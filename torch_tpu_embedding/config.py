@@ -25,7 +25,7 @@ import torch
 
 from torch_tpu_embedding._validation import arg_error, check_int
 
-__all__ = [
+__all__ = [  # noqa: F822 - OPTIMIZER_NAMES is served by __getattr__
     "COMBINERS",
     "OPTIMIZER_NAMES",
     "PLACEMENTS",
@@ -39,13 +39,26 @@ COMBINERS = ("mean", "sum", "sqrtn")
 #: Table layouts on a device mesh (see ``TableConfig.placement`` and docs/sharding.md).
 PLACEMENTS = ("auto", "row", "column", "replicated")
 # The names a TableConfig may use for its optimizer override (torch_tpu_embedding.optim).
-OPTIMIZER_NAMES = ("sgd", "adagrad", "adagrad_momentum", "adam", "lazy_adam", "ftrl", "adafactor")
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 #: An initializer fills a ``[num_embeddings, embedding_dim]`` tensor in place (torch.nn.init style,
 #: e.g. ``functools.partial(torch.nn.init.normal_, std=0.01)``), or is a tensor of that shape
 #: holding pretrained values.
 Initializer = Union[Callable[[torch.Tensor], Any], torch.Tensor]
+
+
+def _optimizer_names() -> tuple[str, ...]:
+    """The registered optimizer names (imported here: the optimizers import this module)."""
+    from torch_tpu_embedding.optim import OPTIMIZER_NAMES
+
+    return OPTIMIZER_NAMES
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    # ``OPTIMIZER_NAMES`` comes from the optimizer registry, which is filled after this module loads.
+    if name == "OPTIMIZER_NAMES":
+        return _optimizer_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def default_initializer(weight: torch.Tensor) -> torch.Tensor:
@@ -120,13 +133,12 @@ class TableConfig:
         if self.combiner not in COMBINERS:
             raise arg_error("combiner", f"must be in {COMBINERS}", self.combiner)
         opt = self.optimizer
+        names = _optimizer_names()
         if isinstance(opt, str):
-            if opt not in OPTIMIZER_NAMES:
-                raise arg_error("optimizer", f"must be one of {OPTIMIZER_NAMES} when a str", opt)
+            if opt not in names:
+                raise arg_error("optimizer", f"must be one of {names} when a str", opt)
         elif opt is not None and not callable(opt):
-            raise arg_error(
-                "optimizer", f"must be None, a name in {OPTIMIZER_NAMES} or a factory", opt
-            )
+            raise arg_error("optimizer", f"must be None, a name in {names} or a factory", opt)
         if self.dtype not in _FLOAT_DTYPES:
             raise arg_error("dtype", f"must be one of {_FLOAT_DTYPES}", self.dtype)
         if self.placement not in PLACEMENTS:

@@ -2,35 +2,34 @@
 
 Real ``torch.optim.Optimizer`` subclasses: they train embedding tables (row-sparse gradients from
 :class:`~torch_tpu_embedding.EmbeddingCollection`) and ordinary dense parameters alike, on CPU,
-CUDA and XLA with one code path. See ``docs/optimizers.md``.
+CUDA and XLA with one code path. See ``docs/optimizers.md``; how the core is laid out and how to add
+an optimizer: ``docs/design.md``.
 """
 
-from torch_tpu_embedding.optim._base import RowContext, RowSparseOptimizer, SlotSpec, optimizer_class
-from torch_tpu_embedding.optim._extras import KerasExtras
-from torch_tpu_embedding.optim.adafactor import Adafactor, adafactor_rule
-from torch_tpu_embedding.optim.adagrad import Adagrad, adagrad_rule
-from torch_tpu_embedding.optim.adagrad_momentum import AdagradMomentum, adagrad_momentum_rule
-from torch_tpu_embedding.optim.adam import Adam, LazyAdam, adam_rule
-from torch_tpu_embedding.optim.ftrl import FTRL, ftrl_rule
-from torch_tpu_embedding.optim.sgd import SGD, sgd_rule
+import sys
 
-__all__ = [
-    "FTRL",
-    "SGD",
-    "Adafactor",
-    "Adagrad",
-    "AdagradMomentum",
-    "Adam",
-    "KerasExtras",
-    "LazyAdam",
-    "RowContext",
-    "RowSparseOptimizer",
-    "SlotSpec",
-    "adafactor_rule",
-    "adagrad_momentum_rule",
-    "adagrad_rule",
-    "adam_rule",
-    "ftrl_rule",
-    "optimizer_class",
-    "sgd_rule",
-]
+from torch_tpu_embedding.optim._base import RowSparseOptimizer as RowSparseOptimizer
+from torch_tpu_embedding.optim._contract import RowContext as RowContext
+from torch_tpu_embedding.optim._contract import SlotSpec as SlotSpec
+from torch_tpu_embedding.optim._contract import optimizer_class as optimizer_class
+from torch_tpu_embedding.optim._contract import optimizer_names as optimizer_names
+from torch_tpu_embedding.optim._extras import KerasExtras as KerasExtras
+
+# The optimizers, one module each: importing a module registers its optimizers, in this order.
+# isort: off
+from torch_tpu_embedding.optim.sgd import *  # noqa: F403
+from torch_tpu_embedding.optim.adagrad import *  # noqa: F403
+from torch_tpu_embedding.optim.adagrad_momentum import *  # noqa: F403
+from torch_tpu_embedding.optim.adam import *  # noqa: F403
+from torch_tpu_embedding.optim.ftrl import *  # noqa: F403
+from torch_tpu_embedding.optim.adafactor import *  # noqa: F403
+# isort: on
+
+#: every optimizer name a ``TableConfig.optimizer`` string may give, in registration order
+OPTIMIZER_NAMES: tuple[str, ...] = optimizer_names()
+
+__all__ = sorted(
+    {"KerasExtras", "OPTIMIZER_NAMES", "RowContext", "RowSparseOptimizer", "SlotSpec", "optimizer_class",
+     "optimizer_names"}
+    | {name for n in OPTIMIZER_NAMES for name in sys.modules[optimizer_class(n).__module__].__all__}
+)

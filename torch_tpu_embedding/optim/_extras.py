@@ -2,7 +2,7 @@
 
 ``clipnorm``, ``global_clipnorm``, ``use_ema`` / ``ema_momentum`` / ``ema_overwrite_frequency``,
 ``loss_scale_factor`` and ``gradient_accumulation_steps`` behave as in Keras 3
-(``keras/src/optimizers/base_optimizer.py``, tf_spec §5.1), in Keras's order:
+(``keras/src/optimizers/base_optimizer.py`` in Keras 3), in Keras's order:
 
 1. ``loss_scale_factor`` s: ``g ← g / s``.
 2. ``gradient_accumulation_steps`` k: calls whose ``(iterations + 1) % k != 0`` only accumulate;
@@ -47,7 +47,7 @@ Tensor = torch.Tensor
 
 
 class KerasExtras(TypedDict, total=False):
-    """Keyword arguments every optimizer accepts (Keras base optimizer, tf_spec §5.1)."""
+    """Keyword arguments every optimizer accepts (the Keras 3 base optimizer's options)."""
 
     clipnorm: float | None
     global_clipnorm: float | None

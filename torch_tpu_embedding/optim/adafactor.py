@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from torch_tpu_embedding._validation import arg_error, check_bool, check_number
-from torch_tpu_embedding.optim._base import RowContext, RowSparseOptimizer, Slots, SlotSpec, common_defaults
+from torch_tpu_embedding.optim._base import RowSparseOptimizer
+from torch_tpu_embedding.optim._contract import RowContext, Slots, SlotSpec, common_defaults
 
 __all__ = ["Adafactor", "adafactor_rule"]
 
@@ -22,7 +23,7 @@ def adafactor_rule(
     hp: Mapping[str, Any],
     ctx: RowContext,
 ) -> tuple[torch.Tensor, Slots]:
-    """Keras ``Adafactor.update_step`` (tf_spec §5.2); over touched rows for tables (docs/optimizers.md).
+    """Keras 3 ``Adafactor.update_step``; over touched rows for tables (docs/optimizers.md).
 
     ``w, g``: ``[..., m, n]`` (factored: slots ``r [..., m]``, ``c [..., n]``; tables also
     ``r_sum`` = Σ r over all rows) or rank < 2 (slot ``v`` like ``w``). With ``ctx.mask`` the rows

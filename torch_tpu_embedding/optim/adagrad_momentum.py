@@ -8,7 +8,8 @@ from typing import Any, Unpack
 import torch
 
 from torch_tpu_embedding._validation import check_bool, check_number
-from torch_tpu_embedding.optim._base import RowContext, RowSparseOptimizer, Slots, common_defaults
+from torch_tpu_embedding.optim._base import RowSparseOptimizer
+from torch_tpu_embedding.optim._contract import RowContext, Slots, common_defaults
 from torch_tpu_embedding.optim._extras import KerasExtras
 
 __all__ = ["AdagradMomentum", "adagrad_momentum_rule"]
@@ -23,7 +24,7 @@ def adagrad_momentum_rule(
     hp: Mapping[str, Any],
     ctx: RowContext,
 ) -> tuple[torch.Tensor, Slots]:
-    """TF SparseCore ``BuildAdagradMomentumOptimizerComputation`` (tf_spec §4.2)."""
+    """TF SparseCore ``BuildAdagradMomentumOptimizerComputation`` (formulas: the class docstring)."""
     beta2 = hp["beta2"]
     a = slots["accumulators"]
     a = a + g * g if beta2 == 1 else beta2 * a + (1 - beta2) * g * g

@@ -8,7 +8,8 @@ from typing import Any, Unpack
 import torch
 
 from torch_tpu_embedding._validation import arg_error, check_bool, check_number
-from torch_tpu_embedding.optim._base import RowContext, RowSparseOptimizer, Slots, common_defaults
+from torch_tpu_embedding.optim._base import RowSparseOptimizer
+from torch_tpu_embedding.optim._contract import RowContext, Slots, common_defaults
 from torch_tpu_embedding.optim._extras import KerasExtras
 
 __all__ = ["Adam", "LazyAdam", "adam_rule"]
@@ -23,7 +24,7 @@ def adam_rule(
     hp: Mapping[str, Any],
     ctx: RowContext,
 ) -> tuple[torch.Tensor, Slots]:
-    """TF SparseCore ``BuildAdamOptimizerComputation``; optional bias correction (tf_spec §4.2, §6)."""
+    """TF SparseCore ``BuildAdamOptimizerComputation``; optional bias correction (docs/optimizers.md)."""
     b1, b2 = hp["betas"]
     eps = hp["eps"]
     m = b1 * slots["momenta"] + (1 - b1) * g

@@ -8,7 +8,8 @@ from typing import Any, Unpack
 import torch
 
 from torch_tpu_embedding._validation import arg_error, check_bool, check_number
-from torch_tpu_embedding.optim._base import RowContext, RowSparseOptimizer, Slots, common_defaults
+from torch_tpu_embedding.optim._base import RowSparseOptimizer
+from torch_tpu_embedding.optim._contract import RowContext, Slots, common_defaults
 from torch_tpu_embedding.optim._extras import KerasExtras
 
 __all__ = ["FTRL", "ftrl_rule"]
@@ -23,7 +24,7 @@ def ftrl_rule(
     hp: Mapping[str, Any],
     ctx: RowContext,
 ) -> tuple[torch.Tensor, Slots]:
-    """TF SparseCore ``BuildFtrlOptimizerComputation`` (tf_spec §4.2), both linear modes."""
+    """TF SparseCore ``BuildFtrlOptimizerComputation``, both linear modes (formulas: the class docstring)."""
     p = hp["learning_rate_power"]
     l1, l2, beta = hp["l1_regularization_strength"], hp["l2_regularization_strength"], hp["beta"]
     n = slots["accumulators"]

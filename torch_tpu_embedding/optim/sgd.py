@@ -7,7 +7,8 @@ from typing import Any, Unpack
 
 import torch
 
-from torch_tpu_embedding.optim._base import RowContext, RowSparseOptimizer, Slots, common_defaults
+from torch_tpu_embedding.optim._base import RowSparseOptimizer
+from torch_tpu_embedding.optim._contract import RowContext, Slots, common_defaults
 from torch_tpu_embedding.optim._extras import KerasExtras
 
 __all__ = ["SGD", "sgd_rule"]

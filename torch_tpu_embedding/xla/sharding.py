@@ -5,7 +5,7 @@ Placements (``TableConfig.placement``):
 * ``"row"``: rows split over the mesh axis (``mark_sharding(w, mesh, ("x", None))``). A lookup is a
   local masked gather plus an all-reduce of the ``[N, D]`` result; the optimizer's scatters are
   local. Rows are padded to a multiple of the device count (an uneven split makes XLA silently
-  replicate the table after an in-place update; XLA_NOTES) — in fact of ``ROW_ALIGNMENT`` (512),
+  replicate the table after an in-place update, measured on torch_xla 2.9) — in fact of ``ROW_ALIGNMENT`` (512),
   so that every layout has the same physical shapes (distributed checkpoints reshard in place).
 * ``"column"``: the embedding dimension split (``(None, "x")``); needs ``D % devices == 0``.
 * ``"replicated"``: a full copy per device, for small tables (TF's mode without the embedding

@@ -1,0 +1,70 @@
+"""Nested feature structures (dicts, lists and tuples of leaves), walked in TF ``nest`` order."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+__all__ = ["Path", "check_structure", "flatten", "path_name", "pick", "rebuild"]
+
+#: a leaf's position: the keys and indices from the root
+Path = tuple[Any, ...]
+
+
+def flatten(struct: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
+    """Leaves of a nested dict/list/tuple in TF ``nest`` order (dict keys sorted)."""
+    if isinstance(struct, Mapping):
+        for key in sorted(struct, key=str):
+            yield from flatten(struct[key], (*path, key))
+    elif isinstance(struct, (list, tuple)):
+        for i, item in enumerate(struct):
+            yield from flatten(item, (*path, i))
+    else:
+        yield path, struct
+
+
+def path_name(path: Path) -> str:
+    return "/".join(str(p) for p in path) if path else "<root>"
+
+
+def pick(struct: Any, path: Path) -> Any:
+    for key in path:
+        struct = struct[key]
+    return struct
+
+
+def rebuild(template: Any, values: dict[Path, Any], path: Path = ()) -> Any:
+    """``template``'s structure with the leaf at ``path`` replaced by ``values[path]``."""
+    if isinstance(template, Mapping):
+        return {k: rebuild(v, values, (*path, k)) for k, v in template.items()}
+    if isinstance(template, (list, tuple)):
+        items = [rebuild(v, values, (*path, i)) for i, v in enumerate(template)]
+        return items if isinstance(template, list) else tuple(items)
+    return values[path]
+
+
+def check_structure(config: Any, given: Any, what: str, path: Path = ()) -> None:
+    """``given`` must have ``config``'s structure (leaves of ``given`` may be anything)."""
+    where = f" at `{path_name(path)}`" if path else ""
+    if isinstance(config, Mapping):
+        if not isinstance(given, Mapping):
+            raise TypeError(f"{what}{where} must be a mapping like the feature config. "
+                            f"Received: {type(given).__name__}")
+        missing = sorted(set(map(str, config)) - set(map(str, given)))
+        unknown = sorted(set(map(str, given)) - set(map(str, config)))
+        if missing or unknown:
+            raise ValueError(
+                f"{what}{where} do not match the feature config: missing {missing}, "
+                f"unknown {unknown}."
+            )
+        for key in config:
+            check_structure(config[key], given[key], what, (*path, key))
+    elif isinstance(config, (list, tuple)):
+        if not isinstance(given, (list, tuple)) or len(given) != len(config):
+            raise ValueError(
+                f"{what}{where} must be a list/tuple of {len(config)} entries like the feature "
+                f"config. Received: {type(given).__name__}"
+                + (f" of {len(given)}" if isinstance(given, (list, tuple)) else "")
+            )
+        for i, (c, g) in enumerate(zip(config, given, strict=True)):
+            check_structure(c, g, what, (*path, i))

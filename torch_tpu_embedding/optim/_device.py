@@ -1,0 +1,75 @@
+"""Per-step values as device data: the learning rate and the call counter.
+
+On XLA a Python number or a 0-d host tensor that reaches the graph becomes a constant, and a new
+value compiles a new graph. Values that change between steps (a schedule's learning rate, the call
+counter that gates gradient accumulation and EMA) therefore travel as 1-element device tensors,
+so a steady training loop compiles once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["LearningRates", "StepClock", "lr_value", "to_device"]
+
+Tensor = torch.Tensor
+
+
+def to_device(v: Tensor, device: torch.device) -> Tensor:
+    """``v`` on ``device`` as a new tensor; a 0-d value goes through shape [1] (an XLA constant otherwise)."""
+    if v.device == device:
+        return v.clone()
+    return v.reshape(1).to(device).reshape(()) if v.dim() == 0 else v.to(device)
+
+
+def lr_value(group: dict[str, Any]) -> float | Tensor:
+    """The group's learning rate for this step (a callable ``lr`` is called)."""
+    lr = group["lr"]
+    value: float | Tensor = lr() if callable(lr) and not isinstance(lr, Tensor) else lr
+    return value
+
+
+class LearningRates:
+    """Learning rates as device data, uploaded only when they change."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[int, torch.device, torch.dtype], tuple[float, Tensor]] = {}
+
+    def clear(self) -> None:
+        self._cache.clear()
+
+    def tensor(self, gi: int, lr: float | Tensor, p: Tensor) -> Tensor:
+        """Group ``gi``'s learning rate ``lr`` as a 0-d tensor on ``p``'s device, in ``p``'s dtype."""
+        if isinstance(lr, Tensor):
+            lr = lr.detach().to(dtype=p.dtype)
+            # Through a 1-element shape: a 0-d host tensor would become an XLA constant.
+            return lr if lr.device == p.device else lr.reshape(1).to(p.device).reshape(())
+        key = (gi, p.device, p.dtype)
+        cached = self._cache.get(key)
+        if cached is None or cached[0] != lr:
+            # A 0-d host tensor moved to XLA is folded into the graph as a constant (one compile
+            # per value); a 1-element tensor arrives as device data.
+            cached = (float(lr), torch.tensor([float(lr)], dtype=p.dtype).to(p.device))
+            self._cache[key] = cached
+        # Reshaped on every use: a cached 0-d view would be materialised by the first step's sync
+        # and change the next step's graph inputs ([1] -> []), compiling twice.
+        return cached[1].reshape(())
+
+
+class StepClock:
+    """The optimizer's call counter (Keras ``iterations``) for one call of ``step()``."""
+
+    def __init__(self, iterations: int) -> None:
+        self.iterations = iterations
+        self._tensors: dict[torch.device, Tensor] = {}
+
+    def on(self, device: torch.device) -> Tensor:
+        """The counter as device data (0-d int64), uploaded once per step and device."""
+        t = self._tensors.get(device)
+        if t is None:
+            # Through a 1-element shape: a 0-d host tensor would become an XLA constant.
+            t = torch.tensor([self.iterations], dtype=torch.int64).to(device).reshape(())
+            self._tensors[device] = t
+        return t

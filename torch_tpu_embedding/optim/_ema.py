@@ -1,0 +1,107 @@
+"""Keras's exponential moving average of the parameters (``use_ema``), exact on lazy tables.
+
+``avg ← μ'·avg + (1−μ')·w`` after every call, with ``μ' = 0`` while Keras's ``iterations // k`` is 0
+(the first average is the weights). A lazy table's row does not change between the calls that touch
+it, so its average is brought up to date only when the row is next touched — after ``n`` idle calls
+``avg = w + μⁿ (avg − w)`` (``ema_catch_up``) — using ``ema_last``, the call at which each row was
+last brought up to date. The whole table is caught up only at an ``ema_overwrite_frequency`` call
+(``w ← avg``, O(V·D) as in Keras) or by :meth:`~RowSparseOptimizer.finalize_variable_values`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torch_tpu_embedding.optim._device import StepClock
+from torch_tpu_embedding.optim._extras import ema_catch_up
+from torch_tpu_embedding.optim._slots import lazy_table, without_trash, write_whole
+
+if TYPE_CHECKING:
+    from torch_tpu_embedding.optim._intake import Work
+
+__all__ = ["ema_all_rows", "ema_calls", "ema_rows", "moving_average", "overwrite_due"]
+
+Tensor = torch.Tensor
+
+
+def _momentum_now(group: Mapping[str, Any], clock: StepClock, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """μ' = 0 while Keras's ``iterations`` (calls // k) is 0, else ``ema_momentum``."""
+    k = group["gradient_accumulation_steps"] or 1
+    it = clock.on(device)
+    mu: Tensor = (torch.div(it, k, rounding_mode="floor") != 0).to(dtype) * group["ema_momentum"]
+    return mu
+
+
+def ema_rows(item: Work, ids: Tensor, w_old: Tensor, w_new: Tensor) -> None:
+    """Catch the touched rows' averages up over their idle calls, then apply this call's EMA.
+
+    ``ids [U]`` unique touched rows (sentinel tail allowed), ``w_old``/``w_new`` their weights
+    before/after this call's update.
+    """
+    p, group, state = item.p, item.group, item.state
+    sentinel = p.shape[0]
+    at = ids.clamp(max=sentinel - 1)
+    it = item.clock.on(p.device).to(torch.int32)
+    avg = state["ema"].index_select(0, at)
+    last = state["ema_last"].index_select(0, at)
+    caught = ema_catch_up(avg, w_old, it - last - 1, group["ema_momentum"])
+    mu = _momentum_now(group, item.clock, p.device, p.dtype)
+    state["ema"].index_copy_(0, ids, mu * caught + (1 - mu) * w_new)
+    # max(last, it) == it, but written as a function of the gathered rows so that XLA orders the
+    # gather before the in-place scatter (otherwise it copies the whole [V] slot every step).
+    state["ema_last"].index_copy_(0, ids, torch.maximum(last, it))
+
+
+def ema_all_rows(p: Tensor, group: Mapping[str, Any], state: dict[str, Tensor], upto: Tensor) -> Tensor:
+    """Every row's average as of call ``upto`` (lazy table): ``[rows, D]``, not stored."""
+    n = p.shape[0]
+    idle = upto.to(torch.int32) - state["ema_last"][:n]
+    return ema_catch_up(state["ema"][:n], p, idle, group["ema_momentum"])
+
+
+def overwrite_due(group: Mapping[str, Any], iterations: int) -> bool:
+    """Whether this call (``iterations`` calls before it) copies the averages into the weights."""
+    k = group["gradient_accumulation_steps"] or 1
+    f = group["ema_overwrite_frequency"]
+    return bool(f) and ((iterations // k) + 1) % f == 0
+
+
+def ema_calls(
+    groups: list[dict[str, Any]],
+    state_for: Callable[[Tensor, dict[str, Any]], dict[str, Tensor]],
+    clock: StepClock,
+) -> None:
+    """After the updates of a call: EMA of dense (and non-lazy) parameters, and the periodic overwrite."""
+    for group in groups:
+        if not group["use_ema"]:
+            continue
+        overwrite = overwrite_due(group, clock.iterations)
+        for p in group["params"]:
+            state = state_for(p, group)
+            n = p.shape[0] if p.dim() else 1
+            avg = without_trash(state["ema"], n) if p.dim() else state["ema"]
+            if lazy_table(p, group):
+                if overwrite:  # O(V·D), every f calls, as in Keras
+                    it = clock.on(p.device)
+                    caught = ema_all_rows(p, group, state, it)
+                    write_whole(state["ema"], caught)
+                    write_whole(state["ema_last"], it.to(torch.int32).expand(n))
+                    p.copy_(caught)
+                continue
+            mu = _momentum_now(group, clock, p.device, p.dtype)
+            avg = mu * avg + (1 - mu) * p
+            write_whole(state["ema"], avg)
+            if overwrite:
+                p.copy_(avg)
+
+
+def moving_average(p: Tensor, group: Mapping[str, Any], state: dict[str, Tensor], iterations: int) -> Tensor:
+    """The EMA of ``p`` after ``iterations`` calls (every row caught up), as a new tensor."""
+    if lazy_table(p, group):
+        upto = torch.tensor([iterations - 1], dtype=torch.int64).to(p.device).reshape(())
+        return ema_all_rows(p, group, state, upto)
+    n = p.shape[0] if p.dim() else 1
+    return (state["ema"][:n] if p.dim() else state["ema"]).clone()

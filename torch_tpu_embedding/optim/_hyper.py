@@ -1,0 +1,154 @@
+"""Hyper-parameters: validation of the options every optimizer shares, and parameter groups.
+
+A table whose ``TableConfig.optimizer`` names another optimizer gets a parameter group of its own
+with that optimizer's rule and defaults (:func:`param_groups`), so one optimizer object steps every
+table and every dense parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torch_tpu_embedding._rows import table_info
+from torch_tpu_embedding._validation import arg_error, check_bool, check_number
+from torch_tpu_embedding.optim._contract import optimizer_class
+
+if TYPE_CHECKING:
+    from torch_tpu_embedding.optim._base import RowSparseOptimizer
+
+__all__ = ["check_clipvalue", "check_fused", "param_groups", "validate_common"]
+
+#: Marks the parameter group a table override's own optimizer is built from: that optimizer must
+#: not look for overrides again (the table's config still names the override).
+_OVERRIDE_GROUP = "_tte_table_override"
+
+
+def check_clipvalue(clipvalue: Any) -> tuple[float | None, float | None] | None:
+    """``clipvalue`` as a ``(min, max)`` pair (either may be ``None``), or ``None``."""
+    if clipvalue is None:
+        return None
+    if isinstance(clipvalue, (tuple, list)):
+        if len(clipvalue) != 2:
+            raise arg_error("clipvalue", "must be a number or a (min, max) pair", clipvalue)
+        lo, hi = clipvalue
+        for v in (lo, hi):
+            if v is not None:
+                check_number("clipvalue", v)
+        if lo is not None and hi is not None and lo > hi:
+            raise arg_error("clipvalue", "must have min <= max", clipvalue)
+        return (None if lo is None else float(lo), None if hi is None else float(hi))
+    c = check_number("clipvalue", clipvalue, minimum=0.0)
+    return (-c, c)
+
+
+def validate_common(hp: dict[str, Any]) -> None:
+    """Check (and normalise in place) the options of :func:`~._contract.common_defaults`."""
+    lr = hp.get("lr")
+    if isinstance(lr, torch.Tensor):
+        if lr.dim() != 0 or not torch.is_floating_point(lr):
+            raise arg_error("lr", "must be a float, a 0-d float tensor or a callable", lr)
+    elif not callable(lr):
+        check_number("lr", lr, minimum=0.0)
+    check_bool("use_gradient_accumulation", hp["use_gradient_accumulation"])
+    clip = check_clipvalue(hp.get("clipvalue"))
+    if clip is not None and not hp["use_gradient_accumulation"]:
+        raise ValueError(
+            "When `use_gradient_accumulation` is False, gradient clipping cannot be used and "
+            f"`clipvalue` should be left as None. Received value {hp.get('clipvalue')} for "
+            "argument `clipvalue`."
+        )
+    hp["clipvalue"] = clip
+    lo, hi = hp.get("clip_weight_min"), hp.get("clip_weight_max")
+    for name, v in (("clip_weight_min", lo), ("clip_weight_max", hi)):
+        if v is not None:
+            check_number(name, v)
+    if lo is not None and hi is not None and lo > hi:
+        raise arg_error("clip_weight_min", f"must be <= clip_weight_max ({hi})", lo)
+    wd = hp.get("weight_decay_factor")
+    if wd is not None:
+        check_number("weight_decay_factor", wd, minimum=0.0)
+    mult = hp.get("multiply_weight_decay_factor_by_learning_rate")
+    if mult is not None:
+        check_bool("multiply_weight_decay_factor_by_learning_rate", mult)
+    fn = hp.get("slot_creation_fn")
+    if fn is not None and not callable(fn):
+        raise arg_error("slot_creation_fn", "must be a callable or None", fn)
+
+
+def check_fused(group: Mapping[str, Any], rule_cls: type[RowSparseOptimizer]) -> None:
+    """Reject what a fused group cannot do exactly as its separate tables would (by name)."""
+    for p in group["params"]:
+        info = table_info(p)
+        if info is None or info.members is None:
+            continue
+        names = [m[0] for m in info.members]
+        whole = [k for k, spec in rule_cls.slot_specs(tuple(p.shape), group, True).items() if not spec.rows]
+        reason = None
+        if whole:
+            reason = (f"optimizer '{group['algorithm']}' keeps per-table state {whole} (statistics over all "
+                      "of a table's rows)")
+        elif group.get("clipnorm"):
+            reason = "`clipnorm` clips each table's gradient by its own norm"
+        elif group.get("slot_creation_fn") is not None:
+            reason = "`slot_creation_fn` creates the slots of one table"
+        if reason:
+            raise ValueError(
+                f"Fused table group '{info.name}' (tables {names}) cannot be trained this way: {reason}. "
+                "Build the EmbeddingCollection with fuse_tables=False, or give these tables their own "
+                "optimizer with TableConfig.optimizer (tables with different optimizers are not fused)."
+            )
+
+
+def param_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
+    """The parameter groups of ``params``, with tables whose config names an optimizer moved to their
+    own group (built by that optimizer, with its defaults). Groups that name an ``algorithm`` and the
+    group a table override is built from keep their tables."""
+    items = list(params)
+    if not items:
+        raise ValueError("optimizer got an empty parameter list")
+    groups = items if isinstance(items[0], dict) else [{"params": items}]
+    overrides = not any(g.get(_OVERRIDE_GROUP) for g in groups if isinstance(g, dict))
+    out: list[dict[str, Any]] = []
+    for group in groups:
+        group = {k: v for k, v in group.items() if k != _OVERRIDE_GROUP}
+        ps = group["params"]
+        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        named = bool(ps) and isinstance(ps[0], tuple)
+        keep: list[Any] = []
+        for item in ps:
+            p = item[1] if named else item
+            info = table_info(p)
+            if overrides and info is not None and info.optimizer is not None and "algorithm" not in group:
+                out.append(_override_group(p, info.name, info.optimizer))
+            else:
+                keep.append(item)
+        if keep:
+            group["params"] = keep
+            out.append(group)
+    return out
+
+
+def _override_group(p: torch.Tensor, name: str, spec: Any) -> dict[str, Any]:
+    """One parameter group for table ``p`` with the optimizer its TableConfig names."""
+    from torch_tpu_embedding.optim._base import RowSparseOptimizer
+
+    factory: Callable[..., Any] = optimizer_class(spec) if isinstance(spec, str) else spec
+    try:
+        inner = factory([{"params": [p], _OVERRIDE_GROUP: True}])
+    except TypeError as e:
+        raise TypeError(
+            f"Table '{name}': its TableConfig optimizer {spec!r} must be a name in "
+            "OPTIMIZER_NAMES or a factory called as factory(params) that returns a "
+            f"torch_tpu_embedding.optim optimizer ({e})."
+        ) from e
+    if not isinstance(inner, RowSparseOptimizer):
+        raise TypeError(
+            f"Table '{name}': its TableConfig optimizer factory returned "
+            f"{type(inner).__name__}; expected a torch_tpu_embedding.optim optimizer."
+        )
+    group = dict(inner.param_groups[0])
+    group["params"] = [p]
+    return group

@@ -1,0 +1,246 @@
+"""Gradient intake: a parameter's gradient of this call, ready for its update path.
+
+In Keras's order: loss scale ``g ← g / s`` → gradient accumulation over ``k`` calls → duplicate ids
+summed (tables) → ``clipnorm``. ``global_clipnorm`` and ``skip_nonfinite`` look at every gradient
+of the call at once (:func:`global_clip_scales`, :func:`gate_nonfinite`).
+
+Where a table's gradient comes from: its :class:`~torch_tpu_embedding._rows.RowGrad` (the lookup's
+backward), or a sparse COO ``.grad`` (``nn.Embedding(sparse=True)``); a dense parameter's from
+``.grad``. Nothing is consumed by :func:`has_gradient`; :func:`take` consumes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from torch_tpu_embedding._rows import RowGrad, coalesce_rows, drop_sentinel, is_static_device, table_info
+from torch_tpu_embedding.optim._device import StepClock
+from torch_tpu_embedding.optim._extras import clip_by_norm, global_norm_scale
+from torch_tpu_embedding.optim._paths import Path
+
+__all__ = ["Taken", "Work", "gate_nonfinite", "global_clip_scales", "has_gradient", "prepare", "take"]
+
+Tensor = torch.Tensor
+
+
+@dataclasses.dataclass
+class Taken:
+    """A parameter's raw gradient of this call: row pieces, ``(ids, rows)``, or a dense tensor."""
+
+    pieces: RowGrad | None = None  # ADDITIVE, straight from the lookup (multiplied out piecewise)
+    ids: Tensor | None = None  # [N] with duplicates and sentinel padding
+    rows: Tensor | None = None  # [N, D]
+    dense: Tensor | None = None  # a dense parameter's .grad
+
+
+@dataclasses.dataclass
+class Work:
+    """One parameter's prepared gradient for this call."""
+
+    p: Tensor
+    group: dict[str, Any]
+    state: dict[str, Tensor]
+    path: Path
+    clock: StepClock
+    ids: Tensor | None  # unique touched rows (tables); None: dense update of the whole tensor
+    g: Tensor  # [U, D] rows or the full gradient
+    gate: Tensor | None  # XLA accumulation: update kept only where True (one graph for all calls)
+    lr: Tensor = dataclasses.field(default_factory=lambda: torch.zeros(()))
+    step_now: Tensor | None = None  # this call's step count, once the first row chunk has set it
+    pieces: RowGrad | None = None  # ADDITIVE: the row gradient, added per id piece by piece
+    divisor: float | None = None  # loss_scale_factor, applied to the pieces
+
+
+def has_gradient(p: Tensor, group: dict[str, Any], state: dict[str, Tensor] | None) -> bool:
+    """Whether ``p`` has something to apply this call (a gradient, or a pending accumulation)."""
+    info = table_info(p)
+    if info is not None and info.row_grad:
+        return True
+    if p.grad is not None and (p.grad.is_sparse or info is None):
+        return True
+    return bool(group["gradient_accumulation_steps"]) and "acc_ids" in (state or {})
+
+
+def take(p: Tensor, group: dict[str, Any], path: Path) -> Taken:
+    """Consume ``p``'s gradient (the table's pending rows are cleared; ``.grad`` is left to zero_grad)."""
+    info = table_info(p)
+    piecewise = path is Path.ADDITIVE and not group["gradient_accumulation_steps"]
+    if info is not None:
+        # The next backward hands over its rows factored only to a consumer that multiplies them out
+        # piecewise (ADDITIVE without accumulation).
+        info.row_grad.keep_factored = piecewise
+    if info is not None and info.row_grad:
+        if piecewise:
+            return Taken(pieces=info.row_grad.take())
+        ids, rows = info.row_grad.collect()
+        info.row_grad.clear()
+        return Taken(ids=ids, rows=rows)
+    if p.grad is not None and p.grad.is_sparse:
+        if p.dim() != 2:
+            raise ValueError(
+                "Sparse gradients are supported for 2-D (embedding) parameters only. "
+                f"Received a sparse gradient for a parameter of shape {tuple(p.shape)}."
+            )
+        coalesced = p.grad.coalesce()
+        return Taken(ids=coalesced.indices()[0], rows=coalesced.values())
+    if p.grad is not None and info is None:
+        return Taken(dense=p.grad)
+    return Taken()
+
+
+def prepare(
+    p: Tensor, group: dict[str, Any], state: dict[str, Tensor], taken: Taken, path: Path, clock: StepClock
+) -> Work | None:
+    """``p``'s gradient this call after loss scaling, accumulation, dedup and clipnorm; ``None`` on an
+    eager call that only accumulates."""
+    k = group["gradient_accumulation_steps"]
+    s = group["loss_scale_factor"]
+    gate: Tensor | None = None
+    ids: Tensor | None = None
+
+    def work(ids: Tensor | None, g: Tensor, gate: Tensor | None, **more: Any) -> Work:
+        return Work(p=p, group=group, state=state, path=path, clock=clock, ids=ids, g=g, gate=gate, **more)
+
+    if taken.dense is not None:
+        g = taken.dense if s is None else taken.dense / s
+        if k:
+            acc = _accumulate_dense(state, g, k, p.device, clock)
+            if acc is None:
+                return None
+            g, gate = acc
+    else:
+        if taken.pieces is not None:
+            return work(torch.empty(0, dtype=torch.int64), torch.empty(0), None, pieces=taken.pieces, divisor=s)
+        rows = taken.rows
+        ids = taken.ids
+        if rows is not None:
+            rows = rows.to(p.dtype) if s is None else rows.to(p.dtype) / s
+        if k:
+            acc_rows = _accumulate_rows(state, ids, rows, k, p, clock)
+            if acc_rows is None:
+                return None
+            ids, rows, gate = acc_rows
+        assert ids is not None and rows is not None
+        if path is Path.ADDITIVE:  # accumulated (or sparse COO) rows: added per id like the piecewise path
+            whole = RowGrad()
+            whole.add(ids, rows / k if k else rows)
+            return work(torch.empty(0, dtype=torch.int64), torch.empty(0), None, pieces=whole)
+        sentinel = p.shape[0]
+        if path is Path.NO_DEDUP:
+            ids, rows = drop_sentinel(ids, rows, sentinel)
+        else:
+            ids, rows = coalesce_rows(ids, rows, sentinel)
+        if k:
+            rows = rows / k
+        if path is Path.DENSE:  # a non-lazy table: every row updates, with g = 0 where not looked up
+            g = torch.zeros_like(p).index_add_(0, ids, rows)
+            ids = None
+        else:
+            g = rows
+    if group["clipnorm"]:
+        g = clip_by_norm(g, group["clipnorm"])
+    return work(ids, g, gate)
+
+
+def _accumulate_dense(
+    state: dict[str, Tensor], g: Tensor, k: int, device: torch.device, clock: StepClock
+) -> tuple[Tensor, Tensor | None] | None:
+    """Keras accumulation for a dense gradient: ``None`` on accumulate-only calls (eager)."""
+    acc = state["accumulated_gradients"]
+    total = acc + g
+    if is_static_device(device):
+        # One graph for every call: the update runs always and is kept only on the k-th call.
+        gate = torch.remainder(clock.on(device) + 1, k) == 0
+        acc.copy_(torch.where(gate, torch.zeros_like(total), total))
+        return total / k, gate
+    if (clock.iterations + 1) % k:
+        acc.copy_(total)
+        return None
+    acc.zero_()
+    return total / k, None
+
+
+def _accumulate_rows(
+    state: dict[str, Tensor], ids: Tensor | None, rows: Tensor | None, k: int, p: Tensor, clock: StepClock
+) -> tuple[Tensor, Tensor, Tensor | None] | None:
+    """Keras accumulation for a table: a ``[k, capacity]`` buffer of (ids, rows), one slot per call.
+
+    Call ``i`` writes slot ``i % k`` (a call without lookups writes padding), so every slot is
+    rewritten each cycle and the buffer never needs clearing; the k-th call updates from all
+    slots. Capacity grows to the largest chunk seen; in a steady loop the shapes are static.
+    """
+    sentinel, dim = p.shape[0], p.shape[1]
+    n = 0 if ids is None else ids.numel()
+    buf_ids, buf_rows = state.get("acc_ids"), state.get("acc_rows")
+    if buf_ids is None or buf_rows is None or buf_ids.shape[1] < n:
+        cap = max(n, 0 if buf_ids is None else buf_ids.shape[1])
+        # Built on the host and transferred: device data, not graph constants, on XLA.
+        new_ids = torch.full((k, cap), sentinel, dtype=torch.int64)
+        new_rows = torch.zeros((k, cap, dim), dtype=p.dtype)
+        if buf_ids is not None and buf_rows is not None:
+            old = buf_ids.shape[1]
+            new_ids, new_rows = new_ids.to(p.device), new_rows.to(p.device)
+            new_ids[:, :old] = buf_ids
+            new_rows[:, :old] = buf_rows
+        buf_ids, buf_rows = new_ids.to(p.device), new_rows.to(p.device)
+        if p.device.type == "xla":
+            from torch_tpu_embedding.xla.sharding import shard_slot
+
+            shard_slot(p, buf_ids, rows=False)
+            shard_slot(p, buf_rows, rows=False)
+        state["acc_ids"], state["acc_rows"] = buf_ids, buf_rows
+    cap = buf_ids.shape[1]
+    chunk_ids = torch.full((cap,), sentinel, dtype=torch.int64, device=p.device)
+    chunk_rows = torch.zeros((cap, dim), dtype=p.dtype, device=p.device)
+    if ids is not None and rows is not None and n:
+        chunk_ids = torch.cat([ids.to(torch.int64), chunk_ids[n:]])
+        chunk_rows = torch.cat([rows, chunk_rows[n:]])
+    if is_static_device(p.device):
+        it = clock.on(p.device)
+        at = torch.remainder(it, k).reshape(1)
+        buf_ids.index_copy_(0, at, chunk_ids[None])
+        buf_rows.index_copy_(0, at, chunk_rows[None])
+        gate = torch.remainder(it + 1, k) == 0
+        return buf_ids.reshape(-1), buf_rows.reshape(-1, dim), gate
+    buf_ids[clock.iterations % k] = chunk_ids
+    buf_rows[clock.iterations % k] = chunk_rows
+    if (clock.iterations + 1) % k:
+        return None
+    return buf_ids.reshape(-1), buf_rows.reshape(-1, dim), None
+
+
+def global_clip_scales(work: list[Work]) -> dict[torch.device, Tensor]:
+    """Keras ``global_clipnorm``: one norm over every gradient of the groups that set it."""
+    clipped = [w for w in work if w.group["global_clipnorm"]]
+    if not clipped:
+        return {}
+    dev = clipped[0].g.device
+    sq = torch.zeros((), dtype=torch.float64 if clipped[0].g.dtype == torch.float64 else torch.float32, device=dev)
+    for w in clipped:
+        part = (w.g * w.g).sum().to(device=dev, dtype=sq.dtype)
+        sq = sq + (part if w.gate is None else torch.where(w.gate.to(dev), part, torch.zeros_like(part)))
+    c = float(clipped[0].group["global_clipnorm"])
+    scale = global_norm_scale(sq, c)
+    return {w.g.device: scale.to(w.g.device) for w in clipped}
+
+
+def gate_nonfinite(work: list[Work]) -> Tensor | None:
+    """``skip_nonfinite``: keep every update of this call only if all checked gradients are finite.
+
+    Folds the test into each checked item's gate; returns the call's ``finite`` flag (``None`` when no
+    group checks).
+    """
+    checked = [w for w in work if w.group["skip_nonfinite"]]
+    if not checked:
+        return None
+    dev = checked[0].g.device
+    finite = torch.ones((), dtype=torch.bool, device=dev)
+    for w in checked:
+        finite = finite & torch.isfinite(w.g).all().to(dev)
+    for w in checked:
+        ok = finite.to(w.g.device)
+        w.gate = ok if w.gate is None else w.gate & ok
+    return finite

@@ -1,0 +1,201 @@
+"""Which update path a parameter takes this step, and the paths themselves.
+
+Every path runs the same pipeline around the optimizer's pure rule (:func:`pipeline`); they differ
+only in which rows they hand it and how the results are written back:
+
+====================  ==========================================================================
+``DENSE``             every row: dense parameters, and tables of non-lazy optimizers (``g = 0``
+                      where a row was not looked up; O(V·D), as TF's non-lazy Adam)
+``ADDITIVE``          eager, the rule is additive (SGD) and no option needs the summed rows:
+                      ``rule(0, g)`` is added per looked-up id with ``index_add_`` — no dedup,
+                      gather or scatter
+``NO_DEDUP``          ``use_gradient_accumulation=False``: every contribution updates from the same
+                      old rows and the changes are added (exact for SGD, an approximation otherwise)
+``ROWS``              duplicates summed, the touched rows in one pass: XLA (one static-shape
+                      graph) and rules with statistics over rows (Adafactor)
+``ROW_CHUNKS``        eager with a per-row rule: the touched rows in cache-sized chunks
+====================  ==========================================================================
+
+:func:`choose_path` is the one place that decides.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torch_tpu_embedding._rows import drop_sentinel, is_static_device, table_info, unique_ids
+from torch_tpu_embedding.optim._contract import RowContext, Slots, optimizer_class
+from torch_tpu_embedding.optim._slots import logical_rows, rule_slots, specs, without_trash, write_whole
+
+if TYPE_CHECKING:
+    from torch_tpu_embedding.optim._intake import Work
+
+__all__ = ["ROW_CHUNK", "ROW_CHUNK_PARALLEL", "Path", "choose_path", "gated", "pipeline", "update"]
+
+Tensor = torch.Tensor
+
+#: Eager row updates run in chunks of this many rows, and of ``ROW_CHUNK_PARALLEL`` rows with more
+#: than one torch thread: each element-wise op then wakes the thread pool, which costs too much on
+#: chunks this small (measured on 2 cores with ``OMP_WAIT_POLICY=PASSIVE``, LazyAdam at 4 × 81,920
+#: rows × 64: 1 thread 256 ms at 2,048 rows vs 322 ms at 16,384; 2 threads 436–499 ms at 2,048 vs
+#: 217–256 ms at 16,384).
+ROW_CHUNK = 2048
+ROW_CHUNK_PARALLEL = 16384
+
+#: Options that need a row's gradient summed over the batch (or its rows), so no ADDITIVE step.
+_NEEDS_SUMMED_ROWS = ("clipvalue", "weight_decay_factor", "clip_weight_min", "clip_weight_max", "use_ema",
+                      "clipnorm", "global_clipnorm", "skip_nonfinite")
+
+
+class Path(enum.Enum):
+    """How a parameter's update runs (see the module docstring)."""
+
+    DENSE = "dense"
+    ADDITIVE = "additive"
+    NO_DEDUP = "no_dedup"
+    ROWS = "rows"
+    ROW_CHUNKS = "row_chunks"
+
+
+def choose_path(p: Tensor, group: Mapping[str, Any], *, row_grad: bool) -> Path:
+    """The path of parameter ``p`` in ``group``; ``row_grad``: its gradient arrives as rows (a table,
+    or a sparse COO ``.grad``) rather than as a dense ``.grad``."""
+    cls = optimizer_class(group["algorithm"])
+    if not row_grad or not cls.is_lazy(group):
+        return Path.DENSE
+    static = is_static_device(p.device)
+    if cls.additive and not static and not any(group.get(k) not in (None, False, 0) for k in _NEEDS_SUMMED_ROWS):
+        return Path.ADDITIVE
+    if not group["use_gradient_accumulation"]:
+        return Path.NO_DEDUP
+    per_row = all(spec.rows for spec in cls.slot_specs(tuple(p.shape), group, True).values())
+    return Path.ROWS if static or not per_row else Path.ROW_CHUNKS
+
+
+def row_chunk() -> int:
+    return ROW_CHUNK if torch.get_num_threads() == 1 else ROW_CHUNK_PARALLEL
+
+
+def gated(gate: Tensor | None, new: Tensor, old: Tensor) -> Tensor:
+    """``new`` where the update is kept (``gate`` True or absent), else ``old``."""
+    return new if gate is None else torch.where(gate, new, old)
+
+
+def pipeline(
+    w: Tensor, g: Tensor, slots: Slots, lr: Tensor, step: Tensor, group: Mapping[str, Any], ctx: RowContext
+) -> tuple[Tensor, Slots]:
+    """clipvalue → decoupled weight decay → the rule → weight clipping (TF's order)."""
+    clip = group["clipvalue"]
+    if clip is not None:
+        g = g.clamp(min=clip[0], max=clip[1])
+    wd = group.get("weight_decay_factor")
+    if wd:
+        decay = lr * wd if group.get("multiply_weight_decay_factor_by_learning_rate") else wd
+        w = w - decay * w
+    w, slots = optimizer_class(group["algorithm"]).rule(w, g, slots, lr, step, group, ctx)
+    lo, hi = group.get("clip_weight_min"), group.get("clip_weight_max")
+    if lo is not None or hi is not None:
+        w = w.clamp(min=lo, max=hi)
+    return w, slots
+
+
+def update(item: Work) -> None:
+    """Apply ``item``'s update along its path (EMA of touched rows included; see :mod:`._ema`)."""
+    if item.path is Path.DENSE:
+        _update_dense(item)
+    elif item.path is Path.ADDITIVE:
+        _update_additive(item)
+    else:
+        ids = item.ids
+        assert ids is not None
+        chunk = row_chunk()
+        if item.path is not Path.ROW_CHUNKS or ids.shape[0] <= chunk:
+            _update_row_chunk(item, ids, item.g)
+            return
+        # Cache-sized chunks: the rule's ~10 element-wise passes run over temporaries that stay in
+        # cache instead of over [U, D] arrays (Adam's rule ran 3.2× faster at 100k rows × 64).
+        for start in range(0, ids.shape[0], chunk):
+            _update_row_chunk(item, ids[start : start + chunk], item.g[start : start + chunk])
+
+
+def _update_dense(item: Work) -> None:
+    p, group, state, gate = item.p, item.group, item.state, item.gate
+    all_specs = specs(p, group)
+    n = p.shape[0] if p.dim() else 1
+    names = rule_slots(p, group)
+    # Without the trash rows of a (non-lazy) table's slots.
+    slots = {k: without_trash(state[k], n) if all_specs[k].rows and p.dim() else state[k] for k in names}
+    info = table_info(p)
+    ctx = RowContext(mask=None, count=None, num_rows=n if info is None else info.num_embeddings)
+    step = state["step"] + 1
+    w, new = pipeline(p, item.g, slots, item.lr, step, group, ctx)
+    for k in names:
+        write_whole(state[k], gated(gate, new[k].to(slots[k].dtype), slots[k]))
+    state["step"].copy_(gated(gate, step, state["step"]))
+    p.copy_(gated(gate, w, p))
+
+
+def _update_additive(item: Work) -> None:
+    """``p += rule(0, g)`` per looked-up id, the gradient multiplied out a chunk at a time."""
+    p, group, state, pieces = item.p, item.group, item.state, item.pieces
+    assert pieces is not None
+    step = state["step"] + 1
+    ctx = RowContext(mask=None, count=None, num_rows=logical_rows(p))
+    zero = torch.zeros((), dtype=p.dtype, device=p.device)
+    rule = optimizer_class(group["algorithm"]).rule
+    for _, part_ids, part in pieces.pieces(row_chunk()):
+        part = part.to(p.dtype) if item.divisor is None else part.to(p.dtype) / item.divisor
+        part_ids, part = drop_sentinel(part_ids, part, p.shape[0])
+        delta, _ = rule(zero, part, {}, item.lr, step, group, ctx)
+        p.index_add_(0, part_ids, delta.to(p.dtype))
+    state["step"].copy_(step)
+
+
+def _update_row_chunk(item: Work, ids: Tensor, g: Tensor) -> None:
+    """Gather the rows ``ids`` (and their slots), run the pipeline, write them back."""
+    from torch_tpu_embedding.optim._ema import ema_rows
+
+    p, group, state, gate = item.p, item.group, item.state, item.gate
+    all_specs = specs(p, group)
+    sentinel = p.shape[0]
+    dedup = item.path is not Path.NO_DEDUP
+    # On XLA the sentinel tail is clamped for the gather and dropped by the scatter.
+    at = ids.clamp(max=sentinel - 1)
+    w0 = p.index_select(0, at)
+    names = rule_slots(p, group)
+    row_slots = [k for k in names if all_specs[k].rows]
+    slots = {k: state[k].index_select(0, at) if k in row_slots else state[k] for k in names}
+    mask = ids < sentinel
+    info = table_info(p)
+    ctx = RowContext(mask=mask, count=mask.sum(), num_rows=sentinel if info is None else info.num_embeddings)
+    ema = group["use_ema"]
+    if ema and not dedup:  # ids repeat: the average needs each row once
+        ema_ids = unique_ids(ids, sentinel)
+        ema_w0 = p.index_select(0, ema_ids.clamp(max=sentinel - 1))
+    step = item.step_now if item.step_now is not None else state["step"] + 1
+    w, new = pipeline(w0, g, slots, item.lr, step, group, ctx)
+    w = gated(gate, w, w0)
+    new = {k: gated(gate, new[k].to(slots[k].dtype), slots[k]) for k in names}
+    if item.step_now is None:  # the first chunk counts the step; later chunks use the same count
+        item.step_now = step
+        state["step"].copy_(gated(gate, step, state["step"]))
+    for k in names:
+        if k not in row_slots:
+            state[k].copy_(new[k])
+        elif dedup:  # ids are unique: write the rows
+            state[k].index_copy_(0, ids, new[k])
+        else:  # ids repeat: add the changes
+            state[k].index_add_(0, ids, new[k] - slots[k])
+    if dedup:
+        p.index_copy_(0, ids, w)
+    else:
+        p.index_add_(0, ids, w - w0)
+    if ema:
+        if dedup:
+            ema_rows(item, ids, w0, w)
+        else:
+            ema_rows(item, ema_ids, ema_w0, p.index_select(0, ema_ids.clamp(max=sentinel - 1)))

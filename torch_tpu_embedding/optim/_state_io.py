@@ -1,0 +1,305 @@
+"""Optimizer state in and out: ``state_dict`` / ``load_state_dict`` and the distributed-checkpoint form.
+
+Saved state is *logical*: keyed by table name (``table:<name>``; dense parameters ``param:<name or
+index>``), row slots cut to the table's ``num_embeddings`` (no padding or trash rows), and a fused
+group's state split per table, so it moves between CPU, one XLA device, any sharded layout, and
+fused or unfused collections. Pending accumulation-buffer ids that are padding are saved as ``-1``.
+
+:class:`PhysicalState` is the same state as it lives on the device (for ``torch.distributed.
+checkpoint``, which writes each device's shards); its small remainder is restored by
+:func:`load_physical_rest`. Both loads check the saved groups the same way (:func:`_check_groups`)
+and write hyper-parameters and pending buffers the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torch_tpu_embedding._fused import Members, merge_member_state, split_member_state
+from torch_tpu_embedding._rows import table_info
+from torch_tpu_embedding.optim._device import to_device
+from torch_tpu_embedding.optim._slots import (
+    ACCUMULATION,
+    from_saved_ids,
+    logical_rows,
+    specs,
+    to_saved_ids,
+    write_whole,
+)
+
+if TYPE_CHECKING:
+    from torch_tpu_embedding.optim._base import RowSparseOptimizer
+
+__all__ = ["PhysicalState", "load_physical_rest", "load_state_dict", "param_keys", "physical_state", "state_dict"]
+
+Tensor = torch.Tensor
+
+
+@dataclasses.dataclass
+class PhysicalState:
+    """An optimizer's state as it is on the device (for distributed checkpoints).
+
+    ``tensors["<key>/<slot>"]`` is the slot itself (sharded, with trash and padding rows) and
+    ``logical_rows`` the same key's rows in :func:`state_dict` (``None``: saved whole). The rest is
+    small and on the host: hyper-parameters (``param_groups`` as :func:`state_dict` saves them), the
+    call counter, pending accumulation buffers by key, and each fused group's tables by key.
+    """
+
+    tensors: dict[str, Tensor]
+    logical_rows: dict[str, int | None]
+    param_groups: list[dict[str, Any]]
+    iterations: int
+    accumulation: dict[str, dict[str, Tensor]]
+    members: dict[str, Members]
+
+    def rest(self) -> dict[str, Any]:
+        """What a distributed checkpoint stores beside the tensors (read back by :func:`load_physical_rest`)."""
+        return {"param_groups": self.param_groups, "iterations": self.iterations, "acc": self.accumulation}
+
+
+def param_keys(opt: RowSparseOptimizer) -> dict[int, str]:
+    """Stable names by ``id(param)``: ``table:<name>`` for tables, else the given name or ``param:<i>``."""
+    keys: dict[int, str] = {}
+    i = 0
+    for group in opt.param_groups:
+        names = group.get("param_names")
+        for j, p in enumerate(group["params"]):
+            info = table_info(p)
+            if info is not None:
+                keys[id(p)] = f"table:{info.name}"
+            elif names is not None:
+                keys[id(p)] = f"param:{names[j]}"
+            else:
+                keys[id(p)] = f"param:{i}"
+            i += 1
+    return keys
+
+
+def _members(p: Tensor) -> Members | None:
+    info = table_info(p)
+    return None if info is None else info.members
+
+
+def _logical_keys(p: Tensor, key: str, rows: int) -> list[tuple[str, int]]:
+    """``p``'s keys in :func:`state_dict` with their logical rows (``p``'s ``key`` and ``rows``, or one
+    per table of a fused group)."""
+    members = _members(p)
+    return [(key, rows)] if members is None else [(f"table:{name}", n) for name, _, n in members]
+
+
+def _groups_by_param(opt: RowSparseOptimizer) -> dict[int, dict[str, Any]]:
+    return {id(p): g for g in opt.param_groups for p in g["params"]}
+
+
+def _saved_groups(opt: RowSparseOptimizer, keys: Mapping[int, str]) -> list[dict[str, Any]]:
+    """The parameter groups as saved: hyper-parameters (not callables) and the params' logical keys."""
+    groups = []
+    for group in opt.param_groups:
+        saved = {
+            k: v
+            for k, v in group.items()
+            if k not in ("params", "slot_creation_fn") and not (callable(v) and not isinstance(v, Tensor))
+        }
+        saved["params"] = [k for p in group["params"] for k, _ in _logical_keys(p, keys[id(p)], 0)]
+        groups.append(saved)
+    return groups
+
+
+def state_dict(opt: RowSparseOptimizer) -> dict[str, Any]:
+    """See :meth:`RowSparseOptimizer.state_dict`."""
+    keys = param_keys(opt)
+    group_of = _groups_by_param(opt)
+    state: dict[str, Any] = {}
+    for p, s in opt.state.items():
+        if id(p) not in keys:
+            continue
+        all_specs = specs(p, group_of[id(p)])
+        n = logical_rows(p)
+        out: dict[str, Tensor] = {}
+        for name, v in s.items():
+            if name == "acc_ids":
+                out[name] = to_saved_ids(v, n)
+            elif name in all_specs and all_specs[name].rows and v.dim():
+                out[name] = v[:n]
+            else:
+                out[name] = v
+        members = _members(p)
+        if members is None:
+            state[keys[id(p)]] = out
+            continue
+        row_slots = [k for k, spec in all_specs.items() if spec.rows and spec.shape]
+        parts = split_member_state(out, members, row_slots)
+        state.update({f"table:{name}": part for name, part in parts.items()})
+    return {"state": state, "param_groups": _saved_groups(opt, keys), "iterations": opt._iterations,
+            "skipped_steps": opt.skipped_steps}
+
+
+def physical_state(opt: RowSparseOptimizer) -> PhysicalState:
+    """See :meth:`RowSparseOptimizer.physical_state`."""
+    keys = param_keys(opt)
+    group_of = _groups_by_param(opt)
+    tensors: dict[str, Tensor] = {}
+    rows: dict[str, int | None] = {}
+    acc: dict[str, dict[str, Tensor]] = {}
+    for p, s in opt.state.items():
+        key = keys[id(p)]
+        all_specs = specs(p, group_of[id(p)])
+        n = logical_rows(p)
+        for name, v in s.items():
+            if name in ACCUMULATION:
+                small = to_saved_ids(v, n) if name == "acc_ids" else v
+                acc.setdefault(key, {})[name] = small.detach().cpu()
+                continue
+            tensors[f"{key}/{name}"] = v
+            rows[f"{key}/{name}"] = n if name in all_specs and all_specs[name].rows and v.dim() else None
+    members = {keys[id(p)]: m for p in opt.state if (m := _members(p)) is not None}
+    return PhysicalState(tensors, rows, _saved_groups(opt, keys), opt._iterations, acc, members)
+
+
+def _check_groups(opt: RowSparseOptimizer, saved: list[dict[str, Any]], keys: Mapping[int, str] | None) -> list[str]:
+    """Problems between saved parameter groups and ours: count, optimizer, and (given ``keys``) params."""
+    problems: list[str] = []
+    if len(saved) != len(opt.param_groups):
+        problems.append(f"{len(saved)} parameter groups saved, {len(opt.param_groups)} here")
+    for i, (sg, g) in enumerate(zip(saved, opt.param_groups, strict=False)):
+        if keys is not None:
+            mine = [k for p in g["params"] for k, _ in _logical_keys(p, keys[id(p)], 0)]
+            if sorted(sg["params"]) != sorted(mine):
+                missing = sorted(set(mine) - set(sg["params"]))
+                extra = sorted(set(sg["params"]) - set(mine))
+                problems.append(f"group {i}: missing {missing}, unexpected {extra}")
+        if sg.get("algorithm") != g["algorithm"]:
+            problems.append(f"group {i}: saved by optimizer '{sg.get('algorithm')}', loading into '{g['algorithm']}'")
+    return problems
+
+
+def _apply_groups(opt: RowSparseOptimizer, saved: list[dict[str, Any]]) -> None:
+    """Saved hyper-parameters into our groups (our callables — a callable ``lr`` — are kept)."""
+    for sg, g in zip(saved, opt.param_groups, strict=True):
+        for k, v in sg.items():
+            if k != "params" and not (callable(g.get(k)) and not isinstance(g.get(k), Tensor)):
+                g[k] = v
+
+
+def _restore_accumulation(state: dict[str, Tensor], bufs: Mapping[str, Tensor], p: Tensor) -> None:
+    for name, v in bufs.items():
+        v = v.detach()
+        if name == "acc_ids":
+            state[name] = to_device(from_saved_ids(v, p.shape[0]), p.device)
+        else:
+            state[name] = to_device(v.to(dtype=p.dtype), p.device)
+
+
+def _saved_group_of(saved_groups: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """The saved hyper-parameters of the group holding ``key`` (to know which slots it saved)."""
+    for sg in saved_groups:
+        if key in sg["params"]:
+            return {k: v for k, v in sg.items() if k != "params"}
+    return {}
+
+
+def _merged_state(
+    opt: RowSparseOptimizer, saved: Mapping[str, Mapping[str, Tensor]], by_key: Mapping[str, Tensor],
+    keys: Mapping[int, str],
+) -> dict[str, Mapping[str, Tensor]]:
+    """Saved state by physical key: the per-table entries of a fused group's tables stacked."""
+    out: dict[str, Mapping[str, Tensor]] = {}
+    fused: dict[int, dict[str, Mapping[str, Tensor]]] = {}
+    for key, s in saved.items():
+        p = by_key[key]
+        if _members(p) is None:
+            out[key] = s
+        else:
+            fused.setdefault(id(p), {})[key[len("table:"):]] = s
+    params = {id(p): p for p in by_key.values()}
+    for pid, parts in fused.items():
+        p = params[pid]
+        members = _members(p)
+        assert members is not None
+        group = opt._group_of(p)
+        state = opt._state_for(p, group)
+        all_specs = specs(p, group)
+
+        def current(slot: str, off: int, n: int, state: dict[str, Tensor] = state) -> Tensor:
+            return state[slot][off : off + n]
+
+        row_slots = [k for k, spec in all_specs.items() if spec.rows and spec.shape]
+        out[keys[pid]] = merge_member_state(parts, members, row_slots, current)
+    return out
+
+
+def load_state_dict(opt: RowSparseOptimizer, sd: dict[str, Any]) -> None:
+    """See :meth:`RowSparseOptimizer.load_state_dict`."""
+    keys = param_keys(opt)
+    # Logical keys: a fused group answers to each of its tables' keys, with that table's rows.
+    by_key: dict[str, Tensor] = {}
+    rows_of: dict[str, int] = {}
+    for g in opt.param_groups:
+        for p in g["params"]:
+            for key, n in _logical_keys(p, keys[id(p)], logical_rows(p)):
+                by_key[key], rows_of[key] = p, n
+    group_of = _groups_by_param(opt)
+    saved_groups = sd["param_groups"]
+    problems = _check_groups(opt, saved_groups, keys)
+    for key, s in sd["state"].items():
+        p = by_key.get(key)
+        if p is None:
+            continue  # reported above through the groups
+        all_specs = specs(p, {**group_of[id(p)], **_saved_group_of(saved_groups, key)})
+        n = rows_of[key]
+        for name, v in s.items():
+            if name in ("step", *ACCUMULATION):
+                continue
+            spec = all_specs.get(name)
+            if spec is None:
+                problems.append(f"{key}: unexpected slot '{name}' (expected {sorted(all_specs)})")
+                continue
+            want = (n, *spec.shape[1:]) if spec.rows and spec.shape else spec.shape
+            if tuple(v.shape) != tuple(want):
+                problems.append(f"{key}: slot '{name}' has shape {tuple(v.shape)}, expected {tuple(want)}")
+    if problems:
+        raise ValueError("Optimizer state does not match: " + "; ".join(problems))
+    opt.state.clear()
+    _apply_groups(opt, saved_groups)
+    physical = {keys[id(p)]: p for g in opt.param_groups for p in g["params"]}
+    for key, s in _merged_state(opt, sd["state"], by_key, keys).items():
+        p = physical[key]
+        state = opt._state_for(p, group_of[id(p)])
+        all_specs = specs(p, group_of[id(p)])
+        _restore_accumulation(state, {k: v for k, v in s.items() if k in ACCUMULATION}, p)
+        for name, v in s.items():
+            v = v.detach()
+            # Whole-tensor writes into the slots made by _state_for: they keep their layout
+            # (SPMD sharding, trash and padding rows); 0-d values arrive as device data.
+            if name == "step":
+                state[name].copy_(to_device(v.to(torch.float32), p.device))
+            elif name in ACCUMULATION:
+                continue
+            elif all_specs[name].rows and v.dim():
+                write_whole(state[name], to_device(v.to(state[name].dtype), p.device))
+            else:
+                state[name].copy_(to_device(v.to(state[name].dtype), p.device))
+    opt._iterations = int(sd.get("iterations", 0))
+    skipped = int(sd.get("skipped_steps", 0))
+    opt._skipped = torch.tensor(skipped, dtype=torch.int64) if skipped else None
+    opt._lrs.clear()
+
+
+def load_physical_rest(opt: RowSparseOptimizer, rest: Mapping[str, Any]) -> None:
+    """See :meth:`RowSparseOptimizer.load_physical_rest`."""
+    keys = param_keys(opt)
+    by_key = {keys[id(p)]: p for g in opt.param_groups for p in g["params"]}
+    saved = rest["param_groups"]
+    problems = _check_groups(opt, saved, None)
+    if problems:
+        raise ValueError("Optimizer state does not match: " + "; ".join(problems))
+    _apply_groups(opt, saved)
+    opt._iterations = int(rest["iterations"])
+    for key, bufs in rest["acc"].items():
+        p = by_key[key]
+        _restore_accumulation(opt.state[p], bufs, p)
+    opt._lrs.clear()

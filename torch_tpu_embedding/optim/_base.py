@@ -161,20 +161,19 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():  # type: ignore[no-untyped-call]
                 loss = closure()
         clock = StepClock(self._iterations)
+        pending = [[p for p in g["params"] if _intake.has_gradient(p, g, self.state.get(p))] for g in self.param_groups]
+        # Every learning rate first: a callable that raises must find every gradient still pending.
+        lrs = [lr_value(g) if ps else None for g, ps in zip(self.param_groups, pending, strict=True)]
         work: list[_intake.Work] = []
-        for gi, group in enumerate(self.param_groups):
-            lr: float | Tensor | None = None
-            for p in group["params"]:
-                if not _intake.has_gradient(p, group, self.state.get(p)):
-                    continue
-                info = table_info(p)
-                path = choose_path(p, group, row_grad=info is not None or bool(p.grad is not None and p.grad.is_sparse))
+        for gi, (group, params) in enumerate(zip(self.param_groups, pending, strict=True)):
+            for p in params:
+                path = choose_path(p, group, row_grad=_intake.arrives_as_rows(p))
                 taken = _intake.take(p, group, path)
                 item = _intake.prepare(p, group, self._state_for(p, group), taken, path, clock)
                 if item is None:
                     continue
-                if lr is None:
-                    lr = lr_value(group)
+                lr = lrs[gi]
+                assert lr is not None
                 item.lr = self._lrs.tensor(gi, lr, p)
                 work.append(item)
         scale = _intake.global_clip_scales(work)

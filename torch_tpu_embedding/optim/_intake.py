@@ -21,7 +21,9 @@ from torch_tpu_embedding.optim._device import StepClock
 from torch_tpu_embedding.optim._extras import clip_by_norm, global_norm_scale
 from torch_tpu_embedding.optim._paths import Path
 
-__all__ = ["Taken", "Work", "gate_nonfinite", "global_clip_scales", "has_gradient", "prepare", "take"]
+__all__ = [
+    "Taken", "Work", "arrives_as_rows", "gate_nonfinite", "global_clip_scales", "has_gradient", "prepare", "take",
+]
 
 Tensor = torch.Tensor
 
@@ -52,6 +54,11 @@ class Work:
     step_now: Tensor | None = None  # this call's step count, once the first row chunk has set it
     pieces: RowGrad | None = None  # ADDITIVE: the row gradient, added per id piece by piece
     divisor: float | None = None  # loss_scale_factor, applied to the pieces
+
+
+def arrives_as_rows(p: Tensor) -> bool:
+    """``p``'s gradient comes as rows: a table's, or a sparse COO ``.grad``."""
+    return table_info(p) is not None or bool(p.grad is not None and p.grad.is_sparse)
 
 
 def has_gradient(p: Tensor, group: dict[str, Any], state: dict[str, Tensor] | None) -> bool:

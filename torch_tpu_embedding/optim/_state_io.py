@@ -61,8 +61,13 @@ class PhysicalState:
         return {"param_groups": self.param_groups, "iterations": self.iterations, "acc": self.accumulation}
 
 
-def param_keys(opt: RowSparseOptimizer) -> dict[int, str]:
-    """Stable names by ``id(param)``: ``table:<name>`` for tables, else the given name or ``param:<i>``."""
+def param_keys(opt: RowSparseOptimizer, *, group_as_one: bool = False) -> dict[int, str]:
+    """Stable names by ``id(param)``: ``table:<name>`` for tables, else the given name or ``param:<i>``.
+
+    ``i`` counts parameters in group order with a fused group counted as its tables, so a dense
+    parameter keeps its key whether the tables beside it are fused or not (``group_as_one``: as
+    checkpoints written before 2026-11-23 numbered them, a fused group counted once).
+    """
     keys: dict[int, str] = {}
     i = 0
     for group in opt.param_groups:
@@ -75,8 +80,20 @@ def param_keys(opt: RowSparseOptimizer) -> dict[int, str]:
                 keys[id(p)] = f"param:{names[j]}"
             else:
                 keys[id(p)] = f"param:{i}"
-            i += 1
+            i += 1 if info is None or info.members is None or group_as_one else len(info.members)
     return keys
+
+
+def _renumbered(opt: RowSparseOptimizer, sd: dict[str, Any], keys: Mapping[int, str]) -> dict[str, Any]:
+    """``sd`` with dense parameters keyed as :func:`param_keys` numbers them today, if it was saved with
+    the older numbering (a fused group counted once); otherwise ``sd`` itself."""
+    old = param_keys(opt, group_as_one=True)
+    rename = {old[pid]: new for pid, new in keys.items() if old[pid] != new}
+    saved = {k for g in sd["param_groups"] for k in g["params"]}
+    if not rename or not set(rename) <= saved or saved & (set(rename.values()) - set(rename)):
+        return sd
+    groups = [{**g, "params": [rename.get(k, k) for k in g["params"]]} for g in sd["param_groups"]]
+    return {**sd, "state": {rename.get(k, k): v for k, v in sd["state"].items()}, "param_groups": groups}
 
 
 def _members(p: Tensor) -> Members | None:
@@ -235,6 +252,7 @@ def _merged_state(
 def load_state_dict(opt: RowSparseOptimizer, sd: dict[str, Any]) -> None:
     """See :meth:`RowSparseOptimizer.load_state_dict`."""
     keys = param_keys(opt)
+    sd = _renumbered(opt, sd, keys)
     # Logical keys: a fused group answers to each of its tables' keys, with that table's rows.
     by_key: dict[str, Tensor] = {}
     rows_of: dict[str, int] = {}

@@ -179,7 +179,8 @@ def test_bfloat16_row_statistic_trains_close_to_float32() -> None:
     "kwargs, match",
     [
         ({"beta_2_decay": 0.5}, "Argument `beta_2_decay` must be a finite number and <= 0.0. Received: 0.5"),
-        ({"epsilon_1": -1.0}, "Argument `epsilon_1` must be a finite number and >= 0.0. Received: -1.0"),
+        ({"epsilon_1": -1.0}, "Argument `epsilon_1` must be a finite number and > 0.0. Received: -1.0"),
+        ({"epsilon_1": 0.0}, "Argument `epsilon_1` must be a finite number and > 0.0. Received: 0.0"),
         ({"epsilon_2": -1.0}, "Argument `epsilon_2` must be a finite number and >= 0.0"),
         ({"clip_threshold": 0.0}, "Argument `clip_threshold` must be a finite number and > 0.0. Received: 0.0"),
         ({"relative_step": "yes"}, "Argument `relative_step` must be a boolean. Received: 'yes'"),

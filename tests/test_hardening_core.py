@@ -95,3 +95,90 @@ def test_state_moves_between_fused_and_unfused_with_dense_parameters(fused_first
     for (k, v), w in zip(ec.state_dict().items(), ec2.state_dict().values(), strict=True):
         assert torch.equal(v, w), k
     assert torch.equal(head.weight, head2.weight)
+
+
+# ------------------------------------------------------------------ item 10: values that must be refused
+BAD_VALUES = [
+    ("tensor-lr-nan", O.SGD, {"lr": torch.tensor(float("nan"))}, r"Argument `lr` must be a finite number and >= 0.0. Received: nan"),
+    ("tensor-lr-negative", O.Adam, {"lr": torch.tensor(-0.5)}, r"Argument `lr` .* >= 0.0. Received: -0.5"),
+    ("tensor-lr-inf", O.Adagrad, {"lr": torch.tensor(float("inf"))}, r"Argument `lr` .* Received: inf"),
+    ("adagrad-init-inf", O.Adagrad, {"initial_accumulator_value": float("inf")},
+     r"Argument `initial_accumulator_value` must be a positive float. Received: inf"),
+    ("ftrl-init-inf", O.FTRL, {"initial_accumulator_value": float("inf")},
+     r"Argument `initial_accumulator_value` must be a positive float. Received: inf"),
+    ("adam-eps-square-underflows", O.Adam, {"eps": 1e-30},
+     r"Argument `eps` must have a square that is > 0 in float32 .* Received: 1e-30"),
+    ("adafactor-epsilon1-zero", O.Adafactor, {"epsilon_1": 0.0}, r"Argument `epsilon_1` .* > 0.0. Received: 0.0"),
+    ("clipvalue-zero", O.SGD, {"clipvalue": 0.0}, r"Argument `clipvalue` must be a finite number and > 0.0. Received: 0.0"),
+]
+
+
+@pytest.mark.parametrize("cls, kwargs, pattern", [c[1:] for c in BAD_VALUES], ids=[c[0] for c in BAD_VALUES])
+def test_bad_values_are_refused_at_construction(cls: Any, kwargs: dict[str, Any], pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        cls([torch.nn.Parameter(torch.zeros(3, 2))], **kwargs)
+
+
+def test_adam_eps_square_underflow_is_fine_outside_the_sqrt() -> None:
+    O.Adam([torch.nn.Parameter(torch.zeros(3, 2))], eps=1e-30, sum_inside_sqrt=False)
+
+
+def test_numpy_scalar_learning_rates_are_accepted() -> None:
+    import numpy as np
+
+    for lr in (np.float32(0.1), np.float64(0.1), np.int64(1)):
+        p = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+        opt = O.SGD([p], lr=lr)
+        p.grad = torch.ones(2, dtype=torch.float64)
+        opt.step()
+        assert torch.allclose(p.detach(), torch.full((2,), 1 - float(lr), dtype=torch.float64))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1.0, float("inf")], ids=["nan", "negative", "inf"])
+@pytest.mark.parametrize("how", ["callable", "tensor-set-later", "scheduler-like"])
+def test_bad_learning_rate_at_step_changes_nothing(bad: float, how: str) -> None:
+    ec, head = two_tables()
+    lr_t = torch.tensor(0.1, dtype=torch.float64)
+    calls = iter([0.1, bad])
+    lr: Any = {"callable": lambda: next(calls), "tensor-set-later": lr_t, "scheduler-like": 0.1}[how]
+    opt = O.Adagrad([*ec.parameters(), *head.parameters()], lr=lr)
+    forward_backward(ec, head, 0)
+    opt.step()
+    opt.zero_grad()
+    if how == "tensor-set-later":
+        lr_t.fill_(bad)
+    elif how == "scheduler-like":
+        for g in opt.param_groups:
+            g["lr"] = bad
+    forward_backward(ec, head, 1)
+    weights = {k: v.clone() for k, v in ec.state_dict().items()}
+    slots = collect(opt)
+    with pytest.raises(ValueError, match=r"Argument `lr` must be a finite number and >= 0.0"):
+        opt.step()
+    assert all(torch.equal(v, ec.state_dict()[k]) for k, v in weights.items())
+    after = opt.state_dict()
+    for key, s in slots["state"].items():
+        for name, v in s.items():
+            assert torch.equal(v, after["state"][key][name]), (key, name)
+    assert sorted(ec.row_grads()) == ["a", "b"]  # still pending
+
+
+def test_state_dict_with_invalid_hyper_parameters_is_refused_and_nothing_changes() -> None:
+    ec, head = two_tables()
+    opt = O.Adagrad([*ec.parameters(), *head.parameters()], lr=0.1)
+    forward_backward(ec, head, 0)
+    opt.step()
+    sd = opt.state_dict()
+    before = collect(opt)
+    for key, value, pattern in (("lr", -5, r"group 0: Argument `lr` .* Received: -5"),
+                                ("initial_accumulator_value", float("nan"), r"group 0: .*`initial_accumulator_value`"),
+                                ("clipvalue", (2.0, 1.0), r"group 0: .*`clipvalue` must have min <= max")):
+        bad = copy.deepcopy(sd)
+        bad["param_groups"][0][key] = value
+        with pytest.raises(ValueError, match=r"Optimizer state does not match: " + pattern):
+            opt.load_state_dict(bad)
+        after = opt.state_dict()
+        assert after["param_groups"] == before["param_groups"]
+        for k, s in before["state"].items():
+            for name, v in s.items():
+                assert torch.equal(v, after["state"][k][name])

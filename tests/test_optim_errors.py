@@ -23,7 +23,7 @@ CASES = [
      r"When `use_gradient_accumulation` is False, gradient clipping cannot be used"),
     ("adam-clipvalue-tuple-no-accum", O.Adam, {"clipvalue": (None, 1.0), "use_gradient_accumulation": False},
      ValueError, r"`clipvalue` should be left as None. Received value \(None, 1.0\)"),
-    ("sgd-clipvalue-negative", O.SGD, {"clipvalue": -1.0}, ValueError, r"Argument `clipvalue` .* >= 0.0. Received: -1.0"),
+    ("sgd-clipvalue-negative", O.SGD, {"clipvalue": -1.0}, ValueError, r"Argument `clipvalue` .* > 0.0. Received: -1.0"),
     ("sgd-clipvalue-triple", O.SGD, {"clipvalue": (1, 2, 3)}, ValueError, r"`clipvalue` must be a number or a \(min, max\) pair"),
     ("sgd-clipvalue-min-gt-max", O.SGD, {"clipvalue": (2.0, 1.0)}, ValueError, r"`clipvalue` must have min <= max"),
     ("sgd-clip-weight-order", O.SGD, {"clip_weight_min": 1.0, "clip_weight_max": 0.0}, ValueError,

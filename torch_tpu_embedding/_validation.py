@@ -7,6 +7,7 @@ Every message names the argument, states the rule and prints the received value:
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 __all__ = [
@@ -47,8 +48,8 @@ def check_number(
     min_inclusive: bool = True,
     max_inclusive: bool = True,
 ) -> float:
-    """``value`` must be a finite real number within the given bounds."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """``value`` must be a finite real number within the given bounds (numpy scalars included)."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
     if ok and minimum is not None:
         ok = value >= minimum if min_inclusive else value > minimum
     if ok and maximum is not None:

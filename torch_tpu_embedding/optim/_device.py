@@ -8,6 +8,7 @@ so a steady training loop compiles once.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
@@ -25,9 +26,15 @@ def to_device(v: Tensor, device: torch.device) -> Tensor:
 
 
 def lr_value(group: dict[str, Any]) -> float | Tensor:
-    """The group's learning rate for this step (a callable ``lr`` is called)."""
+    """The group's learning rate for this step (a callable ``lr`` is called), checked finite and >= 0
+    on the host (a tensor on an accelerator is not read: that would sync every step)."""
+    from torch_tpu_embedding.optim._hyper import check_lr
+
     lr = group["lr"]
     value: float | Tensor = lr() if callable(lr) and not isinstance(lr, Tensor) else lr
+    if not isinstance(value, Tensor) and not isinstance(value, numbers.Real):
+        raise TypeError(f"The learning rate must be a float or a 0-d tensor. Received: {value!r}")
+    check_lr(value)
     return value
 
 

@@ -19,7 +19,7 @@ from torch_tpu_embedding.optim._contract import optimizer_class
 if TYPE_CHECKING:
     from torch_tpu_embedding.optim._base import RowSparseOptimizer
 
-__all__ = ["check_clipvalue", "check_fused", "param_groups", "validate_common"]
+__all__ = ["check_clipvalue", "check_fused", "check_lr", "param_groups", "validate_common"]
 
 #: Marks the parameter group a table override's own optimizer is built from: that optimizer must
 #: not look for overrides again (the table's config still names the override).
@@ -40,7 +40,8 @@ def check_clipvalue(clipvalue: Any) -> tuple[float | None, float | None] | None:
         if lo is not None and hi is not None and lo > hi:
             raise arg_error("clipvalue", "must have min <= max", clipvalue)
         return (None if lo is None else float(lo), None if hi is None else float(hi))
-    c = check_number("clipvalue", clipvalue, minimum=0.0)
+    # 0 would clip every gradient to 0 (``clipnorm=0`` and Keras's ``clipvalue=0`` mean "off"): refused.
+    c = check_number("clipvalue", clipvalue, minimum=0.0, min_inclusive=False)
     return (-c, c)
 
 
@@ -50,17 +51,17 @@ def validate_common(hp: dict[str, Any]) -> None:
     if isinstance(lr, torch.Tensor):
         if lr.dim() != 0 or not torch.is_floating_point(lr):
             raise arg_error("lr", "must be a float, a 0-d float tensor or a callable", lr)
+        check_lr(lr, on_device=True)  # a device tensor is read once, here; CPU ones at every step
     elif not callable(lr):
         check_number("lr", lr, minimum=0.0)
     check_bool("use_gradient_accumulation", hp["use_gradient_accumulation"])
-    clip = check_clipvalue(hp.get("clipvalue"))
-    if clip is not None and not hp["use_gradient_accumulation"]:
+    if hp.get("clipvalue") is not None and not hp["use_gradient_accumulation"]:
         raise ValueError(
             "When `use_gradient_accumulation` is False, gradient clipping cannot be used and "
             f"`clipvalue` should be left as None. Received value {hp.get('clipvalue')} for "
             "argument `clipvalue`."
         )
-    hp["clipvalue"] = clip
+    hp["clipvalue"] = check_clipvalue(hp.get("clipvalue"))
     lo, hi = hp.get("clip_weight_min"), hp.get("clip_weight_max")
     for name, v in (("clip_weight_min", lo), ("clip_weight_max", hi)):
         if v is not None:
@@ -76,6 +77,18 @@ def validate_common(hp: dict[str, Any]) -> None:
     fn = hp.get("slot_creation_fn")
     if fn is not None and not callable(fn):
         raise arg_error("slot_creation_fn", "must be a callable or None", fn)
+
+
+def check_lr(lr: float | torch.Tensor, on_device: bool = False) -> None:
+    """A learning rate's value must be finite and >= 0. A tensor on an accelerator is read only when
+    ``on_device`` (a device-to-host transfer): done once when it is set, never per step."""
+    if isinstance(lr, torch.Tensor):
+        if lr.device.type != "cpu" and not on_device:
+            return
+        value: Any = float(lr.detach().reshape(()).cpu())
+    else:
+        value = lr
+    check_number("lr", value, minimum=0.0)
 
 
 def check_fused(group: Mapping[str, Any], rule_cls: type[RowSparseOptimizer]) -> None:

@@ -21,7 +21,10 @@ import torch
 
 from torch_tpu_embedding._fused import Members, merge_member_state, split_member_state
 from torch_tpu_embedding._rows import table_info
+from torch_tpu_embedding.optim._contract import optimizer_class
 from torch_tpu_embedding.optim._device import to_device
+from torch_tpu_embedding.optim._extras import EXTRA_DEFAULTS, check_extras
+from torch_tpu_embedding.optim._hyper import validate_common
 from torch_tpu_embedding.optim._slots import (
     ACCUMULATION,
     from_saved_ids,
@@ -191,14 +194,26 @@ def _check_groups(opt: RowSparseOptimizer, saved: list[dict[str, Any]], keys: Ma
                 problems.append(f"group {i}: missing {missing}, unexpected {extra}")
         if sg.get("algorithm") != g["algorithm"]:
             problems.append(f"group {i}: saved by optimizer '{sg.get('algorithm')}', loading into '{g['algorithm']}'")
+            continue
+        merged = {**g, **{k: v for k, v in sg.items() if k != "params" and not _callable(g.get(k))}}
+        try:  # the saved hyper-parameters must pass the constructor's checks
+            check_extras(merged, {k: merged[k] for k in EXTRA_DEFAULTS if k in merged})
+            validate_common(merged)
+            optimizer_class(g["algorithm"])._validate(merged)
+        except (TypeError, ValueError) as e:
+            problems.append(f"group {i}: {e}")
     return problems
+
+
+def _callable(v: Any) -> bool:
+    return callable(v) and not isinstance(v, Tensor)
 
 
 def _apply_groups(opt: RowSparseOptimizer, saved: list[dict[str, Any]]) -> None:
     """Saved hyper-parameters into our groups (our callables — a callable ``lr`` — are kept)."""
     for sg, g in zip(saved, opt.param_groups, strict=True):
         for k, v in sg.items():
-            if k != "params" and not (callable(g.get(k)) and not isinstance(g.get(k), Tensor)):
+            if k != "params" and not _callable(g.get(k)):
                 g[k] = v
 
 

@@ -104,7 +104,7 @@ class Adafactor(RowSparseOptimizer):
         params: parameters or parameter groups (tables and/or dense parameters).
         lr: η (float, 0-d tensor or callable; default 0.001).
         beta_2_decay: exponent of the second-moment decay (<= 0; default -0.8).
-        epsilon_1: added to ``g²`` (>= 0; default 1e-30). epsilon_2: floor of the parameter
+        epsilon_1: added to ``g²`` (> 0; default 1e-30). epsilon_2: floor of the parameter
             scale (>= 0; default 1e-3). clip_threshold: ``d`` (> 0; default 1.0).
         relative_step: cap the step size by ``1/√t`` (default True).
         weight_decay: decoupled ``w ← w − w·wd·lr`` before the update (Keras).
@@ -168,7 +168,8 @@ class Adafactor(RowSparseOptimizer):
     @classmethod
     def _validate(cls, hp: dict[str, Any]) -> None:
         hp["beta_2_decay"] = check_number("beta_2_decay", hp["beta_2_decay"], maximum=0.0)
-        hp["epsilon_1"] = check_number("epsilon_1", hp["epsilon_1"], minimum=0.0)
+        # epsilon_1 = 0 gives 0/0 = NaN in the factored second moment of a row whose gradient is 0.
+        hp["epsilon_1"] = check_number("epsilon_1", hp["epsilon_1"], minimum=0.0, min_inclusive=False)
         hp["epsilon_2"] = check_number("epsilon_2", hp["epsilon_2"], minimum=0.0)
         hp["clip_threshold"] = check_number("clip_threshold", hp["clip_threshold"], minimum=0.0, min_inclusive=False)
         check_bool("relative_step", hp["relative_step"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Iterable, Mapping
 from typing import Any, Unpack
 
@@ -82,7 +84,7 @@ class Adagrad(RowSparseOptimizer):
     @classmethod
     def _validate(cls, hp: dict[str, Any]) -> None:
         v = hp["initial_accumulator_value"]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 < float(v) < math.inf:
             raise arg_error("initial_accumulator_value", "must be a positive float", v)
 
     @classmethod

@@ -109,6 +109,10 @@ class Adam(RowSparseOptimizer):
             check_number(f"betas[{i}]", b, minimum=0.0, maximum=1.0, max_inclusive=False)
         hp["betas"] = (float(betas[0]), float(betas[1]))
         check_number("eps", hp["eps"], minimum=0.0, min_inclusive=False)
+        if hp["sum_inside_sqrt"] and not float(torch.tensor(hp["eps"], dtype=torch.float32) ** 2) > 0:
+            # sqrt(v + eps²) would be 0 for a row whose gradient is 0: the update 0/0 is NaN.
+            raise arg_error("eps", "must have a square that is > 0 in float32 (eps >= 4e-23) when "
+                            "`sum_inside_sqrt=True`", hp["eps"])
         for name in ("lazy_adam", "sum_inside_sqrt", "bias_correction"):
             check_bool(name, hp[name])
         if not hp["lazy_adam"] and not hp["use_gradient_accumulation"]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Iterable, Mapping
 from typing import Any, Unpack
 
@@ -123,7 +125,7 @@ class FTRL(RowSparseOptimizer):
         check_bool("multiply_linear_by_learning_rate", hp["multiply_linear_by_learning_rate"])
         check_bool("allow_zero_accumulator", hp["allow_zero_accumulator"])
         v = hp["initial_accumulator_value"]
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
         if hp["allow_zero_accumulator"]:
             if not ok or v < 0:
                 raise arg_error("initial_accumulator_value", "must be a float >= 0", v)

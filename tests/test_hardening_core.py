@@ -182,3 +182,54 @@ def test_state_dict_with_invalid_hyper_parameters_is_refused_and_nothing_changes
         for k, s in before["state"].items():
             for name, v in s.items():
                 assert torch.equal(v, after["state"][k][name])
+
+
+# ------------------------------------------------------------------ item 5: skip_nonfinite with EMA
+def ema_run(steps: list[int], nan_at: int | None, **extra: Any) -> tuple[Any, Any, Any]:
+    ec, head = two_tables()
+    opt = O.Adam([*ec.parameters(), *head.parameters()], lr=0.05, use_ema=True, ema_momentum=0.7,
+                 skip_nonfinite=True, **extra)
+    for s in steps:
+        forward_backward(ec, head, s)
+        if s == nan_at:
+            head.weight.grad[0, 0] = float("nan")
+        opt.step()
+        opt.zero_grad()
+    return ec, head, opt
+
+
+def everything(ec: Any, head: Any, opt: Any) -> dict[str, torch.Tensor]:
+    out = {f"w/{k}": v.clone() for k, v in ec.state_dict().items()}
+    out.update({f"w/head.{k}": v.clone() for k, v in head.state_dict().items()})
+    for key, s in opt.state_dict()["state"].items():
+        out.update({f"s/{key}/{k}": v.clone() for k, v in s.items()})
+    return out
+
+
+@pytest.mark.parametrize("overwrite", [None, 3], ids=["no-overwrite", "skipped-call-is-an-overwrite-call"])
+def test_skipped_call_changes_no_average_and_no_weight(overwrite: int | None) -> None:
+    ec, head, opt = ema_run([0, 1], None, ema_overwrite_frequency=overwrite)
+    before = everything(ec, head, opt)
+    forward_backward(ec, head, 2)
+    head.weight.grad[0, 0] = float("nan")
+    opt.step()  # the third call: an overwrite call when overwrite == 3
+    assert opt.skipped_steps == 1
+    after = everything(ec, head, opt)
+    assert before.keys() == after.keys()
+    for k, v in before.items():
+        assert torch.equal(v, after[k]), k
+
+
+def test_a_skipped_call_is_as_if_it_never_happened() -> None:
+    """Weights, slots and every moving average (tables caught up) equal a run without that call."""
+    a = ema_run([0, 1, 2, 3, 4, 5], nan_at=2)
+    b = ema_run([0, 1, 3, 4, 5], nan_at=None)
+    (ec_a, head_a, opt_a), (ec_b, head_b, opt_b) = a, b
+    for (k, v), w in zip(ec_a.state_dict().items(), ec_b.state_dict().values(), strict=True):
+        assert torch.equal(v, w), k
+    for p, q in ((ec_a.tables.a.weight, ec_b.tables.a.weight), (ec_a.tables.b.weight, ec_b.tables.b.weight),
+                 (head_a.weight, head_b.weight)):
+        assert torch.equal(opt_a.moving_average(p), opt_b.moving_average(q))
+    opt_a.finalize_variable_values()
+    opt_b.finalize_variable_values()
+    assert torch.equal(ec_a.tables.a.weight, ec_b.tables.a.weight)

@@ -160,7 +160,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():  # type: ignore[no-untyped-call]
                 loss = closure()
-        clock = StepClock(self._iterations)
+        clock = StepClock(self._iterations, self._skipped)
         pending = [[p for p in g["params"] if _intake.has_gradient(p, g, self.state.get(p))] for g in self.param_groups]
         # Every learning rate first: a callable that raises must find every gradient still pending.
         lrs = [lr_value(g) if ps else None for g, ps in zip(self.param_groups, pending, strict=True)]
@@ -180,7 +180,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         for item in work:
             if item.group["global_clipnorm"]:
                 item.g = item.g * scale[item.g.device].to(item.g.dtype)
-        finite = _intake.gate_nonfinite(work)
+        finite = clock.finite = _intake.gate_nonfinite(work)
         if finite is not None:
             skipped = (~finite).to(torch.int64)
             dev = finite.device
@@ -204,7 +204,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         if not group["use_ema"]:
             raise ValueError("moving_average() needs an optimizer built with `use_ema=True`.")
         with torch.no_grad():
-            return _ema.moving_average(p, group, self._state_for(p, group), self._iterations)
+            return _ema.moving_average(p, group, self._state_for(p, group), self._iterations, self._skipped)
 
     @torch.no_grad()
     def finalize_variable_values(self) -> None:
@@ -218,8 +218,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 if lazy_table(p, group):
                     state = self.state[p]
                     write_whole(state["ema"], avg)
-                    last = torch.full_like(state["ema_last"][: p.shape[0]], self._iterations - 1)
-                    write_whole(state["ema_last"], last)
+                    upto = _ema.last_call(group, p.device, self._iterations, self._skipped)
+                    write_whole(state["ema_last"], upto.to(torch.int32).expand(p.shape[0]))
 
     # ------------------------------------------------------------------ lifecycle
     @torch.no_grad()

@@ -66,11 +66,28 @@ class LearningRates:
 
 
 class StepClock:
-    """The optimizer's call counter (Keras ``iterations``) for one call of ``step()``."""
+    """The optimizer's call counter (Keras ``iterations``) for one call of ``step()``.
 
-    def __init__(self, iterations: int) -> None:
+    ``skipped``: calls dropped by ``skip_nonfinite`` before this one (a device tensor, or ``None``
+    for none yet); ``finite``: whether this call's checked gradients are finite (set once known).
+    """
+
+    def __init__(self, iterations: int, skipped: Tensor | None = None) -> None:
         self.iterations = iterations
+        self.skipped = skipped
+        self.finite: Tensor | None = None
         self._tensors: dict[torch.device, Tensor] = {}
+
+    def ema_on(self, device: torch.device, skip_nonfinite: bool) -> Tensor:
+        """The moving average's call counter: calls dropped by ``skip_nonfinite`` do not count."""
+        it = self.on(device)
+        if not skip_nonfinite or self.skipped is None:
+            return it
+        return it - self.skipped.to(device)
+
+    def keep(self, device: torch.device, skip_nonfinite: bool) -> Tensor | None:
+        """This call's non-finite gate on ``device`` (``None``: nothing to gate)."""
+        return self.finite.to(device) if skip_nonfinite and self.finite is not None else None
 
     def on(self, device: torch.device) -> Tensor:
         """The counter as device data (0-d int64), uploaded once per step and device."""

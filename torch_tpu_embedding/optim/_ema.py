@@ -6,6 +6,9 @@ it, so its average is brought up to date only when the row is next touched — a
 ``avg = w + μⁿ (avg − w)`` (``ema_catch_up``) — using ``ema_last``, the call at which each row was
 last brought up to date. The whole table is caught up only at an ``ema_overwrite_frequency`` call
 (``w ← avg``, O(V·D) as in Keras) or by :meth:`~RowSparseOptimizer.finalize_variable_values`.
+
+A call that ``skip_nonfinite`` drops changes no average and no weight, and does not count as a call
+of the average (:meth:`StepClock.ema_on`), so lazy rows and dense parameters agree.
 """
 
 from __future__ import annotations
@@ -17,12 +20,13 @@ import torch
 
 from torch_tpu_embedding.optim._device import StepClock
 from torch_tpu_embedding.optim._extras import ema_catch_up
+from torch_tpu_embedding.optim._paths import gated
 from torch_tpu_embedding.optim._slots import lazy_table, without_trash, write_whole
 
 if TYPE_CHECKING:
     from torch_tpu_embedding.optim._intake import Work
 
-__all__ = ["ema_all_rows", "ema_calls", "ema_rows", "moving_average", "overwrite_due"]
+__all__ = ["ema_all_rows", "ema_calls", "ema_rows", "last_call", "moving_average", "overwrite_due"]
 
 Tensor = torch.Tensor
 
@@ -30,7 +34,7 @@ Tensor = torch.Tensor
 def _momentum_now(group: Mapping[str, Any], clock: StepClock, device: torch.device, dtype: torch.dtype) -> Tensor:
     """μ' = 0 while Keras's ``iterations`` (calls // k) is 0, else ``ema_momentum``."""
     k = group["gradient_accumulation_steps"] or 1
-    it = clock.on(device)
+    it = clock.ema_on(device, group["skip_nonfinite"])
     mu: Tensor = (torch.div(it, k, rounding_mode="floor") != 0).to(dtype) * group["ema_momentum"]
     return mu
 
@@ -44,15 +48,16 @@ def ema_rows(item: Work, ids: Tensor, w_old: Tensor, w_new: Tensor) -> None:
     p, group, state = item.p, item.group, item.state
     sentinel = p.shape[0]
     at = ids.clamp(max=sentinel - 1)
-    it = item.clock.on(p.device).to(torch.int32)
+    it = item.clock.ema_on(p.device, group["skip_nonfinite"]).to(torch.int32)
+    keep = item.clock.keep(p.device, group["skip_nonfinite"])
     avg = state["ema"].index_select(0, at)
     last = state["ema_last"].index_select(0, at)
     caught = ema_catch_up(avg, w_old, it - last - 1, group["ema_momentum"])
     mu = _momentum_now(group, item.clock, p.device, p.dtype)
-    state["ema"].index_copy_(0, ids, mu * caught + (1 - mu) * w_new)
+    state["ema"].index_copy_(0, ids, gated(keep, mu * caught + (1 - mu) * w_new, avg))
     # max(last, it) == it, but written as a function of the gathered rows so that XLA orders the
     # gather before the in-place scatter (otherwise it copies the whole [V] slot every step).
-    state["ema_last"].index_copy_(0, ids, torch.maximum(last, it))
+    state["ema_last"].index_copy_(0, ids, gated(keep, torch.maximum(last, it), last))
 
 
 def ema_all_rows(p: Tensor, group: Mapping[str, Any], state: dict[str, Tensor], upto: Tensor) -> Tensor:
@@ -81,27 +86,36 @@ def ema_calls(
         overwrite = overwrite_due(group, clock.iterations)
         for p in group["params"]:
             state = state_for(p, group)
+            keep = clock.keep(p.device, group["skip_nonfinite"])
             n = p.shape[0] if p.dim() else 1
             avg = without_trash(state["ema"], n) if p.dim() else state["ema"]
             if lazy_table(p, group):
                 if overwrite:  # O(V·D), every f calls, as in Keras
-                    it = clock.on(p.device)
+                    it = clock.ema_on(p.device, group["skip_nonfinite"])
                     caught = ema_all_rows(p, group, state, it)
-                    write_whole(state["ema"], caught)
-                    write_whole(state["ema_last"], it.to(torch.int32).expand(n))
-                    p.copy_(caught)
+                    write_whole(state["ema"], gated(keep, caught, avg))
+                    last = state["ema_last"][:n]
+                    write_whole(state["ema_last"], gated(keep, it.to(torch.int32).expand(n), last))
+                    p.copy_(gated(keep, caught, p))
                 continue
             mu = _momentum_now(group, clock, p.device, p.dtype)
-            avg = mu * avg + (1 - mu) * p
+            avg = gated(keep, mu * avg + (1 - mu) * p, avg)
             write_whole(state["ema"], avg)
             if overwrite:
-                p.copy_(avg)
+                p.copy_(gated(keep, avg, p))
 
 
-def moving_average(p: Tensor, group: Mapping[str, Any], state: dict[str, Tensor], iterations: int) -> Tensor:
+def last_call(group: Mapping[str, Any], device: torch.device, iterations: int, skipped: Tensor | None) -> Tensor:
+    """The average's counter at the last of ``iterations`` calls (``skipped`` of them dropped)."""
+    clock = StepClock(iterations - 1, skipped)
+    return clock.ema_on(device, group["skip_nonfinite"])
+
+
+def moving_average(
+    p: Tensor, group: Mapping[str, Any], state: dict[str, Tensor], iterations: int, skipped: Tensor | None
+) -> Tensor:
     """The EMA of ``p`` after ``iterations`` calls (every row caught up), as a new tensor."""
     if lazy_table(p, group):
-        upto = torch.tensor([iterations - 1], dtype=torch.int64).to(p.device).reshape(())
-        return ema_all_rows(p, group, state, upto)
+        return ema_all_rows(p, group, state, last_call(group, p.device, iterations, skipped))
     n = p.shape[0] if p.dim() else 1
     return (state["ema"][:n] if p.dim() else state["ema"]).clone()

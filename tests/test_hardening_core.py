@@ -233,3 +233,59 @@ def test_a_skipped_call_is_as_if_it_never_happened() -> None:
     opt_a.finalize_variable_values()
     opt_b.finalize_variable_values()
     assert torch.equal(ec_a.tables.a.weight, ec_b.tables.a.weight)
+
+
+# ------------------------------------------------------------------ item 9: 16-bit tables update in float32
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_16bit_tables_keep_float32_slots_and_do_not_overflow(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    t = tte.TableConfig(6, 4, name="t", dtype=dtype, combiner="sum")
+    ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(t)})
+    start = ec.tables.t.weight.detach().float().clone()
+    opt = O.Adagrad(ec.parameters(), lr=0.5)
+    for _ in range(3):  # gradient 300 per coordinate: g² = 90,000 > float16's largest finite 65,504
+        (ec({"f": torch.tensor([1, 2])})["f"].sum() * 300).backward()
+        opt.step()
+        opt.zero_grad()
+    acc = opt.state[ec.tables.t.weight]["accumulators"]
+    assert acc.dtype == torch.float32 and torch.isfinite(acc).all()
+    torch.testing.assert_close(acc[1], torch.full((4,), 0.1 + 3 * 300.0**2))
+    w = ec.tables.t.weight.detach().float()
+    # Every step moves the row by lr·300/√a, in float32, then rounds it to 16 bits: it keeps moving.
+    moved = sum(0.5 * 300 / (0.1 + k * 300.0**2) ** 0.5 for k in (1, 2, 3))
+    tol = 8 * torch.finfo(dtype).eps
+    torch.testing.assert_close(start[1] - w[1], torch.full((4,), moved), rtol=tol, atol=tol)
+    assert torch.equal(start[0], w[0])  # untouched
+
+
+def test_16bit_adam_zero_gradient_row_stays_finite() -> None:
+    p = torch.nn.Parameter(torch.ones(3, 2, dtype=torch.float16))
+    opt = O.Adam([p], lr=0.01)  # default eps 1e-7: eps² underflows in float16, not in float32
+    p.grad = torch.zeros(3, 2, dtype=torch.float16)
+    opt.step()
+    assert torch.isfinite(p).all() and torch.equal(p.detach(), torch.ones(3, 2, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("cls, kwargs", [(O.SGD, {"lr": 0.1}), (O.Adam, {"lr": 0.01}), (O.FTRL, {"lr": 0.1}),
+                                         (O.Adafactor, {"lr": 0.05})], ids=["sgd", "adam", "ftrl", "adafactor"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_16bit_tables_track_float32(cls: Any, kwargs: dict[str, Any], dtype: torch.dtype) -> None:
+    """The 16-bit table equals a float32 table rounded to 16 bits after each step (to a few ulps)."""
+    runs = {}
+    start = torch.randn(20, 4, generator=torch.Generator().manual_seed(0)).to(dtype)
+    for dt in (dtype, torch.float32):
+        t = tte.TableConfig(20, 4, name="t", dtype=dt, combiner="mean", initializer=start.to(dt))
+        ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(t, max_ids_per_bag=3)})
+        opt = cls(ec.parameters(), **kwargs)
+        for s in range(4):
+            g = torch.Generator().manual_seed(s)
+            out = ec({"f": tte.Jagged(torch.randint(0, 20, (7,), generator=g), lengths=torch.tensor([3, 2, 2]))})["f"]
+            (out.float() * torch.arange(12.0).reshape(3, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if dt == torch.float32:
+                with torch.no_grad():  # what the 16-bit table stores
+                    ec.tables.t.weight.copy_(ec.tables.t.weight.to(dtype).float())
+        runs[dt] = ec.tables.t.weight.detach().float()
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(runs[dtype], runs[torch.float32], rtol=4 * eps, atol=4 * eps)

@@ -50,7 +50,7 @@ class SlotSpec:
     shape: tuple[int, ...]
     init: float = 0.0
     rows: bool = True
-    dtype: torch.dtype | None = None  # None: the parameter's dtype
+    dtype: torch.dtype | None = None  # None: the parameter's dtype (float32 for a 16-bit parameter)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,17 +48,21 @@ class LearningRates:
         self._cache.clear()
 
     def tensor(self, gi: int, lr: float | Tensor, p: Tensor) -> Tensor:
-        """Group ``gi``'s learning rate ``lr`` as a 0-d tensor on ``p``'s device, in ``p``'s dtype."""
+        """Group ``gi``'s learning rate ``lr`` as a 0-d tensor on ``p``'s device, in the dtype of ``p``'s
+        update arithmetic (:func:`~._slots.math_dtype`)."""
+        from torch_tpu_embedding.optim._slots import math_dtype
+
+        dtype = math_dtype(p)
         if isinstance(lr, Tensor):
-            lr = lr.detach().to(dtype=p.dtype)
+            lr = lr.detach().to(dtype=dtype)
             # Through a 1-element shape: a 0-d host tensor would become an XLA constant.
             return lr if lr.device == p.device else lr.reshape(1).to(p.device).reshape(())
-        key = (gi, p.device, p.dtype)
+        key = (gi, p.device, dtype)
         cached = self._cache.get(key)
         if cached is None or cached[0] != lr:
             # A 0-d host tensor moved to XLA is folded into the graph as a constant (one compile
             # per value); a 1-element tensor arrives as device data.
-            cached = (float(lr), torch.tensor([float(lr)], dtype=p.dtype).to(p.device))
+            cached = (float(lr), torch.tensor([float(lr)], dtype=dtype).to(p.device))
             self._cache[key] = cached
         # Reshaped on every use: a cached 0-d view would be materialised by the first step's sync
         # and change the next step's graph inputs ([1] -> []), compiling twice.

@@ -53,7 +53,7 @@ def ema_rows(item: Work, ids: Tensor, w_old: Tensor, w_new: Tensor) -> None:
     avg = state["ema"].index_select(0, at)
     last = state["ema_last"].index_select(0, at)
     caught = ema_catch_up(avg, w_old, it - last - 1, group["ema_momentum"])
-    mu = _momentum_now(group, item.clock, p.device, p.dtype)
+    mu = _momentum_now(group, item.clock, p.device, w_new.dtype)
     state["ema"].index_copy_(0, ids, gated(keep, mu * caught + (1 - mu) * w_new, avg))
     # max(last, it) == it, but written as a function of the gathered rows so that XLA orders the
     # gather before the in-place scatter (otherwise it copies the whole [V] slot every step).
@@ -64,7 +64,8 @@ def ema_all_rows(p: Tensor, group: Mapping[str, Any], state: dict[str, Tensor], 
     """Every row's average as of call ``upto`` (lazy table): ``[rows, D]``, not stored."""
     n = p.shape[0]
     idle = upto.to(torch.int32) - state["ema_last"][:n]
-    return ema_catch_up(state["ema"][:n], p, idle, group["ema_momentum"])
+    avg = state["ema"][:n]
+    return ema_catch_up(avg, p.to(avg.dtype), idle, group["ema_momentum"])
 
 
 def overwrite_due(group: Mapping[str, Any], iterations: int) -> bool:
@@ -98,7 +99,7 @@ def ema_calls(
                     write_whole(state["ema_last"], gated(keep, it.to(torch.int32).expand(n), last))
                     p.copy_(gated(keep, caught, p))
                 continue
-            mu = _momentum_now(group, clock, p.device, p.dtype)
+            mu = _momentum_now(group, clock, p.device, avg.dtype)
             avg = gated(keep, mu * avg + (1 - mu) * p, avg)
             write_whole(state["ema"], avg)
             if overwrite:

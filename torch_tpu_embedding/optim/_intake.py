@@ -20,6 +20,7 @@ from torch_tpu_embedding._rows import RowGrad, coalesce_rows, drop_sentinel, is_
 from torch_tpu_embedding.optim._device import StepClock
 from torch_tpu_embedding.optim._extras import clip_by_norm, global_norm_scale
 from torch_tpu_embedding.optim._paths import Path
+from torch_tpu_embedding.optim._slots import math_dtype
 
 __all__ = [
     "Taken", "Work", "arrives_as_rows", "gate_nonfinite", "global_clip_scales", "has_gradient", "prepare", "take",
@@ -112,7 +113,8 @@ def prepare(
         return Work(p=p, group=group, state=state, path=path, clock=clock, ids=ids, g=g, gate=gate, **more)
 
     if taken.dense is not None:
-        g = taken.dense if s is None else taken.dense / s
+        g = taken.dense.to(math_dtype(p))
+        g = g if s is None else g / s
         if k:
             acc = _accumulate_dense(state, g, k, p.device, clock)
             if acc is None:
@@ -124,7 +126,7 @@ def prepare(
         rows = taken.rows
         ids = taken.ids
         if rows is not None:
-            rows = rows.to(p.dtype) if s is None else rows.to(p.dtype) / s
+            rows = rows.to(math_dtype(p)) if s is None else rows.to(math_dtype(p)) / s
         if k:
             acc_rows = _accumulate_rows(state, ids, rows, k, p, clock)
             if acc_rows is None:
@@ -186,7 +188,7 @@ def _accumulate_rows(
         cap = max(n, 0 if buf_ids is None else buf_ids.shape[1])
         # Built on the host and transferred: device data, not graph constants, on XLA.
         new_ids = torch.full((k, cap), sentinel, dtype=torch.int64)
-        new_rows = torch.zeros((k, cap, dim), dtype=p.dtype)
+        new_rows = torch.zeros((k, cap, dim), dtype=math_dtype(p))
         if buf_ids is not None and buf_rows is not None:
             old = buf_ids.shape[1]
             new_ids, new_rows = new_ids.to(p.device), new_rows.to(p.device)
@@ -201,7 +203,7 @@ def _accumulate_rows(
         state["acc_ids"], state["acc_rows"] = buf_ids, buf_rows
     cap = buf_ids.shape[1]
     chunk_ids = torch.full((cap,), sentinel, dtype=torch.int64, device=p.device)
-    chunk_rows = torch.zeros((cap, dim), dtype=p.dtype, device=p.device)
+    chunk_rows = torch.zeros((cap, dim), dtype=math_dtype(p), device=p.device)
     if ids is not None and rows is not None and n:
         chunk_ids = torch.cat([ids.to(torch.int64), chunk_ids[n:]])
         chunk_rows = torch.cat([rows, chunk_rows[n:]])

@@ -29,7 +29,14 @@ import torch
 
 from torch_tpu_embedding._rows import drop_sentinel, is_static_device, table_info, unique_ids
 from torch_tpu_embedding.optim._contract import RowContext, Slots, optimizer_class
-from torch_tpu_embedding.optim._slots import logical_rows, rule_slots, specs, without_trash, write_whole
+from torch_tpu_embedding.optim._slots import (
+    logical_rows,
+    math_dtype,
+    rule_slots,
+    specs,
+    without_trash,
+    write_whole,
+)
 
 if TYPE_CHECKING:
     from torch_tpu_embedding.optim._intake import Work
@@ -132,11 +139,12 @@ def _update_dense(item: Work) -> None:
     info = table_info(p)
     ctx = RowContext(mask=None, count=None, num_rows=n if info is None else info.num_embeddings)
     step = state["step"] + 1
-    w, new = pipeline(p, item.g, slots, item.lr, step, group, ctx)
+    w0 = p.to(math_dtype(p))
+    w, new = pipeline(w0, item.g, slots, item.lr, step, group, ctx)
     for k in names:
         write_whole(state[k], gated(gate, new[k].to(slots[k].dtype), slots[k]))
     state["step"].copy_(gated(gate, step, state["step"]))
-    p.copy_(gated(gate, w, p))
+    p.copy_(gated(gate, w, w0))
 
 
 def _update_additive(item: Work) -> None:
@@ -145,10 +153,11 @@ def _update_additive(item: Work) -> None:
     assert pieces is not None
     step = state["step"] + 1
     ctx = RowContext(mask=None, count=None, num_rows=logical_rows(p))
-    zero = torch.zeros((), dtype=p.dtype, device=p.device)
+    dtype = math_dtype(p)
+    zero = torch.zeros((), dtype=dtype, device=p.device)
     rule = optimizer_class(group["algorithm"]).rule
     for _, part_ids, part in pieces.pieces(row_chunk()):
-        part = part.to(p.dtype) if item.divisor is None else part.to(p.dtype) / item.divisor
+        part = part.to(dtype) if item.divisor is None else part.to(dtype) / item.divisor
         part_ids, part = drop_sentinel(part_ids, part, p.shape[0])
         delta, _ = rule(zero, part, {}, item.lr, step, group, ctx)
         p.index_add_(0, part_ids, delta.to(p.dtype))
@@ -165,7 +174,7 @@ def _update_row_chunk(item: Work, ids: Tensor, g: Tensor) -> None:
     dedup = item.path is not Path.NO_DEDUP
     # On XLA the sentinel tail is clamped for the gather and dropped by the scatter.
     at = ids.clamp(max=sentinel - 1)
-    w0 = p.index_select(0, at)
+    w0 = p.index_select(0, at).to(math_dtype(p))  # 16-bit tables update in float32
     names = rule_slots(p, group)
     row_slots = [k for k in names if all_specs[k].rows]
     slots = {k: state[k].index_select(0, at) if k in row_slots else state[k] for k in names}
@@ -175,7 +184,7 @@ def _update_row_chunk(item: Work, ids: Tensor, g: Tensor) -> None:
     ema = group["use_ema"]
     if ema and not dedup:  # ids repeat: the average needs each row once
         ema_ids = unique_ids(ids, sentinel)
-        ema_w0 = p.index_select(0, ema_ids.clamp(max=sentinel - 1))
+        ema_w0 = p.index_select(0, ema_ids.clamp(max=sentinel - 1)).to(w0.dtype)
     step = item.step_now if item.step_now is not None else state["step"] + 1
     w, new = pipeline(w0, g, slots, item.lr, step, group, ctx)
     w = gated(gate, w, w0)
@@ -191,11 +200,11 @@ def _update_row_chunk(item: Work, ids: Tensor, g: Tensor) -> None:
         else:  # ids repeat: add the changes
             state[k].index_add_(0, ids, new[k] - slots[k])
     if dedup:
-        p.index_copy_(0, ids, w)
+        p.index_copy_(0, ids, w.to(p.dtype))
     else:
-        p.index_add_(0, ids, w - w0)
+        p.index_add_(0, ids, (w - w0).to(p.dtype))
     if ema:
         if dedup:
-            ema_rows(item, ids, w0, w)
+            ema_rows(item, ids, w0, w.to(p.dtype).to(w0.dtype))  # the stored weight
         else:
-            ema_rows(item, ema_ids, ema_w0, p.index_select(0, ema_ids.clamp(max=sentinel - 1)))
+            ema_rows(item, ema_ids, ema_w0, p.index_select(0, ema_ids.clamp(max=sentinel - 1)).to(w0.dtype))

@@ -27,6 +27,7 @@ __all__ = [
     "lazy_table",
     "logical_rows",
     "make_state",
+    "math_dtype",
     "rule_slots",
     "specs",
     "to_saved_ids",
@@ -38,6 +39,17 @@ __all__ = [
 Tensor = torch.Tensor
 #: a table's pending gradient-accumulation buffers (ids ``[k, cap]`` and rows ``[k, cap, D]``)
 ACCUMULATION = ("acc_ids", "acc_rows")
+
+
+def math_dtype(p: Tensor) -> torch.dtype:
+    """The dtype of ``p``'s optimizer state and update arithmetic: float32 for 16-bit parameters.
+
+    In float16 an Adagrad accumulator overflows to inf within a few hundred steps (the row then never
+    moves again) and Adam's ``eps² = 1e-14`` is 0 (a row with a zero gradient gets 0/0); bfloat16 keeps
+    about 3 significant digits. As FBGEMM does, 16-bit tables keep float32 slots and update in float32;
+    only the weight is stored in 16 bits.
+    """
+    return torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
 
 
 def lazy_table(p: Tensor, group: Mapping[str, Any]) -> bool:
@@ -113,12 +125,12 @@ def make_state(p: Tensor, group: Mapping[str, Any]) -> dict[str, Tensor]:
             # A new tensor, not a slice assignment from p: on XLA that ties the two as views
             # and the next step traces a different graph.
             if shape == tuple(p.shape):
-                slot = p.detach().clone()
+                slot = p.detach().to(math_dtype(p), copy=True)
             else:
-                pad = torch.zeros((shape[0] - p.shape[0], *shape[1:]), dtype=p.dtype, device=p.device)
-                slot = torch.cat([p.detach(), pad])
+                pad = torch.zeros((shape[0] - p.shape[0], *shape[1:]), dtype=math_dtype(p), device=p.device)
+                slot = torch.cat([p.detach().to(math_dtype(p)), pad])
         else:
-            slot = torch.full(shape, spec.init, dtype=spec.dtype or p.dtype, device=p.device)
+            slot = torch.full(shape, spec.init, dtype=spec.dtype or math_dtype(p), device=p.device)
         if name in made:
             slot[: spec.shape[0]] = made[name].detach().to(device=p.device, dtype=slot.dtype)
         if p.device.type == "xla":  # created with the parameter's layout (SPMD)

@@ -14,25 +14,15 @@ from typing import Any
 
 import pytest
 import torch
+from optim_registry import FUSED, OptimizerConfig, case, cases
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_tpu_embedding as tte
 
 O = tte.optim  # noqa: E741
-OPTIMIZERS: dict[str, tuple[Any, dict[str, Any]]] = {
-    "sgd": (O.SGD, {"lr": 0.1, "clipvalue": 0.5, "weight_decay_factor": 0.01}),
-    "adagrad": (O.Adagrad, {"lr": 0.1, "clip_weight_min": -0.3, "clip_weight_max": 0.3}),
-    "adagrad_momentum": (O.AdagradMomentum, {"lr": 0.1, "momentum": 0.9, "use_nesterov": True}),
-    "adam": (O.Adam, {"lr": 0.05}),
-    "adam-nonlazy": (O.Adam, {"lr": 0.05, "lazy_adam": False}),
-    "lazy_adam": (O.LazyAdam, {"lr": 0.05, "bias_correction": True}),
-    "ftrl": (O.FTRL, {"lr": 0.1, "l1_regularization_strength": 0.001, "beta": 0.1}),
-    "sgd-noaccum": (O.SGD, {"lr": 0.1, "use_gradient_accumulation": False}),
-    "adam-ema-accum-gclip": (O.Adam, {"lr": 0.05, "use_ema": True, "ema_momentum": 0.8,
-                                      "gradient_accumulation_steps": 2, "global_clipnorm": 0.5}),
-    "ftrl-accum3-scale-skip": (O.FTRL, {"lr": 0.1, "gradient_accumulation_steps": 3,
-                                        "loss_scale_factor": 16.0, "skip_nonfinite": True}),
-}
+# Every optimizer that trains fused groups, alone, with EMA + accumulation + global_clipnorm, with
+# accumulation + loss scale + skip_nonfinite, and without dedup (tests/optim_registry.py, ``fused``).
+CASES = cases(FUSED)
 
 
 def features(dtype: torch.dtype = torch.float64, override: Any = None) -> dict[str, tte.FeatureConfig]:
@@ -77,11 +67,10 @@ def train(ec: tte.EmbeddingCollection, opt: torch.optim.Optimizer, steps: int = 
         opt.zero_grad()
 
 
-def build(fuse: bool, name: str, override: Any = None) -> tuple[tte.EmbeddingCollection, Any]:
-    cls, kwargs = OPTIMIZERS[name]
+def build(fuse: bool, cfg: OptimizerConfig, override: Any = None) -> tuple[tte.EmbeddingCollection, Any]:
     torch.manual_seed(0)
     ec = tte.EmbeddingCollection(features(override=override), fuse_tables=fuse)
-    return ec, cls(ec.parameters(), **kwargs)
+    return ec, cfg.make(ec.parameters())
 
 
 def assert_same_state(sd1: dict[str, Any], sd2: dict[str, Any], exact: bool = True) -> None:
@@ -134,12 +123,12 @@ def test_forward_matches_unfused() -> None:
         assert torch.equal(a[k], b[k]), k
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_training_is_bitwise_the_same(name: str) -> None:
+@pytest.mark.parametrize("cfg", CASES, ids=str)
+def test_training_is_bitwise_the_same(cfg: OptimizerConfig) -> None:
     """Bitwise, except with global_clipnorm: its norm sums squares per group instead of per table."""
-    exact = "global_clipnorm" not in OPTIMIZERS[name][1]
-    plain, opt_p = build(False, name)
-    fused, opt_f = build(True, name)
+    exact = "global_clipnorm" not in cfg.kwargs
+    plain, opt_p = build(False, cfg)
+    fused, opt_f = build(True, cfg)
     train(plain, opt_p)
     train(fused, opt_f)
     assert_same_state(plain.state_dict(), fused.state_dict(), exact)
@@ -153,7 +142,7 @@ def test_training_is_bitwise_the_same(name: str) -> None:
             if slot.startswith("acc_"):  # buffer capacity differs (per table vs per group)
                 continue
             assert_same_state({slot: v}, {slot: sf["state"][key][slot]}, exact)
-    if OPTIMIZERS[name][1].get("use_ema"):
+    if cfg.kwargs.get("use_ema"):
         for t, w in fused.embedding_tables.items():
             pw = plain.embedding_tables[t]
             n = pw.shape[0]
@@ -164,15 +153,15 @@ def test_training_is_bitwise_the_same(name: str) -> None:
             assert_same_state({t: avg_f[off: off + n]}, {t: opt_p.moving_average(pw)}, exact)
 
 
-@pytest.mark.parametrize("name", ["adagrad", "adam-ema-accum-gclip", "ftrl-accum3-scale-skip"])
+@pytest.mark.parametrize("cfg", CASES, ids=str)
 @pytest.mark.parametrize("direction", ["plain->fused", "fused->plain"])
-def test_state_dicts_move_between_layouts_and_training_goes_on(name: str, direction: str) -> None:
+def test_state_dicts_move_between_layouts_and_training_goes_on(cfg: OptimizerConfig, direction: str) -> None:
     src_fused = direction == "fused->plain"
-    ref, opt_ref = build(False, name)
+    ref, opt_ref = build(False, cfg)
     train(ref, opt_ref, steps=4)  # 4 calls: mid-accumulation for k=3, pending buffers are saved
-    src, opt_src = build(src_fused, name)
+    src, opt_src = build(src_fused, cfg)
     train(src, opt_src, steps=4)
-    dst, opt_dst = build(not src_fused, name)
+    dst, opt_dst = build(not src_fused, cfg)
     dst.load_state_dict(src.state_dict())
     opt_dst.load_state_dict(opt_src.state_dict())
     train(ref, opt_ref, steps=3, seed=9)
@@ -182,8 +171,8 @@ def test_state_dicts_move_between_layouts_and_training_goes_on(name: str, direct
 
 
 def test_checkpoint_files_move_between_layouts(tmp_path: Path) -> None:
-    plain, opt_p = build(False, "lazy_adam")
-    fused, opt_f = build(True, "lazy_adam")
+    plain, opt_p = build(False, case(FUSED, "lazy_adam"))
+    fused, opt_f = build(True, case(FUSED, "lazy_adam"))
     train(fused, opt_f)
     tte.checkpoint.save(tmp_path / "f.pt", model=fused, optimizer=opt_f)
     payload = torch.load(tmp_path / "f.pt", weights_only=True)
@@ -192,7 +181,7 @@ def test_checkpoint_files_move_between_layouts(tmp_path: Path) -> None:
     tte.checkpoint.load(tmp_path / "f.pt", model=plain, optimizer=opt_p)
     assert_same_state(plain.state_dict(), fused.state_dict())
     tte.checkpoint.save(tmp_path / "p.pt", model=plain, optimizer=opt_p)
-    fused2, opt_f2 = build(True, "lazy_adam")
+    fused2, opt_f2 = build(True, case(FUSED, "lazy_adam"))
     tte.checkpoint.load(tmp_path / "p.pt", model=fused2, optimizer=opt_f2)
     train(fused, opt_f, seed=4)
     train(fused2, opt_f2, seed=4)

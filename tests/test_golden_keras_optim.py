@@ -14,31 +14,20 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import torch_tpu_embedding as tte
+from optim_registry import OPTIMIZER_INFOS
 
 CASES = {c["name"]: c for c in json.loads((Path(__file__).parent / "data" / "golden_keras.json").read_text())["cases"]}
 
 
 def _ours(case: dict, param: torch.nn.Parameter, tpu_defaults: bool = False):
-    c = case["config"]
-    lr = c["learning_rate"]
-    kind = case["optimizer"]
-    if kind == "SGD":
-        return tte.optim.SGD([param], lr=lr)
-    if kind == "Adagrad":
-        return tte.optim.Adagrad([param], lr=lr, initial_accumulator_value=c["initial_accumulator_value"])
-    if kind == "Adam":
-        extra = {} if tpu_defaults else {"bias_correction": True, "sum_inside_sqrt": False}
-        return tte.optim.Adam([param], lr=lr, betas=(c["beta_1"], c["beta_2"]), eps=c["epsilon"], **extra)
-    if kind == "Ftrl":
-        return tte.optim.FTRL(
-            [param], lr=lr, learning_rate_power=c["learning_rate_power"],
-            l1_regularization_strength=c["l1_regularization_strength"],
-            l2_regularization_strength=c["l2_regularization_strength"], beta=c["beta"],
-            initial_accumulator_value=c["initial_accumulator_value"],
-        )
-    raise AssertionError(kind)
+    """The registry entry whose ``keras_golden`` claims the case (exactly one); ``tpu_defaults``: Adam
+    without the two arguments that make it Keras's."""
+    mine = [(info, kw) for info in OPTIMIZER_INFOS if info.keras_golden and (kw := info.keras_golden(case)) is not None]
+    assert len(mine) == 1, (case["name"], [info.name for info, _ in mine])
+    info, kwargs = mine[0]
+    if tpu_defaults:
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("bias_correction", "sum_inside_sqrt")}
+    return info.cls([param], **kwargs)
 
 
 def _run(case: dict, **kw) -> list[torch.Tensor]:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from optim_registry import OPTIMIZER_INFOS
 
 import torch_tpu_embedding as tte
 
@@ -18,22 +19,11 @@ GOLDEN = json.loads((Path(__file__).parent / "data" / "golden_tf.json").read_tex
 
 
 def _optimizer(run: dict, params: list, lr: float):
-    c = dict(run["config"])
-    kind = run["optimizer"]
-    if kind.startswith("sgd"):
-        return tte.optim.SGD(params, lr=lr, **c)
-    if kind == "adagrad":
-        return tte.optim.Adagrad(params, lr=lr, initial_accumulator_value=run["slot_initial_values"]["accumulators"])
-    if kind == "adagrad_momentum":
-        return tte.optim.AdagradMomentum(params, lr=lr, **c)
-    if kind.startswith("adam"):
-        return tte.optim.Adam(
-            params, lr=lr, betas=(c["beta_1"], c["beta_2"]), eps=c["epsilon"],
-            sum_inside_sqrt=c["sum_inside_sqrt"], lazy_adam=kind != "adam_nonlazy",
-        )
-    if kind.startswith("ftrl"):
-        return tte.optim.FTRL(params, lr=lr, initial_accumulator_value=run["slot_initial_values"]["accumulators"], **c)
-    raise AssertionError(kind)
+    """The registry entry whose ``tf_golden`` claims the run (exactly one), with its arguments."""
+    mine = [(info, kw) for info in OPTIMIZER_INFOS if info.tf_golden and (kw := info.tf_golden(run)) is not None]
+    assert len(mine) == 1, (run["optimizer"], [info.name for info, _ in mine])
+    info, kwargs = mine[0]
+    return info.cls(params, lr=lr, **kwargs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])

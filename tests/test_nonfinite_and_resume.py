@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from optim_registry import NONFINITE, OptimizerConfig, cases
 
 import torch_tpu_embedding as tte
 
@@ -24,14 +25,11 @@ def model():
     return ec, head
 
 
-@pytest.mark.parametrize("opt_name", ["adam", "adafactor", "ftrl"])
-def test_skip_nonfinite_leaves_params_and_slots_untouched(opt_name: str) -> None:
+@pytest.mark.parametrize("cfg", cases(NONFINITE), ids=str)
+def test_skip_nonfinite_leaves_params_and_slots_untouched(cfg: OptimizerConfig) -> None:
     ec, head = model()
     params = [ec.tables.t.weight, *head.parameters()]
-    make = {"adam": lambda: tte.optim.Adam(params, lr=0.1, skip_nonfinite=True),
-            "adafactor": lambda: tte.optim.Adafactor(params, lr=0.1, skip_nonfinite=True),
-            "ftrl": lambda: tte.optim.FTRL(params, lr=0.1, skip_nonfinite=True)}
-    opt = make[opt_name]()
+    opt = cfg.make(params, skip_nonfinite=True)
     ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
 
     def step(scale: float) -> None:

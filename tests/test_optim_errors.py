@@ -1,4 +1,7 @@
-"""Invalid optimizer arguments: each raises at construction with a message naming the argument."""
+"""Invalid optimizer arguments: each raises at construction with a message naming the argument.
+
+The cases are the registry's (tests/optim_registry.py): each entry's own ``error_inputs``, and every
+case of ``SHARED_ERRORS`` for each entry that takes its arguments (test id ``<optimizer>-<case>``)."""
 
 from __future__ import annotations
 
@@ -6,82 +9,19 @@ import re
 
 import pytest
 import torch
+from optim_registry import ErrorInput, OptimizerInfo, error_cases
 
 import torch_tpu_embedding as tte
 
 O = tte.optim  # noqa: E741
-
-CASES = [
-    ("sgd-lr-negative", O.SGD, {"lr": -1}, ValueError, "Argument `lr` must be a finite number and >= 0.0. Received: -1"),
-    ("sgd-lr-nan", O.SGD, {"lr": float("nan")}, ValueError, r"Argument `lr` .* Received: nan"),
-    ("sgd-lr-string", O.SGD, {"lr": "0.1"}, ValueError, r"Argument `lr` .* Received: '0.1'"),
-    ("sgd-lr-2d-tensor", O.SGD, {"lr": torch.ones(2)}, ValueError, r"Argument `lr` must be a float, a 0-d float tensor"),
-    ("sgd-lr-int-tensor", O.SGD, {"lr": torch.tensor(1)}, ValueError, r"Argument `lr` must be a float, a 0-d float"),
-    ("sgd-accum-not-bool", O.SGD, {"use_gradient_accumulation": 1}, ValueError,
-     r"Argument `use_gradient_accumulation` must be a boolean. Received: 1"),
-    ("sgd-clipvalue-no-accum", O.SGD, {"clipvalue": 0.0, "use_gradient_accumulation": False}, ValueError,
-     r"When `use_gradient_accumulation` is False, gradient clipping cannot be used"),
-    ("adam-clipvalue-tuple-no-accum", O.Adam, {"clipvalue": (None, 1.0), "use_gradient_accumulation": False},
-     ValueError, r"`clipvalue` should be left as None. Received value \(None, 1.0\)"),
-    ("sgd-clipvalue-negative", O.SGD, {"clipvalue": -1.0}, ValueError, r"Argument `clipvalue` .* > 0.0. Received: -1.0"),
-    ("sgd-clipvalue-triple", O.SGD, {"clipvalue": (1, 2, 3)}, ValueError, r"`clipvalue` must be a number or a \(min, max\) pair"),
-    ("sgd-clipvalue-min-gt-max", O.SGD, {"clipvalue": (2.0, 1.0)}, ValueError, r"`clipvalue` must have min <= max"),
-    ("sgd-clip-weight-order", O.SGD, {"clip_weight_min": 1.0, "clip_weight_max": 0.0}, ValueError,
-     r"Argument `clip_weight_min` must be <= clip_weight_max \(0.0\). Received: 1.0"),
-    ("sgd-clip-weight-nan", O.SGD, {"clip_weight_max": float("nan")}, ValueError, r"Argument `clip_weight_max`"),
-    ("sgd-weight-decay-negative", O.SGD, {"weight_decay_factor": -0.1}, ValueError,
-     r"Argument `weight_decay_factor` .* >= 0.0. Received: -0.1"),
-    ("sgd-multiply-wd-not-bool", O.SGD, {"multiply_weight_decay_factor_by_learning_rate": "yes"}, ValueError,
-     r"Argument `multiply_weight_decay_factor_by_learning_rate` must be a boolean"),
-    ("adagrad-init-zero", O.Adagrad, {"initial_accumulator_value": 0.0}, ValueError,
-     r"Argument `initial_accumulator_value` must be a positive float. Received: 0.0"),
-    ("adagrad-init-negative", O.Adagrad, {"initial_accumulator_value": -1}, ValueError,
-     r"`initial_accumulator_value` must be a positive float. Received: -1"),
-    ("adagrad-slot-fn-not-callable", O.Adagrad, {"slot_creation_fn": 3}, ValueError,
-     r"Argument `slot_creation_fn` must be a callable or None. Received: 3"),
-    ("adagrad_momentum-epsilon-zero", O.AdagradMomentum, {"epsilon": 0.0}, ValueError,
-     r"Argument `epsilon` .* > 0.0. Received: 0.0"),
-    ("adagrad_momentum-exponent-zero", O.AdagradMomentum, {"exponent": 0}, ValueError,
-     r"Argument `exponent` .* > 0.0. Received: 0"),
-    ("adagrad_momentum-beta2-above-1", O.AdagradMomentum, {"beta2": 1.5}, ValueError,
-     r"Argument `beta2` .* <= 1.0. Received: 1.5"),
-    ("adagrad_momentum-momentum-negative", O.AdagradMomentum, {"momentum": -0.1}, ValueError,
-     r"Argument `momentum` .* Received: -0.1"),
-    ("adagrad_momentum-nesterov-not-bool", O.AdagradMomentum, {"use_nesterov": 1}, ValueError,
-     r"Argument `use_nesterov` must be a boolean. Received: 1"),
-    ("adam-beta1-one", O.Adam, {"betas": (1.0, 0.999)}, ValueError, r"Argument `betas\[0\]` .* < 1.0. Received: 1.0"),
-    ("adam-beta2-prints-beta2", O.Adam, {"betas": (0.9, 1.5)}, ValueError, r"Argument `betas\[1\]` .* Received: 1.5"),
-    ("adam-beta-negative", O.Adam, {"betas": (-0.1, 0.9)}, ValueError, r"Argument `betas\[0\]` .* Received: -0.1"),
-    ("adam-betas-not-pair", O.Adam, {"betas": 0.9}, ValueError, r"Argument `betas` must be a pair"),
-    ("adam-eps-zero", O.Adam, {"eps": 0.0}, ValueError, r"Argument `eps` .* > 0.0. Received: 0.0"),
-    ("adam-nonlazy-no-accum", O.Adam, {"lazy_adam": False, "use_gradient_accumulation": False}, ValueError,
-     r"When disabling lazy Adam \(`lazy_adam=False`\), gradient accumulation must be used. "
-     r"Set `use_gradient_accumulation` to True."),
-    ("adam-bias-correction-not-bool", O.Adam, {"bias_correction": None}, ValueError,
-     r"Argument `bias_correction` must be a boolean. Received: None"),
-    ("lazy_adam-lazy-flag", O.LazyAdam, {"lazy_adam": False}, ValueError, r"Argument `lazy_adam` is not an argument"),
-    ("ftrl-power-positive", O.FTRL, {"learning_rate_power": 0.5}, ValueError,
-     r"Argument `learning_rate_power` .* <= 0.0. Received: 0.5"),
-    ("ftrl-l1-negative", O.FTRL, {"l1_regularization_strength": -1.0}, ValueError,
-     r"Argument `l1_regularization_strength` .* Received: -1.0"),
-    ("ftrl-l2-negative", O.FTRL, {"l2_regularization_strength": -0.5}, ValueError,
-     r"Argument `l2_regularization_strength` .* Received: -0.5"),
-    ("ftrl-beta-negative", O.FTRL, {"beta": -0.5}, ValueError, r"Argument `beta` .* Received: -0.5"),
-    ("ftrl-init-zero", O.FTRL, {"initial_accumulator_value": 0.0}, ValueError,
-     r"Argument `initial_accumulator_value` must be a positive float. Received: 0.0"),
-    ("ftrl-init-negative-with-zero-allowed", O.FTRL,
-     {"initial_accumulator_value": -0.1, "allow_zero_accumulator": True}, ValueError,
-     r"Argument `initial_accumulator_value` must be a float >= 0. Received: -0.1"),
-    ("ftrl-multiply-not-bool", O.FTRL, {"multiply_linear_by_learning_rate": "no"}, ValueError,
-     r"Argument `multiply_linear_by_learning_rate` must be a boolean"),
-]
+CASES = error_cases()  # every entry's own error inputs, and each shared one it takes (tests/optim_registry.py)
 
 
-@pytest.mark.parametrize("cls, kwargs, exc, pattern", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_invalid_argument(cls: type, kwargs: dict, exc: type, pattern: str) -> None:
+@pytest.mark.parametrize("info, case", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_invalid_argument(info: OptimizerInfo, case: ErrorInput) -> None:
     p = torch.nn.Parameter(torch.zeros(3, 2))
-    with pytest.raises(exc, match=pattern):
-        cls([p], **kwargs)
+    with pytest.raises(case.error, match=case.regex):
+        info.cls([p], **case.kwargs)
 
 
 def test_case_count() -> None:

@@ -1,4 +1,8 @@
-"""The Keras extras on every optimizer: lazy == dense, untouched rows, EMA catch-up, checkpoints, errors.
+"""The Keras extras on every optimizer: lazy == dense, untouched rows, EMA catch-up, checkpoints.
+
+Every configuration of the registry's ``extras`` target (one per optimizer, tests/optim_registry.py)
+runs with every combination of ``KERAS_EXTRAS``; the extras' argument errors are the registry's
+``SHARED_ERRORS`` (tests/test_optim_errors.py).
 
 Independent references: the same optimizer on a dense twin parameter fed the densified gradient (Keras
 densifies sparse gradients, tf_spec §5.2), a float64 EMA of the recorded weight trajectory written from
@@ -8,42 +12,21 @@ tf_spec §5.1, and one un-accumulated step on the mean gradient.
 from __future__ import annotations
 
 import copy
-import re
 
 import pytest
 import torch
+from optim_registry import EXTRAS, KERAS_EXTRAS, OptimizerConfig, cases
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding.optim import _slots
 
 O = tte.optim  # noqa: E741
 V, D = 10, 3
-OPTS = {
-    "sgd": (O.SGD, {"lr": 0.1}),
-    "adagrad": (O.Adagrad, {"lr": 0.1}),
-    "adagrad_momentum": (O.AdagradMomentum, {"lr": 0.05, "momentum": 0.9, "use_nesterov": True}),
-    "adam": (O.Adam, {"lr": 0.05}),
-    "lazy_adam": (O.LazyAdam, {"lr": 0.05, "bias_correction": True, "sum_inside_sqrt": False}),
-    "ftrl": (O.FTRL, {"lr": 0.1, "l1_regularization_strength": 0.01}),
-    "adafactor": (O.Adafactor, {"lr": 0.1}),
-}
-EXTRAS = {
-    "clipnorm": {"clipnorm": 0.5},
-    "global_clipnorm": {"global_clipnorm": 0.3},
-    "ema": {"use_ema": True, "ema_momentum": 0.8},
-    "ema-overwrite": {"use_ema": True, "ema_momentum": 0.8, "ema_overwrite_frequency": 3},
-    "loss_scale": {"loss_scale_factor": 4.0},
-    "accumulate3": {"gradient_accumulation_steps": 3},
-    "accumulate2-ema-clipnorm": {"gradient_accumulation_steps": 2, "use_ema": True, "ema_momentum": 0.7,
-                                 "clipnorm": 0.4},
-    "accumulate2-gclip-scale": {"gradient_accumulation_steps": 2, "global_clipnorm": 0.2,
-                                "loss_scale_factor": 8.0},
-}
+CFGS = cases(EXTRAS)  # one configuration per optimizer (tests/optim_registry.py)
 
 
-def make(opt: str, extra: str, params: list[torch.Tensor]):
-    cls, kw = OPTS[opt]
-    return cls(params, **kw, **EXTRAS[extra])
+def make(cfg: OptimizerConfig, extra: str, params: list[torch.Tensor]):
+    return cfg.make(params, **KERAS_EXTRAS[extra])
 
 
 def model(dtype: torch.dtype = torch.float64):
@@ -69,14 +52,14 @@ def loss_of(out: torch.Tensor, head: torch.nn.Linear, step: int) -> torch.Tensor
     return (head(out) - target).square().sum() * 0.5
 
 
-def twin_run(opt: str, extra: str, steps: int, all_rows: bool):
+def twin_run(cfg: OptimizerConfig, extra: str, steps: int, all_rows: bool):
     """The table trained lazily, and a dense twin parameter trained on the densified gradient."""
     ec, head = model()
     head2 = copy.deepcopy(head)
     w = ec.tables.t.weight
     dense = torch.nn.Parameter(w.detach().clone())
-    o_rows = make(opt, extra, [w, *head.parameters()])
-    o_dense = make(opt, extra, [dense, *head2.parameters()])
+    o_rows = make(cfg, extra, [w, *head.parameters()])
+    o_dense = make(cfg, extra, [dense, *head2.parameters()])
     for s in range(steps):
         ids = batch(s, all_rows)
         loss_of(ec({"f": ids})["f"], head, s).backward()
@@ -88,34 +71,32 @@ def twin_run(opt: str, extra: str, steps: int, all_rows: bool):
     return ec, head, o_rows, dense, head2, o_dense
 
 
-@pytest.mark.parametrize("extra", list(EXTRAS))
-@pytest.mark.parametrize("opt", list(OPTS))
-def test_lazy_equals_dense_when_every_row_is_touched(opt: str, extra: str) -> None:
-    ec, head, o_rows, dense, head2, o_dense = twin_run(opt, extra, 7, all_rows=True)
+@pytest.mark.parametrize("extra", list(KERAS_EXTRAS))
+@pytest.mark.parametrize("cfg", CFGS, ids=str)
+def test_lazy_equals_dense_when_every_row_is_touched(cfg: OptimizerConfig, extra: str) -> None:
+    ec, head, o_rows, dense, head2, o_dense = twin_run(cfg, extra, 7, all_rows=True)
     w = ec.tables.t.weight
     tol = {"rtol": 1e-12, "atol": 1e-12}
     torch.testing.assert_close(w.detach(), dense.detach(), **tol)
     torch.testing.assert_close(head.weight.detach(), head2.weight.detach(), **tol)
     s_rows, s_dense = o_rows.state[w], o_dense.state[dense]
-    for name in _slots.rule_slots(w, o_rows.param_groups[0]):
-        if name == "r_sum":  # the table's Σr; the dense twin recomputes mean(r)
-            torch.testing.assert_close(s_rows[name], s_dense["r"].sum(), **tol)
-        else:
-            torch.testing.assert_close(s_rows[name], s_dense[name], **tol, msg=name)
-    if EXTRAS[extra].get("use_ema"):
+    for name in cfg.info.slot_names:
+        twin = cfg.info.table_only_slots.get(name)  # e.g. Adafactor's Σr: the dense twin recomputes mean(r)
+        torch.testing.assert_close(s_rows[name], s_dense[name] if twin is None else twin(s_dense), **tol, msg=name)
+    if KERAS_EXTRAS[extra].get("use_ema"):
         torch.testing.assert_close(o_rows.moving_average(w), o_dense.moving_average(dense), **tol)
         o_rows.finalize_variable_values()
         o_dense.finalize_variable_values()
         torch.testing.assert_close(w.detach(), dense.detach(), **tol)
 
 
-@pytest.mark.parametrize("extra", list(EXTRAS))
-@pytest.mark.parametrize("opt", list(OPTS))
-def test_untouched_rows_bit_identical(opt: str, extra: str) -> None:
+@pytest.mark.parametrize("extra", list(KERAS_EXTRAS))
+@pytest.mark.parametrize("cfg", CFGS, ids=str)
+def test_untouched_rows_bit_identical(cfg: OptimizerConfig, extra: str) -> None:
     ec, head = model()
     w = ec.tables.t.weight
     w0 = w.detach().clone()
-    o = make(opt, extra, [w, *head.parameters()])
+    o = make(cfg, extra, [w, *head.parameters()])
     for s in range(7):
         loss_of(ec({"f": batch(s, False)})["f"], head, s).backward()
         o.step()
@@ -126,33 +107,33 @@ def test_untouched_rows_bit_identical(opt: str, extra: str) -> None:
     for name, spec in _slots.specs(w, o.param_groups[0]).items():
         if spec.rows and name not in ("ema", "ema_last"):
             assert torch.all(state[name][V // 2 :] == spec.init), name
-    if EXTRAS[extra].get("use_ema"):  # the average of a constant row is that row, exactly
+    if KERAS_EXTRAS[extra].get("use_ema"):  # the average of a constant row is that row, exactly
         assert torch.equal(o.moving_average(w)[V // 2 :], w0[V // 2 :])
 
 
 @pytest.mark.parametrize("extra", ["ema", "ema-overwrite", "accumulate3", "accumulate2-ema-clipnorm",
                                    "accumulate2-gclip-scale", "clipnorm", "global_clipnorm"])
-@pytest.mark.parametrize("opt", ["sgd", "adagrad"])
-def test_partial_batches_equal_dense(opt: str, extra: str) -> None:
-    """SGD and Adagrad leave rows with g = 0 unchanged, so lazy == dense on any batch: this checks
-    the EMA catch-up over idle calls, the overwrite of idle rows and accumulation across calls."""
-    ec, head, o_rows, dense, head2, o_dense = twin_run(opt, extra, 9, all_rows=False)
+@pytest.mark.parametrize("cfg", [c for c in CFGS if c.info.zero_gradient_is_noop], ids=str)
+def test_partial_batches_equal_dense(cfg: OptimizerConfig, extra: str) -> None:
+    """Optimizers whose step leaves rows with g = 0 unchanged (SGD, Adagrad: zero_gradient_is_noop) have
+    lazy == dense on any batch: this checks the EMA catch-up over idle calls, the overwrite of idle
+    rows and accumulation across calls."""
+    ec, head, o_rows, dense, head2, o_dense = twin_run(cfg, extra, 9, all_rows=False)
     w = ec.tables.t.weight
     torch.testing.assert_close(w.detach(), dense.detach(), rtol=1e-12, atol=1e-12)
-    if EXTRAS[extra].get("use_ema"):
+    if KERAS_EXTRAS[extra].get("use_ema"):
         torch.testing.assert_close(o_rows.moving_average(w), o_dense.moving_average(dense),
                                    rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("k", [None, 2, 3])
-@pytest.mark.parametrize("opt", list(OPTS))
-def test_ema_equals_the_average_of_the_recorded_trajectory(opt: str, k: int | None) -> None:
+@pytest.mark.parametrize("cfg", CFGS, ids=str)
+def test_ema_equals_the_average_of_the_recorded_trajectory(cfg: OptimizerConfig, k: int | None) -> None:
     """Keras EMA (tf_spec §5.1) in float64 over the weights recorded after each call."""
     ec, head = model()
     w = ec.tables.t.weight
     mu = 0.75
-    o = OPTS[opt][0]([w, *head.parameters()], **OPTS[opt][1], use_ema=True, ema_momentum=mu,
-                     gradient_accumulation_steps=k)
+    o = cfg.make([w, *head.parameters()], use_ema=True, ema_momentum=mu, gradient_accumulation_steps=k)
     avg = None
     for it in range(8):
         loss_of(ec({"f": batch(it, False)})["f"], head, it).backward()
@@ -208,10 +189,10 @@ def test_global_clipnorm_spans_tables_and_dense_parameters() -> None:
 
 
 @pytest.mark.parametrize("extra", ["accumulate3", "accumulate2-ema-clipnorm", "ema-overwrite"])
-@pytest.mark.parametrize("opt", ["adam", "adafactor", "ftrl"])
-def test_state_dict_mid_accumulation_continues_bitwise(opt: str, extra: str) -> None:
+@pytest.mark.parametrize("cfg", CFGS, ids=str)
+def test_state_dict_mid_accumulation_continues_bitwise(cfg: OptimizerConfig, extra: str) -> None:
     ec, head = model()
-    o = make(opt, extra, [ec.tables.t.weight, *head.parameters()])
+    o = make(cfg, extra, [ec.tables.t.weight, *head.parameters()])
 
     def train(ec, head, o, start: int, n: int) -> None:
         for s in range(start, start + n):
@@ -226,12 +207,12 @@ def test_state_dict_mid_accumulation_continues_bitwise(opt: str, extra: str) -> 
     ec2, head2 = model()
     ec2.load_state_dict(saved[0])
     head2.load_state_dict(saved[1])
-    o2 = make(opt, extra, [ec2.tables.t.weight, *head2.parameters()])
+    o2 = make(cfg, extra, [ec2.tables.t.weight, *head2.parameters()])
     o2.load_state_dict(saved[2])
     train(ec2, head2, o2, 4, 5)
     assert torch.equal(ec.tables.t.weight, ec2.tables.t.weight)
     assert torch.equal(head.weight, head2.weight)
-    if EXTRAS[extra].get("use_ema"):
+    if KERAS_EXTRAS[extra].get("use_ema"):
         assert torch.equal(o.moving_average(ec.tables.t.weight), o2.moving_average(ec2.tables.t.weight))
 
 
@@ -254,36 +235,6 @@ def test_float32_lazy_equals_dense_with_extras() -> None:
 P = [torch.nn.Parameter(torch.zeros(2))]
 
 
-@pytest.mark.parametrize(
-    "kwargs, error, match",
-    [
-        ({"clipnorm": 1.0, "global_clipnorm": 1.0}, ValueError,
-         "Only one of `clipnorm`, `clipvalue` and `global_clipnorm` can be set. Received: clipnorm=1.0"),
-        ({"clipnorm": 1.0, "clipvalue": 1.0}, ValueError, "Only one of `clipnorm`"),
-        ({"clipnorm": -1.0}, ValueError, "Argument `clipnorm` must be a finite number and >= 0.0. Received: -1.0"),
-        ({"global_clipnorm": float("nan")}, ValueError, "Argument `global_clipnorm` must be a finite number"),
-        ({"gradient_accumulation_steps": 1}, ValueError,
-         "`gradient_accumulation_steps` must be an integer >= 2. Received: gradient_accumulation_steps=1"),
-        ({"gradient_accumulation_steps": 2.0}, ValueError, "must be an integer >= 2. Received: .*=2.0"),
-        ({"gradient_accumulation_steps": True}, ValueError, "must be an integer >= 2"),
-        ({"use_ema": 1}, ValueError, "Argument `use_ema` must be a boolean. Received: 1"),
-        ({"use_ema": True, "ema_momentum": 1.5}, ValueError,
-         "Argument `ema_momentum` must be a finite number and >= 0.0 and <= 1.0. Received: 1.5"),
-        ({"use_ema": True, "ema_overwrite_frequency": 0}, ValueError,
-         "Argument `ema_overwrite_frequency` must be an int and must be >= 1. Received: 0"),
-        ({"ema_overwrite_frequency": 2}, ValueError,
-         "Argument `ema_overwrite_frequency` requires `use_ema=True`. Received: 2"),
-        ({"loss_scale_factor": 0.0}, ValueError, "Argument `loss_scale_factor` must be a finite number and > 0.0"),
-        ({"clipnorm": 1.0, "use_gradient_accumulation": False}, ValueError,
-         "`clipnorm` needs the per-row gradient summed over duplicate ids"),
-        ({"ema_decay": 0.9}, TypeError, "Unexpected keyword argument"),
-    ],
-)
-def test_extras_are_validated(kwargs: dict, error: type, match: str) -> None:
-    with pytest.raises(error, match=re.escape(match) if ".*" not in match else match):
-        O.SGD(P, lr=0.1, **kwargs)
-
-
 def test_moving_average_needs_use_ema() -> None:
     o = O.SGD(P, lr=0.1)
     with pytest.raises(ValueError, match="use_ema=True"):
@@ -298,12 +249,12 @@ def test_clipnorm_clips_each_parameter_by_its_own_norm() -> None:
         torch.testing.assert_close(p.detach(), p0 - g * 0.05 / norm, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("opt", list(OPTS))
-def test_loss_scale_factor_undoes_a_scaled_loss(opt: str) -> None:
+@pytest.mark.parametrize("cfg", CFGS, ids=str)
+def test_loss_scale_factor_undoes_a_scaled_loss(cfg: OptimizerConfig) -> None:
     runs = []
     for scale in (None, 64.0):
         ec, head = model()
-        o = OPTS[opt][0]([ec.tables.t.weight, *head.parameters()], **OPTS[opt][1], loss_scale_factor=scale)
+        o = cfg.make([ec.tables.t.weight, *head.parameters()], loss_scale_factor=scale)
         for s in range(3):
             (loss_of(ec({"f": batch(s, False)})["f"], head, s) * (scale or 1.0)).backward()
             o.step()

@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from optim_registry import IDS, NON_LAZY_INFOS, OPTIM_INFOS, OptimInfo
+from optim_registry import GENERIC, OVERRIDE, OptimizerConfig, cases
 
 import torch_tpu_embedding as tte
 
@@ -44,28 +44,29 @@ def train(ec, head, opt, steps: int, all_rows: bool = False, start: int = 0):
         opt.zero_grad()
 
 
-@pytest.mark.parametrize("info", OPTIM_INFOS, ids=IDS)
-def test_untouched_rows_and_slots_bit_identical(info: OptimInfo) -> None:
+@pytest.mark.parametrize("cfg", [c for c in cases(GENERIC) if c.lazy], ids=str)
+def test_untouched_rows_and_slots_bit_identical(cfg: OptimizerConfig) -> None:
     ec, head = make_model()
-    opt = info.make(list(ec.parameters()) + list(head.parameters()))
+    opt = cfg.make(list(ec.parameters()) + list(head.parameters()))
     w0 = ec.tables.t.weight.detach().clone()
     train(ec, head, opt, 4)
     w = ec.tables.t.weight.detach()
     assert torch.equal(w[V // 2 :], w0[V // 2 :])
     assert not torch.equal(w[: V // 2], w0[: V // 2])
     state = opt.state[ec.tables.t.weight]
-    init = info.cls.slot_initial_values(opt.param_groups[0])
-    for name in info.cls.slot_names:
-        assert torch.all(state[name][V // 2 :] == init[name]), name
+    init = cfg.info.table_slots(opt.param_groups[0], (V, D))
+    for name, value in init.items():
+        if name not in cfg.info.whole_slots:
+            assert torch.all(state[name][V // 2 :] == torch.from_numpy(value[V // 2 :])), name
 
 
-@pytest.mark.parametrize("info", OPTIM_INFOS + NON_LAZY_INFOS, ids=IDS + ["adam-nonlazy"])
-def test_lazy_equals_dense_when_every_row_is_touched(info: OptimInfo) -> None:
+@pytest.mark.parametrize("cfg", cases(GENERIC), ids=str)
+def test_lazy_equals_dense_when_every_row_is_touched(cfg: OptimizerConfig) -> None:
     """Table path (row-sparse grads) == dense path (the same grads densified on a plain param)."""
     ec, head = make_model()
     dense = torch.nn.Parameter(ec.tables.t.weight.detach().clone())
-    opt_rows = info.make([ec.tables.t.weight])
-    opt_dense = info.make([dense])
+    opt_rows = cfg.make([ec.tables.t.weight])
+    opt_dense = cfg.make([dense])
     for s in range(4):
         out = ec(batch(s, all_rows=True))
         loss = (head(out["a"]).tanh() + head(out["b"]).square()).sum()
@@ -79,9 +80,11 @@ def test_lazy_equals_dense_when_every_row_is_touched(info: OptimInfo) -> None:
         opt_dense.zero_grad()
         head.zero_grad()
     torch.testing.assert_close(ec.tables.t.weight.detach(), dense.detach(), rtol=1e-12, atol=1e-12)
-    for name in info.cls.slot_names:
+    dense_state = opt_dense.state[dense]
+    for name in cfg.info.slot_names:
+        twin = cfg.info.table_only_slots.get(name)
         torch.testing.assert_close(
-            opt_rows.state[ec.tables.t.weight][name], opt_dense.state[dense][name],
+            opt_rows.state[ec.tables.t.weight][name], dense_state[name] if twin is None else twin(dense_state),
             rtol=1e-12, atol=1e-12,
         )
 
@@ -96,32 +99,32 @@ def test_nonlazy_adam_moves_untouched_rows() -> None:
     assert not torch.equal(ec.tables.t.weight.detach()[: V // 2], w0[: V // 2])
 
 
-@pytest.mark.parametrize("info", OPTIM_INFOS, ids=IDS)
-def test_state_dict_round_trip_continues_bitwise(info: OptimInfo) -> None:
+@pytest.mark.parametrize("cfg", cases(GENERIC), ids=str)
+def test_state_dict_round_trip_continues_bitwise(cfg: OptimizerConfig) -> None:
     ec, head = make_model()
-    opt = info.make(list(ec.parameters()) + list(head.parameters()))
+    opt = cfg.make(list(ec.parameters()) + list(head.parameters()))
     train(ec, head, opt, 2)
     saved_model = copy.deepcopy((ec.state_dict(), head.state_dict()))
     saved_opt = copy.deepcopy(opt.state_dict())
     assert set(saved_opt["state"]) == {"table:t", "param:1", "param:2"}
-    for name in info.cls.slot_names:
-        assert saved_opt["state"]["table:t"][name].shape == (V, D)
+    for name, value in cfg.info.table_slots(opt.param_groups[0], (V, D)).items():
+        assert saved_opt["state"]["table:t"][name].shape == value.shape, name
     train(ec, head, opt, 3, start=2)
 
     ec2, head2 = make_model(seed=99)
     ec2.load_state_dict(saved_model[0])
     head2.load_state_dict(saved_model[1])
-    opt2 = info.make(list(ec2.parameters()) + list(head2.parameters()))
+    opt2 = cfg.make(list(ec2.parameters()) + list(head2.parameters()))
     opt2.load_state_dict(saved_opt)
     train(ec2, head2, opt2, 3, start=2)
     assert torch.equal(ec.tables.t.weight, ec2.tables.t.weight)
     assert torch.equal(head.weight, head2.weight)
 
 
-@pytest.mark.parametrize("info", OPTIM_INFOS, ids=IDS)
-def test_step_without_gradients_is_a_no_op(info: OptimInfo) -> None:
+@pytest.mark.parametrize("cfg", cases(GENERIC), ids=str)
+def test_step_without_gradients_is_a_no_op(cfg: OptimizerConfig) -> None:
     ec, head = make_model()
-    opt = info.make(list(ec.parameters()) + list(head.parameters()))
+    opt = cfg.make(list(ec.parameters()) + list(head.parameters()))
     w0 = ec.tables.t.weight.detach().clone()
     opt.step()
     assert torch.equal(ec.tables.t.weight, w0)
@@ -131,23 +134,23 @@ def test_step_without_gradients_is_a_no_op(info: OptimInfo) -> None:
     assert torch.equal(ec.tables.t.weight, w0)
 
 
-@pytest.mark.parametrize("info", OPTIM_INFOS, ids=IDS)
-def test_lr_scheduler_and_callable_and_tensor_agree(info: OptimInfo) -> None:
+@pytest.mark.parametrize("cfg", cases(GENERIC), ids=str)
+def test_lr_scheduler_and_callable_and_tensor_agree(cfg: OptimizerConfig) -> None:
     """LambdaLR through 0 and 1, a callable lr and a tensor lr set by hand give the same weights."""
     factors = [1.0, 0.0, 0.5, 1.0, 0.25]
-    if info.cls is tte.optim.FTRL and not info.kwargs.get("multiply_linear_by_learning_rate"):
-        factors[1] = 0.01  # TF's FTRL divides by lr; lr = 0 needs multiply_linear_by_learning_rate
-    base = info.kwargs["lr"]
+    if not cfg.info.zero_lr_ok(cfg.kwargs):
+        factors[1] = 0.01  # e.g. TF's FTRL divides by lr; lr = 0 needs multiply_linear_by_learning_rate
+    base = cfg.kwargs["lr"]
 
     ec1, h1 = make_model()
-    o1 = info.make(ec1.parameters())
+    o1 = cfg.make(ec1.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(o1, lambda s: factors[min(s, len(factors) - 1)])
     ec2, h2 = make_model()
     k = {"i": 0}
-    o2 = info.make(ec2.parameters(), lr=lambda: base * factors[k["i"]])
+    o2 = cfg.make(ec2.parameters(), lr=lambda: base * factors[k["i"]])
     ec3, h3 = make_model()
     lr_t = torch.tensor(base, dtype=torch.float64)
-    o3 = info.make(ec3.parameters(), lr=lr_t)
+    o3 = cfg.make(ec3.parameters(), lr=lr_t)
     for s in range(len(factors)):
         for ec, h, o in ((ec1, h1, o1), (ec2, h2, o2), (ec3, h3, o3)):
             lr_t.fill_(base * factors[s])
@@ -169,18 +172,14 @@ def test_zero_lr_step_keeps_sgd_weights() -> None:
     assert torch.equal(ec.tables.t.weight, w0)
 
 
-@pytest.mark.parametrize(
-    "override, expected",
-    [
-        ("ftrl", tte.optim.FTRL),
-        (functools.partial(tte.optim.FTRL, lr=0.3, l1_regularization_strength=0.01), tte.optim.FTRL),
-        ("adagrad", tte.optim.Adagrad),
-        (functools.partial(tte.optim.Adam, lr=0.02, bias_correction=True), tte.optim.Adam),
-    ],
-    ids=["ftrl-name", "ftrl-partial", "adagrad-name", "adam-partial"],
-)
-def test_per_table_override_matches_standalone(override: object, expected: type) -> None:
+OVERRIDES = [(f"{c.info.name}-name", c.info.name, c) for c in cases(OVERRIDE)] + [
+    (f"{c.id}-partial", functools.partial(c.info.cls, **c.kwargs), c) for c in cases(OVERRIDE)]
+
+
+@pytest.mark.parametrize("override, cfg", [o[1:] for o in OVERRIDES], ids=[o[0] for o in OVERRIDES])
+def test_per_table_override_matches_standalone(override: object, cfg: OptimizerConfig) -> None:
     """Global SGD + a table-level override == the override optimizer run alone on that table."""
+    expected = cfg.info.cls
     ec, head = make_model(optimizer=override)
     opt = tte.optim.SGD(list(ec.parameters()) + list(head.parameters()), lr=0.05)
     algos = sorted(g["algorithm"] for g in opt.param_groups)
@@ -199,7 +198,7 @@ def test_per_table_override_matches_standalone(override: object, expected: type)
     assert torch.equal(ec.tables.t.weight, ec_ref.tables.t.weight)
     assert torch.equal(head.weight, head_ref.weight)
     sd = opt.state_dict()
-    assert set(sd["state"]["table:t"]) == set(expected.slot_names) | {"step"}
+    assert set(sd["state"]["table:t"]) == set(cfg.info.slot_names) | {"step"}
 
 
 def test_override_works_with_lr_scheduler() -> None:

@@ -6,31 +6,25 @@ from typing import Any
 
 import pytest
 import torch
+from optim_registry import CHUNKS, OptimizerConfig, cases
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding.optim import _paths
 
 O = tte.optim  # noqa: E741
-CASES: dict[str, tuple[Any, dict[str, Any]]] = {
-    "sgd-decay-clip": (O.SGD, {"lr": 0.1, "clipvalue": 0.5, "weight_decay_factor": 0.01,
-                               "clip_weight_min": -0.4, "clip_weight_max": 0.4}),
-    "adagrad": (O.Adagrad, {"lr": 0.1}),
-    "adagrad_momentum": (O.AdagradMomentum, {"lr": 0.1, "momentum": 0.9, "use_nesterov": True}),
-    "lazy_adam-ema": (O.LazyAdam, {"lr": 0.05, "bias_correction": True, "use_ema": True}),
-    "ftrl-accum-skip": (O.FTRL, {"lr": 0.1, "gradient_accumulation_steps": 2, "skip_nonfinite": True}),
-    "adafactor": (O.Adafactor, {"lr": 0.1}),  # per-table statistics: never chunked
-    "sgd-noaccum": (O.SGD, {"lr": 0.1, "use_gradient_accumulation": False}),  # ids repeat: never chunked
-}
+# Every optimizer, with EMA, with accumulation + skip_nonfinite, and without dedup where it takes
+# use_gradient_accumulation=False (ids repeat: never chunked); Adafactor's per-table statistics are
+# never chunked either (tests/optim_registry.py, target ``chunks``).
+CASES = cases(CHUNKS)
 
 
-def run(name: str, chunk: int, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, Any], dict[str, Any]]:
+def run(cfg: OptimizerConfig, chunk: int, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, Any], dict[str, Any]]:
     monkeypatch.setattr(_paths, "ROW_CHUNK", chunk)
     monkeypatch.setattr(_paths, "ROW_CHUNK_PARALLEL", chunk)
-    cls, kwargs = CASES[name]
     torch.manual_seed(0)
     t = tte.TableConfig(300, 6, name="t", combiner="sqrtn")
     ec = tte.EmbeddingCollection({"a": tte.FeatureConfig(t, max_ids_per_bag=5), "b": tte.FeatureConfig(t)})
-    opt = cls(ec.parameters(), **kwargs)
+    opt = cfg.make(ec.parameters())
     g = torch.Generator().manual_seed(1)
     for _ in range(5):
         out = ec({"a": tte.Padded(torch.randint(0, 300, (40, 5), generator=g)),
@@ -41,10 +35,10 @@ def run(name: str, chunk: int, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[st
     return ec.state_dict(), opt.state_dict()["state"]
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_chunked_updates_equal_whole_batch(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    whole_w, whole_s = run(name, 10**9, monkeypatch)
-    chunked_w, chunked_s = run(name, 7, monkeypatch)  # ~150 touched rows: about 20 chunks
+@pytest.mark.parametrize("cfg", CASES, ids=str)
+def test_chunked_updates_equal_whole_batch(cfg: OptimizerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    whole_w, whole_s = run(cfg, 10**9, monkeypatch)
+    chunked_w, chunked_s = run(cfg, 7, monkeypatch)  # ~150 touched rows: about 20 chunks
     for k, v in whole_w.items():
         assert torch.equal(chunked_w[k], v), k
     for key, slots in whole_s.items():

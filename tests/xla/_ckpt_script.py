@@ -28,11 +28,10 @@ else:
 
 import torch_tpu_embedding as tte  # noqa: E402
 
-OPTS = {
-    "lazy_adam": lambda p: tte.optim.LazyAdam(p, lr=0.05, bias_correction=True, sum_inside_sqrt=False),
-    "ftrl": lambda p: tte.optim.FTRL(p, lr=0.1, l1_regularization_strength=0.001, multiply_linear_by_learning_rate=True),
-    "adafactor": lambda p: tte.optim.Adafactor(p, lr=0.1),
-}
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/: the registry
+from optim_registry import CKPT_MATRIX, cases  # noqa: E402
+
+OPTS = {c.id: c.make for c in cases(CKPT_MATRIX)}  # tests/optim_registry.py, target ``ckpt_matrix``
 V, D = 1001, 8
 
 

@@ -1,10 +1,12 @@
 """Run 20 training steps of an EmbeddingCollection + optimizer on XLA (used by test_xla_optim.py).
 
-Usage: python _optim_step_script.py V OPTIMIZER; prints one JSON line with compile and fallback counts.
+Usage: python _optim_step_script.py V OPTIMIZER (an id of tests/optim_registry.py, target ``xla_compile``);
+prints one JSON line with compile and fallback counts.
 """
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch_xla
@@ -12,21 +14,12 @@ import torch_xla.debug.metrics as met
 
 import torch_tpu_embedding as tte
 
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: the optimizer registry
+from optim_registry import XLA_COMPILE, case  # noqa: E402
+
 V, D = int(sys.argv[1]), 16
-make = {
-    "sgd": lambda p: tte.optim.SGD(p, lr=0.1),
-    "adagrad": lambda p: tte.optim.Adagrad(p, lr=0.1),
-    "adagrad_momentum": lambda p: tte.optim.AdagradMomentum(p, lr=0.1, momentum=0.9),
-    "adam": lambda p: tte.optim.Adam(p, lr=0.1),
-    "lazy_adam": lambda p: tte.optim.LazyAdam(p, lr=0.1, bias_correction=True),
-    "ftrl": lambda p: tte.optim.FTRL(p, lr=0.1, multiply_linear_by_learning_rate=True),
-    "adafactor": lambda p: tte.optim.Adafactor(p, lr=0.1),
-    # The Keras extras: accumulation calls and update calls must share one graph.
-    "adam-ema-accum": lambda p: tte.optim.Adam(p, lr=0.1, use_ema=True, gradient_accumulation_steps=4,
-                                               clipnorm=1.0, loss_scale_factor=8.0),
-    "adafactor-ema-accum": lambda p: tte.optim.Adafactor(p, lr=0.1, use_ema=True, ema_momentum=0.9,
-                                                         gradient_accumulation_steps=3, global_clipnorm=0.5),
-}[sys.argv[2]]
+# OPTIMIZER: a configuration id of the registry's ``xla_compile`` target (tests/optim_registry.py)
+make = case(XLA_COMPILE, sys.argv[2]).make
 dev = torch_xla.device()
 t = tte.TableConfig(V, D, name="t", combiner="mean")
 ec = tte.EmbeddingCollection(

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from optim_registry import CKPT_MATRIX, ids
 
 pytest.importorskip("torch_xla")
 SCRIPT = Path(__file__).with_name("_ckpt_script.py")
 ROOT = Path(__file__).parents[2]
 LAYOUTS = ["cpu", "xla1", "row4", "col4"]
-OPTS = ["lazy_adam", "ftrl", "adafactor"]
+OPTS = ids(CKPT_MATRIX)  # lazy_adam, ftrl, adafactor (tests/optim_registry.py)
 
 
 def worker(layout: str, phase: str, folder: Path) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from optim_registry import XLA_FUSED, OptimizerConfig, case, cases
 
 torch_xla = pytest.importorskip("torch_xla")
 import torch_xla.debug.metrics as met  # noqa: E402
@@ -15,26 +16,17 @@ import torch_xla.debug.metrics as met  # noqa: E402
 import torch_tpu_embedding as tte  # noqa: E402
 
 DEV = torch_xla.device()  # before any backward (the autograd engine sizes its device queues then)
-O = tte.optim  # noqa: E741
-OPTIMIZERS: dict[str, tuple[Any, dict[str, Any]]] = {
-    "sgd-noaccum": (O.SGD, {"lr": 0.1, "use_gradient_accumulation": False}),
-    "adagrad": (O.Adagrad, {"lr": 0.1}),
-    "lazy_adam": (O.LazyAdam, {"lr": 0.05, "bias_correction": True}),
-    "adam-nonlazy": (O.Adam, {"lr": 0.05, "lazy_adam": False}),
-    "ftrl-ema-accum": (O.FTRL, {"lr": 0.1, "use_ema": True, "gradient_accumulation_steps": 2}),
-}
 VOCABS = (30, 17, 41, 9)
 
 
-def build(device: torch.device, fuse: bool, name: str, tables: int = 4) -> tuple[tte.EmbeddingCollection, Any]:
+def build(device: torch.device, fuse: bool, cfg: OptimizerConfig, tables: int = 4) -> tuple[tte.EmbeddingCollection, Any]:
     torch.manual_seed(0)
     configs = [tte.TableConfig(VOCABS[i % 4], 4, name=f"t{i}", combiner=("sum", "mean", "sqrtn")[i % 3])
                for i in range(tables)]
     feats = {f"f{i}": tte.FeatureConfig(c, max_ids_per_bag=3) for i, c in enumerate(configs)}
     feats["seq"] = tte.FeatureConfig(configs[0], max_sequence_length=2)
     ec = tte.EmbeddingCollection(feats, device=device, fuse_tables=fuse)
-    cls, kwargs = OPTIMIZERS[name]
-    return ec, cls(ec.parameters(), **kwargs)
+    return ec, cfg.make(ec.parameters())
 
 
 def step(ec: tte.EmbeddingCollection, opt: Any, g: torch.Generator, tables: int = 4) -> None:
@@ -51,10 +43,10 @@ def step(ec: tte.EmbeddingCollection, opt: Any, g: torch.Generator, tables: int 
         torch_xla.sync()
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_fused_on_xla_matches_unfused_on_cpu_in_one_graph(name: str) -> None:
-    cpu, cpu_opt = build(torch.device("cpu"), False, name)
-    xla, xla_opt = build(DEV, True, name)
+@pytest.mark.parametrize("cfg", cases(XLA_FUSED), ids=str)
+def test_fused_on_xla_matches_unfused_on_cpu_in_one_graph(cfg: OptimizerConfig) -> None:
+    cpu, cpu_opt = build(torch.device("cpu"), False, cfg)
+    xla, xla_opt = build(DEV, True, cfg)
     assert list(xla.groups) == ["fused_0"]
     xla_opt.init_state()
     torch_xla.sync()
@@ -78,7 +70,7 @@ def test_fused_on_xla_matches_unfused_on_cpu_in_one_graph(name: str) -> None:
 
 
 def _step_hlo(tables: int, fuse: bool) -> str:
-    ec, opt = build(DEV, fuse, "lazy_adam", tables)
+    ec, opt = build(DEV, fuse, case(XLA_FUSED, "lazy_adam"), tables)
     opt.init_state()
     torch_xla.sync()
     g = torch.Generator().manual_seed(0)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from optim_registry import XLA, XLA_COMPILE, OptimizerConfig, cases, ids
 
 torch_xla = pytest.importorskip("torch_xla")
 
@@ -22,33 +23,7 @@ torch_xla.device()
 
 SCRIPT = Path(__file__).with_name("_optim_step_script.py")
 ROOT = Path(__file__).parents[2]
-OPTIMIZERS = {
-    "sgd": (tte.optim.SGD, {"lr": 0.1, "clipvalue": 0.5, "weight_decay_factor": 0.01}),
-    "adagrad": (tte.optim.Adagrad, {"lr": 0.1, "clip_weight_min": -0.2, "clip_weight_max": 0.2}),
-    "adagrad_momentum": (tte.optim.AdagradMomentum, {"lr": 0.1, "momentum": 0.9,
-                                                     "use_nesterov": True}),
-    "adam": (tte.optim.Adam, {"lr": 0.05}),
-    "adam-nonlazy": (tte.optim.Adam, {"lr": 0.05, "lazy_adam": False}),
-    "lazy_adam-bias": (tte.optim.LazyAdam, {"lr": 0.05, "bias_correction": True,
-                                            "sum_inside_sqrt": False}),
-    "ftrl": (tte.optim.FTRL, {"lr": 0.1, "l1_regularization_strength": 0.001, "beta": 0.1}),
-    "ftrl-mult": (tte.optim.FTRL, {"lr": 0.1, "multiply_linear_by_learning_rate": True}),
-    "sgd-noaccum": (tte.optim.SGD, {"lr": 0.1, "use_gradient_accumulation": False}),
-    "adafactor": (tte.optim.Adafactor, {"lr": 0.1}),
-    "adafactor-bf16-rows": (tte.optim.Adafactor, {"lr": 0.1, "row_stat_dtype": torch.bfloat16}),
-    # Keras extras: on XLA every call runs one graph (accumulate-only calls are masked).
-    "adam-ema-accum-clipnorm": (tte.optim.Adam, {"lr": 0.05, "use_ema": True, "ema_momentum": 0.8,
-                                                 "gradient_accumulation_steps": 2, "clipnorm": 0.5}),
-    "adafactor-ema-overwrite-gclip": (tte.optim.Adafactor, {"lr": 0.1, "use_ema": True, "ema_momentum": 0.8,
-                                                            "ema_overwrite_frequency": 2, "global_clipnorm": 0.5}),
-    "ftrl-accum3-scale": (tte.optim.FTRL, {"lr": 0.1, "gradient_accumulation_steps": 3,
-                                           "loss_scale_factor": 16.0}),
-    "sgd-noaccum-ema": (tte.optim.SGD, {"lr": 0.1, "use_gradient_accumulation": False, "use_ema": True}),
-}
-
-
-def _run(device: torch.device, name: str, steps: int = 5):
-    cls, kwargs = OPTIMIZERS[name]
+def _run(device: torch.device, cfg: OptimizerConfig, steps: int = 5):
     torch.manual_seed(0)
     t = tte.TableConfig(40, 4, name="t", combiner="sqrtn")
     u = tte.TableConfig(30, 4, name="u", combiner="sum")
@@ -58,7 +33,7 @@ def _run(device: torch.device, name: str, steps: int = 5):
         device=device,
     )
     head = torch.nn.Linear(4, 1).to(device)
-    opt = cls(list(ec.parameters()) + list(head.parameters()), **kwargs)
+    opt = cfg.make(list(ec.parameters()) + list(head.parameters()))
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
         a = torch.randint(0, 20, (12,), generator=g)  # rows >= 20 of t are never touched
@@ -86,17 +61,17 @@ def _run(device: torch.device, name: str, steps: int = 5):
     return {k: v.detach().cpu() for k, v in ec.state_dict().items()}, state
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_xla_matches_cpu(name: str) -> None:
-    cpu_params, cpu_state = _run(torch.device("cpu"), name)
-    xla_params, xla_state = _run(torch_xla.device(), name)
+@pytest.mark.parametrize("cfg", cases(XLA), ids=str)
+def test_xla_matches_cpu(cfg: OptimizerConfig) -> None:
+    cpu_params, cpu_state = _run(torch.device("cpu"), cfg)
+    xla_params, xla_state = _run(torch_xla.device(), cfg)
     for k in cpu_params:
         torch.testing.assert_close(xla_params[k], cpu_params[k], rtol=1e-5, atol=1e-6, msg=k)
     assert set(xla_state) == set(cpu_state)
     for k in cpu_state:
         assert xla_state[k].shape == cpu_state[k].shape, k  # trash rows never leak
         torch.testing.assert_close(xla_state[k], cpu_state[k], rtol=1e-5, atol=1e-6, msg=k)
-    if name != "adam-nonlazy":  # lazy: rows 20.. of table t untouched on both devices
+    if cfg.lazy:  # rows 20.. of table t untouched on both devices
         torch.manual_seed(0)
         init = tte.TableConfig(40, 4).initializer
         assert init is None
@@ -112,8 +87,7 @@ def _script(v: int, opt: str, env_extra: dict[str, str] | None = None) -> dict[s
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("opt", ["sgd", "adagrad", "adagrad_momentum", "adam", "lazy_adam", "ftrl", "adafactor",
-                                 "adam-ema-accum", "adafactor-ema-accum"])
+@pytest.mark.parametrize("opt", ids(XLA_COMPILE))
 def test_twenty_steps_lambda_lr_through_zero_and_one_compile_once(opt: str) -> None:
     """Also with EMA + gradient accumulation (+ clipnorm / global_clipnorm / loss scale) on."""
     result = _script(1000, opt)

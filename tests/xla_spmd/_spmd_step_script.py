@@ -7,6 +7,7 @@ the table's sharding spec before and after. Run with XLA_FLAGS=--xla_dump_to=...
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch_xla
@@ -18,13 +19,12 @@ xr.use_spmd()
 import torch_tpu_embedding as tte  # noqa: E402
 from torch_tpu_embedding.xla import device_mesh, replicate, shard, sharding_spec  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: the optimizer registry
+from optim_registry import SPMD_STEP, case  # noqa: E402
+
 V, D, B, L = int(sys.argv[1]), 8, 64, 4
 steps = int(sys.argv[3]) if len(sys.argv) > 3 else 20
-make = {
-    "sgd": lambda p: tte.optim.SGD(p, lr=0.1),
-    "adam": lambda p: tte.optim.Adam(p, lr=0.1),
-    "adafactor-ema-accum": lambda p: tte.optim.Adafactor(p, lr=0.1, use_ema=True, gradient_accumulation_steps=2),
-}[sys.argv[2]]
+make = case(SPMD_STEP, sys.argv[2]).make  # an id of tests/optim_registry.py, target ``spmd_step``
 dev = torch_xla.device()
 mesh = device_mesh()
 t = tte.TableConfig(V, D, name="t", combiner="mean", placement="row", initializer=torch.nn.init.zeros_)

@@ -16,24 +16,13 @@ import torch_xla.debug.metrics as met  # noqa: E402
 import torch_xla.runtime as xr  # noqa: E402
 
 xr.use_spmd()  # before any XLA tensor exists
+from optim_registry import SPMD, OptimizerConfig, cases  # noqa: E402
+
 import torch_tpu_embedding as tte  # noqa: E402
 from torch_tpu_embedding.xla import device_mesh, replicate, shard, sharding_spec  # noqa: E402
 
 DEV = torch_xla.device()
 O = tte.optim  # noqa: E741
-OPTIMIZERS = {
-    "sgd": (O.SGD, {"lr": 0.1, "clipvalue": 0.5}),
-    "adagrad": (O.Adagrad, {"lr": 0.1}),
-    "adagrad_momentum": (O.AdagradMomentum, {"lr": 0.05, "momentum": 0.9, "use_nesterov": True}),
-    "adam": (O.Adam, {"lr": 0.05}),
-    "adam-nonlazy": (O.Adam, {"lr": 0.05, "lazy_adam": False}),
-    "lazy_adam": (O.LazyAdam, {"lr": 0.05, "bias_correction": True, "sum_inside_sqrt": False}),
-    "ftrl": (O.FTRL, {"lr": 0.1, "l1_regularization_strength": 0.001}),
-    "adafactor": (O.Adafactor, {"lr": 0.1}),
-    "adam-ema-accum-clipnorm": (O.Adam, {"lr": 0.05, "use_ema": True, "ema_momentum": 0.8,
-                                         "gradient_accumulation_steps": 2, "clipnorm": 1.0}),
-    "sgd-gclip-scale": (O.SGD, {"lr": 0.5, "global_clipnorm": 0.5, "loss_scale_factor": 8.0}),
-}
 ROWS, COLS, REPS, D = 1001, 50, 30, 8
 
 
@@ -55,10 +44,9 @@ def build(device: torch.device, dtype: torch.dtype):
     return ec, head
 
 
-def train(device: torch.device, name: str, dtype: torch.dtype, steps: int = 10):
-    cls, kwargs = OPTIMIZERS[name]
+def train(device: torch.device, cfg: OptimizerConfig, dtype: torch.dtype, steps: int = 10):
     ec, head = build(device, dtype)
-    opt = cls(list(ec.parameters()) + list(head.parameters()), **kwargs)
+    opt = cfg.make(list(ec.parameters()) + list(head.parameters()))
     opt.init_state()
     compiles = []
     if device.type == "xla":
@@ -100,9 +88,9 @@ def comparable(ec, head, opt) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("dtype, rtol, atol", [(torch.float64, 1e-6, 1e-9), (torch.float32, 1e-5, 1e-6)],
                          ids=["float64", "float32"])
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_placements_match_single_device_cpu(name: str, dtype: torch.dtype, rtol: float, atol: float) -> None:
-    ec, head, opt, compiles = train(DEV, name, dtype)
+@pytest.mark.parametrize("cfg", cases(SPMD), ids=str)
+def test_placements_match_single_device_cpu(cfg: OptimizerConfig, dtype: torch.dtype, rtol: float, atol: float) -> None:
+    ec, head, opt, compiles = train(DEV, cfg, dtype)
     assert met.executed_fallback_ops() == []
     assert compiles[0] == 1 and compiles[-1] == 1, compiles  # one graph from the first step on
     specs = {n: sharding_spec(t) for n, t in ec.embedding_tables.items()}
@@ -111,7 +99,7 @@ def test_placements_match_single_device_cpu(name: str, dtype: torch.dtype, rtol:
     # Padded to a multiple of lcm(512, 4) in every placement (same shapes in every layout), invisible below.
     assert {n: t.shape[0] for n, t in ec.embedding_tables.items()} == {"row": 1024, "col": 512, "rep": 512}
     xla = comparable(ec, head, opt)
-    cpu = comparable(*train(torch.device("cpu"), name, dtype)[:3])
+    cpu = comparable(*train(torch.device("cpu"), cfg, dtype)[:3])
     assert set(xla) == set(cpu)
     for k in cpu:
         assert xla[k].shape == cpu[k].shape, k  # padding and trash rows never leak

@@ -44,6 +44,19 @@ def train(ec, head, opt, steps: int, all_rows: bool = False, start: int = 0):
         opt.zero_grad()
 
 
+@pytest.mark.parametrize("cfg", cases(GENERIC), ids=str)
+def test_state_is_the_declared_size(cfg: OptimizerConfig) -> None:
+    """A table's optimizer state holds exactly the slots the entry declares, at their declared shapes
+    (plus the step counter): a [V] slot costs V numbers, not V·D."""
+    ec, head = make_model()
+    opt = cfg.make(list(ec.parameters()) + list(head.parameters()))
+    train(ec, head, opt, 1)
+    state = opt.state[ec.tables.t.weight]
+    declared = cfg.info.table_slots(opt.param_groups[0], (V, D))
+    assert {k: tuple(state[k].shape) for k in declared} == {k: v.shape for k, v in declared.items()}
+    assert sum(t.numel() for t in state.values()) == sum(v.size for v in declared.values()) + 1  # + step
+
+
 @pytest.mark.parametrize("cfg", [c for c in cases(GENERIC) if c.lazy], ids=str)
 def test_untouched_rows_and_slots_bit_identical(cfg: OptimizerConfig) -> None:
     ec, head = make_model()

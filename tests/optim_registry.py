@@ -637,8 +637,45 @@ ADAFACTOR_INFO = OptimizerInfo(
     ),
 )
 
+# ---------------------------------------------------------------------------------------------- RowWiseAdagrad
+def np_rowwise_adagrad(hp: Mapping[str, Any], w: Array, g: Array, s: Slots, eta: float, t: int, num_rows: int):
+    """FBGEMM's EXACT_ROWWISE_ADAGRAD: g ← g + λ·w (L2); G ← G + mean_j g² per row (per element below
+    rank 2); w ← w − η·g/(√G + ε)."""
+    g = g + hp["weight_decay"] * w
+    g2 = (g * g).reshape(g.shape[0], -1).mean(axis=1) if w.ndim >= 2 else g * g
+    G = s["accumulators"] + g2
+    den = np.sqrt(G) + hp["eps"]
+    return w - eta * g / (den.reshape(-1, *[1] * (w.ndim - 1)) if w.ndim >= 2 else den), {"accumulators": G}
+
+
+ROWWISE_ADAGRAD_INFO = OptimizerInfo(
+    cls=O.RowWiseAdagrad, name="rowwise_adagrad", default={"lr": 0.1},
+    slot_names=("accumulators",),
+    np_init=lambda hp, shape: {"accumulators": _full(hp["initial_accumulator_value"])(shape[:1] if len(shape) >= 2
+                                                                                      else shape)},
+    np_rule=np_rowwise_adagrad,
+    shared_args=COMMON_ARGS | TPU_ARGS | {"slot_creation_fn"},
+    supports_no_dedup=True, zero_gradient_is_noop=True,
+    error_inputs=(
+        ErrorInput("eps-zero", {"eps": 0.0}, ValueError, _lit("Argument `eps` must be a finite number and > 0.0. Received: 0.0")),
+        ErrorInput("init-negative", {"initial_accumulator_value": -1.0}, ValueError,
+                   _lit("Argument `initial_accumulator_value` must be a finite number and >= 0.0. Received: -1.0")),
+        ErrorInput("init-inf", {"initial_accumulator_value": float("inf")}, ValueError,
+                   r"Argument `initial_accumulator_value` .* Received: inf"),
+        ErrorInput("weight-decay-negative", {"weight_decay": -0.5}, ValueError,
+                   _lit("Argument `weight_decay` must be a finite number and >= 0.0. Received: -0.5")),
+    ),
+    inputs=(
+        _in("rowwise_adagrad", {"lr": 0.1}, GENERIC, KERAS),
+        _in("rowwise_adagrad-init-l2-eps", {"lr": 0.2, "initial_accumulator_value": 0.5, "weight_decay": 0.01,
+                                            "eps": 1e-8, "clip_weight_min": -0.5}, GENERIC),
+    ),
+)
+
+
 OPTIMIZER_INFOS: list[OptimizerInfo] = [
     SGD_INFO, ADAGRAD_INFO, ADAGRAD_MOMENTUM_INFO, ADAM_INFO, LAZY_ADAM_INFO, FTRL_INFO, ADAFACTOR_INFO,
+    ROWWISE_ADAGRAD_INFO,
 ]
 INFO_BY_NAME = {info.name: info for info in OPTIMIZER_INFOS}
 

@@ -23,6 +23,7 @@ from torch_tpu_embedding.optim.adagrad_momentum import *  # noqa: F403
 from torch_tpu_embedding.optim.adam import *  # noqa: F403
 from torch_tpu_embedding.optim.ftrl import *  # noqa: F403
 from torch_tpu_embedding.optim.adafactor import *  # noqa: F403
+from torch_tpu_embedding.optim.rowwise_adagrad import *  # noqa: F403
 # isort: on
 
 #: every optimizer name a ``TableConfig.optimizer`` string may give, in registration order

@@ -67,7 +67,7 @@ class RowGrad:
     rows may be a :class:`BagRows` (eager lookups), multiplied out when consumed.
     """
 
-    __slots__ = ("_ids", "_rows", "keep_factored")
+    __slots__ = ("_ids", "_rows", "exchanged", "keep_factored")
 
     def __init__(self) -> None:
         self._ids: list[torch.Tensor] = []
@@ -75,11 +75,14 @@ class RowGrad:
         #: set by the optimizer that consumes this gradient piecewise (SGD's eager step): eager
         #: lookups then add :class:`BagRows` instead of multiplied-out rows
         self.keep_factored = False
+        #: data parallel (:mod:`torch_tpu_embedding.distributed`): the leading chunks that already
+        #: hold the process group's global gradient
+        self.exchanged = 0
 
     def add(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Add ``ids [n]`` with gradient ``rows [n, D]`` (sentinel ids allowed for padding)."""
         self._ids.append(ids.reshape(-1))
-        self._rows.append(rows.reshape(ids.numel(), -1))
+        self._rows.append(rows.reshape(ids.numel(), rows.shape[-1]))
 
     def add_bags(self, ids: torch.Tensor, gains: torch.Tensor, grad_out: torch.Tensor) -> None:
         """Add ``ids [N, L]`` whose gradient rows are ``gains[n, l] · grad_out[n]`` (kept factored)."""
@@ -100,6 +103,22 @@ class RowGrad:
         if len(self._ids) == 1:
             return self._ids[0], rows[0]
         return torch.cat(self._ids), torch.cat(rows)
+
+    def ids(self) -> torch.Tensor:
+        """Every chunk's ids as one ``[N]`` tensor (in :meth:`collect`'s order; no rows made)."""
+        return self._ids[0] if len(self._ids) == 1 else torch.cat(self._ids)
+
+    def local_part(self) -> RowGrad:
+        """The chunks not yet exchanged across a process group (shared, not copied)."""
+        out = RowGrad()
+        out._ids, out._rows = self._ids[self.exchanged :], self._rows[self.exchanged :]
+        return out
+
+    def set_local(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Replace the chunks not yet exchanged by ``(ids [n], rows [n, D])``, marked exchanged."""
+        del self._ids[self.exchanged :], self._rows[self.exchanged :]
+        self.add(ids, rows)
+        self.exchanged = len(self._ids)
 
     def pieces(self, max_rows: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """``(position, ids, rows)`` in order, about ``max_rows`` rows at a time; ``position`` is the
@@ -127,6 +146,7 @@ class RowGrad:
     def clear(self) -> None:
         self._ids.clear()
         self._rows.clear()
+        self.exchanged = 0
 
 
 @dataclasses.dataclass

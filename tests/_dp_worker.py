@@ -31,9 +31,8 @@ OPTIMIZERS: dict[str, tuple[Any, dict[str, Any]]] = {
     "adafactor": (O.Adafactor, {"lr": 0.1}),
     "adagrad-accum2": (O.Adagrad, {"lr": 0.2, "gradient_accumulation_steps": 2}),
     "adagrad-noaccum": (O.Adagrad, {"lr": 0.2, "use_gradient_accumulation": False}),
+    "rowwise_adagrad": (O.RowWiseAdagrad, {"lr": 0.2}),
 }
-if "rowwise_adagrad" in tte.OPTIMIZER_NAMES:  # when it is registered
-    OPTIMIZERS["rowwise_adagrad"] = (O.optimizer_class("rowwise_adagrad"), {"lr": 0.2})
 BATCH = 12  # the global batch: 6 per rank on 2 ranks, 4 on 3
 STEPS = 10
 TOL = {torch.float64: 1e-10, torch.float32: 1e-6}

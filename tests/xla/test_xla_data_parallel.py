@@ -28,7 +28,6 @@ import torch_tpu_embedding as tte  # noqa: E402
 
 OPTIMIZERS: dict[str, Any] = {
     "adagrad": lambda p: tte.optim.Adagrad(p, lr=0.1),
-    "lazy_adam": lambda p: tte.optim.LazyAdam(p, lr=0.05),
 }
 
 

@@ -274,3 +274,253 @@ def test_a_concurrent_savers_temporary_is_never_removed(tmp_path: Path) -> None:
         holder.wait()
     assert _ckpt_io.remove_stale_temporaries(str(tmp_path)) == [tmp.name]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
+
+
+# ------------------------------------------------------------------ 6, 12. nothing converted silently; clear errors
+def jag(values, lengths=None, offsets=None, weights=None):
+    return tte.Jagged(values, offsets=offsets, lengths=lengths, weights=weights)
+
+
+L21 = torch.tensor([2, 1])
+IDS3 = torch.tensor([1, 2, 3])
+COO_IDX = torch.tensor([[0, 0, 1], [0, 1, 0]])
+INPUT_CASES = [
+    # 6. float / bool lengths and offsets would be truncated
+    ("lengths-float", jag(IDS3, torch.tensor([1.5, 1.5])), None, TypeError,
+     r"Feature `f`: Jagged lengths must be an integer tensor. Received dtype torch.float32 \(it would be truncated"),
+    ("lengths-float64", jag(IDS3, torch.tensor([2.0, 1.0], dtype=torch.float64)), None, TypeError,
+     r"Feature `f`: Jagged lengths must be an integer tensor. Received dtype torch.float64"),
+    ("lengths-bool", jag(torch.tensor([1, 2]), torch.tensor([True, True])), None, TypeError,
+     r"Feature `f`: Jagged lengths must be an integer tensor. Received dtype torch.bool"),
+    ("offsets-float", jag(IDS3, offsets=torch.tensor([0.0, 1.5, 3.0])), None, TypeError,
+     r"Feature `f`: Jagged offsets must be an integer tensor. Received dtype torch.float32"),
+    ("offsets-half", jag(IDS3, offsets=torch.tensor([0, 2, 3], dtype=torch.float16)), None, TypeError,
+     r"Feature `f`: Jagged offsets must be an integer tensor"),
+    # weights that would overflow in the combiner's dtype
+    ("weights-f64-overflow", jag(IDS3, L21, weights=torch.tensor([1e300, 1.0, 1.0], dtype=torch.float64)), None,
+     ValueError, r"Feature `f`: weights must be finite in torch.float32 .* Received 1e\+300, which would overflow"),
+    ("padded-weights-f64-overflow", tte.Padded(torch.ones(2, 2, dtype=torch.long), None,
+                                               torch.full((2, 2), -1e39, dtype=torch.float64)), None, ValueError,
+     r"Feature `f`: weights must be finite in torch.float32 .* Received 1e\+39"),
+    # 12. numpy arrays and lists inside inputs name the feature and the field
+    ("jagged-numpy-values", jag(np.array([1, 2, 3]), L21), None, TypeError,
+     r"Feature `f`: Jagged values must be a torch.Tensor. Received ndarray; convert it with torch.as_tensor"),
+    ("jagged-list-lengths", jag(IDS3, [2, 1]), None, TypeError, r"Feature `f`: Jagged lengths must be a torch.Tensor. Received list"),
+    ("jagged-numpy-offsets", jag(IDS3, offsets=np.array([0, 2, 3])), None, TypeError, r"Feature `f`: Jagged offsets must be a torch.Tensor"),
+    ("jagged-list-values", jag([1, 2, 3], L21), None, TypeError, r"Feature `f`: Jagged values must be a torch.Tensor. Received list"),
+    ("jagged-numpy-weights", jag(IDS3, L21, weights=np.ones(3)), None, TypeError, r"Feature `f`: Jagged weights must be a torch.Tensor"),
+    ("padded-numpy-ids", tte.Padded(np.ones((2, 2), dtype=np.int64)), None, TypeError, r"Feature `f`: Padded ids must be a torch.Tensor"),
+    ("padded-list-mask", tte.Padded(torch.ones(2, 2, dtype=torch.long), [[True, True], [True, False]]), None, TypeError,
+     r"Feature `f`: Padded mask must be a torch.Tensor"),
+    ("padded-numpy-weights", tte.Padded(torch.ones(2, 2, dtype=torch.long), None, np.ones((2, 2))), None, TypeError,
+     r"Feature `f`: Padded weights must be a torch.Tensor"),
+    ("weights-arg-list", jag(IDS3, L21), {"f": [1.0, 1.0, 1.0], "g": None}, TypeError,
+     r"Feature `f`: the weights must be a torch.Tensor. Received list"),
+    ("weights-arg-numpy", jag(IDS3, L21), {"f": np.ones(3), "g": None}, TypeError, r"Feature `f`: the weights must be a torch.Tensor"),
+    # 12. sparse COO built without check_invariants: indices outside the shape, duplicate indices
+    ("sparse-row-outside", torch.sparse_coo_tensor(torch.tensor([[0, 1, 5], [0, 1, 0]]), IDS3, (2, 3)), None, ValueError,
+     r"Feature `f`: sparse indices must lie inside the tensor's shape \(2, 3\). Received index 5 in dim 0"),
+    ("sparse-col-outside", torch.sparse_coo_tensor(torch.tensor([[0, 1], [0, 7]]), torch.tensor([1, 2]), (2, 3)), None,
+     ValueError, r"Received index 7 in dim 1"),
+    ("sparse-col-negative", torch.sparse_coo_tensor(torch.tensor([[0, 1], [0, -1]]), torch.tensor([1, 2]), (2, 3)), None,
+     ValueError, r"Received index -1 in dim 1"),
+    ("sparse-duplicates", torch.sparse_coo_tensor(torch.tensor([[0, 0, 1], [0, 0, 0]]), IDS3, (2, 3)), None, ValueError,
+     r"Feature `f`: a sparse input holds two ids at the same index"),
+    ("sparse-ids-out-of-range", torch.sparse_coo_tensor(COO_IDX, torch.tensor([1, 99, 2]), (2, 3)), None, ValueError,
+     r"Feature `f`: ids must be in \[0, 10\).*Received: 99"),
+]
+
+
+@pytest.mark.parametrize("f, weights, exc, pattern", [c[1:] for c in INPUT_CASES], ids=[c[0] for c in INPUT_CASES])
+def test_input_is_never_converted_silently(f, weights, exc, pattern) -> None:
+    ec, opt = trained()
+    before = snapshot(ec, opt)
+    with pytest.raises(exc, match=pattern):
+        out = ec({"f": f, "g": torch.tensor([4, 5])}, weights)
+        sum(v.sum() for v in out.values()).backward()  # only reached if the forward wrongly accepted it
+        opt.step()
+    assert_unchanged(before, ec, opt)
+
+
+def test_integer_lengths_of_every_width_still_work() -> None:
+    ec, _ = trained()
+    ref = ec({"f": jag(IDS3, L21), "g": torch.tensor([4, 5])})["f"]
+    for dt in (torch.int32, torch.int16, torch.int8, torch.uint8):
+        assert torch.equal(ec({"f": jag(IDS3, L21.to(dt)), "g": torch.tensor([4, 5])})["f"], ref)
+        assert torch.equal(ec({"f": jag(IDS3, offsets=torch.tensor([0, 2, 3], dtype=dt)), "g": torch.tensor([4, 5])})["f"], ref)
+
+
+# ------------------------------------------------------------------ 7. per-id weights get a gradient
+def _reference(table: torch.Tensor, bags, weights, combiner: str):
+    """float64 autograd reference: out_b = Σ w e / (1 | Σ w | sqrt Σ w²); returns (out, w leaf, table leaf)."""
+    W = table.detach().double().requires_grad_()
+    w = weights.detach().double().requires_grad_()
+    outs, start = [], 0
+    for bag in bags:
+        ww, rows = w[start : start + len(bag)], W[torch.tensor(bag, dtype=torch.long)]
+        start += len(bag)
+        total = {"sum": torch.tensor(1.0, dtype=torch.float64), "mean": ww.sum(), "sqrtn": ww.square().sum().sqrt()}[combiner]
+        outs.append((ww[:, None] * rows).sum(0) / total if len(bag) else torch.zeros(W.shape[1], dtype=torch.float64))
+    return torch.stack(outs), w, W
+
+
+BAGS = [[1, 2], [3, 3, 7], [], [9]]
+WTS = [0.5, 2.0, -1.0, 3.0, 0.25, 1.5]
+
+
+def _as_form(form: str, w: torch.Tensor):
+    """The bags of BAGS with weights ``w`` (a leaf that requires grad) in one input form."""
+    flat = torch.tensor([i for b in BAGS for i in b])
+    lengths = torch.tensor([len(b) for b in BAGS])
+    if form == "jagged":
+        return tte.Jagged(flat, lengths=lengths, weights=w), None
+    if form == "weights-arg":
+        return tte.Jagged(flat, lengths=lengths), w
+    if form == "nested":
+        return (torch.nested.nested_tensor_from_jagged(flat, offsets=torch.cat([torch.zeros(1, dtype=torch.long),
+                                                                                lengths.cumsum(0)])),
+                torch.nested.nested_tensor_from_jagged(w, offsets=torch.cat([torch.zeros(1, dtype=torch.long),
+                                                                             lengths.cumsum(0)])))
+    rows = torch.repeat_interleave(torch.arange(len(BAGS)), lengths)
+    cols = torch.cat([torch.arange(len(b)) for b in BAGS])
+    if form == "sparse":
+        idx = torch.stack([rows, cols])
+        return torch.sparse_coo_tensor(idx, flat, (len(BAGS), 3)), torch.sparse_coo_tensor(idx, w, (len(BAGS), 3))
+    ids = torch.zeros(len(BAGS), 3, dtype=torch.long).index_put((rows, cols), flat)  # "padded"
+    mask = torch.zeros(len(BAGS), 3, dtype=torch.bool).index_put((rows, cols), torch.tensor(True))
+    return tte.Padded(ids, mask, torch.zeros(len(BAGS), 3).index_put((rows, cols), w)), None
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("form", ["jagged", "weights-arg", "nested", "sparse", "padded"])
+def test_per_id_weights_get_the_reference_gradient(combiner: str, form: str) -> None:
+    torch.manual_seed(1)
+    t = tte.TableConfig(V, 4, name="t", combiner=combiner)
+    ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(t, max_ids_per_bag=3)})
+    leaf = torch.tensor(WTS, requires_grad=True)
+    value, weights = _as_form(form, leaf)
+    out = ec({"f": value}, None if weights is None else {"f": weights})["f"]
+    g = torch.randn(out.shape)
+    (out * g).sum().backward()
+    ref, w_ref, table_ref = _reference(ec.tables.t.weight, BAGS, leaf, combiner)
+    (ref * g.double()).sum().backward()
+    assert torch.allclose(out.double(), ref, atol=1e-6)
+    grad = leaf.grad if form != "padded" else None
+    if form == "padded":  # the leaf was scattered into the padded weights: its gradient came through them
+        grad = leaf.grad
+    assert grad is not None
+    assert torch.allclose(grad.double(), w_ref.grad, atol=1e-5), (grad, w_ref.grad)
+    ids, rows = ec.row_grads()["t"]  # and the table's row gradient is unchanged by it
+    dense = torch.zeros(V + 1, 4, dtype=torch.float64).index_add_(0, ids, rows.double())[:V]
+    assert torch.allclose(dense, table_ref.grad, atol=1e-6)
+
+
+def test_per_id_weight_gradient_matches_nn_embedding_bag() -> None:
+    torch.manual_seed(2)
+    t = tte.TableConfig(V, 4, name="t", combiner="sum")
+    ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(t)})
+    bag = torch.nn.EmbeddingBag.from_pretrained(ec.tables.t.weight.detach().clone(), freeze=False, mode="sum")
+    flat = torch.tensor([i for b in BAGS for i in b])
+    offsets = torch.tensor([0, 2, 5, 5])
+    w1, w2 = torch.tensor(WTS, requires_grad=True), torch.tensor(WTS, requires_grad=True)
+    g = torch.randn(len(BAGS), 4)
+    (ec({"f": tte.Jagged(flat, offsets=torch.cat([offsets, torch.tensor([6])]), weights=w1)})["f"] * g).sum().backward()
+    (bag(flat, offsets, per_sample_weights=w2) * g).sum().backward()
+    assert torch.allclose(w1.grad, w2.grad, atol=1e-6)
+
+
+def test_per_id_weight_gradient_with_sgd_factored_rows_and_16_bit_tables() -> None:
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        torch.manual_seed(3)
+        t = tte.TableConfig(V, 4, name="t", combiner="mean", dtype=dtype)
+        ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(t, max_ids_per_bag=3)})
+        opt = tte.optim.SGD(ec.parameters(), lr=0.1)  # SGD keeps eager row gradients factored
+        leaf = torch.tensor(WTS, requires_grad=True)
+        value, _ = _as_form("jagged", leaf)
+        g = torch.randn(len(BAGS), 4)
+        (ec({"f": value})["f"].float() * g).sum().backward()
+        _, w_ref, _ = _reference(ec.tables.t.weight.float(), BAGS, leaf, "mean")
+        ref, w_ref, _ = _reference(ec.tables.t.weight.float(), BAGS, leaf, "mean")
+        (ref * g.double()).sum().backward()
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert torch.allclose(leaf.grad.double(), w_ref.grad, atol=tol), dtype
+        opt.step()  # the table trains as before
+
+
+# ------------------------------------------------------------------ 9. 16-bit tables combine in float32
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("combiner, weights", [("mean", [4e4, 4e4]), ("sqrtn", [300.0, 300.0]), ("sum", [7e4, 1.0]),
+                                               ("mean", [6e4, -6e4 + 1]), ("sqrtn", [1e-4, 1e-4])])
+def test_16_bit_tables_combine_in_float32(dtype: torch.dtype, combiner: str, weights: list[float]) -> None:
+    torch.manual_seed(4)
+    t = tte.TableConfig(V, 4, name="t", combiner=combiner, dtype=dtype)
+    ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(t, max_ids_per_bag=2)})
+    with torch.no_grad():
+        ec.tables.t.weight.copy_(torch.linspace(-0.5, 0.5, V * 4).reshape(V, 4).to(dtype))
+    w = torch.tensor(weights)
+    out = ec({"f": tte.Jagged(torch.tensor([1, 2]), lengths=torch.tensor([2]), weights=w)})["f"]
+    assert out.dtype == dtype
+    ref, _, _ = _reference(ec.tables.t.weight, [[1, 2]], w, combiner)
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out.double(), ref, rtol=1e-2, atol=1e-3), (out, ref)
+    (out.float().sum()).backward()
+    ids, rows = ec.row_grads()["t"]
+    assert rows.dtype == dtype  # row gradients stay in the table's dtype: gain · dL/dout must fit in it
+    if combiner != "sum":  # (a gain of 7e4 times a gradient of 1 does not fit in float16)
+        assert torch.isfinite(rows).all()
+
+
+def test_float16_weight_beyond_its_range_is_kept_in_float32() -> None:
+    t = tte.TableConfig(V, 4, name="t", combiner="mean", dtype=torch.float16)
+    ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(t, max_ids_per_bag=2)})
+    out = ec({"f": tte.Jagged(torch.tensor([1, 1]), lengths=torch.tensor([2]), weights=torch.tensor([7e4, 7e4]))})["f"]
+    assert torch.allclose(out.float(), ec.tables.t.weight[1].float(), atol=1e-3)  # mean of one row twice
+
+
+# ------------------------------------------------------------------ 12. empty batches
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_empty_batch_gives_empty_outputs(combiner: str) -> None:
+    t = tte.TableConfig(V, D, name="t", combiner=combiner)
+    ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(t, max_ids_per_bag=4), "s": tte.FeatureConfig(t, max_sequence_length=2)})
+    empty = tte.Jagged(torch.tensor([], dtype=torch.long), lengths=torch.tensor([], dtype=torch.long))
+    out = ec({"f": empty, "s": empty})
+    assert out["f"].shape == (0, D) and out["s"].shape == (0, 2, D)
+
+
+# ------------------------------------------------------------------ 13. building a table: one buffer, named failures
+def test_seeded_values_are_unchanged() -> None:
+    """The in-place draw gives what drawing into a separate host buffer gave (the previous way)."""
+    for init in (None, torch.nn.init.normal_, lambda w: torch.full_like(w, 0.5), torch.arange(12.0).reshape(4, 3)):
+        torch.manual_seed(7)
+        ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(4, 3, name="t", initializer=init))})
+        torch.manual_seed(7)
+        host = torch.empty(4, 3)
+        if init is None:
+            tte.config.default_initializer(host)
+        elif isinstance(init, torch.Tensor):
+            host.copy_(init)
+        else:
+            host.copy_(init(host))
+        assert torch.equal(ec.tables.t.weight.detach(), host)
+
+
+def test_a_table_too_large_for_host_memory_is_named() -> None:
+    with pytest.raises(MemoryError, match=r"Table `huge`: cannot allocate its weight \[1000000000000, 64\] "
+                                          r"torch.float32 \(238418.58 GiB\) in host memory"):
+        tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(10**12, 64, name="huge"))})
+
+
+_PEAK = r"""
+import resource, sys, torch
+import torch_tpu_embedding as tte
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(1 << 21, 128, name="t"))})  # 1 GiB
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 2**20)
+"""
+
+
+def test_building_a_table_needs_its_size_once_in_host_memory() -> None:
+    out = subprocess.run([sys.executable, "-c", _PEAK], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, check=True)
+    peak_gib = float(out.stdout.strip().splitlines()[-1])
+    assert 0.5 < peak_gib < 1.4, peak_gib  # 2.0 when the draw went through a second buffer (measured)

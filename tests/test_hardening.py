@@ -483,8 +483,14 @@ def test_empty_batch_gives_empty_outputs(combiner: str) -> None:
     t = tte.TableConfig(V, D, name="t", combiner=combiner)
     ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(t, max_ids_per_bag=4), "s": tte.FeatureConfig(t, max_sequence_length=2)})
     empty = tte.Jagged(torch.tensor([], dtype=torch.long), lengths=torch.tensor([], dtype=torch.long))
-    out = ec({"f": empty, "s": empty})
-    assert out["f"].shape == (0, D) and out["s"].shape == (0, 2, D)
+    w0 = ec.tables.t.weight.detach().clone()
+    for opt in (tte.optim.Adagrad(ec.parameters(), lr=0.1), tte.optim.SGD(ec.parameters(), lr=0.1)):
+        out = ec({"f": empty, "s": empty})
+        assert out["f"].shape == (0, D) and out["s"].shape == (0, 2, D)
+        (out["f"].sum() + out["s"].sum()).backward()
+        opt.step()  # nothing looked up: no row changes
+        opt.zero_grad()
+        assert torch.equal(ec.tables.t.weight, w0) and ec.row_grads() == {}
 
 
 # ------------------------------------------------------------------ 13. building a table: one buffer, named failures

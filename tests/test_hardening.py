@@ -530,3 +530,91 @@ def test_building_a_table_needs_its_size_once_in_host_memory() -> None:
                          capture_output=True, text=True, check=True)
     peak_gib = float(out.stdout.strip().splitlines()[-1])
     assert 0.5 < peak_gib < 1.4, peak_gib  # 2.0 when the draw went through a second buffer (measured)
+
+
+# ------------------------------------------------------------------ 21. the guide's numbers repeat
+def test_guide_section_1_draws_its_tables_from_a_seed() -> None:
+    sys.path.insert(0, str(ROOT / "tests"))
+    import test_docs_snippets as harness
+
+    first = harness.blocks(ROOT / "docs" / "guide.md")[0]
+    tables = []
+    for _ in range(2):
+        torch.rand(7)  # whatever ran before: the guide's tables must not depend on it
+        ns: dict[str, object] = {}
+        exec(compile(first.code, "guide.md[block 0]", "exec"), ns)  # noqa: S102
+        tables.append({k: v.detach().clone() for k, v in ns["ec"].state_dict().items()})
+    assert tables[0].keys() == tables[1].keys()
+    assert all(torch.equal(tables[0][k], tables[1][k]) for k in tables[0])
+
+
+# ------------------------------------------------------------------ 16. one environment for both README commands
+def _env_sh_copy(tmp_path: Path) -> Path:
+    clone = tmp_path / "clone"
+    (clone / "scripts").mkdir(parents=True)
+    (clone / ".ci").mkdir()
+    for rel in ("scripts/env.sh", ".ci/requirements.txt", ".ci/requirements-nodeps.txt"):
+        (clone / rel).write_bytes((ROOT / rel).read_bytes())
+    return clone
+
+
+def _fake_python(path: Path, log: Path) -> None:
+    """A stand-in interpreter that records its arguments (no installs)."""
+    path.parent.mkdir(parents=True)
+    path.write_text(f'#!/bin/sh\necho "$@" >> {log}\n')
+    path.chmod(0o755)
+
+
+def test_test_command_reuses_the_readme_venv(tmp_path: Path) -> None:
+    clone, log = _env_sh_copy(tmp_path), tmp_path / "pip.log"
+    _fake_python(clone / ".venv" / "bin" / "python", log)
+    env = {**os.environ, "TTE_ENV_CACHE": str(tmp_path / "cache")}
+    for _ in range(2):  # the second run finds its marker and installs nothing
+        out = subprocess.run(["bash", "scripts/env.sh"], cwd=clone, env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == str(clone / ".venv")
+    calls = log.read_text().splitlines()
+    assert calls == ["-m pip install -q -r .ci/requirements.txt",
+                     "-m pip install -q --no-deps -r .ci/requirements-nodeps.txt"]
+    assert not (tmp_path / "cache").exists()  # no second virtualenv
+    assert len(list((clone / ".venv").glob(".tte-pinned-*"))) == 1
+
+
+def test_without_a_venv_the_cached_environment_is_used(tmp_path: Path) -> None:
+    clone = _env_sh_copy(tmp_path)
+    key = hashlib.sha256((ROOT / ".ci/requirements.txt").read_bytes() + (ROOT / ".ci/requirements-nodeps.txt").read_bytes())
+    cached = tmp_path / "cache" / f"venv-py3-{key.hexdigest()[:16]}"
+    cached.mkdir(parents=True)
+    (cached / ".complete").touch()
+    out = subprocess.run(["bash", "scripts/env.sh"], cwd=clone, env={**os.environ, "TTE_ENV_CACHE": str(tmp_path / "cache")},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(cached)
+
+
+def test_venv_is_ignored_and_pins_satisfy_the_extras() -> None:
+    import ast
+
+    from packaging.requirements import Requirement
+
+    assert ".venv/" in (ROOT / ".gitignore").read_text().splitlines()
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    extras = {t.id: ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+              for t in n.targets if isinstance(t, ast.Name) and t.id in ("XLA", "EXAMPLES", "TEST")}
+    pins = {}
+    for line in (ROOT / ".ci/requirements.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            r = Requirement(line)
+            pins[r.name.lower().replace("_", "-")] = next(iter(r.specifier)).version
+    specs = [Requirement(s) for group in extras.values() for s in group]
+    assert {r.name.lower().replace("_", "-") for r in specs} <= set(pins)  # every extra is pinned for CI
+    for r in specs:
+        assert r.specifier.contains(pins[r.name.lower().replace("_", "-")]), (str(r), pins)
+
+
+# ------------------------------------------------------------------ 20. docs cite only this repository
+def test_docs_cite_no_private_files() -> None:
+    import re
+
+    pattern = re.compile(r"shared/|tf_spec|XLA_NOTES|DESIGN\.md")
+    files = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "examples").glob("*.py")]
+    hits = [f"{p.name}:{i}" for p in files for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert hits == []

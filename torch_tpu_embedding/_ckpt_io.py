@@ -24,6 +24,7 @@ import io
 import os
 import pickle
 import tempfile
+import warnings
 from collections.abc import Iterator
 from typing import IO, Any
 
@@ -34,7 +35,8 @@ try:  # POSIX advisory locks; elsewhere no stale temporary is ever removed
 except ImportError:  # pragma: no cover - not on Linux
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["TMP_PREFIX", "check_loadable", "dcp_reader", "write_atomic"]
+__all__ = ["TMP_PREFIX", "check_loadable", "dcp_quiet", "dcp_reader", "read_dcp_metadata", "remove_stale_temporaries",
+           "write_atomic"]
 
 #: name prefix of our temporary files (``.tte-tmp-<target name>-<random>``)
 TMP_PREFIX = ".tte-tmp-"
@@ -252,6 +254,16 @@ def read_dcp_metadata(path: str) -> Any:
     if getattr(md, "storage_meta", None) is None:  # as FileSystemReader.read_metadata does
         md.storage_meta = md_mod.StorageMeta()
     return md
+
+
+@contextlib.contextmanager
+def dcp_quiet() -> Iterator[None]:
+    """``torch.distributed.checkpoint`` calls made on our users' behalf, without its warning that
+    "torch.distributed is disabled ... assuming the intent is to save in a single process": a single
+    process (CPU, one device, single-process SPMD) is an intended use of our distributed checkpoints."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 _READER: Any = None

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from torch_tpu_embedding._ckpt_io import check_loadable, dcp_reader, read_dcp_metadata, write_atomic
+from torch_tpu_embedding._ckpt_io import check_loadable, dcp_quiet, dcp_reader, read_dcp_metadata, write_atomic
 from torch_tpu_embedding._fused import split_member_state
 
 __all__ = ["FORMAT", "convert_distributed", "load", "load_distributed", "save", "save_distributed", "to_cpu"]
@@ -257,7 +257,8 @@ def save_distributed(
     planner = _xla_planner("SPMDSavePlanner") if _uses_xla(tensors) else None
     target = os.fspath(path)
     os.makedirs(target, exist_ok=True)
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(target), planner=planner)
+    with dcp_quiet():
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(target), planner=planner)
     members = rest.pop("members")
     meta = {"format": FORMAT, "rows": rows, "members": members,
             "optimizer": to_cpu(rest) if optimizer is not None else None}
@@ -282,7 +283,8 @@ def _read_meta(path: str) -> Any:
 def _read(path: str, dest: dict[str, torch.Tensor]) -> None:
     dcp = _dcp()
     planner = _xla_planner("SPMDLoadPlanner") if _uses_xla(dest) else None
-    dcp.load(dest, storage_reader=dcp_reader(path), planner=planner)
+    with dcp_quiet():
+        dcp.load(dest, storage_reader=dcp_reader(path), planner=planner)
 
 
 def _saved_sizes(path: str) -> dict[str, torch.Size]:

@@ -517,19 +517,26 @@ def test_a_table_too_large_for_host_memory_is_named() -> None:
 
 
 _PEAK = r"""
-import resource, sys, torch
+import torch
 import torch_tpu_embedding as tte
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+def status(key):
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key + ":"))
+
+with open("/proc/self/clear_refs", "w") as f:  # reset the peak (VmHWM) to the current RSS
+    f.write("5")
+base = status("VmRSS")
 ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(1 << 21, 128, name="t"))})  # 1 GiB
-print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 2**20)
+print((status("VmHWM") - base) / 2**20)
 """
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's peak-RSS reset")
 def test_building_a_table_needs_its_size_once_in_host_memory() -> None:
     out = subprocess.run([sys.executable, "-c", _PEAK], env={**os.environ, "PYTHONPATH": str(ROOT)},
                          capture_output=True, text=True, check=True)
     peak_gib = float(out.stdout.strip().splitlines()[-1])
-    assert 0.5 < peak_gib < 1.4, peak_gib  # 2.0 when the draw went through a second buffer (measured)
+    assert 0.9 < peak_gib < 1.3, peak_gib  # 2.0 when the draw went through a second buffer (measured)
 
 
 # ------------------------------------------------------------------ 21. the guide's numbers repeat

@@ -79,7 +79,7 @@ class RowGrad:
     def add(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Add ``ids [n]`` with gradient ``rows [n, D]`` (sentinel ids allowed for padding)."""
         self._ids.append(ids.reshape(-1))
-        self._rows.append(rows.reshape(ids.numel(), -1))
+        self._rows.append(rows.reshape(ids.numel(), rows.shape[-1]))  # explicit D: n may be 0
 
     def add_bags(self, ids: torch.Tensor, gains: torch.Tensor, grad_out: torch.Tensor) -> None:
         """Add ``ids [N, L]`` whose gradient rows are ``gains[n, l] · grad_out[n]`` (kept factored)."""
@@ -178,6 +178,8 @@ def dedup_static(ids: torch.Tensor, sentinel: int) -> tuple[torch.Tensor, torch.
     ``uniq[:U]`` holds the sorted unique ids, ``uniq[U:]`` the sentinel. Padding ids must already
     equal ``sentinel`` (they sort last). Only sort, cumsum and scatter: no host fallback on XLA.
     """
+    if ids.numel() == 0:  # an empty batch (a static shape: no sync); XLA cannot lower a cumsum of 0
+        return ids.clone(), ids.clone()
     sorted_ids, perm = torch.sort(ids)
     is_start = torch.ones_like(sorted_ids, dtype=torch.bool)
     is_start[1:] = sorted_ids[1:] != sorted_ids[:-1]

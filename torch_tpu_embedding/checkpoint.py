@@ -13,15 +13,14 @@ Example::
 
 from __future__ import annotations
 
-import gc
 import importlib
 import os
-import tempfile
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from torch_tpu_embedding._ckpt_io import check_loadable, dcp_quiet, dcp_reader, read_dcp_metadata, write_atomic
 from torch_tpu_embedding._fused import split_member_state
 
 __all__ = ["FORMAT", "convert_distributed", "load", "load_distributed", "save", "save_distributed", "to_cpu"]
@@ -41,7 +40,8 @@ def to_cpu(obj: Any) -> Any:
     """
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
-        whole = t.device.type == "cpu" and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        whole = (t.device.type == "cpu" and t.layout == torch.strided  # a sparse tensor has no one storage
+                 and t.untyped_storage().nbytes() == t.numel() * t.element_size())
         # A CPU tensor that owns its whole storage is written as is: copying it would double the
         # host memory of every save (and fragment the heap of a long run); views and device
         # tensors are copied (torch.save would write a view's whole storage).
@@ -127,26 +127,9 @@ def _split_fused_entries(
 
 
 def _write_atomic(payload: dict[str, Any], path: str | os.PathLike[str]) -> None:
-    """``torch.save(payload)`` to a temp file beside ``path``, fsync, rename: a reader sees the old
-    file or the new one, never half of one."""
-    target = os.fspath(path)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=os.path.dirname(os.path.abspath(target)))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    finally:
-        # torch.save leaves a reference cycle (a closure over its table of written storages) that
-        # keeps every tensor it wrote alive until the cycle collector runs: for a checkpoint of
-        # device tensors, a fresh host copy of every table and slot per save (RSS grew ~8% over 2
-        # saves in benchmarks/soak.py; tests/xla/test_ckpt_memory.py).
-        gc.collect()
+    """Atomic write (temp file + fsync + rename); stale temporaries of killed saves are removed
+    (:func:`torch_tpu_embedding._ckpt_io.write_atomic`)."""
+    write_atomic(payload, path)
 
 
 def save(
@@ -168,6 +151,8 @@ def save(
         "optimizer": None if optimizer is None else _host_optimizer_state(optimizer),
         "extra": to_cpu(extra),
     }
+    check_loadable(payload["extra"], "extra")  # before anything on disk changes
+    check_loadable(payload, "checkpoint")
     _write_atomic(payload, path)
 
 
@@ -273,21 +258,38 @@ def save_distributed(
     planner = _xla_planner("SPMDSavePlanner") if _uses_xla(tensors) else None
     target = os.fspath(path)
     os.makedirs(target, exist_ok=True)
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(target), planner=planner)
+    with dcp_quiet():
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(target), planner=planner)
     members = rest.pop("members")
     meta = {"format": FORMAT, "rows": rows, "members": members,
             "optimizer": to_cpu(rest) if optimizer is not None else None}
     _write_atomic(meta, os.path.join(target, _META))
 
 
+def _read_meta(path: str) -> Any:
+    """``tte_meta.pt`` of a distributed checkpoint, read with ``weights_only=True`` (no pickled code)."""
+    file = os.path.join(path, _META)
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"No distributed checkpoint at {path} (no {_META})")
+    try:
+        meta = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # weights-only refusals and damaged files raise several types
+        raise ValueError(f"{file} is not a readable checkpoint file (refused by weights_only loading, "
+                         f"truncated or corrupt): {str(e).splitlines()[0]}") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"{file} is not a torch_tpu_embedding distributed checkpoint ({FORMAT}).")
+    return meta
+
+
 def _read(path: str, dest: dict[str, torch.Tensor]) -> None:
     dcp = _dcp()
     planner = _xla_planner("SPMDLoadPlanner") if _uses_xla(dest) else None
-    dcp.load(dest, storage_reader=dcp.FileSystemReader(path), planner=planner)
+    with dcp_quiet():
+        dcp.load(dest, storage_reader=dcp_reader(path), planner=planner)
 
 
 def _saved_sizes(path: str) -> dict[str, torch.Size]:
-    md = _dcp().FileSystemReader(path).read_metadata()
+    md = read_dcp_metadata(path)  # allow-listed unpickling: a crafted .metadata runs no code
     return {k: v.size for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
 
 
@@ -302,7 +304,7 @@ def load_distributed(
     call ``optimizer.init_state()`` first. Mismatched tables or slots raise one ``ValueError``.
     """
     target = os.fspath(path)
-    meta = torch.load(os.path.join(target, _META), map_location="cpu", weights_only=True)
+    meta = _read_meta(target)
     if optimizer is not None and hasattr(optimizer, "init_state"):
         optimizer.init_state()
     dest, rows, _ = _physical(model, optimizer)
@@ -345,8 +347,8 @@ def convert_distributed(path: str | os.PathLike[str], out: str | os.PathLike[str
     Reads on the host without torch_xla; the result loads anywhere with :func:`load`.
     """
     target = os.fspath(path)
-    meta = torch.load(os.path.join(target, _META), map_location="cpu", weights_only=True)
-    md = _dcp().FileSystemReader(target).read_metadata()
+    meta = _read_meta(target)
+    md = read_dcp_metadata(target)
     host: dict[str, torch.Tensor] = {
         k: torch.empty(v.size, dtype=v.properties.dtype)
         for k, v in md.state_dict_metadata.items()

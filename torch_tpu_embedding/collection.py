@@ -11,6 +11,7 @@ from torch import nn
 from torch_tpu_embedding._fused import FusedTables, fuse, join_fused_weights, split_fused_weights
 from torch_tpu_embedding._lookup import LookupBatch
 from torch_tpu_embedding._nest import Path, check_structure, flatten, path_name, pick, rebuild
+from torch_tpu_embedding._screening import DeviceScreen
 from torch_tpu_embedding._validation import check_bool
 from torch_tpu_embedding.config import FeatureConfig, TableConfig
 from torch_tpu_embedding.inputs import to_bags
@@ -109,7 +110,7 @@ class EmbeddingCollection(nn.Module):
         dupe_features = sorted({n for n in feature_names if feature_names.count(n) > 1})
         if dupe_features:
             raise ValueError(f"Features must have unique names. Duplicated: {dupe_features}")
-        self._invalid_ids: dict[str, torch.Tensor] = {}  # device-side counts, see check_ids()
+        self._screen = DeviceScreen()  # device-side counts of bad ids and weights, see check_ids()
         tables: dict[str, nn.Module] = {
             table_names[key]: EmbeddingTable(cfg, table_names[key]) for key, cfg in configs.items()
         }
@@ -210,7 +211,7 @@ class EmbeddingCollection(nn.Module):
             )
             if _device_resident(value):  # host inputs were checked in to_bags
                 ids, valid = self._screen_device_ids(
-                    fname, fc.table.num_embeddings, bags.ids, bags.valid, weight.shape[0]
+                    fname, fc.table.num_embeddings, bags.ids, bags.valid, weight.shape[0], bags.weights
                 )
                 bags = dataclasses.replace(bags, ids=ids, valid=valid)
             if offset:  # a fused table's rows start at `offset` of the group; padding stays the sentinel
@@ -224,38 +225,30 @@ class EmbeddingCollection(nn.Module):
 
     # ------------------------------------------------------------------ device-side id validation
     def _screen_device_ids(
-        self, feature: str, vocab: int, ids: torch.Tensor, valid: torch.Tensor, sentinel: int
+        self, feature: str, vocab: int, ids: torch.Tensor, valid: torch.Tensor, sentinel: int,
+        weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Ids already on an XLA device cannot be read without a sync: count the out-of-range ones on
-        the device, and turn them into padding so they train nothing (never a silent remap to a row).
-        :meth:`check_ids` raises at a sync point of the user's choosing."""
-        bad = valid & ((ids < 0) | (ids >= vocab))
-        prev = self._invalid_ids.get(feature)
-        if prev is None:  # uploaded (not created on the device) and kept [1]-shaped: every step traces one graph
-            prev = torch.zeros(1, dtype=torch.int64).to(ids.device)
-        self._invalid_ids[feature] = prev + bad.sum().reshape(1)
-        return torch.where(bad, torch.full_like(ids, sentinel), ids), valid & ~bad
+        """XLA-resident ids and weights: bad ones counted on the device and dropped (:class:`DeviceScreen`)."""
+        return self._screen.screen(feature, vocab, ids, valid, sentinel, weights)
 
     def invalid_id_counts(self) -> dict[str, int]:
         """Out-of-range ids seen on the device per feature since the last :meth:`check_ids` (syncs XLA)."""
-        # .cpu() is a device-to-host transfer; .item() on an XLA tensor counts as a host fallback op.
-        return {f: int(c.cpu().reshape(-1)[0]) for f, c in self._invalid_ids.items()}
+        return self._screen.counts(self._screen.invalid_ids)
+
+    def nonfinite_weight_counts(self) -> dict[str, int]:
+        """NaN/inf per-id weights seen on the device per feature since the last :meth:`check_ids` (syncs XLA)."""
+        return self._screen.counts(self._screen.nonfinite_weights)
 
     def check_ids(self) -> None:
-        """Raise if any XLA-resident input held an out-of-range id since the last call, then reset.
+        """Raise if any XLA-resident input held an out-of-range id or a NaN/inf per-id weight since the
+        last call, then reset.
 
-        Host inputs (the usual case) are checked during input normalisation and raise at once. Ids
-        built on the device are screened on the device instead: an out-of-range id is dropped (it
-        trains no row) and counted; call this at a sync point (e.g. every N steps, or with the
-        loss logging) to turn the count into an error.
+        Host inputs (the usual case) are checked during input normalisation and raise at once. Ids and
+        weights built on the device are screened on the device instead: such an id is dropped (it
+        trains no row) and counted; call this at a sync point (e.g. every N steps, or with the loss
+        logging) to turn the counts into an error.
         """
-        counts = {f: n for f, n in self.invalid_id_counts().items() if n}
-        self._invalid_ids.clear()
-        if counts:
-            vocab = {fname: fc.table.num_embeddings for _, fname, fc, _ in self._features}
-            detail = "; ".join(f"Feature `{f}`: {n} id(s) outside [0, {vocab[f]})" for f, n in sorted(counts.items()))
-            raise ValueError(f"Out-of-range ids in device inputs since the last check_ids(): {detail}. They were "
-                             "dropped from their bags (no row was trained with them).")
+        self._screen.check({fname: fc.table.num_embeddings for _, fname, fc, _ in self._features})
 
     def extra_repr(self) -> str:
         by_table: dict[str, list[str]] = {}

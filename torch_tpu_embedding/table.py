@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -11,7 +12,21 @@ from torch import nn
 from torch_tpu_embedding._rows import RowGrad, TableInfo, register_table, table_info
 from torch_tpu_embedding.config import TableConfig, default_initializer
 
-__all__ = ["EmbeddingTable"]
+__all__ = ["EmbeddingTable", "host_empty"]
+
+
+def host_empty(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty(shape, dtype)`` on the host; an allocation failure names the table and its size."""
+    try:
+        return torch.empty(shape, dtype=dtype)
+    except (RuntimeError, MemoryError) as e:  # torch's CPU allocator raises RuntimeError
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        raise MemoryError(
+            f"Table `{name}`: cannot allocate its weight {list(shape)} {dtype} ({size / 2**30:.2f} GiB) in host "
+            f"memory (tables are drawn on the host before they move to a device). Shrink num_embeddings or "
+            f"embedding_dim, or free host memory. ({e})"
+        ) from e
+
 
 class EmbeddingTable(nn.Module):
     """One table: ``weight`` ``[num_embeddings, embedding_dim]`` plus its config.
@@ -26,7 +41,7 @@ class EmbeddingTable(nn.Module):
         self.name = name
         if weight is None:
             self.weight = nn.Parameter(
-                torch.empty(config.num_embeddings, config.embedding_dim, dtype=config.dtype)
+                host_empty(name, (config.num_embeddings, config.embedding_dim), config.dtype)
             )
             self.reset_parameters()
         else:  # initial values given (a fused group stacks its tables' drawn weights)
@@ -66,10 +81,13 @@ class EmbeddingTable(nn.Module):
         )
 
     def reset_parameters(self) -> None:
-        """Fill the weight from the config's initializer (drawn on the CPU, then copied)."""
+        """Fill the weight from the config's initializer: in place for a CPU table (no second buffer
+        of its size); drawn on the CPU and then copied for a device table."""
         init = self.config.initializer
         with torch.no_grad():
-            host = torch.empty(tuple(self.weight.shape), dtype=self.weight.dtype)
+            w = self.weight.detach()
+            in_place = w.device.type == "cpu" and w.is_contiguous()
+            host = w if in_place else host_empty(self.name, tuple(w.shape), w.dtype)
             if init is None:
                 default_initializer(host)
             elif isinstance(init, torch.Tensor):
@@ -83,7 +101,8 @@ class EmbeddingTable(nn.Module):
                             f"{tuple(result.shape)}, expected {tuple(host.shape)}."
                         )
                     host.copy_(result)
-            self.weight.copy_(host)
+            if not in_place:
+                w.copy_(host)
 
     @property
     def row_grad(self) -> RowGrad:

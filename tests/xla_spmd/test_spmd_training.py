@@ -15,7 +15,8 @@ torch_xla = pytest.importorskip("torch_xla")
 import torch_xla.debug.metrics as met  # noqa: E402
 import torch_xla.runtime as xr  # noqa: E402
 
-xr.use_spmd()  # before any XLA tensor exists
+if not xr.is_spmd():  # once per process: a second call warns that XLA_USE_SPMD (set by the first) is deprecated
+    xr.use_spmd()  # before any XLA tensor exists
 from optim_registry import SPMD, OptimizerConfig, cases  # noqa: E402
 
 import torch_tpu_embedding as tte  # noqa: E402

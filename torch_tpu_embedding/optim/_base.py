@@ -34,7 +34,7 @@ from torch_tpu_embedding.optim._device import LearningRates, StepClock, lr_value
 from torch_tpu_embedding.optim._extras import EXTRA_DEFAULTS, check_extras
 from torch_tpu_embedding.optim._hyper import check_fused, param_groups, validate_common
 from torch_tpu_embedding.optim._paths import choose_path, update
-from torch_tpu_embedding.optim._slots import lazy_table, make_state, write_whole
+from torch_tpu_embedding.optim._slots import RowSpace, lazy_table, make_state
 
 __all__ = ["RowSparseOptimizer"]
 
@@ -216,10 +216,10 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 avg = self.moving_average(p)
                 p.copy_(avg)
                 if lazy_table(p, group):
-                    state = self.state[p]
-                    write_whole(state["ema"], avg)
+                    space = RowSpace.of(p, group, self.state[p])
+                    space.write("ema", avg)
                     upto = _ema.last_call(group, p.device, self._iterations, self._skipped)
-                    write_whole(state["ema_last"], upto.to(torch.int32).expand(p.shape[0]))
+                    space.write("ema_last", upto.to(torch.int32).expand(p.shape[0]))
 
     # ------------------------------------------------------------------ lifecycle
     @torch.no_grad()

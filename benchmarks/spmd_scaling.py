@@ -77,7 +77,7 @@ def child(args: argparse.Namespace) -> None:
     import torch_tpu_embedding as tte
     import torch_tpu_embedding.xla.sharding as sharding
     from torch_tpu_embedding.xla import device_mesh, shard, shard_batch
-    from torch_tpu_embedding.xla.hlo import collective_bytes, step_hlo_path
+    from torch_tpu_embedding.xla.hlo import collective_bytes, collectives, step_hlo_path
     from torch_tpu_embedding.xla.ownership import capacity_for_load
 
     n = xr.global_runtime_device_count()
@@ -134,11 +134,12 @@ def child(args: argparse.Namespace) -> None:
             print(f"  !! n={n} {name} {dist}: {e}", file=sys.stderr)
         try:
             hlo = open(step_hlo_path(dump, before)).read()
-            by_op = collective_bytes(hlo)
+            by_op, ops = collective_bytes(hlo), collectives(hlo)
         except FileNotFoundError:  # same graph as an earlier phase: compiled once, no new dump
-            by_op = {}
-        return {"n": n, "path": name, "dist": dist, "bytes": by_op, "ms": 1000 * statistics.median(times[2:]),
-                "exec_ms": statistics.median(execs), "compiles_timed": compiles_timed, "fallbacks": fallbacks,
+            by_op, ops = {}, []
+        return {"n": n, "path": name, "dist": dist, "bytes": by_op, "ops": ops,
+                "ms": 1000 * statistics.median(times[2:]), "exec_ms": statistics.median(execs),
+                "compiles_timed": compiles_timed, "fallbacks": fallbacks,
                 "dropped": dropped, "largest_load": max(loads["largest_load"]) if loads else None,
                 "capacity": loads["capacity"] if loads else None}
 
@@ -176,6 +177,11 @@ def parent(args: argparse.Namespace) -> None:
             sys.stderr.write("".join(x + "\n" for x in proc.stderr.splitlines() if "!!" in x))
             line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
             rows.extend(json.loads(line[len("RESULT "):]))
+    # A phase that reused an earlier phase's graph (the same shapes: uniform and Zipf ids) has its bytes.
+    for r in rows:
+        if not r["bytes"]:
+            same = [q for q in rows if q["n"] == r["n"] and q["path"] == r["path"] and q["bytes"]]
+            r["bytes"], r["ops"] = (same[0]["bytes"], same[0]["ops"]) if same else ({}, [])
     print(f"rows={ROWS:,} D={D} per device: {B} examples × ({L}-id bag + 1 id) = {IDS} ids; Adam; "
           f"ideal 2·ids·D·4 = {IDEAL:,} B; torch threads={torch.get_num_threads()}; timed steps={args.steps}")
     head = ("| n | path | ids | capacity | bytes/device | all-to-all | all-reduce | all-gather | vs ideal | vs n=2 "
@@ -191,6 +197,9 @@ def parent(args: argparse.Namespace) -> None:
               f"| {r['bytes'].get('all-to-all', 0):,} | {r['bytes'].get('all-reduce', 0):,} "
               f"| {r['bytes'].get('all-gather', 0):,} | {total / IDEAL:.2f} | {total / max(first[key], 1):.2f} "
               f"| {r['ms']:.1f} | {r['exec_ms']:.1f} | {r['largest_load'] or '-'} |")
+        if args.show_collectives and r["dist"] == "uniform":
+            for op, shapes, size in r["ops"]:
+                print(f"    {op} {size:,} B: {' '.join(f'{dt}{list(dims)}' for dt, dims in shapes)}")
         if r["compiles_timed"] or r["fallbacks"] or r["dropped"]:
             print(f"  !! {r['path']} n={r['n']}: {r['compiles_timed']} compiles in timed steps, "
                   f"fallbacks {r['fallbacks']}, ids dropped: {bool(r['dropped'])}")
@@ -211,6 +220,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--batch", type=int, default=64, help="examples per device")
     ap.add_argument("--phases", nargs="+", default=PHASES, choices=PHASES)
+    ap.add_argument("--show-collectives", action="store_true", help="list every collective of each phase")
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--dump", default="")
     args = ap.parse_args()

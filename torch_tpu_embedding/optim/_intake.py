@@ -276,20 +276,29 @@ def _prepare_owned(
     if ok is not None:
         rows = torch.where(ok, rows, torch.zeros_like(rows))
         ids = torch.where(ok, ids, torch.full_like(ids, sentinel))
-    buffers = _owned_buffers(state, ids.shape[1], k, p, n, sentinel) if k else {}
     dedup = group["use_gradient_accumulation"]
+    inputs = [ids, rows]
+    if k:  # the per-shard buffers enter as device-major [n, k, cap(, D)] inputs and leave as new tensors
+        buf_ids, buf_rows = _owned_buffers(state, ids.shape[1], k, p, n, sentinel)
+        inputs += [buf_ids.reshape(n, k, -1), buf_rows.reshape(n, k, buf_ids.shape[1], -1)]
 
-    def on_shard(bufs: dict[str, Tensor], small: dict[str, Tensor], inputs: list[Tensor],
+    def on_shard(sharded: dict[str, Tensor], small: dict[str, Tensor], inputs: list[Tensor],
                  rep: list[Tensor | None]) -> list[Tensor]:
-        ids, rows = inputs
+        ids, rows, *bufs = inputs
         if k:
             it = rep[0]
             assert it is not None
-            ids, rows = _padded(ids, rows, bufs["acc_ids"].shape[1], sentinel)
-            ids, rows = _window(bufs["acc_ids"], bufs["acc_rows"], ids, rows, it, k)
-        return list(coalesce_rows(ids, rows, sentinel)) if dedup else [ids, rows]
+            ids, rows = _padded(ids, rows, bufs[0].shape[1], sentinel)
+            ids, rows = _window(bufs[0], bufs[1], ids, rows, it, k)
+        return [*(coalesce_rows(ids, rows, sentinel) if dedup else (ids, rows)), *bufs]
 
-    uniq, g = on_shards(on_shard, buffers, {}, [ids, rows], [clock.on(p.device)], mesh=mesh, axis=axis)
+    uniq, g, *bufs = on_shards(on_shard, {}, {}, inputs, [clock.on(p.device)], mesh=mesh, axis=axis)
+    if k:
+        # New tensors every step, made at the same point of the step: the step's graph keeps one order of
+        # outputs from the first step on (buffers made during the first step and then updated in place would
+        # move ahead of the tensors each forward makes, and the second step would compile another graph).
+        state["acc_ids"] = bufs[0].reshape(n * k, -1)
+        state["acc_rows"] = bufs[1].reshape(n * k, bufs[0].shape[-1], -1)
     gate = ok
     if k:
         g = g / k
@@ -307,7 +316,9 @@ def _owned_empty(p: Tensor, n: int, width: int, mesh: Any, axis: str) -> tuple[T
     return reshard(ids, spec(axis, 0, 2), mesh), reshard(rows, spec(axis, 0, 3), mesh)
 
 
-def _owned_buffers(state: dict[str, Tensor], width: int, k: int, p: Tensor, n: int, sentinel: int) -> dict[str, Tensor]:
+def _owned_buffers(
+    state: dict[str, Tensor], width: int, k: int, p: Tensor, n: int, sentinel: int
+) -> tuple[Tensor, Tensor]:
     """Per-shard accumulation buffers: ``acc_ids [n·k, cap]`` (shard-local rows) and ``acc_rows
     [n·k, cap, D]``, row-sharded (shard ``d`` holds its ``k`` slots). ``cap`` grows to the widest chunk."""
     from torch_tpu_embedding.xla.sharding import shard_slot
@@ -323,7 +334,7 @@ def _owned_buffers(state: dict[str, Tensor], width: int, k: int, p: Tensor, n: i
         shard_slot(p, new_ids, rows=True)
         shard_slot(p, new_rows, rows=True)
         state["acc_ids"], state["acc_rows"] = new_ids, new_rows
-    return {"acc_ids": state["acc_ids"], "acc_rows": state["acc_rows"]}
+    return state["acc_ids"], state["acc_rows"]
 
 
 def global_clip_scales(work: list[Work]) -> dict[torch.device, Tensor]:

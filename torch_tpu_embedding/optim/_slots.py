@@ -220,6 +220,10 @@ def make_state(p: Tensor, group: Mapping[str, Any]) -> dict[str, Tensor]:
             # and the next step traces a different graph.
             if shape == tuple(p.shape):
                 slot = p.detach().to(math_dtype(p), copy=True)
+                if p.device.type == "xla":
+                    # XLA's copy shares p's buffer until p changes: the first step would read one graph
+                    # input for both and the next step two (a second graph). A fresh upload does not.
+                    slot = slot.cpu().to(p.device)
             else:
                 pad = torch.zeros(shape, dtype=math_dtype(p), device=p.device)
                 slot = where.with_table_order(name, pad, p.detach().to(math_dtype(p)))

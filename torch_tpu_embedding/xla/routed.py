@@ -176,7 +176,9 @@ class RoutedLookup:
         prev = self.counts.get(self.table)
         if prev is None or prev.dropped.shape[0] != n:
             prev = ExchangeCounts.zeros(n, device, cap, mesh, axis)
-        # Re-annotated, so the counters enter the next step with the layout they entered this one.
+        # Re-annotated, so the counters enter the next step with the layout they entered this one. New
+        # tensors every step (made in the forward, like the lookup's outputs), so the step's graph keeps one
+        # order of outputs from the first step on.
         self.counts[self.table] = ExchangeCounts(
             reshard(prev.dropped + routing.overflow, spec(axis, 0, 2), mesh),
             reshard(torch.maximum(prev.largest, routing.load), spec(axis, 0, 2), mesh),

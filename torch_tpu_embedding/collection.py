@@ -161,7 +161,9 @@ class EmbeddingCollection(nn.Module):
 
         Raw accumulation: duplicate ids are not summed and padding entries carry the sentinel id
         ``weight.shape[0]`` with zero rows. Tables with no pending gradient are omitted. A fused
-        group reports under its group name, with ids of the group's rows.
+        group reports under its group name, with ids of the group's rows. A row-sharded table trained
+        through the id exchange reports what each shard received: ``ids [n, M]`` (rows of the shard,
+        ``weight.shape[0] / n`` = padding) and ``rows [n, M, D]``.
         """
         out = {}
         for name, t in self.physical_tables().items():

@@ -138,11 +138,13 @@ def train(config: str, device: torch.device) -> dict[str, Any]:
         if xla:
             torch_xla.sync()
             compiles.append(met.counter_value("UncachedCompile") or 0)
-    result: dict[str, Any] = {"state": comparable(ec, head, opt)}
-    if xla:
-        ec.check_ids()  # raises if any id was dropped (capacity) or out of range
+    result: dict[str, Any] = {}
+    if xla:  # before anything reads the device (skipped_steps in state_dict() is an .item())
+        after = _sharded(ec, opt)
         result.update(compiles=compiles, fallbacks=sorted(met.executed_fallback_ops()), specs_before=specs,
-                      specs_after={k: sharding_spec(v) for k, v in _sharded(ec, opt).items()})
+                      specs_after={k: sharding_spec(after[k]) for k in specs})
+        ec.check_ids()  # raises if any id was dropped (capacity) or out of range
+    result["state"] = comparable(ec, head, opt)
     return result
 
 

@@ -87,9 +87,9 @@ def test_row_sharded_adafactor_with_ema_and_accumulation(tmp_path: Path) -> None
 
 
 def test_step_collectives_do_not_grow_with_the_device_count(tmp_path: Path) -> None:
-    """16 examples per device (80 ids), n · capacity = 128 routing slots per device at n = 2 and n = 4: the
+    """16 examples per device (80 ids), n · capacity = 192 routing slots per device at n = 2 and n = 4: the
     step's collectives and their sizes are the same list."""
-    slots, v = 128, 100_000
+    slots, v = 192, 100_000
     per_n = {n: check_step(run(v, "adam", tmp_path / f"n{n}", devices=n, slots=slots), v, devices=n) for n in (2, 4)}
     assert per_n[2] == per_n[4], per_n
     a2a = sorted(size for op, size in per_n[2] if op == "all-to-all")

@@ -297,8 +297,9 @@ def _prepare_owned(
         # New tensors every step, made at the same point of the step: the step's graph keeps one order of
         # outputs from the first step on (buffers made during the first step and then updated in place would
         # move ahead of the tensors each forward makes, and the second step would compile another graph).
-        state["acc_ids"] = bufs[0].reshape(n * k, -1)
-        state["acc_rows"] = bufs[1].reshape(n * k, bufs[0].shape[-1], -1)
+        # clone(): not reshape views (on XLA a view stays tied to its base, an extra output of the step).
+        state["acc_ids"] = bufs[0].reshape(n * k, -1).clone()
+        state["acc_rows"] = bufs[1].reshape(n * k, bufs[0].shape[-1], -1).clone()
     gate = ok
     if k:
         g = g / k

@@ -226,12 +226,14 @@ def make_state(p: Tensor, group: Mapping[str, Any]) -> dict[str, Tensor]:
                     slot = slot.cpu().to(p.device)
             else:
                 pad = torch.zeros(shape, dtype=math_dtype(p), device=p.device)
-                slot = where.with_table_order(name, pad, p.detach().to(math_dtype(p)))
+                # clone(): not a reshape view (on XLA a view stays tied to its base, which then becomes an
+                # extra output of every step, and the slot is copied whole each step).
+                slot = where.with_table_order(name, pad, p.detach().to(math_dtype(p))).clone()
         else:
             slot = torch.full(shape, spec.init, dtype=spec.dtype or math_dtype(p), device=p.device)
         if name in made:
             value = made[name].detach().to(device=p.device, dtype=slot.dtype)
-            slot = where.with_table_order(name, slot, value) if name in where.numbers else value
+            slot = where.with_table_order(name, slot, value).clone() if name in where.numbers else value
         if p.device.type == "xla":  # created with the parameter's layout (SPMD)
             from torch_tpu_embedding.xla.sharding import shard_slot
 

@@ -375,7 +375,7 @@ def load_state_dict(opt: RowSparseOptimizer, sd: dict[str, Any]) -> None:
                 state[name].copy_(to_device(v.to(state[name].dtype), p.device))
     opt._iterations = int(sd.get("iterations", 0))
     skipped = int(sd.get("skipped_steps", 0))
-    opt._skipped = torch.tensor(skipped, dtype=torch.int64) if skipped else None
+    opt._skipped = torch.tensor([skipped], dtype=torch.int64) if skipped else None
     opt._lrs.clear()
 
 

@@ -103,6 +103,9 @@ class _Exchange(torch.autograd.Function):
         # 16-bit tables: gradient rows travel and are summed in the update's float32.
         ids, rows = exchange_grad(grad.to(route.grad_dtype), route.routing)
         route.row_grad.add_owned(ids, rows, route.ok)
+        # Released: the caller may keep the outputs (and so this node) past the step; the routing would
+        # then be live tensors, materialized as extra outputs of every step.
+        ctx.route = route.routing = route.ok = None
         return None, None, None
 
 

@@ -118,6 +118,10 @@ class TableView(nn.Module):
             return group.logical_weight()[self.offset : self.offset + self.config.num_embeddings]
         return group.weight[self.offset : self.offset + self.config.num_embeddings]
 
+    def logical_weight(self) -> torch.Tensor:
+        """The table's ``[num_embeddings, D]`` logical rows (as :meth:`EmbeddingTable.logical_weight`)."""
+        return self.weight.detach()
+
     @property
     def padding_rows(self) -> int:
         return 0

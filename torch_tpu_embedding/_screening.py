@@ -4,7 +4,7 @@ Ids and per-id weights built on the device cannot be read without a sync, so the
 device inside the step: an out-of-range id, or an id whose weight is NaN or inf, becomes padding (it
 contributes nothing and trains no row — never a silent remap to a row, never a NaN in a table), and
 is counted per feature in ``[1]``-shaped device tensors (one traced graph per step).
-:meth:`DeviceScreen.check` syncs and raises.
+:meth:`DeviceScreen.problems` syncs and reports (``EmbeddingCollection.check_ids`` raises).
 """
 
 from __future__ import annotations
@@ -39,18 +39,19 @@ class DeviceScreen:
         """Host ints (a device-to-host transfer: ``.item()`` on XLA counts as a host fallback op)."""
         return {f: int(c.cpu().reshape(-1)[0]) for f, c in counts.items()}
 
-    def check(self, vocab: dict[str, int]) -> None:
-        """Raise ``ValueError`` listing every feature with a bad id or weight since the last call; reset."""
+    def problems(self, vocab: dict[str, int]) -> list[str]:
+        """The error text for every feature with a bad id or weight since the last call (empty if none); reset."""
         ids = {f: n for f, n in self.counts(self.invalid_ids).items() if n}
         weights = {f: n for f, n in self.counts(self.nonfinite_weights).items() if n}
         self.invalid_ids.clear()
         self.nonfinite_weights.clear()
         detail = [f"Feature `{f}`: {n} id(s) outside [0, {vocab[f]})" for f, n in sorted(ids.items())]
         detail += [f"Feature `{f}`: {n} NaN or inf weight(s)" for f, n in sorted(weights.items())]
-        if detail:
-            what = " and ".join(w for w, c in (("Out-of-range ids", ids), ("non-finite per-id weights", weights)) if c)
-            raise ValueError(f"{what} in device inputs since the last check_ids(): {'; '.join(detail)}. They were "
-                             "dropped from their bags (no row was trained with them).")
+        if not detail:
+            return []
+        what = " and ".join(w for w, c in (("Out-of-range ids", ids), ("non-finite per-id weights", weights)) if c)
+        return [f"{what} in device inputs since the last check_ids(): {'; '.join(detail)}. They were "
+                "dropped from their bags (no row was trained with them)."]
 
 
 def _add(counts: dict[str, torch.Tensor], feature: str, bad: torch.Tensor) -> None:

@@ -22,6 +22,7 @@ import torch
 
 from torch_tpu_embedding._ckpt_io import check_loadable, dcp_quiet, dcp_reader, read_dcp_metadata, write_atomic
 from torch_tpu_embedding._fused import split_member_state
+from torch_tpu_embedding._layout import Description, describe, from_logical, layout_of, to_logical
 
 __all__ = ["FORMAT", "convert_distributed", "load", "load_distributed", "save", "save_distributed", "to_cpu"]
 
@@ -55,13 +56,19 @@ def to_cpu(obj: Any) -> Any:
     return obj
 
 
-def _host_rows(t: torch.Tensor, n: int | None) -> torch.Tensor:
-    """The first ``n`` rows of ``t`` on the host: the whole tensor moves, then it is cut on the CPU.
+def _host_rows(t: torch.Tensor, n: int | None, layout: Description = None) -> torch.Tensor:
+    """The ``n`` logical rows of ``t`` on the host: the whole tensor moves, then it is cut (and, when
+    stored permuted, put in logical order: ``layout``) on the CPU.
 
     Slicing on an XLA device first would trace, compile and run a graph per tensor at every save.
     """
     host: torch.Tensor = to_cpu(t)
-    return host if n is None or n == host.shape[0] else host[:n].clone()
+    if n is None:
+        return host
+    order, k = layout_of(layout)
+    if order is not None:
+        return to_logical(host, n, order, k)
+    return host if n == host.shape[0] else host[:n].clone()
 
 
 def _fused_sources(model: torch.nn.Module) -> dict[str, tuple[str, int, int]]:
@@ -85,6 +92,9 @@ def _host_model_state(model: torch.nn.Module) -> dict[str, Any]:
     hosts: dict[str, torch.Tensor] = {}  # a fused group's weight moves to the host once per save
     out = {}
     for k, v in state.items():
+        if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and _permuted(whole, k, fused):
+            out[k] = to_cpu(v)  # the state_dict hook already gathered the logical rows on the host
+            continue
         if k in fused:
             pname, off, n = fused[k]
             if pname not in hosts:
@@ -97,6 +107,15 @@ def _host_model_state(model: torch.nn.Module) -> dict[str, Any]:
     return out
 
 
+def _permuted(whole: Mapping[str, torch.Tensor], key: str, fused: Mapping[str, tuple[str, int, int]]) -> bool:
+    """Whether model state ``key`` is a table (or a fused group's table) stored in a permuted row order."""
+    from torch_tpu_embedding._rows import table_info
+
+    source = whole.get(fused[key][0] if key in fused else key)
+    info = None if source is None else table_info(source)
+    return info is not None and info.layout is not None
+
+
 def _host_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     from torch_tpu_embedding.optim._base import RowSparseOptimizer
 
@@ -106,7 +125,7 @@ def _host_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     state: dict[str, dict[str, Any]] = {}
     for name, v in physical.tensors.items():
         key, slot = name.rsplit("/", 1)
-        state.setdefault(key, {})[slot] = _host_rows(v, physical.logical_rows[name])
+        state.setdefault(key, {})[slot] = _host_rows(v, physical.logical_rows[name], physical.layouts.get(name))
     for key, bufs in physical.accumulation.items():
         state.setdefault(key, {}).update(bufs)
     _split_fused_entries(state, physical.members, physical.logical_rows)
@@ -199,16 +218,20 @@ _META = "tte_meta.pt"
 def _physical(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[
     dict[str, torch.Tensor], dict[str, int | None], dict[str, Any]
 ]:
-    """Every model parameter/buffer and optimizer slot as it is on the device, plus the rest."""
+    """Every model parameter/buffer and optimizer slot as it is on the device, plus the rest (with
+    ``rest["layouts"]``: how each table-indexed tensor is stored, see ``_layout.describe``)."""
     from torch_tpu_embedding._rows import table_info
 
     tensors: dict[str, torch.Tensor] = {}
     rows: dict[str, int | None] = {}
+    layouts: dict[str, Description] = {}
     members: dict[str, Any] = {}  # fused groups: their tables, for convert_distributed
     for name, p in [*model.named_parameters(), *model.named_buffers()]:
         info = table_info(p)
         tensors[f"model/{name}"] = p.detach()
         rows[f"model/{name}"] = None if info is None else info.num_embeddings
+        if info is not None:
+            layouts[f"model/{name}"] = describe(info.layout)
         if info is not None and info.members is not None:
             members[f"model/{name}"] = info.members
     rest: dict[str, Any] = {"members": members}
@@ -218,6 +241,8 @@ def _physical(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -
                 "members": {**members, **{f"optim/{k}": m for k, m in physical.members.items()}}}
         tensors.update({f"optim/{k}": v for k, v in physical.tensors.items()})
         rows.update({f"optim/{k}": v for k, v in physical.logical_rows.items()})
+        layouts.update({f"optim/{k}": v for k, v in physical.layouts.items()})
+    rest["layouts"] = layouts
     return tensors, rows, rest
 
 
@@ -261,7 +286,10 @@ def save_distributed(
     with dcp_quiet():
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(target), planner=planner)
     members = rest.pop("members")
-    meta = {"format": FORMAT, "rows": rows, "members": members,
+    layouts = rest.pop("layouts")
+    # "layouts": the stored row order of each table-indexed tensor (absent in checkpoints written
+    # before the id exchange: every tensor in logical order).
+    meta = {"format": FORMAT, "rows": rows, "members": members, "layouts": layouts,
             "optimizer": to_cpu(rest) if optimizer is not None else None}
     _write_atomic(meta, os.path.join(target, _META))
 
@@ -307,7 +335,8 @@ def load_distributed(
     meta = _read_meta(target)
     if optimizer is not None and hasattr(optimizer, "init_state"):
         optimizer.init_state()
-    dest, rows, _ = _physical(model, optimizer)
+    dest, rows, rest = _physical(model, optimizer)
+    saved_layouts, layouts = meta.get("layouts", {}), rest["layouts"]
     saved = _saved_sizes(target)
     missing = sorted(set(dest) - set(saved))
     unexpected = sorted(k for k in set(saved) - set(dest) if optimizer is not None or k.startswith("model/"))
@@ -327,16 +356,22 @@ def load_distributed(
     wanted = {k: dest[k] for k in dest}
     staged: dict[str, torch.Tensor] = {}
     for k, t in dest.items():
-        if tuple(t.shape) != tuple(saved[k]):
+        # Same shape and row order: read in place, shard by shard. Otherwise through the host.
+        if tuple(t.shape) != tuple(saved[k]) or saved_layouts.get(k) != layouts.get(k):
             staged[k] = torch.empty(saved[k], dtype=t.dtype)
             wanted[k] = staged[k]
     _read(target, wanted)
     with torch.no_grad():
         for k, host in staged.items():
-            t = dest[k]
-            n = rows[k] if rows[k] is not None else t.shape[0]
-            value = host[:n].to(t.device)
-            t.copy_(torch.cat([value, t[n:]]) if t.dim() and n != t.shape[0] else value)
+            t, n = dest[k], rows[k]
+            if n is None:
+                t.copy_(host.to(t.device))
+                continue
+            saved_order, saved_k = layout_of(saved_layouts.get(k))
+            value = to_logical(host, n, saved_order, saved_k)
+            order, slot_k = layout_of(layouts.get(k))
+            current = t.detach().cpu() if order is not None or t.device.type == "cpu" else t
+            t.copy_(from_logical(value.to(current.device), current, order, slot_k).to(t.device))
     if optimizer is not None:
         _row_sparse(optimizer).load_physical_rest(meta["optimizer"])
 
@@ -358,7 +393,8 @@ def convert_distributed(path: str | os.PathLike[str], out: str | os.PathLike[str
 
     def logical(k: str) -> torch.Tensor:
         n = meta["rows"].get(k)
-        return host[k] if n is None else host[k][:n].clone()
+        order, slot_k = layout_of(meta.get("layouts", {}).get(k))
+        return host[k] if n is None else to_logical(host[k], n, order, slot_k).clone()
 
     members = meta.get("members", {})
     model_sd: dict[str, torch.Tensor] = {}

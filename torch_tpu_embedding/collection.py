@@ -11,6 +11,7 @@ from torch import nn
 from torch_tpu_embedding._fused import FusedTables, fuse, join_fused_weights, split_fused_weights
 from torch_tpu_embedding._lookup import LookupBatch
 from torch_tpu_embedding._nest import Path, check_structure, flatten, path_name, pick, rebuild
+from torch_tpu_embedding._rows import table_info
 from torch_tpu_embedding._screening import DeviceScreen
 from torch_tpu_embedding._validation import check_bool
 from torch_tpu_embedding.config import FeatureConfig, TableConfig
@@ -111,6 +112,7 @@ class EmbeddingCollection(nn.Module):
         if dupe_features:
             raise ValueError(f"Features must have unique names. Duplicated: {dupe_features}")
         self._screen = DeviceScreen()  # device-side counts of bad ids and weights, see check_ids()
+        self._exchange_counts: dict[str, Any] = {}  # row-sharded tables: overflow and loads, see check_ids()
         tables: dict[str, nn.Module] = {
             table_names[key]: EmbeddingTable(cfg, table_names[key]) for key, cfg in configs.items()
         }
@@ -160,7 +162,9 @@ class EmbeddingCollection(nn.Module):
 
         Raw accumulation: duplicate ids are not summed and padding entries carry the sentinel id
         ``weight.shape[0]`` with zero rows. Tables with no pending gradient are omitted. A fused
-        group reports under its group name, with ids of the group's rows.
+        group reports under its group name, with ids of the group's rows. A row-sharded table trained
+        through the id exchange reports what each shard received: ``ids [n, M]`` (rows of the shard,
+        ``weight.shape[0] / n`` = padding) and ``rows [n, M, D]``.
         """
         out = {}
         for name, t in self.physical_tables().items():
@@ -184,19 +188,24 @@ class EmbeddingCollection(nn.Module):
             outputs.update(batch.run())
         return rebuild(self._config, outputs)
 
-    def _plan(self, features: Any, weights: Any) -> list[LookupBatch]:
+    def _plan(self, features: Any, weights: Any) -> list[Any]:
         """Every feature normalised to padded bags, grouped into the batches looked up together.
 
         Features of the same physical table with the same bag width and combiner are looked up
         together: one gather and one backward node per batch, not per feature. Host inputs for a
         device table are normalised and batched on the host and moved in one transfer per batch
-        (TorchRec's KJT and TBE do the same).
+        (TorchRec's KJT and TBE do the same). The batches of a table trained through the id exchange
+        (row-sharded under SPMD) are routed together: one ``RoutedLookup`` per table
+        (``torch_tpu_embedding/xla/routed.py``).
         """
         batches: dict[tuple[int, int, str, bool], LookupBatch] = {}
+        routed: dict[int, Any] = {}
         host = torch.device("cpu")
         for path, fname, fc, tname in self._features:
             table, offset = self._located[tname]
             weight = table.weight
+            info = table_info(weight)
+            owner_local = info is not None and info.owner_local
             value = pick(features, path)
             resident = weight.device.type == "cpu" or _input_device(value) != "cpu"
             bags = to_bags(
@@ -216,12 +225,24 @@ class EmbeddingCollection(nn.Module):
                 bags = dataclasses.replace(bags, ids=ids, valid=valid)
             if offset:  # a fused table's rows start at `offset` of the group; padding stays the sentinel
                 bags = dataclasses.replace(bags, ids=torch.where(bags.valid, bags.ids + offset, bags.ids))
+            if table.row_layout is not None and not owner_local:  # stored permuted: look up the stored row
+                order = table.row_layout.ownership(int(weight.shape[0]))
+                bags = dataclasses.replace(bags, ids=order.physical_row(bags.ids.to(torch.int64)))
             combiner = fc.table.combiner if bags.combine else "sum"
             key = (id(table), bags.ids.shape[1], combiner, resident)
             if key not in batches:
                 batches[key] = LookupBatch(weight, table.row_grad, combiner, resident)
+                if owner_local:
+                    if id(table) not in routed:
+                        from torch_tpu_embedding.xla.routed import RoutedLookup
+
+                        names = [f for _, f, _, t in self._features if self._located[t][0] is table]
+                        routed[id(table)] = RoutedLookup(table.name, weight, table.config.max_unique_ids_per_shard,
+                                                         names, self._exchange_counts)
+                    routed[id(table)].batches.append(batches[key])
             batches[key].items.append((path, bags))
-        return list(batches.values())
+        taken = {id(b) for r in routed.values() for b in r.batches}
+        return [b for b in batches.values() if id(b) not in taken] + list(routed.values())
 
     # ------------------------------------------------------------------ device-side id validation
     def _screen_device_ids(
@@ -240,15 +261,51 @@ class EmbeddingCollection(nn.Module):
         return self._screen.counts(self._screen.nonfinite_weights)
 
     def check_ids(self) -> None:
-        """Raise if any XLA-resident input held an out-of-range id or a NaN/inf per-id weight since the
-        last call, then reset.
+        """Raise if ids were dropped on the device since the last call, then reset (syncs XLA).
 
-        Host inputs (the usual case) are checked during input normalisation and raise at once. Ids and
-        weights built on the device are screened on the device instead: such an id is dropped (it
-        trains no row) and counted; call this at a sync point (e.g. every N steps, or with the loss
-        logging) to turn the counts into an error.
+        Two cases, both counted on the device without a sync and turned into an error here, at a
+        sync point of your choosing (e.g. every N steps, or with the loss logging):
+
+        * Out-of-range ids and NaN/inf per-id weights in XLA-resident inputs (host inputs, the usual
+          case, are checked during input normalisation and raise at once): dropped from their bags,
+          training no row.
+        * Ids over the capacity of a row-sharded table's id exchange (``TableConfig.
+          max_unique_ids_per_shard``; docs/sharding.md): dropped from that step's lookup, and the
+          table was not updated in that step. The error names the table's features, the shard and
+          the capacity that would have sufficed.
         """
-        self._screen.check({fname: fc.table.num_embeddings for _, fname, fc, _ in self._features})
+        problems = self._screen.problems({fname: fc.table.num_embeddings for _, fname, fc, _ in self._features})
+        loads = self.largest_loads()
+        dropped = {t: c.per_shard()[0] for t, c in self._exchange_counts.items()}
+        self._exchange_counts.clear()
+        for table, per_shard in sorted(dropped.items()):
+            for shard, n in enumerate(per_shard):
+                if n:
+                    feats = ", ".join(f"`{f}`" for f in self._table_features(table))
+                    problems.append(
+                        f"Feature(s) {feats} (table `{table}`): {n} id(s) for shard {shard} were dropped since the "
+                        f"last check_ids(): one device had up to {loads[table]['largest_load'][shard]} distinct ids "
+                        f"of a step for that shard, over the capacity {loads[table]['capacity']}. A capacity of "
+                        f"{max(loads[table]['largest_load'])} would have sufficed: set TableConfig("
+                        "max_unique_ids_per_shard=...) (size it with largest_loads()). The table was not updated "
+                        "in the steps that dropped ids.")
+        if problems:
+            raise ValueError(" ".join(problems))
+
+    def largest_loads(self) -> dict[str, dict[str, Any]]:
+        """Row-sharded tables trained through the id exchange: the most distinct ids one device had for
+        each shard in one step since the last :meth:`check_ids`, to size ``TableConfig.
+        max_unique_ids_per_shard`` (e.g. 1.25 × the largest over a few hundred steps;
+        ``torch_tpu_embedding.xla.ownership.capacity_for_load``). Syncs XLA.
+
+        Returns ``{table: {"largest_load": [per shard], "capacity": the capacity in use}}`` (a fused
+        group reports under its group name).
+        """
+        return {t: {"largest_load": c.per_shard()[1], "capacity": c.capacity} for t, c in self._exchange_counts.items()}
+
+    def _table_features(self, physical: str) -> list[str]:
+        """Names of the features looked up in physical table ``physical`` (a table or a fused group)."""
+        return [f for _, f, _, t in self._features if self._located[t][0].name == physical]
 
     def extra_repr(self) -> str:
         by_table: dict[str, list[str]] = {}

@@ -35,7 +35,8 @@ def clip_grad_norm_(
     every gradient viewed as one vector, and every gradient scaled in place by
     ``min(max_norm / (total_norm + 1e-6), 1)``. A table's gradient counts as its densified ``[V, D]``
     gradient would: duplicate ids summed, rows not looked up zero. Its pending row gradient (the one
-    the next optimizer ``step()`` applies) is replaced by the summed, scaled rows.
+    the next optimizer ``step()`` applies) is replaced by the summed, scaled rows; a row-sharded table
+    trained through the id exchange (SPMD) keeps its per-shard form, summed on each shard.
 
     Under data parallel (:mod:`torch_tpu_embedding.distributed`) the tables' row gradients are
     exchanged first, so the norm is the process group's global one, the same on every process
@@ -81,6 +82,8 @@ def _summed_rows(p: Tensor) -> Tensor | None:
     rg = info.row_grad
     if not rg:
         return None
+    if rg.owned:
+        return _owned_rows(p)
     from torch_tpu_embedding.optim._slots import math_dtype
 
     exchanged = rg.exchanged == len(rg)
@@ -90,3 +93,29 @@ def _summed_rows(p: Tensor) -> Tensor | None:
     rg.add(ids, rows)
     rg.exchanged = len(rg) if exchanged else 0
     return rg.collect()[1]  # the stored chunk itself: scaling it in place reaches the step
+
+
+def _owned_rows(p: Tensor) -> Tensor:
+    """As :func:`_summed_rows` for a table trained through the id exchange (SPMD, owner-local chunks
+    ``ids [n, M]``, ``rows [n, M, D]``): duplicates are summed on each shard (a row lives on one shard),
+    in one manual-sharding region, and the sums put back as the only owner-local chunk. A chunk whose
+    lookup dropped ids counts zero, as in the step."""
+    from torch_tpu_embedding.optim._slots import math_dtype
+    from torch_tpu_embedding.xla.manual import on_shards
+
+    info = table_info(p)
+    assert info is not None
+    rg = info.row_grad
+    sharding = info.sharding
+    sentinel = p.shape[0] // sharding.num_shards  # shard-local padding row
+    ids, rows, ok = rg.collect_owned()
+    rows = torch.where(ok, rows.to(math_dtype(p)), torch.zeros((), dtype=math_dtype(p), device=rows.device))
+
+    def on_shard(sharded: dict[str, Tensor], small: dict[str, Tensor], inputs: list[Tensor],
+                 rep: list[Tensor | None]) -> list[Tensor]:
+        return list(coalesce_rows(inputs[0], inputs[1], sentinel))
+
+    uniq, summed = on_shards(on_shard, {}, {}, [ids, rows], [], mesh=sharding.mesh, axis=sharding.axis)
+    rg.clear()
+    rg.add_owned(uniq, summed, ok)
+    return summed  # the stored chunk itself: scaling it in place reaches the step

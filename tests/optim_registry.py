@@ -95,6 +95,7 @@ TARGETS: dict[str, Target] = {
             "ema-accum-gclip": {"use_ema": True, "ema_momentum": 0.8, "gradient_accumulation_steps": 2,
                                 "global_clipnorm": 0.5},
             "accum3-scale-skip": {"gradient_accumulation_steps": 3, "loss_scale_factor": 16.0, "skip_nonfinite": True},
+            "clipnorm": {"clipnorm": 0.05},  # per table in a group (each table's own norm)
         },
         noaccum=True,
     ),
@@ -597,7 +598,7 @@ ADAFACTOR_INFO = OptimizerInfo(
     np_rule=np_adafactor,
     whole_slots=frozenset({"c", "r_sum"}),
     shared_args=COMMON_ARGS,
-    per_row_rule=False, supports_fused_groups=False,
+    per_row_rule=False,
     table_only_slots={"r_sum": lambda dense_state: dense_state["r"].sum()},
     error_inputs=(
         ErrorInput("beta-2-decay-positive", {"beta_2_decay": 0.5}, ValueError,

@@ -237,13 +237,14 @@ def split_member_state(
 ) -> dict[str, dict[str, torch.Tensor]]:
     """One group's optimizer state (logical rows) → ``{table name: state}``, as unfused tables keep it.
 
-    Row slots are cut per table; whole-parameter values (``step``) are copied to every table; a
+    Row slots are cut per table; ``step`` is copied to every table; any other slot is a whole-table
+    slot with a leading ``[members]`` dim (``optim/_members.py``): table ``i`` gets entry ``i``; a
     pending accumulation buffer keeps, per table, its own ids (re-based; ``-1`` elsewhere) and rows
     (zero elsewhere).
     """
     out: dict[str, dict[str, torch.Tensor]] = {}
     ids = entry.get("acc_ids")
-    for name, off, n in members:
+    for i, (name, off, n) in enumerate(members):
         mine: dict[str, torch.Tensor] = {}
         inside = None if ids is None else (ids >= off) & (ids < off + n)
         for slot, v in entry.items():
@@ -253,8 +254,10 @@ def split_member_state(
                 mine[slot] = v * inside.unsqueeze(-1).to(v.dtype)
             elif slot in row_slots:
                 mine[slot] = v[off : off + n]
-            else:
+            elif slot == "step":
                 mine[slot] = v
+            else:
+                mine[slot] = v[i]
         out[name] = mine
     return out
 
@@ -268,8 +271,9 @@ def merge_member_state(
     """The inverse of :func:`split_member_state`: per-table states → one group state (logical rows).
 
     A table with no saved state (it was never stepped) keeps the group's current rows
-    (``current(slot, first row, rows)``). ``step`` is the largest of the tables' counts (they are
-    equal when every table is looked up in every step).
+    (``current(slot, first row, rows)``) and its current entry of a whole-table slot
+    (``current(slot, i, 1)``: entry ``i`` of the leading ``[members]`` dim). ``step`` is the largest
+    of the tables' counts (they are equal when every table is looked up in every step).
     """
     slots = sorted({s for p in parts.values() for s in p})
     out: dict[str, torch.Tensor] = {}
@@ -283,9 +287,14 @@ def merge_member_state(
                 parts[name][slot] if slot in parts.get(name, {}) else current(slot, off, n).to(_device_of(parts, slot))
                 for name, off, n in members
             ])
+        elif slot == "step":
+            out[slot] = torch.stack([parts[n][slot] for n, _, _ in members if slot in parts.get(n, {})]).amax(0)
         else:
-            vals = [parts[n][slot] for n, _, _ in members if slot in parts.get(n, {})]
-            out[slot] = torch.stack(vals).amax(0) if slot == "step" else vals[0]
+            dev = _device_of(parts, slot)
+            out[slot] = torch.stack([
+                parts[name][slot] if slot in parts.get(name, {}) else current(slot, i, 1)[0].to(dev)
+                for i, (name, _, _) in enumerate(members)
+            ])
     return out
 
 

@@ -92,26 +92,23 @@ def check_lr(lr: float | torch.Tensor, on_device: bool = False) -> None:
 
 
 def check_fused(group: Mapping[str, Any], rule_cls: type[RowSparseOptimizer]) -> None:
-    """Reject what a fused group cannot do exactly as its separate tables would (by name)."""
+    """Reject what a fused group cannot do exactly as its separate tables would (by name).
+
+    Every optimizer and option works in a group (``optim/_members.py``: whole-table statistics,
+    ``clipnorm`` and ``slot_creation_fn`` per table) except one combination no optimizer of this
+    package has: whole-table state on a non-lazy optimizer (its every-row update keeps no member index).
+    """
     for p in group["params"]:
         info = table_info(p)
-        if info is None or info.members is None:
+        if info is None or info.members is None or rule_cls.is_lazy(group):
             continue
-        names = [m[0] for m in info.members]
         whole = [k for k, spec in rule_cls.slot_specs(tuple(p.shape), group, True).items() if not spec.rows]
-        reason = None
         if whole:
-            reason = (f"optimizer '{group['algorithm']}' keeps per-table state {whole} (statistics over all "
-                      "of a table's rows)")
-        elif group.get("clipnorm"):
-            reason = "`clipnorm` clips each table's gradient by its own norm"
-        elif group.get("slot_creation_fn") is not None:
-            reason = "`slot_creation_fn` creates the slots of one table"
-        if reason:
             raise ValueError(
-                f"Fused table group '{info.name}' (tables {names}) cannot be trained this way: {reason}. "
-                "Build the EmbeddingCollection with fuse_tables=False, or give these tables their own "
-                "optimizer with TableConfig.optimizer (tables with different optimizers are not fused)."
+                f"Fused table group '{info.name}' (tables {[m[0] for m in info.members]}) cannot be trained "
+                f"this way: non-lazy optimizer '{group['algorithm']}' keeps per-table state {whole}. Build the "
+                "EmbeddingCollection with fuse_tables=False, or give these tables their own optimizer with "
+                "TableConfig.optimizer (tables with different optimizers are not fused)."
             )
 
 

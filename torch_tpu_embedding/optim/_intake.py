@@ -25,6 +25,7 @@ import torch
 from torch_tpu_embedding._rows import RowGrad, coalesce_rows, drop_sentinel, is_static_device, table_info
 from torch_tpu_embedding.optim._device import StepClock
 from torch_tpu_embedding.optim._extras import clip_by_norm, global_norm_scale
+from torch_tpu_embedding.optim._members import clip_members, member_rows, segment_of
 from torch_tpu_embedding.optim._paths import Path
 from torch_tpu_embedding.optim._slots import math_dtype
 
@@ -126,7 +127,7 @@ def prepare(
     if path is Path.OWNER_LOCAL:
         ids, g, gate = _prepare_owned(p, group, state, taken, clock)
         if group["clipnorm"]:
-            g = clip_by_norm(g, group["clipnorm"])  # the norm over every shard's rows
+            g = _clip(p, g, ids, group["clipnorm"], owned=True)  # the norm over every shard's rows
         return work(ids, g, gate)
     if taken.dense is not None:
         g = taken.dense.to(math_dtype(p))
@@ -166,8 +167,19 @@ def prepare(
         else:
             g = rows
     if group["clipnorm"]:
-        g = clip_by_norm(g, group["clipnorm"])
+        g = _clip(p, g, ids, group["clipnorm"])
     return work(ids, g, gate)
+
+
+def _clip(p: Tensor, g: Tensor, ids: Tensor | None, clipnorm: float, owned: bool = False) -> Tensor:
+    """``clipnorm`` on ``p``'s gradient ``g`` (rows ``ids``; ``None``: every row): in a fused group each
+    member table's rows by that table's own norm, as for tables of their own."""
+    if not member_rows(p):
+        return clip_by_norm(g, clipnorm)
+    rows = torch.arange(p.shape[0], device=g.device) if ids is None else ids
+    seg = segment_of(p, rows, owned=owned)
+    assert seg is not None
+    return clip_members(g, seg, len(member_rows(p)), clipnorm)
 
 
 def _accumulate_dense(

@@ -37,6 +37,7 @@ import torch
 
 from torch_tpu_embedding._rows import drop_sentinel, is_static_device, table_info, unique_ids
 from torch_tpu_embedding.optim._contract import RowContext, Slots, optimizer_class
+from torch_tpu_embedding.optim._members import member_rows, segment_of
 from torch_tpu_embedding.optim._slots import RowSpace, logical_rows, math_dtype, rule_slots
 
 if TYPE_CHECKING:
@@ -170,8 +171,11 @@ def _update_additive(item: Work) -> None:
     state["step"].copy_(step)
 
 
-def _update_rows(item: Work, space: RowSpace, ids: Tensor, g: Tensor) -> None:
-    """Gather the rows ``ids`` of ``space`` (and their slots), run the pipeline, write them back."""
+def _update_rows(item: Work, space: RowSpace, ids: Tensor, g: Tensor, seg: Tensor | None = None) -> None:
+    """Gather the rows ``ids`` of ``space`` (and their slots), run the pipeline, write them back.
+
+    ``seg``: the member table of each row in a fused group whose rule keeps whole-table slots (found
+    from ``ids`` when not given; the owner-local path computes it outside its manual region)."""
     from torch_tpu_embedding.optim._ema import ema_rows
 
     p, group, state, gate, where = space.p, item.group, space.state, item.gate, space.where
@@ -183,8 +187,16 @@ def _update_rows(item: Work, space: RowSpace, ids: Tensor, g: Tensor) -> None:
     names = rule_slots(item.p, group)
     slots = {k: space.gather(k, ids) if k in where.numbers else state[k] for k in names}
     mask = ids < sentinel
-    count = space.all_reduce(mask.sum())
-    ctx = RowContext(mask=mask, count=count, num_rows=space.num_rows, all_reduce=space.all_reduce)
+    rows_of = member_rows(item.p) if _whole_slots(item) else ()
+    if rows_of:  # a fused group: statistics over rows stay per member table
+        seg = segment_of(item.p, ids) if seg is None else seg
+        assert seg is not None
+        ctx = RowContext(mask=mask, count=None, num_rows=space.num_rows, all_reduce=space.all_reduce,
+                         segment=seg, member_rows=rows_of)
+        ctx = dataclasses.replace(ctx, count=ctx.row_sum(mask.to(torch.int64)))
+    else:
+        count = space.all_reduce(mask.sum())
+        ctx = RowContext(mask=mask, count=count, num_rows=space.num_rows, all_reduce=space.all_reduce)
     ema = group["use_ema"]
     if ema and not dedup:  # ids repeat: the average needs each row once
         ema_ids = unique_ids(ids, sentinel)
@@ -214,6 +226,12 @@ def _update_rows(item: Work, space: RowSpace, ids: Tensor, g: Tensor) -> None:
             ema_rows(item, space, ema_ids, ema_w0, p.index_select(0, ema_ids.clamp(max=sentinel - 1)).to(w0.dtype))
 
 
+def _whole_slots(item: Work) -> bool:
+    """Whether ``item``'s rule keeps whole-table slots (statistics over a table's rows)."""
+    specs = optimizer_class(item.group["algorithm"]).slot_specs(tuple(item.p.shape), item.group, True)
+    return any(not spec.rows for spec in specs.values())
+
+
 def _update_owner_local(item: Work) -> None:
     """OWNER_LOCAL: every shard updates its own rows and slots — the same :func:`_update_rows` (or
     :func:`_update_dense`) on its part of the table — in one manual-sharding region, with no collective
@@ -233,18 +251,21 @@ def _update_owner_local(item: Work) -> None:
     clock = item.clock.device_values(item.p.device)
     lazy = optimizer_class(item.group["algorithm"]).is_lazy(item.group)
 
+    seg = segment_of(item.p, item.ids, owned=True) if lazy and _whole_slots(item) else None
+
     def on_shard(rows: dict[str, Tensor], small: dict[str, Tensor], inputs: list[Tensor],
                  rep: list[Tensor | None]) -> list[Tensor]:
-        ids, g = inputs
+        ids, g, *segs = inputs
         lr, gate, *clock_now = rep
         assert lr is not None
         space = dataclasses.replace(whole, p=rows[""], state={**rows, **small},
                                     all_reduce=lambda x: all_reduce(x, mesh, axis))
         mine = dataclasses.replace(item, lr=lr, gate=gate, clock=item.clock.with_device_values(clock_now))
         if lazy:
-            _update_rows(mine, space, ids, g)
+            _update_rows(mine, space, ids, g, segs[0] if segs else None)
         else:  # every local row, g = 0 where not looked up (the sentinel's rows are dropped)
             _update_dense(mine, space, torch.zeros_like(space.p, dtype=g.dtype).index_add_(0, ids, g))
         return []
 
-    on_shards(on_shard, rows, small, [item.ids, item.g], [item.lr, item.gate, *clock], mesh=mesh, axis=axis)
+    inputs = [item.ids, item.g] if seg is None else [item.ids, item.g, seg]
+    on_shards(on_shard, rows, small, inputs, [item.lr, item.gate, *clock], mesh=mesh, axis=axis)

@@ -23,6 +23,7 @@ import torch
 
 from torch_tpu_embedding._rows import table_info
 from torch_tpu_embedding.optim._contract import SlotSpec, identity, optimizer_class
+from torch_tpu_embedding.optim._members import created_member_slots, member_rows, member_specs
 from torch_tpu_embedding.xla.ownership import slot_row
 
 __all__ = [
@@ -78,7 +79,8 @@ def rule_slots(p: Tensor, group: Mapping[str, Any]) -> list[str]:
 def specs(p: Tensor, group: Mapping[str, Any]) -> dict[str, SlotSpec]:
     """Every state tensor of ``p`` except ``step`` and the accumulation buffers of tables."""
     cls = optimizer_class(group["algorithm"])
-    out = dict(cls.slot_specs(tuple(p.shape), group, table_info(p) is not None))
+    # A fused group keeps each table's whole-table slots: a leading [members] dim (optim/_members.py).
+    out = member_specs(p, cls.slot_specs(tuple(p.shape), group, table_info(p) is not None))
     if group["use_ema"]:
         out["ema"] = SlotSpec(tuple(p.shape))
         if lazy_table(p, group):
@@ -198,7 +200,11 @@ def make_state(p: Tensor, group: Mapping[str, Any]) -> dict[str, Tensor]:
     all_specs = specs(p, group)
     fn = group.get("slot_creation_fn")
     made: Mapping[str, Any] = {}
-    if fn is not None:
+    if fn is not None and member_rows(p):  # a fused group: once per table, as for tables of their own
+        cls = optimizer_class(group["algorithm"])
+        made = created_member_slots(p, fn, rule_slots(p, group), all_specs,
+                                    lambda shape: cls.slot_specs(shape, group, True))
+    elif fn is not None:
         names = rule_slots(p, group)
         made = fn(p, names, {n: all_specs[n].init for n in names})
         for name in names:

@@ -359,6 +359,8 @@ def state_problems(opt: RowSparseOptimizer, sd: Any) -> list[str]:
                 problems.append(f"{key}: unexpected slot '{name}' (expected {sorted(all_specs)})")
                 continue
             want = (n, *spec.shape[1:]) if spec.rows and spec.shape else spec.shape
+            if not spec.rows and _members(p) is not None:  # a fused group's whole-table slot, per table
+                want = spec.shape[1:]
             if tuple(v.shape) != tuple(want):
                 problems.append(f"{key}: slot '{name}' has shape {tuple(v.shape)}, expected {tuple(want)}")
     return problems

@@ -30,6 +30,8 @@ def adafactor_rule(
     are the touched rows of a table: RMS terms and the column mean run over them, the row mean over
     the whole table comes from ``r_sum``. With every row touched this is Keras on the dense gradient.
     Every sum over rows goes through ``ctx.all_reduce`` (rows split over shards: summed over them).
+    In a fused group (``ctx.segment``) every statistic is per member table: ``c [members, n]``,
+    ``r_sum [members]``, the touched-row count, ``RMS(w)`` and ``RMS(u)`` — as for separate tables.
     """
     t = step.to(w.dtype)
     rho = torch.minimum(lr, torch.rsqrt(t)) if hp["relative_step"] else lr
@@ -37,11 +39,18 @@ def adafactor_rule(
     g2 = g * g + hp["epsilon_1"]
     mask = ctx.mask
     total = ctx.all_reduce
+    fused = ctx.segment is not None  # a fused group: every statistic per member table
 
     def real(x: torch.Tensor) -> torch.Tensor:  # zero the static-shape padding rows
         if mask is None:
             return x
         return torch.where(mask.reshape(-1, *([1] * (x.dim() - 1))), x, torch.zeros_like(x))
+
+    def sum_all(x: torch.Tensor) -> torch.Tensor:  # Σ over rows and columns: () or [members]
+        return ctx.row_sum(x.reshape(x.shape[0], -1).sum(-1)) if fused else total(x.sum())
+
+    def each_row(v: torch.Tensor) -> torch.Tensor:  # a per-table scalar, broadcast against [U, D]
+        return ctx.per_row(v).unsqueeze(-1) if fused else v
 
     if mask is None or ctx.count is None:
         n_elems: torch.Tensor | float = float(w.numel())
@@ -49,7 +58,7 @@ def adafactor_rule(
     else:
         count = ctx.count.clamp(min=1).to(w.dtype)
         n_elems = count * (w.numel() // max(w.shape[0], 1))
-    alpha = torch.clamp(torch.sqrt(total(real(w * w).sum()) / n_elems), min=hp["epsilon_2"]) * rho
+    alpha = torch.clamp(torch.sqrt(sum_all(real(w * w)) / n_elems), min=hp["epsilon_2"]) * rho
     new: Slots = {}
     if "r" in slots:
         r_old = slots["r"].to(w.dtype)
@@ -61,20 +70,26 @@ def adafactor_rule(
             r_mean = r.mean(-1, keepdim=True)
         else:
             assert ctx.count is not None
-            c = b2 * c_old + (1 - b2) * total(real(g2).sum(-2)) / count
-            c = torch.where(ctx.count > 0, c, c_old)  # a step without touched rows keeps c
-            r_sum = slots["r_sum"] + total(real(r - r_old).sum())
+            col = ctx.row_sum(real(g2)) if fused else total(real(g2).sum(-2))
+            per = count.unsqueeze(-1) if fused else count
+            c = b2 * c_old + (1 - b2) * col / per
+            touched = (ctx.count > 0).unsqueeze(-1) if fused else ctx.count > 0
+            c = torch.where(touched, c, c_old)  # a step without touched rows keeps c
+            r_sum = slots["r_sum"] + (ctx.row_sum(real(r - r_old)) if fused else total(real(r - r_old).sum()))
             new["r_sum"] = r_sum
-            r_mean = r_sum / ctx.num_rows
-        v = (r / r_mean)[..., None] * c[..., None, :]
+            r_mean = r_sum / ctx.rows_of_table(w)
+            if fused:
+                r_mean = ctx.per_row(r_mean)
+        row_c = ctx.per_row(c) if fused and count is not None else c[..., None, :]
+        v = (r / r_mean)[..., None] * row_c
         new["r"], new["c"] = r, c
     else:
         v = b2 * slots["v"] + (1 - b2) * g2
         new["v"] = v
     u = g * torch.rsqrt(v)
-    rms_u = torch.sqrt(total(real(u * u).sum()) / n_elems)
-    u = u / torch.clamp(rms_u / hp["clip_threshold"], min=1.0)
-    return w - alpha * u, new
+    rms_u = torch.sqrt(sum_all(real(u * u)) / n_elems)
+    u = u / torch.clamp(each_row(rms_u) / hp["clip_threshold"], min=1.0)
+    return w - each_row(alpha) * u, new
 
 
 class Adafactor(RowSparseOptimizer):

@@ -339,6 +339,11 @@ def np_adagrad(hp: Mapping[str, Any], w: Array, g: Array, s: Slots, eta: float, 
     return w - eta * g / np.sqrt(G), {"accumulators": G}
 
 
+def _abs_accumulators(p: torch.Tensor, names: list[str], init: Mapping[str, float]) -> dict[str, torch.Tensor]:
+    """A slot_creation_fn for slots shaped like the table: ``0.1 + |w|`` (they depend on the rows given)."""
+    return {n: 0.1 + p.detach().abs() for n in names}
+
+
 ADAGRAD_INFO = OptimizerInfo(
     cls=O.Adagrad, name="adagrad", default={"lr": 0.1},
     slot_names=("accumulators",),
@@ -358,6 +363,8 @@ ADAGRAD_INFO = OptimizerInfo(
                                         "multiply_weight_decay_factor_by_learning_rate": True}, GENERIC),
         _in("adagrad", {"lr": 0.1, "clip_weight_min": -0.3, "clip_weight_max": 0.3}, FUSED),
         _in("adagrad", {"lr": 0.1, "clip_weight_min": -0.2, "clip_weight_max": 0.2}, XLA),
+        # slots made per table from its values, each table clipped by its own norm, inside a group
+        _in("adagrad-slotfn-clipnorm", {"lr": 0.1, "clipnorm": 0.05, "slot_creation_fn": _abs_accumulators}, XLA_FUSED),
     ),
     tf_golden=lambda run: (
         {"initial_accumulator_value": run["slot_initial_values"]["accumulators"]}
@@ -625,7 +632,9 @@ ADAFACTOR_INFO = OptimizerInfo(
             keras_rule=lambda shapes, kw: AdafactorRule(shapes, beta_2_decay=kw["beta_2_decay"],
                                                         epsilon_2=kw["epsilon_2"], clip_threshold=kw["clip_threshold"]),
             extra_shapes=[(2, 3, 4)]),  # factored over the last two dims of a rank-3 parameter
-        _in("adafactor", {"lr": 0.1}, GENERIC, XLA, XLA_COMPILE, CKPT_MATRIX),
+        _in("adafactor", {"lr": 0.1}, GENERIC, XLA, XLA_COMPILE, CKPT_MATRIX, XLA_FUSED),
+        # per-table statistics and a per-table clip norm inside a group, accumulation's gate on the rows
+        _in("adafactor-clipnorm-accum", {"lr": 0.1, "clipnorm": 0.05, "gradient_accumulation_steps": 2}, XLA_FUSED),
         # the update clip binds, ρ = min(η, 1/√t) is off (so η > 1/√t shows), decay, a larger ε2 floor
         _in("adafactor-clip-decay-steps", {"lr": 0.7, "clip_threshold": 0.3, "weight_decay": 0.05,
                                            "relative_step": False, "epsilon_2": 0.5, "beta_2_decay": -0.5}, GENERIC),

@@ -95,6 +95,12 @@ def test_groups_by_dim_dtype_placement_and_optimizer() -> None:
     tables, dense = tte.split_parameters(ec)
     assert len(tables) == 4 and dense == []
     assert "fused in 'fused_0' at row 40" in repr(ec)
+    text = repr(ec)  # one line per group, in group order (docs/guide.md section 13)
+    assert "group fused_0 = a + b + d: 80 rows × 4, torch.float64, placement 'auto'" in text
+    assert text.index("group fused_0 = a + b + d") < text.index("group fused_1 = c + e: 20 rows × 8")
+    # formation depends on the configuration only: dict keys are sorted, so insertion order does not matter
+    shuffled = dict(reversed(list(features(override="ftrl").items())))
+    assert tte.EmbeddingCollection(shuffled, fuse_tables=True).fused_members() == ec.fused_members()
 
 
 def test_same_seed_same_initial_weights() -> None:

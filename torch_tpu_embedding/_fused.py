@@ -91,8 +91,10 @@ class FusedTables(EmbeddingTable):
                 self.weight[off : off + n].copy_(t.weight.detach().to(self.weight.device))
 
     def extra_repr(self) -> str:
-        names = ", ".join(m[0] for m in self._members)
-        return f"{super().extra_repr()}, tables=[{names}]"
+        c = self.config
+        tables = ", ".join(f"{name} at row {off} ({n} rows)" for name, off, n in self._members)
+        return (f"name={self.name!r}, num_embeddings={c.num_embeddings}, embedding_dim={c.embedding_dim}, "
+                f"dtype={c.dtype}, placement={c.placement!r}, tables=[{tables}]")
 
 
 class TableView(nn.Module):

@@ -45,8 +45,9 @@ class EmbeddingCollection(nn.Module):
             ``optimizer`` override in one buffer per group (``groups``), so an optimizer step does
             one dedup, gather and scatter per group instead of per table (much faster with many
             tables, above all on XLA; docs/benchmarks.md). Values, updates and ``state_dict``
-            (per table) are the same as unfused. Not for optimizers whose state spans a whole table
-            (Adafactor's factored statistics) or ``clipnorm`` (a norm per table): those raise.
+            (per table) are the same as unfused, with every optimizer and option (statistics over a
+            table's rows, ``clipnorm`` and ``slot_creation_fn`` stay per table). Groups are formed
+            deterministically (docs/guide.md §13) and listed by ``repr(ec)`` and ``fused_members()``.
 
     Forward:
         ``forward(features, weights=None)`` takes inputs in the structure of ``feature_config``
@@ -315,6 +316,11 @@ class EmbeddingCollection(nn.Module):
         lines = [f"features: {len(self._features)}, tables: {len(self.tables)}"]
         for tname, feats in by_table.items():
             lines.append(f"{tname} ← {', '.join(feats)}")
+        for gname, group in self.groups.items():  # stacked tables: one line per group, in group order
+            g = cast(FusedTables, group)
+            c = g.config
+            lines.append(f"group {gname} = {' + '.join(m[0] for m in g.members())}: {c.num_embeddings} rows × "
+                         f"{c.embedding_dim}, {c.dtype}, placement {c.placement!r}")
         return "\n".join(lines)
 
 

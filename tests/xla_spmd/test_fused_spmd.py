@@ -129,10 +129,13 @@ def test_per_table_options_sharded_match_unfused_cpu(name: str, tmp_path: Path) 
         if "/acc_" not in k:  # pending accumulation buffers: capacity per group vs per table
             torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
     tte.checkpoint.save(tmp_path / "one.pt", model=ec, optimizer=opt)
-    back, back_opt = build(torch.device("cpu"), fuse=False, make_opt=PER_TABLE[name])
-    tte.checkpoint.load(tmp_path / "one.pt", model=back, optimizer=back_opt)
-    for k, v in comparable(back, back_opt).items():
-        assert torch.equal(v, got[k]), k
+    tte.checkpoint.save_distributed(tmp_path / "dist", model=ec, optimizer=opt)
+    tte.checkpoint.convert_distributed(tmp_path / "dist", tmp_path / "converted.pt")
+    for file in ("one.pt", "converted.pt"):  # whole-table slots split per table, as unfused tables keep them
+        back, back_opt = build(torch.device("cpu"), fuse=False, make_opt=PER_TABLE[name])
+        tte.checkpoint.load(tmp_path / file, model=back, optimizer=back_opt)
+        for k, v in comparable(back, back_opt).items():
+            assert torch.equal(v, got[k]), (file, k)
 
 
 def test_checkpoints_of_sharded_groups_load_unfused(tmp_path: Path) -> None:

@@ -377,9 +377,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         compiles = met.counter_value("UncachedCompile") or 0
         log(f"compiled graphs: {compiles} (after warm-up: {compiles - compiles_after_warmup}); "
               f"host fallbacks: {met.executed_fallback_ops()}")
-    if spmd and args.shard_batch:
-        # Ids sent to the device were range-checked there (counted, never read back in the loop);
-        # raise now if any was out of range. After the metrics: its .item() counts as a fallback op.
+    if spmd:
+        # Row-sharded tables train through the id exchange: each device sends its ids to the shards that
+        # own them, with a fixed capacity per (device, shard); ids over it are counted on the device (never
+        # read back in the loop), as are out-of-range ids sent to the device. Report the loads, and raise
+        # now if any id was dropped. After the metrics: reading the counters is a transfer.
+        loads = model.embeddings.largest_loads()
+        if loads:
+            log("id exchange, largest per-shard load / capacity: "
+                + json.dumps({t: [max(v["largest_load"]), v["capacity"]] for t, v in sorted(loads.items())}))
         model.embeddings.check_ids()
     if spmd:
         # Per table: its placement, and the rows and layout of the parameter holding it (its group's, if fused).

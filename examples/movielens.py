@@ -49,7 +49,8 @@ Measured 2026-11-23, XLA:CPU on a shared 2-core machine, torch 2.9.0 / torch_xla
     time     ours                             0.6975    0.6299           5
     time     twin                             0.6970    0.6263           2
 
-Wall time: 64 s for the default run (54-57 s of it training and evaluating), 80-87 s with
+Wall time (one machine, quieter than README.md's fresh-clone runs; README.md gives their ranges): 64 s
+for the default run (54-57 s of it training and evaluating), 80-87 s with
 ``--compare-torch``, 41 s for ``--split time --compare-torch``; ``--short`` 13 s (test AUC 0.7564),
 5 s with ``--device cpu``. Eager CPU (``--device cpu --compare-torch``, 31 s): ours 0.7901 / 0.5483,
 the twin 0.7874 / 0.5529. XLA compilations: 3 in the default run (training, evaluation and the

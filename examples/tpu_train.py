@@ -2,8 +2,10 @@
 
 Tables are placed on a 1-D device mesh by their ``TableConfig.placement`` (a large row-sharded user
 table, a column-sharded item table, a small replicated table); the dense tower is replicated. The
-optimizer's slots are created with their table's layout, and every training step is one compiled
-graph whose communication is proportional to the ids in the batch (docs/sharding.md).
+row-sharded table trains through the id exchange: each device looks up its slice of the batch by
+sending the ids to the shards that own them, and the optimizer updates every row where it lives, so
+per-device communication does not grow with the number of devices. The optimizer's slots are created
+with their table's layout, and every training step is one compiled graph (docs/sharding.md).
 
 Run here (XLA on the CPU, 4 virtual devices, single process)::
 
@@ -100,6 +102,13 @@ def main() -> None:
     compiles = met.counter_value("UncachedCompile") or 0
     fallbacks = met.executed_fallback_ops()
     print(f"{args.steps} steps in {elapsed:.1f}s; compiled graphs: {compiles}; host fallbacks: {fallbacks}")
+    # Ids over the capacity of the id exchange are counted on the device (reading the counters gathers them:
+    # do it at a sync point, e.g. with the loss logging). Raise if any was dropped: the error names the
+    # capacity that would have sufficed.
+    loads = ec.largest_loads()
+    ec.check_ids()
+    print("id exchange, largest per-shard load / capacity: "
+          + ", ".join(f"{t}: {max(v['largest_load'])} / {v['capacity']}" for t, v in loads.items()))
     if args.save:
         # Every process calls save: gathering a sharded table to the host runs on all devices. On
         # several hosts each writes the same logical checkpoint to its own (local) path; for tables

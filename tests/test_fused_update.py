@@ -125,8 +125,8 @@ def test_fused_update_equals_the_reference_path(cfg: OptimizerConfig) -> None:
 
 
 def test_16_bit_table_fused_equals_reference() -> None:
-    """bfloat16 weight, float32 slots and arithmetic (the rows are multiplied out in 16 bits, as the
-    reference does, before the float32 sum)."""
+    """bfloat16 weight, float32 slots and arithmetic (the backward multiplies the rows out from float32
+    gains and rounds them to 16 bits, as on the reference path, before the float32 sum)."""
     run_lockstep(next(c for c in cases(FUSED_PATH) if c.id == "lazy_adam"), dtype=torch.bfloat16)
 
 

@@ -91,3 +91,22 @@ def test_with_fused_updates_on_the_row_chunk_cases_take_fused(cls: Any, kwargs: 
         assert choose_path(p16, cls(ec16.parameters(), **kwargs).param_groups[0], row_grad=True) is want
     monkeypatch.setattr(_fused_update, "_ENABLED", False)
     assert choose_path(p, opt.param_groups[0], row_grad=which == "table") is expected
+
+
+def test_owner_local_is_chosen_for_a_table_trained_through_the_id_exchange() -> None:
+    """A table that ``xla.shard`` set up for the id exchange (``TableInfo.sharding.exchange``) takes OWNER_LOCAL,
+    lazy or not (its gradient arrives at the owning shards); a dense parameter never does. The path itself runs
+    on SPMD meshes (tests/xla_spmd/test_routed_training.py)."""
+    import types
+
+    from torch_tpu_embedding._rows import table_info
+
+    ec, head = model()
+    p = ec.tables.t.weight
+    info = table_info(p)
+    assert info is not None and not info.owner_local
+    info.sharding = types.SimpleNamespace(exchange=True)
+    for opt in (O.Adagrad([p], lr=0.1), O.SGD([p], lr=0.1), O.Adam([p], lazy_adam=False),
+                O.Adagrad([p], lr=0.1, use_gradient_accumulation=False)):
+        assert choose_path(p, opt.param_groups[0], row_grad=True) is Path.OWNER_LOCAL
+    assert choose_path(head.weight, O.Adagrad(head.parameters()).param_groups[0], row_grad=False) is Path.DENSE

@@ -66,6 +66,7 @@ class FusedTables(EmbeddingTable):
         self._members: Members = tuple(
             (t.name, off, t.config.num_embeddings) for t, off in zip(tables, offsets, strict=True)
         )
+        caps = [t.config.max_unique_ids_per_shard for t in tables]
         config = TableConfig(
             num_embeddings=total,
             embedding_dim=first.embedding_dim,
@@ -73,6 +74,8 @@ class FusedTables(EmbeddingTable):
             optimizer=first.optimizer,
             dtype=first.dtype,
             placement=first.placement,
+            # The group routes its tables' ids together: their capacities add up (all set, else derived).
+            max_unique_ids_per_shard=None if None in caps else sum(c for c in caps if c is not None),
         )
         weight = torch.cat([t.weight.detach()[: t.config.num_embeddings] for t in tables])
         super().__init__(config, name, weight=weight)
@@ -108,9 +111,16 @@ class TableView(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """``[num_embeddings, D]`` rows of the group's weight (a view)."""
+        """``[num_embeddings, D]`` rows of the group's weight: a view, or a host copy when the group is
+        stored in a permuted row order (``row_layout``)."""
         group: FusedTables = self.__dict__["group"]
+        if group.row_layout is not None:
+            return group.logical_weight()[self.offset : self.offset + self.config.num_embeddings]
         return group.weight[self.offset : self.offset + self.config.num_embeddings]
+
+    def logical_weight(self) -> torch.Tensor:
+        """The table's ``[num_embeddings, D]`` logical rows (as :meth:`EmbeddingTable.logical_weight`)."""
+        return self.weight.detach()
 
     @property
     def padding_rows(self) -> int:
@@ -218,7 +228,7 @@ def join_fused_weights(
 
 def _current_rows(module: nn.Module, gname: str) -> torch.Tensor:
     group = cast(FusedTables, cast(nn.ModuleDict, module.groups)[gname])
-    return group.weight.detach()[: group.config.num_embeddings]
+    return group.logical_weight()
 
 
 # ------------------------------------------------------------------ optimizer state, per table

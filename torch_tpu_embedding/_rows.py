@@ -22,6 +22,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from torch_tpu_embedding._layout import RowLayout
+
 __all__ = [
     "BagRows",
     "RowGrad",
@@ -65,13 +67,18 @@ class RowGrad:
     Chunks are kept as a list and concatenated when consumed, so a steady training loop (the same
     features, the same number of backward calls per step) always produces the same shapes. A chunk's
     rows may be a :class:`BagRows` (eager lookups), multiplied out when consumed.
+
+    A table trained through the id exchange gets *owner-local* chunks instead (:meth:`add_owned`):
+    ``ids [n, M]`` device-major (row ``d``: shard ``d``'s local rows, ``R/n`` = padding) and
+    ``rows [n, M, D]``, plus a 0-d flag that is False when the lookup dropped ids (overflow).
     """
 
-    __slots__ = ("_ids", "_rows", "keep_factored")
+    __slots__ = ("_ids", "_ok", "_rows", "keep_factored")
 
     def __init__(self) -> None:
         self._ids: list[torch.Tensor] = []
         self._rows: list[torch.Tensor | BagRows] = []
+        self._ok: list[torch.Tensor] = []  # owner-local chunks: whether their lookup dropped no id
         #: set by the optimizer that consumes this gradient piecewise (SGD's eager step): eager
         #: lookups then add :class:`BagRows` instead of multiplied-out rows
         self.keep_factored = False
@@ -79,12 +86,36 @@ class RowGrad:
     def add(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Add ``ids [n]`` with gradient ``rows [n, D]`` (sentinel ids allowed for padding)."""
         self._ids.append(ids.reshape(-1))
-        self._rows.append(rows.reshape(ids.numel(), -1))
+        self._rows.append(rows.reshape(ids.numel(), rows.shape[-1]))  # explicit D: n may be 0
 
     def add_bags(self, ids: torch.Tensor, gains: torch.Tensor, grad_out: torch.Tensor) -> None:
         """Add ``ids [N, L]`` whose gradient rows are ``gains[n, l] · grad_out[n]`` (kept factored)."""
         self._ids.append(ids.reshape(-1))
         self._rows.append(BagRows(gains, grad_out))
+
+    def add_owned(self, ids: torch.Tensor, rows: torch.Tensor, ok: torch.Tensor) -> None:
+        """Add an owner-local chunk: ``ids [n, M]`` (shard-local rows), ``rows [n, M, D]``, ``ok`` (0-d bool)."""
+        self._ids.append(ids)
+        self._rows.append(rows)
+        self._ok.append(ok)
+
+    @property
+    def owned(self) -> bool:
+        """The pending chunks are owner-local (:meth:`add_owned`)."""
+        return bool(self._ok)
+
+    def collect_owned(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Owner-local chunks as one ``(ids [n, ΣM], rows [n, ΣM, D], ok)``: concatenated per shard, ``ok``
+        True when no chunk dropped ids."""
+        if not self._ok or len(self._ok) != len(self._ids):
+            raise RuntimeError("RowGrad holds no owner-local chunks (or mixes them with global ones).")
+        rows = [r for r in self._rows if isinstance(r, torch.Tensor)]
+        ok = self._ok[0]
+        for o in self._ok[1:]:
+            ok = ok & o
+        if len(self._ids) == 1:
+            return self._ids[0], rows[0], ok
+        return torch.cat(self._ids, dim=1), torch.cat(rows, dim=1), ok
 
     def __bool__(self) -> bool:
         return bool(self._ids)
@@ -96,6 +127,9 @@ class RowGrad:
         """All chunks as one ``(ids [N], rows [N, D])`` pair (duplicates and sentinels kept)."""
         if not self._ids:
             raise RuntimeError("RowGrad is empty: no backward pass reached this table.")
+        if self._ok:
+            ids, grad, _ = self.collect_owned()
+            return ids, grad
         rows = [r.rows() if isinstance(r, BagRows) else r for r in self._rows]
         if len(self._ids) == 1:
             return self._ids[0], rows[0]
@@ -124,13 +158,14 @@ class RowGrad:
     def take(self) -> RowGrad:
         """A new :class:`RowGrad` holding this one's chunks; this one is left empty."""
         out = RowGrad()
-        out._ids, out._rows = list(self._ids), list(self._rows)
+        out._ids, out._rows, out._ok = list(self._ids), list(self._rows), list(self._ok)
         self.clear()
         return out
 
     def clear(self) -> None:
         self._ids.clear()
         self._rows.clear()
+        self._ok.clear()
 
 
 @dataclasses.dataclass
@@ -147,6 +182,15 @@ class TableInfo:
     sharding: Any = None
     #: a fused group's tables as ``(name, first row, rows)`` in row order; ``None`` for one table
     members: tuple[tuple[str, int, int], ...] | None = None
+    #: the stored row order (``None``: logical order); set with the id exchange's interleaved layout
+    #: by :func:`torch_tpu_embedding.xla.shard`
+    layout: RowLayout | None = None
+
+    @property
+    def owner_local(self) -> bool:
+        """Trained through the id exchange (:func:`torch_tpu_embedding.xla.shard`): lookups route ids to
+        the shards that own them and the gradient arrives there (``RowGrad.add_owned``)."""
+        return bool(getattr(self.sharding, "exchange", False))
 
 
 _TABLES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # type: ignore[no-untyped-call]
@@ -158,9 +202,10 @@ def register_table(
     num_embeddings: int,
     optimizer: Any = None,
     members: tuple[tuple[str, int, int], ...] | None = None,
+    layout: RowLayout | None = None,
 ) -> TableInfo:
     """Mark ``param`` as an embedding table whose gradient arrives row-sparse."""
-    info = TableInfo(name=name, num_embeddings=num_embeddings, optimizer=optimizer, members=members)
+    info = TableInfo(name=name, num_embeddings=num_embeddings, optimizer=optimizer, members=members, layout=layout)
     _TABLES[param] = info
     return info
 
@@ -182,6 +227,8 @@ def dedup_static(ids: torch.Tensor, sentinel: int) -> tuple[torch.Tensor, torch.
     ``uniq[:U]`` holds the sorted unique ids, ``uniq[U:]`` the sentinel. Padding ids must already
     equal ``sentinel`` (they sort last). Only sort, cumsum and scatter: no host fallback on XLA.
     """
+    if ids.numel() == 0:  # an empty batch (a static shape: no sync); XLA cannot lower a cumsum of 0
+        return ids.clone(), ids.clone()
     sorted_ids, perm = torch.sort(ids)
     is_start = torch.ones_like(sorted_ids, dtype=torch.bool)
     is_start[1:] = sorted_ids[1:] != sorted_ids[:-1]

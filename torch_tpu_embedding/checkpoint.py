@@ -13,16 +13,16 @@ Example::
 
 from __future__ import annotations
 
-import gc
 import importlib
 import os
-import tempfile
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from torch_tpu_embedding._ckpt_io import check_loadable, dcp_quiet, dcp_reader, read_dcp_metadata, write_atomic
 from torch_tpu_embedding._fused import split_member_state
+from torch_tpu_embedding._layout import Description, describe, from_logical, layout_of, to_logical
 
 __all__ = ["FORMAT", "convert_distributed", "load", "load_distributed", "save", "save_distributed", "to_cpu"]
 
@@ -41,7 +41,8 @@ def to_cpu(obj: Any) -> Any:
     """
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
-        whole = t.device.type == "cpu" and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        whole = (t.device.type == "cpu" and t.layout == torch.strided  # a sparse tensor has no one storage
+                 and t.untyped_storage().nbytes() == t.numel() * t.element_size())
         # A CPU tensor that owns its whole storage is written as is: copying it would double the
         # host memory of every save (and fragment the heap of a long run); views and device
         # tensors are copied (torch.save would write a view's whole storage).
@@ -55,13 +56,19 @@ def to_cpu(obj: Any) -> Any:
     return obj
 
 
-def _host_rows(t: torch.Tensor, n: int | None) -> torch.Tensor:
-    """The first ``n`` rows of ``t`` on the host: the whole tensor moves, then it is cut on the CPU.
+def _host_rows(t: torch.Tensor, n: int | None, layout: Description = None) -> torch.Tensor:
+    """The ``n`` logical rows of ``t`` on the host: the whole tensor moves, then it is cut (and, when
+    stored permuted, put in logical order: ``layout``) on the CPU.
 
     Slicing on an XLA device first would trace, compile and run a graph per tensor at every save.
     """
     host: torch.Tensor = to_cpu(t)
-    return host if n is None or n == host.shape[0] else host[:n].clone()
+    if n is None:
+        return host
+    order, k = layout_of(layout)
+    if order is not None:
+        return to_logical(host, n, order, k)
+    return host if n == host.shape[0] else host[:n].clone()
 
 
 def _fused_sources(model: torch.nn.Module) -> dict[str, tuple[str, int, int]]:
@@ -85,6 +92,9 @@ def _host_model_state(model: torch.nn.Module) -> dict[str, Any]:
     hosts: dict[str, torch.Tensor] = {}  # a fused group's weight moves to the host once per save
     out = {}
     for k, v in state.items():
+        if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and _permuted(whole, k, fused):
+            out[k] = to_cpu(v)  # the state_dict hook already gathered the logical rows on the host
+            continue
         if k in fused:
             pname, off, n = fused[k]
             if pname not in hosts:
@@ -97,6 +107,15 @@ def _host_model_state(model: torch.nn.Module) -> dict[str, Any]:
     return out
 
 
+def _permuted(whole: Mapping[str, torch.Tensor], key: str, fused: Mapping[str, tuple[str, int, int]]) -> bool:
+    """Whether model state ``key`` is a table (or a fused group's table) stored in a permuted row order."""
+    from torch_tpu_embedding._rows import table_info
+
+    source = whole.get(fused[key][0] if key in fused else key)
+    info = None if source is None else table_info(source)
+    return info is not None and info.layout is not None
+
+
 def _host_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     from torch_tpu_embedding.optim._base import RowSparseOptimizer
 
@@ -106,7 +125,7 @@ def _host_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     state: dict[str, dict[str, Any]] = {}
     for name, v in physical.tensors.items():
         key, slot = name.rsplit("/", 1)
-        state.setdefault(key, {})[slot] = _host_rows(v, physical.logical_rows[name])
+        state.setdefault(key, {})[slot] = _host_rows(v, physical.logical_rows[name], physical.layouts.get(name))
     for key, bufs in physical.accumulation.items():
         state.setdefault(key, {}).update(bufs)
     _split_fused_entries(state, physical.members, physical.logical_rows)
@@ -127,26 +146,9 @@ def _split_fused_entries(
 
 
 def _write_atomic(payload: dict[str, Any], path: str | os.PathLike[str]) -> None:
-    """``torch.save(payload)`` to a temp file beside ``path``, fsync, rename: a reader sees the old
-    file or the new one, never half of one."""
-    target = os.fspath(path)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=os.path.dirname(os.path.abspath(target)))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    finally:
-        # torch.save leaves a reference cycle (a closure over its table of written storages) that
-        # keeps every tensor it wrote alive until the cycle collector runs: for a checkpoint of
-        # device tensors, a fresh host copy of every table and slot per save (RSS grew ~8% over 2
-        # saves in benchmarks/soak.py; tests/xla/test_ckpt_memory.py).
-        gc.collect()
+    """Atomic write (temp file + fsync + rename); stale temporaries of killed saves are removed
+    (:func:`torch_tpu_embedding._ckpt_io.write_atomic`)."""
+    write_atomic(payload, path)
 
 
 def save(
@@ -168,6 +170,8 @@ def save(
         "optimizer": None if optimizer is None else _host_optimizer_state(optimizer),
         "extra": to_cpu(extra),
     }
+    check_loadable(payload["extra"], "extra")  # before anything on disk changes
+    check_loadable(payload, "checkpoint")
     _write_atomic(payload, path)
 
 
@@ -214,16 +218,20 @@ _META = "tte_meta.pt"
 def _physical(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[
     dict[str, torch.Tensor], dict[str, int | None], dict[str, Any]
 ]:
-    """Every model parameter/buffer and optimizer slot as it is on the device, plus the rest."""
+    """Every model parameter/buffer and optimizer slot as it is on the device, plus the rest (with
+    ``rest["layouts"]``: how each table-indexed tensor is stored, see ``_layout.describe``)."""
     from torch_tpu_embedding._rows import table_info
 
     tensors: dict[str, torch.Tensor] = {}
     rows: dict[str, int | None] = {}
+    layouts: dict[str, Description] = {}
     members: dict[str, Any] = {}  # fused groups: their tables, for convert_distributed
     for name, p in [*model.named_parameters(), *model.named_buffers()]:
         info = table_info(p)
         tensors[f"model/{name}"] = p.detach()
         rows[f"model/{name}"] = None if info is None else info.num_embeddings
+        if info is not None:
+            layouts[f"model/{name}"] = describe(info.layout)
         if info is not None and info.members is not None:
             members[f"model/{name}"] = info.members
     rest: dict[str, Any] = {"members": members}
@@ -233,6 +241,8 @@ def _physical(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -
                 "members": {**members, **{f"optim/{k}": m for k, m in physical.members.items()}}}
         tensors.update({f"optim/{k}": v for k, v in physical.tensors.items()})
         rows.update({f"optim/{k}": v for k, v in physical.logical_rows.items()})
+        layouts.update({f"optim/{k}": v for k, v in physical.layouts.items()})
+    rest["layouts"] = layouts
     return tensors, rows, rest
 
 
@@ -273,21 +283,41 @@ def save_distributed(
     planner = _xla_planner("SPMDSavePlanner") if _uses_xla(tensors) else None
     target = os.fspath(path)
     os.makedirs(target, exist_ok=True)
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(target), planner=planner)
+    with dcp_quiet():
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(target), planner=planner)
     members = rest.pop("members")
-    meta = {"format": FORMAT, "rows": rows, "members": members,
+    layouts = rest.pop("layouts")
+    # "layouts": the stored row order of each table-indexed tensor (absent in checkpoints written
+    # before the id exchange: every tensor in logical order).
+    meta = {"format": FORMAT, "rows": rows, "members": members, "layouts": layouts,
             "optimizer": to_cpu(rest) if optimizer is not None else None}
     _write_atomic(meta, os.path.join(target, _META))
+
+
+def _read_meta(path: str) -> Any:
+    """``tte_meta.pt`` of a distributed checkpoint, read with ``weights_only=True`` (no pickled code)."""
+    file = os.path.join(path, _META)
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"No distributed checkpoint at {path} (no {_META})")
+    try:
+        meta = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # weights-only refusals and damaged files raise several types
+        raise ValueError(f"{file} is not a readable checkpoint file (refused by weights_only loading, "
+                         f"truncated or corrupt): {str(e).splitlines()[0]}") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"{file} is not a torch_tpu_embedding distributed checkpoint ({FORMAT}).")
+    return meta
 
 
 def _read(path: str, dest: dict[str, torch.Tensor]) -> None:
     dcp = _dcp()
     planner = _xla_planner("SPMDLoadPlanner") if _uses_xla(dest) else None
-    dcp.load(dest, storage_reader=dcp.FileSystemReader(path), planner=planner)
+    with dcp_quiet():
+        dcp.load(dest, storage_reader=dcp_reader(path), planner=planner)
 
 
 def _saved_sizes(path: str) -> dict[str, torch.Size]:
-    md = _dcp().FileSystemReader(path).read_metadata()
+    md = read_dcp_metadata(path)  # allow-listed unpickling: a crafted .metadata runs no code
     return {k: v.size for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
 
 
@@ -302,10 +332,11 @@ def load_distributed(
     call ``optimizer.init_state()`` first. Mismatched tables or slots raise one ``ValueError``.
     """
     target = os.fspath(path)
-    meta = torch.load(os.path.join(target, _META), map_location="cpu", weights_only=True)
+    meta = _read_meta(target)
     if optimizer is not None and hasattr(optimizer, "init_state"):
         optimizer.init_state()
-    dest, rows, _ = _physical(model, optimizer)
+    dest, rows, rest = _physical(model, optimizer)
+    saved_layouts, layouts = meta.get("layouts", {}), rest["layouts"]
     saved = _saved_sizes(target)
     missing = sorted(set(dest) - set(saved))
     unexpected = sorted(k for k in set(saved) - set(dest) if optimizer is not None or k.startswith("model/"))
@@ -325,16 +356,22 @@ def load_distributed(
     wanted = {k: dest[k] for k in dest}
     staged: dict[str, torch.Tensor] = {}
     for k, t in dest.items():
-        if tuple(t.shape) != tuple(saved[k]):
+        # Same shape and row order: read in place, shard by shard. Otherwise through the host.
+        if tuple(t.shape) != tuple(saved[k]) or saved_layouts.get(k) != layouts.get(k):
             staged[k] = torch.empty(saved[k], dtype=t.dtype)
             wanted[k] = staged[k]
     _read(target, wanted)
     with torch.no_grad():
         for k, host in staged.items():
-            t = dest[k]
-            n = rows[k] if rows[k] is not None else t.shape[0]
-            value = host[:n].to(t.device)
-            t.copy_(torch.cat([value, t[n:]]) if t.dim() and n != t.shape[0] else value)
+            t, n = dest[k], rows[k]
+            if n is None:
+                t.copy_(host.to(t.device))
+                continue
+            saved_order, saved_k = layout_of(saved_layouts.get(k))
+            value = to_logical(host, n, saved_order, saved_k)
+            order, slot_k = layout_of(layouts.get(k))
+            current = t.detach().cpu() if order is not None or t.device.type == "cpu" else t
+            t.copy_(from_logical(value.to(current.device), current, order, slot_k).to(t.device))
     if optimizer is not None:
         _row_sparse(optimizer).load_physical_rest(meta["optimizer"])
 
@@ -345,8 +382,8 @@ def convert_distributed(path: str | os.PathLike[str], out: str | os.PathLike[str
     Reads on the host without torch_xla; the result loads anywhere with :func:`load`.
     """
     target = os.fspath(path)
-    meta = torch.load(os.path.join(target, _META), map_location="cpu", weights_only=True)
-    md = _dcp().FileSystemReader(target).read_metadata()
+    meta = _read_meta(target)
+    md = read_dcp_metadata(target)
     host: dict[str, torch.Tensor] = {
         k: torch.empty(v.size, dtype=v.properties.dtype)
         for k, v in md.state_dict_metadata.items()
@@ -356,7 +393,8 @@ def convert_distributed(path: str | os.PathLike[str], out: str | os.PathLike[str
 
     def logical(k: str) -> torch.Tensor:
         n = meta["rows"].get(k)
-        return host[k] if n is None else host[k][:n].clone()
+        order, slot_k = layout_of(meta.get("layouts", {}).get(k))
+        return host[k] if n is None else to_logical(host[k], n, order, slot_k).clone()
 
     members = meta.get("members", {})
     model_sd: dict[str, torch.Tensor] = {}

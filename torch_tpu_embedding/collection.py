@@ -11,6 +11,8 @@ from torch import nn
 from torch_tpu_embedding._fused import FusedTables, fuse, join_fused_weights, split_fused_weights
 from torch_tpu_embedding._lookup import LookupBatch
 from torch_tpu_embedding._nest import Path, check_structure, flatten, path_name, pick, rebuild
+from torch_tpu_embedding._rows import table_info
+from torch_tpu_embedding._screening import DeviceScreen
 from torch_tpu_embedding._validation import check_bool
 from torch_tpu_embedding.config import FeatureConfig, TableConfig
 from torch_tpu_embedding.inputs import to_bags
@@ -109,7 +111,8 @@ class EmbeddingCollection(nn.Module):
         dupe_features = sorted({n for n in feature_names if feature_names.count(n) > 1})
         if dupe_features:
             raise ValueError(f"Features must have unique names. Duplicated: {dupe_features}")
-        self._invalid_ids: dict[str, torch.Tensor] = {}  # device-side counts, see check_ids()
+        self._screen = DeviceScreen()  # device-side counts of bad ids and weights, see check_ids()
+        self._exchange_counts: dict[str, Any] = {}  # row-sharded tables: overflow and loads, see check_ids()
         tables: dict[str, nn.Module] = {
             table_names[key]: EmbeddingTable(cfg, table_names[key]) for key, cfg in configs.items()
         }
@@ -159,7 +162,9 @@ class EmbeddingCollection(nn.Module):
 
         Raw accumulation: duplicate ids are not summed and padding entries carry the sentinel id
         ``weight.shape[0]`` with zero rows. Tables with no pending gradient are omitted. A fused
-        group reports under its group name, with ids of the group's rows.
+        group reports under its group name, with ids of the group's rows. A row-sharded table trained
+        through the id exchange reports what each shard received: ``ids [n, M]`` (rows of the shard,
+        ``weight.shape[0] / n`` = padding) and ``rows [n, M, D]``.
         """
         out = {}
         for name, t in self.physical_tables().items():
@@ -183,19 +188,24 @@ class EmbeddingCollection(nn.Module):
             outputs.update(batch.run())
         return rebuild(self._config, outputs)
 
-    def _plan(self, features: Any, weights: Any) -> list[LookupBatch]:
+    def _plan(self, features: Any, weights: Any) -> list[Any]:
         """Every feature normalised to padded bags, grouped into the batches looked up together.
 
         Features of the same physical table with the same bag width and combiner are looked up
         together: one gather and one backward node per batch, not per feature. Host inputs for a
         device table are normalised and batched on the host and moved in one transfer per batch
-        (TorchRec's KJT and TBE do the same).
+        (TorchRec's KJT and TBE do the same). The batches of a table trained through the id exchange
+        (row-sharded under SPMD) are routed together: one ``RoutedLookup`` per table
+        (``torch_tpu_embedding/xla/routed.py``).
         """
         batches: dict[tuple[int, int, str, bool], LookupBatch] = {}
+        routed: dict[int, Any] = {}
         host = torch.device("cpu")
         for path, fname, fc, tname in self._features:
             table, offset = self._located[tname]
             weight = table.weight
+            info = table_info(weight)
+            owner_local = info is not None and info.owner_local
             value = pick(features, path)
             resident = weight.device.type == "cpu" or _input_device(value) != "cpu"
             bags = to_bags(
@@ -210,52 +220,92 @@ class EmbeddingCollection(nn.Module):
             )
             if _device_resident(value):  # host inputs were checked in to_bags
                 ids, valid = self._screen_device_ids(
-                    fname, fc.table.num_embeddings, bags.ids, bags.valid, weight.shape[0]
+                    fname, fc.table.num_embeddings, bags.ids, bags.valid, weight.shape[0], bags.weights
                 )
                 bags = dataclasses.replace(bags, ids=ids, valid=valid)
             if offset:  # a fused table's rows start at `offset` of the group; padding stays the sentinel
                 bags = dataclasses.replace(bags, ids=torch.where(bags.valid, bags.ids + offset, bags.ids))
+            if table.row_layout is not None and not owner_local:  # stored permuted: look up the stored row
+                order = table.row_layout.ownership(int(weight.shape[0]))
+                bags = dataclasses.replace(bags, ids=order.physical_row(bags.ids.to(torch.int64)))
             combiner = fc.table.combiner if bags.combine else "sum"
             key = (id(table), bags.ids.shape[1], combiner, resident)
             if key not in batches:
                 batches[key] = LookupBatch(weight, table.row_grad, combiner, resident)
+                if owner_local:
+                    if id(table) not in routed:
+                        from torch_tpu_embedding.xla.routed import RoutedLookup
+
+                        names = [f for _, f, _, t in self._features if self._located[t][0] is table]
+                        routed[id(table)] = RoutedLookup(table.name, weight, table.config.max_unique_ids_per_shard,
+                                                         names, self._exchange_counts)
+                    routed[id(table)].batches.append(batches[key])
             batches[key].items.append((path, bags))
-        return list(batches.values())
+        taken = {id(b) for r in routed.values() for b in r.batches}
+        return [b for b in batches.values() if id(b) not in taken] + list(routed.values())
 
     # ------------------------------------------------------------------ device-side id validation
     def _screen_device_ids(
-        self, feature: str, vocab: int, ids: torch.Tensor, valid: torch.Tensor, sentinel: int
+        self, feature: str, vocab: int, ids: torch.Tensor, valid: torch.Tensor, sentinel: int,
+        weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Ids already on an XLA device cannot be read without a sync: count the out-of-range ones on
-        the device, and turn them into padding so they train nothing (never a silent remap to a row).
-        :meth:`check_ids` raises at a sync point of the user's choosing."""
-        bad = valid & ((ids < 0) | (ids >= vocab))
-        prev = self._invalid_ids.get(feature)
-        if prev is None:  # uploaded (not created on the device) and kept [1]-shaped: every step traces one graph
-            prev = torch.zeros(1, dtype=torch.int64).to(ids.device)
-        self._invalid_ids[feature] = prev + bad.sum().reshape(1)
-        return torch.where(bad, torch.full_like(ids, sentinel), ids), valid & ~bad
+        """XLA-resident ids and weights: bad ones counted on the device and dropped (:class:`DeviceScreen`)."""
+        return self._screen.screen(feature, vocab, ids, valid, sentinel, weights)
 
     def invalid_id_counts(self) -> dict[str, int]:
         """Out-of-range ids seen on the device per feature since the last :meth:`check_ids` (syncs XLA)."""
-        # .cpu() is a device-to-host transfer; .item() on an XLA tensor counts as a host fallback op.
-        return {f: int(c.cpu().reshape(-1)[0]) for f, c in self._invalid_ids.items()}
+        return self._screen.counts(self._screen.invalid_ids)
+
+    def nonfinite_weight_counts(self) -> dict[str, int]:
+        """NaN/inf per-id weights seen on the device per feature since the last :meth:`check_ids` (syncs XLA)."""
+        return self._screen.counts(self._screen.nonfinite_weights)
 
     def check_ids(self) -> None:
-        """Raise if any XLA-resident input held an out-of-range id since the last call, then reset.
+        """Raise if ids were dropped on the device since the last call, then reset (syncs XLA).
 
-        Host inputs (the usual case) are checked during input normalisation and raise at once. Ids
-        built on the device are screened on the device instead: an out-of-range id is dropped (it
-        trains no row) and counted; call this at a sync point (e.g. every N steps, or with the
-        loss logging) to turn the count into an error.
+        Two cases, both counted on the device without a sync and turned into an error here, at a
+        sync point of your choosing (e.g. every N steps, or with the loss logging):
+
+        * Out-of-range ids and NaN/inf per-id weights in XLA-resident inputs (host inputs, the usual
+          case, are checked during input normalisation and raise at once): dropped from their bags,
+          training no row.
+        * Ids over the capacity of a row-sharded table's id exchange (``TableConfig.
+          max_unique_ids_per_shard``; docs/sharding.md): dropped from that step's lookup, and the
+          table was not updated in that step. The error names the table's features, the shard and
+          the capacity that would have sufficed.
         """
-        counts = {f: n for f, n in self.invalid_id_counts().items() if n}
-        self._invalid_ids.clear()
-        if counts:
-            vocab = {fname: fc.table.num_embeddings for _, fname, fc, _ in self._features}
-            detail = "; ".join(f"Feature `{f}`: {n} id(s) outside [0, {vocab[f]})" for f, n in sorted(counts.items()))
-            raise ValueError(f"Out-of-range ids in device inputs since the last check_ids(): {detail}. They were "
-                             "dropped from their bags (no row was trained with them).")
+        problems = self._screen.problems({fname: fc.table.num_embeddings for _, fname, fc, _ in self._features})
+        loads = self.largest_loads()
+        dropped = {t: c.per_shard()[0] for t, c in self._exchange_counts.items()}
+        self._exchange_counts.clear()
+        for table, per_shard in sorted(dropped.items()):
+            for shard, n in enumerate(per_shard):
+                if n:
+                    feats = ", ".join(f"`{f}`" for f in self._table_features(table))
+                    problems.append(
+                        f"Feature(s) {feats} (table `{table}`): {n} id(s) for shard {shard} were dropped since the "
+                        f"last check_ids(): one device had up to {loads[table]['largest_load'][shard]} distinct ids "
+                        f"of a step for that shard, over the capacity {loads[table]['capacity']}. A capacity of "
+                        f"{max(loads[table]['largest_load'])} would have sufficed: set TableConfig("
+                        "max_unique_ids_per_shard=...) (size it with largest_loads()). The table was not updated "
+                        "in the steps that dropped ids.")
+        if problems:
+            raise ValueError(" ".join(problems))
+
+    def largest_loads(self) -> dict[str, dict[str, Any]]:
+        """Row-sharded tables trained through the id exchange: the most distinct ids one device had for
+        each shard in one step since the last :meth:`check_ids`, to size ``TableConfig.
+        max_unique_ids_per_shard`` (e.g. 1.25 × the largest over a few hundred steps;
+        ``torch_tpu_embedding.xla.ownership.capacity_for_load``). Syncs XLA.
+
+        Returns ``{table: {"largest_load": [per shard], "capacity": the capacity in use}}`` (a fused
+        group reports under its group name).
+        """
+        return {t: {"largest_load": c.per_shard()[1], "capacity": c.capacity} for t, c in self._exchange_counts.items()}
+
+    def _table_features(self, physical: str) -> list[str]:
+        """Names of the features looked up in physical table ``physical`` (a table or a fused group)."""
+        return [f for _, f, _, t in self._features if self._located[t][0].name == physical]
 
     def extra_repr(self) -> str:
         by_table: dict[str, list[str]] = {}

@@ -9,11 +9,16 @@ For bag ``b`` with ids ``i_1..i_n``, weights ``w_1..w_n`` (default 1) and rows `
 Each id's *gain* is the factor multiplying its row (``w_k``, ``w_k/Σw``, ``w_k/sqrt(Σw²)``); the
 backward gives id ``i_k`` the gradient ``gain_k · dL/dout_b``. Duplicate ids count separately,
 negative weights are used as given, and an empty bag or a zero weight sum gives 0, never NaN.
+
+Gains of 16-bit tables (float16, bfloat16) are computed in float32, as FBGEMM does: a float16 sum of
+weights overflows at 65504 (``mean`` with two weights of 4e4, ``sqrtn`` with a weight of 300).
 """
 
 from __future__ import annotations
 
 import torch
+
+from torch_tpu_embedding._input_checks import compute_dtype
 
 __all__ = ["bag_gains"]
 
@@ -27,7 +32,7 @@ def bag_gains(
         valid: ``[N, L]`` bool, True at real ids.
         weights: ``[N, L]`` per-id weights or ``None`` (all 1). Values at padding are ignored.
         combiner: ``"sum"``, ``"mean"`` or ``"sqrtn"``.
-        dtype: float dtype of the result (the table's).
+        dtype: the table's float dtype. The gains are in that dtype, or float32 for a 16-bit table.
 
     Example::
 
@@ -36,6 +41,7 @@ def bag_gains(
         tensor([[0.5000, 0.5000, 0.0000],
                 [0.0000, 0.0000, 0.0000]])
     """
+    dtype = compute_dtype(dtype)
     zero = torch.zeros((), dtype=dtype, device=valid.device)
     w = valid.to(dtype) if weights is None else torch.where(valid, weights.to(dtype), zero)
     if combiner == "sum":

@@ -93,6 +93,15 @@ class TableConfig:
             ``"replicated"`` (a full copy on every device; small tables — TF's mode without the
             embedding accelerator) or ``"auto"`` (default: replicated below a size threshold,
             else row-sharded). Ignored off XLA and on one device.
+        max_unique_ids_per_shard: the static capacity of a row-sharded table's id exchange under
+            SPMD (docs/sharding.md): how many distinct ids of one step one device may send to one
+            shard (TF/keras-rs ``max_unique_ids_per_partition``; ids are deduplicated per device
+            before routing, so a hot id counts once). ``None`` (default) derives it from the batch
+            with headroom (``torch_tpu_embedding.xla.ownership.default_capacity``). Ids over the
+            capacity are dropped from that step, counted, and reported by
+            ``EmbeddingCollection.check_ids()``, which names the capacity that would have sufficed;
+            the table is not updated in that step. Size it from
+            ``EmbeddingCollection.largest_loads()``.
 
     Two ``TableConfig`` objects are two tables even when their fields are equal; share a table by
     passing the same object to several :class:`FeatureConfig` s.
@@ -109,6 +118,7 @@ class TableConfig:
     combiner: str = "mean"
     dtype: torch.dtype = torch.float32
     placement: str = "auto"
+    max_unique_ids_per_shard: int | None = None
 
     def __post_init__(self) -> None:
         check_int("num_embeddings", self.num_embeddings, minimum=1)
@@ -143,6 +153,8 @@ class TableConfig:
             raise arg_error("dtype", f"must be one of {_FLOAT_DTYPES}", self.dtype)
         if self.placement not in PLACEMENTS:
             raise arg_error("placement", f"must be one of {PLACEMENTS}", self.placement)
+        if self.max_unique_ids_per_shard is not None:
+            check_int("max_unique_ids_per_shard", self.max_unique_ids_per_shard, minimum=1)
 
     def __repr__(self) -> str:
         init = self.initializer
@@ -156,7 +168,9 @@ class TableConfig:
         return (
             f"TableConfig(num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, "
             f"name={self.name!r}, initializer={init_repr}, optimizer={self.optimizer!r}, "
-            f"combiner={self.combiner!r}, dtype={self.dtype}, placement={self.placement!r})"
+            f"combiner={self.combiner!r}, dtype={self.dtype}, placement={self.placement!r}"
+            + (f", max_unique_ids_per_shard={self.max_unique_ids_per_shard}" if self.max_unique_ids_per_shard else "")
+            + ")"
         )
 
 

@@ -26,6 +26,17 @@ import math
 
 import torch
 
+from torch_tpu_embedding._input_checks import check_ids as _check_ids
+from torch_tpu_embedding._input_checks import (
+    check_index_dtype,
+    check_sparse_indices,
+    check_tensor,
+    check_weights_fit,
+    compute_dtype,
+)
+from torch_tpu_embedding._input_checks import check_weights as _check_weights
+from torch_tpu_embedding._input_checks import err as _err
+from torch_tpu_embedding._input_checks import tracing as _tracing
 from torch_tpu_embedding.config import FeatureConfig
 
 __all__ = ["Bags", "Jagged", "Padded", "to_bags"]
@@ -79,42 +90,6 @@ class Bags:
     combine: bool
 
 
-def _err(feature: str, msg: str) -> ValueError:
-    return ValueError(f"Feature `{feature}`: {msg}")
-
-
-def _tracing() -> bool:
-    return bool(torch.compiler.is_compiling() or torch.compiler.is_exporting())
-
-
-def _check_ids(feature: str, ids: torch.Tensor, vocab: int) -> None:
-    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
-        raise TypeError(
-            f"Feature `{feature}`: ids must be an integer tensor. Received dtype {ids.dtype}."
-        )
-    # Range checks need the values: done wherever they are readable without a device sync
-    # (host tensors, and eager accelerators). XLA-resident ids are not read back here, nor are
-    # ids being traced by torch.export / torch.compile (their values do not exist yet).
-    if ids.numel() and ids.device.type != "xla" and not _tracing():
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= vocab:
-            bad = lo if lo < 0 else hi
-            raise _err(
-                feature, f"ids must be in [0, {vocab}) (the table's num_embeddings). Received: {bad}"
-            )
-
-
-def _check_weights(feature: str, w: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
-    if not torch.is_floating_point(w):
-        raise TypeError(
-            f"Feature `{feature}`: weights must be a floating point tensor. Received dtype {w.dtype}."
-        )
-    if tuple(w.shape) != shape:
-        raise _err(feature, f"weights must have the shape of {what} {shape}. Received: {tuple(w.shape)}")
-    if w.device.type != "xla" and w.numel() and not _tracing() and not bool(torch.isfinite(w).all()):
-        raise _err(feature, "weights must be finite. Received a NaN or inf weight.")
-
-
 def _next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
@@ -164,7 +139,9 @@ def _from_sparse(feature: str, sp: torch.Tensor, wsp: torch.Tensor | None) -> _R
     for d, size in enumerate(leading):
         row = row * size + idx[d]
     col = idx[-1]
-    order = torch.argsort(row * sp.shape[-1] + col, stable=True)
+    key = row * sp.shape[-1] + col
+    order = torch.argsort(key, stable=True)
+    check_sparse_indices(feature, idx, tuple(sp.shape), key[order])
     row, col, vals = row[order], col[order], vals[order]
     w = None
     if wsp is not None:
@@ -176,7 +153,9 @@ def _from_sparse(feature: str, sp: torch.Tensor, wsp: torch.Tensor | None) -> _R
             )
         if wsp.shape != sp.shape or not torch.equal(wsp._indices(), sp._indices()):
             raise _err(feature, "sparse weights must have the same shape and indices as the ids")
-        w = wsp._values()[order]
+        # In index order: coalesce() sorts the (unique, checked above) indices as `order` does, and
+        # unlike _values() it carries a gradient back to weights that require one.
+        w = wsp.coalesce().values() if wsp.requires_grad else wsp._values()[order]
         _check_weights(feature, w, tuple(vals.shape), "the sparse values")
     counts = torch.bincount(row, minlength=math.prod(leading))
     starts = torch.cumsum(counts, 0) - counts
@@ -189,6 +168,8 @@ def _normalise_variable(
 ) -> _RowPos | Padded:
     """Variable-length forms → :class:`_RowPos` on the host; :class:`Padded` is passed through."""
     if isinstance(value, Padded):
+        for what, t in (("Padded ids", value.ids), ("Padded mask", value.mask), ("Padded weights", value.weights)):
+            check_tensor(feature, what, t)
         if weight is not None and value.weights is not None:
             raise _err(feature, "weights given twice (inside Padded and in `weights`)")
         return dataclasses.replace(value, weights=weight if weight is not None else value.weights)
@@ -196,13 +177,18 @@ def _normalise_variable(
         if weight is not None and value.weights is not None:
             raise _err(feature, "weights given twice (inside Jagged and in `weights`)")
         w = weight if weight is not None else value.weights
+        for what, t in (("Jagged values", value.values), ("Jagged offsets", value.offsets),
+                        ("Jagged lengths", value.lengths), ("Jagged weights", w)):
+            check_tensor(feature, what, t)
         if (value.offsets is None) == (value.lengths is None):
             raise _err(feature, "Jagged needs exactly one of `offsets` and `lengths`")
         if value.offsets is not None:
             offsets = value.offsets
+            check_index_dtype(feature, "Jagged offsets", offsets)
         else:
             lengths = value.lengths
             assert lengths is not None  # for type checkers; guarded just above
+            check_index_dtype(feature, "Jagged lengths", lengths)
             if lengths.dim() != 1 or bool((lengths < 0).any()):
                 raise _err(feature, f"lengths must be 1-D and >= 0. Received: {lengths}")
             offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
@@ -286,6 +272,7 @@ def to_bags(
     """
     vocab = fc.table.num_embeddings
     static = device.type == "xla" if static is None else static
+    check_tensor(feature, "the weights", weight)
     if isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_nested:
         return _dense_bags(feature, fc, value, weight, vocab, device)
     if not isinstance(value, (Jagged, Padded, torch.Tensor)):
@@ -332,9 +319,10 @@ def to_bags(
     ids2d = torch.full((nbags, width), sentinel, dtype=torch.int64)
     ids2d[rp.row, rp.rank] = rp.vals.to(torch.int64)
     w2d = None
-    if rp.weights is not None:
-        w2d = torch.zeros((nbags, width), dtype=dtype)
-        w2d[rp.row, rp.rank] = rp.weights.to(dtype)
+    if rp.weights is not None:  # in the combiner's compute dtype (float32 for 16-bit tables)
+        check_weights_fit(feature, rp.weights, dtype)
+        w2d = torch.zeros((nbags, width), dtype=compute_dtype(dtype))
+        w2d[rp.row, rp.rank] = rp.weights.to(w2d.dtype)
         w2d = w2d.to(device)
     return Bags(ids2d.to(device), (ids2d != sentinel).to(device), w2d, out_shape, True)
 
@@ -405,6 +393,7 @@ def _padded_bags(
         _check_ids(feature, ids, vocab)  # dtype error only
     if p.weights is not None:
         _check_weights(feature, p.weights, tuple(ids.shape), "the padded ids")
+        check_weights_fit(feature, p.weights, dtype)
     combine, seq_len, out_shape = _mode(feature, fc, (ids.shape[0],))
     ids = ids.to(device=device, dtype=torch.int64)
     valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.to(device)
@@ -426,5 +415,7 @@ def _padded_bags(
         ids = torch.where(valid, ids, sentinel).reshape(-1, 1)
         return Bags(ids, valid.reshape(-1, 1), None, out_shape, False)
     ids = torch.where(valid, ids, sentinel)
-    w = None if p.weights is None else p.weights.to(device=device, dtype=dtype)
+    w = None if p.weights is None else p.weights.to(device=device, dtype=compute_dtype(dtype))
+    if w is not None and p.weights is not None and p.weights.device.type == "xla" and w.device.type != "xla":
+        _check_weights(feature, w, tuple(ids.shape), "the padded ids")  # read back to the host: check here
     return Bags(ids, valid, w, out_shape, True)

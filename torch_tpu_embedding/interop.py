@@ -42,7 +42,7 @@ def to_torchrec_state_dict(collection: EmbeddingCollection, prefix: str = "embed
     out = {}
     for name, module in collection.tables.items():
         t = cast(EmbeddingTable, module)
-        out[f"{prefix}.{name}.weight"] = t.weight.detach()[: t.config.num_embeddings]
+        out[f"{prefix}.{name}.weight"] = t.logical_weight()
     return out
 
 
@@ -89,7 +89,7 @@ def to_embedding_bag(collection: EmbeddingCollection, table: str) -> nn.Embeddin
         raise ValueError(
             f"Table `{table}`: combiner '{t.config.combiner}' has no nn.EmbeddingBag mode (only 'sum' and 'mean')."
         )
-    w = t.weight.detach()[: t.config.num_embeddings].to("cpu", copy=True)
+    w = t.logical_weight().to("cpu", copy=True)
     return nn.EmbeddingBag.from_pretrained(w, freeze=False, mode=_BAG_MODES[t.config.combiner])
 
 

@@ -2,31 +2,52 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 from torch import nn
 
+from torch_tpu_embedding._layout import RowLayout, from_logical, to_logical
 from torch_tpu_embedding._rows import RowGrad, TableInfo, register_table, table_info
 from torch_tpu_embedding.config import TableConfig, default_initializer
 
-__all__ = ["EmbeddingTable"]
+__all__ = ["EmbeddingTable", "host_empty"]
+
+
+def host_empty(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty(shape, dtype)`` on the host; an allocation failure names the table and its size."""
+    try:
+        return torch.empty(shape, dtype=dtype)
+    except (RuntimeError, MemoryError) as e:  # torch's CPU allocator raises RuntimeError
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        raise MemoryError(
+            f"Table `{name}`: cannot allocate its weight {list(shape)} {dtype} ({size / 2**30:.2f} GiB) in host "
+            f"memory (tables are drawn on the host before they move to a device). Shrink num_embeddings or "
+            f"embedding_dim, or free host memory. ({e})"
+        ) from e
+
 
 class EmbeddingTable(nn.Module):
     """One table: ``weight`` ``[num_embeddings, embedding_dim]`` plus its config.
 
     The weight is an ordinary ``nn.Parameter`` whose gradient arrives row-sparse in a
-    :class:`~torch_tpu_embedding._rows.RowGrad` (never in ``.grad``).
+    :class:`~torch_tpu_embedding._rows.RowGrad` (never in ``.grad``). It holds the rows in their
+    stored order: logical order plus padding rows, or, for a row-sharded table trained through the id
+    exchange, the interleaved order of ``row_layout`` (read logical rows with :meth:`logical_weight`
+    or ``state_dict``).
     """
 
     def __init__(self, config: TableConfig, name: str, weight: torch.Tensor | None = None) -> None:
         super().__init__()
         self.config = config
         self.name = name
+        #: the stored row order (``None``: logical); set by :meth:`permute_rows`
+        self.row_layout: RowLayout | None = None
         if weight is None:
             self.weight = nn.Parameter(
-                torch.empty(config.num_embeddings, config.embedding_dim, dtype=config.dtype)
+                host_empty(name, (config.num_embeddings, config.embedding_dim), config.dtype)
             )
             self.reset_parameters()
         else:  # initial values given (a fused group stacks its tables' drawn weights)
@@ -56,20 +77,47 @@ class EmbeddingTable(nn.Module):
             self.weight = nn.Parameter(torch.cat([w[:n], pad]))
         self._register()
 
+    def permute_rows(self, layout: RowLayout) -> None:
+        """Store the rows (padding included) in ``layout``'s order instead of the logical order.
+
+        Replaces ``weight`` with a new parameter (call before building the optimizer); ``state_dict``
+        and :meth:`logical_weight` still read logical rows.
+        """
+        if self.row_layout is not None:
+            raise RuntimeError(f"Table `{self.name}` is already stored in a permuted row order.")
+        with torch.no_grad():
+            w = self.weight
+            logical_of = layout.ownership(int(w.shape[0])).logical_id(torch.arange(w.shape[0]))
+            self.weight = nn.Parameter(w.index_select(0, logical_of.to(w.device)))
+        self.row_layout = layout
+        self._register()
+
+    def logical_weight(self) -> torch.Tensor:
+        """The ``[num_embeddings, D]`` logical rows: a view of ``weight`` in logical order, else a copy
+        gathered on the host."""
+        w = self.weight.detach()
+        if self.row_layout is None:
+            return w[: self.config.num_embeddings]
+        return to_logical(w.cpu(), self.config.num_embeddings, self.row_layout)
+
     def members(self) -> tuple[tuple[str, int, int], ...] | None:
         """``(table name, first row, rows)`` of each table stacked in this one (``None``: just itself)."""
         return None
 
     def _register(self) -> TableInfo:
         return register_table(
-            self.weight, self.name, self.config.num_embeddings, self.config.optimizer, self.members()
+            self.weight, self.name, self.config.num_embeddings, self.config.optimizer, self.members(),
+            self.row_layout,
         )
 
     def reset_parameters(self) -> None:
-        """Fill the weight from the config's initializer (drawn on the CPU, then copied)."""
+        """Fill the weight from the config's initializer: in place for a CPU table (no second buffer
+        of its size); drawn on the CPU and then copied for a device table."""
         init = self.config.initializer
         with torch.no_grad():
-            host = torch.empty(tuple(self.weight.shape), dtype=self.weight.dtype)
+            w = self.weight.detach()
+            in_place = w.device.type == "cpu" and w.is_contiguous()
+            host = w if in_place else host_empty(self.name, tuple(w.shape), w.dtype)
             if init is None:
                 default_initializer(host)
             elif isinstance(init, torch.Tensor):
@@ -83,7 +131,8 @@ class EmbeddingTable(nn.Module):
                             f"{tuple(result.shape)}, expected {tuple(host.shape)}."
                         )
                     host.copy_(result)
-            self.weight.copy_(host)
+            if not in_place:
+                w.copy_(host)
 
     @property
     def row_grad(self) -> RowGrad:
@@ -111,7 +160,9 @@ class EmbeddingTable(nn.Module):
 def _trim_padding_rows(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     table = cast(EmbeddingTable, module)
     key = prefix + "weight"
-    if key in state_dict and table.padding_rows:
+    if key in state_dict and table.row_layout is not None:  # permuted: logical rows gathered on the host
+        state_dict[key] = table.logical_weight()
+    elif key in state_dict and table.padding_rows:
         state_dict[key] = state_dict[key][: table.config.num_embeddings]
 
 
@@ -124,5 +175,5 @@ def _restore_padding_rows(
     value = state_dict.get(key)
     n = table.config.num_embeddings
     if table.padding_rows and isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[0] == n:
-        pad = torch.zeros(table.padding_rows, value.shape[1], dtype=value.dtype, device=value.device)
-        state_dict[key] = torch.cat([value, pad])
+        pad = torch.zeros(table.padding_rows + n, value.shape[1], dtype=value.dtype, device=value.device)
+        state_dict[key] = from_logical(value, pad, table.row_layout)  # padding rows are zero

@@ -5,6 +5,11 @@ Usage: python _dcp_script.py STAGE DIR
   load2: 2 devices, big table column-sharded: load DIR/dcp4 → DIR/after2.pt, save_distributed(DIR/dcp2)
   load1: 1 device (SPMD), row placement: load DIR/dcp2 → DIR/after1.pt, save_distributed(DIR/dcp1)
   cpu:   no torch_xla at all: load DIR/dcp1 into a CPU model → DIR/aftercpu.pt; convert_distributed → DIR/conv.pt
+  save8: 8 devices, row-sharded (the id exchange): 3 steps, save_distributed(DIR/dcp8), reference DIR/ref8.pt
+  load8to2: 2 devices, row-sharded: load DIR/dcp8 in place (same shapes and row order) → DIR/after8to2.pt,
+         3 more steps → DIR/trained8to2.pt
+  cpu8:  no torch_xla: load DIR/dcp8 into a CPU model → DIR/aftercpu8.pt, 3 more steps → DIR/trainedcpu8.pt;
+         convert_distributed → DIR/conv8.pt
 Each "after" file is tte.checkpoint.save of the loaded model and optimizer (logical rows).
 """
 
@@ -12,15 +17,17 @@ import os
 import sys
 
 STAGE, DIR = sys.argv[1], sys.argv[2]
-if STAGE == "cpu":
+if STAGE in ("cpu", "cpu8"):
     sys.modules["torch_xla"] = None  # type: ignore[assignment]  # prove the CPU path needs no torch_xla
 
 import torch  # noqa: E402
 
 import torch_tpu_embedding as tte  # noqa: E402
 
-PLACEMENT = {"save4": "row", "load2": "column", "load1": "row", "cpu": "auto"}[STAGE]
-if STAGE != "cpu":
+PLACEMENT = {"save4": "row", "load2": "column", "load1": "row", "cpu": "auto", "save8": "row", "load8to2": "row",
+             "cpu8": "auto"}[STAGE]
+CPU = STAGE in ("cpu", "cpu8")
+if not CPU:
     import torch_xla
     import torch_xla.runtime as xr
 
@@ -37,7 +44,7 @@ def build():
     ec = tte.EmbeddingCollection({"a": tte.FeatureConfig(big, max_ids_per_bag=4), "b": tte.FeatureConfig(small)},
                                  device=DEV)
     head = torch.nn.Linear(8, 1).to(DEV)
-    if STAGE != "cpu":
+    if not CPU:
         from torch_tpu_embedding.xla import replicate, shard
 
         shard(ec)
@@ -45,7 +52,7 @@ def build():
     model = torch.nn.ModuleDict({"ec": ec, "head": head})
     opt = tte.optim.Adafactor(model.parameters(), lr=0.1, use_ema=True, gradient_accumulation_steps=2)
     opt.init_state()
-    if STAGE != "cpu":
+    if not CPU:
         torch_xla.sync()
     return model, opt
 
@@ -58,12 +65,12 @@ def step(model, opt, s: int) -> None:
     (model["head"](out["a"]) * out["b"]).sum().backward()
     opt.step()
     opt.zero_grad()
-    if STAGE != "cpu":
+    if not CPU:
         torch_xla.sync()
 
 
 def spec(model) -> str:
-    if STAGE == "cpu":
+    if CPU:
         return ""
     from torch_tpu_embedding.xla import sharding_spec
 
@@ -71,22 +78,37 @@ def spec(model) -> str:
 
 
 model, opt = build()
-if STAGE == "save4":
+if STAGE in ("save4", "save8"):
     for s in range(3):  # 3 calls with k = 2: a pending accumulation buffer is saved too
         step(model, opt, s)
-    tte.checkpoint.save_distributed(os.path.join(DIR, "dcp4"), model=model, optimizer=opt)
-    tte.checkpoint.save(os.path.join(DIR, "ref.pt"), model=model, optimizer=opt)
+    tte.checkpoint.save_distributed(os.path.join(DIR, f"dcp{STAGE[4:]}"), model=model, optimizer=opt)
+    tte.checkpoint.save(os.path.join(DIR, "ref.pt" if STAGE == "save4" else "ref8.pt"), model=model, optimizer=opt)
+    if STAGE == "save8":  # the uninterrupted run, for the loads that train on
+        for s in range(3, 6):
+            step(model, opt, s)
+        tte.checkpoint.save(os.path.join(DIR, "trained8.pt"), model=model, optimizer=opt)
 else:
-    source = {"load2": "dcp4", "load1": "dcp2", "cpu": "dcp1"}[STAGE]
+    source = {"load2": "dcp4", "load1": "dcp2", "cpu": "dcp1", "load8to2": "dcp8", "cpu8": "dcp8"}[STAGE]
     before = spec(model)
+    if STAGE == "load8to2":  # the same shapes and row order at 8 and 2 devices: loaded in place, shard by shard
+        from torch_tpu_embedding.checkpoint import _physical
+
+        meta = torch.load(os.path.join(DIR, source, "tte_meta.pt"), weights_only=True)
+        assert meta["layouts"] == _physical(model, opt)[2]["layouts"]
+        assert meta["layouts"]["model/ec.tables.big.weight"] == ("interleaved", 512, 0)
     tte.checkpoint.load_distributed(os.path.join(DIR, source), model=model, optimizer=opt)
-    if STAGE != "cpu":
+    if not CPU:
         torch_xla.sync()
     assert spec(model) == before, (spec(model), before)  # loaded in place: the layout is kept
-    tte.checkpoint.save(os.path.join(DIR, f"after{STAGE[4:] or STAGE}.pt"), model=model, optimizer=opt)
-    if STAGE == "cpu":
-        tte.checkpoint.convert_distributed(os.path.join(DIR, source), os.path.join(DIR, "conv.pt"))
-    else:
+    name = {"load2": "after2", "load1": "after1", "cpu": "aftercpu", "load8to2": "after8to2", "cpu8": "aftercpu8"}
+    tte.checkpoint.save(os.path.join(DIR, f"{name[STAGE]}.pt"), model=model, optimizer=opt)
+    if STAGE in ("cpu", "cpu8"):
+        tte.checkpoint.convert_distributed(os.path.join(DIR, source), os.path.join(DIR, f"conv{STAGE[3:]}.pt"))
+    if STAGE in ("load8to2", "cpu8"):
+        for s in range(3, 6):
+            step(model, opt, s)
+        tte.checkpoint.save(os.path.join(DIR, f"trained{STAGE.replace('load', '')}.pt"), model=model, optimizer=opt)
+    elif STAGE != "cpu":
         tte.checkpoint.save_distributed(os.path.join(DIR, {"load2": "dcp2", "load1": "dcp1"}[STAGE]), model=model,
                                         optimizer=opt)
         step(model, opt, 3)  # training continues on the new layout

@@ -1,7 +1,10 @@
-"""20 training steps of a row-sharded table on a 4-device SPMD mesh (used by test_spmd_hlo.py).
+"""Training steps of a row-sharded table on an SPMD mesh of CPU_NUM_DEVICES devices (used by test_spmd_hlo.py).
 
-Usage: python _spmd_step_script.py V OPTIMIZER [STEPS]; prints one JSON line: compiles, fallbacks and
-the table's sharding spec before and after. Run with XLA_FLAGS=--xla_dump_to=... to inspect the HLO.
+Usage: python _spmd_step_script.py V OPTIMIZER [STEPS] [SLOTS]; prints one JSON line: compiles, fallbacks, the
+table's sharding spec before and after, its slots' specs. 16 examples per device (a 4-id bag feature and a
+single-id feature of the table) plus a replicated dense head. SLOTS: the exchange's n · capacity
+(``max_unique_ids_per_shard = SLOTS / n``: the same bytes per device at every n); default: the default capacity.
+Run with XLA_FLAGS=--xla_dump_to=... to inspect the HLO.
 """
 
 import json
@@ -22,12 +25,15 @@ from torch_tpu_embedding.xla import device_mesh, replicate, shard, sharding_spec
 sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: the optimizer registry
 from optim_registry import SPMD_STEP, case  # noqa: E402
 
-V, D, B, L = int(sys.argv[1]), 8, 64, 4
+n = xr.global_runtime_device_count()
+V, D, B, L = int(sys.argv[1]), 8, 16 * n, 4
 steps = int(sys.argv[3]) if len(sys.argv) > 3 else 20
+slots = int(sys.argv[4]) if len(sys.argv) > 4 else 0
 make = case(SPMD_STEP, sys.argv[2]).make  # an id of tests/optim_registry.py, target ``spmd_step``
 dev = torch_xla.device()
 mesh = device_mesh()
-t = tte.TableConfig(V, D, name="t", combiner="mean", placement="row", initializer=torch.nn.init.zeros_)
+t = tte.TableConfig(V, D, name="t", combiner="mean", placement="row", initializer=torch.nn.init.zeros_,
+                    max_unique_ids_per_shard=slots // n if slots else None)
 ec = tte.EmbeddingCollection({"a": tte.FeatureConfig(t, max_ids_per_bag=L), "b": tte.FeatureConfig(t)}, device=dev)
 head = torch.nn.Linear(D, 1).to(dev)
 shard(ec, mesh)
@@ -53,8 +59,10 @@ for i in range(steps):
     torch_xla.sync()
 xm.wait_device_ops()
 elapsed = time.perf_counter() - start if start is not None else 0.0
+compiles = met.counter_value("UncachedCompile") or 0
+ec.check_ids()  # no id was dropped
 print(json.dumps({
-    "compiles": met.counter_value("UncachedCompile") or 0,
+    "compiles": compiles,
     "fallbacks": sorted(met.executed_fallback_ops()),
     "before": before,
     "after": sharding_spec(w),

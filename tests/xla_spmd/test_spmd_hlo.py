@@ -1,12 +1,14 @@
-"""The optimized HLO of a training step on a row-sharded table, 4 devices: communication and memory
-proportional to the ids in the batch, never to the vocabulary; one compilation; sharding kept.
+"""The optimized HLO of a training step on a row-sharded table (the id exchange): its collectives are three
+all-to-alls (ids out, rows back, gradient rows out) plus small all-reduces (scalars, the dense head's
+gradient), their sizes do not change with the device count at a fixed per-device batch, memory does not grow
+with the vocabulary, no table is copied; one compilation; sharding kept.
 
-Each run is a subprocess (XLA_FLAGS must be set before torch_xla starts) of _spmd_step_script.py.
+Each run is a subprocess (XLA_FLAGS must be set before torch_xla starts) of _spmd_step_script.py; collectives
+are read with torch_tpu_embedding.xla.hlo, which counts tuple-form (multi-operand) collectives too.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
@@ -18,26 +20,24 @@ import pytest
 
 pytest.importorskip("torch_xla")
 
+from torch_tpu_embedding.xla.hlo import collectives, large_copies, step_hlo_path  # noqa: E402
+
 SCRIPT = Path(__file__).with_name("_spmd_step_script.py")
 ROOT = Path(__file__).parents[2]
-IDS_PER_STEP = 64 * 4 + 64  # feature a: 64 bags of 4 ids; feature b: 64 ids
 D = 8
-COLLECTIVE = re.compile(r"= (\w+)\[([\d,]*)\][^=]*? (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
-                        r"(?:-start)?\(")
-COPY = re.compile(r"= \w+\[([\d,]*)\]\S* copy\(")
+SMALL = 64 * 8  # bytes: every all-reduce of the step is at most this (scalars, the head's D + 1 gradient)
 
 
-def run(v: int, opt: str, dump: Path) -> dict:
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4",
+def run(v: int, opt: str, dump: Path, devices: int = 4, slots: int = 0) -> dict:
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices),
            "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("XLA_USE_SPMD", None)  # set by use_spmd() in this process; the child calls use_spmd() itself
-    out = subprocess.run([sys.executable, str(SCRIPT), str(v), opt], env=env, check=True, capture_output=True,
+    args = [str(v), opt, "20"] + ([str(slots)] if slots else [])
+    out = subprocess.run([sys.executable, str(SCRIPT), *args], env=env, check=True, capture_output=True,
                          text=True, timeout=600)
     result: dict = json.loads(out.stdout.strip().splitlines()[-1])
-    steps = [f for f in glob.glob(str(dump / "*SyncTensorsGraph*after_optimizations.txt"))]
-    # The training step is the largest graph (the other one materialises the initial state).
-    step = max(steps, key=os.path.getsize)
+    step = step_hlo_path(str(dump))  # the training step is the largest graph
     result["hlo"] = Path(step).read_text()
     report = Path(step.replace(".txt", "-memory-usage-report.txt")).read_text()
     result["temp"] = sum(
@@ -47,30 +47,25 @@ def run(v: int, opt: str, dump: Path) -> dict:
     return result
 
 
-def elements(dims: str) -> int:
-    n = 1
-    for d in filter(None, dims.split(",")):
-        n *= int(d)
-    return n
-
-
-def check_step(result: dict, v: int, window: int = 1) -> None:
-    """``window``: calls whose ids one update sees (gradient_accumulation_steps)."""
+def check_step(result: dict, v: int, devices: int = 4) -> list[tuple[str, int]]:
+    """The step's collectives as sorted ``(op, bytes per device)``, after checking them."""
+    spec = "{devices=[%d,1]%s}" % (devices, ",".join(map(str, range(devices))))
     assert result["compiles"] == 1, result["compiles"]  # 20 steps, one graph
     assert result["fallbacks"] == []
-    assert result["before"] == result["after"] == "{devices=[4,1]0,1,2,3}"
-    for name, spec in result["slots"].items():
-        if name not in ("step", "c", "r_sum", "acc_ids", "acc_rows"):  # small: replicated
-            assert spec.startswith("{devices=[4"), (name, spec)  # slots sharded like the table
-    hlo = result["hlo"]
-    collectives = COLLECTIVE.findall(hlo)
-    assert collectives, "a row-sharded lookup needs an all-reduce of the gathered rows"
-    for dtype, dims, op in collectives:
-        # O(ids · D): never a table (V/4 · D per shard) or anything vocabulary-sized.
-        assert elements(dims) <= window * IDS_PER_STEP * D, (op, dtype, dims)
-    for dims in COPY.findall(hlo):
-        first = int(dims.split(",")[0]) if dims else 0
-        assert first < v // 4, f"table-sized copy [{dims}]"
+    assert result["before"] == result["after"] == spec
+    for name, s in result["slots"].items():
+        if name not in ("step", "c", "r_sum"):  # small: replicated
+            assert s.startswith("{devices=[%d" % devices), (name, s)  # slots (and per-shard buffers) row-sharded
+    ops = collectives(result["hlo"])
+    a2a = [c for c in ops if c[0] == "all-to-all"]
+    assert len(a2a) == 3, ops  # ids out, rows back, gradient rows out: one routing for both features
+    for op, shapes, size in ops:
+        assert op in ("all-to-all", "all-reduce"), ops  # no all-gather of ids or rows
+        if op == "all-reduce":
+            assert size <= SMALL, (op, shapes)
+    # No copy of a table shard: donated table and slots keep distinct sizes and stay in place.
+    assert large_copies(result["hlo"], v // devices // 2) == []
+    return sorted((op, size) for op, _, size in ops)
 
 
 def test_row_sharded_adam_step_hlo_and_flat_memory(tmp_path: Path) -> None:
@@ -86,5 +81,16 @@ def test_row_sharded_adam_step_hlo_and_flat_memory(tmp_path: Path) -> None:
 def test_row_sharded_adafactor_with_ema_and_accumulation(tmp_path: Path) -> None:
     v = 100_000
     r = run(v, "adafactor-ema-accum", tmp_path / "af")
-    check_step(r, v, window=2)  # the update dedups the ids of 2 accumulated calls
+    check_step(r, v)
     assert r["slots"]["r"].startswith("{devices=[4]"), r["slots"]  # the row statistic is row-sharded
+    assert r["slots"]["acc_ids"].startswith("{devices=[4,1]"), r["slots"]  # accumulation buffers per shard
+
+
+def test_step_collectives_do_not_grow_with_the_device_count(tmp_path: Path) -> None:
+    """16 examples per device (80 ids), n · capacity = 192 routing slots per device at n = 2 and n = 4: the
+    step's collectives and their sizes are the same list."""
+    slots, v = 192, 100_000
+    per_n = {n: check_step(run(v, "adam", tmp_path / f"n{n}", devices=n, slots=slots), v, devices=n) for n in (2, 4)}
+    assert per_n[2] == per_n[4], per_n
+    a2a = sorted(size for op, size in per_n[2] if op == "all-to-all")
+    assert a2a == sorted([slots * 4, slots * D * 4, slots * D * 4])  # int32 ids, float32 rows

@@ -14,7 +14,8 @@ import torch_xla.debug.metrics as met  # noqa: E402
 import torch_xla.distributed.spmd as xs  # noqa: E402
 import torch_xla.runtime as xr  # noqa: E402
 
-xr.use_spmd()  # before any XLA tensor exists
+if not xr.is_spmd():  # once per process: a second call warns that XLA_USE_SPMD (set by the first) is deprecated
+    xr.use_spmd()  # before any XLA tensor exists
 import torch_tpu_embedding as tte  # noqa: E402
 
 N = xr.global_runtime_device_count()

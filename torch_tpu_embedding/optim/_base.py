@@ -30,11 +30,11 @@ import torch
 from torch_tpu_embedding._rows import table_info
 from torch_tpu_embedding.optim import _ema, _intake, _state_io
 from torch_tpu_embedding.optim._contract import RowContext, Slots, SlotSpec, optimizer_class, register
-from torch_tpu_embedding.optim._device import LearningRates, StepClock, lr_value, to_device
+from torch_tpu_embedding.optim._device import LearningRates, StepClock, lr_value
 from torch_tpu_embedding.optim._extras import EXTRA_DEFAULTS, check_extras
 from torch_tpu_embedding.optim._hyper import check_fused, param_groups, validate_common
 from torch_tpu_embedding.optim._paths import choose_path, update
-from torch_tpu_embedding.optim._slots import lazy_table, make_state, write_whole
+from torch_tpu_embedding.optim._slots import RowSpace, lazy_table, make_state
 
 __all__ = ["RowSparseOptimizer"]
 
@@ -160,7 +160,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():  # type: ignore[no-untyped-call]
                 loss = closure()
-        clock = StepClock(self._iterations, self._skipped)
+        clock = StepClock(self._iterations, self._skipped_now())
         pending = [[p for p in g["params"] if _intake.has_gradient(p, g, self.state.get(p))] for g in self.param_groups]
         # Every learning rate first: a callable that raises must find every gradient still pending.
         lrs = [lr_value(g) if ps else None for g, ps in zip(self.param_groups, pending, strict=True)]
@@ -184,8 +184,10 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         if finite is not None:
             skipped = (~finite).to(torch.int64)
             dev = finite.device
-            base = to_device(torch.zeros((), dtype=torch.int64), dev) if self._skipped is None else self._skipped
-            self._skipped = (base if base.device == dev else to_device(base, dev)) + skipped
+            # Kept [1]-shaped: a 0-d counter would enter the first step as an upload and later steps as the
+            # previous step's 0-d output, two different graphs.
+            base = torch.zeros(1, dtype=torch.int64).to(dev) if self._skipped is None else self._skipped
+            self._skipped = (base if base.device == dev else base.to(dev)) + skipped.reshape(1)
         for item in work:
             update(item)
         _ema.ema_calls(self.param_groups, self._state_for, clock)
@@ -197,6 +199,10 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         """Calls whose update ``skip_nonfinite`` dropped (reading it syncs an XLA device)."""
         return 0 if self._skipped is None else int(self._skipped.item())
 
+    def _skipped_now(self) -> Tensor | None:
+        """The count of calls ``skip_nonfinite`` dropped, 0-d (``None`` before the first)."""
+        return None if self._skipped is None else self._skipped.reshape(())
+
     # ------------------------------------------------------------------ EMA
     def moving_average(self, p: Tensor) -> Tensor:
         """The EMA of ``p`` now (every row caught up), as a new tensor. Needs ``use_ema=True``."""
@@ -204,7 +210,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         if not group["use_ema"]:
             raise ValueError("moving_average() needs an optimizer built with `use_ema=True`.")
         with torch.no_grad():
-            return _ema.moving_average(p, group, self._state_for(p, group), self._iterations, self._skipped)
+            return _ema.moving_average(p, group, self._state_for(p, group), self._iterations, self._skipped_now())
 
     @torch.no_grad()
     def finalize_variable_values(self) -> None:
@@ -216,10 +222,10 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 avg = self.moving_average(p)
                 p.copy_(avg)
                 if lazy_table(p, group):
-                    state = self.state[p]
-                    write_whole(state["ema"], avg)
-                    upto = _ema.last_call(group, p.device, self._iterations, self._skipped)
-                    write_whole(state["ema_last"], upto.to(torch.int32).expand(p.shape[0]))
+                    space = RowSpace.of(p, group, self.state[p])
+                    space.write("ema", avg)
+                    upto = _ema.last_call(group, p.device, self._iterations, self._skipped_now())
+                    space.write("ema_last", upto.to(torch.int32).expand(p.shape[0]))
 
     # ------------------------------------------------------------------ lifecycle
     @torch.no_grad()

@@ -29,6 +29,7 @@ __all__ = [
     "SlotSpec",
     "Slots",
     "common_defaults",
+    "identity",
     "optimizer_class",
     "optimizer_names",
     "register",
@@ -53,18 +54,28 @@ class SlotSpec:
     dtype: torch.dtype | None = None  # None: the parameter's dtype (float32 for a 16-bit parameter)
 
 
+def identity(x: Tensor) -> Tensor:
+    """``x`` itself: ``RowContext.all_reduce`` when an update is not split over shards."""
+    return x
+
+
 @dataclasses.dataclass(frozen=True)
 class RowContext:
-    """What a rule may need beyond its rows: which of them are real, and the table's size.
+    """What a rule may need beyond its rows: which of them are real, the table's size, and how to
+    reduce over every row of the update.
 
     ``mask [U]`` is True for touched rows and False for the static-shape padding tail on XLA;
-    ``count`` is ``mask.sum()``. Both are ``None`` for a dense update (every row real). Per-row
-    rules ignore the context; rules with reductions over rows (Adafactor) use it.
+    ``count`` is the number of touched rows of the whole update. Both are ``None`` for a dense update
+    (every row real). ``all_reduce(x)`` sums ``x`` over every part of the update: the identity, except
+    when each shard of a row-sharded table updates its own rows (the owner-local path), where it is a
+    sum over the shards — so ``all_reduce(f(rows).sum())`` is the sum over all touched rows on every
+    device. Per-row rules ignore the context; rules with reductions over rows (Adafactor) use it.
     """
 
     mask: Tensor | None
     count: Tensor | None
     num_rows: int  # logical rows of the whole parameter
+    all_reduce: Callable[[Tensor], Tensor] = identity
 
 
 #: ``rule(w [U, D], g [U, D], slots, lr (0-d), step (0-d), hp, ctx) -> (w_new, slots_new)``

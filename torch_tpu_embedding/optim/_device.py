@@ -93,6 +93,22 @@ class StepClock:
         """This call's non-finite gate on ``device`` (``None``: nothing to gate)."""
         return self.finite.to(device) if skip_nonfinite and self.finite is not None else None
 
+    def device_values(self, device: torch.device) -> list[Tensor | None]:
+        """``[counter, skipped, finite]`` on ``device`` (``None`` where absent), e.g. to enter a
+        manual-sharding region (:meth:`with_device_values` rebuilds the clock from them inside)."""
+        skipped = None if self.skipped is None else self.skipped.to(device)
+        finite = None if self.finite is None else self.finite.to(device)
+        return [self.on(device), skipped, finite]
+
+    def with_device_values(self, values: list[Tensor | None]) -> StepClock:
+        """This clock with its device values replaced by ``values`` (as :meth:`device_values` gives them)."""
+        it, skipped, finite = values
+        assert it is not None
+        out = StepClock(self.iterations, skipped)
+        out.finite = finite
+        out._tensors = {it.device: it}
+        return out
+
     def on(self, device: torch.device) -> Tensor:
         """The counter as device data (0-d int64), uploaded once per step and device."""
         t = self._tensors.get(device)

@@ -21,7 +21,7 @@ import torch
 from torch_tpu_embedding.optim._device import StepClock
 from torch_tpu_embedding.optim._extras import ema_catch_up
 from torch_tpu_embedding.optim._paths import gated
-from torch_tpu_embedding.optim._slots import lazy_table, without_trash, write_whole
+from torch_tpu_embedding.optim._slots import RowSpace, lazy_table
 
 if TYPE_CHECKING:
     from torch_tpu_embedding.optim._intake import Work
@@ -42,23 +42,21 @@ def momentum_now(group: Mapping[str, Any], clock: StepClock, device: torch.devic
     return mu
 
 
-def ema_rows(item: Work, ids: Tensor, w_old: Tensor, w_new: Tensor) -> None:
+def ema_rows(item: Work, space: RowSpace, ids: Tensor, w_old: Tensor, w_new: Tensor) -> None:
     """Catch the touched rows' averages up over their idle calls, then apply this call's EMA.
 
-    ``ids [U]`` unique touched rows (sentinel tail allowed), ``w_old``/``w_new`` their weights
-    before/after this call's update.
+    ``ids [U]`` unique touched rows of ``space`` (sentinel tail allowed), ``w_old``/``w_new`` their
+    weights before/after this call's update.
     """
-    p, group, state = item.p, item.group, item.state
-    sentinel = p.shape[0]
-    at = ids.clamp(max=sentinel - 1)
+    p, group, state, where = space.p, item.group, space.state, space.where
     it = item.clock.ema_on(p.device, group["skip_nonfinite"]).to(torch.int32)
     keep = item.clock.keep(p.device, group["skip_nonfinite"])
-    avg = state["ema"].index_select(0, at)
-    last = state["ema_last"].index_select(0, at)
+    avg = space.gather("ema", ids)
+    last = space.gather("ema_last", ids)
     mu = momentum_now(group, item.clock, p.device, w_new.dtype)
     avg, last = ema_row_update(avg, last, w_old, w_new, it, keep, mu, group["ema_momentum"])
-    state["ema"].index_copy_(0, ids, avg)
-    state["ema_last"].index_copy_(0, ids, last)
+    state["ema"].index_copy_(0, where.at("ema", ids), avg)
+    state["ema_last"].index_copy_(0, where.at("ema_last", ids), last)
 
 
 def ema_row_update(
@@ -73,12 +71,12 @@ def ema_row_update(
     return gated(keep, mu * caught + (1 - mu) * w_new, avg), gated(keep, torch.maximum(last, it), last)
 
 
-def ema_all_rows(p: Tensor, group: Mapping[str, Any], state: dict[str, Tensor], upto: Tensor) -> Tensor:
-    """Every row's average as of call ``upto`` (lazy table): ``[rows, D]``, not stored."""
-    n = p.shape[0]
-    idle = upto.to(torch.int32) - state["ema_last"][:n]
-    avg = state["ema"][:n]
-    return ema_catch_up(avg, p.to(avg.dtype), idle, group["ema_momentum"])
+def ema_all_rows(space: RowSpace, group: Mapping[str, Any], upto: Tensor) -> Tensor:
+    """Every row's average as of call ``upto`` (lazy table): ``[rows, D]`` in the table's row order,
+    not stored."""
+    idle = upto.to(torch.int32) - space.table_order("ema_last")
+    avg = space.table_order("ema")
+    return ema_catch_up(avg, space.p.to(avg.dtype), idle, group["ema_momentum"])
 
 
 def overwrite_due(group: Mapping[str, Any], iterations: int) -> bool:
@@ -99,22 +97,21 @@ def ema_calls(
             continue
         overwrite = overwrite_due(group, clock.iterations)
         for p in group["params"]:
-            state = state_for(p, group)
+            space = RowSpace.of(p, group, state_for(p, group))
             keep = clock.keep(p.device, group["skip_nonfinite"])
-            n = p.shape[0] if p.dim() else 1
-            avg = without_trash(state["ema"], n) if p.dim() else state["ema"]
+            avg = space.table_order("ema")
             if lazy_table(p, group):
                 if overwrite:  # O(V·D), every f calls, as in Keras
                     it = clock.ema_on(p.device, group["skip_nonfinite"])
-                    caught = ema_all_rows(p, group, state, it)
-                    write_whole(state["ema"], gated(keep, caught, avg))
-                    last = state["ema_last"][:n]
-                    write_whole(state["ema_last"], gated(keep, it.to(torch.int32).expand(n), last))
+                    caught = ema_all_rows(space, group, it)
+                    space.write("ema", gated(keep, caught, avg))
+                    last = space.table_order("ema_last")
+                    space.write("ema_last", gated(keep, it.to(torch.int32).expand(p.shape[0]), last))
                     p.copy_(gated(keep, caught, p))
                 continue
             mu = momentum_now(group, clock, p.device, avg.dtype)
             avg = gated(keep, mu * avg + (1 - mu) * p, avg)
-            write_whole(state["ema"], avg)
+            space.write("ema", avg)
             if overwrite:
                 p.copy_(gated(keep, avg, p))
 
@@ -128,8 +125,9 @@ def last_call(group: Mapping[str, Any], device: torch.device, iterations: int, s
 def moving_average(
     p: Tensor, group: Mapping[str, Any], state: dict[str, Tensor], iterations: int, skipped: Tensor | None
 ) -> Tensor:
-    """The EMA of ``p`` after ``iterations`` calls (every row caught up), as a new tensor."""
+    """The EMA of ``p`` after ``iterations`` calls (every row caught up), as a new tensor in ``p``'s
+    row order."""
+    space = RowSpace.of(p, group, state)
     if lazy_table(p, group):
-        return ema_all_rows(p, group, state, last_call(group, p.device, iterations, skipped))
-    n = p.shape[0] if p.dim() else 1
-    return (state["ema"][:n] if p.dim() else state["ema"]).clone()
+        return ema_all_rows(space, group, last_call(group, p.device, iterations, skipped))
+    return space.table_order("ema").clone()

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from torch_tpu_embedding._rows import BagRows, RowGrad
+from torch_tpu_embedding._rows import BagRows, RowGrad, table_info
 from torch_tpu_embedding.optim._contract import RowContext, Slots, optimizer_class
 from torch_tpu_embedding.optim._ema import ema_row_update, momentum_now
 from torch_tpu_embedding.optim._slots import logical_rows, math_dtype, rule_slots
@@ -77,8 +77,12 @@ def set_enabled(on: bool) -> bool:
 
 
 def usable(p: Tensor) -> bool:
-    """The fused path may run for ``p`` (an eager CPU / CUDA table with the path enabled)."""
-    return _ENABLED and p.device.type in ("cpu", "cuda")
+    """The fused path may run for ``p``: an eager CPU / CUDA table with the path enabled, whose rows
+    are slot rows (no interleaved row layout of the id exchange, :class:`~._slots.SlotRows`)."""
+    if not _ENABLED or p.device.type not in ("cpu", "cuda"):
+        return False
+    info = table_info(p)
+    return info is None or info.layout is None
 
 
 def compiled_kernels() -> int:
@@ -95,8 +99,9 @@ def coalesce_pieces(pieces: RowGrad, p: Tensor) -> tuple[Tensor, Tensor] | None:
     ``1 · rows[k]``. The ids are sorted stably and ``g = S @ sources`` with ``S [U, Σ sources]``
     the sparse matrix of gains, so each row sums its contributions in the order they were looked up,
     as ``index_add_`` does on the reference path. ``None`` (the caller multiplies out and sums as the
-    reference does) for a 16-bit table, whose reference rounds the rows to 16 bits before summing
-    in float32, and for fewer than 2 ids per source row.
+    reference does) for rows not in the update's dtype (a 16-bit table's; its steps on ``FUSED`` take
+    the rows multiplied out by the backward, see :func:`._intake.take`) and for fewer than 2 ids per
+    source row.
     """
     sentinel, dtype = p.shape[0], math_dtype(p)
     ids_parts, col_parts, val_parts, sources = [], [], [], []

@@ -7,6 +7,12 @@ of the call at once (:func:`global_clip_scales`, :func:`gate_nonfinite`).
 Where a table's gradient comes from: its :class:`~torch_tpu_embedding._rows.RowGrad` (the lookup's
 backward), or a sparse COO ``.grad`` (``nn.Embedding(sparse=True)``); a dense parameter's from
 ``.grad``. Nothing is consumed by :func:`has_gradient`; :func:`take` consumes.
+
+A table on the ``OWNER_LOCAL`` path (the id exchange) receives its gradient at the shards that own the
+rows: ``(ids [n, M], rows [n, M, D])`` device-major. Accumulation buffers are kept per shard and
+duplicates are summed on each shard (:func:`_prepare_owned`, one manual-sharding region); the result
+stays device-major, so ``clipnorm``, ``global_clipnorm`` and ``skip_nonfinite`` reduce over every
+shard as they reduce over any sharded tensor (the partitioner adds the small all-reduce).
 """
 
 from __future__ import annotations
@@ -34,9 +40,10 @@ class Taken:
     """A parameter's raw gradient of this call: row pieces, ``(ids, rows)``, or a dense tensor."""
 
     pieces: RowGrad | None = None  # ADDITIVE, straight from the lookup (multiplied out piecewise)
-    ids: Tensor | None = None  # [N] with duplicates and sentinel padding
-    rows: Tensor | None = None  # [N, D]
+    ids: Tensor | None = None  # [N] with duplicates and sentinel padding (OWNER_LOCAL: [n, M] shard-local)
+    rows: Tensor | None = None  # [N, D] (OWNER_LOCAL: [n, M, D])
     dense: Tensor | None = None  # a dense parameter's .grad
+    ok: Tensor | None = None  # OWNER_LOCAL: False when the lookup dropped ids (bucket overflow)
 
 
 @dataclasses.dataclass
@@ -75,8 +82,11 @@ def has_gradient(p: Tensor, group: dict[str, Any], state: dict[str, Tensor] | No
 def take(p: Tensor, group: dict[str, Any], path: Path) -> Taken:
     """Consume ``p``'s gradient (the table's pending rows are cleared; ``.grad`` is left to zero_grad)."""
     info = table_info(p)
-    # ADDITIVE multiplies the factored rows out piecewise; FUSED sums them per id without doing so.
-    piecewise = path in (Path.ADDITIVE, Path.FUSED) and not group["gradient_accumulation_steps"]
+    # ADDITIVE multiplies the factored rows out piecewise; FUSED sums them per id without doing so,
+    # except on a 16-bit table: its backward multiplies float32 gains out and rounds the rows to 16
+    # bits, and the factored form (16-bit gains) would round differently from the reference path.
+    factored = path is Path.ADDITIVE or (path is Path.FUSED and math_dtype(p) == p.dtype)
+    piecewise = factored and not group["gradient_accumulation_steps"]
     if info is not None:
         # The next backward hands over its rows factored only to a consumer that multiplies them out
         # piecewise (ADDITIVE without accumulation).
@@ -84,6 +94,10 @@ def take(p: Tensor, group: dict[str, Any], path: Path) -> Taken:
     if info is not None and info.row_grad:
         if piecewise:
             return Taken(pieces=info.row_grad.take())
+        if path is Path.OWNER_LOCAL:
+            ids, rows, ok = info.row_grad.collect_owned()
+            info.row_grad.clear()
+            return Taken(ids=ids, rows=rows, ok=ok)
         ids, rows = info.row_grad.collect()
         info.row_grad.clear()
         return Taken(ids=ids, rows=rows)
@@ -113,6 +127,11 @@ def prepare(
     def work(ids: Tensor | None, g: Tensor, gate: Tensor | None, **more: Any) -> Work:
         return Work(p=p, group=group, state=state, path=path, clock=clock, ids=ids, g=g, gate=gate, **more)
 
+    if path is Path.OWNER_LOCAL:
+        ids, g, gate = _prepare_owned(p, group, state, taken, clock)
+        if group["clipnorm"]:
+            g = clip_by_norm(g, group["clipnorm"])  # the norm over every shard's rows
+        return work(ids, g, gate)
     if taken.dense is not None:
         g = taken.dense.to(math_dtype(p))
         g = g if s is None else g / s
@@ -214,23 +233,124 @@ def _accumulate_rows(
             shard_slot(p, buf_rows, rows=False)
         state["acc_ids"], state["acc_rows"] = buf_ids, buf_rows
     cap = buf_ids.shape[1]
-    chunk_ids = torch.full((cap,), sentinel, dtype=torch.int64, device=p.device)
-    chunk_rows = torch.zeros((cap, dim), dtype=math_dtype(p), device=p.device)
-    if ids is not None and rows is not None and n:
-        chunk_ids = torch.cat([ids.to(torch.int64), chunk_ids[n:]])
-        chunk_rows = torch.cat([rows, chunk_rows[n:]])
+    if ids is None or rows is None:
+        ids = torch.empty(0, dtype=torch.int64, device=p.device)
+        rows = torch.empty(0, dim, dtype=math_dtype(p), device=p.device)
+    chunk_ids, chunk_rows = _padded(ids, rows, cap, sentinel)
     if is_static_device(p.device):
         it = clock.on(p.device)
-        at = torch.remainder(it, k).reshape(1)
-        buf_ids.index_copy_(0, at, chunk_ids[None])
-        buf_rows.index_copy_(0, at, chunk_rows[None])
-        gate = torch.remainder(it + 1, k) == 0
-        return buf_ids.reshape(-1), buf_rows.reshape(-1, dim), gate
+        all_ids, all_rows = _window(buf_ids, buf_rows, chunk_ids, chunk_rows, it, k)
+        return all_ids, all_rows, torch.remainder(it + 1, k) == 0
     buf_ids[clock.iterations % k] = chunk_ids
     buf_rows[clock.iterations % k] = chunk_rows
     if (clock.iterations + 1) % k:
         return None
     return buf_ids.reshape(-1), buf_rows.reshape(-1, dim), None
+
+
+def _padded(ids: Tensor, rows: Tensor, cap: int, sentinel: int) -> tuple[Tensor, Tensor]:
+    """``ids [m]``, ``rows [m, D]`` padded to ``cap`` entries (sentinel ids, zero rows)."""
+    m = ids.shape[0]
+    if m == cap:
+        return ids.to(torch.int64), rows
+    pad_ids = torch.full((cap - m,), sentinel, dtype=torch.int64, device=ids.device)
+    pad_rows = torch.zeros((cap - m, rows.shape[1]), dtype=rows.dtype, device=rows.device)
+    return torch.cat([ids.to(torch.int64), pad_ids]), torch.cat([rows, pad_rows])
+
+
+def _window(buf_ids: Tensor, buf_rows: Tensor, ids: Tensor, rows: Tensor, it: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Static-shape accumulation: write this call's ``ids [cap]``, ``rows [cap, D]`` into slot ``it % k``
+    of the ``[k, cap]`` buffers (in place) and return every slot's entries, ``[k·cap]`` and ``[k·cap, D]``."""
+    at = torch.remainder(it, k).reshape(1)
+    buf_ids.index_copy_(0, at, ids[None])
+    buf_rows.index_copy_(0, at, rows[None])
+    return buf_ids.reshape(-1), buf_rows.reshape(-1, buf_rows.shape[-1])
+
+
+def _prepare_owned(
+    p: Tensor, group: dict[str, Any], state: dict[str, Tensor], taken: Taken, clock: StepClock
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """OWNER_LOCAL intake: loss scale, then on every shard (one manual-sharding region) the
+    accumulation window and the sum of duplicate rows. Returns device-major ``(ids [n, U] unique per
+    shard with the local sentinel tail, g [n, U, D], gate)``.
+
+    A call whose lookup dropped ids (``taken.ok`` False) contributes no gradient, and its update is
+    gated off (nothing is updated from an incomplete lookup).
+    """
+    from torch_tpu_embedding.xla.manual import on_shards
+
+    info = table_info(p)
+    assert info is not None
+    mesh, axis, n = info.sharding.mesh, info.sharding.axis, info.sharding.num_shards
+    sentinel = p.shape[0] // n  # shard-local padding row
+    k, s = group["gradient_accumulation_steps"], group["loss_scale_factor"]
+    ok, ids, rows = taken.ok, taken.ids, taken.rows
+    if ids is None or rows is None:  # a call without lookups of this table (accumulation pending)
+        ids, rows = _owned_empty(p, n, max(1, state["acc_ids"].shape[1] if "acc_ids" in state else 1), mesh, axis)
+    rows = rows.to(math_dtype(p)) if s is None else rows.to(math_dtype(p)) / s
+    if ok is not None:
+        rows = torch.where(ok, rows, torch.zeros_like(rows))
+        ids = torch.where(ok, ids, torch.full_like(ids, sentinel))
+    dedup = group["use_gradient_accumulation"]
+    inputs = [ids, rows]
+    if k:  # the per-shard buffers enter as device-major [n, k, cap(, D)] inputs and leave as new tensors
+        buf_ids, buf_rows = _owned_buffers(state, ids.shape[1], k, p, n, sentinel)
+        inputs += [buf_ids.reshape(n, k, -1), buf_rows.reshape(n, k, buf_ids.shape[1], -1)]
+
+    def on_shard(sharded: dict[str, Tensor], small: dict[str, Tensor], inputs: list[Tensor],
+                 rep: list[Tensor | None]) -> list[Tensor]:
+        ids, rows, *bufs = inputs
+        if k:
+            it = rep[0]
+            assert it is not None
+            ids, rows = _padded(ids, rows, bufs[0].shape[1], sentinel)
+            ids, rows = _window(bufs[0], bufs[1], ids, rows, it, k)
+        return [*(coalesce_rows(ids, rows, sentinel) if dedup else (ids, rows)), *bufs]
+
+    uniq, g, *bufs = on_shards(on_shard, {}, {}, inputs, [clock.on(p.device)], mesh=mesh, axis=axis)
+    if k:
+        # New tensors every step, made at the same point of the step: the step's graph keeps one order of
+        # outputs from the first step on (buffers made during the first step and then updated in place would
+        # move ahead of the tensors each forward makes, and the second step would compile another graph).
+        # clone(): not reshape views (on XLA a view stays tied to its base, an extra output of the step).
+        state["acc_ids"] = bufs[0].reshape(n * k, -1).clone()
+        state["acc_rows"] = bufs[1].reshape(n * k, bufs[0].shape[-1], -1).clone()
+    gate = ok
+    if k:
+        g = g / k
+        due = torch.remainder(clock.on(p.device) + 1, k) == 0
+        gate = due if gate is None else gate & due
+    return uniq, g, gate
+
+
+def _owned_empty(p: Tensor, n: int, width: int, mesh: Any, axis: str) -> tuple[Tensor, Tensor]:
+    """An owner-local chunk with no ids: ``[n, width]`` local sentinels and zero rows, row-sharded."""
+    from torch_tpu_embedding.xla.manual import reshard, spec
+
+    ids = torch.full((n, width), p.shape[0] // n, dtype=torch.int64).to(p.device)
+    rows = torch.zeros((n, width, p.shape[1]), dtype=math_dtype(p)).to(p.device)
+    return reshard(ids, spec(axis, 0, 2), mesh), reshard(rows, spec(axis, 0, 3), mesh)
+
+
+def _owned_buffers(
+    state: dict[str, Tensor], width: int, k: int, p: Tensor, n: int, sentinel: int
+) -> tuple[Tensor, Tensor]:
+    """Per-shard accumulation buffers: ``acc_ids [n·k, cap]`` (shard-local rows) and ``acc_rows
+    [n·k, cap, D]``, row-sharded (shard ``d`` holds its ``k`` slots). ``cap`` grows to the widest chunk."""
+    from torch_tpu_embedding.xla.sharding import shard_slot
+
+    buf_ids, buf_rows = state.get("acc_ids"), state.get("acc_rows")
+    if buf_ids is None or buf_rows is None or buf_ids.shape[1] < width:
+        cap = max(width, 0 if buf_ids is None else buf_ids.shape[1])
+        new_ids = torch.full((n * k, cap), sentinel, dtype=torch.int64).to(p.device)
+        new_rows = torch.zeros((n * k, cap, p.shape[1]), dtype=math_dtype(p)).to(p.device)
+        if buf_ids is not None and buf_rows is not None:
+            new_ids[:, : buf_ids.shape[1]] = buf_ids
+            new_rows[:, : buf_ids.shape[1]] = buf_rows
+        shard_slot(p, new_ids, rows=True)
+        shard_slot(p, new_rows, rows=True)
+        state["acc_ids"], state["acc_rows"] = new_ids, new_rows
+    return state["acc_ids"], state["acc_rows"]
 
 
 def global_clip_scales(work: list[Work]) -> dict[torch.device, Tensor]:

@@ -18,13 +18,21 @@ only in which rows they hand it and how the results are written back:
                       duplicate sum done without multiplying the gradient out (:mod:`._fused_update`)
 ``ROW_CHUNKS``        eager with a per-row rule when ``FUSED`` is off or cannot compile: the
                       touched rows in cache-sized chunks (the reference for ``FUSED``)
+``OWNER_LOCAL``       a row-sharded table trained through the id exchange: its gradient arrives
+                      at the shards that own the rows, and every shard runs ``ROWS`` (``DENSE``
+                      for a non-lazy optimizer) on its own rows and slots in a manual-sharding
+                      region, with no collective; what the rule sums over rows is all-reduced
+                      (``RowContext.all_reduce``)
 ====================  ==========================================================================
 
-:func:`choose_path` is the one place that decides.
+:func:`choose_path` is the one place that decides. Every path reads and writes through a
+:class:`~._slots.RowSpace` (a whole parameter, or one shard of a table), so the row bookkeeping is
+written once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -33,14 +41,7 @@ import torch
 
 from torch_tpu_embedding._rows import drop_sentinel, is_static_device, table_info, unique_ids
 from torch_tpu_embedding.optim._contract import RowContext, Slots, optimizer_class
-from torch_tpu_embedding.optim._slots import (
-    logical_rows,
-    math_dtype,
-    rule_slots,
-    specs,
-    without_trash,
-    write_whole,
-)
+from torch_tpu_embedding.optim._slots import RowSpace, logical_rows, math_dtype, rule_slots
 
 if TYPE_CHECKING:
     from torch_tpu_embedding.optim._intake import Work
@@ -71,12 +72,16 @@ class Path(enum.Enum):
     ROWS = "rows"
     FUSED = "fused"
     ROW_CHUNKS = "row_chunks"
+    OWNER_LOCAL = "owner_local"
 
 
 def choose_path(p: Tensor, group: Mapping[str, Any], *, row_grad: bool) -> Path:
     """The path of parameter ``p`` in ``group``; ``row_grad``: its gradient arrives as rows (a table,
     or a sparse COO ``.grad``) rather than as a dense ``.grad``."""
     cls = optimizer_class(group["algorithm"])
+    info = table_info(p)
+    if row_grad and info is not None and info.owner_local:
+        return Path.OWNER_LOCAL
     if not row_grad or not cls.is_lazy(group):
         return Path.DENSE
     static = is_static_device(p.device)
@@ -121,8 +126,12 @@ def pipeline(
 
 def update(item: Work) -> None:
     """Apply ``item``'s update along its path (EMA of touched rows included; see :mod:`._ema`)."""
+    if item.path is Path.OWNER_LOCAL:
+        _update_owner_local(item)
+        return
+    space = RowSpace.of(item.p, item.group, item.state)
     if item.path is Path.DENSE:
-        _update_dense(item)
+        _update_dense(item, space, item.g)
     elif item.path is Path.ADDITIVE:
         _update_additive(item)
     else:
@@ -136,28 +145,25 @@ def update(item: Work) -> None:
             item.path = Path.ROW_CHUNKS  # no compiled kernel: the reference path
         chunk = row_chunk()
         if item.path is not Path.ROW_CHUNKS or ids.shape[0] <= chunk:
-            _update_row_chunk(item, ids, item.g)
+            _update_rows(item, space, ids, item.g)
             return
         # Cache-sized chunks: the rule's ~10 element-wise passes run over temporaries that stay in
         # cache instead of over [U, D] arrays (Adam's rule ran 3.2× faster at 100k rows × 64).
         for start in range(0, ids.shape[0], chunk):
-            _update_row_chunk(item, ids[start : start + chunk], item.g[start : start + chunk])
+            _update_rows(item, space, ids[start : start + chunk], item.g[start : start + chunk])
 
 
-def _update_dense(item: Work) -> None:
-    p, group, state, gate = item.p, item.group, item.state, item.gate
-    all_specs = specs(p, group)
-    n = p.shape[0] if p.dim() else 1
-    names = rule_slots(p, group)
-    # Without the trash rows of a (non-lazy) table's slots.
-    slots = {k: without_trash(state[k], n) if all_specs[k].rows and p.dim() else state[k] for k in names}
-    info = table_info(p)
-    ctx = RowContext(mask=None, count=None, num_rows=n if info is None else info.num_embeddings)
+def _update_dense(item: Work, space: RowSpace, g: Tensor) -> None:
+    """Every row of ``space`` (``g = 0`` where a table's row was not looked up)."""
+    p, group, state, gate = space.p, item.group, space.state, item.gate
+    names = rule_slots(item.p, group)
+    slots = {k: space.table_order(k) for k in names}  # a table's row slots without their trash rows
+    ctx = RowContext(mask=None, count=None, num_rows=space.num_rows, all_reduce=space.all_reduce)
     step = state["step"] + 1
     w0 = p.to(math_dtype(p))
-    w, new = pipeline(w0, item.g, slots, item.lr, step, group, ctx)
+    w, new = pipeline(w0, g, slots, item.lr, step, group, ctx)
     for k in names:
-        write_whole(state[k], gated(gate, new[k].to(slots[k].dtype), slots[k]))
+        space.write(k, gated(gate, new[k].to(slots[k].dtype), slots[k]))
     state["step"].copy_(gated(gate, step, state["step"]))
     p.copy_(gated(gate, w, w0))
 
@@ -179,23 +185,21 @@ def _update_additive(item: Work) -> None:
     state["step"].copy_(step)
 
 
-def _update_row_chunk(item: Work, ids: Tensor, g: Tensor) -> None:
-    """Gather the rows ``ids`` (and their slots), run the pipeline, write them back."""
+def _update_rows(item: Work, space: RowSpace, ids: Tensor, g: Tensor) -> None:
+    """Gather the rows ``ids`` of ``space`` (and their slots), run the pipeline, write them back."""
     from torch_tpu_embedding.optim._ema import ema_rows
 
-    p, group, state, gate = item.p, item.group, item.state, item.gate
-    all_specs = specs(p, group)
+    p, group, state, gate, where = space.p, item.group, space.state, item.gate, space.where
     sentinel = p.shape[0]
-    dedup = item.path is not Path.NO_DEDUP
+    dedup = bool(group["use_gradient_accumulation"])  # else ids repeat (NO_DEDUP): changes are added
     # On XLA the sentinel tail is clamped for the gather and dropped by the scatter.
     at = ids.clamp(max=sentinel - 1)
     w0 = p.index_select(0, at).to(math_dtype(p))  # 16-bit tables update in float32
-    names = rule_slots(p, group)
-    row_slots = [k for k in names if all_specs[k].rows]
-    slots = {k: state[k].index_select(0, at) if k in row_slots else state[k] for k in names}
+    names = rule_slots(item.p, group)
+    slots = {k: space.gather(k, ids) if k in where.numbers else state[k] for k in names}
     mask = ids < sentinel
-    info = table_info(p)
-    ctx = RowContext(mask=mask, count=mask.sum(), num_rows=sentinel if info is None else info.num_embeddings)
+    count = space.all_reduce(mask.sum())
+    ctx = RowContext(mask=mask, count=count, num_rows=space.num_rows, all_reduce=space.all_reduce)
     ema = group["use_ema"]
     if ema and not dedup:  # ids repeat: the average needs each row once
         ema_ids = unique_ids(ids, sentinel)
@@ -208,18 +212,54 @@ def _update_row_chunk(item: Work, ids: Tensor, g: Tensor) -> None:
         item.step_now = step
         state["step"].copy_(gated(gate, step, state["step"]))
     for k in names:
-        if k not in row_slots:
+        if k not in where.numbers:
             state[k].copy_(new[k])
         elif dedup:  # ids are unique: write the rows
-            state[k].index_copy_(0, ids, new[k])
+            state[k].index_copy_(0, where.at(k, ids), new[k])
         else:  # ids repeat: add the changes
-            state[k].index_add_(0, ids, new[k] - slots[k])
+            state[k].index_add_(0, where.at(k, ids), new[k] - slots[k])
     if dedup:
         p.index_copy_(0, ids, w.to(p.dtype))
     else:
         p.index_add_(0, ids, (w - w0).to(p.dtype))
     if ema:
         if dedup:
-            ema_rows(item, ids, w0, w.to(p.dtype).to(w0.dtype))  # the stored weight
+            ema_rows(item, space, ids, w0, w.to(p.dtype).to(w0.dtype))  # the stored weight
         else:
-            ema_rows(item, ema_ids, ema_w0, p.index_select(0, ema_ids.clamp(max=sentinel - 1)).to(w0.dtype))
+            ema_rows(item, space, ema_ids, ema_w0, p.index_select(0, ema_ids.clamp(max=sentinel - 1)).to(w0.dtype))
+
+
+def _update_owner_local(item: Work) -> None:
+    """OWNER_LOCAL: every shard updates its own rows and slots — the same :func:`_update_rows` (or
+    :func:`_update_dense`) on its part of the table — in one manual-sharding region, with no collective
+    beyond the small all-reduces of ``RowContext.all_reduce``.
+
+    ``item.ids [n, M]`` (shard-local rows, unique per shard, sentinel ``R/n``) and ``item.g [n, M, D]``
+    are device-major: row ``d`` belongs to shard ``d`` (:mod:`._intake`).
+    """
+    from torch_tpu_embedding.xla.manual import all_reduce, on_shards
+
+    info = table_info(item.p)
+    assert info is not None and item.ids is not None
+    mesh, axis = info.sharding.mesh, info.sharding.axis
+    whole = RowSpace.of(item.p, item.group, item.state)
+    rows = {"": item.p, **{k: v for k, v in item.state.items() if k in whole.where.numbers}}
+    small = {k: v for k, v in item.state.items() if k not in rows and k not in ("acc_ids", "acc_rows")}
+    clock = item.clock.device_values(item.p.device)
+    lazy = optimizer_class(item.group["algorithm"]).is_lazy(item.group)
+
+    def on_shard(rows: dict[str, Tensor], small: dict[str, Tensor], inputs: list[Tensor],
+                 rep: list[Tensor | None]) -> list[Tensor]:
+        ids, g = inputs
+        lr, gate, *clock_now = rep
+        assert lr is not None
+        space = dataclasses.replace(whole, p=rows[""], state={**rows, **small},
+                                    all_reduce=lambda x: all_reduce(x, mesh, axis))
+        mine = dataclasses.replace(item, lr=lr, gate=gate, clock=item.clock.with_device_values(clock_now))
+        if lazy:
+            _update_rows(mine, space, ids, g)
+        else:  # every local row, g = 0 where not looked up (the sentinel's rows are dropped)
+            _update_dense(mine, space, torch.zeros_like(space.p, dtype=g.dtype).index_add_(0, ids, g))
+        return []
+
+    on_shards(on_shard, rows, small, [item.ids, item.g], [item.lr, item.gate, *clock], mesh=mesh, axis=axis)

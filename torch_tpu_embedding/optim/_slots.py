@@ -8,31 +8,37 @@ plus ``step``. A table's pending accumulation buffers (``acc_ids``, ``acc_rows``
 
 On XLA, row slot ``k`` of a table gets extra *trash rows* so that every table-sized buffer has a
 distinct size (see :func:`trash_rows`), and every slot is created with its table's layout on a
-device mesh. Trash rows never reach a checkpoint.
+device mesh. Trash rows never reach a checkpoint. They sit after the table's rows, or, for a table
+trained through the id exchange, ``k`` after each chunk of the table's rows (:class:`SlotRows`), so
+that every shard of a slot holds the slot rows of the same table shard.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from torch_tpu_embedding._rows import table_info
-from torch_tpu_embedding.optim._contract import SlotSpec, optimizer_class
+from torch_tpu_embedding.optim._contract import SlotSpec, identity, optimizer_class
+from torch_tpu_embedding.xla.ownership import slot_row
 
 __all__ = [
     "ACCUMULATION",
+    "RowSpace",
+    "SlotRows",
     "from_saved_ids",
     "lazy_table",
     "logical_rows",
     "make_state",
     "math_dtype",
     "rule_slots",
+    "slot_rows",
     "specs",
     "to_saved_ids",
     "trash_rows",
-    "without_trash",
     "write_whole",
 ]
 
@@ -82,6 +88,95 @@ def specs(p: Tensor, group: Mapping[str, Any]) -> dict[str, SlotSpec]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class SlotRows:
+    """Where a table row's entries are in the table's row slots.
+
+    ``numbers``: each row slot's number ``k`` (1-based; slot ``k`` has ``k`` trash rows per block).
+    ``chunk_rows``: ``None`` when table row ``r`` is slot row ``r`` (trash rows at the end); else ``c``,
+    the rows per chunk of the chunked layout (``k`` trash rows after each chunk of ``c`` rows: row
+    ``r`` at ``(r // c)(c + k) + r % c``). The formulas hold for a whole table and for one shard of it.
+    """
+
+    numbers: Mapping[str, int]
+    chunk_rows: int | None = None
+
+    def at(self, name: str, rows: Tensor) -> Tensor:
+        """Slot rows of table ``rows`` (the table's sentinel maps one past the slot's table rows)."""
+        if self.chunk_rows is None:
+            return rows
+        return slot_row(rows, self.numbers[name], self.chunk_rows)
+
+    def gather(self, name: str, slot: Tensor, rows: Tensor) -> Tensor:
+        """``slot``'s entries of table ``rows`` (the sentinel clamped to a real row)."""
+        return slot.index_select(0, self.at(name, rows).clamp(max=slot.shape[0] - 1))
+
+    def table_order(self, name: str, slot: Tensor, n: int) -> Tensor:
+        """``slot``'s entries of table rows ``0 .. n-1`` (``n``: the rows of the table or of its shard),
+        trash dropped: a slice, or a reshape and a slice (local on every shard)."""
+        if self.chunk_rows is None:
+            return slot if slot.shape[0] == n else slot[:n]
+        c, rest = self.chunk_rows, tuple(slot.shape[1:])
+        return slot.reshape(n // c, c + self.numbers[name], *rest)[:, :c].reshape(n, *rest)
+
+    def with_table_order(self, name: str, slot: Tensor, values: Tensor) -> Tensor:
+        """``slot`` with the entries of table rows ``0 .. len(values)-1`` replaced by ``values`` (a new
+        tensor; trash rows kept). Written back by one whole-tensor ``copy_`` (see :func:`write_whole`)."""
+        n = values.shape[0]
+        if self.chunk_rows is None:
+            return values if slot.dim() == 0 or n == slot.shape[0] else torch.cat([values, slot[n:]])
+        c, rest = self.chunk_rows, tuple(slot.shape[1:])
+        blocks = slot.reshape(n // c, c + self.numbers[name], *rest)
+        return torch.cat([values.reshape(n // c, c, *rest), blocks[:, c:]], dim=1).reshape(slot.shape)
+
+
+def slot_rows(p: Tensor, group: Mapping[str, Any]) -> SlotRows:
+    """The :class:`SlotRows` of parameter ``p``'s state (numbers in :func:`specs` order, as made)."""
+    numbers: dict[str, int] = {}
+    for name, spec in specs(p, group).items():
+        if spec.rows and spec.shape:
+            numbers[name] = len(numbers) + 1
+    info = table_info(p)
+    chunked = info is not None and info.layout is not None
+    return SlotRows(numbers, p.shape[0] // info.layout.chunks if chunked and info and info.layout else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSpace:
+    """The tensors an update reads and writes: a parameter and its state (:meth:`of`), or one shard's
+    part of a row-sharded table and its slots inside a manual-sharding region (the owner-local path,
+    with ``all_reduce`` summing over the shards). The row bookkeeping of ``optim/_paths.py`` runs on
+    either without knowing which.
+    """
+
+    p: Tensor
+    state: dict[str, Tensor]
+    where: SlotRows
+    num_rows: int  # logical rows of the whole parameter
+    all_reduce: Callable[[Tensor], Tensor] = identity
+
+    @staticmethod
+    def of(p: Tensor, group: Mapping[str, Any], state: dict[str, Tensor]) -> RowSpace:
+        """The whole parameter ``p`` with its ``state``."""
+        return RowSpace(p, state, slot_rows(p, group), logical_rows(p))
+
+    def gather(self, name: str, rows: Tensor) -> Tensor:
+        """Slot ``name``'s entries of table ``rows`` (the sentinel reads a real row; its result is dropped)."""
+        return self.where.gather(name, self.state[name], rows.clamp(max=self.p.shape[0] - 1))
+
+    def table_order(self, name: str) -> Tensor:
+        """Slot ``name`` without trash rows, in the parameter's row order (a row slot) or whole."""
+        slot = self.state[name]
+        if name not in self.where.numbers:
+            return slot
+        return self.where.table_order(name, slot, self.p.shape[0] if self.p.dim() else 1)
+
+    def write(self, name: str, value: Tensor) -> None:
+        """Write ``value`` (as :meth:`table_order` reads it) into slot ``name`` with one whole-tensor copy."""
+        slot = self.state[name]
+        write_whole(slot, self.where.with_table_order(name, slot, value) if name in self.where.numbers else value)
+
+
 def trash_rows(p: Tensor, k: int) -> int:
     """Extra rows for row-indexed slot ``k`` (1-based) of a table on XLA.
 
@@ -115,24 +210,30 @@ def make_state(p: Tensor, group: Mapping[str, Any]) -> dict[str, Tensor]:
                     + (f" {tuple(s.shape)}" if isinstance(s, Tensor) else "")
                 )
     state: dict[str, Tensor] = {}
-    k = 0
+    where = slot_rows(p, group)
     for name, spec in all_specs.items():
         shape = spec.shape
-        if spec.rows and shape:
-            k += 1
-            shape = (shape[0] + trash_rows(p, k), *shape[1:])
+        if name in where.numbers:
+            shape = (shape[0] + trash_rows(p, where.numbers[name]), *shape[1:])
         if name == "ema":  # Keras's first EMA update copies the weights
             # A new tensor, not a slice assignment from p: on XLA that ties the two as views
             # and the next step traces a different graph.
             if shape == tuple(p.shape):
                 slot = p.detach().to(math_dtype(p), copy=True)
+                if p.device.type == "xla":
+                    # XLA's copy shares p's buffer until p changes: the first step would read one graph
+                    # input for both and the next step two (a second graph). A fresh upload does not.
+                    slot = slot.cpu().to(p.device)
             else:
-                pad = torch.zeros((shape[0] - p.shape[0], *shape[1:]), dtype=math_dtype(p), device=p.device)
-                slot = torch.cat([p.detach().to(math_dtype(p)), pad])
+                pad = torch.zeros(shape, dtype=math_dtype(p), device=p.device)
+                # clone(): not a reshape view (on XLA a view stays tied to its base, which then becomes an
+                # extra output of every step, and the slot is copied whole each step).
+                slot = where.with_table_order(name, pad, p.detach().to(math_dtype(p))).clone()
         else:
             slot = torch.full(shape, spec.init, dtype=spec.dtype or math_dtype(p), device=p.device)
         if name in made:
-            slot[: spec.shape[0]] = made[name].detach().to(device=p.device, dtype=slot.dtype)
+            value = made[name].detach().to(device=p.device, dtype=slot.dtype)
+            slot = where.with_table_order(name, slot, value).clone() if name in where.numbers else value
         if p.device.type == "xla":  # created with the parameter's layout (SPMD)
             from torch_tpu_embedding.xla.sharding import shard_slot
 
@@ -140,11 +241,6 @@ def make_state(p: Tensor, group: Mapping[str, Any]) -> dict[str, Tensor]:
         state[name] = slot
     state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
     return state
-
-
-def without_trash(slot: Tensor, n: int) -> Tensor:
-    """The first ``n`` rows of a slot (the slot itself when it has no trash rows)."""
-    return slot if slot.shape[0] == n else slot[:n]
 
 
 def write_whole(slot: Tensor, value: Tensor) -> None:

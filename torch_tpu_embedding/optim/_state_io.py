@@ -20,6 +20,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torch_tpu_embedding._fused import Members, merge_member_state, split_member_state
+from torch_tpu_embedding._layout import (
+    Description,
+    describe,
+    from_logical,
+    logical_to_owned,
+    owned_to_logical,
+    to_logical,
+)
 from torch_tpu_embedding._rows import table_info
 from torch_tpu_embedding.optim._contract import optimizer_class
 from torch_tpu_embedding.optim._device import to_device
@@ -29,6 +37,8 @@ from torch_tpu_embedding.optim._slots import (
     ACCUMULATION,
     from_saved_ids,
     logical_rows,
+    math_dtype,
+    slot_rows,
     specs,
     to_saved_ids,
     write_whole,
@@ -46,8 +56,9 @@ Tensor = torch.Tensor
 class PhysicalState:
     """An optimizer's state as it is on the device (for distributed checkpoints).
 
-    ``tensors["<key>/<slot>"]`` is the slot itself (sharded, with trash and padding rows) and
-    ``logical_rows`` the same key's rows in :func:`state_dict` (``None``: saved whole). The rest is
+    ``tensors["<key>/<slot>"]`` is the slot itself (sharded, with trash and padding rows),
+    ``logical_rows`` the same key's rows in :func:`state_dict` (``None``: saved whole) and ``layouts``
+    how they are stored (``torch_tpu_embedding._layout.describe``; ``None``: in order). The rest is
     small and on the host: hyper-parameters (``param_groups`` as :func:`state_dict` saves them), the
     call counter, pending accumulation buffers by key, and each fused group's tables by key.
     """
@@ -58,6 +69,7 @@ class PhysicalState:
     iterations: int
     accumulation: dict[str, dict[str, Tensor]]
     members: dict[str, Members]
+    layouts: dict[str, Description] = dataclasses.field(default_factory=dict)
 
     def rest(self) -> dict[str, Any]:
         """What a distributed checkpoint stores beside the tensors (read back by :func:`load_physical_rest`)."""
@@ -138,15 +150,13 @@ def state_dict(opt: RowSparseOptimizer) -> dict[str, Any]:
         if id(p) not in keys:
             continue
         all_specs = specs(p, group_of[id(p)])
-        n = logical_rows(p)
+        numbers = slot_rows(p, group_of[id(p)]).numbers
         out: dict[str, Tensor] = {}
         for name, v in s.items():
-            if name == "acc_ids":
-                out[name] = to_saved_ids(v, n)
-            elif name in all_specs and all_specs[name].rows and v.dim():
-                out[name] = v[:n]
-            else:
-                out[name] = v
+            if name in ACCUMULATION:
+                continue
+            out[name] = _logical_slot(p, v, numbers[name]) if name in numbers else v
+        out.update(_saved_accumulation(p, s))
         members = _members(p)
         if members is None:
             state[keys[id(p)]] = out
@@ -164,20 +174,56 @@ def physical_state(opt: RowSparseOptimizer) -> PhysicalState:
     group_of = _groups_by_param(opt)
     tensors: dict[str, Tensor] = {}
     rows: dict[str, int | None] = {}
+    layouts: dict[str, Description] = {}
     acc: dict[str, dict[str, Tensor]] = {}
     for p, s in opt.state.items():
         key = keys[id(p)]
-        all_specs = specs(p, group_of[id(p)])
+        numbers = slot_rows(p, group_of[id(p)]).numbers
+        info = table_info(p)
         n = logical_rows(p)
+        saved = _saved_accumulation(p, s)
+        if saved:
+            acc[key] = {k: v.detach().cpu() for k, v in saved.items()}
         for name, v in s.items():
             if name in ACCUMULATION:
-                small = to_saved_ids(v, n) if name == "acc_ids" else v
-                acc.setdefault(key, {})[name] = small.detach().cpu()
                 continue
             tensors[f"{key}/{name}"] = v
-            rows[f"{key}/{name}"] = n if name in all_specs and all_specs[name].rows and v.dim() else None
+            rows[f"{key}/{name}"] = n if name in numbers else None
+            if name in numbers and info is not None:
+                layouts[f"{key}/{name}"] = describe(info.layout, numbers[name])
     members = {keys[id(p)]: m for p in opt.state if (m := _members(p)) is not None}
-    return PhysicalState(tensors, rows, _saved_groups(opt, keys), opt._iterations, acc, members)
+    return PhysicalState(tensors, rows, _saved_groups(opt, keys), opt._iterations, acc, members, layouts)
+
+
+def _logical_slot(p: Tensor, slot: Tensor, k: int) -> Tensor:
+    """Row slot ``k`` of ``p`` in logical order, cut to the logical rows (a view when stored in order;
+    gathered on the host when the table is stored permuted)."""
+    info = table_info(p)
+    layout = None if info is None else info.layout
+    return to_logical(slot if layout is None else slot.detach().cpu(), logical_rows(p), layout, k)
+
+
+def _write_logical_slot(p: Tensor, slot: Tensor, value: Tensor, k: int) -> None:
+    """Write logical rows ``value`` into row slot ``k`` of ``p`` (one whole-tensor copy; trash kept)."""
+    info = table_info(p)
+    layout = None if info is None else info.layout
+    if layout is None:
+        write_whole(slot, to_device(value.to(slot.dtype), p.device))
+        return
+    slot.copy_(to_device(from_logical(value.to(slot.dtype), slot.detach().cpu(), layout, k), p.device))
+
+
+def _saved_accumulation(p: Tensor, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """A table's pending accumulation buffers as saved: logical ids (``-1`` = padding) and their rows."""
+    if "acc_ids" not in state:
+        return {}
+    info = table_info(p)
+    ids, rows = state["acc_ids"], state["acc_rows"]
+    if info is None or not info.owner_local or info.layout is None:
+        return {"acc_ids": to_saved_ids(ids, logical_rows(p)), "acc_rows": rows}
+    n = info.sharding.num_shards
+    ids_l, rows_l = owned_to_logical(ids.detach().cpu(), rows.detach().cpu(), info.layout, p.shape[0], n)
+    return {"acc_ids": to_saved_ids(ids_l, logical_rows(p)), "acc_rows": rows_l}
 
 
 def _check_groups(opt: RowSparseOptimizer, saved: list[dict[str, Any]], keys: Mapping[int, str] | None) -> list[str]:
@@ -218,12 +264,22 @@ def _apply_groups(opt: RowSparseOptimizer, saved: list[dict[str, Any]]) -> None:
 
 
 def _restore_accumulation(state: dict[str, Tensor], bufs: Mapping[str, Tensor], p: Tensor) -> None:
-    for name, v in bufs.items():
-        v = v.detach()
-        if name == "acc_ids":
-            state[name] = to_device(from_saved_ids(v, p.shape[0]), p.device)
-        else:
-            state[name] = to_device(v.to(dtype=p.dtype), p.device)
+    """Pending accumulation buffers (saved form) into ``p``'s state (per shard for the owner-local path)."""
+    if "acc_ids" not in bufs:
+        return
+    info = table_info(p)
+    ids, rows = bufs["acc_ids"].detach(), bufs["acc_rows"].detach().to(dtype=math_dtype(p))
+    if info is not None and info.owner_local and info.layout is not None:
+        from torch_tpu_embedding.xla.sharding import shard_slot
+
+        n = info.sharding.num_shards
+        ids, rows = logical_to_owned(ids.cpu(), rows.cpu(), info.layout, p.shape[0], n)
+        state["acc_ids"], state["acc_rows"] = ids.to(p.device), rows.to(p.device)
+        shard_slot(p, state["acc_ids"], rows=True)
+        shard_slot(p, state["acc_rows"], rows=True)
+        return
+    state["acc_ids"] = to_device(from_saved_ids(ids, p.shape[0]), p.device)
+    state["acc_rows"] = to_device(rows, p.device)
 
 
 def _saved_group_of(saved_groups: list[dict[str, Any]], key: str) -> dict[str, Any]:
@@ -304,21 +360,22 @@ def load_state_dict(opt: RowSparseOptimizer, sd: dict[str, Any]) -> None:
         state = opt._state_for(p, group_of[id(p)])
         all_specs = specs(p, group_of[id(p)])
         _restore_accumulation(state, {k: v for k, v in s.items() if k in ACCUMULATION}, p)
+        numbers = slot_rows(p, group_of[id(p)]).numbers
         for name, v in s.items():
             v = v.detach()
             # Whole-tensor writes into the slots made by _state_for: they keep their layout
-            # (SPMD sharding, trash and padding rows); 0-d values arrive as device data.
+            # (SPMD sharding, trash and padding rows, row order); 0-d values arrive as device data.
             if name == "step":
                 state[name].copy_(to_device(v.to(torch.float32), p.device))
             elif name in ACCUMULATION:
                 continue
-            elif all_specs[name].rows and v.dim():
-                write_whole(state[name], to_device(v.to(state[name].dtype), p.device))
+            elif name in numbers:
+                _write_logical_slot(p, state[name], v, numbers[name])
             else:
                 state[name].copy_(to_device(v.to(state[name].dtype), p.device))
     opt._iterations = int(sd.get("iterations", 0))
     skipped = int(sd.get("skipped_steps", 0))
-    opt._skipped = torch.tensor(skipped, dtype=torch.int64) if skipped else None
+    opt._skipped = torch.tensor([skipped], dtype=torch.int64) if skipped else None
     opt._lrs.clear()
 
 

@@ -29,12 +29,14 @@ def adafactor_rule(
     ``r_sum`` = Σ r over all rows) or rank < 2 (slot ``v`` like ``w``). With ``ctx.mask`` the rows
     are the touched rows of a table: RMS terms and the column mean run over them, the row mean over
     the whole table comes from ``r_sum``. With every row touched this is Keras on the dense gradient.
+    Every sum over rows goes through ``ctx.all_reduce`` (rows split over shards: summed over them).
     """
     t = step.to(w.dtype)
     rho = torch.minimum(lr, torch.rsqrt(t)) if hp["relative_step"] else lr
     b2 = 1.0 - torch.pow(t, hp["beta_2_decay"])
     g2 = g * g + hp["epsilon_1"]
     mask = ctx.mask
+    total = ctx.all_reduce
 
     def real(x: torch.Tensor) -> torch.Tensor:  # zero the static-shape padding rows
         if mask is None:
@@ -47,7 +49,7 @@ def adafactor_rule(
     else:
         count = ctx.count.clamp(min=1).to(w.dtype)
         n_elems = count * (w.numel() // max(w.shape[0], 1))
-    alpha = torch.clamp(torch.sqrt(real(w * w).sum() / n_elems), min=hp["epsilon_2"]) * rho
+    alpha = torch.clamp(torch.sqrt(total(real(w * w).sum()) / n_elems), min=hp["epsilon_2"]) * rho
     new: Slots = {}
     if "r" in slots:
         r_old = slots["r"].to(w.dtype)
@@ -59,9 +61,9 @@ def adafactor_rule(
             r_mean = r.mean(-1, keepdim=True)
         else:
             assert ctx.count is not None
-            c = b2 * c_old + (1 - b2) * real(g2).sum(-2) / count
+            c = b2 * c_old + (1 - b2) * total(real(g2).sum(-2)) / count
             c = torch.where(ctx.count > 0, c, c_old)  # a step without touched rows keeps c
-            r_sum = slots["r_sum"] + real(r - r_old).sum()
+            r_sum = slots["r_sum"] + total(real(r - r_old).sum())
             new["r_sum"] = r_sum
             r_mean = r_sum / ctx.num_rows
         v = (r / r_mean)[..., None] * c[..., None, :]
@@ -70,7 +72,7 @@ def adafactor_rule(
         v = b2 * slots["v"] + (1 - b2) * g2
         new["v"] = v
     u = g * torch.rsqrt(v)
-    rms_u = torch.sqrt(real(u * u).sum() / n_elems)
+    rms_u = torch.sqrt(total(real(u * u).sum()) / n_elems)
     u = u / torch.clamp(rms_u / hp["clip_threshold"], min=1.0)
     return w - alpha * u, new
 

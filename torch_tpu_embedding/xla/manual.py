@@ -52,9 +52,11 @@ __all__ = [
     "ShardFn",
     "all_reduce",
     "all_to_all",
+    "annotate",
     "enter",
     "leave",
     "local_row_update",
+    "on_shards",
     "reshard",
     "shard_local",
     "spec",
@@ -66,7 +68,8 @@ def spec(axis: str, dim: int | None, ndim: int) -> tuple[str | None, ...]:
     return tuple(axis if i == dim else None for i in range(ndim))
 
 
-def _annotate(t: torch.Tensor, partition: tuple[str | None, ...], mesh: Mesh) -> None:
+def annotate(t: torch.Tensor, partition: tuple[str | None, ...], mesh: Mesh) -> None:
+    """Give ``t`` the layout ``partition`` (``xs.mark_sharding``; device data is laid out anew)."""
     # What xs.mark_sharding does, minus its per-call `import torchax` attempt (about 1.7 ms of host
     # time per call in torch_xla 2.9 when torchax is not installed: 20-30 ms per exchange step).
     _XLAC._xla_mark_sharding(t, mesh.get_op_sharding(partition))
@@ -77,8 +80,10 @@ def enter(t: torch.Tensor, partition: tuple[str | None, ...], mesh: Mesh) -> tor
     (``xs.enable_manual_sharding``). A 0-d tensor enters as itself (replicated)."""
     if t.dim() == 0:
         return enter(t.reshape(1), (None,), mesh).reshape(())
+    if t.dtype == torch.bool:  # `t + 0` would promote it to an integer
+        return enter(t.to(torch.uint8), partition, mesh).bool()
     u = t + 0  # device data that carries a sharding cannot be annotated again
-    _annotate(u, partition, mesh)
+    annotate(u, partition, mesh)
     out: torch.Tensor = _XLAC._spmd_full_to_shard_shape(u)
     return out
 
@@ -87,7 +92,12 @@ def leave(
     t: torch.Tensor, partition: tuple[str | None, ...], full_shape: Sequence[int], mesh: Mesh
 ) -> torch.Tensor:
     """The global tensor of shape ``full_shape`` whose shards (laid out as ``partition``) are ``t``
-    (``xs.disable_manual_sharding``)."""
+    (``xs.disable_manual_sharding``). A replicated ``partition`` (all ``None``) declares ``t`` the same
+    on every shard."""
+    if t.dim() == 0:
+        return leave(t.reshape(1), (None,), (1,), mesh).reshape(())
+    if t.dtype == torch.bool:
+        return leave(t.to(torch.uint8), partition, full_shape, mesh).bool()
     _XLAC._mark_manual_sharding(t, _XLAC.OpSharding([], [], [], xs.ShardingType.MANUAL))
     out: torch.Tensor = _XLAC._spmd_shard_to_full_shape(
         t, mesh.get_op_sharding(partition), tuple(full_shape), t.dtype
@@ -98,7 +108,7 @@ def leave(
 def reshard(t: torch.Tensor, partition: tuple[str | None, ...], mesh: Mesh) -> torch.Tensor:
     """``t`` with the layout ``partition``: the partitioner moves the data (an IR value is annotated)."""
     u = t + 0
-    _annotate(u, partition, mesh)
+    annotate(u, partition, mesh)
     return u
 
 
@@ -175,6 +185,57 @@ def shard_local(
     return [
         leave(o.unsqueeze(0), spec(axis, 0, o.dim() + 1), (n, *o.shape), mesh) for o in outputs
     ]
+
+
+#: ``fn(sharded, small, inputs, replicated) -> outputs``, see :func:`on_shards`.
+OnShard = Callable[
+    [dict[str, torch.Tensor], dict[str, torch.Tensor], list[torch.Tensor], list[torch.Tensor | None]],
+    list[torch.Tensor],
+]
+
+
+def on_shards(
+    fn: OnShard,
+    sharded: Mapping[str, torch.Tensor],
+    small: Mapping[str, torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    replicated: Sequence[torch.Tensor | None],
+    *,
+    mesh: Mesh,
+    axis: str = "x",
+) -> list[torch.Tensor]:
+    """Run ``fn`` on every shard in one manual-sharding region and write its state back in place.
+
+    Args:
+        fn: ``fn(sharded, small, inputs, replicated) -> outputs``, traced once and run by every device
+            on its own data. It updates the ``sharded`` and ``small`` dicts (in place, or by assigning
+            new values of the same shapes and dtypes) and returns per-device ``outputs``. It may call
+            :func:`all_reduce`.
+        sharded: row-sharded tensors (a table, its slots, per-shard buffers): ``fn`` sees shard ``d``.
+            Each is written back with one ``copy_`` (keeping its sharding).
+        small: replicated state (a step counter, a statistic over all rows): ``fn`` sees it whole and
+            must leave the same value on every shard (computed from all-reduced values).
+        inputs: device-major ``[n, ...]`` tensors sharded on dim 0: ``fn`` sees row ``d``.
+        replicated: read-only values every shard needs (``None`` passes through).
+
+    Returns:
+        ``outputs``, each stacked device-major as ``[n, ...]`` (sharded on dim 0).
+    """
+    n = int(mesh.shape()[axis])
+    loc = {k: enter(t, spec(axis, 0, t.dim()), mesh) for k, t in sharded.items()}
+    loc_small = {k: enter(t, spec(axis, None, t.dim()), mesh) for k, t in small.items()}
+    loc_inputs = [enter(t, spec(axis, 0, t.dim()), mesh)[0] for t in inputs]
+    loc_rep = [None if t is None else enter(t, spec(axis, None, t.dim()), mesh) for t in replicated]
+    outputs = fn(loc, loc_small, loc_inputs, loc_rep)
+    with torch.no_grad():
+        for (k, t), dim in [*((kt, 0) for kt in sharded.items()), *((kt, None) for kt in small.items())]:
+            new = (loc if dim == 0 else loc_small)[k]
+            local_shape = (t.shape[0] // n, *t.shape[1:]) if dim == 0 else tuple(t.shape)
+            if tuple(new.shape) != local_shape or new.dtype != t.dtype:
+                raise ValueError(f"on_shards: fn left `{k}` as {tuple(new.shape)} {new.dtype}; expected "
+                                 f"{local_shape} {t.dtype}.")
+            t.copy_(leave(new, spec(axis, dim, t.dim()), t.shape, mesh))
+    return [leave(o.unsqueeze(0), spec(axis, 0, o.dim() + 1), (n, *o.shape), mesh) for o in outputs]
 
 
 def local_row_update(

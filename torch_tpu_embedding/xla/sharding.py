@@ -2,11 +2,15 @@
 
 Placements (``TableConfig.placement``):
 
-* ``"row"``: rows split over the mesh axis (``mark_sharding(w, mesh, ("x", None))``). A lookup is a
-  local masked gather plus an all-reduce of the ``[N, D]`` result; the optimizer's scatters are
-  local. Rows are padded to a multiple of the device count (an uneven split makes XLA silently
-  replicate the table after an in-place update, measured on torch_xla 2.9) — in fact of ``ROW_ALIGNMENT`` (512),
-  so that every layout has the same physical shapes (distributed checkpoints reshard in place).
+* ``"row"``: rows split over the mesh axis (``mark_sharding(w, mesh, ("x", None))``). On a 1-D mesh
+  of ``n > 1`` devices dividing ``ROW_ALIGNMENT`` the table trains through the id exchange
+  (:mod:`torch_tpu_embedding.xla.routed`): the rows are stored in the interleaved order of
+  :class:`~torch_tpu_embedding._layout.RowLayout`, each device sends its ids to the shards that own
+  them and gets the rows back, and the optimizer updates every shard's rows where they live. Other
+  meshes: a local masked gather plus an all-reduce of the ``[N, D]`` result. Rows are padded to a
+  multiple of the device count (an uneven split makes XLA silently replicate the table after an
+  in-place update, measured on torch_xla 2.9) — in fact of ``ROW_ALIGNMENT`` (512), so that every
+  layout has the same physical shapes (distributed checkpoints reshard in place).
 * ``"column"``: the embedding dimension split (``(None, "x")``); needs ``D % devices == 0``.
 * ``"replicated"``: a full copy per device, for small tables (TF's mode without the embedding
   accelerator).
@@ -36,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from torch_tpu_embedding._layout import RowLayout
 from torch_tpu_embedding._rows import table_info
 from torch_tpu_embedding._validation import arg_error, check_int
 from torch_tpu_embedding.collection import EmbeddingCollection
@@ -60,6 +65,7 @@ __all__ = [
     "shard_slot",
     "sharding_spec",
     "slot_extra_rows",
+    "uses_exchange",
 ]
 
 #: ``placement="auto"`` replicates tables smaller than this (4 MiB: 16,384 rows of 64 float32).
@@ -73,11 +79,13 @@ ROW_ALIGNMENT = 512
 
 @dataclasses.dataclass(frozen=True)
 class TableSharding:
-    """A table's layout: ``placement`` in ``("row", "column", "replicated")`` over ``mesh[axis]``."""
+    """A table's layout: ``placement`` in ``("row", "column", "replicated")`` over ``mesh[axis]``;
+    ``exchange``: a row-sharded table trained through the id exchange (ids routed to their owner)."""
 
     placement: str
     mesh: Any
     axis: str
+    exchange: bool = False
 
     @property
     def num_shards(self) -> int:
@@ -102,6 +110,14 @@ def device_mesh(axis: str = "x") -> Mesh:
     """A 1-D mesh over every device of every host (``xr.global_runtime_device_count()``)."""
     n = xr.global_runtime_device_count()
     return xs.Mesh(np.arange(n), (n,), (axis,))
+
+
+def uses_exchange(placement: str, mesh: Mesh, axis: str) -> bool:
+    """Whether a table of ``placement`` on ``mesh[axis]`` trains through the id exchange: row-sharded
+    over a 1-D mesh of ``n > 1`` devices with ``n`` dividing ``ROW_ALIGNMENT`` (every TPU slice; the
+    interleaved row order needs it). Other row-sharded tables use the partitioner's lookup."""
+    n = int(mesh.shape()[axis])
+    return placement == "row" and n > 1 and ROW_ALIGNMENT % n == 0 and len(mesh.axis_names) == 1
 
 
 def choose_placement(config: TableConfig, num_devices: int, replicate_below_bytes: int) -> str:
@@ -152,8 +168,10 @@ def shard(
                 f"Table `{name}`: placement 'column' needs embedding_dim divisible by the {n} devices "
                 f"of mesh axis '{axis}'. Received: embedding_dim={table.config.embedding_dim}"
             )
-        layout = TableSharding(placement, mesh, axis)
+        layout = TableSharding(placement, mesh, axis, uses_exchange(placement, mesh, axis))
         table.pad_rows(layout.row_block)
+        if layout.exchange and table.row_layout is None:
+            table.permute_rows(RowLayout(ROW_ALIGNMENT))
         xs.mark_sharding(table.weight, mesh, layout.spec(2))
         info = table_info(table.weight)
         assert info is not None  # pad_rows / the constructor registered it

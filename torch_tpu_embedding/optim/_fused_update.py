@@ -52,6 +52,8 @@ _ENABLED = os.environ.get("TTE_FUSED_UPDATE", "1").strip().lower() not in ("0", 
 #: compiled kernels by configuration key; ``None``: compiling failed (the reference path runs)
 _KERNELS: dict[tuple[Any, ...], Callable[..., None] | None] = {}
 _WARNED = False
+#: set when inductor found no C++ compiler: the fused path is not chosen again in this process
+_NO_COMPILER = False
 #: per-table buffer of the summed gradient rows, reused every step
 _BUFFERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # type: ignore[no-untyped-call]
 #: group entries that are not hyper-parameters of the rule
@@ -79,7 +81,7 @@ def set_enabled(on: bool) -> bool:
 def usable(p: Tensor) -> bool:
     """The fused path may run for ``p``: an eager CPU / CUDA table with the path enabled, whose rows
     are slot rows (no interleaved row layout of the id exchange, :class:`~._slots.SlotRows`)."""
-    if not _ENABLED or p.device.type not in ("cpu", "cuda"):
+    if not _ENABLED or _NO_COMPILER or p.device.type not in ("cpu", "cuda"):
         return False
     info = table_info(p)
     return info is None or info.layout is None
@@ -218,11 +220,13 @@ def _call(fn: Callable[..., None], args: tuple[Any, ...]) -> None:
     # Hyper-parameters are constants of the kernel, as they are Python numbers of the eager rule (an
     # unspecialised float exponent makes inductor call pow() where eager torch.pow computes x ** -0.5
     # as 1 / sqrt(x)). No duck sizing: sizes that happen to be equal in the first call (the touched
-    # rows and the rows of a buffer) must not become one symbol, or the next call recompiles.
+    # rows and the rows of a buffer) must not become one symbol, or the next call recompiles. The few
+    # shape guards are checked in Python: compiled to C++ they cost a compiler run per kernel.
     import torch.fx.experimental._config as fx_config
 
     no_duck = fx_config.patch(use_duck_shape=False)  # type: ignore[attr-defined]
-    with torch._dynamo.config.patch(specialize_float=True), no_duck, torch.no_grad():
+    dynamo = torch._dynamo.config.patch(specialize_float=True, enable_cpp_symbolic_shape_guards=False)
+    with dynamo, no_duck, torch.no_grad():
         fn(*args)
 
 
@@ -230,7 +234,7 @@ def update(item: Work) -> bool:
     """Run ``item``'s row update (unique ids, no sentinel) as one fused kernel; ``False`` if no
     kernel could be compiled, or fewer than 2 rows were touched (the caller then runs the reference
     path: dynamic shapes specialise sizes 0 and 1, and such a step is no work to speed up)."""
-    global _WARNED
+    global _NO_COMPILER
     p, group, state, ids = item.p, item.group, item.state, item.ids
     assert ids is not None
     if ids.shape[0] < 2:
@@ -239,6 +243,11 @@ def update(item: Work) -> bool:
     key = _key(item, names)
     first = key not in _KERNELS
     if first:
+        missing = _missing_compiler()
+        if missing is not None:  # every later step chooses the reference path (usable() is False)
+            _NO_COMPILER = True
+            _warn(missing)
+            return False
         _KERNELS[key] = _build(item, names)
     fn = _KERNELS[key]
     if fn is None:
@@ -259,19 +268,38 @@ def update(item: Work) -> bool:
             _call(fn, args)
         except Exception as e:  # compiling failed before anything was written
             _KERNELS[key] = None
-            if not _WARNED:
-                _WARNED = True
-                warnings.warn(
-                    f"torch_tpu_embedding: the fused row update could not be compiled "
-                    f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}); "
-                    "eager updates run the reference path (slower, same results). Set "
-                    "TTE_FUSED_UPDATE=0 to skip the attempt.",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
+            text = str(e).strip()
+            if "InvalidCxxCompiler" in text:  # no later configuration can compile either
+                _NO_COMPILER = True
+            _warn(f"{type(e).__name__}: {text.splitlines()[0] if text else ''}")
             return False
     else:
         _call(fn, args)
     state["step"].copy_(step if item.gate is None else torch.where(item.gate, step, state["step"]))
     return True
 
+
+def _missing_compiler() -> str | None:
+    """Why inductor has no C++ compiler to build a CPU kernel with (``None``: it has one)."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+    except ImportError:  # another torch: the first compile tells
+        return None
+    try:
+        get_cpp_compiler()
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    return None
+
+
+def _warn(why: str) -> None:
+    global _WARNED
+    if _WARNED:
+        return
+    _WARNED = True
+    warnings.warn(
+        f"torch_tpu_embedding: the fused row update could not be compiled ({why}); eager updates run "
+        "the reference path (slower, same results). Set TTE_FUSED_UPDATE=0 to skip the attempt.",
+        RuntimeWarning,
+        stacklevel=2,
+    )

@@ -221,3 +221,50 @@ def test_without_a_cxx_compiler_one_warning_and_the_reference_path(monkeypatch: 
     msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(msgs) == 1 and "could not be compiled" in msgs[0] and "/nonexistent/g++" in msgs[0], msgs
     assert _fused_update._NO_COMPILER and _fused_update.compiled_kernels() == 0
+
+
+@needs_compiler
+def test_fused_table_group_and_state_dict_equal_the_reference_path() -> None:
+    """Two tables in one fused group (``fuse_tables=True``), LazyAdam, the fused update and the reference
+    path in lockstep (as :func:`run_lockstep`): after every call the same ``state_dict`` keys and
+    structure, values within 1e-6."""
+    cfg = next(c for c in cases(FUSED_PATH) if c.id == "lazy_adam")
+
+    def build() -> tuple[tte.EmbeddingCollection, Any]:
+        torch.manual_seed(0)
+        t, u = tte.TableConfig(300, 6, name="t", combiner="mean"), tte.TableConfig(120, 6, name="u")
+        ec = tte.EmbeddingCollection({"a": tte.FeatureConfig(t, max_ids_per_bag=4), "b": tte.FeatureConfig(u)},
+                                     fuse_tables=True)
+        return ec, cfg.make(ec.parameters())
+
+    runs = {True: build(), False: build()}
+    assert len(list(runs[True][0].parameters())) == 1  # one fused parameter
+    for s in range(4):
+        for fused, (ec, opt) in runs.items():
+            g = torch.Generator().manual_seed(s)
+            ids = torch.randint(0, 300, (30, 4), generator=g)
+            out = ec({"a": tte.Padded(ids, ids % 5 != 0), "b": torch.randint(0, 120, (30,), generator=g)})
+            (out["a"] * out["b"]).square().sum().backward()
+            before = _fused_update.set_enabled(fused)
+            try:
+                opt.step()
+            finally:
+                _fused_update.set_enabled(before)
+            opt.zero_grad()
+        (ec_f, opt_f), (ec_r, opt_r) = [(ec.state_dict(), opt.state_dict()) for ec, opt in runs.values()]
+        assert ec_f.keys() == ec_r.keys()
+        for k in ec_f:
+            torch.testing.assert_close(ec_f[k], ec_r[k], rtol=1e-6, atol=1e-6, msg=lambda m, k=k, s=s: f"call {s}: {k}: {m}")
+        assert opt_f["param_groups"] == opt_r["param_groups"]
+        assert opt_f["state"].keys() == opt_r["state"].keys()
+        for key, st in opt_f["state"].items():
+            assert st.keys() == opt_r["state"][key].keys()
+            for n, v in st.items():
+                torch.testing.assert_close(v, opt_r["state"][key][n], rtol=1e-6, atol=1e-6,
+                                           msg=lambda m, n=n, s=s: f"call {s}: {n}: {m}")
+        with torch.no_grad():  # the next call starts from the same state (last-bit differences not carried)
+            (ec_a, opt_a), (ec_b, opt_b) = runs[True], runs[False]
+            for a, b in zip(ec_a.parameters(), ec_b.parameters(), strict=True):
+                a.copy_(b)
+                for n, v in opt_a.state[a].items():
+                    v.copy_(opt_b.state[b][n])

@@ -269,7 +269,10 @@ def update(item: Work) -> bool:
         except Exception as e:  # compiling failed before anything was written
             _KERNELS[key] = None
             text = str(e).strip()
-            if "InvalidCxxCompiler" in text:  # no later configuration can compile either
+            # No compiler, or the first build of the process failed (a toolchain without Python's
+            # headers or OpenMP, say): later configurations would fail too, each after seconds of
+            # tracing. Once a kernel has been built, a failure is this configuration's alone.
+            if "InvalidCxxCompiler" in text or compiled_kernels() == 0:
                 _NO_COMPILER = True
             _warn(f"{type(e).__name__}: {text.splitlines()[0] if text else ''}")
             return False

@@ -5,8 +5,9 @@ and the optimizers in :mod:`torch_tpu_embedding.optim` update only the rows a ba
 XLA-specific code lives in :mod:`torch_tpu_embedding.xla`, imported only when asked for.
 """
 
-from torch_tpu_embedding import checkpoint, interop, optim
+from torch_tpu_embedding import checkpoint, distributed, interop, optim
 from torch_tpu_embedding._rows import install_stock_optimizer_guard as _install_guard
+from torch_tpu_embedding.clip import clip_grad_norm_
 from torch_tpu_embedding.collection import EmbeddingCollection, EmbeddingTable, split_parameters
 from torch_tpu_embedding.combiners import bag_gains
 from torch_tpu_embedding.config import (
@@ -31,6 +32,8 @@ __all__ = [
     "TableConfig",
     "bag_gains",
     "checkpoint",
+    "clip_grad_norm_",
+    "distributed",
     "interop",
     "default_initializer",
     "optim",

@@ -23,6 +23,7 @@ import torch
 from torch_tpu_embedding._nest import Path
 from torch_tpu_embedding._rows import RowGrad
 from torch_tpu_embedding.combiners import bag_gains
+from torch_tpu_embedding.distributed import check_not_ddp_managed
 from torch_tpu_embedding.inputs import Bags
 
 __all__ = ["LookupBatch", "lookup"]
@@ -91,6 +92,7 @@ def lookup(
     Returns:
         ``[N, D]`` activations, differentiable (row-sparsely) with respect to ``weight``.
     """
+    check_not_ddp_managed(weight)  # torch's DDP must not reduce a table (tte.distributed)
     out: torch.Tensor = _RowSparseLookup.apply(weight, ids, gains, row_grad)  # type: ignore[no-untyped-call]
     return out
 

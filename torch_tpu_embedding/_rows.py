@@ -73,7 +73,7 @@ class RowGrad:
     ``rows [n, M, D]``, plus a 0-d flag that is False when the lookup dropped ids (overflow).
     """
 
-    __slots__ = ("_ids", "_ok", "_rows", "keep_factored")
+    __slots__ = ("_ids", "_ok", "_rows", "exchanged", "keep_factored")
 
     def __init__(self) -> None:
         self._ids: list[torch.Tensor] = []
@@ -82,6 +82,9 @@ class RowGrad:
         #: set by the optimizer that consumes this gradient piecewise (SGD's eager step): eager
         #: lookups then add :class:`BagRows` instead of multiplied-out rows
         self.keep_factored = False
+        #: data parallel (:mod:`torch_tpu_embedding.distributed`): the leading chunks that already
+        #: hold the process group's global gradient
+        self.exchanged = 0
 
     def add(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Add ``ids [n]`` with gradient ``rows [n, D]`` (sentinel ids allowed for padding)."""
@@ -135,6 +138,22 @@ class RowGrad:
             return self._ids[0], rows[0]
         return torch.cat(self._ids), torch.cat(rows)
 
+    def ids(self) -> torch.Tensor:
+        """Every chunk's ids as one ``[N]`` tensor (in :meth:`collect`'s order; no rows made)."""
+        return self._ids[0] if len(self._ids) == 1 else torch.cat(self._ids)
+
+    def local_part(self) -> RowGrad:
+        """The chunks not yet exchanged across a process group (shared, not copied)."""
+        out = RowGrad()
+        out._ids, out._rows = self._ids[self.exchanged :], self._rows[self.exchanged :]
+        return out
+
+    def set_local(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Replace the chunks not yet exchanged by ``(ids [n], rows [n, D])``, marked exchanged."""
+        del self._ids[self.exchanged :], self._rows[self.exchanged :]
+        self.add(ids, rows)
+        self.exchanged = len(self._ids)
+
     def pieces(self, max_rows: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """``(position, ids, rows)`` in order, about ``max_rows`` rows at a time; ``position`` is the
         first row's index in :meth:`collect`'s order."""
@@ -166,6 +185,7 @@ class RowGrad:
         self._ids.clear()
         self._rows.clear()
         self._ok.clear()
+        self.exchanged = 0
 
 
 @dataclasses.dataclass

@@ -20,11 +20,15 @@ from typing import Any
 
 import torch
 
+from torch_tpu_embedding._ckpt_check import CheckpointMismatchError, is_row_sparse, model_problems, optimizer_problems
 from torch_tpu_embedding._ckpt_io import check_loadable, dcp_quiet, dcp_reader, read_dcp_metadata, write_atomic
 from torch_tpu_embedding._fused import split_member_state
 from torch_tpu_embedding._layout import Description, describe, from_logical, layout_of, to_logical
 
-__all__ = ["FORMAT", "convert_distributed", "load", "load_distributed", "save", "save_distributed", "to_cpu"]
+__all__ = [
+    "FORMAT", "CheckpointMismatchError", "convert_distributed", "load", "load_distributed", "save", "save_distributed",
+    "to_cpu",
+]
 
 #: written into every checkpoint; :func:`load` refuses other formats
 FORMAT = "torch_tpu_embedding.checkpoint/1"
@@ -197,14 +201,22 @@ def load(
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
         raise ValueError(f"{os.fspath(path)} is not a torch_tpu_embedding checkpoint ({FORMAT}). Found: {found!r}")
+    if model is not None and payload["model"] is None:
+        raise ValueError(f"{target} holds no model state.")
+    if optimizer is not None and payload["optimizer"] is None:
+        raise ValueError(f"{target} holds no optimizer state.")
+    # Everything is checked before anything is written: a load that fails changes nothing.
+    problems = []
     if model is not None:
-        if payload["model"] is None:
-            raise ValueError(f"{os.fspath(path)} holds no model state.")
-        model.load_state_dict(payload["model"], strict=strict)
+        problems += [f"model: {p}" for p in model_problems(model, payload["model"], strict)]
     if optimizer is not None:
-        if payload["optimizer"] is None:
-            raise ValueError(f"{os.fspath(path)} holds no optimizer state.")
+        problems += [f"optimizer: {p}" for p in optimizer_problems(optimizer, payload["optimizer"])]
+    if problems:
+        raise CheckpointMismatchError(f"{target} does not match (nothing was loaded): " + "; ".join(problems))
+    if optimizer is not None:  # other optimizers check their own state before writing it
         optimizer.load_state_dict(payload["optimizer"])
+    if model is not None:
+        model.load_state_dict(payload["model"], strict=strict)
     extra: dict[str, Any] | None = payload.get("extra")
     return extra
 
@@ -247,9 +259,7 @@ def _physical(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -
 
 
 def _row_sparse(optimizer: torch.optim.Optimizer) -> Any:
-    from torch_tpu_embedding.optim._base import RowSparseOptimizer
-
-    if not isinstance(optimizer, RowSparseOptimizer):
+    if not is_row_sparse(optimizer):
         raise TypeError("Distributed checkpoints need a torch_tpu_embedding.optim optimizer.")
     return optimizer
 
@@ -349,10 +359,15 @@ def load_distributed(
         logical_here = (n_here, *dest[k].shape[1:]) if n_here is not None else tuple(dest[k].shape)
         if tuple(logical_saved) != tuple(logical_here):
             problems.append(f"{k} has shape {tuple(logical_saved)} saved, {tuple(logical_here)} here")
-    if problems:
-        raise ValueError("Distributed checkpoint does not match: " + "; ".join(problems))
     if optimizer is not None and meta["optimizer"] is None:
         raise ValueError(f"{target} holds no optimizer state.")
+    if optimizer is not None:  # hyper-parameters too, before any tensor is read in place
+        from torch_tpu_embedding.optim._state_io import rest_problems
+
+        problems += rest_problems(_row_sparse(optimizer), meta["optimizer"])
+    if problems:
+        raise CheckpointMismatchError(f"Distributed checkpoint {target} does not match (nothing was loaded): "
+                                      + "; ".join(problems))
     wanted = {k: dest[k] for k in dest}
     staged: dict[str, torch.Tensor] = {}
     for k, t in dest.items():

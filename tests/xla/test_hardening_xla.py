@@ -179,3 +179,39 @@ def test_raw_torch_save_of_an_xla_state_dict_needs_map_location(tmp_path: Path) 
     assert "failed: NotImplementedError" in out
     total = float(ec.tables.t.weight.detach().cpu().sum())
     assert f"map_location=cpu: cpu {total}"[:28] in out
+
+
+@pytest.mark.parametrize("wrong", ["table size", "optimizer"])
+def test_a_failed_load_on_xla_changes_nothing(tmp_path: Path, wrong: str) -> None:
+    """Item 4 on the device: the checks run on names, shapes and dtypes; no tensor is written."""
+
+    def make(rows: int = V, adam: bool = True):
+        torch.manual_seed(0)
+        t = tte.TableConfig(rows, D, name="t")
+        ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(t, max_ids_per_bag=4)}, device=DEV)
+        opt = tte.optim.Adam(ec.parameters(), lr=0.1) if adam else tte.optim.Adagrad(ec.parameters(), lr=0.1)
+        return ec, opt
+
+    def train(ec, opt, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, V, (6,), generator=g)
+        ec({"f": tte.Jagged(ids, lengths=torch.tensor([2, 4]))})["f"].square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        torch_xla.sync()
+
+    src, src_opt = make(V + 3 if wrong == "table size" else V, adam=wrong != "optimizer")
+    train(src, src_opt, 0)
+    tte.checkpoint.save(tmp_path / "bad.pt", model=src, optimizer=src_opt)
+    ec, opt = make()
+    train(ec, opt, 1)
+    before_w = ec.tables.t.weight.cpu().clone()
+    before_slots = {k: v.cpu().clone() for k, v in opt.state[ec.tables.t.weight].items()}
+    with pytest.raises(tte.checkpoint.CheckpointMismatchError, match="nothing was loaded") as err:
+        tte.checkpoint.load(tmp_path / "bad.pt", model=ec, optimizer=opt)
+    assert ("model: size mismatch for tables.t.weight" in str(err.value)) == (wrong == "table size")
+    assert ("saved by optimizer 'adagrad', loading into 'adam'" in str(err.value)) == (wrong == "optimizer")
+    assert torch.equal(ec.tables.t.weight.cpu(), before_w)
+    for k, v in opt.state[ec.tables.t.weight].items():
+        assert torch.equal(v.cpu(), before_slots[k]), k
+    assert met.executed_fallback_ops() == []

@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 import torch
 
 from torch_tpu_embedding._rows import table_info
+from torch_tpu_embedding.distributed import sync_row_grads
 from torch_tpu_embedding.optim import _ema, _intake, _state_io
 from torch_tpu_embedding.optim._contract import RowContext, Slots, SlotSpec, optimizer_class, register
 from torch_tpu_embedding.optim._device import LearningRates, StepClock, lr_value
@@ -161,6 +162,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():  # type: ignore[no-untyped-call]
                 loss = closure()
         clock = StepClock(self._iterations, self._skipped_now())
+        # Data parallel (torch_tpu_embedding.distributed): the tables' row gradients made global first.
+        sync_row_grads(self.param_groups)
         pending = [[p for p in g["params"] if _intake.has_gradient(p, g, self.state.get(p))] for g in self.param_groups]
         # Every learning rate first: a callable that raises must find every gradient still pending.
         lrs = [lr_value(g) if ps else None for g, ps in zip(self.param_groups, pending, strict=True)]

@@ -47,7 +47,10 @@ from torch_tpu_embedding.optim._slots import (
 if TYPE_CHECKING:
     from torch_tpu_embedding.optim._base import RowSparseOptimizer
 
-__all__ = ["PhysicalState", "load_physical_rest", "load_state_dict", "param_keys", "physical_state", "state_dict"]
+__all__ = [
+    "PhysicalState", "load_physical_rest", "load_state_dict", "param_keys", "physical_state", "rest_problems",
+    "state_dict", "state_problems",
+]
 
 Tensor = torch.Tensor
 
@@ -320,17 +323,25 @@ def _merged_state(
     return out
 
 
-def load_state_dict(opt: RowSparseOptimizer, sd: dict[str, Any]) -> None:
-    """See :meth:`RowSparseOptimizer.load_state_dict`."""
-    keys = param_keys(opt)
-    sd = _renumbered(opt, sd, keys)
-    # Logical keys: a fused group answers to each of its tables' keys, with that table's rows.
+def _logical_targets(opt: RowSparseOptimizer, keys: Mapping[int, str]) -> tuple[dict[str, Tensor], dict[str, int]]:
+    """Logical keys: a fused group answers to each of its tables' keys, with that table's rows."""
     by_key: dict[str, Tensor] = {}
     rows_of: dict[str, int] = {}
     for g in opt.param_groups:
         for p in g["params"]:
             for key, n in _logical_keys(p, keys[id(p)], logical_rows(p)):
                 by_key[key], rows_of[key] = p, n
+    return by_key, rows_of
+
+
+def state_problems(opt: RowSparseOptimizer, sd: Any) -> list[str]:
+    """Everything in ``sd`` that :func:`load_state_dict` would refuse (empty: it loads); writes nothing."""
+    if not isinstance(sd, Mapping) or not isinstance(sd.get("state"), Mapping) \
+            or not isinstance(sd.get("param_groups"), list):
+        return ["not an optimizer state_dict (needs 'state' and 'param_groups')"]
+    keys = param_keys(opt)
+    sd = _renumbered(opt, dict(sd), keys)
+    by_key, rows_of = _logical_targets(opt, keys)
     group_of = _groups_by_param(opt)
     saved_groups = sd["param_groups"]
     problems = _check_groups(opt, saved_groups, keys)
@@ -350,15 +361,25 @@ def load_state_dict(opt: RowSparseOptimizer, sd: dict[str, Any]) -> None:
             want = (n, *spec.shape[1:]) if spec.rows and spec.shape else spec.shape
             if tuple(v.shape) != tuple(want):
                 problems.append(f"{key}: slot '{name}' has shape {tuple(v.shape)}, expected {tuple(want)}")
+    return problems
+
+
+def load_state_dict(opt: RowSparseOptimizer, sd: dict[str, Any]) -> None:
+    """See :meth:`RowSparseOptimizer.load_state_dict`."""
+    problems = state_problems(opt, sd)
     if problems:
         raise ValueError("Optimizer state does not match: " + "; ".join(problems))
+    keys = param_keys(opt)
+    sd = _renumbered(opt, sd, keys)
+    by_key, _ = _logical_targets(opt, keys)
+    group_of = _groups_by_param(opt)
+    saved_groups = sd["param_groups"]
     opt.state.clear()
     _apply_groups(opt, saved_groups)
     physical = {keys[id(p)]: p for g in opt.param_groups for p in g["params"]}
     for key, s in _merged_state(opt, sd["state"], by_key, keys).items():
         p = physical[key]
         state = opt._state_for(p, group_of[id(p)])
-        all_specs = specs(p, group_of[id(p)])
         _restore_accumulation(state, {k: v for k, v in s.items() if k in ACCUMULATION}, p)
         numbers = slot_rows(p, group_of[id(p)]).numbers
         for name, v in s.items():
@@ -379,14 +400,19 @@ def load_state_dict(opt: RowSparseOptimizer, sd: dict[str, Any]) -> None:
     opt._lrs.clear()
 
 
+def rest_problems(opt: RowSparseOptimizer, rest: Mapping[str, Any]) -> list[str]:
+    """What :func:`load_physical_rest` would refuse in ``rest`` (empty: it loads); writes nothing."""
+    return _check_groups(opt, rest["param_groups"], None)
+
+
 def load_physical_rest(opt: RowSparseOptimizer, rest: Mapping[str, Any]) -> None:
     """See :meth:`RowSparseOptimizer.load_physical_rest`."""
+    problems = rest_problems(opt, rest)
+    if problems:
+        raise ValueError("Optimizer state does not match: " + "; ".join(problems))
     keys = param_keys(opt)
     by_key = {keys[id(p)]: p for g in opt.param_groups for p in g["params"]}
     saved = rest["param_groups"]
-    problems = _check_groups(opt, saved, None)
-    if problems:
-        raise ValueError("Optimizer state does not match: " + "; ".join(problems))
     _apply_groups(opt, saved)
     opt._iterations = int(rest["iterations"])
     for key, bufs in rest["acc"].items():

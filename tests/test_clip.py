@@ -1,0 +1,112 @@
+"""``tte.clip_grad_norm_`` in one process: the norm and the clipped gradients equal the same clipping
+computed by hand over every gradient, with each table's gradient densified (duplicate ids summed)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import torch_tpu_embedding as tte
+
+V_A, V_B = 11, 6
+
+
+def model(fuse: bool = False) -> torch.nn.ModuleDict:
+    torch.manual_seed(0)
+    a = tte.TableConfig(V_A, 4, name="a", combiner="mean", dtype=torch.float64)
+    b = tte.TableConfig(V_B, 4, name="b", dtype=torch.float64)
+    ec = tte.EmbeddingCollection({"x": tte.FeatureConfig(a), "y": tte.FeatureConfig(a), "z": tte.FeatureConfig(b)},
+                                 fuse_tables=fuse)
+    return torch.nn.ModuleDict({"ec": ec, "head": torch.nn.Linear(12, 1, dtype=torch.float64)})
+
+
+def backward(m: torch.nn.ModuleDict, step: int) -> None:
+    g = torch.Generator().manual_seed(step)
+    x = tte.Padded(torch.randint(0, V_A, (8, 3), generator=g), torch.rand(8, 3, generator=g) > 0.3)
+    y = torch.randint(0, 4, (8, 2), generator=g)  # few ids: many duplicates
+    out = m["ec"]({"x": x, "y": tte.Padded(y), "z": torch.randint(0, V_B, (8,), generator=g)})
+    pred = m["head"](torch.cat([out["x"], out["y"], out["z"]], dim=1))
+    (pred**2).mean().backward()
+
+
+def densified(m: torch.nn.ModuleDict) -> dict[str, torch.Tensor]:
+    """Every gradient as a dense tensor: tables (physical name) from their pending rows, summed per id."""
+    out = {}
+    for name, (ids, rows) in m["ec"].row_grads().items():
+        w = m["ec"].physical_tables()[name].weight
+        out[name] = torch.zeros(w.shape[0] + 1, w.shape[1], dtype=w.dtype).index_add_(0, ids, rows)[:-1]
+    for name, p in m["head"].named_parameters():
+        assert p.grad is not None
+        out[name] = p.grad.clone()
+    return out
+
+
+def by_hand(grads: dict[str, torch.Tensor], max_norm: float, norm_type: float) -> tuple[float, float]:
+    flat = torch.cat([g.reshape(-1) for g in grads.values()])
+    total = float(flat.abs().max()) if math.isinf(norm_type) else float((flat.abs() ** norm_type).sum() ** (1 / norm_type))
+    return total, min(max_norm / (total + 1e-6), 1.0)
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf], ids=["l2", "l1", "inf"])
+@pytest.mark.parametrize("max_norm", [0.01, 100.0], ids=["clips", "no-clip"])
+def test_equals_clipping_by_hand(fuse: bool, norm_type: float, max_norm: float) -> None:
+    m = model(fuse)
+    backward(m, 0)
+    before = densified(m)
+    total, coef = by_hand(before, max_norm, norm_type)
+    got = tte.clip_grad_norm_(m.parameters(), max_norm, norm_type=norm_type)
+    assert isinstance(got, torch.Tensor) and got.dim() == 0
+    assert abs(float(got) - total) <= 1e-12 * max(1.0, total)
+    assert (coef < 1.0) == (max_norm == 0.01)
+    after = densified(m)
+    for k, g in before.items():
+        torch.testing.assert_close(after[k], g * coef, rtol=1e-12, atol=1e-15, msg=k)
+
+
+def test_the_step_applies_the_clipped_gradient() -> None:
+    """After a first step SGD's backward keeps its rows factored (multiplied out in the step): clipping
+    multiplies them out, and the step applies exactly the clipped gradient (SGD: w - lr·g)."""
+    m = model()
+    opt = tte.optim.SGD(m.parameters(), lr=0.5)
+    backward(m, 0)
+    opt.step()
+    opt.zero_grad()
+    backward(m, 1)
+    assert m["ec"].tables.a.row_grad.keep_factored  # this backward's rows are factored
+    before = densified(m)
+    _, coef = by_hand(before, 0.02, 2.0)
+    w0 = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    tte.clip_grad_norm_(m.parameters(), 0.02)
+    opt.step()
+    for k in before:
+        key = f"ec.tables.{k}.weight" if k in ("a", "b") else f"head.{k}"
+        torch.testing.assert_close(m.state_dict()[key], w0[key] - 0.5 * coef * before[k], rtol=1e-12, atol=1e-14)
+
+
+def test_torch_signature_and_edge_cases() -> None:
+    m = model()
+    backward(m, 0)
+    table = m["ec"].tables.a.weight
+    g = densified(m)["a"]
+    # One tensor (a table alone), like torch's.
+    assert abs(float(tte.clip_grad_norm_(table, 1e9)) - float(g.norm())) < 1e-12
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert float(tte.clip_grad_norm_((p for p in []), 1.0)) == 0.0
+    assert any("empty generator" in str(w.message) for w in caught)
+    m["ec"].tables.b.row_grad.add(torch.tensor([0]), torch.full((1, 4), math.inf, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="non-finite"):
+        tte.clip_grad_norm_(m.parameters(), 1.0, error_if_nonfinite=True)
+
+
+def test_torch_clip_grad_norm_does_not_see_tables() -> None:
+    """Why tte.clip_grad_norm_ exists: torch's reads `.grad` only, so its norm leaves the tables out."""
+    m = model()
+    backward(m, 0)
+    dense_only = torch.cat([p.grad.reshape(-1) for p in m["head"].parameters()]).norm()
+    assert float(torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9)) == pytest.approx(float(dense_only))
+    assert float(tte.clip_grad_norm_(m.parameters(), 1e9)) > float(dense_only)

@@ -1,0 +1,202 @@
+"""[hardening] item 4: a checkpoint load that fails changes nothing.
+
+``tte.checkpoint.load`` (and ``load_distributed``) check the model's keys, shapes and dtype kinds and
+the optimizer's kind, groups, hyper-parameters and slots before writing anything. Each case saves a good
+checkpoint, tries a mismatching one, and shows: one ``CheckpointMismatchError`` naming what is wrong in
+the model and in the optimizer; the weights, every slot, the call counter and the pending row gradients
+unchanged; the files on disk unchanged; and the good checkpoint still loads and training continues
+exactly as in a model that never saw the failed load.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import torch_tpu_embedding as tte
+from torch_tpu_embedding.checkpoint import CheckpointMismatchError
+
+O = tte.optim  # noqa: E741
+D = 3
+
+
+def build(rows_b: int = 9, extra: bool = False, fuse: bool = False, dtype: torch.dtype = torch.float64,
+          opt: Callable[..., torch.optim.Optimizer] | None = None) -> tuple[torch.nn.ModuleDict, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    a = tte.TableConfig(12, D, name="a", dtype=dtype)
+    b = tte.TableConfig(rows_b, D, name="b", dtype=dtype)
+    feats = {"fa": tte.FeatureConfig(a, max_ids_per_bag=2), "fb": tte.FeatureConfig(b)}
+    if extra:
+        feats["fc"] = tte.FeatureConfig(tte.TableConfig(5, D, name="c", dtype=dtype))
+    ec = tte.EmbeddingCollection(feats, fuse_tables=fuse)
+    m = torch.nn.ModuleDict({"ec": ec, "head": torch.nn.Linear(2 * D, 1).to(dtype)})
+    make = opt or (lambda ps: O.Adam(ps, lr=0.05, gradient_accumulation_steps=2, use_ema=True))
+    return m, make(m.parameters())
+
+
+def step(m: torch.nn.ModuleDict, opt: torch.optim.Optimizer, s: int, update: bool = True) -> None:
+    g = torch.Generator().manual_seed(s)
+    batch = {"fa": tte.Jagged(torch.randint(0, 12, (5,), generator=g), lengths=torch.tensor([2, 1, 2])),
+             "fb": torch.randint(0, 9, (3,), generator=g)}
+    if "fc" in m["ec"].feature_names:
+        batch["fc"] = torch.randint(0, 5, (3,), generator=g)
+    out = m["ec"](batch)
+    m["head"](torch.cat([out["fa"], out["fb"]], 1)).square().sum().backward()
+    if update:
+        opt.step()
+        opt.zero_grad()
+
+
+def snapshot(m: torch.nn.ModuleDict, opt: torch.optim.Optimizer, folder: Path) -> dict[str, Any]:
+    return {
+        "model": {k: v.detach().clone() for k, v in m.state_dict().items()},
+        "optimizer": copy.deepcopy(opt.state_dict()),
+        "row_grads": {k: (i.clone(), r.clone()) for k, (i, r) in m["ec"].row_grads().items()},
+        "dense_grads": {n: None if p.grad is None else p.grad.clone() for n, p in m.named_parameters()},
+        "files": {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()},
+    }
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def prepared(tmp_path: Path, **good: Any) -> tuple[torch.nn.ModuleDict, torch.optim.Optimizer, Path]:
+    """A model trained 3 steps (mid-accumulation) and saved to ``good.pt``, then one more step and a
+    pending backward."""
+    m, opt = build(**good)
+    for s in range(3):
+        step(m, opt, s)
+    tte.checkpoint.save(tmp_path / "good.pt", model=m, optimizer=opt)
+    step(m, opt, 3)  # the model moves on from the good checkpoint
+    step(m, opt, 4, update=False)  # pending row gradients: a failed load must not eat them
+    return m, opt, tmp_path / "good.pt"
+
+
+def save_bad(tmp_path: Path, **bad: Any) -> Path:
+    m, opt = build(**bad)
+    for s in range(2):
+        step(m, opt, 10 + s)
+    tte.checkpoint.save(tmp_path / "bad.pt", model=m, optimizer=opt)
+    return tmp_path / "bad.pt"
+
+
+CASES: dict[str, tuple[dict[str, Any], dict[str, Any], list[str]]] = {
+    # name: (the loading model, the saved model, patterns every one of which the error names)
+    "table of the wrong size": ({}, {"rows_b": 11}, [
+        r"model: size mismatch for ec.tables.b.weight: copying a param with shape torch.Size\(\[11, 3\]\)",
+        r"optimizer: table:b: slot 'ema' has shape \(11, 3\), expected \(9, 3\)"]),
+    "missing table": ({"extra": True}, {}, [r"model: Missing key\(s\) in state_dict: \"ec.tables.c.weight\"",
+                                            r"optimizer: group 0: missing \['param:4', 'table:c'\]"]),
+    "unexpected table": ({}, {"extra": True}, [r"model: Unexpected key\(s\) in state_dict: \"ec.tables.c.weight\"",
+                                               r"optimizer: group 0: missing \['param:2'\], unexpected \['param:4', 'table:c'\]"]),
+    "Adagrad into Adam": ({}, {"opt": lambda ps: O.Adagrad(ps, lr=0.1)},
+                          [r"optimizer: group 0: saved by optimizer 'adagrad', loading into 'adam'"]),
+    "fused member of the wrong size": ({"fuse": True}, {"rows_b": 11, "fuse": True}, [
+        r"model: size mismatch for ec.tables.b.weight: copying a param with shape torch.Size\(\[11, 3\]\) from "
+        r"checkpoint, the shape in current model is torch.Size\(\[9, 3\]\)"]),
+    "integer values for a float table": ({}, {"dtype": torch.float64}, []),  # patched below: int64 weight
+}
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "nonstrict"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_failed_load_changes_nothing_and_the_good_checkpoint_still_loads(tmp_path: Path, case: str,
+                                                                           strict: bool) -> None:
+    mine, theirs, patterns = CASES[case]
+    m, opt, good = prepared(tmp_path, **mine)
+    bad = save_bad(tmp_path, **theirs)
+    if case == "integer values for a float table":
+        payload = torch.load(bad, weights_only=True)
+        payload["model"]["ec.tables.a.weight"] = payload["model"]["ec.tables.a.weight"].round().to(torch.int64)
+        torch.save(payload, bad)
+        patterns = [r"model: ec.tables.a.weight: the checkpoint holds integer values \(torch.int64\), "
+                    r"the model a floating point tensor \(torch.float64\)"]
+    if not strict:  # missing/unexpected keys are allowed; everything else still refuses
+        patterns = [p for p in patterns if "Missing" not in p and "Unexpected" not in p]
+    before = snapshot(m, opt, tmp_path)
+    with pytest.raises(CheckpointMismatchError, match="nothing was loaded") as err:
+        tte.checkpoint.load(bad, model=m, optimizer=opt, strict=strict)
+    assert isinstance(err.value, ValueError) and isinstance(err.value, RuntimeError)  # both old error types
+    for p in patterns:
+        assert re.search(p, str(err.value)), (p, str(err.value))
+    after = snapshot(m, opt, tmp_path)
+    for part in before:
+        assert same(before[part], after[part]), part
+    # The good checkpoint still loads into the same objects and training goes on as in a fresh twin.
+    ref, ref_opt = build(**mine)
+    tte.checkpoint.load(good, model=ref, optimizer=ref_opt)
+    opt.zero_grad()
+    tte.checkpoint.load(good, model=m, optimizer=opt)
+    for s in range(3, 6):
+        step(m, opt, s)
+        step(ref, ref_opt, s)
+    assert same(m.state_dict(), ref.state_dict()) and same(opt.state_dict(), ref_opt.state_dict())
+
+
+def test_model_and_optimizer_problems_in_one_error(tmp_path: Path) -> None:
+    m, opt, _ = prepared(tmp_path)
+    bad = save_bad(tmp_path, rows_b=11, opt=lambda ps: O.Adagrad(ps, lr=0.1))
+    with pytest.raises(CheckpointMismatchError) as err:
+        tte.checkpoint.load(bad, model=m, optimizer=opt)
+    text = str(err.value)
+    assert "model: size mismatch for ec.tables.b.weight" in text
+    assert "optimizer: group 0: saved by optimizer 'adagrad', loading into 'adam'" in text
+
+
+def test_invalid_saved_hyper_parameters_change_nothing(tmp_path: Path) -> None:
+    m, opt, good = prepared(tmp_path)
+    payload = torch.load(good, weights_only=True)
+    payload["optimizer"]["param_groups"][0]["lr"] = -5.0
+    torch.save(payload, tmp_path / "lr.pt")
+    before = snapshot(m, opt, tmp_path)
+    with pytest.raises(CheckpointMismatchError, match=r"optimizer: group 0: Argument `lr` must be a finite number and >= 0.0. Received: -5.0"):
+        tte.checkpoint.load(tmp_path / "lr.pt", model=m, optimizer=opt)
+    after = snapshot(m, opt, tmp_path)
+    assert all(same(before[k], after[k]) for k in before)
+
+
+def test_a_torch_optimizer_refusal_leaves_the_model_unwritten(tmp_path: Path) -> None:
+    """Optimizers of other libraries check their own state; it is loaded before the model is written."""
+    m, _ = build(opt=lambda ps: O.SGD(ps, lr=0.1))
+    dense = torch.optim.Adam(m["head"].parameters(), lr=0.01)
+    tte.checkpoint.save(tmp_path / "c.pt", model=m, optimizer=dense)
+    other, _ = build(opt=lambda ps: O.SGD(ps, lr=0.1))
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    wrong = torch.optim.Adam([*other["head"].parameters(), *other["ec"].parameters()], lr=0.01)  # 4 params, not 2
+    with pytest.raises(ValueError, match="parameter group that doesn't match the size"):
+        tte.checkpoint.load(tmp_path / "c.pt", model=other, optimizer=wrong)
+    assert same(before, other.state_dict())
+
+
+def test_a_failed_distributed_load_changes_nothing(tmp_path: Path) -> None:
+    m, opt, _ = prepared(tmp_path)
+    ckpt = tmp_path / "dcp"
+    tte.checkpoint.save_distributed(ckpt, model=m, optimizer=opt)
+    meta = torch.load(ckpt / "tte_meta.pt", weights_only=True)
+    meta["optimizer"]["param_groups"][0]["betas"] = (1.5, 0.999)  # a hyper-parameter the constructor refuses
+    torch.save(meta, ckpt / "tte_meta.pt")
+    other, other_opt = build()
+    step(other, other_opt, 7)
+    step(other, other_opt, 8, update=False)
+    before = snapshot(other, other_opt, ckpt)
+    with pytest.raises(CheckpointMismatchError, match=r"nothing was loaded\): group 0: .*betas"):
+        tte.checkpoint.load_distributed(ckpt, model=other, optimizer=other_opt)
+    after = snapshot(other, other_opt, ckpt)
+    assert all(same(before[k], after[k]) for k in before)

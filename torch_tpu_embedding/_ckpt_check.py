@@ -1,0 +1,107 @@
+"""Checks that run before a checkpoint writes anything: a load either loads everything or changes nothing.
+
+``torch.nn.Module.load_state_dict`` copies each module's tensors as it walks the model and reports a
+wrong shape or a missing key only at the end, so a failed load leaves some tables overwritten. The
+checks here read only names, shapes and dtypes (never a table's values: a row-permuted table would
+otherwise be gathered to the host just to be checked).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["CheckpointMismatchError", "expected_model_state", "is_row_sparse", "model_problems", "optimizer_problems"]
+
+
+class CheckpointMismatchError(ValueError, RuntimeError):
+    """A checkpoint that does not fit the model or optimizer it is loaded into; nothing was loaded.
+
+    A ``ValueError`` (what the optimizers raise) and a ``RuntimeError`` (what
+    ``Module.load_state_dict`` raises), so existing handlers of either keep working.
+    """
+
+
+def _kind(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_complex:
+        return "complex"
+    return "floating point" if dtype.is_floating_point else "integer"
+
+
+def expected_model_state(model: torch.nn.Module) -> dict[str, tuple[torch.Size, torch.dtype] | None]:
+    """``model.state_dict()``'s keys with the logical shape and dtype of each tensor (``None``: extra state).
+
+    Tables answer with ``[num_embeddings, D]`` (no padding rows); a fused group answers to each of its
+    tables' ``tables.<name>.weight`` keys, as the collection's ``state_dict`` hook writes them.
+    """
+    from torch_tpu_embedding._rows import table_info
+
+    out: dict[str, tuple[torch.Size, torch.dtype] | None] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for name, p in module._parameters.items():
+            if p is None:
+                continue
+            info = table_info(p)
+            if info is not None and info.members is not None:  # a fused group: per-table keys
+                owner = (dot + name)[: -len(f"groups.{info.name}.weight")]  # the collection's prefix
+                for tname, _, n in info.members:
+                    out[f"{owner}tables.{tname}.weight"] = (torch.Size((n, *p.shape[1:])), p.dtype)
+                continue
+            rows = info.num_embeddings if info is not None else None
+            shape = torch.Size((rows, *p.shape[1:])) if rows is not None else p.shape
+            out[dot + name] = (shape, p.dtype)
+        for name, b in module._buffers.items():
+            if b is not None and name not in module._non_persistent_buffers_set:
+                out[dot + name] = (b.shape, b.dtype)
+        if type(module).get_extra_state is not torch.nn.Module.get_extra_state:
+            out[dot + "_extra_state"] = None
+    return out
+
+
+def model_problems(model: torch.nn.Module, state: Mapping[str, Any], strict: bool) -> list[str]:
+    """What ``model.load_state_dict(state, strict=strict)`` would refuse, in torch's words; writes nothing."""
+    expected = expected_model_state(model)
+    problems = []
+    if strict:
+        missing = [k for k in expected if k not in state]
+        unexpected = [k for k in state if k not in expected]
+        if missing:
+            problems.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing))
+        if unexpected:
+            problems.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected))
+    for key, want in expected.items():
+        value = state.get(key)
+        if want is None or key not in state:
+            continue
+        shape, dtype = want
+        if not isinstance(value, torch.Tensor):
+            problems.append(f"{key}: expected a tensor, found {type(value).__name__}")
+        elif value.shape != shape:
+            problems.append(f"size mismatch for {key}: copying a param with shape {value.shape} from checkpoint, "
+                            f"the shape in current model is {shape}")
+        elif _kind(value.dtype) != _kind(dtype):
+            problems.append(f"{key}: the checkpoint holds {_kind(value.dtype)} values ({value.dtype}), "
+                            f"the model a {_kind(dtype)} tensor ({dtype})")
+    return problems
+
+
+def is_row_sparse(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is a ``tte.optim`` optimizer."""
+    from torch_tpu_embedding.optim._base import RowSparseOptimizer
+
+    return isinstance(optimizer, RowSparseOptimizer)
+
+
+def optimizer_problems(optimizer: torch.optim.Optimizer, state: Any) -> list[str]:
+    """A ``tte.optim`` optimizer's refusals of ``state`` (``optim/_state_io.py``), without writing; other
+    optimizers answer ``[]`` (torch's optimizers check their state before writing it)."""
+    if not is_row_sparse(optimizer):
+        return []
+    from torch_tpu_embedding.optim import _state_io
+
+    return _state_io.state_problems(optimizer, state)  # type: ignore[arg-type]

@@ -1,0 +1,121 @@
+"""``clip_grad_norm_`` that sees the tables' row-sparse gradients.
+
+``torch.nn.utils.clip_grad_norm_`` reads ``.grad`` only; a table's gradient lives in its
+:class:`~torch_tpu_embedding._rows.RowGrad`, so torch's function leaves the tables out of the norm and
+never scales their update. This one has the same signature and return value and includes them.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from collections.abc import Iterable
+
+import torch
+
+from torch_tpu_embedding._rows import coalesce_rows, table_info
+from torch_tpu_embedding.distributed import sync_row_grads
+
+__all__ = ["clip_grad_norm_"]
+
+Tensor = torch.Tensor
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Tensor | Iterable[Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> Tensor:
+    """Clip the gradient norm of ``parameters``, embedding tables included; returns the total norm.
+
+    As ``torch.nn.utils.clip_grad_norm_``: the norm (of order ``norm_type``, ``inf`` allowed) over
+    every gradient viewed as one vector, and every gradient scaled in place by
+    ``min(max_norm / (total_norm + 1e-6), 1)``. A table's gradient counts as its densified ``[V, D]``
+    gradient would: duplicate ids summed, rows not looked up zero. Its pending row gradient (the one
+    the next optimizer ``step()`` applies) is replaced by the summed, scaled rows; a row-sharded table
+    trained through the id exchange (SPMD) keeps its per-shard form, summed on each shard.
+
+    Under data parallel (:mod:`torch_tpu_embedding.distributed`) the tables' row gradients are
+    exchanged first, so the norm is the process group's global one, the same on every process
+    (dense ``.grad`` must be global already: DDP's, or averaged by hand). Call it after
+    ``backward()`` and before ``step()``, on every process.
+
+    Args:
+        parameters: tensors (or one tensor) whose gradients are clipped, e.g. ``model.parameters()``.
+        max_norm: the largest norm allowed.
+        norm_type: the order of the norm (``float("inf")`` for the largest absolute value).
+        error_if_nonfinite: raise if the total norm is ``nan`` or ``inf``.
+        foreach: as torch's (``None``: the foreach kernels where the device has them).
+
+    Returns:
+        The total norm of the gradients before clipping, a 0-d tensor.
+    """
+    if isinstance(parameters, Tensor):
+        params = [parameters]
+    else:
+        is_generator = isinstance(parameters, types.GeneratorType)
+        params = list(parameters)
+        if is_generator and not params:
+            warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=3)
+    tables = [p for p in params if table_info(p) is not None]
+    dense = [p for p in params if table_info(p) is None]
+    sync_row_grads([{"params": tables}])
+    rows = [r for r in (_summed_rows(p) for p in tables) if r is not None]
+    grads = [p.grad for p in dense if p.grad is not None] + rows
+    total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+    torch.nn.utils.clip_grads_with_norm_(dense, max_norm, total, foreach)
+    if rows:
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        for r in rows:
+            r.mul_(coef.to(device=r.device, dtype=r.dtype))
+    return total
+
+
+def _summed_rows(p: Tensor) -> Tensor | None:
+    """``p``'s pending row gradient with duplicate ids summed, put back as its only chunk (so the
+    in-place scaling reaches the step); ``None`` without one."""
+    info = table_info(p)
+    assert info is not None
+    rg = info.row_grad
+    if not rg:
+        return None
+    if rg.owned:
+        return _owned_rows(p)
+    from torch_tpu_embedding.optim._slots import math_dtype
+
+    exchanged = rg.exchanged == len(rg)
+    ids, rows = rg.collect()
+    ids, rows = coalesce_rows(ids, rows.to(math_dtype(p)), p.shape[0])  # float32 for 16-bit tables
+    rg.clear()
+    rg.add(ids, rows)
+    rg.exchanged = len(rg) if exchanged else 0
+    return rg.collect()[1]  # the stored chunk itself: scaling it in place reaches the step
+
+
+def _owned_rows(p: Tensor) -> Tensor:
+    """As :func:`_summed_rows` for a table trained through the id exchange (SPMD, owner-local chunks
+    ``ids [n, M]``, ``rows [n, M, D]``): duplicates are summed on each shard (a row lives on one shard),
+    in one manual-sharding region, and the sums put back as the only owner-local chunk. A chunk whose
+    lookup dropped ids counts zero, as in the step."""
+    from torch_tpu_embedding.optim._slots import math_dtype
+    from torch_tpu_embedding.xla.manual import on_shards
+
+    info = table_info(p)
+    assert info is not None
+    rg = info.row_grad
+    sharding = info.sharding
+    sentinel = p.shape[0] // sharding.num_shards  # shard-local padding row
+    ids, rows, ok = rg.collect_owned()
+    rows = torch.where(ok, rows.to(math_dtype(p)), torch.zeros((), dtype=math_dtype(p), device=rows.device))
+
+    def on_shard(sharded: dict[str, Tensor], small: dict[str, Tensor], inputs: list[Tensor],
+                 rep: list[Tensor | None]) -> list[Tensor]:
+        return list(coalesce_rows(inputs[0], inputs[1], sentinel))
+
+    uniq, summed = on_shards(on_shard, {}, {}, [ids, rows], [], mesh=sharding.mesh, axis=sharding.axis)
+    rg.clear()
+    rg.add_owned(uniq, summed, ok)
+    return summed  # the stored chunk itself: scaling it in place reaches the step

@@ -274,6 +274,12 @@ def print_tables(args: argparse.Namespace, threads: int, results: dict[tuple[str
             if good:
                 version = r["torch"] + (f" + fbgemm {r['fbgemm_gpu']}" if "fbgemm_gpu" in r else "")
         print(f"{LABELS[mode]:{w}s} " + " ".join(cells) + f"  {version}")
+    firsts = [f"{mode.removeprefix('ours_')} {b} id{'s' if b > 1 else ''}: {r['first_step_ms'] / 1000:.1f} s"
+              for mode in args.modes if mode in OURS for b in bags
+              if (r := results.get((mode, b))) and "first_step_ms" in r]
+    if firsts:
+        print("first step of ours (compiles the fused update; inductor's disk cache may hold it already): "
+              + ", ".join(firsts))
     for mode in args.modes:
         for b in bags:
             r = results.get((mode, b))

@@ -1,8 +1,18 @@
 """Puts tests/ on sys.path, so the suites in tests/xla and tests/xla_spmd (run as their own pytest
-processes) import the optimizer registry (tests/optim_registry.py) like the CPU suite does."""
+processes) import the optimizer registry (tests/optim_registry.py) like the CPU suite does.
 
+Eager row updates run the reference path (``Path.ROW_CHUNKS``) unless ``TTE_FUSED_UPDATE`` is set:
+the fused path compiles one kernel per optimizer configuration (seconds each), and the suite builds
+hundreds of configurations. tests/test_fused_update.py turns it on and checks it against the
+reference path for every optimizer and option; ``TTE_FUSED_UPDATE=1 bash scripts/test.sh`` runs the
+whole suite on it.
+"""
+
+import os
 import sys
 from pathlib import Path
+
+os.environ.setdefault("TTE_FUSED_UPDATE", "0")
 
 TESTS = str(Path(__file__).parent)
 if TESTS not in sys.path:

@@ -19,8 +19,8 @@ ADDING AN OPTIMIZER, TEST SIDE: one ``OptimizerInfo`` appended to ``OPTIMIZER_IN
     ``supports_no_dedup``, ``zero_gradient_is_noop``, ...).
 Nothing else. The entry then runs in every target of ``TARGETS`` its flags allow: the numpy reference
 (f64, f32), the invariants of test_optim_generic.py (untouched rows, lazy == dense, state_dict, lr
-schedules, per-table overrides), argument errors, the Keras extras, row chunks, fused groups, skip
-non-finite, XLA == CPU, one compilation, 4-device SPMD. tests/test_optim_registry.py fails while an
+schedules, per-table overrides), argument errors, the Keras extras, row chunks, the fused eager update,
+fused groups, skip non-finite, XLA == CPU, one compilation, 4-device SPMD. tests/test_optim_registry.py fails while an
 optimizer of ``tte.optim`` has no entry, or an entry disagrees with its class (slot names, shapes and
 initial values, the arguments it takes, the fused / no-dedup flags).
 Optional: ``inputs`` (named configurations, each for the targets it names: option variants worth
@@ -60,6 +60,7 @@ OVERRIDE = "override"  # test_optim_generic.py: a TableConfig optimizer override
 KERAS = "keras_pipeline"  # test_keras_pipeline_random.py: extras on dense params vs the numpy Keras pipeline
 EXTRAS = "extras"  # test_optim_extras.py: each configuration × every KERAS_EXTRAS combination
 CHUNKS = "chunks"  # test_row_chunks.py: chunked eager row updates == one whole-batch pass
+FUSED_PATH = "fused_path"  # test_fused_update.py: the compiled eager row update == the reference path
 FUSED = "fused"  # test_fused_tables.py: fused table groups == unfused tables
 NONFINITE = "nonfinite"  # test_nonfinite_and_resume.py: skip_nonfinite leaves everything untouched
 XLA = "xla"  # tests/xla/test_xla_optim.py: XLA == CPU
@@ -88,6 +89,17 @@ TARGETS: dict[str, Target] = {
     CHUNKS: Target(
         extras={"ema": {"use_ema": True}, "accum-skip": {"gradient_accumulation_steps": 2, "skip_nonfinite": True}},
         noaccum=True,
+    ),
+    FUSED_PATH: Target(
+        requires="per_row_rule",
+        extras={
+            # one compiled kernel per configuration: the options together, not one by one
+            "options": {"clipvalue": 0.05, "weight_decay_factor": 0.05,
+                        "multiply_weight_decay_factor_by_learning_rate": True, "clip_weight_min": -0.3,
+                        "clip_weight_max": 0.35, "use_ema": True, "ema_momentum": 0.8, "skip_nonfinite": True,
+                        "loss_scale_factor": 4.0},
+            "accum-clipnorm": {"gradient_accumulation_steps": 2, "clipnorm": 0.5},
+        },
     ),
     FUSED: Target(
         requires="supports_fused_groups",

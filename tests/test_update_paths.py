@@ -71,6 +71,28 @@ def test_sparse_coo_grad_takes_the_row_paths() -> None:
                        row_grad=True) is Path.DENSE
 
 
+@pytest.mark.parametrize("cls, kwargs, which, expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_with_fused_updates_on_the_row_chunk_cases_take_fused(cls: Any, kwargs: dict[str, Any], which: str,
+                                                              expected: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``TTE_FUSED_UPDATE`` on (the suite runs with it off, tests/conftest.py): every eager per-row
+    update with summed rows is ``FUSED``; the other paths do not change. tests/test_fused_update.py
+    steps each optimizer on it."""
+    from torch_tpu_embedding.optim import _fused_update
+
+    monkeypatch.setattr(_fused_update, "_ENABLED", True)
+    ec, head = model()
+    opt = cls([*ec.parameters(), *head.parameters()], **kwargs)
+    p = ec.tables.t.weight if which == "table" else head.weight
+    want = Path.FUSED if expected is Path.ROW_CHUNKS else expected
+    assert choose_path(p, opt.param_groups[0], row_grad=which == "table") is want
+    if which == "table":
+        ec16 = tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(10, 3, name="h", dtype=torch.bfloat16))})
+        p16 = ec16.tables.h.weight
+        assert choose_path(p16, cls(ec16.parameters(), **kwargs).param_groups[0], row_grad=True) is want
+    monkeypatch.setattr(_fused_update, "_ENABLED", False)
+    assert choose_path(p, opt.param_groups[0], row_grad=which == "table") is expected
+
+
 def test_owner_local_is_chosen_for_a_table_trained_through_the_id_exchange() -> None:
     """A table that ``xla.shard`` set up for the id exchange (``TableInfo.sharding.exchange``) takes OWNER_LOCAL,
     lazy or not (its gradient arrives at the owning shards); a dense parameter never does. The path itself runs

@@ -170,6 +170,10 @@ class RowGrad:
                     yield pos + a, ids[a : a + max_rows], rows[a : a + max_rows]
             pos += ids.numel()
 
+    def chunks(self) -> list[tuple[torch.Tensor, torch.Tensor | BagRows]]:
+        """The chunks as added: ``(ids [n], rows [n, D] or BagRows)``."""
+        return list(zip(self._ids, self._rows, strict=True))
+
     def take(self) -> RowGrad:
         """A new :class:`RowGrad` holding this one's chunks; this one is left empty."""
         out = RowGrad()

@@ -26,12 +26,15 @@ from torch_tpu_embedding.optim._slots import RowSpace, lazy_table
 if TYPE_CHECKING:
     from torch_tpu_embedding.optim._intake import Work
 
-__all__ = ["ema_all_rows", "ema_calls", "ema_rows", "last_call", "moving_average", "overwrite_due"]
+__all__ = [
+    "ema_all_rows", "ema_calls", "ema_row_update", "ema_rows", "last_call", "momentum_now", "moving_average",
+    "overwrite_due",
+]
 
 Tensor = torch.Tensor
 
 
-def _momentum_now(group: Mapping[str, Any], clock: StepClock, device: torch.device, dtype: torch.dtype) -> Tensor:
+def momentum_now(group: Mapping[str, Any], clock: StepClock, device: torch.device, dtype: torch.dtype) -> Tensor:
     """μ' = 0 while Keras's ``iterations`` (calls // k) is 0, else ``ema_momentum``."""
     k = group["gradient_accumulation_steps"] or 1
     it = clock.ema_on(device, group["skip_nonfinite"])
@@ -50,12 +53,22 @@ def ema_rows(item: Work, space: RowSpace, ids: Tensor, w_old: Tensor, w_new: Ten
     keep = item.clock.keep(p.device, group["skip_nonfinite"])
     avg = space.gather("ema", ids)
     last = space.gather("ema_last", ids)
-    caught = ema_catch_up(avg, w_old, it - last - 1, group["ema_momentum"])
-    mu = _momentum_now(group, item.clock, p.device, w_new.dtype)
-    state["ema"].index_copy_(0, where.at("ema", ids), gated(keep, mu * caught + (1 - mu) * w_new, avg))
+    mu = momentum_now(group, item.clock, p.device, w_new.dtype)
+    avg, last = ema_row_update(avg, last, w_old, w_new, it, keep, mu, group["ema_momentum"])
+    state["ema"].index_copy_(0, where.at("ema", ids), avg)
+    state["ema_last"].index_copy_(0, where.at("ema_last", ids), last)
+
+
+def ema_row_update(
+    avg: Tensor, last: Tensor, w_old: Tensor, w_new: Tensor, it: Tensor, keep: Tensor | None, mu: Tensor,
+    momentum: float,
+) -> tuple[Tensor, Tensor]:
+    """The touched rows' new ``(ema, ema_last)``: caught up over their idle calls, then this call's
+    average (``it``: this call's counter, int32; ``keep``: the non-finite gate; ``mu``: μ' now)."""
+    caught = ema_catch_up(avg, w_old, it - last - 1, momentum)
     # max(last, it) == it, but written as a function of the gathered rows so that XLA orders the
     # gather before the in-place scatter (otherwise it copies the whole [V] slot every step).
-    state["ema_last"].index_copy_(0, where.at("ema_last", ids), gated(keep, torch.maximum(last, it), last))
+    return gated(keep, mu * caught + (1 - mu) * w_new, avg), gated(keep, torch.maximum(last, it), last)
 
 
 def ema_all_rows(space: RowSpace, group: Mapping[str, Any], upto: Tensor) -> Tensor:
@@ -96,7 +109,7 @@ def ema_calls(
                     space.write("ema_last", gated(keep, it.to(torch.int32).expand(p.shape[0]), last))
                     p.copy_(gated(keep, caught, p))
                 continue
-            mu = _momentum_now(group, clock, p.device, avg.dtype)
+            mu = momentum_now(group, clock, p.device, avg.dtype)
             avg = gated(keep, mu * avg + (1 - mu) * p, avg)
             space.write("ema", avg)
             if overwrite:

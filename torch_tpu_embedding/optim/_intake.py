@@ -83,7 +83,11 @@ def has_gradient(p: Tensor, group: dict[str, Any], state: dict[str, Tensor] | No
 def take(p: Tensor, group: dict[str, Any], path: Path) -> Taken:
     """Consume ``p``'s gradient (the table's pending rows are cleared; ``.grad`` is left to zero_grad)."""
     info = table_info(p)
-    piecewise = path is Path.ADDITIVE and not group["gradient_accumulation_steps"]
+    # ADDITIVE multiplies the factored rows out piecewise; FUSED sums them per id without doing so,
+    # except on a 16-bit table: its backward multiplies float32 gains out and rounds the rows to 16
+    # bits, and the factored form (16-bit gains) would round differently from the reference path.
+    factored = path is Path.ADDITIVE or (path is Path.FUSED and math_dtype(p) == p.dtype)
+    piecewise = factored and not group["gradient_accumulation_steps"]
     if info is not None:
         # The next backward hands over its rows factored only to a consumer that multiplies them out
         # piecewise (ADDITIVE without accumulation).
@@ -138,6 +142,17 @@ def prepare(
                 return None
             g, gate = acc
     else:
+        if taken.pieces is not None and path is Path.FUSED:
+            from torch_tpu_embedding.optim._fused_update import coalesce_pieces
+
+            summed = coalesce_pieces(taken.pieces, p)
+            if summed is None:  # multiplied out and summed as on the reference path
+                all_ids, all_rows = taken.pieces.collect()
+                taken = Taken(ids=all_ids, rows=all_rows)
+            else:
+                uniq, g = summed
+                g = g if s is None else g / s
+                return work(uniq, clip_by_norm(g, group["clipnorm"]) if group["clipnorm"] else g, None)
         if taken.pieces is not None:
             return work(torch.empty(0, dtype=torch.int64), torch.empty(0), None, pieces=taken.pieces, divisor=s)
         rows = taken.rows

@@ -13,7 +13,11 @@ only in which rows they hand it and how the results are written back:
                       old rows and the changes are added (exact for SGD, an approximation otherwise)
 ``ROWS``              duplicates summed, the touched rows in one pass: XLA (one static-shape
                       graph) and rules with statistics over rows (Adafactor)
-``ROW_CHUNKS``        eager with a per-row rule: the touched rows in cache-sized chunks
+``FUSED``             eager (CPU, CUDA) with a per-row rule: the same pipeline compiled into one
+                      kernel that reads and writes each touched row and its slots once, the
+                      duplicate sum done without multiplying the gradient out (:mod:`._fused_update`)
+``ROW_CHUNKS``        eager with a per-row rule when ``FUSED`` is off or cannot compile: the
+                      touched rows in cache-sized chunks (the reference for ``FUSED``)
 ``OWNER_LOCAL``       a row-sharded table trained through the id exchange: its gradient arrives
                       at the shards that own the rows, and every shard runs ``ROWS`` (``DENSE``
                       for a non-lazy optimizer) on its own rows and slots in a manual-sharding
@@ -67,6 +71,7 @@ class Path(enum.Enum):
     ADDITIVE = "additive"
     NO_DEDUP = "no_dedup"
     ROWS = "rows"
+    FUSED = "fused"
     ROW_CHUNKS = "row_chunks"
     OWNER_LOCAL = "owner_local"
 
@@ -86,7 +91,11 @@ def choose_path(p: Tensor, group: Mapping[str, Any], *, row_grad: bool) -> Path:
     if not group["use_gradient_accumulation"]:
         return Path.NO_DEDUP
     per_row = all(spec.rows for spec in cls.slot_specs(tuple(p.shape), group, True).values())
-    return Path.ROWS if static or not per_row else Path.ROW_CHUNKS
+    if static or not per_row:
+        return Path.ROWS
+    from torch_tpu_embedding.optim import _fused_update
+
+    return Path.FUSED if _fused_update.usable(p) else Path.ROW_CHUNKS
 
 
 def row_chunk() -> int:
@@ -129,6 +138,12 @@ def update(item: Work) -> None:
     else:
         ids = item.ids
         assert ids is not None
+        if item.path is Path.FUSED:
+            from torch_tpu_embedding.optim import _fused_update
+
+            if _fused_update.update(item):
+                return
+            item.path = Path.ROW_CHUNKS  # no compiled kernel: the reference path
         chunk = row_chunk()
         if item.path is not Path.ROW_CHUNKS or ids.shape[0] <= chunk:
             _update_rows(item, space, ids, item.g)

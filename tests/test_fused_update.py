@@ -1,0 +1,275 @@
+"""The fused eager row update (``Path.FUSED``, ``optim/_fused_update.py``) against the reference path
+(``Path.ROW_CHUNKS``, which tests/test_optim_reference.py checks against float64 numpy), for every
+optimizer with a per-row rule and every option (tests/optim_registry.py, target ``fused_path``); the
+number of compilations over a loop whose batch sizes and id counts change every step; the fallback
+when nothing can be compiled.
+
+The rest of the suite runs the reference path (tests/conftest.py sets ``TTE_FUSED_UPDATE=0``): each
+configuration compiles its own kernel, a few seconds each.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from optim_registry import FUSED_PATH, OptimizerConfig, cases
+
+import torch_tpu_embedding as tte
+from torch_tpu_embedding.optim import _fused_update, _paths
+from torch_tpu_embedding.optim._paths import Path, choose_path
+
+
+def _path_of(cfg: OptimizerConfig) -> Path:
+    t = tte.TableConfig(4, 2, name="t")
+    ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(t)})
+    before = _fused_update.set_enabled(True)
+    try:
+        return choose_path(ec.tables.t.weight, cfg.make(ec.parameters()).param_groups[0], row_grad=True)
+    finally:
+        _fused_update.set_enabled(before)
+
+
+# SGD without options adds rule(0, g) per id (Path.ADDITIVE): there is no row update to fuse.
+CASES = [c for c in cases(FUSED_PATH) if _path_of(c) is Path.FUSED]
+
+
+@pytest.fixture(scope="session")
+def compiler() -> None:
+    """Skips a test that needs compiled kernels where torch.compile cannot build one for the CPU (no
+    C++ compiler, no Python headers): the path then falls back, as the tests below show."""
+    try:
+        torch.compile(lambda x: x * 2 + 1, dynamic=False)(torch.ones(3))
+    except Exception as e:
+        pytest.skip(f"torch.compile cannot build a CPU kernel here: {type(e).__name__}: {str(e)[:200]}")
+
+
+needs_compiler = pytest.mark.usefixtures("compiler")
+
+
+@pytest.fixture
+def fused_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_fused_update, "_ENABLED", True)
+
+
+def model(cfg: OptimizerConfig, dtype: torch.dtype) -> tuple[tte.EmbeddingCollection, torch.nn.Linear, Any]:
+    """Two features on one table (bags of up to 5 ids with padding, and single ids), a dense head."""
+    torch.manual_seed(0)
+    t = tte.TableConfig(300, 6, name="t", combiner="sqrtn", dtype=dtype)
+    ec = tte.EmbeddingCollection({"a": tte.FeatureConfig(t, max_ids_per_bag=5), "b": tte.FeatureConfig(t)})
+    head = torch.nn.Linear(6, 1).to(dtype)
+    return ec, head, cfg.make([*ec.parameters(), *head.parameters()])
+
+
+def step(ec: tte.EmbeddingCollection, head: torch.nn.Linear, opt: Any, s: int, scale: float, fused: bool) -> list[Path]:
+    """One training call on batch ``s``; the paths its updates took."""
+    from torch_tpu_embedding.optim import _base
+
+    g = torch.Generator().manual_seed(s)
+    ids = torch.randint(0, 300, (40, 5), generator=g)
+    out = ec({"a": tte.Padded(ids, ids % 7 != 0), "b": torch.randint(0, 300, (40,), generator=g)})
+    (head(out["a"] * out["b"]).square().sum() * scale).backward()
+    ran: list[Path] = []
+    real = _paths.update
+
+    def spy(item: Any) -> None:
+        real(item)
+        ran.append(item.path)  # after the update: a path that could not compile has become ROW_CHUNKS
+
+    before = _fused_update.set_enabled(fused)
+    _base.update = spy  # type: ignore[assignment]
+    try:
+        opt.step()
+    finally:
+        _base.update = real  # type: ignore[assignment]
+        _fused_update.set_enabled(before)
+    opt.zero_grad()
+    return ran
+
+
+def assert_same(a: tuple[Any, ...], b: tuple[Any, ...], what: str) -> None:
+    """Weights and every state tensor within 1e-6 (relative and absolute)."""
+    for (pa, sa), (pb, sb) in zip(_tensors(*a), _tensors(*b), strict=True):
+        torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-6, msg=lambda m: f"{what}: weight: {m}")
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            torch.testing.assert_close(sa[k], sb[k], rtol=1e-6, atol=1e-6, msg=lambda m, k=k: f"{what}: {k}: {m}")
+
+
+def _tensors(ec: Any, head: Any, opt: Any) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    params = [*ec.parameters(), *head.parameters()]
+    return [(p.detach(), dict(opt.state[p])) for p in params]
+
+
+def run_lockstep(cfg: OptimizerConfig, dtype: torch.dtype = torch.float32, steps: int = 6) -> int:
+    """The same calls on two copies, one fused and one on the reference path, compared after every
+    call; the fused copy is then set to the reference's values, so each call is compared from the
+    same state (differences in the last bit are not carried on). Returns the calls that were bitwise
+    equal."""
+    fused, ref = model(cfg, dtype), model(cfg, dtype)
+    k = cfg.kwargs.get("gradient_accumulation_steps") or 1
+    bitwise = 0
+    for s in range(steps * k):
+        scale = float("inf") if cfg.kwargs.get("skip_nonfinite") and s == 3 else 1.0
+        got = step(*fused, s, scale, fused=True)
+        want = step(*ref, s, scale, fused=False)
+        if (s + 1) % k == 0:
+            assert Path.FUSED in got or s == 0 and cfg.kwargs.get("use_gradient_accumulation") is False, got
+            assert Path.FUSED not in want and Path.ROW_CHUNKS in want, want
+        assert_same(fused, ref, f"call {s}")
+        pairs = list(zip(_tensors(*fused), _tensors(*ref), strict=True))
+        bitwise += all(torch.equal(a, b) and all(torch.equal(sa[n], sb[n]) for n in sa)
+                       for (a, sa), (b, sb) in pairs)
+        with torch.no_grad():
+            for (a, sa), (b, sb) in pairs:
+                a.copy_(b)
+                for n in sa:
+                    sa[n].copy_(sb[n])
+    if cfg.kwargs.get("skip_nonfinite"):
+        assert fused[2].skipped_steps == ref[2].skipped_steps == 1
+    return bitwise
+
+
+@needs_compiler
+@pytest.mark.parametrize("cfg", CASES, ids=str)
+def test_fused_update_equals_the_reference_path(cfg: OptimizerConfig) -> None:
+    run_lockstep(cfg)
+
+
+@needs_compiler
+def test_16_bit_table_fused_equals_reference() -> None:
+    """bfloat16 weight, float32 slots and arithmetic (the backward multiplies the rows out from float32
+    gains and rounds them to 16 bits, as on the reference path, before the float32 sum)."""
+    run_lockstep(next(c for c in cases(FUSED_PATH) if c.id == "lazy_adam"), dtype=torch.bfloat16)
+
+
+@needs_compiler
+def test_compiles_once_over_50_steps_of_changing_batches(fused_on: None) -> None:
+    """Batch size, bag widths and the number of distinct ids change every step: one kernel, one graph."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    t = tte.TableConfig(1000, 8, name="t", combiner="mean")
+    ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(t), "g": tte.FeatureConfig(t, max_ids_per_bag=9)})
+    opt = tte.optim.LazyAdam(ec.parameters(), lr=0.01, betas=(0.8, 0.9))
+    gen = torch.Generator().manual_seed(2)
+    kernels, graphs = _fused_update.compiled_kernels(), counters["stats"]["unique_graphs"]
+    sizes = set()
+    for step in range(50):
+        n = int(torch.randint(2, 200, (), generator=gen))
+        lengths = torch.randint(0, 10, (n,), generator=gen)
+        ids = torch.randint(0, 1000 if step % 2 else 50, (int(lengths.sum()),), generator=gen)
+        out = ec({"f": torch.randint(0, 1000, (n,), generator=gen), "g": tte.Jagged(ids, lengths=lengths)})
+        (out["f"] * out["g"]).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sizes.add(int(ids.numel()))
+    assert len(sizes) > 40
+    assert _fused_update.compiled_kernels() - kernels == 1
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+
+
+@pytest.mark.parametrize("built_before", [False, True], ids=["first-build", "after-a-build"])
+def test_a_failed_compile_warns_once_and_runs_the_reference_path(built_before: bool,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel that does not build: one warning, the reference path, the same results. If it was the
+    process's first build (a broken toolchain, say) the path is off for every later step; after a
+    successful build, only that configuration runs the reference path."""
+    cfg = next(c for c in cases(FUSED_PATH) if c.id == "adagrad")
+
+    def broken(fn: Any, **kwargs: Any) -> Any:
+        def fail(*args: Any) -> None:
+            raise RuntimeError("LoweringException: something inductor cannot lower")
+        return fail
+
+    monkeypatch.setattr(_fused_update, "_KERNELS", {("built before",): lambda: None} if built_before else {})
+    monkeypatch.setattr(_fused_update, "_WARNED", False)
+    monkeypatch.setattr(_fused_update, "_NO_COMPILER", False)
+    monkeypatch.setattr(torch, "compile", broken)
+    ref, got = model(cfg, torch.float32), model(cfg, torch.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for s in range(3):
+            ran = step(*got, s, 1.0, fused=True)
+            assert Path.FUSED not in ran and Path.ROW_CHUNKS in ran
+            step(*ref, s, 1.0, fused=False)
+    msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(msgs) == 1 and "could not be compiled" in msgs[0] and "something inductor cannot lower" in msgs[0]
+    assert _fused_update._NO_COMPILER is not built_before
+    for (a, sa), (b, sb) in zip(_tensors(*got), _tensors(*ref), strict=True):
+        assert torch.equal(a, b) and all(torch.equal(sa[n], sb[n]) for n in sa)
+
+
+def test_without_a_cxx_compiler_one_warning_and_the_reference_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """inductor's compiler set to one that does not exist (as on a machine without g++): the first
+    step warns once and every optimizer runs the reference path, no compile attempted; results are
+    bitwise those of the reference path."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/g++"))
+    monkeypatch.setattr(_fused_update, "_KERNELS", {})
+    monkeypatch.setattr(_fused_update, "_WARNED", False)
+    monkeypatch.setattr(_fused_update, "_NO_COMPILER", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for name in ("adagrad", "lazy_adam"):
+            cfg = next(c for c in cases(FUSED_PATH) if c.id == name)
+            ref, got = model(cfg, torch.float32), model(cfg, torch.float32)
+            for s in range(3):
+                ran = step(*got, s, 1.0, fused=True)
+                assert Path.FUSED not in ran and Path.ROW_CHUNKS in ran
+                step(*ref, s, 1.0, fused=False)
+            for (a, sa), (b, sb) in zip(_tensors(*got), _tensors(*ref), strict=True):
+                assert torch.equal(a, b) and all(torch.equal(sa[n], sb[n]) for n in sa)
+    msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(msgs) == 1 and "could not be compiled" in msgs[0] and "/nonexistent/g++" in msgs[0], msgs
+    assert _fused_update._NO_COMPILER and _fused_update.compiled_kernels() == 0
+
+
+@needs_compiler
+def test_fused_table_group_and_state_dict_equal_the_reference_path() -> None:
+    """Two tables in one fused group (``fuse_tables=True``), LazyAdam, the fused update and the reference
+    path in lockstep (as :func:`run_lockstep`): after every call the same ``state_dict`` keys and
+    structure, values within 1e-6."""
+    cfg = next(c for c in cases(FUSED_PATH) if c.id == "lazy_adam")
+
+    def build() -> tuple[tte.EmbeddingCollection, Any]:
+        torch.manual_seed(0)
+        t, u = tte.TableConfig(300, 6, name="t", combiner="mean"), tte.TableConfig(120, 6, name="u")
+        ec = tte.EmbeddingCollection({"a": tte.FeatureConfig(t, max_ids_per_bag=4), "b": tte.FeatureConfig(u)},
+                                     fuse_tables=True)
+        return ec, cfg.make(ec.parameters())
+
+    runs = {True: build(), False: build()}
+    assert len(list(runs[True][0].parameters())) == 1  # one fused parameter
+    for s in range(4):
+        for fused, (ec, opt) in runs.items():
+            g = torch.Generator().manual_seed(s)
+            ids = torch.randint(0, 300, (30, 4), generator=g)
+            out = ec({"a": tte.Padded(ids, ids % 5 != 0), "b": torch.randint(0, 120, (30,), generator=g)})
+            (out["a"] * out["b"]).square().sum().backward()
+            before = _fused_update.set_enabled(fused)
+            try:
+                opt.step()
+            finally:
+                _fused_update.set_enabled(before)
+            opt.zero_grad()
+        (ec_f, opt_f), (ec_r, opt_r) = [(ec.state_dict(), opt.state_dict()) for ec, opt in runs.values()]
+        assert ec_f.keys() == ec_r.keys()
+        for k in ec_f:
+            torch.testing.assert_close(ec_f[k], ec_r[k], rtol=1e-6, atol=1e-6, msg=lambda m, k=k, s=s: f"call {s}: {k}: {m}")
+        assert opt_f["param_groups"] == opt_r["param_groups"]
+        assert opt_f["state"].keys() == opt_r["state"].keys()
+        for key, st in opt_f["state"].items():
+            assert st.keys() == opt_r["state"][key].keys()
+            for n, v in st.items():
+                torch.testing.assert_close(v, opt_r["state"][key][n], rtol=1e-6, atol=1e-6,
+                                           msg=lambda m, n=n, s=s: f"call {s}: {n}: {m}")
+        with torch.no_grad():  # the next call starts from the same state (last-bit differences not carried)
+            (ec_a, opt_a), (ec_b, opt_b) = runs[True], runs[False]
+            for a, b in zip(ec_a.parameters(), ec_b.parameters(), strict=True):
+                a.copy_(b)
+                for n, v in opt_a.state[a].items():
+                    v.copy_(opt_b.state[b][n])

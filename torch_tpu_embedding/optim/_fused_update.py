@@ -1,0 +1,308 @@
+"""Fused eager row updates (``Path.FUSED``): one compiled kernel per optimizer configuration.
+
+On CPU and CUDA, the reference row path (``Path.ROW_CHUNKS``) gathers the weight and each slot
+separately, runs the rule as a dozen element-wise torch ops over ``[U, D]`` temporaries and
+scatters each array back. Here the same Python — gather → :func:`~._paths.pipeline` (clipvalue,
+weight decay, the optimizer's own ``rule``, weight clipping) → the ``skip_nonfinite`` gate → EMA →
+scatter — is compiled by ``torch.compile`` (inductor: C++/OpenMP loops on CPU, Triton on CUDA) into
+one loop that reads each touched row of the weight and its slots once and writes them back once.
+The rule stays the one the XLA path traces and the numpy references mirror; nothing is rewritten.
+
+Shapes are dynamic (the number of touched rows, the table size), so a configuration compiles once
+(plus at most one more for a step with a single touched row, which dynamic shapes specialise); the
+hyper-parameters are constants of its kernel (a new configuration compiles a new kernel); the
+learning rate and step count are tensors (a schedule does not recompile). inductor keeps compiled
+kernels on disk (``TORCHINDUCTOR_CACHE_DIR``, by default ``/tmp/torchinductor_<user>``), so a new
+process with the same configuration reuses them.
+
+The duplicate sum is fused too (:func:`coalesce_pieces`): the lookup's backward leaves its gradient
+factored (``gains [N, L]``, ``dL/dout [N, D]``), and the rows of each id are summed by one sparse
+``[U, N] @ [N, D]`` product over the ids sorted stably — the ``[N·L, D]`` rows are never made, and
+the sum runs in the reference's order (each row's contributions in the order they were looked up).
+Its output lives in a per-table buffer reused every step (no batch-sized allocation to fault in).
+
+If compiling fails (no C++ compiler, say), the update falls back to the reference path with one
+warning. ``TTE_FUSED_UPDATE=0`` in the environment, or :func:`set_enabled`, turns the path off.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+import warnings
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from torch_tpu_embedding._rows import BagRows, RowGrad, table_info
+from torch_tpu_embedding.optim._contract import RowContext, Slots, optimizer_class
+from torch_tpu_embedding.optim._ema import ema_row_update, momentum_now
+from torch_tpu_embedding.optim._slots import logical_rows, math_dtype, rule_slots
+
+if TYPE_CHECKING:
+    from torch_tpu_embedding.optim._intake import Work
+
+__all__ = ["coalesce_pieces", "compiled_kernels", "enabled", "set_enabled", "update", "usable"]
+
+Tensor = torch.Tensor
+
+_ENABLED = os.environ.get("TTE_FUSED_UPDATE", "1").strip().lower() not in ("0", "false", "off", "no")
+#: compiled kernels by configuration key; ``None``: compiling failed (the reference path runs)
+_KERNELS: dict[tuple[Any, ...], Callable[..., None] | None] = {}
+_WARNED = False
+#: set when inductor found no C++ compiler: the fused path is not chosen again in this process
+_NO_COMPILER = False
+#: per-table buffer of the summed gradient rows, reused every step
+_BUFFERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # type: ignore[no-untyped-call]
+#: group entries that are not hyper-parameters of the rule
+_NOT_HP = frozenset({"params", "lr", "slot_creation_fn"})
+#: group entries the kernel does not read (the intake's, the per-call EMA's, the rule's name: the key
+#: names the rule itself): configurations that differ only here share a kernel
+_NOT_IN_KERNEL = frozenset({
+    "algorithm", "use_gradient_accumulation", "gradient_accumulation_steps", "loss_scale_factor", "clipnorm",
+    "global_clipnorm", "skip_nonfinite", "ema_overwrite_frequency",
+})
+
+
+def enabled() -> bool:
+    """Whether eager row updates take the fused path (``TTE_FUSED_UPDATE``, :func:`set_enabled`)."""
+    return _ENABLED
+
+
+def set_enabled(on: bool) -> bool:
+    """Turn the fused path on or off for later steps; returns the previous setting."""
+    global _ENABLED
+    before, _ENABLED = _ENABLED, bool(on)
+    return before
+
+
+def usable(p: Tensor) -> bool:
+    """The fused path may run for ``p``: an eager CPU / CUDA table with the path enabled, whose rows
+    are slot rows (no interleaved row layout of the id exchange, :class:`~._slots.SlotRows`)."""
+    if not _ENABLED or _NO_COMPILER or p.device.type not in ("cpu", "cuda"):
+        return False
+    info = table_info(p)
+    return info is None or info.layout is None
+
+
+def compiled_kernels() -> int:
+    """How many fused kernels this process has built (each compiled on its first use)."""
+    return sum(fn is not None for fn in _KERNELS.values())
+
+
+# --------------------------------------------------------------------------------------- the duplicate sum
+def coalesce_pieces(pieces: RowGrad, p: Tensor) -> tuple[Tensor, Tensor] | None:
+    """Sum the gradient rows of table ``p`` per id: ``(uniq [U], g [U, D])``, padding dropped.
+
+    Every chunk becomes ``(ids [n], source rows, which source row, gain)``: a lookup's
+    :class:`BagRows` contributes ``gains[n, l] · grad_out[n]`` (never multiplied out), plain rows
+    ``1 · rows[k]``. The ids are sorted stably and ``g = S @ sources`` with ``S [U, Σ sources]``
+    the sparse matrix of gains, so each row sums its contributions in the order they were looked up,
+    as ``index_add_`` does on the reference path. ``None`` (the caller multiplies out and sums as the
+    reference does) for rows not in the update's dtype (a 16-bit table's; its steps on ``FUSED`` take
+    the rows multiplied out by the backward, see :func:`._intake.take`) and for fewer than 2 ids per
+    source row.
+    """
+    sentinel, dtype = p.shape[0], math_dtype(p)
+    ids_parts, col_parts, val_parts, sources = [], [], [], []
+    offset = 0
+    for ids, rows in pieces.chunks():
+        if isinstance(rows, BagRows):
+            src, gains = rows.grad_out, rows.gains
+            width = gains.shape[1]
+            col = torch.arange(ids.numel(), device=ids.device) // width
+            val = gains.reshape(-1)
+        else:
+            src = rows
+            col = torch.arange(ids.numel(), device=ids.device)
+            val = torch.ones(ids.numel(), dtype=rows.dtype, device=rows.device)
+        if src.dtype != dtype or val.dtype != dtype:
+            return None
+        ids_parts.append(ids)
+        col_parts.append(col + offset)
+        val_parts.append(val)
+        sources.append(src)
+        offset += src.shape[0]
+    if not ids_parts:
+        raise RuntimeError("RowGrad is empty: no backward pass reached this table.")
+    if sum(i.numel() for i in ids_parts) < 2 * offset:
+        # Few ids per source row (1 id per bag): multiplying out costs little, and unique +
+        # index_add_ beat the sparse product's fixed cost (4,096 ids: 1.7 against 9 ms, 1 thread).
+        return None
+    ids = ids_parts[0] if len(ids_parts) == 1 else torch.cat(ids_parts)
+    col = col_parts[0] if len(col_parts) == 1 else torch.cat(col_parts)
+    val = val_parts[0] if len(val_parts) == 1 else torch.cat(val_parts)
+    src = sources[0] if len(sources) == 1 else torch.cat(sources)
+    sorted_ids, perm = torch.sort(ids, stable=True)
+    uniq, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    u = uniq.shape[0]
+    crow = torch.zeros(u + 1, dtype=torch.int64, device=ids.device)
+    torch.cumsum(counts, 0, out=crow[1:])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+        mat = torch.sparse_csr_tensor(crow, col[perm], val[perm], (u, src.shape[0]))
+    buf = _buffer(p, u, src.shape[1], dtype, src.device)
+    torch.mm(mat, src, out=buf)
+    if u and int(uniq[-1]) == sentinel:  # padding sorts last: drop it as a prefix view
+        uniq, buf = uniq[:-1], buf[:-1]
+    return uniq, buf
+
+
+def _buffer(owner: object, rows: int, dim: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``[rows, dim]`` rows of ``owner``'s buffer (grown when too small; reused otherwise)."""
+    buf: Tensor | None = _BUFFERS.get(owner)  # type: ignore[no-untyped-call]
+    if buf is None or buf.shape[0] < rows or buf.shape[1] != dim or buf.dtype != dtype or buf.device != device:
+        buf = torch.empty(max(rows, 1), dim, dtype=dtype, device=device)
+        _BUFFERS[owner] = buf
+    return buf[:rows]
+
+
+# --------------------------------------------------------------------------------------- the fused kernel
+def _kernel_source(
+    rule_hp: Mapping[str, Any], names: tuple[str, ...], mdtype: torch.dtype, gate: bool, ema: bool
+) -> Callable[..., None]:
+    """The Python that is compiled: the reference row update of :mod:`._paths` for unique ids."""
+    from torch_tpu_embedding.optim._paths import gated, pipeline
+
+    momentum = float(rule_hp.get("ema_momentum", 0.0))
+
+    def fused_rows(p: Tensor, ids: Tensor, g: Tensor, row_slots: list[Tensor], lr: Tensor, step: Tensor,
+                   num_rows: int, gate_t: Tensor | None, ema_t: Tensor | None, ema_last: Tensor | None,
+                   it: Tensor | None, keep: Tensor | None, mu: Tensor | None) -> None:
+        w0 = p[ids].to(mdtype)
+        slots: Slots = {k: s[ids] for k, s in zip(names, row_slots, strict=True)}
+        ctx = RowContext(mask=None, count=None, num_rows=num_rows)
+        w, new = pipeline(w0, g, slots, lr, step, rule_hp, ctx)
+        if gate:
+            w = gated(gate_t, w, w0)
+        stored = w.to(p.dtype)
+        for k, s in zip(names, row_slots, strict=True):
+            value = new[k].to(s.dtype)
+            s.index_copy_(0, ids, gated(gate_t, value, slots[k]) if gate else value)
+        p.index_copy_(0, ids, stored)
+        if ema:
+            assert ema_t is not None and ema_last is not None and it is not None and mu is not None
+            avg, last = ema_t[ids], ema_last[ids]
+            avg, last = ema_row_update(avg, last, w0, stored.to(mdtype), it, keep, mu, momentum)
+            ema_t.index_copy_(0, ids, avg)
+            ema_last.index_copy_(0, ids, last)
+
+    return fused_rows
+
+
+def _key(item: Work, names: tuple[str, ...]) -> tuple[Any, ...]:
+    p, group, state = item.p, item.group, item.state
+    rule = optimizer_class(group["algorithm"]).rule
+    hp = tuple(sorted((k, repr(v)) for k, v in group.items() if k not in _NOT_HP | _NOT_IN_KERNEL))
+    slot_dtypes = tuple(state[k].dtype for k in names)
+    return (rule.__module__, rule.__qualname__, hp, p.device.type, p.dtype, p.dim(), slot_dtypes,
+            item.gate is not None, torch.get_num_threads())
+
+
+def _build(item: Work, names: tuple[str, ...]) -> Callable[..., None]:
+    group = item.group
+    rule_hp = {k: v for k, v in group.items() if k not in _NOT_HP}
+    src = _kernel_source(rule_hp, names, math_dtype(item.p), item.gate is not None, bool(group["use_ema"]))
+    # A code object of its own per configuration: torch.compile keeps its compiled graphs per code
+    # object, and a shared one would count every configuration against one recompile limit.
+    code = src.__code__.replace(co_name=f"fused_rows_{group['algorithm']}_{len(_KERNELS)}")
+    fn = types.FunctionType(code, src.__globals__, code.co_name, src.__defaults__, src.__closure__)
+    # compile_threads=1: one kernel compiles faster in this process than through a pool of workers
+    # that each import torch first.
+    compiled: Callable[..., None] = torch.compile(fn, dynamic=True, fullgraph=True,
+                                                  options={"compile_threads": 1})
+    return compiled
+
+
+def _call(fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+    # Hyper-parameters are constants of the kernel, as they are Python numbers of the eager rule (an
+    # unspecialised float exponent makes inductor call pow() where eager torch.pow computes x ** -0.5
+    # as 1 / sqrt(x)). No duck sizing: sizes that happen to be equal in the first call (the touched
+    # rows and the rows of a buffer) must not become one symbol, or the next call recompiles. The few
+    # shape guards are checked in Python: compiled to C++ they cost a compiler run per kernel.
+    import torch.fx.experimental._config as fx_config
+
+    no_duck = fx_config.patch(use_duck_shape=False)  # type: ignore[attr-defined]
+    dynamo = torch._dynamo.config.patch(specialize_float=True, enable_cpp_symbolic_shape_guards=False)
+    with dynamo, no_duck, torch.no_grad():
+        fn(*args)
+
+
+def update(item: Work) -> bool:
+    """Run ``item``'s row update (unique ids, no sentinel) as one fused kernel; ``False`` if no
+    kernel could be compiled, or fewer than 2 rows were touched (the caller then runs the reference
+    path: dynamic shapes specialise sizes 0 and 1, and such a step is no work to speed up)."""
+    global _NO_COMPILER
+    p, group, state, ids = item.p, item.group, item.state, item.ids
+    assert ids is not None
+    if ids.shape[0] < 2:
+        return False
+    names = tuple(rule_slots(p, group))
+    key = _key(item, names)
+    first = key not in _KERNELS
+    if first:
+        missing = _missing_compiler()
+        if missing is not None:  # every later step chooses the reference path (usable() is False)
+            _NO_COMPILER = True
+            _warn(missing)
+            return False
+        _KERNELS[key] = _build(item, names)
+    fn = _KERNELS[key]
+    if fn is None:
+        return False
+    step = state["step"] + 1
+    ema = bool(group["use_ema"])
+    clock, skip = item.clock, group["skip_nonfinite"]
+    # Not views: the compiled code would guard on each view's base (its size, and whether there is one).
+    args = (
+        p, ids.detach(), item.g.detach(), [state[k] for k in names], item.lr, step, logical_rows(p), item.gate,
+        state["ema"] if ema else None, state["ema_last"] if ema else None,
+        clock.ema_on(p.device, skip).to(torch.int32) if ema else None,
+        clock.keep(p.device, skip) if ema else None,
+        momentum_now(group, clock, p.device, math_dtype(p)) if ema else None,
+    )
+    if first:
+        try:
+            _call(fn, args)
+        except Exception as e:  # compiling failed before anything was written
+            _KERNELS[key] = None
+            text = str(e).strip()
+            # No compiler, or the first build of the process failed (a toolchain without Python's
+            # headers or OpenMP, say): later configurations would fail too, each after seconds of
+            # tracing. Once a kernel has been built, a failure is this configuration's alone.
+            if "InvalidCxxCompiler" in text or compiled_kernels() == 0:
+                _NO_COMPILER = True
+            _warn(f"{type(e).__name__}: {text.splitlines()[0] if text else ''}")
+            return False
+    else:
+        _call(fn, args)
+    state["step"].copy_(step if item.gate is None else torch.where(item.gate, step, state["step"]))
+    return True
+
+
+def _missing_compiler() -> str | None:
+    """Why inductor has no C++ compiler to build a CPU kernel with (``None``: it has one)."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+    except ImportError:  # another torch: the first compile tells
+        return None
+    try:
+        get_cpp_compiler()
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    return None
+
+
+def _warn(why: str) -> None:
+    global _WARNED
+    if _WARNED:
+        return
+    _WARNED = True
+    warnings.warn(
+        f"torch_tpu_embedding: the fused row update could not be compiled ({why}); eager updates run "
+        "the reference path (slower, same results). Set TTE_FUSED_UPDATE=0 to skip the attempt.",
+        RuntimeWarning,
+        stacklevel=2,
+    )

@@ -10,6 +10,8 @@ configuration compiles its own kernel, a few seconds each.
 
 from __future__ import annotations
 
+import dataclasses
+
 import warnings
 from typing import Any
 
@@ -229,11 +231,15 @@ def test_without_a_cxx_compiler_one_warning_and_the_reference_path(monkeypatch: 
 
 
 @needs_compiler
-def test_fused_table_group_and_state_dict_equal_the_reference_path() -> None:
+@pytest.mark.parametrize("clipnorm", [None, 0.05], ids=["plain", "clipnorm"])
+def test_fused_table_group_and_state_dict_equal_the_reference_path(clipnorm: float | None) -> None:
     """Two tables in one fused group (``fuse_tables=True``), LazyAdam, the fused update and the reference
     path in lockstep (as :func:`run_lockstep`): after every call the same ``state_dict`` keys and
-    structure, values within 1e-6."""
+    structure, values within 1e-6. ``clipnorm`` binds (gradient norms far above 0.05) and clips each
+    table of the group by its own norm on both paths."""
     cfg = next(c for c in cases(FUSED_PATH) if c.id == "lazy_adam")
+    if clipnorm is not None:
+        cfg = dataclasses.replace(cfg, kwargs={**cfg.kwargs, "clipnorm": clipnorm})
 
     def build() -> tuple[tte.EmbeddingCollection, Any]:
         torch.manual_seed(0)

@@ -152,7 +152,7 @@ def prepare(
             else:
                 uniq, g = summed
                 g = g if s is None else g / s
-                return work(uniq, clip_by_norm(g, group["clipnorm"]) if group["clipnorm"] else g, None)
+                return work(uniq, _clip(p, g, uniq, group["clipnorm"]) if group["clipnorm"] else g, None)
         if taken.pieces is not None:
             return work(torch.empty(0, dtype=torch.int64), torch.empty(0), None, pieces=taken.pieces, divisor=s)
         rows = taken.rows

@@ -11,7 +11,6 @@ configuration compiles its own kernel, a few seconds each.
 from __future__ import annotations
 
 import dataclasses
-
 import warnings
 from typing import Any
 

@@ -25,7 +25,7 @@ shared cores run all n virtual devices, so times are indicative only), compiles 
 host fallbacks, ids dropped by overflow and the largest per-shard load. Goals for ``row`` (printed, not
 asserted): bytes at n = 8 ≤ 1.3 × bytes at n = 2 and ≤ 3 × ideal.
 
-Run (from the repository root; about 15 minutes on 2 cores):
+Run (from the repository root; about 4 minutes on 2 shared cores, 2026-11-23):
 
     PJRT_DEVICE=CPU OMP_WAIT_POLICY=PASSIVE python benchmarks/spmd_scaling.py [--devices 2 4 8] [--steps 8]
         [--batch 64] [--phases row row/sized row/all-reduce column replicated]

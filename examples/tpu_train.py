@@ -4,8 +4,9 @@ Tables are placed on a 1-D device mesh by their ``TableConfig.placement`` (a lar
 table, a column-sharded item table, a small replicated table); the dense tower is replicated. The
 row-sharded table trains through the id exchange: each device looks up its slice of the batch by
 sending the ids to the shards that own them, and the optimizer updates every row where it lives, so
-per-device communication does not grow with the number of devices. The optimizer's slots are created
-with their table's layout, and every training step is one compiled graph (docs/sharding.md).
+per-device communication follows the device's own batch, not the number of devices times the batch.
+The optimizer's slots are created with their table's layout, and every training step is one compiled
+graph (docs/sharding.md).
 
 Run here (XLA on the CPU, 4 virtual devices, single process)::
 

@@ -386,7 +386,9 @@ def load_distributed(
             value = to_logical(host, n, saved_order, saved_k)
             order, slot_k = layout_of(layouts.get(k))
             current = t.detach().cpu() if order is not None or t.device.type == "cpu" else t
-            t.copy_(from_logical(value.to(current.device), current, order, slot_k).to(t.device))
+            # Copied from the host tensor itself: an XLA destination keeps its sharding (copying a
+            # replicated device tensor into it would leave the table replicated).
+            t.copy_(from_logical(value.to(current.device), current, order, slot_k))
     if optimizer is not None:
         _row_sparse(optimizer).load_physical_rest(meta["optimizer"])
 

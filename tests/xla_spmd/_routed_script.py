@@ -37,6 +37,7 @@ RULES: dict[str, Any] = {
     "lazy_adam": functools.partial(O.LazyAdam, lr=0.05, bias_correction=True, sum_inside_sqrt=False),
     "ftrl": functools.partial(O.FTRL, lr=0.1, l1_regularization_strength=0.001),
     "adafactor": functools.partial(O.Adafactor, lr=0.1),
+    "rowwise_adagrad": functools.partial(O.RowWiseAdagrad, lr=0.1, weight_decay=0.01),
 }
 EXTRAS: dict[str, dict[str, Any]] = {
     "plain": {},

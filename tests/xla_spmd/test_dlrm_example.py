@@ -1,5 +1,6 @@
 """examples/dlrm_synthetic.py on 4 virtual devices: it learns, compiles one graph, falls back never, and
-lays every table out as asked (row-sharded, or the size rule's mix of row and replicated).
+lays every table out as asked (row-sharded, or the size rule's mix of row and replicated); its row-sharded
+tables, and only those, train through the id exchange (loads reported, no id dropped).
 
 Short mode: 8 tables (vocabularies 20,000 and 600 alternating, two of them multi-hot bags of <= 8 ids),
 batch 256, 40 steps. The example clears torch_xla's metrics after building the model and its
@@ -49,6 +50,16 @@ def check_learns_in_one_graph(out: str) -> dict[str, list]:
     return shardings
 
 
+def exchange_loads(out: str) -> dict[str, list[int]]:
+    """The example's ``id exchange`` line: ``{table: [largest per-shard load, capacity]}``. Only tables that
+    trained through the id exchange are listed (``EmbeddingCollection.largest_loads``); none: no line."""
+    m = re.search(r"^id exchange, largest per-shard load / capacity: (.*)$", out, re.M)
+    loads: dict[str, list[int]] = json.loads(m.group(1)) if m else {}
+    for name, (load, cap) in loads.items():
+        assert 0 < load <= cap, (name, load, cap)  # ids were routed, none dropped
+    return loads
+
+
 def test_row_sharded_tables_with_distributed_checkpoint(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     out = run("--placement", "row", "--save", str(ckpt))
@@ -56,6 +67,7 @@ def test_row_sharded_tables_with_distributed_checkpoint(tmp_path: Path) -> None:
     assert "placements: {'row': 8}" in out, out
     for name, (placement, _, spec) in shardings.items():
         assert placement == "row" and spec == "{devices=[4,1]0,1,2,3}", (name, placement, spec)
+    assert sorted(exchange_loads(out)) == sorted(shardings), out  # every row-sharded table: the id exchange
 
     # The directory loads into the same model on the CPU (no torch_xla there): logical rows, trained.
     spec = importlib.util.spec_from_file_location("dlrm_synthetic", EXAMPLE)
@@ -85,6 +97,7 @@ def test_auto_placement_mixes_row_and_replicated() -> None:
             assert placement == "row" and spec == "{devices=[4,1]0,1,2,3}", (name, placement, spec)
         else:
             assert placement == "replicated" and spec == "{replicated}", (name, placement, spec)
+    assert sorted(exchange_loads(out)) == ["t0", "t2", "t4", "t6"], out  # the row-sharded ones, not the others
 
 
 def test_fused_replicated_tables_share_one_buffer_and_copy_no_table(tmp_path: Path) -> None:
@@ -96,6 +109,7 @@ def test_fused_replicated_tables_share_one_buffer_and_copy_no_table(tmp_path: Pa
     shardings = check_learns_in_one_graph(out)
     assert "placements: {'replicated': 8}" in out and "--fuse-tables True" in out, out
     assert {tuple(v) for v in shardings.values()} == {("replicated", 82432, "{replicated}")}  # 82,400 rows padded
+    assert exchange_loads(out) == {}  # replicated: no id exchange
     step = max(dump.glob("*after_optimizations.txt"), key=lambda f: f.stat().st_size)  # the training step
     copies = re.findall(r"f32\[(\d+),16\]\S* copy\(", step.read_text())
     assert not [c for c in copies if int(c) >= 600], copies

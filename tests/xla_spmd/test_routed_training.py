@@ -8,7 +8,8 @@ OWNER_LOCAL update path), with nothing changed in the training loop:
   2 and 8 in subprocesses (_routed_script.py);
 * the step takes the OWNER_LOCAL path;
 * a capacity too small: ``check_ids()`` raises naming the features, the shard and the capacity that would have
-  sufficed; the table and its slots are unchanged; ``largest_loads()`` equals the loads counted on the host.
+  sufficed; the table and its slots are unchanged; ``largest_loads()`` equals the loads counted on the host;
+* a single-file checkpoint loads into such a table with its and its slots' shardings kept.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import _routed_script as script  # noqa: E402
 import torch_tpu_embedding as tte  # noqa: E402
 from torch_tpu_embedding.optim import _paths  # noqa: E402
 from torch_tpu_embedding.optim._paths import Path as UpdatePath  # noqa: E402
-from torch_tpu_embedding.xla import device_mesh, replicate, shard  # noqa: E402
+from torch_tpu_embedding.xla import device_mesh, replicate, shard, sharding_spec  # noqa: E402
 
 ROOT = Path(__file__).parents[2]
 DEV = torch_xla.device()
@@ -157,3 +158,33 @@ def test_overflow_raises_at_check_ids_and_updates_nothing() -> None:
     _step(ec, head, opt, torch.tensor([[1, 2, 3, 4]] * 8), torch.tensor([5] * 8))
     ec.check_ids()
     assert not torch.equal(_logical(ec, opt)["weight"], before["weight"])
+
+
+def test_single_file_checkpoint_keeps_the_shardings(tmp_path: Path) -> None:
+    """tte.checkpoint.load into a table trained through the exchange: logical rows written into the interleaved
+    table and chunked slots from the host, whose layouts stay row-sharded (copying a replicated device tensor
+    into them left Adam's slots replicated: a whole table-sized slot on every device); the state equals the
+    saved one, and the next step compiles nothing new."""
+    ec, head, opt = _model()
+    g = torch.Generator().manual_seed(5)
+    _step(ec, head, opt, torch.randint(0, 1001, (8, 4), generator=g), torch.randint(0, 1001, (8,), generator=g))
+    tte.checkpoint.save(tmp_path / "ckpt.pt", model=ec, optimizer=opt)
+    saved = _logical(ec, opt)
+
+    ec2, head2, opt2 = _model()
+    w = ec2.tables.t.weight
+    shardings = {"weight": sharding_spec(w), **{k: sharding_spec(v) for k, v in opt2.state[w].items() if v.dim()}}
+    assert shardings["weight"] == "{devices=[4,1]0,1,2,3}" and shardings["momenta"] == shardings["weight"]
+    tte.checkpoint.load(tmp_path / "ckpt.pt", model=ec2, optimizer=opt2)
+    torch_xla.sync()
+    assert {"weight": sharding_spec(w), **{k: sharding_spec(opt2.state[w][k]) for k in shardings if k != "weight"}} \
+        == shardings
+    loaded = _logical(ec2, opt2)
+    for k, v in saved.items():
+        assert torch.equal(loaded[k], v), k
+    a, b = torch.randint(0, 1001, (8, 4), generator=g), torch.randint(0, 1001, (8,), generator=g)
+    _step(ec2, head2, opt2, a, b)  # the first step after the load may compile (the loaded buffers are new)
+    met.clear_all()
+    _step(ec2, head2, opt2, a, b)
+    assert (met.counter_value("UncachedCompile") or 0) == 0 and met.executed_fallback_ops() == []
+    assert sharding_spec(w) == shardings["weight"]

@@ -213,7 +213,8 @@ def _write_logical_slot(p: Tensor, slot: Tensor, value: Tensor, k: int) -> None:
     if layout is None:
         write_whole(slot, to_device(value.to(slot.dtype), p.device))
         return
-    slot.copy_(to_device(from_logical(value.to(slot.dtype), slot.detach().cpu(), layout, k), p.device))
+    # From the host tensor itself: the sharded slot keeps its layout (a replicated device copy would not).
+    slot.copy_(from_logical(value.to(slot.dtype).cpu(), slot.detach().cpu(), layout, k))
 
 
 def _saved_accumulation(p: Tensor, state: Mapping[str, Tensor]) -> dict[str, Tensor]:

@@ -29,7 +29,8 @@ torch_xla = pytest.importorskip("torch_xla")
 import torch_xla.distributed.spmd as xs  # noqa: E402
 import torch_xla.runtime as xr  # noqa: E402
 
-xr.use_spmd()
+if not xr.is_spmd():  # once per process: a second call warns (XLA_USE_SPMD is set by the first)
+    xr.use_spmd()
 sys.path.insert(0, str(Path(__file__).parent))
 import _exchange_script as script  # noqa: E402
 

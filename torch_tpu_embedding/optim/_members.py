@@ -23,7 +23,7 @@ import torch
 from torch_tpu_embedding._rows import table_info
 from torch_tpu_embedding.optim._contract import SlotSpec
 
-__all__ = ["clip_members", "created_member_slots", "member_rows", "member_specs", "segment_of"]
+__all__ = ["check_created", "clip_members", "created_member_slots", "member_rows", "member_specs", "segment_of"]
 
 Tensor = torch.Tensor
 
@@ -79,6 +79,17 @@ def clip_members(g: Tensor, seg: Tensor, members: int, clipnorm: float) -> Tenso
     return g * row.unsqueeze(-1).to(g.dtype)
 
 
+def check_created(made: Any, shapes: Mapping[str, tuple[int, ...]], where: str = "") -> None:
+    """Raise unless ``slot_creation_fn``'s result ``made`` holds a tensor of each shape in ``shapes``."""
+    for k, shape in shapes.items():
+        s = made.get(k) if isinstance(made, Mapping) else None
+        if not isinstance(s, Tensor) or tuple(s.shape) != shape:
+            raise ValueError(
+                f"slot_creation_fn must return a dict with a tensor of shape {shape} for slot '{k}'{where}. "
+                f"Received: {type(s).__name__}" + (f" {tuple(s.shape)}" if isinstance(s, Tensor) else "")
+            )
+
+
 def created_member_slots(
     p: Tensor, fn: Callable[..., Any], names: list[str], specs: Mapping[str, SlotSpec],
     table_specs: Callable[[tuple[int, ...]], Mapping[str, SlotSpec]],
@@ -97,14 +108,7 @@ def created_member_slots(
         rows = w[first : first + n] if logical is None else w.index_select(0, logical[first : first + n])
         want = table_specs((n, *p.shape[1:]))
         made = fn(rows, names, {k: want[k].init for k in names})
-        for k in names:
-            s = made.get(k) if isinstance(made, Mapping) else None
-            if not isinstance(s, Tensor) or tuple(s.shape) != want[k].shape:
-                raise ValueError(
-                    f"slot_creation_fn must return a dict with a tensor of shape {want[k].shape} for slot "
-                    f"'{k}' of table '{tname}'. Received: {type(s).__name__}"
-                    + (f" {tuple(s.shape)}" if isinstance(s, Tensor) else "")
-                )
+        check_created(made, {k: want[k].shape for k in names}, f" of table '{tname}'")
         parts.append(made)
     out: dict[str, Tensor] = {}
     for k in names:

@@ -23,7 +23,7 @@ import torch
 
 from torch_tpu_embedding._rows import table_info
 from torch_tpu_embedding.optim._contract import SlotSpec, identity, optimizer_class
-from torch_tpu_embedding.optim._members import created_member_slots, member_rows, member_specs
+from torch_tpu_embedding.optim._members import check_created, created_member_slots, member_rows, member_specs
 from torch_tpu_embedding.xla.ownership import slot_row
 
 __all__ = [
@@ -207,14 +207,7 @@ def make_state(p: Tensor, group: Mapping[str, Any]) -> dict[str, Tensor]:
     elif fn is not None:
         names = rule_slots(p, group)
         made = fn(p, names, {n: all_specs[n].init for n in names})
-        for name in names:
-            s = made.get(name) if isinstance(made, Mapping) else None
-            if not isinstance(s, Tensor) or tuple(s.shape) != all_specs[name].shape:
-                raise ValueError(
-                    f"slot_creation_fn must return a dict with a tensor of shape "
-                    f"{all_specs[name].shape} for slot '{name}'. Received: {type(s).__name__}"
-                    + (f" {tuple(s.shape)}" if isinstance(s, Tensor) else "")
-                )
+        check_created(made, {n: all_specs[n].shape for n in names})
     state: dict[str, Tensor] = {}
     where = slot_rows(p, group)
     for name, spec in all_specs.items():

@@ -149,12 +149,6 @@ def _split_fused_entries(
         state.update({f"table:{t}": part for t, part in parts.items()})
 
 
-def _write_atomic(payload: dict[str, Any], path: str | os.PathLike[str]) -> None:
-    """Atomic write (temp file + fsync + rename); stale temporaries of killed saves are removed
-    (:func:`torch_tpu_embedding._ckpt_io.write_atomic`)."""
-    write_atomic(payload, path)
-
-
 def save(
     path: str | os.PathLike[str],
     *,
@@ -176,7 +170,7 @@ def save(
     }
     check_loadable(payload["extra"], "extra")  # before anything on disk changes
     check_loadable(payload, "checkpoint")
-    _write_atomic(payload, path)
+    write_atomic(payload, path)
 
 
 def load(
@@ -301,7 +295,7 @@ def save_distributed(
     # before the id exchange: every tensor in logical order).
     meta = {"format": FORMAT, "rows": rows, "members": members, "layouts": layouts,
             "optimizer": to_cpu(rest) if optimizer is not None else None}
-    _write_atomic(meta, os.path.join(target, _META))
+    write_atomic(meta, os.path.join(target, _META))
 
 
 def _read_meta(path: str) -> Any:
@@ -434,4 +428,4 @@ def convert_distributed(path: str | os.PathLike[str], out: str | os.PathLike[str
         _split_fused_entries(state, members, meta["rows"], prefix="optim/")
         optimizer_sd = {"state": state, "param_groups": meta["optimizer"]["param_groups"],
                         "iterations": meta["optimizer"]["iterations"]}
-    _write_atomic({"format": FORMAT, "model": model_sd, "optimizer": optimizer_sd, "extra": None}, out)
+    write_atomic({"format": FORMAT, "model": model_sd, "optimizer": optimizer_sd, "extra": None}, out)

@@ -90,8 +90,7 @@ def choose_path(p: Tensor, group: Mapping[str, Any], *, row_grad: bool) -> Path:
         return Path.ADDITIVE
     if not group["use_gradient_accumulation"]:
         return Path.NO_DEDUP
-    per_row = all(spec.rows for spec in cls.slot_specs(tuple(p.shape), group, True).values())
-    if static or not per_row:
+    if static or _whole_slots(p, group):
         return Path.ROWS
     from torch_tpu_embedding.optim import _fused_update
 
@@ -202,7 +201,7 @@ def _update_rows(item: Work, space: RowSpace, ids: Tensor, g: Tensor, seg: Tenso
     names = rule_slots(item.p, group)
     slots = {k: space.gather(k, ids) if k in where.numbers else state[k] for k in names}
     mask = ids < sentinel
-    rows_of = member_rows(item.p) if _whole_slots(item) else ()
+    rows_of = member_rows(item.p) if _whole_slots(item.p, item.group) else ()
     if rows_of:  # a fused group: statistics over rows stay per member table
         seg = segment_of(item.p, ids) if seg is None else seg
         assert seg is not None
@@ -241,9 +240,9 @@ def _update_rows(item: Work, space: RowSpace, ids: Tensor, g: Tensor, seg: Tenso
             ema_rows(item, space, ema_ids, ema_w0, p.index_select(0, ema_ids.clamp(max=sentinel - 1)).to(w0.dtype))
 
 
-def _whole_slots(item: Work) -> bool:
-    """Whether ``item``'s rule keeps whole-table slots (statistics over a table's rows)."""
-    specs = optimizer_class(item.group["algorithm"]).slot_specs(tuple(item.p.shape), item.group, True)
+def _whole_slots(p: Tensor, group: Mapping[str, Any]) -> bool:
+    """Whether the rule of ``p``'s group keeps whole-table slots (statistics over a table's rows)."""
+    specs = optimizer_class(group["algorithm"]).slot_specs(tuple(p.shape), group, True)
     return any(not spec.rows for spec in specs.values())
 
 
@@ -266,7 +265,7 @@ def _update_owner_local(item: Work) -> None:
     clock = item.clock.device_values(item.p.device)
     lazy = optimizer_class(item.group["algorithm"]).is_lazy(item.group)
 
-    seg = segment_of(item.p, item.ids, owned=True) if lazy and _whole_slots(item) else None
+    seg = segment_of(item.p, item.ids, owned=True) if lazy and _whole_slots(item.p, item.group) else None
 
     def on_shard(rows: dict[str, Tensor], small: dict[str, Tensor], inputs: list[Tensor],
                  rep: list[Tensor | None]) -> list[Tensor]:

@@ -200,3 +200,27 @@ def test_a_failed_distributed_load_changes_nothing(tmp_path: Path) -> None:
         tte.checkpoint.load_distributed(ckpt, model=other, optimizer=other_opt)
     after = snapshot(other, other_opt, ckpt)
     assert all(same(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("damage, pattern", [
+    (lambda pl: pl.__setitem__("model", [1, 2]), r"model: not a state_dict \(a mapping of names to tensors\): found list"),
+    (lambda pl: pl["optimizer"]["state"].__setitem__("table:a", 5),
+     r"optimizer: state\['table:a'\] is a int, not a mapping of slot names to tensors"),
+    (lambda pl: pl["optimizer"].__setitem__("param_groups", [5]),
+     r"optimizer: param_groups\[0\] is a int, not a mapping with a 'params' list"),
+    (lambda pl: pl["optimizer"].__setitem__("state", [1]),
+     r"optimizer: not an optimizer state_dict \(needs 'state' and 'param_groups'\)"),
+], ids=["model-not-a-mapping", "slot-entry-not-a-mapping", "group-not-a-mapping", "state-not-a-mapping"])
+def test_a_damaged_structure_is_named_and_changes_nothing(tmp_path: Path, damage: Callable[[dict[str, Any]], None],
+                                                          pattern: str) -> None:
+    """A checkpoint whose structure was altered (by hand or by another tool) is refused by name, not with
+    an AttributeError from deep inside the load, and nothing changes."""
+    m, opt, good = prepared(tmp_path)
+    payload = torch.load(good, weights_only=True)
+    damage(payload)
+    torch.save(payload, tmp_path / "damaged.pt")
+    before = snapshot(m, opt, tmp_path)
+    with pytest.raises(CheckpointMismatchError, match=pattern):
+        tte.checkpoint.load(tmp_path / "damaged.pt", model=m, optimizer=opt)
+    after = snapshot(m, opt, tmp_path)
+    assert all(same(before[k], after[k]) for k in before)

@@ -65,6 +65,8 @@ def expected_model_state(model: torch.nn.Module) -> dict[str, tuple[torch.Size, 
 
 def model_problems(model: torch.nn.Module, state: Mapping[str, Any], strict: bool) -> list[str]:
     """What ``model.load_state_dict(state, strict=strict)`` would refuse, in torch's words; writes nothing."""
+    if not isinstance(state, Mapping):
+        return [f"not a state_dict (a mapping of names to tensors): found {type(state).__name__}"]
     expected = expected_model_state(model)
     problems = []
     if strict:

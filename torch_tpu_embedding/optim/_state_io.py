@@ -340,6 +340,13 @@ def state_problems(opt: RowSparseOptimizer, sd: Any) -> list[str]:
     if not isinstance(sd, Mapping) or not isinstance(sd.get("state"), Mapping) \
             or not isinstance(sd.get("param_groups"), list):
         return ["not an optimizer state_dict (needs 'state' and 'param_groups')"]
+    bad = [f"param_groups[{i}] is a {type(g).__name__}, not a mapping with a 'params' list"
+           for i, g in enumerate(sd["param_groups"])
+           if not isinstance(g, Mapping) or not isinstance(g.get("params"), list)]
+    bad += [f"state[{k!r}] is a {type(v).__name__}, not a mapping of slot names to tensors"
+            for k, v in sd["state"].items() if not isinstance(v, Mapping)]
+    if bad:
+        return bad
     keys = param_keys(opt)
     sd = _renumbered(opt, dict(sd), keys)
     by_key, rows_of = _logical_targets(opt, keys)

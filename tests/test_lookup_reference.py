@@ -241,7 +241,12 @@ def test_state_dict_names_repr_and_embedding_tables() -> None:
     ec = tte.EmbeddingCollection({"a": {"x": tte.FeatureConfig(u), "y": tte.FeatureConfig(tte.TableConfig(4, 2))}})
     assert list(ec.state_dict()) == ["tables.user.weight", "tables.table_1.weight"]
     assert list(ec.embedding_tables) == ["user", "table_1"]
-    assert ec.embedding_tables["user"] is ec.tables.user.weight
+    # Stacked (the default): a view of the group's rows; one parameter per table unstacked.
+    assert torch.equal(ec.embedding_tables["user"], ec.tables.user.weight)
+    assert ec.embedding_tables["user"].data_ptr() == ec.groups.fused_0.weight.data_ptr()
+    plain = tte.EmbeddingCollection({"x": tte.FeatureConfig(u), "y": tte.FeatureConfig(tte.TableConfig(4, 2))},
+                                    fuse_tables=False)
+    assert plain.embedding_tables["user"] is plain.tables.user.weight
     text = repr(ec)
     assert "user ← a/x" in text and "table_1 ← a/y" in text and "num_embeddings=5" in text
     out = ec({"a": {"x": torch.tensor([1]), "y": torch.tensor([3])}})

@@ -21,7 +21,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from torch_tpu_embedding._rows import RowGrad
+from torch_tpu_embedding._rows import RowGrad, StackedRows, register_view
 from torch_tpu_embedding.config import TableConfig
 from torch_tpu_embedding.table import EmbeddingTable
 
@@ -33,6 +33,7 @@ __all__ = [
     "fuse_key",
     "join_fused_weights",
     "merge_member_state",
+    "plan_groups",
     "split_fused_weights",
     "split_member_state",
 ]
@@ -40,11 +41,12 @@ __all__ = [
 Members = tuple[tuple[str, int, int], ...]
 
 
-def fuse_key(config: TableConfig) -> tuple[Any, ...]:
+def fuse_key(config: TableConfig, placement: str | None = None) -> tuple[Any, ...]:
     """Tables with equal keys can share one buffer (the optimizer override compares by identity,
-    a name by value)."""
+    a name by value). ``placement``: the table's resolved placement (default: as configured)."""
     opt = config.optimizer
-    return (config.embedding_dim, config.dtype, config.placement, opt if isinstance(opt, str) else id(opt))
+    where = config.placement if placement is None else placement
+    return (config.embedding_dim, config.dtype, where, opt if isinstance(opt, str) else id(opt))
 
 
 class FusedTables(EmbeddingTable):
@@ -56,7 +58,7 @@ class FusedTables(EmbeddingTable):
     values fused or not.
     """
 
-    def __init__(self, tables: Sequence[EmbeddingTable], name: str) -> None:
+    def __init__(self, tables: Sequence[EmbeddingTable], name: str, placement: str | None = None) -> None:
         first = tables[0].config
         offsets, total = [], 0
         for t in tables:
@@ -73,7 +75,7 @@ class FusedTables(EmbeddingTable):
             name=name,
             optimizer=first.optimizer,
             dtype=first.dtype,
-            placement=first.placement,
+            placement=first.placement if placement is None else placement,
             # The group routes its tables' ids together: their capacities add up (all set, else derived).
             max_unique_ids_per_shard=None if None in caps else sum(c for c in caps if c is not None),
         )
@@ -112,13 +114,20 @@ class TableView(nn.Module):
         self.__dict__["group"] = group  # not a submodule: the group is registered once, in `groups`
 
     @property
+    def group(self) -> FusedTables:
+        """The group whose weight holds this table's rows."""
+        group: FusedTables = self.__dict__["group"]
+        return group
+
+    @property
     def weight(self) -> torch.Tensor:
         """``[num_embeddings, D]`` rows of the group's weight: a view, or a host copy when the group is
         stored in a permuted row order (``row_layout``)."""
         group: FusedTables = self.__dict__["group"]
-        if group.row_layout is not None:
-            return group.logical_weight()[self.offset : self.offset + self.config.num_embeddings]
-        return group.weight[self.offset : self.offset + self.config.num_embeddings]
+        rows = StackedRows(self.name, group.name, self.offset, self.config.num_embeddings, group.weight,
+                           group.logical_rows)
+        stored = group.weight if group.row_layout is None else group.weight.detach()
+        return register_view(rows.of(stored), rows)  # optimizers recognise it (and refuse it)
 
     def logical_weight(self) -> torch.Tensor:
         """The table's ``[num_embeddings, D]`` logical rows (as :meth:`EmbeddingTable.logical_weight`)."""
@@ -143,27 +152,34 @@ class TableView(nn.Module):
 
 
 # ------------------------------------------------------------------ building groups, module state
+def plan_groups(configs: Mapping[str, TableConfig], placements: Mapping[str, str]) -> list[tuple[str, ...]]:
+    """The groups :func:`fuse` forms: names of tables with equal :func:`fuse_key` (two or more), in
+    table order, groups in the order of their first table."""
+    by_key: dict[tuple[Any, ...], list[str]] = {}
+    for name, config in configs.items():
+        by_key.setdefault(fuse_key(config, placements.get(name)), []).append(name)
+    return [tuple(names) for names in by_key.values() if len(names) > 1]
+
+
 def fuse(
-    tables: dict[str, nn.Module], groups: nn.ModuleDict, located: dict[str, tuple[EmbeddingTable, int]]
+    tables: dict[str, nn.Module], groups: nn.ModuleDict, located: dict[str, tuple[EmbeddingTable, int]],
+    placements: Mapping[str, str] | None = None,
 ) -> dict[str, nn.Module]:
     """Stack tables with equal :func:`fuse_key` (two or more) into :class:`FusedTables`.
 
     Each group is added to ``groups`` (``fused_<i>``); returns ``tables`` with each stacked table
     replaced by its :class:`TableView`, and records in ``located`` each stacked table's group and
-    first row there.
+    first row there. ``placements``: each table's resolved placement (by name), which its group then
+    takes; default: as configured.
     """
-    by_key: dict[tuple[Any, ...], list[EmbeddingTable]] = {}
-    for t in tables.values():
-        table = cast(EmbeddingTable, t)
-        by_key.setdefault(fuse_key(table.config), []).append(table)
+    where = {} if placements is None else placements
     out: dict[str, nn.Module] = dict(tables)
-    for same in by_key.values():
-        if len(same) < 2:
-            continue
+    for names in plan_groups({n: cast(EmbeddingTable, t).config for n, t in tables.items()}, where):
+        same = [cast(EmbeddingTable, tables[n]) for n in names]
         name = f"fused_{len(groups)}"
         while name in tables:  # a table may be called fused_<i> already
             name = "_" + name
-        group = FusedTables(same, name)
+        group = FusedTables(same, name, where.get(same[0].name))
         groups[name] = group
         for (tname, off, _), t in zip(group.members(), same, strict=True):
             out[tname] = TableView(t.config, tname, group, off)
@@ -183,10 +199,19 @@ def split_fused_weights(module: nn.Module, state_dict: dict[str, Any], prefix: s
     if not fused:
         return
     mine = {k: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)]}
+    lazy: list[torch.Tensor] = []
     for gname, members in fused.items():
         value = mine.pop(prefix + f"groups.{gname}.weight", None)
         if value is not None:
-            mine.update({prefix + f"tables.{t}.weight": value[off : off + n] for t, off, n in members})
+            rows = {prefix + f"tables.{t}.weight": value[off : off + n] for t, off, n in members}
+            if value.device.type == "xla":  # copies: a view of a parameter updated in place is recomputed
+                rows = {k: v.clone() for k, v in rows.items()}  # from it on every read, one compile per shape
+                lazy.extend(rows.values())
+            mine.update(rows)
+    if lazy:  # one graph for every table's rows (a copy of the group, for the time the state_dict lives)
+        from torch_tpu_embedding.xla.transfer import materialize
+
+        materialize(lazy)
     order = [prefix + f"tables.{t}.weight" for t in cast(nn.ModuleDict, module.tables)]
     state_dict.update({k: mine.pop(k) for k in order if k in mine})
     state_dict.update(mine)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from torch_tpu_embedding._layout import RowLayout
 __all__ = [
     "BagRows",
     "RowGrad",
+    "StackedRows",
     "TableInfo",
     "coalesce_rows",
     "dedup_static",
@@ -34,6 +35,8 @@ __all__ = [
     "install_stock_optimizer_guard",
     "is_static_device",
     "register_table",
+    "register_view",
+    "stacked_rows",
     "table_info",
     "unique_ids",
 ]
@@ -234,6 +237,39 @@ def table_info(param: torch.Tensor) -> TableInfo | None:
     """The :class:`TableInfo` of ``param``, or ``None`` for an ordinary (dense) parameter."""
     info: TableInfo | None = _TABLES.get(param)  # type: ignore[no-untyped-call]
     return info
+
+
+@dataclasses.dataclass(frozen=True)
+class StackedRows:
+    """What ``ec.tables.<name>.weight`` of a stacked table is: rows ``[offset, offset + rows)`` of the
+    logical rows of its group's parameter ``weight`` (``logical`` maps the stored rows of a tensor
+    shaped like ``weight`` to logical order)."""
+
+    table: str
+    group: str
+    offset: int
+    rows: int
+    weight: torch.Tensor
+    logical: Callable[[torch.Tensor], torch.Tensor]
+
+    def of(self, whole: torch.Tensor) -> torch.Tensor:
+        """This table's rows of ``whole``, a tensor stored like the group's weight."""
+        return self.logical(whole)[self.offset : self.offset + self.rows]
+
+
+_VIEWS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # type: ignore[no-untyped-call]
+
+
+def register_view(view: torch.Tensor, rows: StackedRows) -> torch.Tensor:
+    """Mark ``view`` as a stacked table's rows (see :func:`stacked_rows`); returns ``view``."""
+    _VIEWS[view] = rows
+    return view
+
+
+def stacked_rows(t: torch.Tensor) -> StackedRows | None:
+    """For the weight of a table stacked in a group (``ec.tables.<name>.weight``), where its rows are."""
+    rows: StackedRows | None = _VIEWS.get(t)  # type: ignore[no-untyped-call]
+    return rows
 
 
 def is_static_device(device: torch.device) -> bool:

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from torch_tpu_embedding._ckpt_check import CheckpointMismatchError, is_row_sparse, model_problems, optimizer_problems
+from torch_tpu_embedding._ckpt_host import host_model_state, host_optimizer_state, split_fused_entries, to_cpu
 from torch_tpu_embedding._ckpt_io import check_loadable, dcp_quiet, dcp_reader, read_dcp_metadata, write_atomic
-from torch_tpu_embedding._fused import split_member_state
 from torch_tpu_embedding._layout import Description, describe, from_logical, layout_of, to_logical
 
 __all__ = [
@@ -32,121 +31,6 @@ __all__ = [
 
 #: written into every checkpoint; :func:`load` refuses other formats
 FORMAT = "torch_tpu_embedding.checkpoint/1"
-
-
-def to_cpu(obj: Any) -> Any:
-    """``obj`` with every tensor detached and on the CPU (dicts, lists and tuples traversed).
-
-    Device tensors and views are copied; a CPU tensor that owns its whole storage is returned as is
-    (it shares memory with the model: write it out before training on, as :func:`save` does).
-
-    A sharded XLA tensor is gathered to the host: fine for tables that fit in host memory; for
-    larger ones use ``torch.distributed.checkpoint`` with torch_xla's SPMD planners (docs/checkpoints.md).
-    """
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        whole = (t.device.type == "cpu" and t.layout == torch.strided  # a sparse tensor has no one storage
-                 and t.untyped_storage().nbytes() == t.numel() * t.element_size())
-        # A CPU tensor that owns its whole storage is written as is: copying it would double the
-        # host memory of every save (and fragment the heap of a long run); views and device
-        # tensors are copied (torch.save would write a view's whole storage).
-        return t if whole else t.to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [to_cpu(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(to_cpu(v) for v in obj)
-    return obj
-
-
-def _host_rows(t: torch.Tensor, n: int | None, layout: Description = None) -> torch.Tensor:
-    """The ``n`` logical rows of ``t`` on the host: the whole tensor moves, then it is cut (and, when
-    stored permuted, put in logical order: ``layout``) on the CPU.
-
-    Slicing on an XLA device first would trace, compile and run a graph per tensor at every save.
-    """
-    host: torch.Tensor = to_cpu(t)
-    if n is None:
-        return host
-    order, k = layout_of(layout)
-    if order is not None:
-        return to_logical(host, n, order, k)
-    return host if n == host.shape[0] else host[:n].clone()
-
-
-def _fused_sources(model: torch.nn.Module) -> dict[str, tuple[str, int, int]]:
-    """``tables.<name>.weight`` keys of fused tables → (their group's parameter name, first row, rows)."""
-    from torch_tpu_embedding._rows import table_info
-
-    out = {}
-    for pname, p in model.named_parameters():
-        info = table_info(p)
-        if info is not None and info.members is not None:
-            prefix = pname[: -len(f"groups.{info.name}.weight")]
-            for tname, off, n in info.members:
-                out[f"{prefix}tables.{tname}.weight"] = (pname, off, n)
-    return out
-
-
-def _host_model_state(model: torch.nn.Module) -> dict[str, Any]:
-    state = model.state_dict(keep_vars=True)
-    whole = dict(model.named_parameters())
-    fused = _fused_sources(model)
-    hosts: dict[str, torch.Tensor] = {}  # a fused group's weight moves to the host once per save
-    out = {}
-    for k, v in state.items():
-        if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and _permuted(whole, k, fused):
-            out[k] = to_cpu(v)  # the state_dict hook already gathered the logical rows on the host
-            continue
-        if k in fused:
-            pname, off, n = fused[k]
-            if pname not in hosts:
-                hosts[pname] = to_cpu(whole[pname])
-            out[k] = hosts[pname][off : off + n]  # views of one host tensor: written once
-            continue
-        source = whole.get(k, v)  # a table's weight: the physical parameter, cut to its logical rows
-        n_rows = v.shape[0] if isinstance(v, torch.Tensor) and v.dim() and source.shape != v.shape else None
-        out[k] = _host_rows(source, n_rows) if isinstance(v, torch.Tensor) else v
-    return out
-
-
-def _permuted(whole: Mapping[str, torch.Tensor], key: str, fused: Mapping[str, tuple[str, int, int]]) -> bool:
-    """Whether model state ``key`` is a table (or a fused group's table) stored in a permuted row order."""
-    from torch_tpu_embedding._rows import table_info
-
-    source = whole.get(fused[key][0] if key in fused else key)
-    info = None if source is None else table_info(source)
-    return info is not None and info.layout is not None
-
-
-def _host_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    from torch_tpu_embedding.optim._base import RowSparseOptimizer
-
-    if not isinstance(optimizer, RowSparseOptimizer):
-        return dict(to_cpu(optimizer.state_dict()))
-    physical = optimizer.physical_state()
-    state: dict[str, dict[str, Any]] = {}
-    for name, v in physical.tensors.items():
-        key, slot = name.rsplit("/", 1)
-        state.setdefault(key, {})[slot] = _host_rows(v, physical.logical_rows[name], physical.layouts.get(name))
-    for key, bufs in physical.accumulation.items():
-        state.setdefault(key, {}).update(bufs)
-    _split_fused_entries(state, physical.members, physical.logical_rows)
-    return {"state": state, "param_groups": physical.param_groups, "iterations": physical.iterations,
-            "skipped_steps": optimizer.skipped_steps}
-
-
-def _split_fused_entries(
-    state: dict[str, Any], members: Mapping[str, Any], rows: Mapping[str, int | None], prefix: str = ""
-) -> None:
-    """Replace each fused group's optimizer entry in ``state`` by one entry per table, as an unfused
-    optimizer saves them. ``members`` and ``rows`` are keyed ``<prefix><key>`` and
-    ``<prefix><key>/<slot>`` (a slot with logical rows is cut per table)."""
-    for key in [k for k in state if prefix + k in members]:
-        row_slots = [slot for slot in state[key] if rows.get(f"{prefix}{key}/{slot}") is not None]
-        parts = split_member_state(state.pop(key), members[prefix + key], row_slots)
-        state.update({f"table:{t}": part for t, part in parts.items()})
 
 
 def save(
@@ -164,8 +48,8 @@ def save(
     """
     payload = {
         "format": FORMAT,
-        "model": None if model is None else _host_model_state(model),
-        "optimizer": None if optimizer is None else _host_optimizer_state(optimizer),
+        "model": None if model is None else host_model_state(model),
+        "optimizer": None if optimizer is None else host_optimizer_state(optimizer),
         "extra": to_cpu(extra),
     }
     check_loadable(payload["extra"], "extra")  # before anything on disk changes
@@ -195,6 +79,14 @@ def load(
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
         raise ValueError(f"{os.fspath(path)} is not a torch_tpu_embedding checkpoint ({FORMAT}). Found: {found!r}")
+    return _apply(payload, target, model, optimizer, strict)
+
+
+def _apply(
+    payload: dict[str, Any], target: str, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
+    strict: bool,
+) -> dict[str, Any] | None:
+    """Check a :func:`save` payload against ``model`` / ``optimizer``, then load it; returns ``extra``."""
     if model is not None and payload["model"] is None:
         raise ValueError(f"{target} holds no model state.")
     if optimizer is not None and payload["optimizer"] is None:
@@ -320,6 +212,13 @@ def _read(path: str, dest: dict[str, torch.Tensor]) -> None:
         dcp.load(dest, storage_reader=dcp_reader(path), planner=planner)
 
 
+def _groups(members: Any) -> Any:
+    """A model's stacked groups as recorded in a distributed checkpoint: ``{key: [(table, first row, rows)]}``."""
+    if not isinstance(members, dict):
+        return members
+    return {k: [tuple(m) for m in v] for k, v in members.items() if str(k).startswith("model/")}
+
+
 def _saved_sizes(path: str) -> dict[str, torch.Size]:
     md = read_dcp_metadata(path)  # allow-listed unpickling: a crafted .metadata runs no code
     return {k: v.size for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
@@ -334,6 +233,8 @@ def load_distributed(
     XLA tensors through ``SPMDLoadPlanner``, which reshards). Others (a CPU model without padding
     rows) are read into host staging tensors and their logical rows copied. Build the model and
     call ``optimizer.init_state()`` first. Mismatched tables or slots raise one ``ValueError``.
+    A checkpoint whose tables are stacked in other groups than the model's is read per table through
+    the host, as :func:`convert_distributed` reads it.
     """
     target = os.fspath(path)
     meta = _read_meta(target)
@@ -342,6 +243,11 @@ def load_distributed(
     dest, rows, rest = _physical(model, optimizer)
     saved_layouts, layouts = meta.get("layouts", {}), rest["layouts"]
     saved = _saved_sizes(target)
+    if set(saved) != set(dest) and _groups(meta.get("members", {})) != _groups(rest["members"]):
+        # Tables stacked in other groups than here (fuse_tables, or a mesh's placements): per table,
+        # through the host.
+        _apply(_logical_payload(target, meta), target, model, optimizer, strict=True)
+        return
     missing = sorted(set(dest) - set(saved))
     unexpected = sorted(k for k in set(saved) - set(dest) if optimizer is not None or k.startswith("model/"))
     problems = [f"missing {missing}"] if missing else []
@@ -393,7 +299,11 @@ def convert_distributed(path: str | os.PathLike[str], out: str | os.PathLike[str
     Reads on the host without torch_xla; the result loads anywhere with :func:`load`.
     """
     target = os.fspath(path)
-    meta = _read_meta(target)
+    write_atomic(_logical_payload(target, _read_meta(target)), out)
+
+
+def _logical_payload(target: str, meta: Any) -> dict[str, Any]:
+    """A distributed checkpoint read on the host into a :func:`save` payload: logical rows, per table."""
     md = read_dcp_metadata(target)
     host: dict[str, torch.Tensor] = {
         k: torch.empty(v.size, dtype=v.properties.dtype)
@@ -425,7 +335,7 @@ def convert_distributed(path: str | os.PathLike[str], out: str | os.PathLike[str
                 state.setdefault(key, {})[slot] = logical(k)
         for key, bufs in meta["optimizer"]["acc"].items():
             state.setdefault(key, {}).update(bufs)
-        _split_fused_entries(state, members, meta["rows"], prefix="optim/")
+        split_fused_entries(state, members, meta["rows"], prefix="optim/")
         optimizer_sd = {"state": state, "param_groups": meta["optimizer"]["param_groups"],
                         "iterations": meta["optimizer"]["iterations"]}
-    write_atomic({"format": FORMAT, "model": model_sd, "optimizer": optimizer_sd, "extra": None}, out)
+    return {"format": FORMAT, "model": model_sd, "optimizer": optimizer_sd, "extra": None}

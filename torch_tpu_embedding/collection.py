@@ -8,10 +8,17 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from torch_tpu_embedding._fused import FusedTables, fuse, join_fused_weights, split_fused_weights
+from torch_tpu_embedding._fused import (
+    FusedTables,
+    TableView,
+    fuse,
+    join_fused_weights,
+    plan_groups,
+    split_fused_weights,
+)
 from torch_tpu_embedding._lookup import LookupBatch
 from torch_tpu_embedding._nest import Path, check_structure, flatten, path_name, pick, rebuild
-from torch_tpu_embedding._rows import table_info
+from torch_tpu_embedding._rows import is_static_device, table_info
 from torch_tpu_embedding._screening import DeviceScreen
 from torch_tpu_embedding._validation import check_bool
 from torch_tpu_embedding.config import FeatureConfig, TableConfig
@@ -44,10 +51,12 @@ class EmbeddingCollection(nn.Module):
         fuse_tables: stack tables with the same ``embedding_dim``, ``dtype``, ``placement`` and
             ``optimizer`` override in one buffer per group (``groups``), so an optimizer step does
             one dedup, gather and scatter per group instead of per table (much faster with many
-            tables, above all on XLA; docs/benchmarks.md). Values, updates and ``state_dict``
-            (per table) are the same as unfused, with every optimizer and option (statistics over a
+            tables, above all on XLA; docs/benchmarks.md). On by default; ``False`` keeps one
+            parameter per table. Values, updates, ``state_dict``, optimizer state and
+            :meth:`row_grads` stay per table, with every optimizer and option (statistics over a
             table's rows, ``clipnorm`` and ``slot_creation_fn`` stay per table). Groups are formed
-            deterministically (docs/guide.md §13) and listed by ``repr(ec)`` and ``fused_members()``.
+            deterministically (docs/guide.md §13) and listed by ``repr(ec)`` and ``fused_members()``;
+            :func:`torch_tpu_embedding.xla.shard` re-forms them by each table's resolved placement.
 
     Forward:
         ``forward(features, weights=None)`` takes inputs in the structure of ``feature_config``
@@ -77,7 +86,7 @@ class EmbeddingCollection(nn.Module):
     """
 
     def __init__(
-        self, feature_config: Any, *, device: torch.device | str | None = None, fuse_tables: bool = False
+        self, feature_config: Any, *, device: torch.device | str | None = None, fuse_tables: bool = True
     ) -> None:
         super().__init__()
         check_bool("fuse_tables", fuse_tables)
@@ -117,17 +126,43 @@ class EmbeddingCollection(nn.Module):
         tables: dict[str, nn.Module] = {
             table_names[key]: EmbeddingTable(cfg, table_names[key]) for key, cfg in configs.items()
         }
-        #: fused table groups (``fuse_tables=True``): group name → :class:`FusedTables`
-        self.groups = nn.ModuleDict()
-        #: table name → (the module holding its rows, its first row there)
-        self._located = {n: (cast(EmbeddingTable, t), 0) for n, t in tables.items()}
-        if fuse_tables:
-            tables = fuse(tables, self.groups, self._located)
-        self.tables = nn.ModuleDict(tables)
+        self._fuse = fuse_tables
+        self._stack(tables)
         self._register_state_dict_hook(split_fused_weights)  # type: ignore[no-untyped-call]
         self.register_load_state_dict_pre_hook(join_fused_weights)  # type: ignore[no-untyped-call]
         if device is not None:
             self.to(device)
+
+    def _stack(self, tables: dict[str, nn.Module], placements: dict[str, str] | None = None) -> None:
+        """Set ``tables`` (name → its :class:`EmbeddingTable`), stacked in groups when fusing."""
+        #: fused table groups (``fuse_tables=True``): group name → :class:`FusedTables`
+        self.groups = nn.ModuleDict()
+        #: table name → (the module holding its rows, its first row there)
+        self._located = {n: (cast(EmbeddingTable, t), 0) for n, t in tables.items()}
+        if self._fuse:
+            tables = fuse(tables, self.groups, self._located, placements)
+        self.tables = nn.ModuleDict(tables)
+
+    def restack(self, placements: dict[str, str]) -> None:
+        """Re-form the groups for each table's resolved placement (``placements``: name → placement).
+
+        Called by :func:`torch_tpu_embedding.xla.shard` before it lays tables out, so stacking never
+        changes a table's placement (``"auto"`` is decided per table). Tables keep their values; a
+        group whose tables stay together is kept as is. Build the optimizer after this.
+        """
+        if not self._fuse:
+            return
+        groups = [cast(FusedTables, g) for g in self.groups.values()]
+        if plan_groups(self.table_configs, placements) == [tuple(m[0] for m in g.members()) for g in groups]:
+            for g in groups:  # the same groups: each takes its tables' resolved placement
+                g.config = dataclasses.replace(g.config, placement=placements[g.members()[0][0]])
+            return
+        tables: dict[str, nn.Module] = {}
+        for n, t in self.tables.items():
+            if isinstance(t, TableView):  # a stacked table becomes a table of its own again, then re-stacked
+                t = EmbeddingTable(t.config, n, weight=t.logical_weight().to(t.group.weight.device, copy=True))
+            tables[n] = t
+        self._stack(tables, placements)
 
     # ------------------------------------------------------------------ accessors
     @property
@@ -159,19 +194,34 @@ class EmbeddingCollection(nn.Module):
         return {f[1]: f[3] for f in self._features}
 
     def row_grads(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Pending row-sparse gradients: table name → ``(ids [N], rows [N, D])``.
+        """Pending row-sparse gradients: table name → ``(ids [N], rows [N, D])``, in table order.
 
         Raw accumulation: duplicate ids are not summed and padding entries carry the sentinel id
-        ``weight.shape[0]`` with zero rows. Tables with no pending gradient are omitted. A fused
-        group reports under its group name, with ids of the group's rows. A row-sharded table trained
-        through the id exchange reports what each shard received: ``ids [n, M]`` (rows of the shard,
-        ``weight.shape[0] / n`` = padding) and ``rows [n, M, D]``.
+        ``weight.shape[0]`` with zero rows. Tables with no pending gradient are omitted. A stacked
+        table reports its own entries of its group's gradient, with its own ids (on XLA, with static
+        shapes: the group's ``N`` entries, the other tables' entries as padding). A row-sharded
+        table trained through the id exchange reports what each shard received: ``ids [n, M]`` (rows
+        of the shard, ``weight.shape[0] / n`` = padding) and ``rows [n, M, D]``; a stacked group
+        trained that way reports under its group name, with rows of the group.
         """
-        out = {}
+        pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for name, t in self.physical_tables().items():
-            if t.row_grad:
-                out[name] = t.row_grad.collect()
-        return out
+            if not t.row_grad:
+                continue
+            members = t.members()
+            if members is None or t.row_grad.owned:
+                pending[name] = t.row_grad.collect()
+                continue
+            ids, rows = t.row_grad.collect()
+            for tname, off, n in members:
+                mine = (ids >= off) & (ids < off + n)
+                if is_static_device(ids.device):
+                    pending[tname] = (torch.where(mine, ids - off, torch.full_like(ids, n)),
+                                      rows * mine.unsqueeze(-1).to(rows.dtype))
+                elif bool(mine.any()):
+                    pending[tname] = (ids[mine] - off, rows[mine])
+        order = [n for n in self.tables if n in pending] + [n for n in pending if n not in self.tables]
+        return {n: pending[n] for n in order}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear pending row-sparse table gradients and the ``.grad`` of any other parameter."""

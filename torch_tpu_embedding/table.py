@@ -95,10 +95,14 @@ class EmbeddingTable(nn.Module):
     def logical_weight(self) -> torch.Tensor:
         """The ``[num_embeddings, D]`` logical rows: a view of ``weight`` in logical order, else a copy
         gathered on the host."""
-        w = self.weight.detach()
+        return self.logical_rows(self.weight.detach())
+
+    def logical_rows(self, stored: torch.Tensor) -> torch.Tensor:
+        """``stored`` (rows in ``weight``'s stored order, e.g. an optimizer slot or moving average) in
+        logical order, ``[num_embeddings, ...]``: a view, or a host copy for a permuted layout."""
         if self.row_layout is None:
-            return w[: self.config.num_embeddings]
-        return to_logical(w.cpu(), self.config.num_embeddings, self.row_layout)
+            return stored[: self.config.num_embeddings]
+        return to_logical(stored.cpu(), self.config.num_embeddings, self.row_layout)
 
     def members(self) -> tuple[tuple[str, int, int], ...] | None:
         """``(table name, first row, rows)`` of each table stacked in this one (``None``: just itself)."""

@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from torch_tpu_embedding._rows import table_info
+from torch_tpu_embedding._rows import stacked_rows, table_info
 from torch_tpu_embedding.distributed import sync_row_grads
 from torch_tpu_embedding.optim import _ema, _intake, _state_io
 from torch_tpu_embedding.optim._contract import RowContext, Slots, SlotSpec, optimizer_class, register
@@ -208,7 +208,13 @@ class RowSparseOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ EMA
     def moving_average(self, p: Tensor) -> Tensor:
-        """The EMA of ``p`` now (every row caught up), as a new tensor. Needs ``use_ema=True``."""
+        """The EMA of ``p`` now (every row caught up), as a new tensor. Needs ``use_ema=True``.
+
+        ``p`` may be a stacked table's weight (``ec.tables.<name>.weight``): its rows of its group's EMA.
+        """
+        rows = stacked_rows(p)
+        if rows is not None:
+            return rows.of(self.moving_average(rows.weight))
         group = self._group_of(p)
         if not group["use_ema"]:
             raise ValueError("moving_average() needs an optimizer built with `use_ema=True`.")

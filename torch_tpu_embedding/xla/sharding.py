@@ -137,8 +137,9 @@ def shard(
 ) -> dict[str, str]:
     """Lay every table of ``collection`` out on ``mesh`` by its placement; returns name → placement.
 
-    A fused group (``fuse_tables=True``) is laid out as one table: its tables share a placement
-    (``"auto"`` decides by the group's size).
+    Each table's placement is resolved first (``"auto"`` by the table's own size); then stacked
+    tables are re-grouped by it (:meth:`EmbeddingCollection.restack`), so stacking never changes a
+    table's placement, and a group is laid out once, as one table.
 
     Call after moving the collection to the XLA device and before building the optimizer (padding
     rows up to a multiple of ``lcm(ROW_ALIGNMENT, devices)`` replace the weight parameter). Padding rows are never
@@ -155,14 +156,17 @@ def shard(
         raise arg_error("axis", f"must be one of the mesh axes {tuple(mesh.axis_names)}", axis)
     check_int("replicate_below_bytes", replicate_below_bytes, minimum=0)
     n = int(mesh.shape()[axis])
-    placements: dict[str, str] = {}
-    for name, table in collection.physical_tables().items():  # a fused group is laid out once
+    for name, table in collection.physical_tables().items():
         if table.weight.device.type != "xla":
             raise ValueError(
                 f"Table `{name}` is on {table.weight.device}; move the collection to the XLA device "
                 "(EmbeddingCollection(..., device=torch_xla.device())) before sharding it."
             )
-        placement = choose_placement(table.config, n, replicate_below_bytes)
+    placements = {t: choose_placement(c, n, replicate_below_bytes) for t, c in collection.table_configs.items()}
+    collection.restack(placements)
+    for name, table in collection.physical_tables().items():  # a fused group is laid out once
+        members = table.members()
+        placement = placements[name if members is None else members[0][0]]
         if placement == "column" and table.config.embedding_dim % n:
             raise ValueError(
                 f"Table `{name}`: placement 'column' needs embedding_dim divisible by the {n} devices "
@@ -176,8 +180,6 @@ def shard(
         info = table_info(table.weight)
         assert info is not None  # pad_rows / the constructor registered it
         info.sharding = layout
-        for tname in [name] if info.members is None else [m[0] for m in info.members]:
-            placements[tname] = placement
     return placements
 
 

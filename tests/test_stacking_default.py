@@ -1,0 +1,141 @@
+"""Stacking is the default (issue [stack]): what a user sees per table stays per table.
+
+The unstacked collection (``fuse_tables=False``) is the reference: row gradients, moving averages,
+state_dict keys and checkpoints written before stacking became the default (tests/data/pre_split,
+written by the code of commit a4a4da5 with one parameter per table).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_fused_tables import batch, features, train
+
+import torch_tpu_embedding as tte
+
+DATA = Path(__file__).parent / "data"
+sys.path.insert(0, os.fspath(DATA))
+from pre_split.configs import CONFIGS, train as pre_split_train  # noqa: E402, I001
+
+
+def _coalesced(ids: torch.Tensor, rows: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The dense ``[vocab, D]`` sum of a raw row gradient (padding ids ``>= vocab`` dropped)."""
+    keep = ids < vocab
+    return torch.zeros(vocab, rows.shape[1], dtype=rows.dtype).index_add_(0, ids[keep], rows[keep])
+
+
+def test_the_default_stacks_and_false_opts_out() -> None:
+    stacked = tte.EmbeddingCollection(features())
+    assert stacked.fused_members() == tte.EmbeddingCollection(features(), fuse_tables=True).fused_members()
+    assert list(stacked.groups) == ["fused_0", "fused_1"]  # a+b+d (dim 4), c+e (dim 8); f, g apart
+    assert "group fused_0 = a + b + d" in repr(stacked)
+    plain = tte.EmbeddingCollection(features(), fuse_tables=False)
+    assert list(plain.groups) == [] and len(tte.split_parameters(plain)[0]) == 7
+    assert list(stacked.state_dict()) == list(plain.state_dict())
+
+
+def test_row_grads_stay_per_table() -> None:
+    got = {}
+    for fuse in (True, False):
+        torch.manual_seed(0)
+        ec = tte.EmbeddingCollection(features(), fuse_tables=fuse)
+        out = ec(batch(torch.Generator().manual_seed(3)))
+        sum((i + 1) * o.square().sum() for i, o in enumerate(out.values())).backward()  # type: ignore[union-attr]
+        got[fuse] = ec.row_grads()
+    assert list(got[True]) == list(got[False]) == ["a", "b", "c", "d", "e", "f", "g"]
+    for name, (ids, rows) in got[False].items():
+        vocab = tte.EmbeddingCollection(features()).table_configs[name].num_embeddings
+        want = _coalesced(ids, rows, vocab)
+        torch.testing.assert_close(_coalesced(*got[True][name], vocab), want, rtol=1e-12, atol=0)
+
+
+def test_moving_average_of_a_stacked_table_is_its_rows_of_the_group() -> None:
+    avgs = {}
+    for fuse in (True, False):
+        torch.manual_seed(0)
+        ec = tte.EmbeddingCollection(features(), fuse_tables=fuse)
+        opt = tte.optim.LazyAdam(ec.parameters(), lr=0.05, use_ema=True, ema_momentum=0.7)
+        train(ec, opt, steps=4)
+        avgs[fuse] = {n: opt.moving_average(ec.tables[n].weight) for n in ("a", "b", "d", "g")}
+    for name, want in avgs[False].items():
+        assert torch.equal(avgs[True][name], want), name
+
+
+def test_a_stacked_tables_weight_is_refused_as_a_parameter_by_name() -> None:
+    ec = tte.EmbeddingCollection(features())
+    with pytest.raises(ValueError, match=r"table `b`, which is stacked with other tables in group `fused_0`.*"
+                                         r"ec\.groups\.fused_0\.weight.*TableConfig\(optimizer=\.\.\.\).*"
+                                         r"fuse_tables=False"):
+        tte.optim.Adagrad([{"params": [ec.tables.b.weight], "lr": 0.1}, {"params": [ec.tables.a.weight]}], lr=0.2)
+    plain = tte.EmbeddingCollection(features(), fuse_tables=False)  # per-table groups work unstacked
+    opt = tte.optim.Adagrad([{"params": [plain.tables.a.weight], "lr": 0.1}, {"params": [plain.tables.b.weight]}],
+                            lr=0.2)
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.2]
+
+
+def _build_default(name: str) -> tuple[torch.nn.ModuleDict, object]:
+    """``pre_split.configs.build`` with today's default construction (tables a and b stacked)."""
+    cls, kwargs, _ = CONFIGS[name]
+    torch.manual_seed(0)
+    a = tte.TableConfig(30, 4, name="a", combiner="sqrtn", dtype=torch.float64)
+    b = tte.TableConfig(17, 4, name="b", combiner="mean", dtype=torch.float64)
+    ec = tte.EmbeddingCollection({
+        "a": tte.FeatureConfig(a, max_ids_per_bag=3), "a1": tte.FeatureConfig(a), "b": tte.FeatureConfig(b),
+    })
+    model = torch.nn.ModuleDict({"ec": ec, "head": torch.nn.Linear(12, 1).to(torch.float64)})
+    return model, cls(model.parameters(), **kwargs)
+
+
+def _pending(entry: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A pending accumulation buffer (``acc_ids [k, cap]``, ``acc_rows [k, cap, D]``, ``-1`` = empty) as
+    dense ``[k, 64, D]`` sums: stacked and unstacked buffers lay the same rows out differently."""
+    ids, rows = entry["acc_ids"], entry["acc_rows"]
+    out = torch.zeros(ids.shape[0], 64, rows.shape[-1], dtype=rows.dtype)
+    for k in range(ids.shape[0]):
+        keep = ids[k] >= 0
+        out[k].index_add_(0, ids[k][keep], rows[k][keep])
+    return out
+
+
+def _close(a: object, b: object, where: str) -> None:
+    if isinstance(a, dict) and "acc_ids" in a:
+        assert isinstance(b, dict) and "acc_ids" in b, where
+        torch.testing.assert_close(_pending(b), _pending(a), rtol=1e-12, atol=1e-15, msg=where)
+        a = {k: v for k, v in a.items() if k not in ("acc_ids", "acc_rows")}
+        b = {k: v for k, v in b.items() if k not in ("acc_ids", "acc_rows")}
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-15, msg=where)
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and sorted(a, key=str) == sorted(b, key=str), (where, sorted(a), sorted(b))
+        for k in a:
+            _close(a[k], b[k], f"{where}/{k}")
+    else:
+        assert a == b, (where, a, b)
+
+
+UNSTACKED = sorted(n for n, (_, _, fuse) in CONFIGS.items() if not fuse)
+
+
+@pytest.mark.parametrize("name", UNSTACKED)
+def test_a_checkpoint_saved_before_stacking_became_the_default_loads_and_trains_on(name: str) -> None:
+    """Files written with one parameter per table load into today's default (stacked) collection, and
+    training on matches what that code recorded (a sum may run in another order: 1e-12)."""
+    model, opt = _build_default(name)
+    assert list(model["ec"].groups) == ["fused_0"]  # a and b stacked
+    source = DATA / "pre_split" / (f"{name}.dcp" if name.endswith("-dcp") else f"{name}.pt")
+    if name.endswith("-dcp"):
+        tte.checkpoint.load_distributed(source, model=model, optimizer=opt)
+    else:
+        assert tte.checkpoint.load(source, model=model, optimizer=opt) == {"config": name}
+        saved = torch.load(source, weights_only=True)
+        _close(saved["model"], dict(model.state_dict()), "model")
+        _close(saved["optimizer"]["state"], opt.state_dict()["state"], "optimizer")  # type: ignore[attr-defined]
+    pre_split_train(model, opt, 5, 3)
+    after = torch.load(DATA / "pre_split" / f"{name}.after.pt", weights_only=True)
+    _close(after["model"], dict(model.state_dict()), "model after")
+    _close(after["optimizer"]["state"], opt.state_dict()["state"], "optimizer after")  # type: ignore[attr-defined]

@@ -33,10 +33,11 @@ def backward(m: torch.nn.ModuleDict, step: int) -> None:
 
 
 def densified(m: torch.nn.ModuleDict) -> dict[str, torch.Tensor]:
-    """Every gradient as a dense tensor: tables (physical name) from their pending rows, summed per id."""
+    """Every gradient as a dense tensor: tables (per table, stacked or not) from their pending rows,
+    summed per id."""
     out = {}
     for name, (ids, rows) in m["ec"].row_grads().items():
-        w = m["ec"].physical_tables()[name].weight
+        w = m["ec"].embedding_tables[name]
         out[name] = torch.zeros(w.shape[0] + 1, w.shape[1], dtype=w.dtype).index_add_(0, ids, rows)[:-1]
     for name, p in m["head"].named_parameters():
         assert p.grad is not None

@@ -95,3 +95,37 @@ def test_step_graph_scatters_once_per_group_not_per_table() -> None:
     # lazy Adam scatters the weight and its two slots per physical table, and sorts once (dedup)
     assert counts[(8, False)] == (8 * counts[(1, False)][0], 8 * counts[(1, False)][1])
     assert counts[(8, True)] == counts[(1, False)], counts
+
+
+def test_default_stacked_state_dict_and_row_grads_per_table_on_xla() -> None:
+    """The default construction stacks; its per-table views cost one graph, not one per table:
+    ``state_dict`` after in-place updates (each slice of an updated parameter would otherwise be its
+    own compile on every read), and ``row_grads`` reports each table with the group's static shape."""
+    cfg = case(XLA_FUSED, "lazy_adam")
+    ec, opt = build(DEV, fuse=True, cfg=cfg, tables=8)
+    assert list(ec.groups) == ["fused_0"] and len(ec.fused_members()["fused_0"]) == 8
+    g = torch.Generator().manual_seed(2)
+    step(ec, opt, g, tables=8)
+    torch_xla.sync()
+    met.clear_all()
+    host = {k: v.cpu() for k, v in ec.state_dict().items()}
+    assert (met.counter_value("UncachedCompile") or 0) <= 1  # every table's rows in one graph
+    cpu, cpu_opt = build(torch.device("cpu"), fuse=False, cfg=cfg, tables=8)
+    step(cpu, cpu_opt, torch.Generator().manual_seed(2), tables=8)
+    for k, v in cpu.state_dict().items():
+        torch.testing.assert_close(host[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    inputs = {f"f{i}": tte.Jagged(torch.arange(10) % VOCABS[i % 4], lengths=torch.tensor([3, 0, 2, 3, 2]))
+              for i in range(8)}
+    inputs["seq"] = tte.Jagged(torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([2, 0, 1, 0, 1]))
+    grads = {}
+    for model in (ec, cpu):
+        sum((i + 1) * o.square().sum() for i, o in enumerate(model(inputs).values())).backward()
+        grads[model.parameters().__next__().device.type] = model.row_grads()
+    assert list(grads["xla"]) == list(grads["cpu"]) == [f"t{i}" for i in range(8)]
+    shapes = {ids.shape for ids, _ in grads["xla"].values()}
+    assert len(shapes) == 1  # static: every table reports the group's entries, others as padding
+    for name, (ids, rows) in grads["cpu"].items():
+        vocab = VOCABS[int(name[1:]) % 4]
+        dense = [torch.zeros(vocab + 1, 4).index_add_(0, i.cpu(), r.detach().cpu().float())[:-1]
+                 for i, r in (grads["xla"][name], (ids, rows))]
+        torch.testing.assert_close(dense[0], dense[1], rtol=1e-5, atol=1e-6, msg=name)

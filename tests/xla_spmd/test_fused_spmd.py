@@ -86,11 +86,12 @@ def comparable(ec: tte.EmbeddingCollection, opt: Any) -> dict[str, torch.Tensor]
 
 def test_fused_groups_sharded_match_unfused_cpu() -> None:
     ec, opt = build(DEV, fuse=True)
+    # t7 ("auto", 90 rows) resolves to replicated and joins the replicated group (groups form after placement)
     assert {g: [m[0] for m in ms] for g, ms in ec.fused_members().items()} == {
-        "fused_0": ["t0", "t1", "t2"], "fused_1": ["t3", "t4"], "fused_2": ["t5", "t6"]}
+        "fused_0": ["t0", "t1", "t2"], "fused_1": ["t3", "t4"], "fused_2": ["t5", "t6", "t7"]}
     specs = {n: sharding_spec(t.weight) for n, t in ec.physical_tables().items()}
     assert specs["fused_0"].startswith("{devices=[4,1]") and specs["fused_1"].startswith("{devices=[1,4]")
-    assert specs["fused_2"] == specs["t7"] == "{replicated}"
+    assert specs["fused_2"] == "{replicated}"
     assert ec.groups["fused_0"].weight.shape[0] == 2048  # 1701 rows padded to a multiple of lcm(512, 4)
     for t in ec.physical_tables().values():
         for slot, v in opt.state[t.weight].items():
@@ -159,3 +160,58 @@ def test_checkpoints_of_sharded_groups_load_unfused(tmp_path: Path) -> None:
     train(ec2, opt2, steps=2, seed=7)
     for k, v in comparable(ec, opt).items():
         assert torch.equal(comparable(ec2, opt2)[k], v), k
+
+
+def _auto_tables(fuse: bool, device: torch.device) -> tte.EmbeddingCollection:
+    """Three ``"auto"`` tables of one key: two below a 4 KiB replication threshold, one above it."""
+    torch.manual_seed(0)
+    configs = [tte.TableConfig(20, D, name="small_a"), tte.TableConfig(30, D, name="small_b", combiner="sum"),
+               tte.TableConfig(512, D, name="big")]  # 640 B, 960 B, 16 KiB; all three: 35 KiB
+    return tte.EmbeddingCollection({c.name: tte.FeatureConfig(c, max_ids_per_bag=2) for c in configs},
+                                   device=device, fuse_tables=fuse)
+
+
+def _auto_train(ec: tte.EmbeddingCollection, opt: Any, steps: int) -> None:
+    g = torch.Generator().manual_seed(5)
+    for _ in range(steps):
+        inputs = {n: tte.Jagged(torch.randint(0, v, (12,), generator=g), lengths=torch.full((6,), 2))
+                  for n, v in (("small_a", 20), ("small_b", 30), ("big", 512))}
+        sum((i + 1) * o.square().sum() for i, o in enumerate(ec(inputs).values())).backward()
+        opt.step()
+        opt.zero_grad()
+        if next(ec.parameters()).device.type == "xla":
+            torch_xla.sync()
+
+
+def test_auto_placement_is_decided_per_table_before_stacking(tmp_path: Path) -> None:
+    """Stacking never moves a table to another placement: ``"auto"`` decides by each table's own size,
+    then tables are grouped by the placement they got (here the big table leaves the group it was in)."""
+    ec = _auto_tables(True, DEV)
+    assert [m[0] for m in ec.fused_members()["fused_0"]] == ["big", "small_a", "small_b"]  # by config (sorted keys)
+    before = {k: v.cpu() for k, v in ec.state_dict().items()}
+    placements = shard(ec, device_mesh(), replicate_below_bytes=4096)
+    plain = _auto_tables(False, DEV)
+    assert placements == shard(plain, device_mesh(), replicate_below_bytes=4096) == {
+        "big": "row", "small_a": "replicated", "small_b": "replicated"}
+    assert ec.fused_members() == {"fused_0": (("small_a", 0, 20), ("small_b", 20, 30))}
+    assert sharding_spec(ec.groups["fused_0"].weight) == "{replicated}"
+    assert sharding_spec(ec.tables["big"].weight).startswith("{devices=[4,1]")
+    for k, v in ec.state_dict().items():
+        assert torch.equal(v.cpu(), before[k]), k  # re-stacking keeps every value
+    opt = tte.optim.Adam(ec.parameters(), lr=0.05)
+    opt.init_state()
+    _auto_train(ec, opt, 3)
+    cpu = _auto_tables(False, torch.device("cpu"))
+    cpu_opt = tte.optim.Adam(cpu.parameters(), lr=0.05)
+    _auto_train(cpu, cpu_opt, 3)
+    want, got = comparable(cpu, cpu_opt), comparable(ec, opt)
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+    # A distributed checkpoint of these groups loads into the CPU default (one group of three tables).
+    tte.checkpoint.save_distributed(tmp_path / "dist", model=ec, optimizer=opt)
+    back = _auto_tables(True, torch.device("cpu"))
+    back_opt = tte.optim.Adam(back.parameters(), lr=0.05)
+    tte.checkpoint.load_distributed(tmp_path / "dist", model=back, optimizer=back_opt)
+    for k, v in comparable(back, back_opt).items():
+        assert torch.equal(v, got[k]), k

@@ -7,6 +7,11 @@ Run (from the repository root; 15–30 min at full size with 2 thread counts, 6 
 
 Quick check: ``... --rows 100000 --iters 3 --threads 1``.
 
+Many tables: ``... --mixed --dim 16 --bags 1 --threads 2 --modes ours_adagrad ours_adagrad_unstacked
+ours_lazyadam ours_lazyadam_unstacked``: 26 tables of mixed sizes (Criteo's 26 categorical features
+capped at 1,000,000 rows, 5.6 M rows in all), ours built the default way (tables stacked) against
+``fuse_tables=False``; goal: stacked ≤ unstacked.
+
 Workload (TorchRec's and FBGEMM's usual CPU benchmark shape): 4 tables × 1,000,000 rows × 64 fp32, one
 feature per table, batch 4096, ids uniform random; (a) 1 id per bag, sum; (b) 20 ids per bag, mean. One
 step = forward + ``out.sum().backward()`` + the optimizer's update (FBGEMM: fused into the backward).
@@ -65,6 +70,12 @@ HERE = Path(__file__).resolve().parent
 
 OURS = {"ours_sgd": "SGD", "ours_adagrad": "Adagrad", "ours_lazyadam": "LazyAdam", "ours_ftrl": "FTRL",
         "ours_adafactor": "Adafactor", "ours_rowwise_adagrad": "RowWiseAdagrad"}
+# The same built with fuse_tables=False: one parameter per table (ours_*: the default, stacked).
+UNSTACKED = {f"{mode}_unstacked": name for mode, name in OURS.items()}
+# --mixed: 26 tables of mixed sizes, the cardinalities of Criteo's 26 categorical features (Kaggle
+# display-advertising data) capped at 1,000,000 rows, as DLRM's --max-ind-range does.
+MIXED_ROWS = [1460, 583, 1_000_000, 1_000_000, 305, 24, 12517, 633, 3, 93145, 5683, 1_000_000, 3194, 27, 14992,
+              1_000_000, 10, 5652, 2173, 4, 1_000_000, 18, 15, 286181, 105, 142572]
 FBGEMM = {"fbgemm_sgd": "sgd", "fbgemm_adagrad": "adagrad", "fbgemm_rowwise_adagrad": "rowwise_adagrad"}
 LABELS = {
     "ours_sgd": "ours: tte.optim.SGD",
@@ -73,6 +84,7 @@ LABELS = {
     "ours_ftrl": "ours: tte.optim.FTRL",
     "ours_adafactor": "ours: tte.optim.Adafactor",
     "ours_rowwise_adagrad": "ours: tte.optim.RowWiseAdagrad",
+    **{mode: f"ours: tte.optim.{name}, fuse_tables=False" for mode, name in UNSTACKED.items()},
     "torch_sgd": "EmbeddingBag(sparse) + torch SGD",
     "torch_sparseadam": "EmbeddingBag(sparse) + SparseAdam",
     "torch_adagrad": "EmbeddingBag(sparse) + torch Adagrad",
@@ -84,6 +96,7 @@ LABELS = {
     "floor_gather": "floor, gather only: index_select",
 }
 MODES = list(LABELS)
+DEFAULT_MODES = [m for m in MODES if m not in UNSTACKED]
 
 # (label, ours, peer, {bag: largest ours/peer time ratio that meets the goal}); < 1: ours is faster.
 RATIOS: list[tuple[str, str, str, dict[int, float]]] = [
@@ -98,6 +111,8 @@ RATIOS: list[tuple[str, str, str, dict[int, float]]] = [
     *[(f"our {name} / floor", mode, "floor", {}) for mode, name in OURS.items()],
     ("FBGEMM EXACT_SGD / floor", "fbgemm_sgd", "floor", {}),
     ("FBGEMM rowwise Adagrad / floor", "fbgemm_rowwise_adagrad", "floor", {}),
+    *[(f"{name}: stacked / fuse_tables=False", mode, f"{mode}_unstacked", {1: 1.0, 20: 1.0})
+      for mode, name in OURS.items()],
     ("our SGD / gather-only floor", "ours_sgd", "floor_gather", {}),
 ]
 
@@ -106,13 +121,16 @@ FBGEMM_PINS = ["torch==2.13.0", "fbgemm-gpu-cpu==1.8.0", "numpy"]
 
 
 # ---------------------------------------------------------------------------------------- children
-def _ours(args: argparse.Namespace, opt_name: str, raw: list[list[torch.Tensor]]) -> dict[str, Any]:
+def _ours(args: argparse.Namespace, opt_name: str, raw: list[list[torch.Tensor]], stacked: bool = True
+          ) -> dict[str, Any]:
     import torch_tpu_embedding as tte
 
     t, b, n = args.tables, args.batch, args.bag
-    tables = [tte.TableConfig(args.rows, args.dim, name=f"t{i}", combiner=args.pool) for i in range(t)]
+    tables = [tte.TableConfig(rows, args.dim, name=f"t{i}", combiner=args.pool)
+              for i, rows in enumerate(table_rows(args))]
     features = {f"f{i}": tte.FeatureConfig(tables[i], max_ids_per_bag=n if n > 1 else None) for i in range(t)}
-    ec = tte.EmbeddingCollection(features)
+    # stacked: the default construction, as a user's script has it
+    ec = tte.EmbeddingCollection(features) if stacked else tte.EmbeddingCollection(features, fuse_tables=False)
     opt = getattr(tte.optim, opt_name)(ec.parameters(), lr=args.lr)
     opt.init_state()  # slots are allocated before timing, like the peers' (torch's are lazy: warm-up)
     names = sorted(features)
@@ -167,13 +185,25 @@ def _floor(args: argparse.Namespace, raw: list[list[torch.Tensor]], scatter: boo
     return time_steps(step, raw, args.warmup, args.iters)
 
 
+def table_rows(args: argparse.Namespace) -> list[int]:
+    return MIXED_ROWS if args.mixed else [args.rows] * args.tables
+
+
 def child(args: argparse.Namespace) -> None:
     args.threads = args.threads[0]  # the parent passes one thread count
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    raw = make_batches(args.tables, args.rows, args.batch, args.bag, args.nbatches)
+    if args.mixed:
+        args.tables = len(MIXED_ROWS)
+        g = torch.Generator().manual_seed(0)
+        raw = [[torch.randint(0, r, (args.batch * args.bag,), generator=g) for r in MIXED_ROWS]
+               for _ in range(args.nbatches)]
+    else:
+        raw = make_batches(args.tables, args.rows, args.batch, args.bag, args.nbatches)
     if args.child in OURS:
         res = _ours(args, OURS[args.child], raw)
+    elif args.child in UNSTACKED:
+        res = _ours(args, UNSTACKED[args.child], raw, stacked=False)
     elif args.child in ("floor", "floor_gather"):
         res = _floor(args, raw, scatter=args.child == "floor")
     else:
@@ -223,7 +253,7 @@ def run_one(args: argparse.Namespace, mode: str, bag: int, threads: int, fbgemm_
     common = ["--bag", str(bag), "--pool", pool, "--rows", str(args.rows), "--dim", str(args.dim),
               "--tables", str(args.tables), "--batch", str(args.batch), "--iters", str(args.iters),
               "--warmup", str(args.warmup), "--nbatches", str(args.nbatches), "--threads", str(threads),
-              "--lr", str(args.lr)]
+              "--lr", str(args.lr), *(["--mixed"] if args.mixed else [])]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if mode in FBGEMM:
@@ -256,7 +286,9 @@ def print_tables(args: argparse.Namespace, threads: int, results: dict[tuple[str
     heads = [f"{b} id{'s' if b > 1 else ''}/bag, {'sum' if b == 1 else 'mean'}" for b in bags]
     ok = [r for r in results.values() if "error" not in r]
     reported = sorted({(r["torch_threads"], r["OMP_WAIT_POLICY"], r.get("GLIBC_TUNABLES") or "-") for r in ok})
-    print(f"\n== threads={threads}: {args.tables} tables × {args.rows:,} × {args.dim} fp32, batch {args.batch}; "
+    shape = (f"26 tables of {min(MIXED_ROWS):,} to {max(MIXED_ROWS):,} rows ({sum(MIXED_ROWS):,} in all)"
+             if args.mixed else f"{args.tables} tables × {args.rows:,}")
+    print(f"\n== threads={threads}: {shape} × {args.dim} fp32, batch {args.batch}; "
           f"median (p10–p90) ms/step over {args.iters} steps after {args.warmup} warm-up (dense Adam: "
           f"{min(args.iters, args.dense_iters)} after 1)")
     print(f"every run reported (torch threads, OMP_WAIT_POLICY, GLIBC_TUNABLES) = {reported}; "
@@ -309,8 +341,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--bags", type=int, nargs="+", default=[1, 20], help="ids per bag: 1 → sum, more → mean")
-    ap.add_argument("--modes", nargs="+", default=MODES, choices=MODES, metavar="MODE",
-                    help=f"contenders (default: all): {' '.join(MODES)}")
+    ap.add_argument("--modes", nargs="+", default=None, choices=MODES, metavar="MODE",
+                    help=f"contenders (default: all but the *_unstacked; with --mixed: ours both ways): "
+                         f"{' '.join(MODES)}")
+    ap.add_argument("--mixed", action="store_true",
+                    help="26 tables of Criteo's sizes capped at 1M rows (--rows, --tables ignored); ours only")
     add_workload_args(ap)
     ap.add_argument("--dense-iters", type=int, default=5, help="timed steps of dense Adam (~4 s each)")
     ap.add_argument("--fbgemm-venv", default=None, help="an existing venv with torch + fbgemm-gpu-cpu")
@@ -323,6 +358,10 @@ def main() -> None:
     if args.child:
         child(args)
         return
+    if args.modes is None:
+        args.modes = [*OURS, *UNSTACKED] if args.mixed else DEFAULT_MODES
+    if args.mixed and (others := [m for m in args.modes if m not in OURS and m not in UNSTACKED]):
+        ap.error(f"--mixed runs ours only (the peers here take one table size); drop --modes {' '.join(others)}")
 
     policy = os.environ.get("OMP_WAIT_POLICY")
     print(f"parent: torch {torch.__version__}, torch threads={torch.get_num_threads()}, OMP_WAIT_POLICY="

@@ -27,8 +27,9 @@ XLA device count; the table prints them.
 (b) 1, 10 and 100 tables with the same total work: the same batch (256), 100 ids per example split
     evenly over the tables (100/T ids per bag, one feature per table, mean) and 1,000,000 rows × 16
     split evenly (1,000,000/T rows per table); ours with ``tte.optim.Adam``. Only the number of tables
-    in the graph changes. Each T > 1 runs twice: separate tables, and ``fuse_tables=True`` (all T tables
-    in one group: one dedup, gather and scatter per step). Goals (printed, not asserted): 100 tables
+    in the graph changes. Each T > 1 runs three times: ``fuse_tables=False``, ``fuse_tables=True`` (all T tables
+    in one group: one dedup, gather and scatter per step), and once with the default construction
+    (``EmbeddingCollection(features)``, no flag: stacked). Goals (printed, not asserted): 100 tables
     compile in ≤ 2× the time of one table and step in ≤ 3× its time; ratios 10/1 and 100/1 are printed.
 """
 
@@ -97,7 +98,7 @@ def measure(build: Callable[[Any], None], batches: list[Any], warmup: int, steps
 
 
 def _ours(tables: int, rows: int, dim: int, batch: int, bag: int, lr: float,
-          fuse: bool = False) -> tuple[Callable[[Any], None], list[Any]]:
+          layout: str = "unfused") -> tuple[Callable[[Any], None], list[Any]]:
     import torch_xla
 
     import torch_tpu_embedding as tte
@@ -105,7 +106,10 @@ def _ours(tables: int, rows: int, dim: int, batch: int, bag: int, lr: float,
     dev = torch_xla.device()
     configs = [tte.TableConfig(rows, dim, name=f"t{i}", combiner="mean") for i in range(tables)]
     features = {f"f{i:03d}": tte.FeatureConfig(configs[i], max_ids_per_bag=bag) for i in range(tables)}
-    ec = tte.EmbeddingCollection(features, device=dev, fuse_tables=fuse)
+    if layout == "default":  # what a user's script gets: no flag
+        ec = tte.EmbeddingCollection(features, device=dev)
+    else:
+        ec = tte.EmbeddingCollection(features, device=dev, fuse_tables=layout == "fused")
     opt = tte.optim.Adam(ec.parameters(), lr=lr)
     opt.init_state()  # then one sync: the steady step is the only graph (docs/optimizers.md)
     torch_xla.sync()
@@ -149,7 +153,7 @@ def child(args: argparse.Namespace) -> None:
     if args.child == "tables":
         t = args.ntables
         build, batches = _ours(t, args.table_rows // t, args.table_dim, args.table_batch,
-                               args.ids_per_example // t, args.lr, fuse=args.fused)
+                               args.ids_per_example // t, args.lr, layout=args.layout)
     elif args.child == "lazy":
         build, batches = _ours(1, args.vocab, args.dim, args.batch, args.bag, args.lr)
     else:
@@ -222,7 +226,7 @@ def main() -> None:
     ap.add_argument("--child-timeout", type=float, default=1800)
     ap.add_argument("--child", choices=["lazy", "dense_module", "dense_gather", "tables"], help=argparse.SUPPRESS)
     ap.add_argument("--ntables", type=int, default=1, help=argparse.SUPPRESS)
-    ap.add_argument("--fused", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--layout", choices=["unfused", "fused", "default"], default="unfused", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(args)
@@ -253,8 +257,11 @@ def main() -> None:
                 print(f"  {label} / ours: {r['median_ms'] / ours['median_ms']:.1f}× the step time")
     if "tables" in args.parts:
         by_t = {t: run_child(args, "--child", "tables", "--ntables", str(t)) for t in args.tables}
-        fused = {t: run_child(args, "--child", "tables", "--ntables", str(t), "--fused") for t in args.tables if t > 1}
-        results += list(by_t.values()) + list(fused.values())
+        fused = {t: run_child(args, "--child", "tables", "--ntables", str(t), "--layout", "fused")
+                 for t in args.tables if t > 1}
+        default = {t: run_child(args, "--child", "tables", "--ntables", str(t), "--layout", "default")
+                   for t in args.tables if t > 1}
+        results += list(by_t.values()) + list(fused.values()) + list(default.values())
         print(f"\n(b) tables on XLA:CPU, same total work: batch {args.table_batch}, {args.ids_per_example} ids per "
               f"example and {args.table_rows:,} rows × {args.table_dim} split evenly over T tables (one feature "
               f"each, mean), tte Adam; {args.steps} timed steps after {args.warmup} warm-up")
@@ -264,11 +271,14 @@ def main() -> None:
             print(row(label, r, w))
             if t in fused:
                 print(row(f"T={t} fuse_tables=True (one group)", fused[t], w))
+            if t in default:
+                print(row(f"T={t} default construction (no flag)", default[t], w))
         base = by_t.get(1)
         if base and "error" not in base:
             print(f"\n{'ratio to T=1':{w}s} {'compile':>10s} {'1st step':>10s} {'step':>8s}")
             runs_t = [(f"T={t} / T=1", t, r) for t, r in by_t.items()]
             runs_t += [(f"T={t} fused / T=1", t, r) for t, r in fused.items()]
+            runs_t += [(f"T={t} default / T=1", t, r) for t, r in default.items()]
             for label_t, t, r in runs_t:
                 if t == 1 or "error" in r:
                     continue

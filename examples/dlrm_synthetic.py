@@ -50,7 +50,8 @@ computation over all devices (on several hosts, each writes the same file: use a
 Measured here (2026-11-23; XLA:CPU, 4 virtual devices in one process on a shared 2-core machine,
 torch 2.9.0 + torch_xla 2.9.0; the defaults: 26 tables of dim 16 with vocabularies 100,000 / 20,000 /
 5,000 / 1,000 cycled, 4 multi-hot bags of <= 8 ids, batch 512, Zipf 1.05, lazy TPU Adam for tables
-and dense layers, 100 steps). Every run: one compiled graph (the first step, ~10 s), none after, no
+and dense layers, 100 steps; one parameter per table, i.e. today's ``--no-fuse-tables``: these runs
+predate stacking by default). Every run: one compiled graph (the first step, ~10 s), none after, no
 host fallback, loss 0.69 -> 0.57 (the teacher's own loss is 0.37). Steady steps/s, three runs each
 (other jobs shared the cores; XLA:CPU is no guide to TPU speed):
 
@@ -59,9 +60,10 @@ host fallback, loss 0.69 -> 0.57 (the teacher's own loss is 0.37). Steady steps/
 * ``--placement auto --no-shard-batch``: 7.1-7.2
 * one XLA device (``CPU_NUM_DEVICES=1``, no SPMD): 9.0-9.7; ``--device cpu`` (eager): 26-28
 
-With ``--fuse-tables`` (one run each, the machine otherwise idle; unfused in brackets, same run):
-``--placement replicated`` 17.1 (7.3), ``row`` 13.5 (11.4), ``auto`` 16.8 (12.8; fused, ``auto`` decides by
-the size of the whole group, so all 26 tables are one row-sharded group). Unfused replicated tables of one
+With ``--fuse-tables`` (now the default; one run each, the machine otherwise idle; unfused in brackets,
+same run): ``--placement replicated`` 17.1 (7.3), ``row`` 13.5 (11.4), ``auto`` 16.8 (12.8; measured when
+``auto`` decided by the size of the whole group, so all 26 tables were one row-sharded group; now each
+table keeps the placement ``auto`` gives it alone and groups form per placement, as unfused). Unfused replicated tables of one
 size are equal-sized buffers that XLA's donation pairing mixes up: the step copied whole tables (8
 ``f32[20480,16]`` copies per step in the test's short mode); one group has no such copy
 (``tests/xla_spmd/test_dlrm_example.py``).
@@ -117,8 +119,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="TableConfig.placement of every table (auto: the size rule)")
     ap.add_argument("--replicate-below-bytes", type=int, default=4 << 20,
                     help="placement auto replicates tables smaller than this")
-    ap.add_argument("--fuse-tables", action=argparse.BooleanOptionalAction, default=False,
-                    help="stack tables of one placement in one buffer per group (EmbeddingCollection fuse_tables)")
+    ap.add_argument("--fuse-tables", action=argparse.BooleanOptionalAction, default=True,
+                    help="stack tables of one placement in one buffer per group (EmbeddingCollection fuse_tables; "
+                         "the default)")
     ap.add_argument("--shard-batch", action=argparse.BooleanOptionalAction, default=True,
                     help="split the inputs over the mesh by batch (data parallel dense layers)")
     ap.add_argument("--optimizer", choices=sorted(TABLE_LR), default="adam", help="for the tables")
@@ -206,7 +209,7 @@ class DLRM(nn.Module):
     vectors (``[B, (T+1) T / 2]``, the strict upper triangle), top MLP on ``[bottom, dots]`` -> ``[B]``."""
 
     def __init__(self, features: dict[str, tte.FeatureConfig], dense_features: int, dim: int,
-                 device: torch.device, fuse_tables: bool = False) -> None:
+                 device: torch.device, fuse_tables: bool = True) -> None:
         super().__init__()
         self.names = list(features)
         self.embeddings = tte.EmbeddingCollection(features, device=device, fuse_tables=fuse_tables)

@@ -31,8 +31,8 @@ def _coalesced(ids: torch.Tensor, rows: torch.Tensor, vocab: int) -> torch.Tenso
 def test_the_default_stacks_and_false_opts_out() -> None:
     stacked = tte.EmbeddingCollection(features())
     assert stacked.fused_members() == tte.EmbeddingCollection(features(), fuse_tables=True).fused_members()
-    assert list(stacked.groups) == ["fused_0", "fused_1"]  # a+b+d (dim 4), c+e (dim 8); f, g apart
-    assert "group fused_0 = a + b + d" in repr(stacked)
+    assert list(stacked.groups) == ["fused_0", "fused_1"]  # a+b+d+g (dim 4), c+e (dim 8); f (float32) apart
+    assert "group fused_0 = a + b + d + g:" in repr(stacked)
     plain = tte.EmbeddingCollection(features(), fuse_tables=False)
     assert list(plain.groups) == [] and len(tte.split_parameters(plain)[0]) == 7
     assert list(stacked.state_dict()) == list(plain.state_dict())
@@ -139,3 +139,17 @@ def test_a_checkpoint_saved_before_stacking_became_the_default_loads_and_trains_
     after = torch.load(DATA / "pre_split" / f"{name}.after.pt", weights_only=True)
     _close(after["model"], dict(model.state_dict()), "model after")
     _close(after["optimizer"]["state"], opt.state_dict()["state"], "optimizer after")  # type: ignore[attr-defined]
+
+
+def test_restack_regroups_by_placement_and_checks_its_argument() -> None:
+    ec = tte.EmbeddingCollection(features())
+    before = {k: v.clone() for k, v in ec.state_dict().items()}
+    where = {n: "replicated" for n in ec.tables}
+    where["b"] = "row"  # b leaves a + b + d
+    ec.restack(where)
+    assert [m[0] for m in ec.fused_members()["fused_0"]] == ["a", "d", "g"] and "b" in ec.physical_tables()
+    assert ec.groups["fused_0"].config.placement == "replicated"
+    for k, v in ec.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    with pytest.raises(ValueError, match=r"Argument `placements` must map every table name.*Received: \{'a': 'auto'\}"):
+        ec.restack({"a": "auto"})

@@ -150,6 +150,10 @@ class EmbeddingCollection(nn.Module):
         changes a table's placement (``"auto"`` is decided per table). Tables keep their values; a
         group whose tables stay together is kept as is. Build the optimizer after this.
         """
+        if not isinstance(placements, dict) or sorted(placements) != sorted(self.tables) or any(
+                p not in ("row", "column", "replicated") for p in placements.values()):
+            raise ValueError("Argument `placements` must map every table name to 'row', 'column' or 'replicated'. "
+                             f"Tables: {list(self.tables)}. Received: {placements!r}")
         if not self._fuse:
             return
         groups = [cast(FusedTables, g) for g in self.groups.values()]

@@ -278,3 +278,28 @@ def test_fused_table_group_and_state_dict_equal_the_reference_path(clipnorm: flo
                 a.copy_(b)
                 for n, v in opt_a.state[a].items():
                     v.copy_(opt_b.state[b][n])
+
+
+@needs_compiler
+def test_a_recompile_limit_hit_later_sends_that_table_to_the_reference_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many unstacked tables of distinct sizes can exhaust torch.compile's recompiles per kernel: the
+    guards then raise before the kernel runs, and that table's update (this step and later ones) takes
+    the reference path, with the reference path's numbers."""
+    cfg = next(c for c in CASES if c.id == "adagrad")
+    ours, ref = model(cfg, torch.float32), model(cfg, torch.float32)
+    assert step(*ours, 0, 1.0, fused=True)[0] is Path.FUSED  # the table: compiled and run once
+    real = _fused_update._call
+    calls = []
+
+    def limit_hit(fn: Any, args: Any) -> None:
+        calls.append(1)
+        raise torch._dynamo.exc.FailOnRecompileLimitHit("recompile_limit reached with fullgraph=True")
+
+    monkeypatch.setattr(_fused_update, "_call", limit_hit)
+    step(*ours, 1, 1.0, fused=True)
+    step(*ours, 2, 1.0, fused=True)
+    assert len(calls) == 1  # the second step did not try the kernel again
+    monkeypatch.setattr(_fused_update, "_call", real)
+    for s in range(3):
+        step(*ref, s, 1.0, fused=s == 0)
+    assert_same(ours, ref, "after the fallback")

@@ -276,10 +276,22 @@ def update(item: Work) -> bool:
                 _NO_COMPILER = True
             _warn(f"{type(e).__name__}: {text.splitlines()[0] if text else ''}")
             return False
+    elif p in _REFERENCE_ONLY:
+        return False
     else:
-        _call(fn, args)
+        try:
+            _call(fn, args)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            # Raised by the guards, before the kernel runs: this table's shapes would need one more
+            # compile than torch.compile allows per kernel (many tables of distinct sizes of one
+            # configuration, unstacked). This table takes the reference path from now on.
+            _REFERENCE_ONLY[p] = True
+            return False
     state["step"].copy_(step if item.gate is None else torch.where(item.gate, step, state["step"]))
     return True
+
+
+_REFERENCE_ONLY: WeakIdKeyDictionary = WeakIdKeyDictionary()  # type: ignore[no-untyped-call]
 
 
 def _missing_compiler() -> str | None:

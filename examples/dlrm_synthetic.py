@@ -63,9 +63,9 @@ host fallback, loss 0.69 -> 0.57 (the teacher's own loss is 0.37). Steady steps/
 With ``--fuse-tables`` (now the default; one run each, the machine otherwise idle; unfused in brackets,
 same run): ``--placement replicated`` 17.1 (7.3), ``row`` 13.5 (11.4), ``auto`` 16.8 (12.8; measured when
 ``auto`` decided by the size of the whole group, so all 26 tables were one row-sharded group; now each
-table keeps the placement ``auto`` gives it alone and groups form per placement, as unfused). Unfused replicated tables of one
-size are equal-sized buffers that XLA's donation pairing mixes up: the step copied whole tables (8
-``f32[20480,16]`` copies per step in the test's short mode); one group has no such copy
+table keeps the placement ``auto`` gives it alone and groups form per placement, as unfused).
+Unfused replicated tables of one size are equal-sized buffers that XLA's donation pairing mixes up:
+the step copied whole tables (8 ``f32[20480,16]`` copies per step in the test's short mode); one group has no such copy
 (``tests/xla_spmd/test_dlrm_example.py``).
 
 ``torch-adam``/``torch-sgd`` dense optimizers create their state in the first step, so the run

@@ -19,7 +19,7 @@ import torch_tpu_embedding as tte
 
 DATA = Path(__file__).parent / "data"
 sys.path.insert(0, os.fspath(DATA))
-from pre_split.configs import CONFIGS, train as pre_split_train  # noqa: E402, I001
+from pre_split.configs import CONFIGS, build, train as pre_split_train  # noqa: E402, I001
 
 
 def _coalesced(ids: torch.Tensor, rows: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -77,19 +77,6 @@ def test_a_stacked_tables_weight_is_refused_as_a_parameter_by_name() -> None:
     assert [g["lr"] for g in opt.param_groups] == [0.1, 0.2]
 
 
-def _build_default(name: str) -> tuple[torch.nn.ModuleDict, object]:
-    """``pre_split.configs.build`` with today's default construction (tables a and b stacked)."""
-    cls, kwargs, _ = CONFIGS[name]
-    torch.manual_seed(0)
-    a = tte.TableConfig(30, 4, name="a", combiner="sqrtn", dtype=torch.float64)
-    b = tte.TableConfig(17, 4, name="b", combiner="mean", dtype=torch.float64)
-    ec = tte.EmbeddingCollection({
-        "a": tte.FeatureConfig(a, max_ids_per_bag=3), "a1": tte.FeatureConfig(a), "b": tte.FeatureConfig(b),
-    })
-    model = torch.nn.ModuleDict({"ec": ec, "head": torch.nn.Linear(12, 1).to(torch.float64)})
-    return model, cls(model.parameters(), **kwargs)
-
-
 def _pending(entry: dict[str, torch.Tensor]) -> torch.Tensor:
     """A pending accumulation buffer (``acc_ids [k, cap]``, ``acc_rows [k, cap, D]``, ``-1`` = empty) as
     dense ``[k, 64, D]`` sums: stacked and unstacked buffers lay the same rows out differently."""
@@ -125,7 +112,7 @@ UNSTACKED = sorted(n for n, (_, _, fuse) in CONFIGS.items() if not fuse)
 def test_a_checkpoint_saved_before_stacking_became_the_default_loads_and_trains_on(name: str) -> None:
     """Files written with one parameter per table load into today's default (stacked) collection, and
     training on matches what that code recorded (a sum may run in another order: 1e-12)."""
-    model, opt = _build_default(name)
+    model, opt = build(name, default_construction=True)
     assert list(model["ec"].groups) == ["fused_0"]  # a and b stacked
     source = DATA / "pre_split" / (f"{name}.dcp" if name.endswith("-dcp") else f"{name}.pt")
     if name.endswith("-dcp"):
@@ -134,11 +121,11 @@ def test_a_checkpoint_saved_before_stacking_became_the_default_loads_and_trains_
         assert tte.checkpoint.load(source, model=model, optimizer=opt) == {"config": name}
         saved = torch.load(source, weights_only=True)
         _close(saved["model"], dict(model.state_dict()), "model")
-        _close(saved["optimizer"]["state"], opt.state_dict()["state"], "optimizer")  # type: ignore[attr-defined]
+        _close(saved["optimizer"]["state"], opt.state_dict()["state"], "optimizer")
     pre_split_train(model, opt, 5, 3)
     after = torch.load(DATA / "pre_split" / f"{name}.after.pt", weights_only=True)
     _close(after["model"], dict(model.state_dict()), "model after")
-    _close(after["optimizer"]["state"], opt.state_dict()["state"], "optimizer after")  # type: ignore[attr-defined]
+    _close(after["optimizer"]["state"], opt.state_dict()["state"], "optimizer after")
 
 
 def test_restack_regroups_by_placement_and_checks_its_argument() -> None:
@@ -153,3 +140,4 @@ def test_restack_regroups_by_placement_and_checks_its_argument() -> None:
         assert torch.equal(v, before[k]), k
     with pytest.raises(ValueError, match=r"Argument `placements` must map every table name.*Received: \{'a': 'auto'\}"):
         ec.restack({"a": "auto"})
+

@@ -32,6 +32,7 @@ __all__ = [
     "fuse",
     "fuse_key",
     "join_fused_weights",
+    "member_entries",
     "merge_member_state",
     "plan_groups",
     "split_fused_weights",
@@ -123,7 +124,7 @@ class TableView(nn.Module):
     def weight(self) -> torch.Tensor:
         """``[num_embeddings, D]`` rows of the group's weight: a view, or a host copy when the group is
         stored in a permuted row order (``row_layout``)."""
-        group: FusedTables = self.__dict__["group"]
+        group = self.group
         rows = StackedRows(self.name, group.name, self.offset, self.config.num_embeddings, group.weight,
                            group.logical_rows)
         stored = group.weight if group.row_layout is None else group.weight.detach()
@@ -139,15 +140,13 @@ class TableView(nn.Module):
 
     @property
     def row_grad(self) -> RowGrad:
-        group: FusedTables = self.__dict__["group"]
-        return group.row_grad
+        return self.group.row_grad
 
     def extra_repr(self) -> str:
         c = self.config
-        group: FusedTables = self.__dict__["group"]
         return (
             f"name={self.name!r}, num_embeddings={c.num_embeddings}, embedding_dim={c.embedding_dim}, "
-            f"combiner={c.combiner!r}, dtype={c.dtype}, fused in {group.name!r} at row {self.offset}"
+            f"combiner={c.combiner!r}, dtype={c.dtype}, fused in {self.group.name!r} at row {self.offset}"
         )
 
 
@@ -270,15 +269,12 @@ def split_member_state(
     (zero elsewhere).
     """
     out: dict[str, dict[str, torch.Tensor]] = {}
-    ids = entry.get("acc_ids")
     for i, (name, off, n) in enumerate(members):
         mine: dict[str, torch.Tensor] = {}
-        inside = None if ids is None else (ids >= off) & (ids < off + n)
+        acc = member_entries(entry["acc_ids"], entry["acc_rows"], off, n, -1) if "acc_ids" in entry else None
         for slot, v in entry.items():
-            if slot == "acc_ids" and inside is not None:
-                mine[slot] = torch.where(inside, v - off, torch.full_like(v, -1))
-            elif slot == "acc_rows" and inside is not None:
-                mine[slot] = v * inside.unsqueeze(-1).to(v.dtype)
+            if acc is not None and slot in ("acc_ids", "acc_rows"):
+                mine[slot] = acc[slot == "acc_rows"]
             elif slot in row_slots:
                 mine[slot] = v[off : off + n]
             elif slot == "step":
@@ -287,6 +283,16 @@ def split_member_state(
                 mine[slot] = v[i]
         out[name] = mine
     return out
+
+
+def member_entries(
+    ids: torch.Tensor, rows: torch.Tensor, offset: int, n: int, pad: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The entries of a group's row-indexed ``(ids [...], rows [..., D])`` that fall in a table's rows
+    ``[offset, offset + n)``, re-based to the table's ids; the others become id ``pad`` with zero rows
+    (shapes unchanged)."""
+    inside = (ids >= offset) & (ids < offset + n)
+    return torch.where(inside, ids - offset, torch.full_like(ids, pad)), rows * inside.unsqueeze(-1).to(rows.dtype)
 
 
 def merge_member_state(

@@ -35,6 +35,7 @@ __all__ = [
     "install_stock_optimizer_guard",
     "is_static_device",
     "register_table",
+    "refuse_stacked_view",
     "register_view",
     "stacked_rows",
     "table_info",
@@ -264,6 +265,19 @@ def register_view(view: torch.Tensor, rows: StackedRows) -> torch.Tensor:
     """Mark ``view`` as a stacked table's rows (see :func:`stacked_rows`); returns ``view``."""
     _VIEWS[view] = rows
     return view
+
+
+def refuse_stacked_view(p: Any, argument: str, use: str, remedy: str) -> None:
+    """Raise if ``p`` is a stacked table's ``weight`` (a view of its group's rows), which cannot be
+    ``use``\ d on its own; ``remedy`` says what to do instead."""
+    rows = stacked_rows(p) if isinstance(p, torch.Tensor) else None
+    if rows is not None:
+        raise ValueError(
+            f"Argument `{argument}` holds the weight of table `{rows.table}`, which is stacked with other tables in "
+            f"group `{rows.group}`: it is a view of the group's parameter and cannot be {use} on its own. Pass the "
+            "module's parameters (e.g. ec.parameters() or split_parameters(model)), which hold the group's "
+            f"parameter (ec.groups.{rows.group}.weight). {remedy}"
+        )
 
 
 def stacked_rows(t: torch.Tensor) -> StackedRows | None:

@@ -13,6 +13,7 @@ from torch_tpu_embedding._fused import (
     TableView,
     fuse,
     join_fused_weights,
+    member_entries,
     plan_groups,
     split_fused_weights,
 )
@@ -21,7 +22,7 @@ from torch_tpu_embedding._nest import Path, check_structure, flatten, path_name,
 from torch_tpu_embedding._rows import is_static_device, table_info
 from torch_tpu_embedding._screening import DeviceScreen
 from torch_tpu_embedding._validation import check_bool
-from torch_tpu_embedding.config import FeatureConfig, TableConfig
+from torch_tpu_embedding.config import PLACEMENTS, FeatureConfig, TableConfig
 from torch_tpu_embedding.inputs import to_bags
 from torch_tpu_embedding.table import EmbeddingTable
 
@@ -151,7 +152,7 @@ class EmbeddingCollection(nn.Module):
         group whose tables stay together is kept as is. Build the optimizer after this.
         """
         if not isinstance(placements, dict) or sorted(placements) != sorted(self.tables) or any(
-                p not in ("row", "column", "replicated") for p in placements.values()):
+                p not in PLACEMENTS or p == "auto" for p in placements.values()):
             raise ValueError("Argument `placements` must map every table name to 'row', 'column' or 'replicated'. "
                              f"Tables: {list(self.tables)}. Received: {placements!r}")
         if not self._fuse:
@@ -218,11 +219,11 @@ class EmbeddingCollection(nn.Module):
                 continue
             ids, rows = t.row_grad.collect()
             for tname, off, n in members:
+                if is_static_device(ids.device):  # the group's entries, the other tables' as padding
+                    pending[tname] = member_entries(ids, rows, off, n, n)
+                    continue
                 mine = (ids >= off) & (ids < off + n)
-                if is_static_device(ids.device):
-                    pending[tname] = (torch.where(mine, ids - off, torch.full_like(ids, n)),
-                                      rows * mine.unsqueeze(-1).to(rows.dtype))
-                elif bool(mine.any()):
+                if bool(mine.any()):
                     pending[tname] = (ids[mine] - off, rows[mine])
         order = [n for n in self.tables if n in pending] + [n for n in pending if n not in self.tables]
         return {n: pending[n] for n in order}

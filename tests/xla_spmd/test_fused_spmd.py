@@ -111,23 +111,30 @@ def test_fused_groups_sharded_match_unfused_cpu() -> None:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
-@pytest.mark.parametrize("cfg", cases(SPMD), ids=str)
-def test_every_registry_configuration_stacked_on_the_mesh_matches_unstacked_cpu(cfg: OptimizerConfig) -> None:
-    """Every optimizer × option of the registry's SPMD target (tests/optim_registry.py), trained in
-    row (owner-local), column and replicated groups on 4 devices: the unstacked CPU numbers."""
-    ec, opt = build(DEV, fuse=True, make_opt=cfg.make)
+def trained_like_unstacked_cpu(make_opt: Any, steps: int) -> tuple[tte.EmbeddingCollection, Any, dict[str, Any]]:
+    """Groups on the mesh trained ``steps`` steps in one graph with no fallback, checked against
+    unstacked tables on the CPU; returns the mesh's collection, optimizer and comparable state."""
+    ec, opt = build(DEV, fuse=True, make_opt=make_opt)
     torch_xla.sync()
     met.clear_all()
-    compiles = train(ec, opt, steps=4)
+    compiles = train(ec, opt, steps=steps)
     assert compiles[-1] == compiles[1], compiles  # the steady loop compiles nothing more
     assert met.executed_fallback_ops() == []
-    cpu, cpu_opt = build(torch.device("cpu"), fuse=False, make_opt=cfg.make)
-    train(cpu, cpu_opt, steps=4)
+    cpu, cpu_opt = build(torch.device("cpu"), fuse=False, make_opt=make_opt)
+    train(cpu, cpu_opt, steps=steps)
     want, got = comparable(cpu, cpu_opt), comparable(ec, opt)
     assert set(got) == set(want)
     for k in want:
         if "/acc_" not in k:  # pending accumulation buffers: capacity per group vs per table
             torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+    return ec, opt, got
+
+
+@pytest.mark.parametrize("cfg", cases(SPMD), ids=str)
+def test_every_registry_configuration_stacked_on_the_mesh_matches_unstacked_cpu(cfg: OptimizerConfig) -> None:
+    """Every optimizer × option of the registry's SPMD target (tests/optim_registry.py), trained in
+    row (owner-local), column and replicated groups on 4 devices: the unstacked CPU numbers."""
+    trained_like_unstacked_cpu(cfg.make, steps=4)
 
 
 @pytest.mark.parametrize("name", list(PER_TABLE))
@@ -135,20 +142,8 @@ def test_per_table_options_sharded_match_unfused_cpu(name: str, tmp_path: Path) 
     """Every group (row: owner-local; column; replicated) keeps per-table statistics, clip norms and
     created slots: the same numbers as unfused tables on the CPU, one graph, no fallback; its
     checkpoint loads into the unfused CPU collection."""
-    ec, opt = build(DEV, fuse=True, make_opt=PER_TABLE[name])
+    ec, opt, got = trained_like_unstacked_cpu(PER_TABLE[name], steps=5)
     assert table_info(ec.groups["fused_0"].weight).owner_local  # the row group trains through the exchange
-    torch_xla.sync()
-    met.clear_all()
-    compiles = train(ec, opt, steps=5)
-    assert compiles[-1] == compiles[1], compiles  # the steady loop compiles nothing more
-    assert met.executed_fallback_ops() == []
-    cpu, cpu_opt = build(torch.device("cpu"), fuse=False, make_opt=PER_TABLE[name])
-    train(cpu, cpu_opt, steps=5)
-    want, got = comparable(cpu, cpu_opt), comparable(ec, opt)
-    assert set(got) == set(want)
-    for k in want:
-        if "/acc_" not in k:  # pending accumulation buffers: capacity per group vs per table
-            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
     tte.checkpoint.save(tmp_path / "one.pt", model=ec, optimizer=opt)
     tte.checkpoint.save_distributed(tmp_path / "dist", model=ec, optimizer=opt)
     tte.checkpoint.convert_distributed(tmp_path / "dist", tmp_path / "converted.pt")

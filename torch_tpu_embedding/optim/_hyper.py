@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torch_tpu_embedding._rows import stacked_rows, table_info
+from torch_tpu_embedding._rows import refuse_stacked_view, table_info
 from torch_tpu_embedding._validation import arg_error, check_bool, check_number
 from torch_tpu_embedding.optim._contract import optimizer_class
 
@@ -130,7 +130,9 @@ def param_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
         keep: list[Any] = []
         for item in ps:
             p = item[1] if named else item
-            _refuse_stacked_view(p)
+            refuse_stacked_view(p, "params", "optimized", "For per-table optimizer settings use "
+                                "TableConfig(optimizer=...) (tables with different settings are stacked apart), or "
+                                "build the EmbeddingCollection with fuse_tables=False.")
             info = table_info(p)
             if overrides and info is not None and info.optimizer is not None and "algorithm" not in group:
                 out.append(_override_group(p, info.name, info.optimizer))
@@ -140,20 +142,6 @@ def param_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
             group["params"] = keep
             out.append(group)
     return out
-
-
-def _refuse_stacked_view(p: Any) -> None:
-    """A stacked table's ``weight`` is a view of its group's rows: an optimizer cannot own it."""
-    rows = stacked_rows(p) if isinstance(p, torch.Tensor) else None
-    if rows is not None:
-        raise ValueError(
-            f"Argument `params` holds the weight of table `{rows.table}`, which is stacked with other tables in "
-            f"group `{rows.group}`: it is a view of the group's parameter and cannot be optimized on its own. "
-            "Pass the module's parameters (e.g. ec.parameters() or split_parameters(model)), which hold the "
-            f"group's parameter (ec.groups.{rows.group}.weight). For per-table optimizer settings use "
-            "TableConfig(optimizer=...) (tables with different settings are stacked apart), or build the "
-            "EmbeddingCollection with fuse_tables=False."
-        )
 
 
 def _override_group(p: torch.Tensor, name: str, spec: Any) -> dict[str, Any]:

@@ -25,14 +25,16 @@ CONFIGS: dict[str, tuple[Any, dict[str, Any], bool]] = {  # optimizer, its argum
 }
 
 
-def build(name: str) -> tuple[torch.nn.ModuleDict, Any]:
+def build(name: str, default_construction: bool = False) -> tuple[torch.nn.ModuleDict, Any]:
+    """The model and optimizer of checkpoint ``name``; ``default_construction``: the collection built
+    with no ``fuse_tables`` flag (today's default), instead of the flag the checkpoint was written with."""
     cls, kwargs, fuse = CONFIGS[name]
     torch.manual_seed(0)
     a = tte.TableConfig(30, 4, name="a", combiner="sqrtn", dtype=torch.float64)
     b = tte.TableConfig(17, 4, name="b", combiner="mean", dtype=torch.float64)
-    ec = tte.EmbeddingCollection({
-        "a": tte.FeatureConfig(a, max_ids_per_bag=3), "a1": tte.FeatureConfig(a), "b": tte.FeatureConfig(b),
-    }, fuse_tables=fuse)
+    features = {"a": tte.FeatureConfig(a, max_ids_per_bag=3), "a1": tte.FeatureConfig(a), "b": tte.FeatureConfig(b)}
+    ec = tte.EmbeddingCollection(features) if default_construction else tte.EmbeddingCollection(
+        features, fuse_tables=fuse)
     model = torch.nn.ModuleDict({"ec": ec, "head": torch.nn.Linear(12, 1).to(torch.float64)})
     return model, cls(model.parameters(), **kwargs)
 

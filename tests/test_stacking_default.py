@@ -141,3 +141,13 @@ def test_restack_regroups_by_placement_and_checks_its_argument() -> None:
     with pytest.raises(ValueError, match=r"Argument `placements` must map every table name.*Received: \{'a': 'auto'\}"):
         ec.restack({"a": "auto"})
 
+
+def test_clipping_a_stacked_tables_weight_is_refused_by_name() -> None:
+    """Its gradient lives in its group's: clipping the view alone would silently see no gradient."""
+    ec = tte.EmbeddingCollection(features())
+    out = ec(batch(torch.Generator().manual_seed(3)))
+    out["a"].sum().backward()
+    with pytest.raises(ValueError, match=r"Argument `parameters` holds the weight of table `a`.*group `fused_0`.*"
+                                         r"cannot be clipped on its own"):
+        tte.clip_grad_norm_([ec.tables.a.weight], 1.0)
+    assert float(tte.clip_grad_norm_(ec.parameters(), 1.0)) > 0  # the group's gradient, a's included

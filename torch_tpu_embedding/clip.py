@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import torch
 
-from torch_tpu_embedding._rows import coalesce_rows, table_info
+from torch_tpu_embedding._rows import coalesce_rows, refuse_stacked_view, table_info
 from torch_tpu_embedding.distributed import sync_row_grads
 
 __all__ = ["clip_grad_norm_"]
@@ -60,6 +60,8 @@ def clip_grad_norm_(
         params = list(parameters)
         if is_generator and not params:
             warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=3)
+    for p in params:  # a stacked table's gradient is in its group's: silently 0 here otherwise
+        refuse_stacked_view(p, "parameters", "clipped", "Its gradient is part of its group's.")
     tables = [p for p in params if table_info(p) is not None]
     dense = [p for p in params if table_info(p) is None]
     sync_row_grads([{"params": tables}])

@@ -55,7 +55,7 @@ def check_ids(feature: str, ids: torch.Tensor, vocab: int) -> None:
     # (host tensors, and eager accelerators). XLA-resident ids are not read back here, nor are
     # ids being traced by torch.export / torch.compile (their values do not exist yet).
     if ids.numel() and ids.device.type != "xla" and not tracing():
-        lo, hi = int(ids.min()), int(ids.max())
+        lo, hi = (int(x) for x in torch.aminmax(ids))
         if lo < 0 or hi >= vocab:
             bad = lo if lo < 0 else hi
             raise err(feature, f"ids must be in [0, {vocab}) (the table's num_embeddings). Received: {bad}")

@@ -116,17 +116,16 @@ class LookupBatch:
         weight, items = self.weight, self.items
         dtype, dim = weight.dtype, weight.shape[1]
         if len(items) == 1:
-            ids, valid, w = items[0][1].ids, items[0][1].valid, items[0][1].weights
+            ids, w = items[0][1].ids, items[0][1].weights
         else:
             ids = torch.cat([b.ids for _, b in items])
-            valid = torch.cat([b.valid for _, b in items])
             w = None
             if any(b.weights is not None for _, b in items):
                 w = torch.cat([b.valid.to(dtype) if b.weights is None else b.weights for _, b in items])
-        if not self.resident:  # one transfer of the batch's ids (and weights); padding is the sentinel
+        if not self.resident:  # one transfer of the batch's ids (and weights)
             ids = ids.to(weight.device)
-            valid = ids != weight.shape[0]
             w = None if w is None else w.to(weight.device)
+        valid = ids != weight.shape[0]  # padding holds the sentinel (Bags)
         out = lookup(weight, ids, bag_gains(valid, w, self.combiner, dtype), self.row_grad)
         pieces = torch.split(out, [b.ids.shape[0] for _, b in items]) if len(items) > 1 else (out,)
         return {path: piece.reshape(*b.out_shape, dim) for (path, b), piece in zip(items, pieces, strict=True)}

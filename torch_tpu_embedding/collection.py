@@ -39,6 +39,20 @@ def _device_resident(value: Any) -> bool:
     return _input_device(value) == "xla"
 
 
+def _owned_logical_ids(weight: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """Shard-local rows ``[n, M]`` of a table trained through the id exchange (``R / n`` = padding)
+    -> its logical row ids (``R`` = padding): shard ``d``'s row ``j`` is physical row ``d·R/n + j``."""
+    info = table_info(weight)
+    assert info is not None and info.layout is not None  # owner-local chunks exist only on such tables
+    rows, n = int(weight.shape[0]), int(local.shape[0])
+    per = rows // n
+    shard = torch.arange(n, dtype=local.dtype, device=local.device).unsqueeze(1)
+    real = local < per
+    physical = torch.where(real, shard * per + local.clamp(max=per - 1), torch.zeros_like(local))
+    logical = info.layout.ownership(rows, n).logical_id(physical)
+    return torch.where(real, logical, torch.full_like(local, rows))
+
+
 class EmbeddingCollection(nn.Module):
     """Many embedding tables looked up by many features, with row-sparse gradients.
 
@@ -206,18 +220,21 @@ class EmbeddingCollection(nn.Module):
         table reports its own entries of its group's gradient, with its own ids (on XLA, with static
         shapes: the group's ``N`` entries, the other tables' entries as padding). A row-sharded
         table trained through the id exchange reports what each shard received: ``ids [n, M]`` (rows
-        of the shard, ``weight.shape[0] / n`` = padding) and ``rows [n, M, D]``; a stacked group
-        trained that way reports under its group name, with rows of the group.
+        of the shard, ``weight.shape[0] / n`` = padding) and ``rows [n, M, D]``; a stacked table
+        trained that way reports its entries of what each shard received, ``ids [n, M]`` in its own
+        ids (its ``num_embeddings`` = padding) and ``rows [n, M, D]``.
         """
         pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for name, t in self.physical_tables().items():
             if not t.row_grad:
                 continue
             members = t.members()
-            if members is None or t.row_grad.owned:
+            if members is None:
                 pending[name] = t.row_grad.collect()
                 continue
             ids, rows = t.row_grad.collect()
+            if t.row_grad.owned:  # shard-local rows [n, M] -> the group's logical ids
+                ids = _owned_logical_ids(t.weight, ids)
             for tname, off, n in members:
                 if is_static_device(ids.device):  # the group's entries, the other tables' as padding
                     pending[tname] = member_entries(ids, rows, off, n, n)
@@ -257,12 +274,16 @@ class EmbeddingCollection(nn.Module):
         batches: dict[tuple[int, int, str, bool], LookupBatch] = {}
         routed: dict[int, Any] = {}
         host = torch.device("cpu")
+        local: dict[int, bool] = {}  # per physical table: trained through the id exchange
         for path, fname, fc, tname in self._features:
             table, offset = self._located[tname]
             weight = table.weight
-            info = table_info(weight)
-            owner_local = info is not None and info.owner_local
+            if id(table) not in local:
+                info = table_info(weight)
+                local[id(table)] = info is not None and info.owner_local
+            owner_local = local[id(table)]
             value = pick(features, path)
+            on_device = _device_resident(value)
             resident = weight.device.type == "cpu" or _input_device(value) != "cpu"
             bags = to_bags(
                 fname,
@@ -273,14 +294,15 @@ class EmbeddingCollection(nn.Module):
                 device=weight.device if resident else host,
                 dtype=weight.dtype,
                 static=weight.device.type == "xla",
+                offset=0 if on_device else offset,  # a stacked table's rows start at `offset` of its group
             )
-            if _device_resident(value):  # host inputs were checked in to_bags
+            if on_device:  # host inputs were checked in to_bags; these are screened before the offset
                 ids, valid = self._screen_device_ids(
                     fname, fc.table.num_embeddings, bags.ids, bags.valid, weight.shape[0], bags.weights
                 )
+                if offset:  # padding stays the sentinel
+                    ids = torch.where(valid, ids + offset, ids)
                 bags = dataclasses.replace(bags, ids=ids, valid=valid)
-            if offset:  # a fused table's rows start at `offset` of the group; padding stays the sentinel
-                bags = dataclasses.replace(bags, ids=torch.where(bags.valid, bags.ids + offset, bags.ids))
             if table.row_layout is not None and not owner_local:  # stored permuted: look up the stored row
                 order = table.row_layout.ownership(int(weight.shape[0]))
                 bags = dataclasses.replace(bags, ids=order.physical_row(bags.ids.to(torch.int64)))

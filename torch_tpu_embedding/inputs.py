@@ -172,7 +172,7 @@ def _normalise_variable(
             check_tensor(feature, what, t)
         if weight is not None and value.weights is not None:
             raise _err(feature, "weights given twice (inside Padded and in `weights`)")
-        return dataclasses.replace(value, weights=weight if weight is not None else value.weights)
+        return value if weight is None else dataclasses.replace(value, weights=weight)
     if isinstance(value, Jagged):
         if weight is not None and value.weights is not None:
             raise _err(feature, "weights given twice (inside Jagged and in `weights`)")
@@ -256,6 +256,7 @@ def to_bags(
     device: torch.device,
     dtype: torch.dtype,
     static: bool | None = None,
+    offset: int = 0,
 ) -> Bags:
     """Normalise one feature's input (and optional weights) to :class:`Bags` on ``device``.
 
@@ -269,12 +270,14 @@ def to_bags(
             transfer) and the table's float dtype.
         static: whether the table needs static shapes (default: ``device`` is XLA); bag widths of
             variable-length inputs are then rounded up to a power of two.
+        offset: added to every real id after its range check (a stacked table's first row in its
+            group), in the same pass that writes the sentinel at padding.
     """
     vocab = fc.table.num_embeddings
     static = device.type == "xla" if static is None else static
     check_tensor(feature, "the weights", weight)
     if isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_nested:
-        return _dense_bags(feature, fc, value, weight, vocab, device)
+        return _dense_bags(feature, fc, value, weight, vocab, device, offset)
     if not isinstance(value, (Jagged, Padded, torch.Tensor)):
         raise TypeError(
             f"Feature `{feature}`: unsupported input type {type(value).__name__}. Use a dense id "
@@ -292,7 +295,7 @@ def to_bags(
             )
     rp = _normalise_variable(feature, value, weight)
     if isinstance(rp, Padded):
-        return _padded_bags(feature, fc, rp, vocab, sentinel, device, dtype)
+        return _padded_bags(feature, fc, rp, vocab, sentinel, device, dtype, offset)
     _check_ids(feature, rp.vals, vocab)
     combine, seq_len, out_shape = _mode(feature, fc, rp.leading)
     nbags = math.prod(rp.leading)
@@ -301,7 +304,7 @@ def to_bags(
             raise ValueError(f"Weight specified for `{feature}`, but this is a sequence feature.")
         keep = rp.pos < seq_len
         ids2d = torch.full((nbags, seq_len), sentinel, dtype=torch.int64)
-        ids2d[rp.row[keep], rp.pos[keep]] = rp.vals[keep].to(torch.int64)
+        ids2d[rp.row[keep], rp.pos[keep]] = rp.vals[keep].to(torch.int64) + offset
         ids = ids2d.reshape(-1, 1)
         return Bags(ids.to(device), (ids != sentinel).to(device), None, out_shape, False)
     longest = int(rp.rank.max()) + 1 if rp.rank.numel() else 0
@@ -317,7 +320,7 @@ def to_bags(
     else:
         width = _next_pow2(longest) if static else max(longest, 1)
     ids2d = torch.full((nbags, width), sentinel, dtype=torch.int64)
-    ids2d[rp.row, rp.rank] = rp.vals.to(torch.int64)
+    ids2d[rp.row, rp.rank] = rp.vals.to(torch.int64) + offset
     w2d = None
     if rp.weights is not None:  # in the combiner's compute dtype (float32 for 16-bit tables)
         check_weights_fit(feature, rp.weights, dtype)
@@ -334,6 +337,7 @@ def _dense_bags(
     weight: torch.Tensor | None,
     vocab: int,
     device: torch.device,
+    offset: int = 0,
 ) -> Bags:
     if fc.is_sequence:
         raise _err(feature, "is a sequence feature but a dense tensor was passed. Use Jagged, "
@@ -364,6 +368,8 @@ def _dense_bags(
             )
         out_shape = tuple(fc.output_shape)
     ids = value.reshape(-1, 1).to(device=device, dtype=torch.int64)
+    if offset:
+        ids = ids + offset
     return Bags(ids, torch.ones_like(ids, dtype=torch.bool), None, out_shape, False)
 
 
@@ -375,6 +381,7 @@ def _padded_bags(
     sentinel: int,
     device: torch.device,
     dtype: torch.dtype,
+    offset: int = 0,
 ) -> Bags:
     ids = p.ids
     if ids.dim() != 2:
@@ -412,9 +419,12 @@ def _padded_bags(
             pad = seq_len - width
             ids = torch.nn.functional.pad(ids, (0, pad), value=sentinel)
             valid = torch.nn.functional.pad(valid, (0, pad), value=False)
-        ids = torch.where(valid, ids, sentinel).reshape(-1, 1)
+        ids = torch.where(valid, ids + offset if offset else ids, sentinel).reshape(-1, 1)
         return Bags(ids, valid.reshape(-1, 1), None, out_shape, False)
-    ids = torch.where(valid, ids, sentinel)
+    if mask is not None:
+        ids = torch.where(valid, ids + offset if offset else ids, sentinel)
+    elif offset:  # every position is a real id
+        ids = ids + offset
     w = None if p.weights is None else p.weights.to(device=device, dtype=compute_dtype(dtype))
     if w is not None and p.weights is not None and p.weights.device.type == "xla" and w.device.type != "xla":
         _check_weights(feature, w, tuple(ids.shape), "the padded ids")  # read back to the host: check here

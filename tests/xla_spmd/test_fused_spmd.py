@@ -111,6 +111,35 @@ def test_fused_groups_sharded_match_unfused_cpu() -> None:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
+def _dense_grad(ids: torch.Tensor, rows: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The ``[vocab, D]`` sum of a raw row gradient of any shape (padding ids ``>= vocab`` dropped)."""
+    ids, rows = ids.cpu().reshape(-1), rows.cpu().reshape(-1, rows.shape[-1])
+    keep = ids < vocab
+    return torch.zeros(vocab, rows.shape[1], dtype=rows.dtype).index_add_(0, ids[keep], rows[keep])
+
+
+def test_row_grads_of_a_stacked_group_trained_through_the_exchange_are_per_table() -> None:
+    """The row group (t0, t1, t2) is owner-local: each shard receives rows of the group; row_grads()
+    still reports t0, t1 and t2 by name, in their own ids, the same sums as unstacked CPU tables."""
+    got = {}
+    for device, fuse in ((DEV, True), (torch.device("cpu"), False)):
+        ec, _ = build(device, fuse=fuse)
+        g = torch.Generator().manual_seed(5)
+        inputs = {f"f{i}": tte.Jagged(torch.randint(0, v, (12,), generator=g), lengths=torch.full((6,), 2))
+                  for i, (v, _) in enumerate(TABLES)}
+        out = ec(inputs)
+        sum((i + 1) * o.square().sum() for i, o in enumerate(out.values())).backward()
+        got[fuse] = ec.row_grads()
+    assert table_info(build(DEV, fuse=True)[0].groups["fused_0"].weight).owner_local  # type: ignore[union-attr]
+    assert list(got[True]) == list(got[False]) == [f"t{i}" for i in range(len(TABLES))]
+    for i, (vocab, _) in enumerate(TABLES):
+        ids, rows = got[True][f"t{i}"]
+        if i < 3:  # what each of the 4 shards received, in the table's own ids
+            assert ids.shape[0] == 4 and rows.shape[:2] == ids.shape
+        torch.testing.assert_close(_dense_grad(ids, rows, vocab), _dense_grad(*got[False][f"t{i}"], vocab),
+                                   rtol=1e-5, atol=1e-6, msg=f"t{i}")
+
+
 def trained_like_unstacked_cpu(make_opt: Any, steps: int) -> tuple[tte.EmbeddingCollection, Any, dict[str, Any]]:
     """Groups on the mesh trained ``steps`` steps in one graph with no fallback, checked against
     unstacked tables on the CPU; returns the mesh's collection, optimizer and comparable state."""

@@ -178,8 +178,13 @@ class EmbeddingCollection(nn.Module):
             return
         tables: dict[str, nn.Module] = {}
         for n, t in self.tables.items():
-            if isinstance(t, TableView):  # a stacked table becomes a table of its own again, then re-stacked
+            # A stacked table becomes a table of its own again, then re-stacked; so does a table laid
+            # out by an earlier `shard` (rows padded or permuted): groups are joined from logical rows.
+            if isinstance(t, TableView):
                 t = EmbeddingTable(t.config, n, weight=t.logical_weight().to(t.group.weight.device, copy=True))
+            elif isinstance(t, EmbeddingTable) and (t.row_layout is not None
+                                                    or t.weight.shape[0] != t.config.num_embeddings):
+                t = EmbeddingTable(t.config, n, weight=t.logical_weight().to(t.weight.device, copy=True))
             tables[n] = t
         self._stack(tables, placements)
 

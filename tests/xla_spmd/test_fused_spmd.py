@@ -259,3 +259,35 @@ def test_auto_placement_is_decided_per_table_before_stacking(tmp_path: Path) -> 
     tte.checkpoint.load_distributed(tmp_path / "dist", model=back, optimizer=back_opt)
     for k, v in comparable(back, back_opt).items():
         assert torch.equal(v, got[k]), k
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["stacked", "unstacked"])
+def test_shard_called_again_with_another_threshold_re_lays_the_tables_out(fuse: bool) -> None:
+    """A second (and third) ``shard`` with another ``replicate_below_bytes`` moves tables between
+    placements — already laid-out tensors are re-annotated, values kept — and trains as on the CPU."""
+    ec = _auto_tables(fuse, DEV)
+    before = {k: v.cpu() for k, v in ec.state_dict().items()}
+    for threshold, want in ((4096, {"big": "row", "small_a": "replicated", "small_b": "replicated"}),
+                            (0, dict.fromkeys(("big", "small_a", "small_b"), "row")),
+                            (1 << 20, dict.fromkeys(("big", "small_a", "small_b"), "replicated"))):
+        assert shard(ec, device_mesh(), replicate_below_bytes=threshold) == want
+        for name, t in ec.physical_tables().items():
+            placement = want[name if t.members() is None else t.members()[0][0]]  # type: ignore[index]
+            spec_ = sharding_spec(t.weight)
+            assert spec_ == "{replicated}" if placement == "replicated" else spec_.startswith("{devices=[4,1]"), name
+        for k, v in ec.state_dict().items():
+            assert torch.equal(v.cpu(), before[k]), (threshold, k)
+    if fuse:
+        assert list(ec.groups) == ["fused_0"] and len(ec.fused_members()["fused_0"]) == 3
+    opt = tte.optim.Adam(ec.parameters(), lr=0.05)
+    opt.init_state()
+    torch_xla.sync()
+    met.clear_all()
+    _auto_train(ec, opt, 3)
+    assert met.counter_value("UncachedCompile") == 1 and met.executed_fallback_ops() == []
+    cpu = _auto_tables(False, torch.device("cpu"))
+    cpu_opt = tte.optim.Adam(cpu.parameters(), lr=0.05)
+    _auto_train(cpu, cpu_opt, 3)
+    want_state, got = comparable(cpu, cpu_opt), comparable(ec, opt)
+    for k in want_state:
+        torch.testing.assert_close(got[k], want_state[k], rtol=1e-5, atol=1e-6, msg=k)

@@ -143,7 +143,9 @@ def shard(
 
     Call after moving the collection to the XLA device and before building the optimizer (padding
     rows up to a multiple of ``lcm(ROW_ALIGNMENT, devices)`` replace the weight parameter). Padding rows are never
-    looked up, never updated and never saved: ``state_dict`` holds ``[num_embeddings, D]``.
+    looked up, never updated and never saved: ``state_dict`` holds ``[num_embeddings, D]``. Calling
+    it again (say with another ``replicate_below_bytes``) lays the tables out anew, values kept;
+    build the optimizer after the last call.
     """
     if not xr.is_spmd():
         raise RuntimeError(
@@ -176,6 +178,8 @@ def shard(
         table.pad_rows(layout.row_block)
         if layout.exchange and table.row_layout is None:
             table.permute_rows(RowLayout(ROW_ALIGNMENT))
+        if sharding_spec(table.weight):  # laid out by an earlier call: XLA refuses a second annotation
+            xs.clear_sharding(table.weight)
         xs.mark_sharding(table.weight, mesh, layout.spec(2))
         info = table_info(table.weight)
         assert info is not None  # pad_rows / the constructor registered it

@@ -367,9 +367,11 @@ def _dense_bags(
                 f"dense input gives {natural}.",
             )
         out_shape = tuple(fc.output_shape)
-    ids = value.reshape(-1, 1).to(device=device, dtype=torch.int64)
+    # A new tensor, never the caller's: the ids wait in the table's pending gradient until the
+    # optimizer step, and a loader may refill its buffer before then (gradient accumulation).
+    ids = value.reshape(-1, 1).to(device=device, dtype=torch.int64, copy=True)
     if offset:
-        ids = ids + offset
+        ids += offset
     return Bags(ids, torch.ones_like(ids, dtype=torch.bool), None, out_shape, False)
 
 
@@ -402,7 +404,9 @@ def _padded_bags(
         _check_weights(feature, p.weights, tuple(ids.shape), "the padded ids")
         check_weights_fit(feature, p.weights, dtype)
     combine, seq_len, out_shape = _mode(feature, fc, (ids.shape[0],))
-    ids = ids.to(device=device, dtype=torch.int64)
+    # Without a mask nothing below copies: copy here, so the ids kept for the optimizer step are
+    # never the caller's tensor (as for dense ids).
+    ids = ids.to(device=device, dtype=torch.int64, copy=mask is None)
     valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.to(device)
     if combine and fc.max_ids_per_bag is not None and ids.shape[1] > fc.max_ids_per_bag:
         raise _err(
@@ -423,8 +427,8 @@ def _padded_bags(
         return Bags(ids, valid.reshape(-1, 1), None, out_shape, False)
     if mask is not None:
         ids = torch.where(valid, ids + offset if offset else ids, sentinel)
-    elif offset:  # every position is a real id
-        ids = ids + offset
+    elif offset:  # every position is a real id (and `ids` is this function's copy)
+        ids += offset
     w = None if p.weights is None else p.weights.to(device=device, dtype=compute_dtype(dtype))
     if w is not None and p.weights is not None and p.weights.device.type == "xla" and w.device.type != "xla":
         _check_weights(feature, w, tuple(ids.shape), "the padded ids")  # read back to the host: check here

@@ -151,3 +151,28 @@ def test_clipping_a_stacked_tables_weight_is_refused_by_name() -> None:
                                          r"cannot be clipped on its own"):
         tte.clip_grad_norm_([ec.tables.a.weight], 1.0)
     assert float(tte.clip_grad_norm_(ec.parameters(), 1.0)) > 0  # the group's gradient, a's included
+
+
+def test_an_optimizer_built_before_the_tables_were_restacked_refuses_to_step() -> None:
+    """``restack`` (what ``xla.shard`` does first) replaces group parameters: an optimizer built on the
+    old ones would train tensors nothing looks up. It raises at ``step``/``init_state``, naming the
+    group; one built afterwards trains."""
+    ec = tte.EmbeddingCollection(features())
+    stale = tte.optim.Adagrad(ec.parameters(), lr=0.1)
+    placements = {n: "replicated" for n in ec.tables}
+    placements["a"] = "row"  # a leaves group fused_0
+    ec.restack(placements)
+    ec(batch(torch.Generator().manual_seed(3)))["a"].sum().backward()  # type: ignore[index]
+    with pytest.raises(RuntimeError, match=r"table `fused_0` that is no longer the table's: the tables were "
+                                           r"stacked anew.*Build the optimizer after"):
+        stale.step()
+    with pytest.raises(RuntimeError, match="no longer the table's"):
+        stale.init_state()
+    fresh = tte.optim.Adagrad(ec.parameters(), lr=0.1)
+    before = ec.tables.a.weight.detach().clone()
+    fresh.step()
+    assert not torch.equal(ec.tables.a.weight, before)
+    same = tte.EmbeddingCollection(features())
+    kept = tte.optim.Adagrad(same.parameters(), lr=0.1)
+    same.restack({n: "row" for n in same.tables})  # the same groups: parameters kept, the optimizer stays valid
+    kept.init_state()

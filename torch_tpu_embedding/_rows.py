@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ __all__ = [
     "RowGrad",
     "StackedRows",
     "TableInfo",
+    "check_live_tables",
     "coalesce_rows",
     "dedup_static",
     "drop_sentinel",
@@ -37,6 +38,8 @@ __all__ = [
     "register_table",
     "refuse_stacked_view",
     "register_view",
+    "retire_table",
+    "retired_count",
     "stacked_rows",
     "table_info",
     "unique_ids",
@@ -209,6 +212,8 @@ class TableInfo:
     #: the stored row order (``None``: logical order); set with the id exchange's interleaved layout
     #: by :func:`torch_tpu_embedding.xla.shard`
     layout: RowLayout | None = None
+    #: why this tensor is no longer the table's weight (:func:`retire_table`); ``None`` while it is
+    retired: str | None = None
 
     @property
     def owner_local(self) -> bool:
@@ -232,6 +237,36 @@ def register_table(
     info = TableInfo(name=name, num_embeddings=num_embeddings, optimizer=optimizer, members=members, layout=layout)
     _TABLES[param] = info
     return info
+
+
+_RETIRED = [0]  # tables retired so far, process-wide: optimizers re-check their parameters when it moves
+
+
+def retire_table(param: torch.Tensor, why: str) -> None:
+    """Mark ``param`` as replaced by a new weight of its table (an optimizer built on it would
+    update a tensor nothing looks up any more); :func:`check_live_tables` then names it."""
+    info = table_info(param)
+    if info is not None and info.retired is None:
+        info.retired = why
+        _RETIRED[0] += 1
+
+
+def retired_count() -> int:
+    """How many table weights have been retired in this process (cheap to compare between steps)."""
+    return _RETIRED[0]
+
+
+def check_live_tables(params: Iterable[torch.Tensor]) -> None:
+    """Raise if a table among ``params`` was retired (its table has a new weight)."""
+    for p in params:
+        info = table_info(p)
+        if info is not None and info.retired is not None:
+            raise RuntimeError(
+                f"The optimizer holds a weight of table `{info.name}` that is no longer the table's: "
+                f"{info.retired}. It would update a tensor that nothing looks up. Build the optimizer "
+                "after torch_tpu_embedding.xla.shard(...) (and after any other call that replaces "
+                "table weights), from ec.parameters()."
+            )
 
 
 def table_info(param: torch.Tensor) -> TableInfo | None:

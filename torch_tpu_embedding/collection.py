@@ -19,7 +19,7 @@ from torch_tpu_embedding._fused import (
 )
 from torch_tpu_embedding._lookup import LookupBatch
 from torch_tpu_embedding._nest import Path, check_structure, flatten, path_name, pick, rebuild
-from torch_tpu_embedding._rows import is_static_device, table_info
+from torch_tpu_embedding._rows import is_static_device, retire_table, table_info
 from torch_tpu_embedding._screening import DeviceScreen
 from torch_tpu_embedding._validation import check_bool
 from torch_tpu_embedding.config import PLACEMENTS, FeatureConfig, TableConfig
@@ -186,7 +186,12 @@ class EmbeddingCollection(nn.Module):
                                                     or t.weight.shape[0] != t.config.num_embeddings):
                 t = EmbeddingTable(t.config, n, weight=t.logical_weight().to(t.weight.device, copy=True))
             tables[n] = t
+        before = [t.weight for t in self.physical_tables().values()]
         self._stack(tables, placements)
+        kept = {id(t.weight) for t in self.physical_tables().values()}
+        for w in before:
+            if id(w) not in kept:
+                retire_table(w, "the tables were stacked anew for their placements (new group parameters)")
 
     # ------------------------------------------------------------------ accessors
     @property

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from torch_tpu_embedding._layout import RowLayout, from_logical, to_logical
-from torch_tpu_embedding._rows import RowGrad, TableInfo, register_table, table_info
+from torch_tpu_embedding._rows import RowGrad, TableInfo, register_table, retire_table, table_info
 from torch_tpu_embedding.config import TableConfig, default_initializer
 
 __all__ = ["EmbeddingTable", "host_empty"]
@@ -75,6 +75,7 @@ class EmbeddingTable(nn.Module):
             w = self.weight
             pad = torch.zeros(rows - n, w.shape[1], dtype=w.dtype, device=w.device)
             self.weight = nn.Parameter(torch.cat([w[:n], pad]))
+        retire_table(w, f"its rows were padded to a multiple of {multiple} (a new parameter)")
         self._register()
 
     def permute_rows(self, layout: RowLayout) -> None:
@@ -89,6 +90,7 @@ class EmbeddingTable(nn.Module):
             w = self.weight
             logical_of = layout.ownership(int(w.shape[0])).logical_id(torch.arange(w.shape[0]))
             self.weight = nn.Parameter(w.index_select(0, logical_of.to(w.device)))
+        retire_table(w, "its rows were stored in the id exchange's order (a new parameter)")
         self.row_layout = layout
         self._register()
 

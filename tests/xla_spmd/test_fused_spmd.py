@@ -291,3 +291,18 @@ def test_shard_called_again_with_another_threshold_re_lays_the_tables_out(fuse: 
     want_state, got = comparable(cpu, cpu_opt), comparable(ec, opt)
     for k in want_state:
         torch.testing.assert_close(got[k], want_state[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_an_optimizer_built_before_shard_refuses_to_step() -> None:
+    """``shard`` pads (and for the id exchange permutes) table rows into new parameters: an optimizer
+    built before it would silently train nothing. It raises at its first step, naming the table."""
+    ec = _auto_tables(False, DEV)
+    stale = tte.optim.Adam(ec.parameters(), lr=0.05)
+    shard(ec, device_mesh(), replicate_below_bytes=4096)  # big: row (rows permuted); small: replicated
+    with pytest.raises(RuntimeError, match=r"table `big` that is no longer the table's: its rows were stored in the id exchange's order"):
+        _auto_train(ec, stale, 1)
+    ec.zero_grad()
+    opt = tte.optim.Adam(ec.parameters(), lr=0.05)
+    before = {k: v.cpu() for k, v in ec.state_dict().items()}
+    _auto_train(ec, opt, 1)
+    assert all(not torch.equal(v.cpu(), before[k]) for k, v in ec.state_dict().items())

@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from torch_tpu_embedding._rows import stacked_rows, table_info
+from torch_tpu_embedding._rows import check_live_tables, retired_count, stacked_rows, table_info
 from torch_tpu_embedding.distributed import sync_row_grads
 from torch_tpu_embedding.optim import _ema, _intake, _state_io
 from torch_tpu_embedding.optim._contract import RowContext, Slots, SlotSpec, optimizer_class, register
@@ -78,6 +78,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         self._lrs = LearningRates()
         #: calls of ``step()`` so far (Keras ``iterations`` before the ``// k`` of accumulation)
         self._iterations = 0
+        self._checked_retired = -1  # retired_count() when the parameters were last checked
         self._skipped: Tensor | None = None  # device-side count of calls dropped by skip_nonfinite
         super().__init__(param_groups(params), defaults)
 
@@ -123,9 +124,11 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
+        self._checked_retired = -1  # the new group's tables are checked at the next step
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        self.__dict__.setdefault("_checked_retired", -1)
         self.__dict__.setdefault("_lrs", LearningRates())
         self.__dict__.setdefault("_iterations", 0)
         self.__dict__.setdefault("_skipped", None)
@@ -161,6 +164,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():  # type: ignore[no-untyped-call]
                 loss = closure()
+        self._check_live_tables()
         clock = StepClock(self._iterations, self._skipped_now())
         # Data parallel (torch_tpu_embedding.distributed): the tables' row gradients made global first.
         sync_row_grads(self.param_groups)
@@ -244,9 +248,18 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         Useful on XLA (materialise the slots with one ``torch_xla.sync()`` before the loop, so the
         steady training step is the only graph) and before loading a checkpoint.
         """
+        self._check_live_tables()
         for group in self.param_groups:
             for p in group["params"]:
                 self._state_for(p, group)
+
+    def _check_live_tables(self) -> None:
+        """Raise if a table weight this optimizer holds was replaced since it was built (checked
+        again only when some table weight in the process was, so a steady loop pays one compare)."""
+        count = retired_count()
+        if count != self._checked_retired:
+            check_live_tables(p for g in self.param_groups for p in g["params"])
+            self._checked_retired = count
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear ``.grad`` of dense parameters and pending row gradients of tables."""

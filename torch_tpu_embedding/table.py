@@ -147,6 +147,19 @@ class EmbeddingTable(nn.Module):
             info = self._register()
         return info.row_grad
 
+    def __getstate__(self) -> dict[str, Any]:
+        # What the library knows about the weight lives beside it, keyed by the tensor (_rows): a copy
+        # or an unpickled module gets new tensors, registered again in __setstate__ (with the layout).
+        state = dict(self.__dict__)
+        info = table_info(self.weight)
+        state["_tte_sharding"] = None if info is None else info.sharding
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        sharding = state.pop("_tte_sharding", None)
+        super().__setstate__(state)
+        self._register().sharding = sharding
+
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> EmbeddingTable:
         old = self.weight
         super()._apply(fn, recurse)  # type: ignore[no-untyped-call]

@@ -157,7 +157,7 @@ class EmbeddingTable(nn.Module):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         sharding = state.pop("_tte_sharding", None)
-        super().__setstate__(state)
+        super().__setstate__(state)  # type: ignore[no-untyped-call]
         self._register().sharding = sharding
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> EmbeddingTable:

@@ -1,7 +1,8 @@
 """A collection copied with ``copy.deepcopy`` or saved whole with ``torch.save`` (pickled) is a
 collection like the original from its first use: its weights are known as tables before any forward
 (an optimizer built on the copy keys its state by table and loads the original's), and it trains as
-the original does."""
+the original does. Weights replaced in place of the old (``load_state_dict(assign=True)``) are never
+trained silently through an optimizer that still holds the old ones."""
 
 from __future__ import annotations
 
@@ -55,3 +56,19 @@ def test_a_copy_of_a_trained_collection_resumes_like_the_original(how: str, fuse
     _train(twin, twin_opt, 2, seed=2)
     for k, v in ec.state_dict().items():
         assert torch.equal(twin.state_dict()[k], v), k
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["stacked", "unstacked"])
+def test_weights_replaced_by_an_assigning_load_are_refused_by_an_older_optimizer(fuse: bool) -> None:
+    src, ec = _make(fuse), _make(fuse)
+    _train(src, tte.optim.SGD(src.parameters(), lr=0.5), 1, seed=1)
+    stale = tte.optim.Adagrad(ec.parameters(), lr=0.1)
+    ec.load_state_dict({k: v.clone() for k, v in src.state_dict().items()}, assign=True)  # new Parameters
+    for k, v in src.state_dict().items():
+        assert torch.equal(ec.state_dict()[k], v), k
+    with pytest.raises(RuntimeError, match=r"no longer the table's: the table's weight parameter was replaced"):
+        _train(ec, stale, 1, seed=2)
+    ec.zero_grad()
+    fresh = tte.optim.Adagrad(ec.parameters(), lr=0.1)
+    _train(ec, fresh, 1, seed=2)
+    assert all(not torch.equal(ec.state_dict()[k], v) for k, v in src.state_dict().items())

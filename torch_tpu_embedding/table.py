@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -111,6 +112,13 @@ class EmbeddingTable(nn.Module):
         return None
 
     def _register(self) -> TableInfo:
+        # A weight registered before and now replaced (load_state_dict(assign=True), a conversion that
+        # overwrites parameters): an optimizer still holding it must not train it silently.
+        ref = self.__dict__.get("_registered_weight")
+        old = None if ref is None else ref()
+        if old is not None and old is not self.weight:
+            retire_table(old, "the table's weight parameter was replaced (e.g. load_state_dict(assign=True))")
+        self.__dict__["_registered_weight"] = weakref.ref(self.weight)
         return register_table(
             self.weight, self.name, self.config.num_embeddings, self.config.optimizer, self.members(),
             self.row_layout,
@@ -151,6 +159,7 @@ class EmbeddingTable(nn.Module):
         # What the library knows about the weight lives beside it, keyed by the tensor (_rows): a copy
         # or an unpickled module gets new tensors, registered again in __setstate__ (with the layout).
         state = dict(self.__dict__)
+        state.pop("_registered_weight", None)  # a weak reference: neither copied nor pickled
         info = table_info(self.weight)
         state["_tte_sharding"] = None if info is None else info.sharding
         return state

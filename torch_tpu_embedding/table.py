@@ -117,7 +117,8 @@ class EmbeddingTable(nn.Module):
         ref = self.__dict__.get("_registered_weight")
         old = None if ref is None else ref()
         if old is not None and old is not self.weight:
-            retire_table(old, "the table's weight parameter was replaced (e.g. load_state_dict(assign=True))")
+            retire_table(old, "the table's weight parameter was replaced by a new one (a move to another device, "
+                                "load_state_dict(assign=True))")
         self.__dict__["_registered_weight"] = weakref.ref(self.weight)
         return register_table(
             self.weight, self.name, self.config.num_embeddings, self.config.optimizer, self.members(),

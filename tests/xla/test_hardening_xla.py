@@ -215,3 +215,27 @@ def test_a_failed_load_on_xla_changes_nothing(tmp_path: Path, wrong: str) -> Non
     for k, v in opt.state[ec.tables.t.weight].items():
         assert torch.equal(v.cpu(), before_slots[k]), k
     assert met.executed_fallback_ops() == []
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["stacked", "unstacked"])
+def test_an_optimizer_built_before_moving_to_xla_refuses_to_step(fuse: bool) -> None:
+    """``.to(xla)`` gives every table a new parameter: an optimizer built on the CPU ones would train
+    host tensors that nothing looks up. It raises at ``step()``; one built after the move trains."""
+    torch.manual_seed(0)
+    ec = tte.EmbeddingCollection({n: tte.FeatureConfig(tte.TableConfig(10, 4, name=n)) for n in "ab"},
+                                 fuse_tables=fuse)
+    stale = tte.optim.Adagrad(ec.parameters(), lr=0.1)
+    ec.to(DEV)
+
+    def step(opt: tte.optim.Adagrad) -> None:
+        out = ec({n: torch.tensor([1, 2]) for n in "ab"})
+        (out["a"].sum() + out["b"].sum()).backward()
+        opt.step()
+
+    with pytest.raises(RuntimeError, match=r"no longer the table's: the table's weight parameter was replaced"):
+        step(stale)
+    ec.zero_grad()
+    before = {k: v.cpu() for k, v in ec.state_dict().items()}
+    step(tte.optim.Adagrad(ec.parameters(), lr=0.1))
+    torch_xla.sync()
+    assert all(not torch.equal(v.cpu(), before[k]) for k, v in ec.state_dict().items())

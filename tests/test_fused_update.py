@@ -172,6 +172,43 @@ def test_compiles_once_over_50_steps_of_changing_batches(fused_on: None) -> None
     assert counters["stats"]["unique_graphs"] - graphs == 1
 
 
+@needs_compiler
+def test_tables_of_distinct_sizes_share_one_kernel_and_one_graph(fused_on: None) -> None:
+    """Twelve unstacked tables of distinct sizes (more than torch.compile's recompiles per kernel): one
+    kernel, one graph, every table on the fused path, the reference path's numbers."""
+    from torch._dynamo.utils import counters
+
+    def build() -> tuple[tte.EmbeddingCollection, Any]:
+        torch.manual_seed(0)
+        tables = [tte.TableConfig(5 + 37 * i, 4, name=f"t{i}") for i in range(12)]
+        ec = tte.EmbeddingCollection({f"f{i}": tte.FeatureConfig(t) for i, t in enumerate(tables)},
+                                     fuse_tables=False)
+        return ec, tte.optim.Adagrad(ec.parameters(), lr=0.1, initial_accumulator_value=0.2)
+
+    def train(ec: tte.EmbeddingCollection, opt: Any) -> None:
+        gen = torch.Generator().manual_seed(4)
+        for _ in range(3):
+            out = ec({f"f{i}": torch.randint(0, 5 + 37 * i, (16,), generator=gen) for i in range(12)})
+            sum((i + 1) * o.square().sum() for i, o in enumerate(out.values())).backward()
+            opt.step()
+            opt.zero_grad()
+
+    kernels, graphs = _fused_update.compiled_kernels(), counters["stats"]["unique_graphs"]
+    ours = build()
+    train(*ours)
+    assert _fused_update.compiled_kernels() - kernels == 1
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+    assert not any(p in _fused_update._REFERENCE_ONLY for p in ours[0].parameters())
+    before = _fused_update.set_enabled(False)
+    try:
+        ref = build()
+        train(*ref)
+    finally:
+        _fused_update.set_enabled(before)
+    for k, v in ref[0].state_dict().items():
+        torch.testing.assert_close(ours[0].state_dict()[k], v, rtol=1e-6, atol=1e-7, msg=k)
+
+
 @pytest.mark.parametrize("built_before", [False, True], ids=["first-build", "after-a-build"])
 def test_a_failed_compile_warns_once_and_runs_the_reference_path(built_before: bool,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
@@ -282,9 +319,9 @@ def test_fused_table_group_and_state_dict_equal_the_reference_path(clipnorm: flo
 
 @needs_compiler
 def test_a_recompile_limit_hit_later_sends_that_table_to_the_reference_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Many unstacked tables of distinct sizes can exhaust torch.compile's recompiles per kernel: the
-    guards then raise before the kernel runs, and that table's update (this step and later ones) takes
-    the reference path, with the reference path's numbers."""
+    """Should a kernel run out of torch.compile's recompiles (a shape it had to specialise, say), the
+    guards raise before the kernel runs, and that table's update (this step and later ones) takes the
+    reference path, with the reference path's numbers."""
     cfg = next(c for c in CASES if c.id == "adagrad")
     ours, ref = model(cfg, torch.float32), model(cfg, torch.float32)
     assert step(*ours, 0, 1.0, fused=True)[0] is Path.FUSED  # the table: compiled and run once

@@ -256,8 +256,10 @@ def update(item: Work) -> bool:
     ema = bool(group["use_ema"])
     clock, skip = item.clock, group["skip_nonfinite"]
     # Not views: the compiled code would guard on each view's base (its size, and whether there is one).
+    # Not the Parameter either: dynamo keeps a parameter's shape static (force_parameter_static_shapes),
+    # so every table size would compile its own kernel; the detached alias writes the same storage.
     args = (
-        p, ids.detach(), item.g.detach(), [state[k] for k in names], item.lr, step, logical_rows(p), item.gate,
+        p.detach(), ids.detach(), item.g.detach(), [state[k] for k in names], item.lr, step, logical_rows(p), item.gate,
         state["ema"] if ema else None, state["ema_last"] if ema else None,
         clock.ema_on(p.device, skip).to(torch.int32) if ema else None,
         clock.keep(p.device, skip) if ema else None,

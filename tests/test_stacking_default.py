@@ -7,7 +7,9 @@ written by the code of commit a4a4da5 with one parameter per table).
 
 from __future__ import annotations
 
+import copy
 import os
+import pickle
 import sys
 from pathlib import Path
 
@@ -176,3 +178,17 @@ def test_an_optimizer_built_before_the_tables_were_restacked_refuses_to_step() -
     kept = tte.optim.Adagrad(same.parameters(), lr=0.1)
     same.restack({n: "row" for n in same.tables})  # the same groups: parameters kept, the optimizer stays valid
     kept.init_state()
+
+
+def test_optimizer_state_of_a_stacked_tables_weight_says_where_the_slots_are() -> None:
+    ec = tte.EmbeddingCollection(features())
+    opt = tte.optim.Adagrad(ec.parameters(), lr=0.1)
+    train(ec, opt, steps=1)
+    with pytest.raises(KeyError, match=r"Table `b` is stacked in group `fused_0`: its optimizer state is in "
+                                       r"opt\.state\[ec\.groups\.fused_0\.weight\] \(its rows \[\d+, \d+\)"):
+        opt.state[ec.tables.b.weight]
+    assert opt.state.get(ec.tables.b.weight) is None and ec.tables.b.weight not in opt.state
+    assert "accumulators" in opt.state[ec.groups.fused_0.weight]
+    for copy_ in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        with pytest.raises(KeyError, match="is stacked in group"):
+            copy_.state[ec.tables.b.weight]

@@ -22,6 +22,7 @@ are created with trash rows and their table's layout on XLA (:mod:`._slots`).
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
@@ -81,6 +82,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         self._checked_retired = -1  # retired_count() when the parameters were last checked
         self._skipped: Tensor | None = None  # device-side count of calls dropped by skip_nonfinite
         super().__init__(param_groups(params), defaults)
+        self.state = _State(dict, self.state)
 
     # ------------------------------------------------------------------ subclass API
     @staticmethod
@@ -128,6 +130,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        if not isinstance(self.state, _State):
+            self.state = _State(dict, self.state)
         self.__dict__.setdefault("_checked_retired", -1)
         self.__dict__.setdefault("_lrs", LearningRates())
         self.__dict__.setdefault("_iterations", 0)
@@ -295,3 +299,19 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         """Finish a distributed-checkpoint load: the slots were loaded in place (:meth:`physical_state`);
         this restores hyper-parameters, the call counter and pending accumulation buffers."""
         _state_io.load_physical_rest(self, rest)
+
+
+class _State(defaultdict[Any, Any]):
+    """``Optimizer.state`` (a ``defaultdict(dict)`` keyed by parameter) that explains, rather than
+    answering ``{}``, when asked for a stacked table's weight: its slots are its group's."""
+
+    def __missing__(self, key: Any) -> Any:
+        rows = stacked_rows(key) if isinstance(key, Tensor) else None
+        if rows is not None:
+            raise KeyError(
+                f"Table `{rows.table}` is stacked in group `{rows.group}`: its optimizer state is in "
+                f"opt.state[ec.groups.{rows.group}.weight] (its rows [{rows.offset}, {rows.offset + rows.rows})"
+                f" of each row slot), and per table in opt.state_dict()['state']['table:{rows.table}']."
+            )
+        return super().__missing__(key)
+

@@ -27,6 +27,7 @@ __all__ = [
     "from_logical",
     "layout_of",
     "logical_to_owned",
+    "owned_logical_ids",
     "owned_to_logical",
     "to_logical",
 ]
@@ -117,14 +118,21 @@ def owned_to_logical(
     ``d`` holds slots ``d·k .. d·k + k-1``. Returns ``ids [k, n·cap]`` logical (``-1`` = padding) and
     ``rows [k, n·cap, D]``, as a replicated buffer of ``k`` calls is saved.
     """
-    per = table_rows // n
     k, cap = ids.shape[0] // n, ids.shape[1]
     local = ids.reshape(n, k, cap)
-    valid = local < per
-    phys = torch.arange(n, dtype=torch.int64).reshape(n, 1, 1) * per + local.clamp(max=per - 1)
-    logical = torch.where(valid, layout.ownership(table_rows).logical_id(phys), torch.full_like(phys, -1))
-    grads = rows.reshape(n, k, cap, -1) * valid.unsqueeze(-1).to(rows.dtype)
+    logical = owned_logical_ids(local, layout, table_rows, -1)
+    grads = rows.reshape(n, k, cap, -1) * (local < table_rows // n).unsqueeze(-1).to(rows.dtype)
     return logical.transpose(0, 1).reshape(k, n * cap), grads.transpose(0, 1).reshape(k, n * cap, -1)
+
+
+def owned_logical_ids(local: Tensor, layout: RowLayout, table_rows: int, pad: int) -> Tensor:
+    """Shard-local rows ``local [n, ...]`` (shard ``d``'s in row ``d``; ``table_rows / n`` = padding)
+    -> logical ids (``pad`` at padding): shard ``d``'s row ``j`` is physical row ``d·table_rows/n + j``."""
+    n = local.shape[0]
+    per = table_rows // n
+    shard = torch.arange(n, dtype=torch.int64, device=local.device).reshape(n, *([1] * (local.dim() - 1)))
+    phys = shard * per + local.clamp(max=per - 1)
+    return torch.where(local < per, layout.ownership(table_rows, n).logical_id(phys), torch.full_like(phys, pad))
 
 
 def logical_to_owned(

@@ -17,6 +17,7 @@ from torch_tpu_embedding._fused import (
     plan_groups,
     split_fused_weights,
 )
+from torch_tpu_embedding._layout import owned_logical_ids
 from torch_tpu_embedding._lookup import LookupBatch
 from torch_tpu_embedding._nest import Path, check_structure, flatten, path_name, pick, rebuild
 from torch_tpu_embedding._rows import is_static_device, retire_table, table_info
@@ -37,20 +38,6 @@ def _input_device(value: Any) -> str:
 def _device_resident(value: Any) -> bool:
     """True when a feature's ids arrived already on an XLA device (not readable without a sync)."""
     return _input_device(value) == "xla"
-
-
-def _owned_logical_ids(weight: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """Shard-local rows ``[n, M]`` of a table trained through the id exchange (``R / n`` = padding)
-    -> its logical row ids (``R`` = padding): shard ``d``'s row ``j`` is physical row ``d·R/n + j``."""
-    info = table_info(weight)
-    assert info is not None and info.layout is not None  # owner-local chunks exist only on such tables
-    rows, n = int(weight.shape[0]), int(local.shape[0])
-    per = rows // n
-    shard = torch.arange(n, dtype=local.dtype, device=local.device).unsqueeze(1)
-    real = local < per
-    physical = torch.where(real, shard * per + local.clamp(max=per - 1), torch.zeros_like(local))
-    logical = info.layout.ownership(rows, n).logical_id(physical)
-    return torch.where(real, logical, torch.full_like(local, rows))
 
 
 class EmbeddingCollection(nn.Module):
@@ -182,8 +169,7 @@ class EmbeddingCollection(nn.Module):
             # out by an earlier `shard` (rows padded or permuted): groups are joined from logical rows.
             if isinstance(t, TableView):
                 t = EmbeddingTable(t.config, n, weight=t.logical_weight().to(t.group.weight.device, copy=True))
-            elif isinstance(t, EmbeddingTable) and (t.row_layout is not None
-                                                    or t.weight.shape[0] != t.config.num_embeddings):
+            elif isinstance(t, EmbeddingTable) and (t.row_layout is not None or t.padding_rows):
                 t = EmbeddingTable(t.config, n, weight=t.logical_weight().to(t.weight.device, copy=True))
             tables[n] = t
         before = [t.weight for t in self.physical_tables().values()]
@@ -244,7 +230,8 @@ class EmbeddingCollection(nn.Module):
                 continue
             ids, rows = t.row_grad.collect()
             if t.row_grad.owned:  # shard-local rows [n, M] -> the group's logical ids
-                ids = _owned_logical_ids(t.weight, ids)
+                assert t.row_layout is not None  # owner-local chunks exist only on tables so laid out
+                ids = owned_logical_ids(ids, t.row_layout, int(t.weight.shape[0]), int(t.weight.shape[0]))
             for tname, off, n in members:
                 if is_static_device(ids.device):  # the group's entries, the other tables' as padding
                     pending[tname] = member_entries(ids, rows, off, n, n)

@@ -76,8 +76,7 @@ class EmbeddingTable(nn.Module):
             w = self.weight
             pad = torch.zeros(rows - n, w.shape[1], dtype=w.dtype, device=w.device)
             self.weight = nn.Parameter(torch.cat([w[:n], pad]))
-        retire_table(w, f"its rows were padded to a multiple of {multiple} (a new parameter)")
-        self._register()
+        self._register(f"its rows were padded to a multiple of {multiple} (a new parameter)")
 
     def permute_rows(self, layout: RowLayout) -> None:
         """Store the rows (padding included) in ``layout``'s order instead of the logical order.
@@ -91,9 +90,8 @@ class EmbeddingTable(nn.Module):
             w = self.weight
             logical_of = layout.ownership(int(w.shape[0])).logical_id(torch.arange(w.shape[0]))
             self.weight = nn.Parameter(w.index_select(0, logical_of.to(w.device)))
-        retire_table(w, "its rows were stored in the id exchange's order (a new parameter)")
         self.row_layout = layout
-        self._register()
+        self._register("its rows were stored in the id exchange's order (a new parameter)")
 
     def logical_weight(self) -> torch.Tensor:
         """The ``[num_embeddings, D]`` logical rows: a view of ``weight`` in logical order, else a copy
@@ -111,14 +109,14 @@ class EmbeddingTable(nn.Module):
         """``(table name, first row, rows)`` of each table stacked in this one (``None``: just itself)."""
         return None
 
-    def _register(self) -> TableInfo:
-        # A weight registered before and now replaced (load_state_dict(assign=True), a conversion that
-        # overwrites parameters): an optimizer still holding it must not train it silently.
+    def _register(self, replaced: str = "the table's weight parameter was replaced by a new one (a move to "
+                  "another device, load_state_dict(assign=True))") -> TableInfo:
+        """Register ``weight`` as this table's; the weight registered before, if another tensor, is
+        retired with the reason ``replaced`` (an optimizer still holding it must not train it silently)."""
         ref = self.__dict__.get("_registered_weight")
         old = None if ref is None else ref()
         if old is not None and old is not self.weight:
-            retire_table(old, "the table's weight parameter was replaced by a new one (a move to another device, "
-                                "load_state_dict(assign=True))")
+            retire_table(old, replaced)
         self.__dict__["_registered_weight"] = weakref.ref(self.weight)
         return register_table(
             self.weight, self.name, self.config.num_embeddings, self.config.optimizer, self.members(),

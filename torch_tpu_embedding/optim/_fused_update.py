@@ -285,8 +285,8 @@ def update(item: Work) -> bool:
             _call(fn, args)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             # Raised by the guards, before the kernel runs: this table's shapes would need one more
-            # compile than torch.compile allows per kernel (many tables of distinct sizes of one
-            # configuration, unstacked). This table takes the reference path from now on.
+            # compile than torch.compile allows per kernel (a guard that sizes do not pass: tables of
+            # distinct sizes share one graph). This table takes the reference path from now on.
             _REFERENCE_ONLY[p] = True
             return False
     state["step"].copy_(step if item.gate is None else torch.where(item.gate, step, state["step"]))

@@ -192,3 +192,20 @@ def test_optimizer_state_of_a_stacked_tables_weight_says_where_the_slots_are() -
     for copy_ in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
         with pytest.raises(KeyError, match="is stacked in group"):
             copy_.state[ec.tables.b.weight]
+
+
+def test_a_stacked_table_whose_bags_were_all_empty_is_still_reported_by_row_grads() -> None:
+    """Unstacked, a table looked up with empty bags only reports its padding entries; stacked, it is
+    reported too (with no entries of its own), not dropped. Found by tests/test_stacking_properties.py."""
+    got = {}
+    for fuse in (True, False):
+        t = [tte.TableConfig(3, 2, name=n, combiner="sum") for n in ("t0", "t1")]
+        ec = tte.EmbeddingCollection({"x": tte.FeatureConfig(t[0]), "y": tte.FeatureConfig(t[1], max_ids_per_bag=2)},
+                                     fuse_tables=fuse)
+        out = ec({"x": torch.tensor([0, 2]), "y": tte.Padded(torch.zeros(2, 2, dtype=torch.int64),
+                                                            torch.zeros(2, 2, dtype=torch.bool))})
+        (out["x"].sum() + out["y"].sum()).backward()
+        got[fuse] = ec.row_grads()
+    assert list(got[True]) == list(got[False]) == ["t0", "t1"]
+    for name in ("t0", "t1"):
+        torch.testing.assert_close(_coalesced(*got[True][name], 3), _coalesced(*got[False][name], 3), rtol=0, atol=0)

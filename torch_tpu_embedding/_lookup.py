@@ -38,7 +38,8 @@ def _gather(weight: torch.Tensor, safe: torch.Tensor, dtype: torch.dtype) -> tor
 class _RowSparseLookup(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, weight: torch.Tensor, ids: torch.Tensor, gains: torch.Tensor, row_grad: RowGrad
+        ctx: Any, weight: torch.Tensor, ids: torch.Tensor, gains: torch.Tensor, row_grad: RowGrad,
+        tables: frozenset[str],
     ) -> torch.Tensor:
         n, width = ids.shape
         # The sentinel (== weight.shape[0]) is clamped to a real row; its gain is 0.
@@ -55,13 +56,13 @@ class _RowSparseLookup(torch.autograd.Function):
             out = torch.bmm(gains.unsqueeze(1), _gather(weight, safe, weight.dtype)).squeeze(1)
         # The weight is kept only when the gains need a gradient (it costs nothing otherwise).
         ctx.save_for_backward(ids, gains, weight if ctx.needs_input_grad[2] else None)
-        ctx.row_grad = row_grad
+        ctx.row_grad, ctx.tables = row_grad, tables
         return out
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: Any, grad_out: torch.Tensor
-    ) -> tuple[None, None, torch.Tensor | None, None]:
+    ) -> tuple[None, None, torch.Tensor | None, None, None]:
         ids, gains, weight = ctx.saved_tensors
         dtype = grad_out.dtype  # the table's
         # dL/de_{i_k} = gain_k · dL/dout_b, one row per (bag, position); padding rows are 0.
@@ -70,15 +71,17 @@ class _RowSparseLookup(torch.autograd.Function):
         else:
             grad_rows = (gains.unsqueeze(-1) * grad_out.to(gains.dtype).unsqueeze(1)).to(dtype)
             ctx.row_grad.add(ids.reshape(-1), grad_rows.reshape(-1, grad_out.shape[-1]))
+        ctx.row_grad.reached.update(ctx.tables)
         grad_gains = None
         if ctx.needs_input_grad[2]:  # <row, grad_out> per position; padding positions get 0 from bag_gains
             rows = _gather(weight, ids.clamp(max=weight.shape[0] - 1), gains.dtype)
             grad_gains = torch.bmm(rows, grad_out.to(gains.dtype).unsqueeze(-1)).squeeze(-1)
-        return None, None, grad_gains, None
+        return None, None, grad_gains, None, None
 
 
 def lookup(
-    weight: torch.Tensor, ids: torch.Tensor, gains: torch.Tensor, row_grad: RowGrad
+    weight: torch.Tensor, ids: torch.Tensor, gains: torch.Tensor, row_grad: RowGrad,
+    tables: frozenset[str] = frozenset(),
 ) -> torch.Tensor:
     """Combined lookup ``out[n] = Σ_l gains[n, l] · weight[ids[n, l]]``.
 
@@ -88,12 +91,13 @@ def lookup(
         gains: ``[N, L]`` per-id factors from :func:`~torch_tpu_embedding.combiners.bag_gains`
             (0 at padding); float32 for a 16-bit table. Differentiable.
         row_grad: where the backward puts ``(ids [N·L], rows [N·L, D])``.
+        tables: names of the tables looked up (recorded in ``row_grad.reached`` by the backward).
 
     Returns:
         ``[N, D]`` activations, differentiable (row-sparsely) with respect to ``weight``.
     """
     check_not_ddp_managed(weight)  # torch's DDP must not reduce a table (tte.distributed)
-    out: torch.Tensor = _RowSparseLookup.apply(weight, ids, gains, row_grad)  # type: ignore[no-untyped-call]
+    out: torch.Tensor = _RowSparseLookup.apply(weight, ids, gains, row_grad, tables)  # type: ignore[no-untyped-call]
     return out
 
 
@@ -110,6 +114,8 @@ class LookupBatch:
     combiner: str
     resident: bool
     items: list[tuple[Path, Bags]] = dataclasses.field(default_factory=list)
+    #: the tables the items look up (several when the weight is a stacked group's)
+    tables: set[str] = dataclasses.field(default_factory=set)
 
     def run(self) -> dict[Path, torch.Tensor]:
         """Look the batch up: each feature's activations ``[*out_shape, D]`` by its position."""
@@ -126,6 +132,6 @@ class LookupBatch:
             ids = ids.to(weight.device)
             w = None if w is None else w.to(weight.device)
         valid = ids != weight.shape[0]  # padding holds the sentinel (Bags)
-        out = lookup(weight, ids, bag_gains(valid, w, self.combiner, dtype), self.row_grad)
+        out = lookup(weight, ids, bag_gains(valid, w, self.combiner, dtype), self.row_grad, frozenset(self.tables))
         pieces = torch.split(out, [b.ids.shape[0] for _, b in items]) if len(items) > 1 else (out,)
         return {path: piece.reshape(*b.out_shape, dim) for (path, b), piece in zip(items, pieces, strict=True)}

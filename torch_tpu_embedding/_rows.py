@@ -80,7 +80,7 @@ class RowGrad:
     ``rows [n, M, D]``, plus a 0-d flag that is False when the lookup dropped ids (overflow).
     """
 
-    __slots__ = ("_ids", "_ok", "_rows", "exchanged", "keep_factored")
+    __slots__ = ("_ids", "_ok", "_rows", "exchanged", "keep_factored", "reached")
 
     def __init__(self) -> None:
         self._ids: list[torch.Tensor] = []
@@ -92,6 +92,9 @@ class RowGrad:
         #: data parallel (:mod:`torch_tpu_embedding.distributed`): the leading chunks that already
         #: hold the process group's global gradient
         self.exchanged = 0
+        #: names of the tables whose lookups' backward added a chunk (a stacked group's members, which
+        #: may have had no id of their own: bags all empty)
+        self.reached: set[str] = set()
 
     def add(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Add ``ids [n]`` with gradient ``rows [n, D]`` (sentinel ids allowed for padding)."""
@@ -193,6 +196,7 @@ class RowGrad:
         self._rows.clear()
         self._ok.clear()
         self.exchanged = 0
+        self.reached.clear()
 
 
 @dataclasses.dataclass

@@ -213,7 +213,8 @@ class EmbeddingCollection(nn.Module):
 
         Raw accumulation: duplicate ids are not summed and padding entries carry the sentinel id
         ``weight.shape[0]`` with zero rows. Tables with no pending gradient are omitted. A stacked
-        table reports its own entries of its group's gradient, with its own ids (on XLA, with static
+        table reports its own entries of its group's gradient (none when its bags were all empty),
+        with its own ids (on XLA, with static
         shapes: the group's ``N`` entries, the other tables' entries as padding). A row-sharded
         table trained through the id exchange reports what each shard received: ``ids [n, M]`` (rows
         of the shard, ``weight.shape[0] / n`` = padding) and ``rows [n, M, D]``; a stacked table
@@ -237,7 +238,7 @@ class EmbeddingCollection(nn.Module):
                     pending[tname] = member_entries(ids, rows, off, n, n)
                     continue
                 mine = (ids >= off) & (ids < off + n)
-                if bool(mine.any()):
+                if tname in t.row_grad.reached or bool(mine.any()):  # reached: bags all empty, as unstacked
                     pending[tname] = (ids[mine] - off, rows[mine])
         order = [n for n in self.tables if n in pending] + [n for n in pending if n not in self.tables]
         return {n: pending[n] for n in order}
@@ -316,6 +317,7 @@ class EmbeddingCollection(nn.Module):
                                                          names, self._exchange_counts)
                     routed[id(table)].batches.append(batches[key])
             batches[key].items.append((path, bags))
+            batches[key].tables.add(tname)
         taken = {id(b) for r in routed.values() for b in r.batches}
         return [b for b in batches.values() if id(b) not in taken] + list(routed.values())
 

@@ -216,23 +216,22 @@ class EmbeddingCollection(nn.Module):
         table reports its own entries of its group's gradient (none when its bags were all empty),
         with its own ids (on XLA, with static
         shapes: the group's ``N`` entries, the other tables' entries as padding). A row-sharded
-        table trained through the id exchange reports what each shard received: ``ids [n, M]`` (rows
-        of the shard, ``weight.shape[0] / n`` = padding) and ``rows [n, M, D]``; a stacked table
-        trained that way reports its entries of what each shard received, ``ids [n, M]`` in its own
-        ids (its ``num_embeddings`` = padding) and ``rows [n, M, D]``.
+        table trained through the id exchange reports what each shard received, in the table's own
+        (logical) ids: ``ids [n, M]`` (``weight.shape[0]`` = padding; a stacked table's: its
+        ``num_embeddings``) and ``rows [n, M, D]``.
         """
         pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for name, t in self.physical_tables().items():
             if not t.row_grad:
                 continue
             members = t.members()
-            if members is None:
-                pending[name] = t.row_grad.collect()
-                continue
             ids, rows = t.row_grad.collect()
-            if t.row_grad.owned:  # shard-local rows [n, M] -> the group's logical ids
+            if t.row_grad.owned:  # shard-local rows [n, M] -> the table's (or group's) logical ids
                 assert t.row_layout is not None  # owner-local chunks exist only on tables so laid out
                 ids = owned_logical_ids(ids, t.row_layout, int(t.weight.shape[0]), int(t.weight.shape[0]))
+            if members is None:
+                pending[name] = (ids, rows)
+                continue
             for tname, off, n in members:
                 if is_static_device(ids.device):  # the group's entries, the other tables' as padding
                     pending[tname] = member_entries(ids, rows, off, n, n)

@@ -118,26 +118,31 @@ def _dense_grad(ids: torch.Tensor, rows: torch.Tensor, vocab: int) -> torch.Tens
     return torch.zeros(vocab, rows.shape[1], dtype=rows.dtype).index_add_(0, ids[keep], rows[keep])
 
 
-def test_row_grads_of_a_stacked_group_trained_through_the_exchange_are_per_table() -> None:
-    """The row group (t0, t1, t2) is owner-local: each shard receives rows of the group; row_grads()
-    still reports t0, t1 and t2 by name, in their own ids, the same sums as unstacked CPU tables."""
+def test_row_grads_through_the_exchange_are_in_each_tables_own_ids() -> None:
+    """The row tables (t0, t1, t2) are owner-local, stacked in one group or each alone: each shard
+    receives rows of its table or group; row_grads() reports t0, t1 and t2 by name, in their own
+    (logical) ids — not the shards' rows — the same sums as unstacked CPU tables."""
     got = {}
-    for device, fuse in ((DEV, True), (torch.device("cpu"), False)):
+    for key, device, fuse in (("mesh stacked", DEV, True), ("mesh", DEV, False), ("cpu", torch.device("cpu"), False)):
         ec, _ = build(device, fuse=fuse)
         g = torch.Generator().manual_seed(5)
         inputs = {f"f{i}": tte.Jagged(torch.randint(0, v, (12,), generator=g), lengths=torch.full((6,), 2))
                   for i, (v, _) in enumerate(TABLES)}
         out = ec(inputs)
         sum((i + 1) * o.square().sum() for i, o in enumerate(out.values())).backward()
-        got[fuse] = ec.row_grads()
-    assert table_info(build(DEV, fuse=True)[0].groups["fused_0"].weight).owner_local  # type: ignore[union-attr]
-    assert list(got[True]) == list(got[False]) == [f"t{i}" for i in range(len(TABLES))]
-    for i, (vocab, _) in enumerate(TABLES):
-        ids, rows = got[True][f"t{i}"]
-        if i < 3:  # what each of the 4 shards received, in the table's own ids
-            assert ids.shape[0] == 4 and rows.shape[:2] == ids.shape
-        torch.testing.assert_close(_dense_grad(ids, rows, vocab), _dense_grad(*got[False][f"t{i}"], vocab),
-                                   rtol=1e-5, atol=1e-6, msg=f"t{i}")
+        got[key] = ec.row_grads()
+        if device == DEV:
+            w = ec.groups["fused_0"].weight if fuse else ec.tables["t0"].weight
+            assert table_info(w).owner_local  # type: ignore[union-attr]
+    names = [f"t{i}" for i in range(len(TABLES))]
+    assert list(got["mesh stacked"]) == list(got["mesh"]) == list(got["cpu"]) == names
+    for key in ("mesh stacked", "mesh"):
+        for i, (vocab, _) in enumerate(TABLES):
+            ids, rows = got[key][f"t{i}"]
+            if i < 3:  # what each of the 4 shards received, in the table's own ids
+                assert ids.shape[0] == 4 and rows.shape[:2] == ids.shape
+            torch.testing.assert_close(_dense_grad(ids, rows, vocab), _dense_grad(*got["cpu"][f"t{i}"], vocab),
+                                       rtol=1e-5, atol=1e-6, msg=f"{key} t{i}")
 
 
 def trained_like_unstacked_cpu(make_opt: Any, steps: int) -> tuple[tte.EmbeddingCollection, Any, dict[str, Any]]:

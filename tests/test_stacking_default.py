@@ -209,3 +209,15 @@ def test_a_stacked_table_whose_bags_were_all_empty_is_still_reported_by_row_grad
     assert list(got[True]) == list(got[False]) == ["t0", "t1"]
     for name in ("t0", "t1"):
         torch.testing.assert_close(_coalesced(*got[True][name], 3), _coalesced(*got[False][name], 3), rtol=0, atol=0)
+
+
+def test_a_tables_own_exchange_capacity_is_never_dropped_by_stacking() -> None:
+    """A group's exchange capacity is the sum of its tables'; a table with one set stacks only with
+    tables that set one too (with a derived one it would have been dropped for the default)."""
+    caps = {"a": 16, "b": None, "c": 24, "d": None}
+    tables = {n: tte.TableConfig(50, 4, name=n, placement="row", max_unique_ids_per_shard=c) for n, c in caps.items()}
+    ec = tte.EmbeddingCollection({f"f_{n}": tte.FeatureConfig(t) for n, t in tables.items()})
+    groups = {tuple(m[0] for m in members): g for g, members in ec.fused_members().items()}
+    assert set(groups) == {("a", "c"), ("b", "d")}
+    assert ec.groups[groups["a", "c"]].config.max_unique_ids_per_shard == 40
+    assert ec.groups[groups["b", "d"]].config.max_unique_ids_per_shard is None

@@ -44,10 +44,14 @@ Members = tuple[tuple[str, int, int], ...]
 
 def fuse_key(config: TableConfig, placement: str | None = None) -> tuple[Any, ...]:
     """Tables with equal keys can share one buffer (the optimizer override compares by identity,
-    a name by value). ``placement``: the table's resolved placement (default: as configured)."""
+    a name by value). ``placement``: the table's resolved placement (default: as configured).
+
+    A table with its own exchange capacity (``max_unique_ids_per_shard``) stacks only with tables
+    that have one too: the group's capacity is their sum, and a derived one would override it."""
     opt = config.optimizer
     where = config.placement if placement is None else placement
-    return (config.embedding_dim, config.dtype, where, opt if isinstance(opt, str) else id(opt))
+    capped = config.max_unique_ids_per_shard is not None
+    return (config.embedding_dim, config.dtype, where, opt if isinstance(opt, str) else id(opt), capped)
 
 
 class FusedTables(EmbeddingTable):
@@ -77,7 +81,8 @@ class FusedTables(EmbeddingTable):
             optimizer=first.optimizer,
             dtype=first.dtype,
             placement=first.placement if placement is None else placement,
-            # The group routes its tables' ids together: their capacities add up (all set, else derived).
+            # The group routes its tables' ids together: their capacities add up (fuse_key groups
+            # tables that all set one, or none).
             max_unique_ids_per_shard=None if None in caps else sum(c for c in caps if c is not None),
         )
         weight = torch.cat([t.weight.detach()[: t.config.num_embeddings] for t in tables])

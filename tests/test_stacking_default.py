@@ -221,3 +221,17 @@ def test_a_tables_own_exchange_capacity_is_never_dropped_by_stacking() -> None:
     assert set(groups) == {("a", "c"), ("b", "d")}
     assert ec.groups[groups["a", "c"]].config.max_unique_ids_per_shard == 40
     assert ec.groups[groups["b", "d"]].config.max_unique_ids_per_shard is None
+
+
+def test_the_overflow_error_of_a_stacked_group_names_its_tables_and_how_to_fix_it() -> None:
+    from torch_tpu_embedding._screening import overflow_problem
+
+    assert overflow_problem(["fa"], "t", None, [0, 0], [3, 4], 8) is None
+    msg = overflow_problem(["fa", "fb"], "fused_0", ["ta", "tb"], [9, 0, 7], [11, 6, 12], 8)
+    assert msg is not None
+    assert msg.startswith("Feature(s) `fa`, `fb` (tables `ta`, `tb`, stacked as `fused_0`): ids over the exchange "
+                          "capacity 8 were dropped since the last check_ids(): 9 for shard 0, 7 for shard 2 "
+                          "(the most distinct ids one device had for each in one step: 11, 12)."), msg
+    assert "A capacity of 12 would have sufficed" in msg
+    assert "on each of those tables (the group's capacity is their sum)" in msg
+    assert "The tables were not updated" in msg

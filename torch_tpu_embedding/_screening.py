@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["DeviceScreen"]
+__all__ = ["DeviceScreen", "overflow_problem"]
 
 
 class DeviceScreen:
@@ -52,6 +52,29 @@ class DeviceScreen:
         what = " and ".join(w for w, c in (("Out-of-range ids", ids), ("non-finite per-id weights", weights)) if c)
         return [f"{what} in device inputs since the last check_ids(): {'; '.join(detail)}. They were "
                 "dropped from their bags (no row was trained with them)."]
+
+
+def overflow_problem(
+    features: list[str], table: str, members: list[str] | None, dropped: list[int], largest: list[int], capacity: int
+) -> str | None:
+    """The error text for ids a row-sharded table's exchange dropped (per shard: ``dropped`` ids,
+    ``largest`` distinct ids one device had for it in a step), or ``None`` if none. ``members``: the
+    tables stacked in ``table``, whose capacities add up to the group's."""
+    shards = [s for s, n in enumerate(dropped) if n]
+    if not shards:
+        return None
+    feats = ", ".join(f"`{f}`" for f in features)
+    where = f"table `{table}`"
+    fix = "set TableConfig(max_unique_ids_per_shard=...)"
+    if members:
+        where = f"tables {', '.join(f'`{m}`' for m in members)}, stacked as `{table}`"
+        fix = f"{fix} on each of those tables (the group's capacity is their sum)"
+    per = ", ".join(f"{dropped[s]} for shard {s}" for s in shards)
+    most = ", ".join(str(largest[s]) for s in shards)
+    return (f"Feature(s) {feats} ({where}): ids over the exchange capacity {capacity} were dropped since the last "
+            f"check_ids(): {per} (the most distinct ids one device had for each in one step: {most}). A "
+            f"capacity of {max(largest)} would have sufficed: {fix}; size it with largest_loads(). The "
+            f"{'tables were' if members else 'table was'} not updated in the steps that dropped ids.")
 
 
 def _add(counts: dict[str, torch.Tensor], feature: str, bad: torch.Tensor) -> None:

@@ -21,7 +21,7 @@ from torch_tpu_embedding._layout import owned_logical_ids
 from torch_tpu_embedding._lookup import LookupBatch
 from torch_tpu_embedding._nest import Path, check_structure, flatten, path_name, pick, rebuild
 from torch_tpu_embedding._rows import is_static_device, retire_table, table_info
-from torch_tpu_embedding._screening import DeviceScreen
+from torch_tpu_embedding._screening import DeviceScreen, overflow_problem
 from torch_tpu_embedding._validation import check_bool
 from torch_tpu_embedding.config import PLACEMENTS, FeatureConfig, TableConfig
 from torch_tpu_embedding.inputs import to_bags
@@ -355,16 +355,11 @@ class EmbeddingCollection(nn.Module):
         dropped = {t: c.per_shard()[0] for t, c in self._exchange_counts.items()}
         self._exchange_counts.clear()
         for table, per_shard in sorted(dropped.items()):
-            for shard, n in enumerate(per_shard):
-                if n:
-                    feats = ", ".join(f"`{f}`" for f in self._table_features(table))
-                    problems.append(
-                        f"Feature(s) {feats} (table `{table}`): {n} id(s) for shard {shard} were dropped since the "
-                        f"last check_ids(): one device had up to {loads[table]['largest_load'][shard]} distinct ids "
-                        f"of a step for that shard, over the capacity {loads[table]['capacity']}. A capacity of "
-                        f"{max(loads[table]['largest_load'])} would have sufficed: set TableConfig("
-                        "max_unique_ids_per_shard=...) (size it with largest_loads()). The table was not updated "
-                        "in the steps that dropped ids.")
+            t = self.physical_tables().get(table)  # gone if the tables were restacked since
+            members = [m[0] for m in (t.members() if t is not None else None) or ()] or None
+            text = overflow_problem(self._table_features(table), table, members,
+                                    per_shard, loads[table]["largest_load"], loads[table]["capacity"])
+            problems += [text] if text else []
         if problems:
             raise ValueError(" ".join(problems))
 

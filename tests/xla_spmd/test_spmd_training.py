@@ -21,6 +21,7 @@ from optim_registry import SPMD, OptimizerConfig, cases  # noqa: E402
 
 import torch_tpu_embedding as tte  # noqa: E402
 from torch_tpu_embedding._layout import to_logical  # noqa: E402
+from torch_tpu_embedding._rows import table_info  # noqa: E402
 from torch_tpu_embedding.xla import device_mesh, replicate, shard, sharding_spec  # noqa: E402
 
 DEV = torch_xla.device()
@@ -156,3 +157,32 @@ def test_batch_sharded_inputs_data_parallel() -> None:
     ref, _ = run(torch.device("cpu"))
     torch.testing.assert_close(ec.state_dict()["tables.t.weight"].cpu(), ref.tables.t.weight.detach(),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_a_row_table_that_cannot_use_the_id_exchange_warns_and_still_trains_like_the_cpu() -> None:
+    """On a 2-D mesh the id exchange is not available: shard() says so (the partitioner's lookup moves
+    bytes that grow with the device count), and the table trains as on the CPU all the same."""
+    import numpy as np
+    import torch_xla.distributed.spmd as xs
+
+    def run(device: torch.device, mesh: object = None) -> torch.Tensor:
+        torch.manual_seed(0)
+        ec = tte.EmbeddingCollection(
+            {"f": tte.FeatureConfig(tte.TableConfig(3000, 8, name="t", placement="row"), max_ids_per_bag=3)},
+            device=device)
+        if mesh is not None:
+            with pytest.warns(UserWarning, match=r"Row-sharded table\(s\) `t` cannot train through the id exchange "
+                              r"on this mesh \(shape \{'x': 2, 'y': 2\}, sharded over axis 'x'\)"):
+                assert shard(ec, mesh, axis="x") == {"t": "row"}
+            assert not table_info(ec.tables.t.weight).sharding.exchange  # type: ignore[union-attr]
+        opt = tte.optim.Adam(ec.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            ec({"f": tte.Padded(torch.randint(0, 3000, (8, 3), generator=g))})["f"].square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+            torch_xla.sync()
+        return ec.state_dict()["tables.t.weight"].cpu()
+
+    got = run(DEV, xs.Mesh(np.arange(4), (2, 2), ("x", "y")))
+    torch.testing.assert_close(got, run(torch.device("cpu")), rtol=1e-5, atol=1e-6)

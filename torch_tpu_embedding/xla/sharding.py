@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import warnings
 from typing import Any
 
 import numpy as np
@@ -114,8 +115,9 @@ def device_mesh(axis: str = "x") -> Mesh:
 
 def uses_exchange(placement: str, mesh: Mesh, axis: str) -> bool:
     """Whether a table of ``placement`` on ``mesh[axis]`` trains through the id exchange: row-sharded
-    over a 1-D mesh of ``n > 1`` devices with ``n`` dividing ``ROW_ALIGNMENT`` (every TPU slice; the
-    interleaved row order needs it). Other row-sharded tables use the partitioner's lookup."""
+    over a 1-D mesh of ``n > 1`` devices with ``n`` dividing ``ROW_ALIGNMENT`` (a power of two up to
+    512; the interleaved row order needs it). Other row-sharded tables use the partitioner's lookup,
+    and :func:`shard` warns."""
     n = int(mesh.shape()[axis])
     return placement == "row" and n > 1 and ROW_ALIGNMENT % n == 0 and len(mesh.axis_names) == 1
 
@@ -166,6 +168,13 @@ def shard(
             )
     placements = {t: choose_placement(c, n, replicate_below_bytes) for t, c in collection.table_configs.items()}
     collection.restack(placements)
+    if n > 1 and not uses_exchange("row", mesh, axis) and (rows := [t for t, p in placements.items() if p == "row"]):
+        warnings.warn(
+            f"Row-sharded table(s) {', '.join(f'`{t}`' for t in rows)} cannot train through the id exchange on "
+            f"this mesh (shape {dict(mesh.shape())}, sharded over axis '{axis}'): it needs a 1-D mesh whose size "
+            f"divides {ROW_ALIGNMENT}. They use the SPMD partitioner's lookup, which all-gathers the global batch's "
+            "ids and all-reduces its rows: the bytes each device moves per step grow with the number of devices "
+            "(docs/sharding.md).", stacklevel=2)
     for name, table in collection.physical_tables().items():  # a fused group is laid out once
         members = table.members()
         placement = placements[name if members is None else members[0][0]]

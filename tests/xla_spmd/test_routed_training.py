@@ -76,6 +76,47 @@ def test_equals_cpu_on_2_and_8_devices(n: int) -> None:
         check(r, fresh=True)
 
 
+@pytest.mark.parametrize("config", ["plain", "ema-accum-clipnorm", "fused"])
+def test_more_devices_than_the_row_alignment_equal_cpu(config: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On more than 512 devices (a power of two) the interleaved order has one chunk per device. That
+    path, taken here on 4 devices with the alignment lowered to 2: every optimizer equals the CPU."""
+    monkeypatch.setattr("torch_tpu_embedding.xla.sharding.ROW_ALIGNMENT", 2)
+    ec, _, opt = _model()  # through the exchange, one chunk per device
+    layout = ec.tables.t.row_layout
+    assert layout is not None and layout.chunks == N
+    assert _paths.choose_path(ec.tables.t.weight, opt.param_groups[0], row_grad=True) is UpdatePath.OWNER_LOCAL
+    check(script.run(config), fresh=False)
+
+
+def test_more_devices_than_the_row_alignment_checkpoint_moves_to_the_usual_layout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A table stored in one chunk per device (alignment 2, 4 devices: 1,004 rows, 4 chunks) saves a
+    distributed checkpoint that loads into the usual layout (1,024 rows, 512 chunks) and on the CPU."""
+    monkeypatch.setattr("torch_tpu_embedding.xla.sharding.ROW_ALIGNMENT", 2)
+    ec, head, opt = _model()
+    layout = ec.tables.t.row_layout
+    assert layout is not None and layout.chunks == 4 and ec.tables.t.weight.shape[0] == 1004
+    g = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        _step(ec, head, opt, torch.randint(0, 1001, (8, 4), generator=g), torch.randint(0, 1001, (8,), generator=g))
+    saved = _logical(ec, opt)
+    tte.checkpoint.save_distributed(tmp_path / "dcp", model=ec, optimizer=opt)
+    monkeypatch.undo()
+    ec2, _, opt2 = _model()
+    layout = ec2.tables.t.row_layout
+    assert layout is not None and layout.chunks == 512 and ec2.tables.t.weight.shape[0] == 1024
+    tte.checkpoint.load_distributed(tmp_path / "dcp", model=ec2, optimizer=opt2)
+    torch_xla.sync()
+    for k, v in _logical(ec2, opt2).items():
+        torch.testing.assert_close(v, saved[k], rtol=0, atol=0, msg=k)
+    cpu = tte.EmbeddingCollection({"a": tte.FeatureConfig(ec.tables.t.config, max_ids_per_bag=4),
+                                   "b": tte.FeatureConfig(ec.tables.t.config)})
+    cpu_opt = tte.optim.Adam([*cpu.parameters(), *torch.nn.Linear(8, 1).parameters()], lr=0.1)  # as _model
+    tte.checkpoint.load_distributed(tmp_path / "dcp", model=cpu, optimizer=cpu_opt)
+    assert torch.equal(cpu.state_dict()["tables.t.weight"], saved["weight"])
+
+
 def _model(capacity: int | None = None) -> tuple[tte.EmbeddingCollection, torch.nn.Module, Any]:
     torch.manual_seed(0)
     t = tte.TableConfig(1001, 8, name="t", placement="row", max_unique_ids_per_shard=capacity)

@@ -3,14 +3,15 @@
 Placements (``TableConfig.placement``):
 
 * ``"row"``: rows split over the mesh axis (``mark_sharding(w, mesh, ("x", None))``). On a 1-D mesh
-  of ``n > 1`` devices dividing ``ROW_ALIGNMENT`` the table trains through the id exchange
+  of ``n > 1`` devices, ``n`` a power of two, the table trains through the id exchange
   (:mod:`torch_tpu_embedding.xla.routed`): the rows are stored in the interleaved order of
   :class:`~torch_tpu_embedding._layout.RowLayout`, each device sends its ids to the shards that own
   them and gets the rows back, and the optimizer updates every shard's rows where they live. Other
   meshes: a local masked gather plus an all-reduce of the ``[N, D]`` result. Rows are padded to a
   multiple of the device count (an uneven split makes XLA silently replicate the table after an
-  in-place update, measured on torch_xla 2.9) — in fact of ``ROW_ALIGNMENT`` (512), so that every
-  layout has the same physical shapes (distributed checkpoints reshard in place).
+  in-place update, measured on torch_xla 2.9) — in fact of ``lcm(ROW_ALIGNMENT, n)`` (512 up to 512
+  devices), so that every layout up to 512 devices has the same physical shapes (distributed
+  checkpoints reshard in place).
 * ``"column"``: the embedding dimension split (``(None, "x")``); needs ``D % devices == 0``.
 * ``"replicated"``: a full copy per device, for small tables (TF's mode without the embedding
   accelerator).
@@ -72,9 +73,10 @@ __all__ = [
 #: ``placement="auto"`` replicates tables smaller than this (4 MiB: 16,384 rows of 64 float32).
 DEFAULT_REPLICATE_BELOW_BYTES = 4 << 20
 #: Sharded tables get rows up to a multiple of ``lcm(ROW_ALIGNMENT, devices)`` and slot ``k`` gets
-#: ``k`` such blocks of trash rows. For device counts dividing 512 (every TPU slice) the physical
-#: shapes are then the same in every layout — row or column, 1 to 512 devices — which lets a
-#: distributed checkpoint be resharded in place on load.
+#: ``k`` such blocks of trash rows. For device counts dividing 512 the physical shapes are then the
+#: same in every layout — row or column, 1 to 512 devices — which lets a distributed checkpoint be
+#: resharded in place on load. On more devices (a power of two) the block is the device count: such a
+#: checkpoint loads on other device counts through the host.
 ROW_ALIGNMENT = 512
 
 
@@ -115,11 +117,11 @@ def device_mesh(axis: str = "x") -> Mesh:
 
 def uses_exchange(placement: str, mesh: Mesh, axis: str) -> bool:
     """Whether a table of ``placement`` on ``mesh[axis]`` trains through the id exchange: row-sharded
-    over a 1-D mesh of ``n > 1`` devices with ``n`` dividing ``ROW_ALIGNMENT`` (a power of two up to
-    512; the interleaved row order needs it). Other row-sharded tables use the partitioner's lookup,
-    and :func:`shard` warns."""
+    over a 1-D mesh of ``n > 1`` devices, ``n`` a power of two (the interleaved row order of
+    ``lcm(ROW_ALIGNMENT, n)`` chunks needs it). Other row-sharded tables use the partitioner's
+    lookup, and :func:`shard` warns."""
     n = int(mesh.shape()[axis])
-    return placement == "row" and n > 1 and ROW_ALIGNMENT % n == 0 and len(mesh.axis_names) == 1
+    return placement == "row" and n > 1 and n & (n - 1) == 0 and len(mesh.axis_names) == 1
 
 
 def choose_placement(config: TableConfig, num_devices: int, replicate_below_bytes: int) -> str:
@@ -172,7 +174,7 @@ def shard(
         warnings.warn(
             f"Row-sharded table(s) {', '.join(f'`{t}`' for t in rows)} cannot train through the id exchange on "
             f"this mesh (shape {dict(mesh.shape())}, sharded over axis '{axis}'): it needs a 1-D mesh whose size "
-            f"divides {ROW_ALIGNMENT}. They use the SPMD partitioner's lookup, which all-gathers the global batch's "
+            "is a power of two. They use the SPMD partitioner's lookup, which all-gathers the global batch's "
             "ids and all-reduces its rows: the bytes each device moves per step grow with the number of devices "
             "(docs/sharding.md).", stacklevel=2)
     for name, table in collection.physical_tables().items():  # a fused group is laid out once
@@ -186,7 +188,7 @@ def shard(
         layout = TableSharding(placement, mesh, axis, uses_exchange(placement, mesh, axis))
         table.pad_rows(layout.row_block)
         if layout.exchange and table.row_layout is None:
-            table.permute_rows(RowLayout(ROW_ALIGNMENT))
+            table.permute_rows(RowLayout(layout.row_block))  # 512 chunks, or n on more devices
         if sharding_spec(table.weight):  # laid out by an earlier call: XLA refuses a second annotation
             xs.clear_sharding(table.weight)
         xs.mark_sharding(table.weight, mesh, layout.spec(2))

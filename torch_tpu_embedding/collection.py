@@ -356,8 +356,8 @@ class EmbeddingCollection(nn.Module):
         self._exchange_counts.clear()
         for table, per_shard in sorted(dropped.items()):
             t = self.physical_tables().get(table)  # gone if the tables were restacked since
-            members = [m[0] for m in (t.members() if t is not None else None) or ()] or None
-            text = overflow_problem(self._table_features(table), table, members,
+            members = t.members() if t is not None else None
+            text = overflow_problem(self._table_features(table), table, [m[0] for m in members] if members else None,
                                     per_shard, loads[table]["largest_load"], loads[table]["capacity"])
             problems += [text] if text else []
         if problems:

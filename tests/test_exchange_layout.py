@@ -57,6 +57,32 @@ def test_interleaved_physical_order_is_independent_of_the_device_count() -> None
     assert not torch.equal(RowOwnership("mod", R, 2).physical_row(ids), RowOwnership("mod", R, 4).physical_row(ids))
 
 
+@pytest.mark.parametrize("chunks", [512, 1536, 2560, 3 * 1024])
+def test_interleaved_with_an_odd_factor_is_mod_relabelled(chunks: int) -> None:
+    """C = m·2^b (m odd: 6 or 768 devices give lcm(512, n) = 1536): a bijection for every n dividing C;
+    for n = m·2^j the owner is a one-to-one function of i % n (mod relabelled), the same physical order for
+    all of them; other divisors still hold whole chunks, the same number each. C = 512 is the bit reversal."""
+    m = chunks >> ((chunks & -chunks).bit_length() - 1)
+    rows = 2 * chunks
+    ids = torch.arange(rows)
+    orders = []
+    for n in [d for d in range(1, chunks + 1) if chunks % d == 0]:
+        own = RowOwnership("interleaved", rows, n, chunks)
+        phys = own.physical_row(ids)
+        assert sorted(phys.tolist()) == list(range(rows)) and torch.equal(own.logical_id(phys), ids)
+        owner = own.owner(ids)
+        assert torch.equal(torch.bincount(owner, minlength=n), torch.full((n,), rows // n))
+        if n % m == 0 and (n // m) & (n // m - 1) == 0:  # n = m·2^j
+            first = owner[:n]
+            assert sorted(first.tolist()) == list(range(n))  # one shard per residue
+            assert torch.equal(owner, first[ids % n])
+            orders.append(phys)
+    assert all(torch.equal(p, orders[0]) for p in orders)
+    if chunks == 512:
+        bitrev3 = torch.tensor([0, 4, 2, 6, 1, 5, 3, 7])
+        assert torch.equal(RowOwnership("interleaved", rows, 8, chunks).owner(ids), bitrev3[ids % 8])
+
+
 def test_zipf_loads_range_vs_mod() -> None:
     """Unique ids per shard of one device's Zipf(1.1) ids (id 0 hottest): range puts the head on shard 0."""
     g = np.random.default_rng(0)
@@ -73,8 +99,10 @@ def test_ownership_errors() -> None:
         RowOwnership("hash", R, 4)
     with pytest.raises(ValueError, match=r"Argument `rows` must be a multiple of num_shards=3"):
         RowOwnership("mod", 4096, 3)
-    with pytest.raises(ValueError, match=r"'interleaved' needs `chunks` a power of two"):
-        RowOwnership("interleaved", 3 * 512, 3, 3 * 512)
+    with pytest.raises(ValueError, match=r"'interleaved' needs `chunks` divisible by num_shards and dividing rows"):
+        RowOwnership("interleaved", 3 * 512, 3, 512)
+    with pytest.raises(ValueError, match=r"'interleaved' needs `chunks` divisible by num_shards and dividing rows"):
+        RowOwnership("interleaved", 2 * 1536 + 3, 3, 1536)
 
 
 def test_binomial_tail_matches_the_exact_sum() -> None:

@@ -43,10 +43,11 @@ class RowLayout:
     """The interleaved row order (``torch_tpu_embedding.xla.ownership``, scheme ``"interleaved"``).
 
     The ``R`` physical rows are ``chunks`` chunks of ``c = R / chunks`` rows; logical row ``i`` is
-    physical row ``bitrev(i % chunks) · c + i // chunks``. On ``n`` shards (``n`` a power of two
-    dividing ``chunks``) shard ``d`` holds whole chunks and owns the ids with
-    ``bitrev_n(i % n) == d``: TF's ``id mod n`` with the shards relabelled, and the same physical order
-    for every such ``n`` (a distributed checkpoint reshards in place).
+    physical row ``rev(i % chunks) · c + i // chunks`` (``rev``: a bit reversal for a power of two, a
+    mixed-radix digit reversal otherwise, see the ownership module). On ``n`` shards (``n`` dividing
+    ``chunks``) shard ``d`` holds whole chunks; for ``n`` a power of two times ``chunks``' odd factor
+    it owns the ids of one residue ``i % n``: TF's ``id mod n`` with the shards relabelled, and the
+    same physical order for every such ``n`` (a distributed checkpoint reshards in place).
 
     Row slot ``k`` has ``k`` trash rows after each chunk (``R + k · chunks`` rows): physical table row
     ``r`` is slot row ``(r // c)(c + k) + r % c``, so on every such ``n`` a slot's shard ``d`` holds the

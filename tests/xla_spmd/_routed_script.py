@@ -7,7 +7,7 @@ a batch that is not a multiple of the device count) and a single-id feature on t
 with ``shard_batch``. ``STEPS`` steps on the current SPMD mesh and on the CPU; the logical state
 (``state_dict`` of the model and of the optimizer, caught-up moving averages) is compared.
 
-Used in process by test_routed_training.py (4 devices) and as a script for 2 and 8 devices:
+Used in process by test_routed_training.py (4 devices) and as a script for 2, 6 and 8 devices:
 ``PJRT_DEVICE=CPU CPU_NUM_DEVICES=n python _routed_script.py CONFIG [CONFIG ...]`` prints one JSON line
 per config.
 """

@@ -5,7 +5,7 @@ OWNER_LOCAL update path), with nothing changed in the training loop:
   global_clipnorm + loss scaling + skip_nonfinite; non-lazy Adam; a fused group; bfloat16 tables: the logical
   state after 4 steps equals the CPU eager run to 1e-5 (float32), with Zipf and duplicate ids, host bags and
   batch-sharded device ids; one compiled graph; no host fallback; shardings unchanged — on 4 devices here and on
-  2 and 8 in subprocesses (_routed_script.py);
+  2, 6 and 8 in subprocesses (_routed_script.py);
 * the step takes the OWNER_LOCAL path;
 * a capacity too small: ``check_ids()`` raises naming the features, the shard and the capacity that would have
   sufficed; the table and its slots are unchanged; ``largest_loads()`` equals the loads counted on the host;
@@ -61,8 +61,10 @@ def test_equals_cpu_on_4_devices(config: str) -> None:
     check(script.run(config), fresh=False)
 
 
-@pytest.mark.parametrize("n", [2, 8])
-def test_equals_cpu_on_2_and_8_devices(n: int) -> None:
+@pytest.mark.parametrize("n", [2, 6, 8])
+def test_equals_cpu_on_2_6_and_8_devices(n: int) -> None:
+    """6 devices: not a power of two, so the row block (and chunk count) is lcm(512, 6) = 1,536 (as on a
+    768-chip slice)."""
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(n)}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("XLA_USE_SPMD", None)  # the child calls use_spmd() itself

@@ -12,10 +12,13 @@ the owner and the shard-local row follow (``owner = physical // (R/n)``, ``local
   on ``n``: a checkpoint of the physical table would have to record ``n`` and be permuted on loading
   at another device count (an all-to-all of the table), not resharded in place.
 * ``"interleaved"``: the load balance of ``"mod"`` with a physical order independent of ``n``. The
-  ``R`` rows are cut into ``C`` chunks of ``c = R / C`` rows (``C`` = the row block, a power of two);
-  id ``i`` lives in chunk ``bitrev(i % C)`` at row ``i // C``. For every ``n`` (a power of two)
-  dividing ``C``, shard ``d`` holds whole chunks and ``owner(i) = bitrev_n(i % n)``: ``"mod"`` with
-  the shards relabelled.
+  ``R`` rows are cut into ``C`` chunks of ``c = R / C`` rows (``C`` = the row block,
+  ``lcm(512, n)``); id ``i`` lives in chunk ``rev(i % C)`` at row ``i // C``. For ``C = 2^b``,
+  ``rev`` reverses the ``b`` bits; for ``C = m·2^b`` (``m`` odd) it reverses the digits of
+  ``x = (x // m)·m + x % m`` written with radices ``m, 2, …, 2``: ``rev(x) = (x % m)·2^b +
+  bitrev_b(x // m)``. For every ``n = m·2^j`` dividing ``C``, shard ``d`` holds whole chunks and
+  ``owner(i)`` is a one-to-one function of ``i % n``: ``"mod"`` with the shards relabelled. Any other
+  ``n`` dividing ``C`` still owns whole chunks, the same number each.
 
 For ``"mod"`` and ``"interleaved"`` the table is stored permuted: ``state_dict`` (logical order) is
 ``table[physical_row(arange(V))]`` and loading writes ``table[physical_row(arange(V))] = values``
@@ -59,6 +62,24 @@ def _bitrev(x: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
+def _radices(chunks: int) -> tuple[int, int]:
+    """``(m, b)`` with ``chunks = m·2^b``, ``m`` odd."""
+    b = (chunks & -chunks).bit_length() - 1
+    return chunks >> b, b
+
+
+def _reverse(x: torch.Tensor, chunks: int) -> torch.Tensor:
+    """The chunk of residue ``x`` in ``[0, chunks)`` (module docstring): ``(x % m)·2^b + bitrev_b(x // m)``."""
+    m, b = _radices(chunks)
+    return (x % m) * (1 << b) + _bitrev(x // m, b)
+
+
+def _unreverse(p: torch.Tensor, chunks: int) -> torch.Tensor:
+    """The inverse of :func:`_reverse`."""
+    m, b = _radices(chunks)
+    return p // (1 << b) + m * _bitrev(p % (1 << b), b)
+
+
 @dataclasses.dataclass(frozen=True)
 class RowOwnership:
     """Ownership of the ``rows`` physical rows of a table split over ``num_shards`` shards.
@@ -68,7 +89,7 @@ class RowOwnership:
         rows: ``R``, the physical rows (a multiple of ``num_shards``; for ``"interleaved"`` of
             ``chunks``).
         num_shards: ``n``.
-        chunks: ``C`` for ``"interleaved"`` (the table's row block); a power of two divisible by ``n``.
+        chunks: ``C`` for ``"interleaved"`` (the table's row block), divisible by ``n``.
 
     Ids outside ``[0, rows)`` are padding: their physical row is the sentinel ``rows``, owned by no
     shard (owner ``n``).
@@ -88,10 +109,10 @@ class RowOwnership:
             raise arg_error("rows", f"must be a multiple of num_shards={self.num_shards}", self.rows)
         if self.scheme == "interleaved":
             c = check_int("chunks", self.chunks, minimum=1)
-            if c & (c - 1) or c % self.num_shards or self.rows % c:
+            if c % self.num_shards or self.rows % c:
                 raise ValueError(
-                    "Ownership 'interleaved' needs `chunks` a power of two, divisible by num_shards and "
-                    f"dividing rows. Received: chunks={c}, num_shards={self.num_shards}, rows={self.rows}"
+                    "Ownership 'interleaved' needs `chunks` divisible by num_shards and dividing rows. "
+                    f"Received: chunks={c}, num_shards={self.num_shards}, rows={self.rows}"
                 )
 
     @property
@@ -110,7 +131,7 @@ class RowOwnership:
             phys = (safe % n) * self.rows_per_shard + safe // n
         else:
             c = self.chunks
-            phys = _bitrev(safe % c, c.bit_length() - 1) * (r // c) + safe // c
+            phys = _reverse(safe % c, c) * (r // c) + safe // c
         return torch.where(valid, phys, torch.full_like(ids, r))
 
     def logical_id(self, physical: torch.Tensor) -> torch.Tensor:
@@ -122,7 +143,7 @@ class RowOwnership:
             return (physical % self.rows_per_shard) * n + physical // self.rows_per_shard
         c = self.chunks
         per = self.rows // c
-        return (physical % per) * c + _bitrev(physical // per, c.bit_length() - 1)
+        return (physical % per) * c + _unreverse(physical // per, c)
 
     def owner(self, ids: torch.Tensor) -> torch.Tensor:
         """Owning shard of each logical id (``n`` for padding)."""

@@ -3,7 +3,7 @@
 Placements (``TableConfig.placement``):
 
 * ``"row"``: rows split over the mesh axis (``mark_sharding(w, mesh, ("x", None))``). On a 1-D mesh
-  of ``n > 1`` devices, ``n`` a power of two, the table trains through the id exchange
+  of ``n > 1`` devices the table trains through the id exchange
   (:mod:`torch_tpu_embedding.xla.routed`): the rows are stored in the interleaved order of
   :class:`~torch_tpu_embedding._layout.RowLayout`, each device sends its ids to the shards that own
   them and gets the rows back, and the optimizer updates every shard's rows where they live. Other
@@ -75,8 +75,8 @@ DEFAULT_REPLICATE_BELOW_BYTES = 4 << 20
 #: Sharded tables get rows up to a multiple of ``lcm(ROW_ALIGNMENT, devices)`` and slot ``k`` gets
 #: ``k`` such blocks of trash rows. For device counts dividing 512 the physical shapes are then the
 #: same in every layout — row or column, 1 to 512 devices — which lets a distributed checkpoint be
-#: resharded in place on load. On more devices (a power of two) the block is the device count: such a
-#: checkpoint loads on other device counts through the host.
+#: resharded in place on load. On other device counts the block is larger (the device count above 512,
+#: ``3 · 512`` for 6 or 768 devices): such a checkpoint loads on other device counts through the host.
 ROW_ALIGNMENT = 512
 
 
@@ -117,11 +117,11 @@ def device_mesh(axis: str = "x") -> Mesh:
 
 def uses_exchange(placement: str, mesh: Mesh, axis: str) -> bool:
     """Whether a table of ``placement`` on ``mesh[axis]`` trains through the id exchange: row-sharded
-    over a 1-D mesh of ``n > 1`` devices, ``n`` a power of two (the interleaved row order of
-    ``lcm(ROW_ALIGNMENT, n)`` chunks needs it). Other row-sharded tables use the partitioner's
-    lookup, and :func:`shard` warns."""
+    over a 1-D mesh of ``n > 1`` devices (stored in the interleaved row order of
+    ``lcm(ROW_ALIGNMENT, n)`` chunks). On a mesh of more axes row-sharded tables use the
+    partitioner's lookup, and :func:`shard` warns."""
     n = int(mesh.shape()[axis])
-    return placement == "row" and n > 1 and n & (n - 1) == 0 and len(mesh.axis_names) == 1
+    return placement == "row" and n > 1 and len(mesh.axis_names) == 1
 
 
 def choose_placement(config: TableConfig, num_devices: int, replicate_below_bytes: int) -> str:
@@ -173,10 +173,10 @@ def shard(
     if n > 1 and not uses_exchange("row", mesh, axis) and (rows := [t for t, p in placements.items() if p == "row"]):
         warnings.warn(
             f"Row-sharded table(s) {', '.join(f'`{t}`' for t in rows)} cannot train through the id exchange on "
-            f"this mesh (shape {dict(mesh.shape())}, sharded over axis '{axis}'): it needs a 1-D mesh whose size "
-            "is a power of two. They use the SPMD partitioner's lookup, which all-gathers the global batch's "
-            "ids and all-reduces its rows: the bytes each device moves per step grow with the number of devices "
-            "(docs/sharding.md).", stacklevel=2)
+            f"this mesh (shape {dict(mesh.shape())}, sharded over axis '{axis}'): it needs a 1-D mesh. They use "
+            "the SPMD partitioner's lookup, which all-gathers the global batch's ids and all-reduces its rows: "
+            "the bytes each device moves per step grow with the number of devices (docs/sharding.md).",
+            stacklevel=2)
     for name, table in collection.physical_tables().items():  # a fused group is laid out once
         members = table.members()
         placement = placements[name if members is None else members[0][0]]
@@ -188,7 +188,7 @@ def shard(
         layout = TableSharding(placement, mesh, axis, uses_exchange(placement, mesh, axis))
         table.pad_rows(layout.row_block)
         if layout.exchange and table.row_layout is None:
-            table.permute_rows(RowLayout(layout.row_block))  # 512 chunks, or n on more devices
+            table.permute_rows(RowLayout(layout.row_block))  # lcm(512, n) chunks
         if sharding_spec(table.weight):  # laid out by an earlier call: XLA refuses a second annotation
             xs.clear_sharding(table.weight)
         xs.mark_sharding(table.weight, mesh, layout.spec(2))

@@ -10,6 +10,8 @@ Usage: python _dcp_script.py STAGE DIR
          3 more steps → DIR/trained8to2.pt
   cpu8:  no torch_xla: load DIR/dcp8 into a CPU model → DIR/aftercpu8.pt, 3 more steps → DIR/trainedcpu8.pt;
          convert_distributed → DIR/conv8.pt
+  save6, load6to4, cpu6: the same with 6 devices (1,536-row block, its own chunk order) loaded on 4 devices
+         (1,024-row block: through the host, not in place)
 Each "after" file is tte.checkpoint.save of the loaded model and optimizer (logical rows).
 """
 
@@ -17,7 +19,7 @@ import os
 import sys
 
 STAGE, DIR = sys.argv[1], sys.argv[2]
-if STAGE in ("cpu", "cpu8"):
+if STAGE in ("cpu", "cpu8", "cpu6"):
     sys.modules["torch_xla"] = None  # type: ignore[assignment]  # prove the CPU path needs no torch_xla
 
 import torch  # noqa: E402
@@ -25,8 +27,8 @@ import torch  # noqa: E402
 import torch_tpu_embedding as tte  # noqa: E402
 
 PLACEMENT = {"save4": "row", "load2": "column", "load1": "row", "cpu": "auto", "save8": "row", "load8to2": "row",
-             "cpu8": "auto"}[STAGE]
-CPU = STAGE in ("cpu", "cpu8")
+             "cpu8": "auto", "save6": "row", "load6to4": "row", "cpu6": "auto"}[STAGE]
+CPU = STAGE in ("cpu", "cpu8", "cpu6")
 if not CPU:
     import torch_xla
     import torch_xla.runtime as xr
@@ -78,17 +80,19 @@ def spec(model) -> str:
 
 
 model, opt = build()
-if STAGE in ("save4", "save8"):
+if STAGE in ("save4", "save8", "save6"):
     for s in range(3):  # 3 calls with k = 2: a pending accumulation buffer is saved too
         step(model, opt, s)
     tte.checkpoint.save_distributed(os.path.join(DIR, f"dcp{STAGE[4:]}"), model=model, optimizer=opt)
-    tte.checkpoint.save(os.path.join(DIR, "ref.pt" if STAGE == "save4" else "ref8.pt"), model=model, optimizer=opt)
-    if STAGE == "save8":  # the uninterrupted run, for the loads that train on
+    tte.checkpoint.save(os.path.join(DIR, "ref.pt" if STAGE == "save4" else f"ref{STAGE[4:]}.pt"), model=model,
+                        optimizer=opt)
+    if STAGE != "save4":  # the uninterrupted run, for the loads that train on
         for s in range(3, 6):
             step(model, opt, s)
-        tte.checkpoint.save(os.path.join(DIR, "trained8.pt"), model=model, optimizer=opt)
+        tte.checkpoint.save(os.path.join(DIR, f"trained{STAGE[4:]}.pt"), model=model, optimizer=opt)
 else:
-    source = {"load2": "dcp4", "load1": "dcp2", "cpu": "dcp1", "load8to2": "dcp8", "cpu8": "dcp8"}[STAGE]
+    source = {"load2": "dcp4", "load1": "dcp2", "cpu": "dcp1", "load8to2": "dcp8", "cpu8": "dcp8", "load6to4": "dcp6",
+              "cpu6": "dcp6"}[STAGE]
     before = spec(model)
     if STAGE == "load8to2":  # the same shapes and row order at 8 and 2 devices: loaded in place, shard by shard
         from torch_tpu_embedding.checkpoint import _physical
@@ -100,11 +104,15 @@ else:
     if not CPU:
         torch_xla.sync()
     assert spec(model) == before, (spec(model), before)  # loaded in place: the layout is kept
-    name = {"load2": "after2", "load1": "after1", "cpu": "aftercpu", "load8to2": "after8to2", "cpu8": "aftercpu8"}
+    if STAGE == "load6to4":  # another row block and chunk order: read through the host
+        meta = torch.load(os.path.join(DIR, source, "tte_meta.pt"), weights_only=True)
+        assert meta["layouts"]["model/ec.tables.big.weight"] == ("interleaved", 1536, 0)
+    name = {"load2": "after2", "load1": "after1", "cpu": "aftercpu", "load8to2": "after8to2", "cpu8": "aftercpu8",
+            "load6to4": "after6to4", "cpu6": "aftercpu6"}
     tte.checkpoint.save(os.path.join(DIR, f"{name[STAGE]}.pt"), model=model, optimizer=opt)
-    if STAGE in ("cpu", "cpu8"):
+    if STAGE in ("cpu", "cpu8", "cpu6"):
         tte.checkpoint.convert_distributed(os.path.join(DIR, source), os.path.join(DIR, f"conv{STAGE[3:]}.pt"))
-    if STAGE in ("load8to2", "cpu8"):
+    if STAGE in ("load8to2", "cpu8", "load6to4", "cpu6"):
         for s in range(3, 6):
             step(model, opt, s)
         tte.checkpoint.save(os.path.join(DIR, f"trained{STAGE.replace('load', '')}.pt"), model=model, optimizer=opt)

@@ -4,8 +4,8 @@ torch.save file. Every stage holds exactly the saved state (bitwise): weights, A
 a pending accumulation buffer and the call counter. Each stage is its own process (_dcp_script.py).
 
 Row-sharded tables train through the id exchange and are stored in the interleaved row order, the same at
-every power-of-two device count: saved on 8 devices, loaded in place on 2, and on the CPU; training goes on
-from each. A checkpoint written before the exchange (logical row order, tests/data/pre_exchange) loads on 4
+every power-of-two device count up to 512: saved on 8 devices, loaded in place on 2, and on the CPU; training
+goes on from each. Saved on 6 devices (another row block and chunk order), it loads on 4 through the host. A checkpoint written before the exchange (logical row order, tests/data/pre_exchange) loads on 4
 and 8 devices and on the CPU, and training goes on as the old code's did (_pre_exchange_script.py).
 """
 
@@ -119,6 +119,20 @@ def test_reshard_8_to_2_in_place_and_to_cpu(tmp_path: Path) -> None:
     md = dcp.FileSystemReader(str(tmp_path / "dcp8")).read_metadata()
     chunks = md.state_dict_metadata["model/ec.tables.big.weight"].chunks
     assert sorted((c.offsets[0], c.sizes[0]) for c in chunks) == [(128 * d, 128) for d in range(8)]
+
+
+def test_reshard_6_to_4_through_the_host_and_to_cpu(tmp_path: Path) -> None:
+    """6 devices (not a power of two): a 1,536-row block in its own chunk order; loaded on 4 devices
+    (another block: through the host) and on the CPU, the saved state exactly, and training goes on."""
+    assert stage("save6", 6, tmp_path) == "ok 1536"
+    assert stage("load6to4", 4, tmp_path) == "ok 1024"
+    assert stage("cpu6", 0, tmp_path) == "ok 1001"
+    ref = flat(tmp_path / "ref6.pt")
+    for name in ("after6to4.pt", "aftercpu6.pt", "conv6.pt"):
+        same_state(flat(tmp_path / name), ref, name)
+    trained = flat(tmp_path / "trained6.pt")
+    same_state(flat(tmp_path / "trained6to4.pt"), trained, "trained on 4", exact=False)
+    same_state(flat(tmp_path / "trainedcpu6.pt"), trained, "trained on the CPU", exact=False, skip=("/ema", "/ema_last"))
 
 
 def test_checkpoint_written_before_the_exchange_loads(tmp_path: Path) -> None:

@@ -9,9 +9,12 @@ is counted per feature in ``[1]``-shaped device tensors (one traced graph per st
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 import torch
 
-__all__ = ["DeviceScreen", "overflow_problem"]
+__all__ = ["DeviceScreen", "overflow_problem", "warn_unchecked_drops"]
 
 
 class DeviceScreen:
@@ -75,6 +78,22 @@ def overflow_problem(
             f"check_ids(): {per} (the most distinct ids one device had for each in one step: {most}). A "
             f"capacity of {max(largest)} would have sufficed: {fix}; size it with largest_loads(). The "
             f"{'tables were' if members else 'table was'} not updated in the steps that dropped ids.")
+
+
+def warn_unchecked_drops(module: Any, state_dict: Any, prefix: str, local_metadata: Any) -> None:
+    """State-dict hook of ``EmbeddingCollection``: saving a collection whose device-side counters hold
+    dropped ids (bad device inputs, ids over an exchange capacity) not yet reported by ``check_ids()``
+    warns, so a run that never calls it does not lose updates unnoticed until the end. It reads the
+    counters (a small transfer) and resets nothing."""
+    screen: DeviceScreen = module._screen
+    bad = sum(sum(DeviceScreen.counts(c).values()) for c in (screen.invalid_ids, screen.nonfinite_weights))
+    over = sum(sum(c.per_shard()[0]) for c in module._exchange_counts.values())
+    if bad or over:
+        warnings.warn(
+            f"Saving the embedding collection `{prefix.rstrip('.') or type(module).__name__}` although "
+            f"{bad} bad device input(s) (out-of-range ids, non-finite weights) and {over} id(s) over an id-exchange "
+            "capacity were dropped since the last check_ids(): no table row was trained from them. Call "
+            "check_ids() (it raises, naming the features) at a sync point of the training loop.", stacklevel=3)
 
 
 def _add(counts: dict[str, torch.Tensor], feature: str, bad: torch.Tensor) -> None:

@@ -21,7 +21,7 @@ from torch_tpu_embedding._layout import owned_logical_ids
 from torch_tpu_embedding._lookup import LookupBatch
 from torch_tpu_embedding._nest import Path, check_structure, flatten, path_name, pick, rebuild
 from torch_tpu_embedding._rows import is_static_device, retire_table, table_info
-from torch_tpu_embedding._screening import DeviceScreen, overflow_problem
+from torch_tpu_embedding._screening import DeviceScreen, overflow_problem, warn_unchecked_drops
 from torch_tpu_embedding._validation import check_bool
 from torch_tpu_embedding.config import PLACEMENTS, FeatureConfig, TableConfig
 from torch_tpu_embedding.inputs import to_bags
@@ -131,6 +131,7 @@ class EmbeddingCollection(nn.Module):
         self._fuse = fuse_tables
         self._stack(tables)
         self._register_state_dict_hook(split_fused_weights)  # type: ignore[no-untyped-call]
+        self._register_state_dict_hook(warn_unchecked_drops)  # type: ignore[no-untyped-call]
         self.register_load_state_dict_pre_hook(join_fused_weights)  # type: ignore[no-untyped-call]
         if device is not None:
             self.to(device)

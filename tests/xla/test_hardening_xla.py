@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -113,11 +114,18 @@ def test_device_resident_nonfinite_weights_are_counted_dropped_and_reported() ->
     assert met.counter_value("UncachedCompile") == 1
     assert torch.isfinite(out["p"].cpu()).all()
     assert ec.nonfinite_weight_counts() == {"p": 6, "q": 0} and ec.invalid_id_counts() == {"p": 0, "q": 3}
+    model = torch.nn.ModuleDict({"emb": ec})
+    with pytest.warns(UserWarning, match=r"Saving the embedding collection `emb` although 9 bad device input\(s\) "
+                                         r"\(out-of-range ids, non-finite weights\) and 0 id\(s\) over"):
+        model.state_dict()  # a save before check_ids() was ever called says so (and resets nothing)
     with pytest.raises(ValueError, match=r"^Out-of-range ids and non-finite per-id weights in device inputs since the "
                                          r"last check_ids\(\): Feature `q`: 3 id\(s\) outside \[0, 10\); Feature `p`: "
                                          r"6 NaN or inf weight\(s\)\. They were dropped"):
         ec.check_ids()
     ec.check_ids()  # reset
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.state_dict()  # checked: no warning
     assert met.executed_fallback_ops() == []
     w = ec.tables.t.weight.detach().cpu()
     assert torch.isfinite(w).all()

@@ -186,6 +186,9 @@ def test_overflow_raises_at_check_ids_and_updates_nothing() -> None:
     assert ec.largest_loads() == {"t": {"largest_load": want, "capacity": 2}}
     shard_over = [s for s in range(N) if want[s] > 2]
     assert shard_over
+    total = int((loads - 2).clamp(min=0).sum())
+    with pytest.warns(UserWarning, match=rf"and {total} id\(s\) over an id-exchange capacity were dropped since"):
+        ec.state_dict()  # a save before check_ids() says so
     with pytest.raises(ValueError) as info:
         ec.check_ids()
     msg = str(info.value)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DeviceScreen", "overflow_problem", "warn_unchecked_drops"]
+__all__ = ["DeviceScreen", "overflow_problem", "warn_unchecked_drops", "warn_unreported"]
 
 
 class DeviceScreen:
@@ -81,19 +81,25 @@ def overflow_problem(
 
 
 def warn_unchecked_drops(module: Any, state_dict: Any, prefix: str, local_metadata: Any) -> None:
-    """State-dict hook of ``EmbeddingCollection``: saving a collection whose device-side counters hold
-    dropped ids (bad device inputs, ids over an exchange capacity) not yet reported by ``check_ids()``
-    warns, so a run that never calls it does not lose updates unnoticed until the end. It reads the
-    counters (a small transfer) and resets nothing."""
+    """State-dict hook of ``EmbeddingCollection``: :func:`warn_unreported` on saving."""
+    warn_unreported(module, prefix.rstrip("."), stacklevel=4)
+
+
+def warn_unreported(module: Any, name: str, stacklevel: int = 3) -> None:
+    """Saving a collection whose device-side counters hold dropped ids (bad device inputs, ids over
+    an exchange capacity) not yet reported by ``check_ids()`` warns, so a run that never calls it
+    does not lose updates unnoticed until the end. Reads the counters (a small transfer); resets
+    nothing."""
     screen: DeviceScreen = module._screen
     bad = sum(sum(DeviceScreen.counts(c).values()) for c in (screen.invalid_ids, screen.nonfinite_weights))
     over = sum(sum(c.per_shard()[0]) for c in module._exchange_counts.values())
     if bad or over:
         warnings.warn(
-            f"Saving the embedding collection `{prefix.rstrip('.') or type(module).__name__}` although "
+            f"Saving the embedding collection `{name or type(module).__name__}` although "
             f"{bad} bad device input(s) (out-of-range ids, non-finite weights) and {over} id(s) over an id-exchange "
             "capacity were dropped since the last check_ids(): no table row was trained from them. Call "
-            "check_ids() (it raises, naming the features) at a sync point of the training loop.", stacklevel=3)
+            "check_ids() (it raises, naming the features) at a sync point of the training loop.",
+            stacklevel=stacklevel)
 
 
 def _add(counts: dict[str, torch.Tensor], feature: str, bad: torch.Tensor) -> None:

@@ -23,6 +23,7 @@ from torch_tpu_embedding._ckpt_check import CheckpointMismatchError, is_row_spar
 from torch_tpu_embedding._ckpt_host import host_model_state, host_optimizer_state, split_fused_entries, to_cpu
 from torch_tpu_embedding._ckpt_io import check_loadable, dcp_quiet, dcp_reader, read_dcp_metadata, write_atomic
 from torch_tpu_embedding._layout import Description, describe, from_logical, layout_of, to_logical
+from torch_tpu_embedding._screening import warn_unreported
 
 __all__ = [
     "FORMAT", "CheckpointMismatchError", "convert_distributed", "load", "load_distributed", "save", "save_distributed",
@@ -175,6 +176,9 @@ def save_distributed(
     logical rows. On several hosts every process calls it (each writes its shards).
     """
     dcp = _dcp()
+    for name, m in model.named_modules():  # what state_dict() warns of, for a save that does not call it
+        if hasattr(m, "_exchange_counts") and hasattr(m, "_screen"):
+            warn_unreported(m, name)
     tensors, rows, rest = _physical(model, optimizer)
     planner = _xla_planner("SPMDSavePlanner") if _uses_xla(tensors) else None
     target = os.fspath(path)

@@ -166,7 +166,7 @@ def _logical(ec: tte.EmbeddingCollection, opt: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_overflow_raises_at_check_ids_and_updates_nothing() -> None:
+def test_overflow_raises_at_check_ids_and_updates_nothing(tmp_path: Path) -> None:
     ec, head, opt = _model(capacity=2)
     before = _logical(ec, opt)
     g = torch.Generator().manual_seed(3)
@@ -189,6 +189,8 @@ def test_overflow_raises_at_check_ids_and_updates_nothing() -> None:
     total = int((loads - 2).clamp(min=0).sum())
     with pytest.warns(UserWarning, match=rf"and {total} id\(s\) over an id-exchange capacity were dropped since"):
         ec.state_dict()  # a save before check_ids() says so
+    with pytest.warns(UserWarning, match=rf"and {total} id\(s\) over an id-exchange capacity were dropped since"):
+        tte.checkpoint.save_distributed(tmp_path / "dcp", model=ec)  # which does not call state_dict()
     with pytest.raises(ValueError) as info:
         ec.check_ids()
     msg = str(info.value)

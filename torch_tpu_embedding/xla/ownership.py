@@ -71,12 +71,16 @@ def _radices(chunks: int) -> tuple[int, int]:
 def _reverse(x: torch.Tensor, chunks: int) -> torch.Tensor:
     """The chunk of residue ``x`` in ``[0, chunks)`` (module docstring): ``(x % m)·2^b + bitrev_b(x // m)``."""
     m, b = _radices(chunks)
+    if m == 1:  # a power of two: the bit reversal alone (no extra ops in the traced step)
+        return _bitrev(x, b)
     return (x % m) * (1 << b) + _bitrev(x // m, b)
 
 
 def _unreverse(p: torch.Tensor, chunks: int) -> torch.Tensor:
     """The inverse of :func:`_reverse`."""
     m, b = _radices(chunks)
+    if m == 1:
+        return _bitrev(p, b)
     return p // (1 << b) + m * _bitrev(p % (1 << b), b)
 
 

@@ -407,6 +407,8 @@ def _padded_bags(
     # Without a mask nothing below copies: copy here, so the ids kept for the optimizer step are
     # never the caller's tensor (as for dense ids).
     ids = ids.to(device=device, dtype=torch.int64, copy=mask is None)
+    if offset:  # a stacked table's first row in its group; positions outside the mask become the sentinel below
+        ids = ids.add_(offset) if mask is None else ids + offset  # in place only on this function's copy
     valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.to(device)
     if combine and fc.max_ids_per_bag is not None and ids.shape[1] > fc.max_ids_per_bag:
         raise _err(
@@ -423,12 +425,10 @@ def _padded_bags(
             pad = seq_len - width
             ids = torch.nn.functional.pad(ids, (0, pad), value=sentinel)
             valid = torch.nn.functional.pad(valid, (0, pad), value=False)
-        ids = torch.where(valid, ids + offset if offset else ids, sentinel).reshape(-1, 1)
+        ids = torch.where(valid, ids, sentinel).reshape(-1, 1)
         return Bags(ids, valid.reshape(-1, 1), None, out_shape, False)
     if mask is not None:
-        ids = torch.where(valid, ids + offset if offset else ids, sentinel)
-    elif offset:  # every position is a real id (and `ids` is this function's copy)
-        ids += offset
+        ids = torch.where(valid, ids, sentinel)
     w = None if p.weights is None else p.weights.to(device=device, dtype=compute_dtype(dtype))
     if w is not None and p.weights is not None and p.weights.device.type == "xla" and w.device.type != "xla":
         _check_weights(feature, w, tuple(ids.shape), "the padded ids")  # read back to the host: check here

@@ -24,6 +24,7 @@ from torch_tpu_embedding._ckpt_host import host_model_state, host_optimizer_stat
 from torch_tpu_embedding._ckpt_io import check_loadable, dcp_quiet, dcp_reader, read_dcp_metadata, write_atomic
 from torch_tpu_embedding._layout import Description, describe, from_logical, layout_of, to_logical
 from torch_tpu_embedding._screening import warn_unreported
+from torch_tpu_embedding.collection import EmbeddingCollection
 
 __all__ = [
     "FORMAT", "CheckpointMismatchError", "convert_distributed", "load", "load_distributed", "save", "save_distributed",
@@ -177,7 +178,7 @@ def save_distributed(
     """
     dcp = _dcp()
     for name, m in model.named_modules():  # what state_dict() warns of, for a save that does not call it
-        if hasattr(m, "_exchange_counts") and hasattr(m, "_screen"):
+        if isinstance(m, EmbeddingCollection):
             warn_unreported(m, name)
     tensors, rows, rest = _physical(model, optimizer)
     planner = _xla_planner("SPMDSavePlanner") if _uses_xla(tensors) else None

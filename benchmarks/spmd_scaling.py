@@ -7,7 +7,7 @@ sorted by frequency). For n = 2, 4, 8 virtual XLA:CPU devices (one subprocess pe
 library step — ``EmbeddingCollection`` forward, ``backward``, ``opt.step()`` — with nothing hand-written:
 
 * ``row``: placement ``"row"``, the default: the id exchange with the default capacity
-  (``torch_tpu_embedding.xla.ownership.default_capacity``).
+  (``torch_tpu_embedding.routing.default_capacity``).
 * ``row/sized``: the same with ``TableConfig(max_unique_ids_per_shard=...)`` sized from the Zipf loads
   the default phase saw (``EmbeddingCollection.largest_loads()``, × 1.25: TF's
   ``max_unique_ids_per_partition`` workflow).
@@ -78,9 +78,9 @@ def child(args: argparse.Namespace) -> None:
     xr.use_spmd()
     import torch_tpu_embedding as tte
     import torch_tpu_embedding.xla.sharding as sharding
+    from torch_tpu_embedding.routing import capacity_for_load
     from torch_tpu_embedding.xla import device_mesh, shard, shard_batch
     from torch_tpu_embedding.xla.hlo import collective_bytes, collectives, step_hlo_path
-    from torch_tpu_embedding.xla.ownership import capacity_for_load
 
     n = xr.global_runtime_device_count()
     dev = torch_xla.device()

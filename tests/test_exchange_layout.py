@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from torch_tpu_embedding.xla.hlo import collective_bytes, collectives, large_copies
-from torch_tpu_embedding.xla.ownership import (
+from torch_tpu_embedding.routing import (
     RowOwnership,
     _binomial_tail,
     capacity_for_load,
@@ -20,6 +19,7 @@ from torch_tpu_embedding.xla.ownership import (
     slot_rows,
     slot_table_order,
 )
+from torch_tpu_embedding.xla.hlo import collective_bytes, collectives, large_copies
 
 R, C = 4096, 512
 

@@ -13,6 +13,10 @@ from typing import Any
 
 import torch
 
+from torch_tpu_embedding._rows import table_info
+from torch_tpu_embedding.optim import _state_io
+from torch_tpu_embedding.optim._base import RowSparseOptimizer
+
 __all__ = ["CheckpointMismatchError", "expected_model_state", "is_row_sparse", "model_problems", "optimizer_problems"]
 
 
@@ -38,8 +42,6 @@ def expected_model_state(model: torch.nn.Module) -> dict[str, tuple[torch.Size, 
     Tables answer with ``[num_embeddings, D]`` (no padding rows); a fused group answers to each of its
     tables' ``tables.<name>.weight`` keys, as the collection's ``state_dict`` hook writes them.
     """
-    from torch_tpu_embedding._rows import table_info
-
     out: dict[str, tuple[torch.Size, torch.dtype] | None] = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
         dot = f"{prefix}." if prefix else ""
@@ -94,8 +96,6 @@ def model_problems(model: torch.nn.Module, state: Mapping[str, Any], strict: boo
 
 def is_row_sparse(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` is a ``tte.optim`` optimizer."""
-    from torch_tpu_embedding.optim._base import RowSparseOptimizer
-
     return isinstance(optimizer, RowSparseOptimizer)
 
 
@@ -104,6 +104,4 @@ def optimizer_problems(optimizer: torch.optim.Optimizer, state: Any) -> list[str
     optimizers answer ``[]`` (torch's optimizers check their state before writing it)."""
     if not is_row_sparse(optimizer):
         return []
-    from torch_tpu_embedding.optim import _state_io
-
     return _state_io.state_problems(optimizer, state)  # type: ignore[arg-type]

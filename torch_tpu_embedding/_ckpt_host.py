@@ -11,8 +11,10 @@ from typing import Any
 
 import torch
 
-from torch_tpu_embedding._fused import split_member_state
 from torch_tpu_embedding._layout import Description, layout_of, to_logical
+from torch_tpu_embedding._member_state import split_member_state
+from torch_tpu_embedding._rows import table_info
+from torch_tpu_embedding.optim._base import RowSparseOptimizer
 
 __all__ = ["host_model_state", "host_optimizer_state", "split_fused_entries", "to_cpu"]
 
@@ -60,8 +62,6 @@ def _host_rows(t: torch.Tensor, n: int | None, layout: Description = None) -> to
 
 def _fused_sources(model: torch.nn.Module) -> dict[str, tuple[str, int, int]]:
     """``tables.<name>.weight`` keys of fused tables → (their group's parameter name, first row, rows)."""
-    from torch_tpu_embedding._rows import table_info
-
     out = {}
     for pname, p in model.named_parameters():
         info = table_info(p)
@@ -96,16 +96,12 @@ def host_model_state(model: torch.nn.Module) -> dict[str, Any]:
 
 def _permuted(whole: Mapping[str, torch.Tensor], key: str, fused: Mapping[str, tuple[str, int, int]]) -> bool:
     """Whether model state ``key`` is a table (or a fused group's table) stored in a permuted row order."""
-    from torch_tpu_embedding._rows import table_info
-
     source = whole.get(fused[key][0] if key in fused else key)
     info = None if source is None else table_info(source)
     return info is not None and info.layout is not None
 
 
 def host_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    from torch_tpu_embedding.optim._base import RowSparseOptimizer
-
     if not isinstance(optimizer, RowSparseOptimizer):
         return dict(to_cpu(optimizer.state_dict()))
     physical = optimizer.physical_state()

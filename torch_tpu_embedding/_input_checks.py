@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from torch_tpu_embedding._dtypes import compute_dtype
+
 __all__ = ["INDEX_DTYPES", "check_ids", "check_index_dtype", "check_sparse_indices", "check_tensor",
-           "check_weights", "check_weights_fit", "compute_dtype", "err", "tracing"]
+           "check_weights", "check_weights_fit", "err", "tracing"]
 
 #: integer dtypes accepted for ids, lengths and offsets (never bool, never float)
 INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -22,11 +24,6 @@ def err(feature: str, msg: str) -> ValueError:
 
 def tracing() -> bool:
     return bool(torch.compiler.is_compiling() or torch.compiler.is_exporting())
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype combiners compute in: float32 for 16-bit tables (their range overflows), else ``dtype``."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def check_tensor(feature: str, what: str, value: object) -> None:

@@ -18,7 +18,7 @@ import dataclasses
 
 import torch
 
-from torch_tpu_embedding.xla.ownership import RowOwnership, slot_row
+from torch_tpu_embedding.routing import RowOwnership, slot_row
 
 __all__ = [
     "Description",
@@ -40,7 +40,7 @@ Description = tuple[str, int, int] | None
 
 @dataclasses.dataclass(frozen=True)
 class RowLayout:
-    """The interleaved row order (``torch_tpu_embedding.xla.ownership``, scheme ``"interleaved"``).
+    """The interleaved row order (``torch_tpu_embedding.routing``, scheme ``"interleaved"``).
 
     The ``R`` physical rows are ``chunks`` chunks of ``c = R / chunks`` rows; logical row ``i`` is
     physical row ``rev(i % chunks) · c + i // chunks`` (``rev``: a bit reversal for a power of two, a
@@ -58,7 +58,7 @@ class RowLayout:
     scheme: str = "interleaved"
 
     def ownership(self, rows: int, num_shards: int = 1) -> RowOwnership:
-        """The :class:`~torch_tpu_embedding.xla.ownership.RowOwnership` of a table of ``rows`` rows."""
+        """The :class:`~torch_tpu_embedding.routing.RowOwnership` of a table of ``rows`` rows."""
         return RowOwnership(self.scheme, rows, num_shards, self.chunks)
 
     def table_rows(self, stored_rows: int, k: int) -> int:

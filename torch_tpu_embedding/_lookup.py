@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
+from torch_tpu_embedding._grad_sync import check_not_ddp_managed
 from torch_tpu_embedding._nest import Path
 from torch_tpu_embedding._rows import RowGrad
 from torch_tpu_embedding.combiners import bag_gains
-from torch_tpu_embedding.distributed import check_not_ddp_managed
 from torch_tpu_embedding.inputs import Bags
 
 __all__ = ["LookupBatch", "lookup"]

@@ -1,4 +1,4 @@
-"""Row bookkeeping, written once: row-sparse gradients, dedup, gather and scatter of rows.
+"""Row bookkeeping, written once: row-sparse gradients and the tables they belong to.
 
 An embedding table never receives a dense ``[V, D]`` gradient. The lookup's backward hands each
 table a :class:`RowGrad`: the ids it looked up and one gradient row per id (``[N]`` and ``[N, D]``),
@@ -30,11 +30,7 @@ __all__ = [
     "StackedRows",
     "TableInfo",
     "check_live_tables",
-    "coalesce_rows",
-    "dedup_static",
-    "drop_sentinel",
     "install_stock_optimizer_guard",
-    "is_static_device",
     "register_table",
     "refuse_stacked_view",
     "register_view",
@@ -42,7 +38,6 @@ __all__ = [
     "retired_count",
     "stacked_rows",
     "table_info",
-    "unique_ids",
 ]
 
 
@@ -323,71 +318,6 @@ def stacked_rows(t: torch.Tensor) -> StackedRows | None:
     """For the weight of a table stacked in a group (``ec.tables.<name>.weight``), where its rows are."""
     rows: StackedRows | None = _VIEWS.get(t)  # type: ignore[no-untyped-call]
     return rows
-
-
-def is_static_device(device: torch.device) -> bool:
-    """Devices that need static shapes (XLA): dedup by sort + sentinel, no host round trips."""
-    return device.type == "xla"
-
-
-def dedup_static(ids: torch.Tensor, sentinel: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Static-shape unique: ``ids [N] -> (uniq [N], inv [N])`` with ``uniq[inv] == ids``.
-
-    ``uniq[:U]`` holds the sorted unique ids, ``uniq[U:]`` the sentinel. Padding ids must already
-    equal ``sentinel`` (they sort last). Only sort, cumsum and scatter: no host fallback on XLA.
-    """
-    if ids.numel() == 0:  # an empty batch (a static shape: no sync); XLA cannot lower a cumsum of 0
-        return ids.clone(), ids.clone()
-    sorted_ids, perm = torch.sort(ids)
-    is_start = torch.ones_like(sorted_ids, dtype=torch.bool)
-    is_start[1:] = sorted_ids[1:] != sorted_ids[:-1]
-    seg = torch.cumsum(is_start.to(torch.int32), 0).to(ids.dtype) - 1
-    inv = torch.zeros_like(seg).scatter(0, perm, seg)
-    # Slots of the same segment all write the same value, so the scatter is deterministic.
-    uniq = torch.full_like(ids, sentinel).scatter(0, seg, sorted_ids)
-    return uniq, inv
-
-
-def coalesce_rows(
-    ids: torch.Tensor, rows: torch.Tensor, sentinel: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum the gradient rows of duplicate ids: ``(ids [N], rows [N, D]) -> (uniq [U], g [U, D])``.
-
-    The update of every optimizer is non-linear in the gradient, so duplicates must be summed
-    before it (TF's gradient accumulation). On static-shape devices ``U == N`` and the tail of
-    ``uniq`` is the sentinel with zero rows; elsewhere sentinel entries are dropped and ``U`` is the
-    number of distinct ids.
-    """
-    if is_static_device(ids.device):
-        uniq, inv = dedup_static(ids, sentinel)
-    else:
-        uniq, inv = torch.unique(ids, return_inverse=True)
-    summed = torch.zeros(uniq.shape[0], rows.shape[1], dtype=rows.dtype, device=rows.device)
-    summed.index_add_(0, inv, rows)
-    if not is_static_device(ids.device) and uniq.numel() and int(uniq[-1]) == sentinel:
-        # Padding sorts last: drop it as a prefix view (no masked copy of the [N, D] rows).
-        uniq, summed = uniq[:-1], summed[:-1]
-    return uniq, summed
-
-
-def drop_sentinel(
-    ids: torch.Tensor, rows: torch.Tensor, sentinel: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Remove padding entries in eager mode; static-shape devices keep them (scatter drops them)."""
-    if is_static_device(ids.device):
-        return ids, rows
-    keep = ids != sentinel
-    if bool(keep.all()):  # no padding: no masked copy of the rows
-        return ids, rows
-    return ids[keep], rows[keep]
-
-
-def unique_ids(ids: torch.Tensor, sentinel: int) -> torch.Tensor:
-    """Distinct ids (static shape with a sentinel tail on XLA; padding dropped elsewhere)."""
-    if is_static_device(ids.device):
-        return dedup_static(ids, sentinel)[0]
-    uniq: torch.Tensor = torch.unique(ids[ids != sentinel])
-    return uniq
 
 
 _GUARD_INSTALLED = False

@@ -23,8 +23,10 @@ from torch_tpu_embedding._ckpt_check import CheckpointMismatchError, is_row_spar
 from torch_tpu_embedding._ckpt_host import host_model_state, host_optimizer_state, split_fused_entries, to_cpu
 from torch_tpu_embedding._ckpt_io import check_loadable, dcp_quiet, dcp_reader, read_dcp_metadata, write_atomic
 from torch_tpu_embedding._layout import Description, describe, from_logical, layout_of, to_logical
+from torch_tpu_embedding._rows import table_info
 from torch_tpu_embedding._screening import warn_unreported
 from torch_tpu_embedding.collection import EmbeddingCollection
+from torch_tpu_embedding.optim._state_io import rest_problems
 
 __all__ = [
     "FORMAT", "CheckpointMismatchError", "convert_distributed", "load", "load_distributed", "save", "save_distributed",
@@ -120,8 +122,6 @@ def _physical(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -
 ]:
     """Every model parameter/buffer and optimizer slot as it is on the device, plus the rest (with
     ``rest["layouts"]``: how each table-indexed tensor is stored, see ``_layout.describe``)."""
-    from torch_tpu_embedding._rows import table_info
-
     tensors: dict[str, torch.Tensor] = {}
     rows: dict[str, int | None] = {}
     layouts: dict[str, Description] = {}
@@ -267,8 +267,6 @@ def load_distributed(
     if optimizer is not None and meta["optimizer"] is None:
         raise ValueError(f"{target} holds no optimizer state.")
     if optimizer is not None:  # hyper-parameters too, before any tensor is read in place
-        from torch_tpu_embedding.optim._state_io import rest_problems
-
         problems += rest_problems(_row_sparse(optimizer), meta["optimizer"])
     if problems:
         raise CheckpointMismatchError(f"Distributed checkpoint {target} does not match (nothing was loaded): "

@@ -13,8 +13,10 @@ from collections.abc import Iterable
 
 import torch
 
-from torch_tpu_embedding._rows import coalesce_rows, refuse_stacked_view, table_info
-from torch_tpu_embedding.distributed import sync_row_grads
+from torch_tpu_embedding._dedup import coalesce_rows
+from torch_tpu_embedding._dtypes import math_dtype
+from torch_tpu_embedding._grad_sync import sync_row_grads
+from torch_tpu_embedding._rows import refuse_stacked_view, table_info
 
 __all__ = ["clip_grad_norm_"]
 
@@ -86,8 +88,6 @@ def _summed_rows(p: Tensor) -> Tensor | None:
         return None
     if rg.owned:
         return _owned_rows(p)
-    from torch_tpu_embedding.optim._slots import math_dtype
-
     exchanged = rg.exchanged == len(rg)
     ids, rows = rg.collect()
     ids, rows = coalesce_rows(ids, rows.to(math_dtype(p)), p.shape[0])  # float32 for 16-bit tables
@@ -102,8 +102,7 @@ def _owned_rows(p: Tensor) -> Tensor:
     ``ids [n, M]``, ``rows [n, M, D]``): duplicates are summed on each shard (a row lives on one shard),
     in one manual-sharding region, and the sums put back as the only owner-local chunk. A chunk whose
     lookup dropped ids counts zero, as in the step."""
-    from torch_tpu_embedding.optim._slots import math_dtype
-    from torch_tpu_embedding.xla.manual import on_shards
+    from torch_tpu_embedding.xla.manual import on_shards  # imports torch_xla: only on this SPMD path
 
     info = table_info(p)
     assert info is not None

@@ -8,19 +8,20 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from torch_tpu_embedding._dedup import is_static_device
 from torch_tpu_embedding._fused import (
     FusedTables,
     TableView,
     fuse,
     join_fused_weights,
-    member_entries,
     plan_groups,
     split_fused_weights,
 )
 from torch_tpu_embedding._layout import owned_logical_ids
 from torch_tpu_embedding._lookup import LookupBatch
+from torch_tpu_embedding._member_state import member_entries
 from torch_tpu_embedding._nest import Path, check_structure, flatten, path_name, pick, rebuild
-from torch_tpu_embedding._rows import is_static_device, retire_table, table_info
+from torch_tpu_embedding._rows import retire_table, table_info
 from torch_tpu_embedding._screening import DeviceScreen, overflow_problem, warn_unchecked_drops
 from torch_tpu_embedding._validation import check_bool
 from torch_tpu_embedding.config import PLACEMENTS, FeatureConfig, TableConfig
@@ -266,20 +267,21 @@ class EmbeddingCollection(nn.Module):
         together: one gather and one backward node per batch, not per feature. Host inputs for a
         device table are normalised and batched on the host and moved in one transfer per batch
         (TorchRec's KJT and TBE do the same). The batches of a table trained through the id exchange
-        (row-sharded under SPMD) are routed together: one ``RoutedLookup`` per table
-        (``torch_tpu_embedding/xla/routed.py``).
+        (row-sharded under SPMD) are routed together: one routed lookup per table, made by the table's
+        layout (``TableSharding.routed_lookup``, ``torch_tpu_embedding/xla/sharding.py``), which the
+        placement that laid the table out recorded on it.
         """
         batches: dict[tuple[int, int, str, bool], LookupBatch] = {}
         routed: dict[int, Any] = {}
         host = torch.device("cpu")
-        local: dict[int, bool] = {}  # per physical table: trained through the id exchange
+        local: dict[int, Any] = {}  # per physical table: its layout when trained through the id exchange
         for path, fname, fc, tname in self._features:
             table, offset = self._located[tname]
             weight = table.weight
             if id(table) not in local:
                 info = table_info(weight)
-                local[id(table)] = info is not None and info.owner_local
-            owner_local = local[id(table)]
+                local[id(table)] = info.sharding if info is not None and info.owner_local else None
+            owner_local = local[id(table)] is not None
             value = pick(features, path)
             on_device = _device_resident(value)
             resident = weight.device.type == "cpu" or _input_device(value) != "cpu"
@@ -310,11 +312,9 @@ class EmbeddingCollection(nn.Module):
                 batches[key] = LookupBatch(weight, table.row_grad, combiner, resident)
                 if owner_local:
                     if id(table) not in routed:
-                        from torch_tpu_embedding.xla.routed import RoutedLookup
-
                         names = [f for _, f, _, t in self._features if self._located[t][0] is table]
-                        routed[id(table)] = RoutedLookup(table.name, weight, table.config.max_unique_ids_per_shard,
-                                                         names, self._exchange_counts)
+                        routed[id(table)] = local[id(table)].routed_lookup(
+                            table.name, weight, table.config.max_unique_ids_per_shard, names, self._exchange_counts)
                     routed[id(table)].batches.append(batches[key])
             batches[key].items.append((path, bags))
             batches[key].tables.add(tname)
@@ -368,7 +368,7 @@ class EmbeddingCollection(nn.Module):
         """Row-sharded tables trained through the id exchange: the most distinct ids one device had for
         each shard in one step since the last :meth:`check_ids`, to size ``TableConfig.
         max_unique_ids_per_shard`` (e.g. 1.25 × the largest over a few hundred steps;
-        ``torch_tpu_embedding.xla.ownership.capacity_for_load``). Syncs XLA.
+        ``torch_tpu_embedding.routing.capacity_for_load``). Syncs XLA.
 
         Returns ``{table: {"largest_load": [per shard], "capacity": the capacity in use}}`` (a fused
         group reports under its group name).

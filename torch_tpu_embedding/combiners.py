@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_tpu_embedding._input_checks import compute_dtype
+from torch_tpu_embedding._dtypes import compute_dtype
 
 __all__ = ["bag_gains"]
 

@@ -23,9 +23,10 @@ from typing import Any, Union
 
 import torch
 
+from torch_tpu_embedding._registry import OPTIMIZER_NAMES
 from torch_tpu_embedding._validation import arg_error, check_int
 
-__all__ = [  # noqa: F822 - OPTIMIZER_NAMES is served by __getattr__
+__all__ = [
     "COMBINERS",
     "OPTIMIZER_NAMES",
     "PLACEMENTS",
@@ -38,27 +39,12 @@ __all__ = [  # noqa: F822 - OPTIMIZER_NAMES is served by __getattr__
 COMBINERS = ("mean", "sum", "sqrtn")
 #: Table layouts on a device mesh (see ``TableConfig.placement`` and docs/sharding.md).
 PLACEMENTS = ("auto", "row", "column", "replicated")
-# The names a TableConfig may use for its optimizer override (torch_tpu_embedding.optim).
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 #: An initializer fills a ``[num_embeddings, embedding_dim]`` tensor in place (torch.nn.init style,
 #: e.g. ``functools.partial(torch.nn.init.normal_, std=0.01)``), or is a tensor of that shape
 #: holding pretrained values.
 Initializer = Union[Callable[[torch.Tensor], Any], torch.Tensor]
-
-
-def _optimizer_names() -> tuple[str, ...]:
-    """The registered optimizer names (imported here: the optimizers import this module)."""
-    from torch_tpu_embedding.optim import OPTIMIZER_NAMES
-
-    return OPTIMIZER_NAMES
-
-
-def __getattr__(name: str) -> tuple[str, ...]:
-    # ``OPTIMIZER_NAMES`` comes from the optimizer registry, which is filled after this module loads.
-    if name == "OPTIMIZER_NAMES":
-        return _optimizer_names()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def default_initializer(weight: torch.Tensor) -> torch.Tensor:
@@ -97,7 +83,7 @@ class TableConfig:
             SPMD (docs/sharding.md): how many distinct ids of one step one device may send to one
             shard (TF/keras-rs ``max_unique_ids_per_partition``; ids are deduplicated per device
             before routing, so a hot id counts once). ``None`` (default) derives it from the batch
-            with headroom (``torch_tpu_embedding.xla.ownership.default_capacity``). Ids over the
+            with headroom (``torch_tpu_embedding.routing.default_capacity``). Ids over the
             capacity are dropped from that step, counted, and reported by
             ``EmbeddingCollection.check_ids()``, which names the capacity that would have sufficed;
             the table is not updated in that step. Size it from
@@ -143,7 +129,7 @@ class TableConfig:
         if self.combiner not in COMBINERS:
             raise arg_error("combiner", f"must be in {COMBINERS}", self.combiner)
         opt = self.optimizer
-        names = _optimizer_names()
+        names = OPTIMIZER_NAMES
         if isinstance(opt, str):
             if opt not in names:
                 raise arg_error("optimizer", f"must be one of {names} when a str", opt)

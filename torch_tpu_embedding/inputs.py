@@ -26,13 +26,13 @@ import math
 
 import torch
 
+from torch_tpu_embedding._dtypes import compute_dtype
 from torch_tpu_embedding._input_checks import check_ids as _check_ids
 from torch_tpu_embedding._input_checks import (
     check_index_dtype,
     check_sparse_indices,
     check_tensor,
     check_weights_fit,
-    compute_dtype,
 )
 from torch_tpu_embedding._input_checks import check_weights as _check_weights
 from torch_tpu_embedding._input_checks import err as _err

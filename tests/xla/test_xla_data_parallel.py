@@ -25,6 +25,7 @@ import torch_xla.debug.metrics as met  # noqa: E402
 import torch_xla.distributed.xla_backend  # noqa: E402,F401  (registers the "xla" backend)
 
 import torch_tpu_embedding as tte  # noqa: E402
+from torch_tpu_embedding import _grad_sync  # noqa: E402
 
 OPTIMIZERS: dict[str, Any] = {
     "adagrad": lambda p: tte.optim.Adagrad(p, lr=0.1),
@@ -38,7 +39,7 @@ def xla_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     dist.init_process_group("xla", init_method="xla://")
-    monkeypatch.setattr(tte.distributed, "should_exchange", lambda *, spmd, group_size, local: not (spmd or local))
+    monkeypatch.setattr(_grad_sync, "should_exchange", lambda *, spmd, group_size, local: not (spmd or local))
     calls: list[int] = []
     real = dist.all_gather_into_tensor
 

@@ -8,11 +8,12 @@ an optimizer: ``docs/design.md``.
 
 import sys
 
+from torch_tpu_embedding._registry import OPTIMIZER_NAMES as OPTIMIZER_NAMES
+from torch_tpu_embedding._registry import optimizer_class as optimizer_class
+from torch_tpu_embedding._registry import optimizer_names as optimizer_names
 from torch_tpu_embedding.optim._base import RowSparseOptimizer as RowSparseOptimizer
 from torch_tpu_embedding.optim._contract import RowContext as RowContext
 from torch_tpu_embedding.optim._contract import SlotSpec as SlotSpec
-from torch_tpu_embedding.optim._contract import optimizer_class as optimizer_class
-from torch_tpu_embedding.optim._contract import optimizer_names as optimizer_names
 from torch_tpu_embedding.optim._extras import KerasExtras as KerasExtras
 
 # The optimizers, one module each: importing a module registers its optimizers, in this order.
@@ -25,9 +26,6 @@ from torch_tpu_embedding.optim.ftrl import *  # noqa: F403
 from torch_tpu_embedding.optim.adafactor import *  # noqa: F403
 from torch_tpu_embedding.optim.rowwise_adagrad import *  # noqa: F403
 # isort: on
-
-#: every optimizer name a ``TableConfig.optimizer`` string may give, in registration order
-OPTIMIZER_NAMES: tuple[str, ...] = optimizer_names()
 
 __all__ = sorted(
     {"KerasExtras", "OPTIMIZER_NAMES", "RowContext", "RowSparseOptimizer", "SlotSpec", "optimizer_class",

@@ -28,10 +28,11 @@ from typing import Any, ClassVar
 
 import torch
 
+from torch_tpu_embedding._grad_sync import sync_row_grads
+from torch_tpu_embedding._registry import optimizer_class, register
 from torch_tpu_embedding._rows import check_live_tables, retired_count, stacked_rows, table_info
-from torch_tpu_embedding.distributed import sync_row_grads
 from torch_tpu_embedding.optim import _ema, _intake, _state_io
-from torch_tpu_embedding.optim._contract import RowContext, Slots, SlotSpec, optimizer_class, register
+from torch_tpu_embedding.optim._contract import RowContext, Slots, SlotSpec
 from torch_tpu_embedding.optim._device import LearningRates, StepClock, lr_value
 from torch_tpu_embedding.optim._extras import EXTRA_DEFAULTS, check_extras
 from torch_tpu_embedding.optim._hyper import check_fused, param_groups, validate_common

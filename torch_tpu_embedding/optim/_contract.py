@@ -1,4 +1,4 @@
-"""What an optimizer declares: its slots, its pure per-row rule, its name in the registry.
+"""What an optimizer declares: its slots and its pure per-row rule.
 
 An optimizer of this package is a :class:`~torch_tpu_embedding.optim.RowSparseOptimizer` subclass
 that sets ``algorithm`` (its registry name), ``slot_names``, and a pure function
@@ -7,21 +7,17 @@ that sets ``algorithm`` (its registry name), ``slot_names``, and a pure function
 
 over the rows it is given: every row of a dense parameter, or the touched rows of a table. The rule
 does no gathering, scattering or in-place writing; the core does that once for every optimizer and
-every device. Adding an optimizer is one module (see ``docs/design.md``, "The optimizer core").
+every device. Its name is entered in the registry (:mod:`torch_tpu_embedding._registry`). Adding an
+optimizer is one module (see ``docs/design.md``, "The optimizer core").
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-from torch_tpu_embedding._validation import arg_error
-
-if TYPE_CHECKING:
-    from torch_tpu_embedding.optim._base import RowSparseOptimizer
 
 __all__ = [
     "RowContext",
@@ -30,9 +26,6 @@ __all__ = [
     "Slots",
     "common_defaults",
     "identity",
-    "optimizer_class",
-    "optimizer_names",
-    "register",
 ]
 
 Tensor = torch.Tensor
@@ -107,27 +100,6 @@ class RowContext:
 
 #: ``rule(w [U, D], g [U, D], slots, lr (0-d), step (0-d), hp, ctx) -> (w_new, slots_new)``
 Rule = Callable[[Tensor, Tensor, Slots, Tensor, Tensor, Mapping[str, Any], RowContext], tuple[Tensor, Slots]]
-
-_REGISTRY: dict[str, type[RowSparseOptimizer]] = {}
-
-
-def register(cls: type[RowSparseOptimizer]) -> None:
-    """Enter ``cls`` under ``cls.algorithm`` (called for every subclass that sets ``algorithm``)."""
-    _REGISTRY[cls.algorithm] = cls
-
-
-def optimizer_class(name: str) -> type[RowSparseOptimizer]:
-    """The optimizer class registered under ``name`` (``"sgd"``, ``"adagrad"``, ...)."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise arg_error("optimizer", f"must be one of {tuple(sorted(_REGISTRY))}", name) from None
-
-
-def optimizer_names() -> tuple[str, ...]:
-    """Every registered optimizer name, in registration order."""
-    return tuple(_REGISTRY)
-
 
 def common_defaults(
     lr: Any,

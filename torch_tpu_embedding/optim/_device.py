@@ -13,7 +13,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["LearningRates", "StepClock", "lr_value", "to_device"]
+from torch_tpu_embedding._dtypes import math_dtype
+from torch_tpu_embedding._validation import check_number
+
+__all__ = ["LearningRates", "StepClock", "check_lr", "lr_value", "to_device"]
 
 Tensor = torch.Tensor
 
@@ -25,11 +28,21 @@ def to_device(v: Tensor, device: torch.device) -> Tensor:
     return v.reshape(1).to(device).reshape(()) if v.dim() == 0 else v.to(device)
 
 
+def check_lr(lr: float | torch.Tensor, on_device: bool = False) -> None:
+    """A learning rate's value must be finite and >= 0. A tensor on an accelerator is read only when
+    ``on_device`` (a device-to-host transfer): done once when it is set, never per step."""
+    if isinstance(lr, torch.Tensor):
+        if lr.device.type != "cpu" and not on_device:
+            return
+        value: Any = float(lr.detach().reshape(()).cpu())
+    else:
+        value = lr
+    check_number("lr", value, minimum=0.0)
+
+
 def lr_value(group: dict[str, Any]) -> float | Tensor:
     """The group's learning rate for this step (a callable ``lr`` is called), checked finite and >= 0
     on the host (a tensor on an accelerator is not read: that would sync every step)."""
-    from torch_tpu_embedding.optim._hyper import check_lr
-
     lr = group["lr"]
     value: float | Tensor = lr() if callable(lr) and not isinstance(lr, Tensor) else lr
     if not isinstance(value, Tensor) and not isinstance(value, numbers.Real):
@@ -49,9 +62,7 @@ class LearningRates:
 
     def tensor(self, gi: int, lr: float | Tensor, p: Tensor) -> Tensor:
         """Group ``gi``'s learning rate ``lr`` as a 0-d tensor on ``p``'s device, in the dtype of ``p``'s
-        update arithmetic (:func:`~._slots.math_dtype`)."""
-        from torch_tpu_embedding.optim._slots import math_dtype
-
+        update arithmetic (:func:`~torch_tpu_embedding._dtypes.math_dtype`)."""
         dtype = math_dtype(p)
         if isinstance(lr, Tensor):
             lr = lr.detach().to(dtype=dtype)

@@ -20,7 +20,7 @@ import torch
 
 from torch_tpu_embedding.optim._device import StepClock
 from torch_tpu_embedding.optim._extras import ema_catch_up
-from torch_tpu_embedding.optim._paths import gated
+from torch_tpu_embedding.optim._pipeline import gated
 from torch_tpu_embedding.optim._slots import RowSpace, lazy_table
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 On CPU and CUDA, the reference row path (``Path.ROW_CHUNKS``) gathers the weight and each slot
 separately, runs the rule as a dozen element-wise torch ops over ``[U, D]`` temporaries and
-scatters each array back. Here the same Python — gather → :func:`~._paths.pipeline` (clipvalue,
+scatters each array back. Here the same Python — gather → :func:`~._pipeline.pipeline` (clipvalue,
 weight decay, the optimizer's own ``rule``, weight clipping) → the ``skip_nonfinite`` gate → EMA →
 scatter — is compiled by ``torch.compile`` (inductor: C++/OpenMP loops on CPU, Triton on CUDA) into
 one loop that reads each touched row of the weight and its slots once and writes them back once.
@@ -36,10 +36,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from torch_tpu_embedding._dtypes import math_dtype
+from torch_tpu_embedding._registry import optimizer_class
 from torch_tpu_embedding._rows import BagRows, RowGrad, table_info
-from torch_tpu_embedding.optim._contract import RowContext, Slots, optimizer_class
+from torch_tpu_embedding.optim._contract import RowContext, Slots
 from torch_tpu_embedding.optim._ema import ema_row_update, momentum_now
-from torch_tpu_embedding.optim._slots import logical_rows, math_dtype, rule_slots
+from torch_tpu_embedding.optim._pipeline import gated, pipeline
+from torch_tpu_embedding.optim._slots import logical_rows, rule_slots
 
 if TYPE_CHECKING:
     from torch_tpu_embedding.optim._intake import Work
@@ -164,8 +167,6 @@ def _kernel_source(
     rule_hp: Mapping[str, Any], names: tuple[str, ...], mdtype: torch.dtype, gate: bool, ema: bool
 ) -> Callable[..., None]:
     """The Python that is compiled: the reference row update of :mod:`._paths` for unique ids."""
-    from torch_tpu_embedding.optim._paths import gated, pipeline
-
     momentum = float(rule_hp.get("ema_momentum", 0.0))
 
     def fused_rows(p: Tensor, ids: Tensor, g: Tensor, row_slots: list[Tensor], lr: Tensor, step: Tensor,

@@ -12,14 +12,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torch_tpu_embedding._registry import optimizer_class
 from torch_tpu_embedding._rows import refuse_stacked_view, table_info
 from torch_tpu_embedding._validation import arg_error, check_bool, check_number
-from torch_tpu_embedding.optim._contract import optimizer_class
+from torch_tpu_embedding.optim._device import check_lr
 
 if TYPE_CHECKING:
     from torch_tpu_embedding.optim._base import RowSparseOptimizer
 
-__all__ = ["check_clipvalue", "check_fused", "check_lr", "param_groups", "validate_common"]
+__all__ = ["check_clipvalue", "check_fused", "param_groups", "validate_common"]
 
 #: Marks the parameter group a table override's own optimizer is built from: that optimizer must
 #: not look for overrides again (the table's config still names the override).
@@ -79,18 +80,6 @@ def validate_common(hp: dict[str, Any]) -> None:
         raise arg_error("slot_creation_fn", "must be a callable or None", fn)
 
 
-def check_lr(lr: float | torch.Tensor, on_device: bool = False) -> None:
-    """A learning rate's value must be finite and >= 0. A tensor on an accelerator is read only when
-    ``on_device`` (a device-to-host transfer): done once when it is set, never per step."""
-    if isinstance(lr, torch.Tensor):
-        if lr.device.type != "cpu" and not on_device:
-            return
-        value: Any = float(lr.detach().reshape(()).cpu())
-    else:
-        value = lr
-    check_number("lr", value, minimum=0.0)
-
-
 def check_fused(group: Mapping[str, Any], rule_cls: type[RowSparseOptimizer]) -> None:
     """Reject what a fused group cannot do exactly as its separate tables would (by name).
 
@@ -146,8 +135,6 @@ def param_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
 
 def _override_group(p: torch.Tensor, name: str, spec: Any) -> dict[str, Any]:
     """One parameter group for table ``p`` with the optimizer its TableConfig names."""
-    from torch_tpu_embedding.optim._base import RowSparseOptimizer
-
     factory: Callable[..., Any] = optimizer_class(spec) if isinstance(spec, str) else spec
     try:
         inner = factory([{"params": [p], _OVERRIDE_GROUP: True}])
@@ -157,7 +144,9 @@ def _override_group(p: torch.Tensor, name: str, spec: Any) -> dict[str, Any]:
             "OPTIMIZER_NAMES or a factory called as factory(params) that returns a "
             f"torch_tpu_embedding.optim optimizer ({e})."
         ) from e
-    if not isinstance(inner, RowSparseOptimizer):
+    # One of this package's optimizers (RowSparseOptimizer, which builds its groups with this module,
+    # so it is known here by the mark it sets for torch.optim's guard rather than by class).
+    if not (isinstance(inner, torch.optim.Optimizer) and getattr(inner, "_tte_reads_row_grads", False)):
         raise TypeError(
             f"Table '{name}': its TableConfig optimizer factory returned "
             f"{type(inner).__name__}; expected a torch_tpu_embedding.optim optimizer."

@@ -22,12 +22,14 @@ from typing import Any
 
 import torch
 
-from torch_tpu_embedding._rows import RowGrad, coalesce_rows, drop_sentinel, is_static_device, table_info
+from torch_tpu_embedding._dedup import coalesce_rows, drop_sentinel, is_static_device
+from torch_tpu_embedding._dtypes import math_dtype
+from torch_tpu_embedding._rows import RowGrad, table_info
 from torch_tpu_embedding.optim._device import StepClock
 from torch_tpu_embedding.optim._extras import clip_by_norm, global_norm_scale
+from torch_tpu_embedding.optim._fused_update import coalesce_pieces
 from torch_tpu_embedding.optim._members import clip_members, member_rows, segment_of
-from torch_tpu_embedding.optim._paths import Path
-from torch_tpu_embedding.optim._slots import math_dtype
+from torch_tpu_embedding.optim._pipeline import Path
 
 __all__ = [
     "Taken", "Work", "arrives_as_rows", "gate_nonfinite", "global_clip_scales", "has_gradient", "prepare", "take",
@@ -143,8 +145,6 @@ def prepare(
             g, gate = acc
     else:
         if taken.pieces is not None and path is Path.FUSED:
-            from torch_tpu_embedding.optim._fused_update import coalesce_pieces
-
             summed = coalesce_pieces(taken.pieces, p)
             if summed is None:  # multiplied out and summed as on the reference path
                 all_ids, all_rows = taken.pieces.collect()
@@ -239,7 +239,7 @@ def _accumulate_rows(
             new_rows[:, :old] = buf_rows
         buf_ids, buf_rows = new_ids.to(p.device), new_rows.to(p.device)
         if p.device.type == "xla":
-            from torch_tpu_embedding.xla.sharding import shard_slot
+            from torch_tpu_embedding.xla.mesh import shard_slot  # imports torch_xla: XLA tables only
 
             shard_slot(p, buf_ids, rows=False)
             shard_slot(p, buf_rows, rows=False)
@@ -289,7 +289,7 @@ def _prepare_owned(
     A call whose lookup dropped ids (``taken.ok`` False) contributes no gradient, and its update is
     gated off (nothing is updated from an incomplete lookup).
     """
-    from torch_tpu_embedding.xla.manual import on_shards
+    from torch_tpu_embedding.xla.manual import on_shards  # imports torch_xla: SPMD only
 
     info = table_info(p)
     assert info is not None
@@ -337,7 +337,7 @@ def _prepare_owned(
 
 def _owned_empty(p: Tensor, n: int, width: int, mesh: Any, axis: str) -> tuple[Tensor, Tensor]:
     """An owner-local chunk with no ids: ``[n, width]`` local sentinels and zero rows, row-sharded."""
-    from torch_tpu_embedding.xla.manual import reshard, spec
+    from torch_tpu_embedding.xla.manual import reshard, spec  # imports torch_xla: SPMD only
 
     ids = torch.full((n, width), p.shape[0] // n, dtype=torch.int64).to(p.device)
     rows = torch.zeros((n, width, p.shape[1]), dtype=math_dtype(p)).to(p.device)
@@ -349,7 +349,7 @@ def _owned_buffers(
 ) -> tuple[Tensor, Tensor]:
     """Per-shard accumulation buffers: ``acc_ids [n·k, cap]`` (shard-local rows) and ``acc_rows
     [n·k, cap, D]``, row-sharded (shard ``d`` holds its ``k`` slots). ``cap`` grows to the widest chunk."""
-    from torch_tpu_embedding.xla.sharding import shard_slot
+    from torch_tpu_embedding.xla.mesh import shard_slot  # imports torch_xla: XLA tables only
 
     buf_ids, buf_rows = state.get("acc_ids"), state.get("acc_rows")
     if buf_ids is None or buf_rows is None or buf_ids.shape[1] < width:

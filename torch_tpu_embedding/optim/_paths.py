@@ -25,29 +25,34 @@ only in which rows they hand it and how the results are written back:
                       (``RowContext.all_reduce``)
 ====================  ==========================================================================
 
-:func:`choose_path` is the one place that decides. Every path reads and writes through a
-:class:`~._slots.RowSpace` (a whole parameter, or one shard of a table), so the row bookkeeping is
-written once.
+:func:`choose_path` is the one place that decides (:class:`~._pipeline.Path` names the paths).
+Every path reads and writes through a :class:`~._slots.RowSpace` (a whole parameter, or one shard of
+a table), so the row bookkeeping is written once.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torch_tpu_embedding._rows import drop_sentinel, is_static_device, table_info, unique_ids
-from torch_tpu_embedding.optim._contract import RowContext, Slots, optimizer_class
+from torch_tpu_embedding._dedup import drop_sentinel, is_static_device, unique_ids
+from torch_tpu_embedding._dtypes import math_dtype
+from torch_tpu_embedding._registry import optimizer_class
+from torch_tpu_embedding._rows import table_info
+from torch_tpu_embedding.optim import _fused_update
+from torch_tpu_embedding.optim._contract import RowContext
+from torch_tpu_embedding.optim._ema import ema_rows
 from torch_tpu_embedding.optim._members import member_rows, segment_of
-from torch_tpu_embedding.optim._slots import RowSpace, logical_rows, math_dtype, rule_slots
+from torch_tpu_embedding.optim._pipeline import Path, gated, pipeline
+from torch_tpu_embedding.optim._slots import RowSpace, logical_rows, rule_slots
 
 if TYPE_CHECKING:
     from torch_tpu_embedding.optim._intake import Work
 
-__all__ = ["ROW_CHUNK", "ROW_CHUNK_PARALLEL", "Path", "choose_path", "gated", "pipeline", "update"]
+__all__ = ["ROW_CHUNK", "ROW_CHUNK_PARALLEL", "Path", "choose_path", "update"]
 
 Tensor = torch.Tensor
 
@@ -62,18 +67,6 @@ ROW_CHUNK_PARALLEL = 16384
 #: Options that need a row's gradient summed over the batch (or its rows), so no ADDITIVE step.
 _NEEDS_SUMMED_ROWS = ("clipvalue", "weight_decay_factor", "clip_weight_min", "clip_weight_max", "use_ema",
                       "clipnorm", "global_clipnorm", "skip_nonfinite")
-
-
-class Path(enum.Enum):
-    """How a parameter's update runs (see the module docstring)."""
-
-    DENSE = "dense"
-    ADDITIVE = "additive"
-    NO_DEDUP = "no_dedup"
-    ROWS = "rows"
-    FUSED = "fused"
-    ROW_CHUNKS = "row_chunks"
-    OWNER_LOCAL = "owner_local"
 
 
 def choose_path(p: Tensor, group: Mapping[str, Any], *, row_grad: bool) -> Path:
@@ -92,36 +85,11 @@ def choose_path(p: Tensor, group: Mapping[str, Any], *, row_grad: bool) -> Path:
         return Path.NO_DEDUP
     if static or _whole_slots(p, group):
         return Path.ROWS
-    from torch_tpu_embedding.optim import _fused_update
-
     return Path.FUSED if _fused_update.usable(p) else Path.ROW_CHUNKS
 
 
 def row_chunk() -> int:
     return ROW_CHUNK if torch.get_num_threads() == 1 else ROW_CHUNK_PARALLEL
-
-
-def gated(gate: Tensor | None, new: Tensor, old: Tensor) -> Tensor:
-    """``new`` where the update is kept (``gate`` True or absent), else ``old``."""
-    return new if gate is None else torch.where(gate, new, old)
-
-
-def pipeline(
-    w: Tensor, g: Tensor, slots: Slots, lr: Tensor, step: Tensor, group: Mapping[str, Any], ctx: RowContext
-) -> tuple[Tensor, Slots]:
-    """clipvalue → decoupled weight decay → the rule → weight clipping (TF's order)."""
-    clip = group["clipvalue"]
-    if clip is not None:
-        g = g.clamp(min=clip[0], max=clip[1])
-    wd = group.get("weight_decay_factor")
-    if wd:
-        decay = lr * wd if group.get("multiply_weight_decay_factor_by_learning_rate") else wd
-        w = w - decay * w
-    w, slots = optimizer_class(group["algorithm"]).rule(w, g, slots, lr, step, group, ctx)
-    lo, hi = group.get("clip_weight_min"), group.get("clip_weight_max")
-    if lo is not None or hi is not None:
-        w = w.clamp(min=lo, max=hi)
-    return w, slots
 
 
 def update(item: Work) -> None:
@@ -138,8 +106,6 @@ def update(item: Work) -> None:
         ids = item.ids
         assert ids is not None
         if item.path is Path.FUSED:
-            from torch_tpu_embedding.optim import _fused_update
-
             if _fused_update.update(item):
                 return
             item.path = Path.ROW_CHUNKS  # no compiled kernel: the reference path
@@ -190,8 +156,6 @@ def _update_rows(item: Work, space: RowSpace, ids: Tensor, g: Tensor, seg: Tenso
 
     ``seg``: the member table of each row in a fused group whose rule keeps whole-table slots (found
     from ``ids`` when not given; the owner-local path computes it outside its manual region)."""
-    from torch_tpu_embedding.optim._ema import ema_rows
-
     p, group, state, gate, where = space.p, item.group, space.state, item.gate, space.where
     sentinel = p.shape[0]
     dedup = bool(group["use_gradient_accumulation"])  # else ids repeat (NO_DEDUP): changes are added
@@ -254,7 +218,7 @@ def _update_owner_local(item: Work) -> None:
     ``item.ids [n, M]`` (shard-local rows, unique per shard, sentinel ``R/n``) and ``item.g [n, M, D]``
     are device-major: row ``d`` belongs to shard ``d`` (:mod:`._intake`).
     """
-    from torch_tpu_embedding.xla.manual import all_reduce, on_shards
+    from torch_tpu_embedding.xla.manual import all_reduce, on_shards  # imports torch_xla: SPMD only
 
     info = table_info(item.p)
     assert info is not None and item.ids is not None

@@ -21,10 +21,12 @@ from typing import Any
 
 import torch
 
+from torch_tpu_embedding._dtypes import math_dtype
+from torch_tpu_embedding._registry import optimizer_class
 from torch_tpu_embedding._rows import table_info
-from torch_tpu_embedding.optim._contract import SlotSpec, identity, optimizer_class
+from torch_tpu_embedding.optim._contract import SlotSpec, identity
 from torch_tpu_embedding.optim._members import check_created, created_member_slots, member_rows, member_specs
-from torch_tpu_embedding.xla.ownership import slot_row
+from torch_tpu_embedding.routing import slot_row
 
 __all__ = [
     "ACCUMULATION",
@@ -34,7 +36,6 @@ __all__ = [
     "lazy_table",
     "logical_rows",
     "make_state",
-    "math_dtype",
     "rule_slots",
     "slot_rows",
     "specs",
@@ -46,17 +47,6 @@ __all__ = [
 Tensor = torch.Tensor
 #: a table's pending gradient-accumulation buffers (ids ``[k, cap]`` and rows ``[k, cap, D]``)
 ACCUMULATION = ("acc_ids", "acc_rows")
-
-
-def math_dtype(p: Tensor) -> torch.dtype:
-    """The dtype of ``p``'s optimizer state and update arithmetic: float32 for 16-bit parameters.
-
-    In float16 an Adagrad accumulator overflows to inf within a few hundred steps (the row then never
-    moves again) and Adam's ``eps² = 1e-14`` is 0 (a row with a zero gradient gets 0/0); bfloat16 keeps
-    about 3 significant digits. As FBGEMM does, 16-bit tables keep float32 slots and update in float32;
-    only the weight is stored in 16 bits.
-    """
-    return torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
 
 
 def lazy_table(p: Tensor, group: Mapping[str, Any]) -> bool:
@@ -190,7 +180,7 @@ def trash_rows(p: Tensor, k: int) -> int:
     """
     if table_info(p) is None or p.device.type != "xla":
         return 0
-    from torch_tpu_embedding.xla.sharding import slot_extra_rows
+    from torch_tpu_embedding.xla.mesh import slot_extra_rows  # imports torch_xla: XLA tables only
 
     return slot_extra_rows(p, k)
 
@@ -234,7 +224,7 @@ def make_state(p: Tensor, group: Mapping[str, Any]) -> dict[str, Tensor]:
             value = made[name].detach().to(device=p.device, dtype=slot.dtype)
             slot = where.with_table_order(name, slot, value).clone() if name in where.numbers else value
         if p.device.type == "xla":  # created with the parameter's layout (SPMD)
-            from torch_tpu_embedding.xla.sharding import shard_slot
+            from torch_tpu_embedding.xla.mesh import shard_slot  # imports torch_xla: XLA tables only
 
             shard_slot(p, slot, spec.rows)
         state[name] = slot

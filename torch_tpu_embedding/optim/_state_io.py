@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torch_tpu_embedding._fused import Members, merge_member_state, split_member_state
+from torch_tpu_embedding._dtypes import math_dtype
 from torch_tpu_embedding._layout import (
     Description,
     describe,
@@ -28,8 +28,9 @@ from torch_tpu_embedding._layout import (
     owned_to_logical,
     to_logical,
 )
+from torch_tpu_embedding._member_state import Members, merge_member_state, split_member_state
+from torch_tpu_embedding._registry import optimizer_class
 from torch_tpu_embedding._rows import table_info
-from torch_tpu_embedding.optim._contract import optimizer_class
 from torch_tpu_embedding.optim._device import to_device
 from torch_tpu_embedding.optim._extras import EXTRA_DEFAULTS, check_extras
 from torch_tpu_embedding.optim._hyper import validate_common
@@ -37,7 +38,6 @@ from torch_tpu_embedding.optim._slots import (
     ACCUMULATION,
     from_saved_ids,
     logical_rows,
-    math_dtype,
     slot_rows,
     specs,
     to_saved_ids,
@@ -274,7 +274,7 @@ def _restore_accumulation(state: dict[str, Tensor], bufs: Mapping[str, Tensor], 
     info = table_info(p)
     ids, rows = bufs["acc_ids"].detach(), bufs["acc_rows"].detach().to(dtype=math_dtype(p))
     if info is not None and info.owner_local and info.layout is not None:
-        from torch_tpu_embedding.xla.sharding import shard_slot
+        from torch_tpu_embedding.xla.mesh import shard_slot  # imports torch_xla: XLA tables only
 
         n = info.sharding.num_shards
         ids, rows = logical_to_owned(ids.cpu(), rows.cpu(), info.layout, p.shape[0], n)

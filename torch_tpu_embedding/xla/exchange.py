@@ -6,7 +6,7 @@ Per device and step, with ``N`` ids per device, ``n`` shards and bucket capacity
 one device may send to one shard), the exchange moves ``n·k`` ids and ``2·n·k`` rows of ``D`` values
 in three ``all-to-all`` s: ids out, rows back, gradient rows out: ``n·k·(4 + 8·D)`` bytes for float32
 rows. ``n·k`` is ``N`` plus the headroom buckets need
-(:func:`~torch_tpu_embedding.xla.ownership.default_capacity`: 1.2–1.7 × N at ``N = 576``,
+(:func:`~torch_tpu_embedding.routing.default_capacity`: 1.2–1.7 × N at ``N = 576``,
 ``n = 2…8``; the headroom shrinks as ``√(n/N)``), not ``n`` times the batch. (The partitioner's
 default for a row-sharded lookup all-gathers every id of the global batch and all-reduces
 ``[global ids, D]`` rows: linear in ``n``.)
@@ -14,7 +14,10 @@ default for a row-sharded lookup all-gathers every id of the global batch and al
 Shapes are device-major (:mod:`torch_tpu_embedding.xla.manual`): ``ids [n, N]`` sharded on dim 0
 holds device ``d``'s ids in row ``d`` — a batch-sharded ``[n·B, L]`` input reshaped to ``[n, B·L]``.
 
-Steps (each a function here; :func:`exchange_lookup` chains the forward)::
+The bookkeeping (ownership, capacity, the per-device routing plan, the bucket sums) is
+:mod:`torch_tpu_embedding.routing`, shared with any other transport; this module is the SPMD transport:
+it runs those per-device steps on each shard in a manual-sharding region and moves the buckets by
+resharding. Steps (each a function here; :func:`exchange_lookup` chains the forward)::
 
     routing = route_ids(ids, ownership, capacity, mesh)      # dedup, bucket by owner, ids all-to-all
     rows = rows_at_positions(all_to_all(gather_owned(table, routing), mesh, to_dst=False), routing)
@@ -34,10 +37,10 @@ from typing import Any
 
 import torch
 
-from torch_tpu_embedding._rows import dedup_static
+from torch_tpu_embedding import routing as plan
 from torch_tpu_embedding._validation import check_int
+from torch_tpu_embedding.routing import RowOwnership
 from torch_tpu_embedding.xla.manual import Mesh, all_to_all, enter, leave, spec
-from torch_tpu_embedding.xla.ownership import RowOwnership
 
 __all__ = [
     "Routing",
@@ -79,26 +82,6 @@ class Routing:
     axis: str
 
 
-def _route_local(ids: torch.Tensor, own: RowOwnership, cap: int) -> tuple[torch.Tensor, ...]:
-    """One device's routing: ``ids [N]`` -> (send ``[n, k]`` int32, slot ``[N]``, load ``[n]``)."""
-    n, per, rows = own.num_shards, own.rows_per_shard, own.rows
-    m = ids.shape[0]
-    phys = own.physical_row(ids.to(torch.int64))  # padding -> rows, which sorts last
-    # Sorted unique physical rows: owners are non-decreasing, so each owner's ids are contiguous.
-    uniq, inv = dedup_static(phys, rows)
-    owner = uniq // per  # padding -> n
-    counts = torch.zeros(n + 1, dtype=torch.int64, device=ids.device)
-    counts = counts.scatter_add(0, owner, torch.ones_like(owner))
-    first = torch.cumsum(counts, 0) - counts  # first unique slot of each owner
-    rank = torch.arange(m, dtype=torch.int64, device=ids.device) - first.index_select(0, owner)
-    fits = (owner < n) & (rank < cap)
-    uslot = torch.where(fits, owner * cap + rank, torch.full_like(rank, n * cap))
-    local = torch.where(owner < n, uniq - owner * per, torch.full_like(uniq, per))
-    # One spare slot collects every unrouted id; it is cut off.
-    send = torch.full((n * cap + 1,), per, dtype=torch.int64, device=ids.device).scatter(0, uslot, local)
-    return send[: n * cap].reshape(n, cap).to(torch.int32), uslot.index_select(0, inv), counts[:n].to(torch.int32)
-
-
 def route_ids(
     ids: torch.Tensor, ownership: RowOwnership, capacity: int, mesh: Mesh, axis: str = "x"
 ) -> Routing:
@@ -107,7 +90,7 @@ def route_ids(
     Args:
         ids: ``[n, N]`` int device-major ids (row ``d``: device ``d``'s ids), sharded on dim 0. Ids
             outside ``[0, ownership.rows)`` are padding (not routed, zero rows).
-        ownership: the table's :class:`~torch_tpu_embedding.xla.ownership.RowOwnership`.
+        ownership: the table's :class:`~torch_tpu_embedding.routing.RowOwnership`.
         capacity: ``k``, unique ids one device may send to one shard.
 
     Returns:
@@ -121,13 +104,13 @@ def route_ids(
             f"{int(mesh.shape()[axis])} devices). Received: {tuple(ids.shape)}"
         )
     m = ids.shape[1]
-    send, slot, load = _route_local(enter(ids, spec(axis, 0, 2), mesh)[0], ownership, capacity)
-    send_g = leave(send.unsqueeze(0), spec(axis, 0, 3), (n, n, capacity), mesh)
-    load_g = leave(load.unsqueeze(0), spec(axis, 0, 2), (n, n), mesh)
+    mine = plan.plan_routes(enter(ids, spec(axis, 0, 2), mesh)[0], ownership, capacity)
+    send_g = leave(mine.send.unsqueeze(0), spec(axis, 0, 3), (n, n, capacity), mesh)
+    load_g = leave(mine.load.unsqueeze(0), spec(axis, 0, 2), (n, n), mesh)
     return Routing(
         send=send_g,
         recv=all_to_all(send_g, mesh, axis),
-        slot=leave(slot.unsqueeze(0), spec(axis, 0, 2), (n, m), mesh),
+        slot=leave(mine.slot.unsqueeze(0), spec(axis, 0, 2), (n, m), mesh),
         load=load_g,
         overflow=(load_g - capacity).clamp(min=0),
         ownership=ownership,
@@ -140,7 +123,7 @@ def route_ids(
 def gather_owned(table: torch.Tensor, routing: Routing) -> torch.Tensor:
     """Owner-local gather: ``[n_src, n_dst, k, D]`` rows sharded on dim 1 (shard ``d`` reads its own
     rows for every source; unused slots are zero). No communication."""
-    mesh, axis, per = routing.mesh, routing.axis, routing.ownership.rows_per_shard
+    mesh, axis = routing.mesh, routing.axis
     n, cap = routing.ownership.num_shards, routing.capacity
     if table.shape[0] != routing.ownership.rows:
         raise ValueError(
@@ -148,8 +131,7 @@ def gather_owned(table: torch.Tensor, routing: Routing) -> torch.Tensor:
         )
     shard = enter(table, spec(axis, 0, table.dim()), mesh)  # [R/n, D]
     want = enter(routing.recv, spec(axis, 1, 3), mesh)  # [n_src, 1, k]
-    rows = shard.index_select(0, want.reshape(-1).clamp(max=per - 1)).reshape(*want.shape, -1)
-    rows = rows * (want < per).unsqueeze(-1).to(rows.dtype)
+    rows = plan.gather_owned_rows(shard, want)
     return leave(rows, spec(axis, 1, 4), (n, n, cap, table.shape[1]), mesh)
 
 
@@ -161,7 +143,7 @@ def rows_at_positions(rows_back: torch.Tensor, routing: Routing) -> torch.Tensor
     d = rows_back.shape[-1]
     flat = enter(rows_back, spec(axis, 0, 4), mesh).reshape(n * cap, d)
     slot = enter(routing.slot, spec(axis, 0, 2), mesh)[0]
-    out = flat.index_select(0, slot.clamp(max=n * cap - 1)) * (slot < n * cap).unsqueeze(-1).to(flat.dtype)
+    out = plan.rows_at_positions(flat, slot)
     return leave(out.unsqueeze(0), spec(axis, 0, 3), (n, slot.shape[0], d), mesh)
 
 
@@ -197,9 +179,7 @@ def exchange_grad(grad: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, t
     d = grad.shape[-1]
     g = enter(grad, spec(axis, 0, 3), mesh)[0]  # [N, D]
     slot = enter(routing.slot, spec(axis, 0, 2), mesh)[0]
-    # Duplicates of an id share a slot and are summed; the spare slot n·k takes padding and overflow.
-    buckets = torch.zeros(n * cap + 1, d, dtype=g.dtype, device=g.device).index_add(0, slot, g)
-    out = leave(buckets[: n * cap].reshape(1, n, cap, d), spec(axis, 0, 4), (n, n, cap, d), mesh)
+    out = leave(plan.bucket_rows(g, slot, n, cap).unsqueeze(0), spec(axis, 0, 4), (n, n, cap, d), mesh)
     got = enter(all_to_all(out, mesh, axis), spec(axis, 1, 4), mesh)  # [n_src, 1, k, D]
     ids = enter(routing.recv, spec(axis, 1, 3), mesh)  # [n_src, 1, k]
     ids_g = leave(ids.reshape(1, n * cap).to(torch.int64), spec(axis, 0, 2), (n, n * cap), mesh)

@@ -25,18 +25,20 @@ squares of the received rows; a global clip norm would square the rows after :fu
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
+import torch_xla
+import torch_xla.distributed.spmd
 
-from torch_tpu_embedding._rows import coalesce_rows
-from torch_tpu_embedding.xla.ownership import slot_row
+from torch_tpu_embedding._dedup import coalesce_rows
+from torch_tpu_embedding.routing import slot_row
 
-xs: Any = importlib.import_module("torch_xla.distributed.spmd")
-_XLAC: Any = importlib.import_module("torch_xla")._XLAC
+# torch_xla's partial type hints are not part of its API: treat its modules as untyped.
+xs: Any = torch_xla.distributed.spmd
+_XLAC: Any = torch_xla._XLAC  # type: ignore[attr-defined]
 #: ``torch_xla.distributed.spmd.Mesh``
 Mesh = Any
 #: ``rule(w [U, D], g [U, D], slots {name: [U, ...]}) -> (w', slots')``: a per-row optimizer rule.
@@ -165,7 +167,7 @@ def shard_local(
         ``outputs``, each stacked device-major as ``[n, ...]`` (sharded on dim 0).
 
     Slots whose shards must line up with the table's shards: see
-    :func:`~torch_tpu_embedding.xla.ownership.slot_row`.
+    :func:`~torch_tpu_embedding.routing.slot_row`.
     """
     n = int(mesh.shape()[axis])
     loc_tables = [enter(t, spec(axis, 0, t.dim()), mesh) for t in tables]
@@ -253,7 +255,7 @@ def local_row_update(
         rule: the per-row optimizer rule.
         table: the local table shard ``[r, D]`` (``r`` rows; ``r`` is the sentinel).
         slots: ``name -> (slot shard, k)``: row slot ``k`` in the chunked layout of
-            :func:`~torch_tpu_embedding.xla.ownership.slot_row` (``[r + k·r/c, ...]``).
+            :func:`~torch_tpu_embedding.routing.slot_row` (``[r + k·r/c, ...]``).
         ids: ``[M]`` local row ids (duplicates allowed; ``r`` = padding).
         rows: ``[M, D]`` gradient rows; duplicates are summed before the rule.
         chunk_rows: ``c``, table rows per chunk.

@@ -1,43 +1,26 @@
-"""Which shard owns a row of a row-sharded table, how big the routing buckets are, and where a row's
-optimizer-slot entries live — the bookkeeping of the id exchange (:mod:`torch_tpu_embedding.xla.exchange`).
+"""Row ownership and bucket capacity of the id exchange, under their first import path.
 
-A row-sharded table has ``R`` physical rows (a multiple of its row block, see
-:data:`~torch_tpu_embedding.xla.sharding.ROW_ALIGNMENT`) split evenly over ``n`` shards: shard ``d``
-holds physical rows ``[d·R/n, (d+1)·R/n)``. An *ownership scheme* maps a logical id to a physical row;
-the owner and the shard-local row follow (``owner = physical // (R/n)``, ``local = physical % (R/n)``):
+They are transport-neutral and live in :mod:`torch_tpu_embedding.routing` (the SPMD exchange and any
+other transport share them); this module keeps ``torch_tpu_embedding.xla.ownership.default_capacity``
+and the other names working. It imports no torch_xla.
 
-* ``"range"``: physical row = id. Contiguous ids share a shard, so a frequency-ordered vocabulary (hot
-  ids first) puts its whole head on shard 0.
-* ``"mod"``: owner ``id % n``, local row ``id // n`` (TF's mod sharding). The physical order depends
-  on ``n``: a checkpoint of the physical table would have to record ``n`` and be permuted on loading
-  at another device count (an all-to-all of the table), not resharded in place.
-* ``"interleaved"``: the load balance of ``"mod"`` with a physical order independent of ``n``. The
-  ``R`` rows are cut into ``C`` chunks of ``c = R / C`` rows (``C`` = the row block,
-  ``lcm(512, n)``); id ``i`` lives in chunk ``rev(i % C)`` at row ``i // C``. For ``C = 2^b``,
-  ``rev`` reverses the ``b`` bits; for ``C = m·2^b`` (``m`` odd) it reverses the digits of
-  ``x = (x // m)·m + x % m`` written with radices ``m, 2, …, 2``: ``rev(x) = (x % m)·2^b +
-  bitrev_b(x // m)``. For every ``n = m·2^j`` dividing ``C``, shard ``d`` holds whole chunks and
-  ``owner(i)`` is a one-to-one function of ``i % n``: ``"mod"`` with the shards relabelled. Any other
-  ``n`` dividing ``C`` still owns whole chunks, the same number each.
+Example::
 
-For ``"mod"`` and ``"interleaved"`` the table is stored permuted: ``state_dict`` (logical order) is
-``table[physical_row(arange(V))]`` and loading writes ``table[physical_row(arange(V))] = values``
-(fixed gathers/scatters: on a sharded table, the all-gather ``.cpu()`` already does, plus a
-permutation). Padding rows (``V <= r < R``) are spread over the chunks instead of sitting at the end;
-fused tables permute the group's row space once. With ``"interleaved"`` a distributed checkpoint of
-the physical table still reshards in place between device counts dividing ``C``.
-
-All functions here are pure torch (no torch_xla) and keep static shapes: they run on any device.
+    >>> from torch_tpu_embedding.xla.ownership import default_capacity
+    >>> default_capacity(576, 8)
+    120
 """
 
-from __future__ import annotations
-
-import dataclasses
-import math
-
-import torch
-
-from torch_tpu_embedding._validation import arg_error, check_int, check_number
+from torch_tpu_embedding.routing import (
+    SCHEMES,
+    RowOwnership,
+    capacity_for_load,
+    default_capacity,
+    slot_from_table_order,
+    slot_row,
+    slot_rows,
+    slot_table_order,
+)
 
 __all__ = [
     "SCHEMES",
@@ -49,218 +32,3 @@ __all__ = [
     "slot_rows",
     "slot_table_order",
 ]
-
-#: The ownership schemes (module docstring).
-SCHEMES = ("range", "mod", "interleaved")
-
-
-def _bitrev(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Reverse the low ``bits`` bits of non-negative integers ``x`` (shape kept)."""
-    out = torch.zeros_like(x)
-    for i in range(bits):
-        out = out + ((x // (1 << i)) % 2) * (1 << (bits - 1 - i))
-    return out
-
-
-def _radices(chunks: int) -> tuple[int, int]:
-    """``(m, b)`` with ``chunks = m·2^b``, ``m`` odd."""
-    b = (chunks & -chunks).bit_length() - 1
-    return chunks >> b, b
-
-
-def _reverse(x: torch.Tensor, chunks: int) -> torch.Tensor:
-    """The chunk of residue ``x`` in ``[0, chunks)`` (module docstring): ``(x % m)·2^b + bitrev_b(x // m)``."""
-    m, b = _radices(chunks)
-    if m == 1:  # a power of two: the bit reversal alone (no extra ops in the traced step)
-        return _bitrev(x, b)
-    return (x % m) * (1 << b) + _bitrev(x // m, b)
-
-
-def _unreverse(p: torch.Tensor, chunks: int) -> torch.Tensor:
-    """The inverse of :func:`_reverse`."""
-    m, b = _radices(chunks)
-    if m == 1:
-        return _bitrev(p, b)
-    return p // (1 << b) + m * _bitrev(p % (1 << b), b)
-
-
-@dataclasses.dataclass(frozen=True)
-class RowOwnership:
-    """Ownership of the ``rows`` physical rows of a table split over ``num_shards`` shards.
-
-    Args:
-        scheme: one of :data:`SCHEMES`.
-        rows: ``R``, the physical rows (a multiple of ``num_shards``; for ``"interleaved"`` of
-            ``chunks``).
-        num_shards: ``n``.
-        chunks: ``C`` for ``"interleaved"`` (the table's row block), divisible by ``n``.
-
-    Ids outside ``[0, rows)`` are padding: their physical row is the sentinel ``rows``, owned by no
-    shard (owner ``n``).
-    """
-
-    scheme: str
-    rows: int
-    num_shards: int
-    chunks: int = 512
-
-    def __post_init__(self) -> None:
-        if self.scheme not in SCHEMES:
-            raise arg_error("scheme", f"must be one of {SCHEMES}", self.scheme)
-        check_int("num_shards", self.num_shards, minimum=1)
-        check_int("rows", self.rows, minimum=self.num_shards)
-        if self.rows % self.num_shards:
-            raise arg_error("rows", f"must be a multiple of num_shards={self.num_shards}", self.rows)
-        if self.scheme == "interleaved":
-            c = check_int("chunks", self.chunks, minimum=1)
-            if c % self.num_shards or self.rows % c:
-                raise ValueError(
-                    "Ownership 'interleaved' needs `chunks` divisible by num_shards and dividing rows. "
-                    f"Received: chunks={c}, num_shards={self.num_shards}, rows={self.rows}"
-                )
-
-    @property
-    def rows_per_shard(self) -> int:
-        """``R / n``: rows of one shard."""
-        return self.rows // self.num_shards
-
-    def physical_row(self, ids: torch.Tensor) -> torch.Tensor:
-        """Physical row of each logical id (``rows`` for padding); same shape and dtype."""
-        r, n = self.rows, self.num_shards
-        valid = (ids >= 0) & (ids < r)
-        safe = torch.where(valid, ids, torch.zeros_like(ids))
-        if self.scheme == "range":
-            phys = safe
-        elif self.scheme == "mod":
-            phys = (safe % n) * self.rows_per_shard + safe // n
-        else:
-            c = self.chunks
-            phys = _reverse(safe % c, c) * (r // c) + safe // c
-        return torch.where(valid, phys, torch.full_like(ids, r))
-
-    def logical_id(self, physical: torch.Tensor) -> torch.Tensor:
-        """Inverse of :meth:`physical_row` on ``[0, rows)``."""
-        n = self.num_shards
-        if self.scheme == "range":
-            return physical
-        if self.scheme == "mod":
-            return (physical % self.rows_per_shard) * n + physical // self.rows_per_shard
-        c = self.chunks
-        per = self.rows // c
-        return (physical % per) * c + _unreverse(physical // per, c)
-
-    def owner(self, ids: torch.Tensor) -> torch.Tensor:
-        """Owning shard of each logical id (``n`` for padding)."""
-        return self.physical_row(ids) // self.rows_per_shard
-
-    def local_row(self, ids: torch.Tensor) -> torch.Tensor:
-        """Row of each logical id inside its owner's shard (``0`` for padding)."""
-        return self.physical_row(ids) % self.rows_per_shard
-
-
-def _binomial_tail(trials: int, p: float, c: int) -> float:
-    """``P(X > c)`` for ``X ~ Binomial(trials, p)``, ``c`` at or above the mean: the pmf summed from
-    ``c + 1`` up (log-space recurrence) until its terms vanish."""
-    if c >= trials:
-        return 0.0
-    j = c + 1
-    log_term = (math.lgamma(trials + 1) - math.lgamma(j + 1) - math.lgamma(trials - j + 1)
-                + j * math.log(p) + (trials - j) * math.log1p(-p))
-    step = math.log(p) - math.log1p(-p)
-    total = 0.0
-    while j <= trials:
-        term = math.exp(log_term)
-        total += term
-        if term <= 1e-18 * total or (total == 0.0 and log_term < -800):
-            break
-        log_term += math.log(trials - j) - math.log(j + 1) + step if j < trials else 0.0
-        j += 1
-    return total
-
-
-def default_capacity(
-    ids_per_device: int, num_shards: int, *, overflow_probability: float = 1e-6, multiple: int = 8
-) -> int:
-    """Default bucket capacity ``k``: unique ids one device may send to one shard per step.
-
-    The smallest ``k`` for which a step overflows with probability at most ``overflow_probability``
-    when every device's ``N = ids_per_device`` ids are distinct and spread uniformly over the ``n``
-    shards (each of the ``n²`` buckets holds Binomial(N, 1/n) ids; union bound), at least the mean
-    ``N/n``, rounded up to ``multiple`` and at most ``N`` (which never overflows). Dedup only lowers
-    the counts; ``"mod"`` and ``"interleaved"`` spread skewed (Zipf) ids about uniformly, ``"range"``
-    does not. A skewed stream needs less: size it from measured loads with :func:`capacity_for_load`.
-
-    The exchange moves ``n·k`` rows per device: at ``N = 576`` that is 704, 832 and 960 for
-    ``n = 2, 4, 8`` (1.2–1.7 × N). The relative fluctuation of a bucket grows as ``√(n/N)``, so a
-    small per-device batch on many devices pays more headroom (``N = 576, n = 256``: ``n·k`` = 7 N;
-    ``N = 26,624``: 1.5 N).
-    """
-    n_ids = check_int("ids_per_device", ids_per_device, minimum=1)
-    n = check_int("num_shards", num_shards, minimum=1)
-    check_number("overflow_probability", overflow_probability, minimum=0.0, maximum=1.0, min_inclusive=False)
-    check_int("multiple", multiple, minimum=1)
-    if n == 1:
-        return n_ids
-    lo, hi = n_ids // n, n_ids  # P(overflow) <= target at hi; binary search for the smallest
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if n * n * _binomial_tail(n_ids, 1 / n, mid) <= overflow_probability:
-            hi = mid
-        else:
-            lo = mid + 1
-    return min(-(-lo // multiple) * multiple, n_ids)
-
-
-def capacity_for_load(largest_load: int, *, headroom: float = 1.25, multiple: int = 8) -> int:
-    """A capacity sized from measured loads (TF's ``max_unique_ids_per_partition`` workflow): the
-    largest per-shard load seen (:func:`torch_tpu_embedding.xla.exchange.largest_load` over a few
-    steps) times ``headroom``, rounded up to ``multiple``."""
-    check_int("largest_load", largest_load, minimum=0)
-    check_number("headroom", headroom, minimum=1.0)
-    check_int("multiple", multiple, minimum=1)
-    cap = max(1, math.ceil(largest_load * headroom))
-    return -(-cap // multiple) * multiple
-
-
-# ---------------------------------------------------------------------------------------------------
-# Optimizer slots aligned with the table's shards.
-#
-# Row-indexed slot ``k`` (1-based) of an XLA table has ``k`` extra rows per chunk of the table: the
-# ``R`` table rows are cut into ``C`` chunks of ``c = R / C`` rows and each chunk is followed by ``k``
-# trash rows, ``C · (c + k) = R + k · C`` rows in all (the same size as ``k`` blocks of trash rows at
-# the end). Every donated table-sized buffer keeps a distinct size, and for every ``n`` dividing ``C``
-# shard ``d`` of the slot holds exactly the slot rows of shard ``d`` of the table, so an owner can
-# update a row and its slots with no communication. Table row ``r`` (physical, or shard-local: the
-# formula is the same because shards start at chunk boundaries) is slot row
-# ``(r // c) · (c + k) + r % c``; the sentinel ``R`` (or ``R / n`` locally) maps one past the end,
-# where XLA's scatter drops it and its gather clamps it.
-
-
-def slot_rows(rows: int, k: int, chunks: int) -> int:
-    """Rows of slot ``k`` of a table of ``rows`` rows cut into ``chunks`` chunks: ``rows + k·chunks``."""
-    if rows % chunks:
-        raise arg_error("rows", f"must be a multiple of chunks={chunks}", rows)
-    return rows + k * chunks
-
-
-def slot_row(table_rows: torch.Tensor, k: int, chunk_rows: int) -> torch.Tensor:
-    """Slot-``k`` row of each table row ``r``: ``(r // c)·(c + k) + r % c`` with ``c = chunk_rows``."""
-    return (table_rows // chunk_rows) * (chunk_rows + k) + table_rows % chunk_rows
-
-
-def slot_table_order(slot: torch.Tensor, k: int, chunks: int) -> torch.Tensor:
-    """The ``R`` rows of slot ``k`` in table-row order, trash dropped: ``[R + k·C, ...] -> [R, ...]``.
-
-    A reshape and a slice: on a row-sharded slot each shard keeps its rows (no communication).
-    """
-    per = slot.shape[0] // chunks
-    view = slot.reshape(chunks, per, *slot.shape[1:])[:, : per - k]
-    return view.reshape(chunks * (per - k), *slot.shape[1:])
-
-
-def slot_from_table_order(values: torch.Tensor, k: int, chunks: int, fill: float = 0.0) -> torch.Tensor:
-    """Slot ``k`` laid out with its trash rows from ``values [R, ...]`` in table-row order."""
-    c = values.shape[0] // chunks
-    pad = torch.full((chunks, k, *values.shape[1:]), fill, dtype=values.dtype, device=values.device)
-    out = torch.cat([values.reshape(chunks, c, *values.shape[1:]), pad], dim=1)
-    return out.reshape(chunks * (c + k), *values.shape[1:])

@@ -7,7 +7,7 @@ several features (or examples) of a device look up travels once:
 
 1. each device's ids, device-major ``[n, N]`` (:mod:`torch_tpu_embedding.xla.exchange`), are
    deduplicated and bucketed by owner shard, ``k`` per bucket (the capacity: ``TableConfig.
-   max_unique_ids_per_shard`` or :func:`~torch_tpu_embedding.xla.ownership.default_capacity`), and sent
+   max_unique_ids_per_shard`` or :func:`~torch_tpu_embedding.routing.default_capacity`), and sent
    to their owners (one ``all-to-all`` of ``[n, n, k]`` int32);
 2. each owner gathers its rows and sends them back (one ``all-to-all`` of ``[n, n, k, D]``);
 3. each device combines its bags from the rows (the table's combiner, per-id weights).
@@ -30,13 +30,14 @@ from typing import Any
 
 import torch
 
+from torch_tpu_embedding._dtypes import math_dtype
 from torch_tpu_embedding._lookup import LookupBatch
 from torch_tpu_embedding._nest import Path
 from torch_tpu_embedding._rows import RowGrad, table_info
 from torch_tpu_embedding.combiners import bag_gains
+from torch_tpu_embedding.routing import RowOwnership, default_capacity
 from torch_tpu_embedding.xla.exchange import Routing, exchange_grad, exchange_lookup
 from torch_tpu_embedding.xla.manual import Mesh, annotate, reshard, spec
-from torch_tpu_embedding.xla.ownership import RowOwnership, default_capacity
 
 __all__ = ["ExchangeCounts", "RoutedLookup", "capacity"]
 
@@ -124,8 +125,6 @@ class RoutedLookup:
 
     def run(self) -> dict[Path, torch.Tensor]:
         """Look every batch up through the exchange: each feature's activations ``[*out_shape, D]``."""
-        from torch_tpu_embedding.optim._slots import math_dtype
-
         weight = self.weight
         info = table_info(weight)
         assert info is not None and info.owner_local and info.layout is not None

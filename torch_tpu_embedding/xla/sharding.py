@@ -18,7 +18,10 @@ Placements (``TableConfig.placement``):
 * ``"auto"``: replicated below ``replicate_below_bytes``, else row-sharded.
 
 Optimizer slots are created with their table's layout (the optimizer calls :func:`shard_slot` and
-:func:`slot_extra_rows`), so no slot is ever materialised whole on one device.
+:func:`slot_extra_rows`, :mod:`torch_tpu_embedding.xla.mesh`), so no slot is ever materialised whole on
+one device. The lookups of a table trained through the id exchange come from its layout
+(:meth:`TableSharding.routed_lookup`): the collection asks the table's layout, so it never imports this
+placement code or torch_xla.
 
 Example (single-process SPMD; on Cloud TPU the same code runs on every host)::
 
@@ -34,12 +37,10 @@ Example (single-process SPMD; on Cloud TPU the same code runs on every host)::
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 import warnings
 from typing import Any
 
-import numpy as np
 import torch
 
 from torch_tpu_embedding._layout import RowLayout
@@ -47,13 +48,8 @@ from torch_tpu_embedding._rows import table_info
 from torch_tpu_embedding._validation import arg_error, check_int
 from torch_tpu_embedding.collection import EmbeddingCollection
 from torch_tpu_embedding.config import TableConfig
-
-# torch_xla's partial type hints are not part of its API: treat its modules as untyped.
-xs: Any = importlib.import_module("torch_xla.distributed.spmd")
-xr: Any = importlib.import_module("torch_xla.runtime")
-_XLAC: Any = importlib.import_module("torch_xla")._XLAC
-#: ``torch_xla.distributed.spmd.Mesh``
-Mesh = Any
+from torch_tpu_embedding.xla.mesh import Mesh, device_mesh, shard_slot, sharding_spec, slot_extra_rows, xr, xs
+from torch_tpu_embedding.xla.routed import ExchangeCounts, RoutedLookup
 
 __all__ = [
     "DEFAULT_REPLICATE_BELOW_BYTES",
@@ -99,6 +95,14 @@ class TableSharding:
         """Physical rows are a multiple of this: ``lcm(ROW_ALIGNMENT, num_shards)``."""
         return math.lcm(ROW_ALIGNMENT, self.num_shards)
 
+    def routed_lookup(
+        self, table: str, weight: torch.Tensor, configured: int | None, features: list[str],
+        counts: dict[str, ExchangeCounts],
+    ) -> RoutedLookup:
+        """The lookup of a table laid out this way (``exchange`` only) for one forward call: every batch
+        of its ids routed through the id exchange (see :class:`~torch_tpu_embedding.xla.routed.RoutedLookup`)."""
+        return RoutedLookup(table, weight, configured, features, counts)
+
     def spec(self, dim: int, rows: bool = True) -> tuple[str | None, ...]:
         """The partition spec of a ``dim``-d tensor laid out like the table (``rows``: dim 0 = rows)."""
         none: tuple[str | None, ...] = (None,) * dim
@@ -107,12 +111,6 @@ class TableSharding:
         if self.placement == "column" and rows and dim == 2:
             return (None, self.axis)
         return none
-
-
-def device_mesh(axis: str = "x") -> Mesh:
-    """A 1-D mesh over every device of every host (``xr.global_runtime_device_count()``)."""
-    n = xr.global_runtime_device_count()
-    return xs.Mesh(np.arange(n), (n,), (axis,))
 
 
 def uses_exchange(placement: str, mesh: Mesh, axis: str) -> bool:
@@ -206,44 +204,6 @@ def shard_batch(x: torch.Tensor, mesh: Mesh | None = None, axis: str | None = No
     return x
 
 
-def slot_extra_rows(table: torch.Tensor, k: int) -> int:
-    """Trash rows of row-indexed optimizer slot ``k`` (1-based) of an XLA table.
-
-    Distinct row counts keep every table-sized buffer a distinct size, so XLA cannot mis-pair
-    donated buffers (which copies whole tables each step); on a mesh ``k`` row blocks keep a
-    row-sharded slot evenly split and every layout's shapes equal (:data:`ROW_ALIGNMENT`). At least
-    one row, which absorbs scatters at the sentinel id.
-    """
-    info = table_info(table)
-    layout = None if info is None else info.sharding
-    if layout is not None:
-        return k * int(layout.row_block)
-    return k
-
-
-def shard_slot(param: torch.Tensor, slot: torch.Tensor, rows: bool) -> None:
-    """Give an optimizer slot its parameter's layout (``rows``: dim 0 indexes the parameter's rows).
-
-    Tables follow their placement. A dense parameter's same-shaped slots copy its sharding and other
-    slots are replicated; without this XLA may pick another layout for them after the first step,
-    which changes the next step's input shardings and compiles a second graph. No-op outside SPMD.
-    """
-    if not xr.is_spmd() or slot.dim() == 0:
-        return
-    info = table_info(param)
-    layout = None if info is None else info.sharding
-    if layout is not None:
-        xs.mark_sharding(slot, layout.mesh, layout.spec(slot.dim(), rows))
-        return
-    op = _XLAC._get_xla_op_sharding(param)
-    if op is None:
-        return
-    if tuple(slot.shape) == tuple(param.shape):
-        _XLAC._xla_mark_sharding(slot, op)
-    else:
-        xs.mark_sharding(slot, device_mesh(), (None,) * slot.dim())
-
-
 def replicate(params: Any, mesh: Mesh | None = None) -> None:
     """Mark dense parameters (a module or an iterable of tensors) replicated on the mesh.
 
@@ -255,9 +215,3 @@ def replicate(params: Any, mesh: Mesh | None = None) -> None:
     for p in tensors:
         if table_info(p) is None and p.dim():
             xs.mark_sharding(p, mesh, (None,) * p.dim())
-
-
-def sharding_spec(t: torch.Tensor) -> str:
-    """XLA's sharding annotation of ``t`` (``""`` when it has none), e.g. ``{devices=[4,1]0,1,2,3}``."""
-    spec: str = _XLAC._get_xla_sharding_spec(t)
-    return spec

@@ -2,7 +2,7 @@
 
 They are transport-neutral and live in :mod:`torch_tpu_embedding.routing` (the SPMD exchange and any
 other transport share them); this module keeps ``torch_tpu_embedding.xla.ownership.default_capacity``
-and the other names working. It imports no torch_xla.
+and the other names working (it serves every name of that module). It imports no torch_xla.
 
 Example::
 
@@ -11,24 +11,6 @@ Example::
     120
 """
 
-from torch_tpu_embedding.routing import (
-    SCHEMES,
-    RowOwnership,
-    capacity_for_load,
-    default_capacity,
-    slot_from_table_order,
-    slot_row,
-    slot_rows,
-    slot_table_order,
-)
-
-__all__ = [
-    "SCHEMES",
-    "RowOwnership",
-    "capacity_for_load",
-    "default_capacity",
-    "slot_from_table_order",
-    "slot_row",
-    "slot_rows",
-    "slot_table_order",
-]
+# Every name of torch_tpu_embedding.routing, the same objects.
+from torch_tpu_embedding.routing import *  # noqa: F403
+from torch_tpu_embedding.routing import __all__ as __all__

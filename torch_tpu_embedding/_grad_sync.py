@@ -98,9 +98,9 @@ def exchange_group(table: Tensor) -> Any:
     ``torch.distributed`` is initialised; ``None`` under SPMD, for tables marked :data:`LOCAL`
     (``tte.distributed.local_tables``), and for groups of one process (:func:`should_exchange`).
     """
-    mark = _MARKS.get(table)  # type: ignore[no-untyped-call]
-    local = isinstance(mark, str)
-    group = None if local else mark
+    marked = _MARKS.get(table)  # type: ignore[no-untyped-call]
+    local = isinstance(marked, str)
+    group = None if local else marked
     if group is None and dist.is_available() and dist.is_initialized():
         group = dist.group.WORLD
     size = dist.get_world_size(group) if group is not None else 1

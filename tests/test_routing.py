@@ -333,3 +333,21 @@ def test_capacity_for_load_rejects_bad_arguments() -> None:
         capacity_for_load(-1)
     with pytest.raises(ValueError, match="multiple"):
         capacity_for_load(10, multiple=0)
+
+
+@pytest.mark.parametrize(
+    "ids, capacity, match",
+    [
+        (torch.tensor([[1, 2], [3, 4]]), 2, r"Argument `ids` must be a 1-D integer tensor .*\(2, 2\)"),
+        (torch.tensor([1.0, 2.0]), 2, r"Argument `ids` must be a 1-D integer tensor .*torch.float32"),
+        (torch.tensor([True, False]), 2, r"Argument `ids` must be a 1-D integer tensor .*torch.bool"),
+        ([1, 2], 2, r"Argument `ids` must be a 1-D integer tensor .*list"),
+        (torch.tensor([1, 2]), 0, r"Argument `capacity` must be an int and must be >= 1. Received: 0"),
+        (torch.tensor([1, 2]), 1.5, r"Argument `capacity` must be an int and must be >= 1. Received: 1.5"),
+    ],
+    ids=["2-d", "float", "bool", "list", "capacity-0", "capacity-float"],
+)
+def test_plan_routes_rejects_bad_arguments(ids: object, capacity: object, match: str) -> None:
+    """One device's ids as a 1-D integer tensor and a capacity >= 1; anything else is named, not mis-routed."""
+    with pytest.raises(ValueError, match=match):
+        plan_routes(ids, RowOwnership("mod", rows=8, num_shards=2), capacity)  # type: ignore[arg-type]

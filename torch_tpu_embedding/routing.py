@@ -276,9 +276,18 @@ def plan_routes(ids: torch.Tensor, ownership: RowOwnership, capacity: int) -> Ro
 
     Ids outside ``[0, ownership.rows)`` are padding: not routed, their positions read no row. Static
     shapes only (sort, cumsum, scatter): the same graph every step on XLA.
+
+    Raises:
+        ValueError: ``ids`` is not a 1-D integer tensor, or ``capacity`` is not an int >= 1 (checked on
+            the host; no tensor value is read).
     """
+    integer = isinstance(ids, torch.Tensor) and not (ids.is_floating_point() or ids.is_complex())
+    if not integer or ids.dtype == torch.bool or ids.dim() != 1:
+        shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise arg_error("ids", "must be a 1-D integer tensor (one device's ids)",
+                        f"{getattr(ids, 'dtype', '')} {shape}".strip())
+    cap = check_int("capacity", capacity, minimum=1)
     n, per, rows = ownership.num_shards, ownership.rows_per_shard, ownership.rows
-    cap = capacity
     m = ids.shape[0]
     phys = ownership.physical_row(ids.to(torch.int64))  # padding -> rows, which sorts last
     # Sorted unique physical rows: owners are non-decreasing, so each owner's ids are contiguous.

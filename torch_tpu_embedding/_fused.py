@@ -37,6 +37,7 @@ __all__ = [
     "split_fused_weights",
 ]
 
+
 def fuse_key(config: TableConfig, placement: str | None = None) -> tuple[Any, ...]:
     """Tables with equal keys can share one buffer (the optimizer override compares by identity,
     a name by value). ``placement``: the table's resolved placement (default: as configured).

@@ -30,6 +30,7 @@ from torch_tpu_embedding.table import EmbeddingTable
 
 __all__ = ["EmbeddingCollection", "EmbeddingTable", "split_parameters"]
 
+
 def _input_device(value: Any) -> str:
     """The device type of a feature's ids (``"cpu"`` for anything else)."""
     ids = value if isinstance(value, torch.Tensor) else getattr(value, "ids", getattr(value, "values", None))

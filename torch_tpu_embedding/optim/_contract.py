@@ -101,6 +101,7 @@ class RowContext:
 #: ``rule(w [U, D], g [U, D], slots, lr (0-d), step (0-d), hp, ctx) -> (w_new, slots_new)``
 Rule = Callable[[Tensor, Tensor, Slots, Tensor, Tensor, Mapping[str, Any], RowContext], tuple[Tensor, Slots]]
 
+
 def common_defaults(
     lr: Any,
     use_gradient_accumulation: bool,

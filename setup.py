@@ -1,5 +1,10 @@
 """Install: ``pip install -e .`` (CPU/CUDA), ``pip install -e .[xla]`` for TPU / XLA:CPU, ``[examples]``
-for examples/ (progress bars, plots)."""
+for examples/ (progress bars, plots).
+
+The package (everything but ``torch_tpu_embedding/xla/``) supports torch >= 2.9; CI tests it on torch
+2.9.0 with torch_xla 2.9.0 (.ci/requirements.txt) and on torch 2.13.0's CPU build without torch_xla
+(.ci/requirements-torch213.txt). torch_xla 2.9 is its last release and needs torch 2.9, hence the
+``[xla]`` pins."""
 
 from setuptools import find_packages, setup
 
@@ -18,7 +23,7 @@ setup(
     packages=find_packages(include=["torch_tpu_embedding", "torch_tpu_embedding.*"]),
     package_data={"torch_tpu_embedding": ["py.typed"]},
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "numpy>=1.26"],
+    install_requires=["torch>=2.9", "numpy>=1.26"],
     extras_require={"xla": XLA, "examples": EXAMPLES, "test": TEST, "dev": XLA + EXAMPLES + TEST},
     license="Apache-2.0",
 )

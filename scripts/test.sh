@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# Set up (or reuse) the pinned environment and run every check: lint, types, import layers, CPU tests,
-# XLA tests on 1 device and on 4 virtual devices (separate processes: the device count and SPMD
-# mode are fixed per process). Usage: bash scripts/test.sh [extra pytest args]
+# Set up (or reuse) the two pinned environments and run every check: lint, types, import layers, CPU
+# tests, XLA tests on 1 device and on 4 virtual devices (separate processes: the device count and SPMD
+# mode are fixed per process), all on torch 2.9 with torch_xla 2.9 (.ci/requirements.txt); then a
+# representative subset of the CPU tests on torch 2.13's CPU build without torch_xla
+# (.ci/requirements-torch213.txt). A failure in either environment fails the script.
+# Usage: bash scripts/test.sh [extra pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ENV_DIR="$(bash scripts/env.sh)"
+ENV_213="$(bash scripts/env.sh torch213)"
 PY="$ENV_DIR/bin/python"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_WAIT_POLICY=PASSIVE  # spinning OpenMP threads stall a busy 2-core machine
@@ -15,10 +19,26 @@ echo "== import layers (import-linter contracts in pyproject.toml)"; "$ENV_DIR/b
 echo "== import graph (no cycle, imports inside functions only of torch_xla modules)"
 "$PY" scripts/import_graph.py
 status=0
-echo "== CPU tests"
+echo "== CPU tests (torch 2.9)"
 "$PY" -m pytest -q -p no:cacheprovider tests --ignore=tests/xla --ignore=tests/xla_spmd "$@" || status=$?
 echo "== XLA tests, 1 device (PJRT_DEVICE=CPU)"
 PJRT_DEVICE=CPU "$PY" -m pytest -q -p no:cacheprovider tests/xla "$@" || status=$?
 echo "== XLA SPMD tests, 4 devices (PJRT_DEVICE=CPU CPU_NUM_DEVICES=4)"
 PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 "$PY" -m pytest -q -p no:cacheprovider tests/xla_spmd "$@" || status=$?
+
+# torch 2.13: the optimizers, lookups, checkpoints, stacking, the data-parallel and process-group
+# paths, the package's import without torch_xla, the examples and the table-building memory peak.
+# The glob picks up every process-group test file (tests/test_mp_*.py), none when there is none.
+shopt -s nullglob
+TESTS_213=(
+  tests/test_optim_reference.py tests/test_optim_generic.py tests/test_lookup_reference.py
+  tests/test_checkpoint.py tests/test_stacking_default.py tests/test_fused_tables.py
+  tests/test_distributed.py tests/test_routing.py tests/test_layers.py tests/test_core_errors.py
+  tests/test_hardening.py tests/test_examples.py tests/test_torch_versions.py tests/test_mp_*.py
+)
+shopt -u nullglob
+echo "== CPU tests on torch 2.13 (CPU build, no torch_xla; a representative subset)"
+start=$SECONDS
+"$ENV_213/bin/python" -m pytest -q -p no:cacheprovider "${TESTS_213[@]}" "$@" || status=$?
+echo "(torch 2.13 stage: $((SECONDS - start)) s)"
 exit $status

@@ -50,12 +50,35 @@ Initializer = Union[Callable[[torch.Tensor], Any], torch.Tensor]
 def default_initializer(weight: torch.Tensor) -> torch.Tensor:
     """TF's default table initializer: truncated normal, std ``1/sqrt(dim)``, cut at ±2 std.
 
-    TF re-draws samples outside ±2σ; ``torch.nn.init.trunc_normal_`` does the same. The standard
-    deviation is not variance-scaled (the truncated draw has std ≈ 0.88/sqrt(dim)).
+    Fills ``weight`` in place and returns it. TF re-draws samples outside ±2σ; this draws from the
+    same distribution by the inverse of the normal CDF on a uniform draw confined to [Φ(-2), Φ(2)]
+    (the method of ``torch.nn.init.trunc_normal_`` up to torch 2.9). The standard deviation is not
+    variance-scaled (the truncated draw has std ≈ 0.88/sqrt(dim)).
     """
     std = 1.0 / math.sqrt(weight.shape[-1])
     with torch.no_grad():
-        return torch.nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-2 * std, b=2 * std)
+        return _truncated_normal_(weight, std, -2 * std, 2 * std)
+
+
+def _truncated_normal_(weight: torch.Tensor, std: float, a: float, b: float) -> torch.Tensor:
+    """Fill ``weight`` with N(0, std²) cut to [a, b], in place: no second buffer of its size.
+
+    Written out rather than calling ``torch.nn.init.trunc_normal_``: after torch 2.9 that function
+    redraws by rejection through ``torch.where`` with full-size temporaries (building a 1 GiB table
+    peaked at 4.3 GiB of host memory on torch 2.13, against 1.0 here) and draws other values from the
+    same seed. These are the same operations in the same order as its torch 2.9 version, so a seed
+    draws the same float32 / float64 table on every torch version (16-bit tables follow each
+    version's own ``uniform_`` / ``erfinv_`` kernels).
+    """
+
+    def norm_cdf(x: float) -> float:
+        return (1.0 + math.erf(x / math.sqrt(2.0))) / 2.0
+
+    lo, hi = norm_cdf(a / std), norm_cdf(b / std)
+    weight.uniform_(2 * lo - 1, 2 * hi - 1)  # erf's range for [a, b]
+    weight.erfinv_()
+    weight.mul_(std * math.sqrt(2.0))
+    return weight.clamp_(min=a, max=b)  # erfinv's rounding may land a hair outside
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

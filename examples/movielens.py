@@ -490,7 +490,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--wide-lr", type=float, default=0.05, help="FTRL on the wide tables")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--short", action="store_true",
-                    help=f"CI: {SHORT_TRAIN_FRACTION:.0%} of the training split, 3 epochs")
+                    help=f"CI: {SHORT_TRAIN_FRACTION:.0%}% of the training split, 3 epochs")
     ap.add_argument("--compare-torch", action="store_true",
                     help="also train the plain-PyTorch twin (nn.Embedding + torch.optim.Adam) and compare")
     ap.add_argument("--save", default="", help="checkpoint (model, optimizer, history) after every epoch")

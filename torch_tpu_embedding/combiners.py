@@ -12,9 +12,17 @@ negative weights are used as given, and an empty bag or a zero weight sum gives 
 
 Gains of 16-bit tables (float16, bfloat16) are computed in float32, as FBGEMM does: a float16 sum of
 weights overflows at 65504 (``mean`` with two weights of 4e4, ``sqrtn`` with a weight of 300).
+
+The normaliser of ``mean`` and ``sqrtn`` is computed on the bag's weights scaled by a power of two near
+their largest magnitude, so ``Σw`` and ``Σw²`` cannot overflow when every weight is finite (``mean`` of
+``[3e38, 3e38]``, ``sqrtn`` of ``[1e20]`` give the float64 result rounded, not 0). Scaling by a power of
+two is exact and the gains are invariant to it, so the gains of bags whose sums do not overflow are
+bitwise those of the plain formula.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -46,6 +54,8 @@ def bag_gains(
     w = valid.to(dtype) if weights is None else torch.where(valid, weights.to(dtype), zero)
     if combiner == "sum":
         return w
+    if weights is not None and combiner in ("mean", "sqrtn"):
+        w = w * _power_of_two_scale(w)
     if combiner == "mean":
         total = w.sum(dim=1, keepdim=True)
         # T(x) = 0 if x == 0 else 1/x; the inner where keeps inf/NaN out of the graph.
@@ -56,3 +66,15 @@ def bag_gains(
     else:
         raise ValueError(f"Argument `combiner` must be in ('mean', 'sum', 'sqrtn'). Received: {combiner!r}")
     return w * scale
+
+
+def _power_of_two_scale(w: torch.Tensor) -> torch.Tensor:
+    """Per bag ``[N, 1]``: ``2^-e`` with ``2^e`` near the bag's largest ``|w|``, ``e`` clamped so that
+    ``2^±e`` is a normal number of ``w``'s dtype (subnormals flush to 0 on TPUs). The scaled weights are
+    at most 4 in magnitude, so their sum and sum of squares stay finite; a constant (no gradient).
+    """
+    info = torch.finfo(w.dtype)
+    biggest = w.detach().abs().amax(dim=1, keepdim=True) if w.shape[1] else w.new_zeros(w.shape[0], 1)
+    low, high = math.log2(info.tiny), math.floor(math.log2(info.max)) - 1  # float32: -126, 126
+    exponent = torch.floor(torch.log2(biggest)).clamp(min=low, max=high)
+    return torch.exp2(-exponent)

@@ -164,3 +164,159 @@ def test_bag_gains_are_bitwise_unchanged_without_overflow() -> None:
         scale = 1.0 / torch.where(total == 0, 1.0, total) if combiner == "mean" else torch.rsqrt(torch.where(total == 0, 1.0, total))
         plain = wz * torch.where(total == 0, 0.0, scale)
         _bitwise_equal(tte.bag_gains(valid, w, combiner, torch.float32), plain, combiner)
+
+
+# ------------------------------------------------------------------------------------ item 6: frozen tables
+def _freeze_model(fuse: bool) -> tuple[tte.EmbeddingCollection, torch.nn.Linear]:
+    torch.manual_seed(0)
+    a = tte.TableConfig(20, 4, name="a", combiner="mean", dtype=torch.float64)
+    b = tte.TableConfig(12, 4, name="b", combiner="sqrtn", dtype=torch.float64)
+    c = tte.TableConfig(16, 4, name="c", dtype=torch.float64)
+    ec = tte.EmbeddingCollection({"x": tte.FeatureConfig(a, max_ids_per_bag=4), "y": tte.FeatureConfig(b, max_ids_per_bag=3),
+                                  "z": tte.FeatureConfig(c)}, fuse_tables=fuse)
+    assert (list(ec.fused_members()) == ["fused_0"]) == fuse
+    return ec, torch.nn.Linear(12, 1, dtype=torch.float64)
+
+
+def _freeze_step(ec: tte.EmbeddingCollection, head: torch.nn.Linear, opt: Any, s: int) -> None:
+    g = torch.Generator().manual_seed(s)
+    ids = torch.randint(0, 20, (8, 4), generator=g)
+    y = torch.randint(0, 12, (8, 3), generator=g)
+    wy = torch.rand(8, 3, generator=g, dtype=torch.float64).requires_grad_()  # per-id weights that require grad: they still get one
+    out = ec({"x": tte.Padded(ids, torch.rand(8, 4, generator=g) > 0.2), "y": tte.Padded(y, weights=wy),
+              "z": torch.randint(0, 16, (8,), generator=g)})
+    head(torch.cat([out["x"], out["y"], out["z"]], 1)).square().sum().backward()
+    assert wy.grad is not None and bool(wy.grad.abs().sum() > 0)
+    opt.step()
+    opt.zero_grad()
+
+
+def _freeze_run(cfg: OptimizerConfig, fuse: bool, how: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """6 steps with every table training, then b frozen (``how``) and 6 more; returns the state just before
+    freezing and at the end (per table: its weight and optimizer state)."""
+    ec, head = _freeze_model(fuse)
+    opt = cfg.make([*ec.parameters(), *head.parameters()])
+
+    def snapshot() -> dict[str, Any]:
+        sd = opt.state_dict()["state"]
+        return {n: {"weight": ec.tables[n].weight.detach().clone(), **{k: v.clone() for k, v in sd.get(f"table:{n}", {}).items()}}
+                for n in ("a", "b", "c")}
+
+    for s in range(6):
+        _freeze_step(ec, head, opt, s)
+    before = snapshot()
+    if how == "weight":
+        ec.tables.b.weight.requires_grad_(False)
+    else:
+        ec.tables.b.requires_grad_(False)
+    for s in range(6, 12):
+        _freeze_step(ec, head, opt, s)
+        assert "b" not in ec.row_grads()
+    return before, snapshot()
+
+
+def _without_step(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in state.items() if k != "step"}  # a stacked group counts its steps as one
+
+
+@pytest.mark.parametrize("how", ["weight", "module"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=str)
+def test_frozen_table_of_its_own_is_bitwise_unchanged(cfg: OptimizerConfig, how: str) -> None:
+    """Issue 28 item 6: ``ec.tables.t.weight.requires_grad_(False)`` (with per-id weights that require grad)
+    still recorded row gradients and the step updated the table. Now as torch: no gradient, no update."""
+    before, after = _freeze_run(cfg, False, how)
+    _bitwise_equal(before["b"], after["b"], "b")
+    assert not torch.equal(before["a"]["weight"], after["a"]["weight"])
+
+
+FUSED_CASES = [c for c in __import__("optim_registry").cases("fused")]
+
+
+@pytest.mark.parametrize("cfg", FUSED_CASES, ids=str)
+def test_frozen_member_of_a_stacked_group_is_bitwise_unchanged(cfg: OptimizerConfig) -> None:
+    """A stacked table has no weight of its own: ``ec.tables.b.requires_grad_(False)`` freezes its rows of the
+    group. They and their slots stay bitwise unchanged while a and c (same group) train exactly as next to a
+    frozen table of its own."""
+    before, stacked = _freeze_run(cfg, True, "module")
+    mine = {k: v for k, v in before["b"].items() if not k.startswith("acc_")}  # the group's window: below
+    _bitwise_equal(_without_step(mine), _without_step({k: stacked["b"][k] for k in mine}), "b")
+    if "acc_ids" in stacked["b"]:  # the window the group accumulates holds no entry of b
+        assert bool((stacked["b"]["acc_ids"] == -1).all()) and not bool(stacked["b"]["acc_rows"].any())
+    _, alone = _freeze_run(cfg, False, "module")
+    # As tests/test_fused_tables.py: bitwise, except where a sum's order changes (norms, Adafactor's
+    # statistics); the accumulation buffers' capacity is the group's.
+    exact = "global_clipnorm" not in cfg.kwargs and "clipnorm" not in cfg.kwargs and cfg.info.per_row_rule
+    for n in ("a", "c"):
+        for k, v in alone[n].items():
+            if not k.startswith("acc_"):
+                _bitwise_equal(v, stacked[n][k], f"{n}/{k}") if exact else torch.testing.assert_close(
+                    v, stacked[n][k], rtol=1e-12, atol=1e-14, msg=f"{n}/{k}")
+        assert not torch.equal(before[n]["weight"], stacked[n]["weight"])
+
+
+def test_frozen_member_api() -> None:
+    ec, _ = _freeze_model(True)
+    view = ec.tables.b
+    assert view.trainable and view.requires_grad_(False) is view and not view.trainable
+    with pytest.raises(ValueError, match=r"Argument `requires_grad` must be a bool. Received: 0"):
+        view.requires_grad_(0)  # type: ignore[arg-type]
+    ec.tables.b.requires_grad_(True)
+    assert ec.tables.b.trainable
+    ec.tables.b.requires_grad_(False)
+    ec.restack({n: "replicated" for n in ec.tables})  # re-formed groups keep the table frozen
+    assert not ec.tables.b.trainable
+    # The group's weight itself frozen: every member, as a table of its own.
+    ec.groups.fused_0.requires_grad_(False)
+    out = ec({"x": tte.Padded(torch.tensor([[1, 2]])), "y": tte.Padded(torch.tensor([[3]])), "z": torch.tensor([4])})
+    assert not out["x"].requires_grad and ec.row_grads() == {}
+
+
+def test_rowwise_adagrad_window_without_lookups_of_a_table() -> None:
+    """Found on the way (a frozen table of its own with accumulation): a window of
+    ``gradient_accumulation_steps`` calls that never looked a table up crashed RowWiseAdagrad
+    (``cannot reshape tensor of 0 elements into shape [0, -1]``); it now updates nothing."""
+    a, b = tte.TableConfig(10, 3, name="a"), tte.TableConfig(8, 2, name="b")
+    ec = tte.EmbeddingCollection({"x": tte.FeatureConfig(a), "y": tte.FeatureConfig(b)}, fuse_tables=False)
+    opt = tte.optim.RowWiseAdagrad(ec.parameters(), lr=0.1, gradient_accumulation_steps=2)
+    for feature in ("y", "y", "x", "x"):  # the second window looks b up in the forward only
+        ec({"x": torch.tensor([1]), "y": torch.tensor([1])})[feature].sum().backward()
+        if feature == "x":
+            before = ec.tables.b.weight.detach().clone()
+        opt.step()
+        opt.zero_grad()
+    assert torch.equal(before, ec.tables.b.weight)
+
+
+def _takes_fused_path(cfg: OptimizerConfig) -> bool:
+    from torch_tpu_embedding.optim import _fused_update
+    from torch_tpu_embedding.optim._paths import Path, choose_path
+
+    ec, _ = _freeze_model(True)
+    before = _fused_update.set_enabled(True)
+    try:
+        return choose_path(ec.groups.fused_0.weight, cfg.make(ec.parameters()).param_groups[0], row_grad=True) is Path.FUSED
+    finally:
+        _fused_update.set_enabled(before)
+
+
+@pytest.mark.parametrize("cfg", [c for c in CONFIGS if c.info.supports_fused_groups and _takes_fused_path(c)], ids=str)
+def test_frozen_member_on_the_fused_update_path(cfg: OptimizerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled eager row update (``Path.FUSED``, tests/test_fused_update.py) equals the reference path
+    with a frozen member: its rows bitwise unchanged, its neighbours bitwise as on the reference path."""
+    from torch_tpu_embedding.optim import _base, _fused_update, _paths
+
+    try:
+        torch.compile(lambda x: x * 2 + 1, dynamic=False)(torch.ones(3))
+    except Exception as e:  # as tests/test_fused_update.py: no C++ compiler here
+        pytest.skip(f"torch.compile cannot build a CPU kernel here: {type(e).__name__}: {str(e)[:200]}")
+    reference = _freeze_run(cfg, True, "module")[1]
+    monkeypatch.setattr(_fused_update, "_ENABLED", True)
+    ran: list[Any] = []
+    real = _paths.update
+    monkeypatch.setattr(_base, "update", lambda item: (real(item), ran.append(item.path)))
+    before, fused = _freeze_run(cfg, True, "module")
+    assert _paths.Path.FUSED in ran
+    _bitwise_equal(_without_step(before["b"]), _without_step(fused["b"]), "b")
+    for n in ("a", "c"):  # as tests/test_fused_update.py: the kernel's arithmetic may differ in the last bits
+        for k, v in reference[n].items():
+            torch.testing.assert_close(fused[n][k], v, rtol=1e-6, atol=1e-6, msg=f"{n}/{k}")

@@ -9,8 +9,10 @@ weighted sum, which partitions well.
 
 Per-id weights that require grad get ``d out[n] / d gains[n, l] = <weight[ids[n, l]], grad_out[n]>``;
 autograd carries it through :func:`~torch_tpu_embedding.combiners.bag_gains` (mean, sqrtn) to the
-weights, as ``nn.EmbeddingBag``'s ``per_sample_weights`` gets one. 16-bit tables combine in float32
-(their gains are float32) and cast the output to the table's dtype.
+weights, as ``nn.EmbeddingBag``'s ``per_sample_weights`` gets one. A frozen table (its weight's
+``requires_grad`` False, or a stacked member frozen with ``ec.tables.<name>.requires_grad_(False)``) has no
+row recorded, as a frozen torch parameter gets no ``.grad``; its per-id weights still get theirs.
+16-bit tables combine in float32 (their gains are float32) and cast the output to the table's dtype.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 from torch_tpu_embedding._grad_sync import check_not_ddp_managed
 from torch_tpu_embedding._nest import Path
-from torch_tpu_embedding._rows import RowGrad
+from torch_tpu_embedding._rows import RowGrad, table_info
 from torch_tpu_embedding.combiners import bag_gains
 from torch_tpu_embedding.inputs import Bags
 
@@ -39,7 +41,7 @@ class _RowSparseLookup(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, weight: torch.Tensor, ids: torch.Tensor, gains: torch.Tensor, row_grad: RowGrad,
-        tables: frozenset[str],
+        tables: frozenset[str], frozen: torch.Tensor | None,
     ) -> torch.Tensor:
         n, width = ids.shape
         # The sentinel (== weight.shape[0]) is clamped to a real row; its gain is 0.
@@ -56,32 +58,43 @@ class _RowSparseLookup(torch.autograd.Function):
             out = torch.bmm(gains.unsqueeze(1), _gather(weight, safe, weight.dtype)).squeeze(1)
         # The weight is kept only when the gains need a gradient (it costs nothing otherwise).
         ctx.save_for_backward(ids, gains, weight if ctx.needs_input_grad[2] else None)
-        ctx.row_grad, ctx.tables = row_grad, tables
+        ctx.row_grad, ctx.tables, ctx.frozen = row_grad, tables, frozen
         return out
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: Any, grad_out: torch.Tensor
-    ) -> tuple[None, None, torch.Tensor | None, None, None]:
+    ) -> tuple[None, None, torch.Tensor | None, None, None, None]:
         ids, gains, weight = ctx.saved_tensors
-        dtype = grad_out.dtype  # the table's
-        # dL/de_{i_k} = gain_k · dL/dout_b, one row per (bag, position); padding rows are 0.
-        if ctx.row_grad.keep_factored and ids.device.type != "xla":
-            ctx.row_grad.add_bags(ids, gains.to(dtype), grad_out)  # multiplied out piecewise by SGD's step
-        else:
-            grad_rows = (gains.unsqueeze(-1) * grad_out.to(gains.dtype).unsqueeze(1)).to(dtype)
-            ctx.row_grad.add(ids.reshape(-1), grad_rows.reshape(-1, grad_out.shape[-1]))
-        ctx.row_grad.reached.update(ctx.tables)
+        if ctx.needs_input_grad[0]:  # a frozen weight (requires_grad False) gets no gradient, as in torch
+            _record_rows(ctx.row_grad, ids, gains, grad_out, ctx.frozen)
+            ctx.row_grad.reached.update(ctx.tables)
         grad_gains = None
         if ctx.needs_input_grad[2]:  # <row, grad_out> per position; padding positions get 0 from bag_gains
             rows = _gather(weight, ids.clamp(max=weight.shape[0] - 1), gains.dtype)
             grad_gains = torch.bmm(rows, grad_out.to(gains.dtype).unsqueeze(-1)).squeeze(-1)
-        return None, None, grad_gains, None, None
+        return None, None, grad_gains, None, None, None
+
+
+def _record_rows(
+    row_grad: RowGrad, ids: torch.Tensor, gains: torch.Tensor, grad_out: torch.Tensor, frozen: torch.Tensor | None
+) -> None:
+    """Add ``dL/de_{i_k} = gain_k · dL/dout_b`` to ``row_grad``, one row per (bag, position); padding rows
+    are 0. Ids of frozen rows (a frozen member of a stacked group) become the sentinel: no row, no update."""
+    sentinel = frozen.shape[0] if frozen is not None else 0
+    if frozen is not None:
+        ids = torch.where(frozen[ids.clamp(max=sentinel - 1)], sentinel, ids)
+    dtype = grad_out.dtype  # the table's
+    if row_grad.keep_factored and ids.device.type != "xla":
+        row_grad.add_bags(ids, gains.to(dtype), grad_out)  # multiplied out piecewise by SGD's step
+    else:
+        grad_rows = (gains.unsqueeze(-1) * grad_out.to(gains.dtype).unsqueeze(1)).to(dtype)
+        row_grad.add(ids.reshape(-1), grad_rows.reshape(-1, grad_out.shape[-1]))
 
 
 def lookup(
     weight: torch.Tensor, ids: torch.Tensor, gains: torch.Tensor, row_grad: RowGrad,
-    tables: frozenset[str] = frozenset(),
+    tables: frozenset[str] = frozenset(), frozen: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Combined lookup ``out[n] = Σ_l gains[n, l] · weight[ids[n, l]]``.
 
@@ -91,13 +104,16 @@ def lookup(
         gains: ``[N, L]`` per-id factors from :func:`~torch_tpu_embedding.combiners.bag_gains`
             (0 at padding); float32 for a 16-bit table. Differentiable.
         row_grad: where the backward puts ``(ids [N·L], rows [N·L, D])``.
-        tables: names of the tables looked up (recorded in ``row_grad.reached`` by the backward).
+        tables: names of the tables looked up (recorded in ``row_grad.reached`` by the backward; frozen
+            stacked tables excluded by the caller).
+        frozen: ``[R]`` bool, True at rows that get no gradient (frozen members of a stacked group), or
+            ``None``. A ``weight`` that does not require grad gets none at all.
 
     Returns:
         ``[N, D]`` activations, differentiable (row-sparsely) with respect to ``weight``.
     """
     check_not_ddp_managed(weight)  # torch's DDP must not reduce a table (tte.distributed)
-    out: torch.Tensor = _RowSparseLookup.apply(weight, ids, gains, row_grad, tables)  # type: ignore[no-untyped-call]
+    out: torch.Tensor = _RowSparseLookup.apply(weight, ids, gains, row_grad, tables, frozen)  # type: ignore[no-untyped-call]
     return out
 
 
@@ -132,6 +148,9 @@ class LookupBatch:
             ids = ids.to(weight.device)
             w = None if w is None else w.to(weight.device)
         valid = ids != weight.shape[0]  # padding holds the sentinel (Bags)
-        out = lookup(weight, ids, bag_gains(valid, w, self.combiner, dtype), self.row_grad, frozenset(self.tables))
+        info = table_info(weight)
+        frozen = None if info is None else info.frozen_rows
+        training = frozenset(self.tables) - (info.frozen_tables if info is not None else frozenset())
+        out = lookup(weight, ids, bag_gains(valid, w, self.combiner, dtype), self.row_grad, training, frozen)
         pieces = torch.split(out, [b.ids.shape[0] for _, b in items]) if len(items) > 1 else (out,)
         return {path: piece.reshape(*b.out_shape, dim) for (path, b), piece in zip(items, pieces, strict=True)}

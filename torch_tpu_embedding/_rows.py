@@ -224,6 +224,11 @@ class TableInfo:
     layout: RowLayout | None = None
     #: why this tensor is no longer the table's weight (:func:`retire_table`); ``None`` while it is
     retired: str | None = None
+    #: a stacked group with frozen member tables: ``[rows]`` bool in stored row order, True at the rows of
+    #: a frozen member (no gradient recorded, never updated); ``None`` when every member trains
+    frozen_rows: torch.Tensor | None = None
+    #: the names of those frozen members
+    frozen_tables: frozenset[str] = frozenset()
 
     @property
     def owner_local(self) -> bool:

@@ -167,6 +167,8 @@ class EmbeddingCollection(nn.Module):
                 g.config = dataclasses.replace(g.config, placement=placements[g.members()[0][0]])
             return
         tables: dict[str, nn.Module] = {}
+        frozen = [n for n, t in self.tables.items()
+                  if not (t.trainable if isinstance(t, TableView) else cast(EmbeddingTable, t).weight.requires_grad)]
         for n, t in self.tables.items():
             # A stacked table becomes a table of its own again, then re-stacked; so does a table laid
             # out by an earlier `shard` (rows padded or permuted): groups are joined from logical rows.
@@ -177,6 +179,8 @@ class EmbeddingCollection(nn.Module):
             tables[n] = t
         before = [t.weight for t in self.physical_tables().values()]
         self._stack(tables, placements)
+        for n in frozen:  # frozen tables stay frozen in their new groups (or on their own)
+            self.tables[n].requires_grad_(False)
         kept = {id(t.weight) for t in self.physical_tables().values()}
         for w in before:
             if id(w) not in kept:

@@ -22,10 +22,11 @@ from typing import Any
 
 import torch
 
+from torch_tpu_embedding._dtypes import compute_dtype
 from torch_tpu_embedding._grad_sync import check_not_ddp_managed
 from torch_tpu_embedding._nest import Path
 from torch_tpu_embedding._rows import RowGrad, table_info
-from torch_tpu_embedding.combiners import bag_gains
+from torch_tpu_embedding.combiners import bag_gains, jagged_gains
 from torch_tpu_embedding.inputs import Bags
 
 __all__ = ["LookupBatch", "lookup"]
@@ -117,6 +118,43 @@ def lookup(
     return out
 
 
+class _JaggedLookup(torch.autograd.Function):
+    """As :class:`_RowSparseLookup` for jagged bags (eager devices): ``ids [nnz]`` in bag order, ``bag
+    [nnz]`` each id's bag, ``offsets [N+1]``; no padding, so memory follows the ids, not the longest bag."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, weight: torch.Tensor, ids: torch.Tensor, gains: torch.Tensor, bag: torch.Tensor,
+        offsets: torch.Tensor, row_grad: RowGrad, tables: frozenset[str], frozen: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if gains.dtype == weight.dtype:
+            out = torch.nn.functional.embedding_bag(ids, weight, offsets, mode="sum", per_sample_weights=gains,
+                                                    include_last_offset=True)
+        else:  # a 16-bit table: combine in float32, then cast
+            rows = weight.index_select(0, ids).to(gains.dtype) * gains.unsqueeze(1)
+            out = rows.new_zeros(offsets.numel() - 1, weight.shape[1]).index_add_(0, bag, rows).to(weight.dtype)
+        ctx.save_for_backward(ids, gains, bag, weight if ctx.needs_input_grad[2] else None)
+        ctx.row_grad, ctx.tables, ctx.frozen = row_grad, tables, frozen
+        return out
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_out: torch.Tensor
+    ) -> tuple[None, None, torch.Tensor | None, None, None, None, None, None]:
+        ids, gains, bag, weight = ctx.saved_tensors
+        per_id = grad_out.to(gains.dtype).index_select(0, bag)  # [nnz, D]: each id's bag's gradient
+        if ctx.needs_input_grad[0]:  # a frozen weight gets no gradient, as in torch
+            row_grad, frozen = ctx.row_grad, ctx.frozen
+            if frozen is not None:  # frozen members of a stacked group: their ids become the sentinel
+                ids = torch.where(frozen[ids], frozen.shape[0], ids)
+            row_grad.add(ids, (gains.unsqueeze(1) * per_id).to(grad_out.dtype))
+            row_grad.reached.update(ctx.tables)
+        grad_gains = None
+        if ctx.needs_input_grad[2]:  # <row, grad_out of its bag> per id
+            grad_gains = (weight.index_select(0, ids).to(gains.dtype) * per_id).sum(1)
+        return None, None, grad_gains, None, None, None, None, None
+
+
 @dataclasses.dataclass
 class LookupBatch:
     """Features looked up together: one physical table, one bag width, one combiner.
@@ -137,6 +175,8 @@ class LookupBatch:
         """Look the batch up: each feature's activations ``[*out_shape, D]`` by its position."""
         weight, items = self.weight, self.items
         dtype, dim = weight.dtype, weight.shape[1]
+        if items[0][1].offsets is not None:
+            return self._run_jagged()
         if len(items) == 1:
             ids, w = items[0][1].ids, items[0][1].weights
         else:
@@ -153,4 +193,33 @@ class LookupBatch:
         training = frozenset(self.tables) - (info.frozen_tables if info is not None else frozenset())
         out = lookup(weight, ids, bag_gains(valid, w, self.combiner, dtype), self.row_grad, training, frozen)
         pieces = torch.split(out, [b.ids.shape[0] for _, b in items]) if len(items) > 1 else (out,)
+        return {path: piece.reshape(*b.out_shape, dim) for (path, b), piece in zip(items, pieces, strict=True)}
+
+    def _run_jagged(self) -> dict[Path, torch.Tensor]:
+        """:meth:`run` for jagged bags (eager devices): one pooled lookup of every item's ids, unpadded."""
+        weight, items, dtype = self.weight, self.items, self.weight.dtype
+        offsets = [b.offsets for _, b in items]
+        ids = torch.cat([b.ids for _, b in items]) if len(items) > 1 else items[0][1].ids
+        w = None
+        if any(b.weights is not None for _, b in items):
+            w = torch.cat([torch.ones(b.ids.shape, dtype=compute_dtype(dtype), device=b.ids.device)
+                           if b.weights is None else b.weights for _, b in items])
+        counts = [int(o.numel()) - 1 for o in offsets if o is not None]
+        starts = [0]
+        for _, b in items[:-1]:  # each item's first id in the batch (no read of a device tensor)
+            starts.append(starts[-1] + b.ids.numel())
+        whole = torch.cat([o[:-1] + s for o, s in zip(offsets, starts, strict=True) if o is not None]
+                          + [torch.full((1,), ids.numel(), dtype=torch.int64, device=ids.device)])
+        ids, whole = ids.to(weight.device), whole.to(weight.device)
+        w = None if w is None else w.to(weight.device)
+        bag = torch.repeat_interleave(torch.arange(sum(counts), device=ids.device), whole.diff())
+        info = table_info(weight)
+        frozen = None if info is None else info.frozen_rows
+        training = frozenset(self.tables) - (info.frozen_tables if info is not None else frozenset())
+        gains = jagged_gains(bag, sum(counts), w, self.combiner, dtype)
+        check_not_ddp_managed(weight)
+        out: torch.Tensor = _JaggedLookup.apply(  # type: ignore[no-untyped-call]
+            weight, ids, gains, bag, whole, self.row_grad, training, frozen)
+        pieces = torch.split(out, counts) if len(items) > 1 else (out,)
+        dim = weight.shape[1]
         return {path: piece.reshape(*b.out_shape, dim) for (path, b), piece in zip(items, pieces, strict=True)}

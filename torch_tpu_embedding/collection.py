@@ -312,7 +312,7 @@ class EmbeddingCollection(nn.Module):
                 order = table.row_layout.ownership(int(weight.shape[0]))
                 bags = dataclasses.replace(bags, ids=order.physical_row(bags.ids.to(torch.int64)))
             combiner = fc.table.combiner if bags.combine else "sum"
-            key = (id(table), bags.ids.shape[1], combiner, resident)
+            key = (id(table), bags.ids.shape[1] if bags.offsets is None else -1, combiner, resident)  # -1: jagged
             if key not in batches:
                 batches[key] = LookupBatch(weight, table.row_grad, combiner, resident)
                 if owner_local:

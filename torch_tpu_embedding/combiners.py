@@ -28,7 +28,7 @@ import torch
 
 from torch_tpu_embedding._dtypes import compute_dtype
 
-__all__ = ["bag_gains"]
+__all__ = ["bag_gains", "jagged_gains"]
 
 
 def bag_gains(
@@ -55,7 +55,8 @@ def bag_gains(
     if combiner == "sum":
         return w
     if weights is not None and combiner in ("mean", "sqrtn"):
-        w = w * _power_of_two_scale(w)
+        biggest = w.detach().abs().amax(dim=1, keepdim=True) if w.shape[1] else w.new_zeros(w.shape[0], 1)
+        w = w * _power_of_two_scale(biggest)
     if combiner == "mean":
         total = w.sum(dim=1, keepdim=True)
         # T(x) = 0 if x == 0 else 1/x; the inner where keeps inf/NaN out of the graph.
@@ -68,13 +69,39 @@ def bag_gains(
     return w * scale
 
 
-def _power_of_two_scale(w: torch.Tensor) -> torch.Tensor:
-    """Per bag ``[N, 1]``: ``2^-e`` with ``2^e`` near the bag's largest ``|w|``, ``e`` clamped so that
-    ``2^±e`` is a normal number of ``w``'s dtype (subnormals flush to 0 on TPUs). The scaled weights are
-    at most 4 in magnitude, so their sum and sum of squares stay finite; a constant (no gradient).
+def jagged_gains(
+    bag: torch.Tensor, num_bags: int, weights: torch.Tensor | None, combiner: str, dtype: torch.dtype
+) -> torch.Tensor:
+    """Per-id gains ``[nnz]`` of jagged bags (:func:`bag_gains` without padding).
+
+    Args:
+        bag: ``[nnz]`` each id's bag, non-decreasing, in ``[0, num_bags)``.
+        num_bags: the number of bags ``N``.
+        weights: ``[nnz]`` per-id weights or ``None`` (all 1).
+        combiner, dtype: as :func:`bag_gains`.
     """
-    info = torch.finfo(w.dtype)
-    biggest = w.detach().abs().amax(dim=1, keepdim=True) if w.shape[1] else w.new_zeros(w.shape[0], 1)
+    dtype = compute_dtype(dtype)
+    w = torch.ones(bag.shape, dtype=dtype, device=bag.device) if weights is None else weights.to(dtype)
+    if combiner == "sum":
+        return w
+    if combiner not in ("mean", "sqrtn"):
+        raise ValueError(f"Argument `combiner` must be in ('mean', 'sum', 'sqrtn'). Received: {combiner!r}")
+    zeros = torch.zeros(num_bags, dtype=dtype, device=bag.device)
+    if weights is not None:
+        biggest = zeros.scatter_reduce(0, bag, w.detach().abs(), "amax")
+        w = w * _power_of_two_scale(biggest).index_select(0, bag)
+    total = zeros.index_add(0, bag, w if combiner == "mean" else w * w)
+    safe = torch.where(total == 0, 1.0, total)
+    scale = torch.where(total == 0, 0.0, 1.0 / safe if combiner == "mean" else torch.rsqrt(safe))
+    return w * scale.index_select(0, bag)
+
+
+def _power_of_two_scale(biggest: torch.Tensor) -> torch.Tensor:
+    """``2^-e`` per bag, with ``2^e`` near the bag's largest ``|w|`` (``biggest``) and ``e`` clamped so
+    that ``2^±e`` is a normal number of its dtype (subnormals flush to 0 on TPUs). The scaled weights
+    are at most 4 in magnitude, so their sum and sum of squares stay finite; a constant (no gradient).
+    """
+    info = torch.finfo(biggest.dtype)
     low, high = math.log2(info.tiny), math.floor(math.log2(info.max)) - 1  # float32: -126, 126
     exponent = torch.floor(torch.log2(biggest)).clamp(min=low, max=high)
     return torch.exp2(-exponent)

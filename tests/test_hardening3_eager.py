@@ -154,9 +154,10 @@ def test_mean_and_sqrtn_of_finite_weights_do_not_overflow(combiner: str, w: list
 
 
 def test_bag_gains_are_bitwise_unchanged_without_overflow() -> None:
-    """The scaling is by a power of two: gains of ordinary weights are bitwise those of the plain formula."""
+    """Gains of bags whose sums do not overflow are bitwise those of the plain formula (scaled bags too: the
+    scale is a power of two)."""
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(64, 7, generator=g) * torch.logspace(-6, 6, 7)
+    w = torch.randn(64, 7, generator=g) * torch.logspace(-15, 15, 7)  # bags beyond 2^32 are scaled, exactly
     valid = torch.rand(64, 7, generator=g) > 0.3
     for combiner in ("mean", "sqrtn"):
         wz = torch.where(valid, w, 0.0)

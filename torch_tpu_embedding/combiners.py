@@ -13,11 +13,11 @@ negative weights are used as given, and an empty bag or a zero weight sum gives 
 Gains of 16-bit tables (float16, bfloat16) are computed in float32, as FBGEMM does: a float16 sum of
 weights overflows at 65504 (``mean`` with two weights of 4e4, ``sqrtn`` with a weight of 300).
 
-The normaliser of ``mean`` and ``sqrtn`` is computed on the bag's weights scaled by a power of two near
-their largest magnitude, so ``Σw`` and ``Σw²`` cannot overflow when every weight is finite (``mean`` of
-``[3e38, 3e38]``, ``sqrtn`` of ``[1e20]`` give the float64 result rounded, not 0). Scaling by a power of
-two is exact and the gains are invariant to it, so the gains of bags whose sums do not overflow are
-bitwise those of the plain formula.
+The normaliser of ``mean`` and ``sqrtn`` of a bag whose largest ``|w|`` is beyond ``2^±32`` is computed
+on its weights scaled by a power of two near that magnitude, so ``Σw`` and ``Σw²`` cannot overflow (or
+underflow) when every weight is finite (``mean`` of ``[3e38, 3e38]``, ``sqrtn`` of ``[1e20]`` give the
+float64 result rounded, not 0). The gains are invariant to the scale, and the bags of ordinary
+weights are not scaled: their gains are bitwise those of the plain formula.
 """
 
 from __future__ import annotations
@@ -97,11 +97,15 @@ def jagged_gains(
 
 
 def _power_of_two_scale(biggest: torch.Tensor) -> torch.Tensor:
-    """``2^-e`` per bag, with ``2^e`` near the bag's largest ``|w|`` (``biggest``) and ``e`` clamped so
-    that ``2^±e`` is a normal number of its dtype (subnormals flush to 0 on TPUs). The scaled weights
-    are at most 4 in magnitude, so their sum and sum of squares stay finite; a constant (no gradient).
+    """Per bag: 1 where its largest ``|w|`` (``biggest``) is within ``2^±32`` (a sum or sum of squares of
+    such weights cannot overflow: the gains are bitwise the plain formula's), else ``2^-e`` with ``2^e``
+    near ``biggest`` and ``e`` clamped so that ``2^±e`` is a normal number of its dtype (subnormals flush
+    to 0 on TPUs). The scaled weights are at most 4 in magnitude; a constant (no gradient).
     """
     info = torch.finfo(biggest.dtype)
     low, high = math.log2(info.tiny), math.floor(math.log2(info.max)) - 1  # float32: -126, 126
     exponent = torch.floor(torch.log2(biggest)).clamp(min=low, max=high)
-    return torch.exp2(-exponent)
+    # pow, not exp2: torch_xla 2.9 lowers pow, while exp2 runs on the host
+    scale = torch.pow(2.0, -exponent)
+    ordinary = (biggest >= 2.0**-32) & (biggest <= 2.0**32)
+    return torch.where(ordinary, torch.ones((), dtype=scale.dtype, device=scale.device), scale)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from torch_tpu_embedding._member_state import Members
-from torch_tpu_embedding._rows import RowGrad, StackedRows, register_view
+from torch_tpu_embedding._rows import RowGrad, StackedRows, TableInfo, register_view, table_info
 from torch_tpu_embedding.config import TableConfig
 from torch_tpu_embedding.table import EmbeddingTable
 
@@ -82,10 +82,37 @@ class FusedTables(EmbeddingTable):
             max_unique_ids_per_shard=None if None in caps else sum(c for c in caps if c is not None),
         )
         weight = torch.cat([t.weight.detach()[: t.config.num_embeddings] for t in tables])
+        #: member tables frozen with ``TableView.requires_grad_(False)``: no gradient, never updated
+        self.frozen: frozenset[str] = frozenset()
         super().__init__(config, name, weight=weight)
 
     def members(self) -> Members:
         return self._members
+
+    def set_frozen(self, table: str, frozen: bool) -> None:
+        """Freeze (or unfreeze) member ``table``: its rows get no gradient and no update."""
+        self.frozen = self.frozen | {table} if frozen else self.frozen - {table}
+        info = table_info(self.weight)
+        self._mark_frozen(self._register() if info is None else info)
+
+    def _register(self, *args: Any, **kwargs: Any) -> TableInfo:
+        # A new weight (padded, permuted, moved): its frozen rows in its stored order.
+        return self._mark_frozen(super()._register(*args, **kwargs))
+
+    def _mark_frozen(self, info: TableInfo) -> TableInfo:
+        frozen = self.__dict__.get("frozen", frozenset())
+        info.frozen_tables, info.frozen_rows = frozen, None
+        if frozen:
+            rows = int(self.weight.shape[0])
+            logical = torch.arange(rows)
+            if self.row_layout is not None:
+                logical = self.row_layout.ownership(rows).logical_id(logical)
+            mask = torch.zeros(rows, dtype=torch.bool)
+            for name, off, n in self._members:
+                if name in frozen:
+                    mask |= (logical >= off) & (logical < off + n)
+            info.frozen_rows = mask.to(self.weight.device)
+        return info
 
     def reset_parameters(self) -> None:
         """Draw each table's rows from its own initializer, in table order."""
@@ -134,6 +161,21 @@ class TableView(nn.Module):
     def logical_weight(self) -> torch.Tensor:
         """The table's ``[num_embeddings, D]`` logical rows (as :meth:`EmbeddingTable.logical_weight`)."""
         return self.weight.detach()
+
+    def requires_grad_(self, requires_grad: bool = True) -> TableView:
+        """Freeze (``False``) or unfreeze this table's rows of its group, as ``nn.Module.requires_grad_``
+        freezes a table of its own: its lookups record no row gradient and no optimizer step changes its
+        rows or their slots, while the other tables of the group train. Its per-id weights still get
+        gradients. Not saved in ``state_dict`` (as ``requires_grad`` is not)."""
+        if not isinstance(requires_grad, bool):
+            raise ValueError(f"Argument `requires_grad` must be a bool. Received: {requires_grad!r}")
+        self.group.set_frozen(self.name, not requires_grad)
+        return self
+
+    @property
+    def trainable(self) -> bool:
+        """False after ``requires_grad_(False)``."""
+        return self.name not in self.group.frozen
 
     @property
     def padding_rows(self) -> int:

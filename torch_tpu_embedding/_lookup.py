@@ -9,8 +9,10 @@ weighted sum, which partitions well.
 
 Per-id weights that require grad get ``d out[n] / d gains[n, l] = <weight[ids[n, l]], grad_out[n]>``;
 autograd carries it through :func:`~torch_tpu_embedding.combiners.bag_gains` (mean, sqrtn) to the
-weights, as ``nn.EmbeddingBag``'s ``per_sample_weights`` gets one. 16-bit tables combine in float32
-(their gains are float32) and cast the output to the table's dtype.
+weights, as ``nn.EmbeddingBag``'s ``per_sample_weights`` gets one. A frozen table (its weight's
+``requires_grad`` False, or a stacked member frozen with ``ec.tables.<name>.requires_grad_(False)``) has no
+row recorded, as a frozen torch parameter gets no ``.grad``; its per-id weights still get theirs.
+16-bit tables combine in float32 (their gains are float32) and cast the output to the table's dtype.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from typing import Any
 
 import torch
 
+from torch_tpu_embedding._dtypes import compute_dtype
 from torch_tpu_embedding._grad_sync import check_not_ddp_managed
 from torch_tpu_embedding._nest import Path
-from torch_tpu_embedding._rows import RowGrad
-from torch_tpu_embedding.combiners import bag_gains
+from torch_tpu_embedding._rows import RowGrad, table_info
+from torch_tpu_embedding.combiners import bag_gains, jagged_gains
 from torch_tpu_embedding.inputs import Bags
 
 __all__ = ["LookupBatch", "lookup"]
@@ -39,7 +42,7 @@ class _RowSparseLookup(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, weight: torch.Tensor, ids: torch.Tensor, gains: torch.Tensor, row_grad: RowGrad,
-        tables: frozenset[str],
+        tables: frozenset[str], frozen: torch.Tensor | None,
     ) -> torch.Tensor:
         n, width = ids.shape
         # The sentinel (== weight.shape[0]) is clamped to a real row; its gain is 0.
@@ -56,32 +59,43 @@ class _RowSparseLookup(torch.autograd.Function):
             out = torch.bmm(gains.unsqueeze(1), _gather(weight, safe, weight.dtype)).squeeze(1)
         # The weight is kept only when the gains need a gradient (it costs nothing otherwise).
         ctx.save_for_backward(ids, gains, weight if ctx.needs_input_grad[2] else None)
-        ctx.row_grad, ctx.tables = row_grad, tables
+        ctx.row_grad, ctx.tables, ctx.frozen = row_grad, tables, frozen
         return out
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: Any, grad_out: torch.Tensor
-    ) -> tuple[None, None, torch.Tensor | None, None, None]:
+    ) -> tuple[None, None, torch.Tensor | None, None, None, None]:
         ids, gains, weight = ctx.saved_tensors
-        dtype = grad_out.dtype  # the table's
-        # dL/de_{i_k} = gain_k · dL/dout_b, one row per (bag, position); padding rows are 0.
-        if ctx.row_grad.keep_factored and ids.device.type != "xla":
-            ctx.row_grad.add_bags(ids, gains.to(dtype), grad_out)  # multiplied out piecewise by SGD's step
-        else:
-            grad_rows = (gains.unsqueeze(-1) * grad_out.to(gains.dtype).unsqueeze(1)).to(dtype)
-            ctx.row_grad.add(ids.reshape(-1), grad_rows.reshape(-1, grad_out.shape[-1]))
-        ctx.row_grad.reached.update(ctx.tables)
+        if ctx.needs_input_grad[0]:  # a frozen weight (requires_grad False) gets no gradient, as in torch
+            _record_rows(ctx.row_grad, ids, gains, grad_out, ctx.frozen)
+            ctx.row_grad.reached.update(ctx.tables)
         grad_gains = None
         if ctx.needs_input_grad[2]:  # <row, grad_out> per position; padding positions get 0 from bag_gains
             rows = _gather(weight, ids.clamp(max=weight.shape[0] - 1), gains.dtype)
             grad_gains = torch.bmm(rows, grad_out.to(gains.dtype).unsqueeze(-1)).squeeze(-1)
-        return None, None, grad_gains, None, None
+        return None, None, grad_gains, None, None, None
+
+
+def _record_rows(
+    row_grad: RowGrad, ids: torch.Tensor, gains: torch.Tensor, grad_out: torch.Tensor, frozen: torch.Tensor | None
+) -> None:
+    """Add ``dL/de_{i_k} = gain_k · dL/dout_b`` to ``row_grad``, one row per (bag, position); padding rows
+    are 0. Ids of frozen rows (a frozen member of a stacked group) become the sentinel: no row, no update."""
+    sentinel = frozen.shape[0] if frozen is not None else 0
+    if frozen is not None:
+        ids = torch.where(frozen[ids.clamp(max=sentinel - 1)], sentinel, ids)
+    dtype = grad_out.dtype  # the table's
+    if row_grad.keep_factored and ids.device.type != "xla":
+        row_grad.add_bags(ids, gains.to(dtype), grad_out)  # multiplied out piecewise by SGD's step
+    else:
+        grad_rows = (gains.unsqueeze(-1) * grad_out.to(gains.dtype).unsqueeze(1)).to(dtype)
+        row_grad.add(ids.reshape(-1), grad_rows.reshape(-1, grad_out.shape[-1]))
 
 
 def lookup(
     weight: torch.Tensor, ids: torch.Tensor, gains: torch.Tensor, row_grad: RowGrad,
-    tables: frozenset[str] = frozenset(),
+    tables: frozenset[str] = frozenset(), frozen: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Combined lookup ``out[n] = Σ_l gains[n, l] · weight[ids[n, l]]``.
 
@@ -91,14 +105,54 @@ def lookup(
         gains: ``[N, L]`` per-id factors from :func:`~torch_tpu_embedding.combiners.bag_gains`
             (0 at padding); float32 for a 16-bit table. Differentiable.
         row_grad: where the backward puts ``(ids [N·L], rows [N·L, D])``.
-        tables: names of the tables looked up (recorded in ``row_grad.reached`` by the backward).
+        tables: names of the tables looked up (recorded in ``row_grad.reached`` by the backward; frozen
+            stacked tables excluded by the caller).
+        frozen: ``[R]`` bool, True at rows that get no gradient (frozen members of a stacked group), or
+            ``None``. A ``weight`` that does not require grad gets none at all.
 
     Returns:
         ``[N, D]`` activations, differentiable (row-sparsely) with respect to ``weight``.
     """
     check_not_ddp_managed(weight)  # torch's DDP must not reduce a table (tte.distributed)
-    out: torch.Tensor = _RowSparseLookup.apply(weight, ids, gains, row_grad, tables)  # type: ignore[no-untyped-call]
+    out: torch.Tensor = _RowSparseLookup.apply(weight, ids, gains, row_grad, tables, frozen)  # type: ignore[no-untyped-call]
     return out
+
+
+class _JaggedLookup(torch.autograd.Function):
+    """As :class:`_RowSparseLookup` for jagged bags (eager devices): ``ids [nnz]`` in bag order, ``bag
+    [nnz]`` each id's bag, ``offsets [N+1]``; no padding, so memory follows the ids, not the longest bag."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, weight: torch.Tensor, ids: torch.Tensor, gains: torch.Tensor, bag: torch.Tensor,
+        offsets: torch.Tensor, row_grad: RowGrad, tables: frozenset[str], frozen: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if gains.dtype == weight.dtype:
+            out = torch.nn.functional.embedding_bag(ids, weight, offsets, mode="sum", per_sample_weights=gains,
+                                                    include_last_offset=True)
+        else:  # a 16-bit table: combine in float32, then cast
+            rows = weight.index_select(0, ids).to(gains.dtype) * gains.unsqueeze(1)
+            out = rows.new_zeros(offsets.numel() - 1, weight.shape[1]).index_add_(0, bag, rows).to(weight.dtype)
+        ctx.save_for_backward(ids, gains, bag, weight if ctx.needs_input_grad[2] else None)
+        ctx.row_grad, ctx.tables, ctx.frozen = row_grad, tables, frozen
+        return out
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_out: torch.Tensor
+    ) -> tuple[None, None, torch.Tensor | None, None, None, None, None, None]:
+        ids, gains, bag, weight = ctx.saved_tensors
+        per_id = grad_out.to(gains.dtype).index_select(0, bag)  # [nnz, D]: each id's bag's gradient
+        if ctx.needs_input_grad[0]:  # a frozen weight gets no gradient, as in torch
+            row_grad, frozen = ctx.row_grad, ctx.frozen
+            if frozen is not None:  # frozen members of a stacked group: their ids become the sentinel
+                ids = torch.where(frozen[ids], frozen.shape[0], ids)
+            row_grad.add(ids, (gains.unsqueeze(1) * per_id).to(grad_out.dtype))
+            row_grad.reached.update(ctx.tables)
+        grad_gains = None
+        if ctx.needs_input_grad[2]:  # <row, grad_out of its bag> per id
+            grad_gains = (weight.index_select(0, ids).to(gains.dtype) * per_id).sum(1)
+        return None, None, grad_gains, None, None, None, None, None
 
 
 @dataclasses.dataclass
@@ -121,6 +175,8 @@ class LookupBatch:
         """Look the batch up: each feature's activations ``[*out_shape, D]`` by its position."""
         weight, items = self.weight, self.items
         dtype, dim = weight.dtype, weight.shape[1]
+        if items[0][1].offsets is not None:
+            return self._run_jagged()
         if len(items) == 1:
             ids, w = items[0][1].ids, items[0][1].weights
         else:
@@ -132,6 +188,38 @@ class LookupBatch:
             ids = ids.to(weight.device)
             w = None if w is None else w.to(weight.device)
         valid = ids != weight.shape[0]  # padding holds the sentinel (Bags)
-        out = lookup(weight, ids, bag_gains(valid, w, self.combiner, dtype), self.row_grad, frozenset(self.tables))
+        info = table_info(weight)
+        frozen = None if info is None else info.frozen_rows
+        training = frozenset(self.tables) - (info.frozen_tables if info is not None else frozenset())
+        out = lookup(weight, ids, bag_gains(valid, w, self.combiner, dtype), self.row_grad, training, frozen)
         pieces = torch.split(out, [b.ids.shape[0] for _, b in items]) if len(items) > 1 else (out,)
+        return {path: piece.reshape(*b.out_shape, dim) for (path, b), piece in zip(items, pieces, strict=True)}
+
+    def _run_jagged(self) -> dict[Path, torch.Tensor]:
+        """:meth:`run` for jagged bags (eager devices): one pooled lookup of every item's ids, unpadded."""
+        weight, items, dtype = self.weight, self.items, self.weight.dtype
+        offsets = [b.offsets for _, b in items]
+        ids = torch.cat([b.ids for _, b in items]) if len(items) > 1 else items[0][1].ids
+        w = None
+        if any(b.weights is not None for _, b in items):
+            w = torch.cat([torch.ones(b.ids.shape, dtype=compute_dtype(dtype), device=b.ids.device)
+                           if b.weights is None else b.weights for _, b in items])
+        counts = [int(o.numel()) - 1 for o in offsets if o is not None]
+        starts = [0]
+        for _, b in items[:-1]:  # each item's first id in the batch (no read of a device tensor)
+            starts.append(starts[-1] + b.ids.numel())
+        whole = torch.cat([o[:-1] + s for o, s in zip(offsets, starts, strict=True) if o is not None]
+                          + [torch.full((1,), ids.numel(), dtype=torch.int64, device=ids.device)])
+        ids, whole = ids.to(weight.device), whole.to(weight.device)
+        w = None if w is None else w.to(weight.device)
+        bag = torch.repeat_interleave(torch.arange(sum(counts), device=ids.device), whole.diff())
+        info = table_info(weight)
+        frozen = None if info is None else info.frozen_rows
+        training = frozenset(self.tables) - (info.frozen_tables if info is not None else frozenset())
+        gains = jagged_gains(bag, sum(counts), w, self.combiner, dtype)
+        check_not_ddp_managed(weight)
+        out: torch.Tensor = _JaggedLookup.apply(  # type: ignore[no-untyped-call]
+            weight, ids, gains, bag, whole, self.row_grad, training, frozen)
+        pieces = torch.split(out, counts) if len(items) > 1 else (out,)
+        dim = weight.shape[1]
         return {path: piece.reshape(*b.out_shape, dim) for (path, b), piece in zip(items, pieces, strict=True)}

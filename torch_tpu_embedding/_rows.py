@@ -179,6 +179,17 @@ class RowGrad:
         """The chunks as added: ``(ids [n], rows [n, D] or BagRows)``."""
         return list(zip(self._ids, self._rows, strict=True))
 
+    def scale_(self, coef: torch.Tensor, dtype: torch.dtype) -> None:
+        """Multiply every pending row by the 0-d ``coef`` (as ``clip_grad_norm_`` scales a ``.grad``), in
+        ``dtype`` (the update's: float32 for a 16-bit table). The chunks keep their ids, order and form
+        (no duplicate is summed), so a ``coef`` of 1 leaves the step bitwise as it was."""
+        for i, rows in enumerate(self._rows):
+            if isinstance(rows, BagRows):
+                out = rows.grad_out.to(dtype)
+                self._rows[i] = BagRows(rows.gains, out * coef.to(device=out.device, dtype=dtype))
+            else:
+                self._rows[i] = rows.to(dtype) * coef.to(device=rows.device, dtype=dtype)
+
     def take(self) -> RowGrad:
         """A new :class:`RowGrad` holding this one's chunks; this one is left empty."""
         out = RowGrad()
@@ -213,6 +224,11 @@ class TableInfo:
     layout: RowLayout | None = None
     #: why this tensor is no longer the table's weight (:func:`retire_table`); ``None`` while it is
     retired: str | None = None
+    #: a stacked group with frozen member tables: ``[rows]`` bool in stored row order, True at the rows of
+    #: a frozen member (no gradient recorded, never updated); ``None`` when every member trains
+    frozen_rows: torch.Tensor | None = None
+    #: the names of those frozen members
+    frozen_tables: frozenset[str] = frozenset()
 
     @property
     def owner_local(self) -> bool:

@@ -36,9 +36,11 @@ def clip_grad_norm_(
     As ``torch.nn.utils.clip_grad_norm_``: the norm (of order ``norm_type``, ``inf`` allowed) over
     every gradient viewed as one vector, and every gradient scaled in place by
     ``min(max_norm / (total_norm + 1e-6), 1)``. A table's gradient counts as its densified ``[V, D]``
-    gradient would: duplicate ids summed, rows not looked up zero. Its pending row gradient (the one
-    the next optimizer ``step()`` applies) is replaced by the summed, scaled rows; a row-sharded table
-    trained through the id exchange (SPMD) keeps its per-shard form, summed on each shard.
+    gradient would: duplicate ids summed, rows not looked up zero (a negative ``norm_type`` sees those
+    zeros: ``-inf`` gives 0 unless every row was looked up, as torch's). Its pending row gradient (the
+    one the next optimizer ``step()`` applies) is scaled where it is, each id's rows kept apart, so a
+    clip that scales nothing (``max_norm`` above the norm) leaves the step bitwise unchanged, also for
+    ``use_gradient_accumulation=False``, whose update depends on how the rows are split.
 
     Under data parallel (:mod:`torch_tpu_embedding.distributed`) the tables' row gradients are
     exchanged first, so the norm is the process group's global one, the same on every process
@@ -67,20 +69,42 @@ def clip_grad_norm_(
     tables = [p for p in params if table_info(p) is not None]
     dense = [p for p in params if table_info(p) is None]
     sync_row_grads([{"params": tables}])
-    rows = [r for r in (_summed_rows(p) for p in tables) if r is not None]
-    grads = [p.grad for p in dense if p.grad is not None] + rows
+    summed = [(p, r) for p, r in ((p, _summed_rows(p)) for p in tables) if r is not None]
+    grads = [p.grad for p in dense if p.grad is not None] + [r for _, r in summed]
+    if norm_type < 0 and any(_has_zero_rows(p) for p, _ in summed):
+        # A negative order (-inf: the smallest |g|) sees the zero rows of the dense [V, D] gradient
+        # torch would hold, which the row-sparse form leaves out.
+        grads.append(torch.zeros(1, dtype=summed[0][1].dtype, device=summed[0][1].device))
     total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
     torch.nn.utils.clip_grads_with_norm_(dense, max_norm, total, foreach)
-    if rows:
+    if summed:
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-        for r in rows:
-            r.mul_(coef.to(device=r.device, dtype=r.dtype))
+        for p, _ in summed:  # the pending rows themselves, not their sums: a coef of 1 changes nothing
+            info = table_info(p)
+            assert info is not None
+            info.row_grad.scale_(coef, math_dtype(p))
     return total
 
 
+def _has_zero_rows(p: Tensor) -> bool:
+    """Whether table ``p``'s densified gradient has rows that no pending id reached (read on the host:
+    only a negative ``norm_type`` asks)."""
+    info = table_info(p)
+    assert info is not None
+    rg = info.row_grad
+    if rg.owned:  # shard-local ids [n, M]: made global (shard d's rows start at d · R/n)
+        ids, _, _ = rg.collect_owned()
+        ids, local = ids.cpu(), p.shape[0] // info.sharding.num_shards
+        real = (ids + torch.arange(ids.shape[0])[:, None] * local)[ids < local]
+    else:
+        ids = rg.ids().cpu()
+        real = ids[ids < p.shape[0]]
+    return int(torch.unique(real).numel()) < info.num_embeddings
+
+
 def _summed_rows(p: Tensor) -> Tensor | None:
-    """``p``'s pending row gradient with duplicate ids summed, put back as its only chunk (so the
-    in-place scaling reaches the step); ``None`` without one."""
+    """A copy of ``p``'s pending row gradient with duplicate ids summed (float32 for a 16-bit table),
+    for the norm; ``None`` without one. The pending rows themselves are left as they are."""
     info = table_info(p)
     assert info is not None
     rg = info.row_grad
@@ -88,35 +112,26 @@ def _summed_rows(p: Tensor) -> Tensor | None:
         return None
     if rg.owned:
         return _owned_rows(p)
-    exchanged = rg.exchanged == len(rg)
     ids, rows = rg.collect()
-    ids, rows = coalesce_rows(ids, rows.to(math_dtype(p)), p.shape[0])  # float32 for 16-bit tables
-    rg.clear()
-    rg.add(ids, rows)
-    rg.exchanged = len(rg) if exchanged else 0
-    return rg.collect()[1]  # the stored chunk itself: scaling it in place reaches the step
+    return coalesce_rows(ids, rows.to(math_dtype(p)), p.shape[0])[1]
 
 
 def _owned_rows(p: Tensor) -> Tensor:
     """As :func:`_summed_rows` for a table trained through the id exchange (SPMD, owner-local chunks
     ``ids [n, M]``, ``rows [n, M, D]``): duplicates are summed on each shard (a row lives on one shard),
-    in one manual-sharding region, and the sums put back as the only owner-local chunk. A chunk whose
-    lookup dropped ids counts zero, as in the step."""
+    in one manual-sharding region. A chunk whose lookup dropped ids counts zero, as in the step."""
     from torch_tpu_embedding.xla.manual import on_shards  # imports torch_xla: only on this SPMD path
 
     info = table_info(p)
     assert info is not None
-    rg = info.row_grad
     sharding = info.sharding
     sentinel = p.shape[0] // sharding.num_shards  # shard-local padding row
-    ids, rows, ok = rg.collect_owned()
+    ids, rows, ok = info.row_grad.collect_owned()
     rows = torch.where(ok, rows.to(math_dtype(p)), torch.zeros((), dtype=math_dtype(p), device=rows.device))
 
     def on_shard(sharded: dict[str, Tensor], small: dict[str, Tensor], inputs: list[Tensor],
                  rep: list[Tensor | None]) -> list[Tensor]:
         return list(coalesce_rows(inputs[0], inputs[1], sentinel))
 
-    uniq, summed = on_shards(on_shard, {}, {}, [ids, rows], [], mesh=sharding.mesh, axis=sharding.axis)
-    rg.clear()
-    rg.add_owned(uniq, summed, ok)
-    return summed  # the stored chunk itself: scaling it in place reaches the step
+    _, summed = on_shards(on_shard, {}, {}, [ids, rows], [], mesh=sharding.mesh, axis=sharding.axis)
+    return summed

@@ -167,6 +167,8 @@ class EmbeddingCollection(nn.Module):
                 g.config = dataclasses.replace(g.config, placement=placements[g.members()[0][0]])
             return
         tables: dict[str, nn.Module] = {}
+        frozen = [n for n, t in self.tables.items()
+                  if not (t.trainable if isinstance(t, TableView) else cast(EmbeddingTable, t).weight.requires_grad)]
         for n, t in self.tables.items():
             # A stacked table becomes a table of its own again, then re-stacked; so does a table laid
             # out by an earlier `shard` (rows padded or permuted): groups are joined from logical rows.
@@ -177,6 +179,8 @@ class EmbeddingCollection(nn.Module):
             tables[n] = t
         before = [t.weight for t in self.physical_tables().values()]
         self._stack(tables, placements)
+        for n in frozen:  # frozen tables stay frozen in their new groups (or on their own)
+            self.tables[n].requires_grad_(False)
         kept = {id(t.weight) for t in self.physical_tables().values()}
         for w in before:
             if id(w) not in kept:
@@ -308,7 +312,7 @@ class EmbeddingCollection(nn.Module):
                 order = table.row_layout.ownership(int(weight.shape[0]))
                 bags = dataclasses.replace(bags, ids=order.physical_row(bags.ids.to(torch.int64)))
             combiner = fc.table.combiner if bags.combine else "sum"
-            key = (id(table), bags.ids.shape[1], combiner, resident)
+            key = (id(table), bags.ids.shape[1] if bags.offsets is None else -1, combiner, resident)  # -1: jagged
             if key not in batches:
                 batches[key] = LookupBatch(weight, table.row_grad, combiner, resident)
                 if owner_local:

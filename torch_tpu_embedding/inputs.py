@@ -15,8 +15,9 @@ sparse COO ``Tensor``   ``[B, L]`` (or ``[B, ..., L]``) like tf.SparseTensor  CO
 ======================  ===================================================  =====================
 
 Variable-length forms are normalised on the host (they must be CPU tensors when the table is on
-XLA), so that the device sees static shapes; :class:`Padded` and dense inputs may already live on
-the device. A bag with more ids than ``FeatureConfig.max_ids_per_bag`` is an error, never truncated.
+XLA), so that the device sees static shapes; on eager devices combined bags stay jagged (unpadded).
+:class:`Padded` and dense inputs may already live on the device. A bag with more ids than
+``FeatureConfig.max_ids_per_bag`` is an error, never truncated.
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ class Bags:
         out_shape: activation shape without ``D``; ``prod(out_shape) == N``.
         combine: True → reduce each row of ``ids`` with the table's combiner; False → ``L == 1``
             and each position is looked up as is (dense and sequence features).
+        offsets: jagged bags (variable-length inputs on eager devices, never padded): ``ids``,
+            ``valid`` and ``weights`` are ``[nnz]`` in bag order and bag ``n`` is ``[offsets[n],
+            offsets[n+1])``; ``None`` for padded bags.
     """
 
     ids: torch.Tensor
@@ -88,6 +92,7 @@ class Bags:
     weights: torch.Tensor | None
     out_shape: tuple[int, ...]
     combine: bool
+    offsets: torch.Tensor | None = None
 
 
 def _next_pow2(n: int) -> int:
@@ -318,7 +323,15 @@ def to_bags(
             )
         width = cap
     else:
-        width = _next_pow2(longest) if static else max(longest, 1)
+        width = _next_pow2(longest)
+    if not static:  # eager: jagged, straight to the pooled lookup (memory follows the ids, not the longest bag)
+        ids = rp.vals.to(device=device, dtype=torch.int64, copy=True).add_(offset)  # never the caller's buffer
+        if rp.weights is not None:
+            check_weights_fit(feature, rp.weights, dtype)
+        w = None if rp.weights is None else rp.weights.to(device=device, dtype=compute_dtype(dtype))
+        counts = torch.bincount(rp.row, minlength=nbags)
+        offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).to(device)
+        return Bags(ids, torch.ones_like(ids, dtype=torch.bool), w, out_shape, True, offsets)
     ids2d = torch.full((nbags, width), sentinel, dtype=torch.int64)
     ids2d[rp.row, rp.rank] = rp.vals.to(torch.int64) + offset
     w2d = None

@@ -128,6 +128,12 @@ def _update_dense(item: Work, space: RowSpace, g: Tensor) -> None:
     step = state["step"] + 1
     w0 = p.to(math_dtype(p))
     w, new = pipeline(w0, g, slots, item.lr, step, group, ctx)
+    info = table_info(p)
+    frozen = None if info is None else info.frozen_rows  # frozen members of a stacked group keep their rows
+    if frozen is not None and frozen.shape[0] == p.shape[0]:
+        w = torch.where(frozen[:, None], w0, w)
+        new = {k: torch.where(frozen.view(-1, *[1] * (v.dim() - 1)), slots[k].to(v.dtype), v)
+               if v.dim() and v.shape[0] == p.shape[0] else v for k, v in new.items()}
     for k in names:
         space.write(k, gated(gate, new[k].to(slots[k].dtype), slots[k]))
     state["step"].copy_(gated(gate, step, state["step"]))

@@ -128,6 +128,13 @@ class RoutedLookup:
         weight = self.weight
         info = table_info(weight)
         assert info is not None and info.owner_local and info.layout is not None
+        if info.frozen_tables:
+            raise ValueError(
+                f"Tables {sorted(info.frozen_tables)} are frozen (requires_grad_(False)) members of group "
+                f"`{self.table}`, which is row-sharded and trained through the id exchange: freezing one table of "
+                "such a group is not supported. Give the frozen tables a TableConfig.optimizer override of their own "
+                "(they then stack apart) and freeze their group, or build the collection with fuse_tables=False."
+            )
         mesh, axis, n = info.sharding.mesh, info.sharding.axis, info.sharding.num_shards
         rows_total, dim = int(weight.shape[0]), int(weight.shape[1])
         items = [(path, bags, b.combiner, b.resident) for b in self.batches for path, bags in b.items]

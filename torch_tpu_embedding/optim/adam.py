@@ -134,6 +134,7 @@ class LazyAdam(Adam):
     """
 
     algorithm = "lazy_adam"
+    _refused_options = ("lazy_adam",)
 
     def __init__(
         self,

@@ -327,12 +327,35 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         index>``. Row slots are saved with the table's logical rows (no device padding); ids in
         a pending accumulation buffer that are padding are saved as ``-1``. Callables (a callable
         ``lr``, ``slot_creation_fn``) are not saved; the loading optimizer keeps its own.
+
+        Hooks as in torch.optim: ``register_state_dict_pre_hook``'s ``hook(optimizer)`` first, then
+        ``register_state_dict_post_hook``'s ``hook(optimizer, state_dict)``, whose non-``None`` result
+        replaces the state dict.
         """
-        return _state_io.state_dict(self)
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        out = _state_io.state_dict(self)
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, out)
+            if result is not None:
+                out = result
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Load a :meth:`state_dict`, matching parameters by key (table name), not by position."""
+        """Load a :meth:`state_dict`, matching parameters by key (table name), not by position.
+
+        Hooks as in torch.optim: ``register_load_state_dict_pre_hook``'s ``hook(optimizer, state_dict)``
+        gets a shallow copy of ``state_dict`` (a non-``None`` result is loaded instead), and
+        ``register_load_state_dict_post_hook``'s ``hook(optimizer)`` runs after the load.
+        """
+        state_dict = state_dict.copy()  # shallow, as torch.optim (a hook may add or drop keys)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         _state_io.load_state_dict(self, state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def physical_state(self) -> _state_io.PhysicalState:
         """The slots as they are on the device, for distributed checkpoints (``tte.checkpoint``):

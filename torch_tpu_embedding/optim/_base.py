@@ -40,6 +40,7 @@ from torch_tpu_embedding.optim._hyper import (
     check_fused,
     check_group_options,
     param_groups,
+    refuse_complex,
     user_groups,
     validate_common,
 )
@@ -162,6 +163,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         group = self.param_groups[-1]
         try:
             rule_cls = optimizer_class(group["algorithm"]) if group.get("algorithm") else type(self)
+            refuse_complex(group, len(self.param_groups) - 1, type(self).__name__)
             extras = {k: group[k] for k in EXTRA_DEFAULTS if k in group}
             check_extras(group, extras)
             validate_common(group)

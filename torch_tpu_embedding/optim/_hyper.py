@@ -26,6 +26,7 @@ __all__ = [
     "check_fused",
     "check_group_options",
     "param_groups",
+    "refuse_complex",
     "user_groups",
     "validate_common",
 ]
@@ -152,6 +153,24 @@ def check_group_options(
             f"Parameter group {index}: {rule_cls.__name__} takes no option `{key}` (received {value!r}); "
             f"a group may set the constructor's options {sorted(allowed)}.{hint}"
         )
+
+
+def refuse_complex(group: Mapping[str, Any], index: int, optimizer: str) -> None:
+    """Raise ``TypeError`` naming a complex parameter of ``group`` (group ``index``).
+
+    The rules are TF's and Keras's, written for real weights: on a complex tensor their ``g·g``
+    and square roots are not torch.optim's ``view_as_real`` update (and Adafactor's statistics fail),
+    so a complex parameter is refused rather than trained wrong.
+    """
+    names = group.get("param_names")
+    for i, p in enumerate(group["params"]):
+        if isinstance(p, torch.Tensor) and p.is_complex():
+            name = repr(names[i]) if names else f"param_groups[{index}]['params'][{i}]"
+            raise TypeError(
+                f"Parameter {name} (shape {tuple(p.shape)}) is complex ({p.dtype}): {optimizer} does not "
+                "train complex parameters. Keep it as a real parameter with a last dim of 2 (the real and "
+                "imaginary parts, as torch.view_as_real gives) and use torch.view_as_complex(param) in forward."
+            )
 
 
 def _same(a: Any, b: Any) -> bool:

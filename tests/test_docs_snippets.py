@@ -132,6 +132,36 @@ def test_python_blocks_run(path: Path) -> None:
     run_blocks(path, [b for b in blocks(path) if b.marker is None])
 
 
+GUIDE = ROOT / "docs" / "guide.md"
+#: The guide's setup sections (its introduction names them): every other section runs alone after them.
+GUIDE_SETUP = (1, 4, 5)
+SECTION = re.compile(r"^## (\d+)\. ")
+
+
+def sections(path: Path) -> dict[int, list[Block]]:
+    """The ```python blocks of each numbered ``## N.`` section of ``path``."""
+    starts = [(i + 1, int(m.group(1))) for i, line in enumerate(path.read_text(encoding="utf-8").splitlines())
+              if (m := SECTION.match(line))]
+    out: dict[int, list[Block]] = {n: [] for _, n in starts}
+    for b in blocks(path):
+        owner = [n for line, n in starts if line < b.line]
+        if owner:
+            out[owner[-1]].append(b)
+    return out
+
+
+ALONE = [n for n, bs in sections(GUIDE).items() if n not in GUIDE_SETUP and any(b.marker is None for b in bs)]
+
+
+@pytest.mark.parametrize("section", ALONE, ids=[f"section-{n}" for n in ALONE])
+def test_guide_section_runs_alone(section: int) -> None:
+    """A guide section runs in a fresh namespace after the setup sections only (the CPU blocks; a
+    reader can copy it without the sections between)."""
+    by_number = sections(GUIDE)
+    setup = [b for n in GUIDE_SETUP if n < section for b in by_number[n]]
+    run_blocks(GUIDE, [b for b in [*setup, *by_number[section]] if b.marker is None])
+
+
 def _runner_assignments(runner: Path) -> dict[str, str]:
     """Top-level ``NAME = <source>`` assignments of a runner test (read, not imported: no torch_xla here)."""
     tree = ast.parse(runner.read_text(encoding="utf-8"))

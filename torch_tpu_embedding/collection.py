@@ -62,11 +62,7 @@ class EmbeddingCollection(nn.Module):
             deterministically (docs/guide.md §13) and listed by ``repr(ec)`` and ``fused_members()``;
             :func:`torch_tpu_embedding.xla.shard` re-forms them by each table's resolved placement.
 
-    Forward:
-        ``forward(features, weights=None)`` takes inputs in the structure of ``feature_config``
-        (any form of :mod:`torch_tpu_embedding.inputs`) and optional per-id weights in the same
-        structure (``None`` leaves allowed), and returns activations in that structure: ``[B, D]``
-        for combined bags, ``[B, S, D]`` for sequence features, ``output_shape + [D]`` where set.
+    Forward: :meth:`forward` (``ec(features, weights=None)``).
 
     Gradients:
         ``backward`` gives each table a row-sparse gradient: per looked-up id, one ``[D]`` row,
@@ -92,6 +88,12 @@ class EmbeddingCollection(nn.Module):
     def __init__(
         self, feature_config: Any, *, device: torch.device | str | None = None, fuse_tables: bool = True
     ) -> None:
+        """Create the tables of ``feature_config`` (each :class:`TableConfig` once) on ``device``,
+        stacked in groups unless ``fuse_tables=False``; the arguments are the class's (``Args``).
+
+        Raises ``ValueError`` / ``TypeError`` naming the feature or table: no feature, a leaf that is
+        not a :class:`FeatureConfig`, two tables or two features with one name.
+        """
         super().__init__()
         check_bool("fuse_tables", fuse_tables)
         flat = list(flatten(feature_config))
@@ -218,14 +220,12 @@ class EmbeddingCollection(nn.Module):
     def row_grads(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Pending row-sparse gradients: table name → ``(ids [N], rows [N, D])``, in table order.
 
-        Raw accumulation: duplicate ids are not summed and padding entries carry the sentinel id
-        ``weight.shape[0]`` with zero rows. Tables with no pending gradient are omitted. A stacked
-        table reports its own entries of its group's gradient (none when its bags were all empty),
-        with its own ids (on XLA, with static
+        One contract on every layout: ``ids`` are the table's own (logical) ids, 1-D; padding
+        entries carry the id ``num_embeddings`` with zero rows. Raw accumulation: duplicate ids are
+        not summed. Tables with no pending gradient are omitted. A stacked table reports its own
+        entries of its group's gradient (none when its bags were all empty; on XLA, with static
         shapes: the group's ``N`` entries, the other tables' entries as padding). A row-sharded
-        table trained through the id exchange reports what each shard received, in the table's own
-        (logical) ids: ``ids [n, M]`` (``weight.shape[0]`` = padding; a stacked table's: its
-        ``num_embeddings``) and ``rows [n, M, D]``.
+        table trained through the id exchange reports what its shards received, shard after shard.
         """
         pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for name, t in self.physical_tables().items():
@@ -233,11 +233,13 @@ class EmbeddingCollection(nn.Module):
                 continue
             members = t.members()
             ids, rows = t.row_grad.collect()
-            if t.row_grad.owned:  # shard-local rows [n, M] -> the table's (or group's) logical ids
+            if t.row_grad.owned:  # shard-local rows [n, M] -> the table's (or group's) logical ids, [n·M]
                 assert t.row_layout is not None  # owner-local chunks exist only on tables so laid out
                 ids = owned_logical_ids(ids, t.row_layout, int(t.weight.shape[0]), int(t.weight.shape[0]))
+                ids, rows = ids.reshape(-1), rows.reshape(-1, rows.shape[-1])
             if members is None:
-                pending[name] = (ids, rows)
+                # Padding: the sentinel weight.shape[0] is past the rows a sharded table pads to split evenly.
+                pending[name] = (ids.clamp(max=t.config.num_embeddings), rows)
                 continue
             for tname, off, n in members:
                 if is_static_device(ids.device):  # the group's entries, the other tables' as padding
@@ -257,6 +259,20 @@ class EmbeddingCollection(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, features: Any, weights: Any = None) -> Any:
+        """Look up every feature; activations in the structure of ``feature_config``.
+
+        Args:
+            features: one input per feature, in the structure of ``feature_config``, in any form of
+                :mod:`torch_tpu_embedding.inputs`: dense ids ``[B]``, :class:`Jagged`,
+                :class:`Padded`, sparse COO ``[B, L]``, ``torch.nested`` jagged.
+            weights: optional per-id weights in the same structure (``None`` leaves allowed), or
+                inside ``Jagged`` / ``Padded``.
+
+        Returns ``[B, D]`` for a combined bag, ``[B, S, D]`` for a sequence feature, ``output_shape
+        + [D]`` where set. Ids outside ``[0, num_embeddings)`` raise ``ValueError`` naming the
+        feature, before any state changes. ``backward`` gives the tables row-sparse gradients
+        (:meth:`row_grads`), consumed by a :mod:`torch_tpu_embedding.optim` optimizer.
+        """
         check_structure(self._config, features, "Inputs `features`")
         if weights is not None:
             check_structure(self._config, weights, "Argument `weights`")

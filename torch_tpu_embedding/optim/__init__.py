@@ -32,3 +32,4 @@ __all__ = sorted(
      "optimizer_names"}
     | {name for n in OPTIMIZER_NAMES for name in sys.modules[optimizer_class(n).__module__].__all__}
 )
+del sys  # used above only: not part of the package's namespace

@@ -22,6 +22,7 @@ are created with trash rows and their table's layout on XLA (:mod:`._slots`).
 
 from __future__ import annotations
 
+import inspect
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
@@ -34,8 +35,15 @@ from torch_tpu_embedding._rows import check_live_tables, retired_count, stacked_
 from torch_tpu_embedding.optim import _ema, _intake, _state_io
 from torch_tpu_embedding.optim._contract import RowContext, Slots, SlotSpec
 from torch_tpu_embedding.optim._device import LearningRates, StepClock, lr_value
-from torch_tpu_embedding.optim._extras import EXTRA_DEFAULTS, check_extras
-from torch_tpu_embedding.optim._hyper import check_fused, param_groups, validate_common
+from torch_tpu_embedding.optim._extras import EXTRA_DEFAULTS, EXTRA_NAMES, check_extras
+from torch_tpu_embedding.optim._hyper import (
+    check_fused,
+    check_group_options,
+    param_groups,
+    refuse_complex,
+    user_groups,
+    validate_common,
+)
 from torch_tpu_embedding.optim._paths import choose_path, update
 from torch_tpu_embedding.optim._slots import RowSpace, lazy_table, make_state
 
@@ -82,7 +90,15 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         self._iterations = 0
         self._checked_retired = -1  # retired_count() when the parameters were last checked
         self._skipped: Tensor | None = None  # device-side count of calls dropped by skip_nonfinite
-        super().__init__(param_groups(params), defaults)
+        groups = user_groups(params)
+        for i, group in enumerate(groups):
+            if isinstance(group, dict):  # (torch.optim names anything else)
+                check_group_options(group, i, type(self), defaults)
+                type(self)._options_to_hp(group)
+        # Checked above with the indices the user wrote (table overrides add groups before theirs).
+        self._groups_checked = True
+        super().__init__(param_groups(groups), defaults)
+        self._groups_checked = False
         self.state = _State(dict, self.state)
 
     # ------------------------------------------------------------------ subclass API
@@ -111,14 +127,43 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         """False for optimizers that update every row of a table each step (non-lazy Adam)."""
         return True
 
+    #: Constructor arguments a subclass refuses although a base class's constructor takes them
+    #: (LazyAdam: ``lazy_adam``).
+    _refused_options: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def group_options(cls) -> frozenset[str]:
+        """The options a parameter group may set: the constructor's keyword arguments (every Keras
+        extra included), each with the constructor's meaning (:meth:`_options_to_hp`)."""
+        names: set[str] = set(EXTRA_NAMES)
+        for klass in cls.__mro__:
+            if klass is RowSparseOptimizer:
+                break
+            init = klass.__dict__.get("__init__")
+            if init is not None:
+                kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+                names |= {n for n, a in inspect.signature(init).parameters.items() if a.kind in kinds}
+        return frozenset(names - {"self", "params", *cls._refused_options})
+
+    @classmethod
+    def _options_to_hp(cls, group: dict[str, Any]) -> None:
+        """Rewrite, in place, a group's constructor options the groups store under other keys
+        (Adafactor's ``weight_decay``); the default stores every option under its own name."""
+
     # ------------------------------------------------------------------ construction
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer.add_param_group``; options given in the group are validated
-        (and normalised) like the constructor's, and a rejected group is not added."""
+        (and normalised) like the constructor's, and a rejected group is not added. A key the
+        constructor does not take raises ``TypeError`` naming it and the group's index."""
+        if not self.__dict__.get("_groups_checked") and isinstance(param_group, dict):
+            rule_cls = optimizer_class(param_group["algorithm"]) if param_group.get("algorithm") else type(self)
+            check_group_options(param_group, len(self.param_groups), rule_cls, self.defaults)
+            rule_cls._options_to_hp(param_group)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
             rule_cls = optimizer_class(group["algorithm"]) if group.get("algorithm") else type(self)
+            refuse_complex(group, len(self.param_groups) - 1, type(self).__name__)
             extras = {k: group[k] for k in EXTRA_DEFAULTS if k in group}
             check_extras(group, extras)
             validate_common(group)
@@ -284,12 +329,35 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         index>``. Row slots are saved with the table's logical rows (no device padding); ids in
         a pending accumulation buffer that are padding are saved as ``-1``. Callables (a callable
         ``lr``, ``slot_creation_fn``) are not saved; the loading optimizer keeps its own.
+
+        Hooks as in torch.optim: ``register_state_dict_pre_hook``'s ``hook(optimizer)`` first, then
+        ``register_state_dict_post_hook``'s ``hook(optimizer, state_dict)``, whose non-``None`` result
+        replaces the state dict.
         """
-        return _state_io.state_dict(self)
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        out = _state_io.state_dict(self)
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, out)
+            if result is not None:
+                out = result
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Load a :meth:`state_dict`, matching parameters by key (table name), not by position."""
+        """Load a :meth:`state_dict`, matching parameters by key (table name), not by position.
+
+        Hooks as in torch.optim: ``register_load_state_dict_pre_hook``'s ``hook(optimizer, state_dict)``
+        gets a shallow copy of ``state_dict`` (a non-``None`` result is loaded instead), and
+        ``register_load_state_dict_post_hook``'s ``hook(optimizer)`` runs after the load.
+        """
+        state_dict = state_dict.copy()  # shallow, as torch.optim (a hook may add or drop keys)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         _state_io.load_state_dict(self, state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def physical_state(self) -> _state_io.PhysicalState:
         """The slots as they are on the device, for distributed checkpoints (``tte.checkpoint``):

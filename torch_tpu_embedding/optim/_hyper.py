@@ -7,7 +7,7 @@ table and every dense parameter.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,11 +20,24 @@ from torch_tpu_embedding.optim._device import check_lr
 if TYPE_CHECKING:
     from torch_tpu_embedding.optim._base import RowSparseOptimizer
 
-__all__ = ["check_clipvalue", "check_fused", "param_groups", "validate_common"]
+__all__ = [
+    "TORCH_GROUP_KEYS",
+    "check_clipvalue",
+    "check_fused",
+    "check_group_options",
+    "param_groups",
+    "refuse_complex",
+    "user_groups",
+    "validate_common",
+]
 
 #: Marks the parameter group a table override's own optimizer is built from: that optimizer must
 #: not look for overrides again (the table's config still names the override).
 _OVERRIDE_GROUP = "_tte_table_override"
+
+#: Keys torch.optim itself puts in a parameter group besides an optimizer's options: named
+#: parameters (``param_names``) and the LR schedulers' ``initial_lr`` (given in a group to resume one).
+TORCH_GROUP_KEYS = frozenset({"params", "param_names", "initial_lr"})
 
 
 def check_clipvalue(clipvalue: Any) -> tuple[float | None, float | None] | None:
@@ -101,24 +114,90 @@ def check_fused(group: Mapping[str, Any], rule_cls: type[RowSparseOptimizer]) ->
             )
 
 
-def param_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
-    """The parameter groups of ``params``, with tables whose config names an optimizer moved to their
-    own group (built by that optimizer, with its defaults). Groups that name an ``algorithm`` and the
-    group a table override is built from keep their tables."""
+def user_groups(params: Any) -> list[dict[str, Any]]:
+    """``params`` as torch.optim reads it: a list of parameter groups (dicts), with torch's errors."""
+    if isinstance(params, torch.Tensor):
+        # list(tensor) would give its rows (each a non-leaf view): refused as torch.optim does.
+        raise TypeError(
+            "params argument given to the optimizer should be an iterable of Tensors or dicts, but got "
+            + torch.typename(params)
+        )
     items = list(params)
     if not items:
         raise ValueError("optimizer got an empty parameter list")
-    groups = items if isinstance(items[0], dict) else [{"params": items}]
+    return items if isinstance(items[0], dict) else [{"params": items}]
+
+
+def check_group_options(
+    group: Mapping[str, Any], index: int, rule_cls: type[RowSparseOptimizer], defaults: Mapping[str, Any]
+) -> None:
+    """A parameter group may set what ``rule_cls``'s constructor takes (:meth:`group_options`), with the
+    same meaning; any other key raises the constructor's ``TypeError``, naming the key and the group.
+
+    A key of ``defaults`` (the hyper-parameters every group carries, e.g. a copy of
+    ``opt.param_groups[0]``) passes when it holds the optimizer's own value.
+    """
+    allowed = rule_cls.group_options()
+    for key, value in group.items():
+        if key in allowed or key in TORCH_GROUP_KEYS or key == _OVERRIDE_GROUP:
+            continue
+        if key in defaults and _same(value, defaults[key]):
+            continue
+        hint = ""
+        if key == "weight_decay":
+            # torch's weight_decay adds λ·w to the gradient (coupled L2); TF's weight_decay_factor decays
+            # the weight after the gradient (decoupled): mapping one onto the other would change the math.
+            hint = (" torch's `weight_decay` (λ·w added to the gradient) is not TF's decoupled "
+                    "`weight_decay_factor`; set `weight_decay_factor` for decoupled decay (docs/optimizers.md).")
+        raise TypeError(
+            f"Parameter group {index}: {rule_cls.__name__} takes no option `{key}` (received {value!r}); "
+            f"a group may set the constructor's options {sorted(allowed)}.{hint}"
+        )
+
+
+def refuse_complex(group: Mapping[str, Any], index: int, optimizer: str) -> None:
+    """Raise ``TypeError`` naming a complex parameter of ``group`` (group ``index``).
+
+    The rules are TF's and Keras's, written for real weights: on a complex tensor their ``g·g``
+    and square roots are not torch.optim's ``view_as_real`` update (and Adafactor's statistics fail),
+    so a complex parameter is refused rather than trained wrong.
+    """
+    names = group.get("param_names")
+    for i, p in enumerate(group["params"]):
+        if isinstance(p, torch.Tensor) and p.is_complex():
+            name = repr(names[i]) if names else f"param_groups[{index}]['params'][{i}]"
+            raise TypeError(
+                f"Parameter {name} (shape {tuple(p.shape)}) is complex ({p.dtype}): {optimizer} does not "
+                "train complex parameters. Keep it as a real parameter with a last dim of 2 (the real and "
+                "imaginary parts, as torch.view_as_real gives) and use torch.view_as_complex(param) in forward."
+            )
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or type(a) is not type(b):
+        return False
+    return bool(a == b)
+
+
+def param_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The parameter groups ``groups`` (from :func:`user_groups`), with tables whose config names an
+    optimizer moved to their own group (built by that optimizer, with its defaults). Groups that name
+    an ``algorithm`` and the group a table override is built from keep their tables."""
     overrides = not any(g.get(_OVERRIDE_GROUP) for g in groups if isinstance(g, dict))
     out: list[dict[str, Any]] = []
     for group in groups:
         group = {k: v for k, v in group.items() if k != _OVERRIDE_GROUP}
         ps = group["params"]
         ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
-        named = bool(ps) and isinstance(ps[0], tuple)
         keep: list[Any] = []
         for item in ps:
-            p = item[1] if named else item
+            # Named and unnamed parameters may be mixed here: torch.optim's add_param_group refuses that.
+            p = item[1] if isinstance(item, tuple) and len(item) == 2 else item
+            if not isinstance(p, torch.Tensor):
+                keep.append(item)  # torch.optim's add_param_group names what is not a tensor
+                continue
             refuse_stacked_view(p, "params", "optimized", "For per-table optimizer settings use "
                                 "TableConfig(optimizer=...) (tables with different settings are stacked apart), or "
                                 "build the EmbeddingCollection with fuse_tables=False.")

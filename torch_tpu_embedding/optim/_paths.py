@@ -78,6 +78,11 @@ def choose_path(p: Tensor, group: Mapping[str, Any], *, row_grad: bool) -> Path:
         return Path.OWNER_LOCAL
     if not row_grad or not cls.is_lazy(group):
         return Path.DENSE
+    if info is None and _whole_slots(p, group):
+        # A sparse COO .grad of a plain parameter (nn.Embedding(sparse=True)) under a rule with statistics
+        # over all its rows (Adafactor): densified, as Keras densifies IndexedSlices, so it trains as on a
+        # dense .grad. Only a table keeps the bookkeeping (Adafactor's r_sum) a lazy update of them needs.
+        return Path.DENSE
     static = is_static_device(p.device)
     if cls.additive and not static and not any(group.get(k) not in (None, False, 0) for k in _NEEDS_SUMMED_ROWS):
         return Path.ADDITIVE

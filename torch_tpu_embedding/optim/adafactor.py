@@ -183,6 +183,16 @@ class Adafactor(RowSparseOptimizer):
     rule = staticmethod(adafactor_rule)
 
     @classmethod
+    def _options_to_hp(cls, group: dict[str, Any]) -> None:
+        # As the constructor: Keras's decoupled w·wd·lr is TF's weight_decay_factor times the lr.
+        if "weight_decay" in group:
+            wd = group.pop("weight_decay")
+            if wd is not None:
+                check_number("weight_decay", wd, minimum=0.0)
+            group["weight_decay_factor"] = wd
+            group["multiply_weight_decay_factor_by_learning_rate"] = True if wd else None
+
+    @classmethod
     def _validate(cls, hp: dict[str, Any]) -> None:
         hp["beta_2_decay"] = check_number("beta_2_decay", hp["beta_2_decay"], maximum=0.0)
         # epsilon_1 = 0 gives 0/0 = NaN in the factored second moment of a row whose gradient is 0.

@@ -127,13 +127,35 @@ class Adam(RowSparseOptimizer):
 
 
 class LazyAdam(Adam):
-    """:class:`Adam` with ``lazy_adam=True`` fixed (the TPU default).
+    r"""Lazy Adam: :class:`Adam` with ``lazy_adam=True`` fixed (the TPU default).
+
+    .. math::
+        m &\leftarrow \beta_1 m + (1-\beta_1) g, \qquad v \leftarrow \beta_2 v + (1-\beta_2) g^2 \\
+        w &\leftarrow w - \eta_t\, m / \sqrt{v + \epsilon^2}
+            \quad (\texttt{sum\_inside\_sqrt}) \quad\text{or}\quad w - \eta_t\, m / (\sqrt{v} + \epsilon)
+
+    on the rows looked up in a step only: other rows, and their moments, do not change (a dense
+    parameter is updated whole whenever it has a gradient). :math:`\eta_t = \eta` (TPU), or with
+    ``bias_correction=True`` :math:`\eta \sqrt{1-\beta_2^t} / (1-\beta_1^t)`, ``t`` counting
+    the steps in which the parameter had a gradient. Slots: ``momenta``, ``velocities``.
 
     For tfa ``LazyAdam`` / ``torch.optim.SparseAdam`` numbers pass
     ``bias_correction=True, sum_inside_sqrt=False`` (and SparseAdam's ``eps=1e-8``).
+
+    Args:
+        params: parameters or parameter groups (tables and/or dense parameters).
+        lr: η (float, 0-d tensor or callable; TF default 0.001). betas: (β1, β2), each in [0, 1).
+        eps: ε > 0 (TF default 1e-7). sum_inside_sqrt, bias_correction: as above.
+        Others (keyword): as :class:`Adam`, except ``lazy_adam``, which is refused.
+
+    Example::
+
+        >>> opt = tte.optim.LazyAdam(model.parameters(), lr=1e-3)
+        >>> loss.backward(); opt.step(); opt.zero_grad()
     """
 
     algorithm = "lazy_adam"
+    _refused_options = ("lazy_adam",)
 
     def __init__(
         self,

@@ -161,5 +161,28 @@ def main(work: str) -> None:
             break
 
 
+def ranks_worker(rank: int, world: int, port: int, work: str) -> None:
+    """One rank of ``world`` (gloo): save over a checkpoint together, then load it; results in ``work``."""
+    dist = __import__("torch.distributed", fromlist=["init_process_group"])
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model, opt = build()
+    folder = os.path.join(work, "ck")
+    train(model, opt, 2)
+    tte.checkpoint.save_distributed(folder, model=model, optimizer=opt)
+    train(model, opt, 2)
+    tte.checkpoint.save_distributed(folder, model=model, optimizer=opt)  # over the first: every rank's files
+    listing = sorted(os.listdir(work))  # published before any rank returns
+    other, other_opt = build()
+    tte.checkpoint.load_distributed(folder, model=other, optimizer=other_opt)
+    tte.checkpoint.save(os.path.join(work, f"rank{rank}.pt"), model=other, optimizer=other_opt,
+                        extra={"listing": listing, "files": sorted(os.listdir(folder))})
+    if rank == 0:
+        tte.checkpoint.save(os.path.join(work, "ref.pt"), model=model, optimizer=opt)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     main(sys.argv[1])

@@ -187,6 +187,11 @@ def save_distributed(
     sharded layout (``torch_tpu_embedding.xla.ROW_ALIGNMENT``), so :func:`load_distributed` reshards
     in place (4 → 2 → 1 devices, row ↔ column); a CPU model or :func:`convert_distributed` reads the
     logical rows. On several hosts every process calls it (each writes its shards).
+
+    Crash-safe: written into a sibling staging directory and published with renames once every
+    file and a manifest of their sizes and sha256 are on disk, so a process killed at any point
+    leaves the previous checkpoint or this one, complete. Refuses to replace a directory holding
+    other files than a checkpoint's.
     """
     dcp = _dcp()
     for name, m in model.named_modules():  # what state_dict() warns of, for a save that does not call it
@@ -277,6 +282,10 @@ def load_distributed(
     call ``optimizer.init_state()`` first. Mismatched tables or slots raise one ``ValueError``.
     A checkpoint whose tables are stacked in other groups than the model's is read per table through
     the host, as :func:`convert_distributed` reads it.
+
+    Every file is checked against the save's manifest (sizes, sha256) before anything is written:
+    a truncated, missing or altered file raises :class:`CheckpointCorruptError` naming it, and the
+    model and optimizer are unchanged.
     """
     target = resolve(os.fspath(path))  # a save killed between its renames left the old one aside
     _present(target)

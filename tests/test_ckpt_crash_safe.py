@@ -27,7 +27,8 @@ from _crash_child import build, train
 from test_load_all_or_nothing import prepared, same, snapshot, step
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding.checkpoint import CheckpointCorruptError
+from torch_tpu_embedding import _ckpt_publish
+from torch_tpu_embedding.checkpoint import CheckpointCorruptError, CheckpointMismatchError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -189,3 +190,27 @@ def test_a_failed_read_is_an_exception_naming_the_checkpoint(tmp_path: Path) -> 
     m, opt = _model(tmp_path)
     with pytest.raises(CheckpointCorruptError, match=f"Reading the distributed checkpoint {ckpt} failed"):
         tte.checkpoint.load_distributed(ckpt, model=m, optimizer=opt)
+
+
+@pytest.mark.parametrize("damage, pattern", [
+    (lambda meta: meta["optimizer"]["acc"]["table:b"]["acc_ids"].__setitem__((0, 0), 12),
+     r"table:b: slot 'acc_ids' must hold -1 \(padding\) or rows of this table, in \[0, 9\). Received \[12\]"),
+    (lambda meta: meta["optimizer"].__setitem__("iterations", "x"), r"'iterations' must be an integer >= 0. "
+                                                                     r"Received str 'x'"),
+], ids=["pending-id-out-of-range", "iterations-x"])
+def test_crafted_distributed_counters_and_pending_ids_change_nothing(tmp_path: Path, damage: Any,
+                                                                     pattern: str) -> None:
+    """``tte_meta.pt`` altered and sealed again (a manifest that matches it): its values are refused
+    before any tensor is read in place."""
+    ckpt = _dcp(tmp_path, "a")
+    meta = torch.load(ckpt / "tte_meta.pt", weights_only=True)
+    damage(meta)
+    torch.save(meta, ckpt / "tte_meta.pt")
+    _ckpt_publish.write_manifest(str(ckpt))
+    m, opt = _model(tmp_path)
+    before = snapshot(m, opt, ckpt)
+    with pytest.raises(CheckpointMismatchError, match=pattern):
+        tte.checkpoint.load_distributed(ckpt, model=m, optimizer=opt)
+    after = snapshot(m, opt, ckpt)
+    for part in before:
+        assert same(before[part], after[part]), part

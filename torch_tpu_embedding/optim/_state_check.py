@@ -71,7 +71,7 @@ def step_problem(where: str, v: Any) -> str | None:
     assert isinstance(v, torch.Tensor)
     if v.numel() != 1 or _kind(v.dtype) not in ("integer", "floating point"):
         return f"{where} must be one real number (a 0-d tensor or a Python number). Received {_describe(v)}"
-    x = float(v.reshape(()).item())
+    x = float(v.detach().cpu().reshape(()).item())  # a device step: one small transfer, no compile
     return None if math.isfinite(x) and x >= 0 else f"{where} must be a finite number >= 0. Received {x!r}"
 
 
@@ -92,6 +92,7 @@ def accumulation_problems(key: str, s: Mapping[str, Any], rows: int, dim: int) -
     if ids.dim() != 2 or tuple(acc.shape) != (*ids.shape, dim):
         return [f"{key}: pending accumulation buffers must be 'acc_ids' [k, cap] and 'acc_rows' [k, cap, {dim}]. "
                 f"Received {tuple(ids.shape)} and {tuple(acc.shape)}"]
+    ids = ids.detach().cpu()  # a device buffer: checked on the host (a boolean mask is no XLA shape)
     bad = ids[(ids < -1) | (ids >= rows)]
     if bad.numel():
         return [f"{key}: slot 'acc_ids' must hold -1 (padding) or rows of this table, in [0, {rows}). "

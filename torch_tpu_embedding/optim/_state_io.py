@@ -391,9 +391,9 @@ def load_state_dict(opt: RowSparseOptimizer, sd: dict[str, Any]) -> None:
         _restore_accumulation(state, {k: v for k, v in s.items() if k in ACCUMULATION}, p)
         numbers = slot_rows(p, group_of[id(p)]).numbers
         for name, v in s.items():
+            v = v.detach()
             # Whole-tensor writes into the slots made by _state_for: they keep their layout
             # (SPMD sharding, trash and padding rows, row order); 0-d values arrive as device data.
-            v = v.detach()
             if name == "step":
                 state[name].copy_(to_device(v, p.device))
             elif name in ACCUMULATION:

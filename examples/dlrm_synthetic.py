@@ -43,7 +43,8 @@ device only its part of the batch. A real input pipeline reads its host's part i
 Checkpoints (``--save``): a directory is written with ``tte.checkpoint.save_distributed`` (every
 process writes its shards; no table is gathered; on several hosts the script first joins a ``gloo``
 process group with ``init_method='xla://'``, as torch_xla's distributed-checkpoint guide
-prescribes, since ``torch.distributed.checkpoint`` coordinates the writers); a path ending in ``.pt`` with
+prescribes, since ``torch.distributed.checkpoint`` coordinates the writers; a ``torch.optim`` dense
+optimizer's state goes to ``<dir>.dense_optimizer.pt`` beside it); a path ending in ``.pt`` with
 ``tte.checkpoint.save``, called by every process because gathering a sharded table to the host is a
 computation over all devices (on several hosts, each writes the same file: use a local path).
 
@@ -413,7 +414,9 @@ def save(path: str, model: DLRM, optimizers: list[torch.optim.Optimizer], proces
         if extra is not None:
             host = tte.checkpoint.to_cpu(extra)  # every process (a sharded slot would gather)
             if process_index == 0:
-                torch.save(host, os.path.join(path, "dense_optimizer.pt"))
+                # Beside the directory, not in it: a later save replaces the directory whole (and
+                # refuses to replace one holding other files than a checkpoint's).
+                torch.save(host, os.path.abspath(path).rstrip(os.sep) + ".dense_optimizer.pt")
 
 
 if __name__ == "__main__":

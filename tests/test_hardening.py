@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding import _ckpt_io
+from torch_tpu_embedding import _ckpt_io, _ckpt_publish
 
 ROOT = Path(__file__).resolve().parents[1]
 V, D = 10, 3
@@ -111,6 +111,7 @@ def test_crafted_dcp_metadata_runs_no_code(tmp_path: Path, how: str, pattern: st
     ec, opt, ckpt = _dcp_checkpoint(tmp_path)
     marker = tmp_path / "pwned"
     _evil_metadata(ckpt, marker, how)
+    _ckpt_publish.write_manifest(str(ckpt))  # a crafted checkpoint comes with a manifest that matches it
     ec2, opt2 = trained()
     before = snapshot(ec2, opt2, ckpt)
     with pytest.raises(ValueError, match=pattern):
@@ -129,6 +130,7 @@ def test_crafted_tte_meta_runs_no_code(tmp_path: Path) -> None:
     ec, opt, ckpt = _dcp_checkpoint(tmp_path)
     marker = tmp_path / "pwned"
     torch.save({"format": tte.checkpoint.FORMAT, "rows": _Evil(str(marker))}, ckpt / "tte_meta.pt")
+    _ckpt_publish.write_manifest(str(ckpt))  # a crafted checkpoint comes with a manifest that matches it
     ec2, opt2 = trained()
     before = snapshot(ec2, opt2, ckpt)
     for call in (lambda: tte.checkpoint.load_distributed(ckpt, model=ec2, optimizer=opt2),

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import torch_tpu_embedding as tte
+from torch_tpu_embedding import _ckpt_publish
 from torch_tpu_embedding.checkpoint import CheckpointMismatchError
 
 O = tte.optim  # noqa: E741
@@ -192,6 +193,7 @@ def test_a_failed_distributed_load_changes_nothing(tmp_path: Path) -> None:
     meta = torch.load(ckpt / "tte_meta.pt", weights_only=True)
     meta["optimizer"]["param_groups"][0]["betas"] = (1.5, 0.999)  # a hyper-parameter the constructor refuses
     torch.save(meta, ckpt / "tte_meta.pt")
+    _ckpt_publish.write_manifest(str(ckpt))  # altered by hand and sealed again: the meta's checks refuse it
     other, other_opt = build()
     step(other, other_opt, 7)
     step(other, other_opt, 8, update=False)
@@ -224,3 +226,99 @@ def test_a_damaged_structure_is_named_and_changes_nothing(tmp_path: Path, damage
         tte.checkpoint.load(tmp_path / "damaged.pt", model=m, optimizer=opt)
     after = snapshot(m, opt, tmp_path)
     assert all(same(before[k], after[k]) for k in before)
+
+
+# ------------------------------------------------------------------ crafted or damaged values ([hardening3] 5)
+def _fused_group_key_only(pl: dict[str, Any]) -> None:
+    """strict=False with a stacked group's own weight key of the wrong shape (its tables' keys removed)."""
+    del pl["model"]["ec.tables.a.weight"], pl["model"]["ec.tables.b.weight"]
+    pl["model"]["ec.groups.fused_0.weight"] = torch.zeros(5, D, dtype=torch.float64)
+
+
+def _fused_group_key_beside_tables(pl: dict[str, Any]) -> None:
+    pl["model"]["ec.groups.fused_0.weight"] = torch.zeros(21, D, dtype=torch.float64)
+
+
+def _out_of_range_pending_id(pl: dict[str, Any]) -> None:
+    ids = pl["optimizer"]["state"]["table:b"]["acc_ids"]  # table b has 9 rows
+    ids[0, 0] = 12
+
+
+PAYLOADS: dict[str, tuple[bool, bool, Callable[[dict[str, Any]], None], str]] = {
+    # name: (stacked, strict, damage, the error names the key, the rule and the received value)
+    "strict=False, wrong-shape stacked group key": (True, False, _fused_group_key_only,
+        r"size mismatch for ec.groups.fused_0.weight: copying a param with shape torch.Size\(\[5, 3\]\) from "
+        r"checkpoint, the shape in current model is torch.Size\(\[21, 3\]\)"),
+    "strict=False, stacked group key beside its tables": (True, False, _fused_group_key_beside_tables,
+        r"ec.groups.fused_0.weight: the stacked group's weight and its tables' keys \['ec.tables.a.weight', "
+        r"'ec.tables.b.weight'\] are both in the state_dict"),
+    "meta-device table": (False, True, lambda pl: pl["model"].__setitem__(
+        "ec.tables.a.weight", torch.empty(12, D, dtype=torch.float64, device="meta")),
+        r"model: ec.tables.a.weight must hold data \(a meta-device tensor has none\). Received a torch.float64 "
+        r"tensor of shape \(12, 3\) on meta"),
+    "meta-device stacked table": (True, True, lambda pl: pl["model"].__setitem__(
+        "ec.tables.b.weight", torch.empty(9, D, dtype=torch.float64, device="meta")),
+        r"model: ec.tables.b.weight must hold data \(a meta-device tensor has none\)"),
+    "meta-device slot": (False, True, lambda pl: pl["optimizer"]["state"]["table:a"].__setitem__(
+        "momenta", torch.empty(12, D, dtype=torch.float64, device="meta")),
+        r"optimizer: table:a: slot 'momenta' must hold data \(a meta-device tensor has none\). Received a "
+        r"torch.float64 tensor of shape \(12, 3\) on meta"),
+    "sparse stacked table": (True, True, lambda pl: pl["model"].__setitem__(
+        "ec.tables.a.weight", pl["model"]["ec.tables.a.weight"].to_sparse()),
+        r"model: ec.tables.a.weight must be a dense \(strided\) tensor. Received a torch.float64 tensor of shape "
+        r"\(12, 3\) on cpu, layout torch.sparse_coo"),
+    "iterations='x'": (False, True, lambda pl: pl["optimizer"].__setitem__("iterations", "x"),
+                       r"optimizer: 'iterations' must be an integer >= 0. Received str 'x'"),
+    "step of shape [2]": (False, True, lambda pl: pl["optimizer"]["state"]["table:a"].__setitem__(
+        "step", torch.zeros(2)),
+        r"optimizer: table:a: slot 'step' must be one real number \(a 0-d tensor or a Python number\). Received "
+        r"a torch.float32 tensor of shape \(2,\)"),
+    "pending id 12 of a 9-row stacked table": (True, True, _out_of_range_pending_id,
+        r"optimizer: table:b: slot 'acc_ids' must hold -1 \(padding\) or rows of this table, in \[0, 9\). "
+        r"Received \[12\]"),
+    "pending id out of range, unstacked": (False, True, _out_of_range_pending_id,
+        r"optimizer: table:b: slot 'acc_ids' must hold -1 \(padding\) or rows of this table, in \[0, 9\)"),
+    "slot saved as a list": (False, True, lambda pl: pl["optimizer"]["state"]["table:a"].__setitem__(
+        "momenta", [[0.0] * D] * 12), r"optimizer: table:a: slot 'momenta' must be a tensor. Received list"),
+    "negative step": (False, True, lambda pl: pl["optimizer"]["state"]["table:a"].__setitem__(
+        "step", torch.tensor(-1.0)), r"optimizer: table:a: slot 'step' must be a finite number >= 0. Received -1.0"),
+}
+
+
+@pytest.mark.parametrize("case", list(PAYLOADS))
+def test_a_crafted_value_is_refused_before_anything_changes(tmp_path: Path, case: str) -> None:
+    """Each payload used to pass the checks and fail half-way (the optimizer's state replaced, twice a
+    table overwritten too), or, for the pending id, load and update a neighbouring table's row. Now one
+    error names the file, the key, the rule and the value, and weights, slots, counters and pending
+    gradients are bitwise unchanged; so is ``opt.load_state_dict`` of the optimizer part alone."""
+    fuse, strict, damage, pattern = PAYLOADS[case]
+    m, opt, good = prepared(tmp_path, fuse=fuse)
+    payload = torch.load(good, weights_only=True)
+    damage(payload)
+    bad = tmp_path / "crafted.pt"
+    torch.save(payload, bad)
+    before = snapshot(m, opt, tmp_path)
+    with pytest.raises(CheckpointMismatchError) as err:
+        tte.checkpoint.load(bad, model=m, optimizer=opt, strict=strict)
+    assert str(err.value).startswith(f"{bad} does not match (nothing was loaded)"), str(err.value)
+    assert re.search(pattern, str(err.value)), (pattern, str(err.value))
+    if pattern.startswith("optimizer: "):
+        with pytest.raises(ValueError, match=pattern[len("optimizer: "):]):
+            opt.load_state_dict(payload["optimizer"])
+    after = snapshot(m, opt, tmp_path)
+    for part in before:
+        assert same(before[part], after[part]), part
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["unstacked", "stacked"])
+@pytest.mark.parametrize("number", [3, 3.0], ids=["int", "float"])
+def test_a_step_saved_as_a_python_number_loads(tmp_path: Path, number: float, fuse: bool) -> None:
+    """[conformance] 6: torch's optimizers accept a ``step`` that is a Python number; so do ours."""
+    m, opt, good = prepared(tmp_path, fuse=fuse)
+    sd = torch.load(good, weights_only=True)["optimizer"]
+    for s in sd["state"].values():
+        s["step"] = number
+    opt.load_state_dict(sd)
+    for p, s in opt.state.items():
+        assert s["step"].shape == () and s["step"].dtype == torch.float32 and float(s["step"]) == 3.0, p.shape
+    step(m, opt, 9)  # and training goes on

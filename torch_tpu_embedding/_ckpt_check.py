@@ -16,6 +16,7 @@ import torch
 from torch_tpu_embedding._rows import table_info
 from torch_tpu_embedding.optim import _state_io
 from torch_tpu_embedding.optim._base import RowSparseOptimizer
+from torch_tpu_embedding.optim._state_check import tensor_problem
 
 __all__ = ["CheckpointMismatchError", "expected_model_state", "is_row_sparse", "model_problems", "optimizer_problems"]
 
@@ -78,20 +79,47 @@ def model_problems(model: torch.nn.Module, state: Mapping[str, Any], strict: boo
             problems.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing))
         if unexpected:
             problems.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected))
+    groups = _group_keys(model)
+    for gkey, (shape, dtype, tables) in groups.items():
+        if gkey not in state:
+            continue
+        # Our files hold a stacked group's tables (``tables.<name>.weight``); a group's own weight
+        # (a key that ``load_state_dict`` accepts too) is checked like them, and never mixed with them.
+        both = [k for k in tables if k in state]
+        if both:
+            problems.append(f"{gkey}: the stacked group's weight and its tables' keys {both} are both in the "
+                            "state_dict; keep one or the other")
+        expected = {**expected, gkey: (shape, dtype)}
     for key, want in expected.items():
         value = state.get(key)
         if want is None or key not in state:
             continue
         shape, dtype = want
-        if not isinstance(value, torch.Tensor):
-            problems.append(f"{key}: expected a tensor, found {type(value).__name__}")
-        elif value.shape != shape:
+        bad = tensor_problem(key, value)
+        if bad is not None:
+            problems.append(bad)
+            continue
+        assert isinstance(value, torch.Tensor)  # tensor_problem refuses anything else
+        if value.shape != shape:
             problems.append(f"size mismatch for {key}: copying a param with shape {value.shape} from checkpoint, "
                             f"the shape in current model is {shape}")
         elif _kind(value.dtype) != _kind(dtype):
             problems.append(f"{key}: the checkpoint holds {_kind(value.dtype)} values ({value.dtype}), "
                             f"the model a {_kind(dtype)} tensor ({dtype})")
     return problems
+
+
+def _group_keys(model: torch.nn.Module) -> dict[str, tuple[torch.Size, torch.dtype, list[str]]]:
+    """Each stacked group's own weight key: its logical shape and dtype and its tables' keys."""
+    out = {}
+    for name, p in model.named_parameters():
+        info = table_info(p)
+        if info is not None and info.members is not None:
+            owner = name[: -len(f"groups.{info.name}.weight")]
+            rows = sum(n for _, _, n in info.members)
+            out[name] = (torch.Size((rows, *p.shape[1:])), p.dtype,
+                         [f"{owner}tables.{t}.weight" for t, _, _ in info.members])
+    return out
 
 
 def is_row_sparse(optimizer: torch.optim.Optimizer) -> bool:

@@ -239,8 +239,9 @@ def read_dcp_metadata(path: str) -> Any:
             md = _MetadataUnpickler(f, file).load()
     except FileNotFoundError:
         raise
-    except pickle.UnpicklingError as e:
-        raise ValueError(str(e)) from e
+    except pickle.UnpicklingError as e:  # our refusals name the file; the unpickler's own errors do not
+        raise ValueError(str(e) if file in str(e) else f"{file} is not a readable distributed-checkpoint "
+                         f"metadata file (truncated or corrupt): {e}") from e
     except Exception as e:  # truncated or garbage streams raise several types
         raise ValueError(f"{file} is not a readable distributed-checkpoint metadata file: {e!r}") from e
     if not isinstance(md, md_mod.Metadata):

@@ -22,6 +22,18 @@ import torch
 from torch_tpu_embedding._ckpt_check import CheckpointMismatchError, is_row_sparse, model_problems, optimizer_problems
 from torch_tpu_embedding._ckpt_host import host_model_state, host_optimizer_state, split_fused_entries, to_cpu
 from torch_tpu_embedding._ckpt_io import check_loadable, dcp_quiet, dcp_reader, read_dcp_metadata, write_atomic
+from torch_tpu_embedding._ckpt_publish import (
+    CheckpointCorruptError,
+    barrier,
+    prepare_staging,
+    publish,
+    rank,
+    read_errors,
+    resolve,
+    staging_path,
+    verify,
+    write_manifest,
+)
 from torch_tpu_embedding._layout import Description, describe, from_logical, layout_of, to_logical
 from torch_tpu_embedding._rows import table_info
 from torch_tpu_embedding._screening import warn_unreported
@@ -29,8 +41,8 @@ from torch_tpu_embedding.collection import EmbeddingCollection
 from torch_tpu_embedding.optim._state_io import rest_problems
 
 __all__ = [
-    "FORMAT", "CheckpointMismatchError", "convert_distributed", "load", "load_distributed", "save", "save_distributed",
-    "to_cpu",
+    "FORMAT", "CheckpointCorruptError", "CheckpointMismatchError", "convert_distributed", "load", "load_distributed",
+    "save", "save_distributed", "to_cpu",
 ]
 
 #: written into every checkpoint; :func:`load` refuses other formats
@@ -175,6 +187,11 @@ def save_distributed(
     sharded layout (``torch_tpu_embedding.xla.ROW_ALIGNMENT``), so :func:`load_distributed` reshards
     in place (4 → 2 → 1 devices, row ↔ column); a CPU model or :func:`convert_distributed` reads the
     logical rows. On several hosts every process calls it (each writes its shards).
+
+    Crash-safe: written into a sibling staging directory and published with renames once every
+    file and a manifest of their sizes and sha256 are on disk, so a process killed at any point
+    leaves the previous checkpoint or this one, complete. Refuses to replace a directory holding
+    other files than a checkpoint's.
     """
     dcp = _dcp()
     for name, m in model.named_modules():  # what state_dict() warns of, for a save that does not call it
@@ -182,17 +199,27 @@ def save_distributed(
             warn_unreported(m, name)
     tensors, rows, rest = _physical(model, optimizer)
     planner = _xla_planner("SPMDSavePlanner") if _uses_xla(tensors) else None
-    target = os.fspath(path)
-    os.makedirs(target, exist_ok=True)
-    with dcp_quiet():
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(target), planner=planner)
     members = rest.pop("members")
     layouts = rest.pop("layouts")
     # "layouts": the stored row order of each table-indexed tensor (absent in checkpoints written
     # before the id exchange: every tensor in logical order).
     meta = {"format": FORMAT, "rows": rows, "members": members, "layouts": layouts,
             "optimizer": to_cpu(rest) if optimizer is not None else None}
-    write_atomic(meta, os.path.join(target, _META))
+    # Written into a staging directory beside the target and published whole (_ckpt_publish.py): a
+    # process killed at any point leaves the previous checkpoint or this one, complete, never a mix.
+    target = os.path.abspath(os.fspath(path))
+    staging = staging_path(target)
+    if rank() == 0:
+        prepare_staging(target)
+    barrier()
+    with dcp_quiet():
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(staging, sync_files=True), planner=planner)
+    barrier()  # every rank's files are written and fsynced
+    if rank() == 0:
+        write_atomic(meta, os.path.join(staging, _META))
+        write_manifest(staging)
+        publish(staging, target)
+    barrier()  # no rank returns before the checkpoint is published
 
 
 def _read_meta(path: str) -> Any:
@@ -207,13 +234,23 @@ def _read_meta(path: str) -> Any:
                          f"truncated or corrupt): {str(e).splitlines()[0]}") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"{file} is not a torch_tpu_embedding distributed checkpoint ({FORMAT}).")
+    rows = meta.get("rows")
+    if not isinstance(rows, dict) or not all(n is None or (isinstance(n, int) and n >= 0) for n in rows.values()) \
+            or not isinstance(meta.get("members", {}), dict) or "optimizer" not in meta:
+        raise ValueError(f"{file} is damaged: 'rows' must map each tensor to its logical rows (an int or None), "
+                         "with 'members' and 'optimizer' beside it.")
     return meta
+
+
+def _present(path: str) -> None:
+    if not os.path.isdir(path) or not os.path.exists(os.path.join(path, _META)):
+        raise FileNotFoundError(f"No distributed checkpoint at {path} (no {_META})")
 
 
 def _read(path: str, dest: dict[str, torch.Tensor]) -> None:
     dcp = _dcp()
     planner = _xla_planner("SPMDLoadPlanner") if _uses_xla(dest) else None
-    with dcp_quiet():
+    with dcp_quiet(), read_errors(path):
         dcp.load(dest, storage_reader=dcp_reader(path), planner=planner)
 
 
@@ -224,9 +261,14 @@ def _groups(members: Any) -> Any:
     return {k: [tuple(m) for m in v] for k, v in members.items() if str(k).startswith("model/")}
 
 
-def _saved_sizes(path: str) -> dict[str, torch.Size]:
+def _saved_sizes(path: str) -> tuple[dict[str, torch.Size], dict[str, torch.dtype]]:
     md = read_dcp_metadata(path)  # allow-listed unpickling: a crafted .metadata runs no code
-    return {k: v.size for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
+    entries = [(k, v) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")]
+    return {k: v.size for k, v in entries}, {k: v.properties.dtype for k, v in entries}
+
+
+def _kind(dtype: torch.dtype) -> tuple[bool, bool, bool]:
+    return dtype.is_floating_point, dtype.is_complex, dtype == torch.bool
 
 
 def load_distributed(
@@ -240,14 +282,20 @@ def load_distributed(
     call ``optimizer.init_state()`` first. Mismatched tables or slots raise one ``ValueError``.
     A checkpoint whose tables are stacked in other groups than the model's is read per table through
     the host, as :func:`convert_distributed` reads it.
+
+    Every file is checked against the save's manifest (sizes, sha256) before anything is written:
+    a truncated, missing or altered file raises :class:`CheckpointCorruptError` naming it, and the
+    model and optimizer are unchanged.
     """
-    target = os.fspath(path)
+    target = resolve(os.fspath(path))  # a save killed between its renames left the old one aside
+    _present(target)
+    verify(target)  # every file whole and as saved, before anything is written
     meta = _read_meta(target)
     if optimizer is not None and hasattr(optimizer, "init_state"):
         optimizer.init_state()
     dest, rows, rest = _physical(model, optimizer)
     saved_layouts, layouts = meta.get("layouts", {}), rest["layouts"]
-    saved = _saved_sizes(target)
+    saved, saved_dtypes = _saved_sizes(target)
     if set(saved) != set(dest) and _groups(meta.get("members", {})) != _groups(rest["members"]):
         # Tables stacked in other groups than here (fuse_tables, or a mesh's placements): per table,
         # through the host.
@@ -264,6 +312,8 @@ def load_distributed(
         logical_here = (n_here, *dest[k].shape[1:]) if n_here is not None else tuple(dest[k].shape)
         if tuple(logical_saved) != tuple(logical_here):
             problems.append(f"{k} has shape {tuple(logical_saved)} saved, {tuple(logical_here)} here")
+        elif _kind(saved_dtypes[k]) != _kind(dest[k].dtype):
+            problems.append(f"{k} holds {saved_dtypes[k]} values saved, {dest[k].dtype} here")
     if optimizer is not None and meta["optimizer"] is None:
         raise ValueError(f"{target} holds no optimizer state.")
     if optimizer is not None:  # hyper-parameters too, before any tensor is read in place
@@ -301,7 +351,9 @@ def convert_distributed(path: str | os.PathLike[str], out: str | os.PathLike[str
 
     Reads on the host without torch_xla; the result loads anywhere with :func:`load`.
     """
-    target = os.fspath(path)
+    target = resolve(os.fspath(path))
+    _present(target)
+    verify(target)
     write_atomic(_logical_payload(target, _read_meta(target)), out)
 
 

@@ -43,6 +43,7 @@ from torch_tpu_embedding.optim._slots import (
     to_saved_ids,
     write_whole,
 )
+from torch_tpu_embedding.optim._state_check import accumulation_problems, counter_problems, entry_problems, step_value
 
 if TYPE_CHECKING:
     from torch_tpu_embedding.optim._base import RowSparseOptimizer
@@ -352,25 +353,19 @@ def state_problems(opt: RowSparseOptimizer, sd: Any) -> list[str]:
     by_key, rows_of = _logical_targets(opt, keys)
     group_of = _groups_by_param(opt)
     saved_groups = sd["param_groups"]
-    problems = _check_groups(opt, saved_groups, keys)
+    problems = _check_groups(opt, saved_groups, keys) + counter_problems(sd)
+    pending: dict[int, set[int]] = {}  # a fused group's tables' pending call counts (merged side by side)
     for key, s in sd["state"].items():
         p = by_key.get(key)
         if p is None:
             continue  # reported above through the groups
         all_specs = specs(p, {**group_of[id(p)], **_saved_group_of(saved_groups, key)})
-        n = rows_of[key]
-        for name, v in s.items():
-            if name in ("step", *ACCUMULATION):
-                continue
-            spec = all_specs.get(name)
-            if spec is None:
-                problems.append(f"{key}: unexpected slot '{name}' (expected {sorted(all_specs)})")
-                continue
-            want = (n, *spec.shape[1:]) if spec.rows and spec.shape else spec.shape
-            if not spec.rows and _members(p) is not None:  # a fused group's whole-table slot, per table
-                want = spec.shape[1:]
-            if tuple(v.shape) != tuple(want):
-                problems.append(f"{key}: slot '{name}' has shape {tuple(v.shape)}, expected {tuple(want)}")
+        found = entry_problems(key, s, p, all_specs, rows_of[key])
+        problems += found
+        if "acc_ids" in s and not found:
+            pending.setdefault(id(p), set()).add(s["acc_ids"].shape[0])
+    problems += [f"the stacked tables of one group hold pending accumulation buffers of different call counts "
+                 f"{sorted(counts)}" for counts in pending.values() if len(counts) > 1]
     return problems
 
 
@@ -381,6 +376,9 @@ def load_state_dict(opt: RowSparseOptimizer, sd: dict[str, Any]) -> None:
         raise ValueError("Optimizer state does not match: " + "; ".join(problems))
     keys = param_keys(opt)
     sd = _renumbered(opt, sd, keys)
+    # A step saved as a Python number (torch's optimizers accept one) as the 0-d tensor the state holds.
+    steps = {k: {**s, "step": step_value(s["step"])} for k, s in sd["state"].items() if "step" in s}
+    sd = {**sd, "state": {**sd["state"], **steps}}
     by_key, _ = _logical_targets(opt, keys)
     group_of = _groups_by_param(opt)
     saved_groups = sd["param_groups"]
@@ -397,7 +395,7 @@ def load_state_dict(opt: RowSparseOptimizer, sd: dict[str, Any]) -> None:
             # Whole-tensor writes into the slots made by _state_for: they keep their layout
             # (SPMD sharding, trash and padding rows, row order); 0-d values arrive as device data.
             if name == "step":
-                state[name].copy_(to_device(v.to(torch.float32), p.device))
+                state[name].copy_(to_device(v, p.device))
             elif name in ACCUMULATION:
                 continue
             elif name in numbers:
@@ -412,7 +410,19 @@ def load_state_dict(opt: RowSparseOptimizer, sd: dict[str, Any]) -> None:
 
 def rest_problems(opt: RowSparseOptimizer, rest: Mapping[str, Any]) -> list[str]:
     """What :func:`load_physical_rest` would refuse in ``rest`` (empty: it loads); writes nothing."""
-    return _check_groups(opt, rest["param_groups"], None)
+    if not isinstance(rest, Mapping) or not isinstance(rest.get("param_groups"), list) \
+            or not isinstance(rest.get("acc"), Mapping) or "iterations" not in rest:
+        return ["the optimizer entry of tte_meta.pt is not a mapping with 'param_groups', 'iterations' and 'acc'"]
+    problems = _check_groups(opt, rest["param_groups"], None) + counter_problems(rest)
+    keys = param_keys(opt)
+    by_key = {keys[id(p)]: p for g in opt.param_groups for p in g["params"]}
+    for key, bufs in rest["acc"].items():
+        p = by_key.get(key)
+        if p is None or table_info(p) is None or not isinstance(bufs, Mapping):
+            problems.append(f"pending accumulation buffers saved for {key!r}, which is no table here")
+            continue
+        problems += accumulation_problems(key, bufs, logical_rows(p), p.shape[-1])
+    return problems
 
 
 def load_physical_rest(opt: RowSparseOptimizer, rest: Mapping[str, Any]) -> None:

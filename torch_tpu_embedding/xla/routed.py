@@ -2,7 +2,7 @@
 
 Every device handles its part of the batch: batch-sharded inputs (``shard_batch``) as they are, and
 host or replicated inputs sliced (each device takes rows ``[d·B/n, (d+1)·B/n)``, the batch padded to a
-multiple of ``n`` with padding rows). All features of one table are routed together, so an id that
+multiple of ``n`` with padding rows; the outputs of such a padded batch are replicated, not batch-sharded). All features of one table are routed together, so an id that
 several features (or examples) of a device look up travels once:
 
 1. each device's ids, device-major ``[n, N]`` (:mod:`torch_tpu_embedding.xla.exchange`), are
@@ -110,6 +110,19 @@ class _Exchange(torch.autograd.Function):
         return None, None, None
 
 
+class _Replicated(torch.autograd.Function):
+    """``x`` replicated over the mesh, and so is its gradient (one all-gather of ``[B, D]`` each way)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:  # type: ignore[override]
+        ctx.mesh = mesh
+        return reshard(x, (None,) * x.dim(), mesh)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return reshard(grad, (None,) * grad.dim(), ctx.mesh), None
+
+
 @dataclasses.dataclass
 class RoutedLookup:
     """Every lookup of one row-sharded table in a forward call: its :class:`LookupBatch` es (one per
@@ -168,7 +181,11 @@ class RoutedLookup:
             got = piece.reshape(-1, width, dim)
             pooled = got[:, 0] * gains if width == 1 else torch.bmm(gains.unsqueeze(1), got).squeeze(1)
             if pads[i]:
-                pooled = pooled[: bags.ids.shape[0]]
+                # Replicated (forward and gradient) before the padding rows are cut off: left batch-sharded,
+                # the sliced [B, D] (B not a multiple of n) carries its sharding into whatever the user joins it
+                # with (a torch.cat with a replicated table's output), and XLA's partitioner aborts the process
+                # on the step's sort of the other table's ids (issue 28: Check failed IsScalarWithElementType).
+                pooled = _Replicated.apply(pooled, mesh)[: bags.ids.shape[0]]  # type: ignore[no-untyped-call]
             out[path] = pooled.reshape(*bags.out_shape, dim)
         return out
 

@@ -112,15 +112,24 @@ class RowGrad:
         """The pending chunks are owner-local (:meth:`add_owned`)."""
         return bool(self._ok)
 
+    def exchange_ok(self) -> torch.Tensor | None:
+        """True (0-d bool, on the device) when no pending owner-local chunk's lookup dropped ids; ``None``
+        when there are none. Read without consuming anything."""
+        if not self._ok:
+            return None
+        ok = self._ok[0]
+        for o in self._ok[1:]:
+            ok = ok & o
+        return ok
+
     def collect_owned(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Owner-local chunks as one ``(ids [n, ΣM], rows [n, ΣM, D], ok)``: concatenated per shard, ``ok``
         True when no chunk dropped ids."""
         if not self._ok or len(self._ok) != len(self._ids):
             raise RuntimeError("RowGrad holds no owner-local chunks (or mixes them with global ones).")
         rows = [r for r in self._rows if isinstance(r, torch.Tensor)]
-        ok = self._ok[0]
-        for o in self._ok[1:]:
-            ok = ok & o
+        ok = self.exchange_ok()
+        assert ok is not None
         if len(self._ids) == 1:
             return self._ids[0], rows[0], ok
         return torch.cat(self._ids, dim=1), torch.cat(rows, dim=1), ok

@@ -2,8 +2,9 @@
 
 Every device handles its part of the batch: batch-sharded inputs (``shard_batch``) as they are, and
 host or replicated inputs sliced (each device takes rows ``[d·B/n, (d+1)·B/n)``, the batch padded to a
-multiple of ``n`` with padding rows; the outputs of such a padded batch are replicated, not batch-sharded). All features of one table are routed together, so an id that
-several features (or examples) of a device look up travels once:
+multiple of ``n`` with padding rows; the outputs of such a padded batch are replicated, not
+batch-sharded). All features of one table are routed together, so an id that several features (or
+examples) of a device look up travels once:
 
 1. each device's ids, device-major ``[n, N]`` (:mod:`torch_tpu_embedding.xla.exchange`), are
    deduplicated and bucketed by owner shard, ``k`` per bucket (the capacity: ``TableConfig.

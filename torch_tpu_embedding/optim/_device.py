@@ -47,6 +47,11 @@ def lr_value(group: dict[str, Any]) -> float | Tensor:
     value: float | Tensor = lr() if callable(lr) and not isinstance(lr, Tensor) else lr
     if not isinstance(value, Tensor) and not isinstance(value, numbers.Real):
         raise TypeError(f"The learning rate must be a float or a 0-d tensor. Received: {value!r}")
+    if value is not lr and isinstance(value, Tensor) and value.numel() != 1:  # the shape needs no device read
+        raise ValueError(
+            f"The callable `lr` ({lr!r}) must return one number (a float or a 0-d tensor). It returned a tensor "
+            f"of shape {tuple(value.shape)}."
+        )
     check_lr(value)
     return value
 

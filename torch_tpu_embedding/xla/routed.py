@@ -111,6 +111,18 @@ class _Exchange(torch.autograd.Function):
         return None, None, None
 
 
+class _NoIds(torch.autograd.Function):
+    """Zeros of ``shape`` from ``weight`` with no gradient for it (the lookups of an empty batch)."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:  # type: ignore[override]
+        return weight.new_zeros(shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:  # type: ignore[override]
+        return None, None
+
+
 class _Replicated(torch.autograd.Function):
     """``x`` replicated over the mesh, and so is its gradient (one all-gather of ``[B, D]`` each way)."""
 
@@ -145,6 +157,11 @@ class RoutedLookup:
         mesh, axis, n = info.sharding.mesh, info.sharding.axis, info.sharding.num_shards
         rows_total, dim = int(weight.shape[0]), int(weight.shape[1])
         items = [(path, bags, b.combiner, b.resident) for b in self.batches for path, bags in b.items]
+        if all(bags.ids.numel() == 0 for _, bags, _, _ in items):
+            # An empty batch: nothing to route (a bucket needs at least one id position per device). Zero
+            # outputs [*out_shape, D] that join the autograd graph and hand the table no gradient rows.
+            return {path: _NoIds.apply(weight, (*bags.out_shape, int(weight.shape[1])))  # type: ignore[no-untyped-call]
+                    for path, bags, _, _ in items}
         # Device-major ids [n, ·] per item: batch padded to a multiple of n, device d's part in row d.
         pads = [-(-bags.ids.shape[0] // n) * n - bags.ids.shape[0] for _, bags, _, _ in items]
         host = [i for i, it in enumerate(items) if not it[3]]

@@ -198,11 +198,11 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 assert lr is not None
                 item.lr = self._lrs.tensor(gi, lr, p)
                 work.append(item)
-        _intake.gate_clean(work, clean)
         scale = _intake.global_clip_scales(work)
         for item in work:
             if item.group["global_clipnorm"]:
                 item.g = item.g * scale[item.g.device].to(item.g.dtype)
+        _intake.gate_clean(work, clean)  # after the norm: a dropped call updates nothing, whatever its norm
         finite = clock.finite = _intake.gate_nonfinite(work)
         if finite is not None:
             # A call the overflow drops counts once, there (it is no call at all for the clock).

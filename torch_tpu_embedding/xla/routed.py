@@ -20,8 +20,9 @@ they live. Per device and step that is ``n·k·(4 + 2·D·4)`` bytes for float32
 ideally; ``n·k`` is ``N`` plus the capacity's headroom, not ``n`` times the batch.
 
 Ids over a bucket's capacity are dropped (zero rows, no gradient), counted per shard on the device, and
-the optimizer that holds the table drops the whole step (``ok``, read by ``RowGrad.exchange_ok``); :meth:`EmbeddingCollection.check_ids` raises at a sync
-point naming the features, the shard and the capacity that would have sufficed.
+the optimizer that holds the table drops the whole step (``ok``, read by ``RowGrad.exchange_ok``);
+:meth:`EmbeddingCollection.check_ids` raises at a sync point naming the features, the shard and the
+capacity that would have sufficed.
 """
 
 from __future__ import annotations

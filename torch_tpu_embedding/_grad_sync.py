@@ -116,9 +116,10 @@ def check_not_ddp_managed(weight: Tensor) -> None:
 
 
 def ddp_message(info: Any) -> str:
-    name = "?" if info is None else info.name
+    what = "An embedding table" if info is None else info.described()[0].upper() + info.described()[1:]
+    verb = "are" if info is not None and info.members else "is"
     return (
-        f"Embedding table '{name}' is reduced by DistributedDataParallel, which knows only dense `.grad` "
+        f"{what} {verb} reduced by DistributedDataParallel, which knows only dense `.grad` "
         "gradients: it would all-reduce an all-zero [V, D] gradient while the table's row-sparse gradient "
         "goes unseen. Wrap the model with tte.distributed.DistributedDataParallel(model, ...) instead, or "
         "call tte.distributed.data_parallel(model) before torch's DistributedDataParallel(model)."

@@ -14,6 +14,7 @@ wraps it to ``V-1``).
 from __future__ import annotations
 
 import dataclasses
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -93,11 +94,13 @@ class RowGrad:
 
     def add(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Add ``ids [n]`` with gradient ``rows [n, D]`` (sentinel ids allowed for padding)."""
+        note_backward()
         self._ids.append(ids.reshape(-1))
         self._rows.append(rows.reshape(ids.numel(), rows.shape[-1]))  # explicit D: n may be 0
 
     def add_bags(self, ids: torch.Tensor, gains: torch.Tensor, grad_out: torch.Tensor) -> None:
         """Add ``ids [N, L]`` whose gradient rows are ``gains[n, l] · grad_out[n]`` (kept factored)."""
+        note_backward()
         self._ids.append(ids.reshape(-1))
         self._rows.append(BagRows(gains, grad_out))
 
@@ -112,15 +115,24 @@ class RowGrad:
         """The pending chunks are owner-local (:meth:`add_owned`)."""
         return bool(self._ok)
 
+    def exchange_ok(self) -> torch.Tensor | None:
+        """True (0-d bool, on the device) when no pending owner-local chunk's lookup dropped ids; ``None``
+        when there are none. Read without consuming anything."""
+        if not self._ok:
+            return None
+        ok = self._ok[0]
+        for o in self._ok[1:]:
+            ok = ok & o
+        return ok
+
     def collect_owned(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Owner-local chunks as one ``(ids [n, ΣM], rows [n, ΣM, D], ok)``: concatenated per shard, ``ok``
         True when no chunk dropped ids."""
         if not self._ok or len(self._ok) != len(self._ids):
             raise RuntimeError("RowGrad holds no owner-local chunks (or mixes them with global ones).")
         rows = [r for r in self._rows if isinstance(r, torch.Tensor)]
-        ok = self._ok[0]
-        for o in self._ok[1:]:
-            ok = ok & o
+        ok = self.exchange_ok()
+        assert ok is not None
         if len(self._ids) == 1:
             return self._ids[0], rows[0], ok
         return torch.cat(self._ids, dim=1), torch.cat(rows, dim=1), ok
@@ -205,6 +217,40 @@ class RowGrad:
         self.reached.clear()
 
 
+# Whether a lookup's backward ran before the XLA runtime started ("early"), and whether it has started
+# (monotonic: checked until it is seen started). PyTorch's autograd engine sizes its per-device queues at
+# the first backward of the process; if the runtime was not up then, every later XLA backward fails with an
+# internal assert on `device_ready_queues_`.
+_BACKWARD = {"early": False, "started": False}
+
+
+def _xla_started() -> bool:
+    if not _BACKWARD["started"]:
+        xla = sys.modules.get("torch_xla")  # only looked at when the program imported it: never imported here
+        _BACKWARD["started"] = bool(xla is not None and xla._XLAC._xla_runtime_is_initialized())
+    return _BACKWARD["started"]
+
+
+def note_backward() -> None:
+    """Called by every backward that hands a table rows: remember one that ran before the XLA runtime."""
+    if not _BACKWARD["early"] and not _xla_started():
+        _BACKWARD["early"] = True
+
+
+def check_xla_backward(table: str) -> None:
+    """Raise before an XLA lookup that will be differentiated if a backward ran before the XLA runtime
+    started (its backward would fail with PyTorch's internal assert, far from the cause)."""
+    if _BACKWARD["early"]:
+        raise RuntimeError(
+            f"Table `{table}` is looked up on XLA with gradients enabled, but a backward pass of this process "
+            "ran on the CPU (through an embedding lookup) before the XLA runtime started. PyTorch's autograd "
+            "engine sized its device queues at that first backward, so every backward on XLA in this process "
+            "would fail with an internal assert (`device_ready_queues_`). Start the runtime before the first "
+            "backward (`torch_xla.device()`, or `xr.use_spmd()` then `device_mesh()` under SPMD), or run the "
+            "CPU part in a process of its own; look up under `torch.no_grad()` to evaluate without a backward."
+        )
+
+
 @dataclasses.dataclass
 class TableInfo:
     """What the library knows about a table parameter."""
@@ -229,6 +275,14 @@ class TableInfo:
     frozen_rows: torch.Tensor | None = None
     #: the names of those frozen members
     frozen_tables: frozenset[str] = frozenset()
+
+    def described(self) -> str:
+        """The user's names for this parameter in messages: ``embedding table 't'``, or for a stacked group
+        ``embedding tables 't', 'u' (stacked in group 'fused_0')`` (the group's name is internal)."""
+        if not self.members:
+            return f"embedding table '{self.name}'"
+        names = ", ".join(f"'{m[0]}'" for m in self.members)
+        return f"embedding tables {names} (stacked in group '{self.name}')"
 
     @property
     def owner_local(self) -> bool:
@@ -356,8 +410,8 @@ def _stock_optimizer_pre_hook(optimizer: torch.optim.Optimizer, args: object, kw
             info = table_info(p)
             if info is not None:
                 raise TypeError(
-                    f"{type(optimizer).__module__}.{type(optimizer).__name__} was given embedding "
-                    f"table '{info.name}', whose gradient is row-sparse and never stored in "
+                    f"{type(optimizer).__module__}.{type(optimizer).__name__} was given "
+                    f"{info.described()}, whose gradient is row-sparse and never stored in "
                     "`.grad`, so it would silently not train. Use an optimizer from "
                     "torch_tpu_embedding.optim for the tables (it also trains dense parameters), "
                     "or split the parameters with torch_tpu_embedding.split_parameters()."

@@ -21,7 +21,7 @@ from torch_tpu_embedding._layout import owned_logical_ids
 from torch_tpu_embedding._lookup import LookupBatch
 from torch_tpu_embedding._member_state import member_entries
 from torch_tpu_embedding._nest import Path, check_structure, flatten, path_name, pick, rebuild
-from torch_tpu_embedding._rows import retire_table, table_info
+from torch_tpu_embedding._rows import check_xla_backward, retire_table, table_info
 from torch_tpu_embedding._screening import DeviceScreen, overflow_problem, warn_unchecked_drops
 from torch_tpu_embedding._validation import check_bool
 from torch_tpu_embedding.config import PLACEMENTS, FeatureConfig, TableConfig
@@ -300,6 +300,8 @@ class EmbeddingCollection(nn.Module):
             table, offset = self._located[tname]
             weight = table.weight
             if id(table) not in local:
+                if weight.device.type == "xla" and weight.requires_grad and torch.is_grad_enabled():
+                    check_xla_backward(tname)
                 info = table_info(weight)
                 local[id(table)] = info.sharding if info is not None and info.owner_local else None
             owner_local = local[id(table)] is not None

@@ -409,6 +409,13 @@ def _padded_bags(
                 f"Padded mask must be a bool tensor of the ids' shape {tuple(ids.shape)}. "
                 f"Received {mask.dtype} {tuple(mask.shape)}",
             )
+        if ids.device.type != "xla" and mask.device != ids.device:  # host ids are checked under their mask
+            raise _err(
+                feature,
+                "Padded host ids need their mask on the same device (the ids are checked under the mask on "
+                f"the host). Received ids on {ids.device}, mask on {mask.device}: pass both host tensors (the "
+                "lookup moves them) or both device tensors",
+            )
     if ids.device.type != "xla":
         _check_ids(feature, ids if mask is None or _tracing() else ids[mask], vocab)
     elif ids.dtype.is_floating_point:

@@ -90,6 +90,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         self._iterations = 0
         self._checked_retired = -1  # retired_count() when the parameters were last checked
         self._skipped: Tensor | None = None  # device-side count of calls dropped by skip_nonfinite
+        self._dropped: Tensor | None = None  # device-side count of calls dropped by an exchange overflow
+        self._last_skipped: Tensor | None = None  # whether the last call was dropped (0-d bool, device)
         groups = user_groups(params)
         for i, group in enumerate(groups):
             if isinstance(group, dict):  # (torch.optim names anything else)
@@ -182,6 +184,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         self.__dict__.setdefault("_lrs", LearningRates())
         self.__dict__.setdefault("_iterations", 0)
         self.__dict__.setdefault("_skipped", None)
+        self.__dict__.setdefault("_dropped", None)
+        self.__dict__.setdefault("_last_skipped", None)
         for group in self.param_groups:
             group.setdefault("algorithm", self.algorithm)
             group.setdefault("slot_creation_fn", None)
@@ -215,10 +219,16 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():  # type: ignore[no-untyped-call]
                 loss = closure()
         self._check_live_tables()
-        clock = StepClock(self._iterations, self._skipped_now())
         # Data parallel (torch_tpu_embedding.distributed): the tables' row gradients made global first.
         sync_row_grads(self.param_groups)
         pending = [[p for p in g["params"] if _intake.has_gradient(p, g, self.state.get(p))] for g in self.param_groups]
+        # A lookup over the id exchange's capacity drops the whole call, before anything (the accumulation
+        # window included) is written: the same gate as skip_nonfinite, over every group.
+        clean = _intake.exchange_clean([p for ps in pending for p in ps])
+        if clean is not None and self._dropped is None:  # uploaded: every step then traces the same graph
+            self._dropped = torch.zeros(1, dtype=torch.int64).to(clean.device)
+        clock = StepClock(self._iterations, self._skipped_now(), self._dropped_now())
+        clock.clean = clean
         # Every learning rate first: a callable that raises must find every gradient still pending.
         lrs = [lr_value(g) if ps else None for g, ps in zip(self.param_groups, pending, strict=True)]
         work: list[_intake.Work] = []
@@ -237,14 +247,21 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         for item in work:
             if item.group["global_clipnorm"]:
                 item.g = item.g * scale[item.g.device].to(item.g.dtype)
+        _intake.gate_clean(work, clean)  # after the norm: a dropped call updates nothing, whatever its norm
         finite = clock.finite = _intake.gate_nonfinite(work)
         if finite is not None:
-            skipped = (~finite).to(torch.int64)
+            # A call the overflow drops counts once, there (it is no call at all for the clock).
+            dropped = ~finite if clean is None else ~finite & clean.to(finite.device)
+            skipped = dropped.to(torch.int64)
             dev = finite.device
             # Kept [1]-shaped: a 0-d counter would enter the first step as an upload and later steps as the
             # previous step's 0-d output, two different graphs.
             base = torch.zeros(1, dtype=torch.int64).to(dev) if self._skipped is None else self._skipped
             self._skipped = (base if base.device == dev else base.to(dev)) + skipped.reshape(1)
+        if clean is not None and self._dropped is not None:
+            self._dropped = self._dropped.to(clean.device) + (~clean).to(torch.int64).reshape(1)
+        kept = clean if finite is None else finite if clean is None else finite & clean.to(finite.device)
+        self._last_skipped = None if kept is None else ~kept
         for item in work:
             update(item)
         _ema.ema_calls(self.param_groups, self._state_for, clock)
@@ -253,12 +270,35 @@ class RowSparseOptimizer(torch.optim.Optimizer):
 
     @property
     def skipped_steps(self) -> int:
-        """Calls whose update ``skip_nonfinite`` dropped (reading it syncs an XLA device)."""
+        """Calls that changed nothing: dropped by ``skip_nonfinite``, or because a lookup overflowed the id
+        exchange (reading it syncs an XLA device)."""
+        return self._skipped_count() + self.overflowed_steps
+
+    @property
+    def overflowed_steps(self) -> int:
+        """Of :attr:`skipped_steps`, the calls dropped because a lookup of a row-sharded table overflowed
+        the id exchange's capacity (``EmbeddingCollection.check_ids()`` names the features)."""
+        return 0 if self._dropped is None else int(self._dropped.item())
+
+    @property
+    def last_step_skipped(self) -> Tensor:
+        """Whether the last :meth:`step` changed nothing (``skip_nonfinite``, or an exchange overflow): a
+        0-d bool tensor on the device, read without a sync, e.g. to gate another optimizer's update
+        (``torch.where(flag, old, new)``). ``False`` (on the CPU) before a step that could skip."""
+        if self._last_skipped is None:
+            return torch.zeros((), dtype=torch.bool)
+        return self._last_skipped
+
+    def _skipped_count(self) -> int:
         return 0 if self._skipped is None else int(self._skipped.item())
 
     def _skipped_now(self) -> Tensor | None:
         """The count of calls ``skip_nonfinite`` dropped, 0-d (``None`` before the first)."""
         return None if self._skipped is None else self._skipped.reshape(())
+
+    def _dropped_now(self) -> Tensor | None:
+        """The count of calls an exchange overflow dropped, 0-d (``None`` without exchanged tables)."""
+        return None if self._dropped is None else self._dropped.reshape(())
 
     # ------------------------------------------------------------------ EMA
     def moving_average(self, p: Tensor) -> Tensor:
@@ -273,7 +313,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         if not group["use_ema"]:
             raise ValueError("moving_average() needs an optimizer built with `use_ema=True`.")
         with torch.no_grad():
-            return _ema.moving_average(p, group, self._state_for(p, group), self._iterations, self._skipped_now())
+            return _ema.moving_average(p, group, self._state_for(p, group), self._iterations, self._skipped_now(),
+                                       self._dropped_now())
 
     @torch.no_grad()
     def finalize_variable_values(self) -> None:
@@ -287,7 +328,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 if lazy_table(p, group):
                     space = RowSpace.of(p, group, self.state[p])
                     space.write("ema", avg)
-                    upto = _ema.last_call(group, p.device, self._iterations, self._skipped_now())
+                    upto = _ema.last_call(group, p.device, self._iterations, self._skipped_now(), self._dropped_now())
                     space.write("ema_last", upto.to(torch.int32).expand(p.shape[0]))
 
     # ------------------------------------------------------------------ lifecycle

@@ -47,6 +47,11 @@ def lr_value(group: dict[str, Any]) -> float | Tensor:
     value: float | Tensor = lr() if callable(lr) and not isinstance(lr, Tensor) else lr
     if not isinstance(value, Tensor) and not isinstance(value, numbers.Real):
         raise TypeError(f"The learning rate must be a float or a 0-d tensor. Received: {value!r}")
+    if value is not lr and isinstance(value, Tensor) and value.numel() != 1:  # the shape needs no device read
+        raise ValueError(
+            f"The callable `lr` ({lr!r}) must return one number (a float or a 0-d tensor). It returned a tensor "
+            f"of shape {tuple(value.shape)}."
+        )
     check_lr(value)
     return value
 
@@ -85,12 +90,18 @@ class StepClock:
 
     ``skipped``: calls dropped by ``skip_nonfinite`` before this one (a device tensor, or ``None``
     for none yet); ``finite``: whether this call's checked gradients are finite (set once known).
+    ``dropped``: calls dropped before this one because a lookup overflowed the id exchange (a device
+    tensor, or ``None``): they are not calls at all, so :meth:`on` leaves them out of the counter (the
+    accumulation window and the moving average go on as if they had not happened); ``clean``: whether
+    this call's lookups dropped no id (``None``: no table of the call goes through the exchange).
     """
 
-    def __init__(self, iterations: int, skipped: Tensor | None = None) -> None:
+    def __init__(self, iterations: int, skipped: Tensor | None = None, dropped: Tensor | None = None) -> None:
         self.iterations = iterations
         self.skipped = skipped
+        self.dropped = dropped
         self.finite: Tensor | None = None
+        self.clean: Tensor | None = None
         self._tensors: dict[torch.device, Tensor] = {}
 
     def ema_on(self, device: torch.device, skip_nonfinite: bool) -> Tensor:
@@ -101,30 +112,39 @@ class StepClock:
         return it - self.skipped.to(device)
 
     def keep(self, device: torch.device, skip_nonfinite: bool) -> Tensor | None:
-        """This call's non-finite gate on ``device`` (``None``: nothing to gate)."""
-        return self.finite.to(device) if skip_nonfinite and self.finite is not None else None
+        """This call's gate on ``device``: the non-finite test (groups that set ``skip_nonfinite``) and
+        the exchange's (every group); ``None``: nothing to gate."""
+        finite = self.finite.to(device) if skip_nonfinite and self.finite is not None else None
+        clean = None if self.clean is None else self.clean.to(device)
+        if finite is None or clean is None:
+            return clean if finite is None else finite
+        return finite & clean
 
     def device_values(self, device: torch.device) -> list[Tensor | None]:
-        """``[counter, skipped, finite]`` on ``device`` (``None`` where absent), e.g. to enter a
+        """``[counter, skipped, finite, clean]`` on ``device`` (``None`` where absent), e.g. to enter a
         manual-sharding region (:meth:`with_device_values` rebuilds the clock from them inside)."""
         skipped = None if self.skipped is None else self.skipped.to(device)
         finite = None if self.finite is None else self.finite.to(device)
-        return [self.on(device), skipped, finite]
+        clean = None if self.clean is None else self.clean.to(device)
+        return [self.on(device), skipped, finite, clean]
 
     def with_device_values(self, values: list[Tensor | None]) -> StepClock:
         """This clock with its device values replaced by ``values`` (as :meth:`device_values` gives them)."""
-        it, skipped, finite = values
+        it, skipped, finite, clean = values
         assert it is not None
-        out = StepClock(self.iterations, skipped)
-        out.finite = finite
+        out = StepClock(self.iterations, skipped, self.dropped)
+        out.finite, out.clean = finite, clean
         out._tensors = {it.device: it}
         return out
 
     def on(self, device: torch.device) -> Tensor:
-        """The counter as device data (0-d int64), uploaded once per step and device."""
+        """The counter as device data (0-d int64), uploaded once per step and device; calls the
+        exchange's overflow dropped are left out."""
         t = self._tensors.get(device)
         if t is None:
             # Through a 1-element shape: a 0-d host tensor would become an XLA constant.
             t = torch.tensor([self.iterations], dtype=torch.int64).to(device).reshape(())
+            if self.dropped is not None:
+                t = t - self.dropped.to(device).reshape(())
             self._tensors[device] = t
         return t

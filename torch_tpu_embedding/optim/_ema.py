@@ -8,7 +8,8 @@ last brought up to date. The whole table is caught up only at an ``ema_overwrite
 (``w ← avg``, O(V·D) as in Keras) or by :meth:`~RowSparseOptimizer.finalize_variable_values`.
 
 A call that ``skip_nonfinite`` drops changes no average and no weight, and does not count as a call
-of the average (:meth:`StepClock.ema_on`), so lazy rows and dense parameters agree.
+of the average (:meth:`StepClock.ema_on`), so lazy rows and dense parameters agree; nor does a call an
+exchange overflow drops (:meth:`StepClock.on`).
 """
 
 from __future__ import annotations
@@ -116,18 +117,23 @@ def ema_calls(
                 p.copy_(gated(keep, avg, p))
 
 
-def last_call(group: Mapping[str, Any], device: torch.device, iterations: int, skipped: Tensor | None) -> Tensor:
-    """The average's counter at the last of ``iterations`` calls (``skipped`` of them dropped)."""
-    clock = StepClock(iterations - 1, skipped)
+def last_call(
+    group: Mapping[str, Any], device: torch.device, iterations: int, skipped: Tensor | None,
+    dropped: Tensor | None = None,
+) -> Tensor:
+    """The average's counter at the last of ``iterations`` calls (``skipped`` of them dropped by
+    ``skip_nonfinite``, ``dropped`` by an exchange overflow)."""
+    clock = StepClock(iterations - 1, skipped, dropped)
     return clock.ema_on(device, group["skip_nonfinite"])
 
 
 def moving_average(
-    p: Tensor, group: Mapping[str, Any], state: dict[str, Tensor], iterations: int, skipped: Tensor | None
+    p: Tensor, group: Mapping[str, Any], state: dict[str, Tensor], iterations: int, skipped: Tensor | None,
+    dropped: Tensor | None = None,
 ) -> Tensor:
     """The EMA of ``p`` after ``iterations`` calls (every row caught up), as a new tensor in ``p``'s
     row order."""
     space = RowSpace.of(p, group, state)
     if lazy_table(p, group):
-        return ema_all_rows(space, group, last_call(group, p.device, iterations, skipped))
+        return ema_all_rows(space, group, last_call(group, p.device, iterations, skipped, dropped))
     return space.table_order("ema").clone()

@@ -32,7 +32,8 @@ from torch_tpu_embedding.optim._members import clip_members, member_rows, segmen
 from torch_tpu_embedding.optim._pipeline import Path
 
 __all__ = [
-    "Taken", "Work", "arrives_as_rows", "gate_nonfinite", "global_clip_scales", "has_gradient", "prepare", "take",
+    "Taken", "Work", "arrives_as_rows", "exchange_clean", "gate_clean", "gate_nonfinite", "global_clip_scales",
+    "has_gradient", "prepare", "take",
 ]
 
 Tensor = torch.Tensor
@@ -206,7 +207,9 @@ def _accumulate_dense(
     if is_static_device(device):
         # One graph for every call: the update runs always and is kept only on the k-th call.
         gate = torch.remainder(clock.on(device) + 1, k) == 0
-        acc.copy_(torch.where(gate, torch.zeros_like(total), total))
+        kept = torch.where(gate, torch.zeros_like(total), total)
+        # A call the exchange's overflow drops leaves the window as it was.
+        acc.copy_(kept if clock.clean is None else torch.where(clock.clean.to(device), kept, acc))
         return total / k, gate
     if (clock.iterations + 1) % k:
         acc.copy_(total)
@@ -251,7 +254,8 @@ def _accumulate_rows(
     chunk_ids, chunk_rows = _padded(ids, rows, cap, sentinel)
     if is_static_device(p.device):
         it = clock.on(p.device)
-        all_ids, all_rows = _window(buf_ids, buf_rows, chunk_ids, chunk_rows, it, k)
+        all_ids, all_rows = _window(buf_ids, buf_rows, chunk_ids, chunk_rows, it, k,
+                                   None if clock.clean is None else clock.clean.to(p.device))
         return all_ids, all_rows, torch.remainder(it + 1, k) == 0
     buf_ids[clock.iterations % k] = chunk_ids
     buf_rows[clock.iterations % k] = chunk_rows
@@ -270,10 +274,16 @@ def _padded(ids: Tensor, rows: Tensor, cap: int, sentinel: int) -> tuple[Tensor,
     return torch.cat([ids.to(torch.int64), pad_ids]), torch.cat([rows, pad_rows])
 
 
-def _window(buf_ids: Tensor, buf_rows: Tensor, ids: Tensor, rows: Tensor, it: Tensor, k: int) -> tuple[Tensor, Tensor]:
+def _window(
+    buf_ids: Tensor, buf_rows: Tensor, ids: Tensor, rows: Tensor, it: Tensor, k: int, keep: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """Static-shape accumulation: write this call's ``ids [cap]``, ``rows [cap, D]`` into slot ``it % k``
-    of the ``[k, cap]`` buffers (in place) and return every slot's entries, ``[k·cap]`` and ``[k·cap, D]``."""
+    of the ``[k, cap]`` buffers (in place) and return every slot's entries, ``[k·cap]`` and ``[k·cap, D]``.
+    ``keep`` False (a call the exchange's overflow drops): the slot keeps what it held."""
     at = torch.remainder(it, k).reshape(1)
+    if keep is not None:
+        ids = torch.where(keep, ids, buf_ids.index_select(0, at)[0])
+        rows = torch.where(keep, rows, buf_rows.index_select(0, at)[0])
     buf_ids.index_copy_(0, at, ids[None])
     buf_rows.index_copy_(0, at, rows[None])
     return buf_ids.reshape(-1), buf_rows.reshape(-1, buf_rows.shape[-1])
@@ -287,7 +297,8 @@ def _prepare_owned(
     shard with the local sentinel tail, g [n, U, D], gate)``.
 
     A call whose lookup dropped ids (``taken.ok`` False) contributes no gradient, and its update is
-    gated off (nothing is updated from an incomplete lookup).
+    gated off (nothing is updated from an incomplete lookup); the accumulation window is left as it was
+    when any lookup of the call overflowed (``clock.clean``, :func:`exchange_clean`).
     """
     from torch_tpu_embedding.xla.manual import on_shards  # imports torch_xla: SPMD only
 
@@ -313,13 +324,14 @@ def _prepare_owned(
                  rep: list[Tensor | None]) -> list[Tensor]:
         ids, rows, *bufs = inputs
         if k:
-            it = rep[0]
+            it, clean = rep
             assert it is not None
             ids, rows = _padded(ids, rows, bufs[0].shape[1], sentinel)
-            ids, rows = _window(bufs[0], bufs[1], ids, rows, it, k)
+            ids, rows = _window(bufs[0], bufs[1], ids, rows, it, k, clean)
         return [*(coalesce_rows(ids, rows, sentinel) if dedup else (ids, rows)), *bufs]
 
-    uniq, g, *bufs = on_shards(on_shard, {}, {}, inputs, [clock.on(p.device)], mesh=mesh, axis=axis)
+    clean = None if clock.clean is None else clock.clean.to(p.device)
+    uniq, g, *bufs = on_shards(on_shard, {}, {}, inputs, [clock.on(p.device), clean], mesh=mesh, axis=axis)
     if k:
         # New tensors every step, made at the same point of the step: the step's graph keeps one order of
         # outputs from the first step on (buffers made during the first step and then updated in place would
@@ -378,6 +390,28 @@ def global_clip_scales(work: list[Work]) -> dict[torch.device, Tensor]:
     c = float(clipped[0].group["global_clipnorm"])
     scale = global_norm_scale(sq, c)
     return {w.g.device: scale.to(w.g.device) for w in clipped}
+
+
+def exchange_clean(params: list[Tensor]) -> Tensor | None:
+    """Whether no lookup of this call's pending tables overflowed the id exchange (0-d bool on the device;
+    ``None``: no table of ``params`` went through the exchange). Consumes nothing."""
+    clean: Tensor | None = None
+    for p in params:
+        info = table_info(p)
+        ok = None if info is None else info.row_grad.exchange_ok()
+        if ok is not None:
+            clean = ok if clean is None else clean & ok.to(clean.device)
+    return clean
+
+
+def gate_clean(work: list[Work], clean: Tensor | None) -> None:
+    """The exchange's overflow drops the whole call: fold ``clean`` into every item's gate (every group,
+    as ``skip_nonfinite`` does for the groups that set it)."""
+    if clean is None:
+        return
+    for w in work:
+        ok = clean.to(w.g.device) if w.g.device != clean.device else clean
+        w.gate = ok if w.gate is None else w.gate & ok
 
 
 def gate_nonfinite(work: list[Work]) -> Tensor | None:

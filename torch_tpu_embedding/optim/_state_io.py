@@ -169,7 +169,7 @@ def state_dict(opt: RowSparseOptimizer) -> dict[str, Any]:
         parts = split_member_state(out, members, row_slots)
         state.update({f"table:{name}": part for name, part in parts.items()})
     return {"state": state, "param_groups": _saved_groups(opt, keys), "iterations": opt._iterations,
-            "skipped_steps": opt.skipped_steps}
+            "skipped_steps": opt.skipped_steps, "overflowed_steps": opt.overflowed_steps}
 
 
 def physical_state(opt: RowSparseOptimizer) -> PhysicalState:
@@ -403,8 +403,11 @@ def load_state_dict(opt: RowSparseOptimizer, sd: dict[str, Any]) -> None:
             else:
                 state[name].copy_(to_device(v.to(state[name].dtype), p.device))
     opt._iterations = int(sd.get("iterations", 0))
-    skipped = int(sd.get("skipped_steps", 0))
+    # skipped_steps counts both kinds of dropped calls; the overflow's also move the call counter.
+    overflowed = int(sd.get("overflowed_steps", 0))
+    skipped = int(sd.get("skipped_steps", 0)) - overflowed
     opt._skipped = torch.tensor([skipped], dtype=torch.int64) if skipped else None
+    opt._dropped = torch.tensor([overflowed], dtype=torch.int64) if overflowed else None
     opt._lrs.clear()
 
 

@@ -2,8 +2,9 @@
 
 Every device handles its part of the batch: batch-sharded inputs (``shard_batch``) as they are, and
 host or replicated inputs sliced (each device takes rows ``[d·B/n, (d+1)·B/n)``, the batch padded to a
-multiple of ``n`` with padding rows). All features of one table are routed together, so an id that
-several features (or examples) of a device look up travels once:
+multiple of ``n`` with padding rows; the outputs of such a padded batch are replicated, not
+batch-sharded). All features of one table are routed together, so an id that several features (or
+examples) of a device look up travels once:
 
 1. each device's ids, device-major ``[n, N]`` (:mod:`torch_tpu_embedding.xla.exchange`), are
    deduplicated and bucketed by owner shard, ``k`` per bucket (the capacity: ``TableConfig.
@@ -19,8 +20,9 @@ they live. Per device and step that is ``n·k·(4 + 2·D·4)`` bytes for float32
 ideally; ``n·k`` is ``N`` plus the capacity's headroom, not ``n`` times the batch.
 
 Ids over a bucket's capacity are dropped (zero rows, no gradient), counted per shard on the device, and
-the table's update is gated off in that step; :meth:`EmbeddingCollection.check_ids` raises at a sync
-point naming the features, the shard and the capacity that would have sufficed.
+the optimizer that holds the table drops the whole step (``ok``, read by ``RowGrad.exchange_ok``);
+:meth:`EmbeddingCollection.check_ids` raises at a sync point naming the features, the shard and the
+capacity that would have sufficed.
 """
 
 from __future__ import annotations
@@ -110,6 +112,31 @@ class _Exchange(torch.autograd.Function):
         return None, None, None
 
 
+class _NoIds(torch.autograd.Function):
+    """Zeros of ``shape`` from ``weight`` with no gradient for it (the lookups of an empty batch)."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:  # type: ignore[override]
+        return weight.new_zeros(shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:  # type: ignore[override]
+        return None, None
+
+
+class _Replicated(torch.autograd.Function):
+    """``x`` replicated over the mesh, and so is its gradient (one all-gather of ``[B, D]`` each way)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:  # type: ignore[override]
+        ctx.mesh = mesh
+        return reshard(x, (None,) * x.dim(), mesh)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return reshard(grad, (None,) * grad.dim(), ctx.mesh), None
+
+
 @dataclasses.dataclass
 class RoutedLookup:
     """Every lookup of one row-sharded table in a forward call: its :class:`LookupBatch` es (one per
@@ -138,6 +165,11 @@ class RoutedLookup:
         mesh, axis, n = info.sharding.mesh, info.sharding.axis, info.sharding.num_shards
         rows_total, dim = int(weight.shape[0]), int(weight.shape[1])
         items = [(path, bags, b.combiner, b.resident) for b in self.batches for path, bags in b.items]
+        if all(bags.ids.numel() == 0 for _, bags, _, _ in items):
+            # An empty batch: nothing to route (a bucket needs at least one id position per device). Zero
+            # outputs [*out_shape, D] that join the autograd graph and hand the table no gradient rows.
+            return {path: _NoIds.apply(weight, (*bags.out_shape, int(weight.shape[1])))  # type: ignore[no-untyped-call]
+                    for path, bags, _, _ in items}
         # Device-major ids [n, ·] per item: batch padded to a multiple of n, device d's part in row d.
         pads = [-(-bags.ids.shape[0] // n) * n - bags.ids.shape[0] for _, bags, _, _ in items]
         host = [i for i, it in enumerate(items) if not it[3]]
@@ -175,7 +207,11 @@ class RoutedLookup:
             got = piece.reshape(-1, width, dim)
             pooled = got[:, 0] * gains if width == 1 else torch.bmm(gains.unsqueeze(1), got).squeeze(1)
             if pads[i]:
-                pooled = pooled[: bags.ids.shape[0]]
+                # Replicated (forward and gradient) before the padding rows are cut off: left batch-sharded,
+                # the sliced [B, D] (B not a multiple of n) carries its sharding into whatever the user joins it
+                # with (a torch.cat with a replicated table's output), and XLA's partitioner aborts the process
+                # on the step's sort of the other table's ids (issue 28: Check failed IsScalarWithElementType).
+                pooled = _Replicated.apply(pooled, mesh)[: bags.ids.shape[0]]  # type: ignore[no-untyped-call]
             out[path] = pooled.reshape(*bags.out_shape, dim)
         return out
 

@@ -196,3 +196,20 @@ def test_adafactor_weight_decay_in_a_group_is_its_decoupled_decay() -> None:
     opt = tte.optim.Adafactor([{"params": [w], "weight_decay": 0.1}, {"params": [b]}], lr=0.1)
     assert opt.param_groups[0]["weight_decay_factor"] == 0.1
     assert opt.param_groups[1]["weight_decay_factor"] is None
+
+
+@pytest.mark.parametrize("info", OPTIMIZER_INFOS, ids=lambda i: i.name)
+def test_user_metadata_is_kept_and_a_misspelt_option_is_refused(info: OptimizerInfo) -> None:
+    """Keys that name no optimizer's option are the user's (torch.optim keeps them); a near-miss of
+    an option is refused, naming it, instead of being kept and ignored."""
+    w, b = torch.nn.Parameter(torch.ones(3, 2)), torch.nn.Parameter(torch.ones(2))
+    opt = info.cls([{"params": [w], "name": "dense", "lr_scale": 0.5}], **info.default)
+    assert (opt.param_groups[0]["name"], opt.param_groups[0]["lr_scale"]) == ("dense", 0.5)
+    opt.add_param_group({"params": [b], "name": "bias"})
+    assert opt.param_groups[1]["name"] == "bias"
+    w.grad = torch.ones_like(w)
+    b.grad = torch.ones_like(b)
+    opt.step()  # the metadata changes nothing in the update
+    for typo in ("clipnrom", "weight_decay_facter"):
+        with pytest.raises(TypeError, match=rf"Parameter group 0: .* `{typo}`"):
+            info.cls([{"params": [w], typo: 1.0}], **info.default)

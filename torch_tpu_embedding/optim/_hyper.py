@@ -7,12 +7,15 @@ table and every dense parameter.
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torch_tpu_embedding._registry import optimizer_class
+from torch_tpu_embedding._registry import optimizer_class, optimizer_names
 from torch_tpu_embedding._rows import refuse_stacked_view, table_info
 from torch_tpu_embedding._validation import arg_error, check_bool, check_number
 from torch_tpu_embedding.optim._device import check_lr
@@ -143,6 +146,8 @@ def check_group_options(
             continue
         if key in defaults and _same(value, defaults[key]):
             continue
+        if not _is_option(key, allowed):
+            continue  # the user's own metadata ("name", "lr_scale"): kept, as torch.optim keeps it
         hint = ""
         if key == "weight_decay":
             # torch's weight_decay adds λ·w to the gradient (coupled L2); TF's weight_decay_factor decays
@@ -153,6 +158,28 @@ def check_group_options(
             f"Parameter group {index}: {rule_cls.__name__} takes no option `{key}` (received {value!r}); "
             f"a group may set the constructor's options {sorted(allowed)}.{hint}"
         )
+
+
+@functools.cache
+def _option_names(registered: tuple[str, ...]) -> frozenset[str]:
+    """Every option of torch.optim's optimizers and of the ``registered`` ones (read from their
+    signatures)."""
+    names: set[str] = set()
+    for cls in vars(torch.optim).values():
+        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer):
+            names |= set(inspect.signature(cls.__init__).parameters)
+    for name in registered:
+        names |= optimizer_class(name).group_options()
+    return frozenset(names - {"self", "params", "defaults"})
+
+
+def _is_option(key: str, allowed: frozenset[str]) -> bool:
+    """Whether a group key means an optimizer option: one of some optimizer's (torch.optim's or this
+    package's), or close enough to one to be a misspelling. Anything else is the user's metadata,
+    which torch.optim keeps in the group and frameworks read (Lightning's ``name``, timm's
+    ``lr_scale``); an option this optimizer does not take is never silently ignored."""
+    options = _option_names(optimizer_names())
+    return key in options or bool(difflib.get_close_matches(key, allowed | options, 1, 0.8))
 
 
 def refuse_complex(group: Mapping[str, Any], index: int, optimizer: str) -> None:

@@ -1,0 +1,172 @@
+"""torch.optim's ``state_dict`` layout, for ``torch.distributed.checkpoint.state_dict``'s helpers.
+
+Our ``state_dict()`` keys state by table (``table:<name>``, ``param:<...>``: optim/_state_io.py), so
+that it moves between stacked and unstacked collections. torch's helpers
+(``get_optimizer_state_dict`` / ``set_optimizer_state_dict``, TorchTitan's checkpointing) need
+torch.optim's layout instead: ``state`` keyed by each parameter's position in ``param_groups`` (they
+rename positions to the parameter's module path), ``params`` lists of positions, nothing beside
+``state`` and ``param_groups``.
+
+:func:`use_torch_layout` turns an optimizer's ``state_dict`` to that layout with torch.optim's own
+hooks: a pre-hook creates every slot (the helpers need an entry per parameter), a post-hook writes
+torch's layout (:func:`to_torch_layout`). ``load_state_dict`` reads either layout
+(:func:`from_torch_layout`, called by ``RowSparseOptimizer.load_state_dict``). One entry per
+parameter: a stacked group's entry holds its tables' state joined in their logical rows
+(``[Σ num_embeddings, ...]``). Each saved group keeps, under ``tte_params``, every parameter's tables
+and rows (and a group's row slots), so a group's entry is split per table again and loads into a
+collection stacked otherwise; and, under ``iterations`` / ``skipped_steps``, the optimizer's call
+counters (torch's helpers keep only ``state`` and ``param_groups``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torch_tpu_embedding._member_state import merge_member_state, split_member_state
+from torch_tpu_embedding._rows import table_info
+from torch_tpu_embedding.optim._slots import logical_rows, specs
+from torch_tpu_embedding.optim._state_io import param_keys
+
+if TYPE_CHECKING:
+    from torch_tpu_embedding.optim._base import RowSparseOptimizer
+
+__all__ = ["from_torch_layout", "to_torch_layout", "use_torch_layout"]
+
+_TTE = "tte_params"  # a saved group's key: per parameter, {"keys", "rows", "row_slots"}
+_COUNTERS = ("iterations", "skipped_steps")
+
+
+def use_torch_layout(optimizer: RowSparseOptimizer) -> RowSparseOptimizer:
+    """Give ``optimizer`` torch.optim's ``state_dict`` layout, for ``torch.distributed.checkpoint.
+    state_dict``'s ``get_optimizer_state_dict`` (and ``get_state_dict``); returns it.
+
+    Registers a ``state_dict`` pre-hook (every slot created, as
+    :meth:`~RowSparseOptimizer.init_state`) and post-hook (:func:`to_torch_layout`). Loading needs
+    nothing: ``load_state_dict`` takes either layout. Calling it again changes nothing.
+    """
+    if getattr(optimizer, "_tte_torch_layout", False):
+        return optimizer
+    optimizer.register_state_dict_pre_hook(_create_state)
+    optimizer.register_state_dict_post_hook(to_torch_layout)
+    optimizer._tte_torch_layout = True  # type: ignore[attr-defined]
+    return optimizer
+
+
+def _create_state(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.init_state()  # type: ignore[attr-defined]
+
+
+def _describe(opt: RowSparseOptimizer, p: torch.Tensor, group: Mapping[str, Any], key: str) -> dict[str, Any]:
+    """``p``'s tables as saved: logical keys, their rows, and (a stacked group) its row slots."""
+    info = table_info(p)
+    members = None if info is None else info.members
+    if members is None:
+        return {"keys": [key], "rows": [logical_rows(p)], "row_slots": []}
+    slots = sorted(k for k, spec in specs(p, group).items() if spec.rows and spec.shape)
+    return {"keys": [f"table:{n}" for n, _, _ in members], "rows": [n for _, _, n in members], "row_slots": slots}
+
+
+def _members(desc: Mapping[str, Any]) -> tuple[tuple[str, int, int], ...]:
+    out, off = [], 0
+    for key, n in zip(desc["keys"], desc["rows"], strict=True):
+        out.append((key, off, int(n)))
+        off += int(n)
+    return tuple(out)
+
+
+def to_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` post-hook: our layout ``sd`` → torch.optim's (positions; see the module)."""
+    keys = param_keys(opt)  # type: ignore[arg-type]
+    state: dict[int, dict[str, Any]] = {}
+    groups: list[dict[str, Any]] = []
+    pid = 0
+    for group, saved in zip(opt.param_groups, sd["param_groups"], strict=True):
+        out = {k: v for k, v in saved.items() if k != "params"}
+        out["params"], out[_TTE] = [], []
+        for p in group["params"]:
+            desc = _describe(opt, p, group, keys[id(p)])  # type: ignore[arg-type]
+            parts = {k: sd["state"][k] for k in desc["keys"] if k in sd["state"]}
+            if len(desc["keys"]) == 1:
+                entry = parts.get(desc["keys"][0])
+            elif parts:
+                members = _members(desc)
+                entry = merge_member_state(parts, members, desc["row_slots"], _no_current(desc["keys"]))
+            else:
+                entry = None
+            if entry is not None:
+                state[pid] = dict(entry)
+            out["params"].append(pid)
+            out[_TTE].append(desc)
+            pid += 1
+        for k in _COUNTERS:
+            out[k] = int(sd.get(k, 0))
+        groups.append(out)
+    return {"state": state, "param_groups": groups}
+
+
+def _no_current(keys: list[str]) -> Any:
+    def current(slot: str, off: int, n: int) -> torch.Tensor:
+        raise ValueError(f"Optimizer state of a stacked group ({keys}) lacks slot '{slot}' for one of its tables.")
+    return current
+
+
+def _is_ours(sd: Mapping[str, Any]) -> bool:
+    groups = sd.get("param_groups")
+    if not isinstance(groups, list):
+        return True  # not a state_dict at all: our loader names the problem
+    return all(
+        not isinstance(g, Mapping) or not isinstance(g.get("params"), list)
+        or all(isinstance(k, str) and k.startswith(("table:", "param:")) for k in g["params"])
+        for g in groups
+    )
+
+
+def from_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any] | None:
+    """For ``load_state_dict``: torch.optim's layout (positions, or module paths as torch's
+    helpers give it) → ours; ``None`` (load ``sd`` as is) when ``sd`` is in our layout already.
+
+    A saved group's ``tte_params`` names each parameter's tables; a dict without them (written by
+    another optimizer, or flattened by ``flatten_optimizer_state_dict``) is matched by position, as
+    torch.optim does, against this optimizer's parameters.
+    """
+    if _is_ours(sd):
+        return None
+    saved_groups = sd["param_groups"]
+    if len(saved_groups) != len(opt.param_groups):
+        raise ValueError(
+            f"Optimizer state does not match: {len(saved_groups)} parameter groups saved, {len(opt.param_groups)} here"
+        )
+    keys = param_keys(opt)  # type: ignore[arg-type]
+    state: dict[str, Any] = {}
+    groups: list[dict[str, Any]] = []
+    counters: dict[str, int] = {}
+    for gi, (saved, group) in enumerate(zip(saved_groups, opt.param_groups, strict=True)):
+        descs = saved.get(_TTE)
+        if descs is None:
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"Optimizer state does not match: group {gi} saved {len(saved['params'])} parameters, "
+                    f"{len(group['params'])} here"
+                )
+            descs = [_describe(opt, p, group, keys[id(p)]) for p in group["params"]]  # type: ignore[arg-type]
+        out = {k: v for k, v in saved.items() if k not in ("params", _TTE, *_COUNTERS)}
+        out["params"] = []
+        for k, desc in zip(saved["params"], descs, strict=True):
+            out["params"].extend(desc["keys"])
+            entry = sd["state"].get(k)
+            if entry is None:
+                continue
+            if len(desc["keys"]) == 1:
+                state[desc["keys"][0]] = entry
+            else:
+                members = _members(desc)
+                parts = split_member_state(entry, members, desc["row_slots"])
+                state.update(parts)
+        for k in _COUNTERS:
+            if k in saved:
+                counters[k] = max(counters.get(k, 0), int(saved[k]))
+        groups.append(out)
+    return {"state": state, "param_groups": groups, **counters}

@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from optim_registry import OPTIMIZER_INFOS, OptimizerInfo
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     get_state_dict,
@@ -298,3 +299,20 @@ def test_pre_exchange_checkpoint_loads_and_passes_through_the_helpers() -> None:
         pre_exchange_step(again, opt2, 50 + s)
     assert_bitwise(dict(again.state_dict()), dict(model.state_dict()))
     assert_bitwise(_ours(opt2), _ours(opt))
+
+
+def test_flattened_state_is_refused_not_loaded_with_its_counters_lost() -> None:
+    """``flatten_optimizer_state_dict=True``: torch's unflattening keeps only the keys the live groups
+    and slots have, which drops the call counter (and, for an optimizer with no slots yet, every slot)."""
+    info = next(i for i in OPTIMIZER_INFOS if i.name == "adam")
+    model = Model()
+    opt = tte.optim.use_torch_layout(make(info, model))
+    train(model, opt, batches(), 2)
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    osd = get_optimizer_state_dict(model, opt, options=flat)
+    assert osd["param_groups.ec.groups.fused_0.weight.iterations"] == 2
+    fresh = Model(seed=3)
+    opt2 = make(info, fresh)
+    with pytest.raises(ValueError, match="has no 'iterations'"):
+        set_optimizer_state_dict(fresh, opt2, osd, options=flat)
+    assert not any(opt2.state.values()) and opt2._iterations == 0  # (torch's lookups leave empty entries)

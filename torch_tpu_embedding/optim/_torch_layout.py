@@ -37,6 +37,7 @@ __all__ = ["from_torch_layout", "to_torch_layout", "use_torch_layout"]
 
 _TTE = "tte_params"  # a saved group's key: per parameter, {"keys", "rows", "row_slots"}
 _COUNTERS = ("iterations", "skipped_steps")
+_UNSAVED = "tte_unsaved"  # a saved group's key: the keys saved as None placeholders (see to_torch_layout)
 
 
 def use_torch_layout(optimizer: RowSparseOptimizer) -> RowSparseOptimizer:
@@ -103,6 +104,10 @@ def to_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str,
             pid += 1
         for k in _COUNTERS:
             out[k] = int(sd.get(k, 0))
+        # What is not saved (callables: `slot_creation_fn`, a callable `lr`) as None: torch's helpers
+        # look every key of the live groups up; loading keeps the live value (as for our layout).
+        out[_UNSAVED] = [k for k in group if k not in out]
+        out.update({k: None for k in out[_UNSAVED]})
         groups.append(out)
     return {"state": state, "param_groups": groups}
 
@@ -128,9 +133,10 @@ def from_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[st
     """For ``load_state_dict``: torch.optim's layout (positions, or module paths as torch's
     helpers give it) → ours; ``None`` (load ``sd`` as is) when ``sd`` is in our layout already.
 
-    A saved group's ``tte_params`` names each parameter's tables; a dict without them (written by
-    another optimizer, or flattened by ``flatten_optimizer_state_dict``) is matched by position, as
-    torch.optim does, against this optimizer's parameters.
+    A saved group's ``tte_params`` names each parameter's tables (without them, parameters are matched
+    by position, as torch.optim does). Its ``iterations`` and ``skipped_steps`` are required: a dict
+    without them (``flatten_optimizer_state_dict=True`` drops them) is refused, not loaded with the
+    counters reset; so is an empty entry (what that option gives for an optimizer with no slots).
     """
     if _is_ours(sd):
         return None
@@ -152,21 +158,29 @@ def from_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[st
                     f"{len(group['params'])} here"
                 )
             descs = [_describe(opt, p, group, keys[id(p)]) for p in group["params"]]  # type: ignore[arg-type]
-        out = {k: v for k, v in saved.items() if k not in ("params", _TTE, *_COUNTERS)}
+        for k in _COUNTERS:
+            if k not in saved:
+                raise ValueError(
+                    f"Optimizer state does not match: group {gi} has no '{k}' (an optimizer counter). torch's "
+                    "flatten_optimizer_state_dict=True keeps only keys the live groups have, and drops it: "
+                    "save without it (use_torch_layout's state_dict keeps it in each group)."
+                )
+            counters[k] = max(counters.get(k, 0), int(saved[k]))
+        out = {k: v for k, v in saved.items() if k not in ("params", _TTE, _UNSAVED, *_COUNTERS,
+                                                     *saved.get(_UNSAVED, []))}
         out["params"] = []
         for k, desc in zip(saved["params"], descs, strict=True):
             out["params"].extend(desc["keys"])
             entry = sd["state"].get(k)
             if entry is None:
                 continue
+            if not entry:  # what torch's unflattening gives for an optimizer with no slots yet
+                raise ValueError(f"Optimizer state does not match: the saved state of {desc['keys']} is empty.")
             if len(desc["keys"]) == 1:
                 state[desc["keys"][0]] = entry
             else:
                 members = _members(desc)
                 parts = split_member_state(entry, members, desc["row_slots"])
                 state.update(parts)
-        for k in _COUNTERS:
-            if k in saved:
-                counters[k] = max(counters.get(k, 0), int(saved[k]))
         groups.append(out)
     return {"state": state, "param_groups": groups, **counters}

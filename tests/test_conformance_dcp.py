@@ -316,3 +316,17 @@ def test_flattened_state_is_refused_not_loaded_with_its_counters_lost() -> None:
     with pytest.raises(ValueError, match="has no 'iterations'"):
         set_optimizer_state_dict(fresh, opt2, osd, options=flat)
     assert not any(opt2.state.values()) and opt2._iterations == 0  # (torch's lookups leave empty entries)
+
+
+@pytest.mark.parametrize("info", OPTIMIZER_INFOS, ids=lambda i: i.name)
+def test_the_helpers_never_step_an_optimizer_not_turned_to_torchs_layout(info: OptimizerInfo) -> None:
+    """Without ``use_torch_layout`` the helpers cannot read our layout (``KeyError``, as documented),
+    but, before that, they no longer step a fresh optimizer with ``[V, D]`` zero gradients at lr 0
+    (on main: a table-sized ``zeros_like`` per table, and FTRL's dense weights moved)."""
+    model = Model()
+    opt = make(info, model)
+    before = weights(model)
+    with NoTableSizedAllocations(model), pytest.raises(KeyError, match="table:|param:"):
+        get_optimizer_state_dict(model, opt)
+    assert_bitwise(weights(model), before)
+    assert not any(opt.state.values()) and opt._iterations == 0

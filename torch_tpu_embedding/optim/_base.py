@@ -332,7 +332,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
 
         Hooks as in torch.optim: ``register_state_dict_pre_hook``'s ``hook(optimizer)`` first, then
         ``register_state_dict_post_hook``'s ``hook(optimizer, state_dict)``, whose non-``None`` result
-        replaces the state dict.
+        replaces the state dict. :func:`~torch_tpu_embedding.optim.use_torch_layout` registers such
+        hooks: torch.optim's layout, for ``torch.distributed.checkpoint.state_dict``'s helpers.
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)

@@ -60,7 +60,7 @@ def _create_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.init_state()  # type: ignore[attr-defined]
 
 
-def _describe(opt: RowSparseOptimizer, p: torch.Tensor, group: Mapping[str, Any], key: str) -> dict[str, Any]:
+def _describe(p: torch.Tensor, group: Mapping[str, Any], key: str) -> dict[str, Any]:
     """``p``'s tables as saved: logical keys, their rows, and (a stacked group) its row slots."""
     info = table_info(p)
     members = None if info is None else info.members
@@ -88,7 +88,7 @@ def to_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str,
         out = {k: v for k, v in saved.items() if k != "params"}
         out["params"], out[_TTE] = [], []
         for p in group["params"]:
-            desc = _describe(opt, p, group, keys[id(p)])  # type: ignore[arg-type]
+            desc = _describe(p, group, keys[id(p)])
             parts = {k: sd["state"][k] for k in desc["keys"] if k in sd["state"]}
             if len(desc["keys"]) == 1:
                 entry = parts.get(desc["keys"][0])
@@ -157,7 +157,7 @@ def from_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[st
                     f"Optimizer state does not match: group {gi} saved {len(saved['params'])} parameters, "
                     f"{len(group['params'])} here"
                 )
-            descs = [_describe(opt, p, group, keys[id(p)]) for p in group["params"]]  # type: ignore[arg-type]
+            descs = [_describe(p, group, keys[id(p)]) for p in group["params"]]
         for k in _COUNTERS:
             if k not in saved:
                 raise ValueError(

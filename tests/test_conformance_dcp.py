@@ -330,3 +330,24 @@ def test_the_helpers_never_step_an_optimizer_not_turned_to_torchs_layout(info: O
         get_optimizer_state_dict(model, opt)
     assert_bitwise(weights(model), before)
     assert not any(opt.state.values()) and opt._iterations == 0
+
+
+@pytest.mark.parametrize("bad", [
+    lambda sd: sd["param_groups"][0].__setitem__("tte_params", sd["param_groups"][0]["tte_params"][:-1]),
+    lambda sd: sd["param_groups"][0]["tte_params"][0].__setitem__("rows", [40]),
+    lambda sd: sd["state"].__setitem__(0, torch.zeros(3)),
+], ids=["tte_params short", "rows short", "entry not a mapping"])
+def test_a_malformed_torch_layout_is_refused_before_anything_changes(bad: Any) -> None:
+    info = next(i for i in OPTIMIZER_INFOS if i.name == "adagrad")
+    model = Model()
+    opt = tte.optim.use_torch_layout(make(info, model))
+    train(model, opt, batches(), 2)
+    sd = opt.state_dict()
+    bad(sd)
+    fresh = Model(seed=3)
+    opt2 = make(info, fresh)
+    train(fresh, opt2, batches(7), 1)
+    before = _ours(opt2)
+    with pytest.raises(ValueError, match="Optimizer state does not match"):
+        opt2.load_state_dict(sd)
+    assert_bitwise(_ours(opt2), before)

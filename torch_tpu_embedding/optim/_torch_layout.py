@@ -138,8 +138,9 @@ def from_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[st
     without them (``flatten_optimizer_state_dict=True`` drops them) is refused, not loaded with the
     counters reset; so is an empty entry (what that option gives for an optimizer with no slots).
     """
-    if _is_ours(sd):
-        return None
+    if _is_ours(sd) or not isinstance(sd.get("state"), Mapping) or not all(
+            isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in sd["param_groups"]):
+        return None  # ours, or not a state_dict at all: our loader names the problem
     saved_groups = sd["param_groups"]
     if len(saved_groups) != len(opt.param_groups):
         raise ValueError(
@@ -158,6 +159,7 @@ def from_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[st
                     f"{len(group['params'])} here"
                 )
             descs = [_describe(p, group, keys[id(p)]) for p in group["params"]]
+        _check_descs(gi, saved["params"], descs)
         for k in _COUNTERS:
             if k not in saved:
                 raise ValueError(
@@ -174,6 +176,9 @@ def from_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[st
             entry = sd["state"].get(k)
             if entry is None:
                 continue
+            if not isinstance(entry, Mapping):
+                raise ValueError(f"Optimizer state does not match: state[{k!r}] is a {type(entry).__name__}, "
+                                 "not a mapping of slot names to tensors")
             if not entry:  # what torch's unflattening gives for an optimizer with no slots yet
                 raise ValueError(f"Optimizer state does not match: the saved state of {desc['keys']} is empty.")
             if len(desc["keys"]) == 1:
@@ -184,3 +189,16 @@ def from_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[st
                 state.update(parts)
         groups.append(out)
     return {"state": state, "param_groups": groups, **counters}
+
+
+def _check_descs(gi: int, params: list[Any], descs: Any) -> None:
+    """A saved group's ``tte_params``: one ``{"keys", "rows", "row_slots"}`` per parameter, as
+    :func:`to_torch_layout` writes them (checked before anything is written)."""
+    ok = isinstance(descs, list) and len(descs) == len(params) and all(
+        isinstance(d, Mapping) and isinstance(d.get("keys"), list) and isinstance(d.get("rows"), list)
+        and isinstance(d.get("row_slots"), list) and len(d["keys"]) == len(d["rows"]) >= 1
+        and all(isinstance(k, str) for k in d["keys"]) and all(isinstance(n, int) and n >= 0 for n in d["rows"])
+        for d in descs)
+    if not ok:
+        raise ValueError(f"Optimizer state does not match: param_groups[{gi}]['{_TTE}'] is not one "
+                         f"{{'keys', 'rows', 'row_slots'}} per parameter ({len(params)}). Received: {descs!r}")

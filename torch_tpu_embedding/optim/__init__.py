@@ -15,6 +15,7 @@ from torch_tpu_embedding.optim._base import RowSparseOptimizer as RowSparseOptim
 from torch_tpu_embedding.optim._contract import RowContext as RowContext
 from torch_tpu_embedding.optim._contract import SlotSpec as SlotSpec
 from torch_tpu_embedding.optim._extras import KerasExtras as KerasExtras
+from torch_tpu_embedding.optim._torch_layout import use_torch_layout as use_torch_layout
 
 # The optimizers, one module each: importing a module registers its optimizers, in this order.
 # isort: off
@@ -29,7 +30,8 @@ from torch_tpu_embedding.optim.rowwise_adagrad import *  # noqa: F403
 
 __all__ = sorted(
     {"KerasExtras", "OPTIMIZER_NAMES", "RowContext", "RowSparseOptimizer", "SlotSpec", "optimizer_class",
-     "optimizer_names"}
+     "optimizer_names",
+     "use_torch_layout"}
     | {name for n in OPTIMIZER_NAMES for name in sys.modules[optimizer_class(n).__module__].__all__}
 )
 del sys  # used above only: not part of the package's namespace

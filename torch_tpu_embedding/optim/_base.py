@@ -32,7 +32,7 @@ import torch
 from torch_tpu_embedding._grad_sync import sync_row_grads
 from torch_tpu_embedding._registry import optimizer_class, register
 from torch_tpu_embedding._rows import check_live_tables, retired_count, stacked_rows, table_info
-from torch_tpu_embedding.optim import _ema, _intake, _state_io
+from torch_tpu_embedding.optim import _ema, _intake, _state_io, _torch_layout
 from torch_tpu_embedding.optim._contract import RowContext, Slots, SlotSpec
 from torch_tpu_embedding.optim._device import LearningRates, StepClock, lr_value
 from torch_tpu_embedding.optim._extras import EXTRA_DEFAULTS, EXTRA_NAMES, check_extras
@@ -373,7 +373,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
 
         Hooks as in torch.optim: ``register_state_dict_pre_hook``'s ``hook(optimizer)`` first, then
         ``register_state_dict_post_hook``'s ``hook(optimizer, state_dict)``, whose non-``None`` result
-        replaces the state dict.
+        replaces the state dict. :func:`~torch_tpu_embedding.optim.use_torch_layout` registers such
+        hooks: torch.optim's layout, for ``torch.distributed.checkpoint.state_dict``'s helpers.
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
@@ -390,12 +391,17 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         Hooks as in torch.optim: ``register_load_state_dict_pre_hook``'s ``hook(optimizer, state_dict)``
         gets a shallow copy of ``state_dict`` (a non-``None`` result is loaded instead), and
         ``register_load_state_dict_post_hook``'s ``hook(optimizer)`` runs after the load.
+
+        torch.optim's layout (:func:`~torch_tpu_embedding.optim.use_torch_layout`'s, or parameters
+        by position or module path as ``torch.distributed.checkpoint.state_dict`` gives it) loads too.
         """
         state_dict = state_dict.copy()  # shallow, as torch.optim (a hook may add or drop keys)
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        # torch.optim's layout (torch.distributed.checkpoint.state_dict's helpers give it): into ours.
+        state_dict = _torch_layout.from_torch_layout(self, state_dict) or state_dict
         _state_io.load_state_dict(self, state_dict)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
@@ -413,7 +419,16 @@ class RowSparseOptimizer(torch.optim.Optimizer):
 
 class _State(defaultdict[Any, Any]):
     """``Optimizer.state`` (a ``defaultdict(dict)`` keyed by parameter) that explains, rather than
-    answering ``{}``, when asked for a stacked table's weight: its slots are its group's."""
+    answering ``{}``, when asked for a stacked table's weight: its slots are its group's.
+
+    Always true: every slot is made on first use, so there is never state to create by stepping.
+    ``torch.distributed.checkpoint.state_dict``'s helpers step an optimizer whose ``state`` is false
+    with a ``zeros_like`` gradient per parameter (a ``[V, D]`` one per table) at lr 0, which moves
+    FTRL's weights; they skip an optimizer whose ``state`` is true.
+    """
+
+    def __bool__(self) -> bool:
+        return True
 
     def __missing__(self, key: Any) -> Any:
         rows = stacked_rows(key) if isinstance(key, Tensor) else None

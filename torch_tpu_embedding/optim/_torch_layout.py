@@ -1,0 +1,204 @@
+"""torch.optim's ``state_dict`` layout, for ``torch.distributed.checkpoint.state_dict``'s helpers.
+
+Our ``state_dict()`` keys state by table (``table:<name>``, ``param:<...>``: optim/_state_io.py), so
+that it moves between stacked and unstacked collections. torch's helpers
+(``get_optimizer_state_dict`` / ``set_optimizer_state_dict``, TorchTitan's checkpointing) need
+torch.optim's layout instead: ``state`` keyed by each parameter's position in ``param_groups`` (they
+rename positions to the parameter's module path), ``params`` lists of positions, nothing beside
+``state`` and ``param_groups``.
+
+:func:`use_torch_layout` turns an optimizer's ``state_dict`` to that layout with torch.optim's own
+hooks: a pre-hook creates every slot (the helpers need an entry per parameter), a post-hook writes
+torch's layout (:func:`to_torch_layout`). ``load_state_dict`` reads either layout
+(:func:`from_torch_layout`, called by ``RowSparseOptimizer.load_state_dict``). One entry per
+parameter: a stacked group's entry holds its tables' state joined in their logical rows
+(``[Σ num_embeddings, ...]``). Each saved group keeps, under ``tte_params``, every parameter's tables
+and rows (and a group's row slots), so a group's entry is split per table again and loads into a
+collection stacked otherwise; and, under ``iterations`` / ``skipped_steps``, the optimizer's call
+counters (torch's helpers keep only ``state`` and ``param_groups``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torch_tpu_embedding._member_state import merge_member_state, split_member_state
+from torch_tpu_embedding._rows import table_info
+from torch_tpu_embedding.optim._slots import logical_rows, specs
+from torch_tpu_embedding.optim._state_io import param_keys
+
+if TYPE_CHECKING:
+    from torch_tpu_embedding.optim._base import RowSparseOptimizer
+
+__all__ = ["from_torch_layout", "to_torch_layout", "use_torch_layout"]
+
+_TTE = "tte_params"  # a saved group's key: per parameter, {"keys", "rows", "row_slots"}
+_COUNTERS = ("iterations", "skipped_steps")
+_UNSAVED = "tte_unsaved"  # a saved group's key: the keys saved as None placeholders (see to_torch_layout)
+
+
+def use_torch_layout(optimizer: RowSparseOptimizer) -> RowSparseOptimizer:
+    """Give ``optimizer`` torch.optim's ``state_dict`` layout, for ``torch.distributed.checkpoint.
+    state_dict``'s ``get_optimizer_state_dict`` (and ``get_state_dict``); returns it.
+
+    Registers a ``state_dict`` pre-hook (every slot created, as
+    :meth:`~RowSparseOptimizer.init_state`) and post-hook (:func:`to_torch_layout`). Loading needs
+    nothing: ``load_state_dict`` takes either layout. Calling it again changes nothing.
+    """
+    if getattr(optimizer, "_tte_torch_layout", False):
+        return optimizer
+    optimizer.register_state_dict_pre_hook(_create_state)
+    optimizer.register_state_dict_post_hook(to_torch_layout)
+    optimizer._tte_torch_layout = True  # type: ignore[attr-defined]
+    return optimizer
+
+
+def _create_state(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.init_state()  # type: ignore[attr-defined]
+
+
+def _describe(p: torch.Tensor, group: Mapping[str, Any], key: str) -> dict[str, Any]:
+    """``p``'s tables as saved: logical keys, their rows, and (a stacked group) its row slots."""
+    info = table_info(p)
+    members = None if info is None else info.members
+    if members is None:
+        return {"keys": [key], "rows": [logical_rows(p)], "row_slots": []}
+    slots = sorted(k for k, spec in specs(p, group).items() if spec.rows and spec.shape)
+    return {"keys": [f"table:{n}" for n, _, _ in members], "rows": [n for _, _, n in members], "row_slots": slots}
+
+
+def _members(desc: Mapping[str, Any]) -> tuple[tuple[str, int, int], ...]:
+    out, off = [], 0
+    for key, n in zip(desc["keys"], desc["rows"], strict=True):
+        out.append((key, off, int(n)))
+        off += int(n)
+    return tuple(out)
+
+
+def to_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` post-hook: our layout ``sd`` → torch.optim's (positions; see the module)."""
+    keys = param_keys(opt)  # type: ignore[arg-type]
+    state: dict[int, dict[str, Any]] = {}
+    groups: list[dict[str, Any]] = []
+    pid = 0
+    for group, saved in zip(opt.param_groups, sd["param_groups"], strict=True):
+        out = {k: v for k, v in saved.items() if k != "params"}
+        out["params"], out[_TTE] = [], []
+        for p in group["params"]:
+            desc = _describe(p, group, keys[id(p)])
+            parts = {k: sd["state"][k] for k in desc["keys"] if k in sd["state"]}
+            if len(desc["keys"]) == 1:
+                entry = parts.get(desc["keys"][0])
+            elif parts:
+                members = _members(desc)
+                entry = merge_member_state(parts, members, desc["row_slots"], _no_current(desc["keys"]))
+            else:
+                entry = None
+            if entry is not None:
+                state[pid] = dict(entry)
+            out["params"].append(pid)
+            out[_TTE].append(desc)
+            pid += 1
+        for k in _COUNTERS:
+            out[k] = int(sd.get(k, 0))
+        # What is not saved (callables: `slot_creation_fn`, a callable `lr`) as None: torch's helpers
+        # look every key of the live groups up; loading keeps the live value (as for our layout).
+        out[_UNSAVED] = [k for k in group if k not in out]
+        out.update({k: None for k in out[_UNSAVED]})
+        groups.append(out)
+    return {"state": state, "param_groups": groups}
+
+
+def _no_current(keys: list[str]) -> Any:
+    def current(slot: str, off: int, n: int) -> torch.Tensor:
+        raise ValueError(f"Optimizer state of a stacked group ({keys}) lacks slot '{slot}' for one of its tables.")
+    return current
+
+
+def _is_ours(sd: Mapping[str, Any]) -> bool:
+    groups = sd.get("param_groups")
+    if not isinstance(groups, list):
+        return True  # not a state_dict at all: our loader names the problem
+    return all(
+        not isinstance(g, Mapping) or not isinstance(g.get("params"), list)
+        or all(isinstance(k, str) and k.startswith(("table:", "param:")) for k in g["params"])
+        for g in groups
+    )
+
+
+def from_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any] | None:
+    """For ``load_state_dict``: torch.optim's layout (positions, or module paths as torch's
+    helpers give it) → ours; ``None`` (load ``sd`` as is) when ``sd`` is in our layout already.
+
+    A saved group's ``tte_params`` names each parameter's tables (without them, parameters are matched
+    by position, as torch.optim does). Its ``iterations`` and ``skipped_steps`` are required: a dict
+    without them (``flatten_optimizer_state_dict=True`` drops them) is refused, not loaded with the
+    counters reset; so is an empty entry (what that option gives for an optimizer with no slots).
+    """
+    if _is_ours(sd) or not isinstance(sd.get("state"), Mapping) or not all(
+            isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in sd["param_groups"]):
+        return None  # ours, or not a state_dict at all: our loader names the problem
+    saved_groups = sd["param_groups"]
+    if len(saved_groups) != len(opt.param_groups):
+        raise ValueError(
+            f"Optimizer state does not match: {len(saved_groups)} parameter groups saved, {len(opt.param_groups)} here"
+        )
+    keys = param_keys(opt)  # type: ignore[arg-type]
+    state: dict[str, Any] = {}
+    groups: list[dict[str, Any]] = []
+    counters: dict[str, int] = {}
+    for gi, (saved, group) in enumerate(zip(saved_groups, opt.param_groups, strict=True)):
+        descs = saved.get(_TTE)
+        if descs is None:
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"Optimizer state does not match: group {gi} saved {len(saved['params'])} parameters, "
+                    f"{len(group['params'])} here"
+                )
+            descs = [_describe(p, group, keys[id(p)]) for p in group["params"]]
+        _check_descs(gi, saved["params"], descs)
+        for k in _COUNTERS:
+            if k not in saved:
+                raise ValueError(
+                    f"Optimizer state does not match: group {gi} has no '{k}' (an optimizer counter). torch's "
+                    "flatten_optimizer_state_dict=True keeps only keys the live groups have, and drops it: "
+                    "save without it (use_torch_layout's state_dict keeps it in each group)."
+                )
+            counters[k] = max(counters.get(k, 0), int(saved[k]))
+        out = {k: v for k, v in saved.items() if k not in ("params", _TTE, _UNSAVED, *_COUNTERS,
+                                                     *saved.get(_UNSAVED, []))}
+        out["params"] = []
+        for k, desc in zip(saved["params"], descs, strict=True):
+            out["params"].extend(desc["keys"])
+            entry = sd["state"].get(k)
+            if entry is None:
+                continue
+            if not isinstance(entry, Mapping):
+                raise ValueError(f"Optimizer state does not match: state[{k!r}] is a {type(entry).__name__}, "
+                                 "not a mapping of slot names to tensors")
+            if not entry:  # what torch's unflattening gives for an optimizer with no slots yet
+                raise ValueError(f"Optimizer state does not match: the saved state of {desc['keys']} is empty.")
+            if len(desc["keys"]) == 1:
+                state[desc["keys"][0]] = entry
+            else:
+                members = _members(desc)
+                parts = split_member_state(entry, members, desc["row_slots"])
+                state.update(parts)
+        groups.append(out)
+    return {"state": state, "param_groups": groups, **counters}
+
+
+def _check_descs(gi: int, params: list[Any], descs: Any) -> None:
+    """A saved group's ``tte_params``: one ``{"keys", "rows", "row_slots"}`` per parameter, as
+    :func:`to_torch_layout` writes them (checked before anything is written)."""
+    ok = isinstance(descs, list) and len(descs) == len(params) and all(
+        isinstance(d, Mapping) and isinstance(d.get("keys"), list) and isinstance(d.get("rows"), list)
+        and isinstance(d.get("row_slots"), list) and len(d["keys"]) == len(d["rows"]) >= 1
+        and all(isinstance(k, str) for k in d["keys"]) and all(isinstance(n, int) and n >= 0 for n in d["rows"])
+        for d in descs)
+    if not ok:
+        raise ValueError(f"Optimizer state does not match: param_groups[{gi}]['{_TTE}'] is not one "
+                         f"{{'keys', 'rows', 'row_slots'}} per parameter ({len(params)}). Received: {descs!r}")

@@ -84,7 +84,7 @@ from torch_tpu_embedding.optim import _fused_update
 
 ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(10, 4, name="t"), max_ids_per_bag=3)})
 ec.tables.t.row_grad.keep_factored = True  # as SGD's eager step asks: the bags' rows kept factored
-bags = tte.Jagged(torch.tensor([1, 2, 2, 3, 1, 0]), lengths=torch.tensor([3, 3]))
+bags = tte.Padded(torch.tensor([[1, 2, 2], [3, 1, 0]]))  # padded bags: their rows kept factored (BagRows)
 ec({"f": bags})["f"].sum().backward()
 table = ec.tables.t
 with warnings.catch_warnings(record=True) as caught:

@@ -61,6 +61,9 @@ class EmbeddingTable(nn.Module):
     @property
     def padding_rows(self) -> int:
         """Rows past ``num_embeddings`` that exist only so the rows split evenly over devices."""
+        info = table_info(self.weight)
+        if info is not None and getattr(info.sharding, "over_process_group", False):
+            return 0  # one rank's shard of the table (tte.distributed.shard): its rows are saved as stored
         return int(self.weight.shape[0]) - self.config.num_embeddings
 
     def pad_rows(self, multiple: int) -> None:

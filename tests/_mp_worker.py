@@ -203,6 +203,52 @@ def _errors(rank: int, world: int) -> dict[str, str]:
     return out
 
 
+#: every collective of torch.distributed's Python API (the process-group path may use only the first four)
+COLLECTIVES = ("all_to_all_single", "all_reduce", "all_gather_into_tensor", "broadcast", "all_gather", "all_to_all",
+               "gather", "scatter", "reduce", "reduce_scatter", "reduce_scatter_tensor", "send", "recv", "isend",
+               "irecv", "barrier", "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+               "batch_isend_irecv")
+
+
+def _collectives(rank: int, world: int) -> list[dict[str, Any]]:
+    """The collectives of one training step (after a first one), recorded at torch.distributed's Python API:
+    name, tensor sizes, split sizes. The head is averaged by hand (DDP's reducer calls the backend from C++)."""
+    dtype = torch.float64
+    model = Model(dtype)
+    tte.distributed.shard(model)
+    opt = O.Adafactor(model.parameters(), lr=0.1, global_clipnorm=0.1, skip_nonfinite=True)
+    log: list[dict[str, Any]] = []
+
+    def step(s: int) -> None:
+        batch, y = share(*global_batch(s, dtype), rank, world)
+        opt.zero_grad()
+        ((model(batch) - y) ** 2).mean().backward()
+        for p in model.head.parameters():
+            assert p.grad is not None
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
+        opt.step()
+
+    def wrap(name: str, fn: Any) -> Any:
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            sizes = [a.numel() for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            splits = [kwargs.get(k) for k in ("output_split_sizes", "input_split_sizes")] + list(args[2:4])
+            log.append({"name": name, "sizes": sizes, "splits": [x for x in splits if x is not None]})
+            return fn(*args, **kwargs)
+        return recorded
+
+    step(0)
+    real = {n: getattr(dist, n) for n in COLLECTIVES if hasattr(dist, n)}
+    try:
+        for n, fn in real.items():
+            setattr(dist, n, wrap(n, fn))
+        step(1)
+    finally:
+        for n, fn in real.items():
+            setattr(dist, n, fn)
+    return log
+
+
 def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -212,6 +258,7 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
         for dtype in (torch.float64, torch.float32):
             results[f"{name}/{dtype}"] = _run(name, dtype, rank, world)
     results["errors"] = _errors(rank, world)
+    results["collectives"] = _collectives(rank, world)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

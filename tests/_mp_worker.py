@@ -37,6 +37,7 @@ CONFIGS: dict[str, tuple[Any, dict[str, Any]]] = {
     "adafactor-global_clipnorm-ema": (O.Adafactor, {"lr": 0.1, "global_clipnorm": 0.1, "use_ema": True}),
     "ftrl-global_clipnorm-skip": (O.FTRL, {"lr": 0.2, "global_clipnorm": 0.1, "skip_nonfinite": True}),
     "sgd-clipnorm-accum2": (O.SGD, {"lr": 0.2, "clipnorm": 0.02, "gradient_accumulation_steps": 2}),
+    "adagrad-clip_grad_norm": (O.Adagrad, {"lr": 0.2}),  # and tte.clip_grad_norm_ before each step
 }
 GLOBAL_BATCH = 24  # 12, 8 and 6 per rank on 2, 3 and 4 ranks
 STEPS = 10
@@ -117,9 +118,10 @@ def make_opt(name: str, params: Any) -> torch.optim.Optimizer:
 
 
 def train(model: Model, run: torch.nn.Module, opt: torch.optim.Optimizer, dtype: torch.dtype, rank: int = 0,
-          world: int = 1, nan_step: int | None = None, reverse: bool = False) -> None:
+          world: int = 1, nan_step: int | None = None, reverse: bool = False, clip: bool = False) -> None:
     """``nan_step``: that step's first target is NaN (on rank 0's share), so the whole step is non-finite;
-    ``reverse``: the global batch's examples in reverse order (the same loss, other float sums)."""
+    ``reverse``: the global batch's examples in reverse order (the same loss, other float sums); ``clip``:
+    ``tte.clip_grad_norm_`` to 0.05 before each step."""
     for step in range(STEPS):
         batch, y = global_batch(step, dtype)
         if reverse:
@@ -130,6 +132,8 @@ def train(model: Model, run: torch.nn.Module, opt: torch.optim.Optimizer, dtype:
         loss = ((run(batch) - y) ** 2).mean()
         opt.zero_grad()
         loss.backward()
+        if clip:
+            tte.clip_grad_norm_(run.parameters(), 0.05)
         opt.step()
     model.ec.check_ids()  # nothing dropped (eager capacity)
 
@@ -152,7 +156,7 @@ def reference(name: str, dtype: torch.dtype, reverse: bool = False) -> dict[str,
     """One process on the global batch (``reverse``: its examples in reverse order)."""
     model = Model(dtype)
     opt = make_opt(name, model.parameters())
-    train(model, model, opt, dtype, nan_step=nan_step(name), reverse=reverse)
+    train(model, model, opt, dtype, nan_step=nan_step(name), reverse=reverse, clip="clip_grad_norm" in name)
     return {"model": {k: v.clone() for k, v in model.state_dict().items()}, "optimizer": opt.state_dict()}
 
 
@@ -165,7 +169,7 @@ def _run(name: str, dtype: torch.dtype, rank: int, world: int) -> dict[str, Any]
     placements = tte.distributed.shard(model)
     ddp = tte.distributed.DistributedDataParallel(model)
     opt = make_opt(name, ddp.parameters())
-    train(model, ddp, opt, dtype, rank, world, nan_step=nan_step(name))
+    train(model, ddp, opt, dtype, rank, world, nan_step=nan_step(name), clip="clip_grad_norm" in name)
     tables = model.ec.physical_tables()
     sharded = {}
     for t in SHARDED:

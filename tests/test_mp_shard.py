@@ -136,7 +136,8 @@ def test_every_rank_equals_one_process(world: int, name: str, tmp_path_factory: 
 def test_options_take_effect() -> None:
     """The clipping and skip configurations change the result (their global statistics are exercised)."""
     for name, base in (("adam-clipnorm", "adam"), ("sgd-clipnorm-accum2", "sgd"),
-                       ("adafactor-global_clipnorm-ema", "adafactor"), ("ftrl-global_clipnorm-skip", "ftrl")):
+                       ("adafactor-global_clipnorm-ema", "adafactor"), ("ftrl-global_clipnorm-skip", "ftrl"),
+                       ("adagrad-clip_grad_norm", "adagrad")):
         a = reference(name, torch.float64)["model"]["ec.tables.big.weight"]
         b = reference(base, torch.float64)["model"]["ec.tables.big.weight"]
         assert not torch.allclose(a, b, rtol=0, atol=1e-9), name

@@ -118,11 +118,12 @@ def make_opt(name: str, params: Any) -> torch.optim.Optimizer:
 
 
 def train(model: Model, run: torch.nn.Module, opt: torch.optim.Optimizer, dtype: torch.dtype, rank: int = 0,
-          world: int = 1, nan_step: int | None = None, reverse: bool = False, clip: bool = False) -> None:
+          world: int = 1, nan_step: int | None = None, reverse: bool = False, clip: bool = False,
+          steps: range = range(STEPS)) -> None:
     """``nan_step``: that step's first target is NaN (on rank 0's share), so the whole step is non-finite;
     ``reverse``: the global batch's examples in reverse order (the same loss, other float sums); ``clip``:
     ``tte.clip_grad_norm_`` to 0.05 before each step."""
-    for step in range(STEPS):
+    for step in steps:
         batch, y = global_batch(step, dtype)
         if reverse:
             batch, y = _reversed(batch), y.flip(0)
@@ -181,6 +182,42 @@ def _run(name: str, dtype: torch.dtype, rank: int, world: int) -> dict[str, Any]
     return {"placements": placements, "sharded": sharded, "optimizer": opt.state_dict(),
             "model": {k: v.clone() for k, v in model.state_dict().items()},
             "groups": sorted(model.ec.groups), "skipped": getattr(opt, "skipped_steps", 0)}
+
+
+CKPT = "adafactor-global_clipnorm-ema"  # whole-table statistics, EMA and row slots to carry over
+
+
+def _result(model: Model, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    tables = model.ec.physical_tables()
+    sharded = {t: {"ids": tte.distributed.logical_ids(tables[t]), "rows": tables[t].weight.detach().clone()}
+               for t in SHARDED}
+    return {"sharded": sharded, "optimizer": opt.state_dict(),
+            "model": {k: v.clone() for k, v in model.state_dict().items()}, "skipped": opt.skipped_steps}
+
+
+def _checkpoint(rank: int, world: int, out_dir: str) -> dict[int, dict[str, Any]]:
+    """World 4: 5 steps, save_sharded; then ranks 0..w-1 of new groups of 2 and 3 load it and train 5 more
+    (the parent loads it into one process). Returns each resumed run by its world size."""
+    dtype, path = torch.float64, os.path.join(out_dir, "ckpt")
+    model = Model(dtype)
+    tte.distributed.shard(model)
+    ddp = tte.distributed.DistributedDataParallel(model)
+    opt = make_opt(CKPT, ddp.parameters())
+    train(model, ddp, opt, dtype, rank, world, steps=range(5))
+    tte.distributed.save_sharded(path, model, opt)
+    out = {}
+    for w in (2, 3):
+        group, dense = dist.new_group(list(range(w))), dist.new_group(list(range(w)))  # every rank takes part
+        if rank < w:
+            resumed = Model(dtype, seed=100 + rank)  # other values everywhere: all must come from the files
+            tte.distributed.shard(resumed, group)
+            ddp2 = tte.distributed.DistributedDataParallel(resumed, process_group=dense)
+            opt2 = make_opt(CKPT, ddp2.parameters())
+            tte.distributed.load_sharded(path, resumed, opt2)
+            train(resumed, ddp2, opt2, dtype, rank, w, steps=range(5, STEPS))
+            out[w] = _result(resumed, opt2)
+        dist.barrier()
+    return out
 
 
 def _errors(rank: int, world: int) -> dict[str, str]:
@@ -263,6 +300,8 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
             results[f"{name}/{dtype}"] = _run(name, dtype, rank, world)
     results["errors"] = _errors(rank, world)
     results["collectives"] = _collectives(rank, world)
+    if world == 4:
+        results["checkpoint"] = _checkpoint(rank, world, out_dir)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

@@ -23,6 +23,7 @@ import torch_tpu_embedding as tte
 WORLDS = (2, 3, 4)
 DTYPES = (torch.float64, torch.float32)
 _RUNS: dict[int, list[dict[str, Any]]] = {}
+_DIRS: dict[int, Any] = {}
 _REFS: dict[tuple[str, torch.dtype], dict[str, Any]] = {}
 VOCAB = {"big": 1500, "row2": 1000, "tw": 600, "tw2": 400}
 DIM = {"big": 4, "row2": 4, "tw": 3, "tw2": 3}
@@ -40,6 +41,7 @@ def ranks(world: int, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str
         out = tmp_path_factory.mktemp(f"mp{world}")
         mp.start_processes(W.worker, args=(world, _free_port(), str(out)), nprocs=world, start_method="spawn")
         _RUNS[world] = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+        _DIRS[world] = out
     return _RUNS[world]
 
 
@@ -212,6 +214,39 @@ def test_collectives_of_a_step(world: int, tmp_path_factory: pytest.TempPathFact
         # capacity (one per sharded table), head (2), Adafactor's sums, global_clipnorm, skip gate
         assert names.count("all_reduce") >= len(W.SHARDED) + 2 + 2, names
         assert max(n for c in log for n in c["sizes"]) < smallest, (r, log)
+
+
+def test_checkpoint_saved_at_4_loads_at_2_and_3(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """save_sharded after 5 steps at world 4 (Adafactor with global_clipnorm and EMA); groups of 2 and 3 ranks
+    load it into models drawn from other seeds and train 5 more: every rank equals one uninterrupted process."""
+    results = ranks(4, tmp_path_factory)
+    ref = reference(W.CKPT, torch.float64)
+    for w in (2, 3):
+        for r in range(w):
+            compare(results[r]["checkpoint"][w], ref, torch.float64, w)
+    files = sorted(p.name for p in (_DIRS[4] / "ckpt").iterdir())
+    assert files == ["meta.pt", "rows-0.pt", "rows-1.pt", "rows-2.pt", "rows-3.pt"]
+    for r in range(4):  # each rank's file holds its rows only, in ascending logical id
+        part = torch.load(_DIRS[4] / "ckpt" / f"rows-{r}.pt", weights_only=True)
+        ids = part["big"]["ids"]
+        assert ids.shape[0] < VOCAB["big"] and bool((ids[1:] > ids[:-1]).all())
+
+
+def test_checkpoint_loads_into_one_process(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The world-4 checkpoint into one process with every table whole (stacked as the collection stacks
+    them): 5 more steps on the global batch equal the uninterrupted run."""
+    ranks(4, tmp_path_factory)
+    model = W.Model(torch.float64, seed=7)
+    opt = W.make_opt(W.CKPT, model.parameters())
+    tte.distributed.load_sharded(_DIRS[4] / "ckpt", model, opt)
+    W.train(model, model, opt, torch.float64, steps=range(5, W.STEPS))
+    ref = reference(W.CKPT, torch.float64)
+    for k, v in ref["model"].items():
+        _close(model.state_dict()[k], v, 1e-10, k)
+    got = opt.state_dict()["state"]
+    for key, slots in ref["optimizer"]["state"].items():
+        for slot, v in slots.items():
+            _close(got[key][slot], v, 1e-10, f"{key}/{slot}")
 
 
 def test_assign_tables_rule() -> None:

@@ -107,7 +107,8 @@ def shard(
     (default: the default group) by their placements; returns table name → placement.
 
     Call it on every rank of the group, with the same model (the same seed: each rank keeps its rows of the
-    tables it drew), after moving the model to its device and before wrapping it in
+    tables it drew; with ``group`` given the exchange runs on that group, so give the DDP wrapper another
+    one), after moving the model to its device and before wrapping it in
     :class:`~torch_tpu_embedding.distributed.DistributedDataParallel` and building the optimizer. Each
     rank's sharded tables are then its rows only (``weight`` ``[rows stored, D]``, their logical ids:
     :func:`logical_ids`; ``state_dict`` holds them as stored), and each rank's loss must be the mean
@@ -131,8 +132,9 @@ def shard(
     pg = dist.group.WORLD if group is None else group
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
     # The exchange gets a group of its own: its all-to-alls run inside autograd's backward, where a DDP over
-    # the same group issues its own all-reduces.
-    exchange = dist.new_group(dist.get_process_group_ranks(pg))
+    # the same group issues its own all-reduces. new_group needs every process of the default group, which
+    # calls shard() only when `group` is the default; a group given is used as it is (give DDP another).
+    exchange = dist.new_group(dist.get_process_group_ranks(pg)) if group is None else group
     out: dict[str, str] = {}
     for ec in collections:
         for name, t in ec.physical_tables().items():

@@ -39,6 +39,7 @@ from torch_tpu_embedding._grad_sync import (
     spmd_active,
     sync_row_grads,
 )
+from torch_tpu_embedding._pg_ckpt import load_sharded, save_sharded
 from torch_tpu_embedding._pg_exchange import group_sharding
 from torch_tpu_embedding._pg_shard import (
     DEFAULT_REPLICATE_BELOW_BYTES,
@@ -54,7 +55,9 @@ __all__ = [
     "DistributedDataParallel",
     "assign_tables",
     "group_placement",
+    "load_sharded",
     "logical_ids",
+    "save_sharded",
     "shard",
     "check_not_ddp_managed",
     "data_parallel",

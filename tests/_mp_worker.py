@@ -234,6 +234,10 @@ def _errors(rank: int, world: int) -> dict[str, str]:
         tte.distributed.shard(model)
     except RuntimeError as e:
         out["twice"] = str(e)
+    model.float()  # new parameters: the sharded tables keep their layout
+    moved = model.ec.tables["big"].weight
+    out["moved"] = f"{moved.dtype} {tuple(moved.shape)} {tte.distributed.logical_ids(moved).shape[0]}"
+    model.double()
     opt = O.Adagrad(model.parameters(), lr=0.1, use_gradient_accumulation=False)
     batch, y = share(*global_batch(0, torch.float64), rank, world)
     ((model(batch) - y) ** 2).mean().backward()

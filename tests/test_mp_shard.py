@@ -191,6 +191,8 @@ def test_refusals(world: int, tmp_path_factory: pytest.TempPathFactory) -> None:
     assert "Table `wide`: placement 'column'" in errors["column"] and "torch_xla SPMD" in errors["column"]
     assert "Received: placement='column'" in errors["column"]
     assert "sharded over a process group already" in errors["twice"]
+    rows = -(-1500 // math.lcm(512, world)) * math.lcm(512, world) // world
+    assert errors["moved"] == f"torch.float32 ({rows}, 4) {rows}"
     assert "`use_gradient_accumulation=False`" in errors["noaccum"] and "Table `row2` is sharded" in errors["noaccum"]
 
 

@@ -10,6 +10,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from torch_tpu_embedding._grad_sync import LOCAL, mark
 from torch_tpu_embedding._layout import RowLayout, from_logical, to_logical
 from torch_tpu_embedding._rows import RowGrad, TableInfo, register_table, retire_table, table_info
 from torch_tpu_embedding.config import TableConfig, default_initializer
@@ -121,6 +122,14 @@ class EmbeddingTable(nn.Module):
         if old is not None and old is not self.weight:
             retire_table(old, replaced)
         self.__dict__["_registered_weight"] = weakref.ref(self.weight)
+        spread = None if old is None else getattr(table_info(old), "sharding", None)
+        if old is not self.weight and getattr(spread, "over_process_group", False):
+            # One rank's rows of a table sharded over a process group (tte.distributed.shard), moved or cast:
+            # still those rows, with that layout (else its lookups would read the shard as a whole table).
+            info = register_table(self.weight, self.name, int(self.weight.shape[0]), self.config.optimizer)
+            info.sharding = spread
+            mark(self.weight, LOCAL)
+            return info
         return register_table(
             self.weight, self.name, self.config.num_embeddings, self.config.optimizer, self.members(),
             self.row_layout,

@@ -34,8 +34,9 @@ Tensor = torch.Tensor
 
 @dataclasses.dataclass
 class LoadCounts:
-    """A table's exchange since the last ``check_ids``: the largest load per owner and the last
-    capacity (``EmbeddingCollection.largest_loads``). Eager capacity drops nothing: ``dropped`` is 0."""
+    """A table's exchange since the last ``check_ids`` (``EmbeddingCollection.largest_loads``): the largest
+    load, and the last step's capacity. The one all-reduce of a step gives only the largest load over every
+    rank and owner, so every owner reports that. Eager capacity drops nothing: ``dropped`` is 0."""
 
     largest: list[int]
     capacity: int

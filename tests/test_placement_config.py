@@ -12,12 +12,12 @@ import torch_tpu_embedding as tte
 
 
 def test_placement_values() -> None:
-    assert tte.PLACEMENTS == ("auto", "row", "column", "replicated")
+    assert tte.PLACEMENTS == ("auto", "row", "column", "replicated", "table")
     assert tte.TableConfig(4, 2).placement == "auto"
     for p in tte.PLACEMENTS:
         assert tte.TableConfig(4, 2, placement=p).placement == p
     with pytest.raises(ValueError, match=re.escape(
-            "Argument `placement` must be one of ('auto', 'row', 'column', 'replicated'). Received: 'rows'")):
+            "Argument `placement` must be one of ('auto', 'row', 'column', 'replicated', 'table'). Received: 'rows'")):
         tte.TableConfig(4, 2, placement="rows")
     assert "placement='row'" in repr(tte.TableConfig(4, 2, placement="row"))
 

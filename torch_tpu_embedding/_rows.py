@@ -290,6 +290,12 @@ class TableInfo:
         the shards that own them and the gradient arrives there (``RowGrad.add_owned``)."""
         return bool(getattr(self.sharding, "exchange", False))
 
+    @property
+    def routed(self) -> bool:
+        """Looked up through its layout's ``routed_lookup``: the SPMD id exchange (:attr:`owner_local`), or
+        rows sharded over a process group (``tte.distributed.shard``)."""
+        return self.owner_local or bool(getattr(self.sharding, "over_process_group", False))
+
 
 _TABLES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # type: ignore[no-untyped-call]
 

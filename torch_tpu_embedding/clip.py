@@ -16,6 +16,7 @@ import torch
 from torch_tpu_embedding._dedup import coalesce_rows
 from torch_tpu_embedding._dtypes import math_dtype
 from torch_tpu_embedding._grad_sync import sync_row_grads
+from torch_tpu_embedding._pg_exchange import all_reduce_sum, group_sharding
 from torch_tpu_embedding._rows import refuse_stacked_view, table_info
 
 __all__ = ["clip_grad_norm_"]
@@ -70,12 +71,16 @@ def clip_grad_norm_(
     dense = [p for p in params if table_info(p) is None]
     sync_row_grads([{"params": tables}])
     summed = [(p, r) for p, r in ((p, _summed_rows(p)) for p in tables) if r is not None]
-    grads = [p.grad for p in dense if p.grad is not None] + [r for _, r in summed]
-    if norm_type < 0 and any(_has_zero_rows(p) for p, _ in summed):
-        # A negative order (-inf: the smallest |g|) sees the zero rows of the dense [V, D] gradient
-        # torch would hold, which the row-sparse form leaves out.
-        grads.append(torch.zeros(1, dtype=summed[0][1].dtype, device=summed[0][1].device))
-    total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+    spread = [p for p in tables if group_sharding(p) is not None]
+    if spread:  # tables sharded over a process group: every rank holds a part of the gradient
+        total = _group_norm(params, summed, spread, float(norm_type), error_if_nonfinite, foreach)
+    else:
+        grads = [p.grad for p in dense if p.grad is not None] + [r for _, r in summed]
+        if norm_type < 0 and any(_has_zero_rows(p) for p, _ in summed):
+            # A negative order (-inf: the smallest |g|) sees the zero rows of the dense [V, D] gradient
+            # torch would hold, which the row-sparse form leaves out.
+            grads.append(torch.zeros(1, dtype=summed[0][1].dtype, device=summed[0][1].device))
+        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
     torch.nn.utils.clip_grads_with_norm_(dense, max_norm, total, foreach)
     if summed:
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
@@ -100,6 +105,40 @@ def _has_zero_rows(p: Tensor) -> bool:
         ids = rg.ids().cpu()
         real = ids[ids < p.shape[0]]
     return int(torch.unique(real).numel()) < info.num_embeddings
+
+
+def _group_norm(params: list[Tensor], summed: list[tuple[Tensor, Tensor]], spread: list[Tensor],
+                norm_type: float, error_if_nonfinite: bool, foreach: bool | None) -> Tensor:
+    """The norm over every gradient when some tables are sharded over a process group: the sharded tables'
+    rows (each rank's own, duplicates summed by :func:`_summed_rows`) reduced over the group (a sum of
+    ``|g|^p``, or a max for ``inf``); dense gradients and replicated tables' rows are global already and
+    count once."""
+    if norm_type <= 0:
+        # A negative (or 0) order needs every rank's count of untouched rows, which no collective here keeps.
+        raise ValueError("clip_grad_norm_: norm_type must be > 0 when tables are sharded over a process group "
+                         f"(tte.distributed.shard); received {norm_type}")
+    mine = {id(p) for p in spread}
+    local = [p.grad for p in params if p.grad is not None and table_info(p) is None]
+    local += [r for p, r in summed if id(p) not in mine]
+    theirs = [r for p, r in summed if id(p) in mine]
+    sharding = group_sharding(spread[0])
+    assert sharding is not None
+    group = sharding.group
+    dtype = next((g.dtype for g in local + theirs), torch.float32)
+    norm = torch.nn.utils.get_total_norm(local, norm_type, False, foreach) if local else torch.zeros((), dtype=dtype)
+    part = torch.nn.utils.get_total_norm(theirs, norm_type, False, foreach) if theirs else torch.zeros_like(norm)
+    part = part.to(norm.dtype)
+    if norm_type == float("inf"):
+        out = part.reshape(1).clone()
+        torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX, group=group)
+        total = torch.maximum(norm, out.reshape(()))
+    else:
+        total = (norm ** norm_type + all_reduce_sum(part ** norm_type, group)) ** (1.0 / norm_type)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
+                           "so it cannot be clipped. To disable this error and scale the gradients by the "
+                           "non-finite norm anyway, set `error_if_nonfinite=False`")
+    return total
 
 
 def _summed_rows(p: Tensor) -> Tensor | None:

@@ -158,7 +158,7 @@ class EmbeddingCollection(nn.Module):
         group whose tables stay together is kept as is. Build the optimizer after this.
         """
         if not isinstance(placements, dict) or sorted(placements) != sorted(self.tables) or any(
-                p not in PLACEMENTS or p == "auto" for p in placements.values()):
+                p not in PLACEMENTS or p in ("auto", "table") for p in placements.values()):
             raise ValueError("Argument `placements` must map every table name to 'row', 'column' or 'replicated'. "
                              f"Tables: {list(self.tables)}. Received: {placements!r}")
         if not self._fuse:
@@ -187,6 +187,21 @@ class EmbeddingCollection(nn.Module):
         for w in before:
             if id(w) not in kept:
                 retire_table(w, "the tables were stacked anew for their placements (new group parameters)")
+
+    def unstack(self, groups: list[str]) -> None:
+        """Dissolve the fused ``groups`` (names in ``self.groups``): each of their tables becomes a table of
+        its own with its logical rows. Called by ``tte.distributed.shard`` for tables it shards over a
+        process group (each is laid out alone). Build the optimizer after this."""
+        for gname in groups:
+            group = cast(FusedTables, self.groups[gname])
+            logical = group.logical_weight()
+            for tname, first, rows in group.members():
+                t = EmbeddingTable(group.member_configs[tname], tname,
+                                   weight=logical[first : first + rows].to(group.weight.device, copy=True))
+                self.tables[tname] = t
+                self._located[tname] = (t, 0)
+            del self.groups[gname]
+            retire_table(group.weight, "its tables were unstacked to be sharded over a process group")
 
     # ------------------------------------------------------------------ accessors
     @property
@@ -303,8 +318,10 @@ class EmbeddingCollection(nn.Module):
                 if weight.device.type == "xla" and weight.requires_grad and torch.is_grad_enabled():
                     check_xla_backward(tname)
                 info = table_info(weight)
-                local[id(table)] = info.sharding if info is not None and info.owner_local else None
+                local[id(table)] = info.sharding if info is not None and info.routed else None
             owner_local = local[id(table)] is not None
+            # A table sharded over a process group stores only its shard: padding is its layout's id.
+            sentinel = int(getattr(local[id(table)], "id_rows", weight.shape[0]))
             value = pick(features, path)
             on_device = _device_resident(value)
             resident = weight.device.type == "cpu" or _input_device(value) != "cpu"
@@ -313,7 +330,7 @@ class EmbeddingCollection(nn.Module):
                 fc,
                 value,
                 None if weights is None else pick(weights, path),
-                sentinel=weight.shape[0],
+                sentinel=sentinel,
                 device=weight.device if resident else host,
                 dtype=weight.dtype,
                 static=weight.device.type == "xla",

@@ -38,7 +38,7 @@ __all__ = [
 
 COMBINERS = ("mean", "sum", "sqrtn")
 #: Table layouts on a device mesh (see ``TableConfig.placement`` and docs/sharding.md).
-PLACEMENTS = ("auto", "row", "column", "replicated")
+PLACEMENTS = ("auto", "row", "column", "replicated", "table")
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 #: An initializer fills a ``[num_embeddings, embedding_dim]`` tensor in place (torch.nn.init style,
@@ -101,7 +101,10 @@ class TableConfig:
             dimension split; needs ``embedding_dim`` divisible by the device count),
             ``"replicated"`` (a full copy on every device; small tables — TF's mode without the
             embedding accelerator) or ``"auto"`` (default: replicated below a size threshold,
-            else row-sharded). Ignored off XLA and on one device.
+            else row-sharded). Ignored off XLA and on one device. Over a ``torch.distributed``
+            process group, :func:`torch_tpu_embedding.distributed.shard` reads it too: ``"row"``,
+            ``"replicated"``, ``"auto"`` (the same rule) and ``"table"`` (the whole table on one
+            process, TorchRec's table-wise; process groups only), but not ``"column"`` (SPMD only).
         max_unique_ids_per_shard: the static capacity of a row-sharded table's id exchange under
             SPMD (docs/sharding.md): how many distinct ids of one step one device may send to one
             shard (TF/keras-rs ``max_unique_ids_per_partition``; ids are deduplicated per device

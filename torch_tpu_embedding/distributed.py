@@ -1,4 +1,5 @@
-"""Data parallel outside SPMD: replicated tables under ``torch.distributed`` (torchrun, DDP).
+"""Data parallel outside SPMD: replicated tables under ``torch.distributed`` (torchrun, DDP); and
+:func:`shard`, tables sharded over the process group by placement (``torch_tpu_embedding/_pg_shard.py``).
 
 Every process holds every table and trains on its share of the global batch. A table's gradient
 lives in its :class:`~torch_tpu_embedding._rows.RowGrad`, never in ``.grad``, so torch's
@@ -38,10 +39,26 @@ from torch_tpu_embedding._grad_sync import (
     spmd_active,
     sync_row_grads,
 )
+from torch_tpu_embedding._pg_ckpt import load_sharded, save_sharded
+from torch_tpu_embedding._pg_exchange import group_sharding
+from torch_tpu_embedding._pg_shard import (
+    DEFAULT_REPLICATE_BELOW_BYTES,
+    assign_tables,
+    group_placement,
+    logical_ids,
+    shard,
+)
 from torch_tpu_embedding._rows import table_info
 
 __all__ = [
+    "DEFAULT_REPLICATE_BELOW_BYTES",
     "DistributedDataParallel",
+    "assign_tables",
+    "group_placement",
+    "load_sharded",
+    "logical_ids",
+    "save_sharded",
+    "shard",
     "check_not_ddp_managed",
     "data_parallel",
     "exchange_group",
@@ -105,12 +122,14 @@ def data_parallel(
         module, ignored + [n for n in names if n not in ignored]
     )
     group: Any = dist.group.WORLD if process_group is None else process_group
-    for _, p in tables:
+    # Tables sharded over a process group (shard()) are each rank's own rows: never exchanged or broadcast.
+    replicated = [p for _, p in tables if group_sharding(p) is None]
+    for p in replicated:
         mark(p, process_group)
     if broadcast and dist.get_world_size(group) > 1:
         src = dist.get_global_rank(group, 0)
         with torch.no_grad():
-            for _, p in tables:
+            for p in replicated:
                 dist.broadcast(p.detach(), src=src, group=group)
     return module
 

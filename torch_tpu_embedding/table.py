@@ -10,6 +10,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from torch_tpu_embedding._grad_sync import LOCAL, mark
 from torch_tpu_embedding._layout import RowLayout, from_logical, to_logical
 from torch_tpu_embedding._rows import RowGrad, TableInfo, register_table, retire_table, table_info
 from torch_tpu_embedding.config import TableConfig, default_initializer
@@ -61,6 +62,9 @@ class EmbeddingTable(nn.Module):
     @property
     def padding_rows(self) -> int:
         """Rows past ``num_embeddings`` that exist only so the rows split evenly over devices."""
+        info = table_info(self.weight)
+        if info is not None and getattr(info.sharding, "over_process_group", False):
+            return 0  # one rank's shard of the table (tte.distributed.shard): its rows are saved as stored
         return int(self.weight.shape[0]) - self.config.num_embeddings
 
     def pad_rows(self, multiple: int) -> None:
@@ -118,6 +122,14 @@ class EmbeddingTable(nn.Module):
         if old is not None and old is not self.weight:
             retire_table(old, replaced)
         self.__dict__["_registered_weight"] = weakref.ref(self.weight)
+        spread = None if old is None else getattr(table_info(old), "sharding", None)
+        if old is not self.weight and getattr(spread, "over_process_group", False):
+            # One rank's rows of a table sharded over a process group (tte.distributed.shard), moved or cast:
+            # still those rows, with that layout (else its lookups would read the shard as a whole table).
+            info = register_table(self.weight, self.name, int(self.weight.shape[0]), self.config.optimizer)
+            info.sharding = spread
+            mark(self.weight, LOCAL)
+            return info
         return register_table(
             self.weight, self.name, self.config.num_embeddings, self.config.optimizer, self.members(),
             self.row_layout,

@@ -24,6 +24,7 @@ import torch
 
 from torch_tpu_embedding._dedup import coalesce_rows, drop_sentinel, is_static_device
 from torch_tpu_embedding._dtypes import math_dtype
+from torch_tpu_embedding._pg_exchange import all_reduce_sum, all_true, group_sharding, row_group
 from torch_tpu_embedding._rows import RowGrad, table_info
 from torch_tpu_embedding.optim._device import StepClock
 from torch_tpu_embedding.optim._extras import clip_by_norm, global_norm_scale
@@ -131,6 +132,15 @@ def prepare(
     def work(ids: Tensor | None, g: Tensor, gate: Tensor | None, **more: Any) -> Work:
         return Work(p=p, group=group, state=state, path=path, clock=clock, ids=ids, g=g, gate=gate, **more)
 
+    if path is Path.NO_DEDUP and group_sharding(p) is not None:
+        info = table_info(p)
+        raise ValueError(
+            f"Table `{info.name if info else '?'}` is sharded over a process group (tte.distributed.shard), where "
+            "each rank's duplicate ids are summed before they travel to the row's owner, so "
+            "`use_gradient_accumulation=False` (every duplicate updating from the same old row) cannot be "
+            "applied as one process would. Use use_gradient_accumulation=True (the default) for this table. "
+            "Received: use_gradient_accumulation=False"
+        )
     if path is Path.OWNER_LOCAL:
         ids, g, gate = _prepare_owned(p, group, state, taken, clock)
         if group["clipnorm"]:
@@ -189,7 +199,12 @@ def prepare(
 
 def _clip(p: Tensor, g: Tensor, ids: Tensor | None, clipnorm: float, owned: bool = False) -> Tensor:
     """``clipnorm`` on ``p``'s gradient ``g`` (rows ``ids``; ``None``: every row): in a fused group each
-    member table's rows by that table's own norm, as for tables of their own."""
+    member table's rows by that table's own norm, as for tables of their own. A table whose rows are
+    split over a process group: the norm over every rank's rows (one all-reduce)."""
+    pg = row_group(p)
+    if pg is not None:
+        norm = torch.sqrt(all_reduce_sum((g * g).sum(), pg))
+        return g * (clipnorm / torch.clamp(norm, min=clipnorm))
     if not member_rows(p):
         return clip_by_norm(g, clipnorm)
     rows = torch.arange(p.shape[0], device=g.device) if ids is None else ids
@@ -384,9 +399,17 @@ def global_clip_scales(work: list[Work]) -> dict[torch.device, Tensor]:
         return {}
     dev = clipped[0].g.device
     sq = torch.zeros((), dtype=torch.float64 if clipped[0].g.dtype == torch.float64 else torch.float32, device=dev)
+    spread = torch.zeros_like(sq)  # tables sharded over a process group: each rank holds a part of the norm
+    groups = [s.group for s in (group_sharding(w.p) for w in clipped) if s is not None]
     for w in clipped:
         part = (w.g * w.g).sum().to(device=dev, dtype=sq.dtype)
-        sq = sq + (part if w.gate is None else torch.where(w.gate.to(dev), part, torch.zeros_like(part)))
+        part = part if w.gate is None else torch.where(w.gate.to(dev), part, torch.zeros_like(part))
+        if group_sharding(w.p) is not None:
+            spread = spread + part
+        else:
+            sq = sq + part
+    if groups:
+        sq = sq + all_reduce_sum(spread, groups[0])
     c = float(clipped[0].group["global_clipnorm"])
     scale = global_norm_scale(sq, c)
     return {w.g.device: scale.to(w.g.device) for w in clipped}
@@ -427,6 +450,9 @@ def gate_nonfinite(work: list[Work]) -> Tensor | None:
     finite = torch.ones((), dtype=torch.bool, device=dev)
     for w in checked:
         finite = finite & torch.isfinite(w.g).all().to(dev)
+    groups = [s.group for s in (group_sharding(w.p) for w in checked) if s is not None]
+    if groups:  # tables sharded over a process group: every rank skips when any rank's part is not finite
+        finite = all_true(finite, groups[0])
     for w in checked:
         ok = finite.to(w.g.device)
         w.gate = ok if w.gate is None else w.gate & ok

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from torch_tpu_embedding._dtypes import math_dtype
+from torch_tpu_embedding._pg_exchange import all_reduce_sum, group_sharding, row_group
 from torch_tpu_embedding._registry import optimizer_class
 from torch_tpu_embedding._rows import table_info
 from torch_tpu_embedding.optim._contract import SlotSpec, identity
@@ -149,8 +150,18 @@ class RowSpace:
 
     @staticmethod
     def of(p: Tensor, group: Mapping[str, Any], state: dict[str, Tensor]) -> RowSpace:
-        """The whole parameter ``p`` with its ``state``."""
-        return RowSpace(p, state, slot_rows(p, group), logical_rows(p))
+        """The whole parameter ``p`` with its ``state``.
+
+        One rank's shard of a table sharded over a process group (``tte.distributed.shard``) counts the
+        whole table's logical rows; when the rule keeps whole-table statistics (Adafactor) and the rows are
+        split over the ranks, what it sums over rows is summed over the group too."""
+        spread = group_sharding(p)
+        if spread is None:
+            return RowSpace(p, state, slot_rows(p, group), logical_rows(p))
+        pg = row_group(p)
+        whole = pg is not None and any(not s.rows for s in specs(p, group).values())
+        reduce: Callable[[Tensor], Tensor] = (lambda x: all_reduce_sum(x, pg)) if whole else identity
+        return RowSpace(p, state, slot_rows(p, group), spread.rows, reduce)
 
     def gather(self, name: str, rows: Tensor) -> Tensor:
         """Slot ``name``'s entries of table ``rows`` (the sentinel reads a real row; its result is dropped)."""

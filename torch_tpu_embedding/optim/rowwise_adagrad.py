@@ -33,7 +33,7 @@ def rowwise_adagrad_rule(
         g = g + wd * w  # L2 penalty in the gradient (FBGEMM's WeightDecayMode.L2, torch's weight_decay)
     g2 = g * g
     if w.dim() >= 2:
-        g2 = g2.flatten(1).mean(1)  # flatten, not reshape(U, -1): U may be 0 (a window without lookups)
+        g2 = g2.flatten(1).mean(1)  # flatten, not reshape(U, -1): U may be 0 (no lookup in a window)
     m = slots["accumulators"] + g2
     denom = torch.sqrt(m) + hp["eps"]
     if w.dim() >= 2:

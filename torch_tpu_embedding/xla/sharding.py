@@ -124,6 +124,12 @@ def uses_exchange(placement: str, mesh: Mesh, axis: str) -> bool:
 
 def choose_placement(config: TableConfig, num_devices: int, replicate_below_bytes: int) -> str:
     """``config.placement``, with ``"auto"`` resolved by the size rule."""
+    if config.placement == "table":
+        raise ValueError(
+            f"Table `{config.name}`: placement 'table' (the whole table on one process) is for process groups "
+            "(torch_tpu_embedding.distributed.shard); under torch_xla SPMD use 'row', 'column', 'replicated' or "
+            "'auto'. Received: placement='table'"
+        )
     if config.placement != "auto":
         return config.placement
     size = config.num_embeddings * config.embedding_dim * torch.empty((), dtype=config.dtype).element_size()

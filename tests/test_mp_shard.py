@@ -1,0 +1,277 @@
+"""Tables sharded over a process group (tte.distributed.shard): 2, 3 and 4 gloo processes on the CPU.
+
+Each world size is one spawn running every case (tests/_mp_worker.py). Every rank's stored rows of every
+row- and table-sharded table (matched by logical id), their optimizer slots, the replicated tables and the
+DDP-wrapped dense head equal one process trained on the global batch (float64 <= 1e-10, float32 <= 1e-6),
+for every optimizer of tte.optim and the options with global statistics; no rank stores more of a sharded
+table or slot than its shard plus padding.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+from typing import Any
+
+import _mp_worker as W
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import torch_tpu_embedding as tte
+
+WORLDS = (2, 3, 4)
+DTYPES = (torch.float64, torch.float32)
+_RUNS: dict[int, list[dict[str, Any]]] = {}
+_DIRS: dict[int, Any] = {}
+_REFS: dict[tuple[str, torch.dtype], dict[str, Any]] = {}
+VOCAB = {"big": 1500, "row2": 1000, "tw": 600, "tw2": 400}
+DIM = {"big": 4, "row2": 4, "tw": 3, "tw2": 3}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def ranks(world: int, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Every rank's results of one spawn of ``world`` processes (run once per session)."""
+    if world not in _RUNS:
+        out = tmp_path_factory.mktemp(f"mp{world}")
+        mp.start_processes(W.worker, args=(world, _free_port(), str(out)), nprocs=world, start_method="spawn")
+        _RUNS[world] = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+        _DIRS[world] = out
+    return _RUNS[world]
+
+
+def reference(name: str, dtype: torch.dtype, reverse: bool = False) -> dict[str, Any]:
+    if (name, dtype, reverse) not in _REFS:
+        _REFS[(name, dtype, reverse)] = W.reference(name, dtype, reverse)
+    return _REFS[(name, dtype, reverse)]
+
+
+def _error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest error, relative above magnitude 1 (float32 rounding grows with the value)."""
+    if not want.numel():
+        return 0.0
+    return float(((got.double() - want.double()).abs() / want.double().abs().clamp(min=1)).max())
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str) -> None:
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    err = _error(got, want)
+    assert err <= tol, f"{what}: {err:.3g} > {tol}"
+
+
+def order_noise(name: str) -> dict[str, float]:
+    """float32: how far one process moves from itself when the global batch's examples are reversed (the
+    same loss, other float sums), per leaf (``"model/<key>"``, ``"<state key>/<slot>"``)."""
+    a, b = reference(name, torch.float32), reference(name, torch.float32, reverse=True)
+    out = {f"model/{k}": _error(v, b["model"][k]) for k, v in a["model"].items()}
+    for key, slots in a["optimizer"]["state"].items():
+        out.update({f"{key}/{s}": _error(v, b["optimizer"]["state"][key][s]) for s, v in slots.items()})
+    return out
+
+
+def compare(run: dict[str, Any], ref: dict[str, Any], dtype: torch.dtype, world: int,
+            noise: dict[str, float] | None = None) -> None:
+    """One rank's run against the single-process reference. float64: W.TOL (1e-10). float32 (``noise``,
+    see :func:`order_noise`): the larger of 2 × W.TOL (2e-6; the dense head's 3e-6) and 10 × the leaf's
+    order noise: the exchange sums each row's contributions per rank and then over the ranks, and rows
+    whose contributions nearly cancel (AdagradMomentum's momenta) amplify that as they amplify a reordered
+    batch in one process."""
+    base, base_dense = W.TOL[dtype], W.DENSE_TOL[dtype]
+
+    def bound(leaf: str, dense: bool = False) -> float:
+        t = base_dense if dense else base
+        return t if noise is None else max(2 * t if not dense else t, 10 * noise.get(leaf, 0.0))
+
+    for key, want in ref["model"].items():
+        table = key.split(".")[2] if key.startswith("ec.tables.") else None
+        if table in W.SHARDED:
+            s = run["sharded"][table]
+            real = s["ids"] < VOCAB[table]
+            _close(s["rows"][real], want[s["ids"][real]], bound(f"model/{key}"), key)
+            assert torch.equal(run["model"][key], s["rows"])  # state_dict holds the rank's rows as stored
+            assert not s["rows"][~real].any(), key  # padding rows are never looked up nor updated
+        else:
+            _close(run["model"][key], want, bound(f"model/{key}", key.startswith("head.")), key)
+    got_state, want_state = run["optimizer"]["state"], ref["optimizer"]["state"]
+    assert got_state.keys() == want_state.keys()
+    for key, slots in want_state.items():
+        table = key.split(":", 1)[1]
+        for slot, want in slots.items():
+            limit = bound(f"{key}/{slot}", key.startswith("param:"))
+            got = got_state[key][slot]
+            if table in W.SHARDED and want.dim() and want.shape[0] == VOCAB[table]:  # a row slot
+                ids = run["sharded"][table]["ids"]
+                real = ids < VOCAB[table]
+                _close(got[real], want[ids[real]], limit, f"{key}/{slot}")
+            elif table in ("tw", "tw2") and run["sharded"][table]["ids"].numel() == 0:
+                continue  # a table-wise table's whole-table slots, on a rank that does not hold it
+            elif slot in ("acc_ids", "acc_rows"):
+                continue  # no accumulation is pending after 10 steps of 2-call windows
+            else:
+                _close(got, want, limit, f"{key}/{slot}")
+    assert run["optimizer"]["iterations"] == ref["optimizer"]["iterations"]
+    assert run["skipped"] == ref["optimizer"]["skipped_steps"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", list(W.CONFIGS))
+def test_every_rank_equals_one_process(world: int, name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """10 steps of every optimizer and option (EMA, accumulation, clipnorm, global_clipnorm, skip_nonfinite)
+    on row-wise, table-wise and replicated tables with a DDP head: every rank equals one process."""
+    results = ranks(world, tmp_path_factory)
+    for dtype in DTYPES:
+        ref = reference(name, dtype)
+        noise = order_noise(name) if dtype == torch.float32 else None
+        for r, res in enumerate(results):
+            run = res[f"{name}/{dtype}"]
+            try:
+                compare(run, ref, dtype, world, noise)
+            except AssertionError as e:
+                raise AssertionError(f"rank {r} of {world}, {dtype}: {e}") from e
+
+
+def test_options_take_effect() -> None:
+    """The clipping and skip configurations change the result (their global statistics are exercised)."""
+    for name, base in (("adam-clipnorm", "adam"), ("sgd-clipnorm-accum2", "sgd"),
+                       ("adafactor-global_clipnorm-ema", "adafactor"), ("ftrl-global_clipnorm-skip", "ftrl"),
+                       ("adagrad-clip_grad_norm", "adagrad")):
+        a = reference(name, torch.float64)["model"]["ec.tables.big.weight"]
+        b = reference(base, torch.float64)["model"]["ec.tables.big.weight"]
+        assert not torch.allclose(a, b, rtol=0, atol=1e-9), name
+    assert reference("ftrl-global_clipnorm-skip", torch.float64)["optimizer"]["skipped_steps"] == 1
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_no_rank_stores_more_than_its_shard(world: int, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Storage of every sharded table and of each of its optimizer slots: the rank's shard (row-wise: R/n
+    rows, R the rows padded to lcm(512, n)) or the whole table on its one owner and nothing elsewhere."""
+    results = ranks(world, tmp_path_factory)
+    block = math.lcm(512, world)
+    for name in W.CONFIGS:
+        for dtype in DTYPES:
+            owners: dict[str, list[int]] = {"tw": [], "tw2": []}
+            for r, res in enumerate(results):
+                for table, s in res[f"{name}/{dtype}"]["sharded"].items():
+                    v, d = VOCAB[table], DIM[table]
+                    if table in owners:
+                        rows = v if s["ids"].numel() else 0
+                        if rows:
+                            owners[table].append(r)
+                    else:
+                        rows = -(-v // block) * block // world
+                        assert rows < v  # the shard is smaller than the table
+                    assert s["ids"].numel() == rows
+                    assert s["bytes"] == rows * d * torch.empty((), dtype=dtype).element_size()
+                    for slot, nbytes in s["slot_bytes"].items():
+                        shape, size = s["slot_rows"][slot]
+                        if slot in ("acc_ids", "acc_rows"):  # pending accumulation: batch-sized, not table-sized
+                            assert shape[1] <= W.GLOBAL_BATCH * 7, (table, slot, shape)  # 7: ids of "big" per example
+                            continue
+                        most = max(rows * d, d, 1) * size  # a row slot's shard, or a whole-table statistic
+                        assert nbytes <= most, (table, slot, shape, nbytes, most)
+            assert owners == {"tw": [0], "tw2": [1]}  # spread by size: the larger on rank 0
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_placements(world: int, tmp_path_factory: pytest.TempPathFactory) -> None:
+    run = ranks(world, tmp_path_factory)[0]["adagrad/torch.float64"]
+    assert run["placements"] == {"big": "row", "row2": "row", "tw": "table", "tw2": "table",
+                                 "rep": "replicated", "rep2": "replicated"}
+    assert run["groups"] == ["fused_0"]  # the replicated tables stay stacked; the sharded ones were unstacked
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_refusals(world: int, tmp_path_factory: pytest.TempPathFactory) -> None:
+    errors = ranks(world, tmp_path_factory)[0]["errors"]
+    assert "Table `wide`: placement 'column'" in errors["column"] and "torch_xla SPMD" in errors["column"]
+    assert "Received: placement='column'" in errors["column"]
+    assert "sharded over a process group already" in errors["twice"]
+    rows = -(-1500 // math.lcm(512, world)) * math.lcm(512, world) // world
+    assert errors["moved"] == f"torch.float32 ({rows}, 4) {rows}"
+    assert "`use_gradient_accumulation=False`" in errors["noaccum"] and "Table `row2` is sharded" in errors["noaccum"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_collectives_of_a_step(world: int, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """One step (Adafactor with global_clipnorm and skip_nonfinite, every placement, a DDP head), recorded by a
+    wrapping backend (tests/_mp_worker.py: DDP's C++ all-reduces count too): only all_to_all_single with
+    equal splits, all_reduce and all_gather_into_tensor / broadcast; per sharded table one all_reduce of the
+    capacity and three all-to-alls (ids, rows, gradient rows); no collective moves as many elements as the
+    smallest sharded table holds."""
+    smallest = min(VOCAB[t] * DIM[t] for t in W.SHARDED)
+    for r, res in enumerate(ranks(world, tmp_path_factory)):
+        log = res["collectives"]
+        names = [c["name"] for c in log]
+        assert set(names) <= {"all_to_all_single", "all_reduce", "all_gather_into_tensor", "broadcast"}, names
+        a2a = [c for c in log if c["name"] == "all_to_all_single"]
+        assert len(a2a) == 3 * len(W.SHARDED), names
+        for c in a2a:
+            assert c["splits"] == [[], []], c  # equal splits: no split sizes given
+            assert all(n % world == 0 for n in c["sizes"]), c
+        assert names.count("all_gather_into_tensor") >= 1  # the replicated tables' row gradients
+        # capacity (one per sharded table), DDP's bucket of the head, Adafactor's sums, global_clipnorm, skip gate
+        assert names.count("all_reduce") >= len(W.SHARDED) + 1 + 2, names
+        assert max(n for c in log for n in c["sizes"]) < smallest, (r, log)
+
+
+def test_checkpoint_saved_at_4_loads_at_2_and_3(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """save_sharded after 5 steps at world 4 (Adafactor with global_clipnorm and EMA); groups of 2 and 3 ranks
+    load it into models drawn from other seeds and train 5 more: every rank equals one uninterrupted process."""
+    results = ranks(4, tmp_path_factory)
+    ref = reference(W.CKPT, torch.float64)
+    for w in (2, 3):
+        for r in range(w):
+            compare(results[r]["checkpoint"][w], ref, torch.float64, w)
+    files = sorted(p.name for p in (_DIRS[4] / "ckpt").iterdir())
+    assert files == ["meta.pt", "rows-0.pt", "rows-1.pt", "rows-2.pt", "rows-3.pt"]
+    for r in range(4):  # each rank's file holds its rows only, in ascending logical id
+        part = torch.load(_DIRS[4] / "ckpt" / f"rows-{r}.pt", weights_only=True)
+        ids = part["big"]["ids"]
+        assert ids.shape[0] < VOCAB["big"] and bool((ids[1:] > ids[:-1]).all())
+
+
+def test_checkpoint_loads_into_one_process(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The world-4 checkpoint into one process with every table whole (stacked as the collection stacks
+    them): 5 more steps on the global batch equal the uninterrupted run."""
+    ranks(4, tmp_path_factory)
+    model = W.Model(torch.float64, seed=7)
+    opt = W.make_opt(W.CKPT, model.parameters())
+    tte.distributed.load_sharded(_DIRS[4] / "ckpt", model, opt)
+    W.train(model, model, opt, torch.float64, steps=range(5, W.STEPS))
+    ref = reference(W.CKPT, torch.float64)
+    for k, v in ref["model"].items():
+        _close(model.state_dict()[k], v, 1e-10, k)
+    got = opt.state_dict()["state"]
+    for key, slots in ref["optimizer"]["state"].items():
+        for slot, v in slots.items():
+            _close(got[key][slot], v, 1e-10, f"{key}/{slot}")
+
+
+def test_assign_tables_rule() -> None:
+    """Largest first onto the least-loaded rank; ties to the lower rank, equal sizes in name order."""
+    assign = tte.distributed.assign_tables
+    assert assign({"a": 10, "b": 30, "c": 20, "d": 5}, 2) == {"b": 0, "c": 1, "a": 1, "d": 0}
+    assert assign({"x": 1, "y": 1, "z": 1}, 4) == {"x": 0, "y": 1, "z": 2}
+    assert assign({}, 3) == {}
+
+
+def test_auto_rule_is_the_spmd_rule() -> None:
+    small = tte.TableConfig(100, 4, name="s")
+    big = tte.TableConfig(20_000, 64, name="b")
+    rule = tte.distributed.group_placement
+    assert rule("s", small, 4, tte.distributed.DEFAULT_REPLICATE_BELOW_BYTES) == "replicated"
+    assert rule("b", big, 4, tte.distributed.DEFAULT_REPLICATE_BELOW_BYTES) == "row"
+    assert rule("b", big, 1, tte.distributed.DEFAULT_REPLICATE_BELOW_BYTES) == "replicated"
+    assert rule("s", small, 4, 0) == "row"
+    with pytest.raises(ValueError, match="placement 'column'"):
+        rule("c", tte.TableConfig(10, 4, name="c", placement="column"), 2, 0)
+
+
+def test_shard_needs_a_process_group() -> None:
+    with pytest.raises(RuntimeError, match="needs an initialised process group"):
+        tte.distributed.shard(W.Model(torch.float64))

@@ -1,0 +1,178 @@
+"""The process-group transport: tables whose rows are sharded over ``torch.distributed`` processes.
+
+The counterpart of the SPMD exchange (:mod:`torch_tpu_embedding.xla.exchange`) for ``torchrun``
+processes (gloo, NCCL, any backend with ``all_to_all_single`` and ``all_reduce``): the same per-device
+steps of :mod:`torch_tpu_embedding.routing` (dedup, owner, bucket, capacity), with the bytes moved by
+``torch.distributed`` collectives. One rank's part of a step for a table of ``n`` shards, ``N`` id
+positions:
+
+1. :func:`plan` deduplicates the rank's ids and buckets them by owner; the bucket size ``k`` is the
+   largest load of any rank for any owner this step, agreed by one ``all_reduce(MAX)`` of one integer
+   (eager capacity: no id is ever dropped, and every rank's buckets have the same size);
+2. :func:`fetch_rows`: one ``all_to_all_single`` of the ``[n, k]`` int32 local rows (equal splits),
+   each owner gathers its rows, a second ``all_to_all_single`` of ``[n, k, D]`` returns them;
+3. :func:`send_grads` (the backward): each position's gradient row summed into its bucket slot
+   (``routing.bucket_rows``), one ``all_to_all_single`` of ``[n, k, D]`` to the owners, which add
+   ``(local rows, rows)`` to the shard's :class:`~torch_tpu_embedding._rows.RowGrad`: the optimizer
+   then updates the shard as an ordinary table of its own rows.
+
+Only equal-split collectives: it runs where uneven all-to-all does not (TorchTPU's ``tpu_dist``).
+Per rank and step that is ``n·k·(4 + 2·D·b)`` bytes sent for ``b``-byte rows (``n·k`` is the rank's
+distinct ids plus the imbalance of the largest bucket), plus 8 bytes for the capacity.
+
+What the optimizer needs summed over every shard of a row-sharded table (``clipnorm``, Adafactor's
+statistics over rows, ``global_clipnorm``, the ``skip_nonfinite`` gate) is all-reduced over the group
+(:func:`row_group`, :func:`all_reduce_sum`, :func:`all_true`). Nothing here imports torch_xla.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from torch_tpu_embedding._rows import table_info
+from torch_tpu_embedding.routing import RoutePlan, RowOwnership, bucket_rows, gather_owned_rows, plan_routes
+
+__all__ = [
+    "GroupSharding",
+    "all_reduce_sum",
+    "all_true",
+    "fetch_rows",
+    "group_sharding",
+    "plan",
+    "row_group",
+    "send_grads",
+]
+
+Tensor = torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSharding:
+    """How one table is laid out over a process group (``TableInfo.sharding``).
+
+    ``placement``: ``"row"`` (rows split by ``ownership`` over the ``world`` ranks) or ``"table"``
+    (the whole table on rank ``owner``). ``rows``: the table's logical rows ``V``; ``ownership``:
+    its physical rows over the ranks (for ``"table"``, ``"range"`` over ``world · V`` virtual rows, of
+    which the owner's block is real). ``group``: the process group the exchange runs on.
+    """
+
+    placement: str
+    group: Any
+    world: int
+    rank: int
+    rows: int
+    ownership: RowOwnership
+    owner: int = 0
+    #: read by ``TableInfo.routed``: lookups go through :meth:`routed_lookup` (modules layer)
+    over_process_group: ClassVar[bool] = True
+    #: not the SPMD owner-local path (``TableInfo.owner_local``)
+    exchange: ClassVar[bool] = False
+
+    @property
+    def id_rows(self) -> int:
+        """The padding id of the table's bags (any id at or above it is padding)."""
+        return self.ownership.rows if self.placement == "row" else self.rows
+
+    @property
+    def local_rows(self) -> int:
+        """Rows this rank stores: its shard (``"row"``), the whole table or none (``"table"``)."""
+        if self.placement == "row":
+            return self.ownership.rows_per_shard
+        return self.rows if self.rank == self.owner else 0
+
+    def route_ids(self, ids: Tensor) -> Tensor:
+        """Logical ids (padding ``>= id_rows``) in the ownership's id space."""
+        if self.placement == "row":
+            return ids
+        valid = ids < self.rows
+        return torch.where(valid, ids + self.owner * self.rows, torch.full_like(ids, self.ownership.rows))
+
+    def local_logical_ids(self) -> Tensor:
+        """The logical id of each row this rank stores (``>= rows``: a padding row), ``[local_rows]``."""
+        if self.placement == "table":
+            return torch.arange(self.local_rows, dtype=torch.int64)
+        per = self.ownership.rows_per_shard
+        return self.ownership.logical_id(torch.arange(self.rank * per, (self.rank + 1) * per, dtype=torch.int64))
+
+
+def group_sharding(p: Tensor) -> GroupSharding | None:
+    """The :class:`GroupSharding` of table parameter ``p``, ``None`` when it is not sharded over a group."""
+    info = table_info(p)
+    sharding = None if info is None else info.sharding
+    return sharding if isinstance(sharding, GroupSharding) else None
+
+
+def row_group(p: Tensor) -> Any:
+    """The process group over which ``p``'s rows are split (``"row"`` placement), else ``None``: what the
+    optimizer sums over a table's rows is then all-reduced over this group."""
+    s = group_sharding(p)
+    return s.group if s is not None and s.placement == "row" and s.world > 1 else None
+
+
+def all_reduce_sum(x: Tensor, group: Any) -> Tensor:
+    """``x`` summed over ``group`` (a new tensor; ``x`` is left as it is)."""
+    out = x.clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def all_true(flag: Tensor, group: Any) -> Tensor:
+    """A 0-d bool ``flag`` and-ed over ``group``."""
+    out = flag.to(torch.int32).reshape(1)
+    dist.all_reduce(out, op=dist.ReduceOp.MIN, group=group)
+    return out.reshape(()) > 0
+
+
+def plan(ids: Tensor, sharding: GroupSharding) -> tuple[RoutePlan, int]:
+    """One rank's route plan of logical ``ids [N]`` at the group's eager capacity: ``(plan, k)``.
+
+    ``k`` is the largest number of distinct ids any rank has for any owner this step (one
+    ``all_reduce(MAX)`` of one integer), so every bucket fits and every rank sends ``[n, k]``.
+    """
+    n = sharding.world
+    routed = sharding.route_ids(ids.to(torch.int64))
+    room = max(1, routed.shape[0])  # every id fits at this capacity
+    full = plan_routes(routed, sharding.ownership, room)
+    largest = full.load.max().to(torch.int64).reshape(1) if n else torch.zeros(1, dtype=torch.int64)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=sharding.group)
+    k = max(1, int(largest))
+    # Each owner's ids are at the front of its bucket (ascending), so the buckets are cut to k columns and
+    # the slots renumbered: slot = owner·room + rank becomes owner·k + rank; padding n·room becomes n·k.
+    owner, rank = full.slot // room, full.slot % room
+    slot = torch.where(owner < n, owner * k + rank, torch.full_like(full.slot, n * k))
+    send = full.send[:, :k] if k <= room else torch.cat(
+        [full.send, full.send.new_full((n, k - room), sharding.ownership.rows_per_shard)], dim=1)
+    return RoutePlan(send.contiguous(), slot, full.load), k
+
+
+def fetch_rows(shard: Tensor, send: Tensor, sharding: GroupSharding) -> tuple[Tensor, Tensor]:
+    """The forward's two all-to-alls: ``send [n, k]`` local rows to their owners, the owners' rows back.
+
+    Returns ``(rows [n·k, D]`` in bucket order, ``asked [n, k]`` int64: the local rows the other ranks
+    asked this rank for, row ``s`` from rank ``s``; ``local_rows`` where nothing was asked).
+    """
+    asked = torch.empty_like(send)
+    dist.all_to_all_single(asked, send, group=sharding.group)
+    per = sharding.ownership.rows_per_shard
+    asked64 = asked.to(torch.int64)
+    if shard.shape[0] != per:  # "table" off its owner: nothing is stored, nothing can have been asked
+        asked64 = torch.full_like(asked64, per)
+    rows = gather_owned_rows(shard, asked64) if shard.shape[0] else shard.new_zeros(*asked.shape, shard.shape[1])
+    back = torch.empty_like(rows)
+    dist.all_to_all_single(back, rows.contiguous(), group=sharding.group)
+    local = torch.where(asked64 < per, asked64, torch.full_like(asked64, shard.shape[0]))
+    return back.reshape(-1, shard.shape[1]), local
+
+
+def send_grads(grad: Tensor, slot: Tensor, k: int, sharding: GroupSharding) -> Tensor:
+    """The backward's all-to-all: each position's gradient row ``grad [N, D]`` summed into its bucket
+    slot and sent to the owner; returns the rows this rank owns, ``[n·k, D]`` (in the order of the
+    ``asked`` local rows of :func:`fetch_rows`)."""
+    buckets = bucket_rows(grad, slot, sharding.world, k).contiguous()
+    got = torch.empty_like(buckets)
+    dist.all_to_all_single(got, buckets, group=sharding.group)
+    return got.reshape(-1, grad.shape[-1])

@@ -1,0 +1,180 @@
+"""``tte.distributed.shard``: a collection's tables laid out over a ``torch.distributed`` process group.
+
+The counterpart of :func:`torch_tpu_embedding.xla.shard` for ``torchrun`` processes (one process per
+device: CPU/gloo, GPUs/NCCL, TorchTPU's ``tpu_dist``). Each table's ``TableConfig.placement``:
+
+* ``"row"``: the rows split over the ranks in the interleaved order of the SPMD exchange (physical rows
+  padded to a multiple of ``lcm(512, n)``, :class:`~torch_tpu_embedding.routing.RowOwnership`
+  ``"interleaved"``): each rank stores ``R / n`` rows and the optimizer slots of those rows only;
+* ``"table"``: the whole table on one rank (TorchRec's table-wise), chosen by :func:`assign_tables`;
+  the other ranks store none of it;
+* ``"replicated"``: every rank holds the table: data parallel (:mod:`torch_tpu_embedding.distributed`),
+  row gradients exchanged over the group;
+* ``"auto"``: the rule of the SPMD path: replicated below ``replicate_below_bytes``, else ``"row"``;
+* ``"column"`` (the embedding dimension split) exists only under torch_xla SPMD and is refused.
+
+Row- and table-sharded tables are looked up through :mod:`torch_tpu_embedding._pg_lookup` (ids to
+their owners and rows back by ``all_to_all_single``); their gradients reach the owners, whose
+optimizer updates its rows with the same per-row rules. Stacked tables that get sharded are
+unstacked first (each is laid out alone); replicated tables stay stacked.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torch_tpu_embedding._grad_sync import LOCAL, mark, spmd_active
+from torch_tpu_embedding._pg_exchange import group_sharding
+from torch_tpu_embedding._pg_lookup import ProcessGroupLayout
+from torch_tpu_embedding._rows import register_table
+from torch_tpu_embedding._validation import check_int
+from torch_tpu_embedding.collection import EmbeddingCollection
+from torch_tpu_embedding.config import TableConfig
+from torch_tpu_embedding.routing import RowOwnership
+from torch_tpu_embedding.table import EmbeddingTable
+
+__all__ = [
+    "DEFAULT_REPLICATE_BELOW_BYTES",
+    "ROW_ALIGNMENT",
+    "assign_tables",
+    "group_placement",
+    "logical_ids",
+    "shard",
+]
+
+#: ``placement="auto"`` replicates tables smaller than this, as ``torch_tpu_embedding.xla.sharding``
+#: (4 MiB: 16,384 rows of 64 float32).
+DEFAULT_REPLICATE_BELOW_BYTES = 4 << 20
+#: Row-sharded tables get physical rows up to a multiple of ``lcm(ROW_ALIGNMENT, n)``, as on the SPMD
+#: path (``torch_tpu_embedding.xla.sharding.ROW_ALIGNMENT``): the same interleaved row order.
+ROW_ALIGNMENT = 512
+
+
+def _bytes(config: TableConfig) -> int:
+    return config.num_embeddings * config.embedding_dim * torch.empty((), dtype=config.dtype).element_size()
+
+
+def group_placement(name: str, config: TableConfig, world: int, replicate_below_bytes: int) -> str:
+    """Table ``name``'s placement over a process group of ``world`` ranks (``"auto"`` resolved by size).
+
+    Raises:
+        ValueError: ``placement="column"``, which only torch_xla SPMD supports.
+    """
+    p = config.placement
+    if p == "column":
+        raise ValueError(
+            f"Table `{name}`: placement 'column' (the embedding dimension split over devices) exists only under "
+            "torch_xla SPMD (torch_tpu_embedding.xla.shard). Over a process group use 'row', 'table', "
+            "'replicated' or 'auto'. Received: placement='column'"
+        )
+    if p != "auto":
+        return p
+    return "replicated" if world == 1 or _bytes(config) < replicate_below_bytes else "row"
+
+
+def assign_tables(sizes: dict[str, int], world: int) -> dict[str, int]:
+    """The rank of each ``"table"``-placed table (``sizes``: name → bytes): largest first, each onto the
+    rank with the fewest bytes so far (ties: the lower rank; equal sizes: in name order). The same on
+    every rank (it reads only the configs)."""
+    load = [0] * world
+    out: dict[str, int] = {}
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        r = min(range(world), key=lambda i: (load[i], i))
+        out[name] = r
+        load[r] += sizes[name]
+    return out
+
+
+def logical_ids(table: Any) -> torch.Tensor:
+    """The logical id of each row this rank stores of a sharded table (an :class:`EmbeddingTable` or its
+    weight): ``[rows stored]`` int64, ``>= num_embeddings`` at padding rows. For any other table
+    ``arange(rows)``."""
+    weight = table.weight if isinstance(table, nn.Module) else table
+    assert isinstance(weight, torch.Tensor)
+    s = group_sharding(weight)
+    return torch.arange(int(weight.shape[0])) if s is None else s.local_logical_ids()
+
+
+def shard(
+    module: nn.Module, group: Any = None, *, replicate_below_bytes: int = DEFAULT_REPLICATE_BELOW_BYTES,
+) -> dict[str, str]:
+    """Lay the tables of every :class:`EmbeddingCollection` in ``module`` over the process group ``group``
+    (default: the default group) by their placements; returns table name → placement.
+
+    Call it on every rank of the group, with the same model (the same seed: each rank keeps its rows of the
+    tables it drew; with ``group`` given the exchange runs on that group, so give the DDP wrapper another
+    one), after moving the model to its device and before wrapping it in
+    :class:`~torch_tpu_embedding.distributed.DistributedDataParallel` and building the optimizer. Each
+    rank's sharded tables are then its rows only (``weight`` ``[rows stored, D]``, their logical ids:
+    :func:`logical_ids`; ``state_dict`` holds them as stored), and each rank's loss must be the mean
+    over its equal share of the global batch, as under DDP.
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialised, torch_xla SPMD is on, or a table was
+            sharded already.
+        ValueError: a table's placement is ``"column"``, or ``module`` holds no collection.
+    """
+    if spmd_active():
+        raise RuntimeError("tte.distributed.shard is for process groups; under torch_xla SPMD use "
+                           "torch_tpu_embedding.xla.shard.")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("tte.distributed.shard needs an initialised process group: call "
+                           "torch.distributed.init_process_group(...) first (torchrun sets its environment).")
+    check_int("replicate_below_bytes", replicate_below_bytes, minimum=0)
+    collections = [m for m in module.modules() if isinstance(m, EmbeddingCollection)]
+    if not collections:
+        raise ValueError(f"Argument `module` holds no EmbeddingCollection to shard. Received: {type(module).__name__}")
+    pg = dist.group.WORLD if group is None else group
+    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    # The exchange gets a group of its own: its all-to-alls run inside autograd's backward, where a DDP over
+    # the same group issues its own all-reduces. new_group needs every process of the default group, which
+    # calls shard() only when `group` is the default; a group given is used as it is (give DDP another).
+    exchange = dist.new_group(dist.get_process_group_ranks(pg)) if group is None else group
+    out: dict[str, str] = {}
+    for ec in collections:
+        for name, t in ec.physical_tables().items():
+            if group_sharding(t.weight) is not None:
+                raise RuntimeError(f"Table `{name}` is sharded over a process group already; shard a model once.")
+        placements = {n: group_placement(n, c, world, replicate_below_bytes) for n, c in ec.table_configs.items()}
+        ec.restack({n: "replicated" if p == "replicated" else "row" for n, p in placements.items()})
+        ec.unstack([g for g, members in ec.fused_members().items() if placements[members[0][0]] != "replicated"])
+        owners = assign_tables({n: _bytes(c) for n, c in ec.table_configs.items() if placements[n] == "table"}, world)
+        for name, p in placements.items():
+            if p != "replicated":
+                _lay_out(ec.tables[name], p, owners.get(name, 0), exchange, world, rank)
+        for t in ec.physical_tables().values():
+            if group_sharding(t.weight) is None:
+                mark(t.weight, group)  # replicated: data parallel over the group
+        out.update(placements)
+    return out
+
+
+def _lay_out(module: nn.Module, placement: str, owner: int, group: Any, world: int, rank: int) -> None:
+    """Replace table ``module``'s weight by this rank's rows of it and record its layout."""
+    assert isinstance(module, EmbeddingTable)
+    table = module
+    v = table.config.num_embeddings
+    if placement == "row":
+        block = math.lcm(ROW_ALIGNMENT, world)
+        ownership = RowOwnership("interleaved", -(-v // block) * block, world, block)
+    else:
+        ownership = RowOwnership("range", world * v, world)
+    layout = ProcessGroupLayout(placement, group, world, rank, v, ownership, owner)
+    with torch.no_grad():
+        whole = table.logical_weight()
+        ids = layout.local_logical_ids()
+        real = ids < v
+        local = torch.zeros(layout.local_rows, whole.shape[1], dtype=whole.dtype, device=whole.device)
+        local[real.to(local.device)] = whole.index_select(0, ids[real].to(whole.device))
+        del whole
+    table.weight = nn.Parameter(local)  # the whole table goes with its last reference
+    table._register("its rows were sharded over a process group (a new parameter)")
+    info = register_table(table.weight, table.name, layout.local_rows, table.config.optimizer)
+    info.sharding = layout
+    mark(table.weight, LOCAL)  # never exchanged as data parallel: its gradient goes to the owners
+

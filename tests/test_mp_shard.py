@@ -10,7 +10,9 @@ table or slot than its shard plus padding.
 from __future__ import annotations
 
 import math
+import shutil
 import socket
+from pathlib import Path
 from typing import Any
 
 import _mp_worker as W
@@ -228,7 +230,8 @@ def test_checkpoint_saved_at_4_loads_at_2_and_3(tmp_path_factory: pytest.TempPat
         for r in range(w):
             compare(results[r]["checkpoint"][w], ref, torch.float64, w)
     files = sorted(p.name for p in (_DIRS[4] / "ckpt").iterdir())
-    assert files == ["meta.pt", "rows-0.pt", "rows-1.pt", "rows-2.pt", "rows-3.pt"]
+    assert files == ["meta.pt", "rows-0.pt", "rows-1.pt", "rows-2.pt", "rows-3.pt", "tte_manifest.json"]
+    assert not [p for p in _DIRS[4].iterdir() if p.name.startswith(".ckpt.tte-")]  # staging published
     for r in range(4):  # each rank's file holds its rows only, in ascending logical id
         part = torch.load(_DIRS[4] / "ckpt" / f"rows-{r}.pt", weights_only=True)
         ids = part["big"]["ids"]
@@ -250,6 +253,45 @@ def test_checkpoint_loads_into_one_process(tmp_path_factory: pytest.TempPathFact
     for key, slots in ref["optimizer"]["state"].items():
         for slot, v in slots.items():
             _close(got[key][slot], v, 1e-10, f"{key}/{slot}")
+
+
+def test_a_damaged_sharded_checkpoint_changes_nothing(tmp_path_factory: pytest.TempPathFactory,
+                                                      tmp_path: Path) -> None:
+    """A rows file cut to 60 % (or a missing manifest: a save that never published) is refused before
+    anything is written, with an Exception naming the file; the model and optimizer stay bitwise as they were."""
+    ranks(4, tmp_path_factory)
+    for damage in ("truncate", "no-manifest"):
+        copy = tmp_path / damage
+        shutil.copytree(_DIRS[4] / "ckpt", copy)
+        if damage == "truncate":
+            data = (copy / "rows-2.pt").read_bytes()
+            (copy / "rows-2.pt").write_bytes(data[: len(data) * 6 // 10])
+        else:
+            (copy / "tte_manifest.json").unlink()
+        model = W.Model(torch.float64, seed=7)
+        opt = W.make_opt(W.CKPT, model.parameters())
+        W.train(model, model, opt, torch.float64, steps=range(0, 2))
+        before = copy_state(model, opt)
+        with pytest.raises(tte.checkpoint.CheckpointCorruptError,
+                           match="rows-2.pt" if damage == "truncate" else "tte_manifest.json"):
+            tte.distributed.load_sharded(copy, model, opt)
+        assert_same_state(before, copy_state(model, opt))
+
+
+def copy_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    return {"model": {k: v.clone() for k, v in model.state_dict().items()},
+            "optimizer": {k: {s: v.clone() if isinstance(v, torch.Tensor) else v for s, v in slots.items()}
+                          for k, slots in opt.state_dict()["state"].items()}}
+
+
+def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["model"].keys() == b["model"].keys() and a["optimizer"].keys() == b["optimizer"].keys()
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), k
+    for k, slots in a["optimizer"].items():
+        for s, v in slots.items():
+            w = b["optimizer"][k][s]
+            assert torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w, (k, s)
 
 
 def test_assign_tables_rule() -> None:

@@ -28,13 +28,15 @@ from typing import Any
 
 from torch_tpu_embedding._ckpt_io import read_dcp_metadata
 
-__all__ = ["MANIFEST", "CheckpointCorruptError", "barrier", "prepare_staging", "publish", "rank", "read_errors",
-           "resolve", "staging_path", "verify", "write_manifest"]
+__all__ = ["MANIFEST", "SHARDED_META", "CheckpointCorruptError", "barrier", "prepare_staging", "publish", "rank",
+           "read_errors", "resolve", "staging_path", "verify", "write_manifest"]
 
 #: the manifest of a distributed checkpoint: ``{"format", "files": {name: {"size", "sha256"}}}``
 MANIFEST = "tte_manifest.json"
 _MANIFEST_FORMAT = "torch_tpu_embedding.manifest/1"
 _META = "tte_meta.pt"
+#: the metadata file of a process-group-sharded checkpoint (``tte.distributed.save_sharded``)
+SHARDED_META = "meta.pt"
 _CHUNK = 1 << 24
 
 
@@ -85,15 +87,18 @@ def _fsync_dir(path: str) -> None:
 
 
 def _ours(name: str) -> bool:
-    """A file name a distributed checkpoint of ours holds (DCP's files, ours, a dead writer's temporary)."""
-    return (name in (".metadata", ".metadata.tmp", _META, MANIFEST, f".{MANIFEST}.tmp")
+    """A file name a distributed checkpoint of ours holds (DCP's files, ours, a dead writer's temporary;
+    a process-group-sharded save's ``meta.pt`` and ``rows-<rank>.pt``)."""
+    return (name in (".metadata", ".metadata.tmp", _META, MANIFEST, f".{MANIFEST}.tmp", SHARDED_META)
             or (name.startswith("__") and name.endswith((".distcp", ".metadata")))
+            or (name.startswith("rows-") and name.endswith(".pt"))
             or name.startswith(".tte-tmp-"))
 
 
 def prepare_staging(target: str) -> None:
     """Rank 0, before a save: finish what an interrupted save left, check that ``target`` (if it exists)
-    is a checkpoint of ours (its files are replaced), and make a fresh, empty staging directory."""
+    is a checkpoint of ours (its files are replaced), and make a fresh, empty staging directory.
+    The same for both kinds of directory (``save_distributed``'s and ``save_sharded``'s)."""
     staging, previous = _siblings(target)
     if os.path.isdir(previous):
         if os.path.lexists(target):
@@ -103,11 +108,11 @@ def prepare_staging(target: str) -> None:
             _fsync_dir(os.path.dirname(target))
     if os.path.lexists(target):
         if not os.path.isdir(target):
-            raise FileExistsError(f"save_distributed: {target} exists and is not a directory")
+            raise FileExistsError(f"A checkpoint save to {target}: it exists and is not a directory")
         foreign = sorted(n for n in os.listdir(target) if not _ours(n))
         if foreign:
             raise FileExistsError(
-                f"save_distributed: {target} holds files that are not part of a distributed checkpoint "
+                f"A checkpoint save to {target}: it holds files that are not part of a distributed checkpoint "
                 f"({foreign[:5]}); a save replaces the whole directory, so it refuses to. Choose another path."
             )
     if os.path.lexists(staging):
@@ -192,17 +197,21 @@ def _manifest(path: str) -> dict[str, dict[str, Any]] | None:
     return files
 
 
-def verify(path: str) -> None:
+def verify(path: str, required: tuple[str, ...] = (".metadata", _META)) -> None:
     """Raise :class:`CheckpointCorruptError` naming the first file of ``path`` that is missing, of the
-    wrong size or whose sha256 differs from the manifest (sizes of every file first: cheap). Without a
-    manifest (written before manifests existed): every byte range ``.metadata`` refers to must exist."""
+    wrong size or whose sha256 differs from the manifest (sizes of every file first: cheap); the
+    manifest must list the ``required`` files. Without a manifest (a DCP directory written before
+    manifests existed): every byte range ``.metadata`` refers to must exist."""
     files = _manifest(path)
     if files is None:
+        if ".metadata" not in required:
+            raise CheckpointCorruptError(f"{os.path.join(path, MANIFEST)} is missing: the save did not finish "
+                                         "(or the directory is not a checkpoint). Nothing was loaded.")
         _verify_ranges(path)
         return
-    for required in (".metadata", _META):
-        if required not in files:
-            raise CheckpointCorruptError(f"{os.path.join(path, MANIFEST)} does not list {required}. "
+    for required_file in required:
+        if required_file not in files:
+            raise CheckpointCorruptError(f"{os.path.join(path, MANIFEST)} does not list {required_file}. "
                                          "Nothing was loaded.")
     for name, want in sorted(files.items()):
         file = os.path.join(path, name)

@@ -8,6 +8,13 @@ replicated tables). :func:`load_sharded` loads it into a model sharded over any 
 one process: each rank memory-maps the row files and copies the rows it stores (a row is found by its
 logical id), so no rank reads or holds a whole table.
 
+Saves are crash-safe and loads verify before they write, as ``tte.checkpoint.save_distributed``'s
+(``_ckpt_publish``): every rank writes into a sibling staging directory; when all files are on disk,
+rank 0 writes ``meta.pt`` and a manifest (each file's size and sha256) and publishes the directory with
+renames, so a process killed at any point leaves the old checkpoint or the new one, complete. A load
+checks every file against the manifest before it changes anything (each rank reads every file once to
+checksum it, in chunks: its memory stays its shard plus one chunk).
+
 Pending gradient-accumulation buffers of sharded tables are not saved (save at the end of an
 accumulation window).
 """
@@ -21,6 +28,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torch_tpu_embedding._ckpt_publish import (
+    SHARDED_META,
+    prepare_staging,
+    publish,
+    resolve,
+    staging_path,
+    verify,
+    write_manifest,
+)
 from torch_tpu_embedding._pg_exchange import GroupSharding, group_sharding
 from torch_tpu_embedding.collection import EmbeddingCollection
 from torch_tpu_embedding.table import EmbeddingTable
@@ -67,7 +83,11 @@ def save_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer:
                          "save it with tte.checkpoint.save.")
     first = next(iter(tables.values()))[2]
     rank, world, group = first.rank, first.world, first.group
-    os.makedirs(directory, exist_ok=True)
+    target = os.path.normpath(os.path.abspath(os.fspath(directory)))
+    if rank == 0:
+        prepare_staging(target)
+    dist.barrier(group=group)
+    staging = staging_path(target)
     part: dict[str, Any] = {}
     for name, (_, t, s) in tables.items():
         ids, pos = _stored_in_order(s)
@@ -80,7 +100,8 @@ def save_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer:
             entry["whole"] = {k: v.clone() for k, v in state.items()
                               if k not in _SKIP and not (v.dim() and v.shape[0] == local)}
         part[name] = entry
-    _atomic_save(part, os.path.join(directory, f"rows-{rank}.pt"))
+    torch.save(part, os.path.join(staging, f"rows-{rank}.pt"))
+    dist.barrier(group=group)  # every rank's rows are written (rank 0 fsyncs them before publishing)
     if rank == 0:
         keys = {key for key, _, _ in tables.values()}
         meta: dict[str, Any] = {
@@ -93,14 +114,10 @@ def save_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer:
             sd = optimizer.state_dict()
             sd["state"] = {k: v for k, v in sd["state"].items() if k.split(":", 1)[-1] not in tables}
             meta["optimizer"] = sd
-        _atomic_save(meta, os.path.join(directory, "meta.pt"))
-    dist.barrier(group=group)
-
-
-def _atomic_save(obj: Any, path: str) -> None:
-    tmp = path + ".tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+        torch.save(meta, os.path.join(staging, SHARDED_META))
+        write_manifest(staging)
+        publish(staging, target)
+    dist.barrier(group=group)  # no rank returns before the checkpoint is published
 
 
 def _gather(parts: list[dict[str, Any]], name: str, field: str, slot: str | None, need: Tensor) -> Tensor | None:
@@ -126,8 +143,10 @@ def load_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer:
     """Load a :func:`save_sharded` directory into ``model`` (and ``optimizer``): sharded over any number of
     ranks (call it on every rank, after ``shard``, DDP and building the optimizer) or not sharded at all
     (one process: every table whole). Each rank reads only the rows it stores."""
-    meta = torch.load(os.path.join(directory, "meta.pt"), weights_only=False)
-    parts = [torch.load(os.path.join(directory, f"rows-{r}.pt"), mmap=True, weights_only=True)
+    path = resolve(os.path.normpath(os.path.abspath(os.fspath(directory))))
+    verify(path, required=(SHARDED_META,))  # every file whole and as saved, before anything is written
+    meta = torch.load(os.path.join(path, SHARDED_META), weights_only=False)
+    parts = [torch.load(os.path.join(path, f"rows-{r}.pt"), mmap=True, weights_only=True)
              for r in range(meta["world"])]
     tables = _tables(model)
     mine = _sharded(model)

@@ -160,3 +160,12 @@ def test_two_runs_with_one_seed_are_bitwise_equal_across_the_switch_over(tmp_pat
     never = _run(7, 5, tmp_path, after=100)
     assert never["digests"][:2] == cold["digests"][:2]
     assert never["paths"] == ["row_chunks"] * 10
+
+
+def test_a_wrong_environment_value_is_named() -> None:
+    env = dict(os.environ, TTE_FUSED_AFTER="fifty",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    r = subprocess.run([sys.executable, "-c", "import torch_tpu_embedding"], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode != 0
+    assert "environment variable TTE_FUSED_AFTER must be an int >= 0, got 'fifty'" in r.stderr, r.stderr[-2000:]

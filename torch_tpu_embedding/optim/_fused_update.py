@@ -26,8 +26,8 @@ an idle 2-core machine, several times that under load), paid where it is first u
 update takes the reference path while the optimizer's ``iterations`` (its call count, saved in its
 ``state_dict``) is below ``after`` (``TTE_FUSED_AFTER``, default 50), and always where the table holds
 fewer than ``min_elements`` numbers (``TTE_FUSED_MIN_ELEMENTS``, default 2**20: the saving per step
-is bounded by the rows touched, a few microseconds on a table that small, and would take longer to pay
-for a compile than most runs last). The first fused step compiles in the foreground. Which path a step
+is bounded by the numbers touched, at most 10–20 ms a step at 2**20 as measured, hundreds of steps to
+pay for one compile, and less on smaller tables). The first fused step compiles in the foreground. Which path a step
 takes depends only on the call count and the configuration, never on how long a compile took, so two
 runs with one seed are bitwise equal (tests/test_fused_warmup.py); short runs, notebooks and test
 suites never compile. docs/benchmarks.md has the measurements the defaults come from.
@@ -64,10 +64,21 @@ __all__ = ["coalesce_pieces", "compiled_kernels", "enabled", "policy", "set_enab
 Tensor = torch.Tensor
 
 _ENABLED = os.environ.get("TTE_FUSED_UPDATE", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _env_count(name: str, default: int) -> int:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    if not text.isdigit():
+        raise ValueError(f"environment variable {name} must be an int >= 0, got {text!r}")
+    return int(text)
+
+
 #: optimizer calls that take the reference path before the fused kernel is built (see the module doc)
-_AFTER = int(os.environ.get("TTE_FUSED_AFTER", "50"))
+_AFTER = _env_count("TTE_FUSED_AFTER", 50)
 #: tables with fewer numbers than this always take the reference path
-_MIN_ELEMENTS = int(os.environ.get("TTE_FUSED_MIN_ELEMENTS", str(2**20)))
+_MIN_ELEMENTS = _env_count("TTE_FUSED_MIN_ELEMENTS", 2**20)
 #: compiled kernels by configuration key; ``None``: compiling failed (the reference path runs)
 _KERNELS: dict[tuple[Any, ...], Callable[..., None] | None] = {}
 _WARNED = False

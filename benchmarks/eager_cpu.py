@@ -12,6 +12,15 @@ ours_lazyadam ours_lazyadam_unstacked``: 26 tables of mixed sizes (Criteo's 26 c
 capped at 1,000,000 rows, 5.6 M rows in all), ours built the default way (tables stacked) against
 ``fuse_tables=False``; goal: stacked ≤ unstacked.
 
+First steps: ``... --first-step`` adds, for every ``ours_*`` mode, the same run with
+``TTE_FUSED_UPDATE=0`` (``ours_*_reference``, the reference row update throughout) and prints each
+one's first step: ours under the default policy of ``optim/_fused_update.py`` (the reference path for
+the first ``TTE_FUSED_AFTER`` calls: no compile) against the reference run's (goal ≤ 1.5×), and the
+first call of the fused path, which compiles (``TORCHINDUCTOR_CACHE_DIR`` empty: from nothing). After
+its first call an ``ours_*`` run starts the fused path (``set_policy(after=0)``), so that its timed
+steps measure what a long run gets after ``TTE_FUSED_AFTER`` calls; the ratio table adds fused /
+reference path.
+
 Workload (TorchRec's and FBGEMM's usual CPU benchmark shape): 4 tables × 1,000,000 rows × 64 fp32, one
 feature per table, batch 4096, ids uniform random; (a) 1 id per bag, sum; (b) 20 ids per bag, mean. One
 step = forward + ``out.sum().backward()`` + the optimizer's update (FBGEMM: fused into the backward).
@@ -72,6 +81,8 @@ OURS = {"ours_sgd": "SGD", "ours_adagrad": "Adagrad", "ours_lazyadam": "LazyAdam
         "ours_adafactor": "Adafactor", "ours_rowwise_adagrad": "RowWiseAdagrad"}
 # The same built with fuse_tables=False: one parameter per table (ours_*: the default, stacked).
 UNSTACKED = {f"{mode}_unstacked": name for mode, name in OURS.items()}
+# The same with TTE_FUSED_UPDATE=0: the reference row update throughout (its first step is the one to beat).
+REFERENCE = {f"{mode}_reference": name for mode, name in OURS.items()}
 # --mixed: 26 tables of mixed sizes, the cardinalities of Criteo's 26 categorical features (Kaggle
 # display-advertising data) capped at 1,000,000 rows, as DLRM's --max-ind-range does.
 MIXED_ROWS = [1460, 583, 1_000_000, 1_000_000, 305, 24, 12517, 633, 3, 93145, 5683, 1_000_000, 3194, 27, 14992,
@@ -85,6 +96,7 @@ LABELS = {
     "ours_adafactor": "ours: tte.optim.Adafactor",
     "ours_rowwise_adagrad": "ours: tte.optim.RowWiseAdagrad",
     **{mode: f"ours: tte.optim.{name}, fuse_tables=False" for mode, name in UNSTACKED.items()},
+    **{mode: f"ours: tte.optim.{name}, TTE_FUSED_UPDATE=0" for mode, name in REFERENCE.items()},
     "torch_sgd": "EmbeddingBag(sparse) + torch SGD",
     "torch_sparseadam": "EmbeddingBag(sparse) + SparseAdam",
     "torch_adagrad": "EmbeddingBag(sparse) + torch Adagrad",
@@ -96,7 +108,7 @@ LABELS = {
     "floor_gather": "floor, gather only: index_select",
 }
 MODES = list(LABELS)
-DEFAULT_MODES = [m for m in MODES if m not in UNSTACKED]
+DEFAULT_MODES = [m for m in MODES if m not in UNSTACKED and m not in REFERENCE]
 
 # (label, ours, peer, {bag: largest ours/peer time ratio that meets the goal}); < 1: ours is faster.
 RATIOS: list[tuple[str, str, str, dict[int, float]]] = [
@@ -114,6 +126,7 @@ RATIOS: list[tuple[str, str, str, dict[int, float]]] = [
     *[(f"{name}: stacked / fuse_tables=False", mode, f"{mode}_unstacked", {1: 1.0, 20: 1.0})
       for mode, name in OURS.items()],
     ("our SGD / gather-only floor", "ours_sgd", "floor_gather", {}),
+    *[(f"{name}: fused / reference path", mode, f"{mode}_reference", {}) for mode, name in OURS.items()],
 ]
 
 # anchors_torchrec.md §5.2, without TorchRec (raw TBE needs only torch and fbgemm_gpu).
@@ -124,6 +137,7 @@ FBGEMM_PINS = ["torch==2.13.0", "fbgemm-gpu-cpu==1.8.0", "numpy"]
 def _ours(args: argparse.Namespace, opt_name: str, raw: list[list[torch.Tensor]], stacked: bool = True
           ) -> dict[str, Any]:
     import torch_tpu_embedding as tte
+    from torch_tpu_embedding.optim import _fused_update
 
     t, b, n = args.tables, args.batch, args.bag
     tables = [tte.TableConfig(rows, args.dim, name=f"t{i}", combiner=args.pool)
@@ -136,15 +150,28 @@ def _ours(args: argparse.Namespace, opt_name: str, raw: list[list[torch.Tensor]]
     names = sorted(features)
     batches = [{f"f{i}": (ids[i] if n == 1 else tte.Padded(ids[i].view(b, n))) for i in range(t)} for ids in raw]
 
+    calls: list[float] = []
+
     def step(batch: dict[str, Any]) -> torch.Tensor:
+        t0 = time.perf_counter()
         out = ec(batch)
         loss = torch.cat([out[f] for f in names], dim=1).sum()
         loss.backward()
         opt.step()
         opt.zero_grad()
+        calls.append(1000 * (time.perf_counter() - t0))
+        if len(calls) == 1:
+            # The first call ran under the default policy (the reference path: no compile). The timed
+            # steps measure the fused path a long run takes after TTE_FUSED_AFTER calls: it starts now,
+            # and the next call compiles its kernel.
+            _fused_update.set_policy(after=0)
         return loss
 
-    return time_steps(step, batches, args.warmup, args.iters)
+    res = time_steps(step, batches, args.warmup, args.iters)
+    if len(calls) > 1:
+        res["second_step_ms"] = calls[1]
+    res["fused_policy"] = list(_fused_update.policy())
+    return res
 
 
 def _torch(args: argparse.Namespace, mode: str, raw: list[list[torch.Tensor]]) -> dict[str, Any]:
@@ -204,6 +231,8 @@ def child(args: argparse.Namespace) -> None:
         res = _ours(args, OURS[args.child], raw)
     elif args.child in UNSTACKED:
         res = _ours(args, UNSTACKED[args.child], raw, stacked=False)
+    elif args.child in REFERENCE:
+        res = _ours(args, REFERENCE[args.child], raw)
     elif args.child in ("floor", "floor_gather"):
         res = _floor(args, raw, scatter=args.child == "floor")
     else:
@@ -256,6 +285,8 @@ def run_one(args: argparse.Namespace, mode: str, bag: int, threads: int, fbgemm_
               "--lr", str(args.lr), *(["--mixed"] if args.mixed else [])]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if mode in REFERENCE:
+        env["TTE_FUSED_UPDATE"] = "0"
     if mode in FBGEMM:
         assert fbgemm_py is not None  # FBGEMM modes are dropped when there is no venv
         env.pop("PYTHONPATH", None)
@@ -306,12 +337,28 @@ def print_tables(args: argparse.Namespace, threads: int, results: dict[tuple[str
             if good:
                 version = r["torch"] + (f" + fbgemm {r['fbgemm_gpu']}" if "fbgemm_gpu" in r else "")
         print(f"{LABELS[mode]:{w}s} " + " ".join(cells) + f"  {version}")
-    firsts = [f"{mode.removeprefix('ours_')} {b} id{'s' if b > 1 else ''}: {r['first_step_ms'] / 1000:.1f} s"
-              for mode in args.modes if mode in OURS for b in bags
-              if (r := results.get((mode, b))) and "first_step_ms" in r]
-    if firsts:
-        print("first step of ours (compiles the fused update; inductor's disk cache may hold it already): "
-              + ", ".join(firsts))
+    for mode in args.modes:
+        if mode not in OURS and mode not in UNSTACKED:
+            continue
+        cells = []
+        for b in bags:
+            r, ref = results.get((mode, b)), results.get((f"{mode}_reference", b))
+            if not r or "error" in r:
+                continue
+            cell = f"{b} id{'s' if b > 1 else ''}: first {r['first_step_ms']:.0f} ms"
+            if ref and "error" not in ref:
+                ratio = r["first_step_ms"] / ref["first_step_ms"]
+                cell += (f" (TTE_FUSED_UPDATE=0: {ref['first_step_ms']:.0f} ms, {ratio:.2f}× "
+                         f"≤ 1.5 {'met' if ratio <= 1.5 else 'MISSED'})")
+            if "second_step_ms" in r:
+                cell += f", fused path's first (compiles) {r['second_step_ms']:.0f} ms"
+            cells.append(cell)
+        if cells:
+            print(f"first steps, {LABELS[mode]}: " + "; ".join(cells))
+    if any(m in OURS for m in args.modes):
+        print("(ours: the first call takes the default policy, TTE_FUSED_AFTER/TTE_FUSED_MIN_ELEMENTS; the "
+              "benchmark then starts the fused path, whose first call compiles unless inductor's disk cache "
+              "holds the kernel; the timed steps run it)")
     for mode in args.modes:
         for b in bags:
             r = results.get((mode, b))
@@ -350,6 +397,8 @@ def main() -> None:
     ap.add_argument("--dense-iters", type=int, default=5, help="timed steps of dense Adam (~4 s each)")
     ap.add_argument("--fbgemm-venv", default=None, help="an existing venv with torch + fbgemm-gpu-cpu")
     ap.add_argument("--no-fbgemm", action="store_true", help="leave the FBGEMM rows out")
+    ap.add_argument("--first-step", action="store_true",
+                    help="add ours_*_reference (TTE_FUSED_UPDATE=0) for every ours_* mode: first steps compared")
     ap.add_argument("--child-timeout", type=float, default=3600)
     ap.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     ap.add_argument("--bag", type=int, default=1, help=argparse.SUPPRESS)
@@ -360,7 +409,10 @@ def main() -> None:
         return
     if args.modes is None:
         args.modes = [*OURS, *UNSTACKED] if args.mixed else DEFAULT_MODES
-    if args.mixed and (others := [m for m in args.modes if m not in OURS and m not in UNSTACKED]):
+    if args.first_step:
+        args.modes += [f"{m}_reference" for m in args.modes if m in OURS and f"{m}_reference" not in args.modes]
+    if args.mixed and (others := [m for m in args.modes if m not in OURS and m not in UNSTACKED
+                                  and m not in REFERENCE]):
         ap.error(f"--mixed runs ours only (the peers here take one table size); drop --modes {' '.join(others)}")
 
     policy = os.environ.get("OMP_WAIT_POLICY")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -48,6 +49,15 @@ def compiler() -> None:
 
 
 needs_compiler = pytest.mark.usefixtures("compiler")
+
+
+@pytest.fixture(autouse=True)
+def fused_from_the_first_step() -> Iterator[None]:
+    """Every table here is small and every run short: the default policy (tests/test_fused_warmup.py)
+    would keep them on the reference path."""
+    before = _fused_update.set_policy(0, 0)
+    yield
+    _fused_update.set_policy(*before)
 
 
 @pytest.fixture

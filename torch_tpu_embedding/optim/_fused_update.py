@@ -21,12 +21,24 @@ factored (``gains [N, L]``, ``dL/dout [N, D]``), and the rows of each id are sum
 the sum runs in the reference's order (each row's contributions in the order they were looked up).
 Its output lives in a per-table buffer reused every step (no batch-sized allocation to fault in).
 
+When the kernel is built (:func:`set_policy`): compiling one costs seconds (7–9 s per optimizer on
+an idle 2-core machine, several times that under load), paid where it is first used. So a table's
+update takes the reference path while the optimizer's ``iterations`` (its call count, saved in its
+``state_dict``) is below ``after`` (``TTE_FUSED_AFTER``, default 50), and always where the table holds
+fewer than ``min_elements`` numbers (``TTE_FUSED_MIN_ELEMENTS``, default 2**20: the saving per step
+is bounded by the numbers touched, at most 10–20 ms a step at 2**20 as measured, hundreds of steps to
+pay for one compile, and less on smaller tables). The first fused step compiles in the foreground. Which path a step
+takes depends only on the call count and the configuration, never on how long a compile took, so two
+runs with one seed are bitwise equal (tests/test_fused_warmup.py); short runs, notebooks and test
+suites never compile. docs/benchmarks.md has the measurements the defaults come from.
+
 If compiling fails (no C++ compiler, say), the update falls back to the reference path with one
 warning. ``TTE_FUSED_UPDATE=0`` in the environment, or :func:`set_enabled`, turns the path off.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import types
 import warnings
@@ -47,11 +59,26 @@ from torch_tpu_embedding.optim._slots import logical_rows, rule_slots
 if TYPE_CHECKING:
     from torch_tpu_embedding.optim._intake import Work
 
-__all__ = ["coalesce_pieces", "compiled_kernels", "enabled", "set_enabled", "update", "usable"]
+__all__ = ["coalesce_pieces", "compiled_kernels", "enabled", "policy", "set_enabled", "set_policy", "update", "usable"]
 
 Tensor = torch.Tensor
 
 _ENABLED = os.environ.get("TTE_FUSED_UPDATE", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _env_count(name: str, default: int) -> int:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    if not text.isdigit():
+        raise ValueError(f"environment variable {name} must be an int >= 0, got {text!r}")
+    return int(text)
+
+
+#: optimizer calls that take the reference path before the fused kernel is built (see the module doc)
+_AFTER = _env_count("TTE_FUSED_AFTER", 50)
+#: tables with fewer numbers than this always take the reference path
+_MIN_ELEMENTS = _env_count("TTE_FUSED_MIN_ELEMENTS", 2**20)
 #: compiled kernels by configuration key; ``None``: compiling failed (the reference path runs)
 _KERNELS: dict[tuple[Any, ...], Callable[..., None] | None] = {}
 _WARNED = False
@@ -69,6 +96,22 @@ _NOT_IN_KERNEL = frozenset({
 })
 
 
+class _NoCudaRuntimeLine(logging.Filter):
+    """Drops torch's ``No CUDA runtime is found, using CUDA_HOME=...`` warning.
+
+    ``torch.utils.cpp_extension`` logs it when imported on a machine with a CUDA toolkit but no CUDA
+    device, and inductor imports it to build a CPU kernel: the only sign of a fused-kernel compile was
+    a line about CUDA, which this path does not use. Every other record of that logger passes.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("No CUDA runtime is found")
+
+
+# Installed on import, before anything can import cpp_extension (it logs the line once, at import).
+logging.getLogger("torch.utils.cpp_extension").addFilter(_NoCudaRuntimeLine())
+
+
 def enabled() -> bool:
     """Whether eager row updates take the fused path (``TTE_FUSED_UPDATE``, :func:`set_enabled`)."""
     return _ENABLED
@@ -79,6 +122,33 @@ def set_enabled(on: bool) -> bool:
     global _ENABLED
     before, _ENABLED = _ENABLED, bool(on)
     return before
+
+
+def policy() -> tuple[int, int]:
+    """``(after, min_elements)``: the fused path runs from the optimizer's call ``after`` on, for
+    tables of at least ``min_elements`` numbers (``TTE_FUSED_AFTER``, ``TTE_FUSED_MIN_ELEMENTS``)."""
+    return _AFTER, _MIN_ELEMENTS
+
+
+def set_policy(after: int | None = None, min_elements: int | None = None) -> tuple[int, int]:
+    """Set :func:`policy` for later steps (``None``: unchanged); returns the previous one.
+
+    ``set_policy(0, 0)``: every eligible table takes the fused path from its first step (and compiles
+    there). A checkpoint resumed under the same policy takes the same paths (``iterations`` is saved).
+    """
+    global _AFTER, _MIN_ELEMENTS
+    before = (_AFTER, _MIN_ELEMENTS)
+    for name, value in (("after", after), ("min_elements", min_elements)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"set_policy: {name} must be an int >= 0, got {value!r}")
+    _AFTER = before[0] if after is None else after
+    _MIN_ELEMENTS = before[1] if min_elements is None else min_elements
+    return before
+
+
+def _warming_up(item: Work) -> bool:
+    """This step takes the reference path by :func:`policy` (the call count and the table's size alone)."""
+    return item.clock.iterations < _AFTER or item.p.numel() < _MIN_ELEMENTS
 
 
 def usable(p: Tensor) -> bool:
@@ -235,12 +305,13 @@ def _call(fn: Callable[..., None], args: tuple[Any, ...]) -> None:
 
 def update(item: Work) -> bool:
     """Run ``item``'s row update (unique ids, no sentinel) as one fused kernel; ``False`` if no
-    kernel could be compiled, or fewer than 2 rows were touched (the caller then runs the reference
-    path: dynamic shapes specialise sizes 0 and 1, and such a step is no work to speed up)."""
+    kernel could be compiled, fewer than 2 rows were touched (dynamic shapes specialise sizes 0 and 1,
+    and such a step is no work to speed up), or :func:`policy` keeps this step on the reference path:
+    the caller then runs the reference path."""
     global _NO_COMPILER
     p, group, state, ids = item.p, item.group, item.state, item.ids
     assert ids is not None
-    if ids.shape[0] < 2:
+    if ids.shape[0] < 2 or _warming_up(item):
         return False
     names = tuple(rule_slots(p, group))
     key = _key(item, names)

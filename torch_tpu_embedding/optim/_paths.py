@@ -16,7 +16,8 @@ only in which rows they hand it and how the results are written back:
 ``FUSED``             eager (CPU, CUDA) with a per-row rule: the same pipeline compiled into one
                       kernel that reads and writes each touched row and its slots once, the
                       duplicate sum done without multiplying the gradient out (:mod:`._fused_update`)
-``ROW_CHUNKS``        eager with a per-row rule when ``FUSED`` is off or cannot compile: the
+``ROW_CHUNKS``        eager with a per-row rule when ``FUSED`` is off, cannot compile, or its
+                      policy keeps the step here (the first calls, small tables: ``policy()``): the
                       touched rows in cache-sized chunks (the reference for ``FUSED``)
 ``OWNER_LOCAL``       a row-sharded table trained through the id exchange: its gradient arrives
                       at the shards that own the rows, and every shard runs ``ROWS`` (``DENSE``

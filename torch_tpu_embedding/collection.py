@@ -333,7 +333,8 @@ class EmbeddingCollection(nn.Module):
                 sentinel=sentinel,
                 device=weight.device if resident else host,
                 dtype=weight.dtype,
-                static=weight.device.type == "xla",
+                # a routed lookup (the id exchange: SPMD or a process group) buckets padded bags
+                static=weight.device.type == "xla" or owner_local,
                 offset=0 if on_device else offset,  # a stacked table's rows start at `offset` of its group
             )
             if on_device:  # host inputs were checked in to_bags; these are screened before the offset

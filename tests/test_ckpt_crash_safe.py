@@ -91,7 +91,7 @@ def test_a_save_refuses_to_replace_a_directory_that_is_not_a_checkpoint(tmp_path
     folder = tmp_path / "mine"
     folder.mkdir()
     (folder / "notes.txt").write_text("keep me")
-    with pytest.raises(FileExistsError, match=r"mine holds files that are not part of a distributed checkpoint "
+    with pytest.raises(FileExistsError, match=r"mine: it holds files that are not part of a distributed checkpoint "
                                               r"\(\['notes.txt'\]\)"):
         tte.checkpoint.save_distributed(folder, model=m, optimizer=opt)
     assert [p.name for p in folder.iterdir()] == ["notes.txt"] and sorted(os.listdir(tmp_path)) == ["mine"]

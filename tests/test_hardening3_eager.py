@@ -312,6 +312,10 @@ def test_frozen_member_on_the_fused_update_path(cfg: OptimizerConfig, monkeypatc
         pytest.skip(f"torch.compile cannot build a CPU kernel here: {type(e).__name__}: {str(e)[:200]}")
     reference = _freeze_run(cfg, True, "module")[1]
     monkeypatch.setattr(_fused_update, "_ENABLED", True)
+    # Small tables, a short run: the default policy (set_policy, tests/test_fused_warmup.py) would keep them
+    # on the reference path. The fused path from the first step, restored after the test.
+    monkeypatch.setattr(_fused_update, "_AFTER", 0)
+    monkeypatch.setattr(_fused_update, "_MIN_ELEMENTS", 0)
     ran: list[Any] = []
     real = _paths.update
     monkeypatch.setattr(_base, "update", lambda item: (real(item), ran.append(item.path)))

@@ -8,7 +8,6 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from torch_tpu_embedding._dedup import is_static_device
 from torch_tpu_embedding._fused import (
     FusedTables,
     TableView,
@@ -17,9 +16,7 @@ from torch_tpu_embedding._fused import (
     plan_groups,
     split_fused_weights,
 )
-from torch_tpu_embedding._layout import owned_logical_ids
 from torch_tpu_embedding._lookup import LookupBatch
-from torch_tpu_embedding._member_state import member_entries
 from torch_tpu_embedding._nest import Path, check_structure, flatten, path_name, pick, rebuild
 from torch_tpu_embedding._rows import check_xla_backward, retire_table, table_info
 from torch_tpu_embedding._screening import DeviceScreen, overflow_problem, warn_unchecked_drops
@@ -244,25 +241,7 @@ class EmbeddingCollection(nn.Module):
         """
         pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for name, t in self.physical_tables().items():
-            if not t.row_grad:
-                continue
-            members = t.members()
-            ids, rows = t.row_grad.collect()
-            if t.row_grad.owned:  # shard-local rows [n, M] -> the table's (or group's) logical ids, [n·M]
-                assert t.row_layout is not None  # owner-local chunks exist only on tables so laid out
-                ids = owned_logical_ids(ids, t.row_layout, int(t.weight.shape[0]), int(t.weight.shape[0]))
-                ids, rows = ids.reshape(-1), rows.reshape(-1, rows.shape[-1])
-            if members is None:
-                # Padding: the sentinel weight.shape[0] is past the rows a sharded table pads to split evenly.
-                pending[name] = (ids.clamp(max=t.config.num_embeddings), rows)
-                continue
-            for tname, off, n in members:
-                if is_static_device(ids.device):  # the group's entries, the other tables' as padding
-                    pending[tname] = member_entries(ids, rows, off, n, n)
-                    continue
-                mine = (ids >= off) & (ids < off + n)
-                if tname in t.row_grad.reached or bool(mine.any()):  # reached: bags all empty, as unstacked
-                    pending[tname] = (ids[mine] - off, rows[mine])
+            pending.update(t.pending_row_grads(name))
         order = [n for n in self.tables if n in pending] + [n for n in pending if n not in self.tables]
         return {n: pending[n] for n in order}
 

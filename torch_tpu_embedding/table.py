@@ -10,8 +10,10 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from torch_tpu_embedding._dedup import is_static_device
 from torch_tpu_embedding._grad_sync import LOCAL, mark
-from torch_tpu_embedding._layout import RowLayout, from_logical, to_logical
+from torch_tpu_embedding._layout import RowLayout, from_logical, owned_logical_ids, to_logical
+from torch_tpu_embedding._member_state import member_entries
 from torch_tpu_embedding._rows import RowGrad, TableInfo, register_table, retire_table, table_info
 from torch_tpu_embedding.config import TableConfig, default_initializer
 
@@ -112,6 +114,30 @@ class EmbeddingTable(nn.Module):
     def members(self) -> tuple[tuple[str, int, int], ...] | None:
         """``(table name, first row, rows)`` of each table stacked in this one (``None``: just itself)."""
         return None
+
+    def pending_row_grads(self, name: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """This physical table's pending row gradient by user table (``name`` when nothing is stacked in
+        it): ``(ids [N], rows [N, D])``, the contract of ``EmbeddingCollection.row_grads``."""
+        if not self.row_grad:
+            return {}
+        members = self.members()
+        ids, rows = self.row_grad.collect()
+        if self.row_grad.owned:  # shard-local rows [n, M] -> the table's (or group's) logical ids, [n·M]
+            assert self.row_layout is not None  # owner-local chunks exist only on tables so laid out
+            ids = owned_logical_ids(ids, self.row_layout, int(self.weight.shape[0]), int(self.weight.shape[0]))
+            ids, rows = ids.reshape(-1), rows.reshape(-1, rows.shape[-1])
+        if members is None:
+            # Padding: the sentinel weight.shape[0] is past the rows a sharded table pads to split evenly.
+            return {name: (ids.clamp(max=self.config.num_embeddings), rows)}
+        pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for tname, off, n in members:
+            if is_static_device(ids.device):  # the group's entries, the other tables' as padding
+                pending[tname] = member_entries(ids, rows, off, n, n)
+                continue
+            mine = (ids >= off) & (ids < off + n)
+            if tname in self.row_grad.reached or bool(mine.any()):  # reached: bags all empty, as unstacked
+                pending[tname] = (ids[mine] - off, rows[mine])
+        return pending
 
     def _register(self, replaced: str = "the table's weight parameter was replaced by a new one (a move to "
                   "another device, load_state_dict(assign=True))") -> TableInfo:

@@ -27,6 +27,12 @@ from torch import nn
 import torch_tpu_embedding as tte
 
 PER_ROW = [i for i in OPTIMIZER_INFOS if i.per_row_rule]
+# Adafactor's statistics span rows (r_sum, the column statistics): its compiled step is one graph too,
+# but its weights differ from eager (by about 4e-3 after 3 steps here), a difference not yet explained.
+# Strict: the day they agree, this fails and Adafactor joins the test above.
+NOT_PER_ROW = [pytest.param(i, marks=pytest.mark.xfail(
+    strict=True, raises=AssertionError, reason="compiled Adafactor differs from eager"))
+               for i in OPTIMIZER_INFOS if not i.per_row_rule]
 PACKAGE = str(Path(tte.__file__).parent)
 DIMS = {"a": (40, 4), "b": (17, 4), "c": (9, 8)}  # a + b stack (dim 4); c is a table of its own
 STEPS = 3
@@ -77,7 +83,7 @@ def train(info: OptimizerInfo, step: Callable[[Any], Callable[[], Any]]) -> tupl
     return model, opt
 
 
-@pytest.mark.parametrize("info", PER_ROW, ids=str)
+@pytest.mark.parametrize("info", PER_ROW + NOT_PER_ROW, ids=str)
 def test_compiled_step_is_one_graph_and_equals_eager(info: OptimizerInfo) -> None:
     """``torch.compile(opt.step, fullgraph=True)`` (which raises at the first graph break) on stacked
     tables, a table of its own and dense layers equals the eager step, weights and every slot."""

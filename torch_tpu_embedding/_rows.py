@@ -301,7 +301,7 @@ _ROWS_ATTR = "_tte_stacked_rows"
 
 class _Tag:
     """The value of such an attribute. A copy or an unpickled tensor is not registered (``_TABLES`` and
-    ``_VIEWS`` forget it), so copying or pickling the tag gives ``None``."""
+    ``_VIEWS`` forget it), so copying or pickling the tag gives no tag."""
 
     __slots__ = ("value",)
 
@@ -312,16 +312,11 @@ class _Tag:
         return None
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
-        return (_untagged, ())
-
-
-def _untagged() -> None:
-    return None
+        return (set, ())  # an empty set: no tag, and a global torch.load(weights_only=True) allows
 
 
 def _tag(t: torch.Tensor, attr: str) -> Any:
-    tag = getattr(t, attr, None)
-    return tag.value if isinstance(tag, _Tag) else None
+    return tag.value if isinstance(tag := getattr(t, attr, None), _Tag) else None
 
 
 def register_table(
@@ -372,8 +367,7 @@ def check_live_tables(params: Iterable[torch.Tensor]) -> None:
 def table_info(param: torch.Tensor) -> TableInfo | None:
     """The :class:`TableInfo` of ``param``, or ``None`` for an ordinary (dense) parameter."""
     if torch.compiler.is_compiling():  # an attribute dynamo traces (the dictionary it cannot)
-        tagged: TableInfo | None = _tag(param, _INFO_ATTR)
-        return tagged
+        return _tag(param, _INFO_ATTR)  # type: ignore[no-any-return]
     info: TableInfo | None = _TABLES.get(param)  # type: ignore[no-untyped-call]
     return info
 
@@ -422,8 +416,7 @@ def refuse_stacked_view(p: Any, argument: str, use: str, remedy: str) -> None:
 def stacked_rows(t: torch.Tensor) -> StackedRows | None:
     """For the weight of a table stacked in a group (``ec.tables.<name>.weight``), where its rows are."""
     if torch.compiler.is_compiling():  # an attribute dynamo traces (the dictionary it cannot)
-        tagged: StackedRows | None = _tag(t, _ROWS_ATTR)
-        return tagged
+        return _tag(t, _ROWS_ATTR)  # type: ignore[no-any-return]
     rows: StackedRows | None = _VIEWS.get(t)  # type: ignore[no-untyped-call]
     return rows
 

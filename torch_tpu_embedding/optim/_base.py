@@ -323,7 +323,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 if lazy_table(p, group):
                     space = RowSpace.of(p, group, self.state[p])
                     space.write("ema", avg)
-                    upto = _ema.last_call(group, p.device, self._run.iterations, self._skipped_now(), self._dropped_now())
+                    upto = _ema.last_call(group, p.device, self._run.iterations, self._skipped_now(),
+                                          self._dropped_now())
                     space.write("ema_last", upto.to(torch.int32).expand(p.shape[0]))
 
     # ------------------------------------------------------------------ lifecycle

@@ -194,7 +194,7 @@ def test_a_fresh_optimizer_gives_its_initial_state_without_stepping(info: Optimi
     with NoTableSizedAllocations(model):
         osd = get_optimizer_state_dict(model, opt)
     assert_bitwise(weights(model), before)
-    assert opt._iterations == 0 and osd["param_groups"][0]["iterations"] == 0
+    assert opt._run.iterations == 0 and osd["param_groups"][0]["iterations"] == 0
     ref = make(info, Model())
     ref.init_state()
     assert_bitwise(_ours(opt), _ours(ref))
@@ -315,7 +315,7 @@ def test_flattened_state_is_refused_not_loaded_with_its_counters_lost() -> None:
     opt2 = make(info, fresh)
     with pytest.raises(ValueError, match="has no 'iterations'"):
         set_optimizer_state_dict(fresh, opt2, osd, options=flat)
-    assert not any(opt2.state.values()) and opt2._iterations == 0  # (torch's lookups leave empty entries)
+    assert not any(opt2.state.values()) and opt2._run.iterations == 0  # (torch's lookups leave empty entries)
 
 
 @pytest.mark.parametrize("info", OPTIMIZER_INFOS, ids=lambda i: i.name)
@@ -329,7 +329,7 @@ def test_the_helpers_never_step_an_optimizer_not_turned_to_torchs_layout(info: O
     with NoTableSizedAllocations(model), pytest.raises(KeyError, match="table:|param:"):
         get_optimizer_state_dict(model, opt)
     assert_bitwise(weights(model), before)
-    assert not any(opt.state.values()) and opt._iterations == 0
+    assert not any(opt.state.values()) and opt._run.iterations == 0
 
 
 @pytest.mark.parametrize("bad", [

@@ -59,7 +59,14 @@ def coalesce_rows(
         uniq, inv = torch.unique(ids, return_inverse=True)
     summed = torch.zeros(uniq.shape[0], rows.shape[1], dtype=rows.dtype, device=rows.device)
     summed.index_add_(0, inv, rows)
-    if not is_static_device(ids.device) and uniq.numel() and int(uniq[-1]) == sentinel:
+    if is_static_device(ids.device):
+        return uniq, summed
+    if torch.compiler.is_compiling():
+        # No host read of a tensor under torch.compile (it would split the graph): a mask, whose
+        # data-dependent length the graph carries as torch.unique's is carried.
+        keep = uniq != sentinel
+        return uniq[keep], summed[keep]
+    if uniq.numel() and int(uniq[-1]) == sentinel:
         # Padding sorts last: drop it as a prefix view (no masked copy of the [N, D] rows).
         uniq, summed = uniq[:-1], summed[:-1]
     return uniq, summed
@@ -72,6 +79,8 @@ def drop_sentinel(
     if is_static_device(ids.device):
         return ids, rows
     keep = ids != sentinel
+    if torch.compiler.is_compiling():  # no host read of a tensor: it would split the graph
+        return ids[keep], rows[keep]
     if bool(keep.all()):  # no padding: no masked copy of the rows
         return ids, rows
     return ids[keep], rows[keep]

@@ -212,7 +212,9 @@ class LookupBatch:
                           + [torch.full((1,), ids.numel(), dtype=torch.int64, device=ids.device)])
         ids, whole = ids.to(weight.device), whole.to(weight.device)
         w = None if w is None else w.to(weight.device)
-        bag = torch.repeat_interleave(torch.arange(sum(counts), device=ids.device), whole.diff())
+        # output_size: one bag per id, known without reading ``whole`` (a compiled graph keeps one size).
+        bag = torch.repeat_interleave(torch.arange(sum(counts), device=ids.device), whole.diff(),
+                                      output_size=ids.numel())
         info = table_info(weight)
         frozen = None if info is None else info.frozen_rows
         training = frozenset(self.tables) - (info.frozen_tables if info is not None else frozenset())

@@ -138,7 +138,7 @@ class RowGrad:
         return torch.cat(self._ids, dim=1), torch.cat(rows, dim=1), ok
 
     def __bool__(self) -> bool:
-        return bool(self._ids)
+        return len(self._ids) > 0  # (dynamo traces len() of a list, not bool() of one)
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -298,6 +298,31 @@ class TableInfo:
 
 
 _TABLES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # type: ignore[no-untyped-call]
+# The same entries, also as an attribute of the tensor: torch.compile cannot trace a lookup in a
+# WeakIdKeyDictionary (dynamo skips ``WeakIdKeyDictionary.get``: one graph break per lookup), but it
+# reads an attribute of a tensor as a guarded constant, so a compiled step stays one graph.
+_INFO_ATTR = "_tte_table_info"
+_ROWS_ATTR = "_tte_stacked_rows"
+
+
+class _Tag:
+    """The value of such an attribute. A copy or an unpickled tensor is not registered (``_TABLES`` and
+    ``_VIEWS`` forget it), so copying or pickling the tag gives no tag."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __deepcopy__(self, memo: Any) -> None:
+        return None
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return (set, ())  # an empty set: no tag, and a global torch.load(weights_only=True) allows
+
+
+def _tag(t: torch.Tensor, attr: str) -> Any:
+    return tag.value if isinstance(tag := getattr(t, attr, None), _Tag) else None
 
 
 def register_table(
@@ -311,6 +336,7 @@ def register_table(
     """Mark ``param`` as an embedding table whose gradient arrives row-sparse."""
     info = TableInfo(name=name, num_embeddings=num_embeddings, optimizer=optimizer, members=members, layout=layout)
     _TABLES[param] = info
+    param.__dict__[_INFO_ATTR] = _Tag(info)
     return info
 
 
@@ -346,6 +372,8 @@ def check_live_tables(params: Iterable[torch.Tensor]) -> None:
 
 def table_info(param: torch.Tensor) -> TableInfo | None:
     """The :class:`TableInfo` of ``param``, or ``None`` for an ordinary (dense) parameter."""
+    if torch.compiler.is_compiling():  # an attribute dynamo traces (the dictionary it cannot)
+        return _tag(param, _INFO_ATTR)  # type: ignore[no-any-return]
     info: TableInfo | None = _TABLES.get(param)  # type: ignore[no-untyped-call]
     return info
 
@@ -374,6 +402,7 @@ _VIEWS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # type: ignore[no-untyped-c
 def register_view(view: torch.Tensor, rows: StackedRows) -> torch.Tensor:
     """Mark ``view`` as a stacked table's rows (see :func:`stacked_rows`); returns ``view``."""
     _VIEWS[view] = rows
+    view.__dict__[_ROWS_ATTR] = _Tag(rows)
     return view
 
 
@@ -392,6 +421,8 @@ def refuse_stacked_view(p: Any, argument: str, use: str, remedy: str) -> None:
 
 def stacked_rows(t: torch.Tensor) -> StackedRows | None:
     """For the weight of a table stacked in a group (``ec.tables.<name>.weight``), where its rows are."""
+    if torch.compiler.is_compiling():  # an attribute dynamo traces (the dictionary it cannot)
+        return _tag(t, _ROWS_ATTR)  # type: ignore[no-any-return]
     rows: StackedRows | None = _VIEWS.get(t)  # type: ignore[no-untyped-call]
     return rows
 

@@ -120,14 +120,17 @@ def _from_offsets(
         raise _err(feature, f"offsets must be 1-D with B+1 entries. Received shape {tuple(offsets.shape)}")
     offsets = offsets.to(torch.int64)
     lengths = offsets[1:] - offsets[:-1]
-    if int(offsets[0]) != 0 or int(offsets[-1]) != values.numel() or bool((lengths < 0).any()):
+    # Values are read where they exist: not while torch.compile / torch.export trace (as _check_ids).
+    if not _tracing() and (int(offsets[0]) != 0 or int(offsets[-1]) != values.numel() or bool((lengths < 0).any())):
         raise _err(
             feature,
             f"offsets must start at 0, be non-decreasing and end at len(values)={values.numel()}. "
             f"Received: {offsets.tolist() if offsets.numel() <= 16 else offsets}",
         )
     b = lengths.numel()
-    row = torch.repeat_interleave(torch.arange(b), lengths)
+    # output_size: the count it has (checked above), known without reading lengths, so a compiled
+    # graph keeps one size for the ids and their bags.
+    row = torch.repeat_interleave(torch.arange(b), lengths, output_size=values.numel())
     rank = torch.arange(values.numel()) - offsets[:-1][row]
     if weights is not None:
         _check_weights(feature, weights, tuple(values.shape), "the jagged values")
@@ -194,7 +197,7 @@ def _normalise_variable(
             lengths = value.lengths
             assert lengths is not None  # for type checkers; guarded just above
             check_index_dtype(feature, "Jagged lengths", lengths)
-            if lengths.dim() != 1 or bool((lengths < 0).any()):
+            if lengths.dim() != 1 or (not _tracing() and bool((lengths < 0).any())):  # (values: see _check_ids)
                 raise _err(feature, f"lengths must be 1-D and >= 0. Received: {lengths}")
             offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
         if isinstance(w, torch.Tensor) and w.is_nested:
@@ -312,8 +315,11 @@ def to_bags(
         ids2d[rp.row[keep], rp.pos[keep]] = rp.vals[keep].to(torch.int64) + offset
         ids = ids2d.reshape(-1, 1)
         return Bags(ids.to(device), (ids != sentinel).to(device), None, out_shape, False)
-    longest = int(rp.rank.max()) + 1 if rp.rank.numel() else 0
     cap = fc.max_ids_per_bag
+    # The longest bag, read on the host: the padded width and the capacity check need it; the eager
+    # jagged lookup does not, and while torch.compile traces there is no value to read.
+    read = rp.rank.numel() and (static or (cap is not None and not _tracing()))
+    longest = int(rp.rank.max()) + 1 if read else 0
     if cap is not None:
         if longest > cap:
             raise _err(

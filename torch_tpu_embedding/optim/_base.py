@@ -34,7 +34,7 @@ from torch_tpu_embedding._registry import optimizer_class, register
 from torch_tpu_embedding._rows import check_live_tables, retired_count, stacked_rows, table_info
 from torch_tpu_embedding.optim import _ema, _intake, _state_io, _torch_layout
 from torch_tpu_embedding.optim._contract import RowContext, Slots, SlotSpec
-from torch_tpu_embedding.optim._device import LearningRates, StepClock, lr_value
+from torch_tpu_embedding.optim._device import LearningRates, StepClock, StepCounters, lr_value
 from torch_tpu_embedding.optim._extras import EXTRA_DEFAULTS, EXTRA_NAMES, check_extras
 from torch_tpu_embedding.optim._hyper import (
     check_fused,
@@ -86,12 +86,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         validate_common(defaults)
         type(self)._validate(defaults)
         self._lrs = LearningRates()
-        #: calls of ``step()`` so far (Keras ``iterations`` before the ``// k`` of accumulation)
-        self._iterations = 0
-        self._checked_retired = -1  # retired_count() when the parameters were last checked
-        self._skipped: Tensor | None = None  # device-side count of calls dropped by skip_nonfinite
-        self._dropped: Tensor | None = None  # device-side count of calls dropped by an exchange overflow
-        self._last_skipped: Tensor | None = None  # whether the last call was dropped (0-d bool, device)
+        self._run = StepCounters()  # the call counter, the skip / drop counts (see StepCounters)
         groups = user_groups(params)
         for i, group in enumerate(groups):
             if isinstance(group, dict):  # (torch.optim names anything else)
@@ -174,18 +169,18 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
-        self._checked_retired = -1  # the new group's tables are checked at the next step
+        self._run.checked_retired = -1  # the new group's tables are checked at the next step
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         if not isinstance(self.state, _State):
             self.state = _State(dict, self.state)
-        self.__dict__.setdefault("_checked_retired", -1)
         self.__dict__.setdefault("_lrs", LearningRates())
-        self.__dict__.setdefault("_iterations", 0)
-        self.__dict__.setdefault("_skipped", None)
-        self.__dict__.setdefault("_dropped", None)
-        self.__dict__.setdefault("_last_skipped", None)
+        if "_run" not in self.__dict__:  # pickled before the counters moved into StepCounters
+            run = self._run = StepCounters(self.__dict__.pop("_iterations", 0))
+            for k in ("skipped", "dropped", "last_skipped"):
+                setattr(run, k, self.__dict__.pop(f"_{k}", None))
+            self.__dict__.pop("_checked_retired", None)
         for group in self.param_groups:
             group.setdefault("algorithm", self.algorithm)
             group.setdefault("slot_creation_fn", None)
@@ -225,9 +220,9 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         # A lookup over the id exchange's capacity drops the whole call, before anything (the accumulation
         # window included) is written: the same gate as skip_nonfinite, over every group.
         clean = _intake.exchange_clean([p for ps in pending for p in ps])
-        if clean is not None and self._dropped is None:  # uploaded: every step then traces the same graph
-            self._dropped = torch.zeros(1, dtype=torch.int64).to(clean.device)
-        clock = StepClock(self._iterations, self._skipped_now(), self._dropped_now())
+        if clean is not None and self._run.dropped is None:  # uploaded: every step then traces the same graph
+            self._run.dropped = torch.zeros(1, dtype=torch.int64).to(clean.device)
+        clock = StepClock(self._run.iterations, self._skipped_now(), self._dropped_now())
         clock.clean = clean
         # Every learning rate first: a callable that raises must find every gradient still pending.
         lrs = [lr_value(g) if ps else None for g, ps in zip(self.param_groups, pending, strict=True)]
@@ -256,16 +251,16 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             dev = finite.device
             # Kept [1]-shaped: a 0-d counter would enter the first step as an upload and later steps as the
             # previous step's 0-d output, two different graphs.
-            base = torch.zeros(1, dtype=torch.int64).to(dev) if self._skipped is None else self._skipped
-            self._skipped = (base if base.device == dev else base.to(dev)) + skipped.reshape(1)
-        if clean is not None and self._dropped is not None:
-            self._dropped = self._dropped.to(clean.device) + (~clean).to(torch.int64).reshape(1)
+            base = torch.zeros(1, dtype=torch.int64).to(dev) if self._run.skipped is None else self._run.skipped
+            self._run.skipped = (base if base.device == dev else base.to(dev)) + skipped.reshape(1)
+        if clean is not None and self._run.dropped is not None:
+            self._run.dropped = self._run.dropped.to(clean.device) + (~clean).to(torch.int64).reshape(1)
         kept = clean if finite is None else finite if clean is None else finite & clean.to(finite.device)
-        self._last_skipped = None if kept is None else ~kept
+        self._run.last_skipped = None if kept is None else ~kept
         for item in work:
             update(item)
         _ema.ema_calls(self.param_groups, self._state_for, clock)
-        self._iterations += 1
+        self._run.iterations += 1
         return loss
 
     @property
@@ -278,27 +273,27 @@ class RowSparseOptimizer(torch.optim.Optimizer):
     def overflowed_steps(self) -> int:
         """Of :attr:`skipped_steps`, the calls dropped because a lookup of a row-sharded table overflowed
         the id exchange's capacity (``EmbeddingCollection.check_ids()`` names the features)."""
-        return 0 if self._dropped is None else int(self._dropped.item())
+        return 0 if self._run.dropped is None else int(self._run.dropped.item())
 
     @property
     def last_step_skipped(self) -> Tensor:
         """Whether the last :meth:`step` changed nothing (``skip_nonfinite``, or an exchange overflow): a
         0-d bool tensor on the device, read without a sync, e.g. to gate another optimizer's update
         (``torch.where(flag, old, new)``). ``False`` (on the CPU) before a step that could skip."""
-        if self._last_skipped is None:
+        if self._run.last_skipped is None:
             return torch.zeros((), dtype=torch.bool)
-        return self._last_skipped
+        return self._run.last_skipped
 
     def _skipped_count(self) -> int:
-        return 0 if self._skipped is None else int(self._skipped.item())
+        return 0 if self._run.skipped is None else int(self._run.skipped.item())
 
     def _skipped_now(self) -> Tensor | None:
         """The count of calls ``skip_nonfinite`` dropped, 0-d (``None`` before the first)."""
-        return None if self._skipped is None else self._skipped.reshape(())
+        return None if self._run.skipped is None else self._run.skipped.reshape(())
 
     def _dropped_now(self) -> Tensor | None:
         """The count of calls an exchange overflow dropped, 0-d (``None`` without exchanged tables)."""
-        return None if self._dropped is None else self._dropped.reshape(())
+        return None if self._run.dropped is None else self._run.dropped.reshape(())
 
     # ------------------------------------------------------------------ EMA
     def moving_average(self, p: Tensor) -> Tensor:
@@ -313,7 +308,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         if not group["use_ema"]:
             raise ValueError("moving_average() needs an optimizer built with `use_ema=True`.")
         with torch.no_grad():
-            return _ema.moving_average(p, group, self._state_for(p, group), self._iterations, self._skipped_now(),
+            return _ema.moving_average(p, group, self._state_for(p, group), self._run.iterations, self._skipped_now(),
                                        self._dropped_now())
 
     @torch.no_grad()
@@ -328,7 +323,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 if lazy_table(p, group):
                     space = RowSpace.of(p, group, self.state[p])
                     space.write("ema", avg)
-                    upto = _ema.last_call(group, p.device, self._iterations, self._skipped_now(), self._dropped_now())
+                    upto = _ema.last_call(group, p.device, self._run.iterations, self._skipped_now(),
+                                          self._dropped_now())
                     space.write("ema_last", upto.to(torch.int32).expand(p.shape[0]))
 
     # ------------------------------------------------------------------ lifecycle
@@ -348,9 +344,9 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         """Raise if a table weight this optimizer holds was replaced since it was built (checked
         again only when some table weight in the process was, so a steady loop pays one compare)."""
         count = retired_count()
-        if count != self._checked_retired:
+        if count != self._run.checked_retired:
             check_live_tables(p for g in self.param_groups for p in g["params"])
-            self._checked_retired = count
+            self._run.checked_retired = count
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear ``.grad`` of dense parameters and pending row gradients of tables."""
@@ -438,5 +434,11 @@ class _State(defaultdict[Any, Any]):
                 f"opt.state[ec.groups.{rows.group}.weight] (its rows [{rows.offset}, {rows.offset + rows.rows})"
                 f" of each row slot), and per table in opt.state_dict()['state']['table:{rows.table}']."
             )
-        return super().__missing__(key)
+        # defaultdict's own __missing__, spelled out: dynamo cannot trace ``super()`` in a dict
+        # subclass's __missing__ (a graph break in a compiled step's first call).
+        if self.default_factory is None:
+            raise KeyError(key)
+        value = self.default_factory()
+        self[key] = value
+        return value
 

@@ -16,7 +16,7 @@ import torch
 from torch_tpu_embedding._dtypes import math_dtype
 from torch_tpu_embedding._validation import check_number
 
-__all__ = ["LearningRates", "StepClock", "check_lr", "lr_value", "to_device"]
+__all__ = ["LearningRates", "StepClock", "StepCounters", "check_lr", "lr_value", "to_device"]
 
 Tensor = torch.Tensor
 
@@ -83,6 +83,22 @@ class LearningRates:
         # Reshaped on every use: a cached 0-d view would be materialised by the first step's sync
         # and change the next step's graph inputs ([1] -> []), compiling twice.
         return cached[1].reshape(())
+
+
+class StepCounters:
+    """What ``step()`` counts, kept out of the optimizer's own attributes: under torch.compile dynamo
+    cannot trace an assignment to an attribute of a ``torch.optim.Optimizer`` (its ``OptimizerVariable``
+    takes no attribute mutation), while it traces one to this object's."""
+
+    __slots__ = ("checked_retired", "dropped", "iterations", "last_skipped", "skipped")
+
+    def __init__(self, iterations: int = 0) -> None:
+        #: calls of ``step()`` so far (Keras ``iterations`` before the ``// k`` of accumulation)
+        self.iterations = iterations
+        self.checked_retired = -1  # retired_count() when the parameters were last checked
+        self.skipped: Tensor | None = None  # device-side count of calls dropped by skip_nonfinite
+        self.dropped: Tensor | None = None  # device-side count of calls dropped by an exchange overflow
+        self.last_skipped: Tensor | None = None  # whether the last call was dropped (0-d bool, device)
 
 
 class StepClock:

@@ -156,6 +156,10 @@ def usable(p: Tensor) -> bool:
     are slot rows (no interleaved row layout of the id exchange, :class:`~._slots.SlotRows`)."""
     if not _ENABLED or _NO_COMPILER or p.device.type not in ("cpu", "cuda"):
         return False
+    if torch.compiler.is_compiling():
+        # Inside the user's torch.compile the reference rule is traced into the user's graph (and
+        # compiled with it); a compile of its own here would be a nested compile and split that graph.
+        return False
     info = table_info(p)
     return info is None or info.layout is None
 

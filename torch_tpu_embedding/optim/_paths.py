@@ -95,6 +95,8 @@ def choose_path(p: Tensor, group: Mapping[str, Any], *, row_grad: bool) -> Path:
 
 
 def row_chunk() -> int:
+    if torch.compiler.is_compiling():  # (dynamo cannot trace torch.get_num_threads(); the size is moot there)
+        return ROW_CHUNK
     return ROW_CHUNK if torch.get_num_threads() == 1 else ROW_CHUNK_PARALLEL
 
 
@@ -116,7 +118,9 @@ def update(item: Work) -> None:
                 return
             item.path = Path.ROW_CHUNKS  # no compiled kernel: the reference path
         chunk = row_chunk()
-        if item.path is not Path.ROW_CHUNKS or ids.shape[0] <= chunk:
+        # Under torch.compile the count of touched rows is a symbol with no value to compare (and the
+        # compiled code fuses the rule's passes anyway): one pass.
+        if item.path is not Path.ROW_CHUNKS or torch.compiler.is_compiling() or ids.shape[0] <= chunk:
             _update_rows(item, space, ids, item.g)
             return
         # Cache-sized chunks: the rule's ~10 element-wise passes run over temporaries that stay in

@@ -168,7 +168,7 @@ def state_dict(opt: RowSparseOptimizer) -> dict[str, Any]:
         row_slots = [k for k, spec in all_specs.items() if spec.rows and spec.shape]
         parts = split_member_state(out, members, row_slots)
         state.update({f"table:{name}": part for name, part in parts.items()})
-    return {"state": state, "param_groups": _saved_groups(opt, keys), "iterations": opt._iterations,
+    return {"state": state, "param_groups": _saved_groups(opt, keys), "iterations": opt._run.iterations,
             "skipped_steps": opt.skipped_steps, "overflowed_steps": opt.overflowed_steps}
 
 
@@ -196,7 +196,7 @@ def physical_state(opt: RowSparseOptimizer) -> PhysicalState:
             if name in numbers and info is not None:
                 layouts[f"{key}/{name}"] = describe(info.layout, numbers[name])
     members = {keys[id(p)]: m for p in opt.state if (m := _members(p)) is not None}
-    return PhysicalState(tensors, rows, _saved_groups(opt, keys), opt._iterations, acc, members, layouts)
+    return PhysicalState(tensors, rows, _saved_groups(opt, keys), opt._run.iterations, acc, members, layouts)
 
 
 def _logical_slot(p: Tensor, slot: Tensor, k: int) -> Tensor:
@@ -402,12 +402,12 @@ def load_state_dict(opt: RowSparseOptimizer, sd: dict[str, Any]) -> None:
                 _write_logical_slot(p, state[name], v, numbers[name])
             else:
                 state[name].copy_(to_device(v.to(state[name].dtype), p.device))
-    opt._iterations = int(sd.get("iterations", 0))
+    opt._run.iterations = int(sd.get("iterations", 0))
     # skipped_steps counts both kinds of dropped calls; the overflow's also move the call counter.
     overflowed = int(sd.get("overflowed_steps", 0))
     skipped = int(sd.get("skipped_steps", 0)) - overflowed
-    opt._skipped = torch.tensor([skipped], dtype=torch.int64) if skipped else None
-    opt._dropped = torch.tensor([overflowed], dtype=torch.int64) if overflowed else None
+    opt._run.skipped = torch.tensor([skipped], dtype=torch.int64) if skipped else None
+    opt._run.dropped = torch.tensor([overflowed], dtype=torch.int64) if overflowed else None
     opt._lrs.clear()
 
 
@@ -437,7 +437,7 @@ def load_physical_rest(opt: RowSparseOptimizer, rest: Mapping[str, Any]) -> None
     by_key = {keys[id(p)]: p for g in opt.param_groups for p in g["params"]}
     saved = rest["param_groups"]
     _apply_groups(opt, saved)
-    opt._iterations = int(rest["iterations"])
+    opt._run.iterations = int(rest["iterations"])
     for key, bufs in rest["acc"].items():
         p = by_key[key]
         _restore_accumulation(opt.state[p], bufs, p)

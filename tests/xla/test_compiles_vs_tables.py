@@ -24,6 +24,7 @@ ROOT = Path(__file__).parents[2]
 SCRIPT = r"""
 import json, sys
 import torch, torch_xla
+import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 import torch_tpu_embedding as tte
 
@@ -43,6 +44,7 @@ opt = tte.optim.Adam(ec.parameters(), lr=0.1)
 if init_state:
     opt.init_state()
     torch_xla.sync()
+    xm.wait_device_ops()
 g = torch.Generator().manual_seed(0)
 counts, runs = [], []
 for step in range(3):
@@ -51,6 +53,7 @@ for step in range(3):
     opt.step()
     opt.zero_grad()
     torch_xla.sync()
+    xm.wait_device_ops()  # ExecuteTime is recorded when an execution finishes, asynchronously after sync()
     counts.append(compiles())
     runs.append(executions())
 print(json.dumps({"until_first_step": counts[0], "executions_until_first_step": runs[0], "later": counts[-1] - counts[0],

@@ -8,6 +8,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from torch_tpu_embedding._backward_order import check_xla_backward
 from torch_tpu_embedding._fused import (
     FusedTables,
     TableView,
@@ -18,7 +19,7 @@ from torch_tpu_embedding._fused import (
 )
 from torch_tpu_embedding._lookup import LookupBatch
 from torch_tpu_embedding._nest import Path, check_structure, flatten, path_name, pick, rebuild
-from torch_tpu_embedding._rows import check_xla_backward, retire_table, table_info
+from torch_tpu_embedding._rows import retire_table, table_info
 from torch_tpu_embedding._screening import DeviceScreen, overflow_problem, warn_unchecked_drops
 from torch_tpu_embedding._validation import check_bool
 from torch_tpu_embedding.config import PLACEMENTS, FeatureConfig, TableConfig

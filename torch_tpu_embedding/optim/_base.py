@@ -32,7 +32,7 @@ import torch
 from torch_tpu_embedding._grad_sync import sync_row_grads
 from torch_tpu_embedding._registry import optimizer_class, register
 from torch_tpu_embedding._rows import check_live_tables, retired_count, stacked_rows, table_info
-from torch_tpu_embedding.optim import _ema, _intake, _state_io, _torch_layout
+from torch_tpu_embedding.optim import _ema, _gates, _intake, _state_io, _torch_layout
 from torch_tpu_embedding.optim._contract import RowContext, Slots, SlotSpec
 from torch_tpu_embedding.optim._device import LearningRates, StepClock, StepCounters, lr_value
 from torch_tpu_embedding.optim._extras import EXTRA_DEFAULTS, EXTRA_NAMES, check_extras
@@ -219,7 +219,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         pending = [[p for p in g["params"] if _intake.has_gradient(p, g, self.state.get(p))] for g in self.param_groups]
         # A lookup over the id exchange's capacity drops the whole call, before anything (the accumulation
         # window included) is written: the same gate as skip_nonfinite, over every group.
-        clean = _intake.exchange_clean([p for ps in pending for p in ps])
+        clean = _gates.exchange_clean([p for ps in pending for p in ps])
         if clean is not None and self._run.dropped is None:  # uploaded: every step then traces the same graph
             self._run.dropped = torch.zeros(1, dtype=torch.int64).to(clean.device)
         clock = StepClock(self._run.iterations, self._skipped_now(), self._dropped_now())
@@ -238,12 +238,12 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 assert lr is not None
                 item.lr = self._lrs.tensor(gi, lr, p)
                 work.append(item)
-        scale = _intake.global_clip_scales(work)
+        scale = _gates.global_clip_scales(work)
         for item in work:
             if item.group["global_clipnorm"]:
                 item.g = item.g * scale[item.g.device].to(item.g.dtype)
-        _intake.gate_clean(work, clean)  # after the norm: a dropped call updates nothing, whatever its norm
-        finite = clock.finite = _intake.gate_nonfinite(work)
+        _gates.gate_clean(work, clean)  # after the norm: a dropped call updates nothing, whatever its norm
+        finite = clock.finite = _gates.gate_nonfinite(work)
         if finite is not None:
             # A call the overflow drops counts once, there (it is no call at all for the clock).
             dropped = ~finite if clean is None else ~finite & clean.to(finite.device)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from torch_tpu_embedding._dtypes import dtype_kind
 from torch_tpu_embedding._rows import table_info
 from torch_tpu_embedding.optim import _state_io
 from torch_tpu_embedding.optim._base import RowSparseOptimizer
@@ -27,14 +28,6 @@ class CheckpointMismatchError(ValueError, RuntimeError):
     A ``ValueError`` (what the optimizers raise) and a ``RuntimeError`` (what
     ``Module.load_state_dict`` raises), so existing handlers of either keep working.
     """
-
-
-def _kind(dtype: torch.dtype) -> str:
-    if dtype == torch.bool:
-        return "bool"
-    if dtype.is_complex:
-        return "complex"
-    return "floating point" if dtype.is_floating_point else "integer"
 
 
 def expected_model_state(model: torch.nn.Module) -> dict[str, tuple[torch.Size, torch.dtype] | None]:
@@ -103,9 +96,9 @@ def model_problems(model: torch.nn.Module, state: Mapping[str, Any], strict: boo
         if value.shape != shape:
             problems.append(f"size mismatch for {key}: copying a param with shape {value.shape} from checkpoint, "
                             f"the shape in current model is {shape}")
-        elif _kind(value.dtype) != _kind(dtype):
-            problems.append(f"{key}: the checkpoint holds {_kind(value.dtype)} values ({value.dtype}), "
-                            f"the model a {_kind(dtype)} tensor ({dtype})")
+        elif dtype_kind(value.dtype) != dtype_kind(dtype):
+            problems.append(f"{key}: the checkpoint holds {dtype_kind(value.dtype)} values ({value.dtype}), "
+                            f"the model a {dtype_kind(dtype)} tensor ({dtype})")
     return problems
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["compute_dtype", "math_dtype"]
+__all__ = ["compute_dtype", "dtype_kind", "math_dtype"]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -28,3 +28,13 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def math_dtype(p: torch.Tensor) -> torch.dtype:
     """The dtype of ``p``'s optimizer state and update arithmetic (:func:`compute_dtype` of its dtype)."""
     return compute_dtype(p.dtype)
+
+
+def dtype_kind(dtype: torch.dtype) -> str:
+    """The kind of ``dtype`` a checkpoint check compares: ``"bool"``, ``"complex"``, ``"floating point"``
+    or ``"integer"`` (a saved tensor may change its width, not its kind)."""
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_complex:
+        return "complex"
+    return "floating point" if dtype.is_floating_point else "integer"

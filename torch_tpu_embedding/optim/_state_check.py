@@ -16,21 +16,13 @@ from typing import Any
 
 import torch
 
-from torch_tpu_embedding._dtypes import math_dtype
+from torch_tpu_embedding._dtypes import dtype_kind, math_dtype
 from torch_tpu_embedding._rows import table_info
 from torch_tpu_embedding.optim._contract import SlotSpec
 from torch_tpu_embedding.optim._slots import ACCUMULATION
 
 __all__ = ["accumulation_problems", "counter_problems", "entry_problems", "step_problem", "step_value",
            "tensor_problem"]
-
-
-def _kind(dtype: torch.dtype) -> str:
-    if dtype == torch.bool:
-        return "bool"
-    if dtype.is_complex:
-        return "complex"
-    return "floating point" if dtype.is_floating_point else "integer"
 
 
 def _describe(v: Any) -> str:
@@ -48,8 +40,8 @@ def tensor_problem(where: str, v: Any, dtype: torch.dtype | None = None) -> str 
         return f"{where} must hold data (a meta-device tensor has none). Received {_describe(v)}"
     if v.layout != torch.strided or v.is_nested:
         return f"{where} must be a dense (strided) tensor. Received {_describe(v)}"
-    if dtype is not None and _kind(v.dtype) != _kind(dtype):
-        return f"{where} must hold {_kind(dtype)} values ({dtype} here). Received {_describe(v)}"
+    if dtype is not None and dtype_kind(v.dtype) != dtype_kind(dtype):
+        return f"{where} must hold {dtype_kind(dtype)} values ({dtype} here). Received {_describe(v)}"
     return None
 
 
@@ -69,7 +61,7 @@ def step_problem(where: str, v: Any) -> str | None:
     if problem is not None:
         return problem
     assert isinstance(v, torch.Tensor)
-    if v.numel() != 1 or _kind(v.dtype) not in ("integer", "floating point"):
+    if v.numel() != 1 or dtype_kind(v.dtype) not in ("integer", "floating point"):
         return f"{where} must be one real number (a 0-d tensor or a Python number). Received {_describe(v)}"
     x = float(v.detach().cpu().reshape(()).item())  # a device step: one small transfer, no compile
     return None if math.isfinite(x) and x >= 0 else f"{where} must be a finite number >= 0. Received {x!r}"
@@ -108,7 +100,7 @@ def counter_problems(sd: Mapping[str, Any]) -> list[str]:
             continue
         v = sd[name]
         if isinstance(v, torch.Tensor) and tensor_problem(name, v) is None and v.numel() == 1 \
-                and _kind(v.dtype) == "integer":
+                and dtype_kind(v.dtype) == "integer":
             v = int(v.item())
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             problems.append(f"'{name}' must be an integer >= 0. Received {_describe(sd[name])}")

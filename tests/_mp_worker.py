@@ -277,6 +277,13 @@ class Recording(dist.ProcessGroup):
         self._log("all_gather_into_tensor", [inp])
         return self.inner._allgather_base(out, inp, opts) if opts is not None else self.inner._allgather_base(out, inp)
 
+    # torch >= 2.13 calls these names for all_gather_into_tensor and all_to_all_single (gloo keeps the old ones)
+    def all_gather_single(self, out: Any, inp: Any, opts: Any = None) -> Any:
+        return self._allgather_base(out, inp, opts)
+
+    def all_to_all_single(self, out: Any, inp: Any, out_splits: Any, in_splits: Any, opts: Any = None) -> Any:
+        return self.alltoall_base(out, inp, out_splits, in_splits, opts)
+
     def allgather(self, outs: Any, inp: Any, opts: Any = None) -> Any:
         self._log("all_gather", inp)
         return self.inner.allgather(outs, inp, opts) if opts is not None else self.inner.allgather(outs, inp)

@@ -17,21 +17,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _dp_worker import OPTIMIZERS
 
 import torch_tpu_embedding as tte
 
 O = tte.optim  # noqa: E741
 #: name → (optimizer, arguments): every optimizer of tte.optim, and the options with global statistics
 CONFIGS: dict[str, tuple[Any, dict[str, Any]]] = {
-    "sgd": (O.SGD, {"lr": 0.2}),
-    "adagrad": (O.Adagrad, {"lr": 0.2}),
-    "adagrad_momentum": (O.AdagradMomentum, {"lr": 0.05, "momentum": 0.5}),
-    "adam": (O.Adam, {"lr": 0.01}),
-    "adam-nonlazy": (O.Adam, {"lr": 0.01, "lazy_adam": False}),
-    "lazy_adam": (O.LazyAdam, {"lr": 0.01}),
-    "ftrl": (O.FTRL, {"lr": 0.2, "l1_regularization_strength": 0.001}),
-    "adafactor": (O.Adafactor, {"lr": 0.1}),
-    "rowwise_adagrad": (O.RowWiseAdagrad, {"lr": 0.2}),
+    **{n: OPTIMIZERS[n] for n in ("sgd", "adagrad", "adagrad_momentum", "adam", "adam-nonlazy", "lazy_adam", "ftrl",
+                                  "adafactor", "rowwise_adagrad")},  # data parallel's settings of each optimizer
     "adagrad-accum2-ema": (O.Adagrad, {"lr": 0.2, "gradient_accumulation_steps": 2, "use_ema": True}),
     "adam-clipnorm": (O.Adam, {"lr": 0.01, "clipnorm": 0.05}),
     "adafactor-global_clipnorm-ema": (O.Adafactor, {"lr": 0.1, "global_clipnorm": 0.1, "use_ema": True}),

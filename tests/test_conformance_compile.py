@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 import torch
+from _stacked_model import Model, batches
 from optim_registry import OPTIMIZER_INFOS, OptimizerInfo
-from torch import nn
 
 import torch_tpu_embedding as tte
 
@@ -36,31 +36,9 @@ NOT_PER_ROW = [pytest.param(i, marks=pytest.mark.xfail(
     strict=True, raises=AssertionError, reason="compiled Adafactor differs from eager"))
                for i in OPTIMIZER_INFOS if not i.per_row_rule]
 PACKAGE = str(Path(tte.__file__).parent)
-DIMS = {"a": (40, 4), "b": (17, 4), "c": (9, 8)}  # a + b stack (dim 4); c is a table of its own
 STEPS = 3
 
 
-class Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        tables = {n: tte.TableConfig(v, d, name=n, dtype=torch.float64) for n, (v, d) in DIMS.items()}
-        self.ec = tte.EmbeddingCollection({n: tte.FeatureConfig(t) for n, t in tables.items()})
-        self.mlp = nn.Sequential(nn.Linear(16, 3, dtype=torch.float64), nn.ReLU(), nn.Linear(3, 1, dtype=torch.float64))
-
-    def forward(self, features: dict[str, tte.Jagged]) -> torch.Tensor:
-        out = self.ec(features)
-        return self.mlp(torch.cat([out[n] for n in DIMS], dim=1)).square().sum()
-
-
-def batches(seed: int = 1) -> Iterator[dict[str, tte.Jagged]]:
-    g = torch.Generator().manual_seed(seed)
-    while True:
-        out = {}
-        for name, (vocab, _) in DIMS.items():
-            lengths = torch.randint(1, 4, (5,), generator=g)
-            out[name] = tte.Jagged(torch.randint(0, vocab, (int(lengths.sum()),), generator=g), lengths=lengths)
-        yield out
 
 
 @pytest.fixture(autouse=True)

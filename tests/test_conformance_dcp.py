@@ -38,31 +38,8 @@ DATA = Path(__file__).parent / "data"
 sys.path.insert(0, os.fspath(DATA))
 from pre_exchange.configs import build as pre_exchange_build, step as pre_exchange_step  # noqa: E402, I001
 from pre_split.configs import CONFIGS as PRE_SPLIT, build as pre_split_build, train as pre_split_train  # noqa: E402, I001
+from _stacked_model import Model, batches  # noqa: E402, I001
 
-DIMS = {"a": (40, 4), "b": (17, 4), "c": (9, 8)}  # a + b stack (dim 4); c is a table of its own
-
-
-class Model(nn.Module):
-    def __init__(self, fuse: bool = True, seed: int = 0) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        tables = {n: tte.TableConfig(v, d, name=n, dtype=torch.float64) for n, (v, d) in DIMS.items()}
-        self.ec = tte.EmbeddingCollection({n: tte.FeatureConfig(t) for n, t in tables.items()}, fuse_tables=fuse)
-        self.mlp = nn.Sequential(nn.Linear(16, 3, dtype=torch.float64), nn.ReLU(), nn.Linear(3, 1, dtype=torch.float64))
-
-    def forward(self, features: dict[str, tte.Jagged]) -> torch.Tensor:
-        out = self.ec(features)
-        return self.mlp(torch.cat([out[n] for n in DIMS], dim=1)).square().sum()
-
-
-def batches(seed: int = 1) -> Iterator[dict[str, tte.Jagged]]:
-    g = torch.Generator().manual_seed(seed)
-    while True:
-        out = {}
-        for name, (vocab, _) in DIMS.items():
-            lengths = torch.randint(1, 4, (5,), generator=g)
-            out[name] = tte.Jagged(torch.randint(0, vocab, (int(lengths.sum()),), generator=g), lengths=lengths)
-        yield out
 
 
 def train(model: Model, opt: torch.optim.Optimizer, data: Iterator[dict[str, tte.Jagged]], steps: int) -> None:

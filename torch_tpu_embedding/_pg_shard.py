@@ -34,7 +34,7 @@ from torch_tpu_embedding._pg_lookup import ProcessGroupLayout
 from torch_tpu_embedding._rows import register_table
 from torch_tpu_embedding._validation import check_int
 from torch_tpu_embedding.collection import EmbeddingCollection
-from torch_tpu_embedding.config import TableConfig
+from torch_tpu_embedding.config import DEFAULT_REPLICATE_BELOW_BYTES, TableConfig, auto_placement, table_bytes
 from torch_tpu_embedding.routing import RowOwnership
 from torch_tpu_embedding.table import EmbeddingTable
 
@@ -47,16 +47,9 @@ __all__ = [
     "shard",
 ]
 
-#: ``placement="auto"`` replicates tables smaller than this, as ``torch_tpu_embedding.xla.sharding``
-#: (4 MiB: 16,384 rows of 64 float32).
-DEFAULT_REPLICATE_BELOW_BYTES = 4 << 20
 #: Row-sharded tables get physical rows up to a multiple of ``lcm(ROW_ALIGNMENT, n)``, as on the SPMD
 #: path (``torch_tpu_embedding.xla.sharding.ROW_ALIGNMENT``): the same interleaved row order.
 ROW_ALIGNMENT = 512
-
-
-def _bytes(config: TableConfig) -> int:
-    return config.num_embeddings * config.embedding_dim * torch.empty((), dtype=config.dtype).element_size()
 
 
 def group_placement(name: str, config: TableConfig, world: int, replicate_below_bytes: int) -> str:
@@ -74,7 +67,7 @@ def group_placement(name: str, config: TableConfig, world: int, replicate_below_
         )
     if p != "auto":
         return p
-    return "replicated" if world == 1 or _bytes(config) < replicate_below_bytes else "row"
+    return auto_placement(config, world, replicate_below_bytes)
 
 
 def assign_tables(sizes: dict[str, int], world: int) -> dict[str, int]:
@@ -143,7 +136,8 @@ def shard(
         placements = {n: group_placement(n, c, world, replicate_below_bytes) for n, c in ec.table_configs.items()}
         ec.restack({n: "replicated" if p == "replicated" else "row" for n, p in placements.items()})
         ec.unstack([g for g, members in ec.fused_members().items() if placements[members[0][0]] != "replicated"])
-        owners = assign_tables({n: _bytes(c) for n, c in ec.table_configs.items() if placements[n] == "table"}, world)
+        whole = {n: table_bytes(c) for n, c in ec.table_configs.items() if placements[n] == "table"}
+        owners = assign_tables(whole, world)
         for name, p in placements.items():
             if p != "replicated":
                 _lay_out(ec.tables[name], p, owners.get(name, 0), exchange, world, rank)

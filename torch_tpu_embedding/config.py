@@ -28,17 +28,22 @@ from torch_tpu_embedding._validation import arg_error, check_int
 
 __all__ = [
     "COMBINERS",
+    "DEFAULT_REPLICATE_BELOW_BYTES",
     "OPTIMIZER_NAMES",
     "PLACEMENTS",
     "FeatureConfig",
     "Initializer",
     "TableConfig",
+    "auto_placement",
     "default_initializer",
+    "table_bytes",
 ]
 
 COMBINERS = ("mean", "sum", "sqrtn")
 #: Table layouts on a device mesh (see ``TableConfig.placement`` and docs/sharding.md).
 PLACEMENTS = ("auto", "row", "column", "replicated", "table")
+#: ``placement="auto"`` replicates tables smaller than this (4 MiB: 16,384 rows of 64 float32).
+DEFAULT_REPLICATE_BELOW_BYTES = 4 << 20
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 #: An initializer fills a ``[num_embeddings, embedding_dim]`` tensor in place (torch.nn.init style,
@@ -249,3 +254,15 @@ class FeatureConfig:
             f"output_shape={self.output_shape}, name={self.name!r}, "
             f"max_ids_per_bag={self.max_ids_per_bag})"
         )
+
+
+def table_bytes(config: TableConfig) -> int:
+    """The bytes of ``config``'s whole weight."""
+    return config.num_embeddings * config.embedding_dim * torch.empty((), dtype=config.dtype).element_size()
+
+
+def auto_placement(config: TableConfig, num_shards: int, replicate_below_bytes: int) -> str:
+    """What ``placement="auto"`` means over ``num_shards`` devices or processes, the same rule under torch_xla
+    SPMD and over a process group: replicated when there is one shard or the table is smaller than
+    ``replicate_below_bytes``, else ``"row"``."""
+    return "replicated" if num_shards == 1 or table_bytes(config) < replicate_below_bytes else "row"

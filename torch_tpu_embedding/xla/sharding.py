@@ -47,7 +47,7 @@ from torch_tpu_embedding._layout import RowLayout
 from torch_tpu_embedding._rows import table_info
 from torch_tpu_embedding._validation import arg_error, check_int
 from torch_tpu_embedding.collection import EmbeddingCollection
-from torch_tpu_embedding.config import TableConfig
+from torch_tpu_embedding.config import DEFAULT_REPLICATE_BELOW_BYTES, TableConfig, auto_placement
 from torch_tpu_embedding.xla.mesh import Mesh, device_mesh, shard_slot, sharding_spec, slot_extra_rows, xr, xs
 from torch_tpu_embedding.xla.routed import ExchangeCounts, RoutedLookup
 
@@ -66,8 +66,6 @@ __all__ = [
     "uses_exchange",
 ]
 
-#: ``placement="auto"`` replicates tables smaller than this (4 MiB: 16,384 rows of 64 float32).
-DEFAULT_REPLICATE_BELOW_BYTES = 4 << 20
 #: Sharded tables get rows up to a multiple of ``lcm(ROW_ALIGNMENT, devices)`` and slot ``k`` gets
 #: ``k`` such blocks of trash rows. For device counts dividing 512 the physical shapes are then the
 #: same in every layout — row or column, 1 to 512 devices — which lets a distributed checkpoint be
@@ -132,8 +130,7 @@ def choose_placement(config: TableConfig, num_devices: int, replicate_below_byte
         )
     if config.placement != "auto":
         return config.placement
-    size = config.num_embeddings * config.embedding_dim * torch.empty((), dtype=config.dtype).element_size()
-    return "replicated" if num_devices == 1 or size < replicate_below_bytes else "row"
+    return auto_placement(config, num_devices, replicate_below_bytes)
 
 
 def shard(

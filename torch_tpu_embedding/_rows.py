@@ -373,7 +373,7 @@ def register_view(view: torch.Tensor, rows: StackedRows) -> torch.Tensor:
 
 
 def refuse_stacked_view(p: Any, argument: str, use: str, remedy: str) -> None:
-    """Raise if ``p`` is a stacked table's ``weight`` (a view of its group's rows), which cannot be
+    r"""Raise if ``p`` is a stacked table's ``weight`` (a view of its group's rows), which cannot be
     ``use``\ d on its own; ``remedy`` says what to do instead."""
     rows = stacked_rows(p) if isinstance(p, torch.Tensor) else None
     if rows is not None:

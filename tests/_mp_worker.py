@@ -36,12 +36,14 @@ CONFIGS: dict[str, tuple[Any, dict[str, Any]]] = {
 GLOBAL_BATCH = 24  # 12, 8 and 6 per rank on 2, 3 and 4 ranks
 STEPS = 10
 TOL = {torch.float64: 1e-10, torch.float32: 1e-6}
-#: float32 configurations that do not reach TOL (1e-6, absolute) against one process, and the bound each is held
-#: to instead, per slot name ("*": every other leaf). Measured (the largest difference over worlds 2-4 and every
-#: rank; the same on torch 2.9 and 2.13; every value compared is of magnitude <= 1.75):
-#:   adagrad_momentum  momenta 5.1e-5 (big, world 3; 2.4e-5 at world 4, 1.5e-5 at world 2), weights 2.6e-6
-#:   rowwise_adagrad 1.6e-6, adafactor 1.3e-6, adafactor-global_clipnorm-ema 1.3e-6, adam-clipnorm 1.3e-6 (weights
-#:   and EMA, world 3; rowwise_adagrad's replicated rep2 1.2e-6 at world 2).
+#: float32 configurations that do not reach TOL (1e-6, absolute) against one process at some world sizes, and
+#: the bound each is held to there instead, per slot name ("*": every other leaf): config -> (worlds, bounds).
+#: Measured, the largest difference over every rank (the same on torch 2.9 and 2.13; every value compared is of
+#: magnitude <= 1.75, so no relative tolerance is used):
+#:   adagrad_momentum  momenta 1.35e-5 (world 2), 1.35e-5 (world 3), 1.9e-5 (world 4), on the row-sharded "big";
+#:                     every weight <= 1e-6
+#:   rowwise_adagrad 1.6e-6, adafactor 1.3e-6, adafactor-global_clipnorm-ema 1.3e-6 (the replicated "rep"'s
+#:   weight and EMA), adam-clipnorm 1.3e-6 ("big"'s weight): world 3 only.
 #: Why: the DDP head's gradient is each rank's float32 sum over its share, all-reduced, where one process sums the
 #: global batch at once; those last-bit differences (the head differs by <= 1.1e-7) reach every later step's
 #: predictions. Updates that divide by a root of the gradient's own squares amplify them where a row's gradient
@@ -51,20 +53,20 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-6}
 #: divides by 24: other last bits again. The tables sharded over the group (this exchange) stay within 1e-6 when
 #: the head does not train (FROZEN_HEAD, tests/test_mp_shard.py), except AdagradMomentum's momenta at world 3;
 #: the replicated tables (data parallel's exchange) then keep 1.8e-6 (rowwise_adagrad) and 1.3e-6 (adafactor) at
-#: world 3, 1.2e-6 (rowwise_adagrad) at world 2.
-FLOAT32_BOUNDS: dict[str, dict[str, float]] = {
-    "adagrad_momentum": {"momenta": 1e-4, "*": 5e-6},
-    "rowwise_adagrad": {"*": 3e-6},
-    "adafactor": {"*": 3e-6},
-    "adafactor-global_clipnorm-ema": {"*": 3e-6},
-    "adam-clipnorm": {"*": 3e-6},
+#: world 3.
+FLOAT32_BOUNDS: dict[str, tuple[tuple[int, ...], dict[str, float]]] = {
+    "adagrad_momentum": ((2, 3, 4), {"momenta": 5e-5}),
+    "rowwise_adagrad": ((3,), {"*": 3e-6}),
+    "adafactor": ((3,), {"*": 3e-6}),
+    "adafactor-global_clipnorm-ema": ((3,), {"*": 3e-6}),
+    "adam-clipnorm": ((3,), {"*": 3e-6}),
 }
 #: The same runs with the head frozen (no DDP, tte.distributed.data_parallel for the replicated tables): the
 #: sharded tables' float32 bound, TOL except as given here by (world, config, slot). Measured: AdagradMomentum's
 #: momenta 9.3e-6 at world 3 (the division by 3 above, and each rank's duplicate ids summed before the owner adds
 #: the ranks' sums: both paths summing duplicates in float64 leaves 3.2e-6); every other sharded leaf <= 4.8e-7.
 FROZEN_HEAD = tuple(FLOAT32_BOUNDS)
-FROZEN_HEAD_BOUNDS: dict[tuple[int, str, str], float] = {(3, "adagrad_momentum", "momenta"): 3e-5}
+FROZEN_HEAD_BOUNDS: dict[tuple[int, str, str], float] = {(3, "adagrad_momentum", "momenta"): 2e-5}
 SHARDED = ("big", "row2", "tw", "tw2")
 
 

@@ -38,10 +38,11 @@ STEPS = 10
 TOL = {torch.float64: 1e-10, torch.float32: 1e-6}
 #: float32 configurations that do not reach TOL (1e-6, absolute) against one process at some world sizes, and
 #: the bound each is held to there instead, per slot name ("*": every other leaf): config -> (worlds, bounds).
-#: Measured, the largest difference over every rank (the same on torch 2.9 and 2.13; every value compared is of
-#: magnitude <= 1.75, so no relative tolerance is used):
+#: Measured, the largest difference over every rank (the same on torch 2.9 and 2.13, on MKL's CPU-independent path
+#: that tests/conftest.py sets; every value compared is of magnitude <= 1.75, so no relative tolerance is used):
 #:   adagrad_momentum  momenta 1.35e-5 (world 2), 1.35e-5 (world 3), 1.9e-5 (world 4), on the row-sharded "big";
-#:                     every weight <= 1e-6
+#:                     weights 9.5e-7 (world 4): they move by lr (0.05) times the momenta's difference, so they are
+#:                     held to 3e-6 (MKL's AVX-512 path, MKL_CBWR unset: momenta 8.6e-5, weights 4.3e-6)
 #:   rowwise_adagrad 1.6e-6, adafactor 1.3e-6, adafactor-global_clipnorm-ema 1.3e-6 (the replicated "rep"'s
 #:   weight and EMA), adam-clipnorm 1.3e-6 ("big"'s weight): world 3 only.
 #: Why: the DDP head's gradient is each rank's float32 sum over its share, all-reduced, where one process sums the
@@ -55,7 +56,7 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-6}
 #: the replicated tables (data parallel's exchange) then keep 1.8e-6 (rowwise_adagrad) and 1.3e-6 (adafactor) at
 #: world 3.
 FLOAT32_BOUNDS: dict[str, tuple[tuple[int, ...], dict[str, float]]] = {
-    "adagrad_momentum": ((2, 3, 4), {"momenta": 5e-5}),
+    "adagrad_momentum": ((2, 3, 4), {"momenta": 5e-5, "*": 3e-6}),
     "rowwise_adagrad": ((3,), {"*": 3e-6}),
     "adafactor": ((3,), {"*": 3e-6}),
     "adafactor-global_clipnorm-ema": ((3,), {"*": 3e-6}),

@@ -4,10 +4,10 @@ Each world size is one spawn running every case (tests/_mp_worker.py). Every ran
 row- and table-sharded table (matched by logical id), their optimizer slots, the replicated tables and the
 DDP-wrapped dense head equal one process trained on the global batch, for every optimizer of tte.optim and the
 options with global statistics: float64 <= 1e-10; float32 <= 1e-6 (absolute), except where W.FLOAT32_BOUNDS
-documents a bound (AdagradMomentum's momenta 5e-5; four more configurations 3e-6 at world 3; the measured
-figures and their cause are written there); with the DDP head frozen those configurations' sharded tables are
-within 1e-6 (but AdagradMomentum's momenta at world 3). No rank stores more of a sharded table or slot than its
-shard plus padding.
+documents a bound (AdagradMomentum 5e-5 on its momenta, 3e-6 on the rest; four more configurations 3e-6 at
+world 3; the measured figures and their cause are written there); with the DDP head frozen those
+configurations' sharded tables are within 1e-6 (but AdagradMomentum's momenta at world 3). No rank stores more
+of a sharded table or slot than its shard plus padding.
 """
 
 from __future__ import annotations

@@ -36,8 +36,38 @@ CONFIGS: dict[str, tuple[Any, dict[str, Any]]] = {
 GLOBAL_BATCH = 24  # 12, 8 and 6 per rank on 2, 3 and 4 ranks
 STEPS = 10
 TOL = {torch.float64: 1e-10, torch.float32: 1e-6}
-#: The dense head is averaged by DDP, whose float32 sums differ from one process's (tests/test_distributed.py).
-DENSE_TOL = {torch.float64: 1e-10, torch.float32: 3e-6}
+#: float32 configurations that do not reach TOL (1e-6, absolute) against one process at some world sizes, and
+#: the bound each is held to there instead, per slot name ("*": every other leaf): config -> (worlds, bounds).
+#: Measured, the largest difference over every rank (the same on torch 2.9 and 2.13, on MKL's CPU-independent path
+#: that tests/conftest.py sets; every value compared is of magnitude <= 1.75, so no relative tolerance is used):
+#:   adagrad_momentum  momenta 1.35e-5 (world 2), 1.35e-5 (world 3), 1.9e-5 (world 4), on the row-sharded "big";
+#:                     weights 9.5e-7 (world 4): they move by lr (0.05) times the momenta's difference, so they are
+#:                     held to 3e-6 (MKL's AVX-512 path, MKL_CBWR unset: momenta 8.6e-5, weights 4.3e-6)
+#:   rowwise_adagrad 1.6e-6, adafactor 1.3e-6, adafactor-global_clipnorm-ema 1.3e-6 (the replicated "rep"'s
+#:   weight and EMA), adam-clipnorm 1.3e-6 ("big"'s weight): world 3 only.
+#: Why: the DDP head's gradient is each rank's float32 sum over its share, all-reduced, where one process sums the
+#: global batch at once; those last-bit differences (the head differs by <= 1.1e-7) reach every later step's
+#: predictions. Updates that divide by a root of the gradient's own squares amplify them where a row's gradient
+#: nearly cancels: AdagradMomentum's first steps divide g by (g^2 + 1e-10)^(1/2), ~1e5 times a last-bit error of g
+#: near g = 0 (one float32 process is itself 2.7e-5 from the float64 run of the same start, and reordering its
+#: batch moves it 3.5e-5). At world 3 each rank's loss is a mean over 8 examples divided by 3, where one process
+#: divides by 24: other last bits again. The tables sharded over the group (this exchange) stay within 1e-6 when
+#: the head does not train (FROZEN_HEAD, tests/test_mp_shard.py), except AdagradMomentum's momenta at world 3;
+#: the replicated tables (data parallel's exchange) then keep 1.8e-6 (rowwise_adagrad) and 1.3e-6 (adafactor) at
+#: world 3.
+FLOAT32_BOUNDS: dict[str, tuple[tuple[int, ...], dict[str, float]]] = {
+    "adagrad_momentum": ((2, 3, 4), {"momenta": 5e-5, "*": 3e-6}),
+    "rowwise_adagrad": ((3,), {"*": 3e-6}),
+    "adafactor": ((3,), {"*": 3e-6}),
+    "adafactor-global_clipnorm-ema": ((3,), {"*": 3e-6}),
+    "adam-clipnorm": ((3,), {"*": 3e-6}),
+}
+#: The same runs with the head frozen (no DDP, tte.distributed.data_parallel for the replicated tables): the
+#: sharded tables' float32 bound, TOL except as given here by (world, config, slot). Measured: AdagradMomentum's
+#: momenta 9.3e-6 at world 3 (the division by 3 above, and each rank's duplicate ids summed before the owner adds
+#: the ranks' sums: both paths summing duplicates in float64 leaves 3.2e-6); every other sharded leaf <= 4.8e-7.
+FROZEN_HEAD = tuple(FLOAT32_BOUNDS)
+FROZEN_HEAD_BOUNDS: dict[tuple[int, str, str], float] = {(3, "adagrad_momentum", "momenta"): 2e-5}
 SHARDED = ("big", "row2", "tw", "tw2")
 
 
@@ -112,15 +142,11 @@ def make_opt(name: str, params: Any) -> torch.optim.Optimizer:
 
 
 def train(model: Model, run: torch.nn.Module, opt: torch.optim.Optimizer, dtype: torch.dtype, rank: int = 0,
-          world: int = 1, nan_step: int | None = None, reverse: bool = False, clip: bool = False,
-          steps: range = range(STEPS)) -> None:
+          world: int = 1, nan_step: int | None = None, clip: bool = False, steps: range = range(STEPS)) -> None:
     """``nan_step``: that step's first target is NaN (on rank 0's share), so the whole step is non-finite;
-    ``reverse``: the global batch's examples in reverse order (the same loss, other float sums); ``clip``:
-    ``tte.clip_grad_norm_`` to 0.05 before each step."""
+    ``clip``: ``tte.clip_grad_norm_`` to 0.05 before each step."""
     for step in steps:
         batch, y = global_batch(step, dtype)
-        if reverse:
-            batch, y = _reversed(batch), y.flip(0)
         if step == nan_step:
             y[0] = float("nan")
         batch, y = share(batch, y, rank, world)
@@ -138,20 +164,12 @@ def nan_step(name: str) -> int | None:
     return 4 if "skip" in name else None
 
 
-def _reversed(batch: dict[str, Any]) -> dict[str, Any]:
-    def flip(x: Any) -> Any:
-        if isinstance(x, tte.Padded):
-            return tte.Padded(*(None if t is None else t.flip(0) for t in (x.ids, x.mask, x.weights)))
-        return x.flip(0)
-
-    return {k: flip(x) for k, x in batch.items()}
-
-
-def reference(name: str, dtype: torch.dtype, reverse: bool = False) -> dict[str, Any]:
-    """One process on the global batch (``reverse``: its examples in reverse order)."""
+def reference(name: str, dtype: torch.dtype, frozen_head: bool = False) -> dict[str, Any]:
+    """One process on the global batch (``frozen_head``: the dense head does not train)."""
     model = Model(dtype)
+    model.head.requires_grad_(not frozen_head)
     opt = make_opt(name, model.parameters())
-    train(model, model, opt, dtype, nan_step=nan_step(name), reverse=reverse, clip="clip_grad_norm" in name)
+    train(model, model, opt, dtype, nan_step=nan_step(name), clip="clip_grad_norm" in name)
     return {"model": {k: v.clone() for k, v in model.state_dict().items()}, "optimizer": opt.state_dict()}
 
 
@@ -159,10 +177,16 @@ def storage_bytes(t: torch.Tensor) -> int:
     return int(t.untyped_storage().nbytes())
 
 
-def _run(name: str, dtype: torch.dtype, rank: int, world: int) -> dict[str, Any]:
+def _run(name: str, dtype: torch.dtype, rank: int, world: int, frozen_head: bool = False) -> dict[str, Any]:
+    """One configuration on this rank; ``frozen_head``: the head does not train, so there is no DDP (the
+    replicated tables are data parallel's, tte.distributed.data_parallel)."""
     model = Model(dtype, seed=0)
     placements = tte.distributed.shard(model)
-    ddp = tte.distributed.DistributedDataParallel(model)
+    if frozen_head:
+        model.head.requires_grad_(False)
+        ddp: torch.nn.Module = tte.distributed.data_parallel(model)
+    else:
+        ddp = tte.distributed.DistributedDataParallel(model)
     opt = make_opt(name, ddp.parameters())
     train(model, ddp, opt, dtype, rank, world, nan_step=nan_step(name), clip="clip_grad_norm" in name)
     tables = model.ec.physical_tables()
@@ -335,6 +359,8 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     for name in CONFIGS:
         for dtype in (torch.float64, torch.float32):
             results[f"{name}/{dtype}"] = _run(name, dtype, rank, world)
+    for name in FROZEN_HEAD:
+        results[f"{name}/frozen-head"] = _run(name, torch.float32, rank, world, frozen_head=True)
     results["errors"] = _errors(rank, world)
     results["collectives"] = _collectives(rank, world)
     if world == 4:

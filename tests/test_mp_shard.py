@@ -2,9 +2,12 @@
 
 Each world size is one spawn running every case (tests/_mp_worker.py). Every rank's stored rows of every
 row- and table-sharded table (matched by logical id), their optimizer slots, the replicated tables and the
-DDP-wrapped dense head equal one process trained on the global batch (float64 <= 1e-10, float32 <= 1e-6),
-for every optimizer of tte.optim and the options with global statistics; no rank stores more of a sharded
-table or slot than its shard plus padding.
+DDP-wrapped dense head equal one process trained on the global batch, for every optimizer of tte.optim and the
+options with global statistics: float64 <= 1e-10; float32 <= 1e-6 (absolute), except where W.FLOAT32_BOUNDS
+documents a bound (AdagradMomentum 5e-5 on its momenta, 3e-6 on the rest; four more configurations 3e-6 at
+world 3; the measured figures and their cause are written there); with the DDP head frozen those
+configurations' sharded tables are within 1e-6 (but AdagradMomentum's momenta at world 3). No rank stores more
+of a sharded table or slot than its shard plus padding.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import math
 import shutil
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,75 +51,71 @@ def ranks(world: int, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str
     return _RUNS[world]
 
 
-def reference(name: str, dtype: torch.dtype, reverse: bool = False) -> dict[str, Any]:
-    if (name, dtype, reverse) not in _REFS:
-        _REFS[(name, dtype, reverse)] = W.reference(name, dtype, reverse)
-    return _REFS[(name, dtype, reverse)]
+def reference(name: str, dtype: torch.dtype, frozen_head: bool = False) -> dict[str, Any]:
+    if (name, dtype, frozen_head) not in _REFS:
+        _REFS[(name, dtype, frozen_head)] = W.reference(name, dtype, frozen_head)
+    return _REFS[(name, dtype, frozen_head)]
 
 
-def _error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """Largest error, relative above magnitude 1 (float32 rounding grows with the value)."""
+def _error(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> float:
+    """Largest error: float32 absolute; float64 relative above magnitude 1."""
     if not want.numel():
         return 0.0
-    return float(((got.double() - want.double()).abs() / want.double().abs().clamp(min=1)).max())
+    diff = (got.double() - want.double()).abs()
+    return float((diff if dtype == torch.float32 else diff / want.double().abs().clamp(min=1)).max())
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str) -> None:
+def _close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str, dtype: torch.dtype) -> None:
     assert got.shape == want.shape, (what, got.shape, want.shape)
-    err = _error(got, want)
+    err = _error(got, want, dtype)
     assert err <= tol, f"{what}: {err:.3g} > {tol}"
 
 
-def order_noise(name: str) -> dict[str, float]:
-    """float32: how far one process moves from itself when the global batch's examples are reversed (the
-    same loss, other float sums), per leaf (``"model/<key>"``, ``"<state key>/<slot>"``)."""
-    a, b = reference(name, torch.float32), reference(name, torch.float32, reverse=True)
-    out = {f"model/{k}": _error(v, b["model"][k]) for k, v in a["model"].items()}
-    for key, slots in a["optimizer"]["state"].items():
-        out.update({f"{key}/{s}": _error(v, b["optimizer"]["state"][key][s]) for s, v in slots.items()})
-    return out
+Bound = Callable[[str | None], float]  # a leaf's slot name (None: a weight) -> its tolerance
 
 
-def compare(run: dict[str, Any], ref: dict[str, Any], dtype: torch.dtype, world: int,
-            noise: dict[str, float] | None = None) -> None:
-    """One rank's run against the single-process reference. float64: W.TOL (1e-10). float32 (``noise``,
-    see :func:`order_noise`): the larger of 2 × W.TOL (2e-6; the dense head's 3e-6) and 10 × the leaf's
-    order noise: the exchange sums each row's contributions per rank and then over the ranks, and rows
-    whose contributions nearly cancel (AdagradMomentum's momenta) amplify that as they amplify a reordered
-    batch in one process."""
-    base, base_dense = W.TOL[dtype], W.DENSE_TOL[dtype]
+def bound(name: str, dtype: torch.dtype, world: int) -> Bound:
+    """W.TOL, and for float32 the documented W.FLOAT32_BOUNDS of the configurations and world sizes that do not
+    reach it."""
+    worlds, given = W.FLOAT32_BOUNDS.get(name, ((), {}))
+    if dtype != torch.float32 or world not in worlds:
+        given = {}
+    return lambda slot: given.get(slot or "*", given.get("*", W.TOL[dtype]))
 
-    def bound(leaf: str, dense: bool = False) -> float:
-        t = base_dense if dense else base
-        return t if noise is None else max(2 * t if not dense else t, 10 * noise.get(leaf, 0.0))
 
+def compare(run: dict[str, Any], ref: dict[str, Any], dtype: torch.dtype, tol: Bound,
+            sharded_only: bool = False) -> None:
+    """One rank's run against the single-process reference, every leaf within ``tol`` of its slot (only the
+    tables sharded over the group and their slots with ``sharded_only``)."""
     for key, want in ref["model"].items():
         table = key.split(".")[2] if key.startswith("ec.tables.") else None
         if table in W.SHARDED:
             s = run["sharded"][table]
             real = s["ids"] < VOCAB[table]
-            _close(s["rows"][real], want[s["ids"][real]], bound(f"model/{key}"), key)
+            _close(s["rows"][real], want[s["ids"][real]], tol(None), key, dtype)
             assert torch.equal(run["model"][key], s["rows"])  # state_dict holds the rank's rows as stored
             assert not s["rows"][~real].any(), key  # padding rows are never looked up nor updated
-        else:
-            _close(run["model"][key], want, bound(f"model/{key}", key.startswith("head.")), key)
+        elif not sharded_only:
+            _close(run["model"][key], want, tol(None), key, dtype)
     got_state, want_state = run["optimizer"]["state"], ref["optimizer"]["state"]
     assert got_state.keys() == want_state.keys()
     for key, slots in want_state.items():
         table = key.split(":", 1)[1]
+        if sharded_only and table not in W.SHARDED:
+            continue
         for slot, want in slots.items():
-            limit = bound(f"{key}/{slot}", key.startswith("param:"))
+            limit = tol(slot)
             got = got_state[key][slot]
             if table in W.SHARDED and want.dim() and want.shape[0] == VOCAB[table]:  # a row slot
                 ids = run["sharded"][table]["ids"]
                 real = ids < VOCAB[table]
-                _close(got[real], want[ids[real]], limit, f"{key}/{slot}")
+                _close(got[real], want[ids[real]], limit, f"{key}/{slot}", dtype)
             elif table in ("tw", "tw2") and run["sharded"][table]["ids"].numel() == 0:
                 continue  # a table-wise table's whole-table slots, on a rank that does not hold it
             elif slot in ("acc_ids", "acc_rows"):
                 continue  # no accumulation is pending after 10 steps of 2-call windows
             else:
-                _close(got, want, limit, f"{key}/{slot}")
+                _close(got, want, limit, f"{key}/{slot}", dtype)
     assert run["optimizer"]["iterations"] == ref["optimizer"]["iterations"]
     assert run["skipped"] == ref["optimizer"]["skipped_steps"]
 
@@ -128,13 +128,30 @@ def test_every_rank_equals_one_process(world: int, name: str, tmp_path_factory: 
     results = ranks(world, tmp_path_factory)
     for dtype in DTYPES:
         ref = reference(name, dtype)
-        noise = order_noise(name) if dtype == torch.float32 else None
         for r, res in enumerate(results):
-            run = res[f"{name}/{dtype}"]
             try:
-                compare(run, ref, dtype, world, noise)
+                compare(res[f"{name}/{dtype}"], ref, dtype, bound(name, dtype, world))
             except AssertionError as e:
                 raise AssertionError(f"rank {r} of {world}, {dtype}: {e}") from e
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", W.FROZEN_HEAD)
+def test_sharded_tables_without_the_head_drift(world: int, name: str,
+                                               tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The float32 configurations of W.FLOAT32_BOUNDS with the dense head frozen (no DDP reduction whose last
+    bits differ from one process's): the tables sharded over the group and their slots are within 1e-6 of one
+    process (W.FROZEN_HEAD_BOUNDS: AdagradMomentum's momenta at world 3)."""
+    ref = reference(name, torch.float32, frozen_head=True)
+
+    def tol(slot: str | None) -> float:
+        return W.FROZEN_HEAD_BOUNDS.get((world, name, slot or "*"), W.TOL[torch.float32])
+
+    for r, res in enumerate(ranks(world, tmp_path_factory)):
+        try:
+            compare(res[f"{name}/frozen-head"], ref, torch.float32, tol, sharded_only=True)
+        except AssertionError as e:
+            raise AssertionError(f"rank {r} of {world}: {e}") from e
 
 
 def test_options_take_effect() -> None:
@@ -228,7 +245,7 @@ def test_checkpoint_saved_at_4_loads_at_2_and_3(tmp_path_factory: pytest.TempPat
     ref = reference(W.CKPT, torch.float64)
     for w in (2, 3):
         for r in range(w):
-            compare(results[r]["checkpoint"][w], ref, torch.float64, w)
+            compare(results[r]["checkpoint"][w], ref, torch.float64, bound(W.CKPT, torch.float64, w))
     files = sorted(p.name for p in (_DIRS[4] / "ckpt").iterdir())
     assert files == ["meta.pt", "rows-0.pt", "rows-1.pt", "rows-2.pt", "rows-3.pt", "tte_manifest.json"]
     assert not [p for p in _DIRS[4].iterdir() if p.name.startswith(".ckpt.tte-")]  # staging published
@@ -248,11 +265,11 @@ def test_checkpoint_loads_into_one_process(tmp_path_factory: pytest.TempPathFact
     W.train(model, model, opt, torch.float64, steps=range(5, W.STEPS))
     ref = reference(W.CKPT, torch.float64)
     for k, v in ref["model"].items():
-        _close(model.state_dict()[k], v, 1e-10, k)
+        _close(model.state_dict()[k], v, 1e-10, k, torch.float64)
     got = opt.state_dict()["state"]
     for key, slots in ref["optimizer"]["state"].items():
         for slot, v in slots.items():
-            _close(got[key][slot], v, 1e-10, f"{key}/{slot}")
+            _close(got[key][slot], v, 1e-10, f"{key}/{slot}", torch.float64)
 
 
 def test_a_damaged_sharded_checkpoint_changes_nothing(tmp_path_factory: pytest.TempPathFactory,

@@ -145,11 +145,11 @@ def save_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def resume_worker(rank: int, world: int, port: int, path: str, out_dir: str) -> None:
-    """World ``world``: load ``path`` (any kind of distributed checkpoint of W.CKPT's configuration after 5
-    steps) and train 5 more; each rank's result to ``out_dir``/rank<r>.pt."""
+def resume_worker(rank: int, world: int, port: int, path: str, out_dir: str, name: str = W.CKPT) -> None:
+    """World ``world``: load ``path`` (any kind of distributed checkpoint of optimizer configuration ``name``
+    after 5 steps) and train 5 more; each rank's result to ``out_dir``/rank<r>.pt."""
     _init(rank, world, port)
-    out = _resume(path, W.CKPT, rank, world, range(5, W.STEPS))
+    out = _resume(path, name, rank, world, range(5, W.STEPS))
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

@@ -6,7 +6,7 @@ accumulation buffers (logical ids, ``-1`` padding). Two kinds of directory feed 
 
 * ``tte.distributed.save_sharded``'s (``meta.pt`` + ``rows-<rank>.pt``): each sharded table's rows are
   in the rank files, in ascending logical id; the rest (replicated tables, dense layers) is logical in
-  ``meta.pt``. The rank files are read in windows of about :data:`CHUNK` bytes, each through its own
+  ``meta.pt``. The rank files are read in windows of about ``_ckpt_publish.CHUNK`` bytes (8 MiB), each through its own
   memory map that is dropped before the next (a page read through a mapping counts in the process's
   resident memory until the mapping goes), so a reader's memory grows by one window, never a file;
 * a logical payload (``tte.checkpoint.save``'s form: what ``tte.checkpoint.save_distributed``'s
@@ -24,12 +24,11 @@ from typing import Any
 import torch
 
 from torch_tpu_embedding._ckpt_dcp import FORMAT
+from torch_tpu_embedding._ckpt_publish import CHUNK
 
 __all__ = ["CHUNK", "Source", "merge_accumulation", "select_accumulation"]
 
 Tensor = torch.Tensor
-#: the bytes of rank-file rows a reader maps at a time
-CHUNK = 1 << 24
 ACC = ("acc_ids", "acc_rows")
 
 
@@ -64,12 +63,15 @@ class _RowFiles:
             if not n or not need.numel():
                 continue
             window = max(1, CHUNK // (src[0].numel() * src.element_size() + 8))
+            # One buffer for every window's rows (a new tensor per window would leave the allocator holding
+            # several windows' worth of freed memory).
+            buffer = torch.empty((min(window, n), *src.shape[1:]), dtype=src.dtype)
             for a in range(0, n, window):
-                self._copy_window(r, name, slot, slice(a, a + window), need, dest, pos)
+                self._copy_window(r, name, slot, slice(a, a + window), need, dest, pos, buffer)
         return found
 
     def _copy_window(self, r: int, name: str, slot: str | None, rows: slice, need: Tensor, dest: Tensor,
-                     pos: Tensor) -> None:
+                     pos: Tensor, buffer: Tensor) -> None:
         entry = self._load(r)[name]  # a mapping of its own, dropped on return with the pages it read
         ids: Tensor = entry["ids"][rows]
         lo = int(torch.searchsorted(need, ids[0]))
@@ -81,9 +83,9 @@ class _RowFiles:
         hit = torch.nonzero(ids[at] == want).reshape(-1)
         src = _pick(entry, slot)
         assert src is not None
+        got = torch.index_select(src[rows], 0, at[hit], out=buffer[: hit.shape[0]])
         with torch.no_grad():
-            dest.index_copy_(0, pos[lo:hi][hit].to(dest.device),
-                             src[rows].index_select(0, at[hit]).to(dtype=dest.dtype, device=dest.device))
+            dest.index_copy_(0, pos[lo:hi][hit].to(dest.device), got.to(dtype=dest.dtype, device=dest.device))
 
 
 class Source:

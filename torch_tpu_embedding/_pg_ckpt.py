@@ -237,8 +237,12 @@ def load_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer:
                 ids, pos = _stored_in_order(s)
                 entry["acc_ids"], entry["acc_rows"] = select_accumulation(acc, ids, pos)
             state[f"table:{name}"] = entry
+        problems += [f"optimizer: {p}" for p in optimizer_problems(optimizer, {**source.optimizer, "state": state})]
+        # Loaded without the row slots' stand-ins (the optimizer would copy them whole): its fresh slots
+        # get their rows below.
+        state.update({f"table:{n}": {k: v for k, v in state[f"table:{n}"].items() if k not in row_slots[n]}
+                      for n in mine})
         osd = {**source.optimizer, "state": state}
-        problems += [f"optimizer: {p}" for p in optimizer_problems(optimizer, osd)]
     if problems:
         raise CheckpointMismatchError(f"{path} does not match (nothing was loaded): " + "; ".join(problems))
     model.load_state_dict(sd)  # the shards get zeros from their stand-ins: their rows are copied next

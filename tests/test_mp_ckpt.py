@@ -106,7 +106,7 @@ def test_loading_memory_is_one_window(tmp_path: Path) -> None:
     """A 256 MiB table (2**20 rows of 64 float32) row-sharded over 2 ranks with Adagrad: loading the
     checkpoint raises each rank's peak resident memory (VmHWM) over its memory before the load (its shard and
     accumulators in place) by less than half a shard (64 MiB; the issue's bound is a shard plus one chunk): a
-    few read chunks (CHUNK, 8 MiB: the checksum's buffer, a window mapped, its rows) and the rank's logical-id
+    few read chunks (CHUNK, 4 MiB: the checksum's buffer, a window mapped, its rows) and the rank's logical-id
     bookkeeping (int64 per stored row). The loader before windowed reads took 824 MiB here. The rows and
     accumulators come back bitwise."""
     mp.start_processes(C.memory_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method="spawn")

@@ -38,7 +38,7 @@ _META = "tte_meta.pt"
 #: the metadata file of a process-group-sharded checkpoint (``tte.distributed.save_sharded``)
 SHARDED_META = "meta.pt"
 #: the bytes a checkpoint reader holds at a time (checksums, windows of rows: ``_ckpt_rows.py``)
-CHUNK = 1 << 23
+CHUNK = 1 << 22
 
 
 class CheckpointCorruptError(ValueError):

@@ -6,7 +6,7 @@ accumulation buffers (logical ids, ``-1`` padding). Two kinds of directory feed 
 
 * ``tte.distributed.save_sharded``'s (``meta.pt`` + ``rows-<rank>.pt``): each sharded table's rows are
   in the rank files, in ascending logical id; the rest (replicated tables, dense layers) is logical in
-  ``meta.pt``. The rank files are read in windows of about ``_ckpt_publish.CHUNK`` bytes (8 MiB), each through its own
+  ``meta.pt``. The rank files are read in windows of about ``_ckpt_publish.CHUNK`` bytes (4 MiB), each through its own
   memory map that is dropped before the next (a page read through a mapping counts in the process's
   resident memory until the mapping goes), so a reader's memory grows by one window, never a file;
 * a logical payload (``tte.checkpoint.save``'s form: what ``tte.checkpoint.save_distributed``'s

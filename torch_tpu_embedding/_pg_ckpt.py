@@ -77,10 +77,9 @@ def group_sharded(model: nn.Module) -> dict[str, tuple[str, EmbeddingTable, Grou
 
 def _stored_in_order(s: GroupSharding) -> tuple[Tensor, Tensor]:
     """``(logical ids ascending, the local rows holding them)`` of the real rows this rank stores."""
-    ids = s.local_logical_ids()
-    real = torch.nonzero(ids < s.rows).reshape(-1)
-    order = torch.argsort(ids[real])
-    return ids[real][order], real[order]
+    ids, local = torch.sort(s.local_logical_ids())  # padding rows (ids >= rows) sort last
+    n = int((ids < s.rows).sum())
+    return ids[:n], local[:n]
 
 
 def _logical_accumulation(state: dict[str, Tensor], s: GroupSharding, local: int) -> dict[str, Tensor]:
@@ -181,6 +180,34 @@ def _stand_in(like: Tensor, rows: int) -> Tensor:
     return torch.zeros((), dtype=like.dtype).expand(rows, *like.shape[1:])
 
 
+def _optimizer_state(
+    source: Source, optimizer: Any, mine: dict[str, tuple[str, EmbeddingTable, GroupSharding]],
+    order: dict[str, tuple[Tensor, Tensor]], whole: dict[str, Any],
+) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    """The optimizer ``state_dict`` to check (each shard's row slots as stand-ins) and each sharded table's
+    row slots. ``whole``: the logical entries of the tables sharded when saved and whole here."""
+    assert source.optimizer is not None
+    state = dict(optimizer.state_dict()["state"])
+    state.update({k: v for k, v in source.optimizer["state"].items() if k.split(":", 1)[-1] not in mine})
+    state.update(whole)
+    row_slots: dict[str, list[str]] = {}
+    for name, (_, t, _) in mine.items():
+        local = t.weight.shape[0]
+        # (no local name for the slots: load_state_dict replaces them, and the old ones must go then)
+        row_slots[name] = [k for k, v in optimizer.state[t.weight].items()
+                           if k not in ACC and v.dim() and v.shape[0] == local]
+        entry = source.whole_slots(name, set(row_slots[name]))
+        for slot in row_slots[name]:
+            like = source.row_slot(name, slot)
+            if like is not None:
+                entry[slot] = _stand_in(like, local)
+        acc = source.accumulation(name)
+        if acc is not None:
+            entry["acc_ids"], entry["acc_rows"] = select_accumulation(acc, *order[name])
+        state[f"table:{name}"] = entry
+    return {**source.optimizer, "state": state}, row_slots
+
+
 def load_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer: Any = None) -> None:
     """Load a :func:`save_sharded` or ``tte.checkpoint.save_distributed`` directory into ``model`` (and
     ``optimizer``): sharded over any number of ranks (call it on every rank, after ``shard``, DDP and
@@ -195,13 +222,14 @@ def load_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer:
     if not mine:  # every table whole here: the logical payload, checked and loaded as tte.checkpoint.load's
         apply_payload(source.payload(_saved_keys(source, tables)), path, model, optimizer, strict=True)
         return
+    order = {name: _stored_in_order(s) for name, (_, _, s) in mine.items()}  # (logical ids, local rows)
     problems: list[str] = []
     sd = dict(model.state_dict())
     sd.update(source.model)
-    whole = {n: info for n, info in source.tables.items() if n not in mine}
-    if whole:  # sharded when saved, whole here (a replicated table): every logical row
-        payload = source.payload({n: k for n, k in _saved_keys(source, tables).items() if n in whole})
-        sd.update(payload["model"])
+    whole = {n: k for n, k in _saved_keys(source, tables).items() if n not in mine}
+    # sharded when saved, whole here (a replicated table): every logical row
+    payload = source.payload(whole) if whole else {"model": {}, "optimizer": {"state": {}}}
+    sd.update(payload["model"])
     for name, (key, t, _) in mine.items():
         like = source.row_slot(name, None) if name in source.tables else source.weight(key, name)
         saved = int(source.tables[name]["rows"]) if name in source.tables else None if like is None else like.shape[0]
@@ -212,48 +240,28 @@ def load_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer:
         if saved is not None and saved != t.config.num_embeddings:
             problems.append(f"model: table `{name}` has {saved} rows saved, {t.config.num_embeddings} here")
     problems += [f"model: {p}" for p in model_problems(model, sd, strict=True)]
-    osd, row_slots = None, {}
+    osd: dict[str, Any] | None = None
+    row_slots: dict[str, list[str]] = {}
     if optimizer is not None:
         if source.optimizer is None:
             raise CheckpointMismatchError(f"{path} holds no optimizer state (nothing was loaded).")
         optimizer.init_state()
-        state = dict(optimizer.state_dict()["state"])
-        state.update({k: v for k, v in source.optimizer["state"].items() if k.split(":", 1)[-1] not in mine})
-        if whole:
-            assert payload["optimizer"] is not None
-            state.update({f"table:{n}": payload["optimizer"]["state"][f"table:{n}"] for n in whole})
-        for name, (_, t, s) in mine.items():
-            local = t.weight.shape[0]
-            # (no local name for the slots: load_state_dict replaces them, and the old ones must go then)
-            row_slots[name] = [k for k, v in optimizer.state[t.weight].items()
-                               if k not in ACC and v.dim() and v.shape[0] == local]
-            entry = source.whole_slots(name, set(row_slots[name]))
-            for slot in row_slots[name]:
-                like = source.row_slot(name, slot)
-                if like is not None:
-                    entry[slot] = _stand_in(like, local)
-            acc = source.accumulation(name)
-            if acc is not None:
-                ids, pos = _stored_in_order(s)
-                entry["acc_ids"], entry["acc_rows"] = select_accumulation(acc, ids, pos)
-            state[f"table:{name}"] = entry
-        problems += [f"optimizer: {p}" for p in optimizer_problems(optimizer, {**source.optimizer, "state": state})]
+        whole_state = {f"table:{n}": payload["optimizer"]["state"][f"table:{n}"] for n in whole}
+        osd, row_slots = _optimizer_state(source, optimizer, mine, order, whole_state)
+        problems += [f"optimizer: {p}" for p in optimizer_problems(optimizer, osd)]
         # Loaded without the row slots' stand-ins (the optimizer would copy them whole): its fresh slots
         # get their rows below.
-        state.update({f"table:{n}": {k: v for k, v in state[f"table:{n}"].items() if k not in row_slots[n]}
-                      for n in mine})
-        osd = {**source.optimizer, "state": state}
+        osd["state"].update({f"table:{n}": {k: v for k, v in osd["state"][f"table:{n}"].items()
+                                            if k not in row_slots[n]} for n in mine})
     if problems:
         raise CheckpointMismatchError(f"{path} does not match (nothing was loaded): " + "; ".join(problems))
     model.load_state_dict(sd)  # the shards get zeros from their stand-ins: their rows are copied next
-    for name, (key, t, s) in mine.items():
-        ids, pos = _stored_in_order(s)
-        source.copy_rows(name, key, None, ids, t.weight.data, pos)
+    for name, (key, t, _) in mine.items():
+        source.copy_rows(name, key, None, order[name][0], t.weight.data, order[name][1])
     if optimizer is None:
         return
     optimizer.load_state_dict(osd)
-    for name, (key, t, s) in mine.items():
-        ids, pos = _stored_in_order(s)
+    for name, (key, t, _) in mine.items():
         slots = optimizer.state[t.weight]
         for slot in row_slots[name]:
-            source.copy_rows(name, key, slot, ids, slots[slot], pos)
+            source.copy_rows(name, key, slot, order[name][0], slots[slot], order[name][1])

@@ -30,7 +30,8 @@ PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 "$PY" -m pytest -q -p no:cacheprovider tests/x
 # output depends on the torch version), lookups, checkpoints, stacking, the data-parallel and
 # process-group paths, the package's import without torch_xla, the examples and the table-building
 # memory peak.
-# The glob picks up every process-group test file (tests/test_mp_*.py), none when there is none.
+# The glob picks up every process-group test file (tests/test_mp_*.py), none when there is none; among them
+# tests/test_mp_from_spmd.py, which loads the SPMD checkpoint written on torch 2.9 (tests/data/mp_spmd4) here.
 shopt -s nullglob
 TESTS_213=(
   tests/test_optim_reference.py tests/test_optim_generic.py tests/test_fused_update.py tests/test_lookup_reference.py

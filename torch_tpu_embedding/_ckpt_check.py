@@ -19,7 +19,10 @@ from torch_tpu_embedding.optim import _state_io
 from torch_tpu_embedding.optim._base import RowSparseOptimizer
 from torch_tpu_embedding.optim._state_check import tensor_problem
 
-__all__ = ["CheckpointMismatchError", "expected_model_state", "is_row_sparse", "model_problems", "optimizer_problems"]
+__all__ = [
+    "CheckpointMismatchError", "apply_payload", "expected_model_state", "is_row_sparse", "model_problems",
+    "optimizer_problems",
+]
 
 
 class CheckpointMismatchError(ValueError, RuntimeError):
@@ -126,3 +129,28 @@ def optimizer_problems(optimizer: torch.optim.Optimizer, state: Any) -> list[str
     if not is_row_sparse(optimizer):
         return []
     return _state_io.state_problems(optimizer, state)  # type: ignore[arg-type]
+
+
+def apply_payload(
+    payload: dict[str, Any], target: str, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
+    strict: bool,
+) -> dict[str, Any] | None:
+    """Check a ``tte.checkpoint.save`` payload against ``model`` / ``optimizer``, then load it; returns ``extra``."""
+    if model is not None and payload["model"] is None:
+        raise ValueError(f"{target} holds no model state.")
+    if optimizer is not None and payload["optimizer"] is None:
+        raise ValueError(f"{target} holds no optimizer state.")
+    # Everything is checked before anything is written: a load that fails changes nothing.
+    problems = []
+    if model is not None:
+        problems += [f"model: {p}" for p in model_problems(model, payload["model"], strict)]
+    if optimizer is not None:
+        problems += [f"optimizer: {p}" for p in optimizer_problems(optimizer, payload["optimizer"])]
+    if problems:
+        raise CheckpointMismatchError(f"{target} does not match (nothing was loaded): " + "; ".join(problems))
+    if optimizer is not None:  # other optimizers check their own state before writing it
+        optimizer.load_state_dict(payload["optimizer"])
+    if model is not None:
+        model.load_state_dict(payload["model"], strict=strict)
+    extra: dict[str, Any] | None = payload.get("extra")
+    return extra

@@ -28,8 +28,8 @@ from typing import Any
 
 from torch_tpu_embedding._ckpt_io import read_dcp_metadata
 
-__all__ = ["MANIFEST", "SHARDED_META", "CheckpointCorruptError", "barrier", "prepare_staging", "publish", "rank",
-           "read_errors", "resolve", "staging_path", "verify", "write_manifest"]
+__all__ = ["CHUNK", "MANIFEST", "SHARDED_META", "CheckpointCorruptError", "barrier", "prepare_staging", "publish",
+           "rank", "read_errors", "resolve", "staging_path", "verify", "write_manifest"]
 
 #: the manifest of a distributed checkpoint: ``{"format", "files": {name: {"size", "sha256"}}}``
 MANIFEST = "tte_manifest.json"
@@ -37,7 +37,8 @@ _MANIFEST_FORMAT = "torch_tpu_embedding.manifest/1"
 _META = "tte_meta.pt"
 #: the metadata file of a process-group-sharded checkpoint (``tte.distributed.save_sharded``)
 SHARDED_META = "meta.pt"
-_CHUNK = 1 << 24
+#: the bytes a checkpoint reader holds at a time (checksums, windows of rows: ``_ckpt_rows.py``)
+CHUNK = 1 << 22
 
 
 class CheckpointCorruptError(ValueError):
@@ -122,9 +123,11 @@ def prepare_staging(target: str) -> None:
 
 def _sha256(path: str) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
+    buffer = bytearray(CHUNK)  # one buffer, refilled: a reader's memory grows by one chunk
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(view):
+            h.update(view[:n])
     return h.hexdigest()
 
 

@@ -13,28 +13,39 @@ Example::
 
 from __future__ import annotations
 
-import importlib
 import os
 from typing import Any
 
 import torch
 
-from torch_tpu_embedding._ckpt_check import CheckpointMismatchError, is_row_sparse, model_problems, optimizer_problems
-from torch_tpu_embedding._ckpt_host import host_model_state, host_optimizer_state, split_fused_entries, to_cpu
-from torch_tpu_embedding._ckpt_io import check_loadable, dcp_quiet, dcp_reader, read_dcp_metadata, write_atomic
+from torch_tpu_embedding._ckpt_check import CheckpointMismatchError, apply_payload, is_row_sparse
+from torch_tpu_embedding._ckpt_dcp import (
+    FORMAT,
+    META,
+    dcp,
+    logical_payload,
+    present,
+    read_meta,
+    read_tensors,
+    uses_xla,
+    xla_planner,
+)
+from torch_tpu_embedding._ckpt_host import host_model_state, host_optimizer_state, to_cpu
+from torch_tpu_embedding._ckpt_io import check_loadable, dcp_quiet, read_dcp_metadata, write_atomic
 from torch_tpu_embedding._ckpt_publish import (
+    SHARDED_META,
     CheckpointCorruptError,
     barrier,
     prepare_staging,
     publish,
     rank,
-    read_errors,
     resolve,
     staging_path,
     verify,
     write_manifest,
 )
 from torch_tpu_embedding._layout import Description, describe, from_logical, layout_of, to_logical
+from torch_tpu_embedding._pg_ckpt import group_sharded, load_sharded, save_sharded, sharded_payload
 from torch_tpu_embedding._rows import table_info
 from torch_tpu_embedding._screening import warn_unreported
 from torch_tpu_embedding.collection import EmbeddingCollection
@@ -45,8 +56,6 @@ __all__ = [
     "save", "save_distributed", "to_cpu",
 ]
 
-#: written into every checkpoint; :func:`load` refuses other formats
-FORMAT = "torch_tpu_embedding.checkpoint/1"
 
 
 def save(
@@ -95,40 +104,12 @@ def load(
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
         raise ValueError(f"{os.fspath(path)} is not a torch_tpu_embedding checkpoint ({FORMAT}). Found: {found!r}")
-    return _apply(payload, target, model, optimizer, strict)
-
-
-def _apply(
-    payload: dict[str, Any], target: str, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
-    strict: bool,
-) -> dict[str, Any] | None:
-    """Check a :func:`save` payload against ``model`` / ``optimizer``, then load it; returns ``extra``."""
-    if model is not None and payload["model"] is None:
-        raise ValueError(f"{target} holds no model state.")
-    if optimizer is not None and payload["optimizer"] is None:
-        raise ValueError(f"{target} holds no optimizer state.")
-    # Everything is checked before anything is written: a load that fails changes nothing.
-    problems = []
-    if model is not None:
-        problems += [f"model: {p}" for p in model_problems(model, payload["model"], strict)]
-    if optimizer is not None:
-        problems += [f"optimizer: {p}" for p in optimizer_problems(optimizer, payload["optimizer"])]
-    if problems:
-        raise CheckpointMismatchError(f"{target} does not match (nothing was loaded): " + "; ".join(problems))
-    if optimizer is not None:  # other optimizers check their own state before writing it
-        optimizer.load_state_dict(payload["optimizer"])
-    if model is not None:
-        model.load_state_dict(payload["model"], strict=strict)
-    extra: dict[str, Any] | None = payload.get("extra")
-    return extra
+    return apply_payload(payload, target, model, optimizer, strict)
 
 
 # ---------------------------------------------------------------------------------------------
 # Distributed checkpoints (torch.distributed.checkpoint): huge tables, written shard by shard
 # ---------------------------------------------------------------------------------------------
-_META = "tte_meta.pt"
-
-
 def _physical(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[
     dict[str, torch.Tensor], dict[str, int | None], dict[str, Any]
 ]:
@@ -164,19 +145,6 @@ def _row_sparse(optimizer: torch.optim.Optimizer) -> Any:
     return optimizer
 
 
-def _dcp() -> Any:
-    """``torch.distributed.checkpoint`` (untyped here: its names are not re-exported for mypy)."""
-    return importlib.import_module("torch.distributed.checkpoint")
-
-
-def _xla_planner(kind: str) -> Any:
-    return getattr(importlib.import_module("torch_xla.experimental.distributed_checkpoint"), kind)()
-
-
-def _uses_xla(tensors: dict[str, torch.Tensor]) -> bool:
-    return any(t.device.type == "xla" for t in tensors.values())
-
-
 def save_distributed(
     path: str | os.PathLike[str], *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
 ) -> None:
@@ -192,13 +160,21 @@ def save_distributed(
     file and a manifest of their sizes and sha256 are on disk, so a process killed at any point
     leaves the previous checkpoint or this one, complete. Refuses to replace a directory holding
     other files than a checkpoint's.
+
+    A model sharded over a process group (``tte.distributed.shard``) is written as
+    ``tte.distributed.save_sharded`` writes it (each rank its own rows, logical row order): every
+    process calls it; the directory loads with :func:`load_distributed` at any world size, in one
+    process and into a torch_xla SPMD model.
     """
-    dcp = _dcp()
+    if group_sharded(model):
+        save_sharded(path, model, optimizer)
+        return
+    api = dcp()
     for name, m in model.named_modules():  # what state_dict() warns of, for a save that does not call it
         if isinstance(m, EmbeddingCollection):
             warn_unreported(m, name)
     tensors, rows, rest = _physical(model, optimizer)
-    planner = _xla_planner("SPMDSavePlanner") if _uses_xla(tensors) else None
+    planner = xla_planner("SPMDSavePlanner") if uses_xla(tensors) else None
     members = rest.pop("members")
     layouts = rest.pop("layouts")
     # "layouts": the stored row order of each table-indexed tensor (absent in checkpoints written
@@ -213,45 +189,13 @@ def save_distributed(
         prepare_staging(target)
     barrier()
     with dcp_quiet():
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(staging, sync_files=True), planner=planner)
+        api.save(tensors, storage_writer=api.FileSystemWriter(staging, sync_files=True), planner=planner)
     barrier()  # every rank's files are written and fsynced
     if rank() == 0:
-        write_atomic(meta, os.path.join(staging, _META))
+        write_atomic(meta, os.path.join(staging, META))
         write_manifest(staging)
         publish(staging, target)
     barrier()  # no rank returns before the checkpoint is published
-
-
-def _read_meta(path: str) -> Any:
-    """``tte_meta.pt`` of a distributed checkpoint, read with ``weights_only=True`` (no pickled code)."""
-    file = os.path.join(path, _META)
-    if not os.path.exists(file):
-        raise FileNotFoundError(f"No distributed checkpoint at {path} (no {_META})")
-    try:
-        meta = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as e:  # weights-only refusals and damaged files raise several types
-        raise ValueError(f"{file} is not a readable checkpoint file (refused by weights_only loading, "
-                         f"truncated or corrupt): {str(e).splitlines()[0]}") from e
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ValueError(f"{file} is not a torch_tpu_embedding distributed checkpoint ({FORMAT}).")
-    rows = meta.get("rows")
-    if not isinstance(rows, dict) or not all(n is None or (isinstance(n, int) and n >= 0) for n in rows.values()) \
-            or not isinstance(meta.get("members", {}), dict) or "optimizer" not in meta:
-        raise ValueError(f"{file} is damaged: 'rows' must map each tensor to its logical rows (an int or None), "
-                         "with 'members' and 'optimizer' beside it.")
-    return meta
-
-
-def _present(path: str) -> None:
-    if not os.path.isdir(path) or not os.path.exists(os.path.join(path, _META)):
-        raise FileNotFoundError(f"No distributed checkpoint at {path} (no {_META})")
-
-
-def _read(path: str, dest: dict[str, torch.Tensor]) -> None:
-    dcp = _dcp()
-    planner = _xla_planner("SPMDLoadPlanner") if _uses_xla(dest) else None
-    with dcp_quiet(), read_errors(path):
-        dcp.load(dest, storage_reader=dcp_reader(path), planner=planner)
 
 
 def _groups(members: Any) -> Any:
@@ -286,11 +230,22 @@ def load_distributed(
     Every file is checked against the save's manifest (sizes, sha256) before anything is written:
     a truncated, missing or altered file raises :class:`CheckpointCorruptError` naming it, and the
     model and optimizer are unchanged.
+
+    Between the two kinds of distributed checkpoint: a directory written from a model sharded over a
+    process group (``tte.distributed.save_sharded``, or this module's :func:`save_distributed` of such
+    a model) loads into any model here, SPMD included (its tables through the host: logical rows,
+    resharded as the model lays them out); into a model sharded over a process group either kind loads
+    through ``tte.distributed.load_sharded`` (each rank its own rows).
     """
     target = resolve(os.fspath(path))  # a save killed between its renames left the old one aside
-    _present(target)
+    if group_sharded(model) or os.path.isfile(os.path.join(target, SHARDED_META)):
+        if optimizer is not None and hasattr(optimizer, "init_state"):
+            optimizer.init_state()
+        load_sharded(target, model, optimizer)
+        return
+    present(target)
     verify(target)  # every file whole and as saved, before anything is written
-    meta = _read_meta(target)
+    meta = read_meta(target)
     if optimizer is not None and hasattr(optimizer, "init_state"):
         optimizer.init_state()
     dest, rows, rest = _physical(model, optimizer)
@@ -299,7 +254,7 @@ def load_distributed(
     if set(saved) != set(dest) and _groups(meta.get("members", {})) != _groups(rest["members"]):
         # Tables stacked in other groups than here (fuse_tables, or a mesh's placements): per table,
         # through the host.
-        _apply(_logical_payload(target, meta), target, model, optimizer, strict=True)
+        apply_payload(logical_payload(target, meta), target, model, optimizer, strict=True)
         return
     missing = sorted(set(dest) - set(saved))
     unexpected = sorted(k for k in set(saved) - set(dest) if optimizer is not None or k.startswith("model/"))
@@ -328,7 +283,7 @@ def load_distributed(
         if tuple(t.shape) != tuple(saved[k]) or saved_layouts.get(k) != layouts.get(k):
             staged[k] = torch.empty(saved[k], dtype=t.dtype)
             wanted[k] = staged[k]
-    _read(target, wanted)
+    read_tensors(target, wanted)
     with torch.no_grad():
         for k, host in staged.items():
             t, n = dest[k], rows[k]
@@ -349,48 +304,13 @@ def load_distributed(
 def convert_distributed(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> None:
     """Turn a :func:`save_distributed` directory into one :func:`save` file (logical rows, CPU).
 
-    Reads on the host without torch_xla; the result loads anywhere with :func:`load`.
+    Reads on the host without torch_xla; the result loads anywhere with :func:`load`. A
+    ``tte.distributed.save_sharded`` directory converts too.
     """
     target = resolve(os.fspath(path))
-    _present(target)
+    if os.path.isfile(os.path.join(target, SHARDED_META)):
+        write_atomic(sharded_payload(target), out)
+        return
+    present(target)
     verify(target)
-    write_atomic(_logical_payload(target, _read_meta(target)), out)
-
-
-def _logical_payload(target: str, meta: Any) -> dict[str, Any]:
-    """A distributed checkpoint read on the host into a :func:`save` payload: logical rows, per table."""
-    md = read_dcp_metadata(target)
-    host: dict[str, torch.Tensor] = {
-        k: torch.empty(v.size, dtype=v.properties.dtype)
-        for k, v in md.state_dict_metadata.items()
-        if hasattr(v, "size")
-    }
-    _read(target, host)
-
-    def logical(k: str) -> torch.Tensor:
-        n = meta["rows"].get(k)
-        order, slot_k = layout_of(meta.get("layouts", {}).get(k))
-        return host[k] if n is None else to_logical(host[k], n, order, slot_k).clone()
-
-    members = meta.get("members", {})
-    model_sd: dict[str, torch.Tensor] = {}
-    for k in host:
-        if k.startswith("model/") and k in members:  # a fused group: its tables' weights
-            prefix = k[len("model/"):].rsplit("groups.", 1)[0]
-            value = logical(k)
-            model_sd.update({f"{prefix}tables.{t}.weight": value[off : off + n] for t, off, n in members[k]})
-        elif k.startswith("model/"):
-            model_sd[k[len("model/"):]] = logical(k)
-    optimizer_sd = None
-    if meta["optimizer"] is not None:
-        state: dict[str, dict[str, torch.Tensor]] = {}
-        for k in host:
-            if k.startswith("optim/"):
-                key, slot = k[len("optim/"):].rsplit("/", 1)
-                state.setdefault(key, {})[slot] = logical(k)
-        for key, bufs in meta["optimizer"]["acc"].items():
-            state.setdefault(key, {}).update(bufs)
-        split_fused_entries(state, members, meta["rows"], prefix="optim/")
-        optimizer_sd = {"state": state, "param_groups": meta["optimizer"]["param_groups"],
-                        "iterations": meta["optimizer"]["iterations"]}
-    return {"format": FORMAT, "model": model_sd, "optimizer": optimizer_sd, "extra": None}
+    write_atomic(logical_payload(target, read_meta(target)), out)

@@ -1,0 +1,200 @@
+"""Distributed checkpoints of tables sharded over a process group (tests/test_mp_ckpt.py,
+tests/test_mp_from_spmd.py, tests/xla_spmd/test_mp_interop.py): gloo workers, one process per rank.
+
+The model, batches and loop are tests/_mp_worker.py's. :func:`model_with` builds that model with other
+placements (torch_xla SPMD has no ``"table"`` placement) and the same initial values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+from typing import Any
+
+import _mp_worker as W
+import torch
+import torch.distributed as dist
+
+import torch_tpu_embedding as tte
+
+ACCUM = "adagrad-accum2-ema"  # gradient accumulation over 2 calls: a save after 5 steps is mid-window
+#: the memory test's table: 2**20 rows of 64 float32, 256 MiB
+BIG_ROWS, BIG_DIM = 1 << 20, 64
+
+
+def model_with(placements: dict[str, str], dtype: torch.dtype = torch.float64, seed: int = 0,
+               device: Any = None) -> W.Model:
+    """tests/_mp_worker.py's model, each table placed by ``placements`` (its placement → another; e.g.
+    ``{"table": "row"}``), on ``device``, with the values ``W.Model(dtype, seed)`` starts from."""
+    base = W.Model(dtype, seed)
+    tables: dict[str, tte.TableConfig] = {}
+
+    def table(t: tte.TableConfig) -> tte.TableConfig:
+        return tables.setdefault(t.name, dataclasses.replace(t, placement=placements.get(t.placement, t.placement)))
+
+    features = {f: dataclasses.replace(fc, table=table(fc.table)) for f, fc in base.features.items()}
+    ec = tte.EmbeddingCollection(features, device=device)
+    ec.load_state_dict(base.ec.state_dict())
+    base.features, base.ec = features, ec
+    base.head.to(device)
+    return base
+
+
+def result(model: W.Model, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    tables = model.ec.physical_tables()
+    sharded = {t: {"ids": tte.distributed.logical_ids(tables[t]), "rows": tables[t].weight.detach().clone()}
+               for t in W.SHARDED}
+    return {"sharded": sharded, "optimizer": opt.state_dict(),
+            "model": {k: v.clone() for k, v in model.state_dict().items()},
+            "skipped": getattr(opt, "skipped_steps", 0)}
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def _resume(path: str, name: str, rank: int, w: int, steps: range) -> dict[str, Any] | None:
+    """Ranks ``0 .. w-1`` of a new group load ``path`` (tte.checkpoint.load_distributed) into a model drawn
+    from another seed and train ``steps``; every rank of the default group takes part in making the groups."""
+    group, dense = dist.new_group(list(range(w))), dist.new_group(list(range(w)))
+    out = None
+    if rank < w:
+        model = W.Model(torch.float64, seed=100 + rank)  # other values everywhere: all must come from the files
+        tte.distributed.shard(model, group)
+        ddp = tte.distributed.DistributedDataParallel(model, process_group=dense)
+        opt = W.make_opt(name, ddp.parameters())
+        tte.checkpoint.load_distributed(path, model=model, optimizer=opt)
+        W.train(model, ddp, opt, torch.float64, rank, w, steps=steps)
+        out = result(model, opt)
+    dist.barrier()
+    return out
+
+
+def _refusal(path: str, rank: int) -> dict[str, Any]:
+    """Loading ``path`` (saved with Adagrad) into a sharded model with an Adam optimizer, and into one
+    whose table `big` is 8 wide: refused, and the model and optimizer are bitwise as before."""
+    out: dict[str, Any] = {}
+    for case in ("optimizer", "width"):
+        model = W.Model(torch.float64, seed=5)
+        if case == "width":
+            features = dict(model.features)
+            wide = dataclasses.replace(features["u"].table, embedding_dim=8)
+            features["u"] = dataclasses.replace(features["u"], table=wide)
+            features["u_seq"] = dataclasses.replace(features["u_seq"], table=wide)
+            model.ec = tte.EmbeddingCollection(features)
+            model.head = torch.nn.Linear(8 + 3 * 8 + 4 + 3 + 3 + 2 + 2, 1, dtype=torch.float64)
+        tte.distributed.shard(model)
+        ddp = tte.distributed.DistributedDataParallel(model)
+        opt = W.make_opt("adam" if case == "optimizer" else ACCUM, ddp.parameters())
+        opt.init_state()
+        before = snapshot(model, opt)
+        try:
+            tte.checkpoint.load_distributed(path, model=model, optimizer=opt)
+            out[case] = "loaded"
+        except tte.checkpoint.CheckpointMismatchError as e:
+            out[case] = str(e)
+        out[f"{case}_unchanged"] = same(before, snapshot(model, opt))
+    return out
+
+
+def snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    tensors = [v.detach().clone() for v in model.state_dict().values() if isinstance(v, torch.Tensor)]
+    for slots in opt.state.values():
+        tensors += [v.detach().clone() for v in slots.values() if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """World 4: the accumulation configuration saved after 5 steps (one call of a 2-call window pending)
+    with tte.checkpoint.save_distributed, resumed at 2 and 3 ranks; a mismatched load refused."""
+    _init(rank, world, port)
+    path = os.path.join(out_dir, "accum")
+    model = W.Model(torch.float64)
+    tte.distributed.shard(model)
+    ddp = tte.distributed.DistributedDataParallel(model)
+    opt = W.make_opt(ACCUM, ddp.parameters())
+    W.train(model, ddp, opt, torch.float64, rank, world, steps=range(5))
+    pending = {n: opt.state[model.ec.physical_tables()[n].weight]["acc_ids"].clone() for n in W.SHARDED}
+    tte.checkpoint.save_distributed(path, model=model, optimizer=opt)
+    results: dict[str, Any] = {"pending": pending}
+    for w in (2, 3):
+        results[w] = _resume(path, ACCUM, rank, w, range(5, W.STEPS))
+    results["refusal"] = _refusal(path, rank)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def save_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """World ``world``: W.CKPT's configuration, 5 steps, tte.checkpoint.save_distributed to ``out_dir``/ckpt."""
+    _init(rank, world, port)
+    model = W.Model(torch.float64)
+    tte.distributed.shard(model)
+    ddp = tte.distributed.DistributedDataParallel(model)
+    opt = W.make_opt(W.CKPT, ddp.parameters())
+    W.train(model, ddp, opt, torch.float64, rank, world, steps=range(5))
+    tte.checkpoint.save_distributed(os.path.join(out_dir, "ckpt"), model=model, optimizer=opt)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def resume_worker(rank: int, world: int, port: int, path: str, out_dir: str, name: str = W.CKPT) -> None:
+    """World ``world``: load ``path`` (any kind of distributed checkpoint of optimizer configuration ``name``
+    after 5 steps) and train 5 more; each rank's result to ``out_dir``/rank<r>.pt."""
+    _init(rank, world, port)
+    out = _resume(path, name, rank, world, range(5, W.STEPS))
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def memory_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """A 256 MiB row-sharded table with Adagrad: saved, then loaded back into the same (zeroed) model; the
+    peak resident memory of the load over the memory before it (Linux: VmHWM after resetting it through
+    /proc/self/clear_refs), and whether every row and accumulator came back."""
+    _init(rank, world, port)
+    cfg = tte.TableConfig(BIG_ROWS, BIG_DIM, name="huge", placement="row", initializer=torch.nn.init.zeros_)
+    ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(cfg)})
+    tte.distributed.shard(ec)
+    opt = tte.optim.Adagrad(ec.parameters(), lr=0.1)
+    opt.init_state()
+    w = ec.tables["huge"].weight
+    ids = tte.distributed.logical_ids(w).to(torch.float32)
+    with torch.no_grad():
+        w.copy_(ids[:, None] + torch.arange(BIG_DIM, dtype=torch.float32) / BIG_DIM)
+        opt.state[w]["accumulators"].copy_(ids[:, None] * 2)
+    want_w, want_a = w.detach().clone(), opt.state[w]["accumulators"].clone()
+    path = os.path.join(out_dir, "huge")
+    tte.checkpoint.save_distributed(path, model=ec, optimizer=opt)
+    with torch.no_grad():
+        w.zero_()
+        opt.state[w]["accumulators"].zero_()
+    dist.barrier()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident memory
+    before = _kib("VmRSS")
+    tte.checkpoint.load_distributed(path, model=ec, optimizer=opt)
+    peak = _kib("VmHWM")
+    w = ec.tables["huge"].weight
+    out = {"delta": (peak - before) * 1024, "shard": w.numel() * w.element_size(),
+           "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+           "weight": torch.equal(w, want_w), "accumulators": torch.equal(opt.state[w]["accumulators"], want_a)}
+    del want_w, want_a
+    torch.save(out, os.path.join(out_dir, f"mem{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from torch_tpu_embedding._dedup import is_static_device
+from torch_tpu_embedding._draw import DeferredDraw, defer, fill
 from torch_tpu_embedding._grad_sync import LOCAL, mark
 from torch_tpu_embedding._layout import RowLayout, from_logical, owned_logical_ids, to_logical
 from torch_tpu_embedding._member_state import member_entries
@@ -49,6 +50,9 @@ class EmbeddingTable(nn.Module):
         self.name = name
         #: the stored row order (``None``: logical); set by :meth:`permute_rows`
         self.row_layout: RowLayout | None = None
+        #: built on the meta device: ``(first row, draw)`` of each table whose rows it holds, drawn later
+        #: (:meth:`fill_rows`, ``tte.distributed.shard``); empty once drawn or when built with values
+        self.deferred: tuple[tuple[int, DeferredDraw], ...] = ()
         if weight is None:
             self.weight = nn.Parameter(
                 host_empty(name, (config.num_embeddings, config.embedding_dim), config.dtype)
@@ -163,10 +167,14 @@ class EmbeddingTable(nn.Module):
 
     def reset_parameters(self) -> None:
         """Fill the weight from the config's initializer: in place for a CPU table (no second buffer
-        of its size); drawn on the CPU and then copied for a device table."""
+        of its size); drawn on the CPU and then copied for a device table. A table on the meta device
+        records its draw instead (:mod:`torch_tpu_embedding._draw`) and is drawn by :meth:`fill_rows`."""
         init = self.config.initializer
         with torch.no_grad():
             w = self.weight.detach()
+            if w.is_meta:  # built under torch.device("meta"): recorded now, each rank draws its rows later
+                self.deferred = ((0, defer(self.name, self.config)),)
+                return
             in_place = w.device.type == "cpu" and w.is_contiguous()
             host = w if in_place else host_empty(self.name, tuple(w.shape), w.dtype)
             if init is None:
@@ -184,6 +192,32 @@ class EmbeddingTable(nn.Module):
                     host.copy_(result)
             if not in_place:
                 w.copy_(host)
+
+    def fill_rows(self, out: torch.Tensor, local_row: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Draw into ``out`` ``[rows, D]`` (zeroed first) the rows of this table built on the meta device
+        that ``local_row`` places (logical ids ``[k]`` → rows of ``out``; a row outside ``out``: not
+        written): exactly the values one process draws with the same seed, one chunk at a time. Returns
+        ``out``.
+
+        Raises:
+            RuntimeError: the table recorded no draw (it was not built on the meta device: moved there,
+                its values are gone).
+        """
+        self.require_draws()
+        with torch.no_grad():
+            out.zero_()  # padding rows
+            for first, draw in self.deferred:
+                fill(draw, out, lambda ids, first=first: local_row(ids + first))  # type: ignore[misc]
+        return out
+
+    def require_draws(self) -> None:
+        """Raise ``RuntimeError`` unless this table, on the meta device, recorded its draw."""
+        if not self.deferred:
+            raise RuntimeError(
+                f"Table `{self.name}` is on the meta device without a recorded draw: it was moved there "
+                "(its values are gone), not built there. Build the model under `with torch.device('meta'):` "
+                "(or EmbeddingCollection(..., device='meta')), or build it with its values."
+            )
 
     @property
     def row_grad(self) -> RowGrad:
@@ -209,6 +243,10 @@ class EmbeddingTable(nn.Module):
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> EmbeddingTable:
         old = self.weight
         super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        if old.is_meta and not self.weight.is_meta and self.deferred:
+            # to_empty() of a table built on the meta device: the whole table, as one process draws it
+            self.fill_rows(self.weight.detach(), lambda ids: ids)
+            self.deferred = ()
         if self.weight is not old or table_info(self.weight) is None:
             self._register()
         return self

@@ -87,7 +87,9 @@ class FusedTables(EmbeddingTable):
         self.frozen: frozenset[str] = frozenset()
         super().__init__(config, name, weight=weight)
         # Tables built on the meta device: their recorded draws, at their rows of the group
-        self.deferred = tuple((off + first, d) for t, off in zip(tables, offsets, strict=True) for first, d in t.deferred)
+        self.deferred = tuple(
+            (off + first, d) for t, off in zip(tables, offsets, strict=True) for first, d in t.deferred
+        )
 
     def members(self) -> Members:
         return self._members

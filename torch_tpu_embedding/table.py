@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable
@@ -207,7 +208,7 @@ class EmbeddingTable(nn.Module):
         with torch.no_grad():
             out.zero_()  # padding rows
             for first, draw in self.deferred:
-                fill(draw, out, lambda ids, first=first: local_row(ids + first))  # type: ignore[misc]
+                fill(draw, out, functools.partial(_shifted, local_row, first))
         return out
 
     def require_draws(self) -> None:
@@ -258,6 +259,11 @@ class EmbeddingTable(nn.Module):
             f"name={self.name!r}, num_embeddings={c.num_embeddings}, "
             f"embedding_dim={c.embedding_dim}, combiner={c.combiner!r}, dtype={c.dtype}{pad}"
         )
+
+
+def _shifted(local_row: Callable[[torch.Tensor], torch.Tensor], first: int, ids: torch.Tensor) -> torch.Tensor:
+    """``local_row`` of a stacked table's ids, ``first`` rows into its group."""
+    return local_row(ids + first)
 
 
 def _trim_padding_rows(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import _mp_worker as W
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding import _draw
@@ -97,6 +98,38 @@ def trained(name: str, dtype: torch.dtype, rank: int, world: int, meta: bool) ->
             "model": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
+def dcp_round_trip(rank: int, world: int, out_dir: str) -> dict[str, Any]:
+    """``shard(..., dtensor_state_dict=True)``: 5 steps, then torch's own ``get_model_state_dict`` and
+    ``dcp.save``; a model of other values (every entry must come from the files) loads it with ``dcp.load``
+    and ``set_model_state_dict``. Returns both models' stored rows and what the state_dict held."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    dtype, path = torch.float64, os.path.join(out_dir, "dcp")
+    model = W.Model(dtype)
+    tte.distributed.shard(model, dtensor_state_dict=True)
+    ddp = tte.distributed.DistributedDataParallel(model)
+    opt = W.make_opt("adagrad", ddp.parameters())
+    W.train(model, ddp, opt, dtype, rank, world, steps=range(5))
+    sd = get_model_state_dict(model)
+    entries = {k: (type(v).__name__, tuple(v.to_local().shape) if isinstance(v, DTensor) else tuple(v.shape),
+                   str(v.placements) if isinstance(v, DTensor) else "") for k, v in sd.items()}
+    local_bytes = {k: storage_bytes(v.to_local()) for k, v in sd.items() if isinstance(v, DTensor)}
+    dcp.save(sd, checkpoint_id=path)
+    resumed = W.Model(dtype, seed=100 + rank)  # other values on every rank
+    tte.distributed.shard(resumed, dtensor_state_dict=True)
+    sd2 = get_model_state_dict(resumed)
+    dcp.load(sd2, checkpoint_id=path)
+    set_model_state_dict(resumed, sd2)
+    tables, back = model.ec.physical_tables(), resumed.ec.physical_tables()
+    return {"entries": entries, "local_bytes": local_bytes, "path": path,
+            "saved": {t: {"ids": tte.distributed.logical_ids(tables[t]), "rows": tables[t].weight.detach().clone()}
+                      for t in W.SHARDED},
+            "loaded": {t: back[t].weight.detach().clone() for t in W.SHARDED},
+            "dense": {k: torch.equal(v, resumed.state_dict()[k]) for k, v in model.state_dict().items()
+                      if not k.startswith("ec.tables.") or k.split(".")[2] not in W.SHARDED}}
+
+
 def _status(field: str) -> int:
     """``field`` of /proc/self/status in bytes (``VmHWM``: the peak resident memory, ``VmRSS``: now)."""
     with open("/proc/self/status") as f:
@@ -134,7 +167,9 @@ def worker(rank: int, world: int, port: int, out_dir: str, job: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results: dict[str, Any] = {}
-    if job == "peak":
+    if job == "dcp":
+        results["dcp"] = dcp_round_trip(rank, world, out_dir)
+    elif job == "peak":
         results["meta"] = peak(meta=True)
         dist.barrier()
         results["whole"] = peak(meta=False)

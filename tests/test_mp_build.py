@@ -115,6 +115,39 @@ def test_peak_memory_is_the_shard_and_a_chunk(tmp_path_factory: pytest.TempPathF
         assert built["growth"] >= built["table"], f"rank {r}: a whole build peaked {built['growth'] / 2**20:.1f} MiB"
 
 
+@pytest.mark.parametrize("world", (2, 3))
+def test_torch_dcp_round_trips_a_sharded_model(world: int, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``shard(..., dtensor_state_dict=True)``: torch's ``get_model_state_dict`` gives each row- and table-sharded
+    table as a DTensor Shard(0) of its logical rows (each rank's block, no more than its rows' share);
+    ``dcp.save`` and ``dcp.load`` + ``set_model_state_dict`` into a model of other values restore every rank's
+    stored rows exactly, and the dense head and replicated tables; and the checkpoint loads into one process
+    (plain tensors) as the logical tables, row for row."""
+    results = ranks(world, "dcp", tmp_path_factory)
+    whole: dict[str, torch.Tensor] = {}
+    vocab = {n: c.num_embeddings for n, c in W.Model(torch.float64).ec.table_configs.items()}
+    for r, res in enumerate(results):
+        got = res["dcp"]
+        for t in W.SHARDED:
+            kind, shape, placements = got["entries"][f"ec.tables.{t}.weight"]
+            v = vocab[t]
+            block = -(-v // world)
+            assert kind == "DTensor" and placements == "(Shard(dim=0),)", (t, kind, placements)
+            assert shape[0] == max(0, min(block, v - r * block)), (t, shape)
+            assert got["local_bytes"][f"ec.tables.{t}.weight"] <= block * shape[1] * 8, t
+            assert torch.equal(got["loaded"][t], got["saved"][t]["rows"]), f"rank {r} of {world}: table {t}"
+            ids, rows = got["saved"][t]["ids"], got["saved"][t]["rows"]
+            real = ids < v
+            whole.setdefault(t, torch.zeros(v, rows.shape[1], dtype=rows.dtype))[ids[real]] = rows[real]
+        assert all(got["dense"].values()), got["dense"]
+    import torch.distributed.checkpoint as dcp
+
+    one = W.Model(torch.float64, seed=7)
+    sd = one.state_dict()
+    dcp.load(sd, checkpoint_id=results[0]["dcp"]["path"], no_dist=True)
+    for t in W.SHARDED:
+        assert torch.equal(sd[f"ec.tables.{t}.weight"], whole[t]), t
+
+
 def test_callable_initializers_are_refused_on_meta() -> None:
     """A callable of the user's own cannot be drawn per row range: refused by table and initializer name."""
     init = functools.partial(torch.nn.init.normal_, std=0.01)

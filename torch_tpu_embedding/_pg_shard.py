@@ -33,7 +33,7 @@ from torch_tpu_embedding._grad_sync import LOCAL, mark, spmd_active
 from torch_tpu_embedding._pg_exchange import group_sharding
 from torch_tpu_embedding._pg_lookup import ProcessGroupLayout
 from torch_tpu_embedding._rows import register_table
-from torch_tpu_embedding._validation import check_int
+from torch_tpu_embedding._validation import check_bool, check_int
 from torch_tpu_embedding.collection import EmbeddingCollection
 from torch_tpu_embedding.config import DEFAULT_REPLICATE_BELOW_BYTES, TableConfig, auto_placement, table_bytes
 from torch_tpu_embedding.routing import RowOwnership
@@ -96,7 +96,7 @@ def logical_ids(table: Any) -> torch.Tensor:
 
 def shard(
     module: nn.Module, group: Any = None, *, replicate_below_bytes: int = DEFAULT_REPLICATE_BELOW_BYTES,
-    device: torch.device | str | None = None,
+    device: torch.device | str | None = None, dtensor_state_dict: bool = False,
 ) -> dict[str, str]:
     """Lay the tables of every :class:`EmbeddingCollection` in ``module`` over the process group ``group``
     (default: the default group) by their placements; returns table name → placement.
@@ -116,6 +116,14 @@ def shard(
     (:mod:`torch_tpu_embedding._draw`); replicated tables are drawn whole. ``device`` is used only for
     such tables.
 
+    ``dtensor_state_dict``: a row- or table-sharded table's ``state_dict`` entry is a DTensor ``Shard(0)``
+    of its logical rows (each rank a contiguous block, moved there by one ``all_to_all_single``; loading
+    one moves the rows back), so ``torch.distributed.checkpoint`` and its ``get_model_state_dict`` /
+    ``set_model_state_dict`` save and load each rank's rows (a plain tensor there is taken for a
+    replicated one: only one rank's rows would be saved; docs/sharding.md). ``state_dict()`` and
+    ``load_state_dict`` are then collectives. Off: the entry holds the rank's rows as stored (what
+    :func:`~torch_tpu_embedding.distributed.save_sharded` reads).
+
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised, torch_xla SPMD is on, or a table was
             sharded already.
@@ -128,6 +136,7 @@ def shard(
         raise RuntimeError("tte.distributed.shard needs an initialised process group: call "
                            "torch.distributed.init_process_group(...) first (torchrun sets its environment).")
     check_int("replicate_below_bytes", replicate_below_bytes, minimum=0)
+    check_bool("dtensor_state_dict", dtensor_state_dict)
     collections = [m for m in module.modules() if isinstance(m, EmbeddingCollection)]
     if not collections:
         raise ValueError(f"Argument `module` holds no EmbeddingCollection to shard. Received: {type(module).__name__}")
@@ -158,6 +167,7 @@ def shard(
         for name, p in placements.items():
             if p != "replicated":
                 _lay_out(ec.tables[name], p, owners.get(name, 0), exchange, world, rank, where)
+                ec.tables[name].__dict__["dtensor_state_dict"] = dtensor_state_dict
         for t in ec.physical_tables().values():
             if t.weight.is_meta:  # replicated, built on the meta device: drawn whole on every rank
                 rows = int(t.weight.shape[0])

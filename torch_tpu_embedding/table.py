@@ -16,6 +16,7 @@ from torch_tpu_embedding._draw import DeferredDraw, defer, fill
 from torch_tpu_embedding._grad_sync import LOCAL, mark
 from torch_tpu_embedding._layout import RowLayout, from_logical, owned_logical_ids, to_logical
 from torch_tpu_embedding._member_state import member_entries
+from torch_tpu_embedding._pg_state import from_logical_shard, is_dtensor, to_logical_shard
 from torch_tpu_embedding._rows import RowGrad, TableInfo, register_table, retire_table, table_info
 from torch_tpu_embedding.config import TableConfig, default_initializer
 
@@ -266,10 +267,21 @@ def _shifted(local_row: Callable[[torch.Tensor], torch.Tensor], first: int, ids:
     return local_row(ids + first)
 
 
+def _dtensor_sharding(table: EmbeddingTable) -> Any:
+    """The process-group layout of a table whose ``state_dict`` is a DTensor (``shard(..., dtensor_state_dict=
+    True)``), else ``None``."""
+    info = table_info(table.weight)
+    spread = None if info is None else info.sharding
+    return spread if table.__dict__.get("dtensor_state_dict") and getattr(spread, "over_process_group", False) else None
+
+
 def _trim_padding_rows(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     table = cast(EmbeddingTable, module)
     key = prefix + "weight"
-    if key in state_dict and table.row_layout is not None:  # permuted: logical rows gathered on the host
+    spread = _dtensor_sharding(table)
+    if key in state_dict and spread is not None:  # a collective: every rank's state_dict() together
+        state_dict[key] = to_logical_shard(state_dict[key], spread)
+    elif key in state_dict and table.row_layout is not None:  # permuted: logical rows gathered on the host
         state_dict[key] = table.logical_weight()
     elif key in state_dict and table.padding_rows:
         state_dict[key] = state_dict[key][: table.config.num_embeddings]
@@ -282,6 +294,10 @@ def _restore_padding_rows(
     table = cast(EmbeddingTable, module)
     key = prefix + "weight"
     value = state_dict.get(key)
+    spread = _dtensor_sharding(table)
+    if spread is not None and is_dtensor(value):  # a collective, as state_dict()
+        state_dict[key] = from_logical_shard(value, spread, table.name)
+        return
     n = table.config.num_embeddings
     if table.padding_rows and isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[0] == n:
         pad = torch.zeros(table.padding_rows + n, value.shape[1], dtype=value.dtype, device=value.device)

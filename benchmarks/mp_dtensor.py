@@ -8,9 +8,11 @@ Run: ``PYTHONPATH=. python benchmarks/mp_dtensor.py`` (2 processes on the CPU, a
    given local row numbers (``to_local()`` first, as the library would have to) and given global row
    numbers (DTensor's own semantics): time per call, and the collectives DTensor issues
    (``CommDebugMode``).
-2. ``torch.distributed.checkpoint``: a state_dict of plain local shards (today's ``state_dict()`` of a
+2. ``torch.distributed.checkpoint``: a state_dict of plain local shards (the default ``state_dict()`` of a
    sharded table) saved by both ranks and loaded back, against a DTensor ``Shard(0)`` of the same rows:
    what each rank reads back.
+3. ``state_dict()`` and ``dcp.save`` of a row-sharded table with its entry as the stored rows and as a
+   DTensor ``Shard(0)`` of its logical rows (``tte.distributed.shard(..., dtensor_state_dict=True)``).
 """
 
 from __future__ import annotations
@@ -79,11 +81,39 @@ def _dcp(rank: int, world: int, path: str) -> dict[str, Any]:
             "DTensor shard read back": back["dtensor"].to_local()[0, 0].item()}
 
 
+def _state_dict(rank: int, world: int, path: str) -> dict[str, Any]:
+    """A row-sharded table of ROWS x DIM built on the meta device: ``state_dict()`` and ``dcp.save`` with its
+    entry as the stored rows (plain) and as a DTensor Shard(0) of its logical rows."""
+    import torch_tpu_embedding as tte
+
+    out: dict[str, Any] = {}
+    for as_dtensor in (False, True):
+        config = tte.TableConfig(ROWS, DIM, name="t", placement="row")
+        ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(config)}, device="meta")
+        tte.distributed.shard(ec, dtensor_state_dict=as_dtensor)
+        kind = "DTensor" if as_dtensor else "plain"
+        out[f"state_dict() {kind} ms"] = _timed_ms(ec.state_dict)
+        sd = ec.state_dict()
+        start = time.perf_counter()
+        dcp.save(sd, checkpoint_id=os.path.join(path, kind))
+        out[f"dcp.save {kind} ms"] = (time.perf_counter() - start) * 1e3
+    return out
+
+
+def _timed_ms(fn: Any, repeat: int = 5) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - start) / repeat * 1e3
+
+
 def _worker(rank: int, world: int, port: int, path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    result = {"ops": _ops(rank, world), "dcp": _dcp(rank, world, os.path.join(path, "ckpt"))}
+    result = {"ops": _ops(rank, world), "dcp": _dcp(rank, world, os.path.join(path, "ckpt")),
+              "state_dict": _state_dict(rank, world, path)}
     torch.save(result, os.path.join(path, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -98,9 +128,9 @@ def main() -> None:
         print(f"torch {torch.__version__}, {ROWS} x {DIM} float32 table over 2 gloo ranks, {IDS} ids per call")
         for r in range(2):
             res = torch.load(os.path.join(path, f"rank{r}.pt"), weights_only=False)
-            for part in ("ops", "dcp"):
+            for part in ("ops", "dcp", "state_dict"):
                 for k, v in res[part].items():
-                    print(f"rank {r} {k}: {v:.1f}" if isinstance(v, float) and part == "ops" else f"rank {r} {k}: {v}")
+                    print(f"rank {r} {k}: {v:.1f}" if isinstance(v, float) and part != "dcp" else f"rank {r} {k}: {v}")
     sys.stdout.flush()
 
 

@@ -98,11 +98,28 @@ def trained(name: str, dtype: torch.dtype, rank: int, world: int, meta: bool) ->
             "model": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
-def dcp_round_trip(rank: int, world: int, out_dir: str) -> dict[str, Any]:
-    """``shard(..., dtensor_state_dict=True)``: 5 steps, then torch's own ``get_model_state_dict`` and
-    ``dcp.save``; a model of other values (every entry must come from the files) loads it with ``dcp.load``
-    and ``set_model_state_dict``. Returns both models' stored rows and what the state_dict held."""
+def _load_into_fresh(path: str, rank: int) -> dict[str, Any]:
+    """A sharded model of other values (every entry must come from the files) loading the DCP checkpoint
+    ``path`` with ``dcp.load`` and ``set_model_state_dict``: its stored rows and their logical ids."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    resumed = W.Model(torch.float64, seed=100 + rank)
+    tte.distributed.shard(resumed, dtensor_state_dict=True)
+    sd = get_model_state_dict(resumed)
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(resumed, sd)
+    back = resumed.ec.physical_tables()
+    return {"model": resumed,
+            "rows": {t: {"ids": tte.distributed.logical_ids(back[t]), "rows": back[t].weight.detach().clone()}
+                     for t in W.SHARDED}}
+
+
+def dcp_round_trip(rank: int, world: int, out_dir: str, other: str) -> dict[str, Any]:
+    """``shard(..., dtensor_state_dict=True)``: 5 steps, then torch's own ``get_model_state_dict`` and
+    ``dcp.save``; a model of other values loads it (:func:`_load_into_fresh`), and, when ``other`` names
+    the checkpoint of a run at another world size, that one too. Returns the models' stored rows and what
+    the state_dict held."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.tensor import DTensor
 
     dtype, path = torch.float64, os.path.join(out_dir, "dcp")
@@ -116,18 +133,17 @@ def dcp_round_trip(rank: int, world: int, out_dir: str) -> dict[str, Any]:
                    str(v.placements) if isinstance(v, DTensor) else "") for k, v in sd.items()}
     local_bytes = {k: storage_bytes(v.to_local()) for k, v in sd.items() if isinstance(v, DTensor)}
     dcp.save(sd, checkpoint_id=path)
-    resumed = W.Model(dtype, seed=100 + rank)  # other values on every rank
-    tte.distributed.shard(resumed, dtensor_state_dict=True)
-    sd2 = get_model_state_dict(resumed)
-    dcp.load(sd2, checkpoint_id=path)
-    set_model_state_dict(resumed, sd2)
-    tables, back = model.ec.physical_tables(), resumed.ec.physical_tables()
-    return {"entries": entries, "local_bytes": local_bytes, "path": path,
-            "saved": {t: {"ids": tte.distributed.logical_ids(tables[t]), "rows": tables[t].weight.detach().clone()}
-                      for t in W.SHARDED},
-            "loaded": {t: back[t].weight.detach().clone() for t in W.SHARDED},
-            "dense": {k: torch.equal(v, resumed.state_dict()[k]) for k, v in model.state_dict().items()
-                      if not k.startswith("ec.tables.") or k.split(".")[2] not in W.SHARDED}}
+    loaded = _load_into_fresh(path, rank)
+    resumed, tables = loaded["model"], model.ec.physical_tables()
+    out = {"entries": entries, "local_bytes": local_bytes, "path": path,
+           "saved": {t: {"ids": tte.distributed.logical_ids(tables[t]), "rows": tables[t].weight.detach().clone()}
+                     for t in W.SHARDED},
+           "loaded": {t: v["rows"] for t, v in loaded["rows"].items()},
+           "dense": {k: torch.equal(v, resumed.state_dict()[k]) for k, v in model.state_dict().items()
+                     if not k.startswith("ec.tables.") or k.split(".")[2] not in W.SHARDED}}
+    if other:
+        out["other"] = _load_into_fresh(other, rank)["rows"]
+    return out
 
 
 def _status(field: str) -> int:
@@ -167,8 +183,8 @@ def worker(rank: int, world: int, port: int, out_dir: str, job: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results: dict[str, Any] = {}
-    if job == "dcp":
-        results["dcp"] = dcp_round_trip(rank, world, out_dir)
+    if job.startswith("dcp"):  # "dcp" or "dcp:<checkpoint of another world size>"
+        results["dcp"] = dcp_round_trip(rank, world, out_dir, job[4:])
     elif job == "peak":
         results["meta"] = peak(meta=True)
         dist.barrier()

@@ -31,7 +31,7 @@ def _free_port() -> int:
 
 def ranks(world: int, job: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     if (world, job) not in _RUNS:
-        out = tmp_path_factory.mktemp(f"build{world}{job}")
+        out = tmp_path_factory.mktemp(f"build{world}{job.split(':')[0]}")
         mp.start_processes(B.worker, args=(world, _free_port(), str(out), job), nprocs=world, start_method="spawn")
         _RUNS[(world, job)] = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
     return _RUNS[(world, job)]
@@ -120,9 +120,11 @@ def test_torch_dcp_round_trips_a_sharded_model(world: int, tmp_path_factory: pyt
     """``shard(..., dtensor_state_dict=True)``: torch's ``get_model_state_dict`` gives each row- and table-sharded
     table as a DTensor Shard(0) of its logical rows (each rank's block, no more than its rows' share);
     ``dcp.save`` and ``dcp.load`` + ``set_model_state_dict`` into a model of other values restore every rank's
-    stored rows exactly, and the dense head and replicated tables; and the checkpoint loads into one process
-    (plain tensors) as the logical tables, row for row."""
-    results = ranks(world, "dcp", tmp_path_factory)
+    stored rows exactly, and the dense head and replicated tables; world 2's checkpoint loads at world 3 (each
+    rank its rows of world 2's tables); and the checkpoint loads into one process (plain tensors) as the
+    logical tables, row for row."""
+    other = ranks(2, "dcp", tmp_path_factory)[0]["dcp"]["path"] if world == 3 else ""
+    results = ranks(world, "dcp:" + other if other else "dcp", tmp_path_factory)
     whole: dict[str, torch.Tensor] = {}
     vocab = {n: c.num_embeddings for n, c in W.Model(torch.float64).ec.table_configs.items()}
     for r, res in enumerate(results):
@@ -139,6 +141,18 @@ def test_torch_dcp_round_trips_a_sharded_model(world: int, tmp_path_factory: pyt
             real = ids < v
             whole.setdefault(t, torch.zeros(v, rows.shape[1], dtype=rows.dtype))[ids[real]] = rows[real]
         assert all(got["dense"].values()), got["dense"]
+    if other:  # world 3 loaded world 2's checkpoint too: every rank's rows are world 2's, by logical id
+        saved2: dict[str, torch.Tensor] = {}
+        for res in ranks(2, "dcp", tmp_path_factory):
+            for t, s in res["dcp"]["saved"].items():
+                real = s["ids"] < vocab[t]
+                saved2.setdefault(t, torch.zeros(vocab[t], s["rows"].shape[1], dtype=s["rows"].dtype))
+                saved2[t][s["ids"][real]] = s["rows"][real]
+        for r, res in enumerate(results):
+            for t, s in res["dcp"]["other"].items():
+                real = s["ids"] < vocab[t]
+                assert torch.equal(s["rows"][real], saved2[t][s["ids"][real]]), f"world 2 -> 3, rank {r}: {t}"
+                assert not s["rows"][~real].any(), t
     import torch.distributed.checkpoint as dcp
 
     one = W.Model(torch.float64, seed=7)

@@ -109,6 +109,8 @@ def test_peak_memory_is_the_shard_and_a_chunk(tmp_path_factory: pytest.TempPathF
     whole, by at least the whole table (the measurement sees a whole table)."""
     for r, res in enumerate(ranks(2, "peak", tmp_path_factory)):
         meta, built = res["meta"], res["whole"]
+        if "unmeasurable" in meta:
+            pytest.skip(meta["unmeasurable"])
         assert meta["shard"] == meta["table"] // 2, meta
         bound = meta["shard"] + 2 * meta["chunk"] + (8 << 20)
         assert meta["growth"] <= bound, f"rank {r}: peak grew {meta['growth'] / 2**20:.1f} MiB > {bound / 2**20:.1f}"

@@ -143,6 +143,15 @@ def dcp_round_trip(rank: int, world: int, out_dir: str, other: str) -> dict[str,
                      if not k.startswith("ec.tables.") or k.split(".")[2] not in W.SHARDED}}
     if other:
         out["other"] = _load_into_fresh(other, rank)["rows"]
+    # tte's own sharded checkpoint reads the stored rows of the same model, whose state_dict is DTensors
+    tte.distributed.save_sharded(os.path.join(out_dir, "tte"), model, opt)
+    again = W.Model(dtype, seed=200 + rank)
+    tte.distributed.shard(again, dtensor_state_dict=True)
+    ddp2 = tte.distributed.DistributedDataParallel(again)
+    opt2 = W.make_opt("adagrad", ddp2.parameters())
+    tte.distributed.load_sharded(os.path.join(out_dir, "tte"), again, opt2)
+    out["tte"] = {t: torch.equal(again.ec.physical_tables()[t].weight, tables[t].weight) for t in W.SHARDED}
+    out["tte_dense"] = torch.equal(again.head.weight, model.head.weight)
     return out
 
 

@@ -124,7 +124,8 @@ def test_torch_dcp_round_trips_a_sharded_model(world: int, tmp_path_factory: pyt
     ``dcp.save`` and ``dcp.load`` + ``set_model_state_dict`` into a model of other values restore every rank's
     stored rows exactly, and the dense head and replicated tables; world 2's checkpoint loads at world 3 (each
     rank its rows of world 2's tables); and the checkpoint loads into one process (plain tensors) as the
-    logical tables, row for row."""
+    logical tables, row for row. tte.distributed.save_sharded / load_sharded still work on such a model (its rank
+    0 reads the state_dict alone: the stored rows, no collective)."""
     other = ranks(2, "dcp", tmp_path_factory)[0]["dcp"]["path"] if world == 3 else ""
     results = ranks(world, "dcp:" + other if other else "dcp", tmp_path_factory)
     whole: dict[str, torch.Tensor] = {}
@@ -143,6 +144,7 @@ def test_torch_dcp_round_trips_a_sharded_model(world: int, tmp_path_factory: pyt
             real = ids < v
             whole.setdefault(t, torch.zeros(v, rows.shape[1], dtype=rows.dtype))[ids[real]] = rows[real]
         assert all(got["dense"].values()), got["dense"]
+        assert all(got["tte"].values()) and got["tte_dense"], ("tte.distributed.save_sharded / load_sharded", got["tte"])
     if other:  # world 3 loaded world 2's checkpoint too: every rank's rows are world 2's, by logical id
         saved2: dict[str, torch.Tensor] = {}
         for res in ranks(2, "dcp", tmp_path_factory):

@@ -38,6 +38,7 @@ from torch_tpu_embedding._ckpt_publish import (
     write_manifest,
 )
 from torch_tpu_embedding._pg_exchange import GroupSharding, group_sharding
+from torch_tpu_embedding._pg_state import stored_rows
 from torch_tpu_embedding.collection import EmbeddingCollection
 from torch_tpu_embedding.table import EmbeddingTable
 
@@ -74,6 +75,13 @@ def _stored_in_order(s: GroupSharding) -> tuple[Tensor, Tensor]:
     return ids[real][order], real[order]
 
 
+def _stored_state(model: nn.Module) -> dict[str, Any]:
+    """``model.state_dict()`` with sharded tables as their stored rows, even under ``dtensor_state_dict``
+    (whose DTensor entries are collectives: rank 0 alone reads the state_dict here)."""
+    with stored_rows():
+        return dict(model.state_dict())
+
+
 def save_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer: Any = None) -> None:
     """Write ``model`` (and ``optimizer``), sharded by ``tte.distributed.shard``, to ``directory``: call it
     on every rank of the group. Each rank writes its own rows (``rows-<rank>.pt``); rank 0 writes the rest."""
@@ -108,7 +116,7 @@ def save_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer:
             "world": world,
             "tables": {n: {"placement": s.placement, "rows": s.rows, "owner": s.owner}
                        for n, (_, _, s) in tables.items()},
-            "model": {k: v for k, v in model.state_dict().items() if k not in keys},
+            "model": {k: v for k, v in _stored_state(model).items() if k not in keys},
         }
         if optimizer is not None:
             sd = optimizer.state_dict()
@@ -150,7 +158,7 @@ def load_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer:
              for r in range(meta["world"])]
     tables = _tables(model)
     mine = _sharded(model)
-    sd = dict(model.state_dict())
+    sd = _stored_state(model)
     sd.update(meta["model"])
     whole: dict[str, Tensor] = {}
     for name in meta["tables"]:
@@ -160,7 +168,8 @@ def load_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer:
             assert rows is not None
             sd[key] = rows.to(dtype=sd[key].dtype)
             whole[name] = rows
-    model.load_state_dict(sd)
+    with stored_rows():  # the sharded tables' entries are their stored rows (as _stored_state read them)
+        model.load_state_dict(sd)
     for name, (_, t, s) in mine.items():
         ids, pos = _stored_in_order(s)
         rows = _gather(parts, name, "weight", None, ids)

@@ -121,8 +121,8 @@ def shard(
     one moves the rows back), so ``torch.distributed.checkpoint`` and its ``get_model_state_dict`` /
     ``set_model_state_dict`` save and load each rank's rows (a plain tensor there is taken for a
     replicated one: only one rank's rows would be saved; docs/sharding.md). ``state_dict()`` and
-    ``load_state_dict`` are then collectives. Off: the entry holds the rank's rows as stored (what
-    :func:`~torch_tpu_embedding.distributed.save_sharded` reads).
+    ``load_state_dict`` are then collectives (:func:`~torch_tpu_embedding.distributed.save_sharded` and
+    ``load_sharded`` work either way). Off: the entry holds the rank's rows as stored.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised, torch_xla SPMD is on, or a table was

@@ -17,6 +17,9 @@ it holds, and the buckets of it it sends).
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -26,9 +29,28 @@ from torch.distributed.tensor import DTensor, Shard
 
 from torch_tpu_embedding._pg_exchange import GroupSharding
 
-__all__ = ["block_rows", "from_logical_shard", "is_dtensor", "to_logical_shard"]
+__all__ = ["block_rows", "from_logical_shard", "is_dtensor", "stored_rows", "stored_rows_active", "to_logical_shard"]
 
 Tensor = torch.Tensor
+_LOCAL = threading.local()
+
+
+@contextmanager
+def stored_rows() -> Iterator[None]:
+    """Inside, ``state_dict`` / ``load_state_dict`` of a sharded table are its rows as stored, never the
+    DTensor (no collective): for code that calls them on some ranks only, as
+    ``tte.distributed.save_sharded``'s rank 0 does, and that reads and writes the stored rows itself."""
+    before = getattr(_LOCAL, "on", False)
+    _LOCAL.on = True
+    try:
+        yield
+    finally:
+        _LOCAL.on = before
+
+
+def stored_rows_active() -> bool:
+    """True inside :func:`stored_rows`."""
+    return bool(getattr(_LOCAL, "on", False))
 
 
 def block_rows(rows: int, world: int) -> int:

@@ -22,6 +22,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from torch_tpu_embedding._draw import defer
 from torch_tpu_embedding._member_state import Members
 from torch_tpu_embedding._rows import RowGrad, StackedRows, TableInfo, register_view, table_info
 from torch_tpu_embedding.config import TableConfig
@@ -85,6 +86,10 @@ class FusedTables(EmbeddingTable):
         #: member tables frozen with ``TableView.requires_grad_(False)``: no gradient, never updated
         self.frozen: frozenset[str] = frozenset()
         super().__init__(config, name, weight=weight)
+        # Tables built on the meta device: their recorded draws, at their rows of the group
+        self.deferred = tuple(
+            (off + first, d) for t, off in zip(tables, offsets, strict=True) for first, d in t.deferred
+        )
 
     def members(self) -> Members:
         return self._members
@@ -115,7 +120,11 @@ class FusedTables(EmbeddingTable):
         return info
 
     def reset_parameters(self) -> None:
-        """Draw each table's rows from its own initializer, in table order."""
+        """Draw each table's rows from its own initializer, in table order (on the meta device: record
+        each draw, as :meth:`EmbeddingTable.reset_parameters` does)."""
+        if self.weight.is_meta:
+            self.deferred = tuple((off, defer(name, self.member_configs[name])) for name, off, _ in self._members)
+            return
         with torch.no_grad():
             for name, off, n in self._members:
                 t = EmbeddingTable(self.member_configs[name], name)

@@ -47,6 +47,7 @@ from torch_tpu_embedding._ckpt_publish import (
 )
 from torch_tpu_embedding._ckpt_rows import ACC, Source, select_accumulation
 from torch_tpu_embedding._pg_exchange import GroupSharding, group_sharding
+from torch_tpu_embedding._pg_state import stored_rows
 from torch_tpu_embedding.collection import EmbeddingCollection
 from torch_tpu_embedding.table import EmbeddingTable
 
@@ -92,6 +93,13 @@ def _logical_accumulation(state: dict[str, Tensor], s: GroupSharding, local: int
             "acc_rows": state["acc_rows"].detach().cpu().clone()}
 
 
+def _stored_state(model: nn.Module) -> dict[str, Any]:
+    """``model.state_dict()`` with sharded tables as their stored rows, even under ``dtensor_state_dict``
+    (whose DTensor entries are collectives: rank 0 alone reads the state_dict here)."""
+    with stored_rows():
+        return dict(model.state_dict())
+
+
 def save_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer: Any = None) -> None:
     """Write ``model`` (and ``optimizer``), sharded by ``tte.distributed.shard``, to ``directory``: call it
     on every rank of the group. Each rank writes its own rows (``rows-<rank>.pt``); rank 0 writes the rest.
@@ -129,7 +137,7 @@ def save_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer:
             "world": world,
             "tables": {n: {"placement": s.placement, "rows": s.rows, "owner": s.owner, "key": key}
                        for n, (key, _, s) in tables.items()},
-            "model": {k: v for k, v in model.state_dict().items() if k not in keys},
+            "model": {k: v for k, v in _stored_state(model).items() if k not in keys},
         }
         if optimizer is not None:
             sd = optimizer.state_dict()
@@ -224,7 +232,7 @@ def load_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer:
         return
     order = {name: _stored_in_order(s) for name, (_, _, s) in mine.items()}  # (logical ids, local rows)
     problems: list[str] = []
-    sd = dict(model.state_dict())
+    sd = _stored_state(model)
     sd.update(source.model)
     whole = {n: k for n, k in _saved_keys(source, tables).items() if n not in mine}
     # sharded when saved, whole here (a replicated table): every logical row
@@ -255,7 +263,8 @@ def load_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer:
                                             if k not in row_slots[n]} for n in mine})
     if problems:
         raise CheckpointMismatchError(f"{path} does not match (nothing was loaded): " + "; ".join(problems))
-    model.load_state_dict(sd)  # the shards get zeros from their stand-ins: their rows are copied next
+    with stored_rows():  # the sharded tables' entries are their stored rows (as _stored_state read them)
+        model.load_state_dict(sd)  # the shards get zeros from their stand-ins: their rows are copied next
     for name, (key, t, _) in mine.items():
         source.copy_rows(name, key, None, order[name][0], t.weight.data, order[name][1])
     if optimizer is None:

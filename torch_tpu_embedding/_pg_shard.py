@@ -22,6 +22,7 @@ unstacked first (each is laid out alone); replicated tables stay stacked.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from torch_tpu_embedding._grad_sync import LOCAL, mark, spmd_active
 from torch_tpu_embedding._pg_exchange import group_sharding
 from torch_tpu_embedding._pg_lookup import ProcessGroupLayout
 from torch_tpu_embedding._rows import register_table
-from torch_tpu_embedding._validation import check_int
+from torch_tpu_embedding._validation import check_bool, check_int
 from torch_tpu_embedding.collection import EmbeddingCollection
 from torch_tpu_embedding.config import DEFAULT_REPLICATE_BELOW_BYTES, TableConfig, auto_placement, table_bytes
 from torch_tpu_embedding.routing import RowOwnership
@@ -95,6 +96,7 @@ def logical_ids(table: Any) -> torch.Tensor:
 
 def shard(
     module: nn.Module, group: Any = None, *, replicate_below_bytes: int = DEFAULT_REPLICATE_BELOW_BYTES,
+    device: torch.device | str | None = None, dtensor_state_dict: bool = False,
 ) -> dict[str, str]:
     """Lay the tables of every :class:`EmbeddingCollection` in ``module`` over the process group ``group``
     (default: the default group) by their placements; returns table name → placement.
@@ -106,6 +108,21 @@ def shard(
     rank's sharded tables are then its rows only (``weight`` ``[rows stored, D]``, their logical ids:
     :func:`logical_ids`; ``state_dict`` holds them as stored), and each rank's loss must be the mean
     over its equal share of the global batch, as under DDP.
+
+    A model built on the meta device (``with torch.device("meta"):`` or ``EmbeddingCollection(...,
+    device="meta")``) never holds a whole sharded table: each rank draws only its rows of each table
+    here, on ``device`` (default: the CPU), one chunk of rows at a time, from the generator state the
+    table recorded when it was built — exactly the rows one process draws with the same seed
+    (:mod:`torch_tpu_embedding._draw`); replicated tables are drawn whole. ``device`` is used only for
+    such tables.
+
+    ``dtensor_state_dict``: a row- or table-sharded table's ``state_dict`` entry is a DTensor ``Shard(0)``
+    of its logical rows (each rank a contiguous block, moved there by one ``all_to_all_single``; loading
+    one moves the rows back), so ``torch.distributed.checkpoint`` and its ``get_model_state_dict`` /
+    ``set_model_state_dict`` save and load each rank's rows (a plain tensor there is taken for a
+    replicated one: only one rank's rows would be saved; docs/sharding.md). ``state_dict()`` and
+    ``load_state_dict`` are then collectives (:func:`~torch_tpu_embedding.distributed.save_sharded` and
+    ``load_sharded`` work either way). Off: the entry holds the rank's rows as stored.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised, torch_xla SPMD is on, or a table was
@@ -119,6 +136,7 @@ def shard(
         raise RuntimeError("tte.distributed.shard needs an initialised process group: call "
                            "torch.distributed.init_process_group(...) first (torchrun sets its environment).")
     check_int("replicate_below_bytes", replicate_below_bytes, minimum=0)
+    check_bool("dtensor_state_dict", dtensor_state_dict)
     collections = [m for m in module.modules() if isinstance(m, EmbeddingCollection)]
     if not collections:
         raise ValueError(f"Argument `module` holds no EmbeddingCollection to shard. Received: {type(module).__name__}")
@@ -134,22 +152,39 @@ def shard(
             if group_sharding(t.weight) is not None:
                 raise RuntimeError(f"Table `{name}` is sharded over a process group already; shard a model once.")
         placements = {n: group_placement(n, c, world, replicate_below_bytes) for n, c in ec.table_configs.items()}
+        # Tables built on the meta device: their recorded draws by table, followed through the re-stacking
+        draws = {d.name: d for t in ec.physical_tables().values() for _, d in t.deferred}
         ec.restack({n: "replicated" if p == "replicated" else "row" for n, p in placements.items()})
         ec.unstack([g for g, members in ec.fused_members().items() if placements[members[0][0]] != "replicated"])
+        for t in ec.physical_tables().values():
+            if t.weight.is_meta:
+                members = t.members() or ((t.name, 0, t.config.num_embeddings),)
+                t.deferred = tuple((first, draws[n]) for n, first, _ in members if n in draws)
+                t.require_draws()  # on every rank, before any draws
+        where = torch.device("cpu") if device is None else torch.device(device)
         whole = {n: table_bytes(c) for n, c in ec.table_configs.items() if placements[n] == "table"}
         owners = assign_tables(whole, world)
         for name, p in placements.items():
             if p != "replicated":
-                _lay_out(ec.tables[name], p, owners.get(name, 0), exchange, world, rank)
+                _lay_out(ec.tables[name], p, owners.get(name, 0), exchange, world, rank, where)
+                ec.tables[name].__dict__["dtensor_state_dict"] = dtensor_state_dict
         for t in ec.physical_tables().values():
+            if t.weight.is_meta:  # replicated, built on the meta device: drawn whole on every rank
+                rows = int(t.weight.shape[0])
+                t.weight = nn.Parameter(t.fill_rows(torch.empty(rows, t.weight.shape[1], dtype=t.weight.dtype,
+                                                                device=where), lambda ids: ids))
+                t.deferred = ()
+                t._register("it was drawn from the meta device (a new parameter)")
             if group_sharding(t.weight) is None:
                 mark(t.weight, group)  # replicated: data parallel over the group
         out.update(placements)
     return out
 
 
-def _lay_out(module: nn.Module, placement: str, owner: int, group: Any, world: int, rank: int) -> None:
-    """Replace table ``module``'s weight by this rank's rows of it and record its layout."""
+def _lay_out(module: nn.Module, placement: str, owner: int, group: Any, world: int, rank: int,
+             device: torch.device) -> None:
+    """Replace table ``module``'s weight by this rank's rows of it and record its layout (a table built on
+    the meta device: its rows drawn on ``device``)."""
     assert isinstance(module, EmbeddingTable)
     table = module
     v = table.config.num_embeddings
@@ -159,6 +194,30 @@ def _lay_out(module: nn.Module, placement: str, owner: int, group: Any, world: i
     else:
         ownership = RowOwnership("range", world * v, world)
     layout = ProcessGroupLayout(placement, group, world, rank, v, ownership, owner)
+    if table.weight.is_meta:
+        out = torch.empty(layout.local_rows, table.config.embedding_dim, dtype=table.weight.dtype, device=device)
+        local = table.fill_rows(out, _local_row(layout)) if layout.local_rows else out
+        table.deferred = ()
+    else:
+        local = _rows_of(table, layout)
+    table.weight = nn.Parameter(local)  # the whole table goes with its last reference
+    table._register("its rows were sharded over a process group (a new parameter)")
+    info = register_table(table.weight, table.name, layout.local_rows, table.config.optimizer)
+    info.sharding = layout
+    mark(table.weight, LOCAL)  # never exchanged as data parallel: its gradient goes to the owners
+
+
+def _local_row(layout: ProcessGroupLayout) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Logical ids → this rank's row of each (outside ``[0, local_rows)``: another rank's)."""
+    if layout.placement == "table":
+        return lambda ids: ids  # called on the owner only
+    first = layout.rank * layout.ownership.rows_per_shard
+    return lambda ids: layout.ownership.physical_row(ids) - first
+
+
+def _rows_of(table: EmbeddingTable, layout: ProcessGroupLayout) -> torch.Tensor:
+    """This rank's rows of a table built whole, by ``layout`` (zero at padding rows)."""
+    v = table.config.num_embeddings
     with torch.no_grad():
         whole = table.logical_weight()
         ids = layout.local_logical_ids()
@@ -166,9 +225,5 @@ def _lay_out(module: nn.Module, placement: str, owner: int, group: Any, world: i
         local = torch.zeros(layout.local_rows, whole.shape[1], dtype=whole.dtype, device=whole.device)
         local[real.to(local.device)] = whole.index_select(0, ids[real].to(whole.device))
         del whole
-    table.weight = nn.Parameter(local)  # the whole table goes with its last reference
-    table._register("its rows were sharded over a process group (a new parameter)")
-    info = register_table(table.weight, table.name, layout.local_rows, table.config.optimizer)
-    info.sharding = layout
-    mark(table.weight, LOCAL)  # never exchanged as data parallel: its gradient goes to the owners
+    return local
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from contextlib import nullcontext
 from typing import Any, cast
 
 import torch
@@ -49,7 +50,9 @@ class EmbeddingCollection(nn.Module):
             first occurrence (dict keys sorted, as TF's ``nest.flatten``). Unnamed tables are
             called ``table_<i>``.
         device: where the tables live (CPU by default; CUDA or an XLA device). Initial values are
-            drawn on the CPU, so a seed gives the same tables on every device.
+            drawn on the CPU, so a seed gives the same tables on every device. ``"meta"`` (or building
+            under ``with torch.device("meta"):``) allocates no table: each records its draw, and
+            :func:`torch_tpu_embedding.distributed.shard` draws each rank's rows only (docs/guide.md).
         fuse_tables: stack tables with the same ``embedding_dim``, ``dtype``, ``placement`` and
             ``optimizer`` override in one buffer per group (``groups``), so an optimizer step does
             one dedup, gather and scatter per group instead of per table (much faster with many
@@ -127,9 +130,11 @@ class EmbeddingCollection(nn.Module):
             raise ValueError(f"Features must have unique names. Duplicated: {dupe_features}")
         self._screen = DeviceScreen()  # device-side counts of bad ids and weights, see check_ids()
         self._exchange_counts: dict[str, Any] = {}  # row-sharded tables: overflow and loads, see check_ids()
-        tables: dict[str, nn.Module] = {
-            table_names[key]: EmbeddingTable(cfg, table_names[key]) for key, cfg in configs.items()
-        }
+        # device="meta": built there (each table records its draw, tte.distributed.shard draws a rank's rows)
+        with torch.device("meta") if device is not None and torch.device(device).type == "meta" else nullcontext():
+            tables: dict[str, nn.Module] = {
+                table_names[key]: EmbeddingTable(cfg, table_names[key]) for key, cfg in configs.items()
+            }
         self._fuse = fuse_tables
         self._stack(tables)
         self._register_state_dict_hook(split_fused_weights)  # type: ignore[no-untyped-call]

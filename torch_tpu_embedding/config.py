@@ -36,7 +36,10 @@ __all__ = [
     "TableConfig",
     "auto_placement",
     "default_initializer",
+    "default_truncation",
     "table_bytes",
+    "to_truncated_normal_",
+    "truncated_uniform_",
 ]
 
 COMBINERS = ("mean", "sum", "sqrtn")
@@ -60,9 +63,14 @@ def default_initializer(weight: torch.Tensor) -> torch.Tensor:
     (the method of ``torch.nn.init.trunc_normal_`` up to torch 2.9). The standard deviation is not
     variance-scaled (the truncated draw has std ≈ 0.88/sqrt(dim)).
     """
-    std = 1.0 / math.sqrt(weight.shape[-1])
     with torch.no_grad():
-        return _truncated_normal_(weight, std, -2 * std, 2 * std)
+        return _truncated_normal_(weight, *default_truncation(int(weight.shape[-1])))
+
+
+def default_truncation(dim: int) -> tuple[float, float, float]:
+    """:func:`default_initializer`'s ``(std, a, b)`` for rows of width ``dim``: ``1/sqrt(dim)``, ±2 std."""
+    std = 1.0 / math.sqrt(dim)
+    return std, -2 * std, 2 * std
 
 
 def _truncated_normal_(weight: torch.Tensor, std: float, a: float, b: float) -> torch.Tensor:
@@ -74,13 +82,30 @@ def _truncated_normal_(weight: torch.Tensor, std: float, a: float, b: float) -> 
     same seed. These are the same operations in the same order as its torch 2.9 version, so a seed
     draws the same float32 / float64 table on every torch version (16-bit tables follow each
     version's own ``uniform_`` / ``erfinv_`` kernels).
+
+    The one random draw is ``uniform_``, which takes one value of the CPU generator per element in
+    order, and the rest is element-wise: so a table's rows can also be drawn chunk by chunk, each chunk
+    transformed alone (:mod:`torch_tpu_embedding._draw`, for tables built on the meta device).
     """
+    truncated_uniform_(weight, std, a, b)
+    return to_truncated_normal_(weight, std, a, b)
 
-    def norm_cdf(x: float) -> float:
-        return (1.0 + math.erf(x / math.sqrt(2.0))) / 2.0
 
-    lo, hi = norm_cdf(a / std), norm_cdf(b / std)
-    weight.uniform_(2 * lo - 1, 2 * hi - 1)  # erf's range for [a, b]
+def _norm_cdf(x: float) -> float:
+    return (1.0 + math.erf(x / math.sqrt(2.0))) / 2.0
+
+
+def truncated_uniform_(
+    weight: torch.Tensor, std: float, a: float, b: float, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """The random half of :func:`_truncated_normal_`: a uniform draw on erf's range for ``[a, b]``."""
+    lo, hi = _norm_cdf(a / std), _norm_cdf(b / std)
+    return weight.uniform_(2 * lo - 1, 2 * hi - 1, generator=generator)
+
+
+def to_truncated_normal_(weight: torch.Tensor, std: float, a: float, b: float) -> torch.Tensor:
+    """The element-wise half of :func:`_truncated_normal_`: :func:`truncated_uniform_`'s values to
+    N(0, std²) cut to [a, b], in place."""
     weight.erfinv_()
     weight.mul_(std * math.sqrt(2.0))
     return weight.clamp_(min=a, max=b)  # erfinv's rounding may land a hair outside

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable
@@ -11,9 +12,11 @@ import torch
 from torch import nn
 
 from torch_tpu_embedding._dedup import is_static_device
+from torch_tpu_embedding._draw import DeferredDraw, defer, fill
 from torch_tpu_embedding._grad_sync import LOCAL, mark
 from torch_tpu_embedding._layout import RowLayout, from_logical, owned_logical_ids, to_logical
 from torch_tpu_embedding._member_state import member_entries
+from torch_tpu_embedding._pg_state import from_logical_shard, is_dtensor, stored_rows_active, to_logical_shard
 from torch_tpu_embedding._rows import RowGrad, TableInfo, register_table, retire_table, table_info
 from torch_tpu_embedding.config import TableConfig, default_initializer
 
@@ -49,6 +52,9 @@ class EmbeddingTable(nn.Module):
         self.name = name
         #: the stored row order (``None``: logical); set by :meth:`permute_rows`
         self.row_layout: RowLayout | None = None
+        #: built on the meta device: ``(first row, draw)`` of each table whose rows it holds, drawn later
+        #: (:meth:`fill_rows`, ``tte.distributed.shard``); empty once drawn or when built with values
+        self.deferred: tuple[tuple[int, DeferredDraw], ...] = ()
         if weight is None:
             self.weight = nn.Parameter(
                 host_empty(name, (config.num_embeddings, config.embedding_dim), config.dtype)
@@ -163,10 +169,14 @@ class EmbeddingTable(nn.Module):
 
     def reset_parameters(self) -> None:
         """Fill the weight from the config's initializer: in place for a CPU table (no second buffer
-        of its size); drawn on the CPU and then copied for a device table."""
+        of its size); drawn on the CPU and then copied for a device table. A table on the meta device
+        records its draw instead (:mod:`torch_tpu_embedding._draw`) and is drawn by :meth:`fill_rows`."""
         init = self.config.initializer
         with torch.no_grad():
             w = self.weight.detach()
+            if w.is_meta:  # built under torch.device("meta"): recorded now, each rank draws its rows later
+                self.deferred = ((0, defer(self.name, self.config)),)
+                return
             in_place = w.device.type == "cpu" and w.is_contiguous()
             host = w if in_place else host_empty(self.name, tuple(w.shape), w.dtype)
             if init is None:
@@ -184,6 +194,32 @@ class EmbeddingTable(nn.Module):
                     host.copy_(result)
             if not in_place:
                 w.copy_(host)
+
+    def fill_rows(self, out: torch.Tensor, local_row: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Draw into ``out`` ``[rows, D]`` (zeroed first) the rows of this table built on the meta device
+        that ``local_row`` places (logical ids ``[k]`` → rows of ``out``; a row outside ``out``: not
+        written): exactly the values one process draws with the same seed, one chunk at a time. Returns
+        ``out``.
+
+        Raises:
+            RuntimeError: the table recorded no draw (it was not built on the meta device: moved there,
+                its values are gone).
+        """
+        self.require_draws()
+        with torch.no_grad():
+            out.zero_()  # padding rows
+            for first, draw in self.deferred:
+                fill(draw, out, functools.partial(_shifted, local_row, first))
+        return out
+
+    def require_draws(self) -> None:
+        """Raise ``RuntimeError`` unless this table, on the meta device, recorded its draw."""
+        if not self.deferred:
+            raise RuntimeError(
+                f"Table `{self.name}` is on the meta device without a recorded draw: it was moved there "
+                "(its values are gone), not built there. Build the model under `with torch.device('meta'):` "
+                "(or EmbeddingCollection(..., device='meta')), or build it with its values."
+            )
 
     @property
     def row_grad(self) -> RowGrad:
@@ -209,6 +245,10 @@ class EmbeddingTable(nn.Module):
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> EmbeddingTable:
         old = self.weight
         super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        if old.is_meta and not self.weight.is_meta and self.deferred:
+            # to_empty() of a table built on the meta device: the whole table, as one process draws it
+            self.fill_rows(self.weight.detach(), lambda ids: ids)
+            self.deferred = ()
         if self.weight is not old or table_info(self.weight) is None:
             self._register()
         return self
@@ -222,10 +262,27 @@ class EmbeddingTable(nn.Module):
         )
 
 
+def _shifted(local_row: Callable[[torch.Tensor], torch.Tensor], first: int, ids: torch.Tensor) -> torch.Tensor:
+    """``local_row`` of a stacked table's ids, ``first`` rows into its group."""
+    return local_row(ids + first)
+
+
+def _dtensor_sharding(table: EmbeddingTable) -> Any:
+    """The process-group layout of a table whose ``state_dict`` is a DTensor (``shard(..., dtensor_state_dict=
+    True)``), else ``None``."""
+    info = table_info(table.weight)
+    spread = None if info is None else info.sharding
+    wanted = table.__dict__.get("dtensor_state_dict") and not stored_rows_active()
+    return spread if wanted and getattr(spread, "over_process_group", False) else None
+
+
 def _trim_padding_rows(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     table = cast(EmbeddingTable, module)
     key = prefix + "weight"
-    if key in state_dict and table.row_layout is not None:  # permuted: logical rows gathered on the host
+    spread = _dtensor_sharding(table)
+    if key in state_dict and spread is not None:  # a collective: every rank's state_dict() together
+        state_dict[key] = to_logical_shard(state_dict[key], spread)
+    elif key in state_dict and table.row_layout is not None:  # permuted: logical rows gathered on the host
         state_dict[key] = table.logical_weight()
     elif key in state_dict and table.padding_rows:
         state_dict[key] = state_dict[key][: table.config.num_embeddings]
@@ -238,6 +295,10 @@ def _restore_padding_rows(
     table = cast(EmbeddingTable, module)
     key = prefix + "weight"
     value = state_dict.get(key)
+    spread = _dtensor_sharding(table)
+    if spread is not None and is_dtensor(value):  # a collective, as state_dict()
+        state_dict[key] = from_logical_shard(value, spread, table.name)
+        return
     n = table.config.num_embeddings
     if table.padding_rows and isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[0] == n:
         pad = torch.zeros(table.padding_rows + n, value.shape[1], dtype=value.dtype, device=value.device)

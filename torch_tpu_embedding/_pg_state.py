@@ -1,0 +1,139 @@
+"""A table sharded over a process group, in ``state_dict`` as a DTensor ``Shard(0)`` of its logical rows.
+
+``torch.distributed.checkpoint`` (``dcp.save`` / ``dcp.load``, ``get_model_state_dict`` /
+``set_model_state_dict``) takes a plain tensor for a replicated one: a state_dict holding each rank's
+stored rows as plain tensors is saved from one rank only, and every rank loads those rows back
+(measured: ``benchmarks/mp_dtensor.py``, docs/sharding.md). It reads a DTensor as the shards it is.
+
+A rank stores its rows in the exchange's interleaved order (``"row"``) or the whole table (``"table"``),
+neither of which is a ``Shard(0)`` of the logical table (contiguous blocks in rank order). So
+:func:`to_logical_shard` moves the rows into those blocks (rank ``r``: logical rows
+``[r·B, (r+1)·B)``, ``B = ceil(V / n)``, as ``torch.chunk`` and DTensor split) with one equal-split
+``all_to_all_single`` (and one ``all_reduce`` of the bucket size), and :func:`from_logical_shard` moves
+them back. Each rank sends and receives at most its rows padded to the largest bucket: no rank ever
+holds more of the table than its shard, its block and those buckets (a ``"table"`` owner: the table
+it holds, and the buckets of it it sends).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from torch_tpu_embedding._pg_exchange import GroupSharding
+
+__all__ = ["block_rows", "from_logical_shard", "is_dtensor", "stored_rows", "stored_rows_active", "to_logical_shard"]
+
+Tensor = torch.Tensor
+_LOCAL = threading.local()
+
+
+@contextmanager
+def stored_rows() -> Iterator[None]:
+    """Inside, ``state_dict`` / ``load_state_dict`` of a sharded table are its rows as stored, never the
+    DTensor (no collective): for code that calls them on some ranks only, as
+    ``tte.distributed.save_sharded``'s rank 0 does, and that reads and writes the stored rows itself."""
+    before = getattr(_LOCAL, "on", False)
+    _LOCAL.on = True
+    try:
+        yield
+    finally:
+        _LOCAL.on = before
+
+
+def stored_rows_active() -> bool:
+    """True inside :func:`stored_rows`."""
+    return bool(getattr(_LOCAL, "on", False))
+
+
+def block_rows(rows: int, world: int) -> int:
+    """``B``: logical rows per rank of a DTensor ``Shard(0)`` of ``rows`` rows over ``world`` ranks."""
+    return -(-rows // world)
+
+
+def _owner_and_slot(ids: Tensor, s: GroupSharding) -> tuple[Tensor, Tensor]:
+    """The rank storing each logical id of a sharded table, and its row there."""
+    if s.placement == "table":
+        return torch.full_like(ids, s.owner), ids
+    per = s.ownership.rows_per_shard
+    phys = s.ownership.physical_row(ids)
+    return phys // per, phys % per
+
+
+def _exchange(dest: Tensor, slot: Tensor, rows: Tensor, s: GroupSharding) -> tuple[Tensor, Tensor]:
+    """Send ``rows[i]`` to rank ``dest[i]``, to land at its row ``slot[i]``: every rank's buckets padded to
+    the largest, one ``all_to_all_single`` of the rows and one of the slots. Returns the slots
+    (``-1``: padding) and rows this rank received."""
+    n = s.world
+    counts = torch.bincount(dest, minlength=n)
+    k = counts.max().reshape(1).to(rows.device)
+    dist.all_reduce(k, op=dist.ReduceOp.MAX, group=s.group)
+    cap = int(k.item())
+    order = torch.argsort(dest, stable=True)
+    first = torch.cumsum(counts, 0) - counts
+    pos = torch.arange(dest.numel()) - first[dest[order]]
+    flat = dest[order] * cap + pos
+    dev = rows.device
+    send_rows = rows.new_zeros(n * cap, rows.shape[1])
+    send_rows[flat.to(dev)] = rows[order.to(dev)]
+    send_slot = torch.full((n * cap,), -1, dtype=torch.int64, device=dev)
+    send_slot[flat.to(dev)] = slot[order].to(dev)
+    got_rows, got_slot = torch.empty_like(send_rows), torch.empty_like(send_slot)
+    dist.all_to_all_single(got_slot, send_slot, group=s.group)
+    dist.all_to_all_single(got_rows, send_rows, group=s.group)
+    return got_slot.cpu(), got_rows
+
+
+def to_logical_shard(local: Tensor, s: GroupSharding) -> DTensor:
+    """This rank's stored rows ``local`` of a table laid out by ``s`` as a DTensor ``Shard(0)`` of the
+    logical ``[V, D]`` table (rows moved to their logical block's rank; a collective: every rank calls
+    it, in the same order)."""
+    ids = s.local_logical_ids()
+    real = ids < s.rows
+    block = block_rows(s.rows, s.world)
+    got_slot, got_rows = _exchange(ids[real] // block, ids[real] - (ids[real] // block) * block,
+                                   local.detach()[real.to(local.device)], s)
+    start = min(s.rows, s.rank * block)
+    mine = torch.zeros(min(s.rows, start + block) - start, local.shape[1], dtype=local.dtype, device=local.device)
+    keep = got_slot >= 0
+    mine[got_slot[keep].to(local.device)] = got_rows[keep.to(local.device)]
+    mesh = DeviceMesh.from_group(s.group, local.device.type)
+    return DTensor.from_local(mine, mesh, [Shard(0)], run_check=False, shape=torch.Size((s.rows, local.shape[1])),
+                              stride=(local.shape[1], 1))
+
+
+def from_logical_shard(value: Any, s: GroupSharding, name: str) -> Tensor:
+    """The rows this rank stores of a table laid out by ``s``, from ``value``, a DTensor ``Shard(0)`` of its
+    logical rows over the same group (a collective, as :func:`to_logical_shard`); padding rows zero.
+
+    Raises:
+        ValueError: ``value`` is not a ``Shard(0)`` of ``[V, D]`` over this group's ranks.
+    """
+    if (not isinstance(value, DTensor) or tuple(value.placements) != (Shard(0),) or value.device_mesh.size() != s.world
+            or value.shape[0] != s.rows):
+        raise ValueError(
+            f"Table `{name}`: a DTensor loaded into a table sharded over a process group must be a Shard(0) of "
+            f"its {s.rows} logical rows over the {s.world} ranks of its group. Received: {type(value).__name__} of "
+            f"shape {tuple(value.shape)}, placements {getattr(value, 'placements', None)}"
+        )
+    mine = value.to_local()
+    block = block_rows(s.rows, s.world)
+    ids = torch.arange(mine.shape[0], dtype=torch.int64) + min(s.rows, s.rank * block)
+    dest, slot = _owner_and_slot(ids, s)
+    got_slot, got_rows = _exchange(dest, slot, mine, s)
+    local = torch.zeros(s.local_rows, mine.shape[1], dtype=mine.dtype, device=mine.device)
+    keep = got_slot >= 0
+    local[got_slot[keep].to(local.device)] = got_rows[keep.to(local.device)]
+    return local
+
+
+def is_dtensor(value: Any) -> bool:
+    """True for a DTensor (what ``torch.distributed.checkpoint`` loads a sharded entry into)."""
+    return isinstance(value, DTensor)

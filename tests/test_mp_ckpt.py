@@ -16,7 +16,7 @@ import _mp_worker as W
 import pytest
 import torch
 import torch.multiprocessing as mp
-from test_mp_shard import _close, _free_port, compare, reference
+from test_mp_shard import _close, _free_port, bound, compare, reference
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding._ckpt_publish import CHUNK
@@ -49,7 +49,7 @@ def test_pending_accumulation_is_saved_and_resumed(tmp_path_factory: pytest.Temp
     for w in (2, 3):
         for r in range(w):
             try:
-                compare(results[r][w], ref, torch.float64, w)
+                compare(results[r][w], ref, torch.float64, bound("", torch.float64, w))
             except AssertionError as e:
                 raise AssertionError(f"rank {r} of {w}: {e}") from e
 
@@ -63,12 +63,12 @@ def test_pending_accumulation_into_one_process(tmp_path_factory: pytest.TempPath
     W.train(model, model, opt, torch.float64, steps=range(5, W.STEPS))
     ref = reference(C.ACCUM, torch.float64)
     for k, v in ref["model"].items():
-        _close(model.state_dict()[k], v, 1e-10, k)
+        _close(model.state_dict()[k], v, 1e-10, k, torch.float64)
     got = opt.state_dict()["state"]
     for key, slots in ref["optimizer"]["state"].items():
         for slot, v in slots.items():
             if slot not in ("acc_ids", "acc_rows"):  # after 10 calls no window is pending (stale buffers)
-                _close(got[key][slot], v, 1e-10, f"{key}/{slot}")
+                _close(got[key][slot], v, 1e-10, f"{key}/{slot}", torch.float64)
 
 
 def test_convert_a_sharded_checkpoint(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:

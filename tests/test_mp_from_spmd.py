@@ -13,7 +13,7 @@ import _mp_ckpt_worker as C
 import _mp_worker as W
 import torch
 import torch.multiprocessing as mp
-from test_mp_shard import _close, _free_port, compare
+from test_mp_shard import _close, _free_port, bound, compare
 
 FIXTURE = Path(__file__).parent / "data" / "mp_spmd4"
 OPTIMIZER = "rowwise_adagrad"  # tests/data/mp_spmd4/make.py's
@@ -30,7 +30,7 @@ def test_spmd4_checkpoint_loads_at_world_3(tmp_path: Path) -> None:
     for r in range(3):
         got = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
         try:
-            compare(got, want, torch.float64, 3)
+            compare(got, want, torch.float64, bound("", torch.float64, 3))
         except AssertionError as e:
             raise AssertionError(f"rank {r} of 3: {e}") from e
 
@@ -39,7 +39,7 @@ def test_the_fixture_is_one_process_on_the_global_batch() -> None:
     """The stored SPMD run equals one process trained on the global batch here (float64 <= 1e-10)."""
     want, ref = expected(), W.reference(OPTIMIZER, torch.float64)
     for k, v in ref["model"].items():
-        _close(want["model"][k], v, 1e-10, k)
+        _close(want["model"][k], v, 1e-10, k, torch.float64)
     for key, slots in ref["optimizer"]["state"].items():
         for slot, v in slots.items():
-            _close(want["optimizer"]["state"][key][slot], v, 1e-10, f"{key}/{slot}")
+            _close(want["optimizer"]["state"][key][slot], v, 1e-10, f"{key}/{slot}", torch.float64)

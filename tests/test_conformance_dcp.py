@@ -222,7 +222,9 @@ def test_into_a_model_built_with_stacking_off(info: OptimizerInfo) -> None:
     opt2 = make(info, plain)
     set_model_state_dict(plain, msd)
     assert_bitwise(weights(plain), weights(stacked))
-    with pytest.raises(KeyError, match="ec.tables.a.weight"):
+    # torch 2.9: KeyError; 2.13: RuntimeError "Missing optimizer state for parameter ..." (its
+    # strict=False then loads the group's tables' state as missing: nothing gained)
+    with pytest.raises((KeyError, RuntimeError), match="ec.tables.a.weight"):
         set_optimizer_state_dict(plain, opt2, osd)
     before = weights(plain)
     opt2.load_state_dict(osd)
@@ -233,7 +235,7 @@ def test_into_a_model_built_with_stacking_off(info: OptimizerInfo) -> None:
     opt3 = make(info, back)
     set_model_state_dict(back, get_model_state_dict(plain))
     plain_osd = get_optimizer_state_dict(plain, opt2)
-    with pytest.raises(KeyError, match="ec.groups.fused_0.weight"):
+    with pytest.raises((KeyError, RuntimeError), match="ec.groups.fused_0.weight"):
         set_optimizer_state_dict(back, opt3, plain_osd)
     assert not any(opt3.state.values()) and opt3._run.iterations == 0
     opt3.load_state_dict(plain_osd)

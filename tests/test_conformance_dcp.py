@@ -128,7 +128,7 @@ class NoTableSizedAllocations:
 def test_round_trip_into_a_fresh_optimizer_and_training_continues_bitwise(info: OptimizerInfo) -> None:
     data = batches()
     model = Model()
-    opt = tte.optim.use_torch_layout(make(info, model))
+    opt = make(info, model)  # no opt-in: the helpers get torch's layout
     train(model, opt, data, 3)
     msd, osd = get_model_state_dict(model), get_optimizer_state_dict(model, opt)
     # torch's layout under the parameters' module paths: the stacked group's entry, the own table's, the dense
@@ -166,7 +166,7 @@ def test_a_fresh_optimizer_gives_its_initial_state_without_stepping(info: Optimi
     """The restore flow's first call (the template ``dcp.load`` fills): no ``[V, D]`` gradient, no
     step, no weight changed; the state is each slot's initial value, as ``init_state()`` makes it."""
     model = Model()
-    opt = tte.optim.use_torch_layout(make(info, model))
+    opt = make(info, model)  # no opt-in: the helpers get torch's layout
     before = weights(model)
     with NoTableSizedAllocations(model):
         osd = get_optimizer_state_dict(model, opt)
@@ -186,12 +186,12 @@ def test_dcp_save_and_load_through_files(name: str, tmp_path: Any) -> None:
     info = next(i for i in OPTIMIZER_INFOS if i.name == name)
     data = batches()
     model = Model()
-    opt = tte.optim.use_torch_layout(make(info, model))
+    opt = make(info, model)  # no opt-in: the helpers get torch's layout
     train(model, opt, data, 3)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp_path)
     fresh = Model(seed=9)
-    opt2 = tte.optim.use_torch_layout(make(info, fresh))
+    opt2 = make(info, fresh)
     with NoTableSizedAllocations(fresh):
         tm, to = get_state_dict(fresh, opt2)
     sd = {"model": tm, "optim": to}
@@ -207,19 +207,24 @@ def test_dcp_save_and_load_through_files(name: str, tmp_path: Any) -> None:
 @pytest.mark.parametrize("info", OPTIMIZER_INFOS, ids=lambda i: i.name)
 def test_into_a_model_built_with_stacking_off(info: OptimizerInfo) -> None:
     """The model's state (per table) moves through ``set_model_state_dict``; the optimizer's, keyed
-    by parameter path (``ec.groups.fused_0.weight`` here, ``ec.tables.a.weight`` there), does not
-    pass ``set_optimizer_state_dict`` (torch looks each new path up) but loads with
-    ``load_state_dict``, which splits the group's entry per table (``tte_params``)."""
+    by parameter path (``ec.groups.fused_0.weight`` here, ``ec.tables.a.weight`` there), cannot pass
+    ``set_optimizer_state_dict``: torch's ``_split_optim_state_dict`` reads ``osd["state"][path]`` for
+    each parameter path of the loading model, before this package sees the dict, and
+    ``get_optimizer_state_dict`` writes only the saving model's parameter paths. It loads with
+    ``load_state_dict`` (the documented route), which splits the group's entry per table
+    (``tte_params``), and the other way joins per-table entries into the group."""
     data = batches()
     stacked = Model()
-    opt = tte.optim.use_torch_layout(make(info, stacked))
+    opt = make(info, stacked)
     train(stacked, opt, data, 3)
     msd, osd = get_model_state_dict(stacked), get_optimizer_state_dict(stacked, opt)
     plain = Model(fuse=False, seed=11)
     opt2 = make(info, plain)
     set_model_state_dict(plain, msd)
     assert_bitwise(weights(plain), weights(stacked))
-    with pytest.raises(KeyError, match="ec.tables.a.weight"):
+    # torch 2.9: KeyError; 2.13: RuntimeError "Missing optimizer state for parameter ..." (its
+    # strict=False then loads the group's tables' state as missing: nothing gained)
+    with pytest.raises((KeyError, RuntimeError), match="ec.tables.a.weight"):
         set_optimizer_state_dict(plain, opt2, osd)
     before = weights(plain)
     opt2.load_state_dict(osd)
@@ -229,7 +234,11 @@ def test_into_a_model_built_with_stacking_off(info: OptimizerInfo) -> None:
     back = Model(seed=12)
     opt3 = make(info, back)
     set_model_state_dict(back, get_model_state_dict(plain))
-    opt3.load_state_dict(get_optimizer_state_dict(plain, tte.optim.use_torch_layout(opt2)))
+    plain_osd = get_optimizer_state_dict(plain, opt2)
+    with pytest.raises((KeyError, RuntimeError), match="ec.groups.fused_0.weight"):
+        set_optimizer_state_dict(back, opt3, plain_osd)
+    assert not any(opt3.state.values()) and opt3._run.iterations == 0
+    opt3.load_state_dict(plain_osd)
     assert_bitwise(_ours(opt3), _ours(opt))
     train(stacked, opt, batches(5), 3)
     train(back, opt3, batches(5), 3)
@@ -243,7 +252,6 @@ def test_pre_split_checkpoints_load_and_pass_through_the_helpers(name: str) -> N
     goes through ``get_/set_optimizer_state_dict`` unchanged, and (``load_state_dict``) into a
     collection built as today's default, stacked."""
     model, opt = pre_split_build(name)
-    tte.optim.use_torch_layout(opt)
     tte.checkpoint.load(DATA / "pre_split" / f"{name}.pt", model=model, optimizer=opt)
     msd, osd = get_model_state_dict(model), get_optimizer_state_dict(model, opt)
     again, opt2 = pre_split_build(name)
@@ -264,7 +272,6 @@ def test_pre_exchange_checkpoint_loads_and_passes_through_the_helpers() -> None:
     override: two parameter groups) loads on the CPU and goes through the helpers unchanged."""
     model, opt = pre_exchange_build(torch.device("cpu"), spmd=False)
     tte.checkpoint.load_distributed(DATA / "pre_exchange" / "model.dcp", model=model, optimizer=opt)
-    tte.optim.use_torch_layout(opt)
     osd = get_optimizer_state_dict(model, opt)
     assert len(osd["param_groups"]) == 2
     again, opt2 = pre_exchange_build(torch.device("cpu"), spmd=False)
@@ -283,7 +290,7 @@ def test_flattened_state_is_refused_not_loaded_with_its_counters_lost() -> None:
     and slots have, which drops the call counter (and, for an optimizer with no slots yet, every slot)."""
     info = next(i for i in OPTIMIZER_INFOS if i.name == "adam")
     model = Model()
-    opt = tte.optim.use_torch_layout(make(info, model))
+    opt = make(info, model)  # no opt-in: the helpers get torch's layout
     train(model, opt, batches(), 2)
     flat = StateDictOptions(flatten_optimizer_state_dict=True)
     osd = get_optimizer_state_dict(model, opt, options=flat)
@@ -296,17 +303,43 @@ def test_flattened_state_is_refused_not_loaded_with_its_counters_lost() -> None:
 
 
 @pytest.mark.parametrize("info", OPTIMIZER_INFOS, ids=lambda i: i.name)
-def test_the_helpers_never_step_an_optimizer_not_turned_to_torchs_layout(info: OptimizerInfo) -> None:
-    """Without ``use_torch_layout`` the helpers cannot read our layout (``KeyError``, as documented),
-    but, before that, they no longer step a fresh optimizer with ``[V, D]`` zero gradients at lr 0
-    (on main: a table-sized ``zeros_like`` per table, and FTRL's dense weights moved)."""
+def test_the_helpers_get_torchs_layout_with_no_opt_in_and_every_other_caller_ours(info: OptimizerInfo) -> None:
+    """No ``use_torch_layout``: ``get_optimizer_state_dict`` reads torch's layout from ``state_dict()``
+    (on the branch before: ``KeyError: 'table:a'``), and ``opt.state_dict()`` called by anyone else
+    (a user, ``tte.checkpoint``) is still ours; ``use_torch_layout`` still turns it for every caller and
+    the helpers give the same dict through it. A fresh optimizer is never stepped (on main: a
+    table-sized ``zeros_like`` per table at lr 0, and FTRL's dense weights moved)."""
     model = Model()
     opt = make(info, model)
     before = weights(model)
-    with NoTableSizedAllocations(model), pytest.raises(KeyError, match="table:|param:"):
-        get_optimizer_state_dict(model, opt)
+    with NoTableSizedAllocations(model):
+        fresh_osd = get_optimizer_state_dict(model, opt)
     assert_bitwise(weights(model), before)
-    assert not any(opt.state.values()) and opt._run.iterations == 0
+    assert opt._run.iterations == 0 and fresh_osd["param_groups"][0]["iterations"] == 0
+    train(model, opt, batches(), 2)
+    ours = opt.state_dict()
+    assert {"table:a", "table:b", "table:c"} <= set(ours["state"]) and len(ours["state"]) == 7
+    assert all(k.startswith(("table:", "param:")) for k in ours["state"])
+    assert all(k.startswith(("table:", "param:")) for g in ours["param_groups"] for k in g["params"])
+    osd = get_optimizer_state_dict(model, opt)
+    assert "ec.groups.fused_0.weight" in osd["state"]
+    turned = tte.optim.use_torch_layout(opt)
+    assert turned is opt and set(opt.state_dict()["state"]) == set(range(6))
+    assert_bitwise(get_optimizer_state_dict(model, opt), osd)
+
+
+class _Subclassed(tte.optim.Adagrad):
+    def state_dict(self) -> dict[str, Any]:  # an override calling super(), as users write them
+        return super().state_dict()
+
+
+def test_a_subclass_overriding_state_dict_still_gives_the_helpers_torchs_layout() -> None:
+    model = Model()
+    opt = _Subclassed(model.parameters(), lr=0.1)
+    train(model, opt, batches(), 1)
+    assert "table:a" in opt.state_dict()["state"]
+    assert set(get_optimizer_state_dict(model, opt)["state"]) == {
+        "ec.groups.fused_0.weight", "ec.tables.c.weight", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias"}
 
 
 @pytest.mark.parametrize("bad", [
@@ -317,7 +350,7 @@ def test_the_helpers_never_step_an_optimizer_not_turned_to_torchs_layout(info: O
 def test_a_malformed_torch_layout_is_refused_before_anything_changes(bad: Any) -> None:
     info = next(i for i in OPTIMIZER_INFOS if i.name == "adagrad")
     model = Model()
-    opt = tte.optim.use_torch_layout(make(info, model))
+    opt = tte.optim.use_torch_layout(make(info, model))  # torch's layout from state_dict() itself
     train(model, opt, batches(), 2)
     sd = opt.state_dict()
     bad(sd)

@@ -13,6 +13,11 @@ weights, as ``nn.EmbeddingBag``'s ``per_sample_weights`` gets one. A frozen tabl
 ``requires_grad`` False, or a stacked member frozen with ``ec.tables.<name>.requires_grad_(False)``) has no
 row recorded, as a frozen torch parameter gets no ``.grad``; its per-id weights still get theirs.
 16-bit tables combine in float32 (their gains are float32) and cast the output to the table's dtype.
+
+Under ``torch.compile`` the backward hands its rows over through the custom operator
+``torch_tpu_embedding::add_rows`` (:func:`add_rows`), registered as a side effect, so that dynamo
+traces the backward into the graph (it traces an ``autograd.Function``'s backward only free of Python
+side effects: a graph break per lookup otherwise) and the compiled backward still records the rows.
 """
 
 from __future__ import annotations
@@ -21,15 +26,52 @@ import dataclasses
 from typing import Any
 
 import torch
+from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
 
 from torch_tpu_embedding._dtypes import compute_dtype
 from torch_tpu_embedding._grad_sync import check_not_ddp_managed
 from torch_tpu_embedding._nest import Path
-from torch_tpu_embedding._rows import RowGrad, table_info
+from torch_tpu_embedding._rows import RowGrad, row_grad_by_handle, table_info
 from torch_tpu_embedding.combiners import bag_gains, jagged_gains
 from torch_tpu_embedding.inputs import Bags
 
-__all__ = ["LookupBatch", "lookup"]
+__all__ = ["LookupBatch", "add_rows", "lookup"]
+
+
+@torch.library.custom_op("torch_tpu_embedding::add_rows", mutates_args=())
+def add_rows(handle: int, tables: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
+    """``RowGrad.add(ids, rows)`` of the RowGrad whose ``handle`` is ``handle``, and its ``reached``
+    updated with ``tables`` (names joined by ``.``, which no table name holds), from a compiled backward.
+
+    Copies: a compiled graph may reuse the memory of its intermediates once this operator returns.
+    """
+    row_grad = row_grad_by_handle(handle)
+    row_grad.add(ids.clone(), rows.clone())
+    row_grad.reached.update(t for t in tables.split(".") if t)
+
+
+@add_rows.register_fake
+def _add_rows_fake(handle: int, tables: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
+    return None
+
+
+# Ordered side effect: AOTAutograd keeps it in the backward graph (it has no output to be used), in order.
+_register_effectful_op(torch.ops.torch_tpu_embedding.add_rows.default, _EffectType.ORDERED)
+
+
+def _hand_over(ctx: Any, ids: torch.Tensor, rows: torch.Tensor) -> None:
+    """The backward's ``(ids, rows)`` into ``ctx.row_grad`` (and its tables into ``reached``); while
+    compiling, through :func:`add_rows`, which dynamo traces as an operator, not as a Python side effect."""
+    if torch.compiler.is_compiling() and ctx.handle >= 0:  # (every table's RowGrad is registered)
+        torch.ops.torch_tpu_embedding.add_rows(ctx.handle, ctx.tables_key, ids, rows)
+        return
+    ctx.row_grad.add(ids, rows)
+    ctx.row_grad.reached.update(ctx.tables)
+
+
+def _keep(ctx: Any, row_grad: RowGrad, tables: frozenset[str], frozen: torch.Tensor | None) -> None:
+    ctx.row_grad, ctx.tables, ctx.frozen = row_grad, tables, frozen
+    ctx.handle, ctx.tables_key = row_grad.handle, ".".join(sorted(tables))  # (for add_rows)
 
 
 def _gather(weight: torch.Tensor, safe: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -59,7 +101,7 @@ class _RowSparseLookup(torch.autograd.Function):
             out = torch.bmm(gains.unsqueeze(1), _gather(weight, safe, weight.dtype)).squeeze(1)
         # The weight is kept only when the gains need a gradient (it costs nothing otherwise).
         ctx.save_for_backward(ids, gains, weight if ctx.needs_input_grad[2] else None)
-        ctx.row_grad, ctx.tables, ctx.frozen = row_grad, tables, frozen
+        _keep(ctx, row_grad, tables, frozen)
         return out
 
     @staticmethod
@@ -68,8 +110,7 @@ class _RowSparseLookup(torch.autograd.Function):
     ) -> tuple[None, None, torch.Tensor | None, None, None, None]:
         ids, gains, weight = ctx.saved_tensors
         if ctx.needs_input_grad[0]:  # a frozen weight (requires_grad False) gets no gradient, as in torch
-            _record_rows(ctx.row_grad, ids, gains, grad_out, ctx.frozen)
-            ctx.row_grad.reached.update(ctx.tables)
+            _record_rows(ctx, ids, gains, grad_out)
         grad_gains = None
         if ctx.needs_input_grad[2]:  # <row, grad_out> per position; padding positions get 0 from bag_gains
             rows = _gather(weight, ids.clamp(max=weight.shape[0] - 1), gains.dtype)
@@ -77,20 +118,20 @@ class _RowSparseLookup(torch.autograd.Function):
         return None, None, grad_gains, None, None, None
 
 
-def _record_rows(
-    row_grad: RowGrad, ids: torch.Tensor, gains: torch.Tensor, grad_out: torch.Tensor, frozen: torch.Tensor | None
-) -> None:
-    """Add ``dL/de_{i_k} = gain_k · dL/dout_b`` to ``row_grad``, one row per (bag, position); padding rows
+def _record_rows(ctx: Any, ids: torch.Tensor, gains: torch.Tensor, grad_out: torch.Tensor) -> None:
+    """Add ``dL/de_{i_k} = gain_k · dL/dout_b`` to ``ctx.row_grad``, one row per (bag, position); padding rows
     are 0. Ids of frozen rows (a frozen member of a stacked group) become the sentinel: no row, no update."""
+    row_grad, frozen = ctx.row_grad, ctx.frozen
     sentinel = frozen.shape[0] if frozen is not None else 0
     if frozen is not None:
         ids = torch.where(frozen[ids.clamp(max=sentinel - 1)], sentinel, ids)
     dtype = grad_out.dtype  # the table's
-    if row_grad.keep_factored and ids.device.type != "xla":
+    if row_grad.keep_factored and ids.device.type != "xla" and not torch.compiler.is_compiling():
         row_grad.add_bags(ids, gains.to(dtype), grad_out)  # multiplied out piecewise by SGD's step
+        row_grad.reached.update(ctx.tables)
     else:
         grad_rows = (gains.unsqueeze(-1) * grad_out.to(gains.dtype).unsqueeze(1)).to(dtype)
-        row_grad.add(ids.reshape(-1), grad_rows.reshape(-1, grad_out.shape[-1]))
+        _hand_over(ctx, ids.reshape(-1), grad_rows.reshape(-1, grad_out.shape[-1]))
 
 
 def lookup(
@@ -134,7 +175,7 @@ class _JaggedLookup(torch.autograd.Function):
             rows = weight.index_select(0, ids).to(gains.dtype) * gains.unsqueeze(1)
             out = rows.new_zeros(offsets.numel() - 1, weight.shape[1]).index_add_(0, bag, rows).to(weight.dtype)
         ctx.save_for_backward(ids, gains, bag, weight if ctx.needs_input_grad[2] else None)
-        ctx.row_grad, ctx.tables, ctx.frozen = row_grad, tables, frozen
+        _keep(ctx, row_grad, tables, frozen)
         return out
 
     @staticmethod
@@ -144,11 +185,10 @@ class _JaggedLookup(torch.autograd.Function):
         ids, gains, bag, weight = ctx.saved_tensors
         per_id = grad_out.to(gains.dtype).index_select(0, bag)  # [nnz, D]: each id's bag's gradient
         if ctx.needs_input_grad[0]:  # a frozen weight gets no gradient, as in torch
-            row_grad, frozen = ctx.row_grad, ctx.frozen
+            frozen = ctx.frozen
             if frozen is not None:  # frozen members of a stacked group: their ids become the sentinel
                 ids = torch.where(frozen[ids], frozen.shape[0], ids)
-            row_grad.add(ids, (gains.unsqueeze(1) * per_id).to(grad_out.dtype))
-            row_grad.reached.update(ctx.tables)
+            _hand_over(ctx, ids, (gains.unsqueeze(1) * per_id).to(grad_out.dtype))
         grad_gains = None
         if ctx.needs_input_grad[2]:  # <row, grad_out of its bag> per id
             grad_gains = (weight.index_select(0, ids).to(gains.dtype) * per_id).sum(1)

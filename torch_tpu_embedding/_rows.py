@@ -14,6 +14,7 @@ wraps it to ``V-1``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -35,9 +36,8 @@ __all__ = [
     "register_table",
     "refuse_stacked_view",
     "register_view",
-    "retire_table",
-    "retired_count",
-    "stacked_rows",
+    "retire_table", "row_grad_by_handle",
+    "retired_count", "stacked_rows",
     "table_info",
 ]
 
@@ -76,9 +76,10 @@ class RowGrad:
     ``rows [n, M, D]``, plus a 0-d flag that is False when the lookup dropped ids (overflow).
     """
 
-    __slots__ = ("_ids", "_ok", "_rows", "exchanged", "keep_factored", "reached")
+    __slots__ = ("__weakref__", "_ids", "_ok", "_rows", "exchanged", "handle", "keep_factored", "reached")
 
     def __init__(self) -> None:
+        self.handle = -1  # not registered: a temporary (take(), local_part()), which no lookup is given
         self._ids: list[torch.Tensor] = []
         self._rows: list[torch.Tensor | BagRows] = []
         self._ok: list[torch.Tensor] = []  # owner-local chunks: whether their lookup dropped no id
@@ -91,6 +92,20 @@ class RowGrad:
         #: names of the tables whose lookups' backward added a chunk (a stacked group's members, which
         #: may have had no id of their own: bags all empty)
         self.reached: set[str] = set()
+
+    @classmethod
+    def registered(cls) -> RowGrad:  # a table's: a compiled backward names it by an int (_lookup.add_rows)
+        out = cls()
+        out.handle = next(_HANDLES)
+        _BY_HANDLE[out.handle] = out
+        return out
+
+    def __setstate__(self, state: tuple[None, dict[str, Any]]) -> None:  # deepcopy, pickle: another table's
+        for k, v in state[1].items():
+            setattr(self, k, v)
+        if self.handle >= 0:
+            self.handle = next(_HANDLES)
+            _BY_HANDLE[self.handle] = self
 
     def add(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Add ``ids [n]`` with gradient ``rows [n, D]`` (sentinel ids allowed for padding)."""
@@ -217,6 +232,11 @@ class RowGrad:
         self.reached.clear()
 
 
+_HANDLES = itertools.count()
+_BY_HANDLE: weakref.WeakValueDictionary[int, RowGrad] = weakref.WeakValueDictionary()
+row_grad_by_handle = _BY_HANDLE.__getitem__  # the live RowGrad of a handle
+
+
 @dataclasses.dataclass
 class TableInfo:
     """What the library knows about a table parameter."""
@@ -225,7 +245,7 @@ class TableInfo:
     num_embeddings: int
     #: the table's per-table optimizer override (``TableConfig.optimizer``), if any
     optimizer: Any = None
-    row_grad: RowGrad = dataclasses.field(default_factory=RowGrad)
+    row_grad: RowGrad = dataclasses.field(default_factory=RowGrad.registered)
     #: how the table is laid out on a device mesh (set by :func:`torch_tpu_embedding.xla.shard`);
     #: optimizer slots are created with the same layout
     sharding: Any = None

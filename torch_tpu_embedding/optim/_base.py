@@ -369,12 +369,12 @@ class RowSparseOptimizer(torch.optim.Optimizer):
 
         Hooks as in torch.optim: ``register_state_dict_pre_hook``'s ``hook(optimizer)`` first, then
         ``register_state_dict_post_hook``'s ``hook(optimizer, state_dict)``, whose non-``None`` result
-        replaces the state dict. :func:`~torch_tpu_embedding.optim.use_torch_layout` registers such
-        hooks: torch.optim's layout, for ``torch.distributed.checkpoint.state_dict``'s helpers.
+        replaces the state dict. Called by ``torch.distributed.checkpoint.state_dict``'s helpers, it
+        gives torch.optim's layout (optim/_torch_layout.py); ``use_torch_layout`` gives it to every caller.
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        out = _state_io.state_dict(self)
+        out = _torch_layout.state_dict(self)  # (torch.optim's layout when torch's DCP helpers ask)
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, out)
             if result is not None:

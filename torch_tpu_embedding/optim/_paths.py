@@ -145,9 +145,13 @@ def _update_dense(item: Work, space: RowSpace, g: Tensor) -> None:
         new = {k: torch.where(frozen.view(-1, *[1] * (v.dim() - 1)), slots[k].to(v.dtype), v)
                if v.dim() and v.shape[0] == p.shape[0] else v for k, v in new.items()}
     for k in names:
-        space.write(k, gated(gate, new[k].to(slots[k].dtype), slots[k]))
-    state["step"].copy_(gated(gate, step, state["step"]))
-    p.copy_(gated(gate, w, w0))
+        value = gated(gate, new[k].to(slots[k].dtype), slots[k])
+        if k in space.where.numbers:
+            space.write(k, value)
+        else:
+            _write(state[k], value)
+    _write(state["step"], gated(gate, step, state["step"]))
+    _write(p, gated(gate, w, w0))
 
 
 def _update_additive(item: Work) -> None:
@@ -201,10 +205,10 @@ def _update_rows(item: Work, space: RowSpace, ids: Tensor, g: Tensor, seg: Tenso
     new = {k: gated(gate, new[k].to(slots[k].dtype), slots[k]) for k in names}
     if item.step_now is None:  # the first chunk counts the step; later chunks use the same count
         item.step_now = step
-        state["step"].copy_(gated(gate, step, state["step"]))
+        _write(state["step"], gated(gate, step, state["step"]))
     for k in names:
         if k not in where.numbers:
-            state[k].copy_(new[k])
+            _write(state[k], new[k])
         elif dedup:  # ids are unique: write the rows
             state[k].index_copy_(0, where.at(k, ids), new[k])
         else:  # ids repeat: add the changes
@@ -218,6 +222,16 @@ def _update_rows(item: Work, space: RowSpace, ids: Tensor, g: Tensor, seg: Tenso
             ema_rows(item, space, ids, w0, w.to(p.dtype).to(w0.dtype))  # the stored weight
         else:
             ema_rows(item, space, ema_ids, ema_w0, p.index_select(0, ema_ids.clamp(max=sentinel - 1)).to(w0.dtype))
+
+
+def _write(dst: Tensor, value: Tensor) -> None:
+    """``dst.copy_(value)``. Under ``torch.compile`` a 0-d ``dst`` is written through a 1-element view:
+    torch (2.9 to 2.13) silently drops an in-place write to a 0-d float64 or integer CPU graph input (its
+    fake tensor memoises ``.item()`` as a symbol, which the ``tensorify_python_scalars`` pass then
+    specialises), but not one to a view of it (Adafactor's ``r_sum``; tests/test_conformance_compile.py)."""
+    if dst.dim() == 0 and torch.compiler.is_compiling():
+        dst, value = dst.view(1), value.reshape(1)
+    dst.copy_(value)
 
 
 def _whole_slots(p: Tensor, group: Mapping[str, Any]) -> bool:

@@ -2,24 +2,27 @@
 
 Our ``state_dict()`` keys state by table (``table:<name>``, ``param:<...>``: optim/_state_io.py), so
 that it moves between stacked and unstacked collections. torch's helpers
-(``get_optimizer_state_dict`` / ``set_optimizer_state_dict``, TorchTitan's checkpointing) need
-torch.optim's layout instead: ``state`` keyed by each parameter's position in ``param_groups`` (they
-rename positions to the parameter's module path), ``params`` lists of positions, nothing beside
-``state`` and ``param_groups``.
+(``get_optimizer_state_dict`` / ``get_state_dict``, TorchTitan's checkpointing) need torch.optim's
+layout instead: ``state`` keyed by each parameter's position in ``param_groups`` (they rename
+positions to the parameter's module path), ``params`` lists of positions, nothing beside ``state``
+and ``param_groups``.
 
-:func:`use_torch_layout` turns an optimizer's ``state_dict`` to that layout with torch.optim's own
-hooks: a pre-hook creates every slot (the helpers need an entry per parameter), a post-hook writes
-torch's layout (:func:`to_torch_layout`). ``load_state_dict`` reads either layout
-(:func:`from_torch_layout`, called by ``RowSparseOptimizer.load_state_dict``). One entry per
-parameter: a stacked group's entry holds its tables' state joined in their logical rows
-(``[Σ num_embeddings, ...]``). Each saved group keeps, under ``tte_params``, every parameter's tables
-and rows (and a group's row slots), so a group's entry is split per table again and loads into a
-collection stacked otherwise; and, under ``iterations`` / ``skipped_steps``, the optimizer's call
-counters (torch's helpers keep only ``state`` and ``param_groups``).
+:func:`state_dict` gives them that layout with no opt-in: when the caller of ``opt.state_dict()`` is
+torch's helper (:func:`called_by_torch_helpers`), every slot is created (the helpers need an entry per
+parameter) and the state is turned to torch's layout (:func:`to_torch_layout`); every other caller
+(``tte.checkpoint``, a user) gets ours. :func:`use_torch_layout` makes ``state_dict()`` torch's layout
+for every caller. ``load_state_dict`` reads either layout (:func:`from_torch_layout`, called by
+``RowSparseOptimizer.load_state_dict``). One entry per parameter: a stacked group's entry holds its
+tables' state joined in their logical rows (``[Σ num_embeddings, ...]``). Each saved group keeps,
+under ``tte_params``, every parameter's tables and rows (and a group's row slots), so a group's entry
+is split per table again and loads into a collection stacked otherwise; and, under ``iterations`` /
+``skipped_steps``, the optimizer's call counters (torch's helpers keep only ``state`` and
+``param_groups``).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -27,24 +30,54 @@ import torch
 
 from torch_tpu_embedding._member_state import merge_member_state, split_member_state
 from torch_tpu_embedding._rows import table_info
+from torch_tpu_embedding.optim import _state_io
 from torch_tpu_embedding.optim._slots import logical_rows, specs
 from torch_tpu_embedding.optim._state_io import param_keys
 
 if TYPE_CHECKING:
     from torch_tpu_embedding.optim._base import RowSparseOptimizer
 
-__all__ = ["from_torch_layout", "to_torch_layout", "use_torch_layout"]
+__all__ = ["called_by_torch_helpers", "from_torch_layout", "state_dict", "to_torch_layout", "use_torch_layout"]
 
 _TTE = "tte_params"  # a saved group's key: per parameter, {"keys", "rows", "row_slots"}
 _COUNTERS = ("iterations", "skipped_steps")
 _UNSAVED = "tte_unsaved"  # a saved group's key: the keys saved as None placeholders (see to_torch_layout)
+# Where torch's helpers call ``optim.state_dict()`` (torch 2.9 to 2.13: ``_get_optim_state_dict``, which
+# ``get_optimizer_state_dict``, ``get_state_dict`` and a full-state-dict ``set_*`` go through).
+_HELPERS_MODULE = "torch.distributed.checkpoint.state_dict"
+_HELPERS_CALLER = "_get_optim_state_dict"
+
+
+def called_by_torch_helpers() -> bool:
+    """Whether the ``state_dict()`` running now was called by ``torch.distributed.checkpoint.
+    state_dict``'s helpers: the first frame above the ``state_dict`` methods (ours, and a subclass's
+    override calling ``super()``) is torch's ``_get_optim_state_dict``.
+
+    The helpers call ``optim.state_dict()`` and rename its integer keys, so they cannot read our
+    layout; they give the optimizer no other way to learn who asks (no argument, no flag).
+    """
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_name == "state_dict":
+        frame = frame.f_back  # type: ignore[assignment]
+    return frame is not None and frame.f_code.co_name == _HELPERS_CALLER \
+        and frame.f_globals.get("__name__") == _HELPERS_MODULE
+
+
+def state_dict(optimizer: RowSparseOptimizer) -> dict[str, Any]:
+    """``optimizer``'s state in our layout, or, when torch's helpers ask (:func:`called_by_torch_helpers`),
+    in torch.optim's, every slot created first (a fresh optimizer's template has an entry per parameter)."""
+    if not called_by_torch_helpers() or getattr(optimizer, "_tte_torch_layout", False):
+        return _state_io.state_dict(optimizer)  # (use_torch_layout's hooks turn it, user hooks between)
+    optimizer.init_state()
+    return to_torch_layout(optimizer, _state_io.state_dict(optimizer))
 
 
 def use_torch_layout(optimizer: RowSparseOptimizer) -> RowSparseOptimizer:
-    """Give ``optimizer`` torch.optim's ``state_dict`` layout, for ``torch.distributed.checkpoint.
-    state_dict``'s ``get_optimizer_state_dict`` (and ``get_state_dict``); returns it.
+    """Make ``optimizer.state_dict()`` torch.optim's layout for every caller; returns ``optimizer``.
 
-    Registers a ``state_dict`` pre-hook (every slot created, as
+    Not needed for ``torch.distributed.checkpoint.state_dict``'s helpers (since 2026-11-26 they get
+    torch's layout without it: :func:`state_dict`); kept for code that calls it, and for reading torch's
+    layout from ``state_dict()`` itself. Registers a ``state_dict`` pre-hook (every slot created, as
     :meth:`~RowSparseOptimizer.init_state`) and post-hook (:func:`to_torch_layout`). Loading needs
     nothing: ``load_state_dict`` takes either layout. Calling it again changes nothing.
     """
@@ -79,7 +112,10 @@ def _members(desc: Mapping[str, Any]) -> tuple[tuple[str, int, int], ...]:
 
 
 def to_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
-    """``state_dict`` post-hook: our layout ``sd`` → torch.optim's (positions; see the module)."""
+    """``state_dict`` post-hook: our layout ``sd`` → torch.optim's (positions; see the module); ``sd``
+    itself when it is torch's already (torch's helpers asked: :func:`state_dict` turned it)."""
+    if not _is_ours(sd):
+        return sd
     keys = param_keys(opt)  # type: ignore[arg-type]
     state: dict[int, dict[str, Any]] = {}
     groups: list[dict[str, Any]] = []

@@ -34,7 +34,8 @@ def _path_of(cfg: OptimizerConfig) -> Path:
         _fused_update.set_enabled(before)
 
 
-# SGD without options adds rule(0, g) per id (Path.ADDITIVE): there is no row update to fuse.
+# Every configuration with a per-row rule, SGD without options included (FUSED sums per id where the
+# kernel runs; with the fused path off it adds rule(0, g) per id, Path.ADDITIVE, see step()).
 CASES = [c for c in cases(FUSED_PATH) if _path_of(c) is Path.FUSED]
 
 
@@ -91,11 +92,15 @@ def step(ec: tte.EmbeddingCollection, head: torch.nn.Linear, opt: Any, s: int, s
 
     before = _fused_update.set_enabled(fused)
     _base.update = spy  # type: ignore[assignment]
+    # The reference of SGD's fused update is its summed-rows path (ROW_CHUNKS), not rule(0, g) added per
+    # id (ADDITIVE, which rounds differently; tests/test_optim_reference.py checks it).
+    additive, tte.optim.SGD.additive = tte.optim.SGD.additive, fused
     try:
         opt.step()
     finally:
         _base.update = real  # type: ignore[assignment]
         _fused_update.set_enabled(before)
+        tte.optim.SGD.additive = additive
     opt.zero_grad()
     return ran
 
@@ -350,3 +355,73 @@ def test_a_recompile_limit_hit_later_sends_that_table_to_the_reference_path(monk
     for s in range(3):
         step(*ref, s, 1.0, fused=s == 0)
     assert_same(ours, ref, "after the fallback")
+
+
+@needs_compiler
+@pytest.mark.parametrize("name", ["sgd", "rowwise_adagrad", "lazy_adam"])
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("chunk", [None, 7], ids=["one-range", "ranges-of-7"])
+def test_summed_rows_by_range_equal_the_reference_path(name: str, combiner: str, chunk: int | None,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The duplicate sum of the fused path (ids sorted once, rows summed by ``embedding_bag`` a range of
+    ids at a time, ``optim/_row_sums.py``) against the reference path, within 1e-6 after every call: two
+    features on one table (bags of up to 6 ids with per-id weights, heavy duplicates and empty bags; one
+    id per bag), a jagged feature on a second table, every combiner; ``ranges-of-7``: the kernel runs on
+    ranges of 7 ids (a last range of 1 id joins the one before), as it runs on 8,192 at full size. Each
+    call starts from the reference's state (last-bit differences of the sums are not carried on)."""
+    if chunk is not None:
+        monkeypatch.setattr(_fused_update, "chunk_rows", lambda dim: chunk)
+        assert _fused_update._spans(22, 7) == [(0, 7), (7, 14), (14, 22)]  # 1 left over: joined
+    cfg = next(c for c in cases(FUSED_PATH) if c.id == name)
+
+    def build() -> tuple[tte.EmbeddingCollection, Any]:
+        torch.manual_seed(0)
+        t = tte.TableConfig(60, 5, name="t", combiner=combiner)
+        u = tte.TableConfig(40, 5, name="u", combiner=combiner)
+        ec = tte.EmbeddingCollection({"a": tte.FeatureConfig(t, max_ids_per_bag=6), "b": tte.FeatureConfig(t),
+                                      "c": tte.FeatureConfig(u)}, fuse_tables=False)
+        return ec, cfg.make(ec.parameters())
+
+    runs = {True: build(), False: build()}
+    real = _paths.update
+    for s in range(3):
+        ran: dict[bool, set[Path]] = {}
+        for fused, (ec, opt) in runs.items():
+            g = torch.Generator().manual_seed(s)
+            ids = torch.randint(0, 12, (25, 6), generator=g)  # 12 of 60 rows: many duplicates
+            mask = torch.rand(25, 6, generator=g) < 0.7
+            mask[::5] = False  # empty bags
+            lengths = torch.randint(0, 4, (9,), generator=g)
+            out = ec({"a": tte.Padded(ids, mask, torch.rand(25, 6, generator=g) + 0.5),
+                      "b": torch.randint(0, 60, (25,), generator=g),
+                      "c": tte.Jagged(torch.randint(0, 40, (int(lengths.sum()),), generator=g), lengths=lengths)})
+            ((out["a"] * out["b"]).square().sum() + out["c"].sum() * 3).backward()
+            paths: list[Path] = []
+
+            def spy(item: Any, paths: list[Path] = paths) -> None:
+                real(item)
+                paths.append(item.path)
+
+            before = _fused_update.set_enabled(fused)
+            monkeypatch.setattr("torch_tpu_embedding.optim._base.update", spy)
+            monkeypatch.setattr(tte.optim.SGD, "additive", fused)  # SGD's reference: summed rows (as step())
+            try:
+                opt.step()
+            finally:
+                _fused_update.set_enabled(before)
+                monkeypatch.setattr("torch_tpu_embedding.optim._base.update", real)
+                monkeypatch.setattr(tte.optim.SGD, "additive", True)
+            opt.zero_grad()
+            ran[fused] = set(paths)
+        assert ran == {True: {Path.FUSED}, False: {Path.ROW_CHUNKS}}, ran
+        pairs = zip(*[[(p.detach(), dict(opt.state[p])) for p in ec.parameters()] for ec, opt in runs.values()],
+                    strict=True)
+        for (a, sa), (b, sb) in pairs:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m, s=s: f"call {s}: {m}")
+            for k in sa:
+                torch.testing.assert_close(sa[k], sb[k], rtol=1e-6, atol=1e-6,
+                                           msg=lambda m, k=k, s=s: f"call {s}: {k}: {m}")
+            with torch.no_grad():  # the next call starts from the same state (as run_lockstep)
+                a.copy_(b)
+                for k in sa:
+                    sa[k].copy_(sb[k])

@@ -76,7 +76,7 @@ def test_sparse_coo_grad_takes_the_row_paths() -> None:
 def test_with_fused_updates_on_the_row_chunk_cases_take_fused(cls: Any, kwargs: dict[str, Any], which: str,
                                                               expected: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``TTE_FUSED_UPDATE`` on (the suite runs with it off, tests/conftest.py): every eager per-row
-    update with summed rows is ``FUSED``; the other paths do not change. tests/test_fused_update.py
+    update with summed rows, and SGD's ``ADDITIVE``, is ``FUSED``; the other paths do not change. tests/test_fused_update.py
     steps each optimizer on it."""
     from torch_tpu_embedding.optim import _fused_update
 
@@ -84,7 +84,8 @@ def test_with_fused_updates_on_the_row_chunk_cases_take_fused(cls: Any, kwargs: 
     ec, head = model()
     opt = cls([*ec.parameters(), *head.parameters()], **kwargs)
     p = ec.tables.t.weight if which == "table" else head.weight
-    want = Path.FUSED if expected is Path.ROW_CHUNKS else expected
+    # SGD too: where the kernel runs it sums per id and updates each distinct row once
+    want = Path.FUSED if expected in (Path.ROW_CHUNKS, Path.ADDITIVE) else expected
     assert choose_path(p, opt.param_groups[0], row_grad=which == "table") is want
     if which == "table":
         ec16 = tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(10, 3, name="h", dtype=torch.bfloat16))})

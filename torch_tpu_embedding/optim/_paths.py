@@ -6,9 +6,9 @@ only in which rows they hand it and how the results are written back:
 ====================  ==========================================================================
 ``DENSE``             every row: dense parameters, and tables of non-lazy optimizers (``g = 0``
                       where a row was not looked up; O(V·D), as TF's non-lazy Adam)
-``ADDITIVE``          eager, the rule is additive (SGD) and no option needs the summed rows:
-                      ``rule(0, g)`` is added per looked-up id with ``index_add_`` — no dedup,
-                      gather or scatter
+``ADDITIVE``          eager, the rule is additive (SGD), no option needs the summed rows and
+                      ``FUSED`` is off: ``rule(0, g)`` is added per looked-up id with
+                      ``index_add_`` — no dedup, gather or scatter
 ``NO_DEDUP``          ``use_gradient_accumulation=False``: every contribution updates from the same
                       old rows and the changes are added (exact for SGD, an approximation otherwise)
 ``ROWS``              duplicates summed, the touched rows in one pass: XLA (one static-shape
@@ -86,7 +86,10 @@ def choose_path(p: Tensor, group: Mapping[str, Any], *, row_grad: bool) -> Path:
         return Path.DENSE
     static = is_static_device(p.device)
     if cls.additive and not static and not any(group.get(k) not in (None, False, 0) for k in _NEEDS_SUMMED_ROWS):
-        return Path.ADDITIVE
+        # Where the fused kernel runs, SGD sums per id and updates each distinct row once (FUSED)
+        # instead of an index_add_ per looked-up id (docs/benchmarks.md has both measured).
+        if not (group["use_gradient_accumulation"] and _fused_update.usable(p)):
+            return Path.ADDITIVE
     if not group["use_gradient_accumulation"]:
         return Path.NO_DEDUP
     if static or _whole_slots(p, group):

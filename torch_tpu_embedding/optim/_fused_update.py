@@ -241,7 +241,8 @@ def _call(fn: Callable[..., None], args: tuple[Any, ...]) -> None:
 
 def chunk_rows(dim: int) -> int:
     """Distinct ids per kernel call on the CPU when the summed rows are made a range at a time: 2 MB of
-    float32 rows (8,192 rows of 64), at least 1,024 rows (each call costs some 50 µs of Python)."""
+    float32 rows (8,192 rows of 64), at least 1,024 rows (each call costs some 50 µs of Python). Steps
+    of at most 4 such ranges run in one call."""
     return max(1024, _CHUNK_BYTES // (4 * max(dim, 1)))
 
 
@@ -299,7 +300,9 @@ def update(item: Work) -> bool:
         momentum_now(group, clock, p.device, math_dtype(p)) if ema else None,
     )
     sums, n = item.sums, ids.shape[0]
-    spans = _spans(n, chunk_rows(p.shape[1])) if sums is not None and p.device.type == "cpu" else [(0, n)]
+    chunk = chunk_rows(p.shape[1])
+    # Ranges where the arrays would outgrow the cache many times over; one call below (each costs Python).
+    spans = _spans(n, chunk) if sums is not None and p.device.type == "cpu" and n > 4 * chunk else [(0, n)]
     for start, stop in spans:
         g = item.g if sums is None else sums.rows(start, stop)
         # Not views: the compiled code would guard on each view's base (its size, and whether there is one).

@@ -26,7 +26,7 @@ from torch_tpu_embedding.optim._paths import Path, choose_path
 
 
 def _path_of(cfg: OptimizerConfig) -> Path:
-    """The path of ``cfg`` with a lookup of bags of 3 ids pending (SGD's path depends on the ids per bag)."""
+    """The path of ``cfg`` with a lookup of bags of 3 ids pending, as in a step."""
     t = tte.TableConfig(4, 2, name="t")
     ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(t, max_ids_per_bag=3)})
     ec.tables.t.row_grad.keep_factored = True  # as every step but the first has it
@@ -38,8 +38,7 @@ def _path_of(cfg: OptimizerConfig) -> Path:
         _fused_update.set_enabled(before)
 
 
-# Every configuration with a per-row rule, SGD without options included (FUSED sums per id where the
-# kernel runs; with the fused path off it adds rule(0, g) per id, Path.ADDITIVE, see step()).
+# SGD without options adds rule(0, g) per id (Path.ADDITIVE): there is no row update to fuse.
 CASES = [c for c in cases(FUSED_PATH) if _path_of(c) is Path.FUSED]
 
 
@@ -96,15 +95,11 @@ def step(ec: tte.EmbeddingCollection, head: torch.nn.Linear, opt: Any, s: int, s
 
     before = _fused_update.set_enabled(fused)
     _base.update = spy  # type: ignore[assignment]
-    # The reference of SGD's fused update is its summed-rows path (ROW_CHUNKS), not rule(0, g) added per
-    # id (ADDITIVE, which rounds differently; tests/test_optim_reference.py checks it).
-    additive, tte.optim.SGD.additive = tte.optim.SGD.additive, fused
     try:
         opt.step()
     finally:
         _base.update = real  # type: ignore[assignment]
         _fused_update.set_enabled(before)
-        tte.optim.SGD.additive = additive
     opt.zero_grad()
     return ran
 
@@ -129,7 +124,7 @@ def run_lockstep(cfg: OptimizerConfig, dtype: torch.dtype = torch.float32, steps
     same state (differences in the last bit are not carried on). Returns the calls that were bitwise
     equal."""
     fused, ref = model(cfg, dtype), model(cfg, dtype)
-    if dtype == torch.float32:  # every call as in a long run: the lookups' rows kept factored (SGD: FUSED)
+    if dtype == torch.float32:  # every call as in a long run: the lookups' rows kept factored
         for p in fused[0].parameters():
             info = table_info(p)
             assert info is not None
@@ -367,7 +362,7 @@ def test_a_recompile_limit_hit_later_sends_that_table_to_the_reference_path(monk
 
 
 @needs_compiler
-@pytest.mark.parametrize("name", ["sgd", "rowwise_adagrad", "lazy_adam"])
+@pytest.mark.parametrize("name", ["adagrad", "rowwise_adagrad", "lazy_adam"])
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
 @pytest.mark.parametrize("chunk", [None, 3], ids=["one-range", "ranges-of-3"])
 def test_summed_rows_by_range_equal_the_reference_path(name: str, combiner: str, chunk: int | None,
@@ -388,7 +383,7 @@ def test_summed_rows_by_range_equal_the_reference_path(name: str, combiner: str,
         t = tte.TableConfig(60, 5, name="t", combiner=combiner)
         ec = tte.EmbeddingCollection({"a": tte.FeatureConfig(t, max_ids_per_bag=6), "b": tte.FeatureConfig(t),
                                       "c": tte.FeatureConfig(t)})
-        ec.tables.t.row_grad.keep_factored = True  # as every step but the first has it (SGD: FUSED)
+        ec.tables.t.row_grad.keep_factored = True  # as every step but the first has it
         return ec, cfg.make(ec.parameters())
 
     runs = {True: build(), False: build()}
@@ -413,13 +408,11 @@ def test_summed_rows_by_range_equal_the_reference_path(name: str, combiner: str,
 
             before = _fused_update.set_enabled(fused)
             monkeypatch.setattr("torch_tpu_embedding.optim._base.update", spy)
-            monkeypatch.setattr(tte.optim.SGD, "additive", fused)  # SGD's reference: summed rows (as step())
             try:
                 opt.step()
             finally:
                 _fused_update.set_enabled(before)
                 monkeypatch.setattr("torch_tpu_embedding.optim._base.update", real)
-                monkeypatch.setattr(tte.optim.SGD, "additive", True)
             opt.zero_grad()
             ran[fused] = set(paths)
         assert ran == {True: {Path.FUSED}, False: {Path.ROW_CHUNKS}}, ran

@@ -76,7 +76,7 @@ def test_sparse_coo_grad_takes_the_row_paths() -> None:
 def test_with_fused_updates_on_the_row_chunk_cases_take_fused(cls: Any, kwargs: dict[str, Any], which: str,
                                                               expected: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``TTE_FUSED_UPDATE`` on (the suite runs with it off, tests/conftest.py): every eager per-row
-    update with summed rows is ``FUSED``; the other paths do not change (SGD: see below). tests/test_fused_update.py
+    update with summed rows is ``FUSED``; the other paths do not change (SGD's ``ADDITIVE`` included). tests/test_fused_update.py
     steps each optimizer on it."""
     from torch_tpu_embedding.optim import _fused_update
 
@@ -112,24 +112,3 @@ def test_owner_local_is_chosen_for_a_table_trained_through_the_id_exchange() -> 
         assert choose_path(p, opt.param_groups[0], row_grad=True) is Path.OWNER_LOCAL
     assert choose_path(head.weight, O.Adagrad(head.parameters()).param_groups[0], row_grad=False) is Path.DENSE
 
-
-def test_sgd_takes_fused_with_bags_of_several_ids_and_additive_with_single_ids(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the fused path on, SGD's path depends on the pending lookups: bags of 2 ids or more per bag on
-    average sum per id on ``FUSED``; single ids (and the first step, whose rows arrive multiplied out)
-    add ``rule(0, g)`` per id (``ADDITIVE``); the fused path off, always ``ADDITIVE``."""
-    from torch_tpu_embedding.optim import _fused_update
-
-    monkeypatch.setattr(_fused_update, "_ENABLED", True)
-    for bag, expected in ((4, Path.FUSED), (1, Path.ADDITIVE)):
-        t = tte.TableConfig(50, 3, name="t")
-        ec = tte.EmbeddingCollection({"a": tte.FeatureConfig(t, max_ids_per_bag=bag if bag > 1 else None)})
-        p = ec.tables.t.weight
-        group = O.SGD(ec.parameters(), lr=0.1).param_groups[0]
-        assert choose_path(p, group, row_grad=True) is Path.ADDITIVE  # nothing pending
-        ec.tables.t.row_grad.keep_factored = True  # as a step on either path leaves it: the bags kept factored
-        ids = torch.randint(0, 50, (8, bag)) if bag > 1 else torch.randint(0, 50, (8,))
-        ec({"a": tte.Padded(ids) if bag > 1 else ids})["a"].sum().backward()
-        assert choose_path(p, group, row_grad=True) is expected, bag
-        monkeypatch.setattr(_fused_update, "_ENABLED", False)
-        assert choose_path(p, group, row_grad=True) is Path.ADDITIVE
-        monkeypatch.setattr(_fused_update, "_ENABLED", True)

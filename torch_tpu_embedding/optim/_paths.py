@@ -6,9 +6,9 @@ only in which rows they hand it and how the results are written back:
 ====================  ==========================================================================
 ``DENSE``             every row: dense parameters, and tables of non-lazy optimizers (``g = 0``
                       where a row was not looked up; O(V·D), as TF's non-lazy Adam)
-``ADDITIVE``          eager, the rule is additive (SGD), no option needs the summed rows and
-                      ``FUSED`` is off or the bags hold about one id: ``rule(0, g)`` is added
-                      per looked-up id with ``index_add_`` — no dedup, gather or scatter
+``ADDITIVE``          eager, the rule is additive (SGD) and no option needs the summed rows:
+                      ``rule(0, g)`` is added per looked-up id with ``index_add_`` — no dedup,
+                      gather or scatter
 ``NO_DEDUP``          ``use_gradient_accumulation=False``: every contribution updates from the same
                       old rows and the changes are added (exact for SGD, an approximation otherwise)
 ``ROWS``              duplicates summed, the touched rows in one pass: XLA (one static-shape
@@ -42,7 +42,7 @@ import torch
 from torch_tpu_embedding._dedup import drop_sentinel, is_static_device, unique_ids
 from torch_tpu_embedding._dtypes import math_dtype
 from torch_tpu_embedding._registry import optimizer_class
-from torch_tpu_embedding._rows import BagRows, table_info
+from torch_tpu_embedding._rows import table_info
 from torch_tpu_embedding.optim import _fused_update
 from torch_tpu_embedding.optim._contract import RowContext
 from torch_tpu_embedding.optim._ema import ema_rows
@@ -86,30 +86,15 @@ def choose_path(p: Tensor, group: Mapping[str, Any], *, row_grad: bool) -> Path:
         return Path.DENSE
     static = is_static_device(p.device)
     if cls.additive and not static and not any(group.get(k) not in (None, False, 0) for k in _NEEDS_SUMMED_ROWS):
-        # With bags of several ids, where the fused kernel runs, SGD sums per id and updates each distinct
-        # row once (FUSED) instead of an index_add_ per looked-up id; with about one id per bag that sort
-        # and gather cost more than they save (docs/benchmarks.md has both measured).
-        if not (group["use_gradient_accumulation"] and _fused_update.usable(p) and _several_ids_per_bag(p)):
-            return Path.ADDITIVE
+        # Not FUSED, even where it runs: one index_add_ per looked-up id reads and writes each row once,
+        # as the kernel's gather and scatter do, without their sort and sum (measured slower on FUSED at
+        # 1 and 20 ids per bag, docs/benchmarks.md).
+        return Path.ADDITIVE
     if not group["use_gradient_accumulation"]:
         return Path.NO_DEDUP
     if static or _whole_slots(p, group):
         return Path.ROWS
     return Path.FUSED if _fused_update.usable(p) else Path.ROW_CHUNKS
-
-
-def _several_ids_per_bag(p: Tensor) -> bool:
-    """The pending lookups of table ``p`` hold 2 ids or more per bag (read from the pending
-    :class:`~torch_tpu_embedding._rows.RowGrad`: factored bags count as one source row each, rows
-    multiplied out as one per id)."""
-    info = table_info(p)
-    if info is None:
-        return False
-    ids = bags = 0
-    for part_ids, rows in info.row_grad.chunks():
-        ids += part_ids.numel()
-        bags += rows.gains.shape[0] if isinstance(rows, BagRows) else part_ids.numel()
-    return ids >= 2 * max(bags, 1)
 
 
 def row_chunk() -> int:

@@ -76,7 +76,7 @@ def test_sparse_coo_grad_takes_the_row_paths() -> None:
 def test_with_fused_updates_on_the_row_chunk_cases_take_fused(cls: Any, kwargs: dict[str, Any], which: str,
                                                               expected: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``TTE_FUSED_UPDATE`` on (the suite runs with it off, tests/conftest.py): every eager per-row
-    update with summed rows is ``FUSED``; the other paths do not change (SGD's ``ADDITIVE`` included). tests/test_fused_update.py
+    update with summed rows is ``FUSED``; the other paths do not change. tests/test_fused_update.py
     steps each optimizer on it."""
     from torch_tpu_embedding.optim import _fused_update
 
@@ -111,4 +111,3 @@ def test_owner_local_is_chosen_for_a_table_trained_through_the_id_exchange() -> 
                 O.Adagrad([p], lr=0.1, use_gradient_accumulation=False)):
         assert choose_path(p, opt.param_groups[0], row_grad=True) is Path.OWNER_LOCAL
     assert choose_path(head.weight, O.Adagrad(head.parameters()).param_groups[0], row_grad=False) is Path.DENSE
-

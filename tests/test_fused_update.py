@@ -20,13 +20,17 @@ import torch
 from optim_registry import FUSED_PATH, OptimizerConfig, cases
 
 import torch_tpu_embedding as tte
+from torch_tpu_embedding._rows import table_info
 from torch_tpu_embedding.optim import _fused_update, _paths
 from torch_tpu_embedding.optim._paths import Path, choose_path
 
 
 def _path_of(cfg: OptimizerConfig) -> Path:
+    """The path of ``cfg`` with a lookup of bags of 3 ids pending, as in a step."""
     t = tte.TableConfig(4, 2, name="t")
-    ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(t)})
+    ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(t, max_ids_per_bag=3)})
+    ec.tables.t.row_grad.keep_factored = True  # as every step but the first has it
+    ec({"f": tte.Padded(torch.tensor([[0, 1, 1], [2, 3, 0]]))})["f"].sum().backward()
     before = _fused_update.set_enabled(True)
     try:
         return choose_path(ec.tables.t.weight, cfg.make(ec.parameters()).param_groups[0], row_grad=True)
@@ -120,6 +124,11 @@ def run_lockstep(cfg: OptimizerConfig, dtype: torch.dtype = torch.float32, steps
     same state (differences in the last bit are not carried on). Returns the calls that were bitwise
     equal."""
     fused, ref = model(cfg, dtype), model(cfg, dtype)
+    if dtype == torch.float32:  # every call as in a long run: the lookups' rows kept factored
+        for p in fused[0].parameters():
+            info = table_info(p)
+            assert info is not None
+            info.row_grad.keep_factored = True
     k = cfg.kwargs.get("gradient_accumulation_steps") or 1
     bitwise = 0
     for s in range(steps * k):
@@ -350,3 +359,71 @@ def test_a_recompile_limit_hit_later_sends_that_table_to_the_reference_path(monk
     for s in range(3):
         step(*ref, s, 1.0, fused=s == 0)
     assert_same(ours, ref, "after the fallback")
+
+
+@needs_compiler
+@pytest.mark.parametrize("name", ["adagrad", "rowwise_adagrad", "lazy_adam"])
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("chunk", [None, 3], ids=["one-range", "ranges-of-3"])
+def test_summed_rows_by_range_equal_the_reference_path(name: str, combiner: str, chunk: int | None,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The duplicate sum of the fused path (ids sorted once, rows summed by ``embedding_bag`` a range of
+    ids at a time, ``optim/_row_sums.py``) against the reference path, within 1e-6 after every call: two
+    features on one table (bags of up to 6 ids with per-id weights, heavy duplicates and empty bags; one
+    id per bag; a jagged feature, whose rows arrive multiplied out), every combiner; ``ranges-of-3``: the
+    kernel runs on ranges of 3 ids (a last range of 1 id joins the one before), as on 8,192 at full size. Each
+    call starts from the reference's state (last-bit differences of the sums are not carried on)."""
+    if chunk is not None:
+        monkeypatch.setattr(_fused_update, "chunk_rows", lambda dim: chunk)
+        assert _fused_update._spans(22, 7) == [(0, 7), (7, 14), (14, 22)]  # 1 left over: joined
+    cfg = next(c for c in cases(FUSED_PATH) if c.id == name)
+
+    def build() -> tuple[tte.EmbeddingCollection, Any]:
+        torch.manual_seed(0)
+        t = tte.TableConfig(60, 5, name="t", combiner=combiner)
+        ec = tte.EmbeddingCollection({"a": tte.FeatureConfig(t, max_ids_per_bag=6), "b": tte.FeatureConfig(t),
+                                      "c": tte.FeatureConfig(t)})
+        ec.tables.t.row_grad.keep_factored = True  # as every step but the first has it
+        return ec, cfg.make(ec.parameters())
+
+    runs = {True: build(), False: build()}
+    real = _paths.update
+    for s in range(3):
+        ran: dict[bool, set[Path]] = {}
+        for fused, (ec, opt) in runs.items():
+            g = torch.Generator().manual_seed(s)
+            ids = torch.randint(0, 12, (25, 6), generator=g)  # 12 of 60 rows: many duplicates
+            mask = torch.rand(25, 6, generator=g) < 0.7
+            mask[::5] = False  # empty bags
+            lengths = torch.randint(0, 4, (9,), generator=g)
+            out = ec({"a": tte.Padded(ids, mask, torch.rand(25, 6, generator=g) + 0.5),
+                      "b": torch.randint(0, 60, (25,), generator=g),
+                      "c": tte.Jagged(torch.randint(0, 60, (int(lengths.sum()),), generator=g), lengths=lengths)})
+            ((out["a"] * out["b"]).square().sum() + out["c"].sum() * 3).backward()
+            paths: list[Path] = []
+
+            def spy(item: Any, paths: list[Path] = paths) -> None:
+                real(item)
+                paths.append(item.path)
+
+            before = _fused_update.set_enabled(fused)
+            monkeypatch.setattr("torch_tpu_embedding.optim._base.update", spy)
+            try:
+                opt.step()
+            finally:
+                _fused_update.set_enabled(before)
+                monkeypatch.setattr("torch_tpu_embedding.optim._base.update", real)
+            opt.zero_grad()
+            ran[fused] = set(paths)
+        assert ran == {True: {Path.FUSED}, False: {Path.ROW_CHUNKS}}, ran
+        pairs = zip(*[[(p.detach(), dict(opt.state[p])) for p in ec.parameters()] for ec, opt in runs.values()],
+                    strict=True)
+        for (a, sa), (b, sb) in pairs:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m, s=s: f"call {s}: {m}")
+            for k in sa:
+                torch.testing.assert_close(sa[k], sb[k], rtol=1e-6, atol=1e-6,
+                                           msg=lambda m, k=k, s=s: f"call {s}: {k}: {m}")
+            with torch.no_grad():  # the next call starts from the same state (as run_lockstep)
+                a.copy_(b)
+                for k in sa:
+                    sa[k].copy_(sb[k])

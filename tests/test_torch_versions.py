@@ -75,29 +75,33 @@ def test_the_draw_is_in_place_cut_at_two_std_with_the_truncated_spread(dtype: to
     assert abs(float(x.std()) - 0.8796 * std) < 0.02 * std
 
 
-# ------------------------------------------------------------------ the fused update's sparse matrix
-_SPARSE_WARNING = r"""
+# ------------------------------------------------------------------ the fused update's duplicate sum
+_ROW_SUMS = r"""
 import warnings
 import torch
 import torch_tpu_embedding as tte
-from torch_tpu_embedding.optim import _fused_update
+from torch_tpu_embedding.optim._row_sums import row_sums
 
 ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(10, 4, name="t"), max_ids_per_bag=3)})
-ec.tables.t.row_grad.keep_factored = True  # as SGD's eager step asks: the bags' rows kept factored
+ec.tables.t.row_grad.keep_factored = True  # as the fused path asks: the bags' rows kept factored
 bags = tte.Padded(torch.tensor([[1, 2, 2], [3, 1, 0]]))  # padded bags: their rows kept factored (BagRows)
-ec({"f": bags})["f"].sum().backward()
+(ec({"f": bags})["f"] * torch.arange(8.0).view(2, 4)).sum().backward()
 table = ec.tables.t
+ids, rows = table.row_grad.collect()
+want = torch.zeros(11, 4).index_add_(0, ids, rows)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    summed = _fused_update.coalesce_pieces(table.row_grad, table.weight)
-assert summed is not None, "3 ids per bag summed by the sparse product"
+    sums = row_sums(table.row_grad, table.weight)
+    assert sums is not None, "3 ids per bag summed by row_sums"
+    got = sums.rows()
+assert sums.ids.tolist() == [0, 1, 2, 3] and torch.equal(got, want[:4]), (sums.ids, got, want)
 print([str(w.message) for w in caught])
 """
 
 
-def test_the_fused_duplicate_sum_builds_its_sparse_matrix_without_a_warning() -> None:
-    # Its own process: torch warns once per process, so another test's sparse tensor would hide it.
-    out = subprocess.run([sys.executable, "-c", _SPARSE_WARNING], env={**os.environ, "PYTHONPATH": str(ROOT)},
+def test_the_fused_duplicate_sum_is_bitwise_index_add_and_warns_nothing() -> None:
+    # Its own process: torch warns once per process, so another test's call would hide a warning.
+    out = subprocess.run([sys.executable, "-c", _ROW_SUMS], env={**os.environ, "PYTHONPATH": str(ROOT)},
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
 

@@ -15,11 +15,12 @@ learning rate and step count are tensors (a schedule does not recompile). induct
 kernels on disk (``TORCHINDUCTOR_CACHE_DIR``, by default ``/tmp/torchinductor_<user>``), so a new
 process with the same configuration reuses them.
 
-The duplicate sum is fused too (:func:`coalesce_pieces`): the lookup's backward leaves its gradient
-factored (``gains [N, L]``, ``dL/dout [N, D]``), and the rows of each id are summed by one sparse
-``[U, N] @ [N, D]`` product over the ids sorted stably — the ``[N·L, D]`` rows are never made, and
-the sum runs in the reference's order (each row's contributions in the order they were looked up).
-Its output lives in a per-table buffer reused every step (no batch-sized allocation to fault in).
+The duplicate sum stays outside the kernel but runs a range of rows at a time: the ids are sorted
+once (:func:`._row_sums.row_sums`), and for each range of about ``chunk_rows()`` distinct ids the
+summed rows are made (one ``embedding_bag`` over the factored gradient) and the kernel runs on them, so
+the summed rows and the kernel's own ``[rows, D]`` temporaries stay in cache instead of making passes
+over ``[U, D]`` arrays in memory (RowWiseAdagrad at 20 ids per bag, 4 tables of 1,000,000 × 64: about
+314,000 distinct rows, 80 MB per such array).
 
 When the kernel is built (:func:`set_policy`): compiling one costs seconds (7–9 s per optimizer on
 an idle 2-core machine, several times that under load), paid where it is first used. So a table's
@@ -50,7 +51,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from torch_tpu_embedding._dtypes import math_dtype
 from torch_tpu_embedding._registry import optimizer_class
-from torch_tpu_embedding._rows import BagRows, RowGrad, table_info
+from torch_tpu_embedding._rows import table_info
 from torch_tpu_embedding.optim._contract import RowContext, Slots
 from torch_tpu_embedding.optim._ema import ema_row_update, momentum_now
 from torch_tpu_embedding.optim._pipeline import gated, pipeline
@@ -59,7 +60,7 @@ from torch_tpu_embedding.optim._slots import logical_rows, rule_slots
 if TYPE_CHECKING:
     from torch_tpu_embedding.optim._intake import Work
 
-__all__ = ["coalesce_pieces", "compiled_kernels", "enabled", "policy", "set_enabled", "set_policy", "update", "usable"]
+__all__ = ["chunk_rows", "compiled_kernels", "enabled", "policy", "set_enabled", "set_policy", "update", "usable"]
 
 Tensor = torch.Tensor
 
@@ -84,8 +85,8 @@ _KERNELS: dict[tuple[Any, ...], Callable[..., None] | None] = {}
 _WARNED = False
 #: set when inductor found no C++ compiler: the fused path is not chosen again in this process
 _NO_COMPILER = False
-#: per-table buffer of the summed gradient rows, reused every step
-_BUFFERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # type: ignore[no-untyped-call]
+#: bytes of summed gradient rows per kernel call (see :func:`chunk_rows`)
+_CHUNK_BYTES = 2**21
 #: group entries that are not hyper-parameters of the rule
 _NOT_HP = frozenset({"params", "lr", "slot_creation_fn"})
 #: group entries the kernel does not read (the intake's, the per-call EMA's, the rule's name: the key
@@ -169,75 +170,6 @@ def compiled_kernels() -> int:
     return sum(fn is not None for fn in _KERNELS.values())
 
 
-# --------------------------------------------------------------------------------------- the duplicate sum
-def coalesce_pieces(pieces: RowGrad, p: Tensor) -> tuple[Tensor, Tensor] | None:
-    """Sum the gradient rows of table ``p`` per id: ``(uniq [U], g [U, D])``, padding dropped.
-
-    Every chunk becomes ``(ids [n], source rows, which source row, gain)``: a lookup's
-    :class:`BagRows` contributes ``gains[n, l] · grad_out[n]`` (never multiplied out), plain rows
-    ``1 · rows[k]``. The ids are sorted stably and ``g = S @ sources`` with ``S [U, Σ sources]``
-    the sparse matrix of gains, so each row sums its contributions in the order they were looked up,
-    as ``index_add_`` does on the reference path. ``None`` (the caller multiplies out and sums as the
-    reference does) for rows not in the update's dtype (a 16-bit table's; its steps on ``FUSED`` take
-    the rows multiplied out by the backward, see :func:`._intake.take`) and for fewer than 2 ids per
-    source row.
-    """
-    sentinel, dtype = p.shape[0], math_dtype(p)
-    ids_parts, col_parts, val_parts, sources = [], [], [], []
-    offset = 0
-    for ids, rows in pieces.chunks():
-        if isinstance(rows, BagRows):
-            src, gains = rows.grad_out, rows.gains
-            width = gains.shape[1]
-            col = torch.arange(ids.numel(), device=ids.device) // width
-            val = gains.reshape(-1)
-        else:
-            src = rows
-            col = torch.arange(ids.numel(), device=ids.device)
-            val = torch.ones(ids.numel(), dtype=rows.dtype, device=rows.device)
-        if src.dtype != dtype or val.dtype != dtype:
-            return None
-        ids_parts.append(ids)
-        col_parts.append(col + offset)
-        val_parts.append(val)
-        sources.append(src)
-        offset += src.shape[0]
-    if not ids_parts:
-        raise RuntimeError("RowGrad is empty: no backward pass reached this table.")
-    if sum(i.numel() for i in ids_parts) < 2 * offset:
-        # Few ids per source row (1 id per bag): multiplying out costs little, and unique +
-        # index_add_ beat the sparse product's fixed cost (4,096 ids: 1.7 against 9 ms, 1 thread).
-        return None
-    ids = ids_parts[0] if len(ids_parts) == 1 else torch.cat(ids_parts)
-    col = col_parts[0] if len(col_parts) == 1 else torch.cat(col_parts)
-    val = val_parts[0] if len(val_parts) == 1 else torch.cat(val_parts)
-    src = sources[0] if len(sources) == 1 else torch.cat(sources)
-    sorted_ids, perm = torch.sort(ids, stable=True)
-    uniq, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-    u = uniq.shape[0]
-    crow = torch.zeros(u + 1, dtype=torch.int64, device=ids.device)
-    torch.cumsum(counts, 0, out=crow[1:])
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
-        # Valid by construction (crow is a cumsum of counts, every column < Σ sources), so the
-        # invariant check is off, and said so: torch 2.13 warns when it is left unset.
-        mat = torch.sparse_csr_tensor(crow, col[perm], val[perm], (u, src.shape[0]), check_invariants=False)
-    buf = _buffer(p, u, src.shape[1], dtype, src.device)
-    torch.mm(mat, src, out=buf)
-    if u and int(uniq[-1]) == sentinel:  # padding sorts last: drop it as a prefix view
-        uniq, buf = uniq[:-1], buf[:-1]
-    return uniq, buf
-
-
-def _buffer(owner: object, rows: int, dim: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``[rows, dim]`` rows of ``owner``'s buffer (grown when too small; reused otherwise)."""
-    buf: Tensor | None = _BUFFERS.get(owner)  # type: ignore[no-untyped-call]
-    if buf is None or buf.shape[0] < rows or buf.shape[1] != dim or buf.dtype != dtype or buf.device != device:
-        buf = torch.empty(max(rows, 1), dim, dtype=dtype, device=device)
-        _BUFFERS[owner] = buf
-    return buf[:rows]
-
-
 # --------------------------------------------------------------------------------------- the fused kernel
 def _kernel_source(
     rule_hp: Mapping[str, Any], names: tuple[str, ...], mdtype: torch.dtype, gate: bool, ema: bool
@@ -307,16 +239,43 @@ def _call(fn: Callable[..., None], args: tuple[Any, ...]) -> None:
         fn(*args)
 
 
+def chunk_rows(dim: int) -> int:
+    """Distinct ids per kernel call on the CPU when the summed rows are made a range at a time: 2 MB of
+    float32 rows (8,192 rows of 64), at least 1,024 rows (each call costs some 50 µs of Python). Steps
+    of at most 4 such ranges run in one call."""
+    return max(1024, _CHUNK_BYTES // (4 * max(dim, 1)))
+
+
+def _spans(n: int, size: int) -> list[tuple[int, int]]:
+    """``[0, n)`` in ranges of ``size``, none of a single row (dynamic shapes specialise size 1)."""
+    spans = [(a, min(a + size, n)) for a in range(0, n, size)]
+    if len(spans) > 1 and spans[-1][1] - spans[-1][0] < 2:
+        spans[-2:] = [(spans[-2][0], n)]
+    return spans
+
+
+def _to_reference(item: Work, start: int = 0) -> bool:
+    """``False``, with ``item``'s rows from ``start`` on summed for the reference path (when the fused
+    path took the factored gradient, :attr:`~._intake.Work.sums`)."""
+    if item.sums is not None:
+        assert item.ids is not None
+        item.g, item.ids, item.sums = item.sums.rows(start), item.ids[start:], None
+    return False
+
+
 def update(item: Work) -> bool:
-    """Run ``item``'s row update (unique ids, no sentinel) as one fused kernel; ``False`` if no
+    """Run ``item``'s row update (unique ids, no sentinel) as fused kernel calls; ``False`` if no
     kernel could be compiled, fewer than 2 rows were touched (dynamic shapes specialise sizes 0 and 1,
     and such a step is no work to speed up), or :func:`policy` keeps this step on the reference path:
-    the caller then runs the reference path."""
+    the caller then runs the reference path on ``item.ids`` and ``item.g`` (the rows not yet updated).
+
+    With ``item.sums`` (the factored gradient, sorted) the summed rows are made and updated a range of
+    :func:`chunk_rows` ids at a time on the CPU; each row's update is the same either way."""
     global _NO_COMPILER
     p, group, state, ids = item.p, item.group, item.state, item.ids
     assert ids is not None
     if ids.shape[0] < 2 or _warming_up(item):
-        return False
+        return _to_reference(item)
     names = tuple(rule_slots(p, group))
     key = _key(item, names)
     first = key not in _KERNELS
@@ -325,48 +284,56 @@ def update(item: Work) -> bool:
         if missing is not None:  # every later step chooses the reference path (usable() is False)
             _NO_COMPILER = True
             _warn(missing)
-            return False
+            return _to_reference(item)
         _KERNELS[key] = _build(item, names)
     fn = _KERNELS[key]
-    if fn is None:
-        return False
+    if fn is None or (not first and p in _REFERENCE_ONLY):
+        return _to_reference(item)
     step = state["step"] + 1
     ema = bool(group["use_ema"])
     clock, skip = item.clock, group["skip_nonfinite"]
-    # Not views: the compiled code would guard on each view's base (its size, and whether there is one).
-    # Not the Parameter either: dynamo keeps a parameter's shape static (force_parameter_static_shapes),
-    # so every table size would compile its own kernel; the detached alias writes the same storage.
-    args = (
-        p.detach(), ids.detach(), item.g.detach(), [state[k] for k in names], item.lr, step, logical_rows(p), item.gate,
+    rest = (
+        [state[k] for k in names], item.lr, step, logical_rows(p), item.gate,
         state["ema"] if ema else None, state["ema_last"] if ema else None,
         clock.ema_on(p.device, skip).to(torch.int32) if ema else None,
         clock.keep(p.device, skip) if ema else None,
         momentum_now(group, clock, p.device, math_dtype(p)) if ema else None,
     )
-    if first:
-        try:
-            _call(fn, args)
-        except Exception as e:  # compiling failed before anything was written
-            _KERNELS[key] = None
-            text = str(e).strip()
-            # No compiler, or the first build of the process failed (a toolchain without Python's
-            # headers or OpenMP, say): later configurations would fail too, each after seconds of
-            # tracing. Once a kernel has been built, a failure is this configuration's alone.
-            if "InvalidCxxCompiler" in text or compiled_kernels() == 0:
-                _NO_COMPILER = True
-            _warn(f"{type(e).__name__}: {text.splitlines()[0] if text else ''}")
-            return False
-    elif p in _REFERENCE_ONLY:
-        return False
-    else:
+    sums, n = item.sums, ids.shape[0]
+    chunk = chunk_rows(p.shape[1])
+    # Ranges where the arrays would outgrow the cache many times over; one call below (each costs Python).
+    spans = _spans(n, chunk) if sums is not None and p.device.type == "cpu" and n > 4 * chunk else [(0, n)]
+    for start, stop in spans:
+        g = item.g if sums is None else sums.rows(start, stop)
+        # Not views: the compiled code would guard on each view's base (its size, and whether there is one).
+        # Not the Parameter either: dynamo keeps a parameter's shape static (force_parameter_static_shapes),
+        # so every table size would compile its own kernel; the detached alias writes the same storage.
+        part = ids if len(spans) == 1 else ids[start:stop].clone()
+        args = (p.detach(), part.detach(), g.detach(), *rest)
+        if first:
+            first = False
+            try:
+                _call(fn, args)
+            except Exception as e:  # compiling failed before anything was written
+                _KERNELS[key] = None
+                text = str(e).strip()
+                # No compiler, or the first build of the process failed (a toolchain without Python's
+                # headers or OpenMP, say): later configurations would fail too, each after seconds of
+                # tracing. Once a kernel has been built, a failure is this configuration's alone.
+                if "InvalidCxxCompiler" in text or compiled_kernels() == 0:
+                    _NO_COMPILER = True
+                _warn(f"{type(e).__name__}: {text.splitlines()[0] if text else ''}")
+                return _to_reference(item)
+            continue
         try:
             _call(fn, args)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             # Raised by the guards, before the kernel runs: this table's shapes would need one more
             # compile than torch.compile allows per kernel (a guard that sizes do not pass: tables of
-            # distinct sizes share one graph). This table takes the reference path from now on.
+            # distinct sizes share one graph). This table takes the reference path from now on, from
+            # the rows not yet updated (the step count moves once, below or on the reference path).
             _REFERENCE_ONLY[p] = True
-            return False
+            return _to_reference(item, start)
     state["step"].copy_(step if item.gate is None else torch.where(item.gate, step, state["step"]))
     return True
 

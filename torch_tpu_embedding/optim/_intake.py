@@ -28,9 +28,9 @@ from torch_tpu_embedding._pg_exchange import all_reduce_sum, group_sharding, row
 from torch_tpu_embedding._rows import RowGrad, table_info
 from torch_tpu_embedding.optim._device import StepClock
 from torch_tpu_embedding.optim._extras import clip_by_norm
-from torch_tpu_embedding.optim._fused_update import coalesce_pieces
 from torch_tpu_embedding.optim._members import clip_members, member_rows, segment_of
 from torch_tpu_embedding.optim._pipeline import Path
+from torch_tpu_embedding.optim._row_sums import RowSums, row_sums
 
 __all__ = ["Taken", "Work", "arrives_as_rows", "has_gradient", "prepare", "take"]
 
@@ -64,6 +64,9 @@ class Work:
     step_now: Tensor | None = None  # this call's step count, once the first row chunk has set it
     pieces: RowGrad | None = None  # ADDITIVE: the row gradient, added per id piece by piece
     divisor: float | None = None  # loss_scale_factor, applied to the pieces
+    #: FUSED: the factored gradient sorted by id, summed a range of rows at a time by the update
+    #: (``g`` is then empty; :func:`._fused_update.update` makes it for the reference path)
+    sums: RowSums | None = None
 
 
 def arrives_as_rows(p: Tensor) -> bool:
@@ -153,14 +156,16 @@ def prepare(
             g, gate = acc
     else:
         if taken.pieces is not None and path is Path.FUSED:
-            summed = coalesce_pieces(taken.pieces, p)
-            if summed is None:  # multiplied out and summed as on the reference path
+            sums = row_sums(taken.pieces, p)
+            if sums is None:  # multiplied out and summed as on the reference path
                 all_ids, all_rows = taken.pieces.collect()
                 taken = Taken(ids=all_ids, rows=all_rows)
+            elif s is None and not any(group[k] for k in ("clipnorm", "global_clipnorm", "skip_nonfinite")):
+                # Nothing needs every summed row at once: the update sums them a range at a time.
+                return work(sums.ids, sums.src.new_empty(0, sums.src.shape[1]), None, sums=sums)
             else:
-                uniq, g = summed
-                g = g if s is None else g / s
-                return work(uniq, _clip(p, g, uniq, group["clipnorm"]) if group["clipnorm"] else g, None)
+                g = sums.rows() if s is None else sums.rows() / s
+                return work(sums.ids, _clip(p, g, sums.ids, group["clipnorm"]) if group["clipnorm"] else g, None)
         if taken.pieces is not None:
             return work(torch.empty(0, dtype=torch.int64), torch.empty(0), None, pieces=taken.pieces, divisor=s)
         rows = taken.rows

@@ -86,6 +86,9 @@ def choose_path(p: Tensor, group: Mapping[str, Any], *, row_grad: bool) -> Path:
         return Path.DENSE
     static = is_static_device(p.device)
     if cls.additive and not static and not any(group.get(k) not in (None, False, 0) for k in _NEEDS_SUMMED_ROWS):
+        # Not FUSED, even where it runs: one index_add_ per looked-up id reads and writes each row once,
+        # as the kernel's gather and scatter do, without their sort and sum (measured slower on FUSED at
+        # 1 and 20 ids per bag, docs/benchmarks.md).
         return Path.ADDITIVE
     if not group["use_gradient_accumulation"]:
         return Path.NO_DEDUP

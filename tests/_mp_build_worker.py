@@ -114,6 +114,36 @@ def _load_into_fresh(path: str, rank: int) -> dict[str, Any]:
                      for t in W.SHARDED}}
 
 
+def _optimizer_round_trip(model: Any, ddp: Any, opt: Any, config: str, path: str, rank: int) -> dict[str, Any]:
+    """torch's ``get_optimizer_state_dict`` of a model sharded with ``dtensor_state_dict=True``, ``dcp.save``;
+    a fresh model and optimizer ``dcp.load`` + ``set_optimizer_state_dict`` it. Returns what each sharded
+    table's slots were in the helper's dict, their bytes on this rank, and whether every slot of every
+    sharded table came back equal (stored rows, same world)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.tensor import DTensor
+
+    osd = get_optimizer_state_dict(ddp, opt)
+    tables = model.ec.physical_tables()
+    fqn = {f"module.ec.tables.{t}.weight": t for t in W.SHARDED} | {f"ec.tables.{t}.weight": t for t in W.SHARDED}
+    kinds = {fqn[k]: {slot: (type(v).__name__, tuple(v.shape),
+                             storage_bytes(v.to_local()) if isinstance(v, DTensor) else storage_bytes(v))
+                      for slot, v in e.items() if isinstance(v, torch.Tensor) and v.dim()}
+             for k, e in osd["state"].items() if k in fqn}
+    dcp.save({"optim": osd}, checkpoint_id=path)
+    fresh = W.Model(torch.float64, seed=300 + rank)
+    tte.distributed.shard(fresh, dtensor_state_dict=True)
+    ddp2 = tte.distributed.DistributedDataParallel(fresh)
+    opt2 = W.make_opt(config, ddp2.parameters())
+    template = {"optim": get_optimizer_state_dict(ddp2, opt2)}
+    dcp.load(template, checkpoint_id=path)
+    set_optimizer_state_dict(ddp2, opt2, template["optim"])
+    back = fresh.ec.physical_tables()
+    same = {t: all(torch.equal(opt2.state[back[t].weight][k], v) for k, v in opt.state[tables[t].weight].items()
+                   if isinstance(v, torch.Tensor))
+            and opt2.state[back[t].weight].keys() == opt.state[tables[t].weight].keys() for t in W.SHARDED}
+    return {"kinds": kinds, "same": same}
+
+
 def dcp_round_trip(rank: int, world: int, out_dir: str, other: str) -> dict[str, Any]:
     """``shard(..., dtensor_state_dict=True)``: 5 steps, then torch's own ``get_model_state_dict`` and
     ``dcp.save``; a model of other values loads it (:func:`_load_into_fresh`), and, when ``other`` names
@@ -143,6 +173,14 @@ def dcp_round_trip(rank: int, world: int, out_dir: str, other: str) -> dict[str,
                      if not k.startswith("ec.tables.") or k.split(".")[2] not in W.SHARDED}}
     if other:
         out["other"] = _load_into_fresh(other, rank)["rows"]
+    out["optim"] = {"adagrad": _optimizer_round_trip(model, ddp, opt, "adagrad", os.path.join(out_dir, "dcp_optim"), rank)}
+    m1 = W.Model(dtype, seed=0)
+    tte.distributed.shard(m1, dtensor_state_dict=True)
+    d1 = tte.distributed.DistributedDataParallel(m1)
+    o1 = W.make_opt("rowwise_adagrad", d1.parameters())  # a [rows] slot: DTensors of rank 1
+    W.train(m1, d1, o1, dtype, rank, world, steps=range(2))
+    out["optim"]["rowwise_adagrad"] = _optimizer_round_trip(m1, d1, o1, "rowwise_adagrad", os.path.join(out_dir, "dcp_optim_rw"),
+                                                            rank)
     # tte's own sharded checkpoint reads the stored rows of the same model, whose state_dict is DTensors
     tte.distributed.save_sharded(os.path.join(out_dir, "tte"), model, opt)
     again = W.Model(dtype, seed=200 + rank)

@@ -144,6 +144,13 @@ def test_torch_dcp_round_trips_a_sharded_model(world: int, tmp_path_factory: pyt
             real = ids < v
             whole.setdefault(t, torch.zeros(v, rows.shape[1], dtype=rows.dtype))[ids[real]] = rows[real]
         assert all(got["dense"].values()), got["dense"]
+        for opt_name, o in got["optim"].items():  # torch's get_/set_optimizer_state_dict, no opt-in
+            assert all(o["same"].values()), (opt_name, r, o["same"])
+            for t in W.SHARDED:
+                block = -(-vocab[t] // world)
+                for slot, (kind, shape, nbytes) in o["kinds"][t].items():
+                    assert kind == "DTensor" and shape[0] == vocab[t], (opt_name, t, slot, kind, shape)
+                    assert nbytes <= block * max(1, int(torch.tensor(shape[1:]).prod())) * 8, (opt_name, t, slot)
         assert all(got["tte"].values()) and got["tte_dense"], ("tte.distributed.save_sharded / load_sharded", got["tte"])
     if other:  # world 3 loaded world 2's checkpoint too: every rank's rows are world 2's, by logical id
         saved2: dict[str, torch.Tensor] = {}

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,7 @@ from torch import nn
 from torch_tpu_embedding._grad_sync import LOCAL, mark, spmd_active
 from torch_tpu_embedding._pg_exchange import group_sharding
 from torch_tpu_embedding._pg_lookup import ProcessGroupLayout
+from torch_tpu_embedding._pg_state import mark_dtensor_state
 from torch_tpu_embedding._rows import register_table
 from torch_tpu_embedding._validation import check_bool, check_int
 from torch_tpu_embedding.collection import EmbeddingCollection
@@ -120,7 +121,8 @@ def shard(
     of its logical rows (each rank a contiguous block, moved there by one ``all_to_all_single``; loading
     one moves the rows back), so ``torch.distributed.checkpoint`` and its ``get_model_state_dict`` /
     ``set_model_state_dict`` save and load each rank's rows (a plain tensor there is taken for a
-    replicated one: only one rank's rows would be saved; docs/sharding.md). ``state_dict()`` and
+    replicated one: only one rank's rows would be saved; docs/sharding.md); the optimizer's row slots go
+    to ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` the same way. ``state_dict()`` and
     ``load_state_dict`` are then collectives (:func:`~torch_tpu_embedding.distributed.save_sharded` and
     ``load_sharded`` work either way). Off: the entry holds the rank's rows as stored.
 
@@ -168,6 +170,8 @@ def shard(
             if p != "replicated":
                 _lay_out(ec.tables[name], p, owners.get(name, 0), exchange, world, rank, where)
                 ec.tables[name].__dict__["dtensor_state_dict"] = dtensor_state_dict
+                if dtensor_state_dict:
+                    mark_dtensor_state(cast(EmbeddingTable, ec.tables[name]).weight)
         for t in ec.physical_tables().values():
             if t.weight.is_meta:  # replicated, built on the meta device: drawn whole on every rank
                 rows = int(t.weight.shape[0])

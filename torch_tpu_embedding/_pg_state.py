@@ -17,7 +17,9 @@ it holds, and the buckets of it it sends).
 
 from __future__ import annotations
 
+import math
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -28,11 +30,31 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from torch_tpu_embedding._pg_exchange import GroupSharding
+from torch_tpu_embedding._rows import table_info
 
-__all__ = ["block_rows", "from_logical_shard", "is_dtensor", "stored_rows", "stored_rows_active", "to_logical_shard"]
+__all__ = ["block_rows", "dtensor_layout", "from_logical_shard", "from_logical_slot", "is_dtensor",
+           "mark_dtensor_state", "stored_rows", "stored_rows_active", "to_logical_shard", "to_logical_slot"]
 
 Tensor = torch.Tensor
 _LOCAL = threading.local()
+#: the weights of tables sharded with ``dtensor_state_dict=True``: their optimizer slots go to torch's helpers
+#: as DTensors too (optim/_torch_layout.py), as the weight goes through the table's state_dict hook
+_DTENSOR_WEIGHTS: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()  # by id: no Tensor.__eq__
+
+
+def mark_dtensor_state(weight: Tensor) -> None:
+    """Record that ``weight``'s table was sharded with ``dtensor_state_dict=True``."""
+    _DTENSOR_WEIGHTS[id(weight)] = weight
+
+
+def dtensor_layout(p: Tensor) -> GroupSharding | None:
+    """The process-group layout of ``p`` when its table's state goes to torch's helpers as DTensors (outside
+    :func:`stored_rows`), else ``None``."""
+    if stored_rows_active() or _DTENSOR_WEIGHTS.get(id(p)) is not p:
+        return None
+    info = table_info(p)
+    spread = None if info is None else info.sharding
+    return spread if isinstance(spread, GroupSharding) else None
 
 
 @contextmanager
@@ -109,7 +131,7 @@ def to_logical_shard(local: Tensor, s: GroupSharding) -> DTensor:
                               stride=(local.shape[1], 1))
 
 
-def from_logical_shard(value: Any, s: GroupSharding, name: str) -> Tensor:
+def from_logical_shard(value: Any, s: GroupSharding, name: str, base: Tensor | None = None) -> Tensor:
     """The rows this rank stores of a table laid out by ``s``, from ``value``, a DTensor ``Shard(0)`` of its
     logical rows over the same group (a collective, as :func:`to_logical_shard`); padding rows zero.
 
@@ -128,10 +150,42 @@ def from_logical_shard(value: Any, s: GroupSharding, name: str) -> Tensor:
     ids = torch.arange(mine.shape[0], dtype=torch.int64) + min(s.rows, s.rank * block)
     dest, slot = _owner_and_slot(ids, s)
     got_slot, got_rows = _exchange(dest, slot, mine, s)
-    local = torch.zeros(s.local_rows, mine.shape[1], dtype=mine.dtype, device=mine.device)
+    local = (torch.zeros(s.local_rows, mine.shape[1], dtype=mine.dtype, device=mine.device) if base is None
+             else base.detach().reshape(s.local_rows, mine.shape[1]).to(mine.dtype).clone())  # padding: base's
     keep = got_slot >= 0
     local[got_slot[keep].to(local.device)] = got_rows[keep.to(local.device)]
     return local
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, step = [], 1
+    for d in reversed(shape):
+        stride.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(stride))
+
+
+def to_logical_slot(slot: Tensor, s: GroupSharding) -> DTensor:
+    """:func:`to_logical_shard` of an optimizer slot whose dim 0 is the table's stored rows (``[local]`` or
+    ``[local, ...]``): a DTensor ``Shard(0)`` of its logical rows, of the slot's trailing shape."""
+    tail = tuple(slot.shape[1:])
+    width = math.prod(tail)
+    flat = to_logical_shard(slot.reshape(slot.shape[0], width), s)
+    shape = (s.rows, *tail)
+    return DTensor.from_local(flat.to_local().reshape(-1, *tail), flat.device_mesh, [Shard(0)], run_check=False,
+                              shape=torch.Size(shape), stride=_contiguous(shape))
+
+
+def from_logical_slot(value: Any, s: GroupSharding, name: str, base: Tensor | None = None) -> Tensor:
+    """The inverse of :func:`to_logical_slot` (a collective): this rank's stored rows of the slot, its padding
+    rows (never read) those of ``base``, the live slot (zeros without it)."""
+    if not isinstance(value, DTensor):
+        return from_logical_shard(value, s, name, base)  # refused there, by name
+    tail = tuple(value.shape[1:])
+    width = math.prod(tail)
+    flat = DTensor.from_local(value.to_local().reshape(-1, width), value.device_mesh, list(value.placements),
+                              run_check=False, shape=torch.Size((value.shape[0], width)), stride=(width, 1))
+    return from_logical_shard(flat, s, name, base).reshape(-1, *tail)
 
 
 def is_dtensor(value: Any) -> bool:

@@ -44,10 +44,10 @@ def test_process_group_checkpoint_into_spmd4(tmp_path: Path) -> None:
     ref = W.reference(W.CKPT, torch.float64)
     assert got["model"].keys() == ref["model"].keys()
     for k, v in ref["model"].items():
-        _close(got["model"][k], v, 1e-10, k)
+        _close(got["model"][k], v, 1e-10, k, torch.float64)
     assert got["optimizer"]["state"].keys() == ref["optimizer"]["state"].keys()
     for key, slots in ref["optimizer"]["state"].items():
         assert got["optimizer"]["state"][key].keys() == slots.keys(), key
         for slot, v in slots.items():
-            _close(got["optimizer"]["state"][key][slot], v, 1e-10, f"{key}/{slot}")
+            _close(got["optimizer"]["state"][key][slot], v, 1e-10, f"{key}/{slot}", torch.float64)
     assert got["optimizer"]["iterations"] == ref["optimizer"]["iterations"] == W.STEPS

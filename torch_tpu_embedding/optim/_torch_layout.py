@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torch_tpu_embedding._member_state import merge_member_state, split_member_state
+from torch_tpu_embedding._pg_state import dtensor_layout, from_logical_slot, is_dtensor, to_logical_slot
 from torch_tpu_embedding._rows import table_info
 from torch_tpu_embedding.optim import _state_io
 from torch_tpu_embedding.optim._slots import logical_rows, specs
@@ -134,7 +135,7 @@ def to_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str,
             else:
                 entry = None
             if entry is not None:
-                state[pid] = dict(entry)
+                state[pid] = _as_dtensors(p, group, dict(entry))
             out["params"].append(pid)
             out[_TTE].append(desc)
             pid += 1
@@ -146,6 +147,34 @@ def to_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str,
         out.update({k: None for k in out[_UNSAVED]})
         groups.append(out)
     return {"state": state, "param_groups": groups}
+
+
+def _as_dtensors(p: torch.Tensor, group: Mapping[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
+    """A table sharded over a process group with ``dtensor_state_dict=True``: its row slots as DTensors
+    ``Shard(0)`` of their logical rows, as its weight is in the model's state_dict (a collective: every
+    rank's helper call converts the same slots in the same order). Other parameters: ``entry`` as is."""
+    spread = dtensor_layout(p)
+    if spread is None:
+        return entry
+    rows = [k for k, spec in sorted(specs(p, group).items()) if spec.rows and k in entry]
+    return {**entry, **{k: to_logical_slot(entry[k], spread) for k in rows}}
+
+
+def _from_dtensors(opt: torch.optim.Optimizer, entry: Any, key: str, live: Mapping[str, torch.Tensor]) -> Any:
+    """The inverse of :func:`_as_dtensors` on the loaded entry of table ``key``: each DTensor slot back to
+    this rank's stored rows of the live parameter (a collective, in the order :func:`_as_dtensors` used).
+    An entry without DTensors, as is; one for a table not sharded so here is refused by the loader."""
+    if not isinstance(entry, Mapping) or not any(is_dtensor(v) for v in entry.values()):
+        return entry
+    p = live.get(key)
+    spread = None if p is None else dtensor_layout(p)
+    name = key.split(":", 1)[-1]
+    if spread is None:
+        raise ValueError(f"Optimizer state of `{name}` holds DTensors: load it into a model whose table `{name}` is "
+                         "sharded over a process group with tte.distributed.shard(..., dtensor_state_dict=True).")
+    live_slots = opt.state[p] if p is not None else {}
+    return {k: from_logical_slot(v, spread, name, live_slots.get(k)) if is_dtensor(v) else v
+            for k, v in sorted(entry.items())}
 
 
 def _no_current(keys: list[str]) -> Any:
@@ -183,6 +212,7 @@ def from_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[st
             f"Optimizer state does not match: {len(saved_groups)} parameter groups saved, {len(opt.param_groups)} here"
         )
     keys = param_keys(opt)  # type: ignore[arg-type]
+    live = {keys[id(p)]: p for g in opt.param_groups for p in g["params"]}
     state: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
     counters: dict[str, int] = {}
@@ -218,7 +248,7 @@ def from_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[st
             if not entry:  # what torch's unflattening gives for an optimizer with no slots yet
                 raise ValueError(f"Optimizer state does not match: the saved state of {desc['keys']} is empty.")
             if len(desc["keys"]) == 1:
-                state[desc["keys"][0]] = entry
+                state[desc["keys"][0]] = _from_dtensors(opt, entry, desc["keys"][0], live)
             else:
                 members = _members(desc)
                 parts = split_member_state(entry, members, desc["row_slots"])

@@ -29,8 +29,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from torch_tpu_embedding._pg_exchange import GroupSharding
-from torch_tpu_embedding._rows import table_info
+from torch_tpu_embedding._pg_exchange import GroupSharding, group_sharding
 
 __all__ = ["block_rows", "dtensor_layout", "from_logical_shard", "from_logical_slot", "is_dtensor",
            "mark_dtensor_state", "stored_rows", "stored_rows_active", "to_logical_shard", "to_logical_slot"]
@@ -52,9 +51,7 @@ def dtensor_layout(p: Tensor) -> GroupSharding | None:
     :func:`stored_rows`), else ``None``."""
     if stored_rows_active() or _DTENSOR_WEIGHTS.get(id(p)) is not p:
         return None
-    info = table_info(p)
-    spread = None if info is None else info.sharding
-    return spread if isinstance(spread, GroupSharding) else None
+    return group_sharding(p)
 
 
 @contextmanager

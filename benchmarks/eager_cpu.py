@@ -83,6 +83,9 @@ OURS = {"ours_sgd": "SGD", "ours_adagrad": "Adagrad", "ours_lazyadam": "LazyAdam
 UNSTACKED = {f"{mode}_unstacked": name for mode, name in OURS.items()}
 # The same with TTE_FUSED_UPDATE=0: the reference row update throughout (its first step is the one to beat).
 REFERENCE = {f"{mode}_reference": name for mode, name in OURS.items()}
+# The same looked up with ec(batch, concat=True): the [B, T·D] activations FBGEMM's TBE returns (TorchRec's
+# KeyedTensor.values()), where ours_* take the per-feature dict and torch.cat it, as the torch peers do.
+CONCAT = {f"{mode}_concat": name for mode, name in OURS.items()}
 # --mixed: 26 tables of mixed sizes, the cardinalities of Criteo's 26 categorical features (Kaggle
 # display-advertising data) capped at 1,000,000 rows, as DLRM's --max-ind-range does.
 MIXED_ROWS = [1460, 583, 1_000_000, 1_000_000, 305, 24, 12517, 633, 3, 93145, 5683, 1_000_000, 3194, 27, 14992,
@@ -97,6 +100,7 @@ LABELS = {
     "ours_rowwise_adagrad": "ours: tte.optim.RowWiseAdagrad",
     **{mode: f"ours: tte.optim.{name}, fuse_tables=False" for mode, name in UNSTACKED.items()},
     **{mode: f"ours: tte.optim.{name}, TTE_FUSED_UPDATE=0" for mode, name in REFERENCE.items()},
+    **{mode: f"ours: tte.optim.{name}, concat=True" for mode, name in CONCAT.items()},
     "torch_sgd": "EmbeddingBag(sparse) + torch SGD",
     "torch_sparseadam": "EmbeddingBag(sparse) + SparseAdam",
     "torch_adagrad": "EmbeddingBag(sparse) + torch Adagrad",
@@ -108,12 +112,17 @@ LABELS = {
     "floor_gather": "floor, gather only: index_select",
 }
 MODES = list(LABELS)
-DEFAULT_MODES = [m for m in MODES if m not in UNSTACKED and m not in REFERENCE]
+DEFAULT_MODES = [m for m in MODES if m not in UNSTACKED and m not in REFERENCE and m not in CONCAT]
 
 # (label, ours, peer, {bag: largest ours/peer time ratio that meets the goal}); < 1: ours is faster.
 RATIOS: list[tuple[str, str, str, dict[int, float]]] = [
     ("LazyAdam / SparseAdam", "ours_lazyadam", "torch_sparseadam", {1: 1 / 2, 20: 1 / 5}),
     ("our SGD / FBGEMM EXACT_SGD", "ours_sgd", "fbgemm_sgd", {1: 1.0, 20: 1.0}),
+    ("our SGD, concat=True / FBGEMM EXACT_SGD", "ours_sgd_concat", "fbgemm_sgd", {1: 1.0, 20: 1.0}),
+    ("RowWiseAdagrad, concat=True / FBGEMM rowwise Adagrad", "ours_rowwise_adagrad_concat", "fbgemm_rowwise_adagrad",
+     {1: 1.0, 20: 1.0}),
+    ("LazyAdam, concat=True / FBGEMM rowwise Adagrad", "ours_lazyadam_concat", "fbgemm_rowwise_adagrad",
+     {1: 2.0, 20: 2.0}),
     ("our Adagrad / FBGEMM EXACT_ADAGRAD", "ours_adagrad", "fbgemm_adagrad", {1: 1.0, 20: 1.0}),
     ("LazyAdam / FBGEMM rowwise Adagrad", "ours_lazyadam", "fbgemm_rowwise_adagrad", {1: 2.0, 20: 2.0}),
     ("RowWiseAdagrad / FBGEMM rowwise Adagrad", "ours_rowwise_adagrad", "fbgemm_rowwise_adagrad", {1: 1.0, 20: 1.0}),
@@ -134,8 +143,8 @@ FBGEMM_PINS = ["torch==2.13.0", "fbgemm-gpu-cpu==1.8.0", "numpy"]
 
 
 # ---------------------------------------------------------------------------------------- children
-def _ours(args: argparse.Namespace, opt_name: str, raw: list[list[torch.Tensor]], stacked: bool = True
-          ) -> dict[str, Any]:
+def _ours(args: argparse.Namespace, opt_name: str, raw: list[list[torch.Tensor]], stacked: bool = True,
+          concat: bool = False) -> dict[str, Any]:
     import torch_tpu_embedding as tte
     from torch_tpu_embedding.optim import _fused_update
 
@@ -154,8 +163,11 @@ def _ours(args: argparse.Namespace, opt_name: str, raw: list[list[torch.Tensor]]
 
     def step(batch: dict[str, Any]) -> torch.Tensor:
         t0 = time.perf_counter()
-        out = ec(batch)
-        loss = torch.cat([out[f] for f in names], dim=1).sum()
+        if concat:  # [B, T·D] straight from the lookup, features in ec.feature_names order (= names)
+            loss = ec(batch, concat=True).sum()
+        else:
+            out = ec(batch)
+            loss = torch.cat([out[f] for f in names], dim=1).sum()
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -233,6 +245,8 @@ def child(args: argparse.Namespace) -> None:
         res = _ours(args, UNSTACKED[args.child], raw, stacked=False)
     elif args.child in REFERENCE:
         res = _ours(args, REFERENCE[args.child], raw)
+    elif args.child in CONCAT:
+        res = _ours(args, CONCAT[args.child], raw, concat=True)
     elif args.child in ("floor", "floor_gather"):
         res = _floor(args, raw, scatter=args.child == "floor")
     else:

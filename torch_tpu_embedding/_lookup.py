@@ -35,7 +35,7 @@ from torch_tpu_embedding._rows import RowGrad, row_grad_by_handle, table_info
 from torch_tpu_embedding.combiners import bag_gains, jagged_gains
 from torch_tpu_embedding.inputs import Bags
 
-__all__ = ["LookupBatch", "add_rows", "lookup"]
+__all__ = ["LookupBatch", "add_rows", "lookup", "side_by_side"]
 
 
 @torch.library.custom_op("torch_tpu_embedding::add_rows", mutates_args=())
@@ -84,9 +84,8 @@ class _RowSparseLookup(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, weight: torch.Tensor, ids: torch.Tensor, gains: torch.Tensor, row_grad: RowGrad,
-        tables: frozenset[str], frozen: torch.Tensor | None,
-    ) -> torch.Tensor:
-        n, width = ids.shape
+        tables: frozenset[str], frozen: torch.Tensor | None, splits: tuple[int, ...], unit: bool,
+    ) -> tuple[torch.Tensor, ...]:
         # The sentinel (== weight.shape[0]) is clamped to a real row; its gain is 0.
         safe = ids.clamp(max=weight.shape[0] - 1)
         if gains.dtype != weight.dtype:  # a 16-bit table: combine in float32, then cast
@@ -95,49 +94,67 @@ class _RowSparseLookup(torch.autograd.Function):
             # Fused gather-and-sum, no [N·L, D] temporary (2.8× faster at 20 ids on the CPU); on XLA
             # embedding_bag falls back to the host, so there it is gather + weighted sum.
             out = torch.nn.functional.embedding_bag(safe, weight, per_sample_weights=gains, mode="sum")
-        elif width == 1:
+        elif ids.shape[1] == 1:
             out = weight.index_select(0, safe.reshape(-1)) * gains
         else:
             out = torch.bmm(gains.unsqueeze(1), _gather(weight, safe, weight.dtype)).squeeze(1)
         # The weight is kept only when the gains need a gradient (it costs nothing otherwise).
         ctx.save_for_backward(ids, gains, weight if ctx.needs_input_grad[2] else None)
         _keep(ctx, row_grad, tables, frozen)
-        return out
+        ctx.splits, ctx.unit = splits, unit
+        # One output per feature (views of ``out``): the backward then gets each feature's gradient as it is
+        # (often a view of the gradient of the caller's torch.cat of the features), where a split of one
+        # output would have its backward concatenate them into a new [N, D] tensor first.
+        return tuple(torch.split(out, list(splits))) if len(splits) > 1 else (out,)
 
     @staticmethod
     def backward(  # type: ignore[override]
-        ctx: Any, grad_out: torch.Tensor
-    ) -> tuple[None, None, torch.Tensor | None, None, None, None]:
+        ctx: Any, *grads: torch.Tensor
+    ) -> tuple[None, None, torch.Tensor | None, None, None, None, None, None]:
         ids, gains, weight = ctx.saved_tensors
+        grad_out = None
         if ctx.needs_input_grad[0]:  # a frozen weight (requires_grad False) gets no gradient, as in torch
-            _record_rows(ctx, ids, gains, grad_out)
+            grad_out = _record_rows(ctx, ids, gains, grads)
         grad_gains = None
         if ctx.needs_input_grad[2]:  # <row, grad_out> per position; padding positions get 0 from bag_gains
+            grad_out = _whole(grads) if grad_out is None else grad_out
             rows = _gather(weight, ids.clamp(max=weight.shape[0] - 1), gains.dtype)
             grad_gains = torch.bmm(rows, grad_out.to(gains.dtype).unsqueeze(-1)).squeeze(-1)
-        return None, None, grad_gains, None, None, None
+        return None, None, grad_gains, None, None, None, None, None
 
 
-def _record_rows(ctx: Any, ids: torch.Tensor, gains: torch.Tensor, grad_out: torch.Tensor) -> None:
+def _whole(grads: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return grads[0] if len(grads) == 1 else torch.cat(grads)
+
+
+def _record_rows(ctx: Any, ids: torch.Tensor, gains: torch.Tensor, grads: tuple[torch.Tensor, ...]
+                 ) -> torch.Tensor | None:
     """Add ``dL/de_{i_k} = gain_k · dL/dout_b`` to ``ctx.row_grad``, one row per (bag, position); padding rows
-    are 0. Ids of frozen rows (a frozen member of a stacked group) become the sentinel: no row, no update."""
+    are 0. Ids of frozen rows (a frozen member of a stacked group) become the sentinel: no row, no update.
+    ``grads``: each feature's ``dL/dout`` (``ctx.splits`` bags each). Returns them whole if it made that."""
     row_grad, frozen = ctx.row_grad, ctx.frozen
     sentinel = frozen.shape[0] if frozen is not None else 0
     if frozen is not None:
         ids = torch.where(frozen[ids.clamp(max=sentinel - 1)], sentinel, ids)
-    dtype = grad_out.dtype  # the table's
+    dtype = grads[0].dtype  # the table's
     if row_grad.keep_factored and ids.device.type != "xla" and not torch.compiler.is_compiling():
-        row_grad.add_bags(ids, gains.to(dtype), grad_out)  # multiplied out piecewise by SGD's step
+        start = 0  # each feature's bags kept factored, as they came: no [N, D] concatenation
+        for n, grad_out in zip(ctx.splits, grads, strict=True):  # multiplied out piecewise by the step
+            row_grad.add_bags(ids[start : start + n], gains[start : start + n].to(dtype), grad_out, ctx.unit)
+            start += n
         row_grad.reached.update(ctx.tables)
-    else:
-        grad_rows = (gains.unsqueeze(-1) * grad_out.to(gains.dtype).unsqueeze(1)).to(dtype)
-        _hand_over(ctx, ids.reshape(-1), grad_rows.reshape(-1, grad_out.shape[-1]))
+        return None
+    grad_out = _whole(grads)
+    grad_rows = (gains.unsqueeze(-1) * grad_out.to(gains.dtype).unsqueeze(1)).to(dtype)
+    _hand_over(ctx, ids.reshape(-1), grad_rows.reshape(-1, grad_out.shape[-1]))
+    return grad_out
 
 
 def lookup(
     weight: torch.Tensor, ids: torch.Tensor, gains: torch.Tensor, row_grad: RowGrad,
     tables: frozenset[str] = frozenset(), frozen: torch.Tensor | None = None,
-) -> torch.Tensor:
+    splits: tuple[int, ...] | None = None, unit: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Combined lookup ``out[n] = Σ_l gains[n, l] · weight[ids[n, l]]``.
 
     Args:
@@ -150,12 +167,16 @@ def lookup(
             stacked tables excluded by the caller).
         frozen: ``[R]`` bool, True at rows that get no gradient (frozen members of a stacked group), or
             ``None``. A ``weight`` that does not require grad gets none at all.
+        splits: the bags of each feature, in order (``None``: one, all ``N``).
+        unit: every gain is 1 where the id is not padding (sum bags without per-id weights).
 
     Returns:
-        ``[N, D]`` activations, differentiable (row-sparsely) with respect to ``weight``.
+        Each split's ``[n, D]`` activations (views of one ``[N, D]``), differentiable (row-sparsely) with
+        respect to ``weight``; they cannot be modified in place (as ``torch.split``'s outputs).
     """
     check_not_ddp_managed(weight)  # torch's DDP must not reduce a table (tte.distributed)
-    out: torch.Tensor = _RowSparseLookup.apply(weight, ids, gains, row_grad, tables, frozen)  # type: ignore[no-untyped-call]
+    out: tuple[torch.Tensor, ...] = _RowSparseLookup.apply(  # type: ignore[no-untyped-call]
+        weight, ids, gains, row_grad, tables, frozen, (ids.shape[0],) if splits is None else tuple(splits), unit)
     return out
 
 
@@ -213,17 +234,39 @@ class LookupBatch:
 
     def run(self) -> dict[Path, torch.Tensor]:
         """Look the batch up: each feature's activations ``[*out_shape, D]`` by its position."""
-        weight, items = self.weight, self.items
-        dtype, dim = weight.dtype, weight.shape[1]
+        items, dim = self.items, self.weight.shape[1]
         if items[0][1].offsets is not None:
             return self._run_jagged()
+        pieces = self._lookup(torch.cat, tuple(b.ids.shape[0] for _, b in items))
+        return {path: piece.reshape(*b.out_shape, dim) for (path, b), piece in zip(items, pieces, strict=True)}
+
+    def side_by_side(self) -> bool:
+        """Whether :meth:`run_side_by_side` can look the batch up: padded bags, each item ``[B]`` bags, one ``B``."""
+        shapes = {b.out_shape for _, b in self.items}
+        return self.items[0][1].offsets is None and len(shapes) == 1 and len(next(iter(shapes))) == 1
+
+    def run_side_by_side(self) -> torch.Tensor:
+        """The items' activations side by side, ``[B, F·D]`` (``F`` items in order): the bags looked up
+        batch-major (bag ``b`` of every item, then bag ``b + 1``), so one ``embedding_bag`` writes what a
+        ``torch.cat`` of :meth:`run`'s outputs would copy, and the backward gets its gradient as one tensor."""
+        items, b = self.items, self.items[0][1].out_shape[0]
+
+        def interleave(parts: list[torch.Tensor]) -> torch.Tensor:  # [B, L] each -> [B·F, L], batch-major
+            return torch.stack(parts, dim=1).reshape(b * len(parts), *parts[0].shape[1:])
+
+        (out,) = self._lookup(interleave, None)
+        return out.view(b, len(items) * out.shape[1])
+
+    def _lookup(self, join: Any, splits: tuple[int, ...] | None) -> tuple[torch.Tensor, ...]:
+        """:func:`lookup` of the items' bags joined by ``join`` (several items) into one ``[N, L]``."""
+        weight, items, dtype = self.weight, self.items, self.weight.dtype
         if len(items) == 1:
             ids, w = items[0][1].ids, items[0][1].weights
         else:
-            ids = torch.cat([b.ids for _, b in items])
+            ids = join([b.ids for _, b in items])
             w = None
             if any(b.weights is not None for _, b in items):
-                w = torch.cat([b.valid.to(dtype) if b.weights is None else b.weights for _, b in items])
+                w = join([b.valid.to(dtype) if b.weights is None else b.weights for _, b in items])
         if not self.resident:  # one transfer of the batch's ids (and weights)
             ids = ids.to(weight.device)
             w = None if w is None else w.to(weight.device)
@@ -231,9 +274,8 @@ class LookupBatch:
         info = table_info(weight)
         frozen = None if info is None else info.frozen_rows
         training = frozenset(self.tables) - (info.frozen_tables if info is not None else frozenset())
-        out = lookup(weight, ids, bag_gains(valid, w, self.combiner, dtype), self.row_grad, training, frozen)
-        pieces = torch.split(out, [b.ids.shape[0] for _, b in items]) if len(items) > 1 else (out,)
-        return {path: piece.reshape(*b.out_shape, dim) for (path, b), piece in zip(items, pieces, strict=True)}
+        return lookup(weight, ids, bag_gains(valid, w, self.combiner, dtype), self.row_grad, training, frozen,
+                      splits, unit=self.combiner == "sum" and w is None)
 
     def _run_jagged(self) -> dict[Path, torch.Tensor]:
         """:meth:`run` for jagged bags (eager devices): one pooled lookup of every item's ids, unpadded."""
@@ -265,3 +307,45 @@ class LookupBatch:
         pieces = torch.split(out, counts) if len(items) > 1 else (out,)
         dim = weight.shape[1]
         return {path: piece.reshape(*b.out_shape, dim) for (path, b), piece in zip(items, pieces, strict=True)}
+
+
+def side_by_side(batches: list[Any], order: list[tuple[Path, str]], concat: Any = True) -> torch.Tensor:
+    """Every feature's ``[B, D_f]`` activations side by side, ``[B, Σ D_f]``, in ``order`` (position, name).
+
+    A :class:`LookupBatch` of several features next to each other in ``order`` is looked up side by side
+    (:meth:`LookupBatch.run_side_by_side`); the rest is looked up as usual and concatenated. One batch of every
+    feature (tables stacked into one group, the features of one bag width and combiner) copies nothing.
+    ``concat``: the caller's argument (``EmbeddingCollection.forward``'s), which must be ``True``.
+    """
+    if concat is not True:
+        raise TypeError(f"Argument `concat` must be a bool; received {concat!r}.")
+    names = dict(order)
+    shapes = {path: bags.out_shape for batch in batches  # (a routed lookup holds LookupBatches)
+              for b in getattr(batch, "batches", [batch]) for path, bags in b.items}
+    for path, shape in shapes.items():  # checked before anything is looked up
+        if len(shape) != 1:
+            raise ValueError(f"concat=True needs every feature's activations as [B, D]; feature `{names[path]}` "
+                             f"gives {[*shape, 'D']} (a sequence feature or an output_shape). Look it up without "
+                             f"concat, or in a collection of its own.")
+    if len({s[0] for s in shapes.values()}) > 1:
+        raise ValueError("concat=True needs one batch size B for every feature; got "
+                         + ", ".join(f"`{names[p]}`: {s[0]}" for p, s in shapes.items()) + ".")
+    position = {path: i for i, (path, _) in enumerate(order)}
+    blocks: dict[int, tuple[int, torch.Tensor]] = {}  # first feature's index -> (features, [B, F·D])
+    outputs: dict[Path, torch.Tensor] = {}
+    for batch in batches:
+        at = [position[p] for p, _ in batch.items] if isinstance(batch, LookupBatch) else []
+        if len(at) > 1 and at == list(range(at[0], at[0] + len(at))) \
+                and batch.side_by_side():
+            blocks[at[0]] = (len(at), batch.run_side_by_side())
+        else:
+            outputs.update(batch.run())
+    parts, i = [], 0
+    while i < len(order):
+        if i in blocks:
+            parts.append(blocks[i][1])
+            i += blocks[i][0]
+            continue
+        parts.append(outputs[order[i][0]])
+        i += 1
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

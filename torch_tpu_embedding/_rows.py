@@ -52,16 +52,26 @@ class BagRows:
     faster (LazyAdam at 20 ids, 4 tables: 250–290 ms against 285–345 ms multiplying out in the step).
     """
 
-    __slots__ = ("gains", "grad_out")
+    __slots__ = ("gains", "grad_out", "unit")
 
-    def __init__(self, gains: torch.Tensor, grad_out: torch.Tensor) -> None:
+    def __init__(self, gains: torch.Tensor, grad_out: torch.Tensor, unit: bool = False) -> None:
         self.gains = gains  # [N, L]
         self.grad_out = grad_out  # [N, D]
+        self.unit = unit  # every gain is 1 where the id is not padding (sum bags, no per-id weights)
 
     def rows(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Rows of bags ``[start, stop)`` as ``[(stop - start)·L, D]``."""
-        g, out = self.gains[start:stop], self.grad_out[start:stop]
-        return (g.unsqueeze(-1) * out.unsqueeze(1)).reshape(-1, out.shape[-1])
+        return self.spread(self.grad_out[start:stop], start, stop)
+
+    def spread(self, per_bag: torch.Tensor, start: int = 0, stop: int | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """``gains[n, l] · per_bag[n]`` for bags ``[start, stop)`` as ``[(stop - start)·L, D]``; ``per_bag``
+        holds those bags' rows (``grad_out``'s, or a linear function of them); written into ``out`` if given."""
+        g = self.gains[start:stop]
+        if out is None:
+            return (g.unsqueeze(-1) * per_bag.unsqueeze(1)).reshape(-1, per_bag.shape[-1])
+        torch.mul(g.unsqueeze(-1), per_bag.unsqueeze(1), out=out.view(g.shape[0], g.shape[1], per_bag.shape[-1]))
+        return out
 
 
 class RowGrad:
@@ -113,11 +123,12 @@ class RowGrad:
         self._ids.append(ids.reshape(-1))
         self._rows.append(rows.reshape(ids.numel(), rows.shape[-1]))  # explicit D: n may be 0
 
-    def add_bags(self, ids: torch.Tensor, gains: torch.Tensor, grad_out: torch.Tensor) -> None:
-        """Add ``ids [N, L]`` whose gradient rows are ``gains[n, l] · grad_out[n]`` (kept factored)."""
+    def add_bags(self, ids: torch.Tensor, gains: torch.Tensor, grad_out: torch.Tensor, unit: bool = False) -> None:
+        """Add ``ids [N, L]`` whose gradient rows are ``gains[n, l] · grad_out[n]`` (kept factored; ``unit``:
+        every gain is 1 where the id is not padding)."""
         note_backward()
         self._ids.append(ids.reshape(-1))
-        self._rows.append(BagRows(gains, grad_out))
+        self._rows.append(BagRows(gains, grad_out, unit))
 
     def add_owned(self, ids: torch.Tensor, rows: torch.Tensor, ok: torch.Tensor) -> None:
         """Add an owner-local chunk: ``ids [n, M]`` (shard-local rows), ``rows [n, M, D]``, ``ok`` (0-d bool)."""

@@ -18,7 +18,7 @@ from torch_tpu_embedding._fused import (
     plan_groups,
     split_fused_weights,
 )
-from torch_tpu_embedding._lookup import LookupBatch
+from torch_tpu_embedding._lookup import LookupBatch, side_by_side
 from torch_tpu_embedding._nest import Path, check_structure, flatten, path_name, pick, rebuild
 from torch_tpu_embedding._rows import retire_table, table_info
 from torch_tpu_embedding._screening import DeviceScreen, overflow_problem, warn_unchecked_drops
@@ -258,7 +258,7 @@ class EmbeddingCollection(nn.Module):
             t.row_grad.clear()
 
     # ------------------------------------------------------------------ forward
-    def forward(self, features: Any, weights: Any = None) -> Any:
+    def forward(self, features: Any, weights: Any = None, *, concat: bool = False) -> Any:
         """Look up every feature; activations in the structure of ``feature_config``.
 
         Args:
@@ -267,6 +267,8 @@ class EmbeddingCollection(nn.Module):
                 :class:`Padded`, sparse COO ``[B, L]``, ``torch.nested`` jagged.
             weights: optional per-id weights in the same structure (``None`` leaves allowed), or
                 inside ``Jagged`` / ``Padded``.
+            concat: one ``[B, Σ D]`` tensor instead, the features side by side in :attr:`feature_names`
+                order (TorchRec's ``KeyedTensor.values()``); a stacked group is looked up straight into it.
 
         Returns ``[B, D]`` for a combined bag, ``[B, S, D]`` for a sequence feature, ``output_shape
         + [D]`` where set. Ids outside ``[0, num_embeddings)`` raise ``ValueError`` naming the
@@ -276,6 +278,8 @@ class EmbeddingCollection(nn.Module):
         check_structure(self._config, features, "Inputs `features`")
         if weights is not None:
             check_structure(self._config, weights, "Argument `weights`")
+        if concat is not False:  # (checked to be True there)
+            return side_by_side(self._plan(features, weights), [(f[0], f[1]) for f in self._features], concat)
         outputs: dict[Path, torch.Tensor] = {}
         for batch in self._plan(features, weights):
             outputs.update(batch.run())

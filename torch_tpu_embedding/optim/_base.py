@@ -62,8 +62,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
 
     algorithm: ClassVar[str] = ""
     slot_names: ClassVar[tuple[str, ...]] = ()
-    #: ``rule(w, g) == w + rule(0, g)`` and ``rule(0, ·)`` is linear (SGD): an eager step may add
-    #: ``rule(0, g)`` per looked-up id with no dedup, gather or scatter (``Path.ADDITIVE``). Equal to
+    #: ``rule(w, g) == w + increment(g, lr)`` and ``increment`` is linear in ``g`` (SGD): an eager step may add
+    #: ``increment`` per looked-up id with no dedup, gather or scatter (``Path.ADDITIVE``). Equal to
     #: summing duplicates first up to float rounding (the sum's order differs).
     additive: ClassVar[bool] = False
     # Read by the global torch.optim guard: this optimizer consumes row-sparse table gradients.
@@ -103,6 +103,12 @@ class RowSparseOptimizer(torch.optim.Optimizer):
     def rule(
         w: Tensor, g: Tensor, slots: Slots, lr: Tensor, step: Tensor, hp: Mapping[str, Any], ctx: RowContext
     ) -> tuple[Tensor, Slots]:
+        raise NotImplementedError
+
+    @staticmethod
+    def increment(g: Tensor, lr: Tensor) -> Tensor:
+        """An ``additive`` rule's ``rule(w, g) − w``, to the bit (tested): what ``Path.ADDITIVE`` adds per id,
+        without the rule's pass over a zero ``w``."""
         raise NotImplementedError
 
     @classmethod

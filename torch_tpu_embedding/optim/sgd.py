@@ -11,7 +11,7 @@ from torch_tpu_embedding.optim._base import RowSparseOptimizer
 from torch_tpu_embedding.optim._contract import RowContext, Slots, common_defaults
 from torch_tpu_embedding.optim._extras import KerasExtras
 
-__all__ = ["SGD", "sgd_rule"]
+__all__ = ["SGD", "sgd_increment", "sgd_rule"]
 
 
 def sgd_rule(
@@ -25,6 +25,13 @@ def sgd_rule(
 ) -> tuple[torch.Tensor, Slots]:
     """``w ← w − lr·g`` (no slots)."""
     return w - lr * g, slots
+
+
+def sgd_increment(g: torch.Tensor, lr: torch.Tensor) -> torch.Tensor:
+    """``sgd_rule(w, g) − w`` to the bit: ``(−lr)·g`` (``w + (−lr)·g`` rounds as ``w − lr·g``; negation is
+    exact). ``Path.ADDITIVE`` adds it per looked-up id: one pass over the rows, where ``sgd_rule(0, g)``
+    is two."""
+    return (-lr) * g
 
 
 class SGD(RowSparseOptimizer):
@@ -55,6 +62,7 @@ class SGD(RowSparseOptimizer):
     algorithm = "sgd"
     slot_names = ()
     additive = True  # eager steps without clipping or decay: one index_add_ of -lr·g per looked-up id
+    increment = staticmethod(sgd_increment)
 
     def __init__(
         self,

@@ -1,0 +1,139 @@
+"""SGD's eager step (``Path.ADDITIVE``): ``increment(g)`` added per looked-up id, taken once per bag and spread
+over the bag's ids by their gains; and the lookup's backward, which keeps each feature's ``dL/dout`` as it came.
+
+Every case is compared with the same run through the summed-rows path (an option that needs the summed rows and
+never binds, ``clip_weight_min=-1e9``): the same update up to the order of the additions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import torch_tpu_embedding as tte
+from torch_tpu_embedding._rows import BagRows
+from torch_tpu_embedding.optim import SGD, _paths
+from torch_tpu_embedding.optim.sgd import sgd_rule
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_increment_is_the_rule_minus_w_to_the_bit(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 7, generator=g).to(dtype) * 10
+    grad = torch.randn(300, 7, generator=g).to(dtype)
+    for lr in (0.1, 0.0371, 3.0, 1e-7):
+        lr_t = torch.tensor(lr, dtype=dtype)
+        want, _ = sgd_rule(w, grad, {}, lr_t, torch.tensor(1), {}, None)  # type: ignore[arg-type]
+        assert torch.equal(w + SGD.increment(grad, lr_t), want), lr
+        assert SGD.increment(grad, lr_t).dtype == dtype
+
+
+def _features(case: str, dtype: torch.dtype) -> dict[str, tte.FeatureConfig]:
+    combiner = {"sum1": "sum", "sum5": "sum", "mean": "mean", "sqrtn": "sqrtn", "weighted": "mean"}[case]
+    a = tte.TableConfig(40, 6, name="a", combiner=combiner, dtype=dtype)
+    b = tte.TableConfig(30, 6, name="b", combiner=combiner, dtype=dtype)  # stacked with "a" by default
+    width = 1 if case == "sum1" else 5
+    return {"x": tte.FeatureConfig(a, max_ids_per_bag=width), "y": tte.FeatureConfig(b, max_ids_per_bag=width),
+            "z": tte.FeatureConfig(a, max_ids_per_bag=width)}  # "z" shares "a"
+
+
+def _batch(case: str, g: torch.Generator) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, rows in (("x", 40), ("y", 30), ("z", 40)):
+        if case == "sum1":  # one id per bag, some bags empty (padding at width 1)
+            lengths = torch.randint(0, 2, (12,), generator=g)
+            out[name] = tte.Jagged(torch.randint(0, rows, (int(lengths.sum()),), generator=g), lengths=lengths)
+            continue
+        ids = torch.randint(0, rows, (12, 5), generator=g)  # duplicates, within and across bags
+        mask = torch.rand(12, 5, generator=g) > 0.3
+        weights = torch.rand(12, 5, generator=g) + 0.5 if case == "weighted" else None
+        out[name] = tte.Padded(ids, mask, weights=weights)
+    return out
+
+
+def _run(case: str, dtype: torch.dtype, frozen: bool, **options: Any) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    ec = tte.EmbeddingCollection(_features(case, dtype))
+    if frozen:
+        ec.tables["b"].requires_grad_(False)
+    opt = SGD(ec.parameters(), lr=0.05, **options)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        out = ec(_batch(case, g))
+        head = torch.linspace(-1, 1, 18, dtype=torch.float64)
+        (torch.cat([out["x"], out["y"], out["z"]], dim=1).to(torch.float64) @ head).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.to(torch.float64) for k, v in ec.state_dict().items()}
+
+
+CASES = ["sum1", "sum5", "mean", "sqrtn", "weighted"]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("options", [{}, {"loss_scale_factor": 4.0}, {"gradient_accumulation_steps": 2}],
+                         ids=["plain", "loss_scale", "accumulation"])
+def test_additive_equals_the_summed_update(case: str, options: dict[str, Any]) -> None:
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-6)):
+        fast = _run(case, dtype, False, **options)
+        summed = _run(case, dtype, False, clip_weight_min=-1e9, **options)
+        for k, v in summed.items():
+            torch.testing.assert_close(fast[k], v, rtol=tol, atol=tol, msg=f"{case} {dtype} {k}")
+
+
+@pytest.mark.parametrize("case", ["sum1", "mean"])
+def test_additive_keeps_a_frozen_member_and_16_bit_tables(case: str) -> None:
+    fast = _run(case, torch.float64, True)
+    summed = _run(case, torch.float64, True, clip_weight_min=-1e9)
+    torch.manual_seed(0)
+    init = {k: v.to(torch.float64) for k, v in tte.EmbeddingCollection(_features(case, torch.float64)).state_dict().items()}
+    assert torch.equal(fast["tables.b.weight"], init["tables.b.weight"])  # the frozen member never moves
+    torch.testing.assert_close(fast["tables.a.weight"], summed["tables.a.weight"], rtol=1e-12, atol=1e-12)
+    assert not torch.equal(fast["tables.a.weight"], init["tables.a.weight"])
+    # bfloat16: rows added in the table's dtype one id at a time against summed in float32 and cast once
+    fast16 = _run(case, torch.bfloat16, False)
+    summed16 = _run(case, torch.bfloat16, False, clip_weight_min=-1e9)
+    for k, v in summed16.items():
+        torch.testing.assert_close(fast16[k], v, rtol=2e-2, atol=2e-2, msg=k)
+
+
+def test_backward_keeps_each_feature_gradient_as_it_came() -> None:
+    """Three features of one stacked group looked up together, their outputs concatenated by the caller: each
+    feature's ``dL/dout`` reaches the table as a view of the concatenation's gradient (no ``[N, D]`` copy), and
+    SGD's step adds one ``index_add_`` per feature."""
+    torch.manual_seed(0)
+    ec = tte.EmbeddingCollection(_features("sum1", torch.float32))
+    opt = SGD(ec.parameters(), lr=0.1)
+    ids = {n: torch.randint(0, 30, (16,)) for n in ("x", "y", "z")}
+    seen: list[torch.Tensor] = []
+    for step in range(2):  # the first step asks the lookups to keep their rows factored
+        out = ec(ids)
+        cat = torch.cat([out["x"], out["y"], out["z"]], dim=1)
+        cat.register_hook(seen.append)
+        (cat * torch.arange(18.0)).sum().backward()
+        if step == 1:
+            chunks = ec.tables["a"].row_grad.chunks()
+            assert len(chunks) == 3 and all(isinstance(r, BagRows) and r.unit for _, r in chunks)
+            base = seen[-1].untyped_storage().data_ptr()
+            assert all(r.grad_out.untyped_storage().data_ptr() == base for _, r in chunks)  # type: ignore[union-attr]
+        opt.step()
+        opt.zero_grad()
+
+
+def test_spread_reuses_one_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bags of several ids: each piece is spread into one buffer, kept between pieces and steps."""
+    monkeypatch.setattr(_paths, "_SCRATCH", {})
+    monkeypatch.setattr(_paths, "ADDITIVE_CHUNK", 10)  # two bags of 5 a piece: six pieces a lookup
+    torch.manual_seed(0)
+    ec = tte.EmbeddingCollection(_features("mean", torch.float32))
+    opt = SGD(ec.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    ptrs = set()
+    for _ in range(3):
+        sum(o.sum() for o in ec(_batch("mean", g)).values()).backward()
+        opt.step()
+        opt.zero_grad()
+        ptrs |= {(k, b.data_ptr()) for k, b in _paths._SCRATCH.items()}
+    assert len(ptrs) == 1, ptrs

@@ -175,13 +175,12 @@ def _release_freed() -> None:
         trim(0)
 
 
-def _measured_load(rows: int, path: str) -> dict[str, Any]:
-    """A ``rows``-row table (64 float32) row-sharded with Adagrad: saved, then loaded back into the same
-    (zeroed) model: the peak resident memory of the load over the memory before it (Linux: VmHWM after
-    resetting it through /proc/self/clear_refs), and whether every row and accumulator came back."""
+def _sharded_table(rows: int, group: Any = None) -> tuple[tte.EmbeddingCollection, torch.optim.Optimizer]:
+    """A ``rows``-row table (64 float32) row-sharded over ``group`` with Adagrad, every stored row and
+    accumulator set from its logical id."""
     cfg = tte.TableConfig(rows, BIG_DIM, name="huge", placement="row", initializer=torch.nn.init.zeros_)
     ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(cfg)})
-    tte.distributed.shard(ec)
+    tte.distributed.shard(ec, group)
     opt = tte.optim.Adagrad(ec.parameters(), lr=0.1)
     opt.init_state()
     w = ec.tables["huge"].weight
@@ -189,9 +188,26 @@ def _measured_load(rows: int, path: str) -> dict[str, Any]:
     with torch.no_grad():
         w.copy_(ids[:, None] + torch.arange(BIG_DIM, dtype=torch.float32) / BIG_DIM)
         opt.state[w]["accumulators"].copy_(ids[:, None] * 2)
-    del ids
+    return ec, opt
+
+
+def _measured_load(rows: int, path: str, saved_alone: bool = False) -> dict[str, Any]:
+    """:func:`_sharded_table` saved (``saved_alone``: by rank 0 alone, sharded over a group of one: every
+    rank then keeps only some rows of each window it reads), then loaded into the table sharded over the
+    default group, zeroed: the peak resident memory of the load over the memory before it (Linux: VmHWM
+    after resetting it through /proc/self/clear_refs), and whether every row and accumulator came back."""
+    if saved_alone:
+        alone = dist.new_group([0])
+        if dist.get_rank() == 0:
+            model, optimizer = _sharded_table(rows, alone)
+            tte.checkpoint.save_distributed(path, model=model, optimizer=optimizer)
+            del model, optimizer
+        dist.barrier()
+    ec, opt = _sharded_table(rows)
+    w = ec.tables["huge"].weight
     want_w, want_a = w.detach().clone(), opt.state[w]["accumulators"].clone()
-    tte.checkpoint.save_distributed(path, model=ec, optimizer=opt)
+    if not saved_alone:
+        tte.checkpoint.save_distributed(path, model=ec, optimizer=opt)
     with torch.no_grad():
         w.zero_()
         opt.state[w]["accumulators"].zero_()
@@ -211,9 +227,11 @@ def _measured_load(rows: int, path: str) -> dict[str, Any]:
 
 def memory_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     """:func:`_measured_load` of each of :data:`MEMORY_ROWS` in turn (the first warms the code paths a load
-    runs: their first pages of code and lazily built state are not what a load stages)."""
+    runs: their first pages of code and lazily built state are not what a load stages), then of the
+    second saved by rank 0 alone (``"resharded"``)."""
     _init(rank, world, port)
-    out = {rows: _measured_load(rows, os.path.join(out_dir, f"t{rows}")) for rows in MEMORY_ROWS}
+    out: dict[Any, Any] = {rows: _measured_load(rows, os.path.join(out_dir, f"t{rows}")) for rows in MEMORY_ROWS}
+    out["resharded"] = _measured_load(MEMORY_ROWS[1], os.path.join(out_dir, "alone"), saved_alone=True)
     torch.save(out, os.path.join(out_dir, f"mem{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

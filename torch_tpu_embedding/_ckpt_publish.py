@@ -129,9 +129,11 @@ def _sha256(path: str) -> str:
     # buffers a load allocates next).
     with mmap.mmap(-1, CHUNK) as buffer, open(path, "rb", buffering=0) as f:
         view = memoryview(buffer)
-        while n := f.readinto(view):
-            h.update(view[:n])
-        view.release()
+        try:
+            while n := f.readinto(view):
+                h.update(view[:n])
+        finally:
+            view.release()  # (a view still open would make closing the mapping raise)
     return h.hexdigest()
 
 

@@ -18,13 +18,12 @@ whole (one process, or torch_xla SPMD, whose host stages a table to shard it).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import math
 import mmap
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -144,11 +143,12 @@ class _RowFiles:
                 continue
             window = window_rows(src, dest)
             shape = (min(window, n), *src.shape[1:])
-            with _mapped((shape[:1], part[name]["ids"].dtype), (shape, src.dtype), (shape, src.dtype)) as buffers, \
-                    open(self.files[r], "rb", buffering=0) as f:
+            ids, rows, gathered = _mapped((shape[:1], part[name]["ids"].dtype), (shape, src.dtype), (shape, src.dtype))
+            with open(self.files[r], "rb", buffering=0) as f:
                 for a in range(0, n, window):
                     self._copy_window(r, f.fileno(), (name, slot), slice(a, min(a + window, n)), locate, dest,
-                                      (buffers[0], buffers[1], buffers[2]))
+                                      (ids, rows, gathered))
+            del ids, rows, gathered  # the mapping goes with them, before the next file's is made
         return found
 
     def _copy_window(self, r: int, fd: int, which: tuple[str, str | None], rows: slice, locate: Locate,
@@ -169,22 +169,15 @@ class _RowFiles:
         copy_window(lambda: _read(fd, offsets, src, rows, buffers[1]), ids, locate, dest, buffers[2])
 
 
-@contextlib.contextmanager
-def _mapped(*specs: tuple[tuple[int, ...], torch.dtype]) -> Iterator[list[Tensor]]:
-    """Tensors of the given shapes and dtypes in one anonymous mapping of their own, unmapped on exit:
-    freed to malloc, they would stay resident in its heap, and the next table's or slot's buffers would
-    add to them (a page counts only once written)."""
+def _mapped(*specs: tuple[tuple[int, ...], torch.dtype]) -> list[Tensor]:
+    """Tensors of the given shapes and dtypes in one anonymous mapping of their own, unmapped when the last
+    tensor over it is freed (``torch.frombuffer`` holds the mapping): freed to malloc instead, they would
+    stay resident in its heap, and the next table's or slot's buffers would add to them."""
     sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
     starts = [sum(-(-k // 64) * 64 for k in sizes[:i]) for i in range(len(sizes) + 1)]  # 64-byte aligned
     memory = mmap.mmap(-1, max(1, starts[-1]))
-    out = [torch.frombuffer(memory, dtype=torch.uint8, count=k, offset=at).view(dtype).view(shape)
-           for (shape, dtype), k, at in zip(specs, sizes, starts, strict=False)]
-    try:
-        yield out
-    finally:
-        out.clear()
-        with contextlib.suppress(BufferError):  # a tensor still held (an exception's frames): unmapped when freed
-            memory.close()
+    return [torch.frombuffer(memory, dtype=torch.uint8, count=k, offset=at).view(dtype).view(shape)
+            for (shape, dtype), k, at in zip(specs, sizes, starts, strict=False)]
 
 
 def _read(fd: int, offsets: dict[int, int], src: Tensor, rows: slice, out: Tensor) -> Tensor:

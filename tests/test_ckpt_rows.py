@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from torch_tpu_embedding import _ckpt_rows
+from torch_tpu_embedding._ckpt_publish import CheckpointCorruptError
 from torch_tpu_embedding._ckpt_rows import Source, everything, select_accumulation
 from torch_tpu_embedding._pg_ckpt import _locator
 from torch_tpu_embedding._pg_exchange import GroupSharding
@@ -111,3 +112,15 @@ def test_pending_accumulation_goes_to_its_owner() -> None:
             for i, lid in enumerate(back):
                 assert torch.equal(got[j, i], rows[j, ids[j].tolist().index(lid)])
     assert sorted(kept) == [5, 7, 12, 2999, 3000]
+
+
+def test_a_file_cut_short_after_verifying_is_named(tmp_path: Path) -> None:
+    """A rank file truncated between the checks and the reads: CheckpointCorruptError naming the file."""
+    write_rank_files(tmp_path / "ck", 2)
+    src = source(tmp_path / "ck", 2)
+    file = tmp_path / "ck" / "rows-0.pt"
+    with open(file, "r+b") as f:
+        f.truncate(file.stat().st_size // 2)
+    s = sharding(2, 0)
+    with pytest.raises(CheckpointCorruptError, match="rows-0.pt ended .* bytes early"):
+        src.copy_rows("t", "t.weight", "acc", _locator(s), torch.zeros(s.local_rows, D, dtype=torch.float64))

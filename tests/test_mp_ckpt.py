@@ -96,7 +96,7 @@ def test_a_load_that_does_not_fit_changes_nothing(tmp_path_factory: pytest.TempP
 
 
 #: What a load may add to a rank's memory beyond one chunk, whatever the table: measured at most 20 KiB
-#: (torch 2.9 and 2.13, 2 ranks; see docs/checkpointing.md): Python objects, the rank files' pickles and
+#: (torch 2.9 and 2.13, 2 ranks; docs/checkpoints.md): Python objects, the rank files' pickles and
 #: mapped headers, the index bookkeeping of a window beyond its estimate (_ckpt_rows._INDEX_BYTES), pages.
 SLACK = 1 << 19
 

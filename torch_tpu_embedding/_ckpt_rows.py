@@ -1,14 +1,14 @@
 """Reading a checkpoint's tables by logical row, whichever kind of directory wrote it.
 
-A :class:`Source` answers for each table: its logical rows (``copy_rows`` writes the rows of any set of
-logical ids straight into a destination tensor), its row slots, its whole-table slots and its pending
-accumulation buffers (logical ids, ``-1`` padding). Two kinds of directory feed it:
+A :class:`Source` answers for each table: its logical rows (``copy_rows`` writes the rows a
+:data:`Locate` places on this rank straight into a destination tensor), its row slots, its whole-table
+slots and its pending accumulation buffers (logical ids, ``-1`` padding). Two kinds of directory feed it:
 
 * ``tte.distributed.save_sharded``'s (``meta.pt`` + ``rows-<rank>.pt``): each sharded table's rows are
   in the rank files, in ascending logical id; the rest (replicated tables, dense layers) is logical in
-  ``meta.pt``. The rank files are read in windows of about ``_ckpt_publish.CHUNK`` bytes (4 MiB), each through its own
-  memory map that is dropped before the next (a page read through a mapping counts in the process's
-  resident memory until the mapping goes), so a reader's memory grows by one window, never a file;
+  ``meta.pt``. The rank files are read in windows that fit ``_ckpt_publish.CHUNK`` bytes (4 MiB) with
+  their bookkeeping, each window's ids placed by a :data:`Locate` as they are read, so a reader's
+  memory grows by one chunk, never by a file or a shard (:class:`_RowFiles`);
 * a logical payload (``tte.checkpoint.save``'s form: what ``tte.checkpoint.save_distributed``'s
   directories read into on the host, ``_ckpt_dcp.logical_payload``): every table whole.
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import io
 import math
 import mmap
 import os
@@ -88,17 +89,17 @@ def copy_window(read: Callable[[], Tensor], ids: Tensor, locate: Locate, dest: T
 
 def _storage_offsets(file: str, part: Any) -> dict[int, int] | None:
     """The offset in ``file`` of every tensor storage of ``part`` (``file`` loaded with ``mmap=True``), by
-    its address in the mapping: each is the mapping's start plus its record's offset. ``None`` when they
-    do not match (another storage layout): windows are then read through mappings."""
+    its address in the mapping: each is the mapping's start (page-aligned) plus its record's offset.
+    ``None`` unless exactly one start fits them all (another storage layout): windows are then read
+    through mappings."""
     reader: Any = torch._C.PyTorchFileReader(file)  # get_record_offset: torch.load's own, missing from the stubs
     offsets = {reader.get_record_offset(n) for n in reader.get_all_records() if n.split("/")[-2:-1] == ["data"]}
     ptrs = {t.untyped_storage().data_ptr() for t in _tensors(part) if t.untyped_storage().nbytes()}
     if not ptrs:
         return {}
-    for start in {min(ptrs) - o for o in offsets}:
-        if all(p - start in offsets for p in ptrs):
-            return {p: p - start for p in ptrs}
-    return None
+    starts = [start for start in {min(ptrs) - o for o in offsets}
+              if start % mmap.PAGESIZE == 0 and all(p - start in offsets for p in ptrs)]
+    return {p: p - starts[0] for p in ptrs} if len(starts) == 1 else None
 
 
 def _tensors(value: Any) -> list[Tensor]:
@@ -146,12 +147,12 @@ class _RowFiles:
             ids, rows, gathered = _mapped((shape[:1], part[name]["ids"].dtype), (shape, src.dtype), (shape, src.dtype))
             with open(self.files[r], "rb", buffering=0) as f:
                 for a in range(0, n, window):
-                    self._copy_window(r, f.fileno(), (name, slot), slice(a, min(a + window, n)), locate, dest,
+                    self._copy_window(r, f, (name, slot), slice(a, min(a + window, n)), locate, dest,
                                       (ids, rows, gathered))
             del ids, rows, gathered  # the mapping goes with them, before the next file's is made
         return found
 
-    def _copy_window(self, r: int, fd: int, which: tuple[str, str | None], rows: slice, locate: Locate,
+    def _copy_window(self, r: int, f: io.FileIO, which: tuple[str, str | None], rows: slice, locate: Locate,
                      dest: Tensor, buffers: tuple[Tensor, Tensor, Tensor]) -> None:
         """Window ``rows`` of file ``r``'s table ``which[0]`` (weight or row slot ``which[1]``) into ``dest``;
         ``buffers``: its ids, its rows and the rows gathered."""
@@ -165,8 +166,8 @@ class _RowFiles:
             assert got is not None
             copy_window(lambda: got[rows], entry["ids"][rows], locate, dest, buffers[2])
             return
-        ids = _read(fd, offsets, part["ids"], rows, buffers[0])
-        copy_window(lambda: _read(fd, offsets, src, rows, buffers[1]), ids, locate, dest, buffers[2])
+        ids = _read(f, offsets, part["ids"], rows, buffers[0])
+        copy_window(lambda: _read(f, offsets, src, rows, buffers[1]), ids, locate, dest, buffers[2])
 
 
 def _mapped(*specs: tuple[tuple[int, ...], torch.dtype]) -> list[Tensor]:
@@ -180,9 +181,9 @@ def _mapped(*specs: tuple[tuple[int, ...], torch.dtype]) -> list[Tensor]:
             for (shape, dtype), k, at in zip(specs, sizes, starts, strict=False)]
 
 
-def _read(fd: int, offsets: dict[int, int], src: Tensor, rows: slice, out: Tensor) -> Tensor:
-    """Rows ``rows`` of ``src`` (a contiguous tensor of a file mapped whole; ``offsets``: its storages'
-    offsets in the file ``fd``) read from the file into ``out``'s first rows."""
+def _read(f: io.FileIO, offsets: dict[int, int], src: Tensor, rows: slice, out: Tensor) -> Tensor:
+    """Rows ``rows`` of ``src`` (a contiguous tensor of file ``f`` mapped whole; ``offsets``: its storages'
+    offsets in the file) read from the file into ``out``'s first rows."""
     n = rows.stop - rows.start
     got = out[:n]
     size = got.numel() * got.element_size()
@@ -191,10 +192,10 @@ def _read(fd: int, offsets: dict[int, int], src: Tensor, rows: slice, out: Tenso
     view = memoryview((ctypes.c_char * size).from_address(got.data_ptr())).cast("B")
     done = 0
     while done < size:
-        k = os.preadv(fd, [view[done:]], at + done)
+        k = os.preadv(f.fileno(), [view[done:]], at + done)
         if not k:
-            raise CheckpointCorruptError(f"A checkpoint file ended {size - done} bytes early, at byte {at + done} "
-                                         "(changed since it was verified?).")
+            raise CheckpointCorruptError(f"{f.name!s} ended {size - done} bytes early, at byte {at + done} (changed "
+                                         "since it was verified?); some rows may have been loaded.")
         done += k
     return got
 

@@ -7,9 +7,10 @@ placements (torch_xla SPMD has no ``"table"`` placement) and the same initial va
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import gc
 import os
-import resource
 from typing import Any
 
 import _mp_worker as W
@@ -19,8 +20,9 @@ import torch.distributed as dist
 import torch_tpu_embedding as tte
 
 ACCUM = "adagrad-accum2-ema"  # gradient accumulation over 2 calls: a save after 5 steps is mid-window
-#: the memory test's table: 2**20 rows of 64 float32, 256 MiB
-BIG_ROWS, BIG_DIM = 1 << 20, 64
+#: the memory test's tables, row-sharded over 2 ranks: 2**12 rows of 64 float32 (warms the load's code
+#: paths, not measured), then 2**19 and 2**20 rows (128 and 256 MiB: shards of 64 and 128 MiB)
+MEMORY_ROWS, BIG_DIM = (1 << 12, 1 << 19, 1 << 20), 64
 
 
 def model_with(placements: dict[str, str], dtype: torch.dtype = torch.float64, seed: int = 0,
@@ -163,14 +165,22 @@ def _kib(field: str) -> int:
     raise KeyError(field)
 
 
-def memory_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    """A 256 MiB row-sharded table with Adagrad: saved, then loaded back into the same (zeroed) model; the
-    peak resident memory of the load over the memory before it (Linux: VmHWM after resetting it through
-    /proc/self/clear_refs), and whether every row and accumulator came back."""
-    _init(rank, world, port)
-    cfg = tte.TableConfig(BIG_ROWS, BIG_DIM, name="huge", placement="row", initializer=torch.nn.init.zeros_)
+def _release_freed() -> None:
+    """Give the memory already freed back to the system before a measurement (glibc's ``malloc_trim``;
+    nothing elsewhere): freed memory left in malloc's heap would be reused by the load unseen, which
+    could only hide part of its growth."""
+    gc.collect()
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+def _sharded_table(rows: int, group: Any = None) -> tuple[tte.EmbeddingCollection, torch.optim.Optimizer]:
+    """A ``rows``-row table (64 float32) row-sharded over ``group`` with Adagrad, every stored row and
+    accumulator set from its logical id."""
+    cfg = tte.TableConfig(rows, BIG_DIM, name="huge", placement="row", initializer=torch.nn.init.zeros_)
     ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(cfg)})
-    tte.distributed.shard(ec)
+    tte.distributed.shard(ec, group)
     opt = tte.optim.Adagrad(ec.parameters(), lr=0.1)
     opt.init_state()
     w = ec.tables["huge"].weight
@@ -178,13 +188,31 @@ def memory_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     with torch.no_grad():
         w.copy_(ids[:, None] + torch.arange(BIG_DIM, dtype=torch.float32) / BIG_DIM)
         opt.state[w]["accumulators"].copy_(ids[:, None] * 2)
+    return ec, opt
+
+
+def _measured_load(rows: int, path: str, saved_alone: bool = False) -> dict[str, Any]:
+    """:func:`_sharded_table` saved (``saved_alone``: by rank 0 alone, sharded over a group of one: every
+    rank then keeps only some rows of each window it reads), then loaded into the table sharded over the
+    default group, zeroed: the peak resident memory of the load over the memory before it (Linux: VmHWM
+    after resetting it through /proc/self/clear_refs), and whether every row and accumulator came back."""
+    if saved_alone:
+        alone = dist.new_group([0])
+        if dist.get_rank() == 0:
+            model, optimizer = _sharded_table(rows, alone)
+            tte.checkpoint.save_distributed(path, model=model, optimizer=optimizer)
+            del model, optimizer
+        dist.barrier()
+    ec, opt = _sharded_table(rows)
+    w = ec.tables["huge"].weight
     want_w, want_a = w.detach().clone(), opt.state[w]["accumulators"].clone()
-    path = os.path.join(out_dir, "huge")
-    tte.checkpoint.save_distributed(path, model=ec, optimizer=opt)
+    if not saved_alone:
+        tte.checkpoint.save_distributed(path, model=ec, optimizer=opt)
     with torch.no_grad():
         w.zero_()
         opt.state[w]["accumulators"].zero_()
     dist.barrier()
+    _release_freed()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current resident memory
     before = _kib("VmRSS")
@@ -192,9 +220,18 @@ def memory_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     peak = _kib("VmHWM")
     w = ec.tables["huge"].weight
     out = {"delta": (peak - before) * 1024, "shard": w.numel() * w.element_size(),
-           "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
            "weight": torch.equal(w, want_w), "accumulators": torch.equal(opt.state[w]["accumulators"], want_a)}
-    del want_w, want_a
+    dist.barrier()
+    return out
+
+
+def memory_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """:func:`_measured_load` of each of :data:`MEMORY_ROWS` in turn (the first warms the code paths a load
+    runs: their first pages of code and lazily built state are not what a load stages), then of the
+    second saved by rank 0 alone (``"resharded"``)."""
+    _init(rank, world, port)
+    out: dict[Any, Any] = {rows: _measured_load(rows, os.path.join(out_dir, f"t{rows}")) for rows in MEMORY_ROWS}
+    out["resharded"] = _measured_load(MEMORY_ROWS[1], os.path.join(out_dir, "alone"), saved_alone=True)
     torch.save(out, os.path.join(out_dir, f"mem{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import importlib
 import json
+import mmap
 import os
 import shutil
 from typing import Any
@@ -123,11 +124,16 @@ def prepare_staging(target: str) -> None:
 
 def _sha256(path: str) -> str:
     h = hashlib.sha256()
-    buffer = bytearray(CHUNK)  # one buffer, refilled: a reader's memory grows by one chunk
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(view):
-            h.update(view[:n])
+    # One buffer, refilled: a reader's memory grows by one chunk. An anonymous mapping of its own, which
+    # goes back to the system when closed (freed to malloc, it would stay resident in the heap beside the
+    # buffers a load allocates next).
+    with mmap.mmap(-1, CHUNK) as buffer, open(path, "rb", buffering=0) as f:
+        view = memoryview(buffer)
+        try:
+            while n := f.readinto(view):
+                h.update(view[:n])
+        finally:
+            view.release()  # (a view still open would make closing the mapping raise)
     return h.hexdigest()
 
 

@@ -11,9 +11,10 @@ tables). Checkpoints are in logical row order whatever the ownership scheme.
 SPMD's, or one process's), into a model sharded over any number of ranks, or into a model holding every
 table whole (one process; ``tte.checkpoint.load_distributed`` sends an SPMD model here). Into a sharded
 model each rank copies the rows it stores straight into its shard and slots, reading the row files in
-windows of ``_ckpt_rows.CHUNK`` bytes (``_ckpt_rows.py``): its memory grows by one window, never by a
-table. A ``save_distributed`` directory is read through the host first (``torch.distributed.checkpoint``
-reads a table whole): for tables that fit in one host's memory.
+windows that fit ``_ckpt_rows.CHUNK`` bytes (``_ckpt_rows.py``; where each logical id goes is worked out
+per window from the ownership, :func:`_locator`): its memory grows by one chunk, never by a shard. A
+``save_distributed`` directory is read through the host first (``torch.distributed.checkpoint`` reads a
+table whole): for tables that fit in one host's memory.
 
 Saves are crash-safe and loads verify before they write, as ``tte.checkpoint.save_distributed``'s
 (``_ckpt_publish``): every rank writes into a sibling staging directory; when all files are on disk,
@@ -45,7 +46,7 @@ from torch_tpu_embedding._ckpt_publish import (
     verify,
     write_manifest,
 )
-from torch_tpu_embedding._ckpt_rows import ACC, Source, select_accumulation
+from torch_tpu_embedding._ckpt_rows import ACC, Locate, Source, select_accumulation
 from torch_tpu_embedding._pg_exchange import GroupSharding, group_sharding
 from torch_tpu_embedding._pg_state import stored_rows
 from torch_tpu_embedding.collection import EmbeddingCollection
@@ -81,6 +82,21 @@ def _stored_in_order(s: GroupSharding) -> tuple[Tensor, Tensor]:
     ids, local = torch.sort(s.local_logical_ids())  # padding rows (ids >= rows) sort last
     n = int((ids < s.rows).sum())
     return ids[:n], local[:n]
+
+
+def _locator(s: GroupSharding) -> Locate:
+    """Where this rank stores logical ids (``_ckpt_rows.Locate``), worked out per window of ids from the
+    ownership: no per-row table of the shard is built (it would grow a load's memory with the shard)."""
+    if s.placement == "table":
+        here = s.rank == s.owner
+        return lambda ids: (torch.full_like(ids, here, dtype=torch.bool) & (ids >= 0) & (ids < s.rows), ids)
+    per, first = s.ownership.rows_per_shard, s.rank * s.ownership.rows_per_shard
+
+    def locate(ids: Tensor) -> tuple[Tensor, Tensor]:
+        local = s.ownership.physical_row(ids) - first  # padding ids: the sentinel, owned by no rank
+        return (local >= 0) & (local < per) & (ids < s.rows), local
+
+    return locate
 
 
 def _logical_accumulation(state: dict[str, Tensor], s: GroupSharding, local: int) -> dict[str, Tensor]:
@@ -190,7 +206,7 @@ def _stand_in(like: Tensor, rows: int) -> Tensor:
 
 def _optimizer_state(
     source: Source, optimizer: Any, mine: dict[str, tuple[str, EmbeddingTable, GroupSharding]],
-    order: dict[str, tuple[Tensor, Tensor]], whole: dict[str, Any],
+    whole: dict[str, Any],
 ) -> tuple[dict[str, Any], dict[str, list[str]]]:
     """The optimizer ``state_dict`` to check (each shard's row slots as stand-ins) and each sharded table's
     row slots. ``whole``: the logical entries of the tables sharded when saved and whole here."""
@@ -211,7 +227,7 @@ def _optimizer_state(
                 entry[slot] = _stand_in(like, local)
         acc = source.accumulation(name)
         if acc is not None:
-            entry["acc_ids"], entry["acc_rows"] = select_accumulation(acc, *order[name])
+            entry["acc_ids"], entry["acc_rows"] = select_accumulation(acc, _locator(mine[name][2]))
         state[f"table:{name}"] = entry
     return {**source.optimizer, "state": state}, row_slots
 
@@ -230,7 +246,6 @@ def load_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer:
     if not mine:  # every table whole here: the logical payload, checked and loaded as tte.checkpoint.load's
         apply_payload(source.payload(_saved_keys(source, tables)), path, model, optimizer, strict=True)
         return
-    order = {name: _stored_in_order(s) for name, (_, _, s) in mine.items()}  # (logical ids, local rows)
     problems: list[str] = []
     sd = _stored_state(model)
     sd.update(source.model)
@@ -255,7 +270,7 @@ def load_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer:
             raise CheckpointMismatchError(f"{path} holds no optimizer state (nothing was loaded).")
         optimizer.init_state()
         whole_state = {f"table:{n}": payload["optimizer"]["state"][f"table:{n}"] for n in whole}
-        osd, row_slots = _optimizer_state(source, optimizer, mine, order, whole_state)
+        osd, row_slots = _optimizer_state(source, optimizer, mine, whole_state)
         problems += [f"optimizer: {p}" for p in optimizer_problems(optimizer, osd)]
         # Loaded without the row slots' stand-ins (the optimizer would copy them whole): its fresh slots
         # get their rows below.
@@ -265,12 +280,12 @@ def load_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer:
         raise CheckpointMismatchError(f"{path} does not match (nothing was loaded): " + "; ".join(problems))
     with stored_rows():  # the sharded tables' entries are their stored rows (as _stored_state read them)
         model.load_state_dict(sd)  # the shards get zeros from their stand-ins: their rows are copied next
-    for name, (key, t, _) in mine.items():
-        source.copy_rows(name, key, None, order[name][0], t.weight.data, order[name][1])
+    for name, (key, t, s) in mine.items():
+        source.copy_rows(name, key, None, _locator(s), t.weight.data)
     if optimizer is None:
         return
     optimizer.load_state_dict(osd)
-    for name, (key, t, _) in mine.items():
+    for name, (key, t, s) in mine.items():
         slots = optimizer.state[t.weight]
         for slot in row_slots[name]:
-            source.copy_rows(name, key, slot, order[name][0], slots[slot], order[name][1])
+            source.copy_rows(name, key, slot, _locator(s), slots[slot])

@@ -92,6 +92,8 @@ def _storage_offsets(file: str, part: Any) -> dict[int, int] | None:
     its address in the mapping: each is the mapping's start (page-aligned) plus its record's offset.
     ``None`` unless exactly one start fits them all (another storage layout): windows are then read
     through mappings."""
+    if not hasattr(os, "preadv"):  # (Linux and the BSDs have it; elsewhere windows are read through mappings)
+        return None
     reader: Any = torch._C.PyTorchFileReader(file)  # get_record_offset: torch.load's own, missing from the stubs
     offsets = {reader.get_record_offset(n) for n in reader.get_all_records() if n.split("/")[-2:-1] == ["data"]}
     ptrs = {t.untyped_storage().data_ptr() for t in _tensors(part) if t.untyped_storage().nbytes()}

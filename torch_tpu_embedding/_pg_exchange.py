@@ -58,6 +58,10 @@ class GroupSharding:
     (the whole table on rank ``owner``). ``rows``: the table's logical rows ``V``; ``ownership``:
     its physical rows over the ranks (for ``"table"``, ``"range"`` over ``world · V`` virtual rows, of
     which the owner's block is real). ``group``: the process group the exchange runs on.
+    ``dtensor_state_dict``: the table's ``state_dict`` entry and its optimizer's row slots go to torch's
+    checkpoint helpers as DTensors ``Shard(0)`` of the logical rows (``tte.distributed.shard(...,
+    dtensor_state_dict=True)``); kept here, with the layout, so that everything holding the parameter
+    (the table's state-dict hooks, the optimizer) reads the one flag, and a copy of the table keeps it.
     """
 
     placement: str
@@ -67,10 +71,23 @@ class GroupSharding:
     rows: int
     ownership: RowOwnership
     owner: int = 0
+    dtensor_state_dict: bool = False
     #: read by ``TableInfo.routed``: lookups go through :meth:`routed_lookup` (modules layer)
     over_process_group: ClassVar[bool] = True
     #: not the SPMD owner-local path (``TableInfo.owner_local``)
     exchange: ClassVar[bool] = False
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GroupSharding:
+        # Immutable, and its process group is a handle on the running processes, not data: a copy of the
+        # table (copy.deepcopy of a sharded model) is laid out over the same group.
+        return self
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "A table sharded over a process group (tte.distributed.shard) cannot be pickled: its layout holds the "
+            f"process group of the running processes. Received: a {self.placement!r}-placed table of {self.rows} "
+            f"rows over {self.world} ranks. Save model.state_dict() (or tte.distributed.save_sharded) instead."
+        )
 
     @property
     def id_rows(self) -> int:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,6 @@ from torch import nn
 from torch_tpu_embedding._grad_sync import LOCAL, mark, spmd_active
 from torch_tpu_embedding._pg_exchange import group_sharding
 from torch_tpu_embedding._pg_lookup import ProcessGroupLayout
-from torch_tpu_embedding._pg_state import mark_dtensor_state
 from torch_tpu_embedding._rows import register_table
 from torch_tpu_embedding._validation import check_bool, check_int
 from torch_tpu_embedding.collection import EmbeddingCollection
@@ -168,10 +167,7 @@ def shard(
         owners = assign_tables(whole, world)
         for name, p in placements.items():
             if p != "replicated":
-                _lay_out(ec.tables[name], p, owners.get(name, 0), exchange, world, rank, where)
-                ec.tables[name].__dict__["dtensor_state_dict"] = dtensor_state_dict
-                if dtensor_state_dict:
-                    mark_dtensor_state(cast(EmbeddingTable, ec.tables[name]).weight)
+                _lay_out(ec.tables[name], p, owners.get(name, 0), exchange, world, rank, where, dtensor_state_dict)
         for t in ec.physical_tables().values():
             if t.weight.is_meta:  # replicated, built on the meta device: drawn whole on every rank
                 rows = int(t.weight.shape[0])
@@ -186,9 +182,9 @@ def shard(
 
 
 def _lay_out(module: nn.Module, placement: str, owner: int, group: Any, world: int, rank: int,
-             device: torch.device) -> None:
+             device: torch.device, dtensor_state_dict: bool) -> None:
     """Replace table ``module``'s weight by this rank's rows of it and record its layout (a table built on
-    the meta device: its rows drawn on ``device``)."""
+    the meta device: its rows drawn on ``device``; ``dtensor_state_dict``: :class:`GroupSharding`'s)."""
     assert isinstance(module, EmbeddingTable)
     table = module
     v = table.config.num_embeddings
@@ -197,7 +193,7 @@ def _lay_out(module: nn.Module, placement: str, owner: int, group: Any, world: i
         ownership = RowOwnership("interleaved", -(-v // block) * block, world, block)
     else:
         ownership = RowOwnership("range", world * v, world)
-    layout = ProcessGroupLayout(placement, group, world, rank, v, ownership, owner)
+    layout = ProcessGroupLayout(placement, group, world, rank, v, ownership, owner, dtensor_state_dict)
     if table.weight.is_meta:
         out = torch.empty(layout.local_rows, table.config.embedding_dim, dtype=table.weight.dtype, device=device)
         local = table.fill_rows(out, _local_row(layout)) if layout.local_rows else out

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import threading
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -31,27 +30,19 @@ from torch.distributed.tensor import DTensor, Shard
 
 from torch_tpu_embedding._pg_exchange import GroupSharding, group_sharding
 
-__all__ = ["block_rows", "dtensor_layout", "from_logical_shard", "from_logical_slot", "is_dtensor",
-           "mark_dtensor_state", "stored_rows", "stored_rows_active", "to_logical_shard", "to_logical_slot"]
+__all__ = ["block_rows", "dtensor_layout", "from_logical_shard", "from_logical_slot", "is_dtensor", "stored_rows",
+           "stored_rows_active", "to_logical_shard", "to_logical_slot"]
 
 Tensor = torch.Tensor
 _LOCAL = threading.local()
-#: the weights of tables sharded with ``dtensor_state_dict=True``: their optimizer slots go to torch's helpers
-#: as DTensors too (optim/_torch_layout.py), as the weight goes through the table's state_dict hook
-_DTENSOR_WEIGHTS: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()  # by id: no Tensor.__eq__
-
-
-def mark_dtensor_state(weight: Tensor) -> None:
-    """Record that ``weight``'s table was sharded with ``dtensor_state_dict=True``."""
-    _DTENSOR_WEIGHTS[id(weight)] = weight
 
 
 def dtensor_layout(p: Tensor) -> GroupSharding | None:
-    """The process-group layout of ``p`` when its table's state goes to torch's helpers as DTensors (outside
-    :func:`stored_rows`), else ``None``."""
-    if stored_rows_active() or _DTENSOR_WEIGHTS.get(id(p)) is not p:
-        return None
-    return group_sharding(p)
+    """The process-group layout of table parameter ``p`` when its table's state goes to torch's helpers as
+    DTensors (``GroupSharding.dtensor_state_dict``, outside :func:`stored_rows`), else ``None``: what the
+    table's state-dict hooks (table.py) and the optimizer (optim/_torch_layout.py) both ask."""
+    s = group_sharding(p)
+    return s if s is not None and s.dtensor_state_dict and not stored_rows_active() else None
 
 
 @contextmanager

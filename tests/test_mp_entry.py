@@ -37,3 +37,12 @@ def test_copies_keep_dtensor_state_dict(tmp_path_factory: pytest.TempPathFactory
                     same = k["value"].to(original[t]["value"].dtype)
                     assert torch.equal(same, original[t]["value"]) if case != "float" else torch.allclose(
                         same, original[t]["value"], atol=1e-6), (r, flag, case, t)
+
+
+def test_send_to_owners(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The transport's one move of items to the ranks that own them (_pg_exchange.send_to_owners, which the
+    DTensor state moves use): every rank receives each sender's items to it in their order, every bucket
+    padded with the fill values to the largest of any rank (at least 1), for 0, 1, 5 and 17 items a rank."""
+    for r, res in enumerate(entry(tmp_path_factory)):
+        for m, ok in res["transport"].items():
+            assert ok == {"tags": True, "rows": True}, (r, m, ok)

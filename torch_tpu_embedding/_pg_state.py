@@ -24,11 +24,10 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from torch_tpu_embedding._pg_exchange import GroupSharding, group_sharding
+from torch_tpu_embedding._pg_exchange import GroupSharding, group_sharding, send_to_owners
 
 __all__ = ["block_rows", "dtensor_layout", "from_logical_shard", "from_logical_slot", "is_dtensor", "stored_rows",
            "stored_rows_active", "to_logical_shard", "to_logical_slot"]
@@ -78,26 +77,11 @@ def _owner_and_slot(ids: Tensor, s: GroupSharding) -> tuple[Tensor, Tensor]:
 
 
 def _exchange(dest: Tensor, slot: Tensor, rows: Tensor, s: GroupSharding) -> tuple[Tensor, Tensor]:
-    """Send ``rows[i]`` to rank ``dest[i]``, to land at its row ``slot[i]``: every rank's buckets padded to
-    the largest, one ``all_to_all_single`` of the rows and one of the slots. Returns the slots
-    (``-1``: padding) and rows this rank received."""
-    n = s.world
-    counts = torch.bincount(dest, minlength=n)
-    k = counts.max().reshape(1).to(rows.device)
-    dist.all_reduce(k, op=dist.ReduceOp.MAX, group=s.group)
-    cap = int(k.item())
-    order = torch.argsort(dest, stable=True)
-    first = torch.cumsum(counts, 0) - counts
-    pos = torch.arange(dest.numel()) - first[dest[order]]
-    flat = dest[order] * cap + pos
-    dev = rows.device
-    send_rows = rows.new_zeros(n * cap, rows.shape[1])
-    send_rows[flat.to(dev)] = rows[order.to(dev)]
-    send_slot = torch.full((n * cap,), -1, dtype=torch.int64, device=dev)
-    send_slot[flat.to(dev)] = slot[order].to(dev)
-    got_rows, got_slot = torch.empty_like(send_rows), torch.empty_like(send_slot)
-    dist.all_to_all_single(got_slot, send_slot, group=s.group)
-    dist.all_to_all_single(got_rows, send_rows, group=s.group)
+    """Send ``rows[i]`` to rank ``dest[i]``, to land at its row ``slot[i]`` (the transport's
+    :func:`~torch_tpu_embedding._pg_exchange.send_to_owners`: one ``all_reduce`` of the bucket size, one
+    ``all_to_all_single`` of the slots and one of the rows). Returns the slots (``-1``: padding), on the
+    CPU, and rows this rank received."""
+    got_slot, got_rows = send_to_owners(dest, (slot.to(rows.device), rows), (-1, 0), s.world, s.group)
     return got_slot.cpu(), got_rows
 
 

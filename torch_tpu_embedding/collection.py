@@ -18,6 +18,7 @@ from torch_tpu_embedding._fused import (
     plan_groups,
     split_fused_weights,
 )
+from torch_tpu_embedding._input_checks import check_not_meta
 from torch_tpu_embedding._lookup import LookupBatch
 from torch_tpu_embedding._nest import Path, check_structure, flatten, path_name, pick, rebuild
 from torch_tpu_embedding._rows import retire_table, table_info
@@ -302,6 +303,7 @@ class EmbeddingCollection(nn.Module):
             if id(table) not in local:
                 if weight.device.type == "xla" and weight.requires_grad and torch.is_grad_enabled():
                     check_xla_backward(tname)
+                check_not_meta(tname, fname, weight, _input_device(pick(features, path)))
                 info = table_info(weight)
                 local[id(table)] = info.sharding if info is not None and info.routed else None
             owner_local = local[id(table)] is not None

@@ -244,7 +244,16 @@ class EmbeddingTable(nn.Module):
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> EmbeddingTable:
         old = self.weight
-        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        try:
+            super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        except NotImplementedError as e:
+            if not old.is_meta:
+                raise
+            raise RuntimeError(  # torch's "Cannot copy out of meta tensor", with the table's name and the ways out
+                f"Table `{self.name}` is on the meta device and holds no values: .to() / .cuda() / .float() "
+                "cannot copy it. Use model.to_empty(device=...) (the table drawn whole, as one process draws it) "
+                f"or tte.distributed.shard(model, device=...) (each rank draws its rows). Received: {e}"
+            ) from None
         if old.is_meta and not self.weight.is_meta and self.deferred:
             # to_empty() of a table built on the meta device: the whole table, as one process draws it
             self.fill_rows(self.weight.detach(), lambda ids: ids)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import os
+import pickle
 from typing import Any
 
 import _mp_worker as W
@@ -179,6 +180,7 @@ def refusals(rank: int, world: int) -> dict[str, Any]:
     once = W.Model(torch.float64)
     shard(once)
     out["twice"] = _refused(lambda: shard(once, dtensor_state_dict=True), once)
+    out["pickle"] = _refused(lambda: pickle.dumps(once), once)
     out["twice_dtensor"] = {t: type(once.state_dict()[f"ec.tables.{t}.weight"]).__name__ for t in W.SHARDED}
     # an optimizer's state saved by torch's helpers from a model sharded one way, loaded into one sharded the other
     m_dt, o_dt, osd_dt = _opt_state(True, rank, world)

@@ -63,6 +63,7 @@ REFUSED = {
                                       "Received: dtensor_state_dict=True")),
     "moved_to_meta": ("RuntimeError", ("Table `ads`", "without a recorded draw", "it was moved there")),
     "twice": ("RuntimeError", ("Table `row2`", "shard a model once", "Received: a model laid out by an earlier")),
+    "pickle": ("TypeError", ("Table `row2`", "cannot be pickled", "Received: a pickle of the table (placement")),
     "dtensor_into_plain": ("ValueError", ("`row2`", "dtensor_state_dict=True", "Received: DTensor slots ['accumulators'] "
                                           "for a table sharded without dtensor_state_dict")),
     "whole_into_dtensor": ("ValueError", ("table:row2", "slot 'accumulators' has shape (1000, 4), expected (512, 4)",
@@ -80,7 +81,7 @@ def test_wrong_calls_are_refused_and_change_nothing(case: str, tmp_path_factory:
     does not know or 'meta', a non-bool dtensor_state_dict, a 'column' table, dtensor_state_dict=True where every
     table is replicated, a table moved to the meta device, a second shard) and of loading torch's optimizer
     state (DTensor slots into a model sharded without dtensor_state_dict, a one-process state's whole tables, a
-    DTensor slot of other rows or width), each on both ranks alike: the error names the argument or the user's
+    DTensor slot of other rows or width), and pickling a sharded model, each on both ranks alike: the error names the argument or the user's
     table, the rule and the value received, and the model's parameters, layouts and optimizer slots are as
     before (a second shard keeps the first one's plain state_dict)."""
     kind, parts = REFUSED[case]

@@ -81,6 +81,8 @@ class GroupSharding:
     ownership: RowOwnership
     owner: int = 0
     dtensor_state_dict: bool = False
+    #: the table's name, for errors
+    table: str = ""
     #: read by ``TableInfo.routed``: lookups go through :meth:`routed_lookup` (modules layer)
     over_process_group: ClassVar[bool] = True
     #: not the SPMD owner-local path (``TableInfo.owner_local``)
@@ -93,9 +95,10 @@ class GroupSharding:
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(
-            "A table sharded over a process group (tte.distributed.shard) cannot be pickled: its layout holds the "
-            f"process group of the running processes. Received: a {self.placement!r}-placed table of {self.rows} "
-            f"rows over {self.world} ranks. Save model.state_dict() (or tte.distributed.save_sharded) instead."
+            f"Table `{self.table}` is sharded over a process group (tte.distributed.shard) and cannot be pickled: "
+            "its layout holds the process group of the running processes. Save model.state_dict() (or "
+            "tte.distributed.save_sharded) instead. Received: a pickle of the table (placement "
+            f"{self.placement!r}, {self.rows} rows over {self.world} ranks)"
         )
 
     @property

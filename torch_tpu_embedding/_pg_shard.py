@@ -241,7 +241,7 @@ def _lay_out(module: nn.Module, placement: str, owner: int, group: Any, world: i
         ownership = RowOwnership("interleaved", -(-v // block) * block, world, block)
     else:
         ownership = RowOwnership("range", world * v, world)
-    layout = ProcessGroupLayout(placement, group, world, rank, v, ownership, owner, dtensor_state_dict)
+    layout = ProcessGroupLayout(placement, group, world, rank, v, ownership, owner, dtensor_state_dict, table.name)
     if table.weight.is_meta:
         out = torch.empty(layout.local_rows, table.config.embedding_dim, dtype=table.weight.dtype, device=device)
         local = table.fill_rows(out, _local_row(layout)) if layout.local_rows else out

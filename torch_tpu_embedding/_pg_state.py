@@ -8,9 +8,10 @@ stored rows as plain tensors is saved from one rank only, and every rank loads t
 A rank stores its rows in the exchange's interleaved order (``"row"``) or the whole table (``"table"``),
 neither of which is a ``Shard(0)`` of the logical table (contiguous blocks in rank order). So
 :func:`to_logical_shard` moves the rows into those blocks (rank ``r``: logical rows
-``[r·B, (r+1)·B)``, ``B = ceil(V / n)``, as ``torch.chunk`` and DTensor split) with one equal-split
-``all_to_all_single`` (and one ``all_reduce`` of the bucket size), and :func:`from_logical_shard` moves
-them back. Each rank sends and receives at most its rows padded to the largest bucket: no rank ever
+``[r·B, (r+1)·B)``, ``B = ceil(V / n)``, as ``torch.chunk`` and DTensor split) through the transport's
+:func:`~torch_tpu_embedding._pg_exchange.send_to_owners` (one ``all_reduce`` of the bucket size, then
+equal-split ``all_to_all_single`` s of the rows and of their slots), and :func:`from_logical_shard`
+moves them back. Each rank sends and receives at most its rows padded to the largest bucket: no rank ever
 holds more of the table than its shard, its block and those buckets (a ``"table"`` owner: the table
 it holds, and the buckets of it it sends).
 """

@@ -54,7 +54,7 @@ def test_send_to_owners(tmp_path_factory: pytest.TempPathFactory) -> None:
 REFUSED = {
     "module": ("ValueError", ("Argument `module`", "must be a torch.nn.Module", "Received: 'str'")),
     "group": ("ValueError", ("Argument `group`", "ProcessGroup", "Received: 'str'")),
-    "device_int": ("ValueError", ("Argument `device`", "a str or a torch.device", "Received: 5")),
+    "device_int": ("ValueError", ("Argument `device`", "must be None, a str or a torch.device", "Received: 5")),
     "device_name": ("ValueError", ("Argument `device`", "must name a device torch knows", "Received: 'gpu0'")),
     "device_meta": ("ValueError", ("Argument `device`", "cannot be 'meta'", "Received: 'meta'")),
     "dtensor_int": ("ValueError", ("Argument `dtensor_state_dict`", "must be a boolean", "Received: 1")),
@@ -127,3 +127,13 @@ def test_shard_without_a_process_group_names_the_state() -> None:
     with pytest.raises(RuntimeError, match=r"needs an initialised process group.*Received: torch.distributed."
                                            r"is_initialized\(\) is False"):
         tte.distributed.shard(_meta_collection())
+
+
+@pytest.mark.parametrize(("device", "rule"), ((5, "must be None, a str or a torch.device"),
+                                              ("gpu0", "must name a device torch knows")))
+def test_a_collection_refuses_a_wrong_device(device: Any, rule: str) -> None:
+    """EmbeddingCollection(..., device=...) as tte.distributed.shard: the argument, the rule and the value named
+    (torch's own error for 5 is about a missing CUDA driver)."""
+    config = {"clicks": tte.FeatureConfig(tte.TableConfig(10, 2, name="ads"))}
+    with pytest.raises(ValueError, match=rf"Argument `device` {rule}.*Received: {device!r}"):
+        tte.EmbeddingCollection(config, device=device)

@@ -33,7 +33,7 @@ from torch_tpu_embedding._grad_sync import LOCAL, mark, spmd_active
 from torch_tpu_embedding._pg_exchange import group_sharding
 from torch_tpu_embedding._pg_lookup import ProcessGroupLayout
 from torch_tpu_embedding._rows import register_table
-from torch_tpu_embedding._validation import arg_error, check_bool, check_int
+from torch_tpu_embedding._validation import arg_error, check_bool, check_device, check_int
 from torch_tpu_embedding.collection import EmbeddingCollection
 from torch_tpu_embedding.config import DEFAULT_REPLICATE_BELOW_BYTES, TableConfig, auto_placement, table_bytes
 from torch_tpu_embedding.routing import RowOwnership
@@ -205,12 +205,7 @@ def _check_call(module: Any, group: Any, replicate_below_bytes: Any, device: Any
                         type(group).__name__)
     check_int("replicate_below_bytes", replicate_below_bytes, minimum=0)
     check_bool("dtensor_state_dict", dtensor_state_dict)
-    if device is not None and not isinstance(device, (str, torch.device)):
-        raise arg_error("device", "must be None (the CPU), a str or a torch.device", device)
-    try:
-        where = torch.device("cpu") if device is None else torch.device(device)
-    except RuntimeError as e:
-        raise arg_error("device", f"must name a device torch knows ({e})", device) from None
+    where = check_device("device", device) or torch.device("cpu")
     if where.type == "meta":
         raise arg_error("device", "is where tables built on the meta device draw their rows, so it cannot be "
                         "'meta'", device)

@@ -10,9 +10,12 @@ import math
 import numbers
 from typing import Any
 
+import torch
+
 __all__ = [
     "arg_error",
     "check_bool",
+    "check_device",
     "check_int",
     "check_number",
     "check_one_of",
@@ -37,6 +40,20 @@ def check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise arg_error(name, "must be a boolean", value)
     return value
+
+
+def check_device(name: str, value: Any) -> torch.device | None:
+    """``value`` must be ``None``, a ``str`` or a ``torch.device`` naming a device torch knows; returns it as a
+    ``torch.device`` (``None`` as is). torch's own error (``Invalid device string``, or a CUDA index for an int)
+    names neither the argument nor the rule."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, torch.device)):
+        raise arg_error(name, "must be None, a str or a torch.device", value)
+    try:
+        return torch.device(value)
+    except RuntimeError as e:
+        raise arg_error(name, f"must name a device torch knows ({e})", value) from None
 
 
 def check_number(

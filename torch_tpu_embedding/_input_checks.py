@@ -11,8 +11,8 @@ import torch
 
 from torch_tpu_embedding._dtypes import compute_dtype
 
-__all__ = ["INDEX_DTYPES", "check_ids", "check_index_dtype", "check_not_meta", "check_sparse_indices",
-           "check_tensor", "check_weights", "check_weights_fit", "err", "tracing"]
+__all__ = ["INDEX_DTYPES", "check_ids", "check_index_dtype", "check_sparse_indices", "check_tensor",
+           "check_weights", "check_weights_fit", "err", "tracing"]
 
 #: integer dtypes accepted for ids, lengths and offsets (never bool, never float)
 INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -24,18 +24,6 @@ def err(feature: str, msg: str) -> ValueError:
 
 def tracing() -> bool:
     return bool(torch.compiler.is_compiling() or torch.compiler.is_exporting())
-
-
-def check_not_meta(table: str, feature: str, weight: torch.Tensor, ids_device: str) -> None:
-    """A table on the meta device holds no values: a forward call would return meta tensors that fail far
-    from here, or train nothing (ids on the meta device too fail deep in the bucketing)."""
-    if weight.is_meta:
-        raise RuntimeError(
-            f"Table `{table}` is on the meta device (built with device='meta' or under torch.device('meta')) and "
-            "holds no values yet: before a forward call, lay it out with tte.distributed.shard(model) (each rank "
-            "draws its rows) or materialize it with model.to_empty(device=...) (drawn whole, as one process "
-            f"draws it). Received: feature `{feature}`'s ids on {ids_device}"
-        )
 
 
 def check_tensor(feature: str, what: str, value: object) -> None:

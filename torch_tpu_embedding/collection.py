@@ -18,12 +18,11 @@ from torch_tpu_embedding._fused import (
     plan_groups,
     split_fused_weights,
 )
-from torch_tpu_embedding._input_checks import check_not_meta
 from torch_tpu_embedding._lookup import LookupBatch
 from torch_tpu_embedding._nest import Path, check_structure, flatten, path_name, pick, rebuild
 from torch_tpu_embedding._rows import retire_table, table_info
 from torch_tpu_embedding._screening import DeviceScreen, overflow_problem, warn_unchecked_drops
-from torch_tpu_embedding._validation import check_bool, check_device
+from torch_tpu_embedding._validation import check_bool, check_device, check_not_meta
 from torch_tpu_embedding.config import PLACEMENTS, FeatureConfig, TableConfig
 from torch_tpu_embedding.inputs import to_bags
 from torch_tpu_embedding.table import EmbeddingTable

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import _mp_build_worker as B
@@ -29,10 +30,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def ranks(world: int, job: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def ranks(world: int, job: str, tmp_path_factory: pytest.TempPathFactory,
+          worker: Callable[..., None] = B.worker) -> list[dict[str, Any]]:
+    """Every rank's results of one spawn of ``world`` gloo processes running ``worker``'s ``job`` (once per
+    session): ``worker(rank, world, port, out_dir, job)`` saves each rank's to ``out_dir/rank<r>.pt``."""
     if (world, job) not in _RUNS:
         out = tmp_path_factory.mktemp(f"build{world}{job.split(':')[0]}")
-        mp.start_processes(B.worker, args=(world, _free_port(), str(out), job), nprocs=world, start_method="spawn")
+        mp.start_processes(worker, args=(world, _free_port(), str(out), job), nprocs=world, start_method="spawn")
         _RUNS[(world, job)] = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
     return _RUNS[(world, job)]
 

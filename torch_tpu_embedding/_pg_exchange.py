@@ -23,11 +23,17 @@ distinct ids plus the imbalance of the largest bucket), plus 8 bytes for the cap
 What the optimizer needs summed over every shard of a row-sharded table (``clipnorm``, Adafactor's
 statistics over rows, ``global_clipnorm``, the ``skip_nonfinite`` gate) is all-reduced over the group
 (:func:`row_group`, :func:`all_reduce_sum`, :func:`all_true`). Nothing here imports torch_xla.
+
+Every all-to-all of the process-group path goes through :func:`exchange` at a size agreed by
+:func:`agree_capacity`: the lookup's above, and :func:`send_to_owners`, which moves items that each go to
+one rank (no dedup, nothing summed) for the state's moves between the stored and the logical row order
+(:mod:`torch_tpu_embedding._pg_state`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -38,13 +44,16 @@ from torch_tpu_embedding.routing import RoutePlan, RowOwnership, bucket_rows, ga
 
 __all__ = [
     "GroupSharding",
+    "agree_capacity",
     "all_reduce_sum",
     "all_true",
+    "exchange",
     "fetch_rows",
     "group_sharding",
     "plan",
     "row_group",
     "send_grads",
+    "send_to_owners",
 ]
 
 Tensor = torch.Tensor
@@ -58,6 +67,10 @@ class GroupSharding:
     (the whole table on rank ``owner``). ``rows``: the table's logical rows ``V``; ``ownership``:
     its physical rows over the ranks (for ``"table"``, ``"range"`` over ``world · V`` virtual rows, of
     which the owner's block is real). ``group``: the process group the exchange runs on.
+    ``dtensor_state_dict``: the table's ``state_dict`` entry and its optimizer's row slots go to torch's
+    checkpoint helpers as DTensors ``Shard(0)`` of the logical rows (``tte.distributed.shard(...,
+    dtensor_state_dict=True)``); kept here, with the layout, so that everything holding the parameter
+    (the table's state-dict hooks, the optimizer) reads the one flag, and a copy of the table keeps it.
     """
 
     placement: str
@@ -67,10 +80,26 @@ class GroupSharding:
     rows: int
     ownership: RowOwnership
     owner: int = 0
+    dtensor_state_dict: bool = False
+    #: the table's name, for errors
+    table: str = ""
     #: read by ``TableInfo.routed``: lookups go through :meth:`routed_lookup` (modules layer)
     over_process_group: ClassVar[bool] = True
     #: not the SPMD owner-local path (``TableInfo.owner_local``)
     exchange: ClassVar[bool] = False
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GroupSharding:
+        # Immutable, and its process group is a handle on the running processes, not data: a copy of the
+        # table (copy.deepcopy of a sharded model) is laid out over the same group.
+        return self
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            f"Table `{self.table}` is sharded over a process group (tte.distributed.shard) and cannot be pickled: "
+            "its layout holds the process group of the running processes. Save model.state_dict() (or "
+            "tte.distributed.save_sharded) instead. Received: a pickle of the table (placement "
+            f"{self.placement!r}, {self.rows} rows over {self.world} ranks)"
+        )
 
     @property
     def id_rows(self) -> int:
@@ -137,9 +166,7 @@ def plan(ids: Tensor, sharding: GroupSharding) -> tuple[RoutePlan, int]:
     routed = sharding.route_ids(ids.to(torch.int64))
     room = max(1, routed.shape[0])  # every id fits at this capacity
     full = plan_routes(routed, sharding.ownership, room)
-    largest = full.load.max().to(torch.int64).reshape(1) if n else torch.zeros(1, dtype=torch.int64)
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=sharding.group)
-    k = max(1, int(largest))
+    k = agree_capacity(full.load.max() if n else torch.zeros((), dtype=torch.int64), sharding.group)
     # Each owner's ids are at the front of its bucket (ascending), so the buckets are cut to k columns and
     # the slots renumbered: slot = owner·room + rank becomes owner·k + rank; padding n·room becomes n·k.
     owner, rank = full.slot // room, full.slot % room
@@ -155,15 +182,13 @@ def fetch_rows(shard: Tensor, send: Tensor, sharding: GroupSharding) -> tuple[Te
     Returns ``(rows [n·k, D]`` in bucket order, ``asked [n, k]`` int64: the local rows the other ranks
     asked this rank for, row ``s`` from rank ``s``; ``local_rows`` where nothing was asked).
     """
-    asked = torch.empty_like(send)
-    dist.all_to_all_single(asked, send, group=sharding.group)
+    asked = exchange(send, sharding.group)
     per = sharding.ownership.rows_per_shard
     asked64 = asked.to(torch.int64)
     if shard.shape[0] != per:  # "table" off its owner: nothing is stored, nothing can have been asked
         asked64 = torch.full_like(asked64, per)
     rows = gather_owned_rows(shard, asked64) if shard.shape[0] else shard.new_zeros(*asked.shape, shard.shape[1])
-    back = torch.empty_like(rows)
-    dist.all_to_all_single(back, rows.contiguous(), group=sharding.group)
+    back = exchange(rows, sharding.group)
     local = torch.where(asked64 < per, asked64, torch.full_like(asked64, shard.shape[0]))
     return back.reshape(-1, shard.shape[1]), local
 
@@ -172,7 +197,45 @@ def send_grads(grad: Tensor, slot: Tensor, k: int, sharding: GroupSharding) -> T
     """The backward's all-to-all: each position's gradient row ``grad [N, D]`` summed into its bucket
     slot and sent to the owner; returns the rows this rank owns, ``[n·k, D]`` (in the order of the
     ``asked`` local rows of :func:`fetch_rows`)."""
-    buckets = bucket_rows(grad, slot, sharding.world, k).contiguous()
+    return exchange(bucket_rows(grad, slot, sharding.world, k), sharding.group).reshape(-1, grad.shape[-1])
+
+
+def agree_capacity(largest: Tensor, group: Any) -> int:
+    """The bucket size every rank of ``group`` uses: the largest of every rank's ``largest`` (a 0-d or 1-element
+    integer tensor, on the group's device), at least 1; one ``all_reduce(MAX)`` of one int64. Every rank's
+    buckets then have that size, so every all-to-all splits equally and nothing is dropped."""
+    k = largest.detach().to(torch.int64).reshape(1).clone()  # all_reduce writes in place: never the caller's
+    dist.all_reduce(k, op=dist.ReduceOp.MAX, group=group)
+    return max(1, int(k))
+
+
+def exchange(buckets: Tensor, group: Any) -> Tensor:
+    """One equal-split ``all_to_all_single`` over ``group``: ``buckets [n, ...]``, row ``s`` to rank ``s``;
+    returns what every rank sent this one (row ``s`` from rank ``s``), of the same shape and dtype."""
+    buckets = buckets.contiguous()
     got = torch.empty_like(buckets)
-    dist.all_to_all_single(got, buckets, group=sharding.group)
-    return got.reshape(-1, grad.shape[-1])
+    dist.all_to_all_single(got, buckets, group=group)
+    return got
+
+
+def send_to_owners(dest: Tensor, payloads: Sequence[Tensor], fills: Sequence[float], world: int,
+                   group: Any) -> list[Tensor]:
+    """Send item ``i`` of every payload (``[m, ...]``, on the group's device) to rank ``dest[i]`` (``[m]`` int64
+    on the CPU): each payload bucketed by destination (a bucket keeps its items' order), every rank's buckets
+    padded to the largest (:func:`agree_capacity`) with that payload's ``fills`` value, one :func:`exchange`
+    per payload, in the order given. Returns each payload's received items, ``[world·k, ...]``: ``k`` from
+    each rank in rank order, padding holding the fill value. For moves where one item goes to one rank (no
+    duplicates to sum: the state's rows, :mod:`torch_tpu_embedding._pg_state`)."""
+    dev = payloads[0].device
+    counts = torch.bincount(dest, minlength=world)
+    cap = agree_capacity(counts.max().to(dev), group)  # counts has `world` entries even when dest is empty
+    order = torch.argsort(dest, stable=True)
+    first = torch.cumsum(counts, 0) - counts
+    to = dest[order]
+    flat = to * cap + torch.arange(dest.numel()) - first[to]  # bucket slot of each item, in sorted order
+    out = []
+    for payload, fill in zip(payloads, fills, strict=True):
+        send = payload.new_full((world * cap, *payload.shape[1:]), fill)
+        send[flat.to(payload.device)] = payload[order.to(payload.device)]
+        out.append(exchange(send, group))
+    return out

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,9 +32,8 @@ from torch import nn
 from torch_tpu_embedding._grad_sync import LOCAL, mark, spmd_active
 from torch_tpu_embedding._pg_exchange import group_sharding
 from torch_tpu_embedding._pg_lookup import ProcessGroupLayout
-from torch_tpu_embedding._pg_state import mark_dtensor_state
 from torch_tpu_embedding._rows import register_table
-from torch_tpu_embedding._validation import check_bool, check_int
+from torch_tpu_embedding._validation import arg_error, check_bool, check_device, check_int
 from torch_tpu_embedding.collection import EmbeddingCollection
 from torch_tpu_embedding.config import DEFAULT_REPLICATE_BELOW_BYTES, TableConfig, auto_placement, table_bytes
 from torch_tpu_embedding.routing import RowOwnership
@@ -126,34 +125,43 @@ def shard(
     ``load_state_dict`` are then collectives (:func:`~torch_tpu_embedding.distributed.save_sharded` and
     ``load_sharded`` work either way). Off: the entry holds the rank's rows as stored.
 
+    Every argument and table is checked before anything changes: a refused call leaves the model as it was.
+
     Raises:
-        RuntimeError: ``torch.distributed`` is not initialised, torch_xla SPMD is on, or a table was
-            sharded already.
-        ValueError: a table's placement is ``"column"``, or ``module`` holds no collection.
+        RuntimeError: ``torch.distributed`` is not initialised, torch_xla SPMD is on, a table was sharded
+            already, or a table was moved to the meta device (its values are gone).
+        ValueError: an argument of the wrong type or value (``module`` not a module or holding no collection,
+            ``group`` not a process group, ``device`` not a device name or ``"meta"``, a non-bool
+            ``dtensor_state_dict``), a table's placement is ``"column"``, or ``dtensor_state_dict=True`` where
+            every table is replicated.
     """
     if spmd_active():
         raise RuntimeError("tte.distributed.shard is for process groups; under torch_xla SPMD use "
                            "torch_tpu_embedding.xla.shard.")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("tte.distributed.shard needs an initialised process group: call "
-                           "torch.distributed.init_process_group(...) first (torchrun sets its environment).")
-    check_int("replicate_below_bytes", replicate_below_bytes, minimum=0)
-    check_bool("dtensor_state_dict", dtensor_state_dict)
-    collections = [m for m in module.modules() if isinstance(m, EmbeddingCollection)]
-    if not collections:
-        raise ValueError(f"Argument `module` holds no EmbeddingCollection to shard. Received: {type(module).__name__}")
+                           "torch.distributed.init_process_group(...) first (torchrun sets its environment). "
+                           "Received: torch.distributed.is_initialized() is False")
+    # Everything checked before anything changes: a refused call leaves the model and the groups as they were.
+    collections, where = _check_call(module, group, replicate_below_bytes, device, dtensor_state_dict)
     pg = dist.group.WORLD if group is None else group
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    placed = [{n: group_placement(n, c, world, replicate_below_bytes) for n, c in ec.table_configs.items()}
+              for ec in collections]
+    if dtensor_state_dict and all(p == "replicated" for placements in placed for p in placements.values()):
+        every = {n: p for placements in placed for n, p in placements.items()}
+        raise ValueError(
+            "Argument `dtensor_state_dict` makes the state_dict entries of row- and table-sharded tables DTensors, "
+            f"and no table of `module` is sharded over this group of {world}: their placements are {every} "
+            "(\"auto\" replicates a table below `replicate_below_bytes`). Pass dtensor_state_dict=False, or set "
+            "a table's placement to 'row' or 'table'. Received: dtensor_state_dict=True"
+        )
     # The exchange gets a group of its own: its all-to-alls run inside autograd's backward, where a DDP over
     # the same group issues its own all-reduces. new_group needs every process of the default group, which
     # calls shard() only when `group` is the default; a group given is used as it is (give DDP another).
     exchange = dist.new_group(dist.get_process_group_ranks(pg)) if group is None else group
     out: dict[str, str] = {}
-    for ec in collections:
-        for name, t in ec.physical_tables().items():
-            if group_sharding(t.weight) is not None:
-                raise RuntimeError(f"Table `{name}` is sharded over a process group already; shard a model once.")
-        placements = {n: group_placement(n, c, world, replicate_below_bytes) for n, c in ec.table_configs.items()}
+    for ec, placements in zip(collections, placed, strict=True):
         # Tables built on the meta device: their recorded draws by table, followed through the re-stacking
         draws = {d.name: d for t in ec.physical_tables().values() for _, d in t.deferred}
         ec.restack({n: "replicated" if p == "replicated" else "row" for n, p in placements.items()})
@@ -163,15 +171,11 @@ def shard(
                 members = t.members() or ((t.name, 0, t.config.num_embeddings),)
                 t.deferred = tuple((first, draws[n]) for n, first, _ in members if n in draws)
                 t.require_draws()  # on every rank, before any draws
-        where = torch.device("cpu") if device is None else torch.device(device)
         whole = {n: table_bytes(c) for n, c in ec.table_configs.items() if placements[n] == "table"}
         owners = assign_tables(whole, world)
         for name, p in placements.items():
             if p != "replicated":
-                _lay_out(ec.tables[name], p, owners.get(name, 0), exchange, world, rank, where)
-                ec.tables[name].__dict__["dtensor_state_dict"] = dtensor_state_dict
-                if dtensor_state_dict:
-                    mark_dtensor_state(cast(EmbeddingTable, ec.tables[name]).weight)
+                _lay_out(ec.tables[name], p, owners.get(name, 0), exchange, world, rank, where, dtensor_state_dict)
         for t in ec.physical_tables().values():
             if t.weight.is_meta:  # replicated, built on the meta device: drawn whole on every rank
                 rows = int(t.weight.shape[0])
@@ -185,10 +189,45 @@ def shard(
     return out
 
 
+def _check_call(module: Any, group: Any, replicate_below_bytes: Any, device: Any, dtensor_state_dict: Any,
+                ) -> tuple[list[EmbeddingCollection], torch.device]:
+    """:func:`shard`'s arguments, checked before it changes anything: the collections of ``module`` and the
+    device to draw tables built on the meta device on.
+
+    Raises:
+        ValueError: an argument of the wrong type or value.
+        RuntimeError: a table sharded over a process group already, or moved to the meta device.
+    """
+    if not isinstance(module, nn.Module):
+        raise arg_error("module", "must be a torch.nn.Module holding EmbeddingCollections", type(module).__name__)
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise arg_error("group", "must be None (the default group) or a torch.distributed ProcessGroup",
+                        type(group).__name__)
+    check_int("replicate_below_bytes", replicate_below_bytes, minimum=0)
+    check_bool("dtensor_state_dict", dtensor_state_dict)
+    where = check_device("device", device) or torch.device("cpu")
+    if where.type == "meta":
+        raise arg_error("device", "is where tables built on the meta device draw their rows, so it cannot be "
+                        "'meta'", device)
+    collections = [m for m in module.modules() if isinstance(m, EmbeddingCollection)]
+    if not collections:
+        raise ValueError(f"Argument `module` holds no EmbeddingCollection to shard. Received: {type(module).__name__}")
+    for ec in collections:
+        for name, t in ec.physical_tables().items():
+            done = group_sharding(t.weight)
+            if done is not None:
+                raise RuntimeError(f"Table `{name}` is sharded over a process group already; shard a model once. "
+                                   f"Received: a model laid out by an earlier tte.distributed.shard ({name!r} placed "
+                                   f"{done.placement!r})")
+            if t.weight.is_meta and not t.deferred:
+                t.require_draws()  # moved to the meta device: its values are gone
+    return collections, where
+
+
 def _lay_out(module: nn.Module, placement: str, owner: int, group: Any, world: int, rank: int,
-             device: torch.device) -> None:
+             device: torch.device, dtensor_state_dict: bool) -> None:
     """Replace table ``module``'s weight by this rank's rows of it and record its layout (a table built on
-    the meta device: its rows drawn on ``device``)."""
+    the meta device: its rows drawn on ``device``; ``dtensor_state_dict``: :class:`GroupSharding`'s)."""
     assert isinstance(module, EmbeddingTable)
     table = module
     v = table.config.num_embeddings
@@ -197,7 +236,7 @@ def _lay_out(module: nn.Module, placement: str, owner: int, group: Any, world: i
         ownership = RowOwnership("interleaved", -(-v // block) * block, world, block)
     else:
         ownership = RowOwnership("range", world * v, world)
-    layout = ProcessGroupLayout(placement, group, world, rank, v, ownership, owner)
+    layout = ProcessGroupLayout(placement, group, world, rank, v, ownership, owner, dtensor_state_dict, table.name)
     if table.weight.is_meta:
         out = torch.empty(layout.local_rows, table.config.embedding_dim, dtype=table.weight.dtype, device=device)
         local = table.fill_rows(out, _local_row(layout)) if layout.local_rows else out

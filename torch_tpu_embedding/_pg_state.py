@@ -8,9 +8,10 @@ stored rows as plain tensors is saved from one rank only, and every rank loads t
 A rank stores its rows in the exchange's interleaved order (``"row"``) or the whole table (``"table"``),
 neither of which is a ``Shard(0)`` of the logical table (contiguous blocks in rank order). So
 :func:`to_logical_shard` moves the rows into those blocks (rank ``r``: logical rows
-``[r·B, (r+1)·B)``, ``B = ceil(V / n)``, as ``torch.chunk`` and DTensor split) with one equal-split
-``all_to_all_single`` (and one ``all_reduce`` of the bucket size), and :func:`from_logical_shard` moves
-them back. Each rank sends and receives at most its rows padded to the largest bucket: no rank ever
+``[r·B, (r+1)·B)``, ``B = ceil(V / n)``, as ``torch.chunk`` and DTensor split) through the transport's
+:func:`~torch_tpu_embedding._pg_exchange.send_to_owners` (one ``all_reduce`` of the bucket size, then
+equal-split ``all_to_all_single`` s of the rows and of their slots), and :func:`from_logical_shard`
+moves them back. Each rank sends and receives at most its rows padded to the largest bucket: no rank ever
 holds more of the table than its shard, its block and those buckets (a ``"table"`` owner: the table
 it holds, and the buckets of it it sends).
 """
@@ -19,39 +20,29 @@ from __future__ import annotations
 
 import math
 import threading
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from torch_tpu_embedding._pg_exchange import GroupSharding, group_sharding
+from torch_tpu_embedding._pg_exchange import GroupSharding, group_sharding, send_to_owners
 
-__all__ = ["block_rows", "dtensor_layout", "from_logical_shard", "from_logical_slot", "is_dtensor",
-           "mark_dtensor_state", "stored_rows", "stored_rows_active", "to_logical_shard", "to_logical_slot"]
+__all__ = ["block_rows", "dtensor_layout", "from_logical_shard", "from_logical_slot", "is_dtensor", "stored_rows",
+           "stored_rows_active", "to_logical_shard", "to_logical_slot"]
 
 Tensor = torch.Tensor
 _LOCAL = threading.local()
-#: the weights of tables sharded with ``dtensor_state_dict=True``: their optimizer slots go to torch's helpers
-#: as DTensors too (optim/_torch_layout.py), as the weight goes through the table's state_dict hook
-_DTENSOR_WEIGHTS: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()  # by id: no Tensor.__eq__
-
-
-def mark_dtensor_state(weight: Tensor) -> None:
-    """Record that ``weight``'s table was sharded with ``dtensor_state_dict=True``."""
-    _DTENSOR_WEIGHTS[id(weight)] = weight
 
 
 def dtensor_layout(p: Tensor) -> GroupSharding | None:
-    """The process-group layout of ``p`` when its table's state goes to torch's helpers as DTensors (outside
-    :func:`stored_rows`), else ``None``."""
-    if stored_rows_active() or _DTENSOR_WEIGHTS.get(id(p)) is not p:
-        return None
-    return group_sharding(p)
+    """The process-group layout of table parameter ``p`` when its table's state goes to torch's helpers as
+    DTensors (``GroupSharding.dtensor_state_dict``, outside :func:`stored_rows`), else ``None``: what the
+    table's state-dict hooks (table.py) and the optimizer (optim/_torch_layout.py) both ask."""
+    s = group_sharding(p)
+    return s if s is not None and s.dtensor_state_dict and not stored_rows_active() else None
 
 
 @contextmanager
@@ -87,26 +78,11 @@ def _owner_and_slot(ids: Tensor, s: GroupSharding) -> tuple[Tensor, Tensor]:
 
 
 def _exchange(dest: Tensor, slot: Tensor, rows: Tensor, s: GroupSharding) -> tuple[Tensor, Tensor]:
-    """Send ``rows[i]`` to rank ``dest[i]``, to land at its row ``slot[i]``: every rank's buckets padded to
-    the largest, one ``all_to_all_single`` of the rows and one of the slots. Returns the slots
-    (``-1``: padding) and rows this rank received."""
-    n = s.world
-    counts = torch.bincount(dest, minlength=n)
-    k = counts.max().reshape(1).to(rows.device)
-    dist.all_reduce(k, op=dist.ReduceOp.MAX, group=s.group)
-    cap = int(k.item())
-    order = torch.argsort(dest, stable=True)
-    first = torch.cumsum(counts, 0) - counts
-    pos = torch.arange(dest.numel()) - first[dest[order]]
-    flat = dest[order] * cap + pos
-    dev = rows.device
-    send_rows = rows.new_zeros(n * cap, rows.shape[1])
-    send_rows[flat.to(dev)] = rows[order.to(dev)]
-    send_slot = torch.full((n * cap,), -1, dtype=torch.int64, device=dev)
-    send_slot[flat.to(dev)] = slot[order].to(dev)
-    got_rows, got_slot = torch.empty_like(send_rows), torch.empty_like(send_slot)
-    dist.all_to_all_single(got_slot, send_slot, group=s.group)
-    dist.all_to_all_single(got_rows, send_rows, group=s.group)
+    """Send ``rows[i]`` to rank ``dest[i]``, to land at its row ``slot[i]`` (the transport's
+    :func:`~torch_tpu_embedding._pg_exchange.send_to_owners`: one ``all_reduce`` of the bucket size, one
+    ``all_to_all_single`` of the slots and one of the rows). Returns the slots (``-1``: padding), on the
+    CPU, and rows this rank received."""
+    got_slot, got_rows = send_to_owners(dest, (slot.to(rows.device), rows), (-1, 0), s.world, s.group)
     return got_slot.cpu(), got_rows
 
 

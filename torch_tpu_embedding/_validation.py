@@ -10,9 +10,13 @@ import math
 import numbers
 from typing import Any
 
+import torch
+
 __all__ = [
     "arg_error",
     "check_bool",
+    "check_device",
+    "check_not_meta",
     "check_int",
     "check_number",
     "check_one_of",
@@ -37,6 +41,32 @@ def check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise arg_error(name, "must be a boolean", value)
     return value
+
+
+def check_device(name: str, value: Any) -> torch.device | None:
+    """``value`` must be ``None``, a ``str`` or a ``torch.device`` naming a device torch knows; returns it as a
+    ``torch.device`` (``None`` as is). torch's own error (``Invalid device string``, or a CUDA index for an int)
+    names neither the argument nor the rule."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, torch.device)):
+        raise arg_error(name, "must be None, a str or a torch.device", value)
+    try:
+        return torch.device(value)
+    except RuntimeError as e:
+        raise arg_error(name, f"must name a device torch knows ({e})", value) from None
+
+
+def check_not_meta(table: str, feature: str, weight: torch.Tensor, ids_device: str) -> None:
+    """A table on the meta device holds no values: a forward call would return meta tensors that fail far
+    from here, or train nothing (ids on the meta device too fail deep in the bucketing)."""
+    if weight.is_meta:
+        raise RuntimeError(
+            f"Table `{table}` is on the meta device (built with device='meta' or under torch.device('meta')) and "
+            "holds no values yet: before a forward call, lay it out with tte.distributed.shard(model) (each rank "
+            "draws its rows) or materialize it with model.to_empty(device=...) (drawn whole, as one process "
+            f"draws it). Received: feature `{feature}`'s ids on {ids_device}"
+        )
 
 
 def check_number(

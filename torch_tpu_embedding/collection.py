@@ -22,7 +22,7 @@ from torch_tpu_embedding._lookup import LookupBatch, side_by_side
 from torch_tpu_embedding._nest import Path, check_structure, flatten, path_name, pick, rebuild
 from torch_tpu_embedding._rows import retire_table, table_info
 from torch_tpu_embedding._screening import DeviceScreen, overflow_problem, warn_unchecked_drops
-from torch_tpu_embedding._validation import check_bool
+from torch_tpu_embedding._validation import check_bool, check_device, check_not_meta
 from torch_tpu_embedding.config import PLACEMENTS, FeatureConfig, TableConfig
 from torch_tpu_embedding.inputs import to_bags
 from torch_tpu_embedding.table import EmbeddingTable
@@ -131,7 +131,8 @@ class EmbeddingCollection(nn.Module):
         self._screen = DeviceScreen()  # device-side counts of bad ids and weights, see check_ids()
         self._exchange_counts: dict[str, Any] = {}  # row-sharded tables: overflow and loads, see check_ids()
         # device="meta": built there (each table records its draw, tte.distributed.shard draws a rank's rows)
-        with torch.device("meta") if device is not None and torch.device(device).type == "meta" else nullcontext():
+        where = check_device("device", device)
+        with torch.device("meta") if where is not None and where.type == "meta" else nullcontext():
             tables: dict[str, nn.Module] = {
                 table_names[key]: EmbeddingTable(cfg, table_names[key]) for key, cfg in configs.items()
             }
@@ -306,6 +307,7 @@ class EmbeddingCollection(nn.Module):
             if id(table) not in local:
                 if weight.device.type == "xla" and weight.requires_grad and torch.is_grad_enabled():
                     check_xla_backward(tname)
+                check_not_meta(tname, fname, weight, _input_device(pick(features, path)))
                 info = table_info(weight)
                 local[id(table)] = info.sharding if info is not None and info.routed else None
             owner_local = local[id(table)] is not None

@@ -16,7 +16,7 @@ from torch_tpu_embedding._draw import DeferredDraw, defer, fill
 from torch_tpu_embedding._grad_sync import LOCAL, mark
 from torch_tpu_embedding._layout import RowLayout, from_logical, owned_logical_ids, to_logical
 from torch_tpu_embedding._member_state import member_entries
-from torch_tpu_embedding._pg_state import from_logical_shard, is_dtensor, stored_rows_active, to_logical_shard
+from torch_tpu_embedding._pg_state import dtensor_layout, from_logical_shard, is_dtensor, to_logical_shard
 from torch_tpu_embedding._rows import RowGrad, TableInfo, register_table, retire_table, table_info
 from torch_tpu_embedding.config import TableConfig, default_initializer
 
@@ -244,7 +244,16 @@ class EmbeddingTable(nn.Module):
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> EmbeddingTable:
         old = self.weight
-        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        try:
+            super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        except NotImplementedError as e:
+            if not old.is_meta:
+                raise
+            raise RuntimeError(  # torch's "Cannot copy out of meta tensor", with the table's name and the ways out
+                f"Table `{self.name}` is on the meta device and holds no values: .to() / .cuda() / .float() "
+                "cannot copy it. Use model.to_empty(device=...) (the table drawn whole, as one process draws it) "
+                f"or tte.distributed.shard(model, device=...) (each rank draws its rows). Received: {e}"
+            ) from None
         if old.is_meta and not self.weight.is_meta and self.deferred:
             # to_empty() of a table built on the meta device: the whole table, as one process draws it
             self.fill_rows(self.weight.detach(), lambda ids: ids)
@@ -269,11 +278,8 @@ def _shifted(local_row: Callable[[torch.Tensor], torch.Tensor], first: int, ids:
 
 def _dtensor_sharding(table: EmbeddingTable) -> Any:
     """The process-group layout of a table whose ``state_dict`` is a DTensor (``shard(..., dtensor_state_dict=
-    True)``), else ``None``."""
-    info = table_info(table.weight)
-    spread = None if info is None else info.sharding
-    wanted = table.__dict__.get("dtensor_state_dict") and not stored_rows_active()
-    return spread if wanted and getattr(spread, "over_process_group", False) else None
+    True)``), else ``None``: the one flag on its layout, which the optimizer reads too."""
+    return dtensor_layout(table.weight)
 
 
 def _trim_padding_rows(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torch_tpu_embedding._member_state import merge_member_state, split_member_state
+from torch_tpu_embedding._pg_exchange import group_sharding
 from torch_tpu_embedding._pg_state import dtensor_layout, from_logical_slot, is_dtensor, to_logical_slot
 from torch_tpu_embedding._rows import table_info
 from torch_tpu_embedding.optim import _state_io
@@ -160,19 +161,36 @@ def _as_dtensors(p: torch.Tensor, group: Mapping[str, Any], entry: dict[str, Any
     return {**entry, **{k: to_logical_slot(entry[k], spread) for k in rows}}
 
 
-def _from_dtensors(opt: torch.optim.Optimizer, entry: Any, key: str, live: Mapping[str, torch.Tensor]) -> Any:
+def _from_dtensors(opt: torch.optim.Optimizer, entry: Any, key: str, live: Mapping[str, torch.Tensor],
+                   group: Mapping[str, Any]) -> Any:
     """The inverse of :func:`_as_dtensors` on the loaded entry of table ``key``: each DTensor slot back to
     this rank's stored rows of the live parameter (a collective, in the order :func:`_as_dtensors` used).
-    An entry without DTensors, as is; one for a table not sharded so here is refused by the loader."""
+    An entry without DTensors, as is (the stored rows, as a plain entry of the model's ``state_dict``).
+
+    Raises (on every rank alike, before any collective: the checks read global shapes only):
+        ValueError: DTensors for a table not sharded with ``dtensor_state_dict=True`` here, for a slot that
+            is not one of the table's row slots, or of a global shape other than the slot's logical rows.
+    """
     if not isinstance(entry, Mapping) or not any(is_dtensor(v) for v in entry.values()):
         return entry
     p = live.get(key)
     spread = None if p is None else dtensor_layout(p)
     name = key.split(":", 1)[-1]
-    if spread is None:
+    if p is None or spread is None:
+        how = "not sharded over a process group" if p is None or group_sharding(p) is None else \
+            "sharded without dtensor_state_dict"
         raise ValueError(f"Optimizer state of `{name}` holds DTensors: load it into a model whose table `{name}` is "
-                         "sharded over a process group with tte.distributed.shard(..., dtensor_state_dict=True).")
-    live_slots = opt.state[p] if p is not None else {}
+                         "sharded over a process group with tte.distributed.shard(..., dtensor_state_dict=True). "
+                         f"Received: DTensor slots {sorted(k for k, v in entry.items() if is_dtensor(v))} for a "
+                         f"table {how} here")
+    rows = {k: (spread.rows, *spec.shape[1:]) for k, spec in specs(p, group).items() if spec.rows and spec.shape}
+    for k, v in sorted(entry.items()):
+        if is_dtensor(v) and tuple(v.shape) != rows.get(k):
+            rule = (f"a DTensor of slot '{k}' must be a Shard(0) of shape {rows[k]}: the table's {spread.rows} logical "
+                    "rows") if k in rows else f"only its row slots ({sorted(rows)}) can be DTensors"
+            raise ValueError(f"Optimizer state of `{name}` does not match: {rule}. Received: slot '{k}', a DTensor "
+                             f"of shape {tuple(v.shape)}")
+    live_slots = opt.state[p]
     return {k: from_logical_slot(v, spread, name, live_slots.get(k)) if is_dtensor(v) else v
             for k, v in sorted(entry.items())}
 
@@ -248,7 +266,7 @@ def from_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[st
             if not entry:  # what torch's unflattening gives for an optimizer with no slots yet
                 raise ValueError(f"Optimizer state does not match: the saved state of {desc['keys']} is empty.")
             if len(desc["keys"]) == 1:
-                state[desc["keys"][0]] = _from_dtensors(opt, entry, desc["keys"][0], live)
+                state[desc["keys"][0]] = _from_dtensors(opt, entry, desc["keys"][0], live, group)
             else:
                 members = _members(desc)
                 parts = split_member_state(entry, members, desc["row_slots"])

@@ -264,10 +264,8 @@ class EmbeddingCollection(nn.Module):
 
         Args:
             features: one input per feature, in the structure of ``feature_config``, in any form of
-                :mod:`torch_tpu_embedding.inputs`: dense ids ``[B]``, :class:`Jagged`,
-                :class:`Padded`, sparse COO ``[B, L]``, ``torch.nested`` jagged.
-            weights: optional per-id weights in the same structure (``None`` leaves allowed), or
-                inside ``Jagged`` / ``Padded``.
+                :mod:`torch_tpu_embedding.inputs` (ids ``[B]``, ``Jagged``, ``Padded``, sparse COO, nested).
+            weights: per-id weights in the same structure (``None`` leaves allowed), or inside ``Jagged``/``Padded``.
             concat: one ``[B, Σ D]`` tensor instead, the features side by side in :attr:`feature_names`
                 order (TorchRec's ``KeyedTensor.values()``); a stacked group is looked up straight into it.
 

@@ -28,6 +28,8 @@ def test_increment_is_the_rule_minus_w_to_the_bit(dtype: torch.dtype) -> None:
         want, _ = sgd_rule(w, grad, {}, lr_t, torch.tensor(1), {}, None)  # type: ignore[arg-type]
         assert torch.equal(w + SGD.increment(grad, lr_t), want), lr
         assert SGD.increment(grad, lr_t).dtype == dtype
+        out = torch.empty_like(grad)
+        assert SGD.increment(grad, lr_t, out=out) is out and torch.equal(w + out, want), lr
 
 
 def _features(case: str, dtype: torch.dtype) -> dict[str, tte.FeatureConfig]:
@@ -75,7 +77,10 @@ CASES = ["sum1", "sum5", "mean", "sqrtn", "weighted"]
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("options", [{}, {"loss_scale_factor": 4.0}, {"gradient_accumulation_steps": 2}],
                          ids=["plain", "loss_scale", "accumulation"])
-def test_additive_equals_the_summed_update(case: str, options: dict[str, Any]) -> None:
+@pytest.mark.parametrize("chunk", [16384, 7, 10])  # every piece added together; pieces of a chunk and fewer
+def test_additive_equals_the_summed_update(case: str, options: dict[str, Any], chunk: int,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_paths, "ADDITIVE_CHUNK", chunk)
     for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-6)):
         fast = _run(case, dtype, False, **options)
         summed = _run(case, dtype, False, clip_weight_min=-1e9, **options)
@@ -137,3 +142,21 @@ def test_spread_reuses_one_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
         opt.zero_grad()
         ptrs |= {(k, b.data_ptr()) for k, b in _paths._SCRATCH.items()}
     assert len(ptrs) == 1, ptrs
+
+
+def test_the_features_of_a_step_are_added_in_one_call() -> None:
+    """Four features of one stacked group at one id per bag, looked up as a dict: their rows are added by one
+    index_add_ (one sort of the ids, one wake of the thread pool), not one per feature."""
+    from test_fused_tables import _CountOps
+
+    torch.manual_seed(0)
+    tables = [tte.TableConfig(100, 4, name=f"t{i}", combiner="sum") for i in range(4)]
+    ec = tte.EmbeddingCollection({f"f{i}": tte.FeatureConfig(t) for i, t in enumerate(tables)})
+    opt = SGD(ec.parameters(), lr=0.1)
+    for _ in range(2):  # the first step asks the lookups to keep their rows factored
+        out = ec({f"f{i}": torch.randint(0, 100, (32,)) for i in range(4)})
+        torch.cat([out[f"f{i}"] for i in range(4)], dim=1).sum().backward()
+        with _CountOps() as ops:
+            opt.step()
+        opt.zero_grad()
+    assert ops.counts["index_add_"] == 1, ops.counts

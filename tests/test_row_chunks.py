@@ -47,7 +47,7 @@ def test_chunked_updates_equal_whole_batch(cfg: OptimizerConfig, monkeypatch: py
 
 
 def test_sgd_adds_per_id_without_dedup_and_matches_the_summed_update() -> None:
-    """SGD is additive: a plain eager step is one index_add_ of rule(0, g) per looked-up id. An option
+    """SGD is additive: a plain eager step is one index_add_ of increment(g) per looked-up id. An option
     that needs the summed rows (here a weight clip that never binds) takes the dedup path instead."""
     from test_fused_tables import _CountOps
 
@@ -74,5 +74,5 @@ def test_sgd_adds_per_id_without_dedup_and_matches_the_summed_update() -> None:
     summed, summed_ops = run(clip_weight_min=-1e9)
     torch.testing.assert_close(fast["tables.t.weight"], summed["tables.t.weight"], rtol=1e-12, atol=1e-14)
     assert fast_ops.counts["_unique2"] == 0 and fast_ops.counts["index_select"] == 0
-    assert fast_ops.counts["index_add_"] == 2  # one per lookup (a: bags of 5 ids, b: one id)
+    assert fast_ops.counts["index_add_"] == 1  # both lookups' rows in one call (a: bags of 5 ids, b: one id)
     assert summed_ops.counts["_unique2"] == 1 and summed_ops.counts["index_copy_"] == 1

@@ -192,9 +192,12 @@ def _update_additive(item: Work) -> None:
             add(torch.cat([i for i, _, _ in small]), torch.cat(rows, out=out), any(d for _, _, d in small))
         small.clear()
 
+    def alone(n: int) -> bool:  # more than half a chunk: added by itself (into the scratch buffer where made)
+        return 2 * n > chunk
+
     def piece(ids: Tensor, rows: Tensor, padded: bool) -> None:
-        """Rows of a whole chunk are added at once; fewer wait in ``small`` to be added with the next ones."""
-        if ids.numel() >= chunk:
+        """Rows of most of a chunk are added at once; fewer wait in ``small`` to be added with the next ones."""
+        if alone(ids.numel()):
             flush()
             add(ids, rows, padded)
             return
@@ -215,13 +218,13 @@ def _update_additive(item: Work) -> None:
         bags = max(1, chunk // width)
         for b in range(0, rows.gains.shape[0], bags):
             if rows.unit and width == 1:  # each id's row is its bag's: a whole chunk straight into the scratch
-                per_bag = delta(rows.grad_out[b : b + bags], into_scratch=ids[b : b + bags].numel() >= chunk)
+                per_bag = delta(rows.grad_out[b : b + bags], into_scratch=alone(ids[b : b + bags].numel()))
                 piece(ids[b : b + per_bag.shape[0]], per_bag, padded)
                 continue
             per_bag = delta(rows.grad_out[b : b + bags])
             part_ids = ids[b * width : (b + per_bag.shape[0]) * width]
             out = None
-            if part_ids.numel() >= chunk:  # a whole chunk: spread into the scratch buffer, flush's until now
+            if alone(part_ids.numel()):  # spread into the scratch buffer (flush's until now)
                 flush()
                 dtype_out = torch.promote_types(per_bag.dtype, rows.gains.dtype)
                 out = _scratch(part_ids.numel(), per_bag.shape[1], dtype_out, per_bag.device)

@@ -28,8 +28,6 @@ def test_increment_is_the_rule_minus_w_to_the_bit(dtype: torch.dtype) -> None:
         want, _ = sgd_rule(w, grad, {}, lr_t, torch.tensor(1), {}, None)  # type: ignore[arg-type]
         assert torch.equal(w + SGD.increment(grad, lr_t), want), lr
         assert SGD.increment(grad, lr_t).dtype == dtype
-        out = torch.empty_like(grad)
-        assert SGD.increment(grad, lr_t, out=out) is out and torch.equal(w + out, want), lr
 
 
 def _features(case: str, dtype: torch.dtype) -> dict[str, tte.FeatureConfig]:

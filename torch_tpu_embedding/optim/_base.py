@@ -106,9 +106,9 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     @staticmethod
-    def increment(g: Tensor, lr: Tensor, out: Tensor | None = None) -> Tensor:
-        """An ``additive`` rule's ``rule(w, g) − w``, to the bit (tested), into ``out`` if given: what
-        ``Path.ADDITIVE`` adds per id, without the rule's pass over a zero ``w``."""
+    def increment(g: Tensor, lr: Tensor) -> Tensor:
+        """An ``additive`` rule's ``rule(w, g) − w``, to the bit (tested): what ``Path.ADDITIVE`` adds per id,
+        without the rule's pass over a zero ``w``."""
         raise NotImplementedError
 
     @classmethod

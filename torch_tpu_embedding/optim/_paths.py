@@ -165,12 +165,9 @@ def _update_additive(item: Work) -> None:
     increment = optimizer_class(group["algorithm"]).increment
     dtype, lr = math_dtype(p), item.lr
 
-    def delta(g: Tensor, into_scratch: bool = False) -> Tensor:
+    def delta(g: Tensor) -> Tensor:
         g = g.to(dtype) if item.divisor is None else g.to(dtype) / item.divisor
-        if not into_scratch:
-            return increment(g, lr)
-        flush()  # (the scratch buffer is flush's too)
-        return increment(g, lr, out=_scratch(g.shape[0], g.shape[1], dtype, g.device))
+        return increment(g, lr)
 
     chunk, sentinel = ADDITIVE_CHUNK, p.shape[0]
     small: list[tuple[Tensor, Tensor, bool]] = []  # pieces of fewer rows, added together (see flush)
@@ -217,12 +214,11 @@ def _update_additive(item: Work) -> None:
         width = max(1, ids.numel() // max(1, rows.gains.shape[0]))
         bags = max(1, chunk // width)
         for b in range(0, rows.gains.shape[0], bags):
-            if rows.unit and width == 1:  # each id's row is its bag's: a whole chunk straight into the scratch
-                per_bag = delta(rows.grad_out[b : b + bags], into_scratch=alone(ids[b : b + bags].numel()))
-                piece(ids[b : b + per_bag.shape[0]], per_bag, padded)
-                continue
             per_bag = delta(rows.grad_out[b : b + bags])
             part_ids = ids[b * width : (b + per_bag.shape[0]) * width]
+            if rows.unit and width == 1:  # each id's row is its bag's (written into the scratch buffer instead,
+                piece(part_ids, per_bag, padded)  # it measured 0.2-0.3 ms slower a step at 1 id per bag)
+                continue
             out = None
             if alone(part_ids.numel()):  # spread into the scratch buffer (flush's until now)
                 flush()

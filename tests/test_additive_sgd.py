@@ -158,3 +158,26 @@ def test_the_features_of_a_step_are_added_in_one_call() -> None:
             opt.step()
         opt.zero_grad()
     assert ops.counts["index_add_"] == 1, ops.counts
+
+
+def test_clip_grad_norm_keeps_the_rows_factored_and_unit() -> None:
+    """tte.clip_grad_norm_ scales the pending rows in their form: sum bags of one id stay ``unit`` (no product
+    in SGD's step), and the step equals the one without clipping when the norm is under the bound."""
+    runs = []
+    for clip in (False, True):
+        torch.manual_seed(0)
+        ec = tte.EmbeddingCollection(_features("sum1", torch.float64))
+        opt = SGD(ec.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        for step in range(3):  # dense ids: bags of one id looked up padded (a jagged lookup multiplies out)
+            out = ec({n: torch.randint(0, v, (12,), generator=g) for n, v in (("x", 40), ("y", 30), ("z", 40))})
+            torch.cat([out["x"], out["y"], out["z"]], dim=1).pow(2).sum().backward()
+            if clip:
+                tte.clip_grad_norm_(ec.parameters(), max_norm=1e9)
+                chunks = ec.tables["a"].row_grad.chunks()  # (factored from the second step: SGD asks for it)
+                assert step == 0 or (chunks and all(isinstance(r, BagRows) and r.unit for _, r in chunks))
+            opt.step()
+            opt.zero_grad()
+        runs.append(ec.state_dict())
+    for k, v in runs[0].items():
+        assert torch.equal(runs[1][k], v), k

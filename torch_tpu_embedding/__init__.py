@@ -6,7 +6,7 @@ XLA-specific code lives in :mod:`torch_tpu_embedding.xla`, imported only when as
 """
 
 from torch_tpu_embedding import checkpoint, distributed, interop, optim
-from torch_tpu_embedding._rows import install_stock_optimizer_guard as _install_guard
+from torch_tpu_embedding._stock_guard import install_stock_optimizer_guard as _install_guard
 from torch_tpu_embedding.clip import clip_grad_norm_
 from torch_tpu_embedding.collection import EmbeddingCollection, EmbeddingTable, split_parameters
 from torch_tpu_embedding.combiners import bag_gains

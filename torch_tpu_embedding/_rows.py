@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from torch_tpu_embedding._backward_order import note_backward
@@ -32,7 +31,6 @@ __all__ = [
     "StackedRows",
     "TableInfo",
     "check_live_tables",
-    "install_stock_optimizer_guard",
     "register_table",
     "refuse_stacked_view",
     "register_view",
@@ -58,6 +56,11 @@ class BagRows:
         self.gains = gains  # [N, L]
         self.grad_out = grad_out  # [N, D]
         self.unit = unit  # every gain is 1 where the id is not padding (sum bags, no per-id weights)
+
+    @property
+    def width(self) -> int:
+        """``L``, the ids per bag (padding included)."""
+        return int(self.gains.shape[1])
 
     def rows(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Rows of bags ``[start, stop)`` as ``[(stop - start)·L, D]``."""
@@ -203,7 +206,7 @@ class RowGrad:
         pos = 0
         for ids, rows in zip(self._ids, self._rows, strict=True):
             if isinstance(rows, BagRows):
-                width = max(1, ids.numel() // max(1, rows.gains.shape[0]))
+                width = max(1, rows.width)
                 step = max(1, max_rows // width)
                 for b in range(0, rows.gains.shape[0], step):
                     part = rows.rows(b, b + step)
@@ -224,7 +227,7 @@ class RowGrad:
         for i, rows in enumerate(self._rows):
             if isinstance(rows, BagRows):
                 out = rows.grad_out.to(dtype)
-                self._rows[i] = BagRows(rows.gains, out * coef.to(device=out.device, dtype=dtype))
+                self._rows[i] = BagRows(rows.gains, out * coef.to(device=out.device, dtype=dtype), rows.unit)
             else:
                 self._rows[i] = rows.to(dtype) * coef.to(device=rows.device, dtype=dtype)
 
@@ -422,40 +425,3 @@ def stacked_rows(t: torch.Tensor) -> StackedRows | None:
         return _tag(t, _ROWS_ATTR)  # type: ignore[no-any-return]
     rows: StackedRows | None = _VIEWS.get(t)  # type: ignore[no-untyped-call]
     return rows
-
-
-_GUARD_INSTALLED = False
-_CHECKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
-
-
-def _stock_optimizer_pre_hook(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-    """Refuse to let an optimizer that cannot read row-sparse gradients step a table.
-
-    A table's gradient lives in its :class:`RowGrad`, never in ``.grad``; an ordinary optimizer
-    would find ``.grad is None`` and silently leave the table untrained.
-    """
-    if getattr(optimizer, "_tte_reads_row_grads", False):
-        return
-    count = sum(len(g["params"]) for g in optimizer.param_groups)
-    if _CHECKED.get(optimizer) == count:  # checked already (re-checked after add_param_group)
-        return
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            info = table_info(p)
-            if info is not None:
-                raise TypeError(
-                    f"{type(optimizer).__module__}.{type(optimizer).__name__} was given "
-                    f"{info.described()}, whose gradient is row-sparse and never stored in "
-                    "`.grad`, so it would silently not train. Use an optimizer from "
-                    "torch_tpu_embedding.optim for the tables (it also trains dense parameters), "
-                    "or split the parameters with torch_tpu_embedding.split_parameters()."
-                )
-    _CHECKED[optimizer] = count
-
-
-def install_stock_optimizer_guard() -> None:
-    """Register the global ``torch.optim`` step pre-hook (idempotent)."""
-    global _GUARD_INSTALLED
-    if not _GUARD_INSTALLED:
-        register_optimizer_step_pre_hook(_stock_optimizer_pre_hook)
-        _GUARD_INSTALLED = True

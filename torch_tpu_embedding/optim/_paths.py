@@ -211,7 +211,7 @@ def _update_additive(item: Work) -> None:
             continue
         # Kept factored by the lookup: the increment is taken once per bag, of dL/dout, and spread over the
         # bag's ids by their gains (sum bags of one id without weights: each id's row is its bag's).
-        width = max(1, ids.numel() // max(1, rows.gains.shape[0]))
+        width = max(1, rows.width)
         bags = max(1, chunk // width)
         for b in range(0, rows.gains.shape[0], bags):
             per_bag = delta(rows.grad_out[b : b + bags])

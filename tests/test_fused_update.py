@@ -365,13 +365,15 @@ def test_a_recompile_limit_hit_later_sends_that_table_to_the_reference_path(monk
 @pytest.mark.parametrize("name", ["adagrad", "rowwise_adagrad", "lazy_adam"])
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
 @pytest.mark.parametrize("chunk", [None, 3], ids=["one-range", "ranges-of-3"])
-def test_summed_rows_by_range_equal_the_reference_path(name: str, combiner: str, chunk: int | None,
+@pytest.mark.parametrize("weighted", [True, False], ids=["weights", "no-weights"])
+def test_summed_rows_by_range_equal_the_reference_path(name: str, combiner: str, chunk: int | None, weighted: bool,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The duplicate sum of the fused path (ids sorted once, rows summed by ``embedding_bag`` a range of
     ids at a time, ``optim/_row_sums.py``) against the reference path, within 1e-6 after every call: two
-    features on one table (bags of up to 6 ids with per-id weights, heavy duplicates and empty bags; one
+    features on one table (bags of up to 6 ids with per-id weights, or without (one gain per bag, applied
+    once per bag), heavy duplicates and empty bags; one
     id per bag; a jagged feature, whose rows arrive multiplied out), every combiner; ``ranges-of-3``: the
-    kernel runs on ranges of 3 ids (a last range of 1 id joins the one before), as on 8,192 at full size. Each
+    kernel runs on ranges of 3 ids (a last range of 1 id joins the one before), as on 16,384 at full size. Each
     call starts from the reference's state (last-bit differences of the sums are not carried on)."""
     if chunk is not None:
         monkeypatch.setattr(_fused_update, "chunk_rows", lambda dim: chunk)
@@ -396,7 +398,8 @@ def test_summed_rows_by_range_equal_the_reference_path(name: str, combiner: str,
             mask = torch.rand(25, 6, generator=g) < 0.7
             mask[::5] = False  # empty bags
             lengths = torch.randint(0, 4, (9,), generator=g)
-            out = ec({"a": tte.Padded(ids, mask, torch.rand(25, 6, generator=g) + 0.5),
+            w = torch.rand(25, 6, generator=g) + 0.5
+            out = ec({"a": tte.Padded(ids, mask, w if weighted else None),
                       "b": torch.randint(0, 60, (25,), generator=g),
                       "c": tte.Jagged(torch.randint(0, 60, (int(lengths.sum()),), generator=g), lengths=lengths)})
             ((out["a"] * out["b"]).square().sum() + out["c"].sum() * 3).backward()

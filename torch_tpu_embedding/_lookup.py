@@ -84,7 +84,7 @@ class _RowSparseLookup(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, weight: torch.Tensor, ids: torch.Tensor, gains: torch.Tensor, row_grad: RowGrad,
-        tables: frozenset[str], frozen: torch.Tensor | None, splits: tuple[int, ...], unit: bool,
+        tables: frozenset[str], frozen: torch.Tensor | None, splits: tuple[int, ...], unit: bool, uniform: bool,
     ) -> tuple[torch.Tensor, ...]:
         # The sentinel (== weight.shape[0]) is clamped to a real row; its gain is 0.
         safe = ids.clamp(max=weight.shape[0] - 1)
@@ -101,7 +101,7 @@ class _RowSparseLookup(torch.autograd.Function):
         # The weight is kept only when the gains need a gradient (it costs nothing otherwise).
         ctx.save_for_backward(ids, gains, weight if ctx.needs_input_grad[2] else None)
         _keep(ctx, row_grad, tables, frozen)
-        ctx.splits, ctx.unit = splits, unit
+        ctx.splits, ctx.unit, ctx.uniform = splits, unit, uniform
         # One output per feature (views of ``out``): the backward then gets each feature's gradient as it is
         # (often a view of the gradient of the caller's torch.cat of the features), where a split of one
         # output would have its backward concatenate them into a new [N, D] tensor first.
@@ -110,7 +110,7 @@ class _RowSparseLookup(torch.autograd.Function):
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: Any, *grads: torch.Tensor
-    ) -> tuple[None, None, torch.Tensor | None, None, None, None, None, None]:
+    ) -> tuple[None, None, torch.Tensor | None, None, None, None, None, None, None]:
         ids, gains, weight = ctx.saved_tensors
         grad_out = None
         if ctx.needs_input_grad[0]:  # a frozen weight (requires_grad False) gets no gradient, as in torch
@@ -120,7 +120,7 @@ class _RowSparseLookup(torch.autograd.Function):
             grad_out = _whole(grads) if grad_out is None else grad_out
             rows = _gather(weight, ids.clamp(max=weight.shape[0] - 1), gains.dtype)
             grad_gains = torch.bmm(rows, grad_out.to(gains.dtype).unsqueeze(-1)).squeeze(-1)
-        return None, None, grad_gains, None, None, None, None, None
+        return None, None, grad_gains, None, None, None, None, None, None
 
 
 def _whole(grads: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -140,7 +140,8 @@ def _record_rows(ctx: Any, ids: torch.Tensor, gains: torch.Tensor, grads: tuple[
     if row_grad.keep_factored and ids.device.type != "xla" and not torch.compiler.is_compiling():
         start = 0  # each feature's bags kept factored, as they came: no [N, D] concatenation
         for n, grad_out in zip(ctx.splits, grads, strict=True):  # multiplied out piecewise by the step
-            row_grad.add_bags(ids[start : start + n], gains[start : start + n].to(dtype), grad_out, ctx.unit)
+            row_grad.add_bags(ids[start : start + n], gains[start : start + n].to(dtype), grad_out, ctx.unit,
+                              ctx.uniform)
             start += n
         row_grad.reached.update(ctx.tables)
         return None
@@ -153,7 +154,7 @@ def _record_rows(ctx: Any, ids: torch.Tensor, gains: torch.Tensor, grads: tuple[
 def lookup(
     weight: torch.Tensor, ids: torch.Tensor, gains: torch.Tensor, row_grad: RowGrad,
     tables: frozenset[str] = frozenset(), frozen: torch.Tensor | None = None,
-    splits: tuple[int, ...] | None = None, unit: bool = False,
+    splits: tuple[int, ...] | None = None, unit: bool = False, uniform: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Combined lookup ``out[n] = Σ_l gains[n, l] · weight[ids[n, l]]``.
 
@@ -169,6 +170,8 @@ def lookup(
             ``None``. A ``weight`` that does not require grad gets none at all.
         splits: the bags of each feature, in order (``None``: one, all ``N``).
         unit: every gain is 1 where the id is not padding (sum bags without per-id weights).
+        uniform: within each bag every gain is one value where the id is not padding (bags without
+            per-id weights, any combiner).
 
     Returns:
         Each split's ``[n, D]`` activations (views of one ``[N, D]``), differentiable (row-sparsely) with
@@ -176,7 +179,8 @@ def lookup(
     """
     check_not_ddp_managed(weight)  # torch's DDP must not reduce a table (tte.distributed)
     out: tuple[torch.Tensor, ...] = _RowSparseLookup.apply(  # type: ignore[no-untyped-call]
-        weight, ids, gains, row_grad, tables, frozen, (ids.shape[0],) if splits is None else tuple(splits), unit)
+        weight, ids, gains, row_grad, tables, frozen, (ids.shape[0],) if splits is None else tuple(splits), unit,
+        uniform)
     return out
 
 
@@ -275,7 +279,7 @@ class LookupBatch:
         frozen = None if info is None else info.frozen_rows
         training = frozenset(self.tables) - (info.frozen_tables if info is not None else frozenset())
         return lookup(weight, ids, bag_gains(valid, w, self.combiner, dtype), self.row_grad, training, frozen,
-                      splits, unit=self.combiner == "sum" and w is None)
+                      splits, unit=self.combiner == "sum" and w is None, uniform=w is None)
 
     def _run_jagged(self) -> dict[Path, torch.Tensor]:
         """:meth:`run` for jagged bags (eager devices): one pooled lookup of every item's ids, unpadded."""

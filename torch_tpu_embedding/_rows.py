@@ -50,12 +50,24 @@ class BagRows:
     faster (LazyAdam at 20 ids, 4 tables: 250–290 ms against 285–345 ms multiplying out in the step).
     """
 
-    __slots__ = ("gains", "grad_out", "unit")
+    __slots__ = ("gains", "grad_out", "uniform", "unit")
 
-    def __init__(self, gains: torch.Tensor, grad_out: torch.Tensor, unit: bool = False) -> None:
+    def __init__(self, gains: torch.Tensor, grad_out: torch.Tensor, unit: bool = False, uniform: bool = False) -> None:
         self.gains = gains  # [N, L]
         self.grad_out = grad_out  # [N, D]
         self.unit = unit  # every gain is 1 where the id is not padding (sum bags, no per-id weights)
+        #: within each bag every gain is the same where the id is not padding, 0 at padding (no per-id weights)
+        self.uniform = uniform or unit
+
+    def per_bag(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``[N, D]``: each bag's gradient row times its one gain, ``gains[n, l] · grad_out[n]`` for every
+        ``l`` not padding, bitwise (the same product); only for :attr:`uniform` bags. Written into ``out``
+        if given (else a unit bag's is ``grad_out`` itself)."""
+        assert self.uniform
+        if self.unit:
+            return self.grad_out if out is None else out.copy_(self.grad_out)
+        # amax: the bag's gain (padding holds 0, real ids the gain, which is >= 0 without per-id weights)
+        return torch.mul(self.grad_out, self.gains.amax(dim=1, keepdim=True), out=out)
 
     @property
     def width(self) -> int:
@@ -126,12 +138,13 @@ class RowGrad:
         self._ids.append(ids.reshape(-1))
         self._rows.append(rows.reshape(ids.numel(), rows.shape[-1]))  # explicit D: n may be 0
 
-    def add_bags(self, ids: torch.Tensor, gains: torch.Tensor, grad_out: torch.Tensor, unit: bool = False) -> None:
+    def add_bags(self, ids: torch.Tensor, gains: torch.Tensor, grad_out: torch.Tensor, unit: bool = False,
+                 uniform: bool = False) -> None:
         """Add ``ids [N, L]`` whose gradient rows are ``gains[n, l] · grad_out[n]`` (kept factored; ``unit``:
-        every gain is 1 where the id is not padding)."""
+        every gain is 1 where the id is not padding; ``uniform``: each bag's gains are one value there)."""
         note_backward()
         self._ids.append(ids.reshape(-1))
-        self._rows.append(BagRows(gains, grad_out, unit))
+        self._rows.append(BagRows(gains, grad_out, unit, uniform))
 
     def add_owned(self, ids: torch.Tensor, rows: torch.Tensor, ok: torch.Tensor) -> None:
         """Add an owner-local chunk: ``ids [n, M]`` (shard-local rows), ``rows [n, M, D]``, ``ok`` (0-d bool)."""
@@ -227,7 +240,8 @@ class RowGrad:
         for i, rows in enumerate(self._rows):
             if isinstance(rows, BagRows):
                 out = rows.grad_out.to(dtype)
-                self._rows[i] = BagRows(rows.gains, out * coef.to(device=out.device, dtype=dtype), rows.unit)
+                self._rows[i] = BagRows(rows.gains, out * coef.to(device=out.device, dtype=dtype), rows.unit,
+                                        rows.uniform)
             else:
                 self._rows[i] = rows.to(dtype) * coef.to(device=rows.device, dtype=dtype)
 

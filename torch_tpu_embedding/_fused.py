@@ -26,7 +26,7 @@ from torch_tpu_embedding._draw import defer
 from torch_tpu_embedding._member_state import Members
 from torch_tpu_embedding._rows import RowGrad, StackedRows, TableInfo, register_view, table_info
 from torch_tpu_embedding.config import TableConfig
-from torch_tpu_embedding.table import EmbeddingTable
+from torch_tpu_embedding.table import EmbeddingTable, host_empty
 
 __all__ = [
     "FusedTables",
@@ -82,7 +82,11 @@ class FusedTables(EmbeddingTable):
             # tables that all set one, or none).
             max_unique_ids_per_shard=None if None in caps else sum(c for c in caps if c is not None),
         )
-        weight = torch.cat([t.weight.detach()[: t.config.num_embeddings] for t in tables])
+        parts = [t.weight.detach()[: t.config.num_embeddings] for t in tables]
+        on_host = all(w.device.type == "cpu" for w in parts) and len({w.dtype for w in parts}) == 1
+        # On the host, into a buffer on huge pages (host_empty); elsewhere (meta, a device) as torch.cat places it
+        out = host_empty(name, (total, first.embedding_dim), parts[0].dtype) if on_host else None
+        weight = torch.cat(parts, out=out)
         #: member tables frozen with ``TableView.requires_grad_(False)``: no gradient, never updated
         self.frozen: frozenset[str] = frozenset()
         super().__init__(config, name, weight=weight)

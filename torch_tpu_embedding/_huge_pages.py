@@ -66,8 +66,8 @@ def enabled() -> bool:
 def advise(t: torch.Tensor) -> bool:
     """Ask for huge pages under ``t``'s memory (a host tensor of at least :data:`MIN_BYTES`, best before its
     first write); ``True`` if the kernel took the advice. Never raises: a refusal leaves 4 KiB pages."""
-    if not enabled() or t.device.type != "cpu" or t.is_meta:
-        return False
+    if not enabled() or torch.compiler.is_compiling() or t.device.type != "cpu" or t.is_meta:
+        return False  # (a traced step has no memory to advise: a graph's buffers are its own)
     nbytes = t.untyped_storage().nbytes()
     if nbytes < MIN_BYTES:
         return False

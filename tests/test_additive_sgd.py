@@ -158,6 +158,9 @@ def test_the_features_of_a_step_are_added_in_one_call() -> None:
             opt.step()
         opt.zero_grad()
     assert ops.counts["index_add_"] == 1, ops.counts
+    # Each feature's increment is written where the index_add_ reads it (the scratch buffer): no float rows
+    # are copied or concatenated (one cat: the ids; one copy_: the step count).
+    assert ops.counts["cat"] == 1 and ops.counts["copy_"] == 1, ops.counts
 
 
 def test_clip_grad_norm_keeps_the_rows_factored_and_unit() -> None:

@@ -106,9 +106,9 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     @staticmethod
-    def increment(g: Tensor, lr: Tensor) -> Tensor:
+    def increment(g: Tensor, lr: Tensor, out: Tensor | None = None) -> Tensor:
         """An ``additive`` rule's ``rule(w, g) − w``, to the bit (tested): what ``Path.ADDITIVE`` adds per id,
-        without the rule's pass over a zero ``w``."""
+        without the rule's pass over a zero ``w``; written into ``out`` if given."""
         raise NotImplementedError
 
     @classmethod

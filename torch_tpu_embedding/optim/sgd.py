@@ -27,11 +27,11 @@ def sgd_rule(
     return w - lr * g, slots
 
 
-def sgd_increment(g: torch.Tensor, lr: torch.Tensor) -> torch.Tensor:
+def sgd_increment(g: torch.Tensor, lr: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``sgd_rule(w, g) − w`` to the bit: ``(−lr)·g`` (``w + (−lr)·g`` rounds as ``w − lr·g``; negation is
     exact). ``Path.ADDITIVE`` adds it per looked-up id: one pass over the rows, where ``sgd_rule(0, g)``
-    is two."""
-    return (-lr) * g
+    is two. Written into ``out`` if given."""
+    return (-lr) * g if out is None else torch.mul(-lr, g, out=out)
 
 
 class SGD(RowSparseOptimizer):

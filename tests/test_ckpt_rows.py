@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from torch_tpu_embedding import _ckpt_rows
-from torch_tpu_embedding._ckpt_publish import CheckpointCorruptError
+from torch_tpu_embedding._ckpt_publish import CHUNK, RESERVE, CheckpointCorruptError
 from torch_tpu_embedding._ckpt_rows import Source, everything, select_accumulation
 from torch_tpu_embedding._pg_ckpt import _locator
 from torch_tpu_embedding._pg_exchange import GroupSharding
@@ -124,3 +124,24 @@ def test_a_file_cut_short_after_verifying_is_named(tmp_path: Path) -> None:
     s = sharding(2, 0)
     with pytest.raises(CheckpointCorruptError, match="rows-0.pt ended .* bytes early"):
         src.copy_rows("t", "t.weight", "acc", _locator(s), torch.zeros(s.local_rows, D, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(("shape", "src", "dest"), [
+    ((1 << 20, 64), torch.float32, torch.float32), ((1 << 20, 64), torch.float32, torch.float64),
+    ((1 << 20, 3), torch.float64, torch.float32), ((1 << 20, 1), torch.bfloat16, torch.float32),
+    ((1 << 20, 4096), torch.float32, torch.float64), ((1 << 20, 8, 16), torch.float16, torch.float16),
+], ids=["f32", "f32-to-f64", "narrow-f64-to-f32", "one-column-bf16", "wide-cast", "3d-f16"])
+def test_a_window_fits_the_read_buffer(shape: tuple[int, ...], src: torch.dtype, dest: torch.dtype) -> None:
+    """The bound by construction (the module docstring): the mapping of a window of ``window_rows`` rows,
+    every buffer in it and its rounding to pages included, is at most BUFFER = CHUNK - RESERVE bytes, and
+    within a page and a row of it (windows are not needlessly short); the buffers are where they say."""
+    a, b = torch.zeros((), dtype=src).expand(shape), torch.zeros((), dtype=dest).expand(shape)
+    n = _ckpt_rows.window_rows(a, b)
+    assert _ckpt_rows.window_bytes(n, a, b) <= _ckpt_rows.BUFFER == CHUNK - RESERVE
+    row = math.prod(shape[1:]) * (2 * a.element_size() + (b.element_size() if src != dest else 0)) + 33
+    assert _ckpt_rows.window_bytes(n + 1, a, b) > _ckpt_rows.BUFFER - 8 * 64 - 2 * 4096 - row
+    w = _ckpt_rows.window_buffers(n, a, b)
+    ends = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in w if t.numel())
+    assert all(e <= s for (_, e), (s, _) in zip(ends, ends[1:], strict=False))  # no overlap
+    assert ends[-1][1] - ends[0][0] <= _ckpt_rows.window_bytes(n, a, b)
+    assert w.rows.shape == w.gathered.shape == (n, *shape[1:]) and w.cast.shape[0] == (n if src != dest else 0)

@@ -44,14 +44,14 @@ SHARDED_META = "meta.pt"
 #: and :data:`RESERVE` for the rest.
 CHUNK = 1 << 22
 #: The part of :data:`CHUNK` kept for what a load allocates beside its read buffer that no size here bounds:
-#: interpreter objects (the files' metadata, the load's dicts and frames, hashlib's state), the pages of
-#: the rank files' pickles and headers read through their mappings, and malloc's heap for the temporaries
-#: of placing a window's ids (``_ckpt_rows._PIECE`` ids at a time: under 200 KiB). Measured well under it
-#: in a process that has loaded once (tests/test_mp_ckpt.py::test_loading_memory_is_one_chunk; a process's
-#: first load also faults in the pages of code it runs, up to about 1 MiB of libtorch's, once).
+#: interpreter objects (the files' metadata, the load's dicts and frames, hashlib's state) and the pages of
+#: the rank files' pickles and headers read through their mappings. Measured well under it in a process
+#: that has loaded once (tests/test_mp_ckpt.py::test_loading_memory_is_one_chunk; a process's first load
+#: also faults in the pages of code it runs, up to about 1 MiB of libtorch's, once).
 RESERVE = 1 << 19
 #: The one read buffer's bytes, its rounding to whole pages included: what a load's memory grows by for its
-#: reads, by construction (``_ckpt_rows.window_rows``), with :data:`RESERVE` left within :data:`CHUNK`.
+#: reads (for a window of rows: its mapping and its ids' placing, ``_ckpt_rows.py``), with :data:`RESERVE`
+#: left within :data:`CHUNK`.
 BUFFER = CHUNK - RESERVE
 
 

@@ -14,25 +14,28 @@ slots and its pending accumulation buffers (logical ids, ``-1`` padding). Two ki
 :meth:`Source.payload` is the whole checkpoint in the logical form, for a model that holds every table
 whole (one process, or torch_xla SPMD, whose host stages a table to shard it).
 
-The memory of a window, by construction within ``_ckpt_publish.CHUNK`` (4 MiB). Everything a window
-holds in proportion to its rows lives in one anonymous mapping (:class:`Window`), sized by
-:func:`window_rows` so that its length, rounded up to whole pages, is at most ``_ckpt_publish.BUFFER``
-(``CHUNK`` less ``RESERVE``, 512 KiB). Per row of the window (:data:`_INDEX_BYTES` and the rows):
+The memory of a window, by construction within ``_ckpt_publish.CHUNK`` (4 MiB): ``_ckpt_publish.BUFFER``
+(``CHUNK`` less ``RESERVE``, 512 KiB) is split between two terms, alive together.
 
-* its logical id as read (int64) and where it goes here: whether it is ours (bool) and its row here
-  (int64), each copied in from the :data:`Locate`'s results;
-* when only some rows are ours: their positions in the window and their rows here (int64 each);
-* the row as read and the row gathered when only some are ours (the source's dtype), and once more in
-  the destination's dtype when it differs (the cast).
+* Everything a window holds in proportion to its rows lives in one anonymous mapping (:class:`Window`),
+  sized by :func:`window_rows` so that its length, rounded up to whole pages, is at most
+  :data:`WINDOW_BYTES` (2 MiB). Per row (:data:`_INDEX_BYTES` and the rows): its logical id as read
+  (int64) and where it goes here, whether it is ours (bool) and its row here (int64), copied in from the
+  :data:`Locate`'s results; when only some rows are ours, their positions in the window and their rows
+  here (int64 each); the row as read and the row gathered when only some are ours (the source's dtype),
+  and once more in the destination's dtype when it differs (the cast). Each buffer is rounded up to 64
+  bytes and the mapping to a page: :data:`_SEGMENTS` · 64 bytes and a page come off the budget first.
+* The :data:`Locate` runs on :data:`_PIECE` ids at a time, and its temporaries come from malloc
+  (``RowOwnership.physical_row``'s: a few int64 and bools per id, freed before the next piece's): charged
+  :data:`_LOCATE_BYTES` per id of a piece, 1.5 MiB, whatever the window or the table. (The heap keeps what
+  it grew by; the next piece, table or slot reuses it.)
 
-Each buffer is rounded up to 64 bytes and the mapping to a page: :data:`_SEGMENTS` · 64 bytes and a page
-are taken off the budget first. The checksums' buffer (``_ckpt_publish._sha256``, ``BUFFER`` bytes)
-is gone before the first window's mapping is made, and each table's or slot's mapping is unmapped before
-the next one's. What no size here bounds stays within ``RESERVE``: the :data:`Locate`'s temporaries, from
-malloc (``RowOwnership.physical_row``: at most five int64 and a few bools per id alive at once, about
-42 bytes, :data:`_PIECE` ids at a time, so under 200 KiB however wide the window), the interpreter's
-objects and the pages of the rank files' pickles and headers read through their mappings. A row wider
-than the budget (over about 1.7 MiB of float32) is read one at a time and costs its own size.
+The checksums' buffer (``_ckpt_publish._sha256``, ``BUFFER`` bytes) is gone before the first window's
+mapping is made, and each table's or slot's mapping is unmapped before the next one's. ``RESERVE`` holds
+what no size here bounds: the interpreter's objects and the pages of the rank files' pickles and headers
+read through their mappings. A row wider than the budget (over about 1 MiB of float32) is read one at a
+time and costs its own size; where the storages' offsets are not found the windows are read through
+file mappings (:class:`_RowFiles`), whose pages count beside the budget.
 """
 
 from __future__ import annotations
@@ -51,8 +54,8 @@ import torch
 from torch_tpu_embedding._ckpt_dcp import FORMAT
 from torch_tpu_embedding._ckpt_publish import BUFFER, CHUNK, CheckpointCorruptError
 
-__all__ = ["BUFFER", "CHUNK", "Locate", "Source", "Window", "copy_window", "everything", "merge_accumulation",
-           "select_accumulation", "window_buffers", "window_bytes", "window_rows"]
+__all__ = ["BUFFER", "CHUNK", "WINDOW_BYTES", "Locate", "Source", "Window", "copy_window", "everything",
+           "merge_accumulation", "select_accumulation", "window_buffers", "window_bytes", "window_rows"]
 
 Tensor = torch.Tensor
 ACC = ("acc_ids", "acc_rows")
@@ -75,12 +78,18 @@ Locate = Callable[[Tensor], tuple[Tensor, Tensor]]
 _INDEX_BYTES = 8 + 1 + 8 + 8 + 8
 #: The buffers of a :class:`Window`: each rounded up to 64 bytes in its mapping.
 _SEGMENTS = 8
-#: Ids placed by one call of a :data:`Locate`: its temporaries come from malloc, outside the window's
-#: mapping (``RowOwnership.physical_row``: about 42 bytes per id alive at once, 168 KiB a piece), and are
-#: freed before the next piece's, so they stay within ``_ckpt_publish.RESERVE`` however wide the window.
-#: (Each call costs the ownership's few dozen ops whatever its length: pieces of 2048 made a 2^20-row load
-#: 25% slower to copy than one call per window; a window of 64 float32 columns is 2 pieces of 4096.)
-_PIECE = 4096
+#: Ids placed by one call of a :data:`Locate` (the module docstring). Each call costs the ownership's few
+#: dozen ops whatever its length (pieces of 2048 made a 2^20-row load's copies 25% slower than one call a
+#: window): one piece covers a window of 64 float32 columns.
+_PIECE = 8192
+#: What the :data:`Locate`'s temporaries may add to resident memory per id of a piece, charged against
+#: ``BUFFER``: ``_pg_ckpt._locator``'s grew it by 43-122 bytes (interleaved rows at 2, 3, 5 and 1024
+#: ranks, the odd factors' the most: RowOwnership.physical_row's int64 temporaries, up to about seven
+#: alive at once, and malloc's placing of them), checked by
+#: tests/test_ckpt_rows.py::test_placing_ids_stays_within_its_charge.
+_LOCATE_BYTES = 192
+#: The most a :class:`Window`'s mapping takes, in whole pages: ``BUFFER`` less the :data:`Locate`'s charge.
+WINDOW_BYTES = BUFFER - _PIECE * _LOCATE_BYTES
 
 
 def everything(ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -90,10 +99,10 @@ def everything(ids: Tensor) -> tuple[Tensor, Tensor]:
 
 def window_rows(src: Tensor, dest: Tensor) -> int:
     """Rows of ``src`` read at a time into ``dest``: the most whose :class:`Window` (:func:`window_bytes`)
-    fits ``BUFFER`` bytes, pages and alignment included (the module docstring); at least one."""
+    fits :data:`WINDOW_BYTES`, pages and alignment included (the module docstring); at least one."""
     per = _INDEX_BYTES + math.prod(src.shape[1:]) * (
         2 * src.element_size() + (dest.element_size() if dest.dtype != src.dtype else 0))
-    return max(1, (BUFFER - _SEGMENTS * 64 - mmap.PAGESIZE) // per)
+    return max(1, (WINDOW_BYTES - _SEGMENTS * 64 - mmap.PAGESIZE) // per)
 
 
 class Window(NamedTuple):

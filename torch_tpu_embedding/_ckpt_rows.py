@@ -70,7 +70,7 @@ def _pick(entry: dict[str, Any], slot: str | None) -> Tensor | None:
 
 #: Where one rank stores a table's logical rows: ``locate(ids)`` is ``(mine, local)``, whether it stores
 #: each logical id of ``ids`` (``-1`` and other padding: never) and at which of its rows (any value where
-#: ``mine`` is false). Called on one window of ids at a time.
+#: ``mine`` is false). Called on a piece of a window's ids at a time (:data:`_PIECE`).
 Locate = Callable[[Tensor], tuple[Tensor, Tensor]]
 
 #: Bytes of a window's index bookkeeping per row, in its mapping (:class:`Window`): the id as read, whether

@@ -8,14 +8,17 @@ storages' file offsets are not found) write the same rows, and only the rows sto
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import math
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from torch_tpu_embedding import _ckpt_rows
-from torch_tpu_embedding._ckpt_publish import CheckpointCorruptError
+from torch_tpu_embedding._ckpt_publish import CHUNK, RESERVE, CheckpointCorruptError
 from torch_tpu_embedding._ckpt_rows import Source, everything, select_accumulation
 from torch_tpu_embedding._pg_ckpt import _locator
 from torch_tpu_embedding._pg_exchange import GroupSharding
@@ -59,7 +62,7 @@ def source(path: Path, world: int) -> Source:
 def test_each_rank_gets_exactly_its_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, saved: int,
                                          loaded: int, mapped: bool) -> None:
     write_rank_files(tmp_path / "ck", saved)
-    monkeypatch.setattr(_ckpt_rows, "CHUNK", 40 * (2 * D * 8 + 48))  # windows of 40 rows
+    monkeypatch.setattr(_ckpt_rows, "window_rows", lambda src, dest: 40)  # windows of 40 rows
     src = source(tmp_path / "ck", saved)
     assert src.files is not None
     assert all(o is not None for o in src.files.offsets)  # torch.save's storages found in the files
@@ -124,3 +127,58 @@ def test_a_file_cut_short_after_verifying_is_named(tmp_path: Path) -> None:
     s = sharding(2, 0)
     with pytest.raises(CheckpointCorruptError, match="rows-0.pt ended .* bytes early"):
         src.copy_rows("t", "t.weight", "acc", _locator(s), torch.zeros(s.local_rows, D, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(("shape", "src", "dest"), [
+    ((1 << 20, 64), torch.float32, torch.float32), ((1 << 20, 64), torch.float32, torch.float64),
+    ((1 << 20, 3), torch.float64, torch.float32), ((1 << 20, 1), torch.bfloat16, torch.float32),
+    ((1 << 20, 4096), torch.float32, torch.float64), ((1 << 20, 8, 16), torch.float16, torch.float16),
+], ids=["f32", "f32-to-f64", "narrow-f64-to-f32", "one-column-bf16", "wide-cast", "3d-f16"])
+def test_a_window_fits_the_read_buffer(shape: tuple[int, ...], src: torch.dtype, dest: torch.dtype) -> None:
+    """The window's term of the bound, by construction (the module docstring): the mapping of a window of
+    ``window_rows`` rows, every buffer in it and its rounding to pages included, is at most WINDOW_BYTES,
+    and within a page and a row of it (windows are not needlessly short); with the Locate's charge it
+    makes BUFFER = CHUNK - RESERVE; the buffers are where they say."""
+    assert _ckpt_rows.WINDOW_BYTES + _ckpt_rows._PIECE * _ckpt_rows._LOCATE_BYTES == _ckpt_rows.BUFFER
+    assert _ckpt_rows.BUFFER == CHUNK - RESERVE
+    a, b = torch.zeros((), dtype=src).expand(shape), torch.zeros((), dtype=dest).expand(shape)
+    n = _ckpt_rows.window_rows(a, b)
+    assert _ckpt_rows.window_bytes(n, a, b) <= _ckpt_rows.WINDOW_BYTES
+    row = math.prod(shape[1:]) * (2 * a.element_size() + (b.element_size() if src != dest else 0)) + 33
+    assert _ckpt_rows.window_bytes(n + 1, a, b) > _ckpt_rows.WINDOW_BYTES - 8 * 64 - 2 * 4096 - row
+    w = _ckpt_rows.window_buffers(n, a, b)
+    ends = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in w if t.numel())
+    assert all(e <= s for (_, e), (s, _) in zip(ends, ends[1:], strict=False))  # no overlap
+    assert ends[-1][1] - ends[0][0] <= _ckpt_rows.window_bytes(n, a, b)
+    assert w.rows.shape == w.gathered.shape == (n, *shape[1:]) and w.cast.shape[0] == (n if src != dest else 0)
+
+
+def _kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs") or not hasattr(ctypes.CDLL(None), "malloc_trim"),
+                    reason="needs Linux's /proc/self/clear_refs and glibc's malloc_trim")
+@pytest.mark.parametrize(("placement", "world"), [("row", 2), ("row", 3), ("row", 5), ("row", 1024), ("table", 3)])
+def test_placing_ids_stays_within_its_charge(placement: str, world: int) -> None:
+    """The Locate's term of the bound: placing a piece of ids (_PIECE, logical ids of a 2^24-row table)
+    grows the peak resident memory by at most _LOCATE_BYTES per id, freed memory given back first
+    (malloc_trim) so that the heap grows anew. Interleaved ownership with power-of-two chunks (2, 1024
+    ranks) and not (3, 5: an odd factor, more temporaries), and a whole table on one rank."""
+    rows, block = 1 << 24, math.lcm(512, world)
+    ownership = (RowOwnership("interleaved", -(-rows // block) * block, world, block) if placement == "row"
+                 else RowOwnership("range", world * rows, world))
+    locate = _locator(GroupSharding(placement, None, world, world - 1, rows, ownership, 1))
+    ids = torch.randint(0, rows, (_ckpt_rows._PIECE,))
+    for _ in range(3):  # the last measured: the first calls build lazily what is not a load's
+        gc.collect()
+        ctypes.CDLL(None).malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = _kib("VmRSS")
+        mine, local = locate(ids)
+        del mine, local
+        grown = (_kib("VmHWM") - before) * 1024
+    assert grown <= _ckpt_rows._PIECE * _ckpt_rows._LOCATE_BYTES, (
+        f"{placement}, {world} ranks: {grown / _ckpt_rows._PIECE:.0f} bytes per id")

@@ -29,8 +29,8 @@ from typing import Any
 
 from torch_tpu_embedding._ckpt_io import read_dcp_metadata
 
-__all__ = ["CHUNK", "MANIFEST", "SHARDED_META", "CheckpointCorruptError", "barrier", "prepare_staging", "publish",
-           "rank", "read_errors", "resolve", "staging_path", "verify", "write_manifest"]
+__all__ = ["BUFFER", "CHUNK", "MANIFEST", "RESERVE", "SHARDED_META", "CheckpointCorruptError", "barrier",
+           "prepare_staging", "publish", "rank", "read_errors", "resolve", "staging_path", "verify", "write_manifest"]
 
 #: the manifest of a distributed checkpoint: ``{"format", "files": {name: {"size", "sha256"}}}``
 MANIFEST = "tte_manifest.json"
@@ -38,8 +38,21 @@ _MANIFEST_FORMAT = "torch_tpu_embedding.manifest/1"
 _META = "tte_meta.pt"
 #: the metadata file of a process-group-sharded checkpoint (``tte.distributed.save_sharded``)
 SHARDED_META = "meta.pt"
-#: the bytes a checkpoint reader holds at a time (checksums, windows of rows: ``_ckpt_rows.py``)
+#: The most that reading a checkpoint adds to a process's peak resident memory (4 MiB; a load's own state
+#: aside: the rows it writes into, dense layers read whole): one read buffer of :data:`BUFFER` bytes alive
+#: at a time (the checksums' here, then each window of rows with all its bookkeeping, ``_ckpt_rows.py``)
+#: and :data:`RESERVE` for the rest.
 CHUNK = 1 << 22
+#: The part of :data:`CHUNK` kept for what a load allocates beside its read buffer that no size here bounds:
+#: interpreter objects (the files' metadata, the load's dicts and frames, hashlib's state) and the pages of
+#: the rank files' pickles and headers read through their mappings. Measured well under it in a process
+#: that has loaded once (tests/test_mp_ckpt.py::test_loading_memory_is_one_chunk; a process's first load
+#: also faults in the pages of code it runs, up to about 1 MiB of libtorch's, once).
+RESERVE = 1 << 19
+#: The one read buffer's bytes, its rounding to whole pages included: what a load's memory grows by for its
+#: reads (for a window of rows: its mapping and its ids' placing, ``_ckpt_rows.py``), with :data:`RESERVE`
+#: left within :data:`CHUNK`.
+BUFFER = CHUNK - RESERVE
 
 
 class CheckpointCorruptError(ValueError):
@@ -124,10 +137,11 @@ def prepare_staging(target: str) -> None:
 
 def _sha256(path: str) -> str:
     h = hashlib.sha256()
-    # One buffer, refilled: a reader's memory grows by one chunk. An anonymous mapping of its own, which
-    # goes back to the system when closed (freed to malloc, it would stay resident in the heap beside the
-    # buffers a load allocates next).
-    with mmap.mmap(-1, CHUNK) as buffer, open(path, "rb", buffering=0) as f:
+    # One buffer of BUFFER bytes (a multiple of the page), refilled: a reader's memory grows by it alone
+    # (and RESERVE: hashlib's state, the file object). An anonymous mapping of its own, which goes back to
+    # the system when closed (freed to malloc, it would stay resident in the heap beside the buffers a load
+    # allocates next).
+    with mmap.mmap(-1, BUFFER) as buffer, open(path, "rb", buffering=0) as f:
         view = memoryview(buffer)
         try:
             while n := f.readinto(view):

@@ -6,14 +6,36 @@ slots and its pending accumulation buffers (logical ids, ``-1`` padding). Two ki
 
 * ``tte.distributed.save_sharded``'s (``meta.pt`` + ``rows-<rank>.pt``): each sharded table's rows are
   in the rank files, in ascending logical id; the rest (replicated tables, dense layers) is logical in
-  ``meta.pt``. The rank files are read in windows that fit ``_ckpt_publish.CHUNK`` bytes (4 MiB) with
-  their bookkeeping, each window's ids placed by a :data:`Locate` as they are read, so a reader's
-  memory grows by one chunk, never by a file or a shard (:class:`_RowFiles`);
+  ``meta.pt``. The rank files are read in windows, each window's ids placed by a :data:`Locate` as they
+  are read, so a reader's memory grows by one chunk, never by a file or a shard (:class:`_RowFiles`);
 * a logical payload (``tte.checkpoint.save``'s form: what ``tte.checkpoint.save_distributed``'s
   directories read into on the host, ``_ckpt_dcp.logical_payload``): every table whole.
 
 :meth:`Source.payload` is the whole checkpoint in the logical form, for a model that holds every table
 whole (one process, or torch_xla SPMD, whose host stages a table to shard it).
+
+The memory of a window, by construction within ``_ckpt_publish.CHUNK`` (4 MiB): ``_ckpt_publish.BUFFER``
+(``CHUNK`` less ``RESERVE``, 512 KiB) is split between two terms, alive together.
+
+* Everything a window holds in proportion to its rows lives in one anonymous mapping (:class:`Window`),
+  sized by :func:`window_rows` so that its length, rounded up to whole pages, is at most
+  :data:`WINDOW_BYTES` (2 MiB). Per row (:data:`_INDEX_BYTES` and the rows): its logical id as read
+  (int64) and where it goes here, whether it is ours (bool) and its row here (int64), copied in from the
+  :data:`Locate`'s results; when only some rows are ours, their positions in the window and their rows
+  here (int64 each); the row as read and the row gathered when only some are ours (the source's dtype),
+  and once more in the destination's dtype when it differs (the cast). Each buffer is rounded up to 64
+  bytes and the mapping to a page: :data:`_SEGMENTS` · 64 bytes and a page come off the budget first.
+* The :data:`Locate` runs on :data:`_PIECE` ids at a time, and its temporaries come from malloc
+  (``RowOwnership.physical_row``'s: a few int64 and bools per id, freed before the next piece's): charged
+  :data:`_LOCATE_BYTES` per id of a piece, 1.5 MiB, whatever the window or the table. (The heap keeps what
+  it grew by; the next piece, table or slot reuses it.)
+
+The checksums' buffer (``_ckpt_publish._sha256``, ``BUFFER`` bytes) is gone before the first window's
+mapping is made, and each table's or slot's mapping is unmapped before the next one's. ``RESERVE`` holds
+what no size here bounds: the interpreter's objects and the pages of the rank files' pickles and headers
+read through their mappings. A row wider than the budget (over about 1 MiB of float32) is read one at a
+time and costs its own size; where the storages' offsets are not found the windows are read through
+file mappings (:class:`_RowFiles`), whose pages count beside the budget.
 """
 
 from __future__ import annotations
@@ -25,15 +47,15 @@ import math
 import mmap
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from torch_tpu_embedding._ckpt_dcp import FORMAT
-from torch_tpu_embedding._ckpt_publish import CHUNK, CheckpointCorruptError
+from torch_tpu_embedding._ckpt_publish import BUFFER, CHUNK, CheckpointCorruptError
 
-__all__ = ["CHUNK", "Locate", "Source", "copy_window", "everything", "merge_accumulation", "select_accumulation",
-           "window_rows"]
+__all__ = ["BUFFER", "CHUNK", "WINDOW_BYTES", "Locate", "Source", "Window", "copy_window", "everything",
+           "merge_accumulation", "select_accumulation", "window_buffers", "window_bytes", "window_rows"]
 
 Tensor = torch.Tensor
 ACC = ("acc_ids", "acc_rows")
@@ -48,12 +70,26 @@ def _pick(entry: dict[str, Any], slot: str | None) -> Tensor | None:
 
 #: Where one rank stores a table's logical rows: ``locate(ids)`` is ``(mine, local)``, whether it stores
 #: each logical id of ``ids`` (``-1`` and other padding: never) and at which of its rows (any value where
-#: ``mine`` is false). Called on one window of ids at a time.
+#: ``mine`` is false). Called on a piece of a window's ids at a time (:data:`_PIECE`).
 Locate = Callable[[Tensor], tuple[Tensor, Tensor]]
 
-#: Bytes of index bookkeeping per row of a window, alive at once: the window's stored ids, the ownership's
-#: temporaries while it places them (``RowOwnership.physical_row``: a few int64 per id) and the rows hit.
-_INDEX_BYTES = 6 * 8
+#: Bytes of a window's index bookkeeping per row, in its mapping (:class:`Window`): the id as read, whether
+#: it is ours, its row here, and for the rows ours when only some are their positions and rows here.
+_INDEX_BYTES = 8 + 1 + 8 + 8 + 8
+#: The buffers of a :class:`Window`: each rounded up to 64 bytes in its mapping.
+_SEGMENTS = 8
+#: Ids placed by one call of a :data:`Locate` (the module docstring). Each call costs the ownership's few
+#: dozen ops whatever its length (pieces of 2048 made a 2^20-row load's copies 25% slower than one call a
+#: window): one piece covers a window of 64 float32 columns.
+_PIECE = 8192
+#: What the :data:`Locate`'s temporaries may add to resident memory per id of a piece, charged against
+#: ``BUFFER``: ``_pg_ckpt._locator``'s grew it by 43-122 bytes (interleaved rows at 2, 3, 5 and 1024
+#: ranks, the odd factors' the most: RowOwnership.physical_row's int64 temporaries, up to about seven
+#: alive at once, and malloc's placing of them), checked by
+#: tests/test_ckpt_rows.py::test_placing_ids_stays_within_its_charge.
+_LOCATE_BYTES = 192
+#: The most a :class:`Window`'s mapping takes, in whole pages: ``BUFFER`` less the :data:`Locate`'s charge.
+WINDOW_BYTES = BUFFER - _PIECE * _LOCATE_BYTES
 
 
 def everything(ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -62,29 +98,69 @@ def everything(ids: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def window_rows(src: Tensor, dest: Tensor) -> int:
-    """Rows of ``src`` read at a time into ``dest`` so that one window's memory stays within :data:`CHUNK`:
-    its rows as read, as many gathered when only some are ours, one more copy in ``dest``'s dtype when it
-    differs, and the index bookkeeping (:data:`_INDEX_BYTES`)."""
-    row = src[0].numel() * src.element_size() if src.shape[0] else src.element_size()
-    cast = row // src.element_size() * dest.element_size() if dest.dtype != src.dtype else 0
-    return max(1, CHUNK // (2 * row + cast + _INDEX_BYTES))
+    """Rows of ``src`` read at a time into ``dest``: the most whose :class:`Window` (:func:`window_bytes`)
+    fits :data:`WINDOW_BYTES`, pages and alignment included (the module docstring); at least one."""
+    per = _INDEX_BYTES + math.prod(src.shape[1:]) * (
+        2 * src.element_size() + (dest.element_size() if dest.dtype != src.dtype else 0))
+    return max(1, (WINDOW_BYTES - _SEGMENTS * 64 - mmap.PAGESIZE) // per)
 
 
-def copy_window(read: Callable[[], Tensor], ids: Tensor, locate: Locate, dest: Tensor, gathered: Tensor) -> None:
+class Window(NamedTuple):
+    """The buffers of one window of rows, reused for every window of a table or slot (the module docstring;
+    the first rows of each are used when a window is shorter or only some of its rows are ours)."""
+
+    ids: Tensor  # [n] the window's logical ids as read
+    mine: Tensor  # [n] bool: whether each is stored here
+    local: Tensor  # [n] int64: its row here (any value where not ours)
+    hit: Tensor  # [n, 1] int64: positions of the rows ours, when only some are
+    picked: Tensor  # [n] int64: their rows here
+    rows: Tensor  # [n, ...] the rows as read
+    gathered: Tensor  # [n, ...] the rows ours, when only some are
+    cast: Tensor  # [n, ...] in the destination's dtype where it differs (else no rows)
+
+
+def _window_specs(n: int, src: Tensor, dest: Tensor, ids: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    row = tuple(src.shape[1:])
+    return [((n,), ids), ((n,), torch.bool), ((n,), torch.int64), ((n, 1), torch.int64), ((n,), torch.int64),
+            ((n, *row), src.dtype), ((n, *row), src.dtype), ((n if dest.dtype != src.dtype else 0, *row), dest.dtype)]
+
+
+def window_bytes(n: int, src: Tensor, dest: Tensor, ids: torch.dtype = torch.int64) -> int:
+    """The length of the mapping of :func:`window_buffers` (``n``, ``src``, ``dest``, ``ids``), in whole
+    pages: what it can add to resident memory."""
+    return -(-_layout(_window_specs(n, src, dest, ids))[1][-1] // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def window_buffers(n: int, src: Tensor, dest: Tensor, ids: torch.dtype = torch.int64) -> Window:
+    """A :class:`Window` of ``n`` rows of ``src`` (its logical ids of dtype ``ids``) read into ``dest``."""
+    return Window(*_mapped(*_window_specs(n, src, dest, ids)))
+
+
+def copy_window(read: Callable[[], Tensor], ids: Tensor, locate: Locate, dest: Tensor, window: Window) -> None:
     """Write those of the rows ``read()`` returns (logical ids ``ids``) that ``locate`` places here into
-    their rows of ``dest`` (read only when some are); ``gathered``: a buffer of at least their size for
-    them when only some are ours."""
-    mine, local = locate(ids)
+    their rows of ``dest`` (read only when some are), through ``window``'s buffers (at least as many rows
+    as ``ids``): nothing here allocates in proportion to the window but the :data:`Locate` (a piece at a
+    time) and ``read``."""
+    n = ids.shape[0]
+    mine, local = window.mine[:n], window.local[:n]
+    for a in range(0, n, _PIECE):
+        got, at = locate(ids[a : a + _PIECE])
+        mine[a : a + _PIECE].copy_(got)
+        local[a : a + _PIECE].copy_(at)
+        del got, at  # (freed before the next piece's: malloc reuses them)
     if bool(mine.all()):
         rows = read()
     else:
-        hit = torch.nonzero(mine).reshape(-1)
+        # nonzero resizes its output within the buffer (a storage over a mapping cannot grow: it raises)
+        hit = torch.nonzero(mine, out=window.hit[:0]).reshape(-1)
         if not hit.numel():
             return
-        del mine
-        local, rows = local.index_select(0, hit), torch.index_select(read(), 0, hit, out=gathered[: hit.shape[0]])
+        local = torch.index_select(local, 0, hit, out=window.picked[: hit.shape[0]])
+        rows = torch.index_select(read(), 0, hit, out=window.gathered[: hit.shape[0]])
+    if rows.dtype != dest.dtype:
+        rows = window.cast[: rows.shape[0]].copy_(rows)
     with torch.no_grad():
-        dest.index_copy_(0, local.to(dest.device), rows.to(dtype=dest.dtype, device=dest.device))
+        dest.index_copy_(0, local.to(dest.device), rows.to(dest.device))
 
 
 def _storage_offsets(file: str, part: Any) -> dict[int, int] | None:
@@ -145,19 +221,17 @@ class _RowFiles:
             if not n:
                 continue
             window = window_rows(src, dest)
-            shape = (min(window, n), *src.shape[1:])
-            ids, rows, gathered = _mapped((shape[:1], part[name]["ids"].dtype), (shape, src.dtype), (shape, src.dtype))
+            buffers = window_buffers(min(window, n), src, dest, part[name]["ids"].dtype)
             with open(self.files[r], "rb", buffering=0) as f:
                 for a in range(0, n, window):
-                    self._copy_window(r, f, (name, slot), slice(a, min(a + window, n)), locate, dest,
-                                      (ids, rows, gathered))
-            del ids, rows, gathered  # the mapping goes with them, before the next file's is made
+                    self._copy_window(r, f, (name, slot), slice(a, min(a + window, n)), locate, dest, buffers)
+            del buffers  # the mapping goes with it, before the next file's is made
         return found
 
     def _copy_window(self, r: int, f: io.FileIO, which: tuple[str, str | None], rows: slice, locate: Locate,
-                     dest: Tensor, buffers: tuple[Tensor, Tensor, Tensor]) -> None:
-        """Window ``rows`` of file ``r``'s table ``which[0]`` (weight or row slot ``which[1]``) into ``dest``;
-        ``buffers``: its ids, its rows and the rows gathered."""
+                     dest: Tensor, buffers: Window) -> None:
+        """Window ``rows`` of file ``r``'s table ``which[0]`` (weight or row slot ``which[1]``) into ``dest``
+        through ``buffers``."""
         part = self.parts[r][which[0]]
         src = _pick(part, which[1])
         assert src is not None
@@ -166,20 +240,28 @@ class _RowFiles:
             entry = self._load(r)[which[0]]  # a mapping of its own, dropped on return with the pages it read
             got = _pick(entry, which[1])
             assert got is not None
-            copy_window(lambda: got[rows], entry["ids"][rows], locate, dest, buffers[2])
+            copy_window(lambda: got[rows], entry["ids"][rows], locate, dest, buffers)
             return
-        ids = _read(f, offsets, part["ids"], rows, buffers[0])
-        copy_window(lambda: _read(f, offsets, src, rows, buffers[1]), ids, locate, dest, buffers[2])
+        ids = _read(f, offsets, part["ids"], rows, buffers.ids)
+        copy_window(lambda: _read(f, offsets, src, rows, buffers.rows), ids, locate, dest, buffers)
+
+
+def _layout(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[int], list[int]]:
+    """The bytes of each tensor of ``specs`` (shape, dtype) and where each starts in their mapping (64-byte
+    aligned; the last entry: the bytes of them all)."""
+    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
+    return sizes, [sum(-(-k // 64) * 64 for k in sizes[:i]) for i in range(len(sizes) + 1)]
 
 
 def _mapped(*specs: tuple[tuple[int, ...], torch.dtype]) -> list[Tensor]:
     """Tensors of the given shapes and dtypes in one anonymous mapping of their own, unmapped when the last
     tensor over it is freed (``torch.frombuffer`` holds the mapping): freed to malloc instead, they would
-    stay resident in its heap, and the next table's or slot's buffers would add to them."""
-    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
-    starts = [sum(-(-k // 64) * 64 for k in sizes[:i]) for i in range(len(sizes) + 1)]  # 64-byte aligned
+    stay resident in its heap, and the next table's or slot's buffers would add to them. Its pages count
+    in resident memory only once written."""
+    sizes, starts = _layout(list(specs))
     memory = mmap.mmap(-1, max(1, starts[-1]))
-    return [torch.frombuffer(memory, dtype=torch.uint8, count=k, offset=at).view(dtype).view(shape)
+    return [torch.frombuffer(memory, dtype=torch.uint8, count=k, offset=at).view(dtype).view(shape) if k
+            else torch.empty(shape, dtype=dtype)  # (no bytes: frombuffer refuses a count of 0)
             for (shape, dtype), k, at in zip(specs, sizes, starts, strict=False)]
 
 
@@ -263,10 +345,11 @@ class Source:
             return False
         n = int(src.shape[0])
         window = window_rows(src, dest)
-        gathered = torch.empty((min(window, n), *src.shape[1:]), dtype=src.dtype)
+        buffers = window_buffers(min(window, n), src, dest)
         for a in range(0, n, window):
-            read = functools.partial(src.narrow, 0, a, min(window, n - a))
-            copy_window(read, torch.arange(a, min(a + window, n)), locate, dest, gathered)
+            k = min(window, n - a)
+            ids = torch.arange(a, a + k, out=buffers.ids[:k])
+            copy_window(functools.partial(src.narrow, 0, a, k), ids, locate, dest, buffers)
         return True
 
     def whole_slots(self, name: str, row_slots: set[str]) -> dict[str, Tensor]:

@@ -8,8 +8,9 @@ transparent huge pages to ``madvise``: a process gets them only for memory it ma
 
 :func:`advise` marks the 2 MiB-aligned interior of a new host tensor's memory, before its first write, so
 the pages it faults in are huge. The library calls it on the tables it allocates (``table.host_empty``,
-the stacked groups), nothing else. Measured (docs/benchmarks.md, 4 tables of 1,000,000 × 64 stacked, 1 id
-per bag, SGD, 1 thread): 4.36–4.47 → 3.38–3.62 ms a step. Values are unchanged; only the page size is.
+the stacked groups, the optimizers' slots), nothing else. Measured (docs/benchmarks.md, 4 tables of
+1,000,000 × 64 stacked, 1 id per bag, SGD, 1 thread): 4.12–4.23 → 3.51–3.71 ms a step. Values are
+unchanged; only the page size is.
 
 ``TTE_HUGE_PAGES=0`` turns it off. It does nothing off Linux, on other devices, for tensors under
 :data:`MIN_BYTES`, and where the kernel's setting is ``never`` (the call then has no effect).

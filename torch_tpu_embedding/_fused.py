@@ -83,7 +83,7 @@ class FusedTables(EmbeddingTable):
             max_unique_ids_per_shard=None if None in caps else sum(c for c in caps if c is not None),
         )
         parts = [t.weight.detach()[: t.config.num_embeddings] for t in tables]
-        on_host = all(w.device.type == "cpu" for w in parts) and len({w.dtype for w in parts}) == 1
+        on_host = all(w.device.type == "cpu" for w in parts)  # (one dtype: fuse_key holds it)
         # On the host, into a buffer on huge pages (host_empty); elsewhere (meta, a device) as torch.cat places it
         out = host_empty(name, (total, first.embedding_dim), parts[0].dtype) if on_host else None
         weight = torch.cat(parts, out=out)

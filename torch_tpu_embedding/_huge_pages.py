@@ -7,10 +7,10 @@ transparent huge pages to ``madvise``: a process gets them only for memory it ma
 ``madvise(MADV_HUGEPAGE)``, and torch marks none unless ``THP_MEM_ALLOC_ENABLE=1`` is set.
 
 :func:`advise` marks the 2 MiB-aligned interior of a new host tensor's memory, before its first write, so
-the pages it faults in are huge. The library calls it on the tables it allocates (``table.host_empty``,
-the stacked groups, the optimizers' slots), nothing else. Measured (docs/benchmarks.md, 4 tables of
-1,000,000 × 64 stacked, 1 id per bag, SGD, 1 thread): 4.12–4.23 → 3.51–3.71 ms a step. Values are
-unchanged; only the page size is.
+the pages it faults in are huge; :func:`empty` allocates and advises. The library allocates so the tables
+it makes (``table.host_empty``, the stacked groups) and the optimizers' slots, nothing else. Measured
+(docs/benchmarks.md, 4 tables of 1,000,000 × 64 stacked, 1 id per bag, SGD, 1 thread): 4.12–4.23 →
+3.51–3.71 ms a step. Values are unchanged; only the page size is.
 
 ``TTE_HUGE_PAGES=0`` turns it off. It does nothing off Linux, on other devices, for tensors under
 :data:`MIN_BYTES`, and where the kernel's setting is ``never`` (the call then has no effect).
@@ -33,7 +33,7 @@ import sys
 
 import torch
 
-__all__ = ["MIN_BYTES", "advise", "enabled"]
+__all__ = ["MIN_BYTES", "advise", "empty", "enabled"]
 
 #: smaller tensors are left alone: their rows stay within the reach of the 4 KiB pages' TLB entries
 #: (about 2,000 second-level entries, 8 MiB), and up to 2 MiB at each end cannot be a huge page
@@ -77,3 +77,11 @@ def advise(t: torch.Tensor) -> bool:
     hi = (start + nbytes) & ~(_HUGE - 1)
     assert _MADVISE is not None
     return hi > lo and _MADVISE(lo, hi - lo, _MADV_HUGEPAGE) == 0
+
+
+def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype, device=device)`` (``None``: the default device), passed to
+    :func:`advise` before anything writes it: a large host tensor's pages are huge from the first write on."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    advise(out)
+    return out

@@ -14,7 +14,7 @@ from torch import nn
 from torch_tpu_embedding._dedup import is_static_device
 from torch_tpu_embedding._draw import DeferredDraw, defer, fill
 from torch_tpu_embedding._grad_sync import LOCAL, mark
-from torch_tpu_embedding._huge_pages import advise
+from torch_tpu_embedding._huge_pages import empty
 from torch_tpu_embedding._layout import RowLayout, from_logical, owned_logical_ids, to_logical
 from torch_tpu_embedding._member_state import member_entries
 from torch_tpu_embedding._pg_state import dtensor_layout, from_logical_shard, is_dtensor, to_logical_shard
@@ -28,9 +28,7 @@ def host_empty(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.T
     """``torch.empty(shape, dtype)`` on the host, on huge pages where large (:mod:`._huge_pages`: rows are
     read and written all over a table); an allocation failure names the table and its size."""
     try:
-        out = torch.empty(shape, dtype=dtype)  # the default device: meta under torch.device("meta")
-        advise(out)  # before the first write: the pages it faults in are huge
-        return out
+        return empty(shape, dtype)  # the default device: meta under torch.device("meta")
     except (RuntimeError, MemoryError) as e:  # torch's CPU allocator raises RuntimeError
         size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         raise MemoryError(

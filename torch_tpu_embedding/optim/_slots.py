@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from torch_tpu_embedding._dtypes import math_dtype
-from torch_tpu_embedding._huge_pages import advise
+from torch_tpu_embedding._huge_pages import empty
 from torch_tpu_embedding._pg_exchange import all_reduce_sum, group_sharding, row_group
 from torch_tpu_embedding._registry import optimizer_class
 from torch_tpu_embedding._rows import table_info
@@ -231,9 +231,7 @@ def make_state(p: Tensor, group: Mapping[str, Any]) -> dict[str, Tensor]:
                 # extra output of every step, and the slot is copied whole each step).
                 slot = where.with_table_order(name, pad, p.detach().to(math_dtype(p))).clone()
         elif p.device.type == "cpu":  # on huge pages where large: a step reads its rows all over it, as the table's
-            slot = torch.empty(shape, dtype=spec.dtype or math_dtype(p), device=p.device)
-            advise(slot)  # before the fill, its first write
-            slot.fill_(spec.init)
+            slot = empty(shape, spec.dtype or math_dtype(p), p.device).fill_(spec.init)
         else:
             slot = torch.full(shape, spec.init, dtype=spec.dtype or math_dtype(p), device=p.device)
         if name in made:

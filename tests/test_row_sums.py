@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import torch_tpu_embedding as tte
 from torch_tpu_embedding._rows import RowGrad
 from torch_tpu_embedding.combiners import bag_gains
 from torch_tpu_embedding.optim._row_sums import row_sums
@@ -71,3 +72,38 @@ def test_uniform_bags_take_their_gain_once_per_bag() -> None:
     full = bag.gains.unsqueeze(-1) * bag.grad_out.unsqueeze(1)
     real = bag.gains > 0
     assert torch.equal(full[real], per_bag.unsqueeze(1).expand_as(full)[real])
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean"])
+def test_bags_of_width_0_sum_to_no_rows(combiner: str) -> None:
+    """``Padded`` bags of width 0 (no id at all): no row, and no reduction over their empty width."""
+    pieces = RowGrad()
+    valid = torch.zeros(5, 0, dtype=torch.bool)
+    gains = bag_gains(valid, None, combiner, torch.float32)
+    pieces.add_bags(torch.zeros(5, 0, dtype=torch.int64), gains, torch.randn(5, DIM), unit=combiner == "sum",
+                    uniform=True)
+    pieces.add_bags(torch.tensor([[3], [ROWS]]), torch.ones(2, 1), torch.randn(2, DIM), unit=True)
+    sums = row_sums(pieces, torch.zeros(ROWS, DIM))
+    assert sums is not None and sums.ids.tolist() == [3]
+    assert torch.equal(sums.rows(), pieces.chunks()[1][1].grad_out[:1])  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adagrad", "RowWiseAdagrad"])
+@pytest.mark.parametrize("combiner", ["sum", "mean"])
+@pytest.mark.parametrize(("width", "batch"), [(0, 5), (0, 0), (3, 0)])
+def test_empty_bags_and_batches_train_without_error(name: str, combiner: str, width: int, batch: int) -> None:
+    """Padded bags of width 0, and batches of 0 bags, through the eager steps (SGD's additive one with the
+    rows kept factored from the second step on): zero activations, and the table unchanged."""
+    t = tte.TableConfig(50, 4, name="t", combiner=combiner)
+    ec = tte.EmbeddingCollection({"a": tte.FeatureConfig(t, max_ids_per_bag=3), "b": tte.FeatureConfig(t, max_ids_per_bag=3)})
+    opt = getattr(tte.optim, name)(ec.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in ec.parameters()]
+    for _ in range(3):
+        ids = torch.zeros(batch, width, dtype=torch.int64)
+        valid = torch.ones(batch, width, dtype=torch.bool)
+        out = ec({"a": tte.Padded(ids, valid), "b": tte.Padded(ids, valid)})
+        assert out["a"].shape == (batch, 4) and not out["a"].any()
+        sum(o.sum() for o in out.values()).backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(before, ec.parameters(), strict=True))

@@ -66,8 +66,11 @@ class BagRows:
         assert self.uniform
         if self.unit:
             return self.grad_out if out is None else out.copy_(self.grad_out)
-        # amax: the bag's gain (padding holds 0, real ids the gain, which is >= 0 without per-id weights)
-        return torch.mul(self.grad_out, self.gains.amax(dim=1, keepdim=True), out=out)
+        # amax: the bag's gain (padding holds 0, real ids the gain, which is >= 0 without per-id weights);
+        # bags of width 0 have no id to take a row
+        g = self.gains
+        gain = g.amax(dim=1, keepdim=True) if g.shape[1] else g.new_zeros(g.shape[0], 1)
+        return torch.mul(self.grad_out, gain, out=out)
 
     @property
     def width(self) -> int:

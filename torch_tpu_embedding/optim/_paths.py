@@ -223,7 +223,7 @@ def _update_additive(item: Work) -> None:
         for b in range(0, rows.gains.shape[0], bags):
             grad = rows.grad_out[b : b + bags]
             part_ids = ids[b * width : (b + grad.shape[0]) * width]
-            if rows.unit and width == 1:  # each id's row is its bag's
+            if rows.unit and rows.width == 1:  # each id's row is its bag's (not bags of width 0: no ids)
                 n = grad.shape[0]
                 if alone(n):  # (a new tensor: into the scratch buffer measured 0.2-0.3 ms slower a step)
                     piece(part_ids, delta(grad), padded)

@@ -344,18 +344,18 @@ def test_a_recompile_limit_hit_later_sends_that_table_to_the_reference_path(monk
     cfg = next(c for c in CASES if c.id == "adagrad")
     ours, ref = model(cfg, torch.float32), model(cfg, torch.float32)
     assert step(*ours, 0, 1.0, fused=True)[0] is Path.FUSED  # the table: compiled and run once
-    real = _fused_update._call
+    real = _fused_update.call
     calls = []
 
     def limit_hit(fn: Any, args: Any) -> None:
         calls.append(1)
         raise torch._dynamo.exc.FailOnRecompileLimitHit("recompile_limit reached with fullgraph=True")
 
-    monkeypatch.setattr(_fused_update, "_call", limit_hit)
+    monkeypatch.setattr(_fused_update, "call", limit_hit)
     step(*ours, 1, 1.0, fused=True)
     step(*ours, 2, 1.0, fused=True)
     assert len(calls) == 1  # the second step did not try the kernel again
-    monkeypatch.setattr(_fused_update, "_call", real)
+    monkeypatch.setattr(_fused_update, "call", real)
     for s in range(3):
         step(*ref, s, 1.0, fused=s == 0)
     assert_same(ours, ref, "after the fallback")

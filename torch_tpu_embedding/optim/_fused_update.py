@@ -47,6 +47,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.fx.experimental._config as fx_config
 from torch.utils.weak import WeakIdKeyDictionary
 
 from torch_tpu_embedding._dtypes import math_dtype
@@ -60,7 +61,8 @@ from torch_tpu_embedding.optim._slots import logical_rows, rule_slots
 if TYPE_CHECKING:
     from torch_tpu_embedding.optim._intake import Work
 
-__all__ = ["chunk_rows", "compiled_kernels", "enabled", "policy", "set_enabled", "set_policy", "update", "usable"]
+__all__ = ["call", "chunk_rows", "compiled_kernels", "enabled", "has_compiler", "policy", "set_enabled", "set_policy",
+           "update", "usable", "warming_up", "warn_once"]
 
 Tensor = torch.Tensor
 
@@ -147,7 +149,7 @@ def set_policy(after: int | None = None, min_elements: int | None = None) -> tup
     return before
 
 
-def _warming_up(item: Work) -> bool:
+def warming_up(item: Work) -> bool:
     """This step takes the reference path by :func:`policy` (the call count and the table's size alone)."""
     return item.clock.iterations < _AFTER or item.p.numel() < _MIN_ELEMENTS
 
@@ -225,18 +227,28 @@ def _build(item: Work, names: tuple[str, ...]) -> Callable[..., None]:
     return compiled
 
 
-def _call(fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+def call(fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+    """``fn(*args)``, a compiled kernel, under the settings every kernel here is compiled with."""
     # Hyper-parameters are constants of the kernel, as they are Python numbers of the eager rule (an
     # unspecialised float exponent makes inductor call pow() where eager torch.pow computes x ** -0.5
     # as 1 / sqrt(x)). No duck sizing: sizes that happen to be equal in the first call (the touched
     # rows and the rows of a buffer) must not become one symbol, or the next call recompiles. The few
     # shape guards are checked in Python: compiled to C++ they cost a compiler run per kernel.
-    import torch.fx.experimental._config as fx_config
-
-    no_duck = fx_config.patch(use_duck_shape=False)  # type: ignore[attr-defined]
-    dynamo = torch._dynamo.config.patch(specialize_float=True, enable_cpp_symbolic_shape_guards=False)
+    no_duck, dynamo = _settings()
     with dynamo, no_duck, torch.no_grad():
         fn(*args)
+
+
+_SETTINGS: list[Any] = []
+
+
+def _settings() -> list[Any]:
+    """The config patches of :func:`call`, made once: making one costs about 0.3 ms (it builds classes),
+    entering a made one about 5 µs (measured on torch 2.9; a step may call several kernels)."""
+    if not _SETTINGS:
+        _SETTINGS.extend([fx_config.patch(use_duck_shape=False),  # type: ignore[attr-defined]
+                          torch._dynamo.config.patch(specialize_float=True, enable_cpp_symbolic_shape_guards=False)])
+    return _SETTINGS
 
 
 def chunk_rows(dim: int) -> int:
@@ -275,16 +287,13 @@ def update(item: Work) -> bool:
     global _NO_COMPILER
     p, group, state, ids = item.p, item.group, item.state, item.ids
     assert ids is not None
-    if ids.shape[0] < 2 or _warming_up(item):
+    if ids.shape[0] < 2 or warming_up(item):
         return _to_reference(item)
     names = tuple(rule_slots(p, group))
     key = _key(item, names)
     first = key not in _KERNELS
     if first:
-        missing = _missing_compiler()
-        if missing is not None:  # every later step chooses the reference path (usable() is False)
-            _NO_COMPILER = True
-            _warn(missing)
+        if not has_compiler():
             return _to_reference(item)
         _KERNELS[key] = _build(item, names)
     fn = _KERNELS[key]
@@ -314,7 +323,7 @@ def update(item: Work) -> bool:
         if first:
             first = False
             try:
-                _call(fn, args)
+                call(fn, args)
             except Exception as e:  # compiling failed before anything was written
                 _KERNELS[key] = None
                 text = str(e).strip()
@@ -323,11 +332,11 @@ def update(item: Work) -> bool:
                 # tracing. Once a kernel has been built, a failure is this configuration's alone.
                 if "InvalidCxxCompiler" in text or compiled_kernels() == 0:
                     _NO_COMPILER = True
-                _warn(f"{type(e).__name__}: {text.splitlines()[0] if text else ''}")
+                warn_once(f"{type(e).__name__}: {text.splitlines()[0] if text else ''}")
                 return _to_reference(item)
             continue
         try:
-            _call(fn, args)
+            call(fn, args)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             # Raised by the guards, before the kernel runs: this table's shapes would need one more
             # compile than torch.compile allows per kernel (a guard that sizes do not pass: tables of
@@ -340,6 +349,17 @@ def update(item: Work) -> bool:
 
 
 _REFERENCE_ONLY: WeakIdKeyDictionary = WeakIdKeyDictionary()  # type: ignore[no-untyped-call]
+
+
+def has_compiler() -> bool:
+    """Whether inductor has a C++ compiler; if not, warns once and every later step chooses the reference
+    path (:func:`usable` is then False)."""
+    global _NO_COMPILER
+    missing = _missing_compiler()
+    if missing is not None:
+        _NO_COMPILER = True
+        warn_once(missing)
+    return missing is None
 
 
 def _missing_compiler() -> str | None:
@@ -355,7 +375,8 @@ def _missing_compiler() -> str | None:
     return None
 
 
-def _warn(why: str) -> None:
+def warn_once(why: str) -> None:
+    """Warn, once per process, that a kernel could not be compiled (``why``) and the reference path runs."""
     global _WARNED
     if _WARNED:
         return

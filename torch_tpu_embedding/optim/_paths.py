@@ -8,7 +8,8 @@ only in which rows they hand it and how the results are written back:
                       where a row was not looked up; O(V·D), as TF's non-lazy Adam)
 ``ADDITIVE``          eager, the rule is additive (SGD) and no option needs the summed rows:
                       ``increment(g)`` (``rule(w, g) − w``) is added per looked-up id with
-                      ``index_add_`` — no dedup, gather or scatter
+                      ``index_add_`` — no dedup, gather or scatter; where ``FUSED`` would run, in
+                      one compiled pass per piece of ids, bitwise the same (:mod:`._fused_add`)
 ``NO_DEDUP``          ``use_gradient_accumulation=False``: every contribution updates from the same
                       old rows and the changes are added (exact for SGD, an approximation otherwise)
 ``ROWS``              duplicates summed, the touched rows in one pass: XLA (one static-shape
@@ -46,6 +47,7 @@ from torch_tpu_embedding._rows import BagRows, table_info
 from torch_tpu_embedding.optim import _fused_update
 from torch_tpu_embedding.optim._contract import RowContext
 from torch_tpu_embedding.optim._ema import ema_rows
+from torch_tpu_embedding.optim._fused_add import add_rows_kernel
 from torch_tpu_embedding.optim._members import member_rows, segment_of
 from torch_tpu_embedding.optim._pipeline import Path, gated, pipeline
 from torch_tpu_embedding.optim._slots import RowSpace, rule_slots
@@ -86,9 +88,9 @@ def choose_path(p: Tensor, group: Mapping[str, Any], *, row_grad: bool) -> Path:
         return Path.DENSE
     static = is_static_device(p.device)
     if cls.additive and not static and not any(group.get(k) not in (None, False, 0) for k in _NEEDS_SUMMED_ROWS):
-        # Not FUSED, even where it runs: one index_add_ per looked-up id reads and writes each row once,
+        # Not FUSED, even where it runs: adding each looked-up id's increment reads and writes each row once,
         # as the kernel's gather and scatter do, without their sort and sum (measured slower on FUSED at
-        # 1 and 20 ids per bag, docs/benchmarks.md).
+        # 1 and 20 ids per bag, docs/benchmarks.md); where FUSED would run, the add is compiled (_fused_add).
         return Path.ADDITIVE
     if not group["use_gradient_accumulation"]:
         return Path.NO_DEDUP
@@ -170,6 +172,8 @@ def _update_additive(item: Work) -> None:
         return increment(g, lr, out=out)
 
     chunk, sentinel = ADDITIVE_CHUNK, p.shape[0]
+    if _compiled_additive(item, sentinel):
+        return
     small: list[tuple[Tensor, Tensor, bool]] = []  # pieces of fewer rows, added together (see flush)
 
     def add(ids: Tensor, rows: Tensor, padded: bool) -> None:
@@ -243,6 +247,32 @@ def _update_additive(item: Work) -> None:
             piece(part_ids, rows.spread(per_bag, b, b + bags, out=out), padded)
     flush()
     state["step"].copy_(state["step"] + 1)
+
+
+def _compiled_additive(item: Work, sentinel: int) -> bool:
+    """``Path.ADDITIVE`` through the compiled increment-and-add (:mod:`._fused_add`), piece by piece in the
+    order of the eager path (so bitwise its result), where it runs and every piece holds a row per id
+    (accumulated rows, or sum bags of one id without weights); ``False``: nothing done, the eager path runs."""
+    pieces = item.pieces
+    assert pieces is not None
+    chunks = pieces.chunks()
+    if any(isinstance(r, BagRows) and not (r.unit and r.width == 1) for _, r in chunks):
+        return False
+    kernel = add_rows_kernel(item)
+    if kernel is None:
+        return False
+    p, lr = item.p, item.lr
+    increment = optimizer_class(item.group["algorithm"]).increment
+    for ids, rows in chunks:
+        g = (rows.grad_out if isinstance(rows, BagRows) else rows).to(p.dtype)
+        if ids.numel() and bool((ids == sentinel).any()):
+            ids, g = drop_sentinel(ids, g, sentinel)
+        if ids.numel() < 2:  # (dynamic shapes specialise sizes 0 and 1: no compile for no work)
+            p.index_add_(0, ids, increment(g, lr))
+        else:
+            kernel(p, ids, g, lr)
+    item.state["step"].copy_(item.state["step"] + 1)
+    return True
 
 
 #: Rows per piece of ``Path.ADDITIVE``: a few element-wise passes and one ``index_add_`` each, so larger

@@ -1,0 +1,87 @@
+"""``Path.ADDITIVE``'s compiled kernel: an additive rule's increment and its scatter-add, one pass.
+
+The eager additive step (:func:`._paths._update_additive`, SGD) makes ``increment(g) = (−lr)·g`` for
+every looked-up id as a ``[n, D]`` array and adds it with ``index_add_``: two passes over the rows,
+and torch's ``index_add_`` on the CPU runs one ``add`` per id through a ``TensorIterator``. Here the
+same two lines — ``increment`` of the optimizer, then an accumulating ``index_put_`` — are compiled by
+``torch.compile`` (inductor) into one C++ loop that reads each gradient row once and adds it to its
+table row, without the ``[n, D]`` temporary (SGD, 1 id per bag, 4 × 4,096 ids of 64 floats on one
+thread: 1.4 ms of increment and ``index_add_`` against 0.7–0.8 ms; docs/benchmarks.md).
+
+The loop is serial (``cpp.threads=1``) and each piece of ids is one call, in the order the eager path
+adds them: every row receives the same rounded products, summed in the same order, so the result is
+bitwise the eager path's (tests/test_fused_add.py), at any thread count. (inductor would run a
+parallel loop with atomic adds, whose order for a repeated id changes from run to run; and several
+pieces in one compiled call are fused into one loop that interleaves them.)
+
+It runs where the fused row update would (:func:`._fused_update.usable`, its :func:`~._fused_update.policy`:
+from the optimizer's call ``TTE_FUSED_AFTER`` on, for tables of ``TTE_FUSED_MIN_ELEMENTS`` numbers or
+more), on CPU float32 tables without ``loss_scale_factor``; everything else, or a kernel that cannot be
+compiled, takes the eager path. Shapes are dynamic: one compile per increment and layout of the
+gradient rows (contiguous, a column slice of a wider gradient, broadcast), about 1.5 s each after the
+process's first inductor compile.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torch_tpu_embedding._registry import optimizer_class
+from torch_tpu_embedding.optim import _fused_update
+
+if TYPE_CHECKING:
+    from torch_tpu_embedding.optim._intake import Work
+
+__all__ = ["AddRows", "add_rows_kernel"]
+
+Tensor = torch.Tensor
+#: ``fn(p, ids, g, lr)`` adds ``increment(g, lr)`` to the rows ``ids`` of ``p``, in order
+AddRows = Callable[[Tensor, Tensor, Tensor, Tensor], None]
+
+_KERNELS: dict[tuple[Any, ...], Callable[..., None] | None] = {}
+
+
+def add_rows_kernel(item: Work) -> AddRows | None:
+    """The compiled add of ``item``'s increments, or ``None`` where this step takes the eager path."""
+    p, group = item.p, item.group
+    if (item.divisor is not None or p.device.type != "cpu" or p.dtype != torch.float32
+            or not _fused_update.usable(p) or _fused_update.warming_up(item)):
+        return None
+    increment = optimizer_class(group["algorithm"]).increment
+    key = (increment.__module__, increment.__qualname__)
+    if key not in _KERNELS:
+        if not _fused_update.has_compiler():  # (warns once; no step tries again)
+            return None
+        _KERNELS[key] = _build(increment, len(_KERNELS))
+    kernel = _KERNELS[key]
+    if kernel is None:
+        return None
+    fn: Callable[..., None] = kernel
+
+    def add(p: Tensor, ids: Tensor, g: Tensor, lr: Tensor) -> None:
+        # Detached: no view (the compiled code would guard on a view's base), no Parameter (dynamo keeps
+        # a parameter's shape static: every table size would compile a kernel of its own).
+        args = (p.detach(), ids.detach(), g.detach(), lr)
+        try:
+            _fused_update.call(fn, args)
+        except Exception as e:  # raised before the kernel wrote anything: tracing, compiling, or a guard
+            _KERNELS[key] = None
+            _fused_update.warn_once(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+            p.index_add_(0, ids, increment(g, lr))
+    return add
+
+
+def _build(increment: Callable[..., Tensor], n: int) -> Callable[..., None]:
+    def add_rows(p: Tensor, ids: Tensor, g: Tensor, lr: Tensor) -> None:
+        p.index_put_((ids,), increment(g, lr), accumulate=True)
+
+    # A code object of its own per increment (torch.compile counts recompiles per code object).
+    code = add_rows.__code__.replace(co_name=f"add_rows_{n}")
+    fn = types.FunctionType(code, add_rows.__globals__, code.co_name, add_rows.__defaults__, add_rows.__closure__)
+    compiled: Callable[..., None] = torch.compile(
+        fn, dynamic=True, fullgraph=True, options={"compile_threads": 1, "cpp.threads": 1})
+    return compiled

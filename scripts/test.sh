@@ -30,7 +30,8 @@ PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 "$PY" -m pytest -q -p no:cacheprovider tests/x
 # output depends on the torch version), lookups, checkpoints (the rank-file reader included: it reads
 # torch.load's record offsets), stacking, the data-parallel and process-group paths, the package's
 # import without torch_xla, the examples, the table-building memory peak, the fused update's duplicate sum
-# (tests/test_row_sums.py) and huge pages for large tables (tests/test_huge_pages.py).
+# (tests/test_row_sums.py), huge pages for large tables (tests/test_huge_pages.py), the primed malloc thresholds
+# (tests/test_heap.py) and SGD's compiled add, bitwise the eager one (tests/test_fused_add.py).
 # The glob picks up every process-group test file (tests/test_mp_*.py), none when there is none; among them
 # tests/test_mp_from_spmd.py, which loads the SPMD checkpoint written on torch 2.9 (tests/data/mp_spmd4) here.
 shopt -s nullglob
@@ -39,7 +40,7 @@ TESTS_213=(
   tests/test_checkpoint.py tests/test_ckpt_rows.py tests/test_stacking_default.py tests/test_fused_tables.py
   tests/test_distributed.py tests/test_routing.py tests/test_layers.py tests/test_core_errors.py
   tests/test_hardening.py tests/test_examples.py tests/test_torch_versions.py tests/test_row_sums.py
-  tests/test_huge_pages.py tests/test_mp_*.py
+  tests/test_huge_pages.py tests/test_heap.py tests/test_fused_add.py tests/test_mp_*.py
 )
 shopt -u nullglob
 echo "== CPU tests on torch 2.13 (CPU build, no torch_xla; a representative subset)"

@@ -33,6 +33,8 @@ import sys
 
 import torch
 
+from torch_tpu_embedding import _heap
+
 __all__ = ["MIN_BYTES", "advise", "empty", "enabled"]
 
 #: smaller tensors are left alone: their rows stay within the reach of the 4 KiB pages' TLB entries
@@ -81,7 +83,11 @@ def advise(t: torch.Tensor) -> bool:
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
     """``torch.empty(shape, dtype=dtype, device=device)`` (``None``: the default device), passed to
-    :func:`advise` before anything writes it: a large host tensor's pages are huge from the first write on."""
+    :func:`advise` before anything writes it: a large host tensor's pages are huge from the first write on.
+    The first large host tensor also primes glibc's malloc thresholds for the eager steps to come
+    (:func:`~torch_tpu_embedding._heap.prime`)."""
     out = torch.empty(shape, dtype=dtype, device=device)
+    if out.device.type == "cpu" and out.untyped_storage().nbytes() >= MIN_BYTES and not torch.compiler.is_compiling():
+        _heap.prime()
     advise(out)
     return out

@@ -36,11 +36,16 @@ from torch_tpu_embedding.optim import _fused_update
 if TYPE_CHECKING:
     from torch_tpu_embedding.optim._intake import Work
 
-__all__ = ["AddRows", "add_rows_kernel"]
+__all__ = ["MAX_PIECES", "AddRows", "Pieces", "add_rows_kernel"]
 
 Tensor = torch.Tensor
-#: ``fn(p, ids, g, lr)`` adds ``increment(g, lr)`` to the rows ``ids`` of ``p``, in order
-AddRows = Callable[[Tensor, Tensor, Tensor, Tensor], None]
+#: ``(ids [n], g [n, D])`` pieces, added in order
+Pieces = list[tuple[Tensor, Tensor]]
+#: ``fn(p, pieces, lr)`` adds ``increment(g, lr)`` to the rows ``ids`` of ``p``, piece by piece in order
+AddRows = Callable[[Tensor, Pieces, Tensor], None]
+
+#: pieces per kernel call (more make more calls, in order); each count is a kernel of its own
+MAX_PIECES = 8
 
 _KERNELS: dict[tuple[Any, ...], Callable[..., None] | None] = {}
 
@@ -51,37 +56,61 @@ def add_rows_kernel(item: Work) -> AddRows | None:
     if (item.divisor is not None or p.device.type != "cpu" or p.dtype != torch.float32
             or not _fused_update.usable(p) or _fused_update.warming_up(item)):
         return None
-    increment = optimizer_class(group["algorithm"]).increment
-    key = (increment.__module__, increment.__qualname__)
-    if key not in _KERNELS:
-        if not _fused_update.has_compiler():  # (warns once; no step tries again)
-            return None
-        _KERNELS[key] = _build(increment, len(_KERNELS))
-    kernel = _KERNELS[key]
-    if kernel is None:
+    if not _KERNELS and not _fused_update.has_compiler():  # (warns once; usable() is False from then on)
         return None
-    fn: Callable[..., None] = kernel
+    increment = optimizer_class(group["algorithm"]).increment
 
-    def add(p: Tensor, ids: Tensor, g: Tensor, lr: Tensor) -> None:
+    def eager(p: Tensor, run: Pieces, lr: Tensor) -> None:
+        for ids, g in run:
+            p.index_add_(0, ids, increment(g, lr))
+
+    def compiled(p: Tensor, run: Pieces, lr: Tensor) -> None:
+        key = (increment.__module__, increment.__qualname__, len(run))
+        if key not in _KERNELS:
+            _KERNELS[key] = _build(increment, len(run), len(_KERNELS))
+        fn = _KERNELS[key]
+        if fn is None:
+            eager(p, run, lr)
+            return
         # Detached: no view (the compiled code would guard on a view's base), no Parameter (dynamo keeps
         # a parameter's shape static: every table size would compile a kernel of its own).
-        args = (p.detach(), ids.detach(), g.detach(), lr)
+        args = (p.detach(), [i.detach() for i, _ in run], [g.detach() for _, g in run], lr)
         try:
             _fused_update.call(fn, args)
         except Exception as e:  # raised before the kernel wrote anything: tracing, compiling, or a guard
             _KERNELS[key] = None
-            _fused_update.warn_once(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
-            p.index_add_(0, ids, increment(g, lr))
+            text = str(e).strip()
+            _fused_update.warn_once(f"{type(e).__name__}: {text.splitlines()[0] if text else ''}")
+            eager(p, run, lr)
+
+    def add(p: Tensor, pieces: Pieces, lr: Tensor) -> None:
+        run: Pieces = []
+        for ids, g in pieces:
+            if ids.numel() < 2:  # dynamic shapes specialise sizes 0 and 1: no compile for no work
+                if run:
+                    compiled(p, run, lr)
+                    run = []
+                eager(p, [(ids, g)], lr)
+                continue
+            run.append((ids, g))
+            if len(run) == MAX_PIECES:
+                compiled(p, run, lr)
+                run = []
+        if run:
+            compiled(p, run, lr)
+
     return add
 
 
-def _build(increment: Callable[..., Tensor], n: int) -> Callable[..., None]:
-    def add_rows(p: Tensor, ids: Tensor, g: Tensor, lr: Tensor) -> None:
-        p.index_put_((ids,), increment(g, lr), accumulate=True)
+def _build(increment: Callable[..., Tensor], pieces: int, n: int) -> Callable[..., None]:
+    def add_rows(p: Tensor, ids: list[Tensor], gs: list[Tensor], lr: Tensor) -> None:
+        for i, g in zip(ids, gs, strict=True):
+            p.index_put_((i,), increment(g, lr), accumulate=True)
 
-    # A code object of its own per increment (torch.compile counts recompiles per code object).
-    code = add_rows.__code__.replace(co_name=f"add_rows_{n}")
+    # A code object of its own per increment and count (torch.compile counts recompiles per code object).
+    code = add_rows.__code__.replace(co_name=f"add_rows_{n}_{pieces}")
     fn = types.FunctionType(code, add_rows.__globals__, code.co_name, add_rows.__defaults__, add_rows.__closure__)
+    # max_fusion_size=1: each piece its own loop, in order (fused, inductor interleaves the pieces' adds).
     compiled: Callable[..., None] = torch.compile(
-        fn, dynamic=True, fullgraph=True, options={"compile_threads": 1, "cpp.threads": 1})
+        fn, dynamic=True, fullgraph=True, options={"compile_threads": 1, "cpp.threads": 1, "max_fusion_size": 1})
     return compiled

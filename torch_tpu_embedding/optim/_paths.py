@@ -250,8 +250,8 @@ def _update_additive(item: Work) -> None:
 
 
 def _compiled_additive(item: Work, sentinel: int) -> bool:
-    """``Path.ADDITIVE`` through the compiled increment-and-add (:mod:`._fused_add`), piece by piece in the
-    order of the eager path (so bitwise its result), where it runs and every piece holds a row per id
+    """``Path.ADDITIVE`` through the compiled increment-and-add (:mod:`._fused_add`), the pieces in the order
+    of the eager path (so bitwise its result), where it runs and every piece holds a row per id
     (accumulated rows, or sum bags of one id without weights); ``False``: nothing done, the eager path runs."""
     pieces = item.pieces
     assert pieces is not None
@@ -261,16 +261,13 @@ def _compiled_additive(item: Work, sentinel: int) -> bool:
     kernel = add_rows_kernel(item)
     if kernel is None:
         return False
-    p, lr = item.p, item.lr
-    increment = optimizer_class(item.group["algorithm"]).increment
+    p, todo = item.p, []
     for ids, rows in chunks:
         g = (rows.grad_out if isinstance(rows, BagRows) else rows).to(p.dtype)
         if ids.numel() and bool((ids == sentinel).any()):
             ids, g = drop_sentinel(ids, g, sentinel)
-        if ids.numel() < 2:  # (dynamic shapes specialise sizes 0 and 1: no compile for no work)
-            p.index_add_(0, ids, increment(g, lr))
-        else:
-            kernel(p, ids, g, lr)
+        todo.append((ids, g))
+    kernel(p, todo, item.lr)
     item.state["step"].copy_(item.state["step"] + 1)
     return True
 

@@ -87,7 +87,8 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     The first large host tensor also primes glibc's malloc thresholds for the eager steps to come
     (:func:`~torch_tpu_embedding._heap.prime`)."""
     out = torch.empty(shape, dtype=dtype, device=device)
-    if out.device.type == "cpu" and out.untyped_storage().nbytes() >= MIN_BYTES and not torch.compiler.is_compiling():
+    # (first: dynamo cannot trace untyped_storage().nbytes(), and a traced step has no memory of its own)
+    if not torch.compiler.is_compiling() and out.device.type == "cpu" and out.untyped_storage().nbytes() >= MIN_BYTES:
         _heap.prime()
     advise(out)
     return out

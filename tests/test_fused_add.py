@@ -1,8 +1,8 @@
 """``Path.ADDITIVE``'s compiled increment-and-add (``optim/_fused_add.py``) against the eager path it
 replaces: bitwise the same tables after several SGD steps, at 1 and 2 threads, through the per-feature
-dict and ``concat=True``, with ids repeated within and across features, padded bags, a jagged
-feature and pieces of fewer than 2 ids; where it does not run (warm-up, bags it does not take,
-``loss_scale_factor``, a step inside the user's ``torch.compile``), and one warning, then the eager path,
+dict and ``concat=True``, with ids repeated within and across features, padded bags, a jagged feature
+with per-id weights and an empty bag, and pieces of fewer than 2 ids; where it does not run (warm-up,
+bags of several ids, ``loss_scale_factor``, the path turned off), and one warning, then the eager path,
 when nothing can be compiled.
 """
 
@@ -60,7 +60,8 @@ def _batch(step: int, b: int = 16, width: int = 1) -> dict[str, Any]:
     a = torch.randint(0, 6, (b, width), generator=g)
     mask = torch.rand(b, width, generator=g) > 0.3  # padding in feature "a"
     return {"a": tte.Padded(a, mask), "b": ids[0], "c": ids[1],
-            "d": tte.Jagged(ids[2], lengths=torch.tensor([1] * (b - 2) + [2, 0]))}  # a bag of 2, one of none
+            # per-id weights, a bag of 2 and one of none
+            "d": tte.Jagged(ids[2], lengths=torch.tensor([1] * (b - 2) + [2, 0]), weights=torch.rand(b, generator=g))}
 
 
 def _train(ec: tte.EmbeddingCollection, opt: torch.optim.Optimizer, steps: int, concat: bool,

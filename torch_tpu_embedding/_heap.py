@@ -7,8 +7,9 @@ back to the OS once it exceeds the *trim threshold*; both start low (128 KiB, 25
 freeing a block that came from ``mmap`` raises the mmap threshold to its size and the trim threshold
 to twice that. After a step frees its first 4 MiB block the trim threshold is about 8 MiB — and a step
 whose temporaries add up to a little more hands them back every time and faults them in again the next
-step (1,000–1,800 page faults a step, 4.1 → 5.9–6.8 ms for SGD at 1 id per bag; docs/benchmarks.md),
-or not, depending on how the few small blocks of the step happen to lie.
+step, or not, depending on how the few small blocks of the step happen to lie (SGD at 1 id per bag
+through the per-feature dict: 756–2,016 page faults a step and 5.4–6.8 ms in such runs, 4.3–4.5 ms
+in the others; docs/benchmarks.md).
 
 :func:`prime` allocates and frees one block of :data:`PRIME_BYTES` (just under glibc's largest
 adaptive threshold, 32 MiB on 64-bit), as a program that once freed a 31 MiB tensor has done: glibc's

@@ -4,22 +4,24 @@ The eager additive step (:func:`._paths._update_additive`, SGD) makes ``incremen
 every looked-up id as a ``[n, D]`` array and adds it with ``index_add_``: two passes over the rows,
 and torch's ``index_add_`` on the CPU runs one ``add`` per id through a ``TensorIterator``. Here the
 same two lines — ``increment`` of the optimizer, then an accumulating ``index_put_`` — are compiled by
-``torch.compile`` (inductor) into one C++ loop that reads each gradient row once and adds it to its
-table row, without the ``[n, D]`` temporary (SGD, 1 id per bag, 4 × 4,096 ids of 64 floats on one
-thread: 1.4 ms of increment and ``index_add_`` against 0.7–0.8 ms; docs/benchmarks.md).
+``torch.compile`` (inductor) into a C++ loop that reads each gradient row once and adds it to its
+table row, without the ``[n, D]`` temporary (4 pieces of 4,096 ids of 64 floats, one thread, a 1 GB
+table: 1.0 ms against 1.4 ms for the increments and ``index_add_``; the step: docs/benchmarks.md).
 
-The loop is serial (``cpp.threads=1``) and each piece of ids is one call, in the order the eager path
-adds them: every row receives the same rounded products, summed in the same order, so the result is
-bitwise the eager path's (tests/test_fused_add.py), at any thread count. (inductor would run a
-parallel loop with atomic adds, whose order for a repeated id changes from run to run; and several
-pieces in one compiled call are fused into one loop that interleaves them.)
+The result is bitwise the eager path's, at any thread count (tests/test_fused_add.py): every row
+receives the same rounded products, summed in the same order. ``cpp.threads=1`` keeps the loop serial
+(inductor would run a parallel loop with atomic adds, whose order for a repeated id changes from run to
+run), and the pieces of a step, up to :data:`MAX_PIECES` per call, are each a loop of its own, in the
+eager path's order (``max_fusion_size=1``: inductor fuses them into one loop that interleaves the
+pieces otherwise). One call per step rather than one per piece: a call costs some 50–100 µs of Python.
 
 It runs where the fused row update would (:func:`._fused_update.usable`, its :func:`~._fused_update.policy`:
 from the optimizer's call ``TTE_FUSED_AFTER`` on, for tables of ``TTE_FUSED_MIN_ELEMENTS`` numbers or
-more), on CPU float32 tables without ``loss_scale_factor``; everything else, or a kernel that cannot be
-compiled, takes the eager path. Shapes are dynamic: one compile per increment and layout of the
-gradient rows (contiguous, a column slice of a wider gradient, broadcast), about 1.5 s each after the
-process's first inductor compile.
+more), on CPU float32 tables without ``loss_scale_factor``; everything else, pieces of fewer than 2 ids
+(dynamic shapes specialise sizes 0 and 1), or a kernel that cannot be compiled, takes the eager add.
+Shapes are dynamic: one compile per increment, count of pieces and layout of the gradient rows
+(contiguous, a column slice of a wider gradient, broadcast), about 1.5 s each after the process's
+first inductor compile (about 10 s).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ AddRows = Callable[[Tensor, Pieces, Tensor], None]
 MAX_PIECES = 8
 
 _KERNELS: dict[tuple[Any, ...], Callable[..., None] | None] = {}
+_COMPILER: list[bool] = []  # inductor's C++ compiler, once looked for
 
 
 def add_rows_kernel(item: Work) -> AddRows | None:
@@ -56,7 +59,9 @@ def add_rows_kernel(item: Work) -> AddRows | None:
     if (item.divisor is not None or p.device.type != "cpu" or p.dtype != torch.float32
             or not _fused_update.usable(p) or _fused_update.warming_up(item)):
         return None
-    if not _KERNELS and not _fused_update.has_compiler():  # (warns once; usable() is False from then on)
+    if not _COMPILER:
+        _COMPILER.append(_fused_update.has_compiler())  # (without one: warns once, usable() is False from then on)
+    if not _COMPILER[0]:
         return None
     increment = optimizer_class(group["algorithm"]).increment
 

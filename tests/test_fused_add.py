@@ -19,14 +19,6 @@ import torch_tpu_embedding as tte
 from torch_tpu_embedding.optim import _fused_add, _fused_update
 
 
-@pytest.fixture(scope="module")
-def compiler() -> None:
-    try:
-        torch.compile(lambda x: x * 2 + 1, dynamic=False)(torch.ones(3))
-    except Exception as e:
-        pytest.skip(f"torch.compile cannot build a CPU kernel here: {type(e).__name__}: {str(e)[:200]}")
-
-
 @pytest.fixture
 def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list[int]]]:
     """The compiled path on (from the first step, as the default policy has it from call 50 on), and the

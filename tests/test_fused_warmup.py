@@ -25,14 +25,6 @@ REPO = FsPath(__file__).resolve().parent.parent
 
 
 @pytest.fixture
-def compiler() -> None:
-    try:
-        torch.compile(lambda x: x * 2 + 1, dynamic=False)(torch.ones(3))
-    except Exception as e:
-        pytest.skip(f"torch.compile cannot build a CPU kernel here: {type(e).__name__}: {str(e)[:200]}")
-
-
-@pytest.fixture
 def fused_on() -> Iterator[None]:
     before_on, before_policy = _fused_update.set_enabled(True), _fused_update.policy()
     yield

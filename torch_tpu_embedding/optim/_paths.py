@@ -263,10 +263,8 @@ def _compiled_additive(item: Work, sentinel: int) -> bool:
         return False
     p, todo = item.p, []
     for ids, rows in chunks:
-        g = (rows.grad_out if isinstance(rows, BagRows) else rows).to(p.dtype)
-        if ids.numel() and bool((ids == sentinel).any()):
-            ids, g = drop_sentinel(ids, g, sentinel)
-        todo.append((ids, g))
+        # (drop_sentinel returns the piece as it is when it holds no padding)
+        todo.append(drop_sentinel(ids, (rows.grad_out if isinstance(rows, BagRows) else rows).to(p.dtype), sentinel))
     kernel(p, todo, item.lr)
     item.state["step"].copy_(item.state["step"] + 1)
     return True

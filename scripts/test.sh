@@ -31,7 +31,7 @@ PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 "$PY" -m pytest -q -p no:cacheprovider tests/x
 # torch.load's record offsets), stacking, the data-parallel and process-group paths, the package's
 # import without torch_xla, the examples, the table-building memory peak, the fused update's duplicate sum
 # (tests/test_row_sums.py), huge pages for large tables (tests/test_huge_pages.py), the primed malloc thresholds
-# (tests/test_heap.py) and SGD's compiled add, bitwise the eager one (tests/test_fused_add.py).
+# (tests/test_heap.py) and SGD's C add, bitwise the eager one (tests/test_fused_add.py).
 # The glob picks up every process-group test file (tests/test_mp_*.py), none when there is none; among them
 # tests/test_mp_from_spmd.py, which loads the SPMD checkpoint written on torch 2.9 (tests/data/mp_spmd4) here.
 shopt -s nullglob

@@ -85,19 +85,14 @@ class _RowSparseLookup(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, weight: torch.Tensor, ids: torch.Tensor, gains: torch.Tensor, row_grad: RowGrad,
         tables: frozenset[str], frozen: torch.Tensor | None, splits: tuple[int, ...], unit: bool, uniform: bool,
+        full: bool,
     ) -> tuple[torch.Tensor, ...]:
-        # The sentinel (== weight.shape[0]) is clamped to a real row; its gain is 0.
-        safe = ids.clamp(max=weight.shape[0] - 1)
-        if gains.dtype != weight.dtype:  # a 16-bit table: combine in float32, then cast
-            out = torch.bmm(gains.unsqueeze(1), _gather(weight, safe, gains.dtype)).squeeze(1).to(weight.dtype)
-        elif weight.device.type != "xla" and ids.shape[1]:  # (bags of width 0: the product below, zeros)
-            # Fused gather-and-sum, no [N·L, D] temporary (2.8× faster at 20 ids on the CPU); on XLA
-            # embedding_bag falls back to the host, so there it is gather + weighted sum.
-            out = torch.nn.functional.embedding_bag(safe, weight, per_sample_weights=gains, mode="sum")
-        elif ids.shape[1] == 1:
-            out = weight.index_select(0, safe.reshape(-1)) * gains
+        if full and uniform and ids.shape[1] == 1 and weight.device.type != "xla" and gains.dtype == weight.dtype:
+            # One real id per bag and every gain 1 (sum, mean and sqrtn alike): the rows themselves, a plain
+            # gather (measured 0.57 against 0.69 ms for embedding_bag, 16,384 rows of 64 from a 1 GB table).
+            out = weight.index_select(0, ids.view(-1))
         else:
-            out = torch.bmm(gains.unsqueeze(1), _gather(weight, safe, weight.dtype)).squeeze(1)
+            out = _pooled(weight, ids, gains)
         # The weight is kept only when the gains need a gradient (it costs nothing otherwise).
         ctx.save_for_backward(ids, gains, weight if ctx.needs_input_grad[2] else None)
         _keep(ctx, row_grad, tables, frozen)
@@ -110,7 +105,7 @@ class _RowSparseLookup(torch.autograd.Function):
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: Any, *grads: torch.Tensor
-    ) -> tuple[None, None, torch.Tensor | None, None, None, None, None, None, None]:
+    ) -> tuple[None, None, torch.Tensor | None, None, None, None, None, None, None, None]:
         ids, gains, weight = ctx.saved_tensors
         grad_out = None
         if ctx.needs_input_grad[0]:  # a frozen weight (requires_grad False) gets no gradient, as in torch
@@ -120,7 +115,21 @@ class _RowSparseLookup(torch.autograd.Function):
             grad_out = _whole(grads) if grad_out is None else grad_out
             rows = _gather(weight, ids.clamp(max=weight.shape[0] - 1), gains.dtype)
             grad_gains = torch.bmm(rows, grad_out.to(gains.dtype).unsqueeze(-1)).squeeze(-1)
-        return None, None, grad_gains, None, None, None, None, None, None
+        return None, None, grad_gains, None, None, None, None, None, None, None
+
+
+def _pooled(weight: torch.Tensor, ids: torch.Tensor, gains: torch.Tensor) -> torch.Tensor:
+    """``out[n] = Σ_l gains[n, l] · weight[ids[n, l]]``, padding (the sentinel) clamped to a real row of gain 0."""
+    safe = ids.clamp(max=weight.shape[0] - 1)
+    if gains.dtype != weight.dtype:  # a 16-bit table: combine in float32, then cast
+        return torch.bmm(gains.unsqueeze(1), _gather(weight, safe, gains.dtype)).squeeze(1).to(weight.dtype)
+    if weight.device.type != "xla" and ids.shape[1]:  # (bags of width 0: the product below, zeros)
+        # Fused gather-and-sum, no [N·L, D] temporary (2.8× faster at 20 ids on the CPU); on XLA
+        # embedding_bag falls back to the host, so there it is gather + weighted sum.
+        return torch.nn.functional.embedding_bag(safe, weight, per_sample_weights=gains, mode="sum")
+    if ids.shape[1] == 1:
+        return weight.index_select(0, safe.reshape(-1)) * gains
+    return torch.bmm(gains.unsqueeze(1), _gather(weight, safe, weight.dtype)).squeeze(1)
 
 
 def _whole(grads: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -154,7 +163,7 @@ def _record_rows(ctx: Any, ids: torch.Tensor, gains: torch.Tensor, grads: tuple[
 def lookup(
     weight: torch.Tensor, ids: torch.Tensor, gains: torch.Tensor, row_grad: RowGrad,
     tables: frozenset[str] = frozenset(), frozen: torch.Tensor | None = None,
-    splits: tuple[int, ...] | None = None, unit: bool = False, uniform: bool = False,
+    splits: tuple[int, ...] | None = None, unit: bool = False, uniform: bool = False, full: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Combined lookup ``out[n] = Σ_l gains[n, l] · weight[ids[n, l]]``.
 
@@ -172,6 +181,7 @@ def lookup(
         unit: every gain is 1 where the id is not padding (sum bags without per-id weights).
         uniform: within each bag every gain is one value where the id is not padding (bags without
             per-id weights, any combiner).
+        full: no position is padding (every id is a real row; dense ids).
 
     Returns:
         Each split's ``[n, D]`` activations (views of one ``[N, D]``), differentiable (row-sparsely) with
@@ -180,7 +190,7 @@ def lookup(
     check_not_ddp_managed(weight)  # torch's DDP must not reduce a table (tte.distributed)
     out: tuple[torch.Tensor, ...] = _RowSparseLookup.apply(  # type: ignore[no-untyped-call]
         weight, ids, gains, row_grad, tables, frozen, (ids.shape[0],) if splits is None else tuple(splits), unit,
-        uniform)
+        uniform, full)
     return out
 
 
@@ -279,7 +289,8 @@ class LookupBatch:
         frozen = None if info is None else info.frozen_rows
         training = frozenset(self.tables) - (info.frozen_tables if info is not None else frozenset())
         return lookup(weight, ids, bag_gains(valid, w, self.combiner, dtype), self.row_grad, training, frozen,
-                      splits, unit=self.combiner == "sum" and w is None, uniform=w is None)
+                      splits, unit=self.combiner == "sum" and w is None, uniform=w is None,
+                      full=all(b.full for _, b in items))
 
     def _run_jagged(self) -> dict[Path, torch.Tensor]:
         """:meth:`run` for jagged bags (eager devices): one pooled lookup of every item's ids, unpadded."""

@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from torch_tpu_embedding._backward_order import note_backward
 from torch_tpu_embedding._layout import RowLayout
@@ -314,22 +313,22 @@ class TableInfo:
         return self.owner_local or bool(getattr(self.sharding, "over_process_group", False))
 
 
-_TABLES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # type: ignore[no-untyped-call]
-# The same entries, also as an attribute of the tensor: torch.compile cannot trace a lookup in a
-# WeakIdKeyDictionary (dynamo skips ``WeakIdKeyDictionary.get``: one graph break per lookup), but it
-# reads an attribute of a tensor as a guarded constant, so a compiled step stays one graph.
+# A registered tensor's entry is an attribute of the tensor (its _Tag), which names the tensor it was made for:
+# a lookup is an attribute read and a weak reference's call (a step makes some 15; a WeakIdKeyDictionary's
+# lookup cost 1-2 µs each), and torch.compile reads an attribute of a tensor as a guarded constant, so a
+# compiled step stays one graph (dynamo skips ``WeakIdKeyDictionary.get``: one graph break per lookup).
 _INFO_ATTR = "_tte_table_info"
 _ROWS_ATTR = "_tte_stacked_rows"
 
 
 class _Tag:
-    """The value of such an attribute. A copy or an unpickled tensor is not registered (``_TABLES`` and
-    ``_VIEWS`` forget it), so copying or pickling the tag gives no tag."""
+    """The value of such an attribute, and the tensor it belongs to. A copy or an unpickled tensor is not
+    registered: a deep copy or pickle of the tag gives no tag, and a shallow copy's tag is its original's."""
 
-    __slots__ = ("value",)
+    __slots__ = ("owner", "value")
 
-    def __init__(self, value: Any) -> None:
-        self.value = value
+    def __init__(self, value: Any, owner: torch.Tensor) -> None:
+        self.value, self.owner = value, weakref.ref(owner)
 
     def __deepcopy__(self, memo: Any) -> None:
         return None
@@ -342,6 +341,12 @@ def _tag(t: torch.Tensor, attr: str) -> Any:
     return tag.value if isinstance(tag := getattr(t, attr, None), _Tag) else None
 
 
+def _registered(t: torch.Tensor, attr: str) -> Any:
+    """The value registered for ``t`` itself (not for the tensor a copy was made from), or ``None``."""
+    tag = t.__dict__.get(attr)
+    return tag.value if isinstance(tag, _Tag) and tag.owner() is t else None
+
+
 def register_table(
     param: torch.Tensor,
     name: str,
@@ -352,8 +357,7 @@ def register_table(
 ) -> TableInfo:
     """Mark ``param`` as an embedding table whose gradient arrives row-sparse."""
     info = TableInfo(name=name, num_embeddings=num_embeddings, optimizer=optimizer, members=members, layout=layout)
-    _TABLES[param] = info
-    param.__dict__[_INFO_ATTR] = _Tag(info)
+    param.__dict__[_INFO_ATTR] = _Tag(info, param)
     return info
 
 
@@ -391,8 +395,7 @@ def table_info(param: torch.Tensor) -> TableInfo | None:
     """The :class:`TableInfo` of ``param``, or ``None`` for an ordinary (dense) parameter."""
     if torch.compiler.is_compiling():  # an attribute dynamo traces (the dictionary it cannot)
         return _tag(param, _INFO_ATTR)  # type: ignore[no-any-return]
-    info: TableInfo | None = _TABLES.get(param)  # type: ignore[no-untyped-call]
-    return info
+    return _registered(param, _INFO_ATTR)  # type: ignore[no-any-return]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -413,13 +416,9 @@ class StackedRows:
         return self.logical(whole)[self.offset : self.offset + self.rows]
 
 
-_VIEWS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # type: ignore[no-untyped-call]
-
-
 def register_view(view: torch.Tensor, rows: StackedRows) -> torch.Tensor:
     """Mark ``view`` as a stacked table's rows (see :func:`stacked_rows`); returns ``view``."""
-    _VIEWS[view] = rows
-    view.__dict__[_ROWS_ATTR] = _Tag(rows)
+    view.__dict__[_ROWS_ATTR] = _Tag(rows, view)
     return view
 
 
@@ -440,5 +439,4 @@ def stacked_rows(t: torch.Tensor) -> StackedRows | None:
     """For the weight of a table stacked in a group (``ec.tables.<name>.weight``), where its rows are."""
     if torch.compiler.is_compiling():  # an attribute dynamo traces (the dictionary it cannot)
         return _tag(t, _ROWS_ATTR)  # type: ignore[no-any-return]
-    rows: StackedRows | None = _VIEWS.get(t)  # type: ignore[no-untyped-call]
-    return rows
+    return _registered(t, _ROWS_ATTR)  # type: ignore[no-any-return]

@@ -332,7 +332,7 @@ class EmbeddingCollection(nn.Module):
                 )
                 if offset:  # padding stays the sentinel
                     ids = torch.where(valid, ids + offset, ids)
-                bags = dataclasses.replace(bags, ids=ids, valid=valid)
+                bags = dataclasses.replace(bags, ids=ids, valid=valid, full=False)  # (dropped ids: padding)
             if table.row_layout is not None and not owner_local:  # stored permuted: look up the stored row
                 order = table.row_layout.ownership(int(weight.shape[0]))
                 bags = dataclasses.replace(bags, ids=order.physical_row(bags.ids.to(torch.int64)))

@@ -87,6 +87,7 @@ class Bags:
         offsets: jagged bags (variable-length inputs on eager devices, never padded): ``ids``,
             ``valid`` and ``weights`` are ``[nnz]`` in bag order and bag ``n`` is ``[offsets[n],
             offsets[n+1])``; ``None`` for padded bags.
+        full: every position holds a real id, known without reading ``valid`` (dense ids): no padding.
     """
 
     ids: torch.Tensor
@@ -95,6 +96,7 @@ class Bags:
     out_shape: tuple[int, ...]
     combine: bool
     offsets: torch.Tensor | None = None
+    full: bool = False
 
 
 def _next_pow2(n: int) -> int:
@@ -318,10 +320,14 @@ def _dense_bags(
         out_shape = tuple(fc.output_shape)
     # A new tensor, never the caller's: the ids wait in the table's pending gradient until the
     # optimizer step, and a loader may refill its buffer before then (gradient accumulation).
-    ids = value.reshape(-1, 1).to(device=device, dtype=torch.int64, copy=True)
-    if offset:
-        ids += offset
-    return Bags(ids, torch.ones_like(ids, dtype=torch.bool), None, out_shape, False)
+    ids = value.reshape(-1, 1)
+    if offset and ids.dtype == torch.int64 and ids.device == device:
+        ids = ids + offset  # (the copy and the offset in one pass)
+    else:
+        ids = ids.to(device=device, dtype=torch.int64, copy=True)
+        if offset:
+            ids += offset
+    return Bags(ids, torch.ones_like(ids, dtype=torch.bool), None, out_shape, False, full=True)
 
 
 def _padded_bags(

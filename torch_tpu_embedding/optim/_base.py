@@ -111,6 +111,12 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         without the rule's pass over a zero ``w``; written into ``out`` if given."""
         raise NotImplementedError
 
+    @staticmethod
+    def increment_factor(lr: Tensor) -> Tensor | None:
+        """``f`` with ``increment(g, lr) == f · g`` to the bit (one float, SGD's ``−lr``), for the CPU add of
+        ``Path.ADDITIVE`` (``optim/_fused_add.py``); ``None``: not a multiple of ``g``, the eager add runs."""
+        return None
+
     @classmethod
     def slot_initial_values(cls, hp: Mapping[str, Any]) -> dict[str, float]:
         return {name: 0.0 for name in cls.slot_names}

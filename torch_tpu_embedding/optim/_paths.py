@@ -9,7 +9,7 @@ only in which rows they hand it and how the results are written back:
 ``ADDITIVE``          eager, the rule is additive (SGD) and no option needs the summed rows:
                       ``increment(g)`` (``rule(w, g) − w``) is added per looked-up id with
                       ``index_add_`` — no dedup, gather or scatter; where ``FUSED`` would run, in
-                      one compiled pass per piece of ids, bitwise the same (:mod:`._fused_add`)
+                      one C loop per piece of ids, bitwise the same (:mod:`._fused_add`)
 ``NO_DEDUP``          ``use_gradient_accumulation=False``: every contribution updates from the same
                       old rows and the changes are added (exact for SGD, an approximation otherwise)
 ``ROWS``              duplicates summed, the touched rows in one pass: XLA (one static-shape
@@ -90,7 +90,7 @@ def choose_path(p: Tensor, group: Mapping[str, Any], *, row_grad: bool) -> Path:
     if cls.additive and not static and not any(group.get(k) not in (None, False, 0) for k in _NEEDS_SUMMED_ROWS):
         # Not FUSED, even where it runs: adding each looked-up id's increment reads and writes each row once,
         # as the kernel's gather and scatter do, without their sort and sum (measured slower on FUSED at
-        # 1 and 20 ids per bag, docs/benchmarks.md); where FUSED would run, the add is compiled (_fused_add).
+        # 1 and 20 ids per bag, docs/benchmarks.md); where FUSED would run, the add is one C loop (_fused_add).
         return Path.ADDITIVE
     if not group["use_gradient_accumulation"]:
         return Path.NO_DEDUP
@@ -250,7 +250,7 @@ def _update_additive(item: Work) -> None:
 
 
 def _compiled_additive(item: Work, sentinel: int) -> bool:
-    """``Path.ADDITIVE`` through the compiled increment-and-add (:mod:`._fused_add`), the pieces in the order
+    """``Path.ADDITIVE`` through the C increment-and-add (:mod:`._fused_add`), the pieces in the order
     of the eager path (so bitwise its result), where it runs and every piece holds a row per id
     (accumulated rows, or sum bags of one id without weights); ``False``: nothing done, the eager path runs."""
     pieces = item.pieces

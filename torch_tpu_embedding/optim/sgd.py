@@ -11,7 +11,7 @@ from torch_tpu_embedding.optim._base import RowSparseOptimizer
 from torch_tpu_embedding.optim._contract import RowContext, Slots, common_defaults
 from torch_tpu_embedding.optim._extras import KerasExtras
 
-__all__ = ["SGD", "sgd_increment", "sgd_rule"]
+__all__ = ["SGD", "sgd_factor", "sgd_increment", "sgd_rule"]
 
 
 def sgd_rule(
@@ -27,11 +27,16 @@ def sgd_rule(
     return w - lr * g, slots
 
 
+def sgd_factor(lr: torch.Tensor) -> torch.Tensor:
+    """``f`` with ``sgd_increment(g, lr) == f · g``: ``−lr``."""
+    return -lr
+
+
 def sgd_increment(g: torch.Tensor, lr: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``sgd_rule(w, g) − w`` to the bit: ``(−lr)·g`` (``w + (−lr)·g`` rounds as ``w − lr·g``; negation is
     exact). ``Path.ADDITIVE`` adds it per looked-up id: one pass over the rows, where ``sgd_rule(0, g)``
     is two. Written into ``out`` if given."""
-    return (-lr) * g if out is None else torch.mul(-lr, g, out=out)
+    return sgd_factor(lr) * g if out is None else torch.mul(sgd_factor(lr), g, out=out)
 
 
 class SGD(RowSparseOptimizer):
@@ -63,6 +68,7 @@ class SGD(RowSparseOptimizer):
     slot_names = ()
     additive = True  # eager steps without clipping or decay: one index_add_ of -lr·g per looked-up id
     increment = staticmethod(sgd_increment)
+    increment_factor = staticmethod(sgd_factor)
 
     def __init__(
         self,

@@ -112,9 +112,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     @staticmethod
-    def increment_factor(lr: Tensor) -> Tensor | None:
-        """``f`` with ``increment(g, lr) == f · g`` to the bit (one float, SGD's ``−lr``), for the CPU add of
-        ``Path.ADDITIVE`` (``optim/_fused_add.py``); ``None``: not a multiple of ``g``, the eager add runs."""
+    def increment_factor(lr: Tensor) -> Tensor | None:  # (optim/_fused_add.py; None: the eager add runs)
+        """``f`` with ``increment(g, lr) == f · g`` to the bit (SGD: ``−lr``): ``Path.ADDITIVE``'s C add uses it."""
         return None
 
     @classmethod
@@ -309,10 +308,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ EMA
     def moving_average(self, p: Tensor) -> Tensor:
-        """The EMA of ``p`` now (every row caught up), as a new tensor. Needs ``use_ema=True``.
-
-        ``p`` may be a stacked table's weight (``ec.tables.<name>.weight``): its rows of its group's EMA.
-        """
+        """The EMA of ``p`` now (every row caught up), as a new tensor. Needs ``use_ema=True``. ``p`` may be a
+        stacked table's weight (``ec.tables.<name>.weight``): its rows of its group's EMA."""
         rows = stacked_rows(p)
         if rows is not None:
             return rows.of(self.moving_average(rows.weight))
@@ -320,8 +317,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         if not group["use_ema"]:
             raise ValueError("moving_average() needs an optimizer built with `use_ema=True`.")
         with torch.no_grad():
-            return _ema.moving_average(p, group, self._state_for(p, group), self._run.iterations, self._skipped_now(),
-                                       self._dropped_now())
+            return _ema.moving_average(p, group, self._state_for(p, group), self._run.iterations,
+                                       self._skipped_now(), self._dropped_now())
 
     @torch.no_grad()
     def finalize_variable_values(self) -> None:
@@ -342,11 +339,9 @@ class RowSparseOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ lifecycle
     @torch.no_grad()
     def init_state(self) -> None:
-        """Create every slot now instead of at the first step.
-
-        Useful on XLA (materialise the slots with one ``torch_xla.sync()`` before the loop, so the
-        steady training step is the only graph) and before loading a checkpoint.
-        """
+        """Create every slot now instead of at the first step. Useful on XLA (materialise the slots with one
+        ``torch_xla.sync()`` before the loop, so the steady training step is the only graph) and before loading
+        a checkpoint."""
         self._check_live_tables()
         for group in self.param_groups:
             for p in group["params"]:

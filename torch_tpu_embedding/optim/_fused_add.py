@@ -149,9 +149,9 @@ def add_rows_kernel(item: Work) -> AddRows | None:
         return None
 
     def add(p: Tensor, pieces: Pieces, lr: Tensor) -> None:
-        f = factor_of(lr)
+        f, (rows, dim) = factor_of(lr), p.shape
         assert f is not None
-        f, (rows, dim) = f.contiguous(), p.shape
+        f = f.contiguous()
         for ids, g in pieces:
             if ids.numel():
                 add_piece(fn, p, rows, dim, ids, g, f)

@@ -72,3 +72,23 @@ def test_weights_replaced_by_an_assigning_load_are_refused_by_an_older_optimizer
     fresh = tte.optim.Adagrad(ec.parameters(), lr=0.1)
     _train(ec, fresh, 1, seed=2)
     assert all(not torch.equal(ec.state_dict()[k], v) for k, v in src.state_dict().items())
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["stacked", "unstacked"])
+def test_a_weight_copied_on_its_own_is_not_a_table(fuse: bool) -> None:
+    """The registration is an attribute of the weight naming the tensor it was made for: a shallow copy carries
+    the attribute along but is not that tensor, a deep copy or pickle drops it, ``detach`` has none."""
+    from torch_tpu_embedding._rows import stacked_rows
+
+    ec = _make(fuse)
+    params = list(ec.parameters())
+    views = [ec.tables[n].weight for n in "abc"]
+    assert all(table_info(p) is not None for p in params)
+    assert all(stacked_rows(v) is not None for v in views) == fuse
+    for p in params:
+        for twin in (copy.copy(p), copy.deepcopy(p), p.detach()):
+            assert table_info(twin) is None and stacked_rows(twin) is None
+    for v in views:  # (a stacked table's weight is a view, which deepcopy refuses)
+        for twin in (v.detach(), v.view_as(v)):
+            assert table_info(twin) is None and stacked_rows(twin) is None
+    assert all(table_info(p) is not None for p in params)  # the originals still are

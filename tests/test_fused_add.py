@@ -100,7 +100,8 @@ def test_c_add_is_the_eager_path_bitwise(kernel_calls: list[int], threads: int, 
 
 def test_pieces_of_one_id_and_padding_only(kernel_calls: list[int]) -> None:
     """Batches of one bag and a padded feature with every position masked: pieces of one id are added by the
-    loop too, the padding dropped first; a piece of none is skipped."""
+    loop too, and a piece of padding alone changes nothing (the loop skips the sentinel); a piece of none is
+    not passed to it."""
     def batch(step: int) -> dict[str, Any]:
         x = _batch(step, b=1)
         x["a"] = tte.Padded(x["a"].ids, torch.zeros(1, 1, dtype=torch.bool))
@@ -133,13 +134,23 @@ def test_the_loop_is_torch_mul_and_index_add(c_loop: Any, layout: str) -> None:
     assert torch.equal(p, want)
 
 
+def test_the_loop_skips_padding(c_loop: Any) -> None:
+    """The sentinel (one past the last row) marks padding: skipped, as the eager path drops it."""
+    p = torch.zeros(10, 4)
+    ids = torch.tensor([10, 1, 10, 2, 1, 10])
+    rows = torch.arange(24, dtype=torch.float32).view(6, 4)
+    _fused_add.add_piece(c_loop, p, 10, 4, ids, rows, torch.tensor(-0.5))
+    keep = ids != 10
+    assert torch.equal(p, torch.zeros(10, 4).index_add_(0, ids[keep], -0.5 * rows[keep]))
+
+
 @pytest.mark.parametrize("bad", ["id_above", "id_below", "rows_shape", "ids_dtype"])
 def test_the_loop_refuses_what_it_cannot_add_and_writes_nothing(c_loop: Any, bad: str) -> None:
     p = torch.zeros(10, 4)
     ids = torch.tensor([1, 2, 3])
     rows = torch.ones(3, 4)
-    if bad == "id_above":
-        ids = torch.tensor([1, 10, 3])
+    if bad == "id_above":  # (10 is the sentinel: padding)
+        ids = torch.tensor([1, 11, 3])
     if bad == "id_below":
         ids = torch.tensor([1, -1, 3])
     if bad == "rows_shape":

@@ -14,8 +14,9 @@ The loop is compiled once per process with the system's C compiler (``CC``, else
 ``clang``; about 0.2 s) and called through :mod:`ctypes`. The result is bitwise the eager path's at any
 thread count (tests/test_fused_add.py): each element is rounded once in the product and once in the sum,
 as torch's ``mul`` and ``index_add_`` round them (``-ffp-contract=off``: no fused multiply-add), the ids of a
-piece are added in order, and the pieces in the eager path's order. The C function first checks every id
-of the piece against the table's rows and writes nothing if one is outside them.
+piece are added in order, and the pieces in the eager path's order. Padding (the sentinel id, one past the
+last row) is skipped in the loop, as the eager path drops it first. The C function first checks every id
+of the piece and writes nothing if one is outside the table's rows and the sentinel.
 
 It runs where the fused row update would (:func:`._fused_update.usable`, its :func:`~._fused_update.policy`:
 from the optimizer's call ``TTE_FUSED_AFTER`` on, for tables of ``TTE_FUSED_MIN_ELEMENTS`` numbers or
@@ -56,17 +57,19 @@ PREFETCH = 8
 
 _SOURCE = r"""
 #include <stdint.h>
-/* rows[ids[k]] += f * g[k] for k in [0, n), in order; -1 (nothing written) if an id is outside [0, rows). */
+/* p[ids[k]] += f * g[k] for k in [0, n), in order, skipping ids == rows (padding, the sentinel);
+   -1 (nothing written) if an id is outside [0, rows]. */
 int tte_add_rows(float *restrict p, int64_t rows, int64_t d, const int64_t *restrict ids, int64_t n,
                  const float *restrict g, int64_t gs0, int64_t gs1, const float *restrict factor) {
   for (int64_t k = 0; k < n; ++k)
-    if (ids[k] < 0 || ids[k] >= rows) return -1;
+    if (ids[k] < 0 || ids[k] > rows) return -1;
   const float f = *factor;
   for (int64_t k = 0; k < n; ++k) {
-    if (k + %(ahead)d < n) {
+    if (k + %(ahead)d < n && ids[k + %(ahead)d] < rows) {
       const char *next = (const char *)(p + ids[k + %(ahead)d] * d);
       for (int64_t b = 0; b < d * (int64_t)sizeof(float); b += 64) __builtin_prefetch(next + b, 1, 3);
     }
+    if (ids[k] == rows) continue;
     float *row = p + ids[k] * d;
     const float *gk = g + k * gs0;
     if (gs1 == 1)
@@ -161,8 +164,9 @@ def add_rows_kernel(item: Work) -> AddRows | None:
 
 
 def add_piece(fn: Callable[..., int], p: Tensor, rows: int, dim: int, ids: Tensor, g: Tensor, factor: Tensor) -> None:
-    """``p[ids[k]] += factor · g[k]`` through the C loop ``fn``: ``ids`` int64 ``[n]``, ``g`` float32 ``[n, dim]``
-    (any strides), ``factor`` one float32. The shapes and dtypes are checked here: the loop trusts its pointers."""
+    """``p[ids[k]] += factor · g[k]`` through the C loop ``fn``: ``ids`` int64 ``[n]`` (``rows``, the sentinel, marks
+    padding: skipped), ``g`` float32 ``[n, dim]`` (any strides), ``factor`` one float32. The shapes and dtypes are
+    checked here: the loop trusts its pointers."""
     ids = ids.contiguous()
     if (ids.dtype != torch.int64 or ids.dim() != 1 or g.dtype != torch.float32 or tuple(g.shape) != (ids.numel(), dim)
             or factor.dtype != torch.float32 or factor.numel() != 1 or not factor.is_contiguous()):
@@ -170,5 +174,5 @@ def add_piece(fn: Callable[..., int], p: Tensor, rows: int, dim: int, ids: Tenso
                          f"{factor.dtype} {tuple(factor.shape)}; expected int64 [n], float32 [n, {dim}], float32 []")
     if fn(p.data_ptr(), rows, dim, ids.data_ptr(), ids.numel(), g.data_ptr(), g.stride(0), g.stride(1),
           factor.data_ptr()) != 0:
-        raise IndexError(f"an id to update is outside the table's {rows} rows (an internal error: ids are "
-                         "checked at the lookup)")
+        raise IndexError(f"an id to update is outside the table's {rows} rows and its padding id {rows} (an "
+                         "internal error: ids are checked at the lookup)")

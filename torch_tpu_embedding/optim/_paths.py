@@ -172,7 +172,7 @@ def _update_additive(item: Work) -> None:
         return increment(g, lr, out=out)
 
     chunk, sentinel = ADDITIVE_CHUNK, p.shape[0]
-    if _compiled_additive(item, sentinel):
+    if _compiled_additive(item):
         return
     small: list[tuple[Tensor, Tensor, bool]] = []  # pieces of fewer rows, added together (see flush)
 
@@ -249,7 +249,7 @@ def _update_additive(item: Work) -> None:
     state["step"].copy_(state["step"] + 1)
 
 
-def _compiled_additive(item: Work, sentinel: int) -> bool:
+def _compiled_additive(item: Work) -> bool:
     """``Path.ADDITIVE`` through the C increment-and-add (:mod:`._fused_add`), the pieces in the order
     of the eager path (so bitwise its result), where it runs and every piece holds a row per id
     (accumulated rows, or sum bags of one id without weights); ``False``: nothing done, the eager path runs."""
@@ -261,11 +261,10 @@ def _compiled_additive(item: Work, sentinel: int) -> bool:
     kernel = add_rows_kernel(item)
     if kernel is None:
         return False
-    p, todo = item.p, []
-    for ids, rows in chunks:
-        # (drop_sentinel returns the piece as it is when it holds no padding)
-        todo.append(drop_sentinel(ids, (rows.grad_out if isinstance(rows, BagRows) else rows).to(p.dtype), sentinel))
-    kernel(p, todo, item.lr)
+    p = item.p
+    # Padding ids (the sentinel) stay: the loop skips them (no mask, nor a check per piece here).
+    kernel(p, [(ids, (rows.grad_out if isinstance(rows, BagRows) else rows).to(p.dtype)) for ids, rows in chunks],
+           item.lr)
     item.state["step"].copy_(item.state["step"] + 1)
     return True
 

@@ -1,10 +1,10 @@
 """``Path.ADDITIVE``'s C add (``optim/_fused_add.py``) against the eager path it replaces: bitwise the same
 tables after several SGD steps, at 1 and 2 threads, through the per-feature dict and ``concat=True``, with ids
 repeated within and across features, padded bags, a jagged feature with per-id weights and an empty bag, and
-pieces of one id; the loop alone against torch's ``mul`` and ``index_add_`` for contiguous, column-sliced and
-broadcast gradient rows; an id outside the table or a wrong shape raises and writes nothing; where it does not
-run (warm-up, bags of several ids, ``loss_scale_factor``, the path turned off), and one warning, then the eager
-path, when no C compiler works.
+pieces of one id, bags of 3 ids (sum, mean, sqrtn); the loop alone against torch's ``mul``, ``spread`` and
+``index_add_`` for contiguous, column-sliced and broadcast gradient rows, padding skipped; an id outside the table
+or a wrong shape raises and writes nothing; where it does not run (warm-up, ``loss_scale_factor``, the path turned
+off), and one warning, then the eager path, when no C compiler works.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ def kernel_calls(monkeypatch: pytest.MonkeyPatch, c_loop: Any) -> Iterator[list[
     calls: list[int] = []
     real = _fused_add.add_piece
 
-    def counted(fn: Any, p: torch.Tensor, rows: int, dim: int, ids: torch.Tensor, *rest: Any) -> None:
+    def counted(fn: Any, p: torch.Tensor, ids: torch.Tensor, *rest: Any) -> None:
         calls.append(int(ids.numel()))
-        real(fn, p, rows, dim, ids, *rest)
+        real(fn, p, ids, *rest)
 
     monkeypatch.setattr(_fused_add, "add_piece", counted)
     yield calls
@@ -83,14 +83,17 @@ def _train(ec: tte.EmbeddingCollection, opt: torch.optim.Optimizer, steps: int, 
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("concat", [False, True], ids=["dict", "concat"])
-def test_c_add_is_the_eager_path_bitwise(kernel_calls: list[int], threads: int, concat: bool) -> None:
+@pytest.mark.parametrize(("width", "combiner"), [(1, "sum"), (3, "sum"), (3, "mean"), (3, "sqrtn")])
+def test_c_add_is_the_eager_path_bitwise(kernel_calls: list[int], threads: int, concat: bool, width: int,
+                                         combiner: str) -> None:
+    """Feature "a" holds padded bags of ``width`` ids; "d" weighted jagged bags (a bag of 2, an empty one)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = _train(*_model(), 4, concat)
+        got = _train(*_model(width, combiner), 4, concat, width=width)
         assert kernel_calls and all(n >= 1 for n in kernel_calls)  # it ran, never on no ids
         _fused_update.set_enabled(False)
-        want = _train(*_model(), 4, concat)
+        want = _train(*_model(width, combiner), 4, concat, width=width)
     finally:
         torch.set_num_threads(before)
         _fused_update.set_enabled(True)
@@ -130,7 +133,26 @@ def test_the_loop_is_torch_mul_and_index_add(c_loop: Any, layout: str) -> None:
             "broadcast": torch.randn(1, 24, generator=g).expand(300, 24)}[layout]
     factor = -torch.tensor(0.37)
     want = p.clone().index_add_(0, ids, factor * rows)
-    _fused_add.add_piece(c_loop, p, 40, 24, ids, rows, factor)
+    _fused_add.add_piece(c_loop, p, ids, rows, None, factor, torch.empty(24))
+    assert torch.equal(p, want)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "column_slice", "broadcast"])
+def test_the_loop_on_bags_is_torch_spread_and_index_add(c_loop: Any, layout: str) -> None:
+    """Bags of 5 ids with their gains, padding (the sentinel 40) among them: each id gets ``gain · (factor · g)``
+    of its bag, as the eager path spreads and adds it (``BagRows.spread``, ``index_add_``)."""
+    g = torch.Generator().manual_seed(2)
+    p = torch.randn(40, 24, generator=g)
+    ids = torch.randint(0, 41, (60, 5), generator=g)
+    gains = torch.rand(60, 5, generator=g)
+    wide = torch.randn(60, 72, generator=g)
+    rows = {"contiguous": wide[:, :24].contiguous(), "column_slice": wide[:, 24:48],
+            "broadcast": torch.randn(1, 24, generator=g).expand(60, 24)}[layout]
+    factor = -torch.tensor(0.37)
+    spread = (gains.unsqueeze(-1) * (factor * rows).unsqueeze(1)).reshape(-1, 24)
+    keep = ids.reshape(-1) != 40
+    want = p.clone().index_add_(0, ids.reshape(-1)[keep], spread[keep])
+    _fused_add.add_piece(c_loop, p, ids.reshape(-1), rows, gains, factor, torch.empty(24))
     assert torch.equal(p, want)
 
 
@@ -139,12 +161,12 @@ def test_the_loop_skips_padding(c_loop: Any) -> None:
     p = torch.zeros(10, 4)
     ids = torch.tensor([10, 1, 10, 2, 1, 10])
     rows = torch.arange(24, dtype=torch.float32).view(6, 4)
-    _fused_add.add_piece(c_loop, p, 10, 4, ids, rows, torch.tensor(-0.5))
+    _fused_add.add_piece(c_loop, p, ids, rows, None, torch.tensor(-0.5), torch.empty(4))
     keep = ids != 10
     assert torch.equal(p, torch.zeros(10, 4).index_add_(0, ids[keep], -0.5 * rows[keep]))
 
 
-@pytest.mark.parametrize("bad", ["id_above", "id_below", "rows_shape", "ids_dtype"])
+@pytest.mark.parametrize("bad", ["id_above", "id_below", "rows_shape", "ids_dtype", "gains_shape", "scratch"])
 def test_the_loop_refuses_what_it_cannot_add_and_writes_nothing(c_loop: Any, bad: str) -> None:
     p = torch.zeros(10, 4)
     ids = torch.tensor([1, 2, 3])
@@ -157,24 +179,24 @@ def test_the_loop_refuses_what_it_cannot_add_and_writes_nothing(c_loop: Any, bad
         rows = torch.ones(3, 5)
     if bad == "ids_dtype":
         ids = ids.to(torch.int32)
+    gains = torch.ones(3, 2) if bad == "gains_shape" else None  # (3 ids are not 3 bags of 2)
+    inc = torch.empty(2 if bad == "scratch" else 4)
     with pytest.raises(IndexError if bad.startswith("id_") else ValueError):
-        _fused_add.add_piece(c_loop, p, 10, 4, ids, rows, torch.tensor(-0.5))
+        _fused_add.add_piece(c_loop, p, ids, rows, gains, torch.tensor(-0.5), inc)
     assert not p.any()
 
 
-@pytest.mark.parametrize("case", ["warming_up", "bags_of_3_ids", "loss_scale_factor", "disabled"])
+@pytest.mark.parametrize("case", ["warming_up", "loss_scale_factor", "disabled"])
 def test_where_the_eager_path_runs(kernel_calls: list[int], case: str) -> None:
     if case == "warming_up":
         _fused_update.set_policy(after=50)
     if case == "disabled":
         _fused_update.set_enabled(False)
     try:
-        ec, opt = _model(width=3 if case == "bags_of_3_ids" else 1,
-                         **({"loss_scale_factor": 4.0} if case == "loss_scale_factor" else {}))
-        width = 3 if case == "bags_of_3_ids" else 1
-        _train(ec, opt, 1, False, width=width)  # (a first step's rows arrive multiplied out: any path takes them)
+        ec, opt = _model(**({"loss_scale_factor": 4.0} if case == "loss_scale_factor" else {}))
+        _train(ec, opt, 1, False)  # (a first step's rows arrive multiplied out: any path takes them)
         kernel_calls.clear()
-        _train(ec, opt, 2, False, width=width)
+        _train(ec, opt, 2, False)
     finally:
         _fused_update.set_enabled(True)
     assert kernel_calls == []

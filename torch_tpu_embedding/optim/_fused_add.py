@@ -1,22 +1,25 @@
-"""``Path.ADDITIVE``'s kernel on the CPU: ``p[ids[k]] += f · g[k]``, one C loop over a piece's ids.
+"""``Path.ADDITIVE``'s kernel on the CPU: ``p[id] += gain · (f · g[bag])``, one C loop over a piece's ids.
 
 The eager additive step (:func:`._paths._update_additive`, SGD) makes ``increment(g) = f·g`` (``f = −lr``)
-for every looked-up id as a ``[n, D]`` array and adds it with ``index_add_``: two passes over the rows, and
-torch's ``index_add_`` on the CPU runs one ``add`` per id through a ``TensorIterator``. Where the rule's
+for every bag, spreads it over the bag's ids by their gains (``BagRows.spread``: an ``[n, D]`` array, one row
+per id) and adds that with ``index_add_``: passes over memory for the product, the spread rows and the add,
+and torch's ``index_add_`` on the CPU runs one ``add`` per id through a ``TensorIterator``. Where the rule's
 increment is a scalar multiple of the gradient (:meth:`~._base.RowSparseOptimizer.increment_factor`), this
-module adds ``f · g[k]`` to row ``ids[k]`` in one C loop that reads each gradient row once, writes no
-temporary, and prefetches the table row a few ids ahead (the rows are scattered over a large table: each
-is a cache miss). Measured on 4 pieces of 4,096 ids of 64 floats, one thread, a 1 GB table: 0.49–0.57 ms,
-against 0.9–1.0 ms for the same loop compiled by inductor and 1.3 ms for the increments and ``index_add_``
-(docs/benchmarks.md has the step).
+module does it in one C loop: per bag, ``f · g[bag]`` once into a ``D``-float scratch row, then for each of the
+bag's ids ``gain · that`` added to its table row (sum bags of one id without weights, and rows that arrive
+multiplied out, have no gain: ``f · g`` is added). Nothing ``[n, D]`` is written, each gradient row is read
+once, and the table row a few ids ahead is prefetched (the rows are scattered over a large table: each is a
+cache miss). Measured at one thread, a 1 GB table: 4 pieces of 4,096 ids of 64 floats, 0.49–0.57 ms against
+0.9–1.0 ms for the same loop compiled by inductor and 1.3 ms for the increments and ``index_add_``; the SGD step
+at 20 ids per bag 62–64 → 40–41 ms (docs/benchmarks.md).
 
 The loop is compiled once per process with the system's C compiler (``CC``, else ``cc``, ``gcc`` or
 ``clang``; about 0.2 s) and called through :mod:`ctypes`. The result is bitwise the eager path's at any
-thread count (tests/test_fused_add.py): each element is rounded once in the product and once in the sum,
-as torch's ``mul`` and ``index_add_`` round them (``-ffp-contract=off``: no fused multiply-add), the ids of a
-piece are added in order, and the pieces in the eager path's order. Padding (the sentinel id, one past the
-last row) is skipped in the loop, as the eager path drops it first. The C function first checks every id
-of the piece and writes nothing if one is outside the table's rows and the sentinel.
+thread count (tests/test_fused_add.py): each product (``f · g``, then ``gain ·`` it) and each sum is rounded
+once, as torch's ``mul`` and ``index_add_`` round them (``-ffp-contract=off``: no fused multiply-add); the ids
+are added in the eager path's order (piece by piece, bag by bag). Padding (the sentinel id, one past the last
+row) is skipped in the loop, as the eager path drops it first. The C function first checks every id of the
+piece and writes nothing if one is outside the table's rows and the sentinel.
 
 It runs where the fused row update would (:func:`._fused_update.usable`, its :func:`~._fused_update.policy`:
 from the optimizer's call ``TTE_FUSED_AFTER`` on, for tables of ``TTE_FUSED_MIN_ELEMENTS`` numbers or
@@ -47,8 +50,8 @@ if TYPE_CHECKING:
 __all__ = ["AddRows", "Pieces", "add_rows_kernel", "c_compiler", "loop"]
 
 Tensor = torch.Tensor
-#: ``(ids [n], g [n, D])`` pieces, added in order
-Pieces = list[tuple[Tensor, Tensor]]
+#: ``(ids [B·L], g [B, D], gains [B, L] or None)`` pieces, added in order (see :func:`add_piece`)
+Pieces = list[tuple[Tensor, Tensor, Tensor | None]]
 #: ``fn(p, pieces, lr)`` adds ``increment(g, lr)`` to the rows ``ids`` of ``p``, piece by piece in order
 AddRows = Callable[[Tensor, Pieces, Tensor], None]
 
@@ -57,25 +60,33 @@ PREFETCH = 8
 
 _SOURCE = r"""
 #include <stdint.h>
-/* p[ids[k]] += f * g[k] for k in [0, n), in order, skipping ids == rows (padding, the sentinel);
-   -1 (nothing written) if an id is outside [0, rows]. */
-int tte_add_rows(float *restrict p, int64_t rows, int64_t d, const int64_t *restrict ids, int64_t n,
-                 const float *restrict g, int64_t gs0, int64_t gs1, const float *restrict factor) {
+/* For each bag b in [0, nbags) and each of its width ids, in order: p[id] += gain * (f * g[b]), where gain is
+   gains[b * width + l] (without gains: p[id] += f * g[b]); ids == rows (padding, the sentinel) are skipped.
+   inc: d floats of scratch. -1 (nothing written) if an id is outside [0, rows]. */
+int tte_add_rows(float *restrict p, int64_t rows, int64_t d, const int64_t *restrict ids, int64_t nbags,
+                 int64_t width, const float *restrict g, int64_t gs0, int64_t gs1, const float *restrict gains,
+                 const float *restrict factor, float *restrict inc) {
+  const int64_t n = nbags * width;
   for (int64_t k = 0; k < n; ++k)
     if (ids[k] < 0 || ids[k] > rows) return -1;
   const float f = *factor;
-  for (int64_t k = 0; k < n; ++k) {
-    if (k + %(ahead)d < n && ids[k + %(ahead)d] < rows) {
-      const char *next = (const char *)(p + ids[k + %(ahead)d] * d);
-      for (int64_t b = 0; b < d * (int64_t)sizeof(float); b += 64) __builtin_prefetch(next + b, 1, 3);
+  for (int64_t b = 0; b < nbags; ++b) {
+    const float *gb = g + b * gs0;
+    for (int64_t j = 0; j < d; ++j) inc[j] = f * gb[j * gs1];
+    for (int64_t k = b * width; k < (b + 1) * width; ++k) {
+      if (k + %(ahead)d < n && ids[k + %(ahead)d] < rows) {
+        const char *next = (const char *)(p + ids[k + %(ahead)d] * d);
+        for (int64_t c = 0; c < d * (int64_t)sizeof(float); c += 64) __builtin_prefetch(next + c, 1, 3);
+      }
+      if (ids[k] == rows) continue;
+      float *row = p + ids[k] * d;
+      if (gains) {
+        const float gain = gains[k];
+        for (int64_t j = 0; j < d; ++j) row[j] += gain * inc[j];
+      } else {
+        for (int64_t j = 0; j < d; ++j) row[j] += inc[j];
+      }
     }
-    if (ids[k] == rows) continue;
-    float *row = p + ids[k] * d;
-    const float *gk = g + k * gs0;
-    if (gs1 == 1)
-      for (int64_t j = 0; j < d; ++j) row[j] += f * gk[j];
-    else
-      for (int64_t j = 0; j < d; ++j) row[j] += f * gk[j * gs1];
   }
   return 0;
 }
@@ -131,7 +142,7 @@ def _build() -> Callable[..., int]:
             raise RuntimeError(f"{os.path.basename(cc)} failed: {errors.splitlines()[0] if errors else 'no output'}")
         fn = ctypes.CDLL(lib).tte_add_rows  # (the mapping outlives the deleted file)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, i64, ptr]
+    fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr]
     fn.restype = ctypes.c_int
     return fn  # type: ignore[no-any-return]
 
@@ -152,27 +163,42 @@ def add_rows_kernel(item: Work) -> AddRows | None:
         return None
 
     def add(p: Tensor, pieces: Pieces, lr: Tensor) -> None:
-        f, (rows, dim) = factor_of(lr), p.shape
+        f = factor_of(lr)
         assert f is not None
-        f = f.contiguous()
-        for ids, g in pieces:
+        f, inc = f.contiguous(), torch.empty(p.shape[1], dtype=torch.float32)
+        for ids, g, gains in pieces:
             if ids.numel():
-                add_piece(fn, p, rows, dim, ids, g, f)
+                add_piece(fn, p, ids, g, gains, f, inc)
         increment_version(p)  # (written through its pointer: autograd's check of saved tensors sees the change)
 
     return add
 
 
-def add_piece(fn: Callable[..., int], p: Tensor, rows: int, dim: int, ids: Tensor, g: Tensor, factor: Tensor) -> None:
-    """``p[ids[k]] += factor · g[k]`` through the C loop ``fn``: ``ids`` int64 ``[n]`` (``rows``, the sentinel, marks
-    padding: skipped), ``g`` float32 ``[n, dim]`` (any strides), ``factor`` one float32. The shapes and dtypes are
-    checked here: the loop trusts its pointers."""
+def add_piece(fn: Callable[..., int], p: Tensor, ids: Tensor, g: Tensor, gains: Tensor | None, factor: Tensor,
+              inc: Tensor) -> None:
+    """Through the C loop ``fn``, for each bag ``b`` and each of its ids ``i`` in order, ``p[i] += gain · (factor ·
+    g[b])``: ``g`` float32 ``[B, D]`` (any strides), ``ids`` int64 ``[B·L]``, ``gains`` float32 ``[B, L]`` (or
+    ``None``: ``L`` is 1 and ``p[i] += factor · g[b]``), ``factor`` one float32, ``inc`` ``D`` floats of scratch.
+    An id equal to ``p``'s row count (the sentinel) marks padding: skipped. Everything is checked here: the loop
+    trusts its pointers."""
+    rows, dim = p.shape
     ids = ids.contiguous()
-    if (ids.dtype != torch.int64 or ids.dim() != 1 or g.dtype != torch.float32 or tuple(g.shape) != (ids.numel(), dim)
-            or factor.dtype != torch.float32 or factor.numel() != 1 or not factor.is_contiguous()):
-        raise ValueError(f"add_piece: ids {ids.dtype} {tuple(ids.shape)}, rows {g.dtype} {tuple(g.shape)}, factor "
-                         f"{factor.dtype} {tuple(factor.shape)}; expected int64 [n], float32 [n, {dim}], float32 []")
-    if fn(p.data_ptr(), rows, dim, ids.data_ptr(), ids.numel(), g.data_ptr(), g.stride(0), g.stride(1),
-          factor.data_ptr()) != 0:
+    nbags = g.shape[0] if g.dim() == 2 else -1
+    width = 1 if gains is None else (gains.shape[1] if gains.dim() == 2 else -1)
+    if gains is not None:
+        gains = gains.contiguous()
+    tensors = (p, ids, g, factor, inc) + (() if gains is None else (gains,))
+    if (ids.dtype != torch.int64 or ids.dim() != 1 or g.dtype != torch.float32 or g.dim() != 2 or g.shape[1] != dim
+            or ids.numel() != nbags * width
+            or (gains is not None and (gains.dtype != torch.float32 or gains.shape[0] != nbags))
+            or factor.dtype != torch.float32 or factor.numel() != 1 or inc.dtype != torch.float32 or inc.numel() < dim
+            or not p.is_contiguous() or p.dtype != torch.float32
+            or any(t.device.type != "cpu" or t.layout != torch.strided for t in tensors)):
+        got = None if gains is None else (gains.dtype, tuple(gains.shape))
+        raise ValueError(f"add_piece: ids {ids.dtype} {tuple(ids.shape)}, rows {g.dtype} {tuple(g.shape)}, gains {got} "
+                         f"for a {tuple(p.shape)} table; expected int64 [B·L], float32 [B, {dim}], float32 [B, L] or "
+                         "None, all strided on the CPU")
+    if fn(p.data_ptr(), rows, dim, ids.data_ptr(), nbags, width, g.data_ptr(), g.stride(0), g.stride(1),
+          None if gains is None else gains.data_ptr(), factor.data_ptr(), inc.data_ptr()) != 0:
         raise IndexError(f"an id to update is outside the table's {rows} rows and its padding id {rows} (an "
                          "internal error: ids are checked at the lookup)")

@@ -9,7 +9,7 @@ only in which rows they hand it and how the results are written back:
 ``ADDITIVE``          eager, the rule is additive (SGD) and no option needs the summed rows:
                       ``increment(g)`` (``rule(w, g) − w``) is added per looked-up id with
                       ``index_add_`` — no dedup, gather or scatter; where ``FUSED`` would run, in
-                      one C loop per piece of ids, bitwise the same (:mod:`._fused_add`)
+                      one C loop per piece of ids (bags spread in it), bitwise the same (:mod:`._fused_add`)
 ``NO_DEDUP``          ``use_gradient_accumulation=False``: every contribution updates from the same
                       old rows and the changes are added (exact for SGD, an approximation otherwise)
 ``ROWS``              duplicates summed, the touched rows in one pass: XLA (one static-shape
@@ -250,21 +250,23 @@ def _update_additive(item: Work) -> None:
 
 
 def _compiled_additive(item: Work) -> bool:
-    """``Path.ADDITIVE`` through the C increment-and-add (:mod:`._fused_add`), the pieces in the order
-    of the eager path (so bitwise its result), where it runs and every piece holds a row per id
-    (accumulated rows, or sum bags of one id without weights); ``False``: nothing done, the eager path runs."""
+    """``Path.ADDITIVE`` through the C increment-and-add (:mod:`._fused_add`), the chunks in the order of the eager
+    path and each as the eager path makes its rows (so bitwise its result): accumulated rows and sum bags of one id
+    without weights add ``increment(g)``, other bags ``gains · increment(dL/dout)`` per id. ``False``: nothing
+    done, the eager path runs."""
     pieces = item.pieces
     assert pieces is not None
-    chunks = pieces.chunks()
-    if any(isinstance(r, BagRows) and not (r.unit and r.width == 1) for _, r in chunks):
-        return False
     kernel = add_rows_kernel(item)
     if kernel is None:
         return False
-    p = item.p
-    # Padding ids (the sentinel) stay: the loop skips them (no mask, nor a check per piece here).
-    kernel(p, [(ids, (rows.grad_out if isinstance(rows, BagRows) else rows).to(p.dtype)) for ids, rows in chunks],
-           item.lr)
+    p, todo = item.p, []
+    for ids, rows in pieces.chunks():
+        # Padding ids (the sentinel) stay: the loop skips them (no mask, nor a check per piece here).
+        if isinstance(rows, BagRows):
+            todo.append((ids, rows.grad_out.to(p.dtype), None if rows.unit and rows.width == 1 else rows.gains))
+        else:
+            todo.append((ids, rows.to(p.dtype), None))
+    kernel(p, todo, item.lr)
     item.state["step"].copy_(item.state["step"] + 1)
     return True
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -96,15 +97,16 @@ int tte_add_rows(float *restrict p, int64_t rows, int64_t d, const int64_t *rest
 _LOOP: list[Callable[..., int] | None] = []
 
 
-def c_compiler() -> str | None:
-    """The C compiler the loop is built with: ``CC``, else the first of ``cc``, ``gcc``, ``clang`` on the PATH."""
-    cc = os.environ.get("CC", "").strip()
+def c_compiler() -> list[str] | None:
+    """The command of the C compiler the loop is built with: ``CC`` (split as a shell would, e.g. ``ccache gcc``),
+    else the first of ``cc``, ``gcc``, ``clang`` on the PATH."""
+    cc = shlex.split(os.environ.get("CC", ""))
     if cc:
-        return shutil.which(cc) or cc
+        return cc
     for name in ("cc", "gcc", "clang"):
         found = shutil.which(name)
         if found:
-            return found
+            return [found]
     return None
 
 
@@ -134,12 +136,12 @@ def _build() -> Callable[..., int]:
             f.write(_SOURCE)
         errors = ""
         for extra in (["-march=native"], []):
-            run = subprocess.run([cc, *flags, *extra, src, "-o", lib], capture_output=True, text=True, timeout=120)
+            run = subprocess.run([*cc, *flags, *extra, src, "-o", lib], capture_output=True, text=True, timeout=120)
             if run.returncode == 0:
                 break
             errors = run.stderr.strip()
         else:
-            raise RuntimeError(f"{os.path.basename(cc)} failed: {errors.splitlines()[0] if errors else 'no output'}")
+            raise RuntimeError(f"{' '.join(cc)} failed: {errors.splitlines()[0] if errors else 'no output'}")
         fn = ctypes.CDLL(lib).tte_add_rows  # (the mapping outlives the deleted file)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr]

@@ -112,9 +112,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     @staticmethod
-    def increment_factor(lr: Tensor) -> Tensor | None:  # (optim/_fused_add.py; None: the eager add runs)
-        """``f`` with ``increment(g, lr) == f · g`` to the bit (SGD: ``−lr``): ``Path.ADDITIVE``'s C add uses it."""
-        return None
+    def increment_factor(lr: Tensor) -> Tensor | None:  # ``f``, ``increment(g, lr) == f · g`` to the bit (SGD: ``−lr``)
+        return None  # for Path.ADDITIVE's C add (optim/_fused_add.py); None: the eager add runs
 
     @classmethod
     def slot_initial_values(cls, hp: Mapping[str, Any]) -> dict[str, float]:

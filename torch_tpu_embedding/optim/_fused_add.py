@@ -53,8 +53,8 @@ __all__ = ["AddRows", "Pieces", "add_rows_kernel", "c_compiler", "loop"]
 Tensor = torch.Tensor
 #: ``(ids [B·L], g [B, D], gains [B, L] or None)`` pieces, added in order (see :func:`add_piece`)
 Pieces = list[tuple[Tensor, Tensor, Tensor | None]]
-#: ``fn(p, pieces, lr)`` adds ``increment(g, lr)`` to the rows ``ids`` of ``p``, piece by piece in order
-AddRows = Callable[[Tensor, Pieces, Tensor], None]
+#: ``fn(p, pieces)`` adds the step's increments to the rows ``ids`` of ``p``, piece by piece in order
+AddRows = Callable[[Tensor, Pieces], None]
 
 #: ids ahead whose table row is prefetched (4, 8 and 16 measured alike; none is 10-15% slower)
 PREFETCH = 8
@@ -169,11 +169,10 @@ def add_rows_kernel(item: Work) -> AddRows | None:
     fn = loop()
     if fn is None:
         return None
+    f = factor.contiguous()
 
-    def add(p: Tensor, pieces: Pieces, lr: Tensor) -> None:
-        f = factor_of(lr)
-        assert f is not None
-        f, inc = f.contiguous(), torch.empty(p.shape[1], dtype=torch.float32)
+    def add(p: Tensor, pieces: Pieces) -> None:
+        inc = torch.empty(p.shape[1], dtype=torch.float32)
         for ids, g, gains in pieces:
             if ids.numel():
                 add_piece(fn, p, ids, g, gains, f, inc)

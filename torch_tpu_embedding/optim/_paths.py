@@ -266,7 +266,7 @@ def _compiled_additive(item: Work) -> bool:
             todo.append((ids, rows.grad_out.to(p.dtype), None if rows.unit and rows.width == 1 else rows.gains))
         else:
             todo.append((ids, rows.to(p.dtype), None))
-    kernel(p, todo, item.lr)
+    kernel(p, todo)
     item.state["step"].copy_(item.state["step"] + 1)
     return True
 

@@ -202,8 +202,17 @@ def test_where_the_eager_path_runs(kernel_calls: list[int], case: str) -> None:
     assert kernel_calls == []
 
 
-def test_without_a_c_compiler_it_warns_once_and_the_eager_path_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CC", "/nonexistent/bin/cc")
+@pytest.mark.parametrize(("cc", "why"), [
+    ("/nonexistent/bin/cc", "/nonexistent/bin/cc"),  # no such compiler
+    ("true", "add_rows.so"),  # "succeeds" and writes nothing
+    ("cc -include /nonexistent/tte.h", "failed"),  # fails, with and without -march=native
+    ("cc -Dtte_add_rows=another_name", "tte_add_rows"),  # a library without the loop's symbol
+], ids=["missing", "no_output", "fails", "no_symbol"])
+def test_without_a_c_compiler_it_warns_once_and_the_eager_path_runs(monkeypatch: pytest.MonkeyPatch, cc: str,
+                                                                      why: str) -> None:
+    if cc.startswith("cc ") and _fused_add.c_compiler() is None:
+        pytest.skip("no cc here")
+    monkeypatch.setenv("CC", cc)
     monkeypatch.setattr(_fused_update, "_ENABLED", True)
     monkeypatch.setattr(_fused_update, "_WARNED", False)
     monkeypatch.setattr(_fused_add, "_LOOP", [])
@@ -218,7 +227,7 @@ def test_without_a_c_compiler_it_warns_once_and_the_eager_path_runs(monkeypatch:
         _fused_update.set_policy(*before)
         _fused_update.set_enabled(True)
     msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-    assert len(msgs) == 1 and "/nonexistent/bin/cc" in msgs[0], msgs
+    assert len(msgs) == 1 and why in msgs[0], msgs
     assert _fused_add._LOOP == [None]  # not tried again
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)

@@ -116,7 +116,7 @@ def loop() -> Callable[..., int] | None:
     if not _LOOP:
         try:
             _LOOP.append(_build())
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:  # (no symbol: AttributeError)
             _LOOP.append(None)
             text = str(e).strip()
             _fused_update.warn_once(f"{type(e).__name__}: {text.splitlines()[0] if text else ''}")

@@ -110,11 +110,12 @@ def update(item: Work) -> None:
     if item.path is Path.OWNER_LOCAL:
         _update_owner_local(item)
         return
+    if item.path is Path.ADDITIVE:  # (adds to the rows in place: no RowSpace)
+        _update_additive(item)
+        return
     space = RowSpace.of(item.p, item.group, item.state)
     if item.path is Path.DENSE:
         _update_dense(item, space, item.g)
-    elif item.path is Path.ADDITIVE:
-        _update_additive(item)
     else:
         ids = item.ids
         assert ids is not None

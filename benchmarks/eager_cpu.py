@@ -16,7 +16,8 @@ First steps: ``... --first-step`` adds, for every ``ours_*`` mode, the same run 
 ``TTE_FUSED_UPDATE=0`` (``ours_*_reference``, the reference row update throughout) and prints each
 one's first step: ours under the default policy of ``optim/_fused_update.py`` (the reference path for
 the first ``TTE_FUSED_AFTER`` calls: no compile) against the reference run's (goal ≤ 1.5×), and the
-first call of the fused path, which compiles (``TORCHINDUCTOR_CACHE_DIR`` empty: from nothing). After
+first call of the fused path, which compiles (``TORCHINDUCTOR_CACHE_DIR`` empty: from nothing; SGD's C add
+is loaded from ``TTE_KERNEL_CACHE`` once a process has compiled it). After
 its first call an ``ours_*`` run starts the fused path (``set_policy(after=0)``), so that its timed
 steps measure what a long run gets after ``TTE_FUSED_AFTER`` calls; the ratio table adds fused /
 reference path.
@@ -372,7 +373,7 @@ def print_tables(args: argparse.Namespace, threads: int, results: dict[tuple[str
     if any(m in OURS for m in args.modes):
         print("(ours: the first call takes the default policy, TTE_FUSED_AFTER/TTE_FUSED_MIN_ELEMENTS; the "
               "benchmark then starts the fused path, whose first call compiles unless inductor's disk cache "
-              "holds the kernel; the timed steps run it)")
+              "holds the kernel (SGD's C add: TTE_KERNEL_CACHE); the timed steps run it)")
     for mode in args.modes:
         for b in bags:
             r = results.get((mode, b))

@@ -8,8 +8,11 @@ reference path for every optimizer and option; ``TTE_FUSED_UPDATE=1 bash scripts
 whole suite on it. MKL runs its CPU-independent code path (``MKL_CBWR=COMPATIBLE``, below).
 """
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("TTE_FUSED_UPDATE", "0")
@@ -18,6 +21,11 @@ os.environ.setdefault("TTE_FUSED_UPDATE", "0")
 # float32), and tests/test_fused_update.py compares the two paths exactly. The compatible code path
 # computes the same on every CPU. Read when torch first calls MKL, so it is set before any test runs.
 os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
+# SGD's C add (optim/_fused_add.py) keeps its compiled library for later processes; the suite's go to a
+# directory of its own, removed at exit, not to ~/.cache.
+if "TTE_KERNEL_CACHE" not in os.environ:
+    os.environ["TTE_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="tte_kernels_")
+    atexit.register(shutil.rmtree, os.environ["TTE_KERNEL_CACHE"], True)
 
 import pytest  # noqa: E402  (after the environment above: torch reads it)
 import torch  # noqa: E402

@@ -4,13 +4,16 @@ repeated within and across features, padded bags, a jagged feature with per-id w
 pieces of one id, bags of 3 ids (sum, mean, sqrtn); the loop alone against torch's ``mul``, ``spread`` and
 ``index_add_`` for contiguous, column-sliced and broadcast gradient rows, padding skipped; an id outside the table
 or a wrong shape raises and writes nothing; where it does not run (warm-up, ``loss_scale_factor``, the path turned
-off), and one warning, then the eager path, when no C compiler works.
+off), and one warning, then the eager path, when no C compiler works; the compiled library kept for later
+processes, loaded without a compile, compiled again when damaged, and never loaded from a cache others may write.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -209,10 +212,11 @@ def test_where_the_eager_path_runs(kernel_calls: list[int], case: str) -> None:
     ("cc -Dtte_add_rows=another_name", "tte_add_rows"),  # a library without the loop's symbol
 ], ids=["missing", "no_output", "fails", "no_symbol"])
 def test_without_a_c_compiler_it_warns_once_and_the_eager_path_runs(monkeypatch: pytest.MonkeyPatch, cc: str,
-                                                                      why: str) -> None:
+                                                                      why: str, tmp_path: Path) -> None:
     if cc.startswith("cc ") and _fused_add.c_compiler() is None:
         pytest.skip("no cc here")
     monkeypatch.setenv("CC", cc)
+    monkeypatch.setenv("TTE_KERNEL_CACHE", str(tmp_path))  # (nothing cached there to load instead)
     monkeypatch.setattr(_fused_update, "_ENABLED", True)
     monkeypatch.setattr(_fused_update, "_WARNED", False)
     monkeypatch.setattr(_fused_add, "_LOOP", [])
@@ -231,3 +235,84 @@ def test_without_a_c_compiler_it_warns_once_and_the_eager_path_runs(monkeypatch:
     assert _fused_add._LOOP == [None]  # not tried again
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------- the kernel cache
+def _compiles(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """Every compiler command the loop's build runs from now on."""
+    runs: list[list[str]] = []
+    real = _fused_add.subprocess.run
+
+    def counted(cmd: list[str], **kw: Any) -> Any:
+        runs.append(cmd)
+        return real(cmd, **kw)
+
+    monkeypatch.setattr(_fused_add.subprocess, "run", counted)
+    return runs
+
+
+def _check_loop(fn: Any) -> None:
+    """``fn`` is the loop: one piece against torch's ``index_add_``."""
+    p, ids, rows = torch.zeros(8, 4), torch.tensor([1, 5, 1]), torch.arange(12.0).view(3, 4)
+    want = p.clone().index_add_(0, ids, -0.5 * rows)
+    _fused_add.add_piece(fn, p, ids, rows, None, torch.tensor(-0.5), torch.empty(4))
+    assert torch.equal(p, want)
+
+
+@pytest.fixture
+def fresh_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, c_loop: Any) -> Path:
+    """An empty kernel cache, and no loop built in this process yet."""
+    monkeypatch.setenv("TTE_KERNEL_CACHE", str(tmp_path / "kernels"))
+    monkeypatch.setattr(_fused_add, "_LOOP", [])
+    return tmp_path / "kernels"
+
+
+def test_a_later_process_loads_the_loop_from_the_cache(monkeypatch: pytest.MonkeyPatch, fresh_cache: Path) -> None:
+    """The first build compiles and keeps the library (private to this user); the next build, as a new
+    process's first, loads it without running the compiler."""
+    runs = _compiles(monkeypatch)
+    _check_loop(_fused_add.loop())
+    assert runs, "the first build compiles"
+    kept = list(fresh_cache.glob("add_rows-*.so"))
+    assert len(kept) == 1 and not kept[0].stat().st_mode & 0o022 and not fresh_cache.stat().st_mode & 0o077
+    assert [p.name for p in fresh_cache.iterdir()] == [kept[0].name]  # (its temporary directory is gone)
+    runs.clear()
+    monkeypatch.setattr(_fused_add, "_LOOP", [])
+    _check_loop(_fused_add.loop())
+    assert runs == []
+
+
+def test_a_damaged_cached_library_is_compiled_again_and_replaced(monkeypatch: pytest.MonkeyPatch,
+                                                                 fresh_cache: Path) -> None:
+    _fused_add.loop()
+    (kept,) = fresh_cache.glob("add_rows-*.so")
+    bad = fresh_cache / "bad"
+    bad.write_bytes(b"not a library")
+    bad.chmod(0o700)
+    os.replace(bad, kept)  # (a new file: the library this process loaded stays mapped as it was)
+    runs = _compiles(monkeypatch)
+    monkeypatch.setattr(_fused_add, "_LOOP", [])
+    _check_loop(_fused_add.loop())
+    assert runs
+    assert kept.read_bytes()[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("case", ["off", "shared_directory", "shared_library"])
+def test_the_cache_is_not_used_when_off_or_writable_by_others(monkeypatch: pytest.MonkeyPatch, fresh_cache: Path,
+                                                              case: str) -> None:
+    """``TTE_KERNEL_CACHE=0`` keeps nothing; a cache directory or library that others may write is never loaded
+    from (a library there runs as this user): every build compiles."""
+    if case == "off":
+        monkeypatch.setenv("XDG_CACHE_HOME", str(fresh_cache))
+        monkeypatch.setenv("HOME", str(fresh_cache))
+        monkeypatch.setenv("TTE_KERNEL_CACHE", "0")
+    else:
+        _fused_add.loop()
+        monkeypatch.setattr(_fused_add, "_LOOP", [])
+        (kept,) = fresh_cache.glob("add_rows-*.so")
+        (fresh_cache if case == "shared_directory" else kept).chmod(0o777)
+    runs = _compiles(monkeypatch)
+    _check_loop(_fused_add.loop())
+    assert runs
+    if case == "off":
+        assert not fresh_cache.exists()

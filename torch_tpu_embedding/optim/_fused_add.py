@@ -25,9 +25,9 @@ directory and nobody else may write either.
 The result is bitwise the eager path's at any thread count (tests/test_fused_add.py): each product (``f · g``,
 then ``gain ·`` it) and each sum is rounded once, as torch's ``mul`` and ``index_add_`` round them
 (``-ffp-contract=off``: no fused multiply-add); the ids are added in the eager path's order (piece by piece,
-bag by bag). Padding (the sentinel id, one past the last
-row) is skipped in the loop, as the eager path drops it first. The C function first checks every id of the
-piece and writes nothing if one is outside the table's rows and the sentinel.
+bag by bag). Padding (the sentinel id, one past the last row) is skipped in the loop, as the eager path drops
+it first. The C function first checks every id of the piece and writes nothing if one is outside the table's
+rows and the sentinel.
 
 It runs where the fused row update would (:func:`._fused_update.usable`, its :func:`~._fused_update.policy`:
 from the optimizer's call ``TTE_FUSED_AFTER`` on, for tables of ``TTE_FUSED_MIN_ELEMENTS`` numbers or

@@ -17,8 +17,9 @@ The loop is compiled with the system's C compiler (``CC``, else ``cc``, ``gcc`` 
 called through :mod:`ctypes`. On Linux the library is kept in :func:`cache_dir` (``TTE_KERNEL_CACHE``, else
 ``~/.cache/torch_tpu_embedding/kernels``), named by a hash of the source, the compiler command and flags and the
 CPU's model and flags (``-march=native``), so later processes load it instead of compiling: the compiler's
-process inside the step that first adds through the loop slowed the next steps too (SGD, 1 id per bag, median
-of steps 4–11 in 4 alternating pairs of processes: 3.93–4.88 ms compiling, 3.75–4.00 ms loading).
+process inside the step that first adds through the loop slowed the next steps too (``benchmarks/eager_cpu.py
+--threads 1 --iters 8 --bags 1 --modes ours_sgd``, 5 alternating pairs of runs: 3.52–4.00 ms a step with
+``TTE_KERNEL_CACHE=0``, 3.35–3.63 ms loading; docs/benchmarks.md).
 ``TTE_KERNEL_CACHE=0`` turns the cache off; a library there is loaded only if this user owns it and its
 directory and nobody else may write either.
 

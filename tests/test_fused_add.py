@@ -5,7 +5,8 @@ pieces of one id, bags of 3 ids (sum, mean, sqrtn); the loop alone against torch
 ``index_add_`` for contiguous, column-sliced and broadcast gradient rows, padding skipped; an id outside the table
 or a wrong shape raises and writes nothing; where it does not run (warm-up, ``loss_scale_factor``, the path turned
 off), and one warning, then the eager path, when no C compiler works; the compiled library kept for later
-processes, loaded without a compile, compiled again when damaged, and never loaded from a cache others may write.
+processes, loaded without a compile, compiled again when damaged, never loaded from a cache others may write, and
+compiled in the temporary directory when the cache's libraries cannot load (a noexec mount).
 """
 
 from __future__ import annotations
@@ -316,3 +317,24 @@ def test_the_cache_is_not_used_when_off_or_writable_by_others(monkeypatch: pytes
     assert runs
     if case == "off":
         assert not fresh_cache.exists()
+
+
+def test_a_cache_whose_libraries_cannot_load_compiles_in_the_temporary_directory(monkeypatch: pytest.MonkeyPatch,
+                                                                                 fresh_cache: Path) -> None:
+    """As on a ``noexec`` mount: the library compiled in the cache does not load there, so it is compiled again in
+    the system's temporary directory and runs; nothing is kept."""
+    real = _fused_add._load
+
+    def load(lib: str) -> Any:
+        if lib.startswith(str(fresh_cache)):
+            raise OSError(f"{lib}: failed to map segment from shared object")
+        return real(lib)
+
+    monkeypatch.setattr(_fused_add, "_load", load)
+    runs = _compiles(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _check_loop(_fused_add.loop())
+    assert len(runs) == 2  # ([..., '-o', library]: first in the cache, then not)
+    assert runs[0][-1].startswith(str(fresh_cache)) and not runs[1][-1].startswith(str(fresh_cache))
+    assert list(fresh_cache.iterdir()) == []

@@ -21,7 +21,8 @@ process inside the step that first adds through the loop slowed the next steps t
 --threads 1 --iters 8 --bags 1 --modes ours_sgd``, 5 alternating pairs of runs: 3.52–4.00 ms a step with
 ``TTE_KERNEL_CACHE=0``, 3.35–3.63 ms loading; docs/benchmarks.md).
 ``TTE_KERNEL_CACHE=0`` turns the cache off; a library there is loaded only if this user owns it and its
-directory and nobody else may write either.
+directory and nobody else may write either, and where none loads from there (a ``noexec`` mount) the loop is
+compiled again in the system's temporary directory.
 
 The result is bitwise the eager path's at any thread count (tests/test_fused_add.py): each product (``f · g``,
 then ``gain ·`` it) and each sum is rounded once, as torch's ``mul`` and ``index_add_`` round them
@@ -178,12 +179,11 @@ def _build() -> Callable[..., int]:
     cc = c_compiler()
     if cc is None:
         raise RuntimeError("no C compiler (set CC, or install cc, gcc or clang)")
-    cc = [shutil.which(cc[0]) or cc[0], *cc[1:]]  # (a path: see close_fds below)
+    cc = [shutil.which(cc[0]) or cc[0], *cc[1:]]  # (a path: see close_fds in _compile)
     # -ffp-contract=off: a product and a sum, each rounded, as torch's mul and index_add_ (a fused multiply-add
     # would round once and differ in the last bit). -march=native only where the compiler takes it.
     flags = ["-O3", "-ffp-contract=off", "-fPIC", "-shared"]
     cache = cache_dir()
-    kept = None
     if cache is not None:
         key = hashlib.sha256("\0".join([_SOURCE, *cc, *flags, platform.machine(), _cpu()]).encode()).hexdigest()
         kept = os.path.join(cache, f"add_rows-{key[:24]}.so")
@@ -194,11 +194,17 @@ def _build() -> Callable[..., int]:
                 pass
         try:
             os.makedirs(cache, mode=0o700, exist_ok=True)
-        except OSError:
-            cache = None
-    if cache is None or not _own_and_private(cache) or not os.access(cache, os.W_OK | os.X_OK):
-        cache = kept = None  # compiled in the system's temporary directory, for this process only
-    with tempfile.TemporaryDirectory(prefix="tte_add_rows_", dir=cache) as tmp:
+            if _own_and_private(cache) and os.access(cache, os.W_OK | os.X_OK):
+                return _compile(cc, flags, cache, kept)
+        except OSError:  # e.g. a cache on a noexec mount, whose libraries do not load
+            pass
+    return _compile(cc, flags, None, None)  # in the system's temporary directory, for this process only
+
+
+def _compile(cc: list[str], flags: list[str], where: str | None, kept: str | None) -> Callable[..., int]:
+    """The loop compiled in a new directory under ``where`` (``None``: the system's temporary one) and loaded;
+    the library then renamed to ``kept`` (if given)."""
+    with tempfile.TemporaryDirectory(prefix="tte_add_rows_", dir=where) as tmp:
         src, lib = os.path.join(tmp, "add_rows.c"), os.path.join(tmp, "add_rows.so")
         with open(src, "w") as f:
             f.write(_SOURCE)

@@ -94,9 +94,12 @@ def test_bag_forward_and_row_grads(combiner: str, form: str, weighted: bool) -> 
         np.testing.assert_allclose(row, ref_grads[i], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
 @pytest.mark.parametrize("shape", [(6,), (3, 2, 1), (6, 1)], ids=["B", "B-S-1", "B-1"])
-def test_dense_ids_are_a_plain_gather(shape: tuple[int, ...]) -> None:
-    ec = make("mean")
+def test_dense_ids_are_a_plain_gather(shape: tuple[int, ...], combiner: str) -> None:
+    """One id a bag, every gain 1 under every combiner (taken without a pass over the ids): the rows themselves,
+    and each id's row gradient its bag's."""
+    ec = make(combiner)
     ids = torch.tensor([4, 0, 4, 7, 2, 8]).reshape(shape)
     out = ec({"f": ids})["f"]
     table = ec.tables.t.weight.detach()

@@ -100,7 +100,7 @@ class _RowSparseLookup(torch.autograd.Function):
         # One output per feature (views of ``out``): the backward then gets each feature's gradient as it is
         # (often a view of the gradient of the caller's torch.cat of the features), where a split of one
         # output would have its backward concatenate them into a new [N, D] tensor first.
-        return tuple(torch.split(out, list(splits))) if len(splits) > 1 else (out,)
+        return tuple(out.split_with_sizes(list(splits))) if len(splits) > 1 else (out,)
 
     @staticmethod
     def backward(  # type: ignore[override]
@@ -252,7 +252,9 @@ class LookupBatch:
         if items[0][1].offsets is not None:
             return self._run_jagged()
         pieces = self._lookup(torch.cat, tuple(b.ids.shape[0] for _, b in items))
-        return {path: piece.reshape(*b.out_shape, dim) for (path, b), piece in zip(items, pieces, strict=True)}
+        # (no reshape of a piece already in shape: each would add a node to the backward)
+        return {path: piece if piece.shape == (*b.out_shape, dim) else piece.reshape(*b.out_shape, dim)
+                for (path, b), piece in zip(items, pieces, strict=True)}
 
     def side_by_side(self) -> bool:
         """Whether :meth:`run_side_by_side` can look the batch up: padded bags, each item ``[B]`` bags, one ``B``."""
@@ -284,13 +286,17 @@ class LookupBatch:
         if not self.resident:  # one transfer of the batch's ids (and weights)
             ids = ids.to(weight.device)
             w = None if w is None else w.to(weight.device)
-        valid = ids != weight.shape[0]  # padding holds the sentinel (Bags)
+        full = all(b.full for _, b in items)
+        if full and w is None and (ids.shape[1] == 1 or self.combiner == "sum"):
+            # No padding and no weights (dense ids): every gain is 1, as bag_gains would find (no pass over the ids)
+            gains = torch.ones(ids.shape, dtype=compute_dtype(dtype), device=ids.device)
+        else:  # (padding holds the sentinel: Bags)
+            gains = bag_gains(ids != weight.shape[0], w, self.combiner, dtype)
         info = table_info(weight)
         frozen = None if info is None else info.frozen_rows
         training = frozenset(self.tables) - (info.frozen_tables if info is not None else frozenset())
-        return lookup(weight, ids, bag_gains(valid, w, self.combiner, dtype), self.row_grad, training, frozen,
-                      splits, unit=self.combiner == "sum" and w is None, uniform=w is None,
-                      full=all(b.full for _, b in items))
+        return lookup(weight, ids, gains, self.row_grad, training, frozen, splits,
+                      unit=self.combiner == "sum" and w is None, uniform=w is None, full=full)
 
     def _run_jagged(self) -> dict[Path, torch.Tensor]:
         """:meth:`run` for jagged bags (eager devices): one pooled lookup of every item's ids, unpadded."""

@@ -43,26 +43,30 @@ def rebuild(template: Any, values: dict[Path, Any], path: Path = ()) -> Any:
     return values[path]
 
 
+def _where(path: Path) -> str:
+    return f" at `{path_name(path)}`" if path else ""
+
+
 def check_structure(config: Any, given: Any, what: str, path: Path = ()) -> None:
     """``given`` must have ``config``'s structure (leaves of ``given`` may be anything)."""
-    where = f" at `{path_name(path)}`" if path else ""
     if isinstance(config, Mapping):
         if not isinstance(given, Mapping):
-            raise TypeError(f"{what}{where} must be a mapping like the feature config. "
+            raise TypeError(f"{what}{_where(path)} must be a mapping like the feature config. "
                             f"Received: {type(given).__name__}")
-        missing = sorted(set(map(str, config)) - set(map(str, given)))
-        unknown = sorted(set(map(str, given)) - set(map(str, config)))
-        if missing or unknown:
-            raise ValueError(
-                f"{what}{where} do not match the feature config: missing {missing}, "
-                f"unknown {unknown}."
-            )
+        if given.keys() != config.keys():  # (equal keys, the usual case: nothing to list)
+            missing = sorted(set(map(str, config)) - set(map(str, given)))
+            unknown = sorted(set(map(str, given)) - set(map(str, config)))
+            if missing or unknown:
+                raise ValueError(
+                    f"{what}{_where(path)} do not match the feature config: missing {missing}, "
+                    f"unknown {unknown}."
+                )
         for key in config:
             check_structure(config[key], given[key], what, (*path, key))
     elif isinstance(config, (list, tuple)):
         if not isinstance(given, (list, tuple)) or len(given) != len(config):
             raise ValueError(
-                f"{what}{where} must be a list/tuple of {len(config)} entries like the feature "
+                f"{what}{_where(path)} must be a list/tuple of {len(config)} entries like the feature "
                 f"config. Received: {type(given).__name__}"
                 + (f" of {len(given)}" if isinstance(given, (list, tuple)) else "")
             )

@@ -279,7 +279,7 @@ def add_piece(fn: Callable[..., int], p: Tensor, ids: Tensor, g: Tensor, gains: 
             or (gains is not None and (gains.dtype != torch.float32 or gains.shape[0] != nbags))
             or factor.dtype != torch.float32 or factor.numel() != 1 or inc.dtype != torch.float32 or inc.numel() < dim
             or not p.is_contiguous() or p.dtype != torch.float32
-            or any(t.device.type != "cpu" or t.layout != torch.strided for t in tensors)):
+            or not all(t.is_cpu and t.layout == torch.strided for t in tensors)):
         got = None if gains is None else (gains.dtype, tuple(gains.shape))
         raise ValueError(f"add_piece: ids {ids.dtype} {tuple(ids.shape)}, rows {g.dtype} {tuple(g.shape)}, gains {got} "
                          f"for a {tuple(p.shape)} table; expected int64 [B·L], float32 [B, {dim}], float32 [B, L] or "

@@ -29,18 +29,19 @@ Example::
 
 from __future__ import annotations
 
-import os
 import platform
 import sys
 
 import torch
+
+from torch_tpu_embedding._env import switched_on
 
 __all__ = ["PRIME_BYTES", "enabled", "prime"]
 
 #: under glibc's DEFAULT_MMAP_THRESHOLD_MAX (4 MiB · sizeof(long)), chunk header and alignment included:
 #: a freed mapped block larger than that leaves the thresholds as they were
 PRIME_BYTES = 31 << 20
-_ENABLED = os.environ.get("TTE_HEAP_PRIME", "1").strip().lower() not in ("0", "false", "off", "no")
+_ENABLED = switched_on("TTE_HEAP_PRIME")
 _DONE = False
 
 

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import sys
 
 import torch
 
 from torch_tpu_embedding import _heap
+from torch_tpu_embedding._env import switched_on
 
 __all__ = ["MIN_BYTES", "advise", "empty", "enabled"]
 
@@ -42,7 +42,7 @@ __all__ = ["MIN_BYTES", "advise", "empty", "enabled"]
 MIN_BYTES = 32 << 20
 _HUGE = 2 << 20
 _MADV_HUGEPAGE = 14  # <linux/mman.h>
-_ENABLED = os.environ.get("TTE_HUGE_PAGES", "1").strip().lower() not in ("0", "false", "off", "no")
+_ENABLED = switched_on("TTE_HUGE_PAGES")
 
 
 def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]

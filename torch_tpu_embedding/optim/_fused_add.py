@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.autograd.graph import increment_version
 
+from torch_tpu_embedding._env import is_off
 from torch_tpu_embedding._registry import optimizer_class
 from torch_tpu_embedding.optim import _fused_update
 
@@ -127,7 +128,7 @@ def cache_dir() -> str | None:
     ``$XDG_CACHE_HOME/torch_tpu_embedding/kernels`` (``~/.cache/...``); ``None`` with ``TTE_KERNEL_CACHE=0`` or
     off Linux (no CPU identity to name a ``-march=native`` library by)."""
     chosen = os.environ.get("TTE_KERNEL_CACHE", "").strip()
-    if chosen.lower() in ("0", "off", "false", "no") or not sys.platform.startswith("linux"):
+    if is_off(chosen) or not sys.platform.startswith("linux"):
         return None
     if chosen:
         return os.path.abspath(os.path.expanduser(chosen))

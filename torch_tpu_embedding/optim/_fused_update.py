@@ -51,6 +51,7 @@ import torch.fx.experimental._config as fx_config
 from torch.utils.weak import WeakIdKeyDictionary
 
 from torch_tpu_embedding._dtypes import math_dtype
+from torch_tpu_embedding._env import switched_on
 from torch_tpu_embedding._registry import optimizer_class
 from torch_tpu_embedding._rows import table_info
 from torch_tpu_embedding.optim._contract import RowContext, Slots
@@ -66,7 +67,7 @@ __all__ = ["call", "chunk_rows", "compiled_kernels", "enabled", "has_compiler", 
 
 Tensor = torch.Tensor
 
-_ENABLED = os.environ.get("TTE_FUSED_UPDATE", "1").strip().lower() not in ("0", "false", "off", "no")
+_ENABLED = switched_on("TTE_FUSED_UPDATE")
 
 
 def _env_count(name: str, default: int) -> int:

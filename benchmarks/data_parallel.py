@@ -2,7 +2,7 @@
 
 Times a training step (forward, backward, exchange, optimizer step) of ``--tables`` tables of
 ``--rows`` × ``--dim`` on ``--world`` processes, each with ``--batch`` bags of ``--bag`` ids (uniform or
-Zipf), for two forms of the exchange in ``torch_tpu_embedding/distributed.py``:
+Zipf), for two forms of the exchange in ``torch_tpu_embedding/distributed/data_parallel.py``:
 
 * ``coalesce`` (the library's): each rank sums its duplicate ids first (a factored SGD gradient is
   multiplied out piece by piece) and sends its distinct rows;

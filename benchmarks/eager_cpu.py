@@ -14,7 +14,7 @@ capped at 1,000,000 rows, 5.6 M rows in all), ours built the default way (tables
 
 First steps: ``... --first-step`` adds, for every ``ours_*`` mode, the same run with
 ``TTE_FUSED_UPDATE=0`` (``ours_*_reference``, the reference row update throughout) and prints each
-one's first step: ours under the default policy of ``optim/_fused_update.py`` (the reference path for
+one's first step: ours under the default policy of ``optim/row_update.py`` (the reference path for
 the first ``TTE_FUSED_AFTER`` calls: no compile) against the reference run's (goal ≤ 1.5×), and the
 first call of the fused path, which compiles (``TORCHINDUCTOR_CACHE_DIR`` empty: from nothing; SGD's C add
 is loaded from ``TTE_KERNEL_CACHE`` once a process has compiled it). After
@@ -147,7 +147,7 @@ FBGEMM_PINS = ["torch==2.13.0", "fbgemm-gpu-cpu==1.8.0", "numpy"]
 def _ours(args: argparse.Namespace, opt_name: str, raw: list[list[torch.Tensor]], stacked: bool = True,
           concat: bool = False) -> dict[str, Any]:
     import torch_tpu_embedding as tte
-    from torch_tpu_embedding.optim import _fused_update
+    from torch_tpu_embedding.optim._kernels import row_update
 
     t, b, n = args.tables, args.batch, args.bag
     tables = [tte.TableConfig(rows, args.dim, name=f"t{i}", combiner=args.pool)
@@ -177,13 +177,13 @@ def _ours(args: argparse.Namespace, opt_name: str, raw: list[list[torch.Tensor]]
             # The first call ran under the default policy (the reference path: no compile). The timed
             # steps measure the fused path a long run takes after TTE_FUSED_AFTER calls: it starts now,
             # and the next call compiles its kernel.
-            _fused_update.set_policy(after=0)
+            row_update.set_policy(after=0)
         return loss
 
     res = time_steps(step, batches, args.warmup, args.iters)
     if len(calls) > 1:
         res["second_step_ms"] = calls[1]
-    res["fused_policy"] = list(_fused_update.policy())
+    res["fused_policy"] = list(row_update.policy())
     return res
 
 

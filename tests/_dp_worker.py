@@ -283,7 +283,7 @@ def _spmd_excluded(rank: int, world: int) -> dict[str, Any]:
 
 def _static_run(rank: int, world: int) -> dict[str, Any]:
     """The static-shape exchange (XLA multi-process: raw padded rows, sizes checked once), run on the CPU."""
-    dp = sys.modules["torch_tpu_embedding._grad_sync"]
+    dp = sys.modules["torch_tpu_embedding.distributed.grad_sync"]
     real = dp.is_static_device  # type: ignore[attr-defined]
     dp.is_static_device = lambda device: True  # type: ignore[attr-defined]
     try:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding import _draw
+from torch_tpu_embedding.modules import deferred_init
 
 #: A chunk of a few rows (the tables' rows are 12 to 48 bytes): each table is drawn in many chunks.
 SMALL_CHUNK = 1003
@@ -63,7 +63,7 @@ def storage_bytes(t: torch.Tensor) -> int:
 
 
 def values(rank: int, world: int) -> dict[str, Any]:
-    _draw.CHUNK_BYTES = SMALL_CHUNK
+    deferred_init.CHUNK_BYTES = SMALL_CHUNK
     ec, after = build(meta=True)
     metas = {n: t.weight.is_meta for n, t in ec.physical_tables().items()}
     placements = tte.distributed.shard(ec)
@@ -223,7 +223,7 @@ def peak(meta: bool) -> dict[str, Any]:
     tte.distributed.shard(ec)
     w = ec.tables["huge"].weight
     result = {"growth": _status("VmHWM") - base, "shard": storage_bytes(w),
-              "chunk": _draw.CHUNK_BYTES, "table": PEAK_ROWS * PEAK_DIM * 4, "checksum_rows": int(w.shape[0])}
+              "chunk": deferred_init.CHUNK_BYTES, "table": PEAK_ROWS * PEAK_DIM * 4, "checksum_rows": int(w.shape[0])}
     del ec, w
     return result
 
@@ -241,7 +241,7 @@ def worker(rank: int, world: int, port: int, out_dir: str, job: str) -> None:
         results["whole"] = peak(meta=False)
     else:
         results["values"] = values(rank, world)
-        _draw.CHUNK_BYTES = SMALL_CHUNK * 7
+        deferred_init.CHUNK_BYTES = SMALL_CHUNK * 7
         for name in ("adagrad", "adafactor-global_clipnorm-ema"):
             for dtype in (torch.float64, torch.float32):
                 for meta in (True, False):

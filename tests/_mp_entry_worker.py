@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from torch.distributed.tensor import DTensor, Shard
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding._pg_exchange import group_sharding, send_to_owners
+from torch_tpu_embedding.distributed.exchange import group_sharding, send_to_owners
 
 
 def _kinds(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:

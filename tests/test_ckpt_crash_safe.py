@@ -27,8 +27,8 @@ from _crash_child import build, train
 from test_load_all_or_nothing import prepared, same, snapshot, step
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding import _ckpt_publish
 from torch_tpu_embedding.checkpoint import CheckpointCorruptError, CheckpointMismatchError
+from torch_tpu_embedding.checkpoint import publish as ckpt_publish
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -206,7 +206,7 @@ def test_crafted_distributed_counters_and_pending_ids_change_nothing(tmp_path: P
     meta = torch.load(ckpt / "tte_meta.pt", weights_only=True)
     damage(meta)
     torch.save(meta, ckpt / "tte_meta.pt")
-    _ckpt_publish.write_manifest(str(ckpt))
+    ckpt_publish.write_manifest(str(ckpt))
     m, opt = _model(tmp_path)
     before = snapshot(m, opt, ckpt)
     with pytest.raises(CheckpointMismatchError, match=pattern):

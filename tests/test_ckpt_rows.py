@@ -1,4 +1,4 @@
-"""The windowed reader of process-group checkpoints' rank files (torch_tpu_embedding/_ckpt_rows.py), in one
+"""The windowed reader of process-group checkpoints' rank files (torch_tpu_embedding/checkpoint/logical_rows.py), in one
 process: rank files as ``save_sharded`` writes them (a table's stored rows in ascending logical id, with
 their ids and a row slot), read into each rank's shard of another world size by the ownership
 (``_pg_ckpt._locator``), in windows of a few rows so that windows are partly ours, wholly ours and not
@@ -17,18 +17,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from torch_tpu_embedding import _ckpt_rows
-from torch_tpu_embedding._ckpt_publish import CHUNK, RESERVE, CheckpointCorruptError
-from torch_tpu_embedding._ckpt_rows import Source, everything, select_accumulation
-from torch_tpu_embedding._pg_ckpt import _locator
-from torch_tpu_embedding._pg_exchange import GroupSharding
+from torch_tpu_embedding.checkpoint import logical_rows
+from torch_tpu_embedding.checkpoint.logical_rows import Source, everything, select_accumulation
+from torch_tpu_embedding.checkpoint.publish import CHUNK, RESERVE, CheckpointCorruptError
+from torch_tpu_embedding.distributed.exchange import GroupSharding
+from torch_tpu_embedding.distributed.sharded_checkpoint import _locator
 from torch_tpu_embedding.routing import RowOwnership
 
 V, D = 3001, 3  # not a multiple of the row block: padding rows at every world size
 
 
 def sharding(world: int, rank: int, placement: str = "row", owner: int = 0) -> GroupSharding:
-    """The layout ``tte.distributed.shard`` gives a ``V``-row table (torch_tpu_embedding/_pg_shard.py)."""
+    """The layout ``tte.distributed.shard`` gives a ``V``-row table (torch_tpu_embedding/distributed/sharding.py)."""
     if placement == "row":
         block = math.lcm(512, world)
         ownership = RowOwnership("interleaved", -(-V // block) * block, world, block)
@@ -62,7 +62,7 @@ def source(path: Path, world: int) -> Source:
 def test_each_rank_gets_exactly_its_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, saved: int,
                                          loaded: int, mapped: bool) -> None:
     write_rank_files(tmp_path / "ck", saved)
-    monkeypatch.setattr(_ckpt_rows, "window_rows", lambda src, dest: 40)  # windows of 40 rows
+    monkeypatch.setattr(logical_rows, "window_rows", lambda src, dest: 40)  # windows of 40 rows
     src = source(tmp_path / "ck", saved)
     assert src.files is not None
     assert all(o is not None for o in src.files.offsets)  # torch.save's storages found in the files
@@ -139,17 +139,17 @@ def test_a_window_fits_the_read_buffer(shape: tuple[int, ...], src: torch.dtype,
     ``window_rows`` rows, every buffer in it and its rounding to pages included, is at most WINDOW_BYTES,
     and within a page and a row of it (windows are not needlessly short); with the Locate's charge it
     makes BUFFER = CHUNK - RESERVE; the buffers are where they say."""
-    assert _ckpt_rows.WINDOW_BYTES + _ckpt_rows._PIECE * _ckpt_rows._LOCATE_BYTES == _ckpt_rows.BUFFER
-    assert _ckpt_rows.BUFFER == CHUNK - RESERVE
+    assert logical_rows.WINDOW_BYTES + logical_rows._PIECE * logical_rows._LOCATE_BYTES == logical_rows.BUFFER
+    assert logical_rows.BUFFER == CHUNK - RESERVE
     a, b = torch.zeros((), dtype=src).expand(shape), torch.zeros((), dtype=dest).expand(shape)
-    n = _ckpt_rows.window_rows(a, b)
-    assert _ckpt_rows.window_bytes(n, a, b) <= _ckpt_rows.WINDOW_BYTES
+    n = logical_rows.window_rows(a, b)
+    assert logical_rows.window_bytes(n, a, b) <= logical_rows.WINDOW_BYTES
     row = math.prod(shape[1:]) * (2 * a.element_size() + (b.element_size() if src != dest else 0)) + 33
-    assert _ckpt_rows.window_bytes(n + 1, a, b) > _ckpt_rows.WINDOW_BYTES - 8 * 64 - 2 * 4096 - row
-    w = _ckpt_rows.window_buffers(n, a, b)
+    assert logical_rows.window_bytes(n + 1, a, b) > logical_rows.WINDOW_BYTES - 8 * 64 - 2 * 4096 - row
+    w = logical_rows.window_buffers(n, a, b)
     ends = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in w if t.numel())
     assert all(e <= s for (_, e), (s, _) in zip(ends, ends[1:], strict=False))  # no overlap
-    assert ends[-1][1] - ends[0][0] <= _ckpt_rows.window_bytes(n, a, b)
+    assert ends[-1][1] - ends[0][0] <= logical_rows.window_bytes(n, a, b)
     assert w.rows.shape == w.gathered.shape == (n, *shape[1:]) and w.cast.shape[0] == (n if src != dest else 0)
 
 
@@ -170,7 +170,7 @@ def test_placing_ids_stays_within_its_charge(placement: str, world: int) -> None
     ownership = (RowOwnership("interleaved", -(-rows // block) * block, world, block) if placement == "row"
                  else RowOwnership("range", world * rows, world))
     locate = _locator(GroupSharding(placement, None, world, world - 1, rows, ownership, 1))
-    ids = torch.randint(0, rows, (_ckpt_rows._PIECE,))
+    ids = torch.randint(0, rows, (logical_rows._PIECE,))
     for _ in range(3):  # the last measured: the first calls build lazily what is not a load's
         gc.collect()
         ctypes.CDLL(None).malloc_trim(0)
@@ -180,5 +180,5 @@ def test_placing_ids_stays_within_its_charge(placement: str, world: int) -> None
         mine, local = locate(ids)
         del mine, local
         grown = (_kib("VmHWM") - before) * 1024
-    assert grown <= _ckpt_rows._PIECE * _ckpt_rows._LOCATE_BYTES, (
-        f"{placement}, {world} ranks: {grown / _ckpt_rows._PIECE:.0f} bytes per id")
+    assert grown <= logical_rows._PIECE * logical_rows._LOCATE_BYTES, (
+        f"{placement}, {world} ranks: {grown / logical_rows._PIECE:.0f} bytes per id")

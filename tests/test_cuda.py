@@ -17,8 +17,10 @@ from optim_registry import OPTIMIZER_INFOS, OptimizerConfig
 from test_fused_update import CASES as FUSED_CASES  # the configurations that take the fused path
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding.optim import _base, _fused_update, _paths
-from torch_tpu_embedding.optim._paths import Path
+from torch_tpu_embedding.optim._core import base as core_base
+from torch_tpu_embedding.optim._core import update_paths
+from torch_tpu_embedding.optim._core.update_paths import Path
+from torch_tpu_embedding.optim._kernels import row_update
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
 
@@ -99,9 +101,9 @@ def test_cuda_trains_like_the_cpu(cfg: OptimizerConfig) -> None:
 
 @pytest.fixture
 def fused_from_the_first_step() -> Iterator[None]:
-    before = _fused_update.set_policy(0, 0)
+    before = row_update.set_policy(0, 0)
     yield
-    _fused_update.set_policy(*before)
+    row_update.set_policy(*before)
 
 
 @pytest.mark.usefixtures("fused_from_the_first_step")
@@ -115,21 +117,21 @@ def test_fused_update_on_cuda_equals_the_reference_path(cfg: OptimizerConfig,
     ran: list[Path] = []
 
     def spy(item: Any) -> None:
-        _paths.update(item)
+        update_paths.update(item)
         ran.append(item.path)  # after the update: a kernel that failed to build has become ROW_CHUNKS
 
-    monkeypatch.setattr(_base, "update", spy)
+    monkeypatch.setattr(core_base, "update", spy)
     base = build(torch.float32)
     fused, ref = on(base, "cuda"), on(base, "cuda")
     opts = [cfg.make([*m[0].parameters(), *m[1].parameters()]) for m in (fused, ref)]
     k = cfg.kwargs.get("gradient_accumulation_steps") or 1
     for s in range(4 * k):
         for m, opt, enabled in ((fused, opts[0], True), (ref, opts[1], False)):
-            before = _fused_update.set_enabled(enabled)
+            before = row_update.set_enabled(enabled)
             try:
                 train(m, opt, range(s, s + 1), dev, torch.float32)
             finally:
-                _fused_update.set_enabled(before)
+                row_update.set_enabled(before)
         assert_same(tensors(fused, opts[0]), tensors(ref, opts[1]), 1e-6)
         with torch.no_grad():
             for p, q in zip([*fused[0].parameters(), *fused[1].parameters()],

@@ -1,4 +1,4 @@
-"""``Path.ADDITIVE``'s C add (``optim/_fused_add.py``) against the eager path it replaces: bitwise the same
+"""``Path.ADDITIVE``'s C add (``optim/c_add.py``) against the eager path it replaces: bitwise the same
 tables after several SGD steps, at 1 and 2 threads, through the per-feature dict and ``concat=True``, with ids
 repeated within and across features, padded bags, a jagged feature with per-id weights and an empty bag, and
 pieces of one id, bags of 3 ids (sum, mean, sqrtn); the loop alone against torch's ``mul``, ``spread`` and
@@ -21,13 +21,13 @@ import pytest
 import torch
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding.optim import _fused_add, _fused_update
+from torch_tpu_embedding.optim._kernels import c_add, row_update
 
 
 @pytest.fixture
 def c_loop() -> Any:
     """The compiled C loop; skips where this machine has no working C compiler (the eager add then runs)."""
-    fn = _fused_add.loop()
+    fn = c_add.loop()
     if fn is None:
         pytest.skip("no C compiler builds the add here")
     return fn
@@ -37,18 +37,18 @@ def c_loop() -> Any:
 def kernel_calls(monkeypatch: pytest.MonkeyPatch, c_loop: Any) -> Iterator[list[int]]:
     """The C add on (from the first step, as the default policy has it from call 50 on), and the number of
     ids of each piece it added."""
-    monkeypatch.setattr(_fused_update, "_ENABLED", True)
-    before = _fused_update.set_policy(0, 0)
+    monkeypatch.setattr(row_update, "_ENABLED", True)
+    before = row_update.set_policy(0, 0)
     calls: list[int] = []
-    real = _fused_add.add_piece
+    real = c_add.add_piece
 
     def counted(fn: Any, p: torch.Tensor, ids: torch.Tensor, *rest: Any) -> None:
         calls.append(int(ids.numel()))
         real(fn, p, ids, *rest)
 
-    monkeypatch.setattr(_fused_add, "add_piece", counted)
+    monkeypatch.setattr(c_add, "add_piece", counted)
     yield calls
-    _fused_update.set_policy(*before)
+    row_update.set_policy(*before)
 
 
 def _model(width: int = 1, combiner: str = "sum", **opt: Any) -> tuple[tte.EmbeddingCollection, tte.optim.SGD]:
@@ -96,11 +96,11 @@ def test_c_add_is_the_eager_path_bitwise(kernel_calls: list[int], threads: int, 
     try:
         got = _train(*_model(width, combiner), 4, concat, width=width)
         assert kernel_calls and all(n >= 1 for n in kernel_calls)  # it ran, never on no ids
-        _fused_update.set_enabled(False)
+        row_update.set_enabled(False)
         want = _train(*_model(width, combiner), 4, concat, width=width)
     finally:
         torch.set_num_threads(before)
-        _fused_update.set_enabled(True)
+        row_update.set_enabled(True)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
 
@@ -117,11 +117,11 @@ def test_pieces_of_one_id_and_padding_only(kernel_calls: list[int]) -> None:
 
     got = _train(*_model(), 3, False, batch=batch)
     assert 1 in kernel_calls and 0 not in kernel_calls
-    _fused_update.set_enabled(False)
+    row_update.set_enabled(False)
     try:
         want = _train(*_model(), 3, False, batch=batch)
     finally:
-        _fused_update.set_enabled(True)
+        row_update.set_enabled(True)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
 
@@ -137,7 +137,7 @@ def test_the_loop_is_torch_mul_and_index_add(c_loop: Any, layout: str) -> None:
             "broadcast": torch.randn(1, 24, generator=g).expand(300, 24)}[layout]
     factor = -torch.tensor(0.37)
     want = p.clone().index_add_(0, ids, factor * rows)
-    _fused_add.add_piece(c_loop, p, ids, rows, None, factor, torch.empty(24))
+    c_add.add_piece(c_loop, p, ids, rows, None, factor, torch.empty(24))
     assert torch.equal(p, want)
 
 
@@ -156,7 +156,7 @@ def test_the_loop_on_bags_is_torch_spread_and_index_add(c_loop: Any, layout: str
     spread = (gains.unsqueeze(-1) * (factor * rows).unsqueeze(1)).reshape(-1, 24)
     keep = ids.reshape(-1) != 40
     want = p.clone().index_add_(0, ids.reshape(-1)[keep], spread[keep])
-    _fused_add.add_piece(c_loop, p, ids.reshape(-1), rows, gains, factor, torch.empty(24))
+    c_add.add_piece(c_loop, p, ids.reshape(-1), rows, gains, factor, torch.empty(24))
     assert torch.equal(p, want)
 
 
@@ -165,7 +165,7 @@ def test_the_loop_skips_padding(c_loop: Any) -> None:
     p = torch.zeros(10, 4)
     ids = torch.tensor([10, 1, 10, 2, 1, 10])
     rows = torch.arange(24, dtype=torch.float32).view(6, 4)
-    _fused_add.add_piece(c_loop, p, ids, rows, None, torch.tensor(-0.5), torch.empty(4))
+    c_add.add_piece(c_loop, p, ids, rows, None, torch.tensor(-0.5), torch.empty(4))
     keep = ids != 10
     assert torch.equal(p, torch.zeros(10, 4).index_add_(0, ids[keep], -0.5 * rows[keep]))
 
@@ -186,23 +186,23 @@ def test_the_loop_refuses_what_it_cannot_add_and_writes_nothing(c_loop: Any, bad
     gains = torch.ones(3, 2) if bad == "gains_shape" else None  # (3 ids are not 3 bags of 2)
     inc = torch.empty(2 if bad == "scratch" else 4)
     with pytest.raises(IndexError if bad.startswith("id_") else ValueError):
-        _fused_add.add_piece(c_loop, p, ids, rows, gains, torch.tensor(-0.5), inc)
+        c_add.add_piece(c_loop, p, ids, rows, gains, torch.tensor(-0.5), inc)
     assert not p.any()
 
 
 @pytest.mark.parametrize("case", ["warming_up", "loss_scale_factor", "disabled"])
 def test_where_the_eager_path_runs(kernel_calls: list[int], case: str) -> None:
     if case == "warming_up":
-        _fused_update.set_policy(after=50)
+        row_update.set_policy(after=50)
     if case == "disabled":
-        _fused_update.set_enabled(False)
+        row_update.set_enabled(False)
     try:
         ec, opt = _model(**({"loss_scale_factor": 4.0} if case == "loss_scale_factor" else {}))
         _train(ec, opt, 1, False)  # (a first step's rows arrive multiplied out: any path takes them)
         kernel_calls.clear()
         _train(ec, opt, 2, False)
     finally:
-        _fused_update.set_enabled(True)
+        row_update.set_enabled(True)
     assert kernel_calls == []
 
 
@@ -214,26 +214,26 @@ def test_where_the_eager_path_runs(kernel_calls: list[int], case: str) -> None:
 ], ids=["missing", "no_output", "fails", "no_symbol"])
 def test_without_a_c_compiler_it_warns_once_and_the_eager_path_runs(monkeypatch: pytest.MonkeyPatch, cc: str,
                                                                       why: str, tmp_path: Path) -> None:
-    if cc.startswith("cc ") and _fused_add.c_compiler() is None:
+    if cc.startswith("cc ") and c_add.c_compiler() is None:
         pytest.skip("no cc here")
     monkeypatch.setenv("CC", cc)
     monkeypatch.setenv("TTE_KERNEL_CACHE", str(tmp_path))  # (nothing cached there to load instead)
-    monkeypatch.setattr(_fused_update, "_ENABLED", True)
-    monkeypatch.setattr(_fused_update, "_WARNED", False)
-    monkeypatch.setattr(_fused_add, "_LOOP", [])
-    before = _fused_update.set_policy(0, 0)
+    monkeypatch.setattr(row_update, "_ENABLED", True)
+    monkeypatch.setattr(row_update, "_WARNED", False)
+    monkeypatch.setattr(c_add, "_LOOP", [])
+    before = row_update.set_policy(0, 0)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             got = _train(*_model(), 3, True)
-        _fused_update.set_enabled(False)
+        row_update.set_enabled(False)
         want = _train(*_model(), 3, True)
     finally:
-        _fused_update.set_policy(*before)
-        _fused_update.set_enabled(True)
+        row_update.set_policy(*before)
+        row_update.set_enabled(True)
     msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(msgs) == 1 and why in msgs[0], msgs
-    assert _fused_add._LOOP == [None]  # not tried again
+    assert c_add._LOOP == [None]  # not tried again
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
 
@@ -242,13 +242,13 @@ def test_without_a_c_compiler_it_warns_once_and_the_eager_path_runs(monkeypatch:
 def _compiles(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     """Every compiler command the loop's build runs from now on."""
     runs: list[list[str]] = []
-    real = _fused_add.subprocess.run
+    real = c_add.subprocess.run
 
     def counted(cmd: list[str], **kw: Any) -> Any:
         runs.append(cmd)
         return real(cmd, **kw)
 
-    monkeypatch.setattr(_fused_add.subprocess, "run", counted)
+    monkeypatch.setattr(c_add.subprocess, "run", counted)
     return runs
 
 
@@ -256,7 +256,7 @@ def _check_loop(fn: Any) -> None:
     """``fn`` is the loop: one piece against torch's ``index_add_``."""
     p, ids, rows = torch.zeros(8, 4), torch.tensor([1, 5, 1]), torch.arange(12.0).view(3, 4)
     want = p.clone().index_add_(0, ids, -0.5 * rows)
-    _fused_add.add_piece(fn, p, ids, rows, None, torch.tensor(-0.5), torch.empty(4))
+    c_add.add_piece(fn, p, ids, rows, None, torch.tensor(-0.5), torch.empty(4))
     assert torch.equal(p, want)
 
 
@@ -264,7 +264,7 @@ def _check_loop(fn: Any) -> None:
 def fresh_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, c_loop: Any) -> Path:
     """An empty kernel cache, and no loop built in this process yet."""
     monkeypatch.setenv("TTE_KERNEL_CACHE", str(tmp_path / "kernels"))
-    monkeypatch.setattr(_fused_add, "_LOOP", [])
+    monkeypatch.setattr(c_add, "_LOOP", [])
     return tmp_path / "kernels"
 
 
@@ -272,28 +272,28 @@ def test_a_later_process_loads_the_loop_from_the_cache(monkeypatch: pytest.Monke
     """The first build compiles and keeps the library (private to this user); the next build, as a new
     process's first, loads it without running the compiler."""
     runs = _compiles(monkeypatch)
-    _check_loop(_fused_add.loop())
+    _check_loop(c_add.loop())
     assert runs, "the first build compiles"
     kept = list(fresh_cache.glob("add_rows-*.so"))
     assert len(kept) == 1 and not kept[0].stat().st_mode & 0o022 and not fresh_cache.stat().st_mode & 0o077
     assert [p.name for p in fresh_cache.iterdir()] == [kept[0].name]  # (its temporary directory is gone)
     runs.clear()
-    monkeypatch.setattr(_fused_add, "_LOOP", [])
-    _check_loop(_fused_add.loop())
+    monkeypatch.setattr(c_add, "_LOOP", [])
+    _check_loop(c_add.loop())
     assert runs == []
 
 
 def test_a_damaged_cached_library_is_compiled_again_and_replaced(monkeypatch: pytest.MonkeyPatch,
                                                                  fresh_cache: Path) -> None:
-    _fused_add.loop()
+    c_add.loop()
     (kept,) = fresh_cache.glob("add_rows-*.so")
     bad = fresh_cache / "bad"
     bad.write_bytes(b"not a library")
     bad.chmod(0o700)
     os.replace(bad, kept)  # (a new file: the library this process loaded stays mapped as it was)
     runs = _compiles(monkeypatch)
-    monkeypatch.setattr(_fused_add, "_LOOP", [])
-    _check_loop(_fused_add.loop())
+    monkeypatch.setattr(c_add, "_LOOP", [])
+    _check_loop(c_add.loop())
     assert runs
     assert kept.read_bytes()[:4] == b"\x7fELF"
 
@@ -308,12 +308,12 @@ def test_the_cache_is_not_used_when_off_or_writable_by_others(monkeypatch: pytes
         monkeypatch.setenv("HOME", str(fresh_cache))
         monkeypatch.setenv("TTE_KERNEL_CACHE", "0")
     else:
-        _fused_add.loop()
-        monkeypatch.setattr(_fused_add, "_LOOP", [])
+        c_add.loop()
+        monkeypatch.setattr(c_add, "_LOOP", [])
         (kept,) = fresh_cache.glob("add_rows-*.so")
         (fresh_cache if case == "shared_directory" else kept).chmod(0o777)
     runs = _compiles(monkeypatch)
-    _check_loop(_fused_add.loop())
+    _check_loop(c_add.loop())
     assert runs
     if case == "off":
         assert not fresh_cache.exists()
@@ -323,18 +323,18 @@ def test_a_cache_whose_libraries_cannot_load_compiles_in_the_temporary_directory
                                                                                  fresh_cache: Path) -> None:
     """As on a ``noexec`` mount: the library compiled in the cache does not load there, so it is compiled again in
     the system's temporary directory and runs; nothing is kept."""
-    real = _fused_add._load
+    real = c_add._load
 
     def load(lib: str) -> Any:
         if lib.startswith(str(fresh_cache)):
             raise OSError(f"{lib}: failed to map segment from shared object")
         return real(lib)
 
-    monkeypatch.setattr(_fused_add, "_load", load)
+    monkeypatch.setattr(c_add, "_load", load)
     runs = _compiles(monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _check_loop(_fused_add.loop())
+        _check_loop(c_add.loop())
     assert len(runs) == 2  # ([..., '-o', library]: first in the cache, then not)
     assert runs[0][-1].startswith(str(fresh_cache)) and not runs[1][-1].startswith(str(fresh_cache))
     assert list(fresh_cache.iterdir()) == []

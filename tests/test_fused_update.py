@@ -1,4 +1,4 @@
-"""The fused eager row update (``Path.FUSED``, ``optim/_fused_update.py``) against the reference path
+"""The fused eager row update (``Path.FUSED``, ``optim/row_update.py``) against the reference path
 (``Path.ROW_CHUNKS``, which tests/test_optim_reference.py checks against float64 numpy), for every
 optimizer with a per-row rule and every option (tests/optim_registry.py, target ``fused_path``); the
 number of compilations over a loop whose batch sizes and id counts change every step; the fallback
@@ -20,9 +20,10 @@ import torch
 from optim_registry import FUSED_PATH, OptimizerConfig, cases
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding._rows import table_info
-from torch_tpu_embedding.optim import _fused_update, _paths
-from torch_tpu_embedding.optim._paths import Path, choose_path
+from torch_tpu_embedding._rows.grads import table_info
+from torch_tpu_embedding.optim._core import update_paths
+from torch_tpu_embedding.optim._core.update_paths import Path, choose_path
+from torch_tpu_embedding.optim._kernels import row_update
 
 
 def _path_of(cfg: OptimizerConfig) -> Path:
@@ -31,11 +32,11 @@ def _path_of(cfg: OptimizerConfig) -> Path:
     ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(t, max_ids_per_bag=3)})
     ec.tables.t.row_grad.keep_factored = True  # as every step but the first has it
     ec({"f": tte.Padded(torch.tensor([[0, 1, 1], [2, 3, 0]]))})["f"].sum().backward()
-    before = _fused_update.set_enabled(True)
+    before = row_update.set_enabled(True)
     try:
         return choose_path(ec.tables.t.weight, cfg.make(ec.parameters()).param_groups[0], row_grad=True)
     finally:
-        _fused_update.set_enabled(before)
+        row_update.set_enabled(before)
 
 
 # SGD without options adds rule(0, g) per id (Path.ADDITIVE): there is no row update to fuse.
@@ -49,14 +50,14 @@ needs_compiler = pytest.mark.usefixtures("compiler")
 def fused_from_the_first_step() -> Iterator[None]:
     """Every table here is small and every run short: the default policy (tests/test_fused_warmup.py)
     would keep them on the reference path."""
-    before = _fused_update.set_policy(0, 0)
+    before = row_update.set_policy(0, 0)
     yield
-    _fused_update.set_policy(*before)
+    row_update.set_policy(*before)
 
 
 @pytest.fixture
 def fused_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_fused_update, "_ENABLED", True)
+    monkeypatch.setattr(row_update, "_ENABLED", True)
 
 
 def model(cfg: OptimizerConfig, dtype: torch.dtype) -> tuple[tte.EmbeddingCollection, torch.nn.Linear, Any]:
@@ -70,26 +71,26 @@ def model(cfg: OptimizerConfig, dtype: torch.dtype) -> tuple[tte.EmbeddingCollec
 
 def step(ec: tte.EmbeddingCollection, head: torch.nn.Linear, opt: Any, s: int, scale: float, fused: bool) -> list[Path]:
     """One training call on batch ``s``; the paths its updates took."""
-    from torch_tpu_embedding.optim import _base
+    from torch_tpu_embedding.optim._core import base
 
     g = torch.Generator().manual_seed(s)
     ids = torch.randint(0, 300, (40, 5), generator=g)
     out = ec({"a": tte.Padded(ids, ids % 7 != 0), "b": torch.randint(0, 300, (40,), generator=g)})
     (head(out["a"] * out["b"]).square().sum() * scale).backward()
     ran: list[Path] = []
-    real = _paths.update
+    real = update_paths.update
 
     def spy(item: Any) -> None:
         real(item)
         ran.append(item.path)  # after the update: a path that could not compile has become ROW_CHUNKS
 
-    before = _fused_update.set_enabled(fused)
-    _base.update = spy  # type: ignore[assignment]
+    before = row_update.set_enabled(fused)
+    base.update = spy  # type: ignore[assignment]
     try:
         opt.step()
     finally:
-        _base.update = real  # type: ignore[assignment]
-        _fused_update.set_enabled(before)
+        base.update = real  # type: ignore[assignment]
+        row_update.set_enabled(before)
     opt.zero_grad()
     return ran
 
@@ -165,7 +166,7 @@ def test_compiles_once_over_50_steps_of_changing_batches(fused_on: None) -> None
     ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(t), "g": tte.FeatureConfig(t, max_ids_per_bag=9)})
     opt = tte.optim.LazyAdam(ec.parameters(), lr=0.01, betas=(0.8, 0.9))
     gen = torch.Generator().manual_seed(2)
-    kernels, graphs = _fused_update.compiled_kernels(), counters["stats"]["unique_graphs"]
+    kernels, graphs = row_update.compiled_kernels(), counters["stats"]["unique_graphs"]
     sizes = set()
     for step in range(50):
         n = int(torch.randint(2, 200, (), generator=gen))
@@ -177,7 +178,7 @@ def test_compiles_once_over_50_steps_of_changing_batches(fused_on: None) -> None
         opt.zero_grad()
         sizes.add(int(ids.numel()))
     assert len(sizes) > 40
-    assert _fused_update.compiled_kernels() - kernels == 1
+    assert row_update.compiled_kernels() - kernels == 1
     assert counters["stats"]["unique_graphs"] - graphs == 1
 
 
@@ -202,18 +203,18 @@ def test_tables_of_distinct_sizes_share_one_kernel_and_one_graph(fused_on: None)
             opt.step()
             opt.zero_grad()
 
-    kernels, graphs = _fused_update.compiled_kernels(), counters["stats"]["unique_graphs"]
+    kernels, graphs = row_update.compiled_kernels(), counters["stats"]["unique_graphs"]
     ours = build()
     train(*ours)
-    assert _fused_update.compiled_kernels() - kernels == 1
+    assert row_update.compiled_kernels() - kernels == 1
     assert counters["stats"]["unique_graphs"] - graphs == 1
-    assert not any(p in _fused_update._REFERENCE_ONLY for p in ours[0].parameters())
-    before = _fused_update.set_enabled(False)
+    assert not any(p in row_update._REFERENCE_ONLY for p in ours[0].parameters())
+    before = row_update.set_enabled(False)
     try:
         ref = build()
         train(*ref)
     finally:
-        _fused_update.set_enabled(before)
+        row_update.set_enabled(before)
     for k, v in ref[0].state_dict().items():
         torch.testing.assert_close(ours[0].state_dict()[k], v, rtol=1e-6, atol=1e-7, msg=k)
 
@@ -231,9 +232,9 @@ def test_a_failed_compile_warns_once_and_runs_the_reference_path(built_before: b
             raise RuntimeError("LoweringException: something inductor cannot lower")
         return fail
 
-    monkeypatch.setattr(_fused_update, "_KERNELS", {("built before",): lambda: None} if built_before else {})
-    monkeypatch.setattr(_fused_update, "_WARNED", False)
-    monkeypatch.setattr(_fused_update, "_NO_COMPILER", False)
+    monkeypatch.setattr(row_update, "_KERNELS", {("built before",): lambda: None} if built_before else {})
+    monkeypatch.setattr(row_update, "_WARNED", False)
+    monkeypatch.setattr(row_update, "_NO_COMPILER", False)
     monkeypatch.setattr(torch, "compile", broken)
     ref, got = model(cfg, torch.float32), model(cfg, torch.float32)
     with warnings.catch_warnings(record=True) as caught:
@@ -244,7 +245,7 @@ def test_a_failed_compile_warns_once_and_runs_the_reference_path(built_before: b
             step(*ref, s, 1.0, fused=False)
     msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(msgs) == 1 and "could not be compiled" in msgs[0] and "something inductor cannot lower" in msgs[0]
-    assert _fused_update._NO_COMPILER is not built_before
+    assert row_update._NO_COMPILER is not built_before
     for (a, sa), (b, sb) in zip(_tensors(*got), _tensors(*ref), strict=True):
         assert torch.equal(a, b) and all(torch.equal(sa[n], sb[n]) for n in sa)
 
@@ -256,9 +257,9 @@ def test_without_a_cxx_compiler_one_warning_and_the_reference_path(monkeypatch: 
     import torch._inductor.config as inductor_config
 
     monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/g++"))
-    monkeypatch.setattr(_fused_update, "_KERNELS", {})
-    monkeypatch.setattr(_fused_update, "_WARNED", False)
-    monkeypatch.setattr(_fused_update, "_NO_COMPILER", False)
+    monkeypatch.setattr(row_update, "_KERNELS", {})
+    monkeypatch.setattr(row_update, "_WARNED", False)
+    monkeypatch.setattr(row_update, "_NO_COMPILER", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for name in ("adagrad", "lazy_adam"):
@@ -272,7 +273,7 @@ def test_without_a_cxx_compiler_one_warning_and_the_reference_path(monkeypatch: 
                 assert torch.equal(a, b) and all(torch.equal(sa[n], sb[n]) for n in sa)
     msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(msgs) == 1 and "could not be compiled" in msgs[0] and "/nonexistent/g++" in msgs[0], msgs
-    assert _fused_update._NO_COMPILER and _fused_update.compiled_kernels() == 0
+    assert row_update._NO_COMPILER and row_update.compiled_kernels() == 0
 
 
 @needs_compiler
@@ -301,11 +302,11 @@ def test_fused_table_group_and_state_dict_equal_the_reference_path(clipnorm: flo
             ids = torch.randint(0, 300, (30, 4), generator=g)
             out = ec({"a": tte.Padded(ids, ids % 5 != 0), "b": torch.randint(0, 120, (30,), generator=g)})
             (out["a"] * out["b"]).square().sum().backward()
-            before = _fused_update.set_enabled(fused)
+            before = row_update.set_enabled(fused)
             try:
                 opt.step()
             finally:
-                _fused_update.set_enabled(before)
+                row_update.set_enabled(before)
             opt.zero_grad()
         (ec_f, opt_f), (ec_r, opt_r) = [(ec.state_dict(), opt.state_dict()) for ec, opt in runs.values()]
         assert ec_f.keys() == ec_r.keys()
@@ -334,18 +335,18 @@ def test_a_recompile_limit_hit_later_sends_that_table_to_the_reference_path(monk
     cfg = next(c for c in CASES if c.id == "adagrad")
     ours, ref = model(cfg, torch.float32), model(cfg, torch.float32)
     assert step(*ours, 0, 1.0, fused=True)[0] is Path.FUSED  # the table: compiled and run once
-    real = _fused_update.call
+    real = row_update.call
     calls = []
 
     def limit_hit(fn: Any, args: Any) -> None:
         calls.append(1)
         raise torch._dynamo.exc.FailOnRecompileLimitHit("recompile_limit reached with fullgraph=True")
 
-    monkeypatch.setattr(_fused_update, "call", limit_hit)
+    monkeypatch.setattr(row_update, "call", limit_hit)
     step(*ours, 1, 1.0, fused=True)
     step(*ours, 2, 1.0, fused=True)
     assert len(calls) == 1  # the second step did not try the kernel again
-    monkeypatch.setattr(_fused_update, "call", real)
+    monkeypatch.setattr(row_update, "call", real)
     for s in range(3):
         step(*ref, s, 1.0, fused=s == 0)
     assert_same(ours, ref, "after the fallback")
@@ -366,8 +367,8 @@ def test_summed_rows_by_range_equal_the_reference_path(name: str, combiner: str,
     kernel runs on ranges of 3 ids (a last range of 1 id joins the one before), as on 16,384 at full size. Each
     call starts from the reference's state (last-bit differences of the sums are not carried on)."""
     if chunk is not None:
-        monkeypatch.setattr(_fused_update, "chunk_rows", lambda dim: chunk)
-        assert _fused_update._spans(22, 7) == [(0, 7), (7, 14), (14, 22)]  # 1 left over: joined
+        monkeypatch.setattr(row_update, "chunk_rows", lambda dim: chunk)
+        assert row_update._spans(22, 7) == [(0, 7), (7, 14), (14, 22)]  # 1 left over: joined
     cfg = next(c for c in cases(FUSED_PATH) if c.id == name)
 
     def build() -> tuple[tte.EmbeddingCollection, Any]:
@@ -379,7 +380,7 @@ def test_summed_rows_by_range_equal_the_reference_path(name: str, combiner: str,
         return ec, cfg.make(ec.parameters())
 
     runs = {True: build(), False: build()}
-    real = _paths.update
+    real = update_paths.update
     for s in range(3):
         ran: dict[bool, set[Path]] = {}
         for fused, (ec, opt) in runs.items():
@@ -399,13 +400,13 @@ def test_summed_rows_by_range_equal_the_reference_path(name: str, combiner: str,
                 real(item)
                 paths.append(item.path)
 
-            before = _fused_update.set_enabled(fused)
-            monkeypatch.setattr("torch_tpu_embedding.optim._base.update", spy)
+            before = row_update.set_enabled(fused)
+            monkeypatch.setattr("torch_tpu_embedding.optim._core.base.update", spy)
             try:
                 opt.step()
             finally:
-                _fused_update.set_enabled(before)
-                monkeypatch.setattr("torch_tpu_embedding.optim._base.update", real)
+                row_update.set_enabled(before)
+                monkeypatch.setattr("torch_tpu_embedding.optim._core.base.update", real)
             opt.zero_grad()
             ran[fused] = set(paths)
         assert ran == {True: {Path.FUSED}, False: {Path.ROW_CHUNKS}}, ran

@@ -1,5 +1,5 @@
-"""When the fused eager update (``optim/_fused_update.py``) takes over from the reference path: by the
-optimizer's call count and the table's size alone (:func:`~torch_tpu_embedding.optim._fused_update.policy`),
+"""When the fused eager update (``optim/row_update.py``) takes over from the reference path: by the
+optimizer's call count and the table's size alone (:func:`~torch_tpu_embedding.optim._kernels.row_update.policy`),
 never by how long a compile took, so two runs with one seed are bitwise equal across the switch-over.
 """
 
@@ -18,18 +18,19 @@ import pytest
 import torch
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding.optim import _base, _fused_update, _paths
-from torch_tpu_embedding.optim._paths import Path
+from torch_tpu_embedding.optim._core import base, update_paths
+from torch_tpu_embedding.optim._core.update_paths import Path
+from torch_tpu_embedding.optim._kernels import row_update
 
 REPO = FsPath(__file__).resolve().parent.parent
 
 
 @pytest.fixture
 def fused_on() -> Iterator[None]:
-    before_on, before_policy = _fused_update.set_enabled(True), _fused_update.policy()
+    before_on, before_policy = row_update.set_enabled(True), row_update.policy()
     yield
-    _fused_update.set_enabled(before_on)
-    _fused_update.set_policy(*before_policy)
+    row_update.set_enabled(before_on)
+    row_update.set_policy(*before_policy)
 
 
 def _paths_taken(steps: int, rows: int, monkeypatch: pytest.MonkeyPatch) -> list[Path]:
@@ -37,13 +38,13 @@ def _paths_taken(steps: int, rows: int, monkeypatch: pytest.MonkeyPatch) -> list
     ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(rows, 4, name="t"), max_ids_per_bag=3)})
     opt = tte.optim.Adam(ec.parameters(), lr=0.01)
     ran: list[Path] = []
-    real = _paths.update
+    real = update_paths.update
 
     def spy(item: Any) -> None:
         real(item)
         ran.append(item.path)  # after the update: a step kept on the reference path has become ROW_CHUNKS
 
-    monkeypatch.setattr(_base, "update", spy)
+    monkeypatch.setattr(base, "update", spy)
     for s in range(steps):
         ids = torch.randint(0, rows, (16, 3), generator=torch.Generator().manual_seed(s))
         ec({"f": tte.Padded(ids)})["f"].sum().backward()
@@ -54,33 +55,33 @@ def _paths_taken(steps: int, rows: int, monkeypatch: pytest.MonkeyPatch) -> list
 
 @pytest.mark.usefixtures("compiler", "fused_on")
 def test_the_reference_path_runs_the_first_after_calls_then_the_fused_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    _fused_update.set_policy(after=3, min_elements=0)
+    row_update.set_policy(after=3, min_elements=0)
     assert _paths_taken(5, 50, monkeypatch) == [Path.ROW_CHUNKS] * 3 + [Path.FUSED] * 2
 
 
 @pytest.mark.usefixtures("fused_on")
 def test_a_table_below_min_elements_never_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    _fused_update.set_policy(after=0, min_elements=50 * 4 + 1)  # one more than the table holds
-    kernels = _fused_update.compiled_kernels()
+    row_update.set_policy(after=0, min_elements=50 * 4 + 1)  # one more than the table holds
+    kernels = row_update.compiled_kernels()
     assert _paths_taken(3, 50, monkeypatch) == [Path.ROW_CHUNKS] * 3
-    assert _fused_update.compiled_kernels() == kernels
+    assert row_update.compiled_kernels() == kernels
 
 
 @pytest.mark.usefixtures("fused_on")
 def test_the_default_policy_keeps_short_runs_of_small_tables_off_the_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
-    after, min_elements = _fused_update.policy()
+    after, min_elements = row_update.policy()
     assert after > 3 and min_elements > 50 * 4
-    kernels = _fused_update.compiled_kernels()
+    kernels = row_update.compiled_kernels()
     assert _paths_taken(3, 50, monkeypatch) == [Path.ROW_CHUNKS] * 3
-    assert _fused_update.compiled_kernels() == kernels
+    assert row_update.compiled_kernels() == kernels
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
 def test_set_policy_names_a_wrong_value(bad: object) -> None:
     with pytest.raises(ValueError, match=r"set_policy: after must be an int >= 0, got"):
-        _fused_update.set_policy(after=bad)  # type: ignore[arg-type]
+        row_update.set_policy(after=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"set_policy: min_elements must be an int >= 0, got"):
-        _fused_update.set_policy(min_elements=bad)  # type: ignore[arg-type]
+        row_update.set_policy(min_elements=bad)  # type: ignore[arg-type]
 
 
 # One training run: a digest of every weight and optimizer state tensor after each step, the paths the
@@ -90,7 +91,9 @@ _RUN = textwrap.dedent("""
     import hashlib, json, sys
     import torch
     import torch_tpu_embedding as tte
-    from torch_tpu_embedding.optim import _base, _fused_update, _paths
+    from torch_tpu_embedding.optim._core import base
+    from torch_tpu_embedding.optim._kernels import row_update
+    from torch_tpu_embedding.optim._core import update_paths
 
     torch.manual_seed(int(sys.argv[1]))
     a = tte.TableConfig(60, 5, name="a", combiner="mean")
@@ -99,12 +102,12 @@ _RUN = textwrap.dedent("""
     head = torch.nn.Linear(8, 1)
     opt = tte.optim.Adam([*ec.parameters(), *head.parameters()], lr=0.05, use_ema=True)
     paths = []
-    real = _paths.update
+    real = update_paths.update
     def spy(item):
         real(item)
         if item.p.dim() == 2 and item.p.shape[1] != 8:
             paths.append(item.path.value)
-    _base.update = spy
+    base.update = spy
     digests = []
     for s in range(int(sys.argv[2])):
         g = torch.Generator().manual_seed(100 + s)
@@ -120,7 +123,7 @@ _RUN = textwrap.dedent("""
                 if isinstance(v, torch.Tensor):
                     h.update(k.encode() + v.detach().cpu().numpy().tobytes())
         digests.append(h.hexdigest())
-    print("RUN " + json.dumps({"digests": digests, "paths": paths, "kernels": _fused_update.compiled_kernels()}))
+    print("RUN " + json.dumps({"digests": digests, "paths": paths, "kernels": row_update.compiled_kernels()}))
 """)
 
 

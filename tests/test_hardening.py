@@ -24,7 +24,8 @@ import pytest
 import torch
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding import _ckpt_io, _ckpt_publish
+from torch_tpu_embedding.checkpoint import files as ckpt_files
+from torch_tpu_embedding.checkpoint import publish as ckpt_publish
 
 ROOT = Path(__file__).resolve().parents[1]
 V, D = 10, 3
@@ -111,7 +112,7 @@ def test_crafted_dcp_metadata_runs_no_code(tmp_path: Path, how: str, pattern: st
     ec, opt, ckpt = _dcp_checkpoint(tmp_path)
     marker = tmp_path / "pwned"
     _evil_metadata(ckpt, marker, how)
-    _ckpt_publish.write_manifest(str(ckpt))  # a crafted checkpoint comes with a manifest that matches it
+    ckpt_publish.write_manifest(str(ckpt))  # a crafted checkpoint comes with a manifest that matches it
     ec2, opt2 = trained()
     before = snapshot(ec2, opt2, ckpt)
     with pytest.raises(ValueError, match=pattern):
@@ -130,7 +131,7 @@ def test_crafted_tte_meta_runs_no_code(tmp_path: Path) -> None:
     ec, opt, ckpt = _dcp_checkpoint(tmp_path)
     marker = tmp_path / "pwned"
     torch.save({"format": tte.checkpoint.FORMAT, "rows": _Evil(str(marker))}, ckpt / "tte_meta.pt")
-    _ckpt_publish.write_manifest(str(ckpt))  # a crafted checkpoint comes with a manifest that matches it
+    ckpt_publish.write_manifest(str(ckpt))  # a crafted checkpoint comes with a manifest that matches it
     ec2, opt2 = trained()
     before = snapshot(ec2, opt2, ckpt)
     for call in (lambda: tte.checkpoint.load_distributed(ckpt, model=ec2, optimizer=opt2),
@@ -219,8 +220,8 @@ tte.checkpoint.save(os.path.join(folder, "ckpt.pt"), extra={"step": 2, "blob": t
 
 _HOLDER = r"""
 import sys
-from torch_tpu_embedding import _ckpt_io
-with _ckpt_io._locked_temp(sys.argv[1], "ckpt.pt") as (f, tmp):
+from torch_tpu_embedding.checkpoint import files as ckpt_files
+with ckpt_files._locked_temp(sys.argv[1], "ckpt.pt") as (f, tmp):
     f.write(b"half a checkpoint")
     f.flush()
     print(tmp, flush=True)
@@ -253,7 +254,7 @@ def test_killed_save_leaves_old_checkpoint_and_next_save_clears_its_temporary(tm
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         (tmp_path / "in-fsync").unlink()
-        stale = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(_ckpt_io.TMP_PREFIX))
+        stale = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(ckpt_files.TMP_PREFIX))
         assert len(stale) == 1 and stale[0].startswith(".tte-tmp-ckpt.pt-") and stale[0] != first
         assert (tmp_path / stale[0]).stat().st_size > 4 << 20  # the data was written, not yet renamed
         first = stale[0]
@@ -270,11 +271,11 @@ def test_a_concurrent_savers_temporary_is_never_removed(tmp_path: Path) -> None:
         assert tmp.name.startswith(".tte-tmp-ckpt.pt-")
         tte.checkpoint.save(tmp_path / "ckpt.pt", extra={"step": 1})  # runs the cleaner
         assert tmp.read_bytes() == b"half a checkpoint"  # still there: its writer is alive
-        assert _ckpt_io.remove_stale_temporaries(str(tmp_path)) == []
+        assert ckpt_files.remove_stale_temporaries(str(tmp_path)) == []
     finally:
         holder.kill()  # dies mid-write: its lock goes with it
         holder.wait()
-    assert _ckpt_io.remove_stale_temporaries(str(tmp_path)) == [tmp.name]
+    assert ckpt_files.remove_stale_temporaries(str(tmp_path)) == [tmp.name]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
 
 

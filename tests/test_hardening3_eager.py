@@ -13,6 +13,7 @@ import torch
 from optim_registry import OPTIMIZER_INFOS, OptimizerConfig
 
 import torch_tpu_embedding as tte
+from torch_tpu_embedding.optim._core import base
 
 
 def _configs() -> list[OptimizerConfig]:
@@ -289,38 +290,39 @@ def test_rowwise_adagrad_window_without_lookups_of_a_table() -> None:
 
 
 def _takes_fused_path(cfg: OptimizerConfig) -> bool:
-    from torch_tpu_embedding.optim import _fused_update
-    from torch_tpu_embedding.optim._paths import Path, choose_path
+    from torch_tpu_embedding.optim._core.update_paths import Path, choose_path
+    from torch_tpu_embedding.optim._kernels import row_update
 
     ec, _ = _freeze_model(True)
-    before = _fused_update.set_enabled(True)
+    before = row_update.set_enabled(True)
     try:
         return choose_path(ec.groups.fused_0.weight, cfg.make(ec.parameters()).param_groups[0], row_grad=True) is Path.FUSED
     finally:
-        _fused_update.set_enabled(before)
+        row_update.set_enabled(before)
 
 
 @pytest.mark.parametrize("cfg", [c for c in CONFIGS if c.info.supports_fused_groups and _takes_fused_path(c)], ids=str)
 def test_frozen_member_on_the_fused_update_path(cfg: OptimizerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
     """The compiled eager row update (``Path.FUSED``, tests/test_fused_update.py) equals the reference path
     with a frozen member: its rows bitwise unchanged, its neighbours bitwise as on the reference path."""
-    from torch_tpu_embedding.optim import _base, _fused_update, _paths
+    from torch_tpu_embedding.optim._core import update_paths
+    from torch_tpu_embedding.optim._kernels import row_update
 
     try:
         torch.compile(lambda x: x * 2 + 1, dynamic=False)(torch.ones(3))
     except Exception as e:  # as tests/test_fused_update.py: no C++ compiler here
         pytest.skip(f"torch.compile cannot build a CPU kernel here: {type(e).__name__}: {str(e)[:200]}")
     reference = _freeze_run(cfg, True, "module")[1]
-    monkeypatch.setattr(_fused_update, "_ENABLED", True)
+    monkeypatch.setattr(row_update, "_ENABLED", True)
     # Small tables, a short run: the default policy (set_policy, tests/test_fused_warmup.py) would keep them
     # on the reference path. The fused path from the first step, restored after the test.
-    monkeypatch.setattr(_fused_update, "_AFTER", 0)
-    monkeypatch.setattr(_fused_update, "_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(row_update, "_AFTER", 0)
+    monkeypatch.setattr(row_update, "_MIN_ELEMENTS", 0)
     ran: list[Any] = []
-    real = _paths.update
-    monkeypatch.setattr(_base, "update", lambda item: (real(item), ran.append(item.path)))
+    real = update_paths.update
+    monkeypatch.setattr(base, "update", lambda item: (real(item), ran.append(item.path)))
     before, fused = _freeze_run(cfg, True, "module")
-    assert _paths.Path.FUSED in ran
+    assert update_paths.Path.FUSED in ran
     _bitwise_equal(_without_step(before["b"]), _without_step(fused["b"]), "b")
     for n in ("a", "c"):  # as tests/test_fused_update.py: the kernel's arithmetic may differ in the last bits
         for k, v in reference[n].items():

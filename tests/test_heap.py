@@ -1,4 +1,4 @@
-"""glibc's adaptive malloc thresholds primed once (``_heap.py``): a step's freed temporaries stay in the heap.
+"""glibc's adaptive malloc thresholds primed once (``heap.py``): a step's freed temporaries stay in the heap.
 
 Each case runs in a new process (malloc's state is per process), and reads where glibc put a block from
 the kernel's map of the process: in the heap, or mapped on its own. Whether a step's temporaries are
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from torch_tpu_embedding import _heap
+from torch_tpu_embedding._util import heap
 
 glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
                            reason="glibc's malloc (Linux)")
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 STEP = """
 import torch
-from torch_tpu_embedding import _heap
+from torch_tpu_embedding._util import heap
 {setup}
 
 def heap_top():  # the end of the heap (the program break), from the kernel's map of the process
@@ -39,7 +39,7 @@ x = torch.empty(16 << 20, dtype=torch.uint8)
 in_heap = x.data_ptr() < heap_top()  # else glibc mapped it (mmap): unmapped when freed, faulted in anew
 top = heap_top()
 del x
-print(in_heap, heap_top() == top, _heap._DONE)  # kept: the heap's free top was not handed back
+print(in_heap, heap_top() == top, heap._DONE)  # kept: the heap's free top was not handed back
 """
 
 
@@ -58,7 +58,7 @@ def test_primed_temporaries_stay_in_the_heap() -> None:
     """A new process maps a 16 MiB block and unmaps it when freed (glibc's mmap threshold starts at
     128 KiB); primed, the block comes from the heap and the heap keeps it when it is freed."""
     assert _run("") == (False, True, False)
-    assert _run("assert _heap.prime() and not _heap.prime()  # once") == (True, True, True)
+    assert _run("assert heap.prime() and not heap.prime()  # once") == (True, True, True)
 
 
 @glibc
@@ -67,13 +67,13 @@ def test_the_first_large_host_table_primes(env: str) -> None:
     """Building a model with a table of 32 MiB primes; tables under that, or ``TTE_HEAP_PRIME=0``, do not."""
     setup = ("import torch_tpu_embedding as tte\n"
              "small = tte.EmbeddingCollection({'f': tte.FeatureConfig(tte.TableConfig(1000, 8, name='s'))})\n"
-             "assert not _heap._DONE\n"
+             "assert not heap._DONE\n"
              "big = tte.EmbeddingCollection({'f': tte.FeatureConfig(tte.TableConfig(140000, 64, name='t'))})")
     in_heap, _, primed = _run(setup, TTE_HEAP_PRIME=env)
     assert in_heap is primed is (env == "1")
 
 
 def test_off_where_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_heap, "_ENABLED", False)
-    monkeypatch.setattr(_heap, "_DONE", False)
-    assert not _heap.enabled() and not _heap.prime()
+    monkeypatch.setattr(heap, "_ENABLED", False)
+    monkeypatch.setattr(heap, "_DONE", False)
+    assert not heap.enabled() and not heap.prime()

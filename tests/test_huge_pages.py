@@ -1,4 +1,4 @@
-"""Large host tables and their optimizer slots on huge pages (``_huge_pages.py``), and nothing else changes.
+"""Large host tables and their optimizer slots on huge pages (``huge_pages.py``), and nothing else changes.
 
 The advice is checked where the kernel records it: the ``hg`` flag of the memory mapping in
 ``/proc/self/smaps`` (Linux). Values are the same with and without it, bitwise.
@@ -15,14 +15,14 @@ import pytest
 import torch
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding import _huge_pages
+from torch_tpu_embedding._util import huge_pages
 
 SMAPS = Path("/proc/self/smaps")
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 linux_thp = pytest.mark.skipif(
     not SMAPS.exists() or not THP.exists() or "[never]" in THP.read_text(),
     reason="needs Linux with transparent huge pages not set to never")
-ROWS = (_huge_pages.MIN_BYTES // (64 * 4)) + 4096  # just over MIN_BYTES at 64 float32 columns
+ROWS = (huge_pages.MIN_BYTES // (64 * 4)) + 4096  # just over MIN_BYTES at 64 float32 columns
 
 
 def advised(t: torch.Tensor) -> bool:
@@ -47,7 +47,7 @@ def test_large_tables_and_slots_are_advised_small_ones_not() -> None:
     ec = tte.EmbeddingCollection({"a": tte.FeatureConfig(big), "b": tte.FeatureConfig(big2),
                                   "c": tte.FeatureConfig(small)}, fuse_tables=False)
     assert advised(ec.tables.big.weight) and advised(ec.tables.big2.weight)
-    assert not _huge_pages.advise(ec.tables.small.weight)  # under MIN_BYTES: left alone
+    assert not huge_pages.advise(ec.tables.small.weight)  # under MIN_BYTES: left alone
     stacked = tte.EmbeddingCollection({"a": tte.FeatureConfig(big), "b": tte.FeatureConfig(big2)})
     (weight,) = [p for p in stacked.parameters() if p.numel() >= 2 * ROWS * 64]
     assert advised(weight)
@@ -70,19 +70,19 @@ def test_turned_off_nothing_is_advised_and_the_values_are_the_same(monkeypatch: 
 
     on = build()
     assert advised(on[0]) and advised(on[1])
-    monkeypatch.setattr(_huge_pages, "_ENABLED", False)
-    assert not _huge_pages.enabled()
+    monkeypatch.setattr(huge_pages, "_ENABLED", False)
+    assert not huge_pages.enabled()
     off = build()
     assert not advised(off[0]) and not advised(off[1])
     assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1])
 
 
 def test_the_environment_variable_turns_it_off() -> None:
-    code = "from torch_tpu_embedding import _huge_pages as h; print(h.enabled())"
+    code = "from torch_tpu_embedding import huge_pages as h; print(h.enabled())"
     env = dict(os.environ, TTE_HUGE_PAGES="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
 def test_no_advice_off_the_host_or_on_meta() -> None:
-    assert not _huge_pages.advise(torch.empty(_huge_pages.MIN_BYTES, dtype=torch.uint8, device="meta"))
+    assert not huge_pages.advise(torch.empty(huge_pages.MIN_BYTES, dtype=torch.uint8, device="meta"))

@@ -9,19 +9,20 @@ import sys
 from pathlib import Path
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding import _registry, routing
+from torch_tpu_embedding import routing
+from torch_tpu_embedding._util import registry
 from torch_tpu_embedding.xla import ownership
 
 ROOT = Path(__file__).parents[1]
 
 
 def test_the_package_registers_exactly_its_named_optimizers_first() -> None:
-    """`TableConfig` accepts `_registry.OPTIMIZER_NAMES`; importing the optimizers registers them, in order."""
-    names = _registry.optimizer_names()
-    assert names[: len(_registry.OPTIMIZER_NAMES)] == _registry.OPTIMIZER_NAMES
-    assert tte.OPTIMIZER_NAMES is _registry.OPTIMIZER_NAMES is tte.optim.OPTIMIZER_NAMES
-    for name in _registry.OPTIMIZER_NAMES:
-        assert _registry.optimizer_class(name).algorithm == name
+    """`TableConfig` accepts `registry.OPTIMIZER_NAMES`; importing the optimizers registers them, in order."""
+    names = registry.optimizer_names()
+    assert names[: len(registry.OPTIMIZER_NAMES)] == registry.OPTIMIZER_NAMES
+    assert tte.OPTIMIZER_NAMES is registry.OPTIMIZER_NAMES is tte.optim.OPTIMIZER_NAMES
+    for name in registry.OPTIMIZER_NAMES:
+        assert registry.optimizer_class(name).algorithm == name
         tte.TableConfig(10, 4, optimizer=name)  # accepted
 
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding import _ckpt_publish
 from torch_tpu_embedding.checkpoint import CheckpointMismatchError
+from torch_tpu_embedding.checkpoint import publish as ckpt_publish
 
 O = tte.optim  # noqa: E741
 D = 3
@@ -193,7 +193,7 @@ def test_a_failed_distributed_load_changes_nothing(tmp_path: Path) -> None:
     meta = torch.load(ckpt / "tte_meta.pt", weights_only=True)
     meta["optimizer"]["param_groups"][0]["betas"] = (1.5, 0.999)  # a hyper-parameter the constructor refuses
     torch.save(meta, ckpt / "tte_meta.pt")
-    _ckpt_publish.write_manifest(str(ckpt))  # altered by hand and sealed again: the meta's checks refuse it
+    ckpt_publish.write_manifest(str(ckpt))  # altered by hand and sealed again: the meta's checks refuse it
     other, other_opt = build()
     step(other, other_opt, 7)
     step(other, other_opt, 8, update=False)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding._dedup import coalesce_rows
+from torch_tpu_embedding._rows.dedup import coalesce_rows
 
 V, D = 9, 3
 BAGS = [[1, 2], [], [3, 3, 5], [0], [8, 7, 6, 5]]  # an empty bag and a duplicate id

@@ -19,7 +19,7 @@ import torch
 import torch.multiprocessing as mp
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding import _draw
+from torch_tpu_embedding.modules import deferred_init
 
 _RUNS: dict[tuple[int, str], list[dict[str, Any]]] = {}
 
@@ -200,7 +200,7 @@ def test_chunked_draw_equals_a_whole_draw(dtype: torch.dtype, monkeypatch: pytes
     torch.manual_seed(3)
     want = tte.EmbeddingCollection({"f": tte.FeatureConfig(config)}, fuse_tables=False).tables["t"].weight.detach()
     for chunk in (1, 7 * 33 * want.element_size(), 1 << 20):
-        monkeypatch.setattr(_draw, "CHUNK_BYTES", chunk)
+        monkeypatch.setattr(deferred_init, "CHUNK_BYTES", chunk)
         torch.manual_seed(3)
         ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(config)}, device="meta", fuse_tables=False)
         table = ec.tables["t"]

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from test_mp_shard import _free_port, assert_equals_reference, bound, compare, reference
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding._ckpt_publish import CHUNK
+from torch_tpu_embedding.checkpoint.publish import CHUNK
 
 _RUN: dict[str, Any] = {}
 

@@ -18,7 +18,7 @@ import torch
 from optim_registry import EXTRAS, KERAS_EXTRAS, OptimizerConfig, cases
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding.optim import _slots
+from torch_tpu_embedding.optim._core import slots
 
 O = tte.optim  # noqa: E741
 V, D = 10, 3
@@ -104,7 +104,7 @@ def test_untouched_rows_bit_identical(cfg: OptimizerConfig, extra: str) -> None:
     assert torch.equal(w.detach()[V // 2 :], w0[V // 2 :])
     assert not torch.equal(w.detach()[: V // 2], w0[: V // 2])
     state = o.state[w]
-    for name, spec in _slots.specs(w, o.param_groups[0]).items():
+    for name, spec in slots.specs(w, o.param_groups[0]).items():
         if spec.rows and name not in ("ema", "ema_last"):
             assert torch.all(state[name][V // 2 :] == spec.init), name
     if KERAS_EXTRAS[extra].get("use_ema"):  # the average of a constant row is that row, exactly

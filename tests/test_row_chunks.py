@@ -9,7 +9,7 @@ import torch
 from optim_registry import CHUNKS, OptimizerConfig, cases
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding.optim import _paths
+from torch_tpu_embedding.optim._core import update_paths
 
 O = tte.optim  # noqa: E741
 # Every optimizer, with EMA, with accumulation + skip_nonfinite, and without dedup where it takes
@@ -19,8 +19,8 @@ CASES = cases(CHUNKS)
 
 
 def run(cfg: OptimizerConfig, chunk: int, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, Any], dict[str, Any]]:
-    monkeypatch.setattr(_paths, "ROW_CHUNK", chunk)
-    monkeypatch.setattr(_paths, "ROW_CHUNK_PARALLEL", chunk)
+    monkeypatch.setattr(update_paths, "ROW_CHUNK", chunk)
+    monkeypatch.setattr(update_paths, "ROW_CHUNK_PARALLEL", chunk)
     torch.manual_seed(0)
     t = tte.TableConfig(300, 6, name="t", combiner="sqrtn")
     ec = tte.EmbeddingCollection({"a": tte.FeatureConfig(t, max_ids_per_bag=5), "b": tte.FeatureConfig(t)})

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding._rows import RowGrad
+from torch_tpu_embedding._rows.grads import RowGrad
 from torch_tpu_embedding.combiners import bag_gains
-from torch_tpu_embedding.optim._row_sums import row_sums
+from torch_tpu_embedding.optim._kernels.row_sums import row_sums
 
 ROWS, DIM = 40, 7
 

@@ -224,7 +224,7 @@ def test_a_tables_own_exchange_capacity_is_never_dropped_by_stacking() -> None:
 
 
 def test_the_overflow_error_of_a_stacked_group_names_its_tables_and_how_to_fix_it() -> None:
-    from torch_tpu_embedding._screening import overflow_problem
+    from torch_tpu_embedding.modules.screening import overflow_problem
 
     assert overflow_problem(["fa"], "t", None, [0, 0], [3, 4], 8) is None
     msg = overflow_problem(["fa", "fb"], "fused_0", ["ta", "tb"], [9, 0, 7], [11, 6, 12], 8)

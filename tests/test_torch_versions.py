@@ -80,7 +80,7 @@ _ROW_SUMS = r"""
 import warnings
 import torch
 import torch_tpu_embedding as tte
-from torch_tpu_embedding.optim._row_sums import row_sums
+from torch_tpu_embedding.optim._kernels.row_sums import row_sums
 
 ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(10, 4, name="t"), max_ids_per_bag=3)})
 ec.tables.t.row_grad.keep_factored = True  # as the fused path asks: the bags' rows kept factored

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding.optim import _paths
-from torch_tpu_embedding.optim._paths import Path, choose_path
+from torch_tpu_embedding.optim._core import update_paths
+from torch_tpu_embedding.optim._core.update_paths import Path, choose_path
+from torch_tpu_embedding.optim._kernels import row_update
 
 O = tte.optim  # noqa: E741
 
@@ -46,14 +47,14 @@ def test_choose_path_and_the_step_runs_it(cls: Any, kwargs: dict[str, Any], whic
     group = opt.param_groups[0]
     assert choose_path(p, group, row_grad=which == "table") is expected
     ran: list[tuple[Path, int]] = []
-    real = _paths.update
+    real = update_paths.update
 
     def spy(item: Any) -> None:
         ran.append((item.path, id(item.p)))
         real(item)
 
-    monkeypatch.setattr(_paths, "update", spy)
-    monkeypatch.setattr("torch_tpu_embedding.optim._base.update", spy)
+    monkeypatch.setattr(update_paths, "update", spy)
+    monkeypatch.setattr("torch_tpu_embedding.optim._core.base.update", spy)
     k = kwargs.get("gradient_accumulation_steps") or 1
     for s in range(k):
         out = ec({"f": tte.Jagged(torch.tensor([1, 1, 4, 7]) + s, lengths=torch.tensor([2, 1, 1]))})["f"]
@@ -78,9 +79,8 @@ def test_with_fused_updates_on_the_row_chunk_cases_take_fused(cls: Any, kwargs: 
     """``TTE_FUSED_UPDATE`` on (the suite runs with it off, tests/conftest.py): every eager per-row
     update with summed rows is ``FUSED``; the other paths do not change. tests/test_fused_update.py
     steps each optimizer on it."""
-    from torch_tpu_embedding.optim import _fused_update
 
-    monkeypatch.setattr(_fused_update, "_ENABLED", True)
+    monkeypatch.setattr(row_update, "_ENABLED", True)
     ec, head = model()
     opt = cls([*ec.parameters(), *head.parameters()], **kwargs)
     p = ec.tables.t.weight if which == "table" else head.weight
@@ -90,7 +90,7 @@ def test_with_fused_updates_on_the_row_chunk_cases_take_fused(cls: Any, kwargs: 
         ec16 = tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(10, 3, name="h", dtype=torch.bfloat16))})
         p16 = ec16.tables.h.weight
         assert choose_path(p16, cls(ec16.parameters(), **kwargs).param_groups[0], row_grad=True) is want
-    monkeypatch.setattr(_fused_update, "_ENABLED", False)
+    monkeypatch.setattr(row_update, "_ENABLED", False)
     assert choose_path(p, opt.param_groups[0], row_grad=which == "table") is expected
 
 
@@ -100,7 +100,7 @@ def test_owner_local_is_chosen_for_a_table_trained_through_the_id_exchange() -> 
     on SPMD meshes (tests/xla_spmd/test_routed_training.py)."""
     import types
 
-    from torch_tpu_embedding._rows import table_info
+    from torch_tpu_embedding._rows.grads import table_info
 
     ec, head = model()
     p = ec.tables.t.weight

@@ -1,7 +1,7 @@
 """``clip_grad_norm_`` that sees the tables' row-sparse gradients.
 
 ``torch.nn.utils.clip_grad_norm_`` reads ``.grad`` only; a table's gradient lives in its
-:class:`~torch_tpu_embedding._rows.RowGrad`, so torch's function leaves the tables out of the norm and
+:class:`~torch_tpu_embedding._rows.grads.RowGrad`, so torch's function leaves the tables out of the norm and
 never scales their update. This one has the same signature and return value and includes them.
 """
 
@@ -13,11 +13,10 @@ from collections.abc import Iterable
 
 import torch
 
-from torch_tpu_embedding._dedup import coalesce_rows
-from torch_tpu_embedding._dtypes import math_dtype
-from torch_tpu_embedding._grad_sync import sync_row_grads
-from torch_tpu_embedding._pg_exchange import all_reduce_sum, group_sharding
-from torch_tpu_embedding._rows import refuse_stacked_view, table_info
+from torch_tpu_embedding._rows.dedup import coalesce_rows
+from torch_tpu_embedding._rows.grads import refuse_stacked_view, table_info
+from torch_tpu_embedding._rows.placement import all_reduce_sum, group_placement, sync_row_grads
+from torch_tpu_embedding._util.dtypes import math_dtype
 
 __all__ = ["clip_grad_norm_"]
 
@@ -71,7 +70,7 @@ def clip_grad_norm_(
     dense = [p for p in params if table_info(p) is None]
     sync_row_grads([{"params": tables}])
     summed = [(p, r) for p, r in ((p, _summed_rows(p)) for p in tables) if r is not None]
-    spread = [p for p in tables if group_sharding(p) is not None]
+    spread = [p for p in tables if group_placement(p) is not None]
     if spread:  # tables sharded over a process group: every rank holds a part of the gradient
         total = _group_norm(params, summed, spread, float(norm_type), error_if_nonfinite, foreach)
     else:
@@ -99,7 +98,7 @@ def _has_zero_rows(p: Tensor) -> bool:
     rg = info.row_grad
     if rg.owned:  # shard-local ids [n, M]: made global (shard d's rows start at d · R/n)
         ids, _, _ = rg.collect_owned()
-        ids, local = ids.cpu(), p.shape[0] // info.sharding.num_shards
+        ids, local = ids.cpu(), p.shape[0] // info.num_shards
         real = (ids + torch.arange(ids.shape[0])[:, None] * local)[ids < local]
     else:
         ids = rg.ids().cpu()
@@ -121,7 +120,7 @@ def _group_norm(params: list[Tensor], summed: list[tuple[Tensor, Tensor]], sprea
     local = [p.grad for p in params if p.grad is not None and table_info(p) is None]
     local += [r for p, r in summed if id(p) not in mine]
     theirs = [r for p, r in summed if id(p) in mine]
-    sharding = group_sharding(spread[0])
+    sharding = group_placement(spread[0])
     assert sharding is not None
     group = sharding.group
     dtype = next((g.dtype for g in local + theirs), torch.float32)
@@ -159,10 +158,8 @@ def _owned_rows(p: Tensor) -> Tensor:
     """As :func:`_summed_rows` for a table trained through the id exchange (SPMD, owner-local chunks
     ``ids [n, M]``, ``rows [n, M, D]``): duplicates are summed on each shard (a row lives on one shard),
     in one manual-sharding region. A chunk whose lookup dropped ids counts zero, as in the step."""
-    from torch_tpu_embedding.xla.manual import on_shards  # imports torch_xla: only on this SPMD path
-
     info = table_info(p)
-    assert info is not None
+    assert info is not None and info.sharding is not None
     sharding = info.sharding
     sentinel = p.shape[0] // sharding.num_shards  # shard-local padding row
     ids, rows, ok = info.row_grad.collect_owned()
@@ -172,5 +169,5 @@ def _owned_rows(p: Tensor) -> Tensor:
                  rep: list[Tensor | None]) -> list[Tensor]:
         return list(coalesce_rows(inputs[0], inputs[1], sentinel))
 
-    _, summed = on_shards(on_shard, {}, {}, [ids, rows], [], mesh=sharding.mesh, axis=sharding.axis)
+    _, summed = sharding.on_shards(on_shard, {}, {}, [ids, rows], [])
     return summed

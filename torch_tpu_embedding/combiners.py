@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from torch_tpu_embedding._dtypes import compute_dtype
+from torch_tpu_embedding._util.dtypes import compute_dtype
 
 __all__ = ["bag_gains", "jagged_gains"]
 

@@ -23,8 +23,8 @@ from typing import Any, Union
 
 import torch
 
-from torch_tpu_embedding._registry import OPTIMIZER_NAMES
-from torch_tpu_embedding._validation import arg_error, check_int
+from torch_tpu_embedding._util.registry import OPTIMIZER_NAMES
+from torch_tpu_embedding._util.validation import arg_error, check_int
 
 __all__ = [
     "COMBINERS",
@@ -85,7 +85,7 @@ def _truncated_normal_(weight: torch.Tensor, std: float, a: float, b: float) -> 
 
     The one random draw is ``uniform_``, which takes one value of the CPU generator per element in
     order, and the rest is element-wise: so a table's rows can also be drawn chunk by chunk, each chunk
-    transformed alone (:mod:`torch_tpu_embedding._draw`, for tables built on the meta device).
+    transformed alone (:mod:`torch_tpu_embedding.modules.deferred_init`, for tables built on the meta device).
     """
     truncated_uniform_(weight, std, a, b)
     return to_truncated_normal_(weight, std, a, b)

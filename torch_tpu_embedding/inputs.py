@@ -27,19 +27,19 @@ import math
 
 import torch
 
-from torch_tpu_embedding._dtypes import compute_dtype
-from torch_tpu_embedding._input_checks import check_ids as _check_ids
-from torch_tpu_embedding._input_checks import (
+from torch_tpu_embedding._util.dtypes import compute_dtype
+from torch_tpu_embedding._util.input_checks import check_ids as _check_ids
+from torch_tpu_embedding._util.input_checks import (
     check_index_dtype,
     check_tensor,
     check_weights_fit,
 )
-from torch_tpu_embedding._input_checks import check_weights as _check_weights
-from torch_tpu_embedding._input_checks import err as _err
-from torch_tpu_embedding._input_checks import tracing as _tracing
-from torch_tpu_embedding._input_forms import RowPos as _RowPos
-from torch_tpu_embedding._input_forms import from_offsets as _from_offsets
-from torch_tpu_embedding._input_forms import from_sparse as _from_sparse
+from torch_tpu_embedding._util.input_checks import check_weights as _check_weights
+from torch_tpu_embedding._util.input_checks import err as _err
+from torch_tpu_embedding._util.input_checks import tracing as _tracing
+from torch_tpu_embedding._util.input_forms import RowPos as _RowPos
+from torch_tpu_embedding._util.input_forms import from_offsets as _from_offsets
+from torch_tpu_embedding._util.input_forms import from_sparse as _from_sparse
 from torch_tpu_embedding.config import FeatureConfig
 
 __all__ = ["Bags", "Jagged", "Padded", "to_bags"]

@@ -16,8 +16,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from torch_tpu_embedding._validation import arg_error
-from torch_tpu_embedding.collection import EmbeddingCollection, EmbeddingTable
+from torch_tpu_embedding._util.validation import arg_error
+from torch_tpu_embedding.modules.collection import EmbeddingCollection, EmbeddingTable
 
 __all__ = [
     "convert_ftrl_linears",

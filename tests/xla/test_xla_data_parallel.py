@@ -2,7 +2,7 @@
 
 XLA:CPU gives every process a world size of 1, so the exchange is forced on (``should_exchange``
 patched) in one process: every step then runs the static-shape exchange of
-``torch_tpu_embedding/distributed.py`` with the ``xla`` backend's collectives (``xm.all_gather`` with one
+``torch_tpu_embedding/distributed/data_parallel.py`` with the ``xla`` backend's collectives (``xm.all_gather`` with one
 replica). It must train as the CPU without an exchange, in one compiled graph, with no host fallback and
 one host round trip in all (the size check of the first step). The multi-process arithmetic of the same
 code is checked with gloo on 2 and 3 processes (tests/test_distributed.py::test_static_shape_exchange).
@@ -25,7 +25,7 @@ import torch_xla.debug.metrics as met  # noqa: E402
 import torch_xla.distributed.xla_backend  # noqa: E402,F401  (registers the "xla" backend)
 
 import torch_tpu_embedding as tte  # noqa: E402
-from torch_tpu_embedding import _grad_sync  # noqa: E402
+from torch_tpu_embedding.distributed import grad_sync  # noqa: E402
 
 OPTIMIZERS: dict[str, Any] = {
     "adagrad": lambda p: tte.optim.Adagrad(p, lr=0.1),
@@ -39,7 +39,7 @@ def xla_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     dist.init_process_group("xla", init_method="xla://")
-    monkeypatch.setattr(_grad_sync, "should_exchange", lambda *, spmd, group_size, local: not (spmd or local))
+    monkeypatch.setattr(grad_sync, "should_exchange", lambda *, spmd, group_size, local: not (spmd or local))
     calls: list[int] = []
     real = dist.all_gather_into_tensor
 

@@ -11,7 +11,7 @@ torch_xla = pytest.importorskip("torch_xla")
 import torch_xla.debug.metrics as met  # noqa: E402
 
 import torch_tpu_embedding as tte  # noqa: E402
-from torch_tpu_embedding._dedup import coalesce_rows  # noqa: E402
+from torch_tpu_embedding._rows.dedup import coalesce_rows  # noqa: E402
 
 assert os.environ.get("PJRT_DEVICE"), "run the XLA tests with PJRT_DEVICE=CPU"
 DEV = torch_xla.device()  # before any backward: the autograd engine sizes its device queues once

@@ -14,8 +14,12 @@ import torch_xla  # noqa: E402
 from optim_registry import FUSED_PATH, OptimizerConfig, cases  # noqa: E402
 
 import torch_tpu_embedding as tte  # noqa: E402
-from torch_tpu_embedding.optim import _base, _fused_update, _paths  # noqa: E402
-from torch_tpu_embedding.optim._paths import Path, choose_path  # noqa: E402
+from torch_tpu_embedding.optim._core import (
+    base,
+    update_paths,
+)
+from torch_tpu_embedding.optim._core.update_paths import Path, choose_path  # noqa: E402
+from torch_tpu_embedding.optim._kernels import row_update
 
 O = tte.optim  # noqa: E741
 
@@ -40,7 +44,7 @@ def test_xla_paths(cls: type, kwargs: dict, expected: Path) -> None:
 def test_fused_eager_update_is_never_chosen_on_xla(cfg: OptimizerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fused eager row update turned on (the suite turns it off, tests/conftest.py): every
     configuration of the registry's ``fused_path`` target still takes ROWS for an XLA table."""
-    monkeypatch.setattr(_fused_update, "_ENABLED", True)
+    monkeypatch.setattr(row_update, "_ENABLED", True)
     ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(20, 3, name="t"))}, device=torch_xla.device())
     assert choose_path(ec.tables.t.weight, cfg.make(ec.parameters()).param_groups[0], row_grad=True) is Path.ROWS
 
@@ -49,20 +53,20 @@ def test_fused_eager_update_is_never_chosen_on_xla(cfg: OptimizerConfig, monkeyp
                          ids=str)
 def test_fused_eager_update_never_runs_on_xla(cfg: OptimizerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
     """Steps on XLA with the fused path turned on: every update runs ROWS and no fused kernel is built."""
-    monkeypatch.setattr(_fused_update, "_ENABLED", True)
+    monkeypatch.setattr(row_update, "_ENABLED", True)
     dev = torch_xla.device()
     t = tte.TableConfig(20, 3, name="t")
     ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(t, max_ids_per_bag=3)}, device=dev)
     opt = cfg.make(ec.parameters())
     ran: list[Path] = []
-    real = _paths.update
+    real = update_paths.update
 
     def spy(item: Any) -> None:
         ran.append(item.path)
         real(item)
 
-    monkeypatch.setattr(_base, "update", spy)
-    kernels = _fused_update.compiled_kernels()
+    monkeypatch.setattr(base, "update", spy)
+    kernels = row_update.compiled_kernels()
     for s in range(2):
         ids = torch.randint(0, 20, (4, 3), generator=torch.Generator().manual_seed(s))
         ec({"f": tte.Padded(ids.to(dev), (ids % 5 != 0).to(dev))})["f"].sum().backward()
@@ -70,4 +74,4 @@ def test_fused_eager_update_never_runs_on_xla(cfg: OptimizerConfig, monkeypatch:
         opt.zero_grad()
         torch_xla.sync()
     assert ran and set(ran) == {Path.ROWS}, ran
-    assert _fused_update.compiled_kernels() == kernels
+    assert row_update.compiled_kernels() == kernels

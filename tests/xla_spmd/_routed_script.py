@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding._layout import to_logical
+from torch_tpu_embedding._rows.row_order import to_logical
 
 O = tte.optim  # noqa: E741
 V, D, B_HOST, B_DEV, L, STEPS = 1001, 8, 12, 16, 6, 4

@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import _routed_script as script  # noqa: E402
 
 import torch_tpu_embedding as tte  # noqa: E402
-from torch_tpu_embedding.optim import _paths  # noqa: E402
-from torch_tpu_embedding.optim._paths import Path as UpdatePath  # noqa: E402
+from torch_tpu_embedding.optim._core import update_paths  # noqa: E402
+from torch_tpu_embedding.optim._core.update_paths import Path as UpdatePath  # noqa: E402
 from torch_tpu_embedding.xla import device_mesh, replicate, shard, sharding_spec  # noqa: E402
 
 ROOT = Path(__file__).parents[2]
@@ -86,7 +86,7 @@ def test_more_devices_than_the_row_alignment_equal_cpu(config: str, monkeypatch:
     ec, _, opt = _model()  # through the exchange, one chunk per device
     layout = ec.tables.t.row_layout
     assert layout is not None and layout.chunks == N
-    assert _paths.choose_path(ec.tables.t.weight, opt.param_groups[0], row_grad=True) is UpdatePath.OWNER_LOCAL
+    assert update_paths.choose_path(ec.tables.t.weight, opt.param_groups[0], row_grad=True) is UpdatePath.OWNER_LOCAL
     check(script.run(config), fresh=False)
 
 
@@ -143,18 +143,18 @@ def _step(ec: tte.EmbeddingCollection, head: torch.nn.Module, opt: Any, a: torch
 def test_the_step_takes_the_owner_local_path(monkeypatch: pytest.MonkeyPatch) -> None:
     ec, head, opt = _model()
     w = ec.tables.t.weight
-    assert _paths.choose_path(w, opt.param_groups[0], row_grad=True) is UpdatePath.OWNER_LOCAL
+    assert update_paths.choose_path(w, opt.param_groups[0], row_grad=True) is UpdatePath.OWNER_LOCAL
     nonlazy = tte.optim.Adam([w], lr=0.1, lazy_adam=False).param_groups[0]
-    assert _paths.choose_path(w, nonlazy, row_grad=True) is UpdatePath.OWNER_LOCAL  # dense update per shard
+    assert update_paths.choose_path(w, nonlazy, row_grad=True) is UpdatePath.OWNER_LOCAL  # dense update per shard
     ran: list[UpdatePath] = []
-    real = _paths.update
+    real = update_paths.update
 
     def spy(item: Any) -> None:
         if item.p is w:
             ran.append(item.path)
         real(item)
 
-    monkeypatch.setattr("torch_tpu_embedding.optim._base.update", spy)
+    monkeypatch.setattr("torch_tpu_embedding.optim._core.base.update", spy)
     g = torch.Generator().manual_seed(0)
     _step(ec, head, opt, torch.randint(0, 1001, (8, 4), generator=g), torch.randint(0, 1001, (8,), generator=g))
     assert ran == [UpdatePath.OWNER_LOCAL]

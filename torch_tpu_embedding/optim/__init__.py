@@ -8,14 +8,14 @@ an optimizer: ``docs/design.md``.
 
 import sys
 
-from torch_tpu_embedding._registry import OPTIMIZER_NAMES as OPTIMIZER_NAMES
-from torch_tpu_embedding._registry import optimizer_class as optimizer_class
-from torch_tpu_embedding._registry import optimizer_names as optimizer_names
-from torch_tpu_embedding.optim._base import RowSparseOptimizer as RowSparseOptimizer
-from torch_tpu_embedding.optim._contract import RowContext as RowContext
-from torch_tpu_embedding.optim._contract import SlotSpec as SlotSpec
-from torch_tpu_embedding.optim._extras import KerasExtras as KerasExtras
-from torch_tpu_embedding.optim._torch_layout import use_torch_layout as use_torch_layout
+from torch_tpu_embedding._util.registry import OPTIMIZER_NAMES as OPTIMIZER_NAMES
+from torch_tpu_embedding._util.registry import optimizer_class as optimizer_class
+from torch_tpu_embedding._util.registry import optimizer_names as optimizer_names
+from torch_tpu_embedding.optim._core.base import RowSparseOptimizer as RowSparseOptimizer
+from torch_tpu_embedding.optim._core.contract import RowContext as RowContext
+from torch_tpu_embedding.optim._core.contract import SlotSpec as SlotSpec
+from torch_tpu_embedding.optim._core.extras import KerasExtras as KerasExtras
+from torch_tpu_embedding.optim._state.torch_form import use_torch_layout as use_torch_layout
 
 # The optimizers, one module each: importing a module registers its optimizers, in this order.
 # isort: off

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from torch_tpu_embedding._validation import arg_error, check_bool, check_number
-from torch_tpu_embedding.optim._base import RowSparseOptimizer
-from torch_tpu_embedding.optim._contract import RowContext, Slots, SlotSpec, common_defaults
+from torch_tpu_embedding._util.validation import arg_error, check_bool, check_number
+from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
+from torch_tpu_embedding.optim._core.contract import RowContext, Slots, SlotSpec, common_defaults
 
 __all__ = ["Adafactor", "adafactor_rule"]
 

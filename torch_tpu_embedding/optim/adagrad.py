@@ -9,10 +9,10 @@ from typing import Any, Unpack
 
 import torch
 
-from torch_tpu_embedding._validation import arg_error
-from torch_tpu_embedding.optim._base import RowSparseOptimizer
-from torch_tpu_embedding.optim._contract import RowContext, Slots, common_defaults
-from torch_tpu_embedding.optim._extras import KerasExtras
+from torch_tpu_embedding._util.validation import arg_error
+from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
+from torch_tpu_embedding.optim._core.contract import RowContext, Slots, common_defaults
+from torch_tpu_embedding.optim._core.extras import KerasExtras
 
 __all__ = ["Adagrad", "adagrad_rule"]
 

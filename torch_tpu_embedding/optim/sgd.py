@@ -7,9 +7,9 @@ from typing import Any, Unpack
 
 import torch
 
-from torch_tpu_embedding.optim._base import RowSparseOptimizer
-from torch_tpu_embedding.optim._contract import RowContext, Slots, common_defaults
-from torch_tpu_embedding.optim._extras import KerasExtras
+from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
+from torch_tpu_embedding.optim._core.contract import RowContext, Slots, common_defaults
+from torch_tpu_embedding.optim._core.extras import KerasExtras
 
 __all__ = ["SGD", "sgd_factor", "sgd_increment", "sgd_rule"]
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from torch_tpu_embedding._rows.placement import DeviceBackend, register_device
+
 if TYPE_CHECKING:
     from torch_tpu_embedding.xla.sharding import (
         DEFAULT_REPLICATE_BELOW_BYTES,
@@ -32,6 +34,15 @@ __all__ = [
     "shard_batch",
     "sharding_spec",
 ]
+
+
+def _device() -> DeviceBackend:
+    """The ``"xla"`` device backend (imports torch_xla on first use)."""
+    backend: DeviceBackend = importlib.import_module("torch_tpu_embedding.xla.device").XLA_DEVICE
+    return backend
+
+
+register_device("xla", _device)
 
 
 def __getattr__(name: str) -> Any:

@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from torch_tpu_embedding import routing as plan
-from torch_tpu_embedding._validation import check_int
-from torch_tpu_embedding.routing import RowOwnership
+from torch_tpu_embedding._rows import routing as plan
+from torch_tpu_embedding._rows.routing import RowOwnership
+from torch_tpu_embedding._util.validation import check_int
 from torch_tpu_embedding.xla.manual import Mesh, all_to_all, enter, leave, spec
 
 __all__ = [

@@ -33,8 +33,8 @@ import torch
 import torch_xla
 import torch_xla.distributed.spmd
 
-from torch_tpu_embedding._dedup import coalesce_rows
-from torch_tpu_embedding.routing import slot_row
+from torch_tpu_embedding._rows.dedup import coalesce_rows
+from torch_tpu_embedding._rows.routing import slot_row
 
 # torch_xla's partial type hints are not part of its API: treat its modules as untyped.
 xs: Any = torch_xla.distributed.spmd

@@ -15,7 +15,7 @@ Example (single-process SPMD, 4 virtual CPU devices)::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -23,7 +23,10 @@ import torch_xla
 import torch_xla.distributed.spmd
 import torch_xla.runtime
 
-from torch_tpu_embedding._rows import table_info
+from torch_tpu_embedding._rows.grads import table_info
+
+if TYPE_CHECKING:
+    from torch_tpu_embedding.xla.sharding import TableSharding
 
 # torch_xla's partial type hints are not part of its API: treat its modules as untyped.
 xs: Any = torch_xla.distributed.spmd
@@ -67,7 +70,7 @@ def shard_slot(param: torch.Tensor, slot: torch.Tensor, rows: bool) -> None:
     if not xr.is_spmd() or slot.dim() == 0:
         return
     info = table_info(param)
-    layout = None if info is None else info.sharding
+    layout = None if info is None else cast("TableSharding", info.sharding)
     if layout is not None:
         xs.mark_sharding(slot, layout.mesh, layout.spec(slot.dim(), rows))
         return

@@ -12,5 +12,5 @@ Example::
 """
 
 # Every name of torch_tpu_embedding.routing, the same objects.
-from torch_tpu_embedding.routing import *  # noqa: F403
-from torch_tpu_embedding.routing import __all__ as __all__
+from torch_tpu_embedding._rows.routing import *  # noqa: F403
+from torch_tpu_embedding._rows.routing import __all__ as __all__

@@ -14,7 +14,7 @@ examples) of a device look up travels once:
 3. each device combines its bags from the rows (the table's combiner, per-id weights).
 
 The backward sends the gradient rows to the owners (one ``all-to-all`` of ``[n, n, k, D]``; duplicates
-of a device summed first) and hands the table's :class:`~torch_tpu_embedding._rows.RowGrad` owner-local
+of a device summed first) and hands the table's :class:`~torch_tpu_embedding._rows.grads.RowGrad` owner-local
 ``(local rows [n, n·k], rows [n, n·k, D])``, which the optimizer's ``OWNER_LOCAL`` path updates where
 they live. Per device and step that is ``n·k·(4 + 2·D·4)`` bytes for float32 rows, against ``N·(2·D·4)``
 ideally; ``n·k`` is ``N`` plus the capacity's headroom, not ``n`` times the batch.
@@ -28,18 +28,21 @@ capacity that would have sufficed.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from torch_tpu_embedding._dtypes import math_dtype
-from torch_tpu_embedding._lookup import LookupBatch
-from torch_tpu_embedding._nest import Path
-from torch_tpu_embedding._rows import RowGrad, table_info
+from torch_tpu_embedding._rows.grads import RowGrad, table_info
+from torch_tpu_embedding._rows.routing import RowOwnership, default_capacity
+from torch_tpu_embedding._util.dtypes import math_dtype
+from torch_tpu_embedding._util.nest import Path
 from torch_tpu_embedding.combiners import bag_gains
-from torch_tpu_embedding.routing import RowOwnership, default_capacity
+from torch_tpu_embedding.modules.lookup import LookupBatch
 from torch_tpu_embedding.xla.exchange import Routing, exchange_grad, exchange_lookup
 from torch_tpu_embedding.xla.manual import Mesh, annotate, reshard, spec
+
+if TYPE_CHECKING:
+    from torch_tpu_embedding.xla.sharding import TableSharding
 
 __all__ = ["ExchangeCounts", "RoutedLookup", "capacity"]
 
@@ -162,7 +165,8 @@ class RoutedLookup:
                 "such a group is not supported. Give the frozen tables a TableConfig.optimizer override of their own "
                 "(they then stack apart) and freeze their group, or build the collection with fuse_tables=False."
             )
-        mesh, axis, n = info.sharding.mesh, info.sharding.axis, info.sharding.num_shards
+        sharding = cast("TableSharding", info.sharding)
+        mesh, axis, n = sharding.mesh, sharding.axis, sharding.num_shards
         rows_total, dim = int(weight.shape[0]), int(weight.shape[1])
         items = [(path, bags, b.combiner, b.resident) for b in self.batches for path, bags in b.items]
         if all(bags.ids.numel() == 0 for _, bags, _, _ in items):

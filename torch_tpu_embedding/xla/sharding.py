@@ -5,7 +5,7 @@ Placements (``TableConfig.placement``):
 * ``"row"``: rows split over the mesh axis (``mark_sharding(w, mesh, ("x", None))``). On a 1-D mesh
   of ``n > 1`` devices the table trains through the id exchange
   (:mod:`torch_tpu_embedding.xla.routed`): the rows are stored in the interleaved order of
-  :class:`~torch_tpu_embedding._layout.RowLayout`, each device sends its ids to the shards that own
+  :class:`~torch_tpu_embedding._rows.row_order.RowLayout`, each device sends its ids to the shards that own
   them and gets the rows back, and the optimizer updates every shard's rows where they live. Other
   meshes: a local masked gather plus an all-reduce of the ``[N, D]`` result. Rows are padded to a
   multiple of the device count (an uneven split makes XLA silently replicate the table after an
@@ -39,15 +39,18 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from torch_tpu_embedding._layout import RowLayout
-from torch_tpu_embedding._rows import table_info
-from torch_tpu_embedding._validation import arg_error, check_int
-from torch_tpu_embedding.collection import EmbeddingCollection
+from torch_tpu_embedding._rows.grads import table_info
+from torch_tpu_embedding._rows.placement import TablePlacement
+from torch_tpu_embedding._rows.row_order import RowLayout
+from torch_tpu_embedding._util.validation import arg_error, check_int
 from torch_tpu_embedding.config import DEFAULT_REPLICATE_BELOW_BYTES, TableConfig, auto_placement
+from torch_tpu_embedding.modules.collection import EmbeddingCollection
+from torch_tpu_embedding.xla.manual import all_reduce, on_shards, reshard, spec
 from torch_tpu_embedding.xla.mesh import Mesh, device_mesh, shard_slot, sharding_spec, slot_extra_rows, xr, xs
 from torch_tpu_embedding.xla.routed import ExchangeCounts, RoutedLookup
 
@@ -75,7 +78,7 @@ ROW_ALIGNMENT = 512
 
 
 @dataclasses.dataclass(frozen=True)
-class TableSharding:
+class TableSharding(TablePlacement):
     """A table's layout: ``placement`` in ``("row", "column", "replicated")`` over ``mesh[axis]``;
     ``exchange``: a row-sharded table trained through the id exchange (ids routed to their owner)."""
 
@@ -100,6 +103,20 @@ class TableSharding:
         """The lookup of a table laid out this way (``exchange`` only) for one forward call: every batch
         of its ids routed through the id exchange (see :class:`~torch_tpu_embedding.xla.routed.RoutedLookup`)."""
         return RoutedLookup(table, weight, configured, features, counts)
+
+    def on_shards(self, fn: Callable[..., list[torch.Tensor]], sharded: Mapping[str, torch.Tensor],
+                  small: Mapping[str, torch.Tensor], inputs: Sequence[torch.Tensor],
+                  replicated: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+        """:func:`~torch_tpu_embedding.xla.manual.on_shards` over this table's shards."""
+        return on_shards(fn, sharded, small, inputs, replicated, mesh=self.mesh, axis=self.axis)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Inside :meth:`on_shards`: ``x`` summed over the table's shards."""
+        return all_reduce(x, self.mesh, self.axis)
+
+    def row_sharded(self, t: torch.Tensor) -> torch.Tensor:
+        """``t [n, ...]`` resharded with dim 0 over the table's shards."""
+        return reshard(t, spec(self.axis, 0, t.dim()), self.mesh)
 
     def spec(self, dim: int, rows: bool = True) -> tuple[str | None, ...]:
         """The partition spec of a ``dim``-d tensor laid out like the table (``rows``: dim 0 = rows)."""

@@ -1,0 +1,88 @@
+"""Variable-length inputs (jagged values + offsets, sparse COO) as bag coordinates, checked on the host:
+the first step of :func:`torch_tpu_embedding.inputs.to_bags` for those forms."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from torch_tpu_embedding._util.input_checks import check_sparse_indices
+from torch_tpu_embedding._util.input_checks import check_weights as _check_weights
+from torch_tpu_embedding._util.input_checks import err as _err
+from torch_tpu_embedding._util.input_checks import tracing as _tracing
+
+__all__ = ["RowPos", "from_offsets", "from_sparse"]
+
+
+@dataclasses.dataclass
+class RowPos:
+    """Variable-length bags as coordinates: id ``vals[k]`` sits in bag ``row[k]`` at ``pos[k]``."""
+
+    row: torch.Tensor
+    pos: torch.Tensor  # position used for sequences (column index for sparse, rank for jagged)
+    rank: torch.Tensor  # 0-based rank of the id inside its bag (for packing combined bags)
+    vals: torch.Tensor
+    weights: torch.Tensor | None
+    leading: tuple[int, ...]  # bag grid: prod(leading) bags
+
+
+def from_offsets(
+    feature: str, values: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None
+) -> RowPos:
+    if values.dim() != 1:
+        raise _err(feature, f"jagged values must be 1-D. Received shape {tuple(values.shape)}")
+    if offsets.dim() != 1 or offsets.numel() < 1:
+        raise _err(feature, f"offsets must be 1-D with B+1 entries. Received shape {tuple(offsets.shape)}")
+    offsets = offsets.to(torch.int64)
+    lengths = offsets[1:] - offsets[:-1]
+    # Values are read where they exist: not while torch.compile / torch.export trace (as inputs.py checks ids).
+    if not _tracing() and (int(offsets[0]) != 0 or int(offsets[-1]) != values.numel() or bool((lengths < 0).any())):
+        raise _err(
+            feature,
+            f"offsets must start at 0, be non-decreasing and end at len(values)={values.numel()}. "
+            f"Received: {offsets.tolist() if offsets.numel() <= 16 else offsets}",
+        )
+    b = lengths.numel()
+    # output_size: the count it has (checked above), known without reading lengths, so a compiled
+    # graph keeps one size for the ids and their bags.
+    row = torch.repeat_interleave(torch.arange(b), lengths, output_size=values.numel())
+    rank = torch.arange(values.numel()) - offsets[:-1][row]
+    if weights is not None:
+        _check_weights(feature, weights, tuple(values.shape), "the jagged values")
+    return RowPos(row, rank, rank, values, weights, (b,))
+
+
+def from_sparse(feature: str, sp: torch.Tensor, wsp: torch.Tensor | None) -> RowPos:
+    if sp.dim() < 2:
+        raise _err(feature, f"a sparse input must have rank >= 2. Received shape {tuple(sp.shape)}")
+    idx, vals = sp._indices(), sp._values()
+    leading = tuple(sp.shape[:-1])
+    # Linear bag index over the leading dims, then sort entries by (bag, column) as TF requires.
+    row = torch.zeros(idx.shape[1], dtype=torch.int64)
+    for d, size in enumerate(leading):
+        row = row * size + idx[d]
+    col = idx[-1]
+    key = row * sp.shape[-1] + col
+    order = torch.argsort(key, stable=True)
+    check_sparse_indices(feature, idx, tuple(sp.shape), key[order])
+    row, col, vals = row[order], col[order], vals[order]
+    w = None
+    if wsp is not None:
+        if not (isinstance(wsp, torch.Tensor) and wsp.layout == torch.sparse_coo):
+            raise TypeError(
+                f"Weight for `{feature}` is type {type(wsp).__name__} "
+                f"({getattr(wsp, 'layout', '-')}) which does not match type input which is a "
+                "sparse COO tensor."
+            )
+        if wsp.shape != sp.shape or not torch.equal(wsp._indices(), sp._indices()):
+            raise _err(feature, "sparse weights must have the same shape and indices as the ids")
+        # In index order: coalesce() sorts the (unique, checked above) indices as `order` does, and
+        # unlike _values() it carries a gradient back to weights that require one.
+        w = wsp.coalesce().values() if wsp.requires_grad else wsp._values()[order]
+        _check_weights(feature, w, tuple(vals.shape), "the sparse values")
+    counts = torch.bincount(row, minlength=math.prod(leading))
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(vals.numel()) - starts[row]
+    return RowPos(row, col, rank, vals, w, leading)

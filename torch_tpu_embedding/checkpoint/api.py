@@ -1,0 +1,316 @@
+"""Checkpoints that move between CPU, one XLA device and any sharded layout.
+
+A checkpoint holds the *logical* state: one ``[num_embeddings, D]`` tensor per table and per row slot
+(no device padding rows, no trash rows), keyed by table name, on the CPU. It loads into a model on
+any device and any placement; :func:`save` writes atomically and the file loads with
+``torch.load(weights_only=True)`` (no pickled code).
+
+Example::
+
+    >>> tte.checkpoint.save("ckpt.pt", model=ec, optimizer=opt, extra={"step": 1000})
+    >>> extra = tte.checkpoint.load("ckpt.pt", model=ec2, optimizer=opt2)   # another device/layout
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from torch_tpu_embedding._rows.grads import table_info
+from torch_tpu_embedding._rows.row_order import Description, describe, from_logical, layout_of, to_logical
+from torch_tpu_embedding.checkpoint.checks import CheckpointMismatchError, apply_payload, is_row_sparse
+from torch_tpu_embedding.checkpoint.dcp import (
+    FORMAT,
+    META,
+    dcp,
+    logical_payload,
+    present,
+    read_meta,
+    read_tensors,
+    uses_xla,
+    xla_planner,
+)
+from torch_tpu_embedding.checkpoint.files import check_loadable, dcp_quiet, read_dcp_metadata, write_atomic
+from torch_tpu_embedding.checkpoint.host import host_model_state, host_optimizer_state, to_cpu
+from torch_tpu_embedding.checkpoint.publish import (
+    SHARDED_META,
+    CheckpointCorruptError,
+    barrier,
+    prepare_staging,
+    publish,
+    rank,
+    resolve,
+    staging_path,
+    verify,
+    write_manifest,
+)
+from torch_tpu_embedding.checkpoint.sharded import sharded
+from torch_tpu_embedding.modules.collection import EmbeddingCollection
+from torch_tpu_embedding.modules.screening import warn_unreported
+from torch_tpu_embedding.optim._state.state_io import rest_problems
+
+__all__ = [
+    "FORMAT", "CheckpointCorruptError", "CheckpointMismatchError", "convert_distributed", "load", "load_distributed",
+    "save", "save_distributed", "to_cpu",
+]
+
+
+
+def save(
+    path: str | os.PathLike[str],
+    *,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Write ``{"format", "model", "optimizer", "extra"}`` to ``path`` atomically (temp file + rename).
+
+    Under multi-host SPMD call it from every process, each with a path on its own disk: reading a
+    sharded tensor to the host is a computation over all devices, so a process that skips it
+    stalls the others. Tables larger than one host's memory: :func:`save_distributed`.
+    """
+    payload = {
+        "format": FORMAT,
+        "model": None if model is None else host_model_state(model),
+        "optimizer": None if optimizer is None else host_optimizer_state(optimizer),
+        "extra": to_cpu(extra),
+    }
+    check_loadable(payload["extra"], "extra")  # before anything on disk changes
+    check_loadable(payload, "checkpoint")
+    write_atomic(payload, path)
+
+
+def load(
+    path: str | os.PathLike[str],
+    *,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    strict: bool = True,
+) -> dict[str, Any] | None:
+    """Load a :func:`save` file (``weights_only=True``) into ``model`` / ``optimizer``; returns ``extra``.
+
+    Build the model on its device and layout first (and ``optimizer.init_state()`` on XLA); the
+    tensors are copied into the existing parameters and slots, which keep their sharding.
+    """
+    target = os.fspath(path)
+    if not os.path.exists(target):
+        raise FileNotFoundError(f"No checkpoint at {target}")
+    try:
+        payload = torch.load(target, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises several types for a damaged zip / pickle stream
+        raise ValueError(f"{target} is not a readable checkpoint (truncated or corrupt): {e}") from e
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
+        raise ValueError(f"{os.fspath(path)} is not a torch_tpu_embedding checkpoint ({FORMAT}). Found: {found!r}")
+    return apply_payload(payload, target, model, optimizer, strict)
+
+
+# ---------------------------------------------------------------------------------------------
+# Distributed checkpoints (torch.distributed.checkpoint): huge tables, written shard by shard
+# ---------------------------------------------------------------------------------------------
+def _physical(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[
+    dict[str, torch.Tensor], dict[str, int | None], dict[str, Any]
+]:
+    """Every model parameter/buffer and optimizer slot as it is on the device, plus the rest (with
+    ``rest["layouts"]``: how each table-indexed tensor is stored, see ``_layout.describe``)."""
+    tensors: dict[str, torch.Tensor] = {}
+    rows: dict[str, int | None] = {}
+    layouts: dict[str, Description] = {}
+    members: dict[str, Any] = {}  # fused groups: their tables, for convert_distributed
+    for name, p in [*model.named_parameters(), *model.named_buffers()]:
+        info = table_info(p)
+        tensors[f"model/{name}"] = p.detach()
+        rows[f"model/{name}"] = None if info is None else info.num_embeddings
+        if info is not None:
+            layouts[f"model/{name}"] = describe(info.layout)
+        if info is not None and info.members is not None:
+            members[f"model/{name}"] = info.members
+    rest: dict[str, Any] = {"members": members}
+    if optimizer is not None:
+        physical = _row_sparse(optimizer).physical_state()
+        rest = {**physical.rest(),
+                "members": {**members, **{f"optim/{k}": m for k, m in physical.members.items()}}}
+        tensors.update({f"optim/{k}": v for k, v in physical.tensors.items()})
+        rows.update({f"optim/{k}": v for k, v in physical.logical_rows.items()})
+        layouts.update({f"optim/{k}": v for k, v in physical.layouts.items()})
+    rest["layouts"] = layouts
+    return tensors, rows, rest
+
+
+def _row_sparse(optimizer: torch.optim.Optimizer) -> Any:
+    if not is_row_sparse(optimizer):
+        raise TypeError("Distributed checkpoints need a torch_tpu_embedding.optim optimizer.")
+    return optimizer
+
+
+def save_distributed(
+    path: str | os.PathLike[str], *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """Write a ``torch.distributed.checkpoint`` directory: each device's shards of every table and slot.
+
+    No table is gathered: on XLA the tensors are written shard by shard with torch_xla's
+    ``SPMDSavePlanner``. Physical shapes include padding and trash rows, which are the same in every
+    sharded layout (``torch_tpu_embedding.xla.ROW_ALIGNMENT``), so :func:`load_distributed` reshards
+    in place (4 → 2 → 1 devices, row ↔ column); a CPU model or :func:`convert_distributed` reads the
+    logical rows. On several hosts every process calls it (each writes its shards).
+
+    Crash-safe: written into a sibling staging directory and published with renames once every
+    file and a manifest of their sizes and sha256 are on disk, so a process killed at any point
+    leaves the previous checkpoint or this one, complete. Refuses to replace a directory holding
+    other files than a checkpoint's.
+
+    A model sharded over a process group (``tte.distributed.shard``) is written as
+    ``tte.distributed.save_sharded`` writes it (each rank its own rows, logical row order): every
+    process calls it; the directory loads with :func:`load_distributed` at any world size, in one
+    process and into a torch_xla SPMD model.
+    """
+    if sharded().owns(model):
+        sharded().save(path, model, optimizer)
+        return
+    api = dcp()
+    for name, m in model.named_modules():  # what state_dict() warns of, for a save that does not call it
+        if isinstance(m, EmbeddingCollection):
+            warn_unreported(m, name)
+    tensors, rows, rest = _physical(model, optimizer)
+    planner = xla_planner("SPMDSavePlanner") if uses_xla(tensors) else None
+    members = rest.pop("members")
+    layouts = rest.pop("layouts")
+    # "layouts": the stored row order of each table-indexed tensor (absent in checkpoints written
+    # before the id exchange: every tensor in logical order).
+    meta = {"format": FORMAT, "rows": rows, "members": members, "layouts": layouts,
+            "optimizer": to_cpu(rest) if optimizer is not None else None}
+    # Written into a staging directory beside the target and published whole (_ckpt_publish.py): a
+    # process killed at any point leaves the previous checkpoint or this one, complete, never a mix.
+    target = os.path.abspath(os.fspath(path))
+    staging = staging_path(target)
+    if rank() == 0:
+        prepare_staging(target)
+    barrier()
+    with dcp_quiet():
+        api.save(tensors, storage_writer=api.FileSystemWriter(staging, sync_files=True), planner=planner)
+    barrier()  # every rank's files are written and fsynced
+    if rank() == 0:
+        write_atomic(meta, os.path.join(staging, META))
+        write_manifest(staging)
+        publish(staging, target)
+    barrier()  # no rank returns before the checkpoint is published
+
+
+def _groups(members: Any) -> Any:
+    """A model's stacked groups as recorded in a distributed checkpoint: ``{key: [(table, first row, rows)]}``."""
+    if not isinstance(members, dict):
+        return members
+    return {k: [tuple(m) for m in v] for k, v in members.items() if str(k).startswith("model/")}
+
+
+def _saved_sizes(path: str) -> tuple[dict[str, torch.Size], dict[str, torch.dtype]]:
+    md = read_dcp_metadata(path)  # allow-listed unpickling: a crafted .metadata runs no code
+    entries = [(k, v) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")]
+    return {k: v.size for k, v in entries}, {k: v.properties.dtype for k, v in entries}
+
+
+def _kind(dtype: torch.dtype) -> tuple[bool, bool, bool]:
+    return dtype.is_floating_point, dtype.is_complex, dtype == torch.bool
+
+
+def load_distributed(
+    path: str | os.PathLike[str], *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """Load a :func:`save_distributed` directory into ``model`` (and ``optimizer``) on any device/layout.
+
+    Tensors whose physical shape matches the saved one are loaded in place, shard by shard (sharded
+    XLA tensors through ``SPMDLoadPlanner``, which reshards). Others (a CPU model without padding
+    rows) are read into host staging tensors and their logical rows copied. Build the model and
+    call ``optimizer.init_state()`` first. Mismatched tables or slots raise one ``ValueError``.
+    A checkpoint whose tables are stacked in other groups than the model's is read per table through
+    the host, as :func:`convert_distributed` reads it.
+
+    Every file is checked against the save's manifest (sizes, sha256) before anything is written:
+    a truncated, missing or altered file raises :class:`CheckpointCorruptError` naming it, and the
+    model and optimizer are unchanged.
+
+    Between the two kinds of distributed checkpoint: a directory written from a model sharded over a
+    process group (``tte.distributed.save_sharded``, or this module's :func:`save_distributed` of such
+    a model) loads into any model here, SPMD included (its tables through the host: logical rows,
+    resharded as the model lays them out); into a model sharded over a process group either kind loads
+    through ``tte.distributed.load_sharded`` (each rank its own rows).
+    """
+    target = resolve(os.fspath(path))  # a save killed between its renames left the old one aside
+    if sharded().owns(model) or os.path.isfile(os.path.join(target, SHARDED_META)):
+        if optimizer is not None and hasattr(optimizer, "init_state"):
+            optimizer.init_state()
+        sharded().load(target, model, optimizer)
+        return
+    present(target)
+    verify(target)  # every file whole and as saved, before anything is written
+    meta = read_meta(target)
+    if optimizer is not None and hasattr(optimizer, "init_state"):
+        optimizer.init_state()
+    dest, rows, rest = _physical(model, optimizer)
+    saved_layouts, layouts = meta.get("layouts", {}), rest["layouts"]
+    saved, saved_dtypes = _saved_sizes(target)
+    if set(saved) != set(dest) and _groups(meta.get("members", {})) != _groups(rest["members"]):
+        # Tables stacked in other groups than here (fuse_tables, or a mesh's placements): per table,
+        # through the host.
+        apply_payload(logical_payload(target, meta), target, model, optimizer, strict=True)
+        return
+    missing = sorted(set(dest) - set(saved))
+    unexpected = sorted(k for k in set(saved) - set(dest) if optimizer is not None or k.startswith("model/"))
+    problems = [f"missing {missing}"] if missing else []
+    if unexpected:
+        problems.append(f"unexpected {unexpected}")
+    for k in sorted(set(dest) & set(saved)):
+        n_saved, n_here = meta["rows"].get(k), rows[k]
+        logical_saved = (n_saved, *saved[k][1:]) if n_saved is not None else tuple(saved[k])
+        logical_here = (n_here, *dest[k].shape[1:]) if n_here is not None else tuple(dest[k].shape)
+        if tuple(logical_saved) != tuple(logical_here):
+            problems.append(f"{k} has shape {tuple(logical_saved)} saved, {tuple(logical_here)} here")
+        elif _kind(saved_dtypes[k]) != _kind(dest[k].dtype):
+            problems.append(f"{k} holds {saved_dtypes[k]} values saved, {dest[k].dtype} here")
+    if optimizer is not None and meta["optimizer"] is None:
+        raise ValueError(f"{target} holds no optimizer state.")
+    if optimizer is not None:  # hyper-parameters too, before any tensor is read in place
+        problems += rest_problems(_row_sparse(optimizer), meta["optimizer"])
+    if problems:
+        raise CheckpointMismatchError(f"Distributed checkpoint {target} does not match (nothing was loaded): "
+                                      + "; ".join(problems))
+    wanted = {k: dest[k] for k in dest}
+    staged: dict[str, torch.Tensor] = {}
+    for k, t in dest.items():
+        # Same shape and row order: read in place, shard by shard. Otherwise through the host.
+        if tuple(t.shape) != tuple(saved[k]) or saved_layouts.get(k) != layouts.get(k):
+            staged[k] = torch.empty(saved[k], dtype=t.dtype)
+            wanted[k] = staged[k]
+    read_tensors(target, wanted)
+    with torch.no_grad():
+        for k, host in staged.items():
+            t, n = dest[k], rows[k]
+            if n is None:
+                t.copy_(host.to(t.device))
+                continue
+            saved_order, saved_k = layout_of(saved_layouts.get(k))
+            value = to_logical(host, n, saved_order, saved_k)
+            order, slot_k = layout_of(layouts.get(k))
+            current = t.detach().cpu() if order is not None or t.device.type == "cpu" else t
+            # Copied from the host tensor itself: an XLA destination keeps its sharding (copying a
+            # replicated device tensor into it would leave the table replicated).
+            t.copy_(from_logical(value.to(current.device), current, order, slot_k))
+    if optimizer is not None:
+        _row_sparse(optimizer).load_physical_rest(meta["optimizer"])
+
+
+def convert_distributed(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> None:
+    """Turn a :func:`save_distributed` directory into one :func:`save` file (logical rows, CPU).
+
+    Reads on the host without torch_xla; the result loads anywhere with :func:`load`. A
+    ``tte.distributed.save_sharded`` directory converts too.
+    """
+    target = resolve(os.fspath(path))
+    if os.path.isfile(os.path.join(target, SHARDED_META)):
+        write_atomic(sharded().payload(target), out)
+        return
+    present(target)
+    verify(target)
+    write_atomic(logical_payload(target, read_meta(target)), out)

@@ -1,0 +1,156 @@
+"""Checks that run before a checkpoint writes anything: a load either loads everything or changes nothing.
+
+``torch.nn.Module.load_state_dict`` copies each module's tensors as it walks the model and reports a
+wrong shape or a missing key only at the end, so a failed load leaves some tables overwritten. The
+checks here read only names, shapes and dtypes (never a table's values: a row-permuted table would
+otherwise be gathered to the host just to be checked).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from torch_tpu_embedding._rows.grads import table_info
+from torch_tpu_embedding._util.dtypes import dtype_kind
+from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
+from torch_tpu_embedding.optim._state import state_io
+from torch_tpu_embedding.optim._state.state_check import tensor_problem
+
+__all__ = [
+    "CheckpointMismatchError", "apply_payload", "expected_model_state", "is_row_sparse", "model_problems",
+    "optimizer_problems",
+]
+
+
+class CheckpointMismatchError(ValueError, RuntimeError):
+    """A checkpoint that does not fit the model or optimizer it is loaded into; nothing was loaded.
+
+    A ``ValueError`` (what the optimizers raise) and a ``RuntimeError`` (what
+    ``Module.load_state_dict`` raises), so existing handlers of either keep working.
+    """
+
+
+def expected_model_state(model: torch.nn.Module) -> dict[str, tuple[torch.Size, torch.dtype] | None]:
+    """``model.state_dict()``'s keys with the logical shape and dtype of each tensor (``None``: extra state).
+
+    Tables answer with ``[num_embeddings, D]`` (no padding rows); a fused group answers to each of its
+    tables' ``tables.<name>.weight`` keys, as the collection's ``state_dict`` hook writes them.
+    """
+    out: dict[str, tuple[torch.Size, torch.dtype] | None] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for name, p in module._parameters.items():
+            if p is None:
+                continue
+            info = table_info(p)
+            if info is not None and info.members is not None:  # a fused group: per-table keys
+                owner = (dot + name)[: -len(f"groups.{info.name}.weight")]  # the collection's prefix
+                for tname, _, n in info.members:
+                    out[f"{owner}tables.{tname}.weight"] = (torch.Size((n, *p.shape[1:])), p.dtype)
+                continue
+            rows = info.num_embeddings if info is not None else None
+            shape = torch.Size((rows, *p.shape[1:])) if rows is not None else p.shape
+            out[dot + name] = (shape, p.dtype)
+        for name, b in module._buffers.items():
+            if b is not None and name not in module._non_persistent_buffers_set:
+                out[dot + name] = (b.shape, b.dtype)
+        if type(module).get_extra_state is not torch.nn.Module.get_extra_state:
+            out[dot + "_extra_state"] = None
+    return out
+
+
+def model_problems(model: torch.nn.Module, state: Mapping[str, Any], strict: bool) -> list[str]:
+    """What ``model.load_state_dict(state, strict=strict)`` would refuse, in torch's words; writes nothing."""
+    if not isinstance(state, Mapping):
+        return [f"not a state_dict (a mapping of names to tensors): found {type(state).__name__}"]
+    expected = expected_model_state(model)
+    problems = []
+    if strict:
+        missing = [k for k in expected if k not in state]
+        unexpected = [k for k in state if k not in expected]
+        if missing:
+            problems.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing))
+        if unexpected:
+            problems.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected))
+    groups = _group_keys(model)
+    for gkey, (shape, dtype, tables) in groups.items():
+        if gkey not in state:
+            continue
+        # Our files hold a stacked group's tables (``tables.<name>.weight``); a group's own weight
+        # (a key that ``load_state_dict`` accepts too) is checked like them, and never mixed with them.
+        both = [k for k in tables if k in state]
+        if both:
+            problems.append(f"{gkey}: the stacked group's weight and its tables' keys {both} are both in the "
+                            "state_dict; keep one or the other")
+        expected = {**expected, gkey: (shape, dtype)}
+    for key, want in expected.items():
+        value = state.get(key)
+        if want is None or key not in state:
+            continue
+        shape, dtype = want
+        bad = tensor_problem(key, value)
+        if bad is not None:
+            problems.append(bad)
+            continue
+        assert isinstance(value, torch.Tensor)  # tensor_problem refuses anything else
+        if value.shape != shape:
+            problems.append(f"size mismatch for {key}: copying a param with shape {value.shape} from checkpoint, "
+                            f"the shape in current model is {shape}")
+        elif dtype_kind(value.dtype) != dtype_kind(dtype):
+            problems.append(f"{key}: the checkpoint holds {dtype_kind(value.dtype)} values ({value.dtype}), "
+                            f"the model a {dtype_kind(dtype)} tensor ({dtype})")
+    return problems
+
+
+def _group_keys(model: torch.nn.Module) -> dict[str, tuple[torch.Size, torch.dtype, list[str]]]:
+    """Each stacked group's own weight key: its logical shape and dtype and its tables' keys."""
+    out = {}
+    for name, p in model.named_parameters():
+        info = table_info(p)
+        if info is not None and info.members is not None:
+            owner = name[: -len(f"groups.{info.name}.weight")]
+            rows = sum(n for _, _, n in info.members)
+            out[name] = (torch.Size((rows, *p.shape[1:])), p.dtype,
+                         [f"{owner}tables.{t}.weight" for t, _, _ in info.members])
+    return out
+
+
+def is_row_sparse(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is a ``tte.optim`` optimizer."""
+    return isinstance(optimizer, RowSparseOptimizer)
+
+
+def optimizer_problems(optimizer: torch.optim.Optimizer, state: Any) -> list[str]:
+    """A ``tte.optim`` optimizer's refusals of ``state`` (``optim/state_io.py``), without writing; other
+    optimizers answer ``[]`` (torch's optimizers check their state before writing it)."""
+    if not is_row_sparse(optimizer):
+        return []
+    return state_io.state_problems(optimizer, state)  # type: ignore[arg-type]
+
+
+def apply_payload(
+    payload: dict[str, Any], target: str, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
+    strict: bool,
+) -> dict[str, Any] | None:
+    """Check a ``tte.checkpoint.save`` payload against ``model`` / ``optimizer``, then load it; returns ``extra``."""
+    if model is not None and payload["model"] is None:
+        raise ValueError(f"{target} holds no model state.")
+    if optimizer is not None and payload["optimizer"] is None:
+        raise ValueError(f"{target} holds no optimizer state.")
+    # Everything is checked before anything is written: a load that fails changes nothing.
+    problems = []
+    if model is not None:
+        problems += [f"model: {p}" for p in model_problems(model, payload["model"], strict)]
+    if optimizer is not None:
+        problems += [f"optimizer: {p}" for p in optimizer_problems(optimizer, payload["optimizer"])]
+    if problems:
+        raise CheckpointMismatchError(f"{target} does not match (nothing was loaded): " + "; ".join(problems))
+    if optimizer is not None:  # other optimizers check their own state before writing it
+        optimizer.load_state_dict(payload["optimizer"])
+    if model is not None:
+        model.load_state_dict(payload["model"], strict=strict)
+    extra: dict[str, Any] | None = payload.get("extra")
+    return extra

@@ -1,0 +1,113 @@
+"""Reading ``tte.checkpoint.save_distributed`` directories (``torch.distributed.checkpoint`` plus ``tte_meta.pt``)
+on the host: their metadata, their tensors, and their logical form (one :func:`tte.checkpoint.save` payload).
+
+Shared by ``tte.checkpoint.load_distributed`` / ``convert_distributed`` and by
+``tte.distributed.load_sharded``, which loads such a directory into a model sharded over a process group.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+import torch
+
+from torch_tpu_embedding._rows.placement import device_backend
+from torch_tpu_embedding._rows.row_order import layout_of, to_logical
+from torch_tpu_embedding.checkpoint.files import dcp_quiet, dcp_reader, read_dcp_metadata
+from torch_tpu_embedding.checkpoint.host import split_fused_entries
+from torch_tpu_embedding.checkpoint.publish import read_errors
+
+__all__ = ["FORMAT", "META", "dcp", "logical_payload", "present", "read_meta", "read_tensors", "uses_xla",
+           "xla_planner"]
+
+#: written into every checkpoint; ``tte.checkpoint.load`` refuses other formats
+FORMAT = "torch_tpu_embedding.checkpoint/1"
+#: the metadata file of a ``save_distributed`` directory
+META = "tte_meta.pt"
+
+
+def dcp() -> Any:
+    """``torch.distributed.checkpoint`` (untyped here: its names are not re-exported for mypy)."""
+    return importlib.import_module("torch.distributed.checkpoint")
+
+
+def xla_planner(kind: str) -> Any:
+    """torch_xla's DCP planner ``kind`` for XLA tensors (through the ``"xla"`` device backend)."""
+    return device_backend("xla").dcp_planner(kind)
+
+
+def uses_xla(tensors: dict[str, torch.Tensor]) -> bool:
+    return any(t.device.type == "xla" for t in tensors.values())
+
+
+def read_meta(path: str) -> Any:
+    """``tte_meta.pt`` of a distributed checkpoint, read with ``weights_only=True`` (no pickled code)."""
+    file = os.path.join(path, META)
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"No distributed checkpoint at {path} (no {META})")
+    try:
+        meta = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # weights-only refusals and damaged files raise several types
+        raise ValueError(f"{file} is not a readable checkpoint file (refused by weights_only loading, "
+                         f"truncated or corrupt): {str(e).splitlines()[0]}") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"{file} is not a torch_tpu_embedding distributed checkpoint ({FORMAT}).")
+    rows = meta.get("rows")
+    if not isinstance(rows, dict) or not all(n is None or (isinstance(n, int) and n >= 0) for n in rows.values()) \
+            or not isinstance(meta.get("members", {}), dict) or "optimizer" not in meta:
+        raise ValueError(f"{file} is damaged: 'rows' must map each tensor to its logical rows (an int or None), "
+                         "with 'members' and 'optimizer' beside it.")
+    return meta
+
+
+def present(path: str) -> None:
+    if not os.path.isdir(path) or not os.path.exists(os.path.join(path, META)):
+        raise FileNotFoundError(f"No distributed checkpoint at {path} (no {META})")
+
+
+def read_tensors(path: str, dest: dict[str, torch.Tensor]) -> None:
+    api = dcp()
+    planner = xla_planner("SPMDLoadPlanner") if uses_xla(dest) else None
+    with dcp_quiet(), read_errors(path):
+        api.load(dest, storage_reader=dcp_reader(path), planner=planner)
+
+
+def logical_payload(target: str, meta: Any) -> dict[str, Any]:
+    """A distributed checkpoint read on the host into a :func:`save` payload: logical rows, per table."""
+    md = read_dcp_metadata(target)
+    host: dict[str, torch.Tensor] = {
+        k: torch.empty(v.size, dtype=v.properties.dtype)
+        for k, v in md.state_dict_metadata.items()
+        if hasattr(v, "size")
+    }
+    read_tensors(target, host)
+
+    def logical(k: str) -> torch.Tensor:
+        n = meta["rows"].get(k)
+        order, slot_k = layout_of(meta.get("layouts", {}).get(k))
+        return host[k] if n is None else to_logical(host[k], n, order, slot_k).clone()
+
+    members = meta.get("members", {})
+    model_sd: dict[str, torch.Tensor] = {}
+    for k in host:
+        if k.startswith("model/") and k in members:  # a fused group: its tables' weights
+            prefix = k[len("model/"):].rsplit("groups.", 1)[0]
+            value = logical(k)
+            model_sd.update({f"{prefix}tables.{t}.weight": value[off : off + n] for t, off, n in members[k]})
+        elif k.startswith("model/"):
+            model_sd[k[len("model/"):]] = logical(k)
+    optimizer_sd = None
+    if meta["optimizer"] is not None:
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for k in host:
+            if k.startswith("optim/"):
+                key, slot = k[len("optim/"):].rsplit("/", 1)
+                state.setdefault(key, {})[slot] = logical(k)
+        for key, bufs in meta["optimizer"]["acc"].items():
+            state.setdefault(key, {}).update(bufs)
+        split_fused_entries(state, members, meta["rows"], prefix="optim/")
+        optimizer_sd = {"state": state, "param_groups": meta["optimizer"]["param_groups"],
+                        "iterations": meta["optimizer"]["iterations"]}
+    return {"format": FORMAT, "model": model_sd, "optimizer": optimizer_sd, "extra": None}

@@ -1,0 +1,280 @@
+"""Distributed-checkpoint directories that are published whole and verified before a load writes anything.
+
+A save writes into a sibling staging directory ``.<name>.tte-saving``; when every rank's files and
+``tte_meta.pt`` are on disk (fsynced, with the directory), rank 0 writes :data:`MANIFEST` (each file's
+size and sha256), and publishes the directory with renames (POSIX ``rename`` is atomic):
+
+1. no ``<name>`` yet: ``.tte-saving`` → ``<name>``;
+2. replacing one: ``<name>`` → ``.<name>.tte-previous``, ``.tte-saving`` → ``<name>``, then the
+   previous one is deleted.
+
+A process killed at any point leaves ``<name>`` complete (the old or the new checkpoint), or, between
+the two renames of 2., no ``<name>`` and the complete old one at ``.tte-previous``: :func:`resolve`
+reads that one, and the next save moves it back (:func:`prepare_staging`). A staging directory is
+never read. :func:`verify` checks every file against the manifest (sizes first, then checksums)
+before a load writes anything; a directory written before manifests existed is checked against the
+byte ranges its ``.metadata`` records (a truncated file is found; a changed byte is not).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import json
+import mmap
+import os
+import shutil
+from typing import Any
+
+from torch_tpu_embedding.checkpoint.files import read_dcp_metadata
+
+__all__ = ["BUFFER", "CHUNK", "MANIFEST", "RESERVE", "SHARDED_META", "CheckpointCorruptError", "barrier",
+           "prepare_staging", "publish", "rank", "read_errors", "resolve", "staging_path", "verify", "write_manifest"]
+
+#: the manifest of a distributed checkpoint: ``{"format", "files": {name: {"size", "sha256"}}}``
+MANIFEST = "tte_manifest.json"
+_MANIFEST_FORMAT = "torch_tpu_embedding.manifest/1"
+_META = "tte_meta.pt"
+#: the metadata file of a process-group-sharded checkpoint (``tte.distributed.save_sharded``)
+SHARDED_META = "meta.pt"
+#: The most that reading a checkpoint adds to a process's peak resident memory (4 MiB; a load's own state
+#: aside: the rows it writes into, dense layers read whole): one read buffer of :data:`BUFFER` bytes alive
+#: at a time (the checksums' here, then each window of rows with all its bookkeeping, ``_ckpt_rows.py``)
+#: and :data:`RESERVE` for the rest.
+CHUNK = 1 << 22
+#: The part of :data:`CHUNK` kept for what a load allocates beside its read buffer that no size here bounds:
+#: interpreter objects (the files' metadata, the load's dicts and frames, hashlib's state) and the pages of
+#: the rank files' pickles and headers read through their mappings. Measured well under it in a process
+#: that has loaded once (tests/test_mp_ckpt.py::test_loading_memory_is_one_chunk; a process's first load
+#: also faults in the pages of code it runs, up to about 1 MiB of libtorch's, once).
+RESERVE = 1 << 19
+#: The one read buffer's bytes, its rounding to whole pages included: what a load's memory grows by for its
+#: reads (for a window of rows: its mapping and its ids' placing, ``_ckpt_rows.py``), with :data:`RESERVE`
+#: left within :data:`CHUNK`.
+BUFFER = CHUNK - RESERVE
+
+
+class CheckpointCorruptError(ValueError):
+    """A checkpoint file that is missing, truncated, altered or unreadable; nothing was loaded.
+
+    An ``Exception`` (``torch.distributed.checkpoint``'s own ``CheckpointException`` is a
+    ``BaseException``, which ``except Exception`` does not catch): the message names the file.
+    """
+
+
+# ----------------------------------------------------------------------------- ranks
+def _dist() -> Any:
+    dist = importlib.import_module("torch.distributed")
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def rank() -> int:
+    """This process's rank in the default process group (0 without one)."""
+    dist = _dist()
+    return 0 if dist is None else int(dist.get_rank())
+
+
+def barrier() -> None:
+    """Wait for every rank of the default process group (nothing without one)."""
+    dist = _dist()
+    if dist is not None:
+        dist.barrier()
+
+
+# ----------------------------------------------------------------------------- publishing
+def _siblings(target: str) -> tuple[str, str]:
+    parent, name = os.path.split(target)
+    return os.path.join(parent, f".{name}.tte-saving"), os.path.join(parent, f".{name}.tte-previous")
+
+
+def staging_path(target: str) -> str:
+    """The staging directory every rank writes a save of ``target`` into."""
+    return _siblings(target)[0]
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _ours(name: str) -> bool:
+    """A file name a distributed checkpoint of ours holds (DCP's files, ours, a dead writer's temporary;
+    a process-group-sharded save's ``meta.pt`` and ``rows-<rank>.pt``)."""
+    return (name in (".metadata", ".metadata.tmp", _META, MANIFEST, f".{MANIFEST}.tmp", SHARDED_META)
+            or (name.startswith("__") and name.endswith((".distcp", ".metadata")))
+            or (name.startswith("rows-") and name.endswith(".pt"))
+            or name.startswith(".tte-tmp-"))
+
+
+def prepare_staging(target: str) -> None:
+    """Rank 0, before a save: finish what an interrupted save left, check that ``target`` (if it exists)
+    is a checkpoint of ours (its files are replaced), and make a fresh, empty staging directory.
+    The same for both kinds of directory (``save_distributed``'s and ``save_sharded``'s)."""
+    staging, previous = _siblings(target)
+    if os.path.isdir(previous):
+        if os.path.lexists(target):
+            shutil.rmtree(previous)  # the new checkpoint was published; the old one was being deleted
+        else:
+            os.rename(previous, target)  # killed between the two renames: the old checkpoint is back
+            _fsync_dir(os.path.dirname(target))
+    if os.path.lexists(target):
+        if not os.path.isdir(target):
+            raise FileExistsError(f"A checkpoint save to {target}: it exists and is not a directory")
+        foreign = sorted(n for n in os.listdir(target) if not _ours(n))
+        if foreign:
+            raise FileExistsError(
+                f"A checkpoint save to {target}: it holds files that are not part of a distributed checkpoint "
+                f"({foreign[:5]}); a save replaces the whole directory, so it refuses to. Choose another path."
+            )
+    if os.path.lexists(staging):
+        shutil.rmtree(staging)  # a save that died before publishing
+    os.makedirs(staging)
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    # One buffer of BUFFER bytes (a multiple of the page), refilled: a reader's memory grows by it alone
+    # (and RESERVE: hashlib's state, the file object). An anonymous mapping of its own, which goes back to
+    # the system when closed (freed to malloc, it would stay resident in the heap beside the buffers a load
+    # allocates next).
+    with mmap.mmap(-1, BUFFER) as buffer, open(path, "rb", buffering=0) as f:
+        view = memoryview(buffer)
+        try:
+            while n := f.readinto(view):
+                h.update(view[:n])
+        finally:
+            view.release()  # (a view still open would make closing the mapping raise)
+    return h.hexdigest()
+
+
+def write_manifest(staging: str) -> None:
+    """Rank 0, after every rank's files are written: fsync them, record each one's size and sha256 in
+    :data:`MANIFEST` (written to a temporary, fsynced and renamed), and fsync the directory."""
+    files = {}
+    for name in sorted(os.listdir(staging)):
+        if name in (MANIFEST, f".{MANIFEST}.tmp"):
+            continue
+        path = os.path.join(staging, name)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # DCP fsyncs what it writes; files written by other ranks are synced here again
+        finally:
+            os.close(fd)
+        files[name] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
+    tmp = os.path.join(staging, f".{MANIFEST}.tmp")
+    with open(tmp, "w") as f:
+        json.dump({"format": _MANIFEST_FORMAT, "files": files}, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(staging, MANIFEST))
+    _fsync_dir(staging)
+
+
+def publish(staging: str, target: str) -> None:
+    """Rank 0: make the complete ``staging`` directory the checkpoint at ``target`` (renames; see above)."""
+    parent = os.path.dirname(target)
+    _, previous = _siblings(target)
+    if not os.path.lexists(target):
+        os.rename(staging, target)
+        _fsync_dir(parent)
+        return
+    os.rename(target, previous)
+    _fsync_dir(parent)
+    os.rename(staging, target)
+    _fsync_dir(parent)
+    shutil.rmtree(previous)
+
+
+def resolve(target: str) -> str:
+    """The directory a load reads for ``target``: ``target``, or the old checkpoint that a save killed
+    between its two renames left at ``.<name>.tte-previous``."""
+    if os.path.isdir(target):
+        return target
+    _, previous = _siblings(target)
+    if not os.path.lexists(target) and os.path.isdir(previous):
+        return previous
+    return target
+
+
+# ----------------------------------------------------------------------------- verifying
+def _manifest(path: str) -> dict[str, dict[str, Any]] | None:
+    file = os.path.join(path, MANIFEST)
+    if not os.path.exists(file):
+        return None
+    try:
+        with open(file) as f:
+            data = json.load(f)
+        files = data["files"]
+        if data.get("format") != _MANIFEST_FORMAT or not isinstance(files, dict) or not all(
+            isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
+            for v in files.values()
+        ):
+            raise ValueError(f"not a {_MANIFEST_FORMAT} manifest")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointCorruptError(f"{file} is not a readable checkpoint manifest (truncated or altered): {e}. "
+                                     "Nothing was loaded.") from e
+    return files
+
+
+def verify(path: str, required: tuple[str, ...] = (".metadata", _META)) -> None:
+    """Raise :class:`CheckpointCorruptError` naming the first file of ``path`` that is missing, of the
+    wrong size or whose sha256 differs from the manifest (sizes of every file first: cheap); the
+    manifest must list the ``required`` files. Without a manifest (a DCP directory written before
+    manifests existed): every byte range ``.metadata`` refers to must exist."""
+    files = _manifest(path)
+    if files is None:
+        if ".metadata" not in required:
+            raise CheckpointCorruptError(f"{os.path.join(path, MANIFEST)} is missing: the save did not finish "
+                                         "(or the directory is not a checkpoint). Nothing was loaded.")
+        _verify_ranges(path)
+        return
+    for required_file in required:
+        if required_file not in files:
+            raise CheckpointCorruptError(f"{os.path.join(path, MANIFEST)} does not list {required_file}. "
+                                         "Nothing was loaded.")
+    for name, want in sorted(files.items()):
+        file = os.path.join(path, name)
+        size = os.path.getsize(file) if os.path.isfile(file) else None
+        if size != want["size"]:
+            found = "it is missing" if size is None else f"it has {size} bytes"
+            raise CheckpointCorruptError(f"{file} is truncated, missing or altered: the manifest records "
+                                         f"{want['size']} bytes, {found}. Nothing was loaded.")
+    for name, want in sorted(files.items()):
+        file = os.path.join(path, name)
+        if _sha256(file) != want["sha256"]:
+            raise CheckpointCorruptError(f"{file} is altered: its sha256 differs from the one the manifest "
+                                         "records. Nothing was loaded.")
+
+
+def _verify_ranges(path: str) -> None:
+    md = read_dcp_metadata(path)
+    need: dict[str, int] = {}
+    for info in (md.storage_data or {}).values():
+        name = os.fspath(getattr(info, "relative_path", ""))
+        end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
+        need[name] = max(need.get(name, 0), end)
+    for name, end in sorted(need.items()):
+        file = os.path.join(path, name)
+        size = os.path.getsize(file) if os.path.isfile(file) else None
+        if size is None or size < end:
+            found = "it is missing" if size is None else f"it has {size} bytes"
+            raise CheckpointCorruptError(f"{file} is truncated or missing: {os.path.join(path, '.metadata')} "
+                                         f"refers to its bytes up to {end}, {found}. Nothing was loaded.")
+
+
+@contextlib.contextmanager
+def read_errors(path: str) -> Any:
+    """``torch.distributed.checkpoint``'s ``CheckpointException`` (a ``BaseException``) raised while
+    reading ``path``, as a :class:`CheckpointCorruptError` naming the directory and the first failure."""
+    api = importlib.import_module("torch.distributed.checkpoint.api")
+    try:
+        yield
+    except api.CheckpointException as e:
+        first = next(iter(e.failures.values()), None)
+        cause = "unknown" if first is None else f"{type(first[0]).__name__}: {first[0]}"
+        raise CheckpointCorruptError(f"Reading the distributed checkpoint {path} failed ({cause}); "
+                                     "some tensors may have been read.") from e

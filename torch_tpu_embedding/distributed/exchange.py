@@ -1,0 +1,236 @@
+"""The process-group transport: tables whose rows are sharded over ``torch.distributed`` processes.
+
+The counterpart of the SPMD exchange (:mod:`torch_tpu_embedding.xla.exchange`) for ``torchrun``
+processes (gloo, NCCL, any backend with ``all_to_all_single`` and ``all_reduce``): the same per-device
+steps of :mod:`torch_tpu_embedding.routing` (dedup, owner, bucket, capacity), with the bytes moved by
+``torch.distributed`` collectives. One rank's part of a step for a table of ``n`` shards, ``N`` id
+positions:
+
+1. :func:`plan` deduplicates the rank's ids and buckets them by owner; the bucket size ``k`` is the
+   largest load of any rank for any owner this step, agreed by one ``all_reduce(MAX)`` of one integer
+   (eager capacity: no id is ever dropped, and every rank's buckets have the same size);
+2. :func:`fetch_rows`: one ``all_to_all_single`` of the ``[n, k]`` int32 local rows (equal splits),
+   each owner gathers its rows, a second ``all_to_all_single`` of ``[n, k, D]`` returns them;
+3. :func:`send_grads` (the backward): each position's gradient row summed into its bucket slot
+   (``routing.bucket_rows``), one ``all_to_all_single`` of ``[n, k, D]`` to the owners, which add
+   ``(local rows, rows)`` to the shard's :class:`~torch_tpu_embedding._rows.grads.RowGrad`: the optimizer
+   then updates the shard as an ordinary table of its own rows.
+
+Only equal-split collectives: it runs where uneven all-to-all does not (TorchTPU's ``tpu_dist``).
+Per rank and step that is ``n·k·(4 + 2·D·b)`` bytes sent for ``b``-byte rows (``n·k`` is the rank's
+distinct ids plus the imbalance of the largest bucket), plus 8 bytes for the capacity.
+
+What the optimizer needs summed over every shard of a row-sharded table (``clipnorm``, Adafactor's
+statistics over rows, ``global_clipnorm``, the ``skip_nonfinite`` gate) is all-reduced over the group
+(:func:`row_group`, :func:`all_reduce_sum`, :func:`all_true`). Nothing here imports torch_xla.
+
+Every all-to-all of the process-group path goes through :func:`exchange` at a size agreed by
+:func:`agree_capacity`: the lookup's above, and :func:`send_to_owners`, which moves items that each go to
+one rank (no dedup, nothing summed) for the state's moves between the stored and the logical row order
+(:mod:`torch_tpu_embedding.distributed.state`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torch_tpu_embedding._rows.grads import table_info
+from torch_tpu_embedding._rows.placement import TablePlacement, all_reduce_sum, all_true
+from torch_tpu_embedding._rows.routing import RoutePlan, RowOwnership, bucket_rows, gather_owned_rows, plan_routes
+
+__all__ = [
+    "GroupSharding",
+    "agree_capacity",
+    "all_reduce_sum",
+    "all_true",
+    "exchange",
+    "fetch_rows",
+    "group_sharding",
+    "plan",
+    "row_group",
+    "send_grads",
+    "send_to_owners",
+]
+
+Tensor = torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSharding(TablePlacement):
+    """How one table is laid out over a process group (``TableInfo.sharding``).
+
+    ``placement``: ``"row"`` (rows split by ``ownership`` over the ``world`` ranks) or ``"table"``
+    (the whole table on rank ``owner``). ``rows``: the table's logical rows ``V``; ``ownership``:
+    its physical rows over the ranks (for ``"table"``, ``"range"`` over ``world · V`` virtual rows, of
+    which the owner's block is real). ``group``: the process group the exchange runs on.
+    ``dtensor_state_dict``: the table's ``state_dict`` entry and its optimizer's row slots go to torch's
+    checkpoint helpers as DTensors ``Shard(0)`` of the logical rows (``tte.distributed.shard(...,
+    dtensor_state_dict=True)``); kept here, with the layout, so that everything holding the parameter
+    (the table's state-dict hooks, the optimizer) reads the one flag, and a copy of the table keeps it.
+    """
+
+    placement: str
+    group: Any
+    world: int
+    rank: int
+    rows: int
+    ownership: RowOwnership
+    owner: int = 0
+    dtensor_state_dict: bool = False
+    #: the table's name, for errors
+    table: str = ""
+    # read by ``TableInfo.routed``: lookups go through :meth:`routed_lookup` (modules layer); not the SPMD
+    # owner-local path (``TableInfo.owner_local``). Class attributes (no annotation): not fields.
+    over_process_group = True
+    exchange = False
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GroupSharding:
+        # Immutable, and its process group is a handle on the running processes, not data: a copy of the
+        # table (copy.deepcopy of a sharded model) is laid out over the same group.
+        return self
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            f"Table `{self.table}` is sharded over a process group (tte.distributed.shard) and cannot be pickled: "
+            "its layout holds the process group of the running processes. Save model.state_dict() (or "
+            "tte.distributed.save_sharded) instead. Received: a pickle of the table (placement "
+            f"{self.placement!r}, {self.rows} rows over {self.world} ranks)"
+        )
+
+    @property
+    def id_rows(self) -> int:
+        """The padding id of the table's bags (any id at or above it is padding)."""
+        return self.ownership.rows if self.placement == "row" else self.rows
+
+    @property
+    def local_rows(self) -> int:
+        """Rows this rank stores: its shard (``"row"``), the whole table or none (``"table"``)."""
+        if self.placement == "row":
+            return self.ownership.rows_per_shard
+        return self.rows if self.rank == self.owner else 0
+
+    def route_ids(self, ids: Tensor) -> Tensor:
+        """Logical ids (padding ``>= id_rows``) in the ownership's id space."""
+        if self.placement == "row":
+            return ids
+        valid = ids < self.rows
+        return torch.where(valid, ids + self.owner * self.rows, torch.full_like(ids, self.ownership.rows))
+
+    @property
+    def num_shards(self) -> int:
+        return self.world
+
+    def reduction_group(self) -> Any:
+        """The group, for a table whose rows are split over more than one rank (``"row"``), else ``None``."""
+        return self.group if self.placement == "row" and self.world > 1 else None
+
+    def local_logical_ids(self) -> Tensor:
+        """The logical id of each row this rank stores (``>= rows``: a padding row), ``[local_rows]``."""
+        if self.placement == "table":
+            return torch.arange(self.local_rows, dtype=torch.int64)
+        per = self.ownership.rows_per_shard
+        return self.ownership.logical_id(torch.arange(self.rank * per, (self.rank + 1) * per, dtype=torch.int64))
+
+
+def group_sharding(p: Tensor) -> GroupSharding | None:
+    """The :class:`GroupSharding` of table parameter ``p``, ``None`` when it is not sharded over a group."""
+    info = table_info(p)
+    sharding = None if info is None else info.sharding
+    return sharding if isinstance(sharding, GroupSharding) else None
+
+
+def row_group(p: Tensor) -> Any:
+    """The process group over which ``p``'s rows are split (``"row"`` placement), else ``None``: what the
+    optimizer sums over a table's rows is then all-reduced over this group."""
+    s = group_sharding(p)
+    return None if s is None else s.reduction_group()
+
+
+def plan(ids: Tensor, sharding: GroupSharding) -> tuple[RoutePlan, int]:
+    """One rank's route plan of logical ``ids [N]`` at the group's eager capacity: ``(plan, k)``.
+
+    ``k`` is the largest number of distinct ids any rank has for any owner this step (one
+    ``all_reduce(MAX)`` of one integer), so every bucket fits and every rank sends ``[n, k]``.
+    """
+    n = sharding.world
+    routed = sharding.route_ids(ids.to(torch.int64))
+    room = max(1, routed.shape[0])  # every id fits at this capacity
+    full = plan_routes(routed, sharding.ownership, room)
+    k = agree_capacity(full.load.max() if n else torch.zeros((), dtype=torch.int64), sharding.group)
+    # Each owner's ids are at the front of its bucket (ascending), so the buckets are cut to k columns and
+    # the slots renumbered: slot = owner·room + rank becomes owner·k + rank; padding n·room becomes n·k.
+    owner, rank = full.slot // room, full.slot % room
+    slot = torch.where(owner < n, owner * k + rank, torch.full_like(full.slot, n * k))
+    send = full.send[:, :k] if k <= room else torch.cat(
+        [full.send, full.send.new_full((n, k - room), sharding.ownership.rows_per_shard)], dim=1)
+    return RoutePlan(send.contiguous(), slot, full.load), k
+
+
+def fetch_rows(shard: Tensor, send: Tensor, sharding: GroupSharding) -> tuple[Tensor, Tensor]:
+    """The forward's two all-to-alls: ``send [n, k]`` local rows to their owners, the owners' rows back.
+
+    Returns ``(rows [n·k, D]`` in bucket order, ``asked [n, k]`` int64: the local rows the other ranks
+    asked this rank for, row ``s`` from rank ``s``; ``local_rows`` where nothing was asked).
+    """
+    asked = exchange(send, sharding.group)
+    per = sharding.ownership.rows_per_shard
+    asked64 = asked.to(torch.int64)
+    if shard.shape[0] != per:  # "table" off its owner: nothing is stored, nothing can have been asked
+        asked64 = torch.full_like(asked64, per)
+    rows = gather_owned_rows(shard, asked64) if shard.shape[0] else shard.new_zeros(*asked.shape, shard.shape[1])
+    back = exchange(rows, sharding.group)
+    local = torch.where(asked64 < per, asked64, torch.full_like(asked64, shard.shape[0]))
+    return back.reshape(-1, shard.shape[1]), local
+
+
+def send_grads(grad: Tensor, slot: Tensor, k: int, sharding: GroupSharding) -> Tensor:
+    """The backward's all-to-all: each position's gradient row ``grad [N, D]`` summed into its bucket
+    slot and sent to the owner; returns the rows this rank owns, ``[n·k, D]`` (in the order of the
+    ``asked`` local rows of :func:`fetch_rows`)."""
+    return exchange(bucket_rows(grad, slot, sharding.world, k), sharding.group).reshape(-1, grad.shape[-1])
+
+
+def agree_capacity(largest: Tensor, group: Any) -> int:
+    """The bucket size every rank of ``group`` uses: the largest of every rank's ``largest`` (a 0-d or 1-element
+    integer tensor, on the group's device), at least 1; one ``all_reduce(MAX)`` of one int64. Every rank's
+    buckets then have that size, so every all-to-all splits equally and nothing is dropped."""
+    k = largest.detach().to(torch.int64).reshape(1).clone()  # all_reduce writes in place: never the caller's
+    dist.all_reduce(k, op=dist.ReduceOp.MAX, group=group)
+    return max(1, int(k))
+
+
+def exchange(buckets: Tensor, group: Any) -> Tensor:
+    """One equal-split ``all_to_all_single`` over ``group``: ``buckets [n, ...]``, row ``s`` to rank ``s``;
+    returns what every rank sent this one (row ``s`` from rank ``s``), of the same shape and dtype."""
+    buckets = buckets.contiguous()
+    got = torch.empty_like(buckets)
+    dist.all_to_all_single(got, buckets, group=group)
+    return got
+
+
+def send_to_owners(dest: Tensor, payloads: Sequence[Tensor], fills: Sequence[float], world: int,
+                   group: Any) -> list[Tensor]:
+    """Send item ``i`` of every payload (``[m, ...]``, on the group's device) to rank ``dest[i]`` (``[m]`` int64
+    on the CPU): each payload bucketed by destination (a bucket keeps its items' order), every rank's buckets
+    padded to the largest (:func:`agree_capacity`) with that payload's ``fills`` value, one :func:`exchange`
+    per payload, in the order given. Returns each payload's received items, ``[world·k, ...]``: ``k`` from
+    each rank in rank order, padding holding the fill value. For moves where one item goes to one rank (no
+    duplicates to sum: the state's rows, :mod:`torch_tpu_embedding.distributed.state`)."""
+    dev = payloads[0].device
+    counts = torch.bincount(dest, minlength=world)
+    cap = agree_capacity(counts.max().to(dev), group)  # counts has `world` entries even when dest is empty
+    order = torch.argsort(dest, stable=True)
+    first = torch.cumsum(counts, 0) - counts
+    to = dest[order]
+    flat = to * cap + torch.arange(dest.numel()) - first[to]  # bucket slot of each item, in sorted order
+    out = []
+    for payload, fill in zip(payloads, fills, strict=True):
+        send = payload.new_full((world * cap, *payload.shape[1:]), fill)
+        send[flat.to(payload.device)] = payload[order.to(payload.device)]
+        out.append(exchange(send, group))
+    return out

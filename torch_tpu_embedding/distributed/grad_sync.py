@@ -1,0 +1,266 @@
+"""Data parallel's transport: the row gradients of replicated tables made global over a process group.
+
+Under ``torch.distributed`` (torchrun, DDP) every process holds every table and trains on its share of
+the global batch. A table's gradient lives in its :class:`~torch_tpu_embedding._rows.grads.RowGrad`, never in
+``.grad``, so torch's data-parallel machinery does not see it. Here each process's ``(ids [n], rows
+[n, D])`` of a table are gathered across the process group, concatenated in rank order and averaged as
+DDP averages (each rank's rows divided by the world size before the sum). The optimizer's dedup then
+makes a row touched by several ranks one update, so every replica applies the same update: one process
+on the global batch, when each rank's loss is the mean over its equal share of the batch (as DDP
+assumes). The user-facing side (which tables, which group, the DDP wrapper) is
+:mod:`torch_tpu_embedding.distributed`.
+
+When: the first consumer of a step's table gradients — a :mod:`torch_tpu_embedding.optim`
+optimizer's ``step()`` or :func:`torch_tpu_embedding.clip_grad_norm_` — calls
+:func:`sync_row_grads`, which exchanges what is not yet exchanged (so clipping and then stepping
+exchanges once).
+
+Which group: the one marked by ``tte.distributed.data_parallel`` (:func:`mark`), else the default group
+when ``torch.distributed`` is initialised with more than one process; never under torch_xla SPMD, where
+the partitioner already makes gradients global (multi-host SPMD runs call ``init_process_group`` for
+checkpoint coordination; exchanging there would count every gradient once per host). Tables marked
+local are never exchanged.
+
+How: eager devices (CPU/gloo, CUDA/NCCL) first sum each rank's duplicate ids, exchange the row
+counts, pad to the largest and gather; static-shape devices (XLA multi-process, the ``xla``
+backend) gather the raw padded rows at their static size, which must be equal on every rank (it is
+checked once per shape, the only host round trip). One gather of ids and one of rows per dtype
+carries every table of a step.
+
+Example (one process: nothing to exchange, so a no-op)::
+
+    >>> import torch
+    >>> sync_row_grads([{"params": [torch.zeros(2, requires_grad=True)]}])
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
+
+from torch_tpu_embedding._rows.dedup import coalesce_rows, is_static_device
+from torch_tpu_embedding._rows.grads import RowGrad, table_info
+from torch_tpu_embedding._rows.stock_guard import check_not_ddp_managed, ddp_message
+from torch_tpu_embedding._util.dtypes import math_dtype
+
+__all__ = [
+    "LOCAL",
+    "check_not_ddp_managed",
+    "ddp_message",
+    "exchange_group",
+    "mark",
+    "should_exchange",
+    "spmd_active",
+    "sync_row_grads",
+]
+
+Tensor = torch.Tensor
+
+#: the mark of a table whose row gradients are never exchanged (``tte.distributed.local_tables``)
+LOCAL = "local"
+#: table parameter → its process group (``data_parallel(process_group=...)``) or :data:`LOCAL`
+_MARKS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # type: ignore[no-untyped-call]
+#: static-shape exchanges whose per-table sizes were checked equal on every rank: (group id, sizes)
+_CHECKED_SIZES: set[tuple[int, tuple[int, ...]]] = set()
+#: rows multiplied out at a time when a factored (SGD) gradient is summed per id before the exchange
+_PIECE_ROWS = 8192
+
+
+def mark(table: Tensor, group: Any) -> None:
+    """Exchange ``table``'s row gradients over ``group`` (a process group), never (:data:`LOCAL`), or as
+    by default (``None``: the default group; an earlier :data:`LOCAL` mark is lifted)."""
+    if group is not None:
+        _MARKS[table] = group
+    elif isinstance(_MARKS.get(table), str):  # type: ignore[no-untyped-call]
+        del _MARKS[table]  # type: ignore[no-untyped-call]
+
+
+def spmd_active() -> bool:
+    """Whether torch_xla's SPMD mode is on in this process (never imports torch_xla)."""
+    runtime = sys.modules.get("torch_xla.runtime")
+    return bool(runtime is not None and runtime.is_spmd())
+
+
+def should_exchange(*, spmd: bool, group_size: int, local: bool) -> bool:
+    """The rule: exchange a table's row gradients over a group of ``group_size`` processes unless
+    SPMD is on (gradients are global already) or the table was opted out (``tte.distributed.local_tables``)."""
+    return not spmd and not local and group_size > 1
+
+
+def exchange_group(table: Tensor) -> Any:
+    """The process group ``table``'s row gradients are exchanged over, or ``None`` (no exchange).
+
+    The group marked by ``tte.distributed.data_parallel`` (:func:`mark`), else the default group when
+    ``torch.distributed`` is initialised; ``None`` under SPMD, for tables marked :data:`LOCAL`
+    (``tte.distributed.local_tables``) or sharded over a process group (their gradient goes to the owners),
+    and for groups of one process (:func:`should_exchange`).
+    """
+    marked = _MARKS.get(table)  # type: ignore[no-untyped-call]
+    info = table_info(table)
+    local = isinstance(marked, str) or (info is not None and info.sharding is not None
+                                        and info.sharding.over_process_group)
+    group = None if local else marked
+    if group is None and dist.is_available() and dist.is_initialized():
+        group = dist.group.WORLD
+    size = dist.get_world_size(group) if group is not None else 1
+    return group if should_exchange(spmd=spmd_active(), group_size=size, local=local) else None
+
+
+# ---------------------------------------------------------------------------------- the exchange
+def sync_row_grads(param_groups: Iterable[Mapping[str, Any]]) -> None:
+    """Make the pending row gradients of the tables in ``param_groups`` global (data parallel).
+
+    ``param_groups``: dicts with ``"params"``, as an optimizer's; a group with
+    ``use_gradient_accumulation=False`` sends every looked-up row (its update applies duplicates one by
+    one), others first sum each rank's duplicate ids. A no-op without an initialised process group.
+    Every process of a group must call it with the same tables in the same order (the optimizer's
+    ``step()`` and :func:`~torch_tpu_embedding.clip_grad_norm_` do). Only rows not yet exchanged are
+    sent.
+
+    Raises:
+        RuntimeError: a table has a dense ``.grad`` under an initialised process group (torch's
+            ``DistributedDataParallel`` reduced it; see :class:`DistributedDataParallel`).
+    """
+    if not (dist.is_available() and dist.is_initialized()) or spmd_active():
+        return
+    buckets: dict[tuple[int, torch.device], tuple[Any, list[tuple[Tensor, RowGrad, bool]]]] = {}
+    seen: set[int] = set()
+    for group in param_groups:
+        dedup = group.get("use_gradient_accumulation", True) is not False
+        for p in group["params"]:
+            info = table_info(p)
+            if info is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            if p.grad is not None and not p.grad.is_sparse:
+                raise RuntimeError(ddp_message(info))
+            pg = exchange_group(p)
+            if pg is not None:
+                buckets.setdefault((id(pg), p.device), (pg, []))[1].append((p, info.row_grad, dedup))
+    for pg, items in buckets.values():
+        _exchange(items, pg)
+
+
+def _local_rows(p: Tensor, rg: RowGrad, world: int, dedup: bool = True) -> tuple[Tensor, Tensor] | None:
+    """This rank's not-yet-exchanged rows of ``p``, divided by ``world``; ``None`` without any.
+
+    Eager with ``dedup``: duplicate ids summed and padding dropped (fewer rows to send and to dedup
+    after the exchange; a factored gradient is multiplied out piece by piece). Otherwise, and on
+    static-shape devices: the rows as the backward made them, padding kept.
+    """
+    local = rg.local_part()
+    if not local:
+        return None
+    sentinel, dtype = p.shape[0], math_dtype(p)  # float32 for 16-bit tables, as the update
+    if is_static_device(p.device) or not dedup:
+        ids, rows = local.collect()
+    elif len(local) == 1 and not rg.keep_factored:
+        ids, rows = local.collect()
+        ids, rows = coalesce_rows(ids, rows.to(dtype), sentinel)
+    else:
+        ids, inv = torch.unique(local.ids(), return_inverse=True)
+        rows = torch.zeros(ids.shape[0], p.shape[1], dtype=dtype, device=p.device)
+        for pos, _, part in local.pieces(_PIECE_ROWS):
+            rows.index_add_(0, inv[pos : pos + part.shape[0]], part.to(dtype))
+        if ids.numel() and int(ids[-1]) == sentinel:
+            ids, rows = ids[:-1], rows[:-1]
+    return ids, rows.to(dtype) / world
+
+
+def _gather(flat: Tensor, group: Any, world: int) -> Tensor:
+    """``all_gather`` of a 1-D tensor of equal length on every rank: ``[world · n]``, rank order."""
+    out = torch.empty(world * flat.shape[0], dtype=flat.dtype, device=flat.device)
+    dist.all_gather_into_tensor(out, flat, group=group)
+    return out
+
+
+def _padded(parts: list[Tensor], size: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``parts`` concatenated and padded with zeros to ``size``."""
+    pad = size - sum(t.shape[0] for t in parts)
+    if pad or not parts:
+        parts = [*parts, torch.zeros(pad, dtype=dtype, device=device)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    out, at = [], 0
+    for k in sizes:
+        out.append(at)
+        at += k
+    return out
+
+
+def _exchange(items: list[tuple[Tensor, RowGrad, bool]], group: Any) -> None:
+    """Gather the tables' local rows over ``group``; each table gets them as one exchanged chunk.
+
+    One buffer of ids for every table and one of rows per dtype: rank ``r``'s block holds its
+    tables in order, padded to the largest block.
+    """
+    world = dist.get_world_size(group)
+    device = items[0][0].device
+    local = [_local_rows(p, rg, world, dedup) for p, rg, dedup in items]
+    # Per table, the number of ids this rank sends plus one (0: no gradient at all, as in a step
+    # where no backward reached the table): every rank then agrees on which tables get one.
+    mine = [0 if x is None else x[0].shape[0] + 1 for x in local]
+    if is_static_device(device):
+        _check_equal_sizes(mine, group, world, device)
+        counts = [mine] * world
+    else:
+        gathered = _gather(torch.tensor(mine, dtype=torch.int64, device=device), group, world)
+        counts = gathered.view(world, len(items)).tolist()
+    n = [[max(c - 1, 0) for c in row] for row in counts]  # ids per rank and table
+    dims = [p.shape[1] for p, _, _ in items]
+    dtypes = [math_dtype(p) for p, _, _ in items]
+    sent = [x for x in local if x is not None]
+    ids_cap = max(sum(row) for row in n)
+    all_ids = _gather(_padded([x[0].to(torch.int64) for x in sent], ids_cap, torch.int64, device),
+                      group, world) if ids_cap else None
+    id_at = [_offsets(row) for row in n]
+    rows_of: list[Tensor | None] = [None] * len(items)
+    row_at: list[list[int]] = [[0] * len(items) for _ in range(world)]
+    for dtype in dict.fromkeys(dtypes):
+        members = [t for t, d in enumerate(dtypes) if d == dtype]
+        sizes = [[row[t] * dims[t] for t in members] for row in n]
+        cap = max(sum(row) for row in sizes)
+        if not cap:
+            continue
+        parts = [x[1].reshape(-1) for t, x in enumerate(local) if x is not None and t in members]
+        gathered_rows = _gather(_padded(parts, cap, dtype, device), group, world)
+        for r, row in enumerate(sizes):
+            for t, at in zip(members, _offsets(row), strict=True):
+                row_at[r][t] = r * cap + at
+        for t in members:
+            rows_of[t] = gathered_rows
+    for t, (_, rg, _) in enumerate(items):
+        if not any(counts[r][t] for r in range(world)):
+            continue
+        blocks = [r for r in range(world) if n[r][t]]
+        if not blocks:  # every rank had a gradient with no ids
+            rg.set_local(torch.zeros(0, dtype=torch.int64, device=device),
+                         torch.zeros(0, dims[t], dtype=dtypes[t], device=device))
+            continue
+        assert all_ids is not None and rows_of[t] is not None
+        rows_all = rows_of[t]
+        ids_t = torch.cat([all_ids[r * ids_cap + id_at[r][t] :][: n[r][t]] for r in blocks])
+        rows_t = torch.cat([rows_all[row_at[r][t] :][: n[r][t] * dims[t]] for r in blocks])  # type: ignore[index]
+        rg.set_local(ids_t, rows_t.view(-1, dims[t]))
+
+
+def _check_equal_sizes(mine: list[int], group: Any, world: int, device: torch.device) -> None:
+    """Static-shape exchange: every rank must send the same number of rows per table (checked once per
+    shape: one host round trip)."""
+    key = (id(group), tuple(mine))
+    if key in _CHECKED_SIZES:
+        return
+    theirs = _gather(torch.tensor(mine, dtype=torch.int64).to(device), group, world).cpu().view(world, -1)
+    if not bool((theirs == theirs[0]).all()):
+        raise RuntimeError(
+            "Data parallel on a static-shape device needs the same row-gradient sizes on every process "
+            f"(the same batch size and max_ids_per_bag per feature). Per process and table: {theirs.tolist()}"
+        )
+    _CHECKED_SIZES.add(key)

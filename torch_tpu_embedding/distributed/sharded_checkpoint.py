@@ -1,0 +1,316 @@
+"""Checkpoints of models sharded over a process group: each rank writes and reads only its own rows.
+
+:func:`save_sharded` writes a directory: ``rows-<rank>.pt`` per rank (each row- or table-sharded table's
+rows that rank stores, in ascending logical id, with their logical ids and the rows of every optimizer
+row slot; the table's whole-table slots and ``step``; its pending gradient-accumulation buffers, with
+logical ids) and ``meta.pt`` from rank 0 (the world size, each sharded table's placement, rows and
+``state_dict`` key, and the rest of the model's and optimizer's ``state_dict``: dense layers, replicated
+tables). Checkpoints are in logical row order whatever the ownership scheme.
+
+:func:`load_sharded` loads such a directory, or a ``tte.checkpoint.save_distributed`` one (torch_xla
+SPMD's, or one process's), into a model sharded over any number of ranks, or into a model holding every
+table whole (one process; ``tte.checkpoint.load_distributed`` sends an SPMD model here). Into a sharded
+model each rank copies the rows it stores straight into its shard and slots, reading the row files in
+windows whose buffers fit ``_ckpt_publish.BUFFER`` bytes (``_ckpt_rows.py``; where each logical id goes is
+worked out per window from the ownership, :func:`_locator`): its memory grows by at most one chunk
+(``_ckpt_publish.CHUNK``), never by a shard. A
+``save_distributed`` directory is read through the host first (``torch.distributed.checkpoint`` reads a
+table whole): for tables that fit in one host's memory.
+
+Saves are crash-safe and loads verify before they write, as ``tte.checkpoint.save_distributed``'s
+(``_ckpt_publish``): every rank writes into a sibling staging directory; when all files are on disk,
+rank 0 writes ``meta.pt`` and a manifest (each file's size and sha256) and publishes the directory with
+renames, so a process killed at any point leaves the old checkpoint or the new one, complete. A load
+checks every file against the manifest (each rank reads every file once, in chunks) and the whole state
+against the model and optimizer (names, shapes, dtypes, hyper-parameters, accumulation buffers) before
+it changes anything.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torch_tpu_embedding.checkpoint.checks import (
+    CheckpointMismatchError,
+    apply_payload,
+    model_problems,
+    optimizer_problems,
+)
+from torch_tpu_embedding.checkpoint.dcp import META, logical_payload, read_meta
+from torch_tpu_embedding.checkpoint.logical_rows import ACC, Locate, Source, select_accumulation
+from torch_tpu_embedding.checkpoint.publish import (
+    SHARDED_META,
+    CheckpointCorruptError,
+    prepare_staging,
+    publish,
+    resolve,
+    staging_path,
+    verify,
+    write_manifest,
+)
+from torch_tpu_embedding.distributed.exchange import GroupSharding, group_sharding
+from torch_tpu_embedding.distributed.state import stored_rows
+from torch_tpu_embedding.modules.collection import EmbeddingCollection
+from torch_tpu_embedding.modules.table import EmbeddingTable
+
+__all__ = ["group_sharded", "load_sharded", "open_checkpoint", "save_sharded", "sharded_payload"]
+
+Tensor = torch.Tensor
+
+
+def _tables(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
+    """Every table of every collection in ``model``: name → (its ``state_dict`` key, the table module)."""
+    out: dict[str, tuple[str, nn.Module]] = {}
+    for prefix, m in model.named_modules():
+        if isinstance(m, EmbeddingCollection):
+            for name, t in m.tables.items():
+                out[name] = (f"{prefix}.tables.{name}.weight" if prefix else f"tables.{name}.weight", t)
+    return out
+
+
+def group_sharded(model: nn.Module) -> dict[str, tuple[str, EmbeddingTable, GroupSharding]]:
+    """The tables of ``model`` sharded over a process group: name → (``state_dict`` key, table, sharding)."""
+    out: dict[str, tuple[str, EmbeddingTable, GroupSharding]] = {}
+    for name, (key, t) in _tables(model).items():
+        s = group_sharding(t.weight) if isinstance(t, EmbeddingTable) else None
+        if s is not None and isinstance(t, EmbeddingTable):
+            out[name] = (key, t, s)
+    return out
+
+
+def _stored_in_order(s: GroupSharding) -> tuple[Tensor, Tensor]:
+    """``(logical ids ascending, the local rows holding them)`` of the real rows this rank stores."""
+    ids, local = torch.sort(s.local_logical_ids())  # padding rows (ids >= rows) sort last
+    n = int((ids < s.rows).sum())
+    return ids[:n], local[:n]
+
+
+def _locator(s: GroupSharding) -> Locate:
+    """Where this rank stores logical ids (``_ckpt_rows.Locate``), worked out per window of ids from the
+    ownership: no per-row table of the shard is built (it would grow a load's memory with the shard)."""
+    if s.placement == "table":
+        here = s.rank == s.owner
+        return lambda ids: (torch.full_like(ids, here, dtype=torch.bool) & (ids >= 0) & (ids < s.rows), ids)
+    per, first = s.ownership.rows_per_shard, s.rank * s.ownership.rows_per_shard
+
+    def locate(ids: Tensor) -> tuple[Tensor, Tensor]:
+        local = s.ownership.physical_row(ids) - first  # padding ids: the sentinel, owned by no rank
+        return (local >= 0) & (local < per) & (ids < s.rows), local
+
+    return locate
+
+
+def _logical_accumulation(state: dict[str, Tensor], s: GroupSharding, local: int) -> dict[str, Tensor]:
+    """A sharded table's pending accumulation buffers with logical ids (``-1``: padding): the owner's
+    buffers hold its local rows (``local``: padding)."""
+    ids = state["acc_ids"].detach().cpu()
+    valid = (ids >= 0) & (ids < local)
+    logical = s.local_logical_ids()[ids.clamp(0, local - 1)] if local else torch.zeros_like(ids)
+    return {"acc_ids": torch.where(valid, logical, torch.full_like(ids, -1)),
+            "acc_rows": state["acc_rows"].detach().cpu().clone()}
+
+
+def _stored_state(model: nn.Module) -> dict[str, Any]:
+    """``model.state_dict()`` with sharded tables as their stored rows, even under ``dtensor_state_dict``
+    (whose DTensor entries are collectives: rank 0 alone reads the state_dict here)."""
+    with stored_rows():
+        return dict(model.state_dict())
+
+
+def save_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer: Any = None) -> None:
+    """Write ``model`` (and ``optimizer``), sharded by ``tte.distributed.shard``, to ``directory``: call it
+    on every rank of the group. Each rank writes its own rows (``rows-<rank>.pt``); rank 0 writes the rest.
+    Pending gradient-accumulation buffers are saved too: a run resumed mid-window goes on as if uninterrupted."""
+    tables = group_sharded(model)
+    if not tables:
+        raise ValueError("Argument `model` has no table sharded over a process group (tte.distributed.shard); "
+                         "save it with tte.checkpoint.save.")
+    first = next(iter(tables.values()))[2]
+    rank, world, group = first.rank, first.world, first.group
+    target = os.path.normpath(os.path.abspath(os.fspath(directory)))
+    if rank == 0:
+        prepare_staging(target)
+    dist.barrier(group=group)
+    staging = staging_path(target)
+    part: dict[str, Any] = {}
+    for name, (_, t, s) in tables.items():
+        ids, pos = _stored_in_order(s)
+        entry: dict[str, Any] = {"ids": ids, "weight": t.weight.detach().index_select(0, pos)}
+        if optimizer is not None:
+            state = optimizer.state.get(t.weight, {})
+            local = t.weight.shape[0]
+            entry["rows"] = {k: v.index_select(0, pos) for k, v in state.items()
+                             if k not in ACC and v.dim() and v.shape[0] == local}
+            entry["whole"] = {k: v.clone() for k, v in state.items()
+                              if k not in ACC and not (v.dim() and v.shape[0] == local)}
+            if "acc_ids" in state:
+                entry["acc"] = _logical_accumulation(state, s, local)
+        part[name] = entry
+    torch.save(part, os.path.join(staging, f"rows-{rank}.pt"))
+    dist.barrier(group=group)  # every rank's rows are written (rank 0 fsyncs them before publishing)
+    if rank == 0:
+        keys = {key for key, _, _ in tables.values()}
+        meta: dict[str, Any] = {
+            "world": world,
+            "tables": {n: {"placement": s.placement, "rows": s.rows, "owner": s.owner, "key": key}
+                       for n, (key, _, s) in tables.items()},
+            "model": {k: v for k, v in _stored_state(model).items() if k not in keys},
+        }
+        if optimizer is not None:
+            sd = optimizer.state_dict()
+            sd["state"] = {k: v for k, v in sd["state"].items() if k.split(":", 1)[-1] not in tables}
+            meta["optimizer"] = sd
+        torch.save(meta, os.path.join(staging, SHARDED_META))
+        write_manifest(staging)
+        publish(staging, target)
+    dist.barrier(group=group)  # no rank returns before the checkpoint is published
+
+
+def open_checkpoint(path: str) -> Source:
+    """The verified checkpoint at ``path`` (a ``save_sharded`` or a ``save_distributed`` directory)."""
+    if os.path.isfile(os.path.join(path, SHARDED_META)):
+        verify(path, required=(SHARDED_META,))  # every file whole and as saved, before anything is written
+        try:
+            meta = torch.load(os.path.join(path, SHARDED_META), map_location="cpu", weights_only=True)
+        except Exception as e:  # weights-only refusals and damaged files raise several types
+            raise CheckpointCorruptError(f"{os.path.join(path, SHARDED_META)} is not a readable checkpoint file: "
+                                         f"{str(e).splitlines()[0]}. Nothing was loaded.") from e
+        return Source.sharded(path, meta)
+    if os.path.isfile(os.path.join(path, META)):
+        verify(path)
+        payload = logical_payload(path, read_meta(path))
+        return Source(payload["model"], payload["optimizer"])
+    raise FileNotFoundError(f"No distributed checkpoint at {path} (neither {SHARDED_META} of "
+                            f"tte.distributed.save_sharded nor {META} of tte.checkpoint.save_distributed)")
+
+
+def _saved_keys(source: Source, tables: dict[str, tuple[str, nn.Module]]) -> dict[str, tuple[str, int]]:
+    """Each table held in ``source``'s rank files: its ``state_dict`` key (as saved; else the model's) and rows."""
+    out = {}
+    for n, info in source.tables.items():
+        key = info.get("key") or (tables[n][0] if n in tables else f"tables.{n}.weight")
+        out[n] = (str(key), int(info["rows"]))
+    return out
+
+
+def sharded_payload(path: str) -> dict[str, Any]:
+    """The :func:`save_sharded` directory at ``path`` (verified) as one ``tte.checkpoint.save`` payload."""
+    source = open_checkpoint(path)
+    return source.payload(_saved_keys(source, {}))
+
+
+def _stand_in(like: Tensor, rows: int) -> Tensor:
+    """A ``[rows, *like.shape[1:]]`` tensor of ``like``'s dtype without memory (zeros, expanded): what the
+    checks see of a shard, and what ``load_state_dict`` writes before the rows are copied in."""
+    return torch.zeros((), dtype=like.dtype).expand(rows, *like.shape[1:])
+
+
+def _optimizer_state(
+    source: Source, optimizer: Any, mine: dict[str, tuple[str, EmbeddingTable, GroupSharding]],
+    whole: dict[str, Any],
+) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    """The optimizer ``state_dict`` to check (each shard's row slots as stand-ins) and each sharded table's
+    row slots. ``whole``: the logical entries of the tables sharded when saved and whole here."""
+    assert source.optimizer is not None
+    state = dict(optimizer.state_dict()["state"])
+    state.update({k: v for k, v in source.optimizer["state"].items() if k.split(":", 1)[-1] not in mine})
+    state.update(whole)
+    row_slots: dict[str, list[str]] = {}
+    for name, (_, t, _) in mine.items():
+        local = t.weight.shape[0]
+        # (no local name for the slots: load_state_dict replaces them, and the old ones must go then)
+        row_slots[name] = [k for k, v in optimizer.state[t.weight].items()
+                           if k not in ACC and v.dim() and v.shape[0] == local]
+        entry = source.whole_slots(name, set(row_slots[name]))
+        for slot in row_slots[name]:
+            like = source.row_slot(name, slot)
+            if like is not None:
+                entry[slot] = _stand_in(like, local)
+        acc = source.accumulation(name)
+        if acc is not None:
+            entry["acc_ids"], entry["acc_rows"] = select_accumulation(acc, _locator(mine[name][2]))
+        state[f"table:{name}"] = entry
+    return {**source.optimizer, "state": state}, row_slots
+
+
+def load_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer: Any = None) -> None:
+    """Load a :func:`save_sharded` or ``tte.checkpoint.save_distributed`` directory into ``model`` (and
+    ``optimizer``): sharded over any number of ranks (call it on every rank, after ``shard``, DDP and
+    building the optimizer) or not sharded at all (one process, torch_xla SPMD: every table whole). Each
+    rank reads only the rows it stores. Nothing changes unless everything fits (files, names, shapes,
+    dtypes, the optimizer's hyper-parameters): :class:`CheckpointCorruptError` or
+    :class:`CheckpointMismatchError` otherwise."""
+    path = resolve(os.path.normpath(os.path.abspath(os.fspath(directory))))
+    source = open_checkpoint(path)
+    tables = _tables(model)
+    mine = group_sharded(model)
+    if not mine:  # every table whole here: the logical payload, checked and loaded as tte.checkpoint.load's
+        apply_payload(source.payload(_saved_keys(source, tables)), path, model, optimizer, strict=True)
+        return
+    problems: list[str] = []
+    sd = _stored_state(model)
+    sd.update(source.model)
+    whole = {n: k for n, k in _saved_keys(source, tables).items() if n not in mine}
+    # sharded when saved, whole here (a replicated table): every logical row
+    payload = source.payload(whole) if whole else {"model": {}, "optimizer": {"state": {}}}
+    sd.update(payload["model"])
+    for name, (key, t, _) in mine.items():
+        like = source.row_slot(name, None) if name in source.tables else source.weight(key, name)
+        saved = int(source.tables[name]["rows"]) if name in source.tables else None if like is None else like.shape[0]
+        if like is None:
+            sd.pop(key, None)  # reported as a missing key
+        else:
+            sd[key] = _stand_in(like, t.weight.shape[0])
+        if saved is not None and saved != t.config.num_embeddings:
+            problems.append(f"model: table `{name}` has {saved} rows saved, {t.config.num_embeddings} here")
+    problems += [f"model: {p}" for p in model_problems(model, sd, strict=True)]
+    osd: dict[str, Any] | None = None
+    row_slots: dict[str, list[str]] = {}
+    if optimizer is not None:
+        if source.optimizer is None:
+            raise CheckpointMismatchError(f"{path} holds no optimizer state (nothing was loaded).")
+        optimizer.init_state()
+        whole_state = {f"table:{n}": payload["optimizer"]["state"][f"table:{n}"] for n in whole}
+        osd, row_slots = _optimizer_state(source, optimizer, mine, whole_state)
+        problems += [f"optimizer: {p}" for p in optimizer_problems(optimizer, osd)]
+        # Loaded without the row slots' stand-ins (the optimizer would copy them whole): its fresh slots
+        # get their rows below.
+        osd["state"].update({f"table:{n}": {k: v for k, v in osd["state"][f"table:{n}"].items()
+                                            if k not in row_slots[n]} for n in mine})
+    if problems:
+        raise CheckpointMismatchError(f"{path} does not match (nothing was loaded): " + "; ".join(problems))
+    with stored_rows():  # the sharded tables' entries are their stored rows (as _stored_state read them)
+        model.load_state_dict(sd)  # the shards get zeros from their stand-ins: their rows are copied next
+    for name, (key, t, s) in mine.items():
+        source.copy_rows(name, key, None, _locator(s), t.weight.data)
+    if optimizer is None:
+        return
+    optimizer.load_state_dict(osd)
+    for name, (key, t, s) in mine.items():
+        slots = optimizer.state[t.weight]
+        for slot in row_slots[name]:
+            source.copy_rows(name, key, slot, _locator(s), slots[slot])
+
+
+class _Checkpoints:
+    """This module as the public checkpoint functions reach it (``checkpoint.sharded.ShardedCheckpoints``)."""
+
+    def owns(self, model: nn.Module) -> bool:
+        return bool(group_sharded(model))
+
+    def save(self, path: str | os.PathLike[str], model: nn.Module, optimizer: Any) -> None:
+        save_sharded(path, model, optimizer)
+
+    def load(self, path: str | os.PathLike[str], model: nn.Module, optimizer: Any) -> None:
+        load_sharded(path, model, optimizer)
+
+    def payload(self, path: str) -> dict[str, Any]:
+        return sharded_payload(path)
+
+
+CHECKPOINTS = _Checkpoints()

@@ -1,0 +1,134 @@
+"""A table sharded over a process group, in ``state_dict`` as a DTensor ``Shard(0)`` of its logical rows.
+
+``torch.distributed.checkpoint`` (``dcp.save`` / ``dcp.load``, ``get_model_state_dict`` /
+``set_model_state_dict``) takes a plain tensor for a replicated one: a state_dict holding each rank's
+stored rows as plain tensors is saved from one rank only, and every rank loads those rows back
+(measured: ``benchmarks/mp_dtensor.py``, docs/sharding.md). It reads a DTensor as the shards it is.
+
+A rank stores its rows in the exchange's interleaved order (``"row"``) or the whole table (``"table"``),
+neither of which is a ``Shard(0)`` of the logical table (contiguous blocks in rank order). So
+:func:`to_logical_shard` moves the rows into those blocks (rank ``r``: logical rows
+``[r·B, (r+1)·B)``, ``B = ceil(V / n)``, as ``torch.chunk`` and DTensor split) through the transport's
+:func:`~torch_tpu_embedding.distributed.exchange.send_to_owners` (one ``all_reduce`` of the bucket size, then
+equal-split ``all_to_all_single`` s of the rows and of their slots), and :func:`from_logical_shard`
+moves them back. Each rank sends and receives at most its rows padded to the largest bucket: no rank ever
+holds more of the table than its shard, its block and those buckets (a ``"table"`` owner: the table
+it holds, and the buckets of it it sends).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from torch_tpu_embedding._rows.placement import dtensor_placement, is_dtensor, stored_rows, stored_rows_active
+from torch_tpu_embedding.distributed.exchange import GroupSharding, send_to_owners
+
+__all__ = ["block_rows", "dtensor_layout", "from_logical_shard", "from_logical_slot", "is_dtensor", "stored_rows",
+           "stored_rows_active", "to_logical_shard", "to_logical_slot"]
+
+Tensor = torch.Tensor
+dtensor_layout = dtensor_placement
+
+
+def block_rows(rows: int, world: int) -> int:
+    """``B``: logical rows per rank of a DTensor ``Shard(0)`` of ``rows`` rows over ``world`` ranks."""
+    return -(-rows // world)
+
+
+def _owner_and_slot(ids: Tensor, s: GroupSharding) -> tuple[Tensor, Tensor]:
+    """The rank storing each logical id of a sharded table, and its row there."""
+    if s.placement == "table":
+        return torch.full_like(ids, s.owner), ids
+    per = s.ownership.rows_per_shard
+    phys = s.ownership.physical_row(ids)
+    return phys // per, phys % per
+
+
+def _exchange(dest: Tensor, slot: Tensor, rows: Tensor, s: GroupSharding) -> tuple[Tensor, Tensor]:
+    """Send ``rows[i]`` to rank ``dest[i]``, to land at its row ``slot[i]`` (the transport's
+    :func:`~torch_tpu_embedding.distributed.exchange.send_to_owners`: one ``all_reduce`` of the bucket size, one
+    ``all_to_all_single`` of the slots and one of the rows). Returns the slots (``-1``: padding), on the
+    CPU, and rows this rank received."""
+    got_slot, got_rows = send_to_owners(dest, (slot.to(rows.device), rows), (-1, 0), s.world, s.group)
+    return got_slot.cpu(), got_rows
+
+
+def to_logical_shard(local: Tensor, s: GroupSharding) -> DTensor:
+    """This rank's stored rows ``local`` of a table laid out by ``s`` as a DTensor ``Shard(0)`` of the
+    logical ``[V, D]`` table (rows moved to their logical block's rank; a collective: every rank calls
+    it, in the same order)."""
+    ids = s.local_logical_ids()
+    real = ids < s.rows
+    block = block_rows(s.rows, s.world)
+    got_slot, got_rows = _exchange(ids[real] // block, ids[real] - (ids[real] // block) * block,
+                                   local.detach()[real.to(local.device)], s)
+    start = min(s.rows, s.rank * block)
+    mine = torch.zeros(min(s.rows, start + block) - start, local.shape[1], dtype=local.dtype, device=local.device)
+    keep = got_slot >= 0
+    mine[got_slot[keep].to(local.device)] = got_rows[keep.to(local.device)]
+    mesh = DeviceMesh.from_group(s.group, local.device.type)
+    return DTensor.from_local(mine, mesh, [Shard(0)], run_check=False, shape=torch.Size((s.rows, local.shape[1])),
+                              stride=(local.shape[1], 1))
+
+
+def from_logical_shard(value: Any, s: GroupSharding, name: str, base: Tensor | None = None) -> Tensor:
+    """The rows this rank stores of a table laid out by ``s``, from ``value``, a DTensor ``Shard(0)`` of its
+    logical rows over the same group (a collective, as :func:`to_logical_shard`); padding rows zero.
+
+    Raises:
+        ValueError: ``value`` is not a ``Shard(0)`` of ``[V, D]`` over this group's ranks.
+    """
+    if (not isinstance(value, DTensor) or tuple(value.placements) != (Shard(0),) or value.device_mesh.size() != s.world
+            or value.shape[0] != s.rows):
+        raise ValueError(
+            f"Table `{name}`: a DTensor loaded into a table sharded over a process group must be a Shard(0) of "
+            f"its {s.rows} logical rows over the {s.world} ranks of its group. Received: {type(value).__name__} of "
+            f"shape {tuple(value.shape)}, placements {getattr(value, 'placements', None)}"
+        )
+    mine = value.to_local()
+    block = block_rows(s.rows, s.world)
+    ids = torch.arange(mine.shape[0], dtype=torch.int64) + min(s.rows, s.rank * block)
+    dest, slot = _owner_and_slot(ids, s)
+    got_slot, got_rows = _exchange(dest, slot, mine, s)
+    local = (torch.zeros(s.local_rows, mine.shape[1], dtype=mine.dtype, device=mine.device) if base is None
+             else base.detach().reshape(s.local_rows, mine.shape[1]).to(mine.dtype).clone())  # padding: base's
+    keep = got_slot >= 0
+    local[got_slot[keep].to(local.device)] = got_rows[keep.to(local.device)]
+    return local
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, step = [], 1
+    for d in reversed(shape):
+        stride.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(stride))
+
+
+def to_logical_slot(slot: Tensor, s: GroupSharding) -> DTensor:
+    """:func:`to_logical_shard` of an optimizer slot whose dim 0 is the table's stored rows (``[local]`` or
+    ``[local, ...]``): a DTensor ``Shard(0)`` of its logical rows, of the slot's trailing shape."""
+    tail = tuple(slot.shape[1:])
+    width = math.prod(tail)
+    flat = to_logical_shard(slot.reshape(slot.shape[0], width), s)
+    shape = (s.rows, *tail)
+    return DTensor.from_local(flat.to_local().reshape(-1, *tail), flat.device_mesh, [Shard(0)], run_check=False,
+                              shape=torch.Size(shape), stride=_contiguous(shape))
+
+
+def from_logical_slot(value: Any, s: GroupSharding, name: str, base: Tensor | None = None) -> Tensor:
+    """The inverse of :func:`to_logical_slot` (a collective): this rank's stored rows of the slot, its padding
+    rows (never read) those of ``base``, the live slot (zeros without it)."""
+    if not isinstance(value, DTensor):
+        return from_logical_shard(value, s, name, base)  # refused there, by name
+    tail = tuple(value.shape[1:])
+    width = math.prod(tail)
+    flat = DTensor.from_local(value.to_local().reshape(-1, width), value.device_mesh, list(value.placements),
+                              run_check=False, shape=torch.Size((value.shape[0], width)), stride=(width, 1))
+    return from_logical_shard(flat, s, name, base).reshape(-1, *tail)
+

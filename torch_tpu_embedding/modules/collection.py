@@ -1,0 +1,450 @@
+"""``EmbeddingCollection``: many tables, many features, row-sparse gradients."""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import nullcontext
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from torch_tpu_embedding._rows.backward_order import check_xla_backward
+from torch_tpu_embedding._rows.grads import retire_table, table_info
+from torch_tpu_embedding._util.nest import Path, check_structure, flatten, path_name, pick, rebuild
+from torch_tpu_embedding._util.validation import check_bool, check_device, check_not_meta
+from torch_tpu_embedding.config import PLACEMENTS, FeatureConfig, TableConfig
+from torch_tpu_embedding.inputs import to_bags
+from torch_tpu_embedding.modules.lookup import LookupBatch, side_by_side
+from torch_tpu_embedding.modules.screening import DeviceScreen, overflow_problem, warn_unchecked_drops
+from torch_tpu_embedding.modules.stacking import (
+    FusedTables,
+    TableView,
+    fuse,
+    join_fused_weights,
+    plan_groups,
+    split_fused_weights,
+)
+from torch_tpu_embedding.modules.table import EmbeddingTable
+
+__all__ = ["EmbeddingCollection", "EmbeddingTable", "split_parameters"]
+
+
+def _input_device(value: Any) -> str:
+    """The device type of a feature's ids (``"cpu"`` for anything else)."""
+    ids = value if isinstance(value, torch.Tensor) else getattr(value, "ids", getattr(value, "values", None))
+    return ids.device.type if isinstance(ids, torch.Tensor) else "cpu"
+
+
+def _device_resident(value: Any) -> bool:
+    """True when a feature's ids arrived already on an XLA device (not readable without a sync)."""
+    return _input_device(value) == "xla"
+
+
+class EmbeddingCollection(nn.Module):
+    """Many embedding tables looked up by many features, with row-sparse gradients.
+
+    Args:
+        feature_config: a :class:`FeatureConfig` or a nested ``dict``/``list``/``tuple`` of them.
+            Features may share a :class:`TableConfig` object; tables are created once, in order of
+            first occurrence (dict keys sorted, as TF's ``nest.flatten``). Unnamed tables are
+            called ``table_<i>``.
+        device: where the tables live (CPU by default; CUDA or an XLA device). Initial values are
+            drawn on the CPU, so a seed gives the same tables on every device. ``"meta"`` (or building
+            under ``with torch.device("meta"):``) allocates no table: each records its draw, and
+            :func:`torch_tpu_embedding.distributed.shard` draws each rank's rows only (docs/guide.md).
+        fuse_tables: stack tables with the same ``embedding_dim``, ``dtype``, ``placement`` and
+            ``optimizer`` override in one buffer per group (``groups``), so an optimizer step does
+            one dedup, gather and scatter per group instead of per table (much faster with many
+            tables, above all on XLA; docs/benchmarks.md). On by default; ``False`` keeps one
+            parameter per table. Values, updates, ``state_dict``, optimizer state and
+            :meth:`row_grads` stay per table, with every optimizer and option (statistics over a
+            table's rows, ``clipnorm`` and ``slot_creation_fn`` stay per table). Groups are formed
+            deterministically (docs/guide.md §13) and listed by ``repr(ec)`` and ``fused_members()``;
+            :func:`torch_tpu_embedding.xla.shard` re-forms them by each table's resolved placement.
+
+    Forward: :meth:`forward` (``ec(features, weights=None)``).
+
+    Gradients:
+        ``backward`` gives each table a row-sparse gradient: per looked-up id, one ``[D]`` row,
+        summed over features sharing the table and accumulated over backward calls until an
+        optimizer from :mod:`torch_tpu_embedding.optim` consumes it or ``zero_grad`` clears it.
+        No ``[V, D]`` gradient is ever made. Stock ``torch.optim`` optimizers refuse to step a
+        table (they would silently not train it).
+
+    Example::
+
+        >>> import torch, torch_tpu_embedding as tte
+        >>> movie = tte.TableConfig(num_embeddings=100, embedding_dim=4, name="movie")
+        >>> ec = tte.EmbeddingCollection({
+        ...     "watched": tte.FeatureConfig(movie),
+        ...     "liked": tte.FeatureConfig(movie, max_sequence_length=3),
+        ... })
+        >>> out = ec({"watched": tte.Jagged(torch.tensor([1, 2, 7]), lengths=torch.tensor([2, 1])),
+        ...           "liked": tte.Jagged(torch.tensor([4]), lengths=torch.tensor([0, 1]))})
+        >>> out["watched"].shape, out["liked"].shape
+        (torch.Size([2, 4]), torch.Size([2, 3, 4]))
+    """
+
+    def __init__(
+        self, feature_config: Any, *, device: torch.device | str | None = None, fuse_tables: bool = True
+    ) -> None:
+        """Create the tables of ``feature_config`` (each :class:`TableConfig` once) on ``device``,
+        stacked in groups unless ``fuse_tables=False``; the arguments are the class's (``Args``).
+
+        Raises ``ValueError`` / ``TypeError`` naming the feature or table: no feature, a leaf that is
+        not a :class:`FeatureConfig`, two tables or two features with one name.
+        """
+        super().__init__()
+        check_bool("fuse_tables", fuse_tables)
+        flat = list(flatten(feature_config))
+        if not flat:
+            raise ValueError("Argument `feature_config` must hold at least one FeatureConfig. Received: "
+                             f"{feature_config!r}")
+        for path, fc in flat:
+            if not isinstance(fc, FeatureConfig):
+                raise TypeError(
+                    f"Argument `feature_config` must hold only FeatureConfig leaves; found "
+                    f"{type(fc).__name__} at `{path_name(path)}`."
+                )
+        table_names: dict[int, str] = {}  # id(TableConfig) -> name
+        configs: dict[int, TableConfig] = {}
+        for _, fc in flat:
+            if id(fc.table) not in configs:
+                configs[id(fc.table)] = fc.table
+                i = len(table_names)
+                table_names[id(fc.table)] = fc.table.name if fc.table.name is not None else f"table_{i}"
+        names = list(table_names.values())
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(
+                f"Tables must have a unique name. Multiple tables with name {dupes[0]!r} found."
+            )
+        self._config = feature_config
+        self._features: list[tuple[Path, str, FeatureConfig, str]] = [
+            (path, fc.name or path_name(path), fc, table_names[id(fc.table)]) for path, fc in flat
+        ]
+        feature_names = [f[1] for f in self._features]
+        dupe_features = sorted({n for n in feature_names if feature_names.count(n) > 1})
+        if dupe_features:
+            raise ValueError(f"Features must have unique names. Duplicated: {dupe_features}")
+        self._screen = DeviceScreen()  # device-side counts of bad ids and weights, see check_ids()
+        self._exchange_counts: dict[str, Any] = {}  # row-sharded tables: overflow and loads, see check_ids()
+        # device="meta": built there (each table records its draw, tte.distributed.shard draws a rank's rows)
+        where = check_device("device", device)
+        with torch.device("meta") if where is not None and where.type == "meta" else nullcontext():
+            tables: dict[str, nn.Module] = {
+                table_names[key]: EmbeddingTable(cfg, table_names[key]) for key, cfg in configs.items()
+            }
+        self._fuse = fuse_tables
+        self._stack(tables)
+        self._register_state_dict_hook(split_fused_weights)  # type: ignore[no-untyped-call]
+        self._register_state_dict_hook(warn_unchecked_drops)  # type: ignore[no-untyped-call]
+        self.register_load_state_dict_pre_hook(join_fused_weights)  # type: ignore[no-untyped-call]
+        if device is not None:
+            self.to(device)
+
+    def _stack(self, tables: dict[str, nn.Module], placements: dict[str, str] | None = None) -> None:
+        """Set ``tables`` (name → its :class:`EmbeddingTable`), stacked in groups when fusing."""
+        #: fused table groups (``fuse_tables=True``): group name → :class:`FusedTables`
+        self.groups = nn.ModuleDict()
+        #: table name → (the module holding its rows, its first row there)
+        self._located = {n: (cast(EmbeddingTable, t), 0) for n, t in tables.items()}
+        if self._fuse:
+            tables = fuse(tables, self.groups, self._located, placements)
+        self.tables = nn.ModuleDict(tables)
+
+    def restack(self, placements: dict[str, str]) -> None:
+        """Re-form the groups for each table's resolved placement (``placements``: name → placement).
+
+        Called by :func:`torch_tpu_embedding.xla.shard` before it lays tables out, so stacking never
+        changes a table's placement (``"auto"`` is decided per table). Tables keep their values; a
+        group whose tables stay together is kept as is. Build the optimizer after this.
+        """
+        if not isinstance(placements, dict) or sorted(placements) != sorted(self.tables) or any(
+                p not in PLACEMENTS or p in ("auto", "table") for p in placements.values()):
+            raise ValueError("Argument `placements` must map every table name to 'row', 'column' or 'replicated'. "
+                             f"Tables: {list(self.tables)}. Received: {placements!r}")
+        if not self._fuse:
+            return
+        groups = [cast(FusedTables, g) for g in self.groups.values()]
+        if plan_groups(self.table_configs, placements) == [tuple(m[0] for m in g.members()) for g in groups]:
+            for g in groups:  # the same groups: each takes its tables' resolved placement
+                g.config = dataclasses.replace(g.config, placement=placements[g.members()[0][0]])
+            return
+        tables: dict[str, nn.Module] = {}
+        frozen = [n for n, t in self.tables.items()
+                  if not (t.trainable if isinstance(t, TableView) else cast(EmbeddingTable, t).weight.requires_grad)]
+        for n, t in self.tables.items():
+            # A stacked table becomes a table of its own again, then re-stacked; so does a table laid
+            # out by an earlier `shard` (rows padded or permuted): groups are joined from logical rows.
+            if isinstance(t, TableView):
+                t = EmbeddingTable(t.config, n, weight=t.logical_weight().to(t.group.weight.device, copy=True))
+            elif isinstance(t, EmbeddingTable) and (t.row_layout is not None or t.padding_rows):
+                t = EmbeddingTable(t.config, n, weight=t.logical_weight().to(t.weight.device, copy=True))
+            tables[n] = t
+        before = [t.weight for t in self.physical_tables().values()]
+        self._stack(tables, placements)
+        for n in frozen:  # frozen tables stay frozen in their new groups (or on their own)
+            self.tables[n].requires_grad_(False)
+        kept = {id(t.weight) for t in self.physical_tables().values()}
+        for w in before:
+            if id(w) not in kept:
+                retire_table(w, "the tables were stacked anew for their placements (new group parameters)")
+
+    def unstack(self, groups: list[str]) -> None:
+        """Dissolve the fused ``groups`` (names in ``self.groups``): each of their tables becomes a table of
+        its own with its logical rows. Called by ``tte.distributed.shard`` for tables it shards over a
+        process group (each is laid out alone). Build the optimizer after this."""
+        for gname in groups:
+            group = cast(FusedTables, self.groups[gname])
+            logical = group.logical_weight()
+            for tname, first, rows in group.members():
+                t = EmbeddingTable(group.member_configs[tname], tname,
+                                   weight=logical[first : first + rows].to(group.weight.device, copy=True))
+                self.tables[tname] = t
+                self._located[tname] = (t, 0)
+            del self.groups[gname]
+            retire_table(group.weight, "its tables were unstacked to be sharded over a process group")
+
+    # ------------------------------------------------------------------ accessors
+    @property
+    def embedding_tables(self) -> dict[str, torch.Tensor]:
+        """Table name → weight ``[num_embeddings, embedding_dim]`` (the parameter; for a fused table,
+        a view of its group's parameter)."""
+        return {name: t.weight for name, t in self.tables.items()}  # type: ignore[misc]
+
+    def physical_tables(self) -> dict[str, EmbeddingTable]:
+        """The modules that own table parameters: unfused tables by name, then fused groups."""
+        out = {n: t for n, t in self.tables.items() if isinstance(t, EmbeddingTable)}
+        out.update({n: cast(EmbeddingTable, g) for n, g in self.groups.items()})
+        return out
+
+    def fused_members(self) -> dict[str, tuple[tuple[str, int, int], ...]]:
+        """Fused group name → its tables as ``(name, first row, rows)``."""
+        return {n: cast(FusedTables, g).members() for n, g in self.groups.items()}
+
+    @property
+    def table_configs(self) -> dict[str, TableConfig]:
+        return {name: t.config for name, t in self.tables.items()}  # type: ignore[misc]
+
+    @property
+    def feature_names(self) -> list[str]:
+        return [f[1] for f in self._features]
+
+    def feature_tables(self) -> dict[str, str]:
+        """Feature name → the name of the table it is looked up in."""
+        return {f[1]: f[3] for f in self._features}
+
+    def row_grads(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Pending row-sparse gradients: table name → ``(ids [N], rows [N, D])``, in table order.
+
+        One contract on every layout: ``ids`` are the table's own (logical) ids, 1-D; padding
+        entries carry the id ``num_embeddings`` with zero rows. Raw accumulation: duplicate ids are
+        not summed. Tables with no pending gradient are omitted. A stacked table reports its own
+        entries of its group's gradient (none when its bags were all empty; on XLA, with static
+        shapes: the group's ``N`` entries, the other tables' entries as padding). A row-sharded
+        table trained through the id exchange reports what its shards received, shard after shard.
+        """
+        pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for name, t in self.physical_tables().items():
+            pending.update(t.pending_row_grads(name))
+        order = [n for n in self.tables if n in pending] + [n for n in pending if n not in self.tables]
+        return {n: pending[n] for n in order}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear pending row-sparse table gradients and the ``.grad`` of any other parameter."""
+        super().zero_grad(set_to_none)
+        for t in self.physical_tables().values():
+            t.row_grad.clear()
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, features: Any, weights: Any = None, *, concat: bool = False) -> Any:
+        """Look up every feature; activations in the structure of ``feature_config``.
+
+        Args:
+            features: one input per feature, in the structure of ``feature_config``, in any form of
+                :mod:`torch_tpu_embedding.inputs` (ids ``[B]``, ``Jagged``, ``Padded``, sparse COO, nested).
+            weights: per-id weights in the same structure (``None`` leaves allowed), or inside ``Jagged``/``Padded``.
+            concat: one ``[B, Σ D]`` tensor instead, the features side by side in :attr:`feature_names`
+                order (TorchRec's ``KeyedTensor.values()``); a stacked group is looked up straight into it.
+
+        Returns ``[B, D]`` for a combined bag, ``[B, S, D]`` for a sequence feature, ``output_shape
+        + [D]`` where set. Ids outside ``[0, num_embeddings)`` raise ``ValueError`` naming the
+        feature, before any state changes. ``backward`` gives the tables row-sparse gradients
+        (:meth:`row_grads`), consumed by a :mod:`torch_tpu_embedding.optim` optimizer.
+        """
+        check_structure(self._config, features, "Inputs `features`")
+        if weights is not None:
+            check_structure(self._config, weights, "Argument `weights`")
+        if concat is not False:  # (checked to be True there)
+            return side_by_side(self._plan(features, weights), [(f[0], f[1]) for f in self._features], concat)
+        outputs: dict[Path, torch.Tensor] = {}
+        for batch in self._plan(features, weights):
+            outputs.update(batch.run())
+        return rebuild(self._config, outputs)
+
+    def _plan(self, features: Any, weights: Any) -> list[Any]:
+        """Every feature normalised to padded bags, grouped into the batches looked up together.
+
+        Features of the same physical table with the same bag width and combiner are looked up
+        together: one gather and one backward node per batch, not per feature. Host inputs for a
+        device table are normalised and batched on the host and moved in one transfer per batch
+        (TorchRec's KJT and TBE do the same). The batches of a table trained through the id exchange
+        (row-sharded under SPMD) are routed together: one routed lookup per table, made by the table's
+        layout (``TableSharding.routed_lookup``, ``torch_tpu_embedding/xla/sharding.py``), which the
+        placement that laid the table out recorded on it.
+        """
+        batches: dict[tuple[int, int, str, bool], LookupBatch] = {}
+        routed: dict[int, Any] = {}
+        host = torch.device("cpu")
+        local: dict[int, Any] = {}  # per physical table: its layout when trained through the id exchange
+        for path, fname, fc, tname in self._features:
+            table, offset = self._located[tname]
+            weight = table.weight
+            if id(table) not in local:
+                if weight.device.type == "xla" and weight.requires_grad and torch.is_grad_enabled():
+                    check_xla_backward(tname)
+                check_not_meta(tname, fname, weight, _input_device(pick(features, path)))
+                info = table_info(weight)
+                local[id(table)] = info.sharding if info is not None and info.routed else None
+            owner_local = local[id(table)] is not None
+            # A table sharded over a process group stores only its shard: padding is its layout's id.
+            sentinel = int(getattr(local[id(table)], "id_rows", weight.shape[0]))
+            value = pick(features, path)
+            on_device = _device_resident(value)
+            resident = weight.device.type == "cpu" or _input_device(value) != "cpu"
+            bags = to_bags(
+                fname,
+                fc,
+                value,
+                None if weights is None else pick(weights, path),
+                sentinel=sentinel,
+                device=weight.device if resident else host,
+                dtype=weight.dtype,
+                # a routed lookup (the id exchange: SPMD or a process group) buckets padded bags
+                static=weight.device.type == "xla" or owner_local,
+                offset=0 if on_device else offset,  # a stacked table's rows start at `offset` of its group
+            )
+            if on_device:  # host inputs were checked in to_bags; these are screened before the offset
+                ids, valid = self._screen_device_ids(
+                    fname, fc.table.num_embeddings, bags.ids, bags.valid, weight.shape[0], bags.weights
+                )
+                if offset:  # padding stays the sentinel
+                    ids = torch.where(valid, ids + offset, ids)
+                bags = dataclasses.replace(bags, ids=ids, valid=valid, full=False)  # (dropped ids: padding)
+            if table.row_layout is not None and not owner_local:  # stored permuted: look up the stored row
+                order = table.row_layout.ownership(int(weight.shape[0]))
+                bags = dataclasses.replace(bags, ids=order.physical_row(bags.ids.to(torch.int64)))
+            combiner = fc.table.combiner if bags.combine else "sum"
+            key = (id(table), bags.ids.shape[1] if bags.offsets is None else -1, combiner, resident)  # -1: jagged
+            if key not in batches:
+                batches[key] = LookupBatch(weight, table.row_grad, combiner, resident)
+                if owner_local:
+                    if id(table) not in routed:
+                        names = [f for _, f, _, t in self._features if self._located[t][0] is table]
+                        routed[id(table)] = local[id(table)].routed_lookup(
+                            table.name, weight, table.config.max_unique_ids_per_shard, names, self._exchange_counts)
+                    routed[id(table)].batches.append(batches[key])
+            batches[key].items.append((path, bags))
+            batches[key].tables.add(tname)
+        taken = {id(b) for r in routed.values() for b in r.batches}
+        return [b for b in batches.values() if id(b) not in taken] + list(routed.values())
+
+    # ------------------------------------------------------------------ device-side id validation
+    def _screen_device_ids(
+        self, feature: str, vocab: int, ids: torch.Tensor, valid: torch.Tensor, sentinel: int,
+        weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """XLA-resident ids and weights: bad ones counted on the device and dropped (:class:`DeviceScreen`)."""
+        return self._screen.screen(feature, vocab, ids, valid, sentinel, weights)
+
+    def invalid_id_counts(self) -> dict[str, int]:
+        """Out-of-range ids seen on the device per feature since the last :meth:`check_ids` (syncs XLA)."""
+        return self._screen.counts(self._screen.invalid_ids)
+
+    def nonfinite_weight_counts(self) -> dict[str, int]:
+        """NaN/inf per-id weights seen on the device per feature since the last :meth:`check_ids` (syncs XLA)."""
+        return self._screen.counts(self._screen.nonfinite_weights)
+
+    def check_ids(self) -> None:
+        """Raise if ids were dropped on the device since the last call, then reset (syncs XLA).
+
+        Two cases, both counted on the device without a sync and turned into an error here, at a
+        sync point of your choosing (e.g. every N steps, or with the loss logging):
+
+        * Out-of-range ids and NaN/inf per-id weights in XLA-resident inputs (host inputs, the usual
+          case, are checked during input normalisation and raise at once): dropped from their bags,
+          training no row.
+        * Ids over the capacity of a row-sharded table's id exchange (``TableConfig.
+          max_unique_ids_per_shard``; docs/sharding.md): dropped from that step's lookup, and the
+          table was not updated in that step. The error names the table's features, the shard and
+          the capacity that would have sufficed.
+        """
+        problems = self._screen.problems({fname: fc.table.num_embeddings for _, fname, fc, _ in self._features})
+        loads = self.largest_loads()
+        dropped = {t: c.per_shard()[0] for t, c in self._exchange_counts.items()}
+        self._exchange_counts.clear()
+        for table, per_shard in sorted(dropped.items()):
+            t = self.physical_tables().get(table)  # gone if the tables were restacked since
+            members = t.members() if t is not None else None
+            text = overflow_problem(self._table_features(table), table, [m[0] for m in members] if members else None,
+                                    per_shard, loads[table]["largest_load"], loads[table]["capacity"])
+            problems += [text] if text else []
+        if problems:
+            raise ValueError(" ".join(problems))
+
+    def largest_loads(self) -> dict[str, dict[str, Any]]:
+        """Row-sharded tables trained through the id exchange: the most distinct ids one device had for
+        each shard in one step since the last :meth:`check_ids`, to size ``TableConfig.
+        max_unique_ids_per_shard`` (e.g. 1.25 × the largest over a few hundred steps;
+        ``torch_tpu_embedding.routing.capacity_for_load``). Syncs XLA.
+
+        Returns ``{table: {"largest_load": [per shard], "capacity": the capacity in use}}`` (a fused
+        group reports under its group name).
+        """
+        return {t: {"largest_load": c.per_shard()[1], "capacity": c.capacity} for t, c in self._exchange_counts.items()}
+
+    def _table_features(self, physical: str) -> list[str]:
+        """Names of the features looked up in physical table ``physical`` (a table or a fused group)."""
+        return [f for _, f, _, t in self._features if self._located[t][0].name == physical]
+
+    def extra_repr(self) -> str:
+        by_table: dict[str, list[str]] = {}
+        for _, fname, fc, tname in self._features:
+            tag = fname + (f"[seq {fc.max_sequence_length}]" if fc.is_sequence else "")
+            by_table.setdefault(tname, []).append(tag)
+        lines = [f"features: {len(self._features)}, tables: {len(self.tables)}"]
+        for tname, feats in by_table.items():
+            lines.append(f"{tname} ← {', '.join(feats)}")
+        for gname, group in self.groups.items():  # stacked tables: one line per group, in group order
+            g = cast(FusedTables, group)
+            c = g.config
+            lines.append(f"group {gname} = {' + '.join(m[0] for m in g.members())}: {c.num_embeddings} rows × "
+                         f"{c.embedding_dim}, {c.dtype}, placement {c.placement!r}")
+        return "\n".join(lines)
+
+
+def split_parameters(
+    module: nn.Module,
+) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """Split ``module``'s parameters into ``(embedding_tables, dense_parameters)``.
+
+    For users who want one optimizer for the tables (from :mod:`torch_tpu_embedding.optim`) and
+    any ``torch.optim`` optimizer for the rest::
+
+        >>> tables, dense = tte.split_parameters(model)
+        >>> opt_tables = tte.optim.Adagrad(tables, lr=0.1)
+        >>> opt_dense = torch.optim.AdamW(dense, lr=1e-3)
+    """
+    tables: list[nn.Parameter] = []
+    dense: list[nn.Parameter] = []
+    seen: set[int] = set()
+    for sub in module.modules():
+        if isinstance(sub, EmbeddingTable):  # fused groups included
+            tables.append(sub.weight)
+            seen.add(id(sub.weight))
+    for p in module.parameters():
+        if id(p) not in seen:
+            dense.append(p)
+    return tables, dense

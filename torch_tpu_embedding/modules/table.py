@@ -1,0 +1,312 @@
+"""``EmbeddingTable``: one table's weight, its config, and the row padding used for sharding."""
+
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from torch_tpu_embedding._rows.dedup import is_static_device
+from torch_tpu_embedding._rows.grads import RowGrad, TableInfo, register_table, retire_table, table_info
+from torch_tpu_embedding._rows.placement import dtensor_placement, is_dtensor
+from torch_tpu_embedding._rows.row_order import RowLayout, from_logical, owned_logical_ids, to_logical
+from torch_tpu_embedding._rows.stacked_state import member_entries
+from torch_tpu_embedding._util.huge_pages import empty
+from torch_tpu_embedding.config import TableConfig, default_initializer
+from torch_tpu_embedding.modules.deferred_init import DeferredDraw, defer, fill
+
+__all__ = ["EmbeddingTable", "host_empty"]
+
+
+def host_empty(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty(shape, dtype)`` on the host, on huge pages where large (:mod:`._huge_pages`: rows are
+    read and written all over a table); an allocation failure names the table and its size."""
+    try:
+        return empty(shape, dtype)  # the default device: meta under torch.device("meta")
+    except (RuntimeError, MemoryError) as e:  # torch's CPU allocator raises RuntimeError
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        raise MemoryError(
+            f"Table `{name}`: cannot allocate its weight {list(shape)} {dtype} ({size / 2**30:.2f} GiB) in host "
+            f"memory (tables are drawn on the host before they move to a device). Shrink num_embeddings or "
+            f"embedding_dim, or free host memory. ({e})"
+        ) from e
+
+
+class EmbeddingTable(nn.Module):
+    """One table: ``weight`` ``[num_embeddings, embedding_dim]`` plus its config.
+
+    The weight is an ordinary ``nn.Parameter`` whose gradient arrives row-sparse in a
+    :class:`~torch_tpu_embedding._rows.grads.RowGrad` (never in ``.grad``). It holds the rows in their
+    stored order: logical order plus padding rows, or, for a row-sharded table trained through the id
+    exchange, the interleaved order of ``row_layout`` (read logical rows with :meth:`logical_weight`
+    or ``state_dict``).
+    """
+
+    def __init__(self, config: TableConfig, name: str, weight: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.name = name
+        #: the stored row order (``None``: logical); set by :meth:`permute_rows`
+        self.row_layout: RowLayout | None = None
+        #: built on the meta device: ``(first row, draw)`` of each table whose rows it holds, drawn later
+        #: (:meth:`fill_rows`, ``tte.distributed.shard``); empty once drawn or when built with values
+        self.deferred: tuple[tuple[int, DeferredDraw], ...] = ()
+        if weight is None:
+            self.weight = nn.Parameter(
+                host_empty(name, (config.num_embeddings, config.embedding_dim), config.dtype)
+            )
+            self.reset_parameters()
+        else:  # initial values given (a fused group stacks its tables' drawn weights)
+            self.weight = nn.Parameter(weight)
+        self._register()
+        # Padding rows (added for even sharding) never reach a checkpoint.
+        self._register_state_dict_hook(_trim_padding_rows)  # type: ignore[no-untyped-call]
+        self.register_load_state_dict_pre_hook(_restore_padding_rows)  # type: ignore[no-untyped-call]
+
+    @property
+    def padding_rows(self) -> int:
+        """Rows past ``num_embeddings`` that exist only so the rows split evenly over devices."""
+        info = table_info(self.weight)
+        if info is not None and getattr(info.sharding, "over_process_group", False):
+            return 0  # one rank's shard of the table (tte.distributed.shard): its rows are saved as stored
+        return int(self.weight.shape[0]) - self.config.num_embeddings
+
+    def pad_rows(self, multiple: int) -> None:
+        """Round the physical rows up to a multiple of ``multiple`` with zero rows (never looked up).
+
+        Replaces ``weight`` with a new parameter: call before building the optimizer.
+        """
+        n = self.config.num_embeddings
+        rows = -(-n // multiple) * multiple
+        if rows == self.weight.shape[0]:
+            return
+        with torch.no_grad():
+            w = self.weight
+            pad = torch.zeros(rows - n, w.shape[1], dtype=w.dtype, device=w.device)
+            self.weight = nn.Parameter(torch.cat([w[:n], pad]))
+        self._register(f"its rows were padded to a multiple of {multiple} (a new parameter)")
+
+    def permute_rows(self, layout: RowLayout) -> None:
+        """Store the rows (padding included) in ``layout``'s order instead of the logical order.
+
+        Replaces ``weight`` with a new parameter (call before building the optimizer); ``state_dict``
+        and :meth:`logical_weight` still read logical rows.
+        """
+        if self.row_layout is not None:
+            raise RuntimeError(f"Table `{self.name}` is already stored in a permuted row order.")
+        with torch.no_grad():
+            w = self.weight
+            logical_of = layout.ownership(int(w.shape[0])).logical_id(torch.arange(w.shape[0]))
+            self.weight = nn.Parameter(w.index_select(0, logical_of.to(w.device)))
+        self.row_layout = layout
+        self._register("its rows were stored in the id exchange's order (a new parameter)")
+
+    def logical_weight(self) -> torch.Tensor:
+        """The ``[num_embeddings, D]`` logical rows: a view of ``weight`` in logical order, else a copy
+        gathered on the host."""
+        return self.logical_rows(self.weight.detach())
+
+    def logical_rows(self, stored: torch.Tensor) -> torch.Tensor:
+        """``stored`` (rows in ``weight``'s stored order, e.g. an optimizer slot or moving average) in
+        logical order, ``[num_embeddings, ...]``: a view, or a host copy for a permuted layout."""
+        if self.row_layout is None:
+            return stored[: self.config.num_embeddings]
+        return to_logical(stored.cpu(), self.config.num_embeddings, self.row_layout)
+
+    def members(self) -> tuple[tuple[str, int, int], ...] | None:
+        """``(table name, first row, rows)`` of each table stacked in this one (``None``: just itself)."""
+        return None
+
+    def pending_row_grads(self, name: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """This physical table's pending row gradient by user table (``name`` when nothing is stacked in
+        it): ``(ids [N], rows [N, D])``, the contract of ``EmbeddingCollection.row_grads``."""
+        if not self.row_grad:
+            return {}
+        members = self.members()
+        ids, rows = self.row_grad.collect()
+        if self.row_grad.owned:  # shard-local rows [n, M] -> the table's (or group's) logical ids, [n·M]
+            assert self.row_layout is not None  # owner-local chunks exist only on tables so laid out
+            ids = owned_logical_ids(ids, self.row_layout, int(self.weight.shape[0]), int(self.weight.shape[0]))
+            ids, rows = ids.reshape(-1), rows.reshape(-1, rows.shape[-1])
+        if members is None:
+            # Padding: the sentinel weight.shape[0] is past the rows a sharded table pads to split evenly.
+            return {name: (ids.clamp(max=self.config.num_embeddings), rows)}
+        pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for tname, off, n in members:
+            if is_static_device(ids.device):  # the group's entries, the other tables' as padding
+                pending[tname] = member_entries(ids, rows, off, n, n)
+                continue
+            mine = (ids >= off) & (ids < off + n)
+            if tname in self.row_grad.reached or bool(mine.any()):  # reached: bags all empty, as unstacked
+                pending[tname] = (ids[mine] - off, rows[mine])
+        return pending
+
+    def _register(self, replaced: str = "the table's weight parameter was replaced by a new one (a move to "
+                  "another device, load_state_dict(assign=True))") -> TableInfo:
+        """Register ``weight`` as this table's; the weight registered before, if another tensor, is
+        retired with the reason ``replaced`` (an optimizer still holding it must not train it silently)."""
+        ref = self.__dict__.get("_registered_weight")
+        old = None if ref is None else ref()
+        if old is not None and old is not self.weight:
+            retire_table(old, replaced)
+        self.__dict__["_registered_weight"] = weakref.ref(self.weight)
+        spread = None if old is None else getattr(table_info(old), "sharding", None)
+        if old is not self.weight and getattr(spread, "over_process_group", False):
+            # One rank's rows of a table sharded over a process group (tte.distributed.shard), moved or cast:
+            # still those rows, with that layout (else its lookups would read the shard as a whole table).
+            info = register_table(self.weight, self.name, int(self.weight.shape[0]), self.config.optimizer)
+            info.sharding = spread
+            return info
+        return register_table(
+            self.weight, self.name, self.config.num_embeddings, self.config.optimizer, self.members(),
+            self.row_layout,
+        )
+
+    def reset_parameters(self) -> None:
+        """Fill the weight from the config's initializer: in place for a CPU table (no second buffer
+        of its size); drawn on the CPU and then copied for a device table. A table on the meta device
+        records its draw instead (:mod:`torch_tpu_embedding.modules.deferred_init`) and is drawn by
+        :meth:`fill_rows`."""
+        init = self.config.initializer
+        with torch.no_grad():
+            w = self.weight.detach()
+            if w.is_meta:  # built under torch.device("meta"): recorded now, each rank draws its rows later
+                self.deferred = ((0, defer(self.name, self.config)),)
+                return
+            in_place = w.device.type == "cpu" and w.is_contiguous()
+            host = w if in_place else host_empty(self.name, tuple(w.shape), w.dtype)
+            if init is None:
+                default_initializer(host)
+            elif isinstance(init, torch.Tensor):
+                host.copy_(init)
+            else:
+                result = init(host)
+                if isinstance(result, torch.Tensor) and result is not host:
+                    if tuple(result.shape) != tuple(host.shape):
+                        raise ValueError(
+                            f"Table `{self.name}`: the initializer returned shape "
+                            f"{tuple(result.shape)}, expected {tuple(host.shape)}."
+                        )
+                    host.copy_(result)
+            if not in_place:
+                w.copy_(host)
+
+    def fill_rows(self, out: torch.Tensor, local_row: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Draw into ``out`` ``[rows, D]`` (zeroed first) the rows of this table built on the meta device
+        that ``local_row`` places (logical ids ``[k]`` → rows of ``out``; a row outside ``out``: not
+        written): exactly the values one process draws with the same seed, one chunk at a time. Returns
+        ``out``.
+
+        Raises:
+            RuntimeError: the table recorded no draw (it was not built on the meta device: moved there,
+                its values are gone).
+        """
+        self.require_draws()
+        with torch.no_grad():
+            out.zero_()  # padding rows
+            for first, draw in self.deferred:
+                fill(draw, out, functools.partial(_shifted, local_row, first))
+        return out
+
+    def require_draws(self) -> None:
+        """Raise ``RuntimeError`` unless this table, on the meta device, recorded its draw."""
+        if not self.deferred:
+            raise RuntimeError(
+                f"Table `{self.name}` is on the meta device without a recorded draw: it was moved there "
+                "(its values are gone), not built there. Build the model under `with torch.device('meta'):` "
+                "(or EmbeddingCollection(..., device='meta')), or build it with its values."
+            )
+
+    @property
+    def row_grad(self) -> RowGrad:
+        info = table_info(self.weight)
+        if info is None:  # the Parameter object was replaced (e.g. by .to() or load with assign)
+            info = self._register()
+        return info.row_grad
+
+    def __getstate__(self) -> dict[str, Any]:
+        # What the library knows about the weight lives beside it, keyed by the tensor (_rows): a copy
+        # or an unpickled module gets new tensors, registered again in __setstate__ (with the layout).
+        state = dict(self.__dict__)
+        state.pop("_registered_weight", None)  # a weak reference: neither copied nor pickled
+        info = table_info(self.weight)
+        state["_tte_sharding"] = None if info is None else info.sharding
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        sharding = state.pop("_tte_sharding", None)
+        super().__setstate__(state)  # type: ignore[no-untyped-call]
+        self._register().sharding = sharding
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> EmbeddingTable:
+        old = self.weight
+        try:
+            super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        except NotImplementedError as e:
+            if not old.is_meta:
+                raise
+            raise RuntimeError(  # torch's "Cannot copy out of meta tensor", with the table's name and the ways out
+                f"Table `{self.name}` is on the meta device and holds no values: .to() / .cuda() / .float() "
+                "cannot copy it. Use model.to_empty(device=...) (the table drawn whole, as one process draws it) "
+                f"or tte.distributed.shard(model, device=...) (each rank draws its rows). Received: {e}"
+            ) from None
+        if old.is_meta and not self.weight.is_meta and self.deferred:
+            # to_empty() of a table built on the meta device: the whole table, as one process draws it
+            self.fill_rows(self.weight.detach(), lambda ids: ids)
+            self.deferred = ()
+        if self.weight is not old or table_info(self.weight) is None:
+            self._register()
+        return self
+
+    def extra_repr(self) -> str:
+        c = self.config
+        pad = f", padding_rows={self.padding_rows}" if self.padding_rows else ""
+        return (
+            f"name={self.name!r}, num_embeddings={c.num_embeddings}, "
+            f"embedding_dim={c.embedding_dim}, combiner={c.combiner!r}, dtype={c.dtype}{pad}"
+        )
+
+
+def _shifted(local_row: Callable[[torch.Tensor], torch.Tensor], first: int, ids: torch.Tensor) -> torch.Tensor:
+    """``local_row`` of a stacked table's ids, ``first`` rows into its group."""
+    return local_row(ids + first)
+
+
+def _dtensor_sharding(table: EmbeddingTable) -> Any:
+    """The process-group layout of a table whose ``state_dict`` is a DTensor (``shard(..., dtensor_state_dict=
+    True)``), else ``None``: the one flag on its layout, which the optimizer reads too."""
+    return dtensor_placement(table.weight)
+
+
+def _trim_padding_rows(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    table = cast(EmbeddingTable, module)
+    key = prefix + "weight"
+    spread = _dtensor_sharding(table)
+    if key in state_dict and spread is not None:  # a collective: every rank's state_dict() together
+        state_dict[key] = spread.to_logical(state_dict[key])
+    elif key in state_dict and table.row_layout is not None:  # permuted: logical rows gathered on the host
+        state_dict[key] = table.logical_weight()
+    elif key in state_dict and table.padding_rows:
+        state_dict[key] = state_dict[key][: table.config.num_embeddings]
+
+
+def _restore_padding_rows(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
+    missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str],
+) -> None:
+    table = cast(EmbeddingTable, module)
+    key = prefix + "weight"
+    value = state_dict.get(key)
+    spread = _dtensor_sharding(table)
+    if spread is not None and is_dtensor(value):  # a collective, as state_dict()
+        state_dict[key] = spread.from_logical(value, table.name)
+        return
+    n = table.config.num_embeddings
+    if table.padding_rows and isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[0] == n:
+        pad = torch.zeros(table.padding_rows + n, value.shape[1], dtype=value.dtype, device=value.device)
+        state_dict[key] = from_logical(value, pad, table.row_layout)  # padding rows are zero

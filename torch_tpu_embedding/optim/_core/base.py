@@ -1,0 +1,452 @@
+"""``RowSparseOptimizer``: the one optimizer core, shared by every optimizer of the package.
+
+Each optimizer is a subclass that declares its slots and a pure per-row ``rule`` (:mod:`._contract`);
+this class runs everything else, once, on every device. A call of :meth:`step`:
+
+1. gradient intake (:mod:`._intake`): for each parameter with something to apply, its update path
+   (:func:`._paths.choose_path`), then its gradient — a table's row-sparse gradient (duplicate ids
+   summed with a static-shape dedup on XLA) or a dense ``.grad`` — after loss scaling, gradient
+   accumulation and ``clipnorm``;
+2. ``global_clipnorm`` over every gradient of the call, then the ``skip_nonfinite`` gate;
+3. the update (:mod:`._paths`): gather the touched rows of the weight and of every slot, run
+   clipvalue → decoupled weight decay → ``rule`` → weight clipping, scatter the rows back in place.
+   Rows not looked up in a step are not changed, nor are their slots;
+4. EMA (:mod:`._ema`).
+
+Learning rates may be floats, 0-d tensors or zero-argument callables (called once per step); they
+reach the device as data, so changing one never recompiles on XLA (:mod:`._device`). A table whose
+``TableConfig.optimizer`` is set gets its own parameter group with that optimizer's rule
+(:mod:`._hyper`). ``state_dict`` keys state by table name and slot name (:mod:`._state_io`); slots
+are created with trash rows and their table's layout on XLA (:mod:`._slots`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from torch_tpu_embedding._rows.grads import check_live_tables, retired_count, stacked_rows, table_info
+from torch_tpu_embedding._rows.placement import sync_row_grads
+from torch_tpu_embedding._util.registry import optimizer_class, register
+from torch_tpu_embedding.optim._core import ema, grad_intake, step_gates
+from torch_tpu_embedding.optim._core.contract import RowContext, Slots, SlotSpec
+from torch_tpu_embedding.optim._core.extras import EXTRA_DEFAULTS, EXTRA_NAMES, check_extras
+from torch_tpu_embedding.optim._core.hyperparams import (
+    check_fused,
+    check_group_options,
+    param_groups,
+    refuse_complex,
+    user_groups,
+    validate_common,
+)
+from torch_tpu_embedding.optim._core.slots import RowSpace, lazy_table, make_state
+from torch_tpu_embedding.optim._core.step_values import LearningRates, StepClock, StepCounters, lr_value
+from torch_tpu_embedding.optim._core.update_paths import choose_path, update
+from torch_tpu_embedding.optim._state import state_io, torch_form
+
+__all__ = ["RowSparseOptimizer"]
+
+Tensor = torch.Tensor
+
+
+class RowSparseOptimizer(torch.optim.Optimizer):
+    """Base class of the optimizers in :mod:`torch_tpu_embedding.optim` (see the module docstring).
+
+    Subclasses set ``algorithm`` (their registry name), ``slot_names``, the pure :meth:`rule`,
+    :meth:`slot_initial_values` (or :meth:`slot_specs` for slots not shaped like the parameter),
+    and validate their own hyper-parameters in :meth:`_validate`.
+    """
+
+    algorithm: ClassVar[str] = ""
+    slot_names: ClassVar[tuple[str, ...]] = ()
+    #: ``rule(w, g) == w + increment(g, lr)`` and ``increment`` is linear in ``g`` (SGD): an eager step may add
+    #: ``increment`` per looked-up id with no dedup, gather or scatter (``Path.ADDITIVE``). Equal to
+    #: summing duplicates first up to float rounding (the sum's order differs).
+    additive: ClassVar[bool] = False
+    # Read by the global torch.optim guard: this optimizer consumes row-sparse table gradients.
+    _tte_reads_row_grads: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "algorithm" in cls.__dict__ and cls.algorithm:
+            register(cls)
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        defaults: dict[str, Any],
+        extras: Mapping[str, Any] | None = None,
+    ) -> None:
+        defaults = dict(defaults)
+        defaults.setdefault("algorithm", self.algorithm)
+        check_extras(defaults, dict(extras or {}))
+        validate_common(defaults)
+        type(self)._validate(defaults)
+        self._lrs = LearningRates()
+        self._run = StepCounters()  # the call counter, the skip / drop counts (see StepCounters)
+        groups = user_groups(params)
+        for i, group in enumerate(groups):
+            if isinstance(group, dict):  # (torch.optim names anything else)
+                check_group_options(group, i, type(self), defaults)
+                type(self)._options_to_hp(group)
+        # Checked above with the indices the user wrote (table overrides add groups before theirs).
+        self._groups_checked = True
+        super().__init__(param_groups(groups), defaults)
+        self._groups_checked = False
+        self.state = _State(dict, self.state)
+
+    # ------------------------------------------------------------------ subclass API
+    @staticmethod
+    def rule(
+        w: Tensor, g: Tensor, slots: Slots, lr: Tensor, step: Tensor, hp: Mapping[str, Any], ctx: RowContext
+    ) -> tuple[Tensor, Slots]:
+        raise NotImplementedError
+
+    @staticmethod
+    def increment(g: Tensor, lr: Tensor, out: Tensor | None = None) -> Tensor:
+        """An ``additive`` rule's ``rule(w, g) − w``, to the bit (tested): what ``Path.ADDITIVE`` adds per id,
+        without the rule's pass over a zero ``w``; written into ``out`` if given."""
+        raise NotImplementedError
+
+    @staticmethod
+    def increment_factor(lr: Tensor) -> Tensor | None:  # ``f``, ``increment(g, lr) == f · g`` to the bit (SGD: ``−lr``)
+        return None  # for Path.ADDITIVE's C add (optim/_fused_add.py); None: the eager add runs
+
+    @classmethod
+    def slot_initial_values(cls, hp: Mapping[str, Any]) -> dict[str, float]:
+        return {name: 0.0 for name in cls.slot_names}
+
+    @classmethod
+    def slot_specs(cls, shape: tuple[int, ...], hp: Mapping[str, Any], table: bool) -> dict[str, SlotSpec]:
+        """The rule's slots for a parameter of ``shape`` (default: each like the parameter)."""
+        init = cls.slot_initial_values(hp)
+        return {name: SlotSpec(shape, init[name]) for name in cls.slot_names}
+
+    @classmethod
+    def _validate(cls, hp: dict[str, Any]) -> None:
+        """Check (and normalise in place) the subclass's own hyper-parameters."""
+
+    @classmethod
+    def is_lazy(cls, hp: Mapping[str, Any]) -> bool:
+        """False for optimizers that update every row of a table each step (non-lazy Adam)."""
+        return True
+
+    #: Constructor arguments a subclass refuses although a base class's constructor takes them
+    #: (LazyAdam: ``lazy_adam``).
+    _refused_options: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def group_options(cls) -> frozenset[str]:
+        """The options a parameter group may set: the constructor's keyword arguments (every Keras
+        extra included), each with the constructor's meaning (:meth:`_options_to_hp`)."""
+        names: set[str] = set(EXTRA_NAMES)
+        for klass in cls.__mro__:
+            if klass is RowSparseOptimizer:
+                break
+            init = klass.__dict__.get("__init__")
+            if init is not None:
+                kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+                names |= {n for n, a in inspect.signature(init).parameters.items() if a.kind in kinds}
+        return frozenset(names - {"self", "params", *cls._refused_options})
+
+    @classmethod
+    def _options_to_hp(cls, group: dict[str, Any]) -> None:
+        """Rewrite, in place, a group's constructor options the groups store under other keys
+        (Adafactor's ``weight_decay``); the default stores every option under its own name."""
+
+    # ------------------------------------------------------------------ construction
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As ``torch.optim.Optimizer.add_param_group``; options given in the group are validated
+        (and normalised) like the constructor's, and a rejected group is not added. A key the
+        constructor does not take raises ``TypeError`` naming it and the group's index."""
+        if not self.__dict__.get("_groups_checked") and isinstance(param_group, dict):
+            rule_cls = optimizer_class(param_group["algorithm"]) if param_group.get("algorithm") else type(self)
+            check_group_options(param_group, len(self.param_groups), rule_cls, self.defaults)
+            rule_cls._options_to_hp(param_group)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            rule_cls = optimizer_class(group["algorithm"]) if group.get("algorithm") else type(self)
+            refuse_complex(group, len(self.param_groups) - 1, type(self).__name__)
+            extras = {k: group[k] for k in EXTRA_DEFAULTS if k in group}
+            check_extras(group, extras)
+            validate_common(group)
+            rule_cls._validate(group)
+            check_fused(group, rule_cls)
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
+        self._run.checked_retired = -1  # the new group's tables are checked at the next step
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if not isinstance(self.state, _State):
+            self.state = _State(dict, self.state)
+        self.__dict__.setdefault("_lrs", LearningRates())
+        if "_run" not in self.__dict__:  # pickled before the counters moved into StepCounters
+            run = self._run = StepCounters(self.__dict__.pop("_iterations", 0))
+            for k in ("skipped", "dropped", "last_skipped"):
+                setattr(run, k, self.__dict__.pop(f"_{k}", None))
+            self.__dict__.pop("_checked_retired", None)
+        for group in self.param_groups:
+            group.setdefault("algorithm", self.algorithm)
+            group.setdefault("slot_creation_fn", None)
+            for k, v in EXTRA_DEFAULTS.items():
+                group.setdefault(k, v)
+
+    # ------------------------------------------------------------------ state
+    def _group_of(self, p: Tensor) -> dict[str, Any]:
+        for group in self.param_groups:
+            if any(q is p for q in group["params"]):
+                return group
+        raise KeyError("parameter is not in this optimizer")
+
+    def _state_for(self, p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
+        """``p``'s state, created (every slot at its initial value) on first use."""
+        state: dict[str, Tensor] = self.state[p]
+        if not state:
+            state.update(make_state(p, group))
+        return state
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Apply one update to every parameter that has a gradient (tables: touched rows only).
+
+        Order (Keras): loss scale → gradient accumulation → clipnorm / global_clipnorm / clipvalue →
+        weight decay → rule → weight clipping → EMA.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():  # type: ignore[no-untyped-call]
+                loss = closure()
+        self._check_live_tables()
+        # Data parallel (torch_tpu_embedding.distributed): the tables' row gradients made global first.
+        sync_row_grads(self.param_groups)
+        pending = [[p for p in g["params"] if grad_intake.has_gradient(p, g, self.state.get(p))]
+                   for g in self.param_groups]
+        # A lookup over the id exchange's capacity drops the whole call, before anything (the accumulation
+        # window included) is written: the same gate as skip_nonfinite, over every group.
+        clean = step_gates.exchange_clean([p for ps in pending for p in ps])
+        if clean is not None and self._run.dropped is None:  # uploaded: every step then traces the same graph
+            self._run.dropped = torch.zeros(1, dtype=torch.int64).to(clean.device)
+        clock = StepClock(self._run.iterations, self._skipped_now(), self._dropped_now())
+        clock.clean = clean
+        # Every learning rate first: a callable that raises must find every gradient still pending.
+        lrs = [lr_value(g) if ps else None for g, ps in zip(self.param_groups, pending, strict=True)]
+        work: list[grad_intake.Work] = []
+        for gi, (group, params) in enumerate(zip(self.param_groups, pending, strict=True)):
+            for p in params:
+                path = choose_path(p, group, row_grad=grad_intake.arrives_as_rows(p))
+                taken = grad_intake.take(p, group, path)
+                item = grad_intake.prepare(p, group, self._state_for(p, group), taken, path, clock)
+                if item is None:
+                    continue
+                lr = lrs[gi]
+                assert lr is not None
+                item.lr = self._lrs.tensor(gi, lr, p)
+                work.append(item)
+        scale = step_gates.global_clip_scales(work)
+        for item in work:
+            if item.group["global_clipnorm"]:
+                item.g = item.g * scale[item.g.device].to(item.g.dtype)
+        step_gates.gate_clean(work, clean)  # after the norm: a dropped call updates nothing, whatever its norm
+        finite = clock.finite = step_gates.gate_nonfinite(work)
+        if finite is not None:
+            # A call the overflow drops counts once, there (it is no call at all for the clock).
+            dropped = ~finite if clean is None else ~finite & clean.to(finite.device)
+            skipped = dropped.to(torch.int64)
+            dev = finite.device
+            # Kept [1]-shaped: a 0-d counter would enter the first step as an upload and later steps as the
+            # previous step's 0-d output, two different graphs.
+            base = torch.zeros(1, dtype=torch.int64).to(dev) if self._run.skipped is None else self._run.skipped
+            self._run.skipped = (base if base.device == dev else base.to(dev)) + skipped.reshape(1)
+        if clean is not None and self._run.dropped is not None:
+            self._run.dropped = self._run.dropped.to(clean.device) + (~clean).to(torch.int64).reshape(1)
+        kept = clean if finite is None else finite if clean is None else finite & clean.to(finite.device)
+        self._run.last_skipped = None if kept is None else ~kept
+        for item in work:
+            update(item)
+        ema.ema_calls(self.param_groups, self._state_for, clock)
+        self._run.iterations += 1
+        return loss
+
+    @property
+    def skipped_steps(self) -> int:
+        """Calls that changed nothing: dropped by ``skip_nonfinite``, or because a lookup overflowed the id
+        exchange (reading it syncs an XLA device)."""
+        return self._skipped_count() + self.overflowed_steps
+
+    @property
+    def overflowed_steps(self) -> int:
+        """Of :attr:`skipped_steps`, the calls dropped because a lookup of a row-sharded table overflowed
+        the id exchange's capacity (``EmbeddingCollection.check_ids()`` names the features)."""
+        return 0 if self._run.dropped is None else int(self._run.dropped.item())
+
+    @property
+    def last_step_skipped(self) -> Tensor:
+        """Whether the last :meth:`step` changed nothing (``skip_nonfinite``, or an exchange overflow): a
+        0-d bool tensor on the device, read without a sync, e.g. to gate another optimizer's update
+        (``torch.where(flag, old, new)``). ``False`` (on the CPU) before a step that could skip."""
+        if self._run.last_skipped is None:
+            return torch.zeros((), dtype=torch.bool)
+        return self._run.last_skipped
+
+    def _skipped_count(self) -> int:
+        return 0 if self._run.skipped is None else int(self._run.skipped.item())
+
+    def _skipped_now(self) -> Tensor | None:
+        """The count of calls ``skip_nonfinite`` dropped, 0-d (``None`` before the first)."""
+        return None if self._run.skipped is None else self._run.skipped.reshape(())
+
+    def _dropped_now(self) -> Tensor | None:
+        """The count of calls an exchange overflow dropped, 0-d (``None`` without exchanged tables)."""
+        return None if self._run.dropped is None else self._run.dropped.reshape(())
+
+    # ------------------------------------------------------------------ EMA
+    def moving_average(self, p: Tensor) -> Tensor:
+        """The EMA of ``p`` now (every row caught up), as a new tensor. Needs ``use_ema=True``. ``p`` may be a
+        stacked table's weight (``ec.tables.<name>.weight``): its rows of its group's EMA."""
+        rows = stacked_rows(p)
+        if rows is not None:
+            return rows.of(self.moving_average(rows.weight))
+        group = self._group_of(p)
+        if not group["use_ema"]:
+            raise ValueError("moving_average() needs an optimizer built with `use_ema=True`.")
+        with torch.no_grad():
+            return ema.moving_average(p, group, self._state_for(p, group), self._run.iterations,
+                                       self._skipped_now(), self._dropped_now())
+
+    @torch.no_grad()
+    def finalize_variable_values(self) -> None:
+        """Copy the moving averages into the parameters (Keras; end of training with ``use_ema``)."""
+        for group in self.param_groups:
+            if not group["use_ema"]:
+                continue
+            for p in group["params"]:
+                avg = self.moving_average(p)
+                p.copy_(avg)
+                if lazy_table(p, group):
+                    space = RowSpace.of(p, group, self.state[p])
+                    space.write("ema", avg)
+                    upto = ema.last_call(group, p.device, self._run.iterations, self._skipped_now(),
+                                          self._dropped_now())
+                    space.write("ema_last", upto.to(torch.int32).expand(p.shape[0]))
+
+    # ------------------------------------------------------------------ lifecycle
+    @torch.no_grad()
+    def init_state(self) -> None:
+        """Create every slot now instead of at the first step. Useful on XLA (materialise the slots with one
+        ``torch_xla.sync()`` before the loop, so the steady training step is the only graph) and before loading
+        a checkpoint."""
+        self._check_live_tables()
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._state_for(p, group)
+
+    def _check_live_tables(self) -> None:
+        """Raise if a table weight this optimizer holds was replaced since it was built (checked
+        again only when some table weight in the process was, so a steady loop pays one compare)."""
+        count = retired_count()
+        if count != self._run.checked_retired:
+            check_live_tables(p for g in self.param_groups for p in g["params"])
+            self._run.checked_retired = count
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear ``.grad`` of dense parameters and pending row gradients of tables."""
+        super().zero_grad(set_to_none)
+        for group in self.param_groups:
+            for p in group["params"]:
+                info = table_info(p)
+                if info is not None:
+                    info.row_grad.clear()
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """``{"state": {key: {slot: tensor, "step": tensor}}, "param_groups": [...], "iterations": n}``.
+
+        Keys are ``table:<name>`` (slots named as TF: ``accumulators``, ``momenta``,
+        ``velocities``, ``linears``; Keras: ``r``, ``c``, ``v``, ``ema``) and ``param:<name or
+        index>``. Row slots are saved with the table's logical rows (no device padding); ids in
+        a pending accumulation buffer that are padding are saved as ``-1``. Callables (a callable
+        ``lr``, ``slot_creation_fn``) are not saved; the loading optimizer keeps its own.
+
+        Hooks as in torch.optim: ``register_state_dict_pre_hook``'s ``hook(optimizer)`` first, then
+        ``register_state_dict_post_hook``'s ``hook(optimizer, state_dict)``, whose non-``None`` result
+        replaces the state dict. Called by ``torch.distributed.checkpoint.state_dict``'s helpers, it
+        gives torch.optim's layout (optim/torch_form.py); ``use_torch_layout`` gives it to every caller.
+        """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        out = torch_form.state_dict(self)  # (torch.optim's layout when torch's DCP helpers ask)
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, out)
+            if result is not None:
+                out = result
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Load a :meth:`state_dict`, matching parameters by key (table name), not by position.
+
+        Hooks as in torch.optim: ``register_load_state_dict_pre_hook``'s ``hook(optimizer, state_dict)``
+        gets a shallow copy of ``state_dict`` (a non-``None`` result is loaded instead), and
+        ``register_load_state_dict_post_hook``'s ``hook(optimizer)`` runs after the load.
+
+        torch.optim's layout (:func:`~torch_tpu_embedding.optim.use_torch_layout`'s, or parameters
+        by position or module path as ``torch.distributed.checkpoint.state_dict`` gives it) loads too.
+        """
+        state_dict = state_dict.copy()  # shallow, as torch.optim (a hook may add or drop keys)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        # torch.optim's layout (torch.distributed.checkpoint.state_dict's helpers give it): into ours.
+        state_dict = torch_form.from_torch_layout(self, state_dict) or state_dict
+        state_io.load_state_dict(self, state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def physical_state(self) -> state_io.PhysicalState:
+        """The slots as they are on the device, for distributed checkpoints (``tte.checkpoint``):
+        sharded, with trash and padding rows, plus the small rest (:class:`~._state_io.PhysicalState`)."""
+        return state_io.physical_state(self)
+
+    def load_physical_rest(self, rest: Mapping[str, Any]) -> None:
+        """Finish a distributed-checkpoint load: the slots were loaded in place (:meth:`physical_state`);
+        this restores hyper-parameters, the call counter and pending accumulation buffers."""
+        state_io.load_physical_rest(self, rest)
+
+
+class _State(defaultdict[Any, Any]):
+    """``Optimizer.state`` (a ``defaultdict(dict)`` keyed by parameter) that explains, rather than
+    answering ``{}``, when asked for a stacked table's weight: its slots are its group's.
+
+    Always true: every slot is made on first use, so there is never state to create by stepping.
+    ``torch.distributed.checkpoint.state_dict``'s helpers step an optimizer whose ``state`` is false
+    with a ``zeros_like`` gradient per parameter (a ``[V, D]`` one per table) at lr 0, which moves
+    FTRL's weights; they skip an optimizer whose ``state`` is true.
+    """
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __missing__(self, key: Any) -> Any:
+        rows = stacked_rows(key) if isinstance(key, Tensor) else None
+        if rows is not None:
+            raise KeyError(
+                f"Table `{rows.table}` is stacked in group `{rows.group}`: its optimizer state is in "
+                f"opt.state[ec.groups.{rows.group}.weight] (its rows [{rows.offset}, {rows.offset + rows.rows})"
+                f" of each row slot), and per table in opt.state_dict()['state']['table:{rows.table}']."
+            )
+        # defaultdict's own __missing__, spelled out: dynamo cannot trace ``super()`` in a dict
+        # subclass's __missing__ (a graph break in a compiled step's first call).
+        if self.default_factory is None:
+            raise KeyError(key)
+        value = self.default_factory()
+        self[key] = value
+        return value
+

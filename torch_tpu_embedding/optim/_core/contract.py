@@ -1,0 +1,125 @@
+"""What an optimizer declares: its slots and its pure per-row rule.
+
+An optimizer of this package is a :class:`~torch_tpu_embedding.optim.RowSparseOptimizer` subclass
+that sets ``algorithm`` (its registry name), ``slot_names``, and a pure function
+
+``rule(w [U, D], g [U, D], slots, lr (0-d), step (0-d), hp, ctx) -> (w_new, slots_new)``
+
+over the rows it is given: every row of a dense parameter, or the touched rows of a table. The rule
+does no gathering, scattering or in-place writing; the core does that once for every optimizer and
+every device. Its name is entered in the registry (:mod:`torch_tpu_embedding._util.registry`). Adding an
+optimizer is one module (see ``docs/design.md``, "The optimizer core").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+__all__ = [
+    "RowContext",
+    "Rule",
+    "SlotSpec",
+    "Slots",
+    "common_defaults",
+    "identity",
+]
+
+Tensor = torch.Tensor
+Slots = dict[str, Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotSpec:
+    """One optimizer state tensor of a parameter.
+
+    ``rows``: dim 0 indexes the parameter's rows — gathered and scattered per touched row, given
+    trash rows on XLA, and trimmed to the table's logical rows in checkpoints. Otherwise the slot
+    belongs to the whole parameter (e.g. Adafactor's column statistic) and is passed whole.
+    """
+
+    shape: tuple[int, ...]
+    init: float = 0.0
+    rows: bool = True
+    dtype: torch.dtype | None = None  # None: the parameter's dtype (float32 for a 16-bit parameter)
+
+
+def identity(x: Tensor) -> Tensor:
+    """``x`` itself: ``RowContext.all_reduce`` when an update is not split over shards."""
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class RowContext:
+    """What a rule may need beyond its rows: which of them are real, the table's size, and how to
+    reduce over every row of the update.
+
+    ``mask [U]`` is True for touched rows and False for the static-shape padding tail on XLA;
+    ``count`` is the number of touched rows of the whole update. Both are ``None`` for a dense update
+    (every row real). ``all_reduce(x)`` sums ``x`` over every part of the update: the identity, except
+    when each shard of a row-sharded table updates its own rows (the owner-local path), where it is a
+    sum over the shards — so ``all_reduce(f(rows).sum())`` is the sum over all touched rows on every
+    device. Per-row rules ignore the context; rules with reductions over rows (Adafactor) use it.
+
+    In a fused table group (several tables stacked in one parameter, ``torch_tpu_embedding/modules/stacking.py``)
+    statistics stay per table: ``segment [U]`` is the table (member) of each row, ``member_rows`` the
+    logical rows of each member, ``count`` is ``[members]`` (touched rows per member), and a whole-table
+    slot has a leading ``[members]`` dim. :meth:`row_sum` sums per member, :meth:`per_row` hands each row
+    its member's value; without a segment they are a plain sum and the identity.
+    """
+
+    mask: Tensor | None
+    count: Tensor | None
+    num_rows: int  # logical rows of the whole parameter
+    all_reduce: Callable[[Tensor], Tensor] = identity
+    segment: Tensor | None = None  # [U] member index of each row (fused groups only)
+    member_rows: tuple[int, ...] = ()  # logical rows of each member (fused groups only)
+
+    def row_sum(self, x: Tensor) -> Tensor:
+        """``Σ`` over every row of the update of ``x [U, *rest]``: ``[*rest]``, or ``[members, *rest]``
+        per member in a fused group (all-reduced over shards either way)."""
+        if self.segment is None:
+            return self.all_reduce(x.sum(0))
+        out = torch.zeros((len(self.member_rows), *x.shape[1:]), dtype=x.dtype, device=x.device)
+        return self.all_reduce(out.index_add(0, self.segment, x))
+
+    def per_row(self, v: Tensor) -> Tensor:
+        """A per-table value ``v`` (``[members, *rest]`` in a fused group) for each row: ``[U, *rest]``;
+        ``v`` itself for one table."""
+        return v if self.segment is None else v.index_select(0, self.segment)
+
+    def rows_of_table(self, like: Tensor) -> Tensor | float:
+        """Logical rows of the table: ``num_rows``, or ``[members]`` in a fused group."""
+        if self.segment is None:
+            return float(self.num_rows)
+        return torch.tensor(self.member_rows, dtype=like.dtype).to(like.device)
+
+
+#: ``rule(w [U, D], g [U, D], slots, lr (0-d), step (0-d), hp, ctx) -> (w_new, slots_new)``
+Rule = Callable[[Tensor, Tensor, Slots, Tensor, Tensor, Mapping[str, Any], RowContext], tuple[Tensor, Slots]]
+
+
+def common_defaults(
+    lr: Any,
+    use_gradient_accumulation: bool,
+    clip_weight_min: float | None,
+    clip_weight_max: float | None,
+    weight_decay_factor: float | None,
+    multiply_weight_decay_factor_by_learning_rate: bool | None,
+    clipvalue: Any,
+    slot_creation_fn: Any = None,
+) -> dict[str, Any]:
+    """The hyper-parameters every optimizer shares (TF's ``_Optimizer`` arguments), as a defaults dict."""
+    return {
+        "lr": lr,
+        "use_gradient_accumulation": use_gradient_accumulation,
+        "clip_weight_min": clip_weight_min,
+        "clip_weight_max": clip_weight_max,
+        "weight_decay_factor": weight_decay_factor,
+        "multiply_weight_decay_factor_by_learning_rate": multiply_weight_decay_factor_by_learning_rate,
+        "clipvalue": clipvalue,
+        "slot_creation_fn": slot_creation_fn,
+    }

@@ -1,0 +1,139 @@
+"""Keras's exponential moving average of the parameters (``use_ema``), exact on lazy tables.
+
+``avg ← μ'·avg + (1−μ')·w`` after every call, with ``μ' = 0`` while Keras's ``iterations // k`` is 0
+(the first average is the weights). A lazy table's row does not change between the calls that touch
+it, so its average is brought up to date only when the row is next touched — after ``n`` idle calls
+``avg = w + μⁿ (avg − w)`` (``ema_catch_up``) — using ``ema_last``, the call at which each row was
+last brought up to date. The whole table is caught up only at an ``ema_overwrite_frequency`` call
+(``w ← avg``, O(V·D) as in Keras) or by :meth:`~RowSparseOptimizer.finalize_variable_values`.
+
+A call that ``skip_nonfinite`` drops changes no average and no weight, and does not count as a call
+of the average (:meth:`StepClock.ema_on`), so lazy rows and dense parameters agree; nor does a call an
+exchange overflow drops (:meth:`StepClock.on`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torch_tpu_embedding.optim._core.extras import ema_catch_up
+from torch_tpu_embedding.optim._core.rule_pipeline import gated
+from torch_tpu_embedding.optim._core.slots import RowSpace, lazy_table
+from torch_tpu_embedding.optim._core.step_values import StepClock
+
+if TYPE_CHECKING:
+    from torch_tpu_embedding.optim._core.grad_intake import Work
+
+__all__ = [
+    "ema_all_rows", "ema_calls", "ema_row_update", "ema_rows", "last_call", "momentum_now", "moving_average",
+    "overwrite_due",
+]
+
+Tensor = torch.Tensor
+
+
+def momentum_now(group: Mapping[str, Any], clock: StepClock, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """μ' = 0 while Keras's ``iterations`` (calls // k) is 0, else ``ema_momentum``."""
+    k = group["gradient_accumulation_steps"] or 1
+    it = clock.ema_on(device, group["skip_nonfinite"])
+    mu: Tensor = (torch.div(it, k, rounding_mode="floor") != 0).to(dtype) * group["ema_momentum"]
+    return mu
+
+
+def ema_rows(item: Work, space: RowSpace, ids: Tensor, w_old: Tensor, w_new: Tensor) -> None:
+    """Catch the touched rows' averages up over their idle calls, then apply this call's EMA.
+
+    ``ids [U]`` unique touched rows of ``space`` (sentinel tail allowed), ``w_old``/``w_new`` their
+    weights before/after this call's update.
+    """
+    p, group, state, where = space.p, item.group, space.state, space.where
+    it = item.clock.ema_on(p.device, group["skip_nonfinite"]).to(torch.int32)
+    keep = item.clock.keep(p.device, group["skip_nonfinite"])
+    avg = space.gather("ema", ids)
+    last = space.gather("ema_last", ids)
+    mu = momentum_now(group, item.clock, p.device, w_new.dtype)
+    avg, last = ema_row_update(avg, last, w_old, w_new, it, keep, mu, group["ema_momentum"])
+    state["ema"].index_copy_(0, where.at("ema", ids), avg)
+    state["ema_last"].index_copy_(0, where.at("ema_last", ids), last)
+
+
+def ema_row_update(
+    avg: Tensor, last: Tensor, w_old: Tensor, w_new: Tensor, it: Tensor, keep: Tensor | None, mu: Tensor,
+    momentum: float,
+) -> tuple[Tensor, Tensor]:
+    """The touched rows' new ``(ema, ema_last)``: caught up over their idle calls, then this call's
+    average (``it``: this call's counter, int32; ``keep``: the non-finite gate; ``mu``: μ' now)."""
+    caught = ema_catch_up(avg, w_old, it - last - 1, momentum)
+    # max(last, it) == it, but written as a function of the gathered rows so that XLA orders the
+    # gather before the in-place scatter (otherwise it copies the whole [V] slot every step).
+    return gated(keep, mu * caught + (1 - mu) * w_new, avg), gated(keep, torch.maximum(last, it), last)
+
+
+def ema_all_rows(space: RowSpace, group: Mapping[str, Any], upto: Tensor) -> Tensor:
+    """Every row's average as of call ``upto`` (lazy table): ``[rows, D]`` in the table's row order,
+    not stored."""
+    idle = upto.to(torch.int32) - space.table_order("ema_last")
+    avg = space.table_order("ema")
+    return ema_catch_up(avg, space.p.to(avg.dtype), idle, group["ema_momentum"])
+
+
+def overwrite_due(group: Mapping[str, Any], iterations: int) -> bool:
+    """Whether this call (``iterations`` calls before it) copies the averages into the weights."""
+    k = group["gradient_accumulation_steps"] or 1
+    f = group["ema_overwrite_frequency"]
+    return bool(f) and ((iterations // k) + 1) % f == 0
+
+
+def ema_calls(
+    groups: list[dict[str, Any]],
+    state_for: Callable[[Tensor, dict[str, Any]], dict[str, Tensor]],
+    clock: StepClock,
+) -> None:
+    """After the updates of a call: EMA of dense (and non-lazy) parameters, and the periodic overwrite."""
+    for group in groups:
+        if not group["use_ema"]:
+            continue
+        overwrite = overwrite_due(group, clock.iterations)
+        for p in group["params"]:
+            space = RowSpace.of(p, group, state_for(p, group))
+            keep = clock.keep(p.device, group["skip_nonfinite"])
+            avg = space.table_order("ema")
+            if lazy_table(p, group):
+                if overwrite:  # O(V·D), every f calls, as in Keras
+                    it = clock.ema_on(p.device, group["skip_nonfinite"])
+                    caught = ema_all_rows(space, group, it)
+                    space.write("ema", gated(keep, caught, avg))
+                    last = space.table_order("ema_last")
+                    space.write("ema_last", gated(keep, it.to(torch.int32).expand(p.shape[0]), last))
+                    p.copy_(gated(keep, caught, p))
+                continue
+            mu = momentum_now(group, clock, p.device, avg.dtype)
+            avg = gated(keep, mu * avg + (1 - mu) * p, avg)
+            space.write("ema", avg)
+            if overwrite:
+                p.copy_(gated(keep, avg, p))
+
+
+def last_call(
+    group: Mapping[str, Any], device: torch.device, iterations: int, skipped: Tensor | None,
+    dropped: Tensor | None = None,
+) -> Tensor:
+    """The average's counter at the last of ``iterations`` calls (``skipped`` of them dropped by
+    ``skip_nonfinite``, ``dropped`` by an exchange overflow)."""
+    clock = StepClock(iterations - 1, skipped, dropped)
+    return clock.ema_on(device, group["skip_nonfinite"])
+
+
+def moving_average(
+    p: Tensor, group: Mapping[str, Any], state: dict[str, Tensor], iterations: int, skipped: Tensor | None,
+    dropped: Tensor | None = None,
+) -> Tensor:
+    """The EMA of ``p`` after ``iterations`` calls (every row caught up), as a new tensor in ``p``'s
+    row order."""
+    space = RowSpace.of(p, group, state)
+    if lazy_table(p, group):
+        return ema_all_rows(space, group, last_call(group, p.device, iterations, skipped, dropped))
+    return space.table_order("ema").clone()

@@ -1,0 +1,69 @@
+"""The update pipeline every path runs around an optimizer's pure rule, and the names of the paths.
+
+:func:`pipeline` is clipvalue → decoupled weight decay → the rule → weight clipping (TF's order), on
+whatever rows a path hands it; :func:`gated` keeps or drops a computed update (``skip_nonfinite``,
+an exchange overflow). Which path a parameter takes, and the paths themselves, are :mod:`._paths`;
+the compiled eager path (:mod:`._fused_update`) and the moving average (:mod:`._ema`) run the same
+two functions.
+
+Example (one SGD row update, no options set)::
+
+    >>> import torch
+    >>> from torch_tpu_embedding.optim import SGD
+    >>> from torch_tpu_embedding.optim._core.contract import RowContext
+    >>> group = SGD([torch.zeros(1)], lr=0.1).param_groups[0]
+    >>> w, _ = pipeline(torch.ones(1, 2), torch.ones(1, 2), {}, torch.tensor(0.1), torch.tensor(1), group,
+    ...                 RowContext(mask=None, count=None, num_rows=1))
+    >>> w
+    tensor([[0.9000, 0.9000]])
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from torch_tpu_embedding._util.registry import optimizer_class
+from torch_tpu_embedding.optim._core.contract import RowContext, Slots
+
+__all__ = ["Path", "gated", "pipeline"]
+
+Tensor = torch.Tensor
+
+
+class Path(enum.Enum):
+    """How a parameter's update runs (each path is described in :mod:`._paths`)."""
+
+    DENSE = "dense"
+    ADDITIVE = "additive"
+    NO_DEDUP = "no_dedup"
+    ROWS = "rows"
+    FUSED = "fused"
+    ROW_CHUNKS = "row_chunks"
+    OWNER_LOCAL = "owner_local"
+
+
+def gated(gate: Tensor | None, new: Tensor, old: Tensor) -> Tensor:
+    """``new`` where the update is kept (``gate`` True or absent), else ``old``."""
+    return new if gate is None else torch.where(gate, new, old)
+
+
+def pipeline(
+    w: Tensor, g: Tensor, slots: Slots, lr: Tensor, step: Tensor, group: Mapping[str, Any], ctx: RowContext
+) -> tuple[Tensor, Slots]:
+    """clipvalue → decoupled weight decay → the rule → weight clipping (TF's order)."""
+    clip = group["clipvalue"]
+    if clip is not None:
+        g = g.clamp(min=clip[0], max=clip[1])
+    wd = group.get("weight_decay_factor")
+    if wd:
+        decay = lr * wd if group.get("multiply_weight_decay_factor_by_learning_rate") else wd
+        w = w - decay * w
+    w, slots = optimizer_class(group["algorithm"]).rule(w, g, slots, lr, step, group, ctx)
+    lo, hi = group.get("clip_weight_min"), group.get("clip_weight_max")
+    if lo is not None or hi is not None:
+        w = w.clamp(min=lo, max=hi)
+    return w, slots

@@ -1,0 +1,126 @@
+"""Per-table optimizer behaviour inside a fused table group (``torch_tpu_embedding/modules/stacking.py``).
+
+A fused group stacks several tables (its *members*) in one parameter; an update runs once per group.
+What an optimizer does per table stays per table:
+
+* statistics over a table's rows (Adafactor's ``c``, ``r_sum``, touched-row count, ``RMS(w)``,
+  ``RMS(u)``): the rule gets each row's member (:func:`segment_of`, ``RowContext.segment``) and sums
+  per member (``RowContext.row_sum``); whole-table slots get a leading ``[members]`` dim
+  (:func:`member_specs`), split back to each table's own shape in ``state_dict``;
+* ``clipnorm``: each table's gradient clipped by its own norm (:func:`clip_members`);
+* ``slot_creation_fn``: called once per table with that table's rows, as for a table of its own
+  (:func:`created_member_slots`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from torch_tpu_embedding._rows.grads import table_info
+from torch_tpu_embedding.optim._core.contract import SlotSpec
+
+__all__ = ["check_created", "clip_members", "created_member_slots", "member_rows", "member_specs", "segment_of"]
+
+Tensor = torch.Tensor
+
+
+def member_rows(p: Tensor) -> tuple[int, ...]:
+    """Logical rows of each member of fused group ``p`` (``()`` for a table of its own or a dense parameter)."""
+    info = table_info(p)
+    return () if info is None or info.members is None else tuple(n for _, _, n in info.members)
+
+
+def member_specs(p: Tensor, out: Mapping[str, SlotSpec]) -> dict[str, SlotSpec]:
+    """``out`` with every whole-table slot (``rows=False``) given a leading ``[members]`` dim when ``p``
+    is a fused group."""
+    m = len(member_rows(p))
+    if not m:
+        return dict(out)
+    return {k: s if s.rows else dataclasses.replace(s, shape=(m, *s.shape)) for k, s in out.items()}
+
+
+def segment_of(p: Tensor, rows: Tensor, *, owned: bool = False) -> Tensor | None:
+    """The member of each row of ``rows`` (stored rows of group ``p``, any shape): ``int64``, same shape;
+    ``None`` when ``p`` is not a fused group. Padding and sentinel rows get some member (callers mask them).
+
+    ``owned``: ``rows [n, U]`` are shard-local rows, device-major (the owner-local path), row ``d`` on
+    shard ``d``.
+    """
+    info = table_info(p)
+    if info is None or info.members is None:
+        return None
+    rows = rows.to(torch.int64)
+    if owned:
+        n = info.num_shards
+        shard = torch.arange(n, dtype=torch.int64).to(rows.device).reshape(n, *([1] * (rows.dim() - 1)))
+        rows = rows + shard * (p.shape[0] // n)
+    rows = rows.clamp(max=p.shape[0] - 1)
+    if info.layout is not None:  # stored permuted: the logical row decides the member
+        rows = info.layout.ownership(p.shape[0]).logical_id(rows)
+    seg = torch.zeros_like(rows)
+    for _, first, _ in info.members[1:]:
+        seg = seg + (rows >= first).to(torch.int64)
+    return seg
+
+
+def clip_members(g: Tensor, seg: Tensor, members: int, clipnorm: float) -> Tensor:
+    """Keras ``clipnorm`` per member: rows ``g [..., D]`` of member ``seg [...]`` scaled by
+    ``c / max(‖g_member‖₂, c)``. Masked sums (no scatter, no cross-member NaN): fine on a sharded ``g``."""
+    sq = (g * g).sum(-1)
+    which = seg.unsqueeze(-1) == torch.arange(members, dtype=seg.dtype).to(seg.device)
+    per = torch.where(which, sq.unsqueeze(-1), torch.zeros_like(sq).unsqueeze(-1))
+    norms = torch.sqrt(per.reshape(-1, members).sum(0))
+    scale = clipnorm / torch.clamp(norms, min=clipnorm)
+    row = torch.where(which, scale.expand(which.shape), torch.zeros_like(scale).expand(which.shape)).sum(-1)
+    return g * row.unsqueeze(-1).to(g.dtype)
+
+
+def check_created(made: Any, shapes: Mapping[str, tuple[int, ...]], where: str = "") -> None:
+    """Raise unless ``slot_creation_fn``'s result ``made`` holds a tensor of each shape in ``shapes``."""
+    for k, shape in shapes.items():
+        s = made.get(k) if isinstance(made, Mapping) else None
+        if not isinstance(s, Tensor) or tuple(s.shape) != shape:
+            raise ValueError(
+                f"slot_creation_fn must return a dict with a tensor of shape {shape} for slot '{k}'{where}. "
+                f"Received: {type(s).__name__}" + (f" {tuple(s.shape)}" if isinstance(s, Tensor) else "")
+            )
+
+
+def created_member_slots(
+    p: Tensor, fn: Callable[..., Any], names: list[str], specs: Mapping[str, SlotSpec],
+    table_specs: Callable[[tuple[int, ...]], Mapping[str, SlotSpec]],
+) -> dict[str, Tensor]:
+    """``slot_creation_fn`` of fused group ``p``, called once per member with that table's rows
+    (``[rows, D]``, logical order) as for a table of its own; row slots are stacked in the group's row
+    order (padding rows at their initial value), whole-table slots along the leading ``[members]`` dim."""
+    info = table_info(p)
+    assert info is not None and info.members is not None
+    w = p.detach()
+    logical = None
+    if info.layout is not None:
+        logical = info.layout.positions(sum(n for _, _, n in info.members), p.shape[0]).to(w.device)
+    parts: list[Mapping[str, Any]] = []
+    for tname, first, n in info.members:
+        rows = w[first : first + n] if logical is None else w.index_select(0, logical[first : first + n])
+        want = table_specs((n, *p.shape[1:]))
+        made = fn(rows, names, {k: want[k].init for k in names})
+        check_created(made, {k: want[k].shape for k in names}, f" of table '{tname}'")
+        parts.append(made)
+    out: dict[str, Tensor] = {}
+    for k in names:
+        values = [part[k].detach().to(w.device) for part in parts]
+        if not specs[k].rows:
+            out[k] = torch.stack(values)
+            continue
+        stacked = torch.cat(values)
+        full = torch.full((p.shape[0], *stacked.shape[1:]), specs[k].init, dtype=stacked.dtype).to(w.device)
+        if logical is None:
+            full[: stacked.shape[0]] = stacked
+        else:
+            full[logical] = stacked
+        out[k] = full
+    return out

@@ -1,0 +1,166 @@
+"""Per-step values as device data: the learning rate and the call counter.
+
+On XLA a Python number or a 0-d host tensor that reaches the graph becomes a constant, and a new
+value compiles a new graph. Values that change between steps (a schedule's learning rate, the call
+counter that gates gradient accumulation and EMA) therefore travel as 1-element device tensors,
+so a steady training loop compiles once.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import torch
+
+from torch_tpu_embedding._util.dtypes import math_dtype
+from torch_tpu_embedding._util.validation import check_number
+
+__all__ = ["LearningRates", "StepClock", "StepCounters", "check_lr", "lr_value", "to_device"]
+
+Tensor = torch.Tensor
+
+
+def to_device(v: Tensor, device: torch.device) -> Tensor:
+    """``v`` on ``device`` as a new tensor; a 0-d value goes through shape [1] (an XLA constant otherwise)."""
+    if v.device == device:
+        return v.clone()
+    return v.reshape(1).to(device).reshape(()) if v.dim() == 0 else v.to(device)
+
+
+def check_lr(lr: float | torch.Tensor, on_device: bool = False) -> None:
+    """A learning rate's value must be finite and >= 0. A tensor on an accelerator is read only when
+    ``on_device`` (a device-to-host transfer): done once when it is set, never per step."""
+    if isinstance(lr, torch.Tensor):
+        if lr.device.type != "cpu" and not on_device:
+            return
+        value: Any = float(lr.detach().reshape(()).cpu())
+    else:
+        value = lr
+    check_number("lr", value, minimum=0.0)
+
+
+def lr_value(group: dict[str, Any]) -> float | Tensor:
+    """The group's learning rate for this step (a callable ``lr`` is called), checked finite and >= 0
+    on the host (a tensor on an accelerator is not read: that would sync every step)."""
+    lr = group["lr"]
+    value: float | Tensor = lr() if callable(lr) and not isinstance(lr, Tensor) else lr
+    if not isinstance(value, Tensor) and not isinstance(value, numbers.Real):
+        raise TypeError(f"The learning rate must be a float or a 0-d tensor. Received: {value!r}")
+    if value is not lr and isinstance(value, Tensor) and value.numel() != 1:  # the shape needs no device read
+        raise ValueError(
+            f"The callable `lr` ({lr!r}) must return one number (a float or a 0-d tensor). It returned a tensor "
+            f"of shape {tuple(value.shape)}."
+        )
+    check_lr(value)
+    return value
+
+
+class LearningRates:
+    """Learning rates as device data, uploaded only when they change."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[int, torch.device, torch.dtype], tuple[float, Tensor]] = {}
+
+    def clear(self) -> None:
+        self._cache.clear()
+
+    def tensor(self, gi: int, lr: float | Tensor, p: Tensor) -> Tensor:
+        """Group ``gi``'s learning rate ``lr`` as a 0-d tensor on ``p``'s device, in the dtype of ``p``'s
+        update arithmetic (:func:`~torch_tpu_embedding._util.dtypes.math_dtype`)."""
+        dtype = math_dtype(p)
+        if isinstance(lr, Tensor):
+            lr = lr.detach().to(dtype=dtype)
+            # Through a 1-element shape: a 0-d host tensor would become an XLA constant.
+            return lr if lr.device == p.device else lr.reshape(1).to(p.device).reshape(())
+        key = (gi, p.device, dtype)
+        cached = self._cache.get(key)
+        if cached is None or cached[0] != lr:
+            # A 0-d host tensor moved to XLA is folded into the graph as a constant (one compile
+            # per value); a 1-element tensor arrives as device data.
+            cached = (float(lr), torch.tensor([float(lr)], dtype=dtype).to(p.device))
+            self._cache[key] = cached
+        # Reshaped on every use: a cached 0-d view would be materialised by the first step's sync
+        # and change the next step's graph inputs ([1] -> []), compiling twice.
+        return cached[1].reshape(())
+
+
+class StepCounters:
+    """What ``step()`` counts, kept out of the optimizer's own attributes: under torch.compile dynamo
+    cannot trace an assignment to an attribute of a ``torch.optim.Optimizer`` (its ``OptimizerVariable``
+    takes no attribute mutation), while it traces one to this object's."""
+
+    __slots__ = ("checked_retired", "dropped", "iterations", "last_skipped", "skipped")
+
+    def __init__(self, iterations: int = 0) -> None:
+        #: calls of ``step()`` so far (Keras ``iterations`` before the ``// k`` of accumulation)
+        self.iterations = iterations
+        self.checked_retired = -1  # retired_count() when the parameters were last checked
+        self.skipped: Tensor | None = None  # device-side count of calls dropped by skip_nonfinite
+        self.dropped: Tensor | None = None  # device-side count of calls dropped by an exchange overflow
+        self.last_skipped: Tensor | None = None  # whether the last call was dropped (0-d bool, device)
+
+
+class StepClock:
+    """The optimizer's call counter (Keras ``iterations``) for one call of ``step()``.
+
+    ``skipped``: calls dropped by ``skip_nonfinite`` before this one (a device tensor, or ``None``
+    for none yet); ``finite``: whether this call's checked gradients are finite (set once known).
+    ``dropped``: calls dropped before this one because a lookup overflowed the id exchange (a device
+    tensor, or ``None``): they are not calls at all, so :meth:`on` leaves them out of the counter (the
+    accumulation window and the moving average go on as if they had not happened); ``clean``: whether
+    this call's lookups dropped no id (``None``: no table of the call goes through the exchange).
+    """
+
+    def __init__(self, iterations: int, skipped: Tensor | None = None, dropped: Tensor | None = None) -> None:
+        self.iterations = iterations
+        self.skipped = skipped
+        self.dropped = dropped
+        self.finite: Tensor | None = None
+        self.clean: Tensor | None = None
+        self._tensors: dict[torch.device, Tensor] = {}
+
+    def ema_on(self, device: torch.device, skip_nonfinite: bool) -> Tensor:
+        """The moving average's call counter: calls dropped by ``skip_nonfinite`` do not count."""
+        it = self.on(device)
+        if not skip_nonfinite or self.skipped is None:
+            return it
+        return it - self.skipped.to(device)
+
+    def keep(self, device: torch.device, skip_nonfinite: bool) -> Tensor | None:
+        """This call's gate on ``device``: the non-finite test (groups that set ``skip_nonfinite``) and
+        the exchange's (every group); ``None``: nothing to gate."""
+        finite = self.finite.to(device) if skip_nonfinite and self.finite is not None else None
+        clean = None if self.clean is None else self.clean.to(device)
+        if finite is None or clean is None:
+            return clean if finite is None else finite
+        return finite & clean
+
+    def device_values(self, device: torch.device) -> list[Tensor | None]:
+        """``[counter, skipped, finite, clean]`` on ``device`` (``None`` where absent), e.g. to enter a
+        manual-sharding region (:meth:`with_device_values` rebuilds the clock from them inside)."""
+        skipped = None if self.skipped is None else self.skipped.to(device)
+        finite = None if self.finite is None else self.finite.to(device)
+        clean = None if self.clean is None else self.clean.to(device)
+        return [self.on(device), skipped, finite, clean]
+
+    def with_device_values(self, values: list[Tensor | None]) -> StepClock:
+        """This clock with its device values replaced by ``values`` (as :meth:`device_values` gives them)."""
+        it, skipped, finite, clean = values
+        assert it is not None
+        out = StepClock(self.iterations, skipped, self.dropped)
+        out.finite, out.clean = finite, clean
+        out._tensors = {it.device: it}
+        return out
+
+    def on(self, device: torch.device) -> Tensor:
+        """The counter as device data (0-d int64), uploaded once per step and device; calls the
+        exchange's overflow dropped are left out."""
+        t = self._tensors.get(device)
+        if t is None:
+            # Through a 1-element shape: a 0-d host tensor would become an XLA constant.
+            t = torch.tensor([self.iterations], dtype=torch.int64).to(device).reshape(())
+            if self.dropped is not None:
+                t = t - self.dropped.to(device).reshape(())
+            self._tensors[device] = t
+        return t

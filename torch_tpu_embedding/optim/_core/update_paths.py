@@ -1,0 +1,399 @@
+"""Which update path a parameter takes this step, and the paths themselves.
+
+Every path runs the same pipeline around the optimizer's pure rule (:func:`pipeline`); they differ
+only in which rows they hand it and how the results are written back:
+
+====================  ==========================================================================
+``DENSE``             every row: dense parameters, and tables of non-lazy optimizers (``g = 0``
+                      where a row was not looked up; O(V·D), as TF's non-lazy Adam)
+``ADDITIVE``          eager, the rule is additive (SGD) and no option needs the summed rows:
+                      ``increment(g)`` (``rule(w, g) − w``) is added per looked-up id with
+                      ``index_add_`` — no dedup, gather or scatter; where ``FUSED`` would run, in
+                      one C loop per piece of ids (bags spread in it), bitwise the same (:mod:`._fused_add`)
+``NO_DEDUP``          ``use_gradient_accumulation=False``: every contribution updates from the same
+                      old rows and the changes are added (exact for SGD, an approximation otherwise)
+``ROWS``              duplicates summed, the touched rows in one pass: XLA (one static-shape
+                      graph) and rules with statistics over rows (Adafactor)
+``FUSED``             eager (CPU, CUDA) with a per-row rule: the same pipeline compiled into one
+                      kernel that reads and writes each touched row and its slots once, the
+                      duplicate sum done without multiplying the gradient out (:mod:`._fused_update`)
+``ROW_CHUNKS``        eager with a per-row rule when ``FUSED`` is off, cannot compile, or its
+                      policy keeps the step here (the first calls, small tables: ``policy()``): the
+                      touched rows in cache-sized chunks (the reference for ``FUSED``)
+``OWNER_LOCAL``       a row-sharded table trained through the id exchange: its gradient arrives
+                      at the shards that own the rows, and every shard runs ``ROWS`` (``DENSE``
+                      for a non-lazy optimizer) on its own rows and slots in a manual-sharding
+                      region, with no collective; what the rule sums over rows is all-reduced
+                      (``RowContext.all_reduce``)
+====================  ==========================================================================
+
+:func:`choose_path` is the one place that decides (:class:`~._pipeline.Path` names the paths).
+Every path reads and writes through a :class:`~._slots.RowSpace` (a whole parameter, or one shard of
+a table), so the row bookkeeping is written once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torch_tpu_embedding._rows.dedup import drop_sentinel, is_static_device, unique_ids
+from torch_tpu_embedding._rows.grads import BagRows, table_info
+from torch_tpu_embedding._util.dtypes import math_dtype
+from torch_tpu_embedding._util.registry import optimizer_class
+from torch_tpu_embedding.optim._core.contract import RowContext
+from torch_tpu_embedding.optim._core.ema import ema_rows
+from torch_tpu_embedding.optim._core.rule_pipeline import Path, gated, pipeline
+from torch_tpu_embedding.optim._core.slots import RowSpace, rule_slots
+from torch_tpu_embedding.optim._core.stacked_members import member_rows, segment_of
+from torch_tpu_embedding.optim._kernels import row_update
+from torch_tpu_embedding.optim._kernels.c_add import add_rows_kernel
+
+if TYPE_CHECKING:
+    from torch_tpu_embedding.optim._core.grad_intake import Work
+
+__all__ = ["ROW_CHUNK", "ROW_CHUNK_PARALLEL", "Path", "choose_path", "update"]
+
+Tensor = torch.Tensor
+
+#: Eager row updates run in chunks of this many rows, and of ``ROW_CHUNK_PARALLEL`` rows with more
+#: than one torch thread: each element-wise op then wakes the thread pool, which costs too much on
+#: chunks this small (measured on 2 cores with ``OMP_WAIT_POLICY=PASSIVE``, LazyAdam at 4 × 81,920
+#: rows × 64: 1 thread 256 ms at 2,048 rows vs 322 ms at 16,384; 2 threads 436–499 ms at 2,048 vs
+#: 217–256 ms at 16,384).
+ROW_CHUNK = 2048
+ROW_CHUNK_PARALLEL = 16384
+
+#: Options that need a row's gradient summed over the batch (or its rows), so no ADDITIVE step.
+_NEEDS_SUMMED_ROWS = ("clipvalue", "weight_decay_factor", "clip_weight_min", "clip_weight_max", "use_ema",
+                      "clipnorm", "global_clipnorm", "skip_nonfinite")
+
+
+def choose_path(p: Tensor, group: Mapping[str, Any], *, row_grad: bool) -> Path:
+    """The path of parameter ``p`` in ``group``; ``row_grad``: its gradient arrives as rows (a table,
+    or a sparse COO ``.grad``) rather than as a dense ``.grad``."""
+    cls = optimizer_class(group["algorithm"])
+    info = table_info(p)
+    if row_grad and info is not None and info.owner_local:
+        return Path.OWNER_LOCAL
+    if not row_grad or not cls.is_lazy(group):
+        return Path.DENSE
+    if info is None and _whole_slots(p, group):
+        # A sparse COO .grad of a plain parameter (nn.Embedding(sparse=True)) under a rule with statistics
+        # over all its rows (Adafactor): densified, as Keras densifies IndexedSlices, so it trains as on a
+        # dense .grad. Only a table keeps the bookkeeping (Adafactor's r_sum) a lazy update of them needs.
+        return Path.DENSE
+    static = is_static_device(p.device)
+    if cls.additive and not static and not any(group.get(k) not in (None, False, 0) for k in _NEEDS_SUMMED_ROWS):
+        # Not FUSED, even where it runs: adding each looked-up id's increment reads and writes each row once,
+        # as the kernel's gather and scatter do, without their sort and sum (measured slower on FUSED at
+        # 1 and 20 ids per bag, docs/benchmarks.md); where FUSED would run, the add is one C loop (_fused_add).
+        return Path.ADDITIVE
+    if not group["use_gradient_accumulation"]:
+        return Path.NO_DEDUP
+    if static or _whole_slots(p, group):
+        return Path.ROWS
+    return Path.FUSED if row_update.usable(p) else Path.ROW_CHUNKS
+
+
+def row_chunk() -> int:
+    if torch.compiler.is_compiling():  # (dynamo cannot trace torch.get_num_threads(); the size is moot there)
+        return ROW_CHUNK
+    return ROW_CHUNK if torch.get_num_threads() == 1 else ROW_CHUNK_PARALLEL
+
+
+def update(item: Work) -> None:
+    """Apply ``item``'s update along its path (EMA of touched rows included; see :mod:`._ema`)."""
+    if item.path is Path.OWNER_LOCAL:
+        _update_owner_local(item)
+        return
+    if item.path is Path.ADDITIVE:  # (adds to the rows in place: no RowSpace)
+        _update_additive(item)
+        return
+    space = RowSpace.of(item.p, item.group, item.state)
+    if item.path is Path.DENSE:
+        _update_dense(item, space, item.g)
+    else:
+        ids = item.ids
+        assert ids is not None
+        if item.path is Path.FUSED:
+            if row_update.update(item):
+                return
+            item.path = Path.ROW_CHUNKS  # no compiled kernel: the reference path
+        chunk = row_chunk()
+        # Under torch.compile the count of touched rows is a symbol with no value to compare (and the
+        # compiled code fuses the rule's passes anyway): one pass.
+        if item.path is not Path.ROW_CHUNKS or torch.compiler.is_compiling() or ids.shape[0] <= chunk:
+            _update_rows(item, space, ids, item.g)
+            return
+        # Cache-sized chunks: the rule's ~10 element-wise passes run over temporaries that stay in
+        # cache instead of over [U, D] arrays (Adam's rule ran 3.2× faster at 100k rows × 64).
+        for start in range(0, ids.shape[0], chunk):
+            _update_rows(item, space, ids[start : start + chunk], item.g[start : start + chunk])
+
+
+def _update_dense(item: Work, space: RowSpace, g: Tensor) -> None:
+    """Every row of ``space`` (``g = 0`` where a table's row was not looked up)."""
+    p, group, state, gate = space.p, item.group, space.state, item.gate
+    names = rule_slots(item.p, group)
+    slots = {k: space.table_order(k) for k in names}  # a table's row slots without their trash rows
+    ctx = RowContext(mask=None, count=None, num_rows=space.num_rows, all_reduce=space.all_reduce)
+    step = state["step"] + 1
+    w0 = p.to(math_dtype(p))
+    w, new = pipeline(w0, g, slots, item.lr, step, group, ctx)
+    info = table_info(p)
+    frozen = None if info is None else info.frozen_rows  # frozen members of a stacked group keep their rows
+    if frozen is not None and frozen.shape[0] == p.shape[0]:
+        w = torch.where(frozen[:, None], w0, w)
+        new = {k: torch.where(frozen.view(-1, *[1] * (v.dim() - 1)), slots[k].to(v.dtype), v)
+               if v.dim() and v.shape[0] == p.shape[0] else v for k, v in new.items()}
+    for k in names:
+        value = gated(gate, new[k].to(slots[k].dtype), slots[k])
+        if k in space.where.numbers:
+            space.write(k, value)
+        else:
+            _write(state[k], value)
+    _write(state["step"], gated(gate, step, state["step"]))
+    _write(p, gated(gate, w, w0))
+
+
+def _update_additive(item: Work) -> None:
+    """``p += increment(g)`` (``rule(w, g) − w``, linear in ``g``: ``additive``) per looked-up id, a piece at a
+    time."""
+    p, group, state, pieces = item.p, item.group, item.state, item.pieces
+    assert pieces is not None
+    increment = optimizer_class(group["algorithm"]).increment
+    dtype, lr = math_dtype(p), item.lr
+
+    def delta(g: Tensor, out: Tensor | None = None) -> Tensor:
+        g = g.to(dtype) if item.divisor is None else g.to(dtype) / item.divisor
+        return increment(g, lr, out=out)
+
+    chunk, sentinel = ADDITIVE_CHUNK, p.shape[0]
+    if _compiled_additive(item):
+        return
+    small: list[tuple[Tensor, Tensor, bool]] = []  # pieces of fewer rows, added together (see flush)
+
+    def add(ids: Tensor, rows: Tensor, padded: bool) -> None:
+        if padded:  # (else no masked copy, nor a check per piece)
+            ids, rows = drop_sentinel(ids, rows, sentinel)
+        p.index_add_(0, ids, rows.to(p.dtype))
+
+    def flush() -> None:
+        # Several features' pieces (one chunk each at 1 id per bag) in one index_add_: each call costs a sort of
+        # its ids and, with more than one thread, the pool's wake-ups (2 threads, 4 features of 4,096 bags:
+        # 8.8 ms a step against 4.5 ms with their rows in one call).
+        if len(small) == 1:
+            add(*small[0])
+        elif small:
+            rows = [r for _, r, _ in small]
+            out, at = _scratch(queued(), rows[0].shape[1], rows[0].dtype, rows[0].device), 0
+            for r in rows:  # each copied to its place in the scratch buffer, unless it was written there
+                if not _is_at(r, out, at):
+                    out[at : at + r.shape[0]].copy_(r)
+                at += r.shape[0]
+            add(torch.cat([i for i, _, _ in small]), out, any(d for _, _, d in small))
+        small.clear()
+
+    def queued() -> int:
+        return sum(i.numel() for i, _, _ in small)
+
+    def alone(n: int) -> bool:  # more than half a chunk: added by itself (into the scratch buffer where made)
+        return 2 * n > chunk
+
+    def piece(ids: Tensor, rows: Tensor, padded: bool) -> None:
+        """Rows of most of a chunk are added at once; fewer wait in ``small`` to be added with the next ones."""
+        if alone(ids.numel()):
+            flush()
+            add(ids, rows, padded)
+            return
+        if small and queued() + ids.numel() > chunk:
+            flush()
+        small.append((ids, rows, padded))
+
+    for ids, rows in pieces.chunks():
+        # (under torch.compile no read of a tensor's value: drop_sentinel masks)
+        padded = torch.compiler.is_compiling() or (ids.numel() > 0 and bool((ids == sentinel).any()))
+        if not isinstance(rows, BagRows):  # accumulated (or sparse COO) rows
+            for a in range(0, ids.numel(), chunk):
+                piece(ids[a : a + chunk], delta(rows[a : a + chunk]), padded)
+            continue
+        # Kept factored by the lookup: the increment is taken once per bag, of dL/dout, and spread over the
+        # bag's ids by their gains (sum bags of one id without weights: each id's row is its bag's).
+        width = max(1, rows.width)
+        bags = max(1, chunk // width)
+        for b in range(0, rows.gains.shape[0], bags):
+            grad = rows.grad_out[b : b + bags]
+            part_ids = ids[b * width : (b + grad.shape[0]) * width]
+            if rows.unit and rows.width == 1:  # each id's row is its bag's (not bags of width 0: no ids)
+                n = grad.shape[0]
+                if alone(n):  # (a new tensor: into the scratch buffer measured 0.2-0.3 ms slower a step)
+                    piece(part_ids, delta(grad), padded)
+                    continue
+                if small and queued() + n > chunk:
+                    flush()
+                # Written where flush adds the step's small pieces from (4 features of 4,096 ids: no copy there)
+                at = queued()
+                piece(part_ids, delta(grad, out=_scratch(at + n, grad.shape[1], dtype, grad.device)[at:]), padded)
+                continue
+            per_bag = delta(grad)
+            out = None
+            if alone(part_ids.numel()):  # spread into the scratch buffer (flush's until now)
+                flush()
+                dtype_out = torch.promote_types(per_bag.dtype, rows.gains.dtype)
+                out = _scratch(part_ids.numel(), per_bag.shape[1], dtype_out, per_bag.device)
+            piece(part_ids, rows.spread(per_bag, b, b + bags, out=out), padded)
+    flush()
+    state["step"].copy_(state["step"] + 1)
+
+
+def _compiled_additive(item: Work) -> bool:
+    """``Path.ADDITIVE`` through the C increment-and-add (:mod:`._fused_add`), the chunks in the order of the eager
+    path and each as the eager path makes its rows (so bitwise its result): accumulated rows and sum bags of one id
+    without weights add ``increment(g)``, other bags ``gains · increment(dL/dout)`` per id. ``False``: nothing
+    done, the eager path runs."""
+    pieces = item.pieces
+    assert pieces is not None
+    kernel = add_rows_kernel(item)
+    if kernel is None:
+        return False
+    p, todo = item.p, []
+    for ids, rows in pieces.chunks():
+        # Padding ids (the sentinel) stay: the loop skips them (no mask, nor a check per piece here).
+        if isinstance(rows, BagRows):
+            todo.append((ids, rows.grad_out.to(p.dtype), None if rows.unit and rows.width == 1 else rows.gains))
+        else:
+            todo.append((ids, rows.to(p.dtype), None))
+    kernel(p, todo)
+    item.state["step"].add_(1)  # (a CPU table: in place, one op)
+    return True
+
+
+#: Rows per piece of ``Path.ADDITIVE``: a few element-wise passes and one ``index_add_`` each, so larger
+#: than the rule pipeline's chunks (measured at 1 and 20 ids per bag: 2,048 rows 1.3× slower than 16,384).
+ADDITIVE_CHUNK = 16384
+_SCRATCH: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+
+def _is_at(rows: Tensor, buf: Tensor, at: int) -> bool:
+    """Whether ``rows`` are ``buf[at : at + len(rows)]`` (the same memory, laid out alike)."""
+    return (rows.is_contiguous() and buf.is_contiguous() and rows.dtype == buf.dtype and rows.device == buf.device
+            and rows.data_ptr() == buf.data_ptr() + at * buf.stride(0) * buf.element_size())
+
+
+def _scratch(rows: int, dim: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A ``[rows, dim]`` buffer, the same memory every piece and step: a new 4 MiB tensor each time is unmapped
+    and mapped again by glibc (4,000 page faults a step at 20 ids per bag)."""
+    buf = _SCRATCH.get((dtype, device))
+    if buf is None or buf.numel() < rows * dim:
+        buf = _SCRATCH[(dtype, device)] = torch.empty(max(rows, ADDITIVE_CHUNK) * dim, dtype=dtype, device=device)
+    return buf[: rows * dim].view(rows, dim)
+
+
+def _update_rows(item: Work, space: RowSpace, ids: Tensor, g: Tensor, seg: Tensor | None = None) -> None:
+    """Gather the rows ``ids`` of ``space`` (and their slots), run the pipeline, write them back.
+
+    ``seg``: the member table of each row in a fused group whose rule keeps whole-table slots (found
+    from ``ids`` when not given; the owner-local path computes it outside its manual region)."""
+    p, group, state, gate, where = space.p, item.group, space.state, item.gate, space.where
+    sentinel = p.shape[0]
+    dedup = bool(group["use_gradient_accumulation"])  # else ids repeat (NO_DEDUP): changes are added
+    # On XLA the sentinel tail is clamped for the gather and dropped by the scatter.
+    at = ids.clamp(max=sentinel - 1)
+    w0 = p.index_select(0, at).to(math_dtype(p))  # 16-bit tables update in float32
+    names = rule_slots(item.p, group)
+    slots = {k: space.gather(k, ids) if k in where.numbers else state[k] for k in names}
+    mask = ids < sentinel
+    rows_of = member_rows(item.p) if _whole_slots(item.p, item.group) else ()
+    if rows_of:  # a fused group: statistics over rows stay per member table
+        seg = segment_of(item.p, ids) if seg is None else seg
+        assert seg is not None
+        ctx = RowContext(mask=mask, count=None, num_rows=space.num_rows, all_reduce=space.all_reduce,
+                         segment=seg, member_rows=rows_of)
+        ctx = dataclasses.replace(ctx, count=ctx.row_sum(mask.to(torch.int64)))
+    else:
+        count = space.all_reduce(mask.sum())
+        ctx = RowContext(mask=mask, count=count, num_rows=space.num_rows, all_reduce=space.all_reduce)
+    ema = group["use_ema"]
+    if ema and not dedup:  # ids repeat: the average needs each row once
+        ema_ids = unique_ids(ids, sentinel)
+        ema_w0 = p.index_select(0, ema_ids.clamp(max=sentinel - 1)).to(w0.dtype)
+    step = item.step_now if item.step_now is not None else state["step"] + 1
+    w, new = pipeline(w0, g, slots, item.lr, step, group, ctx)
+    w = gated(gate, w, w0)
+    new = {k: gated(gate, new[k].to(slots[k].dtype), slots[k]) for k in names}
+    if item.step_now is None:  # the first chunk counts the step; later chunks use the same count
+        item.step_now = step
+        _write(state["step"], gated(gate, step, state["step"]))
+    for k in names:
+        if k not in where.numbers:
+            _write(state[k], new[k])
+        elif dedup:  # ids are unique: write the rows
+            state[k].index_copy_(0, where.at(k, ids), new[k])
+        else:  # ids repeat: add the changes
+            state[k].index_add_(0, where.at(k, ids), new[k] - slots[k])
+    if dedup:
+        p.index_copy_(0, ids, w.to(p.dtype))
+    else:
+        p.index_add_(0, ids, (w - w0).to(p.dtype))
+    if ema:
+        if dedup:
+            ema_rows(item, space, ids, w0, w.to(p.dtype).to(w0.dtype))  # the stored weight
+        else:
+            ema_rows(item, space, ema_ids, ema_w0, p.index_select(0, ema_ids.clamp(max=sentinel - 1)).to(w0.dtype))
+
+
+def _write(dst: Tensor, value: Tensor) -> None:
+    """``dst.copy_(value)``. Under ``torch.compile`` a 0-d ``dst`` is written through a 1-element view:
+    torch (2.9 to 2.13) silently drops an in-place write to a 0-d float64 or integer CPU graph input (its
+    fake tensor memoises ``.item()`` as a symbol, which the ``tensorify_python_scalars`` pass then
+    specialises), but not one to a view of it (Adafactor's ``r_sum``; tests/test_conformance_compile.py)."""
+    if dst.dim() == 0 and torch.compiler.is_compiling():
+        dst, value = dst.view(1), value.reshape(1)
+    dst.copy_(value)
+
+
+def _whole_slots(p: Tensor, group: Mapping[str, Any]) -> bool:
+    """Whether the rule of ``p``'s group keeps whole-table slots (statistics over a table's rows)."""
+    specs = optimizer_class(group["algorithm"]).slot_specs(tuple(p.shape), group, True)
+    return any(not spec.rows for spec in specs.values())
+
+
+def _update_owner_local(item: Work) -> None:
+    """OWNER_LOCAL: every shard updates its own rows and slots — the same :func:`_update_rows` (or
+    :func:`_update_dense`) on its part of the table — in one manual-sharding region, with no collective
+    beyond the small all-reduces of ``RowContext.all_reduce``.
+
+    ``item.ids [n, M]`` (shard-local rows, unique per shard, sentinel ``R/n``) and ``item.g [n, M, D]``
+    are device-major: row ``d`` belongs to shard ``d`` (:mod:`._intake`).
+    """
+    info = table_info(item.p)
+    assert info is not None and info.sharding is not None and item.ids is not None
+    sharding = info.sharding
+    whole = RowSpace.of(item.p, item.group, item.state)
+    rows = {"": item.p, **{k: v for k, v in item.state.items() if k in whole.where.numbers}}
+    small = {k: v for k, v in item.state.items() if k not in rows and k not in ("acc_ids", "acc_rows")}
+    clock = item.clock.device_values(item.p.device)
+    lazy = optimizer_class(item.group["algorithm"]).is_lazy(item.group)
+
+    seg = segment_of(item.p, item.ids, owned=True) if lazy and _whole_slots(item.p, item.group) else None
+
+    def on_shard(rows: dict[str, Tensor], small: dict[str, Tensor], inputs: list[Tensor],
+                 rep: list[Tensor | None]) -> list[Tensor]:
+        ids, g, *segs = inputs
+        lr, gate, *clock_now = rep
+        assert lr is not None
+        space = dataclasses.replace(whole, p=rows[""], state={**rows, **small},
+                                    all_reduce=sharding.all_reduce)
+        mine = dataclasses.replace(item, lr=lr, gate=gate, clock=item.clock.with_device_values(clock_now))
+        if lazy:
+            _update_rows(mine, space, ids, g, segs[0] if segs else None)
+        else:  # every local row, g = 0 where not looked up (the sentinel's rows are dropped)
+            _update_dense(mine, space, torch.zeros_like(space.p, dtype=g.dtype).index_add_(0, ids, g))
+        return []
+
+    inputs = [item.ids, item.g] if seg is None else [item.ids, item.g, seg]
+    sharding.on_shards(on_shard, rows, small, inputs, [item.lr, item.gate, *clock])

@@ -1,0 +1,291 @@
+"""``Path.ADDITIVE``'s kernel on the CPU: ``p[id] += gain · (f · g[bag])``, one C loop over a piece's ids.
+
+The eager additive step (:func:`._paths._update_additive`, SGD) makes ``increment(g) = f·g`` (``f = −lr``)
+for every bag, spreads it over the bag's ids by their gains (``BagRows.spread``: an ``[n, D]`` array, one row
+per id) and adds that with ``index_add_``: passes over memory for the product, the spread rows and the add,
+and torch's ``index_add_`` on the CPU runs one ``add`` per id through a ``TensorIterator``. Where the rule's
+increment is a scalar multiple of the gradient (:meth:`~._base.RowSparseOptimizer.increment_factor`), this
+module does it in one C loop: per bag, ``f · g[bag]`` once into a ``D``-float scratch row, then for each of the
+bag's ids ``gain · that`` added to its table row (sum bags of one id without weights, and rows that arrive
+multiplied out, have no gain: ``f · g`` is added). Nothing ``[n, D]`` is written, each gradient row is read
+once, and the table row a few ids ahead is prefetched (the rows are scattered over a large table: each is a
+cache miss). Measured at one thread, a 1 GB table: 4 pieces of 4,096 ids of 64 floats, 0.49–0.57 ms against
+0.9–1.0 ms for the same loop compiled by inductor and 1.3 ms for the increments and ``index_add_``; the SGD step
+at 20 ids per bag 62–64 → 40–41 ms (docs/benchmarks.md).
+
+The loop is compiled with the system's C compiler (``CC``, else ``cc``, ``gcc`` or ``clang``; about 0.1 s) and
+called through :mod:`ctypes`. On Linux the library is kept in :func:`cache_dir` (``TTE_KERNEL_CACHE``, else
+``~/.cache/torch_tpu_embedding/kernels``), named by a hash of the source, the compiler command and flags and the
+CPU's model and flags (``-march=native``), so later processes load it instead of compiling: the compiler's
+process inside the step that first adds through the loop slowed the next steps too (``benchmarks/eager_cpu.py
+--threads 1 --iters 8 --bags 1 --modes ours_sgd``, 5 alternating pairs of runs: 3.52–4.00 ms a step with
+``TTE_KERNEL_CACHE=0``, 3.35–3.63 ms loading; docs/benchmarks.md).
+``TTE_KERNEL_CACHE=0`` turns the cache off; a library there is loaded only if this user owns it and its
+directory and nobody else may write either, and where none loads from there (a ``noexec`` mount) the loop is
+compiled again in the system's temporary directory.
+
+The result is bitwise the eager path's at any thread count (tests/test_fused_add.py): each product (``f · g``,
+then ``gain ·`` it) and each sum is rounded once, as torch's ``mul`` and ``index_add_`` round them
+(``-ffp-contract=off``: no fused multiply-add); the ids are added in the eager path's order (piece by piece,
+bag by bag). Padding (the sentinel id, one past the last row) is skipped in the loop, as the eager path drops
+it first. The C function first checks every id of the piece and writes nothing if one is outside the table's
+rows and the sentinel.
+
+It runs where the fused row update would (:func:`._fused_update.usable`, its :func:`~._fused_update.policy`:
+from the optimizer's call ``TTE_FUSED_AFTER`` on, for tables of ``TTE_FUSED_MIN_ELEMENTS`` numbers or
+more), on contiguous CPU float32 tables without ``loss_scale_factor``; everything else, or a loop that
+cannot be compiled (one warning), takes the eager add.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch.autograd.graph import increment_version
+
+from torch_tpu_embedding._util.env import is_off
+from torch_tpu_embedding._util.registry import optimizer_class
+from torch_tpu_embedding.optim._kernels import row_update
+
+if TYPE_CHECKING:
+    from torch_tpu_embedding.optim._core.grad_intake import Work
+
+__all__ = ["AddRows", "Pieces", "add_rows_kernel", "c_compiler", "cache_dir", "loop"]
+
+Tensor = torch.Tensor
+#: ``(ids [B·L], g [B, D], gains [B, L] or None)`` pieces, added in order (see :func:`add_piece`)
+Pieces = list[tuple[Tensor, Tensor, Tensor | None]]
+#: ``fn(p, pieces)`` adds the step's increments to the rows ``ids`` of ``p``, piece by piece in order
+AddRows = Callable[[Tensor, Pieces], None]
+
+#: ids ahead whose table row is prefetched (4, 8 and 16 measured alike; none is 10-15% slower)
+PREFETCH = 8
+
+_SOURCE = r"""
+#include <stdint.h>
+/* For each bag b in [0, nbags) and each of its width ids, in order: p[id] += gain * (f * g[b]), where gain is
+   gains[b * width + l] (without gains: p[id] += f * g[b]); ids == rows (padding, the sentinel) are skipped.
+   inc: d floats of scratch. -1 (nothing written) if an id is outside [0, rows]. */
+int tte_add_rows(float *restrict p, int64_t rows, int64_t d, const int64_t *restrict ids, int64_t nbags,
+                 int64_t width, const float *restrict g, int64_t gs0, int64_t gs1, const float *restrict gains,
+                 const float *restrict factor, float *restrict inc) {
+  const int64_t n = nbags * width;
+  for (int64_t k = 0; k < n; ++k)
+    if (ids[k] < 0 || ids[k] > rows) return -1;
+  const float f = *factor;
+  for (int64_t b = 0; b < nbags; ++b) {
+    const float *gb = g + b * gs0;
+    for (int64_t j = 0; j < d; ++j) inc[j] = f * gb[j * gs1];
+    for (int64_t k = b * width; k < (b + 1) * width; ++k) {
+      if (k + %(ahead)d < n && ids[k + %(ahead)d] < rows) {
+        const char *next = (const char *)(p + ids[k + %(ahead)d] * d);
+        for (int64_t c = 0; c < d * (int64_t)sizeof(float); c += 64) __builtin_prefetch(next + c, 1, 3);
+      }
+      if (ids[k] == rows) continue;
+      float *row = p + ids[k] * d;
+      if (gains) {
+        const float gain = gains[k];
+        for (int64_t j = 0; j < d; ++j) row[j] += gain * inc[j];
+      } else {
+        for (int64_t j = 0; j < d; ++j) row[j] += inc[j];
+      }
+    }
+  }
+  return 0;
+}
+""" % {"ahead": PREFETCH}
+
+#: the compiled loop (``None``: it could not be compiled), once per process
+_LOOP: list[Callable[..., int] | None] = []
+
+
+def c_compiler() -> list[str] | None:
+    """The command of the C compiler the loop is built with: ``CC`` (split as a shell would, e.g. ``ccache gcc``),
+    else the first of ``cc``, ``gcc``, ``clang`` on the PATH."""
+    cc = shlex.split(os.environ.get("CC", ""))
+    if cc:
+        return cc
+    for name in ("cc", "gcc", "clang"):
+        found = shutil.which(name)
+        if found:
+            return [found]
+    return None
+
+
+def cache_dir() -> str | None:
+    """Where compiled loops are kept for later processes (Linux): ``TTE_KERNEL_CACHE``, else
+    ``$XDG_CACHE_HOME/torch_tpu_embedding/kernels`` (``~/.cache/...``); ``None`` with ``TTE_KERNEL_CACHE=0`` or
+    off Linux (no CPU identity to name a ``-march=native`` library by)."""
+    chosen = os.environ.get("TTE_KERNEL_CACHE", "").strip()
+    if is_off(chosen) or not sys.platform.startswith("linux"):
+        return None
+    if chosen:
+        return os.path.abspath(os.path.expanduser(chosen))
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "torch_tpu_embedding", "kernels")
+
+
+def _cpu() -> str:
+    """The CPU's model and feature flags (what ``-march=native`` compiles for), from ``/proc/cpuinfo``."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f.read().splitlines() if ln.split(":")[0].strip() in ("model name", "flags")]
+    except OSError:
+        return ""
+    return "\n".join(dict.fromkeys(lines))  # (one line of each, as every core repeats them)
+
+
+def _own_and_private(path: str) -> bool:
+    """``path`` belongs to this user and nobody else may write it: a library loaded from it runs as ours."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
+def loop() -> Callable[..., int] | None:
+    """``tte_add_rows`` of :data:`_SOURCE`, loaded from :func:`cache_dir` or compiled, on the first call; ``None``
+    (after one warning) if it cannot be."""
+    if not _LOOP:
+        try:
+            _LOOP.append(_build())
+        except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:  # (no symbol: AttributeError)
+            _LOOP.append(None)
+            text = str(e).strip()
+            row_update.warn_once(f"{type(e).__name__}: {text.splitlines()[0] if text else ''}")
+    return _LOOP[0]
+
+
+def _load(lib: str) -> Callable[..., int]:
+    fn = ctypes.CDLL(lib).tte_add_rows  # (the mapping outlives the file, deleted or replaced)
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr]
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+def _build() -> Callable[..., int]:
+    cc = c_compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (set CC, or install cc, gcc or clang)")
+    cc = [shutil.which(cc[0]) or cc[0], *cc[1:]]  # (a path: see close_fds in _compile)
+    # -ffp-contract=off: a product and a sum, each rounded, as torch's mul and index_add_ (a fused multiply-add
+    # would round once and differ in the last bit). -march=native only where the compiler takes it.
+    flags = ["-O3", "-ffp-contract=off", "-fPIC", "-shared"]
+    cache = cache_dir()
+    if cache is not None:
+        key = hashlib.sha256("\0".join([_SOURCE, *cc, *flags, platform.machine(), _cpu()]).encode()).hexdigest()
+        kept = os.path.join(cache, f"add_rows-{key[:24]}.so")
+        if _own_and_private(cache) and _own_and_private(kept):
+            try:
+                return _load(kept)
+            except (OSError, AttributeError):  # unreadable or not the loop: compiled again, and replaced
+                pass
+        try:
+            os.makedirs(cache, mode=0o700, exist_ok=True)
+            if _own_and_private(cache) and os.access(cache, os.W_OK | os.X_OK):
+                return _compile(cc, flags, cache, kept)
+        except OSError:  # e.g. a cache on a noexec mount, whose libraries do not load
+            pass
+    return _compile(cc, flags, None, None)  # in the system's temporary directory, for this process only
+
+
+def _compile(cc: list[str], flags: list[str], where: str | None, kept: str | None) -> Callable[..., int]:
+    """The loop compiled in a new directory under ``where`` (``None``: the system's temporary one) and loaded;
+    the library then renamed to ``kept`` (if given)."""
+    with tempfile.TemporaryDirectory(prefix="tte_add_rows_", dir=where) as tmp:
+        src, lib = os.path.join(tmp, "add_rows.c"), os.path.join(tmp, "add_rows.so")
+        with open(src, "w") as f:
+            f.write(_SOURCE)
+        errors = ""
+        for extra in (["-march=native"], []):
+            # close_fds=False and the compiler's path: CPython then starts it with posix_spawn, not fork. A fork
+            # while a process group's gloo threads run aborted 3 of 43 two-rank runs at exit (std::terminate);
+            # none of 32 did with posix_spawn or with the compile before init_process_group. (Python's own
+            # descriptors are not inheritable: the compiler gets no more than it would.)
+            run = subprocess.run([*cc, *flags, *extra, src, "-o", lib], capture_output=True, text=True, timeout=120,
+                                 close_fds=False)
+            if run.returncode == 0:
+                break
+            errors = run.stderr.strip()
+        else:
+            raise RuntimeError(f"{' '.join(cc)} failed: {errors.splitlines()[0] if errors else 'no output'}")
+        fn = _load(lib)
+        if kept is not None:
+            # Renamed into place once it loaded: a reader sees the whole library or none (processes compiling
+            # at once each rename their own; the last stays). A cache that cannot take it only costs the next
+            # process a compile.
+            try:
+                os.chmod(lib, 0o700)
+                os.replace(lib, kept)
+            except OSError:
+                pass
+    return fn
+
+
+def add_rows_kernel(item: Work) -> AddRows | None:
+    """The C add of ``item``'s increments, or ``None`` where this step takes the eager path."""
+    p, group = item.p, item.group
+    factor_of = optimizer_class(group["algorithm"]).increment_factor
+    if (item.divisor is not None or p.device.type != "cpu" or p.dtype != torch.float32 or p.dim() != 2
+            or not p.is_contiguous() or not sys.platform.startswith(("linux", "darwin"))
+            or not row_update.usable(p) or row_update.warming_up(item)):
+        return None
+    factor = factor_of(item.lr)
+    if factor is None or factor.dtype != torch.float32 or factor.numel() != 1 or factor.device != p.device:
+        return None
+    fn = loop()
+    if fn is None:
+        return None
+    f = factor.contiguous()
+
+    def add(p: Tensor, pieces: Pieces) -> None:
+        inc = torch.empty(p.shape[1], dtype=torch.float32)
+        for ids, g, gains in pieces:
+            if ids.numel():
+                add_piece(fn, p, ids, g, gains, f, inc)
+        increment_version(p)  # (written through its pointer: autograd's check of saved tensors sees the change)
+
+    return add
+
+
+def add_piece(fn: Callable[..., int], p: Tensor, ids: Tensor, g: Tensor, gains: Tensor | None, factor: Tensor,
+              inc: Tensor) -> None:
+    """Through the C loop ``fn``, for each bag ``b`` and each of its ids ``i`` in order, ``p[i] += gain · (factor ·
+    g[b])``: ``g`` float32 ``[B, D]`` (any strides), ``ids`` int64 ``[B·L]``, ``gains`` float32 ``[B, L]`` (or
+    ``None``: ``L`` is 1 and ``p[i] += factor · g[b]``), ``factor`` one float32, ``inc`` ``D`` floats of scratch.
+    An id equal to ``p``'s row count (the sentinel) marks padding: skipped. Everything is checked here: the loop
+    trusts its pointers."""
+    rows, dim = p.shape
+    ids = ids.contiguous()
+    nbags = g.shape[0] if g.dim() == 2 else -1
+    width = 1 if gains is None else (gains.shape[1] if gains.dim() == 2 else -1)
+    if gains is not None:
+        gains = gains.contiguous()
+    tensors = (p, ids, g, factor, inc) + (() if gains is None else (gains,))
+    if (ids.dtype != torch.int64 or ids.dim() != 1 or g.dtype != torch.float32 or g.dim() != 2 or g.shape[1] != dim
+            or ids.numel() != nbags * width
+            or (gains is not None and (gains.dtype != torch.float32 or gains.shape[0] != nbags))
+            or factor.dtype != torch.float32 or factor.numel() != 1 or inc.dtype != torch.float32 or inc.numel() < dim
+            or not p.is_contiguous() or p.dtype != torch.float32
+            or not all(t.is_cpu and t.layout == torch.strided for t in tensors)):
+        got = None if gains is None else (gains.dtype, tuple(gains.shape))
+        raise ValueError(f"add_piece: ids {ids.dtype} {tuple(ids.shape)}, rows {g.dtype} {tuple(g.shape)}, gains {got} "
+                         f"for a {tuple(p.shape)} table; expected int64 [B·L], float32 [B, {dim}], float32 [B, L] or "
+                         "None, all strided on the CPU")
+    if fn(p.data_ptr(), rows, dim, ids.data_ptr(), nbags, width, g.data_ptr(), g.stride(0), g.stride(1),
+          None if gains is None else gains.data_ptr(), factor.data_ptr(), inc.data_ptr()) != 0:
+        raise IndexError(f"an id to update is outside the table's {rows} rows and its padding id {rows} (an "
+                         "internal error: ids are checked at the lookup)")

@@ -1,0 +1,131 @@
+"""The duplicate sum of the fused eager update: a table's factored row gradient to one row per id.
+
+The lookup's backward leaves its gradient factored (``gains [N, L]``, ``dL/dout [N, D]``,
+:class:`~torch_tpu_embedding._rows.grads.BagRows`): the ``[N·L, D]`` rows are never made. :func:`row_sums`
+sorts the ids once and keeps, per distinct id, where its contributions are (:class:`RowSums`); the rows
+themselves are summed by :meth:`RowSums.rows` for any range of ids: the range's contributions
+``gain · dL/dout`` made (a gather and a multiply, in cache), then summed per id by one ``embedding_bag``
+(sum mode): each id's contributions in the order they were looked up, from 0, as ``index_add_`` sums
+them on the reference path (bitwise). Bags without per-id weights (every combiner) have one gain per
+bag (:attr:`~torch_tpu_embedding._rows.grads.BagRows.uniform`): it is applied once per bag, and the ranges'
+sums read those rows straight (no gather, no multiply; the same products, so bitwise the same sums).
+The fused update asks for a range at a time, so the summed rows of a range are used while they are in
+cache (:mod:`._fused_update`).
+
+Measured (1 thread, 327,680 ids over 16,384 bags, 4,000,000 rows × 64): a stable ``torch.sort`` of the
+ids 270–340 ms against 10–15 ms for an unstable sort of ``id · n + position`` (unique keys: the same
+order, stability by construction); the sum as a sparse ``[U, N] @ [N, D]`` product 380 ms (and a fill
+and a copy of its output) against 39 ms for ``embedding_bag`` with per-sample weights (which is
+not bitwise the reference's sum: it fuses each multiply into the add).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from torch_tpu_embedding._rows.grads import BagRows, RowGrad
+from torch_tpu_embedding._util.dtypes import math_dtype
+
+__all__ = ["RowSums", "row_sums"]
+
+Tensor = torch.Tensor
+
+
+@dataclasses.dataclass
+class RowSums:
+    """Where each distinct id's gradient contributions are; :meth:`rows` sums them.
+
+    ``ids [U]`` sorted, without the sentinel; the contributions of ``ids[u]`` are
+    ``weights[k] · src[cols[k]]`` for ``k`` in ``offsets[u] : offsets[u + 1]``, in lookup order
+    (``weights`` ``None``: all 1).
+    """
+
+    ids: Tensor
+    offsets: Tensor  # [U + 1] int64, offsets[0] == 0
+    cols: Tensor  # [M] int64 rows of src (contributions of the sentinel may trail)
+    weights: Tensor | None  # [M]
+    src: Tensor  # [S, D]
+
+    def rows(self, start: int = 0, stop: int | None = None) -> Tensor:
+        """The summed gradient rows of ``ids[start:stop]``, ``[stop - start, D]`` (a new tensor).
+
+        Bitwise the reference path's sum: each contribution ``weight · row`` rounded, then added in
+        lookup order from 0 (``embedding_bag`` with per-sample weights would fuse the multiply into the
+        add and round differently)."""
+        stop = self.ids.shape[0] if stop is None else stop
+        offsets = self.offsets[start : stop + 1]
+        first, last = int(offsets[0]), int(offsets[-1])
+        if first:  # embedding_bag wants offsets[0] == 0
+            offsets = offsets - first
+        if self.weights is None:
+            src, cols = self.src, self.cols[first:last]
+        else:
+            src = self.src.index_select(0, self.cols[first:last])
+            src.mul_(self.weights[first:last].unsqueeze(1))
+            cols = torch.arange(last - first, device=src.device)
+        out: Tensor = torch.embedding_bag(src, cols, offsets, False, 0, False, None, True)[0]
+        return out
+
+
+def row_sums(pieces: RowGrad, p: Tensor) -> RowSums | None:
+    """The ids of table ``p``'s pending gradient ``pieces``, sorted and grouped (:class:`RowSums`).
+
+    ``None`` (the caller multiplies the rows out and sums them as the reference does) for rows not in
+    the update's dtype: a 16-bit table's, whose backward rounds the rows to 16 bits after multiplying
+    float32 gains (:func:`._intake.take`).
+    """
+    sentinel, dtype = p.shape[0], math_dtype(p)
+    chunks = pieces.chunks()
+    if not chunks:
+        raise RuntimeError("RowGrad is empty: no backward pass reached this table.")
+    for _, rows in chunks:
+        if (rows.grad_out.dtype != dtype or rows.gains.dtype != dtype) if isinstance(rows, BagRows) \
+                else rows.dtype != dtype:
+            return None
+    ids = (chunks[0][0] if len(chunks) == 1 else torch.cat([i for i, _ in chunks])).to(torch.int64)
+    n = ids.numel()
+    if n and (sentinel + 1) * n < 2**63:
+        # id · n + position: unique keys, so an unstable (radix) sort gives the stable order.
+        keys = torch.sort(ids * n + torch.arange(n, device=ids.device)).values
+        sorted_ids = torch.div(keys, n, rounding_mode="floor")
+        perm = keys - sorted_ids * n
+    else:
+        sorted_ids, perm = torch.sort(ids, stable=True)
+    uniq, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    offsets = torch.zeros(uniq.shape[0] + 1, dtype=torch.int64, device=ids.device)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    if uniq.shape[0] and int(uniq[-1]) == sentinel:  # padding sorts last: its contributions trail
+        uniq, offsets = uniq[:-1], offsets[:-1]
+    if len(chunks) == 1:
+        rows = chunks[0][1]
+        if isinstance(rows, BagRows):
+            width = rows.width
+            cols = perm if width == 1 else torch.div(perm, width, rounding_mode="floor")
+            if rows.uniform:  # each bag's one gain applied once per bag, not once per id
+                return RowSums(uniq, offsets, cols, None, rows.per_bag().contiguous())
+            return RowSums(uniq, offsets, cols, rows.gains.reshape(-1)[perm], rows.grad_out)
+        return RowSums(uniq, offsets, perm, None, rows)
+    srcs = [rows.grad_out if isinstance(rows, BagRows) else rows for _, rows in chunks]
+    # Bags without per-id weights: each bag's one gain applied once per bag, into one source array.
+    uniform = all(rows.uniform for _, rows in chunks if isinstance(rows, BagRows))
+    src = torch.empty(sum(s.shape[0] for s in srcs), srcs[0].shape[1], dtype=dtype, device=ids.device) \
+        if uniform else None
+    col_parts, weight_parts, first = [], [], 0
+    for (part_ids, rows), part in zip(chunks, srcs, strict=True):
+        width = rows.width if isinstance(rows, BagRows) else 1
+        col = torch.arange(part_ids.numel(), device=ids.device)
+        col_parts.append((col if width == 1 else torch.div(col, width, rounding_mode="floor")) + first)
+        if src is None:
+            weight_parts.append(rows.gains.reshape(-1) if isinstance(rows, BagRows)
+                                else torch.ones(part_ids.numel(), dtype=dtype, device=rows.device))
+        elif isinstance(rows, BagRows):
+            rows.per_bag(out=src[first : first + part.shape[0]])
+        else:
+            src[first : first + part.shape[0]].copy_(rows)
+        first += part.shape[0]
+    cols = torch.cat(col_parts)[perm]
+    if src is not None:
+        return RowSums(uniq, offsets, cols, None, src)
+    return RowSums(uniq, offsets, cols, torch.cat(weight_parts)[perm], torch.cat(srcs))

@@ -1,0 +1,390 @@
+"""Fused eager row updates (``Path.FUSED``): one compiled kernel per optimizer configuration.
+
+On CPU and CUDA, the reference row path (``Path.ROW_CHUNKS``) gathers the weight and each slot
+separately, runs the rule as a dozen element-wise torch ops over ``[U, D]`` temporaries and
+scatters each array back. Here the same Python — gather → :func:`~._pipeline.pipeline` (clipvalue,
+weight decay, the optimizer's own ``rule``, weight clipping) → the ``skip_nonfinite`` gate → EMA →
+scatter — is compiled by ``torch.compile`` (inductor: C++/OpenMP loops on CPU, Triton on CUDA) into
+one loop that reads each touched row of the weight and its slots once and writes them back once.
+The rule stays the one the XLA path traces and the numpy references mirror; nothing is rewritten.
+
+Shapes are dynamic (the number of touched rows, the table size), so a configuration compiles once
+(plus at most one more for a step with a single touched row, which dynamic shapes specialise); the
+hyper-parameters are constants of its kernel (a new configuration compiles a new kernel); the
+learning rate and step count are tensors (a schedule does not recompile). inductor keeps compiled
+kernels on disk (``TORCHINDUCTOR_CACHE_DIR``, by default ``/tmp/torchinductor_<user>``), so a new
+process with the same configuration reuses them.
+
+The duplicate sum stays outside the kernel but runs a range of rows at a time: the ids are sorted
+once (:func:`._row_sums.row_sums`), and for each range of about ``chunk_rows()`` distinct ids the
+summed rows are made (one ``embedding_bag`` over the factored gradient) and the kernel runs on them, so
+the summed rows and the kernel's own ``[rows, D]`` temporaries stay in cache instead of making passes
+over ``[U, D]`` arrays in memory (RowWiseAdagrad at 20 ids per bag, 4 tables of 1,000,000 × 64: about
+314,000 distinct rows, 80 MB per such array).
+
+When the kernel is built (:func:`set_policy`): compiling one costs seconds (7–9 s per optimizer on
+an idle 2-core machine, several times that under load), paid where it is first used. So a table's
+update takes the reference path while the optimizer's ``iterations`` (its call count, saved in its
+``state_dict``) is below ``after`` (``TTE_FUSED_AFTER``, default 50), and always where the table holds
+fewer than ``min_elements`` numbers (``TTE_FUSED_MIN_ELEMENTS``, default 2**20: the saving per step
+is bounded by the numbers touched, at most 10–20 ms a step at 2**20 as measured, hundreds of steps to
+pay for one compile, and less on smaller tables). The first fused step compiles in the foreground. Which path a step
+takes depends only on the call count and the configuration, never on how long a compile took, so two
+runs with one seed are bitwise equal (tests/test_fused_warmup.py); short runs, notebooks and test
+suites never compile. docs/benchmarks.md has the measurements the defaults come from.
+
+If compiling fails (no C++ compiler, say), the update falls back to the reference path with one
+warning. ``TTE_FUSED_UPDATE=0`` in the environment, or :func:`set_enabled`, turns the path off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import types
+import warnings
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.fx.experimental._config as fx_config
+from torch.utils.weak import WeakIdKeyDictionary
+
+from torch_tpu_embedding._rows.grads import table_info
+from torch_tpu_embedding._util.dtypes import math_dtype
+from torch_tpu_embedding._util.env import switched_on
+from torch_tpu_embedding._util.registry import optimizer_class
+from torch_tpu_embedding.optim._core.contract import RowContext, Slots
+from torch_tpu_embedding.optim._core.ema import ema_row_update, momentum_now
+from torch_tpu_embedding.optim._core.rule_pipeline import gated, pipeline
+from torch_tpu_embedding.optim._core.slots import logical_rows, rule_slots
+
+if TYPE_CHECKING:
+    from torch_tpu_embedding.optim._core.grad_intake import Work
+
+__all__ = ["call", "chunk_rows", "compiled_kernels", "enabled", "has_compiler", "policy", "set_enabled", "set_policy",
+           "update", "usable", "warming_up", "warn_once"]
+
+Tensor = torch.Tensor
+
+_ENABLED = switched_on("TTE_FUSED_UPDATE")
+
+
+def _env_count(name: str, default: int) -> int:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    if not text.isdigit():
+        raise ValueError(f"environment variable {name} must be an int >= 0, got {text!r}")
+    return int(text)
+
+
+#: optimizer calls that take the reference path before the fused kernel is built (see the module doc)
+_AFTER = _env_count("TTE_FUSED_AFTER", 50)
+#: tables with fewer numbers than this always take the reference path
+_MIN_ELEMENTS = _env_count("TTE_FUSED_MIN_ELEMENTS", 2**20)
+#: compiled kernels by configuration key; ``None``: compiling failed (the reference path runs)
+_KERNELS: dict[tuple[Any, ...], Callable[..., None] | None] = {}
+_WARNED = False
+#: set when inductor found no C++ compiler: the fused path is not chosen again in this process
+_NO_COMPILER = False
+#: bytes of summed gradient rows per kernel call (see :func:`chunk_rows`)
+_CHUNK_BYTES = 2**22
+#: group entries that are not hyper-parameters of the rule
+_NOT_HP = frozenset({"params", "lr", "slot_creation_fn"})
+#: group entries the kernel does not read (the intake's, the per-call EMA's, the rule's name: the key
+#: names the rule itself): configurations that differ only here share a kernel
+_NOT_IN_KERNEL = frozenset({
+    "algorithm", "use_gradient_accumulation", "gradient_accumulation_steps", "loss_scale_factor", "clipnorm",
+    "global_clipnorm", "skip_nonfinite", "ema_overwrite_frequency",
+})
+
+
+class _NoCudaRuntimeLine(logging.Filter):
+    """Drops torch's ``No CUDA runtime is found, using CUDA_HOME=...`` warning.
+
+    ``torch.utils.cpp_extension`` logs it when imported on a machine with a CUDA toolkit but no CUDA
+    device, and inductor imports it to build a CPU kernel: the only sign of a fused-kernel compile was
+    a line about CUDA, which this path does not use. Every other record of that logger passes.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("No CUDA runtime is found")
+
+
+# Installed on import, before anything can import cpp_extension (it logs the line once, at import).
+logging.getLogger("torch.utils.cpp_extension").addFilter(_NoCudaRuntimeLine())
+
+
+def enabled() -> bool:
+    """Whether eager row updates take the fused path (``TTE_FUSED_UPDATE``, :func:`set_enabled`)."""
+    return _ENABLED
+
+
+def set_enabled(on: bool) -> bool:
+    """Turn the fused path on or off for later steps; returns the previous setting."""
+    global _ENABLED
+    before, _ENABLED = _ENABLED, bool(on)
+    return before
+
+
+def policy() -> tuple[int, int]:
+    """``(after, min_elements)``: the fused path runs from the optimizer's call ``after`` on, for
+    tables of at least ``min_elements`` numbers (``TTE_FUSED_AFTER``, ``TTE_FUSED_MIN_ELEMENTS``)."""
+    return _AFTER, _MIN_ELEMENTS
+
+
+def set_policy(after: int | None = None, min_elements: int | None = None) -> tuple[int, int]:
+    """Set :func:`policy` for later steps (``None``: unchanged); returns the previous one.
+
+    ``set_policy(0, 0)``: every eligible table takes the fused path from its first step (and compiles
+    there). A checkpoint resumed under the same policy takes the same paths (``iterations`` is saved).
+    """
+    global _AFTER, _MIN_ELEMENTS
+    before = (_AFTER, _MIN_ELEMENTS)
+    for name, value in (("after", after), ("min_elements", min_elements)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"set_policy: {name} must be an int >= 0, got {value!r}")
+    _AFTER = before[0] if after is None else after
+    _MIN_ELEMENTS = before[1] if min_elements is None else min_elements
+    return before
+
+
+def warming_up(item: Work) -> bool:
+    """This step takes the reference path by :func:`policy` (the call count and the table's size alone)."""
+    return item.clock.iterations < _AFTER or item.p.numel() < _MIN_ELEMENTS
+
+
+def usable(p: Tensor) -> bool:
+    """The fused path may run for ``p``: an eager CPU / CUDA table with the path enabled, whose rows
+    are slot rows (no interleaved row layout of the id exchange, :class:`~._slots.SlotRows`)."""
+    if not _ENABLED or _NO_COMPILER or p.device.type not in ("cpu", "cuda"):
+        return False
+    if torch.compiler.is_compiling():
+        # Inside the user's torch.compile the reference rule is traced into the user's graph (and
+        # compiled with it); a compile of its own here would be a nested compile and split that graph.
+        return False
+    info = table_info(p)
+    return info is None or info.layout is None
+
+
+def compiled_kernels() -> int:
+    """How many fused kernels this process has built (each compiled on its first use)."""
+    return sum(fn is not None for fn in _KERNELS.values())
+
+
+# --------------------------------------------------------------------------------------- the fused kernel
+def _kernel_source(
+    rule_hp: Mapping[str, Any], names: tuple[str, ...], mdtype: torch.dtype, gate: bool, ema: bool
+) -> Callable[..., None]:
+    """The Python that is compiled: the reference row update of :mod:`._paths` for unique ids."""
+    momentum = float(rule_hp.get("ema_momentum", 0.0))
+
+    def fused_rows(p: Tensor, ids: Tensor, g: Tensor, row_slots: list[Tensor], lr: Tensor, step: Tensor,
+                   num_rows: int, gate_t: Tensor | None, ema_t: Tensor | None, ema_last: Tensor | None,
+                   it: Tensor | None, keep: Tensor | None, mu: Tensor | None) -> None:
+        w0 = p[ids].to(mdtype)
+        slots: Slots = {k: s[ids] for k, s in zip(names, row_slots, strict=True)}
+        ctx = RowContext(mask=None, count=None, num_rows=num_rows)
+        w, new = pipeline(w0, g, slots, lr, step, rule_hp, ctx)
+        if gate:
+            w = gated(gate_t, w, w0)
+        stored = w.to(p.dtype)
+        for k, s in zip(names, row_slots, strict=True):
+            value = new[k].to(s.dtype)
+            s.index_copy_(0, ids, gated(gate_t, value, slots[k]) if gate else value)
+        p.index_copy_(0, ids, stored)
+        if ema:
+            assert ema_t is not None and ema_last is not None and it is not None and mu is not None
+            avg, last = ema_t[ids], ema_last[ids]
+            avg, last = ema_row_update(avg, last, w0, stored.to(mdtype), it, keep, mu, momentum)
+            ema_t.index_copy_(0, ids, avg)
+            ema_last.index_copy_(0, ids, last)
+
+    return fused_rows
+
+
+def _key(item: Work, names: tuple[str, ...]) -> tuple[Any, ...]:
+    p, group, state = item.p, item.group, item.state
+    rule = optimizer_class(group["algorithm"]).rule
+    hp = tuple(sorted((k, repr(v)) for k, v in group.items() if k not in _NOT_HP | _NOT_IN_KERNEL))
+    slot_dtypes = tuple(state[k].dtype for k in names)
+    return (rule.__module__, rule.__qualname__, hp, p.device.type, p.dtype, p.dim(), slot_dtypes,
+            item.gate is not None, torch.get_num_threads())
+
+
+def _build(item: Work, names: tuple[str, ...]) -> Callable[..., None]:
+    group = item.group
+    rule_hp = {k: v for k, v in group.items() if k not in _NOT_HP}
+    src = _kernel_source(rule_hp, names, math_dtype(item.p), item.gate is not None, bool(group["use_ema"]))
+    # A code object of its own per configuration: torch.compile keeps its compiled graphs per code
+    # object, and a shared one would count every configuration against one recompile limit.
+    code = src.__code__.replace(co_name=f"fused_rows_{group['algorithm']}_{len(_KERNELS)}")
+    fn = types.FunctionType(code, src.__globals__, code.co_name, src.__defaults__, src.__closure__)
+    # compile_threads=1: one kernel compiles faster in this process than through a pool of workers
+    # that each import torch first.
+    compiled: Callable[..., None] = torch.compile(fn, dynamic=True, fullgraph=True,
+                                                  options={"compile_threads": 1})
+    return compiled
+
+
+def call(fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+    """``fn(*args)``, a compiled kernel, under the settings every kernel here is compiled with."""
+    # Hyper-parameters are constants of the kernel, as they are Python numbers of the eager rule (an
+    # unspecialised float exponent makes inductor call pow() where eager torch.pow computes x ** -0.5
+    # as 1 / sqrt(x)). No duck sizing: sizes that happen to be equal in the first call (the touched
+    # rows and the rows of a buffer) must not become one symbol, or the next call recompiles. The few
+    # shape guards are checked in Python: compiled to C++ they cost a compiler run per kernel.
+    no_duck, dynamo = _settings()
+    with dynamo, no_duck, torch.no_grad():
+        fn(*args)
+
+
+_SETTINGS: list[Any] = []
+
+
+def _settings() -> list[Any]:
+    """The config patches of :func:`call`, made once: making one costs about 0.3 ms (it builds classes),
+    entering a made one about 5 µs (measured on torch 2.9; a step may call several kernels)."""
+    if not _SETTINGS:
+        _SETTINGS.extend([fx_config.patch(use_duck_shape=False),  # type: ignore[attr-defined]
+                          torch._dynamo.config.patch(specialize_float=True, enable_cpp_symbolic_shape_guards=False)])
+    return _SETTINGS
+
+
+def chunk_rows(dim: int) -> int:
+    """Distinct ids per kernel call on the CPU when the summed rows are made a range at a time: 4 MB of
+    float32 rows (16,384 rows of 64; 2 MB measured 10% slower at 2 threads, LazyAdam and 20 ids per bag:
+    more calls, each waking the thread pool), at least 1,024 rows (each call costs some 50 µs of Python). Steps
+    of at most 4 such ranges run in one call."""
+    return max(1024, _CHUNK_BYTES // (4 * max(dim, 1)))
+
+
+def _spans(n: int, size: int) -> list[tuple[int, int]]:
+    """``[0, n)`` in ranges of ``size``, none of a single row (dynamic shapes specialise size 1)."""
+    spans = [(a, min(a + size, n)) for a in range(0, n, size)]
+    if len(spans) > 1 and spans[-1][1] - spans[-1][0] < 2:
+        spans[-2:] = [(spans[-2][0], n)]
+    return spans
+
+
+def _to_reference(item: Work, start: int = 0) -> bool:
+    """``False``, with ``item``'s rows from ``start`` on summed for the reference path (when the fused
+    path took the factored gradient, :attr:`~._intake.Work.sums`)."""
+    if item.sums is not None:
+        assert item.ids is not None
+        item.g, item.ids, item.sums = item.sums.rows(start), item.ids[start:], None
+    return False
+
+
+def update(item: Work) -> bool:
+    """Run ``item``'s row update (unique ids, no sentinel) as fused kernel calls; ``False`` if no
+    kernel could be compiled, fewer than 2 rows were touched (dynamic shapes specialise sizes 0 and 1,
+    and such a step is no work to speed up), or :func:`policy` keeps this step on the reference path:
+    the caller then runs the reference path on ``item.ids`` and ``item.g`` (the rows not yet updated).
+
+    With ``item.sums`` (the factored gradient, sorted) the summed rows are made and updated a range of
+    :func:`chunk_rows` ids at a time on the CPU; each row's update is the same either way."""
+    global _NO_COMPILER
+    p, group, state, ids = item.p, item.group, item.state, item.ids
+    assert ids is not None
+    if ids.shape[0] < 2 or warming_up(item):
+        return _to_reference(item)
+    names = tuple(rule_slots(p, group))
+    key = _key(item, names)
+    first = key not in _KERNELS
+    if first:
+        if not has_compiler():
+            return _to_reference(item)
+        _KERNELS[key] = _build(item, names)
+    fn = _KERNELS[key]
+    if fn is None or (not first and p in _REFERENCE_ONLY):
+        return _to_reference(item)
+    step = state["step"] + 1
+    ema = bool(group["use_ema"])
+    clock, skip = item.clock, group["skip_nonfinite"]
+    rest = (
+        [state[k] for k in names], item.lr, step, logical_rows(p), item.gate,
+        state["ema"] if ema else None, state["ema_last"] if ema else None,
+        clock.ema_on(p.device, skip).to(torch.int32) if ema else None,
+        clock.keep(p.device, skip) if ema else None,
+        momentum_now(group, clock, p.device, math_dtype(p)) if ema else None,
+    )
+    sums, n = item.sums, ids.shape[0]
+    chunk = chunk_rows(p.shape[1])
+    # Ranges where the arrays would outgrow the cache many times over; one call below (each costs Python).
+    spans = _spans(n, chunk) if sums is not None and p.device.type == "cpu" and n > 4 * chunk else [(0, n)]
+    for start, stop in spans:
+        g = item.g if sums is None else sums.rows(start, stop)
+        # Not views: the compiled code would guard on each view's base (its size, and whether there is one).
+        # Not the Parameter either: dynamo keeps a parameter's shape static (force_parameter_static_shapes),
+        # so every table size would compile its own kernel; the detached alias writes the same storage.
+        part = ids if len(spans) == 1 else ids[start:stop].clone()
+        args = (p.detach(), part.detach(), g.detach(), *rest)
+        if first:
+            first = False
+            try:
+                call(fn, args)
+            except Exception as e:  # compiling failed before anything was written
+                _KERNELS[key] = None
+                text = str(e).strip()
+                # No compiler, or the first build of the process failed (a toolchain without Python's
+                # headers or OpenMP, say): later configurations would fail too, each after seconds of
+                # tracing. Once a kernel has been built, a failure is this configuration's alone.
+                if "InvalidCxxCompiler" in text or compiled_kernels() == 0:
+                    _NO_COMPILER = True
+                warn_once(f"{type(e).__name__}: {text.splitlines()[0] if text else ''}")
+                return _to_reference(item)
+            continue
+        try:
+            call(fn, args)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            # Raised by the guards, before the kernel runs: this table's shapes would need one more
+            # compile than torch.compile allows per kernel (a guard that sizes do not pass: tables of
+            # distinct sizes share one graph). This table takes the reference path from now on, from
+            # the rows not yet updated (the step count moves once, below or on the reference path).
+            _REFERENCE_ONLY[p] = True
+            return _to_reference(item, start)
+    state["step"].copy_(step if item.gate is None else torch.where(item.gate, step, state["step"]))
+    return True
+
+
+_REFERENCE_ONLY: WeakIdKeyDictionary = WeakIdKeyDictionary()  # type: ignore[no-untyped-call]
+
+
+def has_compiler() -> bool:
+    """Whether inductor has a C++ compiler; if not, warns once and every later step chooses the reference
+    path (:func:`usable` is then False)."""
+    global _NO_COMPILER
+    missing = _missing_compiler()
+    if missing is not None:
+        _NO_COMPILER = True
+        warn_once(missing)
+    return missing is None
+
+
+def _missing_compiler() -> str | None:
+    """Why inductor has no C++ compiler to build a CPU kernel with (``None``: it has one)."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+    except ImportError:  # another torch: the first compile tells
+        return None
+    try:
+        get_cpp_compiler()
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    return None
+
+
+def warn_once(why: str) -> None:
+    """Warn, once per process, that a kernel could not be compiled (``why``) and the reference path runs."""
+    global _WARNED
+    if _WARNED:
+        return
+    _WARNED = True
+    warnings.warn(
+        f"torch_tpu_embedding: the fused row update could not be compiled ({why}); eager updates run "
+        "the reference path (slower, same results). Set TTE_FUSED_UPDATE=0 to skip the attempt.",
+        RuntimeWarning,
+        stacklevel=2,
+    )

@@ -1,0 +1,448 @@
+"""Optimizer state in and out: ``state_dict`` / ``load_state_dict`` and the distributed-checkpoint form.
+
+Saved state is *logical*: keyed by table name (``table:<name>``; dense parameters ``param:<name or
+index>``), row slots cut to the table's ``num_embeddings`` (no padding or trash rows), and a fused
+group's state split per table, so it moves between CPU, one XLA device, any sharded layout, and
+fused or unfused collections. Pending accumulation-buffer ids that are padding are saved as ``-1``.
+
+:class:`PhysicalState` is the same state as it lives on the device (for ``torch.distributed.
+checkpoint``, which writes each device's shards); its small remainder is restored by
+:func:`load_physical_rest`. Both loads check the saved groups the same way (:func:`_check_groups`)
+and write hyper-parameters and pending buffers the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torch_tpu_embedding._rows.grads import table_info
+from torch_tpu_embedding._rows.placement import device_backend
+from torch_tpu_embedding._rows.row_order import (
+    Description,
+    describe,
+    from_logical,
+    logical_to_owned,
+    owned_to_logical,
+    to_logical,
+)
+from torch_tpu_embedding._rows.stacked_state import Members, merge_member_state, split_member_state
+from torch_tpu_embedding._util.dtypes import math_dtype
+from torch_tpu_embedding._util.registry import optimizer_class
+from torch_tpu_embedding.optim._core.extras import EXTRA_DEFAULTS, check_extras
+from torch_tpu_embedding.optim._core.hyperparams import validate_common
+from torch_tpu_embedding.optim._core.slots import (
+    ACCUMULATION,
+    from_saved_ids,
+    logical_rows,
+    slot_rows,
+    specs,
+    to_saved_ids,
+    write_whole,
+)
+from torch_tpu_embedding.optim._core.step_values import to_device
+from torch_tpu_embedding.optim._state.state_check import (
+    accumulation_problems,
+    counter_problems,
+    entry_problems,
+    step_value,
+)
+
+if TYPE_CHECKING:
+    from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
+
+__all__ = [
+    "PhysicalState", "load_physical_rest", "load_state_dict", "param_keys", "physical_state", "rest_problems",
+    "state_dict", "state_problems",
+]
+
+Tensor = torch.Tensor
+
+
+@dataclasses.dataclass
+class PhysicalState:
+    """An optimizer's state as it is on the device (for distributed checkpoints).
+
+    ``tensors["<key>/<slot>"]`` is the slot itself (sharded, with trash and padding rows),
+    ``logical_rows`` the same key's rows in :func:`state_dict` (``None``: saved whole) and ``layouts``
+    how they are stored (``torch_tpu_embedding._rows.row_order.describe``; ``None``: in order). The rest is
+    small and on the host: hyper-parameters (``param_groups`` as :func:`state_dict` saves them), the
+    call counter, pending accumulation buffers by key, and each fused group's tables by key.
+    """
+
+    tensors: dict[str, Tensor]
+    logical_rows: dict[str, int | None]
+    param_groups: list[dict[str, Any]]
+    iterations: int
+    accumulation: dict[str, dict[str, Tensor]]
+    members: dict[str, Members]
+    layouts: dict[str, Description] = dataclasses.field(default_factory=dict)
+
+    def rest(self) -> dict[str, Any]:
+        """What a distributed checkpoint stores beside the tensors (read back by :func:`load_physical_rest`)."""
+        return {"param_groups": self.param_groups, "iterations": self.iterations, "acc": self.accumulation}
+
+
+def param_keys(opt: RowSparseOptimizer, *, group_as_one: bool = False) -> dict[int, str]:
+    """Stable names by ``id(param)``: ``table:<name>`` for tables, else the given name or ``param:<i>``.
+
+    ``i`` counts parameters in group order with a fused group counted as its tables, so a dense
+    parameter keeps its key whether the tables beside it are fused or not (``group_as_one``: as
+    checkpoints written before 2026-11-23 numbered them, a fused group counted once).
+    """
+    keys: dict[int, str] = {}
+    i = 0
+    for group in opt.param_groups:
+        names = group.get("param_names")
+        for j, p in enumerate(group["params"]):
+            info = table_info(p)
+            if info is not None:
+                keys[id(p)] = f"table:{info.name}"
+            elif names is not None:
+                keys[id(p)] = f"param:{names[j]}"
+            else:
+                keys[id(p)] = f"param:{i}"
+            i += 1 if info is None or info.members is None or group_as_one else len(info.members)
+    return keys
+
+
+def _renumbered(opt: RowSparseOptimizer, sd: dict[str, Any], keys: Mapping[int, str]) -> dict[str, Any]:
+    """``sd`` with dense parameters keyed as :func:`param_keys` numbers them today, if it was saved with
+    the older numbering (a fused group counted once); otherwise ``sd`` itself."""
+    old = param_keys(opt, group_as_one=True)
+    rename = {old[pid]: new for pid, new in keys.items() if old[pid] != new}
+    saved = {k for g in sd["param_groups"] for k in g["params"]}
+    if not rename or not set(rename) <= saved or saved & (set(rename.values()) - set(rename)):
+        return sd
+    groups = [{**g, "params": [rename.get(k, k) for k in g["params"]]} for g in sd["param_groups"]]
+    return {**sd, "state": {rename.get(k, k): v for k, v in sd["state"].items()}, "param_groups": groups}
+
+
+def _members(p: Tensor) -> Members | None:
+    info = table_info(p)
+    return None if info is None else info.members
+
+
+def _logical_keys(p: Tensor, key: str, rows: int) -> list[tuple[str, int]]:
+    """``p``'s keys in :func:`state_dict` with their logical rows (``p``'s ``key`` and ``rows``, or one
+    per table of a fused group)."""
+    members = _members(p)
+    return [(key, rows)] if members is None else [(f"table:{name}", n) for name, _, n in members]
+
+
+def _groups_by_param(opt: RowSparseOptimizer) -> dict[int, dict[str, Any]]:
+    return {id(p): g for g in opt.param_groups for p in g["params"]}
+
+
+def _saved_groups(opt: RowSparseOptimizer, keys: Mapping[int, str]) -> list[dict[str, Any]]:
+    """The parameter groups as saved: hyper-parameters (not callables) and the params' logical keys."""
+    groups = []
+    for group in opt.param_groups:
+        saved = {
+            k: v
+            for k, v in group.items()
+            if k not in ("params", "slot_creation_fn") and not (callable(v) and not isinstance(v, Tensor))
+        }
+        saved["params"] = [k for p in group["params"] for k, _ in _logical_keys(p, keys[id(p)], 0)]
+        groups.append(saved)
+    return groups
+
+
+def state_dict(opt: RowSparseOptimizer) -> dict[str, Any]:
+    """See :meth:`RowSparseOptimizer.state_dict`."""
+    keys = param_keys(opt)
+    group_of = _groups_by_param(opt)
+    state: dict[str, Any] = {}
+    for p, s in opt.state.items():
+        if id(p) not in keys:
+            continue
+        all_specs = specs(p, group_of[id(p)])
+        numbers = slot_rows(p, group_of[id(p)]).numbers
+        out: dict[str, Tensor] = {}
+        for name, v in s.items():
+            if name in ACCUMULATION:
+                continue
+            out[name] = _logical_slot(p, v, numbers[name]) if name in numbers else v
+        out.update(_saved_accumulation(p, s))
+        members = _members(p)
+        if members is None:
+            state[keys[id(p)]] = out
+            continue
+        row_slots = [k for k, spec in all_specs.items() if spec.rows and spec.shape]
+        parts = split_member_state(out, members, row_slots)
+        state.update({f"table:{name}": part for name, part in parts.items()})
+    return {"state": state, "param_groups": _saved_groups(opt, keys), "iterations": opt._run.iterations,
+            "skipped_steps": opt.skipped_steps, "overflowed_steps": opt.overflowed_steps}
+
+
+def physical_state(opt: RowSparseOptimizer) -> PhysicalState:
+    """See :meth:`RowSparseOptimizer.physical_state`."""
+    keys = param_keys(opt)
+    group_of = _groups_by_param(opt)
+    tensors: dict[str, Tensor] = {}
+    rows: dict[str, int | None] = {}
+    layouts: dict[str, Description] = {}
+    acc: dict[str, dict[str, Tensor]] = {}
+    for p, s in opt.state.items():
+        key = keys[id(p)]
+        numbers = slot_rows(p, group_of[id(p)]).numbers
+        info = table_info(p)
+        n = logical_rows(p)
+        saved = _saved_accumulation(p, s)
+        if saved:
+            acc[key] = {k: v.detach().cpu() for k, v in saved.items()}
+        for name, v in s.items():
+            if name in ACCUMULATION:
+                continue
+            tensors[f"{key}/{name}"] = v
+            rows[f"{key}/{name}"] = n if name in numbers else None
+            if name in numbers and info is not None:
+                layouts[f"{key}/{name}"] = describe(info.layout, numbers[name])
+    members = {keys[id(p)]: m for p in opt.state if (m := _members(p)) is not None}
+    return PhysicalState(tensors, rows, _saved_groups(opt, keys), opt._run.iterations, acc, members, layouts)
+
+
+def _logical_slot(p: Tensor, slot: Tensor, k: int) -> Tensor:
+    """Row slot ``k`` of ``p`` in logical order, cut to the logical rows (a view when stored in order;
+    gathered on the host when the table is stored permuted)."""
+    info = table_info(p)
+    layout = None if info is None else info.layout
+    return to_logical(slot if layout is None else slot.detach().cpu(), logical_rows(p), layout, k)
+
+
+def _write_logical_slot(p: Tensor, slot: Tensor, value: Tensor, k: int) -> None:
+    """Write logical rows ``value`` into row slot ``k`` of ``p`` (one whole-tensor copy; trash kept)."""
+    info = table_info(p)
+    layout = None if info is None else info.layout
+    if layout is None:
+        write_whole(slot, to_device(value.to(slot.dtype), p.device))
+        return
+    # From the host tensor itself: the sharded slot keeps its layout (a replicated device copy would not).
+    slot.copy_(from_logical(value.to(slot.dtype).cpu(), slot.detach().cpu(), layout, k))
+
+
+def _saved_accumulation(p: Tensor, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """A table's pending accumulation buffers as saved: logical ids (``-1`` = padding) and their rows."""
+    if "acc_ids" not in state:
+        return {}
+    info = table_info(p)
+    ids, rows = state["acc_ids"], state["acc_rows"]
+    if info is None or not info.owner_local or info.layout is None:
+        return {"acc_ids": to_saved_ids(ids, logical_rows(p)), "acc_rows": rows}
+    n = info.num_shards
+    ids_l, rows_l = owned_to_logical(ids.detach().cpu(), rows.detach().cpu(), info.layout, p.shape[0], n)
+    return {"acc_ids": to_saved_ids(ids_l, logical_rows(p)), "acc_rows": rows_l}
+
+
+def _check_groups(opt: RowSparseOptimizer, saved: list[dict[str, Any]], keys: Mapping[int, str] | None) -> list[str]:
+    """Problems between saved parameter groups and ours: count, optimizer, and (given ``keys``) params."""
+    problems: list[str] = []
+    if len(saved) != len(opt.param_groups):
+        problems.append(f"{len(saved)} parameter groups saved, {len(opt.param_groups)} here")
+    for i, (sg, g) in enumerate(zip(saved, opt.param_groups, strict=False)):
+        if keys is not None:
+            mine = [k for p in g["params"] for k, _ in _logical_keys(p, keys[id(p)], 0)]
+            if sorted(sg["params"]) != sorted(mine):
+                missing = sorted(set(mine) - set(sg["params"]))
+                extra = sorted(set(sg["params"]) - set(mine))
+                problems.append(f"group {i}: missing {missing}, unexpected {extra}")
+        if sg.get("algorithm") != g["algorithm"]:
+            problems.append(f"group {i}: saved by optimizer '{sg.get('algorithm')}', loading into '{g['algorithm']}'")
+            continue
+        merged = {**g, **{k: v for k, v in sg.items() if k != "params" and not _callable(g.get(k))}}
+        try:  # the saved hyper-parameters must pass the constructor's checks
+            check_extras(merged, {k: merged[k] for k in EXTRA_DEFAULTS if k in merged})
+            validate_common(merged)
+            optimizer_class(g["algorithm"])._validate(merged)
+        except (TypeError, ValueError) as e:
+            problems.append(f"group {i}: {e}")
+    return problems
+
+
+def _callable(v: Any) -> bool:
+    return callable(v) and not isinstance(v, Tensor)
+
+
+def _apply_groups(opt: RowSparseOptimizer, saved: list[dict[str, Any]]) -> None:
+    """Saved hyper-parameters into our groups (our callables — a callable ``lr`` — are kept)."""
+    for sg, g in zip(saved, opt.param_groups, strict=True):
+        for k, v in sg.items():
+            if k != "params" and not _callable(g.get(k)):
+                g[k] = v
+
+
+def _restore_accumulation(state: dict[str, Tensor], bufs: Mapping[str, Tensor], p: Tensor) -> None:
+    """Pending accumulation buffers (saved form) into ``p``'s state (per shard for the owner-local path)."""
+    if "acc_ids" not in bufs:
+        return
+    info = table_info(p)
+    ids, rows = bufs["acc_ids"].detach(), bufs["acc_rows"].detach().to(dtype=math_dtype(p))
+    if info is not None and info.owner_local and info.layout is not None:
+        n = info.num_shards
+        ids, rows = logical_to_owned(ids.cpu(), rows.cpu(), info.layout, p.shape[0], n)
+        state["acc_ids"], state["acc_rows"] = ids.to(p.device), rows.to(p.device)
+        device_backend("xla").shard_slot(p, state["acc_ids"], rows=True)
+        device_backend("xla").shard_slot(p, state["acc_rows"], rows=True)
+        return
+    state["acc_ids"] = to_device(from_saved_ids(ids, p.shape[0]), p.device)
+    state["acc_rows"] = to_device(rows, p.device)
+
+
+def _saved_group_of(saved_groups: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """The saved hyper-parameters of the group holding ``key`` (to know which slots it saved)."""
+    for sg in saved_groups:
+        if key in sg["params"]:
+            return {k: v for k, v in sg.items() if k != "params"}
+    return {}
+
+
+def _merged_state(
+    opt: RowSparseOptimizer, saved: Mapping[str, Mapping[str, Tensor]], by_key: Mapping[str, Tensor],
+    keys: Mapping[int, str],
+) -> dict[str, Mapping[str, Tensor]]:
+    """Saved state by physical key: the per-table entries of a fused group's tables stacked."""
+    out: dict[str, Mapping[str, Tensor]] = {}
+    fused: dict[int, dict[str, Mapping[str, Tensor]]] = {}
+    for key, s in saved.items():
+        p = by_key[key]
+        if _members(p) is None:
+            out[key] = s
+        else:
+            fused.setdefault(id(p), {})[key[len("table:"):]] = s
+    params = {id(p): p for p in by_key.values()}
+    for pid, parts in fused.items():
+        p = params[pid]
+        members = _members(p)
+        assert members is not None
+        group = opt._group_of(p)
+        state = opt._state_for(p, group)
+        all_specs = specs(p, group)
+
+        def current(slot: str, off: int, n: int, state: dict[str, Tensor] = state) -> Tensor:
+            return state[slot][off : off + n]
+
+        row_slots = [k for k, spec in all_specs.items() if spec.rows and spec.shape]
+        out[keys[pid]] = merge_member_state(parts, members, row_slots, current)
+    return out
+
+
+def _logical_targets(opt: RowSparseOptimizer, keys: Mapping[int, str]) -> tuple[dict[str, Tensor], dict[str, int]]:
+    """Logical keys: a fused group answers to each of its tables' keys, with that table's rows."""
+    by_key: dict[str, Tensor] = {}
+    rows_of: dict[str, int] = {}
+    for g in opt.param_groups:
+        for p in g["params"]:
+            for key, n in _logical_keys(p, keys[id(p)], logical_rows(p)):
+                by_key[key], rows_of[key] = p, n
+    return by_key, rows_of
+
+
+def state_problems(opt: RowSparseOptimizer, sd: Any) -> list[str]:
+    """Everything in ``sd`` that :func:`load_state_dict` would refuse (empty: it loads); writes nothing."""
+    if not isinstance(sd, Mapping) or not isinstance(sd.get("state"), Mapping) \
+            or not isinstance(sd.get("param_groups"), list):
+        return ["not an optimizer state_dict (needs 'state' and 'param_groups')"]
+    bad = [f"param_groups[{i}] is a {type(g).__name__}, not a mapping with a 'params' list"
+           for i, g in enumerate(sd["param_groups"])
+           if not isinstance(g, Mapping) or not isinstance(g.get("params"), list)]
+    bad += [f"state[{k!r}] is a {type(v).__name__}, not a mapping of slot names to tensors"
+            for k, v in sd["state"].items() if not isinstance(v, Mapping)]
+    if bad:
+        return bad
+    keys = param_keys(opt)
+    sd = _renumbered(opt, dict(sd), keys)
+    by_key, rows_of = _logical_targets(opt, keys)
+    group_of = _groups_by_param(opt)
+    saved_groups = sd["param_groups"]
+    problems = _check_groups(opt, saved_groups, keys) + counter_problems(sd)
+    pending: dict[int, set[int]] = {}  # a fused group's tables' pending call counts (merged side by side)
+    for key, s in sd["state"].items():
+        p = by_key.get(key)
+        if p is None:
+            continue  # reported above through the groups
+        all_specs = specs(p, {**group_of[id(p)], **_saved_group_of(saved_groups, key)})
+        found = entry_problems(key, s, p, all_specs, rows_of[key])
+        problems += found
+        if "acc_ids" in s and not found:
+            pending.setdefault(id(p), set()).add(s["acc_ids"].shape[0])
+    problems += [f"the stacked tables of one group hold pending accumulation buffers of different call counts "
+                 f"{sorted(counts)}" for counts in pending.values() if len(counts) > 1]
+    return problems
+
+
+def load_state_dict(opt: RowSparseOptimizer, sd: dict[str, Any]) -> None:
+    """See :meth:`RowSparseOptimizer.load_state_dict`."""
+    problems = state_problems(opt, sd)
+    if problems:
+        raise ValueError("Optimizer state does not match: " + "; ".join(problems))
+    keys = param_keys(opt)
+    sd = _renumbered(opt, sd, keys)
+    # A step saved as a Python number (torch's optimizers accept one) as the 0-d tensor the state holds.
+    steps = {k: {**s, "step": step_value(s["step"])} for k, s in sd["state"].items() if "step" in s}
+    sd = {**sd, "state": {**sd["state"], **steps}}
+    by_key, _ = _logical_targets(opt, keys)
+    group_of = _groups_by_param(opt)
+    saved_groups = sd["param_groups"]
+    opt.state.clear()
+    _apply_groups(opt, saved_groups)
+    physical = {keys[id(p)]: p for g in opt.param_groups for p in g["params"]}
+    for key, s in _merged_state(opt, sd["state"], by_key, keys).items():
+        p = physical[key]
+        state = opt._state_for(p, group_of[id(p)])
+        _restore_accumulation(state, {k: v for k, v in s.items() if k in ACCUMULATION}, p)
+        numbers = slot_rows(p, group_of[id(p)]).numbers
+        for name, v in s.items():
+            v = v.detach()
+            # Whole-tensor writes into the slots made by _state_for: they keep their layout
+            # (SPMD sharding, trash and padding rows, row order); 0-d values arrive as device data.
+            if name == "step":
+                state[name].copy_(to_device(v, p.device))
+            elif name in ACCUMULATION:
+                continue
+            elif name in numbers:
+                _write_logical_slot(p, state[name], v, numbers[name])
+            else:
+                state[name].copy_(to_device(v.to(state[name].dtype), p.device))
+    opt._run.iterations = int(sd.get("iterations", 0))
+    # skipped_steps counts both kinds of dropped calls; the overflow's also move the call counter.
+    overflowed = int(sd.get("overflowed_steps", 0))
+    skipped = int(sd.get("skipped_steps", 0)) - overflowed
+    opt._run.skipped = torch.tensor([skipped], dtype=torch.int64) if skipped else None
+    opt._run.dropped = torch.tensor([overflowed], dtype=torch.int64) if overflowed else None
+    opt._lrs.clear()
+
+
+def rest_problems(opt: RowSparseOptimizer, rest: Mapping[str, Any]) -> list[str]:
+    """What :func:`load_physical_rest` would refuse in ``rest`` (empty: it loads); writes nothing."""
+    if not isinstance(rest, Mapping) or not isinstance(rest.get("param_groups"), list) \
+            or not isinstance(rest.get("acc"), Mapping) or "iterations" not in rest:
+        return ["the optimizer entry of tte_meta.pt is not a mapping with 'param_groups', 'iterations' and 'acc'"]
+    problems = _check_groups(opt, rest["param_groups"], None) + counter_problems(rest)
+    keys = param_keys(opt)
+    by_key = {keys[id(p)]: p for g in opt.param_groups for p in g["params"]}
+    for key, bufs in rest["acc"].items():
+        p = by_key.get(key)
+        if p is None or table_info(p) is None or not isinstance(bufs, Mapping):
+            problems.append(f"pending accumulation buffers saved for {key!r}, which is no table here")
+            continue
+        problems += accumulation_problems(key, bufs, logical_rows(p), p.shape[-1])
+    return problems
+
+
+def load_physical_rest(opt: RowSparseOptimizer, rest: Mapping[str, Any]) -> None:
+    """See :meth:`RowSparseOptimizer.load_physical_rest`."""
+    problems = rest_problems(opt, rest)
+    if problems:
+        raise ValueError("Optimizer state does not match: " + "; ".join(problems))
+    keys = param_keys(opt)
+    by_key = {keys[id(p)]: p for g in opt.param_groups for p in g["params"]}
+    saved = rest["param_groups"]
+    _apply_groups(opt, saved)
+    opt._run.iterations = int(rest["iterations"])
+    for key, bufs in rest["acc"].items():
+        p = by_key[key]
+        _restore_accumulation(opt.state[p], bufs, p)
+    opt._lrs.clear()

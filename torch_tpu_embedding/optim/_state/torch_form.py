@@ -1,0 +1,287 @@
+"""torch.optim's ``state_dict`` layout, for ``torch.distributed.checkpoint.state_dict``'s helpers.
+
+Our ``state_dict()`` keys state by table (``table:<name>``, ``param:<...>``: optim/state_io.py), so
+that it moves between stacked and unstacked collections. torch's helpers
+(``get_optimizer_state_dict`` / ``get_state_dict``, TorchTitan's checkpointing) need torch.optim's
+layout instead: ``state`` keyed by each parameter's position in ``param_groups`` (they rename
+positions to the parameter's module path), ``params`` lists of positions, nothing beside ``state``
+and ``param_groups``.
+
+:func:`state_dict` gives them that layout with no opt-in: when the caller of ``opt.state_dict()`` is
+torch's helper (:func:`called_by_torch_helpers`), every slot is created (the helpers need an entry per
+parameter) and the state is turned to torch's layout (:func:`to_torch_layout`); every other caller
+(``tte.checkpoint``, a user) gets ours. :func:`use_torch_layout` makes ``state_dict()`` torch's layout
+for every caller. ``load_state_dict`` reads either layout (:func:`from_torch_layout`, called by
+``RowSparseOptimizer.load_state_dict``). One entry per parameter: a stacked group's entry holds its
+tables' state joined in their logical rows (``[Σ num_embeddings, ...]``). Each saved group keeps,
+under ``tte_params``, every parameter's tables and rows (and a group's row slots), so a group's entry
+is split per table again and loads into a collection stacked otherwise; and, under ``iterations`` /
+``skipped_steps``, the optimizer's call counters (torch's helpers keep only ``state`` and
+``param_groups``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torch_tpu_embedding._rows.grads import table_info
+from torch_tpu_embedding._rows.placement import dtensor_placement, group_placement, is_dtensor
+from torch_tpu_embedding._rows.stacked_state import merge_member_state, split_member_state
+from torch_tpu_embedding.optim._core.slots import logical_rows, specs
+from torch_tpu_embedding.optim._state import state_io
+from torch_tpu_embedding.optim._state.state_io import param_keys
+
+if TYPE_CHECKING:
+    from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
+
+__all__ = ["called_by_torch_helpers", "from_torch_layout", "state_dict", "to_torch_layout", "use_torch_layout"]
+
+_TTE = "tte_params"  # a saved group's key: per parameter, {"keys", "rows", "row_slots"}
+_COUNTERS = ("iterations", "skipped_steps")
+_UNSAVED = "tte_unsaved"  # a saved group's key: the keys saved as None placeholders (see to_torch_layout)
+# Where torch's helpers call ``optim.state_dict()`` (torch 2.9 to 2.13: ``_get_optim_state_dict``, which
+# ``get_optimizer_state_dict``, ``get_state_dict`` and a full-state-dict ``set_*`` go through).
+_HELPERS_MODULE = "torch.distributed.checkpoint.state_dict"
+_HELPERS_CALLER = "_get_optim_state_dict"
+
+
+def called_by_torch_helpers() -> bool:
+    """Whether the ``state_dict()`` running now was called by ``torch.distributed.checkpoint.
+    state_dict``'s helpers: the first frame above the ``state_dict`` methods (ours, and a subclass's
+    override calling ``super()``) is torch's ``_get_optim_state_dict``.
+
+    The helpers call ``optim.state_dict()`` and rename its integer keys, so they cannot read our
+    layout; they give the optimizer no other way to learn who asks (no argument, no flag).
+    """
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_name == "state_dict":
+        frame = frame.f_back  # type: ignore[assignment]
+    return frame is not None and frame.f_code.co_name == _HELPERS_CALLER \
+        and frame.f_globals.get("__name__") == _HELPERS_MODULE
+
+
+def state_dict(optimizer: RowSparseOptimizer) -> dict[str, Any]:
+    """``optimizer``'s state in our layout, or, when torch's helpers ask (:func:`called_by_torch_helpers`),
+    in torch.optim's, every slot created first (a fresh optimizer's template has an entry per parameter)."""
+    if not called_by_torch_helpers() or getattr(optimizer, "_tte_torch_layout", False):
+        return state_io.state_dict(optimizer)  # (use_torch_layout's hooks turn it, user hooks between)
+    optimizer.init_state()
+    return to_torch_layout(optimizer, state_io.state_dict(optimizer))
+
+
+def use_torch_layout(optimizer: RowSparseOptimizer) -> RowSparseOptimizer:
+    """Make ``optimizer.state_dict()`` torch.optim's layout for every caller; returns ``optimizer``.
+
+    Not needed for ``torch.distributed.checkpoint.state_dict``'s helpers (since 2026-11-26 they get
+    torch's layout without it: :func:`state_dict`); kept for code that calls it, and for reading torch's
+    layout from ``state_dict()`` itself. Registers a ``state_dict`` pre-hook (every slot created, as
+    :meth:`~RowSparseOptimizer.init_state`) and post-hook (:func:`to_torch_layout`). Loading needs
+    nothing: ``load_state_dict`` takes either layout. Calling it again changes nothing.
+    """
+    if getattr(optimizer, "_tte_torch_layout", False):
+        return optimizer
+    optimizer.register_state_dict_pre_hook(_create_state)
+    optimizer.register_state_dict_post_hook(to_torch_layout)
+    optimizer._tte_torch_layout = True  # type: ignore[attr-defined]
+    return optimizer
+
+
+def _create_state(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.init_state()  # type: ignore[attr-defined]
+
+
+def _describe(p: torch.Tensor, group: Mapping[str, Any], key: str) -> dict[str, Any]:
+    """``p``'s tables as saved: logical keys, their rows, and (a stacked group) its row slots."""
+    info = table_info(p)
+    members = None if info is None else info.members
+    if members is None:
+        return {"keys": [key], "rows": [logical_rows(p)], "row_slots": []}
+    slots = sorted(k for k, spec in specs(p, group).items() if spec.rows and spec.shape)
+    return {"keys": [f"table:{n}" for n, _, _ in members], "rows": [n for _, _, n in members], "row_slots": slots}
+
+
+def _members(desc: Mapping[str, Any]) -> tuple[tuple[str, int, int], ...]:
+    out, off = [], 0
+    for key, n in zip(desc["keys"], desc["rows"], strict=True):
+        out.append((key, off, int(n)))
+        off += int(n)
+    return tuple(out)
+
+
+def to_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` post-hook: our layout ``sd`` → torch.optim's (positions; see the module); ``sd``
+    itself when it is torch's already (torch's helpers asked: :func:`state_dict` turned it)."""
+    if not _is_ours(sd):
+        return sd
+    keys = param_keys(opt)  # type: ignore[arg-type]
+    state: dict[int, dict[str, Any]] = {}
+    groups: list[dict[str, Any]] = []
+    pid = 0
+    for group, saved in zip(opt.param_groups, sd["param_groups"], strict=True):
+        out = {k: v for k, v in saved.items() if k != "params"}
+        out["params"], out[_TTE] = [], []
+        for p in group["params"]:
+            desc = _describe(p, group, keys[id(p)])
+            parts = {k: sd["state"][k] for k in desc["keys"] if k in sd["state"]}
+            if len(desc["keys"]) == 1:
+                entry = parts.get(desc["keys"][0])
+            elif parts:
+                members = _members(desc)
+                entry = merge_member_state(parts, members, desc["row_slots"], _no_current(desc["keys"]))
+            else:
+                entry = None
+            if entry is not None:
+                state[pid] = _as_dtensors(p, group, dict(entry))
+            out["params"].append(pid)
+            out[_TTE].append(desc)
+            pid += 1
+        for k in _COUNTERS:
+            out[k] = int(sd.get(k, 0))
+        # What is not saved (callables: `slot_creation_fn`, a callable `lr`) as None: torch's helpers
+        # look every key of the live groups up; loading keeps the live value (as for our layout).
+        out[_UNSAVED] = [k for k in group if k not in out]
+        out.update({k: None for k in out[_UNSAVED]})
+        groups.append(out)
+    return {"state": state, "param_groups": groups}
+
+
+def _as_dtensors(p: torch.Tensor, group: Mapping[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
+    """A table sharded over a process group with ``dtensor_state_dict=True``: its row slots as DTensors
+    ``Shard(0)`` of their logical rows, as its weight is in the model's state_dict (a collective: every
+    rank's helper call converts the same slots in the same order). Other parameters: ``entry`` as is."""
+    spread = dtensor_placement(p)
+    if spread is None:
+        return entry
+    rows = [k for k, spec in sorted(specs(p, group).items()) if spec.rows and k in entry]
+    return {**entry, **{k: spread.to_logical(entry[k], slot=True) for k in rows}}
+
+
+def _from_dtensors(opt: torch.optim.Optimizer, entry: Any, key: str, live: Mapping[str, torch.Tensor],
+                   group: Mapping[str, Any]) -> Any:
+    """The inverse of :func:`_as_dtensors` on the loaded entry of table ``key``: each DTensor slot back to
+    this rank's stored rows of the live parameter (a collective, in the order :func:`_as_dtensors` used).
+    An entry without DTensors, as is (the stored rows, as a plain entry of the model's ``state_dict``).
+
+    Raises (on every rank alike, before any collective: the checks read global shapes only):
+        ValueError: DTensors for a table not sharded with ``dtensor_state_dict=True`` here, for a slot that
+            is not one of the table's row slots, or of a global shape other than the slot's logical rows.
+    """
+    if not isinstance(entry, Mapping) or not any(is_dtensor(v) for v in entry.values()):
+        return entry
+    p = live.get(key)
+    spread = None if p is None else dtensor_placement(p)
+    name = key.split(":", 1)[-1]
+    if p is None or spread is None:
+        how = "not sharded over a process group" if p is None or group_placement(p) is None else \
+            "sharded without dtensor_state_dict"
+        raise ValueError(f"Optimizer state of `{name}` holds DTensors: load it into a model whose table `{name}` is "
+                         "sharded over a process group with tte.distributed.shard(..., dtensor_state_dict=True). "
+                         f"Received: DTensor slots {sorted(k for k, v in entry.items() if is_dtensor(v))} for a "
+                         f"table {how} here")
+    rows = {k: (spread.rows, *spec.shape[1:]) for k, spec in specs(p, group).items() if spec.rows and spec.shape}
+    for k, v in sorted(entry.items()):
+        if is_dtensor(v) and tuple(v.shape) != rows.get(k):
+            rule = (f"a DTensor of slot '{k}' must be a Shard(0) of shape {rows[k]}: the table's {spread.rows} logical "
+                    "rows") if k in rows else f"only its row slots ({sorted(rows)}) can be DTensors"
+            raise ValueError(f"Optimizer state of `{name}` does not match: {rule}. Received: slot '{k}', a DTensor "
+                             f"of shape {tuple(v.shape)}")
+    live_slots = opt.state[p]
+    return {k: spread.from_logical(v, name, live_slots.get(k), slot=True) if is_dtensor(v) else v
+            for k, v in sorted(entry.items())}
+
+
+def _no_current(keys: list[str]) -> Any:
+    def current(slot: str, off: int, n: int) -> torch.Tensor:
+        raise ValueError(f"Optimizer state of a stacked group ({keys}) lacks slot '{slot}' for one of its tables.")
+    return current
+
+
+def _is_ours(sd: Mapping[str, Any]) -> bool:
+    groups = sd.get("param_groups")
+    if not isinstance(groups, list):
+        return True  # not a state_dict at all: our loader names the problem
+    return all(
+        not isinstance(g, Mapping) or not isinstance(g.get("params"), list)
+        or all(isinstance(k, str) and k.startswith(("table:", "param:")) for k in g["params"])
+        for g in groups
+    )
+
+
+def from_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any] | None:
+    """For ``load_state_dict``: torch.optim's layout (positions, or module paths as torch's
+    helpers give it) → ours; ``None`` (load ``sd`` as is) when ``sd`` is in our layout already.
+
+    A saved group's ``tte_params`` names each parameter's tables (without them, parameters are matched
+    by position, as torch.optim does). Its ``iterations`` and ``skipped_steps`` are required: a dict
+    without them (``flatten_optimizer_state_dict=True`` drops them) is refused, not loaded with the
+    counters reset; so is an empty entry (what that option gives for an optimizer with no slots).
+    """
+    if _is_ours(sd) or not isinstance(sd.get("state"), Mapping) or not all(
+            isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in sd["param_groups"]):
+        return None  # ours, or not a state_dict at all: our loader names the problem
+    saved_groups = sd["param_groups"]
+    if len(saved_groups) != len(opt.param_groups):
+        raise ValueError(
+            f"Optimizer state does not match: {len(saved_groups)} parameter groups saved, {len(opt.param_groups)} here"
+        )
+    keys = param_keys(opt)  # type: ignore[arg-type]
+    live = {keys[id(p)]: p for g in opt.param_groups for p in g["params"]}
+    state: dict[str, Any] = {}
+    groups: list[dict[str, Any]] = []
+    counters: dict[str, int] = {}
+    for gi, (saved, group) in enumerate(zip(saved_groups, opt.param_groups, strict=True)):
+        descs = saved.get(_TTE)
+        if descs is None:
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"Optimizer state does not match: group {gi} saved {len(saved['params'])} parameters, "
+                    f"{len(group['params'])} here"
+                )
+            descs = [_describe(p, group, keys[id(p)]) for p in group["params"]]
+        _check_descs(gi, saved["params"], descs)
+        for k in _COUNTERS:
+            if k not in saved:
+                raise ValueError(
+                    f"Optimizer state does not match: group {gi} has no '{k}' (an optimizer counter). torch's "
+                    "flatten_optimizer_state_dict=True keeps only keys the live groups have, and drops it: "
+                    "save without it (use_torch_layout's state_dict keeps it in each group)."
+                )
+            counters[k] = max(counters.get(k, 0), int(saved[k]))
+        out = {k: v for k, v in saved.items() if k not in ("params", _TTE, _UNSAVED, *_COUNTERS,
+                                                     *saved.get(_UNSAVED, []))}
+        out["params"] = []
+        for k, desc in zip(saved["params"], descs, strict=True):
+            out["params"].extend(desc["keys"])
+            entry = sd["state"].get(k)
+            if entry is None:
+                continue
+            if not isinstance(entry, Mapping):
+                raise ValueError(f"Optimizer state does not match: state[{k!r}] is a {type(entry).__name__}, "
+                                 "not a mapping of slot names to tensors")
+            if not entry:  # what torch's unflattening gives for an optimizer with no slots yet
+                raise ValueError(f"Optimizer state does not match: the saved state of {desc['keys']} is empty.")
+            if len(desc["keys"]) == 1:
+                state[desc["keys"][0]] = _from_dtensors(opt, entry, desc["keys"][0], live, group)
+            else:
+                members = _members(desc)
+                parts = split_member_state(entry, members, desc["row_slots"])
+                state.update(parts)
+        groups.append(out)
+    return {"state": state, "param_groups": groups, **counters}
+
+
+def _check_descs(gi: int, params: list[Any], descs: Any) -> None:
+    """A saved group's ``tte_params``: one ``{"keys", "rows", "row_slots"}`` per parameter, as
+    :func:`to_torch_layout` writes them (checked before anything is written)."""
+    ok = isinstance(descs, list) and len(descs) == len(params) and all(
+        isinstance(d, Mapping) and isinstance(d.get("keys"), list) and isinstance(d.get("rows"), list)
+        and isinstance(d.get("row_slots"), list) and len(d["keys"]) == len(d["rows"]) >= 1
+        and all(isinstance(k, str) for k in d["keys"]) and all(isinstance(n, int) and n >= 0 for n in d["rows"])
+        for d in descs)
+    if not ok:
+        raise ValueError(f"Optimizer state does not match: param_groups[{gi}]['{_TTE}'] is not one "
+                         f"{{'keys', 'rows', 'row_slots'}} per parameter ({len(params)}). Received: {descs!r}")

@@ -8,9 +8,13 @@ its contracts cannot say:
 * no import of the package's own modules inside a function, except of a module that needs torch_xla
   (it imports torch_xla, or a module that does, at its top level): that keeps `import torch_tpu_embedding`
   free of torch_xla. Each such import carries a comment on its line saying why;
-* every module of the package is in a layer of the `layers` contract (a package's `__init__` aside).
+* every module of the package is in a layer of the `layers` contract (a package's `__init__` aside);
+* only modules of `xla/` name torch_xla, or a module of `xla/`, in an `importlib.import_module("...")` call
+  (import-linter sees import statements only);
+* the structure stays readable: at most 12 `.py` files at the top of the package, at most 15 modules in
+  any subpackage.
 
-Nothing is imported: the graph comes from the AST. Exit 0 when all three hold.
+Nothing is imported: the graph comes from the AST. Exit 0 when all of these hold.
 Usage: python scripts/import_graph.py [--verbose]
 """
 
@@ -25,6 +29,10 @@ import tomllib
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "torch_tpu_embedding"
 OPTIONAL = "torch_xla"
+#: the only subpackage that may load torch_xla (statements or importlib strings)
+OPTIONAL_HOME = PACKAGE + ".xla"
+MAX_TOP_FILES = 12
+MAX_SUBPACKAGE_MODULES = 15
 
 
 def module_name(path: Path) -> str:
@@ -68,12 +76,18 @@ def main() -> int:
     edges: dict[str, set[str]] = {m: set() for m in files}
     top_optional: set[str] = set()  # modules that import torch_xla at their top level
     local: list[tuple[str, int, str, bool]] = []  # (module, line, target, commented)
+    hidden: list[tuple[str, int, str]] = []  # importlib.import_module("torch_xla...") outside xla/
     for mod, path in files.items():
         source = path.read_text()
         lines = source.splitlines()
         tree = ast.parse(source)
         parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
         for node in ast.walk(tree):
+            dynamic = importlib_target(node)
+            if dynamic is not None and not (mod == OPTIONAL_HOME or mod.startswith(OPTIONAL_HOME + ".")) and (
+                    dynamic.split(".")[0] == OPTIONAL or dynamic == OPTIONAL_HOME
+                    or dynamic.startswith(OPTIONAL_HOME + ".")):
+                hidden.append((mod, node.lineno, dynamic))
             if not isinstance(node, (ast.Import, ast.ImportFrom)) or under_type_checking(node, parents):
                 continue
             names = imported(node, mod, path.name == "__init__.py", set(files))
@@ -117,7 +131,36 @@ def main() -> int:
     print(f"modules in no layer of the `layers` contract: {len(uncovered)}")
     for mod in uncovered:
         print("  ", mod)
-    return 0 if not cycles and not bad_local and not uncovered else 1
+    print(f"importlib loads of {OPTIONAL} or of {OPTIONAL_HOME} outside {OPTIONAL_HOME}: {len(hidden)}")
+    for mod, line, target in hidden:
+        print(f"  {files[mod].relative_to(ROOT)}:{line} -> {target}")
+    sizes = structure(files)
+    too_big = {pkg: n for pkg, n in sizes.items() if n > (MAX_TOP_FILES if pkg == PACKAGE else MAX_SUBPACKAGE_MODULES)}
+    print(f"`.py` files at the top of the package: {sizes[PACKAGE]} (at most {MAX_TOP_FILES}); modules per subpackage: "
+          + ", ".join(f"{pkg.removeprefix(PACKAGE + '.')} {n}" for pkg, n in sorted(sizes.items()) if pkg != PACKAGE)
+          + f" (at most {MAX_SUBPACKAGE_MODULES})")
+    for pkg, n in too_big.items():
+        print(f"  too many modules in {pkg}: {n}")
+    return 0 if not cycles and not bad_local and not uncovered and not hidden and not too_big else 1
+
+
+def importlib_target(node: ast.AST) -> str | None:
+    """The module an `importlib.import_module("...")` (or `import_module("...")`) call names, if a literal."""
+    if not isinstance(node, ast.Call) or not node.args or not isinstance(node.args[0], ast.Constant):
+        return None
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+    value = node.args[0].value
+    return value if name == "import_module" and isinstance(value, str) else None
+
+
+def structure(files: dict[str, Path]) -> dict[str, int]:
+    """`.py` files directly in each package folder (its `__init__` included), by package."""
+    counts: dict[str, int] = {}
+    for path in files.values():
+        pkg = module_name(path.parent / "__init__.py")
+        counts[pkg] = counts.get(pkg, 0) + 1
+    return counts
 
 
 def layer_entries() -> list[str]:

@@ -248,12 +248,6 @@ def _fused_members(module: nn.Module) -> dict[str, Members]:
     return {n: cast(FusedTables, g).members() for n, g in groups.items()}
 
 
-def _deliberate() -> None:
-    import importlib
-
-    importlib.import_module("torch_xla.runtime")
-
-
 def split_fused_weights(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     """``state_dict`` hook: each fused group's weight becomes its tables' ``tables.<name>.weight``
     (in table order, as an unfused collection's)."""

@@ -23,7 +23,6 @@ import torch
 
 from torch_tpu_embedding._rows.grads import table_info
 from torch_tpu_embedding._rows.placement import all_reduce_sum, device_backend, group_placement, reduction_group
-from torch_tpu_embedding.distributed.exchange import row_group  # noqa: F401  (a deliberate violation)
 from torch_tpu_embedding._rows.routing import slot_row
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding._util.huge_pages import empty

@@ -360,7 +360,7 @@ def test_a_recompile_limit_hit_later_sends_that_table_to_the_reference_path(monk
 def test_summed_rows_by_range_equal_the_reference_path(name: str, combiner: str, chunk: int | None, weighted: bool,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The duplicate sum of the fused path (ids sorted once, rows summed by ``embedding_bag`` a range of
-    ids at a time, ``optim/_row_sums.py``) against the reference path, within 1e-6 after every call: two
+    ids at a time, ``optim/_kernels/row_sums.py``) against the reference path, within 1e-6 after every call: two
     features on one table (bags of up to 6 ids with per-id weights, or without (one gain per bag, applied
     once per bag), heavy duplicates and empty bags; one
     id per bag; a jagged feature, whose rows arrive multiplied out), every combiner; ``ranges-of-3``: the

@@ -1,7 +1,7 @@
 """How a table's logical rows are stored: the row order of a table and of its optimizer slots.
 
 Most tables store logical row ``i`` at row ``i`` (device padding rows after the last logical row) and
-give row slot ``k`` (1-based, see ``optim/_slots.py``) its trash rows at the end. A row-sharded table
+give row slot ``k`` (1-based, see ``optim/_core/slots.py``) its trash rows at the end. A row-sharded table
 trained through the id exchange (``torch_tpu_embedding/xla/routed.py``) is stored in the
 *interleaved* order of :class:`RowLayout` instead, so that every shard owns an even share of any id
 range and an optimizer slot's shard ``d`` holds exactly the slot rows of table shard ``d``.

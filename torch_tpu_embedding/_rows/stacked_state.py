@@ -2,7 +2,7 @@
 
 A group of stacked tables (``torch_tpu_embedding/modules/stacking.py``) has one weight and one set of slots,
 ``[Σ rows, ...]``; checkpoints keep state per table (``table:<name>``) so that they move between
-stacked and unstacked collections. The optimizer's state I/O (``optim/_state_io.py``) and the
+stacked and unstacked collections. The optimizer's state I/O (``optim/_state/state_io.py``) and the
 checkpoint helpers call these functions on logical rows. A group is described by its *members*:
 ``(table name, first row, rows)`` in stacking order.
 
@@ -33,7 +33,7 @@ def split_member_state(
     """One group's optimizer state (logical rows) → ``{table name: state}``, as unfused tables keep it.
 
     Row slots are cut per table; ``step`` is copied to every table; any other slot is a whole-table
-    slot with a leading ``[members]`` dim (``optim/_members.py``): table ``i`` gets entry ``i``; a
+    slot with a leading ``[members]`` dim (``optim/_core/stacked_members.py``): table ``i`` gets entry ``i``; a
     pending accumulation buffer keeps, per table, its own ids (re-based; ``-1`` elsewhere) and rows
     (zero elsewhere).
     """

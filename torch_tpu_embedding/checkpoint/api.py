@@ -181,7 +181,7 @@ def save_distributed(
     # before the id exchange: every tensor in logical order).
     meta = {"format": FORMAT, "rows": rows, "members": members, "layouts": layouts,
             "optimizer": to_cpu(rest) if optimizer is not None else None}
-    # Written into a staging directory beside the target and published whole (_ckpt_publish.py): a
+    # Written into a staging directory beside the target and published whole (checkpoint/publish.py): a
     # process killed at any point leaves the previous checkpoint or this one, complete, never a mix.
     target = os.path.abspath(os.fspath(path))
     staging = staging_path(target)

@@ -40,7 +40,7 @@ _META = "tte_meta.pt"
 SHARDED_META = "meta.pt"
 #: The most that reading a checkpoint adds to a process's peak resident memory (4 MiB; a load's own state
 #: aside: the rows it writes into, dense layers read whole): one read buffer of :data:`BUFFER` bytes alive
-#: at a time (the checksums' here, then each window of rows with all its bookkeeping, ``_ckpt_rows.py``)
+#: at a time (the checksums' here, then each window of rows with all its bookkeeping, ``checkpoint/logical_rows.py``)
 #: and :data:`RESERVE` for the rest.
 CHUNK = 1 << 22
 #: The part of :data:`CHUNK` kept for what a load allocates beside its read buffer that no size here bounds:
@@ -50,7 +50,7 @@ CHUNK = 1 << 22
 #: also faults in the pages of code it runs, up to about 1 MiB of libtorch's, once).
 RESERVE = 1 << 19
 #: The one read buffer's bytes, its rounding to whole pages included: what a load's memory grows by for its
-#: reads (for a window of rows: its mapping and its ids' placing, ``_ckpt_rows.py``), with :data:`RESERVE`
+#: reads (for a window of rows: its mapping and its ids' placing, ``checkpoint/logical_rows.py``), with :data:`RESERVE`
 #: left within :data:`CHUNK`.
 BUFFER = CHUNK - RESERVE
 

@@ -11,7 +11,7 @@ tables). Checkpoints are in logical row order whatever the ownership scheme.
 SPMD's, or one process's), into a model sharded over any number of ranks, or into a model holding every
 table whole (one process; ``tte.checkpoint.load_distributed`` sends an SPMD model here). Into a sharded
 model each rank copies the rows it stores straight into its shard and slots, reading the row files in
-windows whose buffers fit ``_ckpt_publish.BUFFER`` bytes (``_ckpt_rows.py``; where each logical id goes is
+windows whose buffers fit ``_ckpt_publish.BUFFER`` bytes (``checkpoint/logical_rows.py``; where each logical id goes is
 worked out per window from the ownership, :func:`_locator`): its memory grows by at most one chunk
 (``_ckpt_publish.CHUNK``), never by a shard. A
 ``save_distributed`` directory is read through the host first (``torch.distributed.checkpoint`` reads a

@@ -6,7 +6,7 @@ TBE groups tables the same way). A feature of a stacked table looks up ``id + fi
 feature of the group adds to one row-sparse gradient, so the optimizer does one dedup, one gather
 and one scatter per group instead of one per table. On XLA that removes the per-table part of
 tracing and of the compiled graph, and it stops equally sized tables from being separate buffers
-that XLA's donation pairing can mix up (see ``optim/_slots.py``, ``trash_rows``).
+that XLA's donation pairing can mix up (see ``optim/_core/slots.py``, ``trash_rows``).
 
 Only the layout changes: every feature still reads its own table's rows, and the per-row update is
 the same. ``state_dict`` stays per table (``tables.<name>.weight``; optimizer state keyed

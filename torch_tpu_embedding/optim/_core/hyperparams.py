@@ -99,7 +99,7 @@ def validate_common(hp: dict[str, Any]) -> None:
 def check_fused(group: Mapping[str, Any], rule_cls: type[RowSparseOptimizer]) -> None:
     """Reject what a fused group cannot do exactly as its separate tables would (by name).
 
-    Every optimizer and option works in a group (``optim/_members.py``: whole-table statistics,
+    Every optimizer and option works in a group (``optim/_core/stacked_members.py``: whole-table statistics,
     ``clipnorm`` and ``slot_creation_fn`` per table) except one combination no optimizer of this
     package has: whole-table state on a non-lazy optimizer (its every-row update keeps no member index).
     """

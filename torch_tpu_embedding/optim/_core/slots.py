@@ -4,7 +4,7 @@ A parameter's state is its rule's slots (:meth:`RowSparseOptimizer.slot_specs`),
 for lazy tables, ``ema_last``: the call at which each row's average was last brought up to date)
 with ``use_ema``, plus ``accumulated_gradients`` for a dense parameter with gradient accumulation,
 plus ``step``. A table's pending accumulation buffers (``acc_ids``, ``acc_rows``) are made by
-:mod:`._intake`.
+:mod:`~torch_tpu_embedding.optim._core.grad_intake`.
 
 On XLA, row slot ``k`` of a table gets extra *trash rows* so that every table-sized buffer has a
 distinct size (see :func:`trash_rows`), and every slot is created with its table's layout on a
@@ -76,7 +76,7 @@ def rule_slots(p: Tensor, group: Mapping[str, Any]) -> list[str]:
 def specs(p: Tensor, group: Mapping[str, Any]) -> dict[str, SlotSpec]:
     """Every state tensor of ``p`` except ``step`` and the accumulation buffers of tables."""
     cls = optimizer_class(group["algorithm"])
-    # A fused group keeps each table's whole-table slots: a leading [members] dim (optim/_members.py).
+    # A fused group keeps each table's whole-table slots: a leading [members] dim (optim/_core/stacked_members.py).
     out = member_specs(p, cls.slot_specs(tuple(p.shape), group, table_info(p) is not None))
     if group["use_ema"]:
         out["ema"] = SlotSpec(tuple(p.shape))
@@ -144,7 +144,7 @@ def slot_rows(p: Tensor, group: Mapping[str, Any]) -> SlotRows:
 class RowSpace:
     """The tensors an update reads and writes: a parameter and its state (:meth:`of`), or one shard's
     part of a row-sharded table and its slots inside a manual-sharding region (the owner-local path,
-    with ``all_reduce`` summing over the shards). The row bookkeeping of ``optim/_paths.py`` runs on
+    with ``all_reduce`` summing over the shards). The row bookkeeping of ``optim/_core/update_paths.py`` runs on
     either without knowing which.
     """
 

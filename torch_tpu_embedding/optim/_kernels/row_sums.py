@@ -10,7 +10,7 @@ them on the reference path (bitwise). Bags without per-id weights (every combine
 bag (:attr:`~torch_tpu_embedding._rows.grads.BagRows.uniform`): it is applied once per bag, and the ranges'
 sums read those rows straight (no gather, no multiply; the same products, so bitwise the same sums).
 The fused update asks for a range at a time, so the summed rows of a range are used while they are in
-cache (:mod:`._fused_update`).
+cache (:mod:`~torch_tpu_embedding.optim._kernels.row_update`).
 
 Measured (1 thread, 327,680 ids over 16,384 bags, 4,000,000 rows × 64): a stable ``torch.sort`` of the
 ids 270–340 ms against 10–15 ms for an unstable sort of ``id · n + position`` (unique keys: the same

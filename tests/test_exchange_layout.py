@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from torch_tpu_embedding._rows.routing import _binomial_tail
 from torch_tpu_embedding.routing import (
     RowOwnership,
-    _binomial_tail,
     capacity_for_load,
     default_capacity,
     slot_from_table_order,

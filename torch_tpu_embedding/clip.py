@@ -15,7 +15,7 @@ import torch
 
 from torch_tpu_embedding._rows.dedup import coalesce_rows
 from torch_tpu_embedding._rows.grads import refuse_stacked_view, table_info
-from torch_tpu_embedding._rows.placement import all_reduce_sum, group_placement, sync_row_grads
+from torch_tpu_embedding._rows.placement import all_reduce_sum, process_group_placement, sync_row_grads
 from torch_tpu_embedding._util.dtypes import math_dtype
 
 __all__ = ["clip_grad_norm_"]
@@ -70,7 +70,7 @@ def clip_grad_norm_(
     dense = [p for p in params if table_info(p) is None]
     sync_row_grads([{"params": tables}])
     summed = [(p, r) for p, r in ((p, _summed_rows(p)) for p in tables) if r is not None]
-    spread = [p for p in tables if group_placement(p) is not None]
+    spread = [p for p in tables if process_group_placement(p) is not None]
     if spread:  # tables sharded over a process group: every rank holds a part of the gradient
         total = _group_norm(params, summed, spread, float(norm_type), error_if_nonfinite, foreach)
     else:
@@ -120,7 +120,7 @@ def _group_norm(params: list[Tensor], summed: list[tuple[Tensor, Tensor]], sprea
     local = [p.grad for p in params if p.grad is not None and table_info(p) is None]
     local += [r for p, r in summed if id(p) not in mine]
     theirs = [r for p, r in summed if id(p) in mine]
-    sharding = group_placement(spread[0])
+    sharding = process_group_placement(spread[0])
     assert sharding is not None
     group = sharding.group
     dtype = next((g.dtype for g in local + theirs), torch.float32)

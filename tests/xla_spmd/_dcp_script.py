@@ -95,7 +95,7 @@ else:
               "cpu6": "dcp6"}[STAGE]
     before = spec(model)
     if STAGE == "load8to2":  # the same shapes and row order at 8 and 2 devices: loaded in place, shard by shard
-        from torch_tpu_embedding.checkpoint import _physical
+        from torch_tpu_embedding.checkpoint.api import _physical
 
         meta = torch.load(os.path.join(DIR, source, "tte_meta.pt"), weights_only=True)
         assert meta["layouts"] == _physical(model, opt)[2]["layouts"]

@@ -45,7 +45,7 @@ __all__ = [
     "all_true",
     "device_backend",
     "dtensor_placement",
-    "group_placement",
+    "process_group_placement",
     "install_row_grad_sync",
     "is_dtensor",
     "reduction_group",
@@ -138,7 +138,7 @@ class TablePlacement:
         raise NotImplementedError(f"{type(self).__name__} loads no DTensors")
 
 
-def group_placement(p: Tensor) -> TablePlacement | None:
+def process_group_placement(p: Tensor) -> TablePlacement | None:
     """The placement of table parameter ``p`` when it is sharded over a process group, else ``None``."""
     info = table_info(p)
     sharding = None if info is None else info.sharding
@@ -155,7 +155,7 @@ def dtensor_placement(p: Tensor) -> TablePlacement | None:
     """The placement of table parameter ``p`` when its table's state goes to torch's helpers as DTensors
     (``dtensor_state_dict``, outside :func:`stored_rows`), else ``None``: what the table's state-dict hooks
     and the optimizer's torch-form state both ask."""
-    s = group_placement(p)
+    s = process_group_placement(p)
     return s if s is not None and s.dtensor_state_dict and not stored_rows_active() else None
 
 

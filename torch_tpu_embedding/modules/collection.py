@@ -292,8 +292,8 @@ class EmbeddingCollection(nn.Module):
         device table are normalised and batched on the host and moved in one transfer per batch
         (TorchRec's KJT and TBE do the same). The batches of a table trained through the id exchange
         (row-sharded under SPMD) are routed together: one routed lookup per table, made by the table's
-        layout (``TableSharding.routed_lookup``, ``torch_tpu_embedding/xla/sharding.py``), which the
-        placement that laid the table out recorded on it.
+        placement (``TablePlacement.routed_lookup``, ``torch_tpu_embedding/_rows/placement.py``), which the
+        backend that laid the table out recorded on it.
         """
         batches: dict[tuple[int, int, str, bool], LookupBatch] = {}
         routed: dict[int, Any] = {}

@@ -72,7 +72,7 @@ class EmbeddingTable(nn.Module):
     def padding_rows(self) -> int:
         """Rows past ``num_embeddings`` that exist only so the rows split evenly over devices."""
         info = table_info(self.weight)
-        if info is not None and getattr(info.sharding, "over_process_group", False):
+        if info is not None and info.sharding is not None and info.sharding.over_process_group:
             return 0  # one rank's shard of the table (tte.distributed.shard): its rows are saved as stored
         return int(self.weight.shape[0]) - self.config.num_embeddings
 
@@ -155,8 +155,9 @@ class EmbeddingTable(nn.Module):
         if old is not None and old is not self.weight:
             retire_table(old, replaced)
         self.__dict__["_registered_weight"] = weakref.ref(self.weight)
-        spread = None if old is None else getattr(table_info(old), "sharding", None)
-        if old is not self.weight and getattr(spread, "over_process_group", False):
+        old_info = None if old is None else table_info(old)
+        spread = None if old_info is None else old_info.sharding
+        if old is not self.weight and spread is not None and spread.over_process_group:
             # One rank's rows of a table sharded over a process group (tte.distributed.shard), moved or cast:
             # still those rows, with that layout (else its lookups would read the shard as a whole table).
             info = register_table(self.weight, self.name, int(self.weight.shape[0]), self.config.optimizer)

@@ -28,7 +28,7 @@ from torch_tpu_embedding._rows.placement import (
     TablePlacement,
     all_reduce_sum,
     device_backend,
-    group_placement,
+    process_group_placement,
     reduction_group,
 )
 from torch_tpu_embedding._util.dtypes import math_dtype
@@ -138,7 +138,7 @@ def prepare(
     def work(ids: Tensor | None, g: Tensor, gate: Tensor | None, **more: Any) -> Work:
         return Work(p=p, group=group, state=state, path=path, clock=clock, ids=ids, g=g, gate=gate, **more)
 
-    if path is Path.NO_DEDUP and group_placement(p) is not None:
+    if path is Path.NO_DEDUP and process_group_placement(p) is not None:
         info = table_info(p)
         raise ValueError(
             f"Table `{info.name if info else '?'}` is sharded over a process group (tte.distributed.shard), where "

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from torch_tpu_embedding._rows.grads import table_info
-from torch_tpu_embedding._rows.placement import all_reduce_sum, device_backend, group_placement, reduction_group
+from torch_tpu_embedding._rows.placement import all_reduce_sum, device_backend, process_group_placement, reduction_group
 from torch_tpu_embedding._rows.routing import slot_row
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding._util.huge_pages import empty
@@ -161,7 +161,7 @@ class RowSpace:
         One rank's shard of a table sharded over a process group (``tte.distributed.shard``) counts the
         whole table's logical rows; when the rule keeps whole-table statistics (Adafactor) and the rows are
         split over the ranks, what it sums over rows is summed over the group too."""
-        spread = group_placement(p)
+        spread = process_group_placement(p)
         if spread is None:
             return RowSpace(p, state, slot_rows(p, group), logical_rows(p))
         pg = reduction_group(p)

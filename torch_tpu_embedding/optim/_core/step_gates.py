@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from torch_tpu_embedding._rows.grads import table_info
-from torch_tpu_embedding._rows.placement import all_reduce_sum, all_true, group_placement
+from torch_tpu_embedding._rows.placement import all_reduce_sum, all_true, process_group_placement
 from torch_tpu_embedding.optim._core.extras import global_norm_scale
 from torch_tpu_embedding.optim._core.grad_intake import Work
 
@@ -25,11 +25,11 @@ def global_clip_scales(work: list[Work]) -> dict[torch.device, Tensor]:
     dev = clipped[0].g.device
     sq = torch.zeros((), dtype=torch.float64 if clipped[0].g.dtype == torch.float64 else torch.float32, device=dev)
     spread = torch.zeros_like(sq)  # tables sharded over a process group: each rank holds a part of the norm
-    groups = [s.group for s in (group_placement(w.p) for w in clipped) if s is not None]
+    groups = [s.group for s in (process_group_placement(w.p) for w in clipped) if s is not None]
     for w in clipped:
         part = (w.g * w.g).sum().to(device=dev, dtype=sq.dtype)
         part = part if w.gate is None else torch.where(w.gate.to(dev), part, torch.zeros_like(part))
-        if group_placement(w.p) is not None:
+        if process_group_placement(w.p) is not None:
             spread = spread + part
         else:
             sq = sq + part
@@ -75,7 +75,7 @@ def gate_nonfinite(work: list[Work]) -> Tensor | None:
     finite = torch.ones((), dtype=torch.bool, device=dev)
     for w in checked:
         finite = finite & torch.isfinite(w.g).all().to(dev)
-    groups = [s.group for s in (group_placement(w.p) for w in checked) if s is not None]
+    groups = [s.group for s in (process_group_placement(w.p) for w in checked) if s is not None]
     if groups:  # tables sharded over a process group: every rank skips when any rank's part is not finite
         finite = all_true(finite, groups[0])
     for w in checked:

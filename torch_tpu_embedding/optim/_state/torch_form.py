@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torch_tpu_embedding._rows.grads import table_info
-from torch_tpu_embedding._rows.placement import dtensor_placement, group_placement, is_dtensor
+from torch_tpu_embedding._rows.placement import dtensor_placement, is_dtensor, process_group_placement
 from torch_tpu_embedding._rows.stacked_state import merge_member_state, split_member_state
 from torch_tpu_embedding.optim._core.slots import logical_rows, specs
 from torch_tpu_embedding.optim._state import state_io
@@ -176,7 +176,7 @@ def _from_dtensors(opt: torch.optim.Optimizer, entry: Any, key: str, live: Mappi
     spread = None if p is None else dtensor_placement(p)
     name = key.split(":", 1)[-1]
     if p is None or spread is None:
-        how = "not sharded over a process group" if p is None or group_placement(p) is None else \
+        how = "not sharded over a process group" if p is None or process_group_placement(p) is None else \
             "sharded without dtensor_state_dict"
         raise ValueError(f"Optimizer state of `{name}` holds DTensors: load it into a model whose table `{name}` is "
                          "sharded over a process group with tte.distributed.shard(..., dtensor_state_dict=True). "

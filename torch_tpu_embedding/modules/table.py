@@ -24,7 +24,7 @@ __all__ = ["EmbeddingTable", "host_empty"]
 
 
 def host_empty(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.empty(shape, dtype)`` on the host, on huge pages where large (:mod:`~torch_tpu_embedding._util.huge_pages`: rows are
+    """``torch.empty(shape, dtype)`` on the host, on huge pages where large (``_util.huge_pages``: rows are
     read and written all over a table); an allocation failure names the table and its size."""
     try:
         return empty(shape, dtype)  # the default device: meta under torch.device("meta")

@@ -1,22 +1,22 @@
 """``RowSparseOptimizer``: the one optimizer core, shared by every optimizer of the package.
 
-Each optimizer is a subclass that declares its slots and a pure per-row ``rule`` (:mod:`~torch_tpu_embedding.optim._core.contract`);
+Each optimizer is a subclass that declares its slots and a pure per-row ``rule`` (``_core.contract``);
 this class runs everything else, once, on every device. A call of :meth:`step`:
 
-1. gradient intake (:mod:`~torch_tpu_embedding.optim._core.grad_intake`): for each parameter with something to apply, its update path
+1. gradient intake (``_core.grad_intake``): for each parameter with something to apply, its update path
    (:func:`._paths.choose_path`), then its gradient — a table's row-sparse gradient (duplicate ids
    summed with a static-shape dedup on XLA) or a dense ``.grad`` — after loss scaling, gradient
    accumulation and ``clipnorm``;
 2. ``global_clipnorm`` over every gradient of the call, then the ``skip_nonfinite`` gate;
-3. the update (:mod:`~torch_tpu_embedding.optim._core.update_paths`): gather the touched rows of the weight and of every slot, run
+3. the update (``_core.update_paths``): gather the touched rows of the weight and of every slot, run
    clipvalue → decoupled weight decay → ``rule`` → weight clipping, scatter the rows back in place.
    Rows not looked up in a step are not changed, nor are their slots;
 4. EMA (:mod:`~torch_tpu_embedding.optim._core.ema`).
 
 Learning rates may be floats, 0-d tensors or zero-argument callables (called once per step); they
-reach the device as data, so changing one never recompiles on XLA (:mod:`~torch_tpu_embedding.optim._core.step_values`). A table whose
+reach the device as data, so changing one never recompiles on XLA (``_core.step_values``). A table whose
 ``TableConfig.optimizer`` is set gets its own parameter group with that optimizer's rule
-(:mod:`~torch_tpu_embedding.optim._core.hyperparams`). ``state_dict`` keys state by table name and slot name (:mod:`~torch_tpu_embedding.optim._state.state_io`); slots
+(``_core.hyperparams``). ``state_dict`` keys state by table name and slot name (``_state.state_io``); slots
 are created with trash rows and their table's layout on XLA (:mod:`~torch_tpu_embedding.optim._core.slots`).
 """
 

@@ -2,8 +2,8 @@
 
 :func:`pipeline` is clipvalue → decoupled weight decay → the rule → weight clipping (TF's order), on
 whatever rows a path hands it; :func:`gated` keeps or drops a computed update (``skip_nonfinite``,
-an exchange overflow). Which path a parameter takes, and the paths themselves, are :mod:`~torch_tpu_embedding.optim._core.update_paths`;
-the compiled eager path (:mod:`~torch_tpu_embedding.optim._kernels.row_update`) and the moving average (:mod:`~torch_tpu_embedding.optim._core.ema`) run the same
+an exchange overflow). Which path a parameter takes, and the paths themselves, are ``_core.update_paths``;
+the compiled eager path (``_kernels.row_update``) and the moving average (``_core.ema``) run the same
 two functions.
 
 Example (one SGD row update, no options set)::
@@ -35,7 +35,7 @@ Tensor = torch.Tensor
 
 
 class Path(enum.Enum):
-    """How a parameter's update runs (each path is described in :mod:`~torch_tpu_embedding.optim._core.update_paths`)."""
+    """How a parameter's update runs (each path is described in ``_core.update_paths``)."""
 
     DENSE = "dense"
     ADDITIVE = "additive"

@@ -9,14 +9,14 @@ only in which rows they hand it and how the results are written back:
 ``ADDITIVE``          eager, the rule is additive (SGD) and no option needs the summed rows:
                       ``increment(g)`` (``rule(w, g) − w``) is added per looked-up id with
                       ``index_add_`` — no dedup, gather or scatter; where ``FUSED`` would run, in
-                      one C loop per piece of ids (bags spread in it), bitwise the same (:mod:`~torch_tpu_embedding.optim._kernels.c_add`)
+                      one C loop per piece of ids (bags spread in it), bitwise the same (``_kernels.c_add``)
 ``NO_DEDUP``          ``use_gradient_accumulation=False``: every contribution updates from the same
                       old rows and the changes are added (exact for SGD, an approximation otherwise)
 ``ROWS``              duplicates summed, the touched rows in one pass: XLA (one static-shape
                       graph) and rules with statistics over rows (Adafactor)
 ``FUSED``             eager (CPU, CUDA) with a per-row rule: the same pipeline compiled into one
                       kernel that reads and writes each touched row and its slots once, the
-                      duplicate sum done without multiplying the gradient out (:mod:`~torch_tpu_embedding.optim._kernels.row_update`)
+                      duplicate sum done without multiplying the gradient out (``_kernels.row_update``)
 ``ROW_CHUNKS``        eager with a per-row rule when ``FUSED`` is off, cannot compile, or its
                       policy keeps the step here (the first calls, small tables: ``policy()``): the
                       touched rows in cache-sized chunks (the reference for ``FUSED``)
@@ -106,7 +106,7 @@ def row_chunk() -> int:
 
 
 def update(item: Work) -> None:
-    """Apply ``item``'s update along its path (EMA of touched rows included; see :mod:`~torch_tpu_embedding.optim._core.ema`)."""
+    """Apply ``item``'s update along its path (EMA of touched rows included; see ``_core.ema``)."""
     if item.path is Path.OWNER_LOCAL:
         _update_owner_local(item)
         return
@@ -251,7 +251,7 @@ def _update_additive(item: Work) -> None:
 
 
 def _compiled_additive(item: Work) -> bool:
-    """``Path.ADDITIVE`` through the C increment-and-add (:mod:`~torch_tpu_embedding.optim._kernels.c_add`), the chunks in the order of the eager
+    """``Path.ADDITIVE`` through the C increment-and-add (``_kernels.c_add``), the chunks in the order of the eager
     path and each as the eager path makes its rows (so bitwise its result): accumulated rows and sum bags of one id
     without weights add ``increment(g)``, other bags ``gains · increment(dL/dout)`` per id. ``False``: nothing
     done, the eager path runs."""

@@ -177,7 +177,7 @@ def compiled_kernels() -> int:
 def _kernel_source(
     rule_hp: Mapping[str, Any], names: tuple[str, ...], mdtype: torch.dtype, gate: bool, ema: bool
 ) -> Callable[..., None]:
-    """The Python that is compiled: the reference row update of :mod:`~torch_tpu_embedding.optim._core.update_paths` for unique ids."""
+    """The Python that is compiled: the reference row update of ``_core.update_paths`` for unique ids."""
     momentum = float(rule_hp.get("ema_momentum", 0.0))
 
     def fused_rows(p: Tensor, ids: Tensor, g: Tensor, row_slots: list[Tensor], lr: Tensor, step: Tensor,

@@ -4,7 +4,7 @@ Each optimizer is a subclass that declares its slots and a pure per-row ``rule``
 this class runs everything else, once, on every device. A call of :meth:`step`:
 
 1. gradient intake (``_core.grad_intake``): for each parameter with something to apply, its update path
-   (:func:`._paths.choose_path`), then its gradient — a table's row-sparse gradient (duplicate ids
+   (:func:`.update_paths.choose_path`), then its gradient — a table's row-sparse gradient (duplicate ids
    summed with a static-shape dedup on XLA) or a dense ``.grad`` — after loss scaling, gradient
    accumulation and ``clipnorm``;
 2. ``global_clipnorm`` over every gradient of the call, then the ``skip_nonfinite`` gate;
@@ -412,7 +412,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
 
     def physical_state(self) -> state_io.PhysicalState:
         """The slots as they are on the device, for distributed checkpoints (``tte.checkpoint``):
-        sharded, with trash and padding rows, plus the small rest (:class:`~._state_io.PhysicalState`)."""
+        sharded, with trash and padding rows, plus the small rest (:class:`~.state_io.PhysicalState`)."""
         return state_io.physical_state(self)
 
     def load_physical_rest(self, rest: Mapping[str, Any]) -> None:

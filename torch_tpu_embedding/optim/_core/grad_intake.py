@@ -71,7 +71,7 @@ class Work:
     pieces: RowGrad | None = None  # ADDITIVE: the row gradient, added per id piece by piece
     divisor: float | None = None  # loss_scale_factor, applied to the pieces
     #: FUSED: the factored gradient sorted by id, summed a range of rows at a time by the update
-    #: (``g`` is then empty; :func:`._fused_update.update` makes it for the reference path)
+    #: (``g`` is then empty; :func:`.row_update.update` makes it for the reference path)
     sums: RowSums | None = None
 
 

@@ -63,7 +63,7 @@ def check_clipvalue(clipvalue: Any) -> tuple[float | None, float | None] | None:
 
 
 def validate_common(hp: dict[str, Any]) -> None:
-    """Check (and normalise in place) the options of :func:`~._contract.common_defaults`."""
+    """Check (and normalise in place) the options of :func:`~.contract.common_defaults`."""
     lr = hp.get("lr")
     if isinstance(lr, torch.Tensor):
         if lr.dim() != 0 or not torch.is_floating_point(lr):

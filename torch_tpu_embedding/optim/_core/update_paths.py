@@ -27,8 +27,8 @@ only in which rows they hand it and how the results are written back:
                       (``RowContext.all_reduce``)
 ====================  ==========================================================================
 
-:func:`choose_path` is the one place that decides (:class:`~._pipeline.Path` names the paths).
-Every path reads and writes through a :class:`~._slots.RowSpace` (a whole parameter, or one shard of
+:func:`choose_path` is the one place that decides (:class:`~.rule_pipeline.Path` names the paths).
+Every path reads and writes through a :class:`~.slots.RowSpace` (a whole parameter, or one shard of
 a table), so the row bookkeeping is written once.
 """
 

@@ -1,10 +1,10 @@
 """``Path.ADDITIVE``'s kernel on the CPU: ``p[id] += gain · (f · g[bag])``, one C loop over a piece's ids.
 
-The eager additive step (:func:`._paths._update_additive`, SGD) makes ``increment(g) = f·g`` (``f = −lr``)
+The eager additive step (:func:`.update_paths._update_additive`, SGD) makes ``increment(g) = f·g`` (``f = −lr``)
 for every bag, spreads it over the bag's ids by their gains (``BagRows.spread``: an ``[n, D]`` array, one row
 per id) and adds that with ``index_add_``: passes over memory for the product, the spread rows and the add,
 and torch's ``index_add_`` on the CPU runs one ``add`` per id through a ``TensorIterator``. Where the rule's
-increment is a scalar multiple of the gradient (:meth:`~._base.RowSparseOptimizer.increment_factor`), this
+increment is a scalar multiple of the gradient (:meth:`~.base.RowSparseOptimizer.increment_factor`), this
 module does it in one C loop: per bag, ``f · g[bag]`` once into a ``D``-float scratch row, then for each of the
 bag's ids ``gain · that`` added to its table row (sum bags of one id without weights, and rows that arrive
 multiplied out, have no gain: ``f · g`` is added). Nothing ``[n, D]`` is written, each gradient row is read
@@ -31,7 +31,7 @@ bag by bag). Padding (the sentinel id, one past the last row) is skipped in the 
 it first. The C function first checks every id of the piece and writes nothing if one is outside the table's
 rows and the sentinel.
 
-It runs where the fused row update would (:func:`._fused_update.usable`, its :func:`~._fused_update.policy`:
+It runs where the fused row update would (:func:`.row_update.usable`, its :func:`~.row_update.policy`:
 from the optimizer's call ``TTE_FUSED_AFTER`` on, for tables of ``TTE_FUSED_MIN_ELEMENTS`` numbers or
 more), on contiguous CPU float32 tables without ``loss_scale_factor``; everything else, or a loop that
 cannot be compiled (one warning), takes the eager add.

@@ -74,7 +74,7 @@ def row_sums(pieces: RowGrad, p: Tensor) -> RowSums | None:
 
     ``None`` (the caller multiplies the rows out and sums them as the reference does) for rows not in
     the update's dtype: a 16-bit table's, whose backward rounds the rows to 16 bits after multiplying
-    float32 gains (:func:`._intake.take`).
+    float32 gains (:func:`.grad_intake.take`).
     """
     sentinel, dtype = p.shape[0], math_dtype(p)
     chunks = pieces.chunks()

@@ -2,7 +2,7 @@
 
 On CPU and CUDA, the reference row path (``Path.ROW_CHUNKS``) gathers the weight and each slot
 separately, runs the rule as a dozen element-wise torch ops over ``[U, D]`` temporaries and
-scatters each array back. Here the same Python — gather → :func:`~._pipeline.pipeline` (clipvalue,
+scatters each array back. Here the same Python — gather → :func:`~.rule_pipeline.pipeline` (clipvalue,
 weight decay, the optimizer's own ``rule``, weight clipping) → the ``skip_nonfinite`` gate → EMA →
 scatter — is compiled by ``torch.compile`` (inductor: C++/OpenMP loops on CPU, Triton on CUDA) into
 one loop that reads each touched row of the weight and its slots once and writes them back once.
@@ -16,7 +16,7 @@ kernels on disk (``TORCHINDUCTOR_CACHE_DIR``, by default ``/tmp/torchinductor_<u
 process with the same configuration reuses them.
 
 The duplicate sum stays outside the kernel but runs a range of rows at a time: the ids are sorted
-once (:func:`._row_sums.row_sums`), and for each range of about ``chunk_rows()`` distinct ids the
+once (:func:`.row_sums.row_sums`), and for each range of about ``chunk_rows()`` distinct ids the
 summed rows are made (one ``embedding_bag`` over the factored gradient) and the kernel runs on them, so
 the summed rows and the kernel's own ``[rows, D]`` temporaries stay in cache instead of making passes
 over ``[U, D]`` arrays in memory (RowWiseAdagrad at 20 ids per bag, 4 tables of 1,000,000 × 64: about
@@ -157,7 +157,7 @@ def warming_up(item: Work) -> bool:
 
 def usable(p: Tensor) -> bool:
     """The fused path may run for ``p``: an eager CPU / CUDA table with the path enabled, whose rows
-    are slot rows (no interleaved row layout of the id exchange, :class:`~._slots.SlotRows`)."""
+    are slot rows (no interleaved row layout of the id exchange, :class:`~.slots.SlotRows`)."""
     if not _ENABLED or _NO_COMPILER or p.device.type not in ("cpu", "cuda"):
         return False
     if torch.compiler.is_compiling():
@@ -270,7 +270,7 @@ def _spans(n: int, size: int) -> list[tuple[int, int]]:
 
 def _to_reference(item: Work, start: int = 0) -> bool:
     """``False``, with ``item``'s rows from ``start`` on summed for the reference path (when the fused
-    path took the factored gradient, :attr:`~._intake.Work.sums`)."""
+    path took the factored gradient, :attr:`~.grad_intake.Work.sums`)."""
     if item.sums is not None:
         assert item.ids is not None
         item.g, item.ids, item.sums = item.sums.rows(start), item.ids[start:], None

@@ -1,4 +1,4 @@
-"""Value checks of a saved optimizer state, run before :func:`._state_io.load_state_dict` writes anything.
+"""Value checks of a saved optimizer state, run before :func:`.state_io.load_state_dict` writes anything.
 
 ``_state_io.state_problems`` checks the structure (groups, keys, slot names and shapes); the rules
 here check each value it would write: a tensor with data (not on the ``meta`` device, not sparse or

@@ -2,9 +2,10 @@
 
 It sits at the bottom of the package, beside the configs, because two layers need it: a
 :class:`~torch_tpu_embedding.TableConfig` checks its ``optimizer`` string against
-:data:`OPTIMIZER_NAMES`, and the optimizer core looks each parameter group's rule up by name. Each
-optimizer class enters itself when it is defined (``RowSparseOptimizer.__init_subclass__``), so this
-module imports nothing of the package at run time.
+:data:`OPTIMIZER_NAMES`, and the optimizer core resolves each parameter group's ``algorithm`` to its
+rule class once, when the group is added or loaded (:func:`resolve_rule`); the core's call sites read that
+resolution (:func:`rule_of`). Each optimizer class enters itself when it is defined
+(``RowSparseOptimizer.__init_subclass__``), so this module imports nothing of the package at run time.
 
 Example::
 
@@ -15,14 +16,15 @@ Example::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any
 
 from torch_tpu_embedding._util.validation import arg_error
 
 if TYPE_CHECKING:
     from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
 
-__all__ = ["OPTIMIZER_NAMES", "optimizer_class", "optimizer_names", "register"]
+__all__ = ["OPTIMIZER_NAMES", "RULE_KEY", "optimizer_class", "optimizer_names", "register", "resolve_rule", "rule_of"]
 
 #: every optimizer name a ``TableConfig.optimizer`` string may give: the package's own optimizers, in
 #: registration order (``tests/test_optim_registry.py`` checks that ``torch_tpu_embedding.optim``
@@ -51,3 +53,24 @@ def optimizer_names() -> tuple[str, ...]:
     """Every registered optimizer name, in registration order (subclasses defined outside the package
     included; :data:`OPTIMIZER_NAMES` holds the package's own)."""
     return tuple(_REGISTRY)
+
+
+#: the parameter-group key holding the group's resolved rule class (:func:`resolve_rule`). A class is callable,
+#: so ``state_dict`` does not save it (it saves no callables); loading a state dict resolves again.
+RULE_KEY = "_rule"
+
+
+def resolve_rule(group: MutableMapping[str, Any]) -> type[RowSparseOptimizer]:
+    """Resolve ``group["algorithm"]`` to its optimizer class and keep it in the group (under
+    :data:`RULE_KEY`), replacing any earlier resolution: called when a group is added or loaded."""
+    cls = group[RULE_KEY] = optimizer_class(group["algorithm"])
+    return cls
+
+
+def rule_of(group: Mapping[str, Any]) -> type[RowSparseOptimizer]:
+    """The optimizer class whose rule ``group`` runs: its resolution by :func:`resolve_rule`. A group
+    that was never resolved (a dict built outside an optimizer) is resolved by name here."""
+    cls = group.get(RULE_KEY)
+    if cls is not None:
+        return cls  # type: ignore[no-any-return]
+    return optimizer_class(group["algorithm"])

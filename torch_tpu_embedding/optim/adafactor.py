@@ -9,7 +9,8 @@ import torch
 
 from torch_tpu_embedding._util.validation import arg_error, check_bool, check_number
 from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
-from torch_tpu_embedding.optim._core.contract import RowContext, Slots, SlotSpec, common_defaults
+from torch_tpu_embedding.optim._core.contract import RowContext, Slots, SlotSpec
+from torch_tpu_embedding.optim._core.keywords import constructor_options
 
 __all__ = ["Adafactor", "adafactor_rule"]
 
@@ -128,10 +129,8 @@ class Adafactor(RowSparseOptimizer):
         row_stat_dtype: storage dtype of a table's ``r`` (default: the table's dtype).
             ``torch.bfloat16`` halves it: a 1,000,000 × 64 float32 table then needs 0.78% of its
             bytes for optimizer state instead of 1.56%.
-        clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum, ema_overwrite_frequency,
-        loss_scale_factor, gradient_accumulation_steps: the Keras extras (docs/optimizers.md).
-        skip_nonfinite: drop the whole update of a call whose gradients hold NaN/inf
-            (``skipped_steps`` counts them).
+        clipvalue: clip the gradient to ``(−c, c)`` (Keras).
+        {keras_extras}
 
     Example::
 
@@ -164,21 +163,8 @@ class Adafactor(RowSparseOptimizer):
         row_stat_dtype: torch.dtype | None = None,
         skip_nonfinite: bool = False,
     ) -> None:
-        if weight_decay is not None:
-            check_number("weight_decay", weight_decay, minimum=0.0)
-        # Keras decoupled weight decay w·wd·lr is TF's weight_decay_factor times the lr.
-        defaults = common_defaults(lr, True, None, None, weight_decay, True if weight_decay else None, clipvalue)
-        defaults.update(
-            beta_2_decay=beta_2_decay, epsilon_1=epsilon_1, epsilon_2=epsilon_2,
-            clip_threshold=clip_threshold, relative_step=relative_step, row_stat_dtype=row_stat_dtype,
-        )
-        extras = {
-            "clipnorm": clipnorm, "global_clipnorm": global_clipnorm, "use_ema": use_ema,
-            "ema_momentum": ema_momentum, "ema_overwrite_frequency": ema_overwrite_frequency,
-            "loss_scale_factor": loss_scale_factor, "gradient_accumulation_steps": gradient_accumulation_steps,
-            "skip_nonfinite": skip_nonfinite,
-        }
-        super().__init__(params, defaults, extras)
+        # weight_decay as a group's (_options_to_hp); the Keras extras of the signature go to the core's extras.
+        super().__init__(params, *constructor_options(type(self), locals()))
 
     rule = staticmethod(adafactor_rule)
 

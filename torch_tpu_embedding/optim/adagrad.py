@@ -11,8 +11,9 @@ import torch
 
 from torch_tpu_embedding._util.validation import arg_error
 from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
-from torch_tpu_embedding.optim._core.contract import RowContext, Slots, common_defaults
+from torch_tpu_embedding.optim._core.contract import RowContext, Slots
 from torch_tpu_embedding.optim._core.extras import KerasExtras
+from torch_tpu_embedding.optim._core.keywords import constructor_options
 
 __all__ = ["Adagrad", "adagrad_rule"]
 
@@ -44,9 +45,9 @@ class Adagrad(RowSparseOptimizer):
         params: parameters or parameter groups.
         lr: learning rate η (TF default 0.001).
         initial_accumulator_value: initial ``a`` (> 0, TF default 0.1).
-        slot_creation_fn: ``fn(param, slot_names, initial_values) -> {name: tensor}`` to create
-            the slots yourself (TF's ``slot_variable_creation_fn``).
-        Others: as :class:`~torch_tpu_embedding.optim.SGD`.
+        {tf_keywords}
+        {slot_creation_fn}
+        {keras_extras}
 
     Example::
 
@@ -71,13 +72,7 @@ class Adagrad(RowSparseOptimizer):
         clipvalue: Any = None,
         **extras: Unpack[KerasExtras],
     ) -> None:
-        defaults = common_defaults(
-            lr, use_gradient_accumulation, clip_weight_min, clip_weight_max,
-            weight_decay_factor, multiply_weight_decay_factor_by_learning_rate, clipvalue,
-            slot_creation_fn,
-        )
-        defaults["initial_accumulator_value"] = initial_accumulator_value
-        super().__init__(params, defaults, extras)
+        super().__init__(params, *constructor_options(type(self), locals()))
 
     rule = staticmethod(adagrad_rule)
 

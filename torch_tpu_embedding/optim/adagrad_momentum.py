@@ -9,8 +9,9 @@ import torch
 
 from torch_tpu_embedding._util.validation import check_bool, check_number
 from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
-from torch_tpu_embedding.optim._core.contract import RowContext, Slots, common_defaults
+from torch_tpu_embedding.optim._core.contract import RowContext, Slots
 from torch_tpu_embedding.optim._core.extras import KerasExtras
+from torch_tpu_embedding.optim._core.keywords import constructor_options
 
 __all__ = ["AdagradMomentum", "adagrad_momentum_rule"]
 
@@ -49,7 +50,9 @@ class AdagradMomentum(RowSparseOptimizer):
     Args:
         momentum: μ (default 0). use_nesterov: Nesterov form. exponent: p > 0 (default 2).
         beta2: accumulator decay in [0, 1] (1 = plain sum). epsilon: ε > 0 (default 1e-10).
-        Others: as :class:`~torch_tpu_embedding.optim.Adagrad`.
+        {tf_keywords}
+        {slot_creation_fn}
+        {keras_extras}
     """
 
     algorithm = "adagrad_momentum"
@@ -74,16 +77,7 @@ class AdagradMomentum(RowSparseOptimizer):
         clipvalue: Any = None,
         **extras: Unpack[KerasExtras],
     ) -> None:
-        defaults = common_defaults(
-            lr, use_gradient_accumulation, clip_weight_min, clip_weight_max,
-            weight_decay_factor, multiply_weight_decay_factor_by_learning_rate, clipvalue,
-            slot_creation_fn,
-        )
-        defaults.update(
-            momentum=momentum, use_nesterov=use_nesterov, exponent=exponent, beta2=beta2,
-            epsilon=epsilon,
-        )
-        super().__init__(params, defaults, extras)
+        super().__init__(params, *constructor_options(type(self), locals()))
 
     rule = staticmethod(adagrad_momentum_rule)
 

@@ -9,8 +9,9 @@ import torch
 
 from torch_tpu_embedding._util.validation import arg_error, check_bool, check_number
 from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
-from torch_tpu_embedding.optim._core.contract import RowContext, Slots, common_defaults
+from torch_tpu_embedding.optim._core.contract import RowContext, Slots
 from torch_tpu_embedding.optim._core.extras import KerasExtras
+from torch_tpu_embedding.optim._core.keywords import constructor_options
 
 __all__ = ["Adam", "LazyAdam", "adam_rule"]
 
@@ -58,7 +59,9 @@ class Adam(RowSparseOptimizer):
     Args:
         lr: η (TF default 0.001). betas: (β1, β2), each in [0, 1). eps: ε > 0 (TF default 1e-7).
         lazy_adam, sum_inside_sqrt, bias_correction: as above.
-        Others: as :class:`~torch_tpu_embedding.optim.Adagrad`.
+        {tf_keywords}
+        {slot_creation_fn}
+        {keras_extras}
 
     Example::
 
@@ -87,16 +90,7 @@ class Adam(RowSparseOptimizer):
         clipvalue: Any = None,
         **extras: Unpack[KerasExtras],
     ) -> None:
-        defaults = common_defaults(
-            lr, use_gradient_accumulation, clip_weight_min, clip_weight_max,
-            weight_decay_factor, multiply_weight_decay_factor_by_learning_rate, clipvalue,
-            slot_creation_fn,
-        )
-        defaults.update(
-            betas=betas, eps=eps, lazy_adam=lazy_adam, sum_inside_sqrt=sum_inside_sqrt,
-            bias_correction=bias_correction,
-        )
-        super().__init__(params, defaults, extras)
+        super().__init__(params, *constructor_options(type(self), locals()))
 
     rule = staticmethod(adam_rule)
 

@@ -11,8 +11,9 @@ import torch
 
 from torch_tpu_embedding._util.validation import arg_error, check_bool, check_number
 from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
-from torch_tpu_embedding.optim._core.contract import RowContext, Slots, common_defaults
+from torch_tpu_embedding.optim._core.contract import RowContext, Slots
 from torch_tpu_embedding.optim._core.extras import KerasExtras
+from torch_tpu_embedding.optim._core.keywords import constructor_options
 
 __all__ = ["FTRL", "ftrl_rule"]
 
@@ -72,7 +73,9 @@ class FTRL(RowSparseOptimizer):
         initial_accumulator_value: initial n, > 0 (default 0.1; 0 allowed with
             ``allow_zero_accumulator=True``, where 0/0 weights are set to 0).
         multiply_linear_by_learning_rate: see above.
-        Others: as :class:`~torch_tpu_embedding.optim.Adagrad`.
+        {tf_keywords}
+        {slot_creation_fn}
+        {keras_extras}
     """
 
     algorithm = "ftrl"
@@ -99,21 +102,7 @@ class FTRL(RowSparseOptimizer):
         allow_zero_accumulator: bool = False,
         **extras: Unpack[KerasExtras],
     ) -> None:
-        defaults = common_defaults(
-            lr, use_gradient_accumulation, clip_weight_min, clip_weight_max,
-            weight_decay_factor, multiply_weight_decay_factor_by_learning_rate, clipvalue,
-            slot_creation_fn,
-        )
-        defaults.update(
-            learning_rate_power=learning_rate_power,
-            l1_regularization_strength=l1_regularization_strength,
-            l2_regularization_strength=l2_regularization_strength,
-            beta=beta,
-            initial_accumulator_value=initial_accumulator_value,
-            multiply_linear_by_learning_rate=multiply_linear_by_learning_rate,
-            allow_zero_accumulator=allow_zero_accumulator,
-        )
-        super().__init__(params, defaults, extras)
+        super().__init__(params, *constructor_options(type(self), locals()))
 
     rule = staticmethod(ftrl_rule)
 

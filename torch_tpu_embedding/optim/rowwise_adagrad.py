@@ -9,8 +9,9 @@ import torch
 
 from torch_tpu_embedding._util.validation import check_number
 from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
-from torch_tpu_embedding.optim._core.contract import RowContext, Slots, SlotSpec, common_defaults
+from torch_tpu_embedding.optim._core.contract import RowContext, Slots, SlotSpec
 from torch_tpu_embedding.optim._core.extras import KerasExtras
+from torch_tpu_embedding.optim._core.keywords import constructor_options
 
 __all__ = ["RowWiseAdagrad", "rowwise_adagrad_rule"]
 
@@ -67,8 +68,9 @@ class RowWiseAdagrad(RowSparseOptimizer):
         initial_accumulator_value: initial ``m`` (>= 0, default 0).
         weight_decay: λ >= 0, the L2 penalty added to the gradient before the update (default 0).
             For TF's decoupled decay use ``weight_decay_factor``.
-        Others: as :class:`~torch_tpu_embedding.optim.Adagrad` (``slot_creation_fn`` gets the
-            ``[rows]`` shape).
+        {tf_keywords}
+        {slot_creation_fn} Here it gets the ``[rows]`` shape.
+        {keras_extras}
 
     Example::
 
@@ -96,13 +98,7 @@ class RowWiseAdagrad(RowSparseOptimizer):
         clipvalue: Any = None,
         **extras: Unpack[KerasExtras],
     ) -> None:
-        defaults = common_defaults(
-            lr, use_gradient_accumulation, clip_weight_min, clip_weight_max,
-            weight_decay_factor, multiply_weight_decay_factor_by_learning_rate, clipvalue,
-            slot_creation_fn,
-        )
-        defaults.update(eps=eps, initial_accumulator_value=initial_accumulator_value, weight_decay=weight_decay)
-        super().__init__(params, defaults, extras)
+        super().__init__(params, *constructor_options(type(self), locals()))
 
     rule = staticmethod(rowwise_adagrad_rule)
 

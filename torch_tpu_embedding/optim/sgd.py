@@ -8,8 +8,9 @@ from typing import Any, Unpack
 import torch
 
 from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
-from torch_tpu_embedding.optim._core.contract import RowContext, Slots, common_defaults
+from torch_tpu_embedding.optim._core.contract import RowContext, Slots
 from torch_tpu_embedding.optim._core.extras import KerasExtras
+from torch_tpu_embedding.optim._core.keywords import constructor_options
 
 __all__ = ["SGD", "sgd_factor", "sgd_increment", "sgd_rule"]
 
@@ -51,12 +52,8 @@ class SGD(RowSparseOptimizer):
     Args:
         params: parameters or parameter groups (tables and/or dense parameters).
         lr: learning rate η (float >= 0, 0-d tensor, or zero-argument callable). TF default 0.01.
-        use_gradient_accumulation: True sums the per-row gradients before the update (exact);
-            False skips the dedup (identical for SGD).
-        clip_weight_min, clip_weight_max: clamp updated rows after the update.
-        weight_decay_factor, multiply_weight_decay_factor_by_learning_rate: decoupled decay
-            ``w ← w − λ·w`` of the updated rows before the update (λ times lr if the flag is set).
-        clipvalue: clip the summed gradient to ``(−c, c)`` or ``(min, max)``.
+        {tf_keywords}
+        {keras_extras}
 
     Example::
 
@@ -83,10 +80,6 @@ class SGD(RowSparseOptimizer):
         clipvalue: Any = None,
         **extras: Unpack[KerasExtras],
     ) -> None:
-        defaults = common_defaults(
-            lr, use_gradient_accumulation, clip_weight_min, clip_weight_max,
-            weight_decay_factor, multiply_weight_decay_factor_by_learning_rate, clipvalue,
-        )
-        super().__init__(params, defaults, extras)
+        super().__init__(params, *constructor_options(type(self), locals()))
 
     rule = staticmethod(sgd_rule)

@@ -31,7 +31,7 @@ import torch
 
 from torch_tpu_embedding._rows.grads import check_live_tables, retired_count, stacked_rows, table_info
 from torch_tpu_embedding._rows.placement import sync_row_grads
-from torch_tpu_embedding._util.registry import optimizer_class, register
+from torch_tpu_embedding._util.registry import optimizer_class, register, resolve_rule
 from torch_tpu_embedding.optim._core import ema, grad_intake, step_gates
 from torch_tpu_embedding.optim._core.contract import RowContext, Slots, SlotSpec
 from torch_tpu_embedding.optim._core.extras import EXTRA_DEFAULTS, EXTRA_NAMES, check_extras
@@ -43,6 +43,7 @@ from torch_tpu_embedding.optim._core.hyperparams import (
     user_groups,
     validate_common,
 )
+from torch_tpu_embedding.optim._core.keywords import fill_doc
 from torch_tpu_embedding.optim._core.slots import RowSpace, lazy_table, make_state
 from torch_tpu_embedding.optim._core.step_values import LearningRates, StepClock, StepCounters, lr_value
 from torch_tpu_embedding.optim._core.update_paths import choose_path, update
@@ -74,6 +75,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         super().__init_subclass__(**kwargs)
         if "algorithm" in cls.__dict__ and cls.algorithm:
             register(cls)
+        if "__doc__" in cls.__dict__:
+            cls.__doc__ = fill_doc(cls.__doc__)  # the shared keyword documentation (optim/_core/keywords.py)
 
     def __init__(
         self,
@@ -170,7 +173,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
-            rule_cls = optimizer_class(group["algorithm"]) if group.get("algorithm") else type(self)
+            rule_cls = resolve_rule(group) if group.get("algorithm") else type(self)  # read by rule_of(group)
             refuse_complex(group, len(self.param_groups) - 1, type(self).__name__)
             extras = {k: group[k] for k in EXTRA_DEFAULTS if k in group}
             check_extras(group, extras)
@@ -197,6 +200,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             group.setdefault("slot_creation_fn", None)
             for k, v in EXTRA_DEFAULTS.items():
                 group.setdefault(k, v)
+            resolve_rule(group)
 
     # ------------------------------------------------------------------ state
     def _group_of(self, p: Tensor) -> dict[str, Any]:

@@ -112,7 +112,8 @@ def common_defaults(
     clipvalue: Any,
     slot_creation_fn: Any = None,
 ) -> dict[str, Any]:
-    """The hyper-parameters every optimizer shares (TF's ``_Optimizer`` arguments), as a defaults dict."""
+    """The hyper-parameters every optimizer shares (TF's ``_Optimizer`` arguments), as a defaults dict
+    (:func:`~.keywords.constructor_options` builds it from a constructor's arguments)."""
     return {
         "lr": lr,
         "use_gradient_accumulation": use_gradient_accumulation,

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from torch_tpu_embedding._util.registry import optimizer_class
+from torch_tpu_embedding._util.registry import rule_of
 from torch_tpu_embedding.optim._core.contract import RowContext, Slots
 
 __all__ = ["Path", "gated", "pipeline"]
@@ -62,7 +62,7 @@ def pipeline(
     if wd:
         decay = lr * wd if group.get("multiply_weight_decay_factor_by_learning_rate") else wd
         w = w - decay * w
-    w, slots = optimizer_class(group["algorithm"]).rule(w, g, slots, lr, step, group, ctx)
+    w, slots = rule_of(group).rule(w, g, slots, lr, step, group, ctx)
     lo, hi = group.get("clip_weight_min"), group.get("clip_weight_max")
     if lo is not None or hi is not None:
         w = w.clamp(min=lo, max=hi)

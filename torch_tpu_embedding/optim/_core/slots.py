@@ -26,7 +26,7 @@ from torch_tpu_embedding._rows.placement import all_reduce_sum, device_backend, 
 from torch_tpu_embedding._rows.routing import slot_row
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding._util.huge_pages import empty
-from torch_tpu_embedding._util.registry import optimizer_class
+from torch_tpu_embedding._util.registry import rule_of
 from torch_tpu_embedding.optim._core.contract import SlotSpec, identity
 from torch_tpu_embedding.optim._core.stacked_members import (
     check_created,
@@ -58,7 +58,7 @@ ACCUMULATION = ("acc_ids", "acc_rows")
 
 def lazy_table(p: Tensor, group: Mapping[str, Any]) -> bool:
     """``p`` is a table whose optimizer updates only its touched rows."""
-    return table_info(p) is not None and optimizer_class(group["algorithm"]).is_lazy(group)
+    return table_info(p) is not None and rule_of(group).is_lazy(group)
 
 
 def logical_rows(p: Tensor) -> int:
@@ -69,13 +69,13 @@ def logical_rows(p: Tensor) -> int:
 
 def rule_slots(p: Tensor, group: Mapping[str, Any]) -> list[str]:
     """Names of the slots the rule reads and returns for ``p``."""
-    cls = optimizer_class(group["algorithm"])
+    cls = rule_of(group)
     return list(cls.slot_specs(tuple(p.shape), group, table_info(p) is not None))
 
 
 def specs(p: Tensor, group: Mapping[str, Any]) -> dict[str, SlotSpec]:
     """Every state tensor of ``p`` except ``step`` and the accumulation buffers of tables."""
-    cls = optimizer_class(group["algorithm"])
+    cls = rule_of(group)
     # A fused group keeps each table's whole-table slots: a leading [members] dim (optim/_core/stacked_members.py).
     out = member_specs(p, cls.slot_specs(tuple(p.shape), group, table_info(p) is not None))
     if group["use_ema"]:
@@ -206,7 +206,7 @@ def make_state(p: Tensor, group: Mapping[str, Any]) -> dict[str, Tensor]:
     fn = group.get("slot_creation_fn")
     made: Mapping[str, Any] = {}
     if fn is not None and member_rows(p):  # a fused group: once per table, as for tables of their own
-        cls = optimizer_class(group["algorithm"])
+        cls = rule_of(group)
         made = created_member_slots(p, fn, rule_slots(p, group), all_specs,
                                     lambda shape: cls.slot_specs(shape, group, True))
     elif fn is not None:

@@ -43,7 +43,7 @@ import torch
 from torch_tpu_embedding._rows.dedup import drop_sentinel, is_static_device, unique_ids
 from torch_tpu_embedding._rows.grads import BagRows, table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
-from torch_tpu_embedding._util.registry import optimizer_class
+from torch_tpu_embedding._util.registry import rule_of
 from torch_tpu_embedding.optim._core.contract import RowContext
 from torch_tpu_embedding.optim._core.ema import ema_rows
 from torch_tpu_embedding.optim._core.rule_pipeline import Path, gated, pipeline
@@ -75,7 +75,7 @@ _NEEDS_SUMMED_ROWS = ("clipvalue", "weight_decay_factor", "clip_weight_min", "cl
 def choose_path(p: Tensor, group: Mapping[str, Any], *, row_grad: bool) -> Path:
     """The path of parameter ``p`` in ``group``; ``row_grad``: its gradient arrives as rows (a table,
     or a sparse COO ``.grad``) rather than as a dense ``.grad``."""
-    cls = optimizer_class(group["algorithm"])
+    cls = rule_of(group)
     info = table_info(p)
     if row_grad and info is not None and info.owner_local:
         return Path.OWNER_LOCAL
@@ -165,7 +165,7 @@ def _update_additive(item: Work) -> None:
     time."""
     p, group, state, pieces = item.p, item.group, item.state, item.pieces
     assert pieces is not None
-    increment = optimizer_class(group["algorithm"]).increment
+    increment = rule_of(group).increment
     dtype, lr = math_dtype(p), item.lr
 
     def delta(g: Tensor, out: Tensor | None = None) -> Tensor:
@@ -358,7 +358,7 @@ def _write(dst: Tensor, value: Tensor) -> None:
 
 def _whole_slots(p: Tensor, group: Mapping[str, Any]) -> bool:
     """Whether the rule of ``p``'s group keeps whole-table slots (statistics over a table's rows)."""
-    specs = optimizer_class(group["algorithm"]).slot_specs(tuple(p.shape), group, True)
+    specs = rule_of(group).slot_specs(tuple(p.shape), group, True)
     return any(not spec.rows for spec in specs.values())
 
 
@@ -377,7 +377,7 @@ def _update_owner_local(item: Work) -> None:
     rows = {"": item.p, **{k: v for k, v in item.state.items() if k in whole.where.numbers}}
     small = {k: v for k, v in item.state.items() if k not in rows and k not in ("acc_ids", "acc_rows")}
     clock = item.clock.device_values(item.p.device)
-    lazy = optimizer_class(item.group["algorithm"]).is_lazy(item.group)
+    lazy = rule_of(item.group).is_lazy(item.group)
 
     seg = segment_of(item.p, item.ids, owned=True) if lazy and _whole_slots(item.p, item.group) else None
 

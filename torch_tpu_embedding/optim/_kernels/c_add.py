@@ -55,7 +55,7 @@ import torch
 from torch.autograd.graph import increment_version
 
 from torch_tpu_embedding._util.env import is_off
-from torch_tpu_embedding._util.registry import optimizer_class
+from torch_tpu_embedding._util.registry import rule_of
 from torch_tpu_embedding.optim._kernels import row_update
 
 if TYPE_CHECKING:
@@ -238,7 +238,7 @@ def _compile(cc: list[str], flags: list[str], where: str | None, kept: str | Non
 def add_rows_kernel(item: Work) -> AddRows | None:
     """The C add of ``item``'s increments, or ``None`` where this step takes the eager path."""
     p, group = item.p, item.group
-    factor_of = optimizer_class(group["algorithm"]).increment_factor
+    factor_of = rule_of(group).increment_factor
     if (item.divisor is not None or p.device.type != "cpu" or p.dtype != torch.float32 or p.dim() != 2
             or not p.is_contiguous() or not sys.platform.startswith(("linux", "darwin"))
             or not row_update.usable(p) or row_update.warming_up(item)):

@@ -53,7 +53,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from torch_tpu_embedding._rows.grads import table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding._util.env import switched_on
-from torch_tpu_embedding._util.registry import optimizer_class
+from torch_tpu_embedding._util.registry import RULE_KEY, rule_of
 from torch_tpu_embedding.optim._core.contract import RowContext, Slots
 from torch_tpu_embedding.optim._core.ema import ema_row_update, momentum_now
 from torch_tpu_embedding.optim._core.rule_pipeline import gated, pipeline
@@ -90,8 +90,8 @@ _WARNED = False
 _NO_COMPILER = False
 #: bytes of summed gradient rows per kernel call (see :func:`chunk_rows`)
 _CHUNK_BYTES = 2**22
-#: group entries that are not hyper-parameters of the rule
-_NOT_HP = frozenset({"params", "lr", "slot_creation_fn"})
+#: group entries that are not hyper-parameters of the rule (``RULE_KEY``: the rule itself)
+_NOT_HP = frozenset({"params", "lr", "slot_creation_fn", RULE_KEY})
 #: group entries the kernel does not read (the intake's, the per-call EMA's, the rule's name: the key
 #: names the rule itself): configurations that differ only here share a kernel
 _NOT_IN_KERNEL = frozenset({
@@ -206,7 +206,7 @@ def _kernel_source(
 
 def _key(item: Work, names: tuple[str, ...]) -> tuple[Any, ...]:
     p, group, state = item.p, item.group, item.state
-    rule = optimizer_class(group["algorithm"]).rule
+    rule = rule_of(group).rule
     hp = tuple(sorted((k, repr(v)) for k, v in group.items() if k not in _NOT_HP | _NOT_IN_KERNEL))
     slot_dtypes = tuple(state[k].dtype for k in names)
     return (rule.__module__, rule.__qualname__, hp, p.device.type, p.dtype, p.dim(), slot_dtypes,

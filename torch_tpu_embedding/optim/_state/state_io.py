@@ -31,7 +31,7 @@ from torch_tpu_embedding._rows.row_order import (
 )
 from torch_tpu_embedding._rows.stacked_state import Members, merge_member_state, split_member_state
 from torch_tpu_embedding._util.dtypes import math_dtype
-from torch_tpu_embedding._util.registry import optimizer_class
+from torch_tpu_embedding._util.registry import RULE_KEY, resolve_rule, rule_of
 from torch_tpu_embedding.optim._core.extras import EXTRA_DEFAULTS, check_extras
 from torch_tpu_embedding.optim._core.hyperparams import validate_common
 from torch_tpu_embedding.optim._core.slots import (
@@ -144,7 +144,7 @@ def _saved_groups(opt: RowSparseOptimizer, keys: Mapping[int, str]) -> list[dict
         saved = {
             k: v
             for k, v in group.items()
-            if k not in ("params", "slot_creation_fn") and not (callable(v) and not isinstance(v, Tensor))
+            if k not in ("params", "slot_creation_fn", RULE_KEY) and not (callable(v) and not isinstance(v, Tensor))
         }
         saved["params"] = [k for p in group["params"] for k, _ in _logical_keys(p, keys[id(p)], 0)]
         groups.append(saved)
@@ -256,7 +256,7 @@ def _check_groups(opt: RowSparseOptimizer, saved: list[dict[str, Any]], keys: Ma
         try:  # the saved hyper-parameters must pass the constructor's checks
             check_extras(merged, {k: merged[k] for k in EXTRA_DEFAULTS if k in merged})
             validate_common(merged)
-            optimizer_class(g["algorithm"])._validate(merged)
+            rule_of(g)._validate(merged)
         except (TypeError, ValueError) as e:
             problems.append(f"group {i}: {e}")
     return problems
@@ -272,6 +272,7 @@ def _apply_groups(opt: RowSparseOptimizer, saved: list[dict[str, Any]]) -> None:
         for k, v in sg.items():
             if k != "params" and not _callable(g.get(k)):
                 g[k] = v
+        resolve_rule(g)  # the loaded group's rule, resolved again from its (checked) algorithm
 
 
 def _restore_accumulation(state: dict[str, Tensor], bufs: Mapping[str, Tensor], p: Tensor) -> None:

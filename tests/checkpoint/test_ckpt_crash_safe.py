@@ -30,7 +30,7 @@ import torch_tpu_embedding as tte
 from torch_tpu_embedding.checkpoint import CheckpointCorruptError, CheckpointMismatchError
 from torch_tpu_embedding.checkpoint import publish as ckpt_publish
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def state(m: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:

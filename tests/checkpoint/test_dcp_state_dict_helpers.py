@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 import torch_tpu_embedding as tte
 from torch_tpu_embedding.optim._state import state_io
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 sys.path.insert(0, os.fspath(DATA))
 from pre_exchange.configs import build as pre_exchange_build, step as pre_exchange_step  # noqa: E402, I001
 from pre_split.configs import CONFIGS as PRE_SPLIT, build as pre_split_build, train as pre_split_train  # noqa: E402, I001

@@ -14,7 +14,7 @@ from optim_registry import NONFINITE, OptimizerConfig, cases
 
 import torch_tpu_embedding as tte
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 
 
 def model():

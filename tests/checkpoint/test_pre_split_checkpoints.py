@@ -19,7 +19,7 @@ import torch
 
 import torch_tpu_embedding as tte
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 sys.path.insert(0, os.fspath(DATA))
 from pre_split.configs import CONFIGS, build, train  # noqa: E402
 

@@ -82,7 +82,7 @@ def test_training_a_meta_built_model_equals_one_process(
 ) -> None:
     """tests/_mp_worker.py's model (row-wise, table-wise and replicated tables, a DDP head) built whole on the
     meta device trains to the same values bit for bit as the model built with its values, and, as that one
-    (tests/test_mp_shard.py), equals one process trained on the global batch (checked here in float64)."""
+    (tests/distributed/test_mp_shard.py), equals one process trained on the global batch (checked here in float64)."""
     for r, res in enumerate(ranks(world, "values", tmp_path_factory)):
         for dtype in (torch.float64, torch.float32):
             meta, built = res[f"{name}/{dtype}/True"], res[f"{name}/{dtype}/False"]
@@ -95,7 +95,7 @@ def test_training_a_meta_built_model_equals_one_process(
             for t, s in meta["sharded"].items():
                 assert s["bytes"] == s["rows"].numel() * s["rows"].element_size(), t
             if dtype != torch.float64:
-                continue  # float32 against one process: tests/test_mp_shard.py's bounds, for the run equal to this
+                continue  # float32 against one process: tests/distributed/test_mp_shard.py's bounds, for the run equal to this
             ref, tol = W.reference(name, dtype)["model"], W.TOL[dtype]
             for t, s in meta["sharded"].items():
                 real = s["ids"] < ref[f"ec.tables.{t}.weight"].shape[0]

@@ -101,7 +101,7 @@ def test_loading_memory_is_one_chunk(tmp_path: Path) -> None:
     before the load (shard and accumulators in place) by at most one read chunk (CHUNK, 4 MiB), nothing
     added: by construction one buffer of at most BUFFER = CHUNK - RESERVE bytes, pages included, is alive
     at a time (the checksums', then each window of rows with all its bookkeeping and the ownership's
-    temporaries: _ckpt_rows's module docstring, tests/test_ckpt_rows.py), and RESERVE (512 KiB) holds
+    temporaries: _ckpt_rows's module docstring, tests/checkpoint/test_ckpt_rows.py), and RESERVE (512 KiB) holds
     the rest (interpreter objects, the pickles' pages). For a table row-sharded over 2 ranks with Adagrad of 2**19 and of 2**20
     rows (shards of 64 and 128 MiB): the growth does not follow the shard (the loader before windowed
     reads took 824 MiB at 2**20; with a per-row table of logical ids, 35 and 57-71 MiB measured so). Also

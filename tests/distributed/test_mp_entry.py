@@ -1,7 +1,7 @@
 """tte.distributed.shard's entry points used as a user may use them: copies of a sharded model, and wrong calls.
 
 The process-group cases run in one spawn of 2 gloo processes (tests/_mp_entry_worker.py, through
-tests/test_mp_build.py's spawn helper).
+tests/distributed/test_mp_build.py's spawn helper).
 """
 
 from __future__ import annotations

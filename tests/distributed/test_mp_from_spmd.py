@@ -15,7 +15,7 @@ import torch
 import torch.multiprocessing as mp
 from test_mp_shard import _close, _free_port, bound, compare
 
-FIXTURE = Path(__file__).parent / "data" / "mp_spmd4"
+FIXTURE = Path(__file__).parents[1] / "data" / "mp_spmd4"
 OPTIMIZER = "rowwise_adagrad"  # tests/data/mp_spmd4/make.py's
 
 

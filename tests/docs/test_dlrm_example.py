@@ -13,7 +13,7 @@ import torch
 
 import torch_tpu_embedding as tte
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 EXAMPLE = ROOT / "examples" / "dlrm_synthetic.py"
 SHORT = ["--device", "cpu", "--tables", "8", "--vocab", "20000,600", "--multi-hot", "2", "--batch", "256",
          "--steps", "100", "--log-every", "10"]

@@ -7,7 +7,7 @@ A marker line right before a block sends it to a process with a device instead o
 * ``<!-- spmd -->``: needs torch_xla in SPMD mode. ``tests/xla_spmd/test_docs_snippets_spmd.py`` runs
   it with ``PJRT_DEVICE=CPU CPU_NUM_DEVICES=4``.
 
-Those tests start ``python tests/test_docs_snippets.py FILE MARKER``: a fresh process that starts
+Those tests start ``python tests/docs/test_docs_snippets.py FILE MARKER``: a fresh process that starts
 the XLA runtime (SPMD mode for ``spmd``) before any block runs a backward, as a script must, then
 runs the file's unmarked blocks and its blocks with that marker, in file order and in one
 namespace, so a marked block sees what the blocks before it defined (blocks with another marker are
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 #: marker -> the test that runs the blocks it marks
 RUNNERS = {
@@ -211,7 +211,7 @@ def test_markers_and_indented_blocks_are_parsed(tmp_path: Path) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """``python tests/test_docs_snippets.py FILE MARKER``: run FILE's unmarked and MARKER blocks in order."""
+    """``python tests/docs/test_docs_snippets.py FILE MARKER``: run FILE's unmarked and MARKER blocks in order."""
     path, marker = Path(argv[0]), argv[1]
     if marker not in RUNNERS:
         raise SystemExit(f"unknown marker {marker!r}")

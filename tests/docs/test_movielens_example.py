@@ -14,7 +14,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 SCRIPT = ROOT / "examples" / "movielens.py"
 FINAL = re.compile(r"^test AUC ([\d.]+)  log loss ([\d.]+)  \(best epoch (\d+)\)$", re.MULTILINE)
 # --short (half the training split, 3 epochs) measured 0.756 test AUC; chance is 0.5 and a constant

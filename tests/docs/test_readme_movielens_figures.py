@@ -4,7 +4,7 @@ The README shows the last lines of a default run (random split, XLA, XLA:CPU her
 AUC, log loss, best epoch and our model's compile count. This test runs that command and fails when
 any printed figure differs from the README's (the training time is the machine's and is not
 compared). The run takes minutes (about 2 on the project's 2-core machine under load). It skips,
-as tests/test_movielens_example.py does, without recbole's ml-100k files or torch_xla.
+as tests/docs/test_movielens_example.py does, without recbole's ml-100k files or torch_xla.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 SCRIPT = ROOT / "examples" / "movielens.py"
 #: our model's row of the result table: valid AUC, test AUC, log loss, best epoch, time, compiles
 ROW = re.compile(r"^ours \(Adagrad \+ FTRL \+ Adam\) +(\d\.\d{4}) +(\d\.\d{4}) +(\d\.\d{4}) +(\d+) +[\d.]+s +(\d+)$",

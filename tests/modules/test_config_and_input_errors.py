@@ -141,6 +141,6 @@ def test_import_without_torch_xla() -> None:
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=Path(__file__).parents[1], timeout=120)
+                         cwd=Path(__file__).parents[2], timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"

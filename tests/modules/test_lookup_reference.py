@@ -179,7 +179,7 @@ def test_tf_fixture_golden_activations() -> None:
 
 
 GOLDEN_A = {c["name"]: c for c in json.loads(
-    (Path(__file__).parent / "data" / "golden_tf.json").read_text())["A_serving_lookup"]["cases"]}
+    (Path(__file__).parents[1] / "data" / "golden_tf.json").read_text())["A_serving_lookup"]["cases"]}
 TF_TABLE = torch.tensor([[(3 * r + 1) / 10, (3 * r + 2) / 10, (3 * r + 3) / 10] for r in range(6)], dtype=torch.float64)
 TF_BAGS = [[1, 2], [], [3, 3, 5], []]
 TF_W = [[0.5, 2.0], [], [1.0, -1.0, 0.5], []]

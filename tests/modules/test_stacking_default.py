@@ -19,7 +19,7 @@ from test_fused_tables import batch, features, train
 
 import torch_tpu_embedding as tte
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 sys.path.insert(0, os.fspath(DATA))
 from pre_split.configs import CONFIGS, build, train as pre_split_train  # noqa: E402, I001
 
@@ -196,7 +196,7 @@ def test_optimizer_state_of_a_stacked_tables_weight_says_where_the_slots_are() -
 
 def test_a_stacked_table_whose_bags_were_all_empty_is_still_reported_by_row_grads() -> None:
     """Unstacked, a table looked up with empty bags only reports its padding entries; stacked, it is
-    reported too (with no entries of its own), not dropped. Found by tests/test_stacking_properties.py."""
+    reported too (with no entries of its own), not dropped. Found by tests/modules/test_stacking_properties.py."""
     got = {}
     for fuse in (True, False):
         t = [tte.TableConfig(3, 2, name=n, combiner="sum") for n in ("t0", "t1")]

@@ -3,7 +3,7 @@
 References: golden_keras.json (real Keras 3.15.1, tf_spec §9.1); a float64 numpy implementation of the
 lazy table semantics written from docs/optimizers.md (below, not from the code under test). Its
 argument errors are the Adafactor entry's ``error_inputs`` in tests/optim_registry.py (run by
-tests/test_optim_errors.py), and the generic optimizer tests run it from that entry too.
+tests/optim/test_optim_errors.py), and the generic optimizer tests run it from that entry too.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 import torch_tpu_embedding as tte
 
-CASES = {c["name"]: c for c in json.loads((Path(__file__).parent / "data" / "golden_keras.json").read_text())["cases"]}
+CASES = {c["name"]: c for c in json.loads((Path(__file__).parents[1] / "data" / "golden_keras.json").read_text())["cases"]}
 ADAFACTOR = [n for n, c in CASES.items() if c["optimizer"] == "Adafactor"]
 KEYS = ("beta_2_decay", "epsilon_1", "epsilon_2", "clip_threshold", "relative_step", "weight_decay", "clipnorm",
         "clipvalue", "global_clipnorm", "use_ema", "ema_momentum", "ema_overwrite_frequency", "loss_scale_factor",

@@ -16,7 +16,7 @@ import torch
 
 import torch_tpu_embedding as tte
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _stacked() -> tte.EmbeddingCollection:

@@ -1,5 +1,5 @@
 """The fused eager row update (``Path.FUSED``, ``optim/row_update.py``) against the reference path
-(``Path.ROW_CHUNKS``, which tests/test_optim_reference.py checks against float64 numpy), for every
+(``Path.ROW_CHUNKS``, which tests/optim/test_optim_reference.py checks against float64 numpy), for every
 optimizer with a per-row rule and every option (tests/optim_registry.py, target ``fused_path``); the
 number of compilations over a loop whose batch sizes and id counts change every step; the fallback
 when nothing can be compiled.
@@ -48,7 +48,7 @@ needs_compiler = pytest.mark.usefixtures("compiler")
 
 @pytest.fixture(autouse=True)
 def fused_from_the_first_step() -> Iterator[None]:
-    """Every table here is small and every run short: the default policy (tests/test_fused_warmup.py)
+    """Every table here is small and every run short: the default policy (tests/optim/test_fused_warmup.py)
     would keep them on the reference path."""
     before = row_update.set_policy(0, 0)
     yield

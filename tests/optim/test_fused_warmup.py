@@ -22,7 +22,7 @@ from torch_tpu_embedding.optim._core import base, update_paths
 from torch_tpu_embedding.optim._core.update_paths import Path
 from torch_tpu_embedding.optim._kernels import row_update
 
-REPO = FsPath(__file__).resolve().parent.parent
+REPO = FsPath(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import pytest
 import torch
 from optim_registry import OPTIMIZER_INFOS
 
-CASES = {c["name"]: c for c in json.loads((Path(__file__).parent / "data" / "golden_keras.json").read_text())["cases"]}
+CASES = {c["name"]: c for c in json.loads((Path(__file__).parents[1] / "data" / "golden_keras.json").read_text())["cases"]}
 
 
 def _ours(case: dict, param: torch.nn.Parameter, tpu_defaults: bool = False):

@@ -15,7 +15,7 @@ from optim_registry import OPTIMIZER_INFOS
 
 import torch_tpu_embedding as tte
 
-GOLDEN = json.loads((Path(__file__).parent / "data" / "golden_tf.json").read_text())["C_tpu_embedding_derived"]
+GOLDEN = json.loads((Path(__file__).parents[1] / "data" / "golden_tf.json").read_text())["C_tpu_embedding_derived"]
 
 
 def _optimizer(run: dict, params: list, lr: float):
@@ -53,7 +53,7 @@ def test_golden_tf_section_c(run: dict, dtype: torch.dtype) -> None:
 
 
 FTRL_KERNELS = [
-    r for r in json.loads((Path(__file__).parent / "data" / "golden_tf.json").read_text())["B_ftrl_cpu_kernels"]
+    r for r in json.loads((Path(__file__).parents[1] / "data" / "golden_tf.json").read_text())["B_ftrl_cpu_kernels"]
     if r["kernel"] == "ResourceApplyFtrl"
 ]
 
@@ -84,7 +84,7 @@ def test_golden_tf_section_b_ftrl_cpu_kernel(case: dict) -> None:
 
 def test_golden_tf_section_d_tfa_lazy_adam() -> None:
     """tfa LazyAdam on IndexedSlices with duplicate indices == LazyAdam(bias_correction, eps outside)."""
-    d = json.loads((Path(__file__).parent / "data" / "golden_tf.json").read_text())["D_lazy_adam"]
+    d = json.loads((Path(__file__).parents[1] / "data" / "golden_tf.json").read_text())["D_lazy_adam"]
     w = torch.nn.Parameter(torch.tensor(d["initial_var"], dtype=torch.float64))
     opt = tte.optim.LazyAdam([w], lr=d["lr"], betas=(d["beta_1"], d["beta_2"]), eps=d["epsilon"],
                              bias_correction=True, sum_inside_sqrt=False)

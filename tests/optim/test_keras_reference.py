@@ -40,7 +40,7 @@ from keras_reference import (
     make_keras_optimizer,
 )
 
-GOLDEN = json.loads((Path(__file__).parent / "data" / "golden_keras.json").read_text())
+GOLDEN = json.loads((Path(__file__).parents[1] / "data" / "golden_keras.json").read_text())
 CASES = {c["name"]: c for c in GOLDEN["cases"]}
 GOLDEN_TOL = 1e-6
 LIVE_TOL = 1e-9

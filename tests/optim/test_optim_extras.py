@@ -2,7 +2,7 @@
 
 Every configuration of the registry's ``extras`` target (one per optimizer, tests/optim_registry.py)
 runs with every combination of ``KERAS_EXTRAS``; the extras' argument errors are the registry's
-``SHARED_ERRORS`` (tests/test_optim_errors.py).
+``SHARED_ERRORS`` (tests/optim/test_optim_errors.py).
 
 Independent references: the same optimizer on a dense twin parameter fed the densified gradient (Keras
 densifies sparse gradients, tf_spec §5.2), a float64 EMA of the recorded weight trajectory written from

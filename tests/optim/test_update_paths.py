@@ -66,7 +66,7 @@ def test_choose_path_and_the_step_runs_it(cls: Any, kwargs: dict[str, Any], whic
 
 def test_sparse_coo_grad_takes_the_row_paths() -> None:
     emb = torch.nn.Embedding(6, 2, sparse=True)
-    # Adafactor: densified (statistics over every row; tests/test_conformance_sparse.py)
+    # Adafactor: densified (statistics over every row; tests/optim/test_adafactor_sparse_grad.py)
     for cls, expected in ((O.SGD, Path.ADDITIVE), (O.Adagrad, Path.ROW_CHUNKS), (O.Adafactor, Path.DENSE)):
         assert choose_path(emb.weight, cls(emb.parameters(), lr=0.1).param_groups[0], row_grad=True) is expected
     assert choose_path(emb.weight, O.Adam(emb.parameters(), lazy_adam=False).param_groups[0],
@@ -77,7 +77,7 @@ def test_sparse_coo_grad_takes_the_row_paths() -> None:
 def test_with_fused_updates_on_the_row_chunk_cases_take_fused(cls: Any, kwargs: dict[str, Any], which: str,
                                                               expected: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``TTE_FUSED_UPDATE`` on (the suite runs with it off, tests/conftest.py): every eager per-row
-    update with summed rows is ``FUSED``; the other paths do not change. tests/test_fused_update.py
+    update with summed rows is ``FUSED``; the other paths do not change. tests/optim/test_fused_update.py
     steps each optimizer on it."""
 
     monkeypatch.setattr(row_update, "_ENABLED", True)

@@ -1,7 +1,7 @@
 """Plain CUDA (no torch_xla): every optimizer trains the same on a CUDA device as on the CPU, the fused
 eager update (inductor's Triton kernels) equals the reference path there, and a checkpoint written on
 the GPU resumes on the CPU. Skipped where no GPU is visible (CI has none); run on a GPU machine with
-``python -m pytest -q tests/test_cuda.py``.
+``python -m pytest -q tests/package/test_cuda.py``.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def fused_from_the_first_step() -> Iterator[None]:
 @pytest.mark.parametrize("cfg", FUSED_CASES, ids=str)
 def test_fused_update_on_cuda_equals_the_reference_path(cfg: OptimizerConfig,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """float32, both copies on the GPU, in lockstep (as tests/test_fused_update.py on the CPU): each
+    """float32, both copies on the GPU, in lockstep (as tests/optim/test_fused_update.py on the CPU): each
     call compared within 1e-6, then the fused copy set to the reference's values, so a last-bit
     difference is not amplified by the next steps (Adam's small second moments would)."""
     dev = torch.device("cuda")

@@ -1,5 +1,5 @@
 """Papercuts a new user hits (issue 29, item 9): help() texts, the optim namespace, row_grads()'s
-one contract. (Guide sections run alone: tests/test_docs_snippets.py::test_guide_section_runs_alone.)"""
+one contract. (Guide sections run alone: tests/docs/test_docs_snippets.py::test_guide_section_runs_alone.)"""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from torch_tpu_embedding import routing
 from torch_tpu_embedding._util import registry
 from torch_tpu_embedding.xla import ownership
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 
 
 def test_the_package_registers_exactly_its_named_optimizers_first() -> None:

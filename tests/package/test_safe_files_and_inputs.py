@@ -27,7 +27,7 @@ import torch_tpu_embedding as tte
 from torch_tpu_embedding.checkpoint import files as ckpt_files
 from torch_tpu_embedding.checkpoint import publish as ckpt_publish
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 V, D = 10, 3
 
 
@@ -167,7 +167,7 @@ BAD_EXTRAS = [
     ("np-array", {"a": np.ones(2)}, r"`extra\['a'\]` is a numpy.ndarray"),
     ("path", {"dir": pathlib.Path("x")}, r"`extra\['dir'\]` is a pathlib.PosixPath"),
     ("datetime", {"when": datetime.datetime(2026, 1, 1)}, r"`extra\['when'\]` is a datetime.datetime"),
-    ("custom", {"obj": _Custom()}, r"`extra\['obj'\]` is a test_hardening._Custom"),
+    ("custom", {"obj": _Custom()}, r"`extra\['obj'\]` is a test_safe_files_and_inputs._Custom"),
     ("nested", {"a": [1, {"b": (2, np.float64(3))}]}, r"`extra\['a'\]\[1\]\['b'\]\[1\]` is a numpy.float64"),
     ("key", {np.int64(1): 2}, r"`extra \(a key\)` is a numpy.int64"),
     ("frozenset", {"s": frozenset([1])}, r"`extra\['s'\]` is a frozenset"),
@@ -544,7 +544,7 @@ def test_building_a_table_needs_its_size_once_in_host_memory() -> None:
 
 # ------------------------------------------------------------------ 21. the guide's numbers repeat
 def test_guide_section_1_draws_its_tables_from_a_seed() -> None:
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "docs"))
     import test_docs_snippets as harness
 
     first = harness.blocks(ROOT / "docs" / "guide.md")[0]

@@ -25,7 +25,7 @@ from packaging.version import Version
 
 import torch_tpu_embedding as tte
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TORCH = Version(torch.__version__.split("+")[0])
 
 # tte.default_initializer after torch.manual_seed(0) on a [2, 4] table (std 1/2, cut at ±1), recorded

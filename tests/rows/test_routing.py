@@ -1,6 +1,6 @@
 """The per-device routing plan of the id exchange (torch_tpu_embedding.routing), on the CPU: plan_routes
 against a plain-Python reference, and a whole exchange over n simulated devices (the all-to-alls emulated
-by indexing) against dense float64 references. Ownership schemes themselves: tests/test_exchange_layout.py."""
+by indexing) against dense float64 references. Ownership schemes themselves: tests/rows/test_exchange_layout.py."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from torch_tpu_embedding.routing import (
     rows_at_positions,
 )
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 R = 3072  # a multiple of 512 and of lcm(512, 3) = lcm(512, 6) = 1536, so every n below is valid
 NS = [1, 2, 3, 4, 6, 8]
 N = 96  # ids per device

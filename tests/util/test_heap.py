@@ -21,7 +21,7 @@ from torch_tpu_embedding._util import heap
 
 glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
                            reason="glibc's malloc (Linux)")
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 STEP = """
 import torch

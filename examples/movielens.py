@@ -42,7 +42,7 @@ splits and early stopping, with ``nn.Embedding`` tables (the genre bag as padded
 optimizer, the history and the best weights so far); the twin always starts afresh.
 
 Measured 2026-11-26 (the time split's twin: 2026-11-23), XLA:CPU on a shared 2-core machine, torch
-2.9.0 / torch_xla 2.9.0, seed 0 (README.md shows the default run, which tests/test_conformance_readme.py
+2.9.0 / torch_xla 2.9.0, seed 0 (README.md shows the default run, which tests/docs/test_readme_movielens_figures.py
 checks):
 
     split    model                          test AUC  log loss  best epoch

@@ -1,4 +1,4 @@
-"""A model for tests/test_ckpt_crash_safe.py, and (run as a script) ``save_distributed`` killed at each step.
+"""A model for tests/checkpoint/test_ckpt_crash_safe.py, and (run as a script) ``save_distributed`` killed at each step.
 
 ``python _crash_child.py WORK`` (see :func:`main`) saves a checkpoint, then saves another over it
 in a forked child process that counts the disk operations of the save (each fsync, rename, replace,

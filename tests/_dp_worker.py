@@ -1,4 +1,4 @@
-"""Data-parallel runs for tests/test_distributed.py: one process per rank (gloo, CPU), and the same model,
+"""Data-parallel runs for tests/distributed/test_data_parallel.py: one process per rank (gloo, CPU), and the same model,
 batches and loop for the single-process reference.
 
 A run trains a model (two tables of different widths, features sharing a table, padded bags, a dense head)

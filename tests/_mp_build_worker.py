@@ -1,4 +1,4 @@
-"""Models built on the meta device and sharded over a process group, for tests/test_mp_build.py: one
+"""Models built on the meta device and sharded over a process group, for tests/distributed/test_mp_build.py: one
 process per rank (gloo, CPU).
 
 :func:`values` builds :func:`features` under ``torch.device("meta")`` with a tiny draw chunk (so every

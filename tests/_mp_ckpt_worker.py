@@ -1,5 +1,5 @@
-"""Distributed checkpoints of tables sharded over a process group (tests/test_mp_ckpt.py,
-tests/test_mp_from_spmd.py, tests/xla_spmd/test_mp_interop.py): gloo workers, one process per rank.
+"""Distributed checkpoints of tables sharded over a process group (tests/distributed/test_mp_ckpt.py,
+tests/distributed/test_mp_from_spmd.py, tests/xla_spmd/test_mp_interop.py): gloo workers, one process per rank.
 
 The model, batches and loop are tests/_mp_worker.py's. :func:`model_with` builds that model with other
 placements (torch_xla SPMD has no ``"table"`` placement) and the same initial values.

@@ -1,4 +1,4 @@
-"""tte.distributed.shard's entry points on a gloo group, for tests/test_mp_entry.py: one process per rank, every
+"""tte.distributed.shard's entry points on a gloo group, for tests/distributed/test_mp_entry.py: one process per rank, every
 case in one spawn.
 
 :func:`copies` checks that a sharded model's copies (``copy.deepcopy``, ``.float()``) keep its

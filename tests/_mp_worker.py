@@ -1,4 +1,4 @@
-"""Tables sharded over a process group (tte.distributed.shard) for tests/test_mp_shard.py: one process per
+"""Tables sharded over a process group (tte.distributed.shard) for tests/distributed/test_mp_shard.py: one process per
 rank (gloo, CPU), and the same model, batches and loop for the single-process reference.
 
 The model mixes every placement: two row-sharded tables of the same width (stacked when the collection
@@ -52,7 +52,7 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-6}
 #: near g = 0 (one float32 process is itself 2.7e-5 from the float64 run of the same start, and reordering its
 #: batch moves it 3.5e-5). At world 3 each rank's loss is a mean over 8 examples divided by 3, where one process
 #: divides by 24: other last bits again. The tables sharded over the group (this exchange) stay within 1e-6 when
-#: the head does not train (FROZEN_HEAD, tests/test_mp_shard.py), except AdagradMomentum's momenta at world 3;
+#: the head does not train (FROZEN_HEAD, tests/distributed/test_mp_shard.py), except AdagradMomentum's momenta at world 3;
 #: the replicated tables (data parallel's exchange) then keep 1.8e-6 (rowwise_adagrad) and 1.3e-6 (adafactor) at
 #: world 3.
 FLOAT32_BOUNDS: dict[str, tuple[tuple[int, ...], dict[str, float]]] = {

@@ -11,7 +11,7 @@ ADDING AN OPTIMIZER, TEST SIDE: one ``OptimizerInfo`` appended to ``OPTIMIZER_IN
   * ``np_rule(hp, w, g, s, eta, t, num_rows) -> (w, s)``: the float64 numpy reference of its update of
     the touched rows ``w, g [U, D]`` (slots: their rows, or whole), written from the paper's formulas
     and named after its symbols. The shared steps around it (clipvalue, weight decay, weight clipping)
-    are the harness's (tests/test_optim_reference.py). The Keras-pipeline test also runs it on dense
+    are the harness's (tests/optim/test_optim_reference.py). The Keras-pipeline test also runs it on dense
     parameters of shapes (5, 4) and (6,) (``num_rows`` = shape[0]);
   * ``shared_args`` (which shared arguments it takes: ``SHARED_ERRORS`` then run for it) and
     ``error_inputs`` (its own arguments that must be rejected, with the message);
@@ -20,7 +20,7 @@ ADDING AN OPTIMIZER, TEST SIDE: one ``OptimizerInfo`` appended to ``OPTIMIZER_IN
 Nothing else. The entry then runs in every target of ``TARGETS`` its flags allow: the numpy reference
 (f64, f32), the invariants of test_optim_generic.py (untouched rows, lazy == dense, state_dict, lr
 schedules, per-table overrides), argument errors, the Keras extras, row chunks, the fused eager update,
-fused groups, skip non-finite, XLA == CPU, one compilation, 4-device SPMD. tests/test_optim_registry.py fails while an
+fused groups, skip non-finite, XLA == CPU, one compilation, 4-device SPMD. tests/optim/test_optim_registry.py fails while an
 optimizer of ``tte.optim`` has no entry, or an entry disagrees with its class (slot names, shapes and
 initial values, the arguments it takes, the fused / no-dedup flags).
 Optional: ``inputs`` (named configurations, each for the targets it names: option variants worth
@@ -138,7 +138,7 @@ KERAS_ARGS = frozenset(O.KerasExtras.__annotations__)  # clipnorm, use_ema, ...,
 TPU_ARGS = frozenset({"use_gradient_accumulation", "clip_weight_min", "clip_weight_max", "weight_decay_factor",
                       "multiply_weight_decay_factor_by_learning_rate"})
 COMMON_ARGS = frozenset({"lr", "clipvalue"}) | KERAS_ARGS
-#: A valid value of every shared argument (tests/test_optim_registry.py probes ``shared_args`` with them).
+#: A valid value of every shared argument (tests/optim/test_optim_registry.py probes ``shared_args`` with them).
 SHARED_ARG_VALUES: dict[str, Any] = {
     "lr": 0.1, "clipvalue": None, "slot_creation_fn": None, "use_gradient_accumulation": True,
     "clip_weight_min": None, "clip_weight_max": None, "weight_decay_factor": None,

@@ -1,7 +1,7 @@
 """The ```python blocks of README.md and docs/*.md marked ``<!-- xla -->`` run on one XLA device.
 
 Each file is run in a fresh process (``PJRT_DEVICE=CPU``, one device, no SPMD) by the docs harness
-(``tests/test_docs_snippets.py``): its unmarked blocks and its xla blocks, in order, in one namespace.
+(``tests/docs/test_docs_snippets.py``): its unmarked blocks and its xla blocks, in order, in one namespace.
 The CPU docs test skips these blocks and checks that this test covers every file holding one.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[2]
-HARNESS = ROOT / "tests" / "test_docs_snippets.py"
+HARNESS = ROOT / "tests" / "docs" / "test_docs_snippets.py"
 _spec = importlib.util.spec_from_file_location("docs_snippets_harness", HARNESS)
 assert _spec is not None and _spec.loader is not None
 harness = importlib.util.module_from_spec(_spec)

@@ -59,7 +59,7 @@ def _bags(step: int):
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
 def test_per_id_weight_gradient_on_xla_matches_cpu(combiner: str) -> None:
     """Host weights (Jagged) and device weights (Padded) that require grad get the gradient the CPU
-    path gives (itself checked against float64 autograd and nn.EmbeddingBag in tests/test_hardening.py);
+    path gives (itself checked against float64 autograd and nn.EmbeddingBag in tests/package/test_safe_files_and_inputs.py);
     the table's row gradients match too; no host fallback, one compile for a steady loop."""
     cpu, xla = collection("cpu", combiner), collection(DEV, combiner)
     met.clear_all()

@@ -5,7 +5,7 @@ patched) in one process: every step then runs the static-shape exchange of
 ``torch_tpu_embedding/distributed/data_parallel.py`` with the ``xla`` backend's collectives (``xm.all_gather`` with one
 replica). It must train as the CPU without an exchange, in one compiled graph, with no host fallback and
 one host round trip in all (the size check of the first step). The multi-process arithmetic of the same
-code is checked with gloo on 2 and 3 processes (tests/test_distributed.py::test_static_shape_exchange).
+code is checked with gloo on 2 and 3 processes (tests/distributed/test_data_parallel.py::test_static_shape_exchange).
 """
 
 from __future__ import annotations

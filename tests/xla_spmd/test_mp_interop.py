@@ -1,7 +1,7 @@
 """Distributed checkpoints between a process group and torch_xla SPMD: a checkpoint saved by 4 gloo processes
 (tte.distributed.shard; row- and table-wise tables, replicated ones, a DDP head) loads into an SPMD model on 4
 devices (tte.checkpoint.load_distributed), and 5 more steps there equal one uninterrupted process (float64
-<= 1e-10). The reverse (an SPMD-4 checkpoint into 3 gloo processes): tests/test_mp_from_spmd.py.
+<= 1e-10). The reverse (an SPMD-4 checkpoint into 3 gloo processes): tests/distributed/test_mp_from_spmd.py.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def test_spmd_is_never_exchanged(two_hosts: list[str]) -> None:
 def test_clip_grad_norm_of_a_routed_table() -> None:
     """``tte.clip_grad_norm_`` on a row-sharded table trained through the id exchange (its gradient arrives
     owner-local, per shard): the norm and the clipped Adagrad step equal the CPU's (whose clipping equals
-    clipping by hand, tests/test_clip.py), with duplicate ids across bags and features; the gradient stays
+    clipping by hand, tests/optim/test_clip.py), with duplicate ids across bags and features; the gradient stays
     owner-local for the step."""
 
     def build(device: torch.device) -> tuple[tte.EmbeddingCollection, torch.nn.Module]:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["OPTIMIZER_NAMES", "RULE_KEY", "optimizer_class", "optimizer_names", "register", "resolve_rule", "rule_of"]
 
 #: every optimizer name a ``TableConfig.optimizer`` string may give: the package's own optimizers, in
-#: registration order (``tests/test_optim_registry.py`` checks that ``torch_tpu_embedding.optim``
+#: registration order (``tests/optim/test_optim_registry.py`` checks that ``torch_tpu_embedding.optim``
 #: registers exactly these first). A new optimizer module adds its name here.
 OPTIMIZER_NAMES: tuple[str, ...] = (
     "sgd", "adagrad", "adagrad_momentum", "adam", "lazy_adam", "ftrl", "adafactor", "rowwise_adagrad",

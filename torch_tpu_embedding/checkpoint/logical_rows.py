@@ -86,7 +86,7 @@ _PIECE = 8192
 #: ``BUFFER``: ``_pg_ckpt._locator``'s grew it by 43-122 bytes (interleaved rows at 2, 3, 5 and 1024
 #: ranks, the odd factors' the most: RowOwnership.physical_row's int64 temporaries, up to about seven
 #: alive at once, and malloc's placing of them), checked by
-#: tests/test_ckpt_rows.py::test_placing_ids_stays_within_its_charge.
+#: tests/checkpoint/test_ckpt_rows.py::test_placing_ids_stays_within_its_charge.
 _LOCATE_BYTES = 192
 #: The most a :class:`Window`'s mapping takes, in whole pages: ``BUFFER`` less the :data:`Locate`'s charge.
 WINDOW_BYTES = BUFFER - _PIECE * _LOCATE_BYTES

@@ -46,7 +46,7 @@ CHUNK = 1 << 22
 #: The part of :data:`CHUNK` kept for what a load allocates beside its read buffer that no size here bounds:
 #: interpreter objects (the files' metadata, the load's dicts and frames, hashlib's state) and the pages of
 #: the rank files' pickles and headers read through their mappings. Measured well under it in a process
-#: that has loaded once (tests/test_mp_ckpt.py::test_loading_memory_is_one_chunk; a process's first load
+#: that has loaded once (tests/distributed/test_mp_ckpt.py::test_loading_memory_is_one_chunk; a process's first load
 #: also faults in the pages of code it runs, up to about 1 MiB of libtorch's, once).
 RESERVE = 1 << 19
 #: The one read buffer's bytes, its rounding to whole pages included: what a load's memory grows by for its

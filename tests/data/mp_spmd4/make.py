@@ -1,7 +1,7 @@
 """Writes this folder's fixture: a torch_xla SPMD checkpoint on 4 devices (``ckpt/``,
 ``tte.checkpoint.save_distributed`` after 5 steps of tests/_mp_worker.py's model in float64 with
 RowWiseAdagrad: one slot of one value per row keeps the fixture small, about 320 KB) and ``expected.pt`` (``tte.checkpoint.save`` of the uninterrupted run
-after 10 steps). tests/test_mp_from_spmd.py loads the checkpoint into 3 gloo processes (on torch 2.9 and
+after 10 steps). tests/distributed/test_mp_from_spmd.py loads the checkpoint into 3 gloo processes (on torch 2.9 and
 on torch 2.13) and checks that 5 more steps give ``expected.pt``.
 
 Run on torch 2.9 with torch_xla 2.9 (``V=$(bash scripts/env.sh)``), from the repository root:

@@ -1,6 +1,6 @@
 """Writes model.pt: a whole model saved with ``torch.save(model)`` at commit 7bb2a6a, before the package's
 modules moved into subpackages (issue 41); and outputs.pt: its lookups of ``INPUTS`` then. Kept as made:
-tests/test_pickled_model.py loads both at every later commit. Run from the repository root:
+tests/package/test_pickled_model.py loads both at every later commit. Run from the repository root:
 ``PYTHONPATH=. python tests/data/pickled_model/make.py``."""
 
 from __future__ import annotations

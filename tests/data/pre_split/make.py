@@ -1,5 +1,5 @@
 """Writes the checkpoints in this folder with the code of commit a4a4da5 (before the optimizer core was
-split into modules). ``tests/test_pre_split_checkpoints.py`` loads them with today's code and checks that
+split into modules). ``tests/checkpoint/test_pre_split_checkpoints.py`` loads them with today's code and checks that
 the loaded state is bitwise the saved one and that training on gives bitwise the results recorded here.
 
 Run from the repository root (only to regenerate, which would no longer test the old code):

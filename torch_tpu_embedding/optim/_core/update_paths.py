@@ -350,7 +350,7 @@ def _write(dst: Tensor, value: Tensor) -> None:
     """``dst.copy_(value)``. Under ``torch.compile`` a 0-d ``dst`` is written through a 1-element view:
     torch (2.9 to 2.13) silently drops an in-place write to a 0-d float64 or integer CPU graph input (its
     fake tensor memoises ``.item()`` as a symbol, which the ``tensorify_python_scalars`` pass then
-    specialises), but not one to a view of it (Adafactor's ``r_sum``; tests/test_conformance_compile.py)."""
+    specialises), but not one to a view of it (Adafactor's ``r_sum``; tests/optim/test_optim_compile.py)."""
     if dst.dim() == 0 and torch.compiler.is_compiling():
         dst, value = dst.view(1), value.reshape(1)
     dst.copy_(value)

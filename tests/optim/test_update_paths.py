@@ -1,0 +1,113 @@
+"""``choose_path`` — the one place that decides how an update runs — per path, and that a step runs
+the path it chose (each path's numbers are checked against references elsewhere: test_optim_reference,
+test_row_chunks, test_optim_generic's lazy-equals-dense)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import torch_tpu_embedding as tte
+from torch_tpu_embedding.optim._core import update_paths
+from torch_tpu_embedding.optim._core.update_paths import Path, choose_path
+from torch_tpu_embedding.optim._kernels import row_update
+
+O = tte.optim  # noqa: E741
+
+CASES: list[tuple[str, Any, dict[str, Any], str, Path]] = [
+    # (id, optimizer, kwargs, which parameter, expected path)
+    ("dense-param", O.Adagrad, {"lr": 0.1}, "head", Path.DENSE),
+    ("nonlazy-adam-table", O.Adam, {"lr": 0.1, "lazy_adam": False}, "table", Path.DENSE),
+    ("sgd-table", O.SGD, {"lr": 0.1}, "table", Path.ADDITIVE),
+    ("sgd-accumulation-table", O.SGD, {"lr": 0.1, "gradient_accumulation_steps": 2}, "table", Path.ADDITIVE),
+    ("sgd-clipvalue-table", O.SGD, {"lr": 0.1, "clipvalue": 0.5}, "table", Path.ROW_CHUNKS),
+    ("sgd-ema-table", O.SGD, {"lr": 0.1, "use_ema": True}, "table", Path.ROW_CHUNKS),
+    ("sgd-skip-nonfinite-table", O.SGD, {"lr": 0.1, "skip_nonfinite": True}, "table", Path.ROW_CHUNKS),
+    ("adagrad-table", O.Adagrad, {"lr": 0.1}, "table", Path.ROW_CHUNKS),
+    ("adagrad-no-dedup-table", O.Adagrad, {"lr": 0.1, "use_gradient_accumulation": False}, "table", Path.NO_DEDUP),
+    ("adafactor-table", O.Adafactor, {"lr": 0.1}, "table", Path.ROWS),
+    ("lazy-adam-table", O.LazyAdam, {"lr": 0.1}, "table", Path.ROW_CHUNKS),
+]
+
+
+def model() -> tuple[tte.EmbeddingCollection, torch.nn.Linear]:
+    torch.manual_seed(0)
+    t = tte.TableConfig(10, 3, name="t", dtype=torch.float64)
+    return tte.EmbeddingCollection({"f": tte.FeatureConfig(t, max_ids_per_bag=2)}), torch.nn.Linear(3, 1).double()
+
+
+@pytest.mark.parametrize("cls, kwargs, which, expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_choose_path_and_the_step_runs_it(cls: Any, kwargs: dict[str, Any], which: str, expected: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    ec, head = model()
+    opt = cls([*ec.parameters(), *head.parameters()], **kwargs)
+    p = ec.tables.t.weight if which == "table" else head.weight
+    group = opt.param_groups[0]
+    assert choose_path(p, group, row_grad=which == "table") is expected
+    ran: list[tuple[Path, int]] = []
+    real = update_paths.update
+
+    def spy(item: Any) -> None:
+        ran.append((item.path, id(item.p)))
+        real(item)
+
+    monkeypatch.setattr(update_paths, "update", spy)
+    monkeypatch.setattr("torch_tpu_embedding.optim._core.base.update", spy)
+    k = kwargs.get("gradient_accumulation_steps") or 1
+    for s in range(k):
+        out = ec({"f": tte.Jagged(torch.tensor([1, 1, 4, 7]) + s, lengths=torch.tensor([2, 1, 1]))})["f"]
+        head(out).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert (expected, id(p)) in ran
+
+
+def test_sparse_coo_grad_takes_the_row_paths() -> None:
+    emb = torch.nn.Embedding(6, 2, sparse=True)
+    # Adafactor: densified (statistics over every row; tests/optim/test_adafactor_sparse_grad.py)
+    for cls, expected in ((O.SGD, Path.ADDITIVE), (O.Adagrad, Path.ROW_CHUNKS), (O.Adafactor, Path.DENSE)):
+        assert choose_path(emb.weight, cls(emb.parameters(), lr=0.1).param_groups[0], row_grad=True) is expected
+    assert choose_path(emb.weight, O.Adam(emb.parameters(), lazy_adam=False).param_groups[0],
+                       row_grad=True) is Path.DENSE
+
+
+@pytest.mark.parametrize("cls, kwargs, which, expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_with_fused_updates_on_the_row_chunk_cases_take_fused(cls: Any, kwargs: dict[str, Any], which: str,
+                                                              expected: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``TTE_FUSED_UPDATE`` on (the suite runs with it off, tests/conftest.py): every eager per-row
+    update with summed rows is ``FUSED``; the other paths do not change. tests/optim/test_fused_update.py
+    steps each optimizer on it."""
+
+    monkeypatch.setattr(row_update, "_ENABLED", True)
+    ec, head = model()
+    opt = cls([*ec.parameters(), *head.parameters()], **kwargs)
+    p = ec.tables.t.weight if which == "table" else head.weight
+    want = Path.FUSED if expected is Path.ROW_CHUNKS else expected
+    assert choose_path(p, opt.param_groups[0], row_grad=which == "table") is want
+    if which == "table":
+        ec16 = tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(10, 3, name="h", dtype=torch.bfloat16))})
+        p16 = ec16.tables.h.weight
+        assert choose_path(p16, cls(ec16.parameters(), **kwargs).param_groups[0], row_grad=True) is want
+    monkeypatch.setattr(row_update, "_ENABLED", False)
+    assert choose_path(p, opt.param_groups[0], row_grad=which == "table") is expected
+
+
+def test_owner_local_is_chosen_for_a_table_trained_through_the_id_exchange() -> None:
+    """A table that ``xla.shard`` set up for the id exchange (``TableInfo.sharding.exchange``) takes OWNER_LOCAL,
+    lazy or not (its gradient arrives at the owning shards); a dense parameter never does. The path itself runs
+    on SPMD meshes (tests/xla_spmd/test_routed_training.py)."""
+    import types
+
+    from torch_tpu_embedding._rows.grads import table_info
+
+    ec, head = model()
+    p = ec.tables.t.weight
+    info = table_info(p)
+    assert info is not None and not info.owner_local
+    info.sharding = types.SimpleNamespace(exchange=True)
+    for opt in (O.Adagrad([p], lr=0.1), O.SGD([p], lr=0.1), O.Adam([p], lazy_adam=False),
+                O.Adagrad([p], lr=0.1, use_gradient_accumulation=False)):
+        assert choose_path(p, opt.param_groups[0], row_grad=True) is Path.OWNER_LOCAL
+    assert choose_path(head.weight, O.Adagrad(head.parameters()).param_groups[0], row_grad=False) is Path.DENSE

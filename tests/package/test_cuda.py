@@ -1,0 +1,165 @@
+"""Plain CUDA (no torch_xla): every optimizer trains the same on a CUDA device as on the CPU, the fused
+eager update (inductor's Triton kernels) equals the reference path there, and a checkpoint written on
+the GPU resumes on the CPU. Skipped where no GPU is visible (CI has none); run on a GPU machine with
+``python -m pytest -q tests/package/test_cuda.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from optim_registry import OPTIMIZER_INFOS, OptimizerConfig
+from test_fused_update import CASES as FUSED_CASES  # the configurations that take the fused path
+
+import torch_tpu_embedding as tte
+from torch_tpu_embedding.optim._core import base as core_base
+from torch_tpu_embedding.optim._core import update_paths
+from torch_tpu_embedding.optim._core.update_paths import Path
+from torch_tpu_embedding.optim._kernels import row_update
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
+
+DEFAULTS = [OptimizerConfig(info, info.name, info.default) for info in OPTIMIZER_INFOS]
+Model = tuple[tte.EmbeddingCollection, torch.nn.Linear]
+
+
+def build(dtype: torch.dtype) -> Model:
+    """Three tables stacked by default, one shared by two features; sqrtn bags with padding, weighted
+    mean bags (jagged), single ids; a dense head. Built on the CPU, so every copy starts equal."""
+    torch.manual_seed(0)
+    a = tte.TableConfig(300, 6, name="a", combiner="sqrtn", dtype=dtype)
+    b = tte.TableConfig(120, 6, name="b", combiner="mean", dtype=dtype)
+    c = tte.TableConfig(50, 4, name="c", dtype=dtype)
+    ec = tte.EmbeddingCollection({
+        "fa": tte.FeatureConfig(a, max_ids_per_bag=5), "fa1": tte.FeatureConfig(a),
+        "fb": tte.FeatureConfig(b, max_ids_per_bag=4), "fc": tte.FeatureConfig(c)})
+    return ec, torch.nn.Linear(22, 1).to(dtype)
+
+
+def batch(s: int, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """Batch ``s``: ids drawn on the CPU (the same on every device), with duplicates and empty bags."""
+    g = torch.Generator().manual_seed(s)
+    ids = torch.randint(0, 300, (32, 5), generator=g)
+    lengths = torch.randint(0, 5, (32,), generator=g)
+    jag = torch.randint(0, 40, (int(lengths.sum()),), generator=g)  # few rows: many duplicates
+    w = torch.rand(jag.shape, generator=g, dtype=dtype) + 0.5
+    return {"fa": tte.Padded(ids.to(device), (ids % 7 != 0).to(device)),
+            "fa1": torch.randint(0, 300, (32,), generator=g).to(device),
+            "fb": tte.Jagged(jag.to(device), lengths=lengths.to(device), weights=w.to(device)),
+            "fc": torch.randint(0, 50, (32,), generator=g).to(device)}
+
+
+def train(model: Model, opt: Any, steps: range, device: torch.device, dtype: torch.dtype) -> None:
+    ec, head = model
+    for s in steps:
+        out = ec(batch(s, device, dtype))
+        x = torch.cat([out["fa"] * out["fa1"], out["fb"], out["fa1"], out["fc"]], dim=1)
+        head(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def tensors(model: Model, opt: Any) -> list[tuple[str, torch.Tensor]]:
+    """Every weight and every optimizer state tensor, named, on the CPU."""
+    out = []
+    for i, p in enumerate([*model[0].parameters(), *model[1].parameters()]):
+        out.append((f"param {i}", p.detach().cpu()))
+        out += [(f"param {i} {k}", v.detach().cpu()) for k, v in opt.state[p].items()
+                if isinstance(v, torch.Tensor)]
+    return out
+
+
+def assert_same(a: list[tuple[str, torch.Tensor]], b: list[tuple[str, torch.Tensor]], tol: float) -> None:
+    assert [n for n, _ in a] == [n for n, _ in b]
+    for (n, x), (_, y) in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, rtol=tol, atol=tol, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def on(model: Model, device: str) -> Model:
+    m = copy.deepcopy(model)
+    return m[0].to(device), m[1].to(device)
+
+
+@pytest.mark.parametrize("cfg", DEFAULTS, ids=str)
+def test_cuda_trains_like_the_cpu(cfg: OptimizerConfig) -> None:
+    """float64, 6 steps: CUDA's atomics sum duplicates in another order, hence 1e-10, not bitwise."""
+    cpu, dev = torch.device("cpu"), torch.device("cuda")
+    base = build(torch.float64)
+    m_cpu, m_dev = on(base, "cpu"), on(base, "cuda")
+    o_cpu = cfg.make([*m_cpu[0].parameters(), *m_cpu[1].parameters()])
+    o_dev = cfg.make([*m_dev[0].parameters(), *m_dev[1].parameters()])
+    train(m_cpu, o_cpu, range(6), cpu, torch.float64)
+    train(m_dev, o_dev, range(6), dev, torch.float64)
+    assert all(p.is_cuda for p in m_dev[0].parameters())
+    assert_same(tensors(m_cpu, o_cpu), tensors(m_dev, o_dev), 1e-10)
+
+
+@pytest.fixture
+def fused_from_the_first_step() -> Iterator[None]:
+    before = row_update.set_policy(0, 0)
+    yield
+    row_update.set_policy(*before)
+
+
+@pytest.mark.usefixtures("fused_from_the_first_step")
+@pytest.mark.parametrize("cfg", FUSED_CASES, ids=str)
+def test_fused_update_on_cuda_equals_the_reference_path(cfg: OptimizerConfig,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32, both copies on the GPU, in lockstep (as tests/optim/test_fused_update.py on the CPU): each
+    call compared within 1e-6, then the fused copy set to the reference's values, so a last-bit
+    difference is not amplified by the next steps (Adam's small second moments would)."""
+    dev = torch.device("cuda")
+    ran: list[Path] = []
+
+    def spy(item: Any) -> None:
+        update_paths.update(item)
+        ran.append(item.path)  # after the update: a kernel that failed to build has become ROW_CHUNKS
+
+    monkeypatch.setattr(core_base, "update", spy)
+    base = build(torch.float32)
+    fused, ref = on(base, "cuda"), on(base, "cuda")
+    opts = [cfg.make([*m[0].parameters(), *m[1].parameters()]) for m in (fused, ref)]
+    k = cfg.kwargs.get("gradient_accumulation_steps") or 1
+    for s in range(4 * k):
+        for m, opt, enabled in ((fused, opts[0], True), (ref, opts[1], False)):
+            before = row_update.set_enabled(enabled)
+            try:
+                train(m, opt, range(s, s + 1), dev, torch.float32)
+            finally:
+                row_update.set_enabled(before)
+        assert_same(tensors(fused, opts[0]), tensors(ref, opts[1]), 1e-6)
+        with torch.no_grad():
+            for p, q in zip([*fused[0].parameters(), *fused[1].parameters()],
+                            [*ref[0].parameters(), *ref[1].parameters()], strict=True):
+                p.copy_(q)
+                for name, v in opts[0].state[p].items():
+                    if isinstance(v, torch.Tensor):
+                        v.copy_(opts[1].state[q][name])
+    assert Path.FUSED in ran, ran
+
+
+@pytest.mark.parametrize("cfg", DEFAULTS, ids=str)
+def test_a_gpu_checkpoint_resumes_on_the_cpu(cfg: OptimizerConfig) -> None:
+    """3 steps on the GPU, state saved, loaded into a CPU model and optimizer: 3 more steps there equal
+    3 more on the GPU (float64, 1e-10)."""
+    cpu, dev = torch.device("cpu"), torch.device("cuda")
+    m_dev = on(build(torch.float64), "cuda")
+    o_dev = cfg.make([*m_dev[0].parameters(), *m_dev[1].parameters()])
+    train(m_dev, o_dev, range(3), dev, torch.float64)
+    buf = io.BytesIO()
+    torch.save({"ec": m_dev[0].state_dict(), "head": m_dev[1].state_dict(), "opt": o_dev.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, map_location="cpu", weights_only=True)
+    m_cpu = build(torch.float64)
+    m_cpu[0].load_state_dict(saved["ec"])
+    m_cpu[1].load_state_dict(saved["head"])
+    o_cpu = cfg.make([*m_cpu[0].parameters(), *m_cpu[1].parameters()])
+    o_cpu.load_state_dict(saved["opt"])
+    train(m_cpu, o_cpu, range(3, 6), cpu, torch.float64)
+    train(m_dev, o_dev, range(3, 6), dev, torch.float64)
+    assert_same(tensors(m_cpu, o_cpu), tensors(m_dev, o_dev), 1e-10)

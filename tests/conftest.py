@@ -1,10 +1,10 @@
 """Puts tests/ on sys.path, so the suites in tests/xla and tests/xla_spmd (run as their own pytest
 processes) import the optimizer registry (tests/optim_registry.py) like the CPU suite does.
 
-Eager row updates run the reference path (``Path.ROW_CHUNKS``) unless ``TTE_FUSED_UPDATE`` is set:
-the fused path compiles one kernel per optimizer configuration (seconds each), and the suite builds
+Eager row updates run the reference path (``Path.ROW_CHUNKS``) unless ``TTE_UPDATE_KERNEL`` is set:
+the kernel path compiles one kernel per optimizer configuration (seconds each), and the suite builds
 hundreds of configurations. tests/test_fused_update.py turns it on and checks it against the
-reference path for every optimizer and option; ``TTE_FUSED_UPDATE=1 bash scripts/test.sh`` runs the
+reference path for every optimizer and option; ``TTE_UPDATE_KERNEL=1 bash scripts/test.sh`` runs the
 whole suite on it. MKL runs its CPU-independent code path (``MKL_CBWR=COMPATIBLE``, below).
 """
 
@@ -15,13 +15,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-os.environ.setdefault("TTE_FUSED_UPDATE", "0")
-# MKL chooses its kernels by CPU: on Intel CPUs with AVX-512 its sparse product (the fused path's sum of
+os.environ.setdefault("TTE_UPDATE_KERNEL", "0")
+# MKL chooses its kernels by CPU: on Intel CPUs with AVX-512 its sparse product (the kernel path's sum of
 # duplicate ids) adds a row's terms in another order than index_add_ (up to 1.4e-6 on sums of order 1 in
 # float32), and tests/test_fused_update.py compares the two paths exactly. The compatible code path
 # computes the same on every CPU. Read when torch first calls MKL, so it is set before any test runs.
 os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
-# SGD's C add (optim/_fused_add.py) keeps its compiled library for later processes; the suite's go to a
+# SGD's C add (optim/_kernels/c_add.py) keeps its compiled library for later processes; the suite's go to a
 # directory of its own, removed at exit, not to ~/.cache.
 if "TTE_KERNEL_CACHE" not in os.environ:
     os.environ["TTE_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="tte_kernels_")
@@ -38,7 +38,7 @@ if TESTS not in sys.path:
 @pytest.fixture(scope="session")
 def compiler() -> None:
     """Skips a test that needs compiled kernels where torch.compile cannot build one for the CPU (no
-    C++ compiler, no Python headers): the fused paths then fall back, as their tests show."""
+    C++ compiler, no Python headers): the kernel paths then fall back, as their tests show."""
     try:
         torch.compile(lambda x: x * 2 + 1, dynamic=False)(torch.ones(3))
     except Exception as e:

@@ -3,7 +3,7 @@
 :func:`pipeline` is clipvalue → decoupled weight decay → the rule → weight clipping (TF's order), on
 whatever rows a path hands it; :func:`gated` keeps or drops a computed update (``skip_nonfinite``,
 an exchange overflow). Which path a parameter takes, and the paths themselves, are :mod:`._paths`;
-the compiled eager path (:mod:`._fused_update`) and the moving average (:mod:`._ema`) run the same
+the compiled eager path (:mod:`.row_update`) and the moving average (:mod:`._ema`) run the same
 two functions.
 
 Example (one SGD row update, no options set)::
@@ -41,7 +41,7 @@ class Path(enum.Enum):
     ADDITIVE = "additive"
     NO_DEDUP = "no_dedup"
     ROWS = "rows"
-    FUSED = "fused"
+    KERNEL = "kernel"
     ROW_CHUNKS = "row_chunks"
     OWNER_LOCAL = "owner_local"
 

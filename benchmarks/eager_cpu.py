@@ -10,16 +10,16 @@ Quick check: ``... --rows 100000 --iters 3 --threads 1``.
 Many tables: ``... --mixed --dim 16 --bags 1 --threads 2 --modes ours_adagrad ours_adagrad_unstacked
 ours_lazyadam ours_lazyadam_unstacked``: 26 tables of mixed sizes (Criteo's 26 categorical features
 capped at 1,000,000 rows, 5.6 M rows in all), ours built the default way (tables stacked) against
-``fuse_tables=False``; goal: stacked ≤ unstacked.
+``stack_tables=False``; goal: stacked ≤ unstacked.
 
 First steps: ``... --first-step`` adds, for every ``ours_*`` mode, the same run with
-``TTE_FUSED_UPDATE=0`` (``ours_*_reference``, the reference row update throughout) and prints each
-one's first step: ours under the default policy of ``optim/row_update.py`` (the reference path for
-the first ``TTE_FUSED_AFTER`` calls: no compile) against the reference run's (goal ≤ 1.5×), and the
-first call of the fused path, which compiles (``TORCHINDUCTOR_CACHE_DIR`` empty: from nothing; SGD's C add
+``TTE_UPDATE_KERNEL=0`` (``ours_*_reference``, the reference row update throughout) and prints each
+one's first step: ours under the default policy of ``optim/_kernels/row_update.py`` (the reference path for
+the first ``TTE_KERNEL_AFTER`` calls: no compile) against the reference run's (goal ≤ 1.5×), and the
+first call of the kernel path, which compiles (``TORCHINDUCTOR_CACHE_DIR`` empty: from nothing; SGD's C add
 is loaded from ``TTE_KERNEL_CACHE`` once a process has compiled it). After
-its first call an ``ours_*`` run starts the fused path (``set_policy(after=0)``), so that its timed
-steps measure what a long run gets after ``TTE_FUSED_AFTER`` calls; the ratio table adds fused /
+its first call an ``ours_*`` run starts the kernel path (``set_policy(after=0)``), so that its timed
+steps measure what a long run gets after ``TTE_KERNEL_AFTER`` calls; the ratio table adds kernel /
 reference path.
 
 Workload (TorchRec's and FBGEMM's usual CPU benchmark shape): 4 tables × 1,000,000 rows × 64 fp32, one
@@ -42,7 +42,7 @@ Contenders, each in its own subprocess (clean thread settings and memory), per t
 * dense: ``nn.EmbeddingBag(sparse=False)`` + ``torch.optim.Adam`` (every row, every step; ~4 s/step).
 * floor: the same ids gathered (``index_select`` into a preallocated buffer) and the same rows
   scattered back (``index_copy_``) with plain torch indexing — the memory traffic every step needs
-  (weights only, no optimizer slots), at the speed of torch's own kernels. FBGEMM's fused kernels can
+  (weights only, no optimizer slots), at the speed of torch's own kernels. FBGEMM's update kernels can
   come in under it (pooled forward without a gathered buffer; one read-modify-write per row), so a
   second floor, gather only (the rows every step must read), is printed as well.
 
@@ -80,9 +80,9 @@ HERE = Path(__file__).resolve().parent
 
 OURS = {"ours_sgd": "SGD", "ours_adagrad": "Adagrad", "ours_lazyadam": "LazyAdam", "ours_ftrl": "FTRL",
         "ours_adafactor": "Adafactor", "ours_rowwise_adagrad": "RowWiseAdagrad"}
-# The same built with fuse_tables=False: one parameter per table (ours_*: the default, stacked).
+# The same built with stack_tables=False: one parameter per table (ours_*: the default, stacked).
 UNSTACKED = {f"{mode}_unstacked": name for mode, name in OURS.items()}
-# The same with TTE_FUSED_UPDATE=0: the reference row update throughout (its first step is the one to beat).
+# The same with TTE_UPDATE_KERNEL=0: the reference row update throughout (its first step is the one to beat).
 REFERENCE = {f"{mode}_reference": name for mode, name in OURS.items()}
 # The same looked up with ec(batch, concat=True): the [B, T·D] activations FBGEMM's TBE returns (TorchRec's
 # KeyedTensor.values()), where ours_* take the per-feature dict and torch.cat it, as the torch peers do.
@@ -99,8 +99,8 @@ LABELS = {
     "ours_ftrl": "ours: tte.optim.FTRL",
     "ours_adafactor": "ours: tte.optim.Adafactor",
     "ours_rowwise_adagrad": "ours: tte.optim.RowWiseAdagrad",
-    **{mode: f"ours: tte.optim.{name}, fuse_tables=False" for mode, name in UNSTACKED.items()},
-    **{mode: f"ours: tte.optim.{name}, TTE_FUSED_UPDATE=0" for mode, name in REFERENCE.items()},
+    **{mode: f"ours: tte.optim.{name}, stack_tables=False" for mode, name in UNSTACKED.items()},
+    **{mode: f"ours: tte.optim.{name}, TTE_UPDATE_KERNEL=0" for mode, name in REFERENCE.items()},
     **{mode: f"ours: tte.optim.{name}, concat=True" for mode, name in CONCAT.items()},
     "torch_sgd": "EmbeddingBag(sparse) + torch SGD",
     "torch_sparseadam": "EmbeddingBag(sparse) + SparseAdam",
@@ -133,10 +133,10 @@ RATIOS: list[tuple[str, str, str, dict[int, float]]] = [
     *[(f"our {name} / floor", mode, "floor", {}) for mode, name in OURS.items()],
     ("FBGEMM EXACT_SGD / floor", "fbgemm_sgd", "floor", {}),
     ("FBGEMM rowwise Adagrad / floor", "fbgemm_rowwise_adagrad", "floor", {}),
-    *[(f"{name}: stacked / fuse_tables=False", mode, f"{mode}_unstacked", {1: 1.0, 20: 1.0})
+    *[(f"{name}: stacked / stack_tables=False", mode, f"{mode}_unstacked", {1: 1.0, 20: 1.0})
       for mode, name in OURS.items()],
     ("our SGD / gather-only floor", "ours_sgd", "floor_gather", {}),
-    *[(f"{name}: fused / reference path", mode, f"{mode}_reference", {}) for mode, name in OURS.items()],
+    *[(f"{name}: kernel / reference path", mode, f"{mode}_reference", {}) for mode, name in OURS.items()],
 ]
 
 # anchors_torchrec.md §5.2, without TorchRec (raw TBE needs only torch and fbgemm_gpu).
@@ -154,7 +154,7 @@ def _ours(args: argparse.Namespace, opt_name: str, raw: list[list[torch.Tensor]]
               for i, rows in enumerate(table_rows(args))]
     features = {f"f{i}": tte.FeatureConfig(tables[i], max_ids_per_bag=n if n > 1 else None) for i in range(t)}
     # stacked: the default construction, as a user's script has it
-    ec = tte.EmbeddingCollection(features) if stacked else tte.EmbeddingCollection(features, fuse_tables=False)
+    ec = tte.EmbeddingCollection(features) if stacked else tte.EmbeddingCollection(features, stack_tables=False)
     opt = getattr(tte.optim, opt_name)(ec.parameters(), lr=args.lr)
     opt.init_state()  # slots are allocated before timing, like the peers' (torch's are lazy: warm-up)
     names = sorted(features)
@@ -175,7 +175,7 @@ def _ours(args: argparse.Namespace, opt_name: str, raw: list[list[torch.Tensor]]
         calls.append(1000 * (time.perf_counter() - t0))
         if len(calls) == 1:
             # The first call ran under the default policy (the reference path: no compile). The timed
-            # steps measure the fused path a long run takes after TTE_FUSED_AFTER calls: it starts now,
+            # steps measure the kernel path a long run takes after TTE_KERNEL_AFTER calls: it starts now,
             # and the next call compiles its kernel.
             row_update.set_policy(after=0)
         return loss
@@ -183,7 +183,7 @@ def _ours(args: argparse.Namespace, opt_name: str, raw: list[list[torch.Tensor]]
     res = time_steps(step, batches, args.warmup, args.iters)
     if len(calls) > 1:
         res["second_step_ms"] = calls[1]
-    res["fused_policy"] = list(row_update.policy())
+    res["kernel_policy"] = list(row_update.policy())
     return res
 
 
@@ -301,7 +301,7 @@ def run_one(args: argparse.Namespace, mode: str, bag: int, threads: int, fbgemm_
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if mode in REFERENCE:
-        env["TTE_FUSED_UPDATE"] = "0"
+        env["TTE_UPDATE_KERNEL"] = "0"
     if mode in FBGEMM:
         assert fbgemm_py is not None  # FBGEMM modes are dropped when there is no venv
         env.pop("PYTHONPATH", None)
@@ -363,16 +363,16 @@ def print_tables(args: argparse.Namespace, threads: int, results: dict[tuple[str
             cell = f"{b} id{'s' if b > 1 else ''}: first {r['first_step_ms']:.0f} ms"
             if ref and "error" not in ref:
                 ratio = r["first_step_ms"] / ref["first_step_ms"]
-                cell += (f" (TTE_FUSED_UPDATE=0: {ref['first_step_ms']:.0f} ms, {ratio:.2f}× "
+                cell += (f" (TTE_UPDATE_KERNEL=0: {ref['first_step_ms']:.0f} ms, {ratio:.2f}× "
                          f"≤ 1.5 {'met' if ratio <= 1.5 else 'MISSED'})")
             if "second_step_ms" in r:
-                cell += f", fused path's first (compiles) {r['second_step_ms']:.0f} ms"
+                cell += f", kernel path's first (compiles) {r['second_step_ms']:.0f} ms"
             cells.append(cell)
         if cells:
             print(f"first steps, {LABELS[mode]}: " + "; ".join(cells))
     if any(m in OURS for m in args.modes):
-        print("(ours: the first call takes the default policy, TTE_FUSED_AFTER/TTE_FUSED_MIN_ELEMENTS; the "
-              "benchmark then starts the fused path, whose first call compiles unless inductor's disk cache "
+        print("(ours: the first call takes the default policy, TTE_KERNEL_AFTER/TTE_KERNEL_MIN_ELEMENTS; the "
+              "benchmark then starts the kernel path, whose first call compiles unless inductor's disk cache "
               "holds the kernel (SGD's C add: TTE_KERNEL_CACHE); the timed steps run it)")
     for mode in args.modes:
         for b in bags:
@@ -413,7 +413,7 @@ def main() -> None:
     ap.add_argument("--fbgemm-venv", default=None, help="an existing venv with torch + fbgemm-gpu-cpu")
     ap.add_argument("--no-fbgemm", action="store_true", help="leave the FBGEMM rows out")
     ap.add_argument("--first-step", action="store_true",
-                    help="add ours_*_reference (TTE_FUSED_UPDATE=0) for every ours_* mode: first steps compared")
+                    help="add ours_*_reference (TTE_UPDATE_KERNEL=0) for every ours_* mode: first steps compared")
     ap.add_argument("--child-timeout", type=float, default=3600)
     ap.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     ap.add_argument("--bag", type=int, default=1, help=argparse.SUPPRESS)

@@ -5,10 +5,10 @@ step's top operators from ``torch.profiler``.
 Run (from the repository root):
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/eager_profile.py --optimizer Adagrad --bag 20 [--threads 1]
-        [--rows 1000000] [--iters 10] [--fused 0|1]
+        [--rows 1000000] [--iters 10] [--kernel 0|1]
 
-``--fused 0`` runs the uncompiled reference update (``TTE_FUSED_UPDATE=0``) for comparison; with
-``--fused 1`` the fused path runs from the first call (``set_policy(after=0)``; the first warm-up step
+``--kernel 0`` runs the uncompiled reference update (``TTE_UPDATE_KERNEL=0``) for comparison; with
+``--kernel 1`` the kernel path runs from the first call (``set_policy(after=0)``; the first warm-up step
 compiles).
 """
 
@@ -29,17 +29,17 @@ def main() -> None:
     ap.add_argument("--optimizer", default="Adagrad", help="a tte.optim class name")
     ap.add_argument("--bag", type=int, default=20, help="ids per bag: 1 → sum, more → mean")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--fused", type=int, default=1, choices=(0, 1))
+    ap.add_argument("--kernel", type=int, default=1, choices=(0, 1))
     ap.add_argument("--top", type=int, default=12, help="operators listed from the profile")
     add_workload_args(ap)
     args = ap.parse_args()
-    os.environ["TTE_FUSED_UPDATE"] = str(args.fused)
+    os.environ["TTE_UPDATE_KERNEL"] = str(args.kernel)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     import torch_tpu_embedding as tte
     from torch_tpu_embedding.optim._kernels import row_update
 
-    # The fused path from the first call (its default policy keeps the first TTE_FUSED_AFTER calls on the
+    # The kernel path from the first call (its default policy keeps the first TTE_KERNEL_AFTER calls on the
     # reference path): the steps profiled are those of a long run. The first warm-up step compiles.
     row_update.set_policy(after=0)
     t, b, n = args.tables, args.batch, args.bag
@@ -79,7 +79,7 @@ def main() -> None:
             w.index_copy_(0, ids, r)
         if i >= args.warmup:
             phases["floor"].append(1000 * (time.perf_counter() - t0))
-    print(f"{args.optimizer}, {n} id{'s' if n > 1 else ''}/bag, {args.threads} thread(s), fused={args.fused}, "
+    print(f"{args.optimizer}, {n} id{'s' if n > 1 else ''}/bag, {args.threads} thread(s), kernel={args.kernel}, "
           f"{t} × {args.rows:,} × {args.dim}, batch {b}; load average {os.getloadavg()[0]:.1f}")
     for k, v in phases.items():
         print(f"  {k:9s} median {statistics.median(v):8.1f} ms  (min {min(v):.1f}, max {max(v):.1f})")

@@ -27,7 +27,7 @@ XLA device count; the table prints them.
 (b) 1, 10 and 100 tables with the same total work: the same batch (256), 100 ids per example split
     evenly over the tables (100/T ids per bag, one feature per table, mean) and 1,000,000 rows × 16
     split evenly (1,000,000/T rows per table); ours with ``tte.optim.Adam``. Only the number of tables
-    in the graph changes. Each T > 1 runs three times: ``fuse_tables=False``, ``fuse_tables=True`` (all T tables
+    in the graph changes. Each T > 1 runs three times: ``stack_tables=False``, ``stack_tables=True`` (all T tables
     in one group: one dedup, gather and scatter per step), and once with the default construction
     (``EmbeddingCollection(features)``, no flag: stacked). Goals (printed, not asserted): 100 tables
     compile in ≤ 2× the time of one table and step in ≤ 3× its time; ratios 10/1 and 100/1 are printed.
@@ -121,7 +121,7 @@ def measure(build: Callable[[Any], None], batches: list[Any], warmup: int, steps
 
 
 def _ours(tables: int, rows: int, dim: int, batch: int, bag: int, lr: float,
-          layout: str = "unfused") -> tuple[Callable[[Any], None], list[Any]]:
+          layout: str = "unstacked") -> tuple[Callable[[Any], None], list[Any]]:
     import torch_xla
 
     import torch_tpu_embedding as tte
@@ -133,7 +133,7 @@ def _ours(tables: int, rows: int, dim: int, batch: int, bag: int, lr: float,
     if layout == "default":  # what a user's script gets: no flag
         ec = tte.EmbeddingCollection(features, device=dev)
     else:
-        ec = tte.EmbeddingCollection(features, device=dev, fuse_tables=layout == "fused")
+        ec = tte.EmbeddingCollection(features, device=dev, stack_tables=layout == "stacked")
     opt = tte.optim.Adam(ec.parameters(), lr=lr)
     phase("init_state and its sync")
     opt.init_state()  # then one sync: the steady step is the only graph (docs/optimizers.md)
@@ -270,8 +270,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", nargs="+", default=["lazy-dense", "tables", "graphs"],
                     choices=["lazy-dense", "tables", "graphs"])
-    ap.add_argument("--layouts", nargs="+", default=["unfused", "fused", "default"],
-                    choices=["unfused", "fused", "default"], help="(b): the constructions run for T > 1")
+    ap.add_argument("--layouts", nargs="+", default=["unstacked", "stacked", "default"],
+                    choices=["unstacked", "stacked", "default"], help="(b): the constructions run for T > 1")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
     ap.add_argument("--warmup", type=int, default=3, help="warm-up steps (the first compiles)")
     ap.add_argument("--lr", type=float, default=0.01)
@@ -287,7 +287,8 @@ def main() -> None:
     ap.add_argument("--child-timeout", type=float, default=1800)
     ap.add_argument("--child", choices=["lazy", "dense_module", "dense_gather", "tables"], help=argparse.SUPPRESS)
     ap.add_argument("--ntables", type=int, default=1, help=argparse.SUPPRESS)
-    ap.add_argument("--layout", choices=["unfused", "fused", "default"], default="unfused", help=argparse.SUPPRESS)
+    ap.add_argument("--layout", choices=["unstacked", "stacked", "default"], default="unstacked",
+                    help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(args)
@@ -318,12 +319,12 @@ def main() -> None:
                 print(f"  {label} / ours: {r['median_ms'] / ours['median_ms']:.1f}× the step time")
     if "tables" in args.parts:
         by_t = {t: run_child(args, "--child", "tables", "--ntables", str(t)) for t in args.tables
-                if t == 1 or "unfused" in args.layouts}
-        fused = {t: run_child(args, "--child", "tables", "--ntables", str(t), "--layout", "fused")
-                 for t in args.tables if t > 1 and "fused" in args.layouts}
+                if t == 1 or "unstacked" in args.layouts}
+        stacked = {t: run_child(args, "--child", "tables", "--ntables", str(t), "--layout", "stacked")
+                   for t in args.tables if t > 1 and "stacked" in args.layouts}
         default = {t: run_child(args, "--child", "tables", "--ntables", str(t), "--layout", "default")
                    for t in args.tables if t > 1 and "default" in args.layouts}
-        results += list(by_t.values()) + list(fused.values()) + list(default.values())
+        results += list(by_t.values()) + list(stacked.values()) + list(default.values())
         print(f"\n(b) tables on XLA:CPU, same total work: batch {args.table_batch}, {args.ids_per_example} ids per "
               f"example and {args.table_rows:,} rows × {args.table_dim} split evenly over T tables (one feature "
               f"each, mean), tte Adam; {args.steps} timed steps after {args.warmup} warm-up")
@@ -334,15 +335,15 @@ def main() -> None:
                 print(row(label, by_t[t], w))
             else:
                 print(label)
-            if t in fused:
-                print(row(f"T={t} fuse_tables=True (one group)", fused[t], w))
+            if t in stacked:
+                print(row(f"T={t} stack_tables=True (one group)", stacked[t], w))
             if t in default:
                 print(row(f"T={t} default construction (no flag)", default[t], w))
         base = by_t.get(1)
         if base and "error" not in base:
             print(f"\n{'ratio to T=1':{w}s} {'compile':>10s} {'1st step':>10s} {'step':>8s}")
             runs_t = [(f"T={t} / T=1", t, r) for t, r in by_t.items()]
-            runs_t += [(f"T={t} fused / T=1", t, r) for t, r in fused.items()]
+            runs_t += [(f"T={t} stacked / T=1", t, r) for t, r in stacked.items()]
             runs_t += [(f"T={t} default / T=1", t, r) for t, r in default.items()]
             for label_t, t, r in runs_t:
                 if t == 1 or "error" in r:

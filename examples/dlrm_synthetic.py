@@ -51,7 +51,7 @@ computation over all devices (on several hosts, each writes the same file: use a
 Measured here (2026-11-23; XLA:CPU, 4 virtual devices in one process on a shared 2-core machine,
 torch 2.9.0 + torch_xla 2.9.0; the defaults: 26 tables of dim 16 with vocabularies 100,000 / 20,000 /
 5,000 / 1,000 cycled, 4 multi-hot bags of <= 8 ids, batch 512, Zipf 1.05, lazy TPU Adam for tables
-and dense layers, 100 steps; one parameter per table, i.e. today's ``--no-fuse-tables``: these runs
+and dense layers, 100 steps; one parameter per table, i.e. today's ``--no-stack-tables``: these runs
 predate stacking by default). Every run: one compiled graph (the first step, ~10 s), none after, no
 host fallback, loss 0.69 -> 0.57 (the teacher's own loss is 0.37). Steady steps/s, three runs each
 (other jobs shared the cores; XLA:CPU is no guide to TPU speed):
@@ -61,11 +61,11 @@ host fallback, loss 0.69 -> 0.57 (the teacher's own loss is 0.37). Steady steps/
 * ``--placement auto --no-shard-batch``: 7.1-7.2
 * one XLA device (``CPU_NUM_DEVICES=1``, no SPMD): 9.0-9.7; ``--device cpu`` (eager): 26-28
 
-With ``--fuse-tables`` (now the default; one run each, the machine otherwise idle; unfused in brackets,
+With ``--stack-tables`` (now the default; one run each, the machine otherwise idle; unstacked in brackets,
 same run): ``--placement replicated`` 17.1 (7.3), ``row`` 13.5 (11.4), ``auto`` 16.8 (12.8; measured when
 ``auto`` decided by the size of the whole group, so all 26 tables were one row-sharded group; now each
-table keeps the placement ``auto`` gives it alone and groups form per placement, as unfused).
-Unfused replicated tables of one size are equal-sized buffers that XLA's donation pairing mixes up:
+table keeps the placement ``auto`` gives it alone and groups form per placement, as unstacked).
+Unstacked replicated tables of one size are equal-sized buffers that XLA's donation pairing mixes up:
 the step copied whole tables (8 ``f32[20480,16]`` copies per step in the test's short mode); one group has no such copy
 (``tests/xla_spmd/test_dlrm_example.py``).
 
@@ -120,8 +120,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="TableConfig.placement of every table (auto: the size rule)")
     ap.add_argument("--replicate-below-bytes", type=int, default=4 << 20,
                     help="placement auto replicates tables smaller than this")
-    ap.add_argument("--fuse-tables", action=argparse.BooleanOptionalAction, default=True,
-                    help="stack tables of one placement in one buffer per group (EmbeddingCollection fuse_tables; "
+    ap.add_argument("--stack-tables", action=argparse.BooleanOptionalAction, default=True,
+                    help="stack tables of one placement in one buffer per group (EmbeddingCollection stack_tables; "
                          "the default)")
     ap.add_argument("--shard-batch", action=argparse.BooleanOptionalAction, default=True,
                     help="split the inputs over the mesh by batch (data parallel dense layers)")
@@ -210,10 +210,10 @@ class DLRM(nn.Module):
     vectors (``[B, (T+1) T / 2]``, the strict upper triangle), top MLP on ``[bottom, dots]`` -> ``[B]``."""
 
     def __init__(self, features: dict[str, tte.FeatureConfig], dense_features: int, dim: int,
-                 device: torch.device, fuse_tables: bool = True) -> None:
+                 device: torch.device, stack_tables: bool = True) -> None:
         super().__init__()
         self.names = list(features)
-        self.embeddings = tte.EmbeddingCollection(features, device=device, fuse_tables=fuse_tables)
+        self.embeddings = tte.EmbeddingCollection(features, device=device, stack_tables=stack_tables)
         self.bottom = mlp([dense_features, 64, dim], last_relu=True)
         n = len(features) + 1
         upper = torch.triu_indices(n, n, offset=1)
@@ -242,7 +242,7 @@ def build_model(args: argparse.Namespace, device: torch.device) -> DLRM:
             max_ids_per_bag=args.max_ids_per_bag if t < args.multi_hot else None)
         for t, v in enumerate(vocabs(args))
     }
-    return DLRM(features, args.dense_features, args.dim, device, fuse_tables=args.fuse_tables)
+    return DLRM(features, args.dense_features, args.dim, device, stack_tables=args.stack_tables)
 
 
 def vocabs(args: argparse.Namespace) -> list[int]:
@@ -321,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"shard_batch={args.shard_batch and spmd} tables={args.tables} batch={args.batch} "
           f"optimizer={args.optimizer}(lr={table_lr(args)}) dense_optimizer={args.dense_optimizer}")
     if spmd:
-        log(f"placements: {counts} (--placement {args.placement}, --fuse-tables {args.fuse_tables}, "
+        log(f"placements: {counts} (--placement {args.placement}, --stack-tables {args.stack_tables}, "
               f"--replicate-below-bytes {args.replicate_below_bytes})")
 
     data = SyntheticClicks(vocabs(args), args.dense_features, args.multi_hot, args.max_ids_per_bag,
@@ -392,9 +392,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 + json.dumps({t: [max(v["largest_load"]), v["capacity"]] for t, v in sorted(loads.items())}))
         model.embeddings.check_ids()
     if spmd:
-        # Per table: its placement, and the rows and layout of the parameter holding it (its group's, if fused).
+        # Per table: its placement, and the rows and layout of the parameter holding it (its group's, if stacked).
         physical = model.embeddings.physical_tables()
-        owner = {t: g for g, members in model.embeddings.fused_members().items() for t, _, _ in members}
+        owner = {t: g for g, members in model.embeddings.stacked_members().items() for t, _, _ in members}
         weights = {n: physical[owner.get(n, n)].weight for n in model.embeddings.tables}
         log("shardings: " + json.dumps({n: [placements[n], w.shape[0], sharding_spec(w)] for n, w in weights.items()}))
     if args.save:

@@ -26,13 +26,13 @@ PJRT_DEVICE=CPU "$PY" -m pytest -q -p no:cacheprovider tests/xla "$@" || status=
 echo "== XLA SPMD tests, 4 devices (PJRT_DEVICE=CPU CPU_NUM_DEVICES=4)"
 PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 "$PY" -m pytest -q -p no:cacheprovider tests/xla_spmd "$@" || status=$?
 
-# torch 2.13: the optimizers (the fused update included: its kernel is built by torch.compile, whose
+# torch 2.13: the optimizers (the kernel update included: its kernel is built by torch.compile, whose
 # output depends on the torch version), lookups, checkpoints (the rank-file reader included: it reads
 # torch.load's record offsets), stacking, the data-parallel and process-group paths, the package's
-# import without torch_xla, the examples, the table-building memory peak, the fused update's duplicate sum
+# import without torch_xla, the examples, the table-building memory peak, the kernel update's duplicate sum
 # (tests/optim/test_row_sums.py), huge pages for large tables (tests/util/test_huge_pages.py), the primed malloc thresholds
 # (tests/util/test_heap.py) and SGD's C add, bitwise the eager one (tests/optim/test_fused_add.py).
-# The glob picks up every process-group test file (tests/distributed/test_mp_*.py), none when there is none; among them
+# The glob picks up every process-group test file (tests/test_mp_*.py), none when there is none; among them
 # tests/distributed/test_mp_from_spmd.py, which loads the SPMD checkpoint written on torch 2.9 (tests/data/mp_spmd4) here.
 shopt -s nullglob
 TESTS_213=(

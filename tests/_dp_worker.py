@@ -52,7 +52,7 @@ class Model(torch.nn.Module):
     step for all of them).
     """
 
-    def __init__(self, dtype: torch.dtype, seed: int, fuse: bool = False, variants: tuple[str, ...] = ()) -> None:
+    def __init__(self, dtype: torch.dtype, seed: int, stack: bool = False, variants: tuple[str, ...] = ()) -> None:
         super().__init__()
         torch.manual_seed(seed)
         features: dict[str, tte.FeatureConfig] = {}
@@ -71,7 +71,7 @@ class Model(torch.nn.Module):
             features.update({f"fa__{k}": tte.FeatureConfig(a), f"fc__{k}": tte.FeatureConfig(a),
                              f"fb__{k}": tte.FeatureConfig(b)})
         self.features = sorted(features)
-        self.ec = tte.EmbeddingCollection(features, fuse_tables=fuse)
+        self.ec = tte.EmbeddingCollection(features, stack_tables=stack)
         width = sum(features[f].table.embedding_dim for f in self.features)
         self.head = torch.nn.Linear(width, 1, dtype=dtype)
 
@@ -115,8 +115,8 @@ def make_opt(name: str, params: Any) -> torch.optim.Optimizer:
     return opt
 
 
-def build(name: str, dtype: torch.dtype, seed: int, fuse: bool = False) -> Model:
-    return Model(dtype, seed, fuse=fuse, variants=ZOO if name == "zoo" else ())
+def build(name: str, dtype: torch.dtype, seed: int, stack: bool = False) -> Model:
+    return Model(dtype, seed, stack=stack, variants=ZOO if name == "zoo" else ())
 
 
 def state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
@@ -146,19 +146,19 @@ def train(model: Model, opt: torch.optim.Optimizer, steps: range, dtype: torch.d
 
 
 @functools.lru_cache(maxsize=None)
-def reference(name: str, dtype: torch.dtype, steps: int = STEPS, fuse: bool = False) -> dict[str, Any]:
+def reference(name: str, dtype: torch.dtype, steps: int = STEPS, stack: bool = False) -> dict[str, Any]:
     """One process on the global batch."""
-    model = build(name, dtype, seed=0, fuse=fuse)
+    model = build(name, dtype, seed=0, stack=stack)
     opt = make_opt(name, model.parameters())
     train(model, opt, range(steps), dtype)
     return state(model, opt)
 
 
 # ------------------------------------------------------------------------------------------ ranks
-def _ddp_run(name: str, dtype: torch.dtype, rank: int, world: int, fuse: bool = False) -> dict[str, Any]:
+def _ddp_run(name: str, dtype: torch.dtype, rank: int, world: int, stack: bool = False) -> dict[str, Any]:
     """DDP-wrapped; every rank starts from different tables (the wrapper broadcasts rank 0's). DDP must
     reduce the head only, and no table may get a ``.grad``."""
-    model = build(name, dtype, seed=rank, fuse=fuse)
+    model = build(name, dtype, seed=rank, stack=stack)
     ddp = tte.distributed.DistributedDataParallel(model)
     tables, _ = tte.split_parameters(model)
     assert not any(q is t for q in ddp._module_parameters for t in tables), "DDP reduces a table"
@@ -301,7 +301,7 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
         results[f"ddp/{dtype}"] = _ddp_run("zoo", dtype, rank, world)
         results[f"plain/{dtype}"] = _plain_run("zoo", dtype, rank, world)
         results[f"clip/{dtype}"] = _clip_run(dtype, rank, world)
-    results["ddp-fused"] = _ddp_run("adagrad", torch.float64, rank, world, fuse=True)
+    results["ddp-stacked"] = _ddp_run("adagrad", torch.float64, rank, world, stack=True)
     results["static"] = _static_run(rank, world)
     results["plain-ddp-error"] = _plain_ddp_error(rank, world)
     results["checkpoint"] = _checkpoint_run(os.path.join(out_dir, "ckpt.pt"), rank, world)

@@ -31,7 +31,7 @@ PEAK_ROWS, PEAK_DIM = 1_228_800, 64  # 300 MiB of float32
 
 def features() -> dict[str, tte.FeatureConfig]:
     """Every initializer the package offers (None, tte.default_initializer, a tensor), every dtype, row-wise,
-    table-wise and replicated tables, some stacked (fused) before shard unstacks them."""
+    table-wise and replicated tables, some stacked before shard unstacks them."""
     pretrained = torch.randn(900, 4, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     tables = [
         tte.TableConfig(1500, 5, name="row_none", placement="row"),

@@ -174,7 +174,7 @@ def refusals(rank: int, world: int) -> dict[str, Any]:
     out["all_replicated"] = _refused(lambda: shard(tiny, dtensor_state_dict=True), tiny)
     moved = tte.EmbeddingCollection({"user": tte.FeatureConfig(tte.TableConfig(600, 4, name="users", placement="row")),
                                      "ad": tte.FeatureConfig(tte.TableConfig(600, 4, name="ads", placement="row"))},
-                                    fuse_tables=False)
+                                    stack_tables=False)
     moved.tables["ads"].to("meta")
     out["moved_to_meta"] = _refused(lambda: shard(moved), moved)
     once = W.Model(torch.float64)

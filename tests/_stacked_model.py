@@ -14,11 +14,11 @@ DIMS = {"a": (40, 4), "b": (17, 4), "c": (9, 8)}  # a + b stack (dim 4); c is a 
 
 
 class Model(nn.Module):
-    def __init__(self, fuse: bool = True, seed: int = 0) -> None:
+    def __init__(self, stack: bool = True, seed: int = 0) -> None:
         super().__init__()
         torch.manual_seed(seed)
         tables = {n: tte.TableConfig(v, d, name=n, dtype=torch.float64) for n, (v, d) in DIMS.items()}
-        self.ec = tte.EmbeddingCollection({n: tte.FeatureConfig(t) for n, t in tables.items()}, fuse_tables=fuse)
+        self.ec = tte.EmbeddingCollection({n: tte.FeatureConfig(t) for n, t in tables.items()}, stack_tables=stack)
         self.mlp = nn.Sequential(nn.Linear(16, 3, dtype=torch.float64), nn.ReLU(), nn.Linear(3, 1, dtype=torch.float64))
 
     def forward(self, features: dict[str, tte.Jagged]) -> torch.Tensor:

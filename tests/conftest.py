@@ -2,10 +2,10 @@
 helpers (tests/optim_registry.py, the process-group workers) and each other's names, and the suites in
 tests/xla and tests/xla_spmd (run as their own pytest processes) import them like the CPU suite does.
 
-Eager row updates run the reference path (``Path.ROW_CHUNKS``) unless ``TTE_FUSED_UPDATE`` is set:
-the fused path compiles one kernel per optimizer configuration (seconds each), and the suite builds
+Eager row updates run the reference path (``Path.ROW_CHUNKS``) unless ``TTE_UPDATE_KERNEL`` is set:
+the kernel path compiles one kernel per optimizer configuration (seconds each), and the suite builds
 hundreds of configurations. tests/optim/test_fused_update.py turns it on and checks it against the
-reference path for every optimizer and option; ``TTE_FUSED_UPDATE=1 bash scripts/test.sh`` runs the
+reference path for every optimizer and option; ``TTE_UPDATE_KERNEL=1 bash scripts/test.sh`` runs the
 whole suite on it. MKL runs its CPU-independent code path (``MKL_CBWR=COMPATIBLE``, below).
 """
 
@@ -16,8 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-os.environ.setdefault("TTE_FUSED_UPDATE", "0")
-# MKL chooses its kernels by CPU: on Intel CPUs with AVX-512 its sparse product (the fused path's sum of
+os.environ.setdefault("TTE_UPDATE_KERNEL", "0")
+# MKL chooses its kernels by CPU: on Intel CPUs with AVX-512 its sparse product (the kernel path's sum of
 # duplicate ids) adds a row's terms in another order than index_add_ (up to 1.4e-6 on sums of order 1 in
 # float32), and tests/optim/test_fused_update.py compares the two paths exactly. The compatible code path
 # computes the same on every CPU. Read when torch first calls MKL, so it is set before any test runs.
@@ -47,7 +47,7 @@ for _i, _folder in enumerate(_FOLDERS):
 @pytest.fixture(scope="session")
 def compiler() -> None:
     """Skips a test that needs compiled kernels where torch.compile cannot build one for the CPU (no
-    C++ compiler, no Python headers): the fused paths then fall back, as their tests show."""
+    C++ compiler, no Python headers): the kernel paths then fall back, as their tests show."""
     try:
         torch.compile(lambda x: x * 2 + 1, dynamic=False)(torch.ones(3))
     except Exception as e:

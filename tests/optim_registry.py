@@ -15,14 +15,14 @@ ADDING AN OPTIMIZER, TEST SIDE: one ``OptimizerInfo`` appended to ``OPTIMIZER_IN
     parameters of shapes (5, 4) and (6,) (``num_rows`` = shape[0]);
   * ``shared_args`` (which shared arguments it takes: ``SHARED_ERRORS`` then run for it) and
     ``error_inputs`` (its own arguments that must be rejected, with the message);
-  * the capability flags that differ from their defaults (``per_row_rule``, ``supports_fused_groups``,
+  * the capability flags that differ from their defaults (``per_row_rule``, ``supports_stacked_groups``,
     ``supports_no_dedup``, ``zero_gradient_is_noop``, ...).
 Nothing else. The entry then runs in every target of ``TARGETS`` its flags allow: the numpy reference
 (f64, f32), the invariants of test_optim_generic.py (untouched rows, lazy == dense, state_dict, lr
-schedules, per-table overrides), argument errors, the Keras extras, row chunks, the fused eager update,
-fused groups, skip non-finite, XLA == CPU, one compilation, 4-device SPMD. tests/optim/test_optim_registry.py fails while an
+schedules, per-table overrides), argument errors, the Keras extras, row chunks, the kernel eager update,
+stacked groups, skip non-finite, XLA == CPU, one compilation, 4-device SPMD. tests/optim/test_optim_registry.py fails while an
 optimizer of ``tte.optim`` has no entry, or an entry disagrees with its class (slot names, shapes and
-initial values, the arguments it takes, the fused / no-dedup flags).
+initial values, the arguments it takes, the stacked / no-dedup flags).
 Optional: ``inputs`` (named configurations, each for the targets it names: option variants worth
 testing, or the few Keras-extras combinations it runs on the device targets), ``tf_golden`` /
 ``keras_golden`` (how golden-file runs map to its arguments), a ``keras_rule`` for a configuration
@@ -60,12 +60,12 @@ OVERRIDE = "override"  # test_optim_generic.py: a TableConfig optimizer override
 KERAS = "keras_pipeline"  # test_keras_pipeline_random.py: extras on dense params vs the numpy Keras pipeline
 EXTRAS = "extras"  # test_optim_extras.py: each configuration × every KERAS_EXTRAS combination
 CHUNKS = "chunks"  # test_row_chunks.py: chunked eager row updates == one whole-batch pass
-FUSED_PATH = "fused_path"  # test_fused_update.py: the compiled eager row update == the reference path
-FUSED = "fused"  # test_fused_tables.py: fused table groups == unfused tables
+KERNEL_PATH = "kernel_path"  # test_fused_update.py: the compiled eager row update == the reference path
+STACKED = "stacked"  # test_fused_tables.py: stacked table groups == unstacked tables
 NONFINITE = "nonfinite"  # test_nonfinite_and_resume.py: skip_nonfinite leaves everything untouched
 XLA = "xla"  # tests/xla/test_xla_optim.py: XLA == CPU
 XLA_COMPILE = "xla_compile"  # tests/xla/_optim_step_script.py: 20 steps, one compilation, no fallback
-XLA_FUSED = "xla_fused"  # tests/xla/test_fused_xla.py: fused groups on XLA == unfused on CPU, one graph
+XLA_STACKED = "xla_stacked"  # tests/xla/test_fused_xla.py: stacked groups on XLA == unstacked on CPU, one graph
 SPMD = "spmd"  # tests/xla_spmd/test_spmd_training.py: every placement on 4 devices == CPU
 SPMD_STEP = "spmd_step"  # tests/xla_spmd/_spmd_step_script.py (the HLO tests of test_spmd_hlo.py)
 CKPT_MATRIX = "ckpt_matrix"  # tests/xla/_ckpt_script.py: checkpoints across CPU / XLA-1 / SPMD-4 layouts
@@ -90,7 +90,7 @@ TARGETS: dict[str, Target] = {
         extras={"ema": {"use_ema": True}, "accum-skip": {"gradient_accumulation_steps": 2, "skip_nonfinite": True}},
         noaccum=True,
     ),
-    FUSED_PATH: Target(
+    KERNEL_PATH: Target(
         requires="per_row_rule",
         extras={
             # one compiled kernel per configuration: the options together, not one by one
@@ -101,8 +101,8 @@ TARGETS: dict[str, Target] = {
             "accum-clipnorm": {"gradient_accumulation_steps": 2, "clipnorm": 0.5},
         },
     ),
-    FUSED: Target(
-        requires="supports_fused_groups",
+    STACKED: Target(
+        requires="supports_stacked_groups",
         extras={
             "ema-accum-gclip": {"use_ema": True, "ema_momentum": 0.8, "gradient_accumulation_steps": 2,
                                 "global_clipnorm": 0.5},
@@ -114,7 +114,7 @@ TARGETS: dict[str, Target] = {
     NONFINITE: Target(requires="keras_extras"),
     XLA: Target(),
     XLA_COMPILE: Target(),
-    XLA_FUSED: Target(requires="supports_fused_groups"),
+    XLA_STACKED: Target(requires="supports_stacked_groups"),
     SPMD: Target(),
     SPMD_STEP: Target(every=False),  # opt-in: configurations named by the HLO tests
     CKPT_MATRIX: Target(every=False),  # opt-in: one process per layout runs every entry here
@@ -262,7 +262,7 @@ class OptimizerInfo:
     lazy: bool = True  # updates only the rows a step touched (unless ``non_lazy_kwarg`` is given)
     non_lazy_kwarg: tuple[str, Any] | None = None  # the argument that makes it update every row
     per_row_rule: bool = True  # a row's update reads only that row (False: statistics span rows)
-    supports_fused_groups: bool = True  # trains tables of a fuse_tables=True group
+    supports_stacked_groups: bool = True  # trains tables of a stack_tables=True group
     supports_no_dedup: bool = False  # use_gradient_accumulation=False (duplicate ids not summed first)
     zero_gradient_is_noop: bool = False  # g = 0 leaves a row and its slots unchanged: lazy == dense, any batch
     zero_lr_ok: Callable[[Mapping[str, Any]], bool] = lambda kwargs: True  # a step at lr = 0 is finite
@@ -333,8 +333,8 @@ SGD_INFO = OptimizerInfo(
                                "clip_weight_min": -0.3, "clip_weight_max": 0.3}, GENERIC),
         _in("sgd-decay-clip", {"lr": 0.1, "clipvalue": 0.5, "weight_decay_factor": 0.01,
                                "clip_weight_min": -0.4, "clip_weight_max": 0.4}, CHUNKS),
-        _in("sgd", {"lr": 0.1, "clipvalue": 0.5, "weight_decay_factor": 0.01}, FUSED, XLA),
-        _in("sgd-noaccum", {"lr": 0.1, "use_gradient_accumulation": False}, XLA, XLA_FUSED),
+        _in("sgd", {"lr": 0.1, "clipvalue": 0.5, "weight_decay_factor": 0.01}, STACKED, XLA),
+        _in("sgd-noaccum", {"lr": 0.1, "use_gradient_accumulation": False}, XLA, XLA_STACKED),
         _in("sgd-noaccum-ema", {"lr": 0.1, "use_gradient_accumulation": False, "use_ema": True}, XLA),
         _in("sgd", {"lr": 0.1, "clipvalue": 0.5}, SPMD),
         _in("sgd-gclip-scale", {"lr": 0.5, "global_clipnorm": 0.5, "loss_scale_factor": 8.0}, SPMD),
@@ -373,10 +373,10 @@ ADAGRAD_INFO = OptimizerInfo(
         _in("adagrad", {"lr": 0.1}, GENERIC, KERAS),
         _in("adagrad-init0.5-decaylr", {"lr": 0.2, "initial_accumulator_value": 0.5, "weight_decay_factor": 0.1,
                                         "multiply_weight_decay_factor_by_learning_rate": True}, GENERIC),
-        _in("adagrad", {"lr": 0.1, "clip_weight_min": -0.3, "clip_weight_max": 0.3}, FUSED),
+        _in("adagrad", {"lr": 0.1, "clip_weight_min": -0.3, "clip_weight_max": 0.3}, STACKED),
         _in("adagrad", {"lr": 0.1, "clip_weight_min": -0.2, "clip_weight_max": 0.2}, XLA),
         # slots made per table from its values, each table clipped by its own norm, inside a group
-        _in("adagrad-slotfn-clipnorm", {"lr": 0.1, "clipnorm": 0.05, "slot_creation_fn": _abs_accumulators}, XLA_FUSED),
+        _in("adagrad-slotfn-clipnorm", {"lr": 0.1, "clipnorm": 0.05, "slot_creation_fn": _abs_accumulators}, XLA_STACKED),
     ),
     tf_golden=lambda run: (
         {"initial_accumulator_value": run["slot_initial_values"]["accumulators"]}
@@ -418,7 +418,7 @@ ADAGRAD_MOMENTUM_INFO = OptimizerInfo(
         _in("adagrad_momentum", {"lr": 0.05, "momentum": 0.9}, GENERIC),
         _in("adagrad_momentum-nesterov-beta2", {"lr": 0.05, "momentum": 0.5, "use_nesterov": True, "beta2": 0.9,
                                                 "exponent": 3.0}, GENERIC),
-        _in("adagrad_momentum", {"lr": 0.1, "momentum": 0.9, "use_nesterov": True}, KERAS, CHUNKS, FUSED, XLA),
+        _in("adagrad_momentum", {"lr": 0.1, "momentum": 0.9, "use_nesterov": True}, KERAS, CHUNKS, STACKED, XLA),
         _in("adagrad_momentum", {"lr": 0.05, "momentum": 0.9, "use_nesterov": True}, EXTRAS, SPMD),
     ),
     tf_golden=lambda run: dict(run["config"]) if run["optimizer"] == "adagrad_momentum" else None,
@@ -466,8 +466,8 @@ ADAM_INFO = OptimizerInfo(
         _in("adam-eps-outside", {"lr": 0.01, "sum_inside_sqrt": False, "eps": 1e-3}, GENERIC),
         _in("adam-bias-correction", {"lr": 0.01, "bias_correction": True}, GENERIC),
         _in("adam-nonlazy", {"lr": 0.01, "lazy_adam": False}, GENERIC),
-        _in("adam", {"lr": 0.05}, EXTRAS, FUSED, XLA, SPMD),
-        _in("adam-nonlazy", {"lr": 0.05, "lazy_adam": False}, FUSED, XLA, XLA_FUSED, SPMD),
+        _in("adam", {"lr": 0.05}, EXTRAS, STACKED, XLA, SPMD),
+        _in("adam-nonlazy", {"lr": 0.05, "lazy_adam": False}, STACKED, XLA, XLA_STACKED, SPMD),
         _in("adam", {"lr": 0.1}, XLA_COMPILE, SPMD_STEP),
         _in("adam", {"lr": 0.02, "bias_correction": True}, OVERRIDE),
         # Keras Adam == ours with bias correction and ε outside the sqrt; TPU Adam: the numpy rule.
@@ -501,7 +501,7 @@ LAZY_ADAM_INFO = OptimizerInfo(
         # torch.optim.SparseAdam / tfa LazyAdam
         _in("lazy_adam-sparseadam", {"lr": 0.01, "bias_correction": True, "sum_inside_sqrt": False, "eps": 1e-8},
             GENERIC),
-        _in("lazy_adam", {"lr": 0.05, "bias_correction": True}, CHUNKS, FUSED, XLA_FUSED),
+        _in("lazy_adam", {"lr": 0.05, "bias_correction": True}, CHUNKS, STACKED, XLA_STACKED),
         _in("lazy_adam", {"lr": 0.05, "bias_correction": True, "sum_inside_sqrt": False}, EXTRAS, SPMD, CKPT_MATRIX),
         _in("lazy_adam-bias", {"lr": 0.05, "bias_correction": True, "sum_inside_sqrt": False}, XLA),
         _in("lazy_adam", {"lr": 0.1, "bias_correction": True}, XLA_COMPILE),
@@ -570,11 +570,11 @@ FTRL_INFO = OptimizerInfo(
                      "learning_rate_power": -0.7, "initial_accumulator_value": 0.2}, KERAS,
             keras_rule=lambda shapes, kw: FtrlRule(shapes, **{k: v for k, v in kw.items() if k != "lr"})),
         _in("ftrl", {"lr": 0.1, "l1_regularization_strength": 0.01}, EXTRAS),
-        _in("ftrl", {"lr": 0.1, "l1_regularization_strength": 0.001, "beta": 0.1}, FUSED, XLA),
+        _in("ftrl", {"lr": 0.1, "l1_regularization_strength": 0.001, "beta": 0.1}, STACKED, XLA),
         _in("ftrl-mult", {"lr": 0.1, "multiply_linear_by_learning_rate": True}, XLA),
         _in("ftrl-accum3-scale", {"lr": 0.1, "gradient_accumulation_steps": 3, "loss_scale_factor": 16.0}, XLA),
         _in("ftrl", {"lr": 0.1, "multiply_linear_by_learning_rate": True}, XLA_COMPILE),
-        _in("ftrl-ema-accum", {"lr": 0.1, "use_ema": True, "gradient_accumulation_steps": 2}, XLA_FUSED),
+        _in("ftrl-ema-accum", {"lr": 0.1, "use_ema": True, "gradient_accumulation_steps": 2}, XLA_STACKED),
         _in("ftrl", {"lr": 0.1, "l1_regularization_strength": 0.001}, SPMD),
         _in("ftrl", {"lr": 0.1, "l1_regularization_strength": 0.001, "multiply_linear_by_learning_rate": True},
             CKPT_MATRIX),
@@ -644,9 +644,9 @@ ADAFACTOR_INFO = OptimizerInfo(
             keras_rule=lambda shapes, kw: AdafactorRule(shapes, beta_2_decay=kw["beta_2_decay"],
                                                         epsilon_2=kw["epsilon_2"], clip_threshold=kw["clip_threshold"]),
             extra_shapes=[(2, 3, 4)]),  # factored over the last two dims of a rank-3 parameter
-        _in("adafactor", {"lr": 0.1}, GENERIC, XLA, XLA_COMPILE, CKPT_MATRIX, XLA_FUSED),
+        _in("adafactor", {"lr": 0.1}, GENERIC, XLA, XLA_COMPILE, CKPT_MATRIX, XLA_STACKED),
         # per-table statistics and a per-table clip norm inside a group, accumulation's gate on the rows
-        _in("adafactor-clipnorm-accum", {"lr": 0.1, "clipnorm": 0.05, "gradient_accumulation_steps": 2}, XLA_FUSED),
+        _in("adafactor-clipnorm-accum", {"lr": 0.1, "clipnorm": 0.05, "gradient_accumulation_steps": 2}, XLA_STACKED),
         # the update clip binds, ρ = min(η, 1/√t) is off (so η > 1/√t shows), decay, a larger ε2 floor
         _in("adafactor-clip-decay-steps", {"lr": 0.7, "clip_threshold": 0.3, "weight_decay": 0.05,
                                            "relative_step": False, "epsilon_2": 0.5, "beta_2_decay": -0.5}, GENERIC),

@@ -218,7 +218,7 @@ def test_into_a_model_built_with_stacking_off(info: OptimizerInfo) -> None:
     opt = make(info, stacked)
     train(stacked, opt, data, 3)
     msd, osd = get_model_state_dict(stacked), get_optimizer_state_dict(stacked, opt)
-    plain = Model(fuse=False, seed=11)
+    plain = Model(stack=False, seed=11)
     opt2 = make(info, plain)
     set_model_state_dict(plain, msd)
     assert_bitwise(weights(plain), weights(stacked))

@@ -28,7 +28,7 @@ O = tte.optim  # noqa: E741
 D = 3
 
 
-def build(rows_b: int = 9, extra: bool = False, fuse: bool = False, dtype: torch.dtype = torch.float64,
+def build(rows_b: int = 9, extra: bool = False, stack: bool = False, dtype: torch.dtype = torch.float64,
           opt: Callable[..., torch.optim.Optimizer] | None = None) -> tuple[torch.nn.ModuleDict, torch.optim.Optimizer]:
     torch.manual_seed(0)
     a = tte.TableConfig(12, D, name="a", dtype=dtype)
@@ -36,7 +36,7 @@ def build(rows_b: int = 9, extra: bool = False, fuse: bool = False, dtype: torch
     feats = {"fa": tte.FeatureConfig(a, max_ids_per_bag=2), "fb": tte.FeatureConfig(b)}
     if extra:
         feats["fc"] = tte.FeatureConfig(tte.TableConfig(5, D, name="c", dtype=dtype))
-    ec = tte.EmbeddingCollection(feats, fuse_tables=fuse)
+    ec = tte.EmbeddingCollection(feats, stack_tables=stack)
     m = torch.nn.ModuleDict({"ec": ec, "head": torch.nn.Linear(2 * D, 1).to(dtype)})
     make = opt or (lambda ps: O.Adam(ps, lr=0.05, gradient_accumulation_steps=2, use_ema=True))
     return m, make(m.parameters())
@@ -106,7 +106,7 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any], list[str]]] = {
                                                r"optimizer: group 0: missing \['param:2'\], unexpected \['param:4', 'table:c'\]"]),
     "Adagrad into Adam": ({}, {"opt": lambda ps: O.Adagrad(ps, lr=0.1)},
                           [r"optimizer: group 0: saved by optimizer 'adagrad', loading into 'adam'"]),
-    "fused member of the wrong size": ({"fuse": True}, {"rows_b": 11, "fuse": True}, [
+    "stacked member of the wrong size": ({"stack": True}, {"rows_b": 11, "stack": True}, [
         r"model: size mismatch for ec.tables.b.weight: copying a param with shape torch.Size\(\[11, 3\]\) from "
         r"checkpoint, the shape in current model is torch.Size\(\[9, 3\]\)"]),
     "integer values for a float table": ({}, {"dtype": torch.float64}, []),  # patched below: int64 weight
@@ -229,13 +229,13 @@ def test_a_damaged_structure_is_named_and_changes_nothing(tmp_path: Path, damage
 
 
 # ------------------------------------------------------------------ crafted or damaged values ([hardening3] 5)
-def _fused_group_key_only(pl: dict[str, Any]) -> None:
+def _stacked_group_key_only(pl: dict[str, Any]) -> None:
     """strict=False with a stacked group's own weight key of the wrong shape (its tables' keys removed)."""
     del pl["model"]["ec.tables.a.weight"], pl["model"]["ec.tables.b.weight"]
     pl["model"]["ec.groups.fused_0.weight"] = torch.zeros(5, D, dtype=torch.float64)
 
 
-def _fused_group_key_beside_tables(pl: dict[str, Any]) -> None:
+def _stacked_group_key_beside_tables(pl: dict[str, Any]) -> None:
     pl["model"]["ec.groups.fused_0.weight"] = torch.zeros(21, D, dtype=torch.float64)
 
 
@@ -246,10 +246,10 @@ def _out_of_range_pending_id(pl: dict[str, Any]) -> None:
 
 PAYLOADS: dict[str, tuple[bool, bool, Callable[[dict[str, Any]], None], str]] = {
     # name: (stacked, strict, damage, the error names the key, the rule and the received value)
-    "strict=False, wrong-shape stacked group key": (True, False, _fused_group_key_only,
+    "strict=False, wrong-shape stacked group key": (True, False, _stacked_group_key_only,
         r"size mismatch for ec.groups.fused_0.weight: copying a param with shape torch.Size\(\[5, 3\]\) from "
         r"checkpoint, the shape in current model is torch.Size\(\[21, 3\]\)"),
-    "strict=False, stacked group key beside its tables": (True, False, _fused_group_key_beside_tables,
+    "strict=False, stacked group key beside its tables": (True, False, _stacked_group_key_beside_tables,
         r"ec.groups.fused_0.weight: the stacked group's weight and its tables' keys \['ec.tables.a.weight', "
         r"'ec.tables.b.weight'\] are both in the state_dict"),
     "meta-device table": (False, True, lambda pl: pl["model"].__setitem__(
@@ -291,8 +291,8 @@ def test_a_crafted_value_is_refused_before_anything_changes(tmp_path: Path, case
     table overwritten too), or, for the pending id, load and update a neighbouring table's row. Now one
     error names the file, the key, the rule and the value, and weights, slots, counters and pending
     gradients are bitwise unchanged; so is ``opt.load_state_dict`` of the optimizer part alone."""
-    fuse, strict, damage, pattern = PAYLOADS[case]
-    m, opt, good = prepared(tmp_path, fuse=fuse)
+    stack, strict, damage, pattern = PAYLOADS[case]
+    m, opt, good = prepared(tmp_path, stack=stack)
     payload = torch.load(good, weights_only=True)
     damage(payload)
     bad = tmp_path / "crafted.pt"
@@ -310,11 +310,11 @@ def test_a_crafted_value_is_refused_before_anything_changes(tmp_path: Path, case
         assert same(before[part], after[part]), part
 
 
-@pytest.mark.parametrize("fuse", [False, True], ids=["unstacked", "stacked"])
+@pytest.mark.parametrize("stack", [False, True], ids=["unstacked", "stacked"])
 @pytest.mark.parametrize("number", [3, 3.0], ids=["int", "float"])
-def test_a_step_saved_as_a_python_number_loads(tmp_path: Path, number: float, fuse: bool) -> None:
+def test_a_step_saved_as_a_python_number_loads(tmp_path: Path, number: float, stack: bool) -> None:
     """[conformance] 6: torch's optimizers accept a ``step`` that is a Python number; so do ours."""
-    m, opt, good = prepared(tmp_path, fuse=fuse)
+    m, opt, good = prepared(tmp_path, stack=stack)
     sd = torch.load(good, weights_only=True)["optimizer"]
     for s in sd["state"].values():
         s["step"] = number

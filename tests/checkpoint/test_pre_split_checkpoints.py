@@ -23,7 +23,7 @@ DATA = Path(__file__).parents[1] / "data"
 sys.path.insert(0, os.fspath(DATA))
 from pre_split.configs import CONFIGS, build, train  # noqa: E402
 
-# Dense parameters beside a fused group are numbered as if the group's tables were separate
+# Dense parameters beside a stacked group are numbered as if the group's tables were separate
 # (so their keys survive fusing and unfusing); the old files' keys load under the new numbers.
 RENAMED = {"adagrad-fused-accum": {"param:1": "param:2", "param:2": "param:3"}}
 

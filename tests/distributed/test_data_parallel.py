@@ -132,10 +132,10 @@ def test_each_optimizer(world: int, name: str, tmp_path_factory: pytest.TempPath
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_fused_tables(world: int, tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_stacked_tables(world: int, tmp_path_factory: pytest.TempPathFactory) -> None:
     results, _ = ranks(world, tmp_path_factory)
-    assert_replicas_equal([r["ddp-fused"] for r in results])
-    assert_close(results[0]["ddp-fused"], W.reference("adagrad", torch.float64, fuse=True), 1e-10)
+    assert_replicas_equal([r["ddp-stacked"] for r in results])
+    assert_close(results[0]["ddp-stacked"], W.reference("adagrad", torch.float64, stack=True), 1e-10)
 
 
 @pytest.mark.parametrize("world", WORLDS)

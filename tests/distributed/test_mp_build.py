@@ -198,11 +198,11 @@ def test_chunked_draw_equals_a_whole_draw(dtype: torch.dtype, monkeypatch: pytes
     in chunks of 1, 7 and many rows, into rows of a permuted order) equals the table drawn whole."""
     config = tte.TableConfig(2049, 33, name="t", dtype=dtype)
     torch.manual_seed(3)
-    want = tte.EmbeddingCollection({"f": tte.FeatureConfig(config)}, fuse_tables=False).tables["t"].weight.detach()
+    want = tte.EmbeddingCollection({"f": tte.FeatureConfig(config)}, stack_tables=False).tables["t"].weight.detach()
     for chunk in (1, 7 * 33 * want.element_size(), 1 << 20):
         monkeypatch.setattr(deferred_init, "CHUNK_BYTES", chunk)
         torch.manual_seed(3)
-        ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(config)}, device="meta", fuse_tables=False)
+        ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(config)}, device="meta", stack_tables=False)
         table = ec.tables["t"]
         assert isinstance(table, tte.EmbeddingTable) and table.weight.is_meta
         perm = torch.randperm(2049, generator=torch.Generator().manual_seed(chunk))

@@ -55,7 +55,7 @@ def test_readme_figures_are_what_the_example_prints(tmp_path: Path) -> None:
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(ROOT)}
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # The README's command as a user runs it: none of the suite's settings (tests/conftest.py)
-    for name in ("XLA_USE_SPMD", "CPU_NUM_DEVICES", "TTE_FUSED_UPDATE", "MKL_CBWR"):
+    for name in ("XLA_USE_SPMD", "CPU_NUM_DEVICES", "TTE_UPDATE_KERNEL", "MKL_CBWR"):
         env.pop(name, None)
     out = subprocess.run([sys.executable, str(SCRIPT), "--no-progress"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=1800)

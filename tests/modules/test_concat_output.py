@@ -43,7 +43,7 @@ def _model(kind: str, dtype: torch.dtype = torch.float64) -> tuple[tte.Embedding
         features = {"u": tte.FeatureConfig(a, max_ids_per_bag=3), "v": tte.FeatureConfig(b),
                     "w": tte.FeatureConfig(c, max_ids_per_bag=2), "x": tte.FeatureConfig(a, max_ids_per_bag=3),
                     "y": tte.FeatureConfig(b, max_ids_per_bag=3)}
-    return tte.EmbeddingCollection(features, fuse_tables=kind != "unstacked"), features
+    return tte.EmbeddingCollection(features, stack_tables=kind != "unstacked"), features
 
 
 def _batch(features: dict[str, Any], g: torch.Generator, b: int = 6) -> dict[str, Any]:

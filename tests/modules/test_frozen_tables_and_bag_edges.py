@@ -30,17 +30,17 @@ CONFIGS = _configs()
 
 
 # ------------------------------------------------------------------------------------- item 7: clipping
-def _clip_model(fuse: bool) -> tuple[tte.EmbeddingCollection, torch.nn.Linear]:
+def _clip_model(stack: bool) -> tuple[tte.EmbeddingCollection, torch.nn.Linear]:
     torch.manual_seed(0)
     a = tte.TableConfig(20, 4, name="a", combiner="mean")
     b = tte.TableConfig(12, 4, name="b", combiner="sqrtn")
     ec = tte.EmbeddingCollection({"x": tte.FeatureConfig(a, max_ids_per_bag=4), "y": tte.FeatureConfig(b),
-                                  "z": tte.FeatureConfig(a)}, fuse_tables=fuse)
+                                  "z": tte.FeatureConfig(a)}, stack_tables=stack)
     return ec, torch.nn.Linear(12, 1)
 
 
-def _clip_run(cfg: OptimizerConfig, fuse: bool, max_norm: float | None) -> dict[str, Any]:
-    ec, head = _clip_model(fuse)
+def _clip_run(cfg: OptimizerConfig, stack: bool, max_norm: float | None) -> dict[str, Any]:
+    ec, head = _clip_model(stack)
     opt = cfg.make([*ec.parameters(), *head.parameters()])
     for s in range(3):
         g = torch.Generator().manual_seed(s)
@@ -68,12 +68,12 @@ def _bitwise_equal(a: Any, b: Any, where: str = "") -> None:
         assert a == b, where
 
 
-@pytest.mark.parametrize("fuse", [False, True], ids=["unstacked", "stacked"])
+@pytest.mark.parametrize("stack", [False, True], ids=["unstacked", "stacked"])
 @pytest.mark.parametrize("cfg", CONFIGS, ids=str)
-def test_clip_that_scales_nothing_is_bitwise_a_no_op(cfg: OptimizerConfig, fuse: bool) -> None:
+def test_clip_that_scales_nothing_is_bitwise_a_no_op(cfg: OptimizerConfig, stack: bool) -> None:
     """Issue 28 item 7: Adagrad without accumulation moved the weights by 0.198 after a clip of max_norm 1e9
     (the clip summed duplicate ids, which that path updates one by one)."""
-    _bitwise_equal(_clip_run(cfg, fuse, None), _clip_run(cfg, fuse, 1e9))
+    _bitwise_equal(_clip_run(cfg, stack, None), _clip_run(cfg, stack, 1e9))
 
 
 def test_clip_scaling_without_accumulation_scales_every_contribution() -> None:
@@ -92,11 +92,11 @@ def test_clip_scaling_without_accumulation_scales_every_contribution() -> None:
     torch.testing.assert_close(ec.tables.a.weight.detach(), w0 - 0.5 * dense * (norm / 2) / (norm + 1e-6))
 
 
-@pytest.mark.parametrize("fuse", [False, True], ids=["unstacked", "stacked"])
-def test_negative_norm_types_see_untouched_zero_rows(fuse: bool) -> None:
+@pytest.mark.parametrize("stack", [False, True], ids=["unstacked", "stacked"])
+def test_negative_norm_types_see_untouched_zero_rows(stack: bool) -> None:
     """torch's -inf norm of an embedding gradient is 0 unless every row was looked up (its dense [V, D]
     gradient holds zero rows); it was the smallest looked-up value here (0.0417 in the report)."""
-    ec, _ = _clip_model(fuse)
+    ec, _ = _clip_model(stack)
     ec({"x": tte.Padded(torch.tensor([[1, 2, 3, 4]])), "y": torch.tensor([0]), "z": torch.tensor([1])})["x"].sum().backward()
     dense = {n: torch.zeros(ec.embedding_tables[n].shape[0] + 1, 4).index_add_(0, i, r)[:-1]
              for n, (i, r) in ec.row_grads().items()}
@@ -133,7 +133,7 @@ def test_mean_and_sqrtn_of_finite_weights_do_not_overflow(combiner: str, w: list
     """Issue 28 item 8: ``mean`` of [3e38, 3e38] and ``sqrtn`` of [1e20] gave 0 (Σw or Σw² overflowed)."""
     torch.manual_seed(0)
     t = tte.TableConfig(8, 3, name="t", combiner=combiner, dtype=dtype)
-    ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(t), "g": tte.FeatureConfig(t)}, fuse_tables=False)
+    ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(t), "g": tte.FeatureConfig(t)}, stack_tables=False)
     n = len(w)
     ids = list(range(1, n + 1))
     weights = torch.tensor([w, [1.0] * n], requires_grad=True)
@@ -169,14 +169,14 @@ def test_bag_gains_are_bitwise_unchanged_without_overflow() -> None:
 
 
 # ------------------------------------------------------------------------------------ item 6: frozen tables
-def _freeze_model(fuse: bool) -> tuple[tte.EmbeddingCollection, torch.nn.Linear]:
+def _freeze_model(stack: bool) -> tuple[tte.EmbeddingCollection, torch.nn.Linear]:
     torch.manual_seed(0)
     a = tte.TableConfig(20, 4, name="a", combiner="mean", dtype=torch.float64)
     b = tte.TableConfig(12, 4, name="b", combiner="sqrtn", dtype=torch.float64)
     c = tte.TableConfig(16, 4, name="c", dtype=torch.float64)
     ec = tte.EmbeddingCollection({"x": tte.FeatureConfig(a, max_ids_per_bag=4), "y": tte.FeatureConfig(b, max_ids_per_bag=3),
-                                  "z": tte.FeatureConfig(c)}, fuse_tables=fuse)
-    assert (list(ec.fused_members()) == ["fused_0"]) == fuse
+                                  "z": tte.FeatureConfig(c)}, stack_tables=stack)
+    assert (list(ec.stacked_members()) == ["fused_0"]) == stack
     return ec, torch.nn.Linear(12, 1, dtype=torch.float64)
 
 
@@ -193,10 +193,10 @@ def _freeze_step(ec: tte.EmbeddingCollection, head: torch.nn.Linear, opt: Any, s
     opt.zero_grad()
 
 
-def _freeze_run(cfg: OptimizerConfig, fuse: bool, how: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def _freeze_run(cfg: OptimizerConfig, stack: bool, how: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """6 steps with every table training, then b frozen (``how``) and 6 more; returns the state just before
     freezing and at the end (per table: its weight and optimizer state)."""
-    ec, head = _freeze_model(fuse)
+    ec, head = _freeze_model(stack)
     opt = cfg.make([*ec.parameters(), *head.parameters()])
 
     def snapshot() -> dict[str, Any]:
@@ -231,10 +231,10 @@ def test_frozen_table_of_its_own_is_bitwise_unchanged(cfg: OptimizerConfig, how:
     assert not torch.equal(before["a"]["weight"], after["a"]["weight"])
 
 
-FUSED_CASES = [c for c in __import__("optim_registry").cases("fused")]
+STACKED_CASES = [c for c in __import__("optim_registry").cases("stacked")]
 
 
-@pytest.mark.parametrize("cfg", FUSED_CASES, ids=str)
+@pytest.mark.parametrize("cfg", STACKED_CASES, ids=str)
 def test_frozen_member_of_a_stacked_group_is_bitwise_unchanged(cfg: OptimizerConfig) -> None:
     """A stacked table has no weight of its own: ``ec.tables.b.requires_grad_(False)`` freezes its rows of the
     group. They and their slots stay bitwise unchanged while a and c (same group) train exactly as next to a
@@ -278,7 +278,7 @@ def test_rowwise_adagrad_window_without_lookups_of_a_table() -> None:
     ``gradient_accumulation_steps`` calls that never looked a table up crashed RowWiseAdagrad
     (``cannot reshape tensor of 0 elements into shape [0, -1]``); it now updates nothing."""
     a, b = tte.TableConfig(10, 3, name="a"), tte.TableConfig(8, 2, name="b")
-    ec = tte.EmbeddingCollection({"x": tte.FeatureConfig(a), "y": tte.FeatureConfig(b)}, fuse_tables=False)
+    ec = tte.EmbeddingCollection({"x": tte.FeatureConfig(a), "y": tte.FeatureConfig(b)}, stack_tables=False)
     opt = tte.optim.RowWiseAdagrad(ec.parameters(), lr=0.1, gradient_accumulation_steps=2)
     for feature in ("y", "y", "x", "x"):  # the second window looks b up in the forward only
         ec({"x": torch.tensor([1]), "y": torch.tensor([1])})[feature].sum().backward()
@@ -289,21 +289,21 @@ def test_rowwise_adagrad_window_without_lookups_of_a_table() -> None:
     assert torch.equal(before, ec.tables.b.weight)
 
 
-def _takes_fused_path(cfg: OptimizerConfig) -> bool:
+def _takes_kernel_path(cfg: OptimizerConfig) -> bool:
     from torch_tpu_embedding.optim._core.update_paths import Path, choose_path
     from torch_tpu_embedding.optim._kernels import row_update
 
     ec, _ = _freeze_model(True)
     before = row_update.set_enabled(True)
     try:
-        return choose_path(ec.groups.fused_0.weight, cfg.make(ec.parameters()).param_groups[0], row_grad=True) is Path.FUSED
+        return choose_path(ec.groups.fused_0.weight, cfg.make(ec.parameters()).param_groups[0], row_grad=True) is Path.KERNEL
     finally:
         row_update.set_enabled(before)
 
 
-@pytest.mark.parametrize("cfg", [c for c in CONFIGS if c.info.supports_fused_groups and _takes_fused_path(c)], ids=str)
-def test_frozen_member_on_the_fused_update_path(cfg: OptimizerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The compiled eager row update (``Path.FUSED``, tests/optim/test_fused_update.py) equals the reference path
+@pytest.mark.parametrize("cfg", [c for c in CONFIGS if c.info.supports_stacked_groups and _takes_kernel_path(c)], ids=str)
+def test_frozen_member_on_the_kernel_update_path(cfg: OptimizerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled eager row update (``Path.KERNEL``, tests/optim/test_fused_update.py) equals the reference path
     with a frozen member: its rows bitwise unchanged, its neighbours bitwise as on the reference path."""
     from torch_tpu_embedding.optim._core import update_paths
     from torch_tpu_embedding.optim._kernels import row_update
@@ -315,18 +315,18 @@ def test_frozen_member_on_the_fused_update_path(cfg: OptimizerConfig, monkeypatc
     reference = _freeze_run(cfg, True, "module")[1]
     monkeypatch.setattr(row_update, "_ENABLED", True)
     # Small tables, a short run: the default policy (set_policy, tests/optim/test_fused_warmup.py) would keep them
-    # on the reference path. The fused path from the first step, restored after the test.
+    # on the reference path. The kernel path from the first step, restored after the test.
     monkeypatch.setattr(row_update, "_AFTER", 0)
     monkeypatch.setattr(row_update, "_MIN_ELEMENTS", 0)
     ran: list[Any] = []
     real = update_paths.update
     monkeypatch.setattr(base, "update", lambda item: (real(item), ran.append(item.path)))
-    before, fused = _freeze_run(cfg, True, "module")
-    assert update_paths.Path.FUSED in ran
-    _bitwise_equal(_without_step(before["b"]), _without_step(fused["b"]), "b")
+    before, kernel = _freeze_run(cfg, True, "module")
+    assert update_paths.Path.KERNEL in ran
+    _bitwise_equal(_without_step(before["b"]), _without_step(kernel["b"]), "b")
     for n in ("a", "c"):  # as tests/optim/test_fused_update.py: the kernel's arithmetic may differ in the last bits
         for k, v in reference[n].items():
-            torch.testing.assert_close(fused[n][k], v, rtol=1e-6, atol=1e-6, msg=f"{n}/{k}")
+            torch.testing.assert_close(kernel[n][k], v, rtol=1e-6, atol=1e-6, msg=f"{n}/{k}")
 
 
 # --------------------------------------------------------------------------------- item 9: one long bag
@@ -363,7 +363,7 @@ def _peak_kib(which: str) -> int:
     import subprocess
     import sys
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TTE_FUSED_UPDATE": "0",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TTE_UPDATE_KERNEL": "0",
            "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                           os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", _LONG_BAG, which], capture_output=True, text=True, env=env, timeout=600)

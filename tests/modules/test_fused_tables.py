@@ -1,4 +1,4 @@
-"""Fused table groups (``fuse_tables=True``) against the unfused collection, which is the reference.
+"""Stacked table groups (``stack_tables=True``) against the unstacked collection, which is the reference.
 
 Same seeds give the same weights; a training run gives bitwise the same weights and slots; state_dicts
 have the same keys and move between the two layouts; a step does one dedup, one gather and one scatter
@@ -15,15 +15,15 @@ from typing import Any
 
 import pytest
 import torch
-from optim_registry import FUSED, OptimizerConfig, case, cases
+from optim_registry import STACKED, OptimizerConfig, case, cases
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_tpu_embedding as tte
 
 O = tte.optim  # noqa: E741
-# Every optimizer that trains fused groups, alone, with EMA + accumulation + global_clipnorm, with
-# accumulation + loss scale + skip_nonfinite, and without dedup (tests/optim_registry.py, ``fused``).
-CASES = cases(FUSED)
+# Every optimizer that trains stacked groups, alone, with EMA + accumulation + global_clipnorm, with
+# accumulation + loss scale + skip_nonfinite, and without dedup (tests/optim_registry.py, ``stacked``).
+CASES = cases(STACKED)
 
 
 def features(dtype: torch.dtype = torch.float64, override: Any = None) -> dict[str, tte.FeatureConfig]:
@@ -68,9 +68,9 @@ def train(ec: tte.EmbeddingCollection, opt: torch.optim.Optimizer, steps: int = 
         opt.zero_grad()
 
 
-def build(fuse: bool, cfg: OptimizerConfig, override: Any = None) -> tuple[tte.EmbeddingCollection, Any]:
+def build(stack: bool, cfg: OptimizerConfig, override: Any = None) -> tuple[tte.EmbeddingCollection, Any]:
     torch.manual_seed(0)
-    ec = tte.EmbeddingCollection(features(override=override), fuse_tables=fuse)
+    ec = tte.EmbeddingCollection(features(override=override), stack_tables=stack)
     return ec, cfg.make(ec.parameters())
 
 
@@ -84,48 +84,48 @@ def assert_same_state(sd1: dict[str, Any], sd2: dict[str, Any], exact: bool = Tr
 
 
 def test_groups_by_dim_dtype_placement_and_optimizer() -> None:
-    ec = tte.EmbeddingCollection(features(override="ftrl"), fuse_tables=True)
-    assert ec.fused_members() == {
+    ec = tte.EmbeddingCollection(features(override="ftrl"), stack_tables=True)
+    assert ec.stacked_members() == {
         "fused_0": (("a", 0, 40), ("b", 40, 17), ("d", 57, 23)),
         "fused_1": (("c", 0, 9), ("e", 9, 11)),
     }
-    assert set(ec.physical_tables()) == {"f", "g", "fused_0", "fused_1"}  # alone in their key: not fused
+    assert set(ec.physical_tables()) == {"f", "g", "fused_0", "fused_1"}  # alone in their key: not stacked
     assert ec.groups["fused_0"].weight.shape == (80, 4)
     assert [p.shape for p in ec.parameters()] == [(80, 4), (20, 8), (5, 4), (13, 4)]
     tables, dense = tte.split_parameters(ec)
     assert len(tables) == 4 and dense == []
-    assert "fused in 'fused_0' at row 40" in repr(ec)
+    assert "stacked in 'fused_0' at row 40" in repr(ec)
     text = repr(ec)  # one line per group, in group order (docs/guide.md section 13)
     assert "group fused_0 = a + b + d: 80 rows × 4, torch.float64, placement 'auto'" in text
     assert text.index("group fused_0 = a + b + d") < text.index("group fused_1 = c + e: 20 rows × 8")
     # formation depends on the configuration only: dict keys are sorted, so insertion order does not matter
     shuffled = dict(reversed(list(features(override="ftrl").items())))
-    assert tte.EmbeddingCollection(shuffled, fuse_tables=True).fused_members() == ec.fused_members()
+    assert tte.EmbeddingCollection(shuffled, stack_tables=True).stacked_members() == ec.stacked_members()
 
 
 def test_same_seed_same_initial_weights() -> None:
     torch.manual_seed(0)
     plain = tte.EmbeddingCollection(features())
     torch.manual_seed(0)
-    fused = tte.EmbeddingCollection(features(), fuse_tables=True)
-    assert_same_state(plain.state_dict(), fused.state_dict())
-    for name, w in fused.embedding_tables.items():
+    stacked = tte.EmbeddingCollection(features(), stack_tables=True)
+    assert_same_state(plain.state_dict(), stacked.state_dict())
+    for name, w in stacked.embedding_tables.items():
         assert torch.equal(w, plain.embedding_tables[name])
     torch.manual_seed(3)
-    fused.groups["fused_0"].reset_parameters()
+    stacked.groups["fused_0"].reset_parameters()
     torch.manual_seed(3)
     for t in ("a", "b", "d"):
         expected = tte.EmbeddingTable(plain.table_configs[t], t).weight
-        assert torch.equal(fused.embedding_tables[t], expected)
+        assert torch.equal(stacked.embedding_tables[t], expected)
 
 
-def test_forward_matches_unfused() -> None:
+def test_forward_matches_unstacked() -> None:
     torch.manual_seed(0)
     plain = tte.EmbeddingCollection(features())
     torch.manual_seed(0)
-    fused = tte.EmbeddingCollection(features(), fuse_tables=True)
+    stacked = tte.EmbeddingCollection(features(), stack_tables=True)
     inputs = batch(torch.Generator().manual_seed(5))
-    a, b = plain(inputs), fused(inputs)
+    a, b = plain(inputs), stacked(inputs)
     for k in a:
         assert torch.equal(a[k], b[k]), k
 
@@ -136,10 +136,10 @@ def test_training_is_bitwise_the_same(cfg: OptimizerConfig) -> None:
     per group), clipnorm and statistics over a table's rows (Adafactor: summed per member table)."""
     exact = "global_clipnorm" not in cfg.kwargs and "clipnorm" not in cfg.kwargs and cfg.info.per_row_rule
     plain, opt_p = build(False, cfg)
-    fused, opt_f = build(True, cfg)
+    stacked, opt_f = build(True, cfg)
     train(plain, opt_p)
-    train(fused, opt_f)
-    assert_same_state(plain.state_dict(), fused.state_dict(), exact)
+    train(stacked, opt_f)
+    assert_same_state(plain.state_dict(), stacked.state_dict(), exact)
     sp, sf = opt_p.state_dict(), opt_f.state_dict()
     assert sorted(sp["state"]) == sorted(sf["state"]) == [f"table:{t}" for t in "abcdefg"]
     assert [g["params"] for g in sp["param_groups"]] != [] and sorted(sp["param_groups"][0]["params"]) == sorted(
@@ -151,25 +151,25 @@ def test_training_is_bitwise_the_same(cfg: OptimizerConfig) -> None:
                 continue
             assert_same_state({slot: v}, {slot: sf["state"][key][slot]}, exact)
     if cfg.kwargs.get("use_ema"):
-        for t, w in fused.embedding_tables.items():
+        for t, w in stacked.embedding_tables.items():
             pw = plain.embedding_tables[t]
             n = pw.shape[0]
-            group = fused.groups[next(g for g, m in fused.fused_members().items() if t in [x[0] for x in m])] \
-                if t not in fused.physical_tables() else None
+            group = stacked.groups[next(g for g, m in stacked.stacked_members().items() if t in [x[0] for x in m])] \
+                if t not in stacked.physical_tables() else None
             avg_f = opt_f.moving_average(group.weight if group is not None else w)
-            off = dict((m[0], m[1]) for ms in fused.fused_members().values() for m in ms).get(t, 0)
+            off = dict((m[0], m[1]) for ms in stacked.stacked_members().values() for m in ms).get(t, 0)
             assert_same_state({t: avg_f[off: off + n]}, {t: opt_p.moving_average(pw)}, exact)
 
 
 @pytest.mark.parametrize("cfg", CASES, ids=str)
-@pytest.mark.parametrize("direction", ["plain->fused", "fused->plain"])
+@pytest.mark.parametrize("direction", ["plain->stacked", "stacked->plain"])
 def test_state_dicts_move_between_layouts_and_training_goes_on(cfg: OptimizerConfig, direction: str) -> None:
-    src_fused = direction == "fused->plain"
+    src_stacked = direction == "stacked->plain"
     ref, opt_ref = build(False, cfg)
     train(ref, opt_ref, steps=4)  # 4 calls: mid-accumulation for k=3, pending buffers are saved
-    src, opt_src = build(src_fused, cfg)
+    src, opt_src = build(src_stacked, cfg)
     train(src, opt_src, steps=4)
-    dst, opt_dst = build(not src_fused, cfg)
+    dst, opt_dst = build(not src_stacked, cfg)
     dst.load_state_dict(src.state_dict())
     opt_dst.load_state_dict(opt_src.state_dict())
     train(ref, opt_ref, steps=3, seed=9)
@@ -179,43 +179,43 @@ def test_state_dicts_move_between_layouts_and_training_goes_on(cfg: OptimizerCon
 
 
 def test_checkpoint_files_move_between_layouts(tmp_path: Path) -> None:
-    plain, opt_p = build(False, case(FUSED, "lazy_adam"))
-    fused, opt_f = build(True, case(FUSED, "lazy_adam"))
-    train(fused, opt_f)
-    tte.checkpoint.save(tmp_path / "f.pt", model=fused, optimizer=opt_f)
+    plain, opt_p = build(False, case(STACKED, "lazy_adam"))
+    stacked, opt_f = build(True, case(STACKED, "lazy_adam"))
+    train(stacked, opt_f)
+    tte.checkpoint.save(tmp_path / "f.pt", model=stacked, optimizer=opt_f)
     payload = torch.load(tmp_path / "f.pt", weights_only=True)
     assert sorted(payload["optimizer"]["state"]) == [f"table:{t}" for t in "abcdefg"]
     assert list(payload["model"]) == list(plain.state_dict())
     tte.checkpoint.load(tmp_path / "f.pt", model=plain, optimizer=opt_p)
-    assert_same_state(plain.state_dict(), fused.state_dict())
+    assert_same_state(plain.state_dict(), stacked.state_dict())
     tte.checkpoint.save(tmp_path / "p.pt", model=plain, optimizer=opt_p)
-    fused2, opt_f2 = build(True, case(FUSED, "lazy_adam"))
-    tte.checkpoint.load(tmp_path / "p.pt", model=fused2, optimizer=opt_f2)
-    train(fused, opt_f, seed=4)
-    train(fused2, opt_f2, seed=4)
-    assert_same_state(fused.state_dict(), fused2.state_dict())
+    stacked2, opt_f2 = build(True, case(STACKED, "lazy_adam"))
+    tte.checkpoint.load(tmp_path / "p.pt", model=stacked2, optimizer=opt_f2)
+    train(stacked, opt_f, seed=4)
+    train(stacked2, opt_f2, seed=4)
+    assert_same_state(stacked.state_dict(), stacked2.state_dict())
 
 
 def test_partial_and_mismatched_loads() -> None:
     torch.manual_seed(0)
-    fused = tte.EmbeddingCollection(features(), fuse_tables=True)
-    before = fused.state_dict()
+    stacked = tte.EmbeddingCollection(features(), stack_tables=True)
+    before = stacked.state_dict()
     new_b = torch.full((17, 4), 0.5, dtype=torch.float64)
-    result = fused.load_state_dict({"tables.b.weight": new_b}, strict=False)
-    after = fused.state_dict()
+    result = stacked.load_state_dict({"tables.b.weight": new_b}, strict=False)
+    after = stacked.state_dict()
     assert torch.equal(after["tables.b.weight"], new_b)
     assert torch.equal(after["tables.a.weight"], before["tables.a.weight"])
     assert torch.equal(after["tables.d.weight"], before["tables.d.weight"])
     assert "tables.b.weight" not in result.missing_keys
     with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: .*tables\.a\.weight"):
-        fused.load_state_dict({"tables.b.weight": new_b})
+        stacked.load_state_dict({"tables.b.weight": new_b})
     with pytest.raises(RuntimeError, match=r"size mismatch for tables\.b\.weight.*\(16, 4\).*\(17, 4\)"):
-        fused.load_state_dict({**before, "tables.b.weight": new_b[:16]})
+        stacked.load_state_dict({**before, "tables.b.weight": new_b[:16]})
     # interop writes one table at a time through load_state_dict
     bag = torch.nn.EmbeddingBag(17, 4, mode="sum").double()
-    tte.interop.load_embedding_bag(fused, "b", bag)
-    assert torch.equal(fused.embedding_tables["b"], bag.weight.detach())
-    assert torch.equal(tte.interop.to_embedding_bag(fused, "b").weight, bag.weight)
+    tte.interop.load_embedding_bag(stacked, "b", bag)
+    assert torch.equal(stacked.embedding_tables["b"], bag.weight.detach())
+    assert torch.equal(tte.interop.to_embedding_bag(stacked, "b").weight, bag.weight)
 
 
 class _CountOps(TorchDispatchMode):
@@ -228,17 +228,17 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("fuse", [False, True])
-def test_one_dedup_gather_and_scatter_per_group(fuse: bool) -> None:
+@pytest.mark.parametrize("stack", [False, True])
+def test_one_dedup_gather_and_scatter_per_group(stack: bool) -> None:
     torch.manual_seed(0)
     tables = [tte.TableConfig(50, 4, name=f"t{i}") for i in range(6)]
-    ec = tte.EmbeddingCollection({f"f{i}": tte.FeatureConfig(t) for i, t in enumerate(tables)}, fuse_tables=fuse)
+    ec = tte.EmbeddingCollection({f"f{i}": tte.FeatureConfig(t) for i, t in enumerate(tables)}, stack_tables=stack)
     opt = tte.optim.Adagrad(ec.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(0)
     sum(o.sum() for o in ec({f"f{i}": torch.randint(0, 50, (8,), generator=g) for i in range(6)}).values()).backward()
     with _CountOps() as ops:
         opt.step()
-    physical = 1 if fuse else 6
+    physical = 1 if stack else 6
     assert ops.counts["_unique2"] == physical  # dedup
     assert ops.counts["index_select"] == 2 * physical  # rows of the weight and of `accumulators`
     assert ops.counts["index_copy_"] == 2 * physical  # scatter of both
@@ -255,18 +255,18 @@ def _slot_fn(calls: list[tuple[int, ...]], rowwise: bool) -> Any:
 
 @pytest.mark.parametrize("opt_cls", [O.Adagrad, O.RowWiseAdagrad], ids=lambda c: c.__name__)
 def test_slot_creation_fn_is_called_per_table(opt_cls: Any) -> None:
-    """In a group slot_creation_fn is called once per table with that table's rows, as unfused; the
+    """In a group slot_creation_fn is called once per table with that table's rows, as unstacked; the
     slots and the training that reads them are bitwise the same."""
     runs = {}
-    for fuse in (False, True):
+    for stack in (False, True):
         calls: list[tuple[int, ...]] = []
         torch.manual_seed(0)
-        ec = tte.EmbeddingCollection(features(), fuse_tables=fuse)
+        ec = tte.EmbeddingCollection(features(), stack_tables=stack)
         opt = opt_cls(ec.parameters(), lr=0.1, slot_creation_fn=_slot_fn(calls, opt_cls is O.RowWiseAdagrad))
         opt.init_state()
         assert sorted(calls) == sorted((t.num_embeddings, t.embedding_dim) for t in ec.table_configs.values())
         train(ec, opt)
-        runs[fuse] = (ec.state_dict(), opt.state_dict()["state"])
+        runs[stack] = (ec.state_dict(), opt.state_dict()["state"])
     assert_same_state(runs[False][0], runs[True][0])
     assert sorted(runs[False][1]) == sorted(runs[True][1])
     for key, slots in runs[False][1].items():
@@ -274,7 +274,7 @@ def test_slot_creation_fn_is_called_per_table(opt_cls: Any) -> None:
 
 
 def test_slot_creation_fn_shape_error_names_the_table() -> None:
-    ec = tte.EmbeddingCollection(features(), fuse_tables=True)
+    ec = tte.EmbeddingCollection(features(), stack_tables=True)
     opt = O.Adagrad(ec.parameters(), lr=0.1, slot_creation_fn=lambda p, names, init: {"accumulators": p[:1]})
     with pytest.raises(ValueError, match=r"shape \(40, 4\) for slot 'accumulators' of table 'a'. Received: Tensor"):
         opt.init_state()
@@ -282,8 +282,8 @@ def test_slot_creation_fn_shape_error_names_the_table() -> None:
 
 def test_whole_table_state_is_per_table_in_a_group() -> None:
     """Adafactor in a group keeps c [members, D] and r_sum [members]; state_dict has each table's own
-    shapes (c [D], r_sum []), and a table override naming Adafactor is fused with its like."""
-    ec = tte.EmbeddingCollection(features(), fuse_tables=True)
+    shapes (c [D], r_sum []), and a table override naming Adafactor is stacked with its like."""
+    ec = tte.EmbeddingCollection(features(), stack_tables=True)
     opt = O.Adafactor(ec.parameters(), lr=0.1)
     train(ec, opt, steps=2)
     group = ec.groups["fused_0"].weight
@@ -297,14 +297,14 @@ def test_whole_table_state_is_per_table_in_a_group() -> None:
         "x": tte.FeatureConfig(tte.TableConfig(10, 4, name="x", optimizer="adafactor")),
         "y": tte.FeatureConfig(tte.TableConfig(12, 4, name="y", optimizer="adafactor")),
     }
-    ec2 = tte.EmbeddingCollection(both, fuse_tables=True)
+    ec2 = tte.EmbeddingCollection(both, stack_tables=True)
     assert list(ec2.groups) == ["fused_0"]
     opt2 = O.SGD(ec2.parameters(), lr=0.1)
     assert opt2.param_groups[0]["algorithm"] == "adafactor"
     # a table with its own optimizer is grouped only with tables naming the same one
     factory = functools.partial(tte.optim.FTRL, lr=0.1)
-    ec3 = tte.EmbeddingCollection(features(override=factory), fuse_tables=True)
-    assert [m[0] for m in ec3.fused_members()["fused_0"]] == ["a", "b", "d"]
+    ec3 = tte.EmbeddingCollection(features(override=factory), stack_tables=True)
+    assert [m[0] for m in ec3.stacked_members()["fused_0"]] == ["a", "b", "d"]
 
 
 class _NonLazyFactored(O.Adafactor):
@@ -319,15 +319,15 @@ class _NonLazyFactored(O.Adafactor):
 
 
 def test_non_lazy_whole_table_state_is_rejected_by_name() -> None:
-    ec = tte.EmbeddingCollection(features(), fuse_tables=True)
-    with pytest.raises(ValueError, match=r"Fused table group 'fused_0' \(tables \['a', 'b', 'd', 'g'\]\).*"
-                                         r"non-lazy optimizer '_test_non_lazy_factored'.*fuse_tables=False"):
+    ec = tte.EmbeddingCollection(features(), stack_tables=True)
+    with pytest.raises(ValueError, match=r"Stacked table group 'fused_0' \(tables \['a', 'b', 'd', 'g'\]\).*"
+                                         r"non-lazy optimizer '_test_non_lazy_factored'.*stack_tables=False"):
         _NonLazyFactored(ec.parameters(), lr=0.1)
-    _NonLazyFactored(tte.EmbeddingCollection(features(), fuse_tables=False).parameters(), lr=0.1)  # fine unfused
+    _NonLazyFactored(tte.EmbeddingCollection(features(), stack_tables=False).parameters(), lr=0.1)  # fine unstacked
 
 
 def test_row_grads_and_zero_grad_per_group() -> None:
-    ec = tte.EmbeddingCollection(features(), fuse_tables=True)
+    ec = tte.EmbeddingCollection(features(), stack_tables=True)
     ec(batch(torch.Generator().manual_seed(0)))["b"].sum().backward()
     grads = ec.row_grads()
     assert set(grads) == {"b"}  # only b (stacked in fused_0) was reached: reported per table
@@ -338,12 +338,12 @@ def test_row_grads_and_zero_grad_per_group() -> None:
 
 
 def test_fuse_tables_must_be_a_bool() -> None:
-    with pytest.raises(ValueError, match="Argument `fuse_tables` must be a boolean. Received: 'yes'"):
-        tte.EmbeddingCollection(features(), fuse_tables="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="Argument `stack_tables` must be a boolean. Received: 'yes'"):
+        tte.EmbeddingCollection(features(), stack_tables="yes")  # type: ignore[arg-type]
 
 
 def test_group_name_avoids_table_names() -> None:
     t = [tte.TableConfig(3, 2, name="fused_0"), tte.TableConfig(4, 2, name="x")]
-    ec = tte.EmbeddingCollection({"a": tte.FeatureConfig(t[0]), "b": tte.FeatureConfig(t[1])}, fuse_tables=True)
+    ec = tte.EmbeddingCollection({"a": tte.FeatureConfig(t[0]), "b": tte.FeatureConfig(t[1])}, stack_tables=True)
     assert list(ec.groups) == ["_fused_0"]
     assert list(ec.state_dict()) == ["tables.fused_0.weight", "tables.x.weight"]

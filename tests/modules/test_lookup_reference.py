@@ -248,7 +248,7 @@ def test_state_dict_names_repr_and_embedding_tables() -> None:
     assert torch.equal(ec.embedding_tables["user"], ec.tables.user.weight)
     assert ec.embedding_tables["user"].data_ptr() == ec.groups.fused_0.weight.data_ptr()
     plain = tte.EmbeddingCollection({"x": tte.FeatureConfig(u), "y": tte.FeatureConfig(tte.TableConfig(4, 2))},
-                                    fuse_tables=False)
+                                    stack_tables=False)
     assert plain.embedding_tables["user"] is plain.tables.user.weight
     text = repr(ec)
     assert "user ← a/x" in text and "table_1 ← a/y" in text and "num_embeddings=5" in text

@@ -17,11 +17,11 @@ import torch_tpu_embedding as tte
 from torch_tpu_embedding._rows.grads import table_info
 
 
-def _make(fuse: bool) -> tte.EmbeddingCollection:
+def _make(stack: bool) -> tte.EmbeddingCollection:
     torch.manual_seed(0)
     tables = [tte.TableConfig(10 + i, 4, name=n) for i, n in enumerate("abc")]
     return tte.EmbeddingCollection({n: tte.FeatureConfig(t) for n, t in zip("abc", tables, strict=True)},
-                                   fuse_tables=fuse)
+                                   stack_tables=stack)
 
 
 def _train(ec: tte.EmbeddingCollection, opt: Any, steps: int, seed: int) -> None:
@@ -42,9 +42,9 @@ def _pickled(ec: tte.EmbeddingCollection) -> tte.EmbeddingCollection:
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
-@pytest.mark.parametrize("fuse", [True, False], ids=["stacked", "unstacked"])
-def test_a_copy_of_a_trained_collection_resumes_like_the_original(how: str, fuse: bool) -> None:
-    ec = _make(fuse)
+@pytest.mark.parametrize("stack", [True, False], ids=["stacked", "unstacked"])
+def test_a_copy_of_a_trained_collection_resumes_like_the_original(how: str, stack: bool) -> None:
+    ec = _make(stack)
     opt = tte.optim.LazyAdam(ec.parameters(), lr=0.1)
     _train(ec, opt, 2, seed=1)
     twin = copy.deepcopy(ec) if how == "deepcopy" else _pickled(ec)
@@ -58,9 +58,9 @@ def test_a_copy_of_a_trained_collection_resumes_like_the_original(how: str, fuse
         assert torch.equal(twin.state_dict()[k], v), k
 
 
-@pytest.mark.parametrize("fuse", [True, False], ids=["stacked", "unstacked"])
-def test_weights_replaced_by_an_assigning_load_are_refused_by_an_older_optimizer(fuse: bool) -> None:
-    src, ec = _make(fuse), _make(fuse)
+@pytest.mark.parametrize("stack", [True, False], ids=["stacked", "unstacked"])
+def test_weights_replaced_by_an_assigning_load_are_refused_by_an_older_optimizer(stack: bool) -> None:
+    src, ec = _make(stack), _make(stack)
     _train(src, tte.optim.SGD(src.parameters(), lr=0.5), 1, seed=1)
     stale = tte.optim.Adagrad(ec.parameters(), lr=0.1)
     ec.load_state_dict({k: v.clone() for k, v in src.state_dict().items()}, assign=True)  # new Parameters
@@ -74,17 +74,17 @@ def test_weights_replaced_by_an_assigning_load_are_refused_by_an_older_optimizer
     assert all(not torch.equal(ec.state_dict()[k], v) for k, v in src.state_dict().items())
 
 
-@pytest.mark.parametrize("fuse", [True, False], ids=["stacked", "unstacked"])
-def test_a_weight_copied_on_its_own_is_not_a_table(fuse: bool) -> None:
+@pytest.mark.parametrize("stack", [True, False], ids=["stacked", "unstacked"])
+def test_a_weight_copied_on_its_own_is_not_a_table(stack: bool) -> None:
     """The registration is an attribute of the weight naming the tensor it was made for: a shallow copy carries
     the attribute along but is not that tensor, a deep copy or pickle drops it, ``detach`` has none."""
     from torch_tpu_embedding._rows.grads import stacked_rows
 
-    ec = _make(fuse)
+    ec = _make(stack)
     params = list(ec.parameters())
     views = [ec.tables[n].weight for n in "abc"]
     assert all(table_info(p) is not None for p in params)
-    assert all(stacked_rows(v) is not None for v in views) == fuse
+    assert all(stacked_rows(v) is not None for v in views) == stack
     for p in params:
         for twin in (copy.copy(p), copy.deepcopy(p), p.detach()):
             assert table_info(twin) is None and stacked_rows(twin) is None

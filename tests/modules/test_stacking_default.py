@@ -1,6 +1,6 @@
 """Stacking is the default (issue [stack]): what a user sees per table stays per table.
 
-The unstacked collection (``fuse_tables=False``) is the reference: row gradients, moving averages,
+The unstacked collection (``stack_tables=False``) is the reference: row gradients, moving averages,
 state_dict keys and checkpoints written before stacking became the default (tests/data/pre_split,
 written by the code of commit a4a4da5 with one parameter per table).
 """
@@ -32,22 +32,44 @@ def _coalesced(ids: torch.Tensor, rows: torch.Tensor, vocab: int) -> torch.Tenso
 
 def test_the_default_stacks_and_false_opts_out() -> None:
     stacked = tte.EmbeddingCollection(features())
-    assert stacked.fused_members() == tte.EmbeddingCollection(features(), fuse_tables=True).fused_members()
+    assert stacked.stacked_members() == tte.EmbeddingCollection(features(), stack_tables=True).stacked_members()
     assert list(stacked.groups) == ["fused_0", "fused_1"]  # a+b+d+g (dim 4), c+e (dim 8); f (float32) apart
     assert "group fused_0 = a + b + d + g:" in repr(stacked)
-    plain = tte.EmbeddingCollection(features(), fuse_tables=False)
+    plain = tte.EmbeddingCollection(features(), stack_tables=False)
     assert list(plain.groups) == [] and len(tte.split_parameters(plain)[0]) == 7
     assert list(stacked.state_dict()) == list(plain.state_dict())
 
 
+def test_the_deprecated_names_still_work_and_warn() -> None:
+    """``fuse_tables=`` (now ``stack_tables=``), ``fused_members()``, ``FusedTables`` and the state hooks'
+    old names (models pickled whole name them) still work; ``fuse_tables`` with ``stack_tables`` is refused."""
+    from torch_tpu_embedding.modules import stacking
+
+    with pytest.warns(DeprecationWarning, match="fuse_tables"):
+        old = tte.EmbeddingCollection(features(), fuse_tables=False)
+    assert list(old.groups) == [] and not old._fuse
+    with pytest.warns(DeprecationWarning, match="fuse_tables"):
+        old = tte.EmbeddingCollection(features(), fuse_tables=True)
+    with pytest.warns(DeprecationWarning, match="fused_members"):
+        assert old.fused_members() == old.stacked_members() == tte.EmbeddingCollection(features()).stacked_members()
+    with pytest.raises(TypeError, match="`stack_tables` and `fuse_tables`"):
+        tte.EmbeddingCollection(features(), stack_tables=True, fuse_tables=True)
+    with pytest.raises(ValueError, match="fuse_tables"):
+        tte.EmbeddingCollection(features(), fuse_tables=1)  # type: ignore[arg-type]
+    assert stacking.FusedTables is stacking.StackedTables and isinstance(old.groups["fused_0"], stacking.FusedTables)
+    assert stacking.split_fused_weights is stacking.split_stacked_weights
+    assert stacking.join_fused_weights is stacking.join_stacked_weights
+    assert stacking.GROUP_KEY_PREFIX == "fused_"  # the saved name: every existing checkpoint loads
+
+
 def test_row_grads_stay_per_table() -> None:
     got = {}
-    for fuse in (True, False):
+    for stack in (True, False):
         torch.manual_seed(0)
-        ec = tte.EmbeddingCollection(features(), fuse_tables=fuse)
+        ec = tte.EmbeddingCollection(features(), stack_tables=stack)
         out = ec(batch(torch.Generator().manual_seed(3)))
         sum((i + 1) * o.square().sum() for i, o in enumerate(out.values())).backward()  # type: ignore[union-attr]
-        got[fuse] = ec.row_grads()
+        got[stack] = ec.row_grads()
     assert list(got[True]) == list(got[False]) == ["a", "b", "c", "d", "e", "f", "g"]
     for name, (ids, rows) in got[False].items():
         vocab = tte.EmbeddingCollection(features()).table_configs[name].num_embeddings
@@ -57,12 +79,12 @@ def test_row_grads_stay_per_table() -> None:
 
 def test_moving_average_of_a_stacked_table_is_its_rows_of_the_group() -> None:
     avgs = {}
-    for fuse in (True, False):
+    for stack in (True, False):
         torch.manual_seed(0)
-        ec = tte.EmbeddingCollection(features(), fuse_tables=fuse)
+        ec = tte.EmbeddingCollection(features(), stack_tables=stack)
         opt = tte.optim.LazyAdam(ec.parameters(), lr=0.05, use_ema=True, ema_momentum=0.7)
         train(ec, opt, steps=4)
-        avgs[fuse] = {n: opt.moving_average(ec.tables[n].weight) for n in ("a", "b", "d", "g")}
+        avgs[stack] = {n: opt.moving_average(ec.tables[n].weight) for n in ("a", "b", "d", "g")}
     for name, want in avgs[False].items():
         assert torch.equal(avgs[True][name], want), name
 
@@ -71,9 +93,9 @@ def test_a_stacked_tables_weight_is_refused_as_a_parameter_by_name() -> None:
     ec = tte.EmbeddingCollection(features())
     with pytest.raises(ValueError, match=r"table `b`, which is stacked with other tables in group `fused_0`.*"
                                          r"ec\.groups\.fused_0\.weight.*TableConfig\(optimizer=\.\.\.\).*"
-                                         r"fuse_tables=False"):
+                                         r"stack_tables=False"):
         tte.optim.Adagrad([{"params": [ec.tables.b.weight], "lr": 0.1}, {"params": [ec.tables.a.weight]}], lr=0.2)
-    plain = tte.EmbeddingCollection(features(), fuse_tables=False)  # per-table groups work unstacked
+    plain = tte.EmbeddingCollection(features(), stack_tables=False)  # per-table groups work unstacked
     opt = tte.optim.Adagrad([{"params": [plain.tables.a.weight], "lr": 0.1}, {"params": [plain.tables.b.weight]}],
                             lr=0.2)
     assert [g["lr"] for g in opt.param_groups] == [0.1, 0.2]
@@ -107,7 +129,7 @@ def _close(a: object, b: object, where: str) -> None:
         assert a == b, (where, a, b)
 
 
-UNSTACKED = sorted(n for n, (_, _, fuse) in CONFIGS.items() if not fuse)
+UNSTACKED = sorted(n for n, (_, _, stack) in CONFIGS.items() if not stack)
 
 
 @pytest.mark.parametrize("name", UNSTACKED)
@@ -136,7 +158,7 @@ def test_restack_regroups_by_placement_and_checks_its_argument() -> None:
     where = {n: "replicated" for n in ec.tables}
     where["b"] = "row"  # b leaves a + b + d
     ec.restack(where)
-    assert [m[0] for m in ec.fused_members()["fused_0"]] == ["a", "d", "g"] and "b" in ec.physical_tables()
+    assert [m[0] for m in ec.stacked_members()["fused_0"]] == ["a", "d", "g"] and "b" in ec.physical_tables()
     assert ec.groups["fused_0"].config.placement == "replicated"
     for k, v in ec.state_dict().items():
         assert torch.equal(v, before[k]), k
@@ -198,14 +220,14 @@ def test_a_stacked_table_whose_bags_were_all_empty_is_still_reported_by_row_grad
     """Unstacked, a table looked up with empty bags only reports its padding entries; stacked, it is
     reported too (with no entries of its own), not dropped. Found by tests/modules/test_stacking_properties.py."""
     got = {}
-    for fuse in (True, False):
+    for stack in (True, False):
         t = [tte.TableConfig(3, 2, name=n, combiner="sum") for n in ("t0", "t1")]
         ec = tte.EmbeddingCollection({"x": tte.FeatureConfig(t[0]), "y": tte.FeatureConfig(t[1], max_ids_per_bag=2)},
-                                     fuse_tables=fuse)
+                                     stack_tables=stack)
         out = ec({"x": torch.tensor([0, 2]), "y": tte.Padded(torch.zeros(2, 2, dtype=torch.int64),
                                                             torch.zeros(2, 2, dtype=torch.bool))})
         (out["x"].sum() + out["y"].sum()).backward()
-        got[fuse] = ec.row_grads()
+        got[stack] = ec.row_grads()
     assert list(got[True]) == list(got[False]) == ["t0", "t1"]
     for name in ("t0", "t1"):
         torch.testing.assert_close(_coalesced(*got[True][name], 3), _coalesced(*got[False][name], 3), rtol=0, atol=0)
@@ -217,7 +239,7 @@ def test_a_tables_own_exchange_capacity_is_never_dropped_by_stacking() -> None:
     caps = {"a": 16, "b": None, "c": 24, "d": None}
     tables = {n: tte.TableConfig(50, 4, name=n, placement="row", max_unique_ids_per_shard=c) for n, c in caps.items()}
     ec = tte.EmbeddingCollection({f"f_{n}": tte.FeatureConfig(t) for n, t in tables.items()})
-    groups = {tuple(m[0] for m in members): g for g, members in ec.fused_members().items()}
+    groups = {tuple(m[0] for m in members): g for g, members in ec.stacked_members().items()}
     assert set(groups) == {("a", "c"), ("b", "d")}
     assert ec.groups[groups["a", "c"]].config.max_unique_ids_per_shard == 40
     assert ec.groups[groups["b", "d"]].config.max_unique_ids_per_shard is None

@@ -2,7 +2,7 @@
 they stack), features mapped to them (shared tables included), every input form — dense ids, Padded
 with and without a mask and with weights, Jagged with and without weights, sequence features — and
 every combiner: the default (stacked) collection gives the same outputs, row gradients and optimizer
-step as ``fuse_tables=False``."""
+step as ``stack_tables=False``."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def _input(form: str, data: Any, sentinel_fill: int) -> Any:
     return tte.Padded(torch.where(mask, padded, 0), mask)  # padded_mask, sequence_padded
 
 
-def _run(case: dict[str, Any], fuse: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, torch.Tensor]]:
+def _run(case: dict[str, Any], stack: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, torch.Tensor]]:
     torch.manual_seed(case["seed"])
     tables = [tte.TableConfig(v, 3, name=f"t{i}", combiner=c)
               for i, (v, c) in enumerate(zip(case["vocabs"], case["combiners"], strict=True))]
@@ -76,7 +76,7 @@ def _run(case: dict[str, Any], fuse: bool) -> tuple[dict[str, torch.Tensor], dic
         configs[f"f{j}"] = tte.FeatureConfig(tables[t], max_sequence_length=2 if seq else 0,
                                              max_ids_per_bag=None if seq or form == "dense" else 3)
         inputs[f"f{j}"] = _input(form, data, 0)
-    ec = tte.EmbeddingCollection(configs, fuse_tables=fuse)
+    ec = tte.EmbeddingCollection(configs, stack_tables=stack)
     opt = tte.optim.Adagrad(ec.parameters(), lr=0.3)
     out = ec(inputs)
     loss = sum((i + 1) * o.square().sum() + o.sum() for i, o in enumerate(out.values()))
@@ -94,8 +94,8 @@ def _dense(ids: torch.Tensor, rows: torch.Tensor, vocab: int) -> torch.Tensor:
 @given(collections())
 @SETTINGS
 def test_stacked_equals_unstacked_for_every_input_form(case: dict[str, Any]) -> None:
-    out_s, grads_s, state_s = _run(case, fuse=True)
-    out_u, grads_u, state_u = _run(case, fuse=False)
+    out_s, grads_s, state_s = _run(case, stack=True)
+    out_u, grads_u, state_u = _run(case, stack=False)
     for k, v in out_u.items():
         torch.testing.assert_close(out_s[k], v, rtol=0, atol=0, msg=k)
     assert sorted(grads_s) == sorted(grads_u)

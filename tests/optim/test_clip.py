@@ -14,12 +14,12 @@ import torch_tpu_embedding as tte
 V_A, V_B = 11, 6
 
 
-def model(fuse: bool = False) -> torch.nn.ModuleDict:
+def model(stack: bool = False) -> torch.nn.ModuleDict:
     torch.manual_seed(0)
     a = tte.TableConfig(V_A, 4, name="a", combiner="mean", dtype=torch.float64)
     b = tte.TableConfig(V_B, 4, name="b", dtype=torch.float64)
     ec = tte.EmbeddingCollection({"x": tte.FeatureConfig(a), "y": tte.FeatureConfig(a), "z": tte.FeatureConfig(b)},
-                                 fuse_tables=fuse)
+                                 stack_tables=stack)
     return torch.nn.ModuleDict({"ec": ec, "head": torch.nn.Linear(12, 1, dtype=torch.float64)})
 
 
@@ -51,11 +51,11 @@ def by_hand(grads: dict[str, torch.Tensor], max_norm: float, norm_type: float) -
     return total, min(max_norm / (total + 1e-6), 1.0)
 
 
-@pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
+@pytest.mark.parametrize("stack", [False, True], ids=["unstacked", "stacked"])
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf], ids=["l2", "l1", "inf"])
 @pytest.mark.parametrize("max_norm", [0.01, 100.0], ids=["clips", "no-clip"])
-def test_equals_clipping_by_hand(fuse: bool, norm_type: float, max_norm: float) -> None:
-    m = model(fuse)
+def test_equals_clipping_by_hand(stack: bool, norm_type: float, max_norm: float) -> None:
+    m = model(stack)
     backward(m, 0)
     before = densified(m)
     total, coef = by_hand(before, max_norm, norm_type)

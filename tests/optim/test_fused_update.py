@@ -1,10 +1,10 @@
-"""The fused eager row update (``Path.FUSED``, ``optim/row_update.py``) against the reference path
+"""The kernel eager row update (``Path.KERNEL``, ``optim/_kernels/row_update.py``) against the reference path
 (``Path.ROW_CHUNKS``, which tests/optim/test_optim_reference.py checks against float64 numpy), for every
-optimizer with a per-row rule and every option (tests/optim_registry.py, target ``fused_path``); the
+optimizer with a per-row rule and every option (tests/optim_registry.py, target ``kernel_path``); the
 number of compilations over a loop whose batch sizes and id counts change every step; the fallback
 when nothing can be compiled.
 
-The rest of the suite runs the reference path (tests/conftest.py sets ``TTE_FUSED_UPDATE=0``): each
+The rest of the suite runs the reference path (tests/conftest.py sets ``TTE_UPDATE_KERNEL=0``): each
 configuration compiles its own kernel, a few seconds each.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from optim_registry import FUSED_PATH, OptimizerConfig, cases
+from optim_registry import KERNEL_PATH, OptimizerConfig, cases
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding._rows.grads import table_info
@@ -39,15 +39,15 @@ def _path_of(cfg: OptimizerConfig) -> Path:
         row_update.set_enabled(before)
 
 
-# SGD without options adds rule(0, g) per id (Path.ADDITIVE): there is no row update to fuse.
-CASES = [c for c in cases(FUSED_PATH) if _path_of(c) is Path.FUSED]
+# SGD without options adds rule(0, g) per id (Path.ADDITIVE): there is no row update to compile.
+CASES = [c for c in cases(KERNEL_PATH) if _path_of(c) is Path.KERNEL]
 
 
 needs_compiler = pytest.mark.usefixtures("compiler")
 
 
 @pytest.fixture(autouse=True)
-def fused_from_the_first_step() -> Iterator[None]:
+def kernel_from_the_first_step() -> Iterator[None]:
     """Every table here is small and every run short: the default policy (tests/optim/test_fused_warmup.py)
     would keep them on the reference path."""
     before = row_update.set_policy(0, 0)
@@ -56,7 +56,7 @@ def fused_from_the_first_step() -> Iterator[None]:
 
 
 @pytest.fixture
-def fused_on(monkeypatch: pytest.MonkeyPatch) -> None:
+def kernel_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(row_update, "_ENABLED", True)
 
 
@@ -69,7 +69,7 @@ def model(cfg: OptimizerConfig, dtype: torch.dtype) -> tuple[tte.EmbeddingCollec
     return ec, head, cfg.make([*ec.parameters(), *head.parameters()])
 
 
-def step(ec: tte.EmbeddingCollection, head: torch.nn.Linear, opt: Any, s: int, scale: float, fused: bool) -> list[Path]:
+def step(ec: tte.EmbeddingCollection, head: torch.nn.Linear, opt: Any, s: int, scale: float, kernel: bool) -> list[Path]:
     """One training call on batch ``s``; the paths its updates took."""
     from torch_tpu_embedding.optim._core import base
 
@@ -84,7 +84,7 @@ def step(ec: tte.EmbeddingCollection, head: torch.nn.Linear, opt: Any, s: int, s
         real(item)
         ran.append(item.path)  # after the update: a path that could not compile has become ROW_CHUNKS
 
-    before = row_update.set_enabled(fused)
+    before = row_update.set_enabled(kernel)
     base.update = spy  # type: ignore[assignment]
     try:
         opt.step()
@@ -110,13 +110,13 @@ def _tensors(ec: Any, head: Any, opt: Any) -> list[tuple[torch.Tensor, dict[str,
 
 
 def run_lockstep(cfg: OptimizerConfig, dtype: torch.dtype = torch.float32, steps: int = 6) -> int:
-    """The same calls on two copies, one fused and one on the reference path, compared after every
-    call; the fused copy is then set to the reference's values, so each call is compared from the
+    """The same calls on two copies, one kernel and one on the reference path, compared after every
+    call; the kernel copy is then set to the reference's values, so each call is compared from the
     same state (differences in the last bit are not carried on). Returns the calls that were bitwise
     equal."""
-    fused, ref = model(cfg, dtype), model(cfg, dtype)
+    kernel, ref = model(cfg, dtype), model(cfg, dtype)
     if dtype == torch.float32:  # every call as in a long run: the lookups' rows kept factored
-        for p in fused[0].parameters():
+        for p in kernel[0].parameters():
             info = table_info(p)
             assert info is not None
             info.row_grad.keep_factored = True
@@ -124,13 +124,13 @@ def run_lockstep(cfg: OptimizerConfig, dtype: torch.dtype = torch.float32, steps
     bitwise = 0
     for s in range(steps * k):
         scale = float("inf") if cfg.kwargs.get("skip_nonfinite") and s == 3 else 1.0
-        got = step(*fused, s, scale, fused=True)
-        want = step(*ref, s, scale, fused=False)
+        got = step(*kernel, s, scale, kernel=True)
+        want = step(*ref, s, scale, kernel=False)
         if (s + 1) % k == 0:
-            assert Path.FUSED in got or s == 0 and cfg.kwargs.get("use_gradient_accumulation") is False, got
-            assert Path.FUSED not in want and Path.ROW_CHUNKS in want, want
-        assert_same(fused, ref, f"call {s}")
-        pairs = list(zip(_tensors(*fused), _tensors(*ref), strict=True))
+            assert Path.KERNEL in got or s == 0 and cfg.kwargs.get("use_gradient_accumulation") is False, got
+            assert Path.KERNEL not in want and Path.ROW_CHUNKS in want, want
+        assert_same(kernel, ref, f"call {s}")
+        pairs = list(zip(_tensors(*kernel), _tensors(*ref), strict=True))
         bitwise += all(torch.equal(a, b) and all(torch.equal(sa[n], sb[n]) for n in sa)
                        for (a, sa), (b, sb) in pairs)
         with torch.no_grad():
@@ -139,25 +139,25 @@ def run_lockstep(cfg: OptimizerConfig, dtype: torch.dtype = torch.float32, steps
                 for n in sa:
                     sa[n].copy_(sb[n])
     if cfg.kwargs.get("skip_nonfinite"):
-        assert fused[2].skipped_steps == ref[2].skipped_steps == 1
+        assert kernel[2].skipped_steps == ref[2].skipped_steps == 1
     return bitwise
 
 
 @needs_compiler
 @pytest.mark.parametrize("cfg", CASES, ids=str)
-def test_fused_update_equals_the_reference_path(cfg: OptimizerConfig) -> None:
+def test_kernel_update_equals_the_reference_path(cfg: OptimizerConfig) -> None:
     run_lockstep(cfg)
 
 
 @needs_compiler
-def test_16_bit_table_fused_equals_reference() -> None:
+def test_16_bit_table_kernel_equals_reference() -> None:
     """bfloat16 weight, float32 slots and arithmetic (the backward multiplies the rows out from float32
     gains and rounds them to 16 bits, as on the reference path, before the float32 sum)."""
-    run_lockstep(next(c for c in cases(FUSED_PATH) if c.id == "lazy_adam"), dtype=torch.bfloat16)
+    run_lockstep(next(c for c in cases(KERNEL_PATH) if c.id == "lazy_adam"), dtype=torch.bfloat16)
 
 
 @needs_compiler
-def test_compiles_once_over_50_steps_of_changing_batches(fused_on: None) -> None:
+def test_compiles_once_over_50_steps_of_changing_batches(kernel_on: None) -> None:
     """Batch size, bag widths and the number of distinct ids change every step: one kernel, one graph."""
     from torch._dynamo.utils import counters
 
@@ -183,16 +183,16 @@ def test_compiles_once_over_50_steps_of_changing_batches(fused_on: None) -> None
 
 
 @needs_compiler
-def test_tables_of_distinct_sizes_share_one_kernel_and_one_graph(fused_on: None) -> None:
+def test_tables_of_distinct_sizes_share_one_kernel_and_one_graph(kernel_on: None) -> None:
     """Twelve unstacked tables of distinct sizes (more than torch.compile's recompiles per kernel): one
-    kernel, one graph, every table on the fused path, the reference path's numbers."""
+    kernel, one graph, every table on the kernel path, the reference path's numbers."""
     from torch._dynamo.utils import counters
 
     def build() -> tuple[tte.EmbeddingCollection, Any]:
         torch.manual_seed(0)
         tables = [tte.TableConfig(5 + 37 * i, 4, name=f"t{i}") for i in range(12)]
         ec = tte.EmbeddingCollection({f"f{i}": tte.FeatureConfig(t) for i, t in enumerate(tables)},
-                                     fuse_tables=False)
+                                     stack_tables=False)
         return ec, tte.optim.Adagrad(ec.parameters(), lr=0.1, initial_accumulator_value=0.2)
 
     def train(ec: tte.EmbeddingCollection, opt: Any) -> None:
@@ -225,7 +225,7 @@ def test_a_failed_compile_warns_once_and_runs_the_reference_path(built_before: b
     """A kernel that does not build: one warning, the reference path, the same results. If it was the
     process's first build (a broken toolchain, say) the path is off for every later step; after a
     successful build, only that configuration runs the reference path."""
-    cfg = next(c for c in cases(FUSED_PATH) if c.id == "adagrad")
+    cfg = next(c for c in cases(KERNEL_PATH) if c.id == "adagrad")
 
     def broken(fn: Any, **kwargs: Any) -> Any:
         def fail(*args: Any) -> None:
@@ -240,9 +240,9 @@ def test_a_failed_compile_warns_once_and_runs_the_reference_path(built_before: b
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for s in range(3):
-            ran = step(*got, s, 1.0, fused=True)
-            assert Path.FUSED not in ran and Path.ROW_CHUNKS in ran
-            step(*ref, s, 1.0, fused=False)
+            ran = step(*got, s, 1.0, kernel=True)
+            assert Path.KERNEL not in ran and Path.ROW_CHUNKS in ran
+            step(*ref, s, 1.0, kernel=False)
     msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(msgs) == 1 and "could not be compiled" in msgs[0] and "something inductor cannot lower" in msgs[0]
     assert row_update._NO_COMPILER is not built_before
@@ -263,12 +263,12 @@ def test_without_a_cxx_compiler_one_warning_and_the_reference_path(monkeypatch: 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for name in ("adagrad", "lazy_adam"):
-            cfg = next(c for c in cases(FUSED_PATH) if c.id == name)
+            cfg = next(c for c in cases(KERNEL_PATH) if c.id == name)
             ref, got = model(cfg, torch.float32), model(cfg, torch.float32)
             for s in range(3):
-                ran = step(*got, s, 1.0, fused=True)
-                assert Path.FUSED not in ran and Path.ROW_CHUNKS in ran
-                step(*ref, s, 1.0, fused=False)
+                ran = step(*got, s, 1.0, kernel=True)
+                assert Path.KERNEL not in ran and Path.ROW_CHUNKS in ran
+                step(*ref, s, 1.0, kernel=False)
             for (a, sa), (b, sb) in zip(_tensors(*got), _tensors(*ref), strict=True):
                 assert torch.equal(a, b) and all(torch.equal(sa[n], sb[n]) for n in sa)
     msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
@@ -278,12 +278,12 @@ def test_without_a_cxx_compiler_one_warning_and_the_reference_path(monkeypatch: 
 
 @needs_compiler
 @pytest.mark.parametrize("clipnorm", [None, 0.05], ids=["plain", "clipnorm"])
-def test_fused_table_group_and_state_dict_equal_the_reference_path(clipnorm: float | None) -> None:
-    """Two tables in one fused group (``fuse_tables=True``), LazyAdam, the fused update and the reference
+def test_stacked_table_group_and_state_dict_equal_the_reference_path(clipnorm: float | None) -> None:
+    """Two tables in one stacked group (``stack_tables=True``), LazyAdam, the kernel update and the reference
     path in lockstep (as :func:`run_lockstep`): after every call the same ``state_dict`` keys and
     structure, values within 1e-6. ``clipnorm`` binds (gradient norms far above 0.05) and clips each
     table of the group by its own norm on both paths."""
-    cfg = next(c for c in cases(FUSED_PATH) if c.id == "lazy_adam")
+    cfg = next(c for c in cases(KERNEL_PATH) if c.id == "lazy_adam")
     if clipnorm is not None:
         cfg = dataclasses.replace(cfg, kwargs={**cfg.kwargs, "clipnorm": clipnorm})
 
@@ -291,18 +291,18 @@ def test_fused_table_group_and_state_dict_equal_the_reference_path(clipnorm: flo
         torch.manual_seed(0)
         t, u = tte.TableConfig(300, 6, name="t", combiner="mean"), tte.TableConfig(120, 6, name="u")
         ec = tte.EmbeddingCollection({"a": tte.FeatureConfig(t, max_ids_per_bag=4), "b": tte.FeatureConfig(u)},
-                                     fuse_tables=True)
+                                     stack_tables=True)
         return ec, cfg.make(ec.parameters())
 
     runs = {True: build(), False: build()}
-    assert len(list(runs[True][0].parameters())) == 1  # one fused parameter
+    assert len(list(runs[True][0].parameters())) == 1  # one stacked parameter
     for s in range(4):
-        for fused, (ec, opt) in runs.items():
+        for kernel, (ec, opt) in runs.items():
             g = torch.Generator().manual_seed(s)
             ids = torch.randint(0, 300, (30, 4), generator=g)
             out = ec({"a": tte.Padded(ids, ids % 5 != 0), "b": torch.randint(0, 120, (30,), generator=g)})
             (out["a"] * out["b"]).square().sum().backward()
-            before = row_update.set_enabled(fused)
+            before = row_update.set_enabled(kernel)
             try:
                 opt.step()
             finally:
@@ -334,7 +334,7 @@ def test_a_recompile_limit_hit_later_sends_that_table_to_the_reference_path(monk
     reference path, with the reference path's numbers."""
     cfg = next(c for c in CASES if c.id == "adagrad")
     ours, ref = model(cfg, torch.float32), model(cfg, torch.float32)
-    assert step(*ours, 0, 1.0, fused=True)[0] is Path.FUSED  # the table: compiled and run once
+    assert step(*ours, 0, 1.0, kernel=True)[0] is Path.KERNEL  # the table: compiled and run once
     real = row_update.call
     calls = []
 
@@ -343,12 +343,12 @@ def test_a_recompile_limit_hit_later_sends_that_table_to_the_reference_path(monk
         raise torch._dynamo.exc.FailOnRecompileLimitHit("recompile_limit reached with fullgraph=True")
 
     monkeypatch.setattr(row_update, "call", limit_hit)
-    step(*ours, 1, 1.0, fused=True)
-    step(*ours, 2, 1.0, fused=True)
+    step(*ours, 1, 1.0, kernel=True)
+    step(*ours, 2, 1.0, kernel=True)
     assert len(calls) == 1  # the second step did not try the kernel again
     monkeypatch.setattr(row_update, "call", real)
     for s in range(3):
-        step(*ref, s, 1.0, fused=s == 0)
+        step(*ref, s, 1.0, kernel=s == 0)
     assert_same(ours, ref, "after the fallback")
 
 
@@ -359,7 +359,7 @@ def test_a_recompile_limit_hit_later_sends_that_table_to_the_reference_path(monk
 @pytest.mark.parametrize("weighted", [True, False], ids=["weights", "no-weights"])
 def test_summed_rows_by_range_equal_the_reference_path(name: str, combiner: str, chunk: int | None, weighted: bool,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The duplicate sum of the fused path (ids sorted once, rows summed by ``embedding_bag`` a range of
+    """The duplicate sum of the kernel path (ids sorted once, rows summed by ``embedding_bag`` a range of
     ids at a time, ``optim/_kernels/row_sums.py``) against the reference path, within 1e-6 after every call: two
     features on one table (bags of up to 6 ids with per-id weights, or without (one gain per bag, applied
     once per bag), heavy duplicates and empty bags; one
@@ -369,7 +369,7 @@ def test_summed_rows_by_range_equal_the_reference_path(name: str, combiner: str,
     if chunk is not None:
         monkeypatch.setattr(row_update, "chunk_rows", lambda dim: chunk)
         assert row_update._spans(22, 7) == [(0, 7), (7, 14), (14, 22)]  # 1 left over: joined
-    cfg = next(c for c in cases(FUSED_PATH) if c.id == name)
+    cfg = next(c for c in cases(KERNEL_PATH) if c.id == name)
 
     def build() -> tuple[tte.EmbeddingCollection, Any]:
         torch.manual_seed(0)
@@ -383,7 +383,7 @@ def test_summed_rows_by_range_equal_the_reference_path(name: str, combiner: str,
     real = update_paths.update
     for s in range(3):
         ran: dict[bool, set[Path]] = {}
-        for fused, (ec, opt) in runs.items():
+        for kernel, (ec, opt) in runs.items():
             g = torch.Generator().manual_seed(s)
             ids = torch.randint(0, 12, (25, 6), generator=g)  # 12 of 60 rows: many duplicates
             mask = torch.rand(25, 6, generator=g) < 0.7
@@ -400,7 +400,7 @@ def test_summed_rows_by_range_equal_the_reference_path(name: str, combiner: str,
                 real(item)
                 paths.append(item.path)
 
-            before = row_update.set_enabled(fused)
+            before = row_update.set_enabled(kernel)
             monkeypatch.setattr("torch_tpu_embedding.optim._core.base.update", spy)
             try:
                 opt.step()
@@ -408,8 +408,8 @@ def test_summed_rows_by_range_equal_the_reference_path(name: str, combiner: str,
                 row_update.set_enabled(before)
                 monkeypatch.setattr("torch_tpu_embedding.optim._core.base.update", real)
             opt.zero_grad()
-            ran[fused] = set(paths)
-        assert ran == {True: {Path.FUSED}, False: {Path.ROW_CHUNKS}}, ran
+            ran[kernel] = set(paths)
+        assert ran == {True: {Path.KERNEL}, False: {Path.ROW_CHUNKS}}, ran
         pairs = zip(*[[(p.detach(), dict(opt.state[p])) for p in ec.parameters()] for ec, opt in runs.values()],
                     strict=True)
         for (a, sa), (b, sb) in pairs:

@@ -1,5 +1,5 @@
-"""When the fused eager update (``optim/row_update.py``) takes over from the reference path: by the
-optimizer's call count and the table's size alone (:func:`~torch_tpu_embedding.optim._kernels.row_update.policy`),
+"""When the kernel eager update (``optim/_kernels/row_update.py``) takes over from the reference path: by the
+optimizer's call count and the table's size alone (:func:`.row_update.policy`),
 never by how long a compile took, so two runs with one seed are bitwise equal across the switch-over.
 """
 
@@ -26,7 +26,7 @@ REPO = FsPath(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def fused_on() -> Iterator[None]:
+def kernel_on() -> Iterator[None]:
     before_on, before_policy = row_update.set_enabled(True), row_update.policy()
     yield
     row_update.set_enabled(before_on)
@@ -53,13 +53,13 @@ def _paths_taken(steps: int, rows: int, monkeypatch: pytest.MonkeyPatch) -> list
     return ran
 
 
-@pytest.mark.usefixtures("compiler", "fused_on")
-def test_the_reference_path_runs_the_first_after_calls_then_the_fused_one(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.usefixtures("compiler", "kernel_on")
+def test_the_reference_path_runs_the_first_after_calls_then_the_kernel_one(monkeypatch: pytest.MonkeyPatch) -> None:
     row_update.set_policy(after=3, min_elements=0)
-    assert _paths_taken(5, 50, monkeypatch) == [Path.ROW_CHUNKS] * 3 + [Path.FUSED] * 2
+    assert _paths_taken(5, 50, monkeypatch) == [Path.ROW_CHUNKS] * 3 + [Path.KERNEL] * 2
 
 
-@pytest.mark.usefixtures("fused_on")
+@pytest.mark.usefixtures("kernel_on")
 def test_a_table_below_min_elements_never_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
     row_update.set_policy(after=0, min_elements=50 * 4 + 1)  # one more than the table holds
     kernels = row_update.compiled_kernels()
@@ -67,7 +67,7 @@ def test_a_table_below_min_elements_never_compiles(monkeypatch: pytest.MonkeyPat
     assert row_update.compiled_kernels() == kernels
 
 
-@pytest.mark.usefixtures("fused_on")
+@pytest.mark.usefixtures("kernel_on")
 def test_the_default_policy_keeps_short_runs_of_small_tables_off_the_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
     after, min_elements = row_update.policy()
     assert after > 3 and min_elements > 50 * 4
@@ -128,7 +128,7 @@ _RUN = textwrap.dedent("""
 
 
 def _run(seed: int, steps: int, cache: FsPath, after: int) -> dict[str, Any]:
-    env = dict(os.environ, TTE_FUSED_UPDATE="1", TTE_FUSED_AFTER=str(after), TTE_FUSED_MIN_ELEMENTS="0",
+    env = dict(os.environ, TTE_UPDATE_KERNEL="1", TTE_KERNEL_AFTER=str(after), TTE_KERNEL_MIN_ELEMENTS="0",
                TORCHINDUCTOR_CACHE_DIR=str(cache), OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     r = subprocess.run([sys.executable, "-c", _RUN, str(seed), str(steps)], env=env, capture_output=True, text=True,
@@ -147,8 +147,8 @@ def test_two_runs_with_one_seed_are_bitwise_equal_across_the_switch_over(tmp_pat
     cold = _run(7, 5, tmp_path, after=2)
     warm = _run(7, 5, tmp_path, after=2)
     assert cold["kernels"] >= 1  # the switch-over happened
-    # two tables a step: the reference path for calls 0 and 1, the fused one from call 2 on
-    assert cold["paths"] == ["row_chunks"] * 4 + ["fused"] * 6, cold["paths"]
+    # two tables a step: the reference path for calls 0 and 1, the kernel one from call 2 on
+    assert cold["paths"] == ["row_chunks"] * 4 + ["kernel"] * 6, cold["paths"]
     assert warm["paths"] == cold["paths"]
     assert warm["digests"] == cold["digests"]
     # a run that never switches: the same numbers up to the switch-over
@@ -158,9 +158,9 @@ def test_two_runs_with_one_seed_are_bitwise_equal_across_the_switch_over(tmp_pat
 
 
 def test_a_wrong_environment_value_is_named() -> None:
-    env = dict(os.environ, TTE_FUSED_AFTER="fifty",
+    env = dict(os.environ, TTE_KERNEL_AFTER="fifty",
                PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     r = subprocess.run([sys.executable, "-c", "import torch_tpu_embedding"], env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode != 0
-    assert "environment variable TTE_FUSED_AFTER must be an int >= 0, got 'fifty'" in r.stderr, r.stderr[-2000:]
+    assert "environment variable TTE_KERNEL_AFTER must be an int >= 0, got 'fifty'" in r.stderr, r.stderr[-2000:]

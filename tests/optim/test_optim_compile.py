@@ -6,7 +6,7 @@ tests/optim_registry.py: all but Adafactor), on a model with two stacked tables,
 and dense layers. The rows a batch touches are a data-dependent count (``torch.unique``), which the
 graph holds only with dynamo's ``capture_dynamic_output_shape_ops`` (docs/optimizers.md). On main the
 step broke into about 24 graphs (the state mapping's ``__missing__``, ``WeakIdKeyDictionary`` lookups of
-table bookkeeping, assignments to the optimizer's attributes, a nested compile of the fused row update,
+table bookkeeping, assignments to the optimizer's attributes, a nested compile of the kernel row update,
 ``int()`` of a tensor in the duplicate sum) and ``fullgraph=True`` raised.
 
 For a compiled forward + backward + step, the graph breaks are listed by ``torch._dynamo.explain`` and

@@ -64,24 +64,24 @@ def collect(opt: Any) -> dict[str, Any]:
     return copy.deepcopy(opt.state_dict())
 
 
-# ------------------------------------------------------------------ item 14: fused <-> unfused with dense params
-@pytest.mark.parametrize("fused_first", [False, True], ids=["unfused-to-fused", "fused-to-unfused"])
-def test_state_moves_between_fused_and_unfused_with_dense_parameters(fused_first: bool) -> None:
-    def build(fuse: bool) -> tuple[tte.EmbeddingCollection, torch.nn.Linear, Any]:
+# ------------------------------------------------------------------ item 14: stacked <-> unstacked with dense params
+@pytest.mark.parametrize("stacked_first", [False, True], ids=["unstacked-to-stacked", "stacked-to-unstacked"])
+def test_state_moves_between_stacked_and_unstacked_with_dense_parameters(stacked_first: bool) -> None:
+    def build(stack: bool) -> tuple[tte.EmbeddingCollection, torch.nn.Linear, Any]:
         torch.manual_seed(0)
         a = tte.TableConfig(12, 3, name="a", dtype=torch.float64)
         b = tte.TableConfig(9, 3, name="b", dtype=torch.float64)
         ec = tte.EmbeddingCollection({"a": tte.FeatureConfig(a, max_ids_per_bag=2), "b": tte.FeatureConfig(b)},
-                                     fuse_tables=fuse)
+                                     stack_tables=stack)
         head = torch.nn.Linear(6, 1).double()
         return ec, head, O.Adam([*ec.parameters(), *head.parameters()], lr=0.05)  # the documented pattern
 
-    ec, head, opt = build(fused_first)
+    ec, head, opt = build(stacked_first)
     for s in range(3):
         forward_backward(ec, head, s)
         opt.step()
         opt.zero_grad()
-    ec2, head2, opt2 = build(not fused_first)
+    ec2, head2, opt2 = build(not stacked_first)
     ec2.load_state_dict(ec.state_dict())
     head2.load_state_dict(head.state_dict())
     opt2.load_state_dict(opt.state_dict())

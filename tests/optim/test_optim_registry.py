@@ -84,11 +84,11 @@ def test_shared_errors_use_only_shared_arguments() -> None:
 
 
 @pytest.mark.parametrize("info", OPTIMIZER_INFOS, ids=str)
-def test_fused_and_no_dedup_flags(info: OptimizerInfo) -> None:
-    """supports_fused_groups / supports_no_dedup say what the constructor accepts."""
+def test_stacked_and_no_dedup_flags(info: OptimizerInfo) -> None:
+    """supports_stacked_groups / supports_no_dedup say what the constructor accepts."""
     tables = [tte.TableConfig(10, 4, name="x"), tte.TableConfig(12, 4, name="y")]
-    ec = tte.EmbeddingCollection({t.name: tte.FeatureConfig(t) for t in tables}, fuse_tables=True)
-    if info.supports_fused_groups:
+    ec = tte.EmbeddingCollection({t.name: tte.FeatureConfig(t) for t in tables}, stack_tables=True)
+    if info.supports_stacked_groups:
         info.cls(ec.parameters(), **info.default)
     else:
         with pytest.raises(ValueError, match=f"optimizer '{info.name}' keeps per-table state"):

@@ -1,4 +1,4 @@
-"""The fused path's duplicate sum (``optim/_kernels/row_sums.py``) against the reference path's, bitwise.
+"""The kernel path's duplicate sum (``optim/_kernels/row_sums.py``) against the reference path's, bitwise.
 
 The reference path multiplies every (bag, position) row out, ``gains[n, l] · dL/dout[n]``, and adds the
 rows into zeros in lookup order (``index_add_``). :func:`row_sums` keeps them factored; for bags without

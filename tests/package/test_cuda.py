@@ -1,4 +1,4 @@
-"""Plain CUDA (no torch_xla): every optimizer trains the same on a CUDA device as on the CPU, the fused
+"""Plain CUDA (no torch_xla): every optimizer trains the same on a CUDA device as on the CPU, the kernel
 eager update (inductor's Triton kernels) equals the reference path there, and a checkpoint written on
 the GPU resumes on the CPU. Skipped where no GPU is visible (CI has none); run on a GPU machine with
 ``python -m pytest -q tests/package/test_cuda.py``.
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from optim_registry import OPTIMIZER_INFOS, OptimizerConfig
-from test_fused_update import CASES as FUSED_CASES  # the configurations that take the fused path
+from test_fused_update import CASES as KERNEL_CASES  # the configurations that take the kernel path
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding.optim._core import base as core_base
@@ -100,18 +100,18 @@ def test_cuda_trains_like_the_cpu(cfg: OptimizerConfig) -> None:
 
 
 @pytest.fixture
-def fused_from_the_first_step() -> Iterator[None]:
+def kernel_from_the_first_step() -> Iterator[None]:
     before = row_update.set_policy(0, 0)
     yield
     row_update.set_policy(*before)
 
 
-@pytest.mark.usefixtures("fused_from_the_first_step")
-@pytest.mark.parametrize("cfg", FUSED_CASES, ids=str)
-def test_fused_update_on_cuda_equals_the_reference_path(cfg: OptimizerConfig,
+@pytest.mark.usefixtures("kernel_from_the_first_step")
+@pytest.mark.parametrize("cfg", KERNEL_CASES, ids=str)
+def test_kernel_update_on_cuda_equals_the_reference_path(cfg: OptimizerConfig,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """float32, both copies on the GPU, in lockstep (as tests/optim/test_fused_update.py on the CPU): each
-    call compared within 1e-6, then the fused copy set to the reference's values, so a last-bit
+    call compared within 1e-6, then the kernel copy set to the reference's values, so a last-bit
     difference is not amplified by the next steps (Adam's small second moments would)."""
     dev = torch.device("cuda")
     ran: list[Path] = []
@@ -122,25 +122,25 @@ def test_fused_update_on_cuda_equals_the_reference_path(cfg: OptimizerConfig,
 
     monkeypatch.setattr(core_base, "update", spy)
     base = build(torch.float32)
-    fused, ref = on(base, "cuda"), on(base, "cuda")
-    opts = [cfg.make([*m[0].parameters(), *m[1].parameters()]) for m in (fused, ref)]
+    kernel, ref = on(base, "cuda"), on(base, "cuda")
+    opts = [cfg.make([*m[0].parameters(), *m[1].parameters()]) for m in (kernel, ref)]
     k = cfg.kwargs.get("gradient_accumulation_steps") or 1
     for s in range(4 * k):
-        for m, opt, enabled in ((fused, opts[0], True), (ref, opts[1], False)):
+        for m, opt, enabled in ((kernel, opts[0], True), (ref, opts[1], False)):
             before = row_update.set_enabled(enabled)
             try:
                 train(m, opt, range(s, s + 1), dev, torch.float32)
             finally:
                 row_update.set_enabled(before)
-        assert_same(tensors(fused, opts[0]), tensors(ref, opts[1]), 1e-6)
+        assert_same(tensors(kernel, opts[0]), tensors(ref, opts[1]), 1e-6)
         with torch.no_grad():
-            for p, q in zip([*fused[0].parameters(), *fused[1].parameters()],
+            for p, q in zip([*kernel[0].parameters(), *kernel[1].parameters()],
                             [*ref[0].parameters(), *ref[1].parameters()], strict=True):
                 p.copy_(q)
                 for name, v in opts[0].state[p].items():
                     if isinstance(v, torch.Tensor):
                         v.copy_(opts[1].state[q][name])
-    assert Path.FUSED in ran, ran
+    assert Path.KERNEL in ran, ran
 
 
 @pytest.mark.parametrize("cfg", DEFAULTS, ids=str)

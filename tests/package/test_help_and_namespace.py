@@ -14,7 +14,7 @@ import torch_tpu_embedding as tte
 
 
 @pytest.mark.parametrize(("method", "words"), [("forward", ("features", "weights", "[B, D]")),
-                                               ("__init__", ("feature_config", "fuse_tables"))])
+                                               ("__init__", ("feature_config", "stack_tables"))])
 def test_embedding_collection_help_is_its_own(method: str, words: tuple[str, ...]) -> None:
     """``help(tte.EmbeddingCollection.forward)`` / ``__init__`` show this class's text, not nn.Module's."""
     doc = inspect.getdoc(getattr(tte.EmbeddingCollection, method))
@@ -49,12 +49,12 @@ def _check_contract(got: dict[str, tuple[torch.Tensor, torch.Tensor]], sizes: di
         assert torch.equal(rows[pad], torch.zeros_like(rows[pad])), name
 
 
-@pytest.mark.parametrize("fuse", [True, False])
-def test_row_grads_is_ids_n_rows_n_d_with_padding_num_embeddings(fuse: bool) -> None:
+@pytest.mark.parametrize("stack", [True, False])
+def test_row_grads_is_ids_n_rows_n_d_with_padding_num_embeddings(stack: bool) -> None:
     a = tte.TableConfig(7, 3, name="a")
     b = tte.TableConfig(5, 3, name="b")
     ec = tte.EmbeddingCollection({"x": tte.FeatureConfig(a), "y": tte.FeatureConfig(b), "z": tte.FeatureConfig(a)},
-                                 fuse_tables=fuse)
+                                 stack_tables=stack)
     out = ec({"x": tte.Padded(torch.tensor([[1, 6], [2, 0]]), torch.tensor([[True, True], [True, False]])),
               "y": tte.Jagged(torch.tensor([4, 0, 4]), lengths=torch.tensor([2, 1])),
               "z": torch.tensor([3, 3])})

@@ -2,7 +2,7 @@
 
 What differs between the two and how the package keeps one behaviour: the default table initializer
 (torch 2.13's ``trunc_normal_`` draws by rejection, through full-size temporaries, and other values
-from the same seed), the fused update's sparse matrix (torch 2.13 warns when its invariant check is
+from the same seed), the kernel update's sparse matrix (torch 2.13 warns when its invariant check is
 left unset), and the second pinned environment itself (.ci/requirements-torch213.txt, built by
 ``scripts/env.sh torch213``: torch's CPU build only).
 """
@@ -75,7 +75,7 @@ def test_the_draw_is_in_place_cut_at_two_std_with_the_truncated_spread(dtype: to
     assert abs(float(x.std()) - 0.8796 * std) < 0.02 * std
 
 
-# ------------------------------------------------------------------ the fused update's duplicate sum
+# ------------------------------------------------------------------ the kernel update's duplicate sum
 _ROW_SUMS = r"""
 import warnings
 import torch
@@ -83,7 +83,7 @@ import torch_tpu_embedding as tte
 from torch_tpu_embedding.optim._kernels.row_sums import row_sums
 
 ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(10, 4, name="t"), max_ids_per_bag=3)})
-ec.tables.t.row_grad.keep_factored = True  # as the fused path asks: the bags' rows kept factored
+ec.tables.t.row_grad.keep_factored = True  # as the kernel path asks: the bags' rows kept factored
 bags = tte.Padded(torch.tensor([[1, 2, 2], [3, 1, 0]]))  # padded bags: their rows kept factored (BagRows)
 (ec({"f": bags})["f"] * torch.arange(8.0).view(2, 4)).sum().backward()
 table = ec.tables.t
@@ -99,7 +99,7 @@ print([str(w.message) for w in caught])
 """
 
 
-def test_the_fused_duplicate_sum_is_bitwise_index_add_and_warns_nothing() -> None:
+def test_the_kernel_duplicate_sum_is_bitwise_index_add_and_warns_nothing() -> None:
     # Its own process: torch warns once per process, so another test's call would hide a warning.
     out = subprocess.run([sys.executable, "-c", _ROW_SUMS], env={**os.environ, "PYTHONPATH": str(ROOT)},
                          capture_output=True, text=True, check=True)

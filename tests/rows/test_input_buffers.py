@@ -25,11 +25,11 @@ def _inputs(form: str, ids: torch.Tensor) -> Any:
     return tte.Jagged(ids.reshape(-1), lengths=torch.full((ids.shape[0],), 2))
 
 
-def _train(form: str, fuse: bool, make_opt: Any, reuse: bool) -> dict[str, torch.Tensor]:
+def _train(form: str, stack: bool, make_opt: Any, reuse: bool) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     tables = [tte.TableConfig(20, 4, name=n, combiner="sum") for n in "ab"]
     ec = tte.EmbeddingCollection({n: tte.FeatureConfig(t) for n, t in zip("ab", tables, strict=True)},
-                                 fuse_tables=fuse)
+                                 stack_tables=stack)
     opt = make_opt(ec.parameters())
     buffers = {n: torch.zeros(3, 2, dtype=torch.int64) for n in "ab"}
     for micro in range(3):  # three micro-batches accumulated into one step
@@ -45,12 +45,12 @@ def _train(form: str, fuse: bool, make_opt: Any, reuse: bool) -> dict[str, torch
 
 
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("fuse", [True, False], ids=["stacked", "unstacked"])
+@pytest.mark.parametrize("stack", [True, False], ids=["stacked", "unstacked"])
 @pytest.mark.parametrize("name", ["sgd", "adam"])
-def test_refilling_the_input_buffers_before_the_step_changes_nothing(form: str, fuse: bool, name: str) -> None:
+def test_refilling_the_input_buffers_before_the_step_changes_nothing(form: str, stack: bool, name: str) -> None:
     make_opt = {"sgd": lambda ps: tte.optim.SGD(ps, lr=0.5),  # keeps the bags factored until the step
                 "adam": lambda ps: tte.optim.Adam(ps, lr=0.1)}[name]
-    want = _train(form, fuse, make_opt, reuse=False)
-    got = _train(form, fuse, make_opt, reuse=True)
+    want = _train(form, stack, make_opt, reuse=False)
+    got = _train(form, stack, make_opt, reuse=True)
     for k, v in want.items():
         assert torch.equal(got[k], v), k

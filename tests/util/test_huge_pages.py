@@ -45,7 +45,7 @@ def test_large_tables_and_slots_are_advised_small_ones_not() -> None:
     big2 = tte.TableConfig(ROWS, 64, name="big2")  # stacked with big: the group's weight is advised
     small = tte.TableConfig(1000, 64, name="small", combiner="sum")
     ec = tte.EmbeddingCollection({"a": tte.FeatureConfig(big), "b": tte.FeatureConfig(big2),
-                                  "c": tte.FeatureConfig(small)}, fuse_tables=False)
+                                  "c": tte.FeatureConfig(small)}, stack_tables=False)
     assert advised(ec.tables.big.weight) and advised(ec.tables.big2.weight)
     assert not huge_pages.advise(ec.tables.small.weight)  # under MIN_BYTES: left alone
     stacked = tte.EmbeddingCollection({"a": tte.FeatureConfig(big), "b": tte.FeatureConfig(big2)})

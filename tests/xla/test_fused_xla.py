@@ -1,4 +1,4 @@
-"""Fused table groups on XLA: the same numbers as unfused tables on the CPU, one graph for the steady
+"""Stacked table groups on XLA: the same numbers as unstacked tables on the CPU, one graph for the steady
 loop, no host fallback, and a step graph whose gathers and scatters do not grow with the table count."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from optim_registry import XLA_FUSED, OptimizerConfig, case, cases
+from optim_registry import XLA_STACKED, OptimizerConfig, case, cases
 
 torch_xla = pytest.importorskip("torch_xla")
 import torch_xla.debug.metrics as met  # noqa: E402
@@ -19,13 +19,13 @@ DEV = torch_xla.device()  # before any backward (the autograd engine sizes its d
 VOCABS = (30, 17, 41, 9)
 
 
-def build(device: torch.device, fuse: bool, cfg: OptimizerConfig, tables: int = 4) -> tuple[tte.EmbeddingCollection, Any]:
+def build(device: torch.device, stack: bool, cfg: OptimizerConfig, tables: int = 4) -> tuple[tte.EmbeddingCollection, Any]:
     torch.manual_seed(0)
     configs = [tte.TableConfig(VOCABS[i % 4], 4, name=f"t{i}", combiner=("sum", "mean", "sqrtn")[i % 3])
                for i in range(tables)]
     feats = {f"f{i}": tte.FeatureConfig(c, max_ids_per_bag=3) for i, c in enumerate(configs)}
     feats["seq"] = tte.FeatureConfig(configs[0], max_sequence_length=2)
-    ec = tte.EmbeddingCollection(feats, device=device, fuse_tables=fuse)
+    ec = tte.EmbeddingCollection(feats, device=device, stack_tables=stack)
     return ec, cfg.make(ec.parameters())
 
 
@@ -43,8 +43,8 @@ def step(ec: tte.EmbeddingCollection, opt: Any, g: torch.Generator, tables: int 
         torch_xla.sync()
 
 
-@pytest.mark.parametrize("cfg", cases(XLA_FUSED), ids=str)
-def test_fused_on_xla_matches_unfused_on_cpu_in_one_graph(cfg: OptimizerConfig) -> None:
+@pytest.mark.parametrize("cfg", cases(XLA_STACKED), ids=str)
+def test_stacked_on_xla_matches_unstacked_on_cpu_in_one_graph(cfg: OptimizerConfig) -> None:
     cpu, cpu_opt = build(torch.device("cpu"), False, cfg)
     xla, xla_opt = build(DEV, True, cfg)
     assert list(xla.groups) == ["fused_0"]
@@ -69,8 +69,8 @@ def test_fused_on_xla_matches_unfused_on_cpu_in_one_graph(cfg: OptimizerConfig) 
             torch.testing.assert_close(xla_state[key][slot].cpu(), v, rtol=1e-5, atol=1e-6, msg=f"{key}/{slot}")
 
 
-def _step_hlo(tables: int, fuse: bool) -> str:
-    ec, opt = build(DEV, fuse, case(XLA_FUSED, "lazy_adam"), tables)
+def _step_hlo(tables: int, stack: bool) -> str:
+    ec, opt = build(DEV, stack, case(XLA_STACKED, "lazy_adam"), tables)
     opt.init_state()
     torch_xla.sync()
     g = torch.Generator().manual_seed(0)
@@ -89,9 +89,9 @@ def _step_hlo(tables: int, fuse: bool) -> str:
 
 def test_step_graph_scatters_once_per_group_not_per_table() -> None:
     counts = {}
-    for tables, fuse in ((1, False), (8, False), (8, True)):
-        hlo = _step_hlo(tables, fuse)
-        counts[(tables, fuse)] = (len(re.findall(r"= \S+ scatter\(", hlo)), len(re.findall(r" sort\(", hlo)))
+    for tables, stack in ((1, False), (8, False), (8, True)):
+        hlo = _step_hlo(tables, stack)
+        counts[(tables, stack)] = (len(re.findall(r"= \S+ scatter\(", hlo)), len(re.findall(r" sort\(", hlo)))
     # lazy Adam scatters the weight and its two slots per physical table, and sorts once (dedup)
     assert counts[(8, False)] == (8 * counts[(1, False)][0], 8 * counts[(1, False)][1])
     assert counts[(8, True)] == counts[(1, False)], counts
@@ -101,16 +101,16 @@ def test_default_stacked_state_dict_and_row_grads_per_table_on_xla() -> None:
     """The default construction stacks; its per-table views cost one graph, not one per table:
     ``state_dict`` after in-place updates (each slice of an updated parameter would otherwise be its
     own compile on every read), and ``row_grads`` reports each table with the group's static shape."""
-    cfg = case(XLA_FUSED, "lazy_adam")
-    ec, opt = build(DEV, fuse=True, cfg=cfg, tables=8)
-    assert list(ec.groups) == ["fused_0"] and len(ec.fused_members()["fused_0"]) == 8
+    cfg = case(XLA_STACKED, "lazy_adam")
+    ec, opt = build(DEV, stack=True, cfg=cfg, tables=8)
+    assert list(ec.groups) == ["fused_0"] and len(ec.stacked_members()["fused_0"]) == 8
     g = torch.Generator().manual_seed(2)
     step(ec, opt, g, tables=8)
     torch_xla.sync()
     met.clear_all()
     host = {k: v.cpu() for k, v in ec.state_dict().items()}
     assert (met.counter_value("UncachedCompile") or 0) <= 1  # every table's rows in one graph
-    cpu, cpu_opt = build(torch.device("cpu"), fuse=False, cfg=cfg, tables=8)
+    cpu, cpu_opt = build(torch.device("cpu"), stack=False, cfg=cfg, tables=8)
     step(cpu, cpu_opt, torch.Generator().manual_seed(2), tables=8)
     for k, v in cpu.state_dict().items():
         torch.testing.assert_close(host[k], v, rtol=1e-5, atol=1e-6, msg=k)

@@ -33,7 +33,7 @@ def _frozen_run(device: torch.device | str) -> tuple[torch.Tensor, dict[str, tor
     torch.manual_seed(0)
     a, b = tte.TableConfig(10, 4, name="a", combiner="mean"), tte.TableConfig(8, 4, name="b")
     ec = tte.EmbeddingCollection({"x": tte.FeatureConfig(a, max_ids_per_bag=4), "y": tte.FeatureConfig(b)}, device=device)
-    assert list(ec.fused_members()) == ["fused_0"]
+    assert list(ec.stacked_members()) == ["fused_0"]
     opt = tte.optim.Adam(ec.parameters(), lr=0.1, lazy_adam=False)  # non-lazy: every row is stepped
     frozen_at = torch.empty(0)
     for s in range(4):

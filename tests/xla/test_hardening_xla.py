@@ -225,13 +225,13 @@ def test_a_failed_load_on_xla_changes_nothing(tmp_path: Path, wrong: str) -> Non
     assert met.executed_fallback_ops() == []
 
 
-@pytest.mark.parametrize("fuse", [True, False], ids=["stacked", "unstacked"])
-def test_an_optimizer_built_before_moving_to_xla_refuses_to_step(fuse: bool) -> None:
+@pytest.mark.parametrize("stack", [True, False], ids=["stacked", "unstacked"])
+def test_an_optimizer_built_before_moving_to_xla_refuses_to_step(stack: bool) -> None:
     """``.to(xla)`` gives every table a new parameter: an optimizer built on the CPU ones would train
     host tensors that nothing looks up. It raises at ``step()``; one built after the move trains."""
     torch.manual_seed(0)
     ec = tte.EmbeddingCollection({n: tte.FeatureConfig(tte.TableConfig(10, 4, name=n)) for n in "ab"},
-                                 fuse_tables=fuse)
+                                 stack_tables=stack)
     stale = tte.optim.Adagrad(ec.parameters(), lr=0.1)
     ec.to(DEV)
 

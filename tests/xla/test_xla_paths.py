@@ -1,5 +1,5 @@
 """On XLA (static shapes) ``choose_path`` never picks an eager-only path: tables take ROWS (one pass,
-one graph) or NO_DEDUP, never ADDITIVE, FUSED or ROW_CHUNKS."""
+one graph) or NO_DEDUP, never ADDITIVE, KERNEL or ROW_CHUNKS."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("torch_xla")
 
 import torch_xla  # noqa: E402
-from optim_registry import FUSED_PATH, OptimizerConfig, cases  # noqa: E402
+from optim_registry import KERNEL_PATH, OptimizerConfig, cases  # noqa: E402
 
 import torch_tpu_embedding as tte  # noqa: E402
 from torch_tpu_embedding.optim._core import (
@@ -40,19 +40,19 @@ def test_xla_paths(cls: type, kwargs: dict, expected: Path) -> None:
     assert choose_path(head.weight, cls(head.parameters(), **kwargs).param_groups[0], row_grad=False) is Path.DENSE
 
 
-@pytest.mark.parametrize("cfg", cases(FUSED_PATH), ids=str)
-def test_fused_eager_update_is_never_chosen_on_xla(cfg: OptimizerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fused eager row update turned on (the suite turns it off, tests/conftest.py): every
-    configuration of the registry's ``fused_path`` target still takes ROWS for an XLA table."""
+@pytest.mark.parametrize("cfg", cases(KERNEL_PATH), ids=str)
+def test_kernel_eager_update_is_never_chosen_on_xla(cfg: OptimizerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel eager row update turned on (the suite turns it off, tests/conftest.py): every
+    configuration of the registry's ``kernel_path`` target still takes ROWS for an XLA table."""
     monkeypatch.setattr(row_update, "_ENABLED", True)
     ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(20, 3, name="t"))}, device=torch_xla.device())
     assert choose_path(ec.tables.t.weight, cfg.make(ec.parameters()).param_groups[0], row_grad=True) is Path.ROWS
 
 
-@pytest.mark.parametrize("cfg", [c for c in cases(FUSED_PATH) if c.id in ("lazy_adam", "rowwise_adagrad-options")],
+@pytest.mark.parametrize("cfg", [c for c in cases(KERNEL_PATH) if c.id in ("lazy_adam", "rowwise_adagrad-options")],
                          ids=str)
-def test_fused_eager_update_never_runs_on_xla(cfg: OptimizerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Steps on XLA with the fused path turned on: every update runs ROWS and no fused kernel is built."""
+def test_kernel_eager_update_never_runs_on_xla(cfg: OptimizerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps on XLA with the kernel path turned on: every update runs ROWS and no update kernel is built."""
     monkeypatch.setattr(row_update, "_ENABLED", True)
     dev = torch_xla.device()
     t = tte.TableConfig(20, 3, name="t")

@@ -46,7 +46,7 @@ EXTRAS: dict[str, dict[str, Any]] = {
     # one norm over every table and the head; loss scaling; the non-finite gate (all finite here)
     "global-clipnorm": {"global_clipnorm": 0.5, "loss_scale_factor": 8.0, "skip_nonfinite": True},
 }
-CONFIGS = [*EXTRAS, "nonlazy-adam", "fused", "bfloat16"]
+CONFIGS = [*EXTRAS, "nonlazy-adam", "stacked", "bfloat16"]
 
 
 def tables(config: str) -> dict[str, tte.TableConfig]:
@@ -54,7 +54,7 @@ def tables(config: str) -> dict[str, tte.TableConfig]:
     dtype = torch.bfloat16 if config == "bfloat16" else torch.float32
     if config == "nonlazy-adam":
         rules = {"adam": functools.partial(O.Adam, lr=0.05, lazy_adam=False)}
-    elif config == "fused":  # one fused group of three tables (one optimizer): one routing, one update
+    elif config == "stacked":  # one stacked group of three tables (one optimizer): one routing, one update
         rules = {f"f{i}": functools.partial(O.Adagrad, lr=0.1) for i in range(3)}
     elif config == "bfloat16":
         rules = {k: RULES[k] for k in ("adagrad", "adam", "adafactor")}
@@ -71,7 +71,7 @@ def build(config: str, device: torch.device) -> tuple[tte.EmbeddingCollection, t
     for name, t in tables(config).items():
         feats[f"{name}_bag"] = tte.FeatureConfig(t, max_ids_per_bag=L)
         feats[f"{name}_id"] = tte.FeatureConfig(t)
-    ec = tte.EmbeddingCollection(feats, device=device, fuse_tables=config == "fused")
+    ec = tte.EmbeddingCollection(feats, device=device, stack_tables=config == "stacked")
     head = torch.nn.Linear(D, 1).to(device=device)
     if device.type == "xla":
         from torch_tpu_embedding.xla import replicate, shard

@@ -103,14 +103,14 @@ def test_auto_placement_mixes_row_and_replicated() -> None:
     assert len(loads) == 1 and next(iter(loads)).startswith("fused_"), out
 
 
-def test_fused_replicated_tables_share_one_buffer_and_copy_no_table(tmp_path: Path) -> None:
-    """--fuse-tables --placement replicated: all 8 tables in one group. Unfused, the four 20,000-row
+def test_stacked_replicated_tables_share_one_buffer_and_copy_no_table(tmp_path: Path) -> None:
+    """--stack-tables --placement replicated: all 8 tables in one group. Unstacked, the four 20,000-row
     tables are equal-sized buffers, and XLA's donation pairing copied whole tables every step."""
     dump = tmp_path / "hlo"
-    out = run("--fuse-tables", "--placement", "replicated",
+    out = run("--stack-tables", "--placement", "replicated",
               env_extra={"XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text"})
     shardings = check_learns_in_one_graph(out)
-    assert "placements: {'replicated': 8}" in out and "--fuse-tables True" in out, out
+    assert "placements: {'replicated': 8}" in out and "--stack-tables True" in out, out
     assert {tuple(v) for v in shardings.values()} == {("replicated", 82432, "{replicated}")}  # 82,400 rows padded
     assert exchange_loads(out) == {}  # replicated: no id exchange
     step = max(dump.glob("*after_optimizations.txt"), key=lambda f: f.stat().st_size)  # the training step

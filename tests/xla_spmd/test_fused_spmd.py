@@ -1,6 +1,6 @@
-"""Fused table groups on a 4-device mesh: each group laid out once (row, column or replicated), the same
-numbers as unfused tables on the CPU, one graph, and checkpoints (single file and distributed) that
-load into unfused collections. Run with PJRT_DEVICE=CPU CPU_NUM_DEVICES=4."""
+"""Stacked table groups on a 4-device mesh: each group laid out once (row, column or replicated), the same
+numbers as unstacked tables on the CPU, one graph, and checkpoints (single file and distributed) that
+load into unstacked collections. Run with PJRT_DEVICE=CPU CPU_NUM_DEVICES=4."""
 
 from __future__ import annotations
 
@@ -25,17 +25,17 @@ DEV = torch_xla.device()
 xr.global_runtime_device_count()
 D = 8
 # (vocab, placement): two row groups of equal shape (the donation-pitfall case), a column group, a
-# replicated group, and a row table alone in its key (not fused).
+# replicated group, and a row table alone in its key (not stacked).
 TABLES = [(700, "row"), (700, "row"), (301, "row"), (50, "column"), (60, "column"), (30, "replicated"),
           (40, "replicated"), (90, "auto")]
 
 
-def build(device: torch.device, fuse: bool, make_opt: Any = None) -> tuple[tte.EmbeddingCollection, Any]:
+def build(device: torch.device, stack: bool, make_opt: Any = None) -> tuple[tte.EmbeddingCollection, Any]:
     torch.manual_seed(0)
     configs = [tte.TableConfig(v, D, name=f"t{i}", placement=p, combiner=("sum", "mean")[i % 2])
                for i, (v, p) in enumerate(TABLES)]
     ec = tte.EmbeddingCollection({f"f{i}": tte.FeatureConfig(c, max_ids_per_bag=2) for i, c in enumerate(configs)},
-                                 device=device, fuse_tables=fuse)
+                                 device=device, stack_tables=stack)
     if device.type == "xla":
         placements = shard(ec, device_mesh())
         assert placements == {f"t{i}": p if p != "auto" else "replicated" for i, (_, p) in enumerate(TABLES)}
@@ -85,10 +85,10 @@ def comparable(ec: tte.EmbeddingCollection, opt: Any) -> dict[str, torch.Tensor]
     return out
 
 
-def test_fused_groups_sharded_match_unfused_cpu() -> None:
-    ec, opt = build(DEV, fuse=True)
+def test_stacked_groups_sharded_match_unstacked_cpu() -> None:
+    ec, opt = build(DEV, stack=True)
     # t7 ("auto", 90 rows) resolves to replicated and joins the replicated group (groups form after placement)
-    assert {g: [m[0] for m in ms] for g, ms in ec.fused_members().items()} == {
+    assert {g: [m[0] for m in ms] for g, ms in ec.stacked_members().items()} == {
         "fused_0": ["t0", "t1", "t2"], "fused_1": ["t3", "t4"], "fused_2": ["t5", "t6", "t7"]}
     specs = {n: sharding_spec(t.weight) for n, t in ec.physical_tables().items()}
     assert specs["fused_0"].startswith("{devices=[4,1]") and specs["fused_1"].startswith("{devices=[1,4]")
@@ -103,7 +103,7 @@ def test_fused_groups_sharded_match_unfused_cpu() -> None:
     compiles = train(ec, opt, steps=6)
     assert compiles[0] == 1 and compiles[-1] == 1, compiles
     assert met.executed_fallback_ops() == []
-    cpu, cpu_opt = build(torch.device("cpu"), fuse=False)
+    cpu, cpu_opt = build(torch.device("cpu"), stack=False)
     train(cpu, cpu_opt, steps=6)
     want, got = comparable(cpu, cpu_opt), comparable(ec, opt)
     assert set(got) == set(want)
@@ -123,8 +123,8 @@ def test_row_grads_through_the_exchange_are_in_each_tables_own_ids() -> None:
     receives rows of its table or group; row_grads() reports t0, t1 and t2 by name, in their own
     (logical) ids — not the shards' rows — the same sums as unstacked CPU tables."""
     got = {}
-    for key, device, fuse in (("mesh stacked", DEV, True), ("mesh", DEV, False), ("cpu", torch.device("cpu"), False)):
-        ec, _ = build(device, fuse=fuse)
+    for key, device, stack in (("mesh stacked", DEV, True), ("mesh", DEV, False), ("cpu", torch.device("cpu"), False)):
+        ec, _ = build(device, stack=stack)
         g = torch.Generator().manual_seed(5)
         inputs = {f"f{i}": tte.Jagged(torch.randint(0, v, (12,), generator=g), lengths=torch.full((6,), 2))
                   for i, (v, _) in enumerate(TABLES)}
@@ -132,7 +132,7 @@ def test_row_grads_through_the_exchange_are_in_each_tables_own_ids() -> None:
         sum((i + 1) * o.square().sum() for i, o in enumerate(out.values())).backward()
         got[key] = ec.row_grads()
         if device == DEV:
-            w = ec.groups["fused_0"].weight if fuse else ec.tables["t0"].weight
+            w = ec.groups["fused_0"].weight if stack else ec.tables["t0"].weight
             assert table_info(w).owner_local  # type: ignore[union-attr]
     names = [f"t{i}" for i in range(len(TABLES))]
     assert list(got["mesh stacked"]) == list(got["mesh"]) == list(got["cpu"]) == names
@@ -150,13 +150,13 @@ def test_row_grads_through_the_exchange_are_in_each_tables_own_ids() -> None:
 def trained_like_unstacked_cpu(make_opt: Any, steps: int) -> tuple[tte.EmbeddingCollection, Any, dict[str, Any]]:
     """Groups on the mesh trained ``steps`` steps in one graph with no fallback, checked against
     unstacked tables on the CPU; returns the mesh's collection, optimizer and comparable state."""
-    ec, opt = build(DEV, fuse=True, make_opt=make_opt)
+    ec, opt = build(DEV, stack=True, make_opt=make_opt)
     torch_xla.sync()
     met.clear_all()
     compiles = train(ec, opt, steps=steps)
     assert compiles[-1] == compiles[1], compiles  # the steady loop compiles nothing more
     assert met.executed_fallback_ops() == []
-    cpu, cpu_opt = build(torch.device("cpu"), fuse=False, make_opt=make_opt)
+    cpu, cpu_opt = build(torch.device("cpu"), stack=False, make_opt=make_opt)
     train(cpu, cpu_opt, steps=steps)
     want, got = comparable(cpu, cpu_opt), comparable(ec, opt)
     assert set(got) == set(want)
@@ -174,38 +174,38 @@ def test_every_registry_configuration_stacked_on_the_mesh_matches_unstacked_cpu(
 
 
 @pytest.mark.parametrize("name", list(PER_TABLE))
-def test_per_table_options_sharded_match_unfused_cpu(name: str, tmp_path: Path) -> None:
+def test_per_table_options_sharded_match_unstacked_cpu(name: str, tmp_path: Path) -> None:
     """Every group (row: owner-local; column; replicated) keeps per-table statistics, clip norms and
-    created slots: the same numbers as unfused tables on the CPU, one graph, no fallback; its
-    checkpoint loads into the unfused CPU collection."""
+    created slots: the same numbers as unstacked tables on the CPU, one graph, no fallback; its
+    checkpoint loads into the unstacked CPU collection."""
     ec, opt, got = trained_like_unstacked_cpu(PER_TABLE[name], steps=5)
     assert table_info(ec.groups["fused_0"].weight).owner_local  # the row group trains through the exchange
     tte.checkpoint.save(tmp_path / "one.pt", model=ec, optimizer=opt)
     tte.checkpoint.save_distributed(tmp_path / "dist", model=ec, optimizer=opt)
     tte.checkpoint.convert_distributed(tmp_path / "dist", tmp_path / "converted.pt")
-    for file in ("one.pt", "converted.pt"):  # whole-table slots split per table, as unfused tables keep them
-        back, back_opt = build(torch.device("cpu"), fuse=False, make_opt=PER_TABLE[name])
+    for file in ("one.pt", "converted.pt"):  # whole-table slots split per table, as unstacked tables keep them
+        back, back_opt = build(torch.device("cpu"), stack=False, make_opt=PER_TABLE[name])
         tte.checkpoint.load(tmp_path / file, model=back, optimizer=back_opt)
         for k, v in comparable(back, back_opt).items():
             assert torch.equal(v, got[k]), (file, k)
 
 
-def test_checkpoints_of_sharded_groups_load_unfused(tmp_path: Path) -> None:
-    ec, opt = build(DEV, fuse=True)
+def test_checkpoints_of_sharded_groups_load_unstacked(tmp_path: Path) -> None:
+    ec, opt = build(DEV, stack=True)
     train(ec, opt, steps=3)
     tte.checkpoint.save(tmp_path / "one.pt", model=ec, optimizer=opt)
     tte.checkpoint.save_distributed(tmp_path / "dist", model=ec, optimizer=opt)
     tte.checkpoint.convert_distributed(tmp_path / "dist", tmp_path / "converted.pt")
     expected = comparable(ec, opt)
     for name in ("one.pt", "converted.pt"):
-        cpu, cpu_opt = build(torch.device("cpu"), fuse=False)
+        cpu, cpu_opt = build(torch.device("cpu"), stack=False)
         tte.checkpoint.load(tmp_path / name, model=cpu, optimizer=cpu_opt)
         got = comparable(cpu, cpu_opt)
         assert set(got) == set(expected), name
         for k, v in expected.items():
             assert torch.equal(got[k], v), (name, k)
-    # and back into a fused, sharded collection, shard by shard; training goes on identically
-    ec2, opt2 = build(DEV, fuse=True)
+    # and back into a stacked, sharded collection, shard by shard; training goes on identically
+    ec2, opt2 = build(DEV, stack=True)
     tte.checkpoint.load_distributed(tmp_path / "dist", model=ec2, optimizer=opt2)
     train(ec, opt, steps=2, seed=7)
     train(ec2, opt2, steps=2, seed=7)
@@ -213,13 +213,13 @@ def test_checkpoints_of_sharded_groups_load_unfused(tmp_path: Path) -> None:
         assert torch.equal(comparable(ec2, opt2)[k], v), k
 
 
-def _auto_tables(fuse: bool, device: torch.device) -> tte.EmbeddingCollection:
+def _auto_tables(stack: bool, device: torch.device) -> tte.EmbeddingCollection:
     """Three ``"auto"`` tables of one key: two below a 4 KiB replication threshold, one above it."""
     torch.manual_seed(0)
     configs = [tte.TableConfig(20, D, name="small_a"), tte.TableConfig(30, D, name="small_b", combiner="sum"),
                tte.TableConfig(512, D, name="big")]  # 640 B, 960 B, 16 KiB; all three: 35 KiB
     return tte.EmbeddingCollection({c.name: tte.FeatureConfig(c, max_ids_per_bag=2) for c in configs},
-                                   device=device, fuse_tables=fuse)
+                                   device=device, stack_tables=stack)
 
 
 def _auto_train(ec: tte.EmbeddingCollection, opt: Any, steps: int) -> None:
@@ -238,13 +238,13 @@ def test_auto_placement_is_decided_per_table_before_stacking(tmp_path: Path) -> 
     """Stacking never moves a table to another placement: ``"auto"`` decides by each table's own size,
     then tables are grouped by the placement they got (here the big table leaves the group it was in)."""
     ec = _auto_tables(True, DEV)
-    assert [m[0] for m in ec.fused_members()["fused_0"]] == ["big", "small_a", "small_b"]  # by config (sorted keys)
+    assert [m[0] for m in ec.stacked_members()["fused_0"]] == ["big", "small_a", "small_b"]  # by config (sorted keys)
     before = {k: v.cpu() for k, v in ec.state_dict().items()}
     placements = shard(ec, device_mesh(), replicate_below_bytes=4096)
     plain = _auto_tables(False, DEV)
     assert placements == shard(plain, device_mesh(), replicate_below_bytes=4096) == {
         "big": "row", "small_a": "replicated", "small_b": "replicated"}
-    assert ec.fused_members() == {"fused_0": (("small_a", 0, 20), ("small_b", 20, 30))}
+    assert ec.stacked_members() == {"fused_0": (("small_a", 0, 20), ("small_b", 20, 30))}
     assert sharding_spec(ec.groups["fused_0"].weight) == "{replicated}"
     assert sharding_spec(ec.tables["big"].weight).startswith("{devices=[4,1]")
     for k, v in ec.state_dict().items():
@@ -268,11 +268,11 @@ def test_auto_placement_is_decided_per_table_before_stacking(tmp_path: Path) -> 
         assert torch.equal(v, got[k]), k
 
 
-@pytest.mark.parametrize("fuse", [True, False], ids=["stacked", "unstacked"])
-def test_shard_called_again_with_another_threshold_re_lays_the_tables_out(fuse: bool) -> None:
+@pytest.mark.parametrize("stack", [True, False], ids=["stacked", "unstacked"])
+def test_shard_called_again_with_another_threshold_re_lays_the_tables_out(stack: bool) -> None:
     """A second (and third) ``shard`` with another ``replicate_below_bytes`` moves tables between
     placements — already laid-out tensors are re-annotated, values kept — and trains as on the CPU."""
-    ec = _auto_tables(fuse, DEV)
+    ec = _auto_tables(stack, DEV)
     before = {k: v.cpu() for k, v in ec.state_dict().items()}
     for threshold, want in ((4096, {"big": "row", "small_a": "replicated", "small_b": "replicated"}),
                             (0, dict.fromkeys(("big", "small_a", "small_b"), "row")),
@@ -284,8 +284,8 @@ def test_shard_called_again_with_another_threshold_re_lays_the_tables_out(fuse: 
             assert spec_ == "{replicated}" if placement == "replicated" else spec_.startswith("{devices=[4,1]"), name
         for k, v in ec.state_dict().items():
             assert torch.equal(v.cpu(), before[k]), (threshold, k)
-    if fuse:
-        assert list(ec.groups) == ["fused_0"] and len(ec.fused_members()["fused_0"]) == 3
+    if stack:
+        assert list(ec.groups) == ["fused_0"] and len(ec.stacked_members()["fused_0"]) == 3
     opt = tte.optim.Adam(ec.parameters(), lr=0.05)
     opt.init_state()
     torch_xla.sync()

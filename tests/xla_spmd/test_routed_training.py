@@ -2,7 +2,7 @@
 OWNER_LOCAL update path), with nothing changed in the training loop:
 
 * every optimizer (one table each, by per-table overrides), with EMA + gradient accumulation + clipnorm, with
-  global_clipnorm + loss scaling + skip_nonfinite; non-lazy Adam; a fused group; bfloat16 tables: the logical
+  global_clipnorm + loss scaling + skip_nonfinite; non-lazy Adam; a stacked group; bfloat16 tables: the logical
   state after 4 steps equals the CPU eager run to 1e-5 (float32), with Zipf and duplicate ids, host bags and
   batch-sharded device ids; one compiled graph; no host fallback; shardings unchanged — on 4 devices here and on
   2, 6 and 8 in subprocesses (_routed_script.py);
@@ -78,7 +78,7 @@ def test_equals_cpu_on_2_6_and_8_devices(n: int) -> None:
         check(r, fresh=True)
 
 
-@pytest.mark.parametrize("config", ["plain", "ema-accum-clipnorm", "fused"])
+@pytest.mark.parametrize("config", ["plain", "ema-accum-clipnorm", "stacked"])
 def test_more_devices_than_the_row_alignment_equal_cpu(config: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """On more than 512 devices (a power of two) the interleaved order has one chunk per device. That
     path, taken here on 4 devices with the alignment lowered to 2: every optimizer equals the CPU."""

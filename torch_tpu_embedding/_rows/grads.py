@@ -282,7 +282,7 @@ class TableInfo:
     #: how the table is placed over devices or processes (set by :func:`torch_tpu_embedding.xla.shard` or
     #: :func:`torch_tpu_embedding.distributed.shard`); ``None``: on one device
     sharding: TablePlacement | None = None
-    #: a fused group's tables as ``(name, first row, rows)`` in row order; ``None`` for one table
+    #: a stacked group's tables as ``(name, first row, rows)`` in row order; ``None`` for one table
     members: tuple[tuple[str, int, int], ...] | None = None
     #: the stored row order (``None``: logical order); set with the id exchange's interleaved layout
     #: by :func:`torch_tpu_embedding.xla.shard`

@@ -38,7 +38,7 @@ For ``"mod"`` and ``"interleaved"`` the table is stored permuted: ``state_dict``
 ``table[physical_row(arange(V))]`` and loading writes ``table[physical_row(arange(V))] = values``
 (fixed gathers/scatters: on a sharded table, the all-gather ``.cpu()`` already does, plus a
 permutation). Padding rows (``V <= r < R``) are spread over the chunks instead of sitting at the end;
-fused tables permute the group's row space once. With ``"interleaved"`` a distributed checkpoint of
+stacked tables permute the group's row space once. With ``"interleaved"`` a distributed checkpoint of
 the physical table still reshards in place between device counts dividing ``C``.
 
 Example (two shards, ``"mod"``; one device's ids, capacity 2)::

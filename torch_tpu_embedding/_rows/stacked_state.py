@@ -30,7 +30,7 @@ Members = tuple[tuple[str, int, int], ...]
 def split_member_state(
     entry: Mapping[str, torch.Tensor], members: Members, row_slots: Collection[str]
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """One group's optimizer state (logical rows) → ``{table name: state}``, as unfused tables keep it.
+    """One group's optimizer state (logical rows) → ``{table name: state}``, as unstacked tables keep it.
 
     Row slots are cut per table; ``step`` is copied to every table; any other slot is a whole-table
     slot with a leading ``[members]`` dim (``optim/_core/stacked_members.py``): table ``i`` gets entry ``i``; a

@@ -118,7 +118,7 @@ def _physical(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -
     tensors: dict[str, torch.Tensor] = {}
     rows: dict[str, int | None] = {}
     layouts: dict[str, Description] = {}
-    members: dict[str, Any] = {}  # fused groups: their tables, for convert_distributed
+    members: dict[str, Any] = {}  # stacked groups: their tables, for convert_distributed
     for name, p in [*model.named_parameters(), *model.named_buffers()]:
         info = table_info(p)
         tensors[f"model/{name}"] = p.detach()
@@ -252,7 +252,7 @@ def load_distributed(
     saved_layouts, layouts = meta.get("layouts", {}), rest["layouts"]
     saved, saved_dtypes = _saved_sizes(target)
     if set(saved) != set(dest) and _groups(meta.get("members", {})) != _groups(rest["members"]):
-        # Tables stacked in other groups than here (fuse_tables, or a mesh's placements): per table,
+        # Tables stacked in other groups than here (stack_tables, or a mesh's placements): per table,
         # through the host.
         apply_payload(logical_payload(target, meta), target, model, optimizer, strict=True)
         return

@@ -36,7 +36,7 @@ class CheckpointMismatchError(ValueError, RuntimeError):
 def expected_model_state(model: torch.nn.Module) -> dict[str, tuple[torch.Size, torch.dtype] | None]:
     """``model.state_dict()``'s keys with the logical shape and dtype of each tensor (``None``: extra state).
 
-    Tables answer with ``[num_embeddings, D]`` (no padding rows); a fused group answers to each of its
+    Tables answer with ``[num_embeddings, D]`` (no padding rows); a stacked group answers to each of its
     tables' ``tables.<name>.weight`` keys, as the collection's ``state_dict`` hook writes them.
     """
     out: dict[str, tuple[torch.Size, torch.dtype] | None] = {}
@@ -46,7 +46,7 @@ def expected_model_state(model: torch.nn.Module) -> dict[str, tuple[torch.Size, 
             if p is None:
                 continue
             info = table_info(p)
-            if info is not None and info.members is not None:  # a fused group: per-table keys
+            if info is not None and info.members is not None:  # a stacked group: per-table keys
                 owner = (dot + name)[: -len(f"groups.{info.name}.weight")]  # the collection's prefix
                 for tname, _, n in info.members:
                     out[f"{owner}tables.{tname}.weight"] = (torch.Size((n, *p.shape[1:])), p.dtype)

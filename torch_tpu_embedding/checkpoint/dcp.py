@@ -16,7 +16,7 @@ import torch
 from torch_tpu_embedding._rows.placement import device_backend
 from torch_tpu_embedding._rows.row_order import layout_of, to_logical
 from torch_tpu_embedding.checkpoint.files import dcp_quiet, dcp_reader, read_dcp_metadata
-from torch_tpu_embedding.checkpoint.host import split_fused_entries
+from torch_tpu_embedding.checkpoint.host import split_stacked_entries
 from torch_tpu_embedding.checkpoint.publish import read_errors
 
 __all__ = ["FORMAT", "META", "dcp", "logical_payload", "present", "read_meta", "read_tensors", "uses_xla",
@@ -92,7 +92,7 @@ def logical_payload(target: str, meta: Any) -> dict[str, Any]:
     members = meta.get("members", {})
     model_sd: dict[str, torch.Tensor] = {}
     for k in host:
-        if k.startswith("model/") and k in members:  # a fused group: its tables' weights
+        if k.startswith("model/") and k in members:  # a stacked group: its tables' weights
             prefix = k[len("model/"):].rsplit("groups.", 1)[0]
             value = logical(k)
             model_sd.update({f"{prefix}tables.{t}.weight": value[off : off + n] for t, off, n in members[k]})
@@ -107,7 +107,7 @@ def logical_payload(target: str, meta: Any) -> dict[str, Any]:
                 state.setdefault(key, {})[slot] = logical(k)
         for key, bufs in meta["optimizer"]["acc"].items():
             state.setdefault(key, {}).update(bufs)
-        split_fused_entries(state, members, meta["rows"], prefix="optim/")
+        split_stacked_entries(state, members, meta["rows"], prefix="optim/")
         optimizer_sd = {"state": state, "param_groups": meta["optimizer"]["param_groups"],
                         "iterations": meta["optimizer"]["iterations"]}
     return {"format": FORMAT, "model": model_sd, "optimizer": optimizer_sd, "extra": None}

@@ -16,7 +16,7 @@ from torch_tpu_embedding._rows.row_order import Description, layout_of, to_logic
 from torch_tpu_embedding._rows.stacked_state import split_member_state
 from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
 
-__all__ = ["host_model_state", "host_optimizer_state", "split_fused_entries", "to_cpu"]
+__all__ = ["host_model_state", "host_optimizer_state", "split_stacked_entries", "to_cpu"]
 
 
 def to_cpu(obj: Any) -> Any:
@@ -60,8 +60,8 @@ def _host_rows(t: torch.Tensor, n: int | None, layout: Description = None) -> to
     return host if n == host.shape[0] else host[:n].clone()
 
 
-def _fused_sources(model: torch.nn.Module) -> dict[str, tuple[str, int, int]]:
-    """``tables.<name>.weight`` keys of fused tables → (their group's parameter name, first row, rows)."""
+def _stacked_sources(model: torch.nn.Module) -> dict[str, tuple[str, int, int]]:
+    """``tables.<name>.weight`` keys of stacked tables → (their group's parameter name, first row, rows)."""
     out = {}
     for pname, p in model.named_parameters():
         info = table_info(p)
@@ -75,15 +75,15 @@ def _fused_sources(model: torch.nn.Module) -> dict[str, tuple[str, int, int]]:
 def host_model_state(model: torch.nn.Module) -> dict[str, Any]:
     state = model.state_dict(keep_vars=True)
     whole = dict(model.named_parameters())
-    fused = _fused_sources(model)
-    hosts: dict[str, torch.Tensor] = {}  # a fused group's weight moves to the host once per save
+    stacked = _stacked_sources(model)
+    hosts: dict[str, torch.Tensor] = {}  # a stacked group's weight moves to the host once per save
     out = {}
     for k, v in state.items():
-        if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and _permuted(whole, k, fused):
+        if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and _permuted(whole, k, stacked):
             out[k] = to_cpu(v)  # the state_dict hook already gathered the logical rows on the host
             continue
-        if k in fused:
-            pname, off, n = fused[k]
+        if k in stacked:
+            pname, off, n = stacked[k]
             if pname not in hosts:
                 hosts[pname] = to_cpu(whole[pname])
             out[k] = hosts[pname][off : off + n]  # views of one host tensor: written once
@@ -94,9 +94,9 @@ def host_model_state(model: torch.nn.Module) -> dict[str, Any]:
     return out
 
 
-def _permuted(whole: Mapping[str, torch.Tensor], key: str, fused: Mapping[str, tuple[str, int, int]]) -> bool:
-    """Whether model state ``key`` is a table (or a fused group's table) stored in a permuted row order."""
-    source = whole.get(fused[key][0] if key in fused else key)
+def _permuted(whole: Mapping[str, torch.Tensor], key: str, stacked: Mapping[str, tuple[str, int, int]]) -> bool:
+    """Whether model state ``key`` is a table (or a stacked group's table) stored in a permuted row order."""
+    source = whole.get(stacked[key][0] if key in stacked else key)
     info = None if source is None else table_info(source)
     return info is not None and info.layout is not None
 
@@ -111,15 +111,15 @@ def host_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         state.setdefault(key, {})[slot] = _host_rows(v, physical.logical_rows[name], physical.layouts.get(name))
     for key, bufs in physical.accumulation.items():
         state.setdefault(key, {}).update(bufs)
-    split_fused_entries(state, physical.members, physical.logical_rows)
+    split_stacked_entries(state, physical.members, physical.logical_rows)
     return {"state": state, "param_groups": physical.param_groups, "iterations": physical.iterations,
             "skipped_steps": optimizer.skipped_steps, "overflowed_steps": optimizer.overflowed_steps}
 
 
-def split_fused_entries(
+def split_stacked_entries(
     state: dict[str, Any], members: Mapping[str, Any], rows: Mapping[str, int | None], prefix: str = ""
 ) -> None:
-    """Replace each fused group's optimizer entry in ``state`` by one entry per table, as an unfused
+    """Replace each stacked group's optimizer entry in ``state`` by one entry per table, as an unstacked
     optimizer saves them. ``members`` and ``rows`` are keyed ``<prefix><key>`` and
     ``<prefix><key>/<slot>`` (a slot with logical rows is cut per table)."""
     for key in [k for k in state if prefix + k in members]:

@@ -165,7 +165,7 @@ def shard(
         # Tables built on the meta device: their recorded draws by table, followed through the re-stacking
         draws = {d.name: d for t in ec.physical_tables().values() for _, d in t.deferred}
         ec.restack({n: "replicated" if p == "replicated" else "row" for n, p in placements.items()})
-        ec.unstack([g for g, members in ec.fused_members().items() if placements[members[0][0]] != "replicated"])
+        ec.unstack([g for g, members in ec.stacked_members().items() if placements[members[0][0]] != "replicated"])
         for t in ec.physical_tables().values():
             if t.weight.is_meta:
                 members = t.members() or ((t.name, 0, t.config.num_embeddings),)

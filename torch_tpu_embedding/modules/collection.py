@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from contextlib import nullcontext
 from typing import Any, cast
 
@@ -18,12 +19,12 @@ from torch_tpu_embedding.inputs import to_bags
 from torch_tpu_embedding.modules.lookup import LookupBatch, side_by_side
 from torch_tpu_embedding.modules.screening import DeviceScreen, overflow_problem, warn_unchecked_drops
 from torch_tpu_embedding.modules.stacking import (
-    FusedTables,
+    StackedTables,
     TableView,
-    fuse,
-    join_fused_weights,
+    join_stacked_weights,
     plan_groups,
-    split_fused_weights,
+    split_stacked_weights,
+    stack_groups,
 )
 from torch_tpu_embedding.modules.table import EmbeddingTable
 
@@ -53,14 +54,14 @@ class EmbeddingCollection(nn.Module):
             drawn on the CPU, so a seed gives the same tables on every device. ``"meta"`` (or building
             under ``with torch.device("meta"):``) allocates no table: each records its draw, and
             :func:`torch_tpu_embedding.distributed.shard` draws each rank's rows only (docs/guide.md).
-        fuse_tables: stack tables with the same ``embedding_dim``, ``dtype``, ``placement`` and
+        stack_tables: stack tables with the same ``embedding_dim``, ``dtype``, ``placement`` and
             ``optimizer`` override in one buffer per group (``groups``), so an optimizer step does
             one dedup, gather and scatter per group instead of per table (much faster with many
             tables, above all on XLA; docs/benchmarks.md). On by default; ``False`` keeps one
             parameter per table. Values, updates, ``state_dict``, optimizer state and
             :meth:`row_grads` stay per table, with every optimizer and option (statistics over a
             table's rows, ``clipnorm`` and ``slot_creation_fn`` stay per table). Groups are formed
-            deterministically (docs/guide.md §13) and listed by ``repr(ec)`` and ``fused_members()``;
+            deterministically (docs/guide.md §13) and listed by ``repr(ec)`` and ``stacked_members()``;
             :func:`torch_tpu_embedding.xla.shard` re-forms them by each table's resolved placement.
 
     Forward: :meth:`forward` (``ec(features, weights=None)``).
@@ -87,16 +88,28 @@ class EmbeddingCollection(nn.Module):
     """
 
     def __init__(
-        self, feature_config: Any, *, device: torch.device | str | None = None, fuse_tables: bool = True
+        self, feature_config: Any, *, device: torch.device | str | None = None, stack_tables: bool | None = None,
+        fuse_tables: bool | None = None,
     ) -> None:
         """Create the tables of ``feature_config`` (each :class:`TableConfig` once) on ``device``,
-        stacked in groups unless ``fuse_tables=False``; the arguments are the class's (``Args``).
+        stacked in groups unless ``stack_tables=False``; the arguments are the class's (``Args``).
+        ``fuse_tables``: the deprecated name of ``stack_tables`` (a ``DeprecationWarning``; not both).
 
         Raises ``ValueError`` / ``TypeError`` naming the feature or table: no feature, a leaf that is
         not a :class:`FeatureConfig`, two tables or two features with one name.
         """
         super().__init__()
-        check_bool("fuse_tables", fuse_tables)
+        if fuse_tables is not None:
+            if stack_tables is not None:
+                raise TypeError("Arguments `stack_tables` and `fuse_tables` (its deprecated name) were both "
+                                f"given: stack_tables={stack_tables!r}, fuse_tables={fuse_tables!r}. Pass only "
+                                "`stack_tables`.")
+            warnings.warn("EmbeddingCollection(fuse_tables=...) is deprecated: use stack_tables=...",
+                          DeprecationWarning, stacklevel=2)
+            check_bool("fuse_tables", fuse_tables)
+            stack_tables = fuse_tables
+        stack_tables = True if stack_tables is None else stack_tables
+        check_bool("stack_tables", stack_tables)
         flat = list(flatten(feature_config))
         if not flat:
             raise ValueError("Argument `feature_config` must hold at least one FeatureConfig. Received: "
@@ -136,22 +149,22 @@ class EmbeddingCollection(nn.Module):
             tables: dict[str, nn.Module] = {
                 table_names[key]: EmbeddingTable(cfg, table_names[key]) for key, cfg in configs.items()
             }
-        self._fuse = fuse_tables
+        self._fuse = stack_tables  # the saved name (pickled models restore it)
         self._stack(tables)
-        self._register_state_dict_hook(split_fused_weights)  # type: ignore[no-untyped-call]
+        self._register_state_dict_hook(split_stacked_weights)  # type: ignore[no-untyped-call]
         self._register_state_dict_hook(warn_unchecked_drops)  # type: ignore[no-untyped-call]
-        self.register_load_state_dict_pre_hook(join_fused_weights)  # type: ignore[no-untyped-call]
+        self.register_load_state_dict_pre_hook(join_stacked_weights)  # type: ignore[no-untyped-call]
         if device is not None:
             self.to(device)
 
     def _stack(self, tables: dict[str, nn.Module], placements: dict[str, str] | None = None) -> None:
         """Set ``tables`` (name → its :class:`EmbeddingTable`), stacked in groups when fusing."""
-        #: fused table groups (``fuse_tables=True``): group name → :class:`FusedTables`
+        #: stacked table groups (``stack_tables=True``): group name → :class:`StackedTables`
         self.groups = nn.ModuleDict()
         #: table name → (the module holding its rows, its first row there)
         self._located = {n: (cast(EmbeddingTable, t), 0) for n, t in tables.items()}
         if self._fuse:
-            tables = fuse(tables, self.groups, self._located, placements)
+            tables = stack_groups(tables, self.groups, self._located, placements)
         self.tables = nn.ModuleDict(tables)
 
     def restack(self, placements: dict[str, str]) -> None:
@@ -167,7 +180,7 @@ class EmbeddingCollection(nn.Module):
                              f"Tables: {list(self.tables)}. Received: {placements!r}")
         if not self._fuse:
             return
-        groups = [cast(FusedTables, g) for g in self.groups.values()]
+        groups = [cast(StackedTables, g) for g in self.groups.values()]
         if plan_groups(self.table_configs, placements) == [tuple(m[0] for m in g.members()) for g in groups]:
             for g in groups:  # the same groups: each takes its tables' resolved placement
                 g.config = dataclasses.replace(g.config, placement=placements[g.members()[0][0]])
@@ -193,11 +206,11 @@ class EmbeddingCollection(nn.Module):
                 retire_table(w, "the tables were stacked anew for their placements (new group parameters)")
 
     def unstack(self, groups: list[str]) -> None:
-        """Dissolve the fused ``groups`` (names in ``self.groups``): each of their tables becomes a table of
+        """Dissolve the stacked ``groups`` (names in ``self.groups``): each of their tables becomes a table of
         its own with its logical rows. Called by ``tte.distributed.shard`` for tables it shards over a
         process group (each is laid out alone). Build the optimizer after this."""
         for gname in groups:
-            group = cast(FusedTables, self.groups[gname])
+            group = cast(StackedTables, self.groups[gname])
             logical = group.logical_weight()
             for tname, first, rows in group.members():
                 t = EmbeddingTable(group.member_configs[tname], tname,
@@ -210,19 +223,25 @@ class EmbeddingCollection(nn.Module):
     # ------------------------------------------------------------------ accessors
     @property
     def embedding_tables(self) -> dict[str, torch.Tensor]:
-        """Table name → weight ``[num_embeddings, embedding_dim]`` (the parameter; for a fused table,
+        """Table name → weight ``[num_embeddings, embedding_dim]`` (the parameter; for a stacked table,
         a view of its group's parameter)."""
         return {name: t.weight for name, t in self.tables.items()}  # type: ignore[misc]
 
     def physical_tables(self) -> dict[str, EmbeddingTable]:
-        """The modules that own table parameters: unfused tables by name, then fused groups."""
+        """The modules that own table parameters: unstacked tables by name, then stacked groups."""
         out = {n: t for n, t in self.tables.items() if isinstance(t, EmbeddingTable)}
         out.update({n: cast(EmbeddingTable, g) for n, g in self.groups.items()})
         return out
 
+    def stacked_members(self) -> dict[str, tuple[tuple[str, int, int], ...]]:
+        """Stacked group name → its tables as ``(name, first row, rows)``."""
+        return {n: cast(StackedTables, g).members() for n, g in self.groups.items()}
+
     def fused_members(self) -> dict[str, tuple[tuple[str, int, int], ...]]:
-        """Fused group name → its tables as ``(name, first row, rows)``."""
-        return {n: cast(FusedTables, g).members() for n, g in self.groups.items()}
+        """Deprecated name of :meth:`stacked_members` (a ``DeprecationWarning``)."""
+        warnings.warn("EmbeddingCollection.fused_members() is deprecated: use stacked_members()",
+                      DeprecationWarning, stacklevel=2)
+        return self.stacked_members()
 
     @property
     def table_configs(self) -> dict[str, TableConfig]:
@@ -400,13 +419,13 @@ class EmbeddingCollection(nn.Module):
         max_unique_ids_per_shard`` (e.g. 1.25 × the largest over a few hundred steps;
         ``torch_tpu_embedding.routing.capacity_for_load``). Syncs XLA.
 
-        Returns ``{table: {"largest_load": [per shard], "capacity": the capacity in use}}`` (a fused
+        Returns ``{table: {"largest_load": [per shard], "capacity": the capacity in use}}`` (a stacked
         group reports under its group name).
         """
         return {t: {"largest_load": c.per_shard()[1], "capacity": c.capacity} for t, c in self._exchange_counts.items()}
 
     def _table_features(self, physical: str) -> list[str]:
-        """Names of the features looked up in physical table ``physical`` (a table or a fused group)."""
+        """Names of the features looked up in physical table ``physical`` (a table or a stacked group)."""
         return [f for _, f, _, t in self._features if self._located[t][0].name == physical]
 
     def extra_repr(self) -> str:
@@ -418,7 +437,7 @@ class EmbeddingCollection(nn.Module):
         for tname, feats in by_table.items():
             lines.append(f"{tname} ← {', '.join(feats)}")
         for gname, group in self.groups.items():  # stacked tables: one line per group, in group order
-            g = cast(FusedTables, group)
+            g = cast(StackedTables, group)
             c = g.config
             lines.append(f"group {gname} = {' + '.join(m[0] for m in g.members())}: {c.num_embeddings} rows × "
                          f"{c.embedding_dim}, {c.dtype}, placement {c.placement!r}")
@@ -441,7 +460,7 @@ def split_parameters(
     dense: list[nn.Parameter] = []
     seen: set[int] = set()
     for sub in module.modules():
-        if isinstance(sub, EmbeddingTable):  # fused groups included
+        if isinstance(sub, EmbeddingTable):  # stacked groups included
             tables.append(sub.weight)
             seen.add(id(sub.weight))
     for p in module.parameters():

@@ -124,7 +124,7 @@ def _pooled(weight: torch.Tensor, ids: torch.Tensor, gains: torch.Tensor) -> tor
     if gains.dtype != weight.dtype:  # a 16-bit table: combine in float32, then cast
         return torch.bmm(gains.unsqueeze(1), _gather(weight, safe, gains.dtype)).squeeze(1).to(weight.dtype)
     if weight.device.type != "xla" and ids.shape[1]:  # (bags of width 0: the product below, zeros)
-        # Fused gather-and-sum, no [N·L, D] temporary (2.8× faster at 20 ids on the CPU); on XLA
+        # One gather-and-sum, no [N·L, D] temporary (2.8× faster at 20 ids on the CPU); on XLA
         # embedding_bag falls back to the host, so there it is gather + weighted sum.
         return torch.nn.functional.embedding_bag(safe, weight, per_sample_weights=gains, mode="sum")
     if ids.shape[1] == 1:

@@ -1,4 +1,4 @@
-"""Fused table groups: tables stacked in one buffer, so a step updates a group at once.
+"""Stacked table groups: tables stacked in one buffer, so a step updates a group at once.
 
 Tables with the same ``embedding_dim``, ``dtype``, ``placement`` and per-table optimizer override
 share one ``[Σ rows, D]`` parameter (keras-rs and SparseCore call this *table stacking*; TorchRec's
@@ -11,7 +11,7 @@ that XLA's donation pairing can mix up (see ``optim/_core/slots.py``, ``trash_ro
 Only the layout changes: every feature still reads its own table's rows, and the per-row update is
 the same. ``state_dict`` stays per table (``tables.<name>.weight``; optimizer state keyed
 ``table:<name>``, split and joined by :mod:`torch_tpu_embedding._rows.stacked_state`), so checkpoints move
-between fused and unfused collections.
+between stacked and unstacked collections.
 """
 
 from __future__ import annotations
@@ -30,17 +30,25 @@ from torch_tpu_embedding.modules.deferred_init import defer
 from torch_tpu_embedding.modules.table import EmbeddingTable, host_empty
 
 __all__ = [
+    "GROUP_KEY_PREFIX",
     "FusedTables",
+    "StackedTables",
     "TableView",
-    "fuse",
-    "fuse_key",
+    "stack_key",
     "join_fused_weights",
+    "join_stacked_weights",
     "plan_groups",
     "split_fused_weights",
+    "split_stacked_weights",
+    "stack_groups",
 ]
 
+#: the saved name of stacked groups in state dicts and checkpoints (``groups.fused_0.weight``); kept so
+#: every existing checkpoint loads
+GROUP_KEY_PREFIX = "fused_"
 
-def fuse_key(config: TableConfig, placement: str | None = None) -> tuple[Any, ...]:
+
+def stack_key(config: TableConfig, placement: str | None = None) -> tuple[Any, ...]:
     """Tables with equal keys can share one buffer (the optimizer override compares by identity,
     a name by value). ``placement``: the table's resolved placement (default: as configured).
 
@@ -52,13 +60,13 @@ def fuse_key(config: TableConfig, placement: str | None = None) -> tuple[Any, ..
     return (config.embedding_dim, config.dtype, where, opt if isinstance(opt, str) else id(opt), capped)
 
 
-class FusedTables(EmbeddingTable):
+class StackedTables(EmbeddingTable):
     """Several tables stacked in one ``weight`` ``[Σ num_embeddings (+ padding), D]``.
 
     Table ``i`` holds rows ``[offset_i, offset_i + num_embeddings_i)``; padding rows for sharding
     come after the last table. Built by :class:`~torch_tpu_embedding.EmbeddingCollection` with
-    ``fuse_tables=True`` from tables whose weights are already drawn, so a seed gives the same
-    values fused or not.
+    ``stack_tables=True`` from tables whose weights are already drawn, so a seed gives the same
+    values stacked or not.
     """
 
     def __init__(self, tables: Sequence[EmbeddingTable], name: str, placement: str | None = None) -> None:
@@ -79,12 +87,12 @@ class FusedTables(EmbeddingTable):
             optimizer=first.optimizer,
             dtype=first.dtype,
             placement=first.placement if placement is None else placement,
-            # The group routes its tables' ids together: their capacities add up (fuse_key groups
+            # The group routes its tables' ids together: their capacities add up (stack_key groups
             # tables that all set one, or none).
             max_unique_ids_per_shard=None if None in caps else sum(c for c in caps if c is not None),
         )
         parts = [t.weight.detach()[: t.config.num_embeddings] for t in tables]
-        on_host = all(w.device.type == "cpu" for w in parts)  # (one dtype: fuse_key holds it)
+        on_host = all(w.device.type == "cpu" for w in parts)  # (one dtype: stack_key holds it)
         # On the host, into a buffer on huge pages (host_empty); elsewhere (meta, a device) as torch.cat places it
         out = host_empty(name, (total, first.embedding_dim), parts[0].dtype) if on_host else None
         weight = torch.cat(parts, out=out)
@@ -143,13 +151,13 @@ class FusedTables(EmbeddingTable):
 
 
 class TableView(nn.Module):
-    """A table stacked in a :class:`FusedTables`: its config, and its rows of the group's weight.
+    """A table stacked in a :class:`StackedTables`: its config, and its rows of the group's weight.
 
     Holds no parameter (the group does); ``weight`` is a view of the group's rows, for reading.
     Write a table's values with ``load_state_dict`` (``tables.<name>.weight``).
     """
 
-    def __init__(self, config: TableConfig, name: str, group: FusedTables, offset: int) -> None:
+    def __init__(self, config: TableConfig, name: str, group: StackedTables, offset: int) -> None:
         super().__init__()
         self.config = config
         self.name = name
@@ -157,9 +165,9 @@ class TableView(nn.Module):
         self.__dict__["group"] = group  # not a submodule: the group is registered once, in `groups`
 
     @property
-    def group(self) -> FusedTables:
+    def group(self) -> StackedTables:
         """The group whose weight holds this table's rows."""
-        group: FusedTables = self.__dict__["group"]
+        group: StackedTables = self.__dict__["group"]
         return group
 
     @property
@@ -203,28 +211,28 @@ class TableView(nn.Module):
         c = self.config
         return (
             f"name={self.name!r}, num_embeddings={c.num_embeddings}, embedding_dim={c.embedding_dim}, "
-            f"combiner={c.combiner!r}, dtype={c.dtype}, fused in {self.group.name!r} at row {self.offset}"
+            f"combiner={c.combiner!r}, dtype={c.dtype}, stacked in {self.group.name!r} at row {self.offset}"
         )
 
 
 # ------------------------------------------------------------------ building groups, module state
 def plan_groups(configs: Mapping[str, TableConfig], placements: Mapping[str, str]) -> list[tuple[str, ...]]:
-    """The groups :func:`fuse` forms: names of tables with equal :func:`fuse_key` (two or more), in
+    """The groups :func:`stack_groups` forms: names of tables with equal :func:`stack_key` (two or more), in
     table order, groups in the order of their first table."""
     by_key: dict[tuple[Any, ...], list[str]] = {}
     for name, config in configs.items():
-        by_key.setdefault(fuse_key(config, placements.get(name)), []).append(name)
+        by_key.setdefault(stack_key(config, placements.get(name)), []).append(name)
     return [tuple(names) for names in by_key.values() if len(names) > 1]
 
 
-def fuse(
+def stack_groups(
     tables: dict[str, nn.Module], groups: nn.ModuleDict, located: dict[str, tuple[EmbeddingTable, int]],
     placements: Mapping[str, str] | None = None,
 ) -> dict[str, nn.Module]:
-    """Stack tables with equal :func:`fuse_key` (two or more) into :class:`FusedTables`.
+    """Stack tables with equal :func:`stack_key` (two or more) into :class:`StackedTables`.
 
-    Each group is added to ``groups`` (``fused_<i>``); returns ``tables`` with each stacked table
-    replaced by its :class:`TableView`, and records in ``located`` each stacked table's group and
+    Each group is added to ``groups`` (:data:`GROUP_KEY_PREFIX` ``<i>``); returns ``tables`` with each stacked
+    table replaced by its :class:`TableView`, and records in ``located`` each stacked table's group and
     first row there. ``placements``: each table's resolved placement (by name), which its group then
     takes; default: as configured.
     """
@@ -232,10 +240,10 @@ def fuse(
     out: dict[str, nn.Module] = dict(tables)
     for names in plan_groups({n: cast(EmbeddingTable, t).config for n, t in tables.items()}, where):
         same = [cast(EmbeddingTable, tables[n]) for n in names]
-        name = f"fused_{len(groups)}"
-        while name in tables:  # a table may be called fused_<i> already
+        name = f"{GROUP_KEY_PREFIX}{len(groups)}"
+        while name in tables:  # a table may have that name already
             name = "_" + name
-        group = FusedTables(same, name, where.get(same[0].name))
+        group = StackedTables(same, name, where.get(same[0].name))
         groups[name] = group
         for (tname, off, _), t in zip(group.members(), same, strict=True):
             out[tname] = TableView(t.config, tname, group, off)
@@ -243,20 +251,20 @@ def fuse(
     return out
 
 
-def _fused_members(module: nn.Module) -> dict[str, Members]:
+def _stacked_members(module: nn.Module) -> dict[str, Members]:
     groups = cast(nn.ModuleDict, module.groups)
-    return {n: cast(FusedTables, g).members() for n, g in groups.items()}
+    return {n: cast(StackedTables, g).members() for n, g in groups.items()}
 
 
-def split_fused_weights(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-    """``state_dict`` hook: each fused group's weight becomes its tables' ``tables.<name>.weight``
-    (in table order, as an unfused collection's)."""
-    fused = _fused_members(module)
-    if not fused:
+def split_stacked_weights(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """``state_dict`` hook: each stacked group's weight becomes its tables' ``tables.<name>.weight``
+    (in table order, as an unstacked collection's)."""
+    stacked = _stacked_members(module)
+    if not stacked:
         return
     mine = {k: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)]}
     lazy: list[torch.Tensor] = []
-    for gname, members in fused.items():
+    for gname, members in stacked.items():
         value = mine.pop(prefix + f"groups.{gname}.weight", None)
         if value is not None:
             rows = {prefix + f"tables.{t}.weight": value[off : off + n] for t, off, n in members}
@@ -271,16 +279,16 @@ def split_fused_weights(module: nn.Module, state_dict: dict[str, Any], prefix: s
     state_dict.update(mine)
 
 
-def join_fused_weights(
+def join_stacked_weights(
     module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
     missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str],
 ) -> None:
-    """Load pre-hook: per-table weights of fused tables stacked into their group's weight.
+    """Load pre-hook: per-table weights of stacked tables joined into their group's weight.
 
     Tables absent from ``state_dict`` keep their values (and are reported missing when ``strict``);
     a state_dict that holds the group's weight itself (a distributed checkpoint) loads as is.
     """
-    for gname, members in _fused_members(module).items():
+    for gname, members in _stacked_members(module).items():
         gkey = prefix + f"groups.{gname}.weight"
         keys = [prefix + f"tables.{tname}.weight" for tname, _, _ in members]
         if gkey in state_dict or not any(k in state_dict for k in keys):
@@ -308,5 +316,11 @@ def join_fused_weights(
 
 
 def _current_rows(module: nn.Module, gname: str) -> torch.Tensor:
-    group = cast(FusedTables, cast(nn.ModuleDict, module.groups)[gname])
+    group = cast(StackedTables, cast(nn.ModuleDict, module.groups)[gname])
     return group.logical_weight()
+
+
+# Deprecated names, kept importable: models pickled whole before the rename name these hooks and this class.
+FusedTables = StackedTables
+split_fused_weights = split_stacked_weights
+join_fused_weights = join_stacked_weights

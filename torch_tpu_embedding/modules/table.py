@@ -61,7 +61,7 @@ class EmbeddingTable(nn.Module):
                 host_empty(name, (config.num_embeddings, config.embedding_dim), config.dtype)
             )
             self.reset_parameters()
-        else:  # initial values given (a fused group stacks its tables' drawn weights)
+        else:  # initial values given (a stacked group stacks its tables' drawn weights)
             self.weight = nn.Parameter(weight)
         self._register()
         # Padding rows (added for even sharding) never reach a checkpoint.

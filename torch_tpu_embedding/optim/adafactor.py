@@ -31,7 +31,7 @@ def adafactor_rule(
     are the touched rows of a table: RMS terms and the column mean run over them, the row mean over
     the whole table comes from ``r_sum``. With every row touched this is Keras on the dense gradient.
     Every sum over rows goes through ``ctx.all_reduce`` (rows split over shards: summed over them).
-    In a fused group (``ctx.segment``) every statistic is per member table: ``c [members, n]``,
+    In a stacked group (``ctx.segment``) every statistic is per member table: ``c [members, n]``,
     ``r_sum [members]``, the touched-row count, ``RMS(w)`` and ``RMS(u)`` — as for separate tables.
     """
     t = step.to(w.dtype)
@@ -40,7 +40,7 @@ def adafactor_rule(
     g2 = g * g + hp["epsilon_1"]
     mask = ctx.mask
     total = ctx.all_reduce
-    fused = ctx.segment is not None  # a fused group: every statistic per member table
+    stacked = ctx.segment is not None  # a stacked group: every statistic per member table
 
     def real(x: torch.Tensor) -> torch.Tensor:  # zero the static-shape padding rows
         if mask is None:
@@ -48,10 +48,10 @@ def adafactor_rule(
         return torch.where(mask.reshape(-1, *([1] * (x.dim() - 1))), x, torch.zeros_like(x))
 
     def sum_all(x: torch.Tensor) -> torch.Tensor:  # Σ over rows and columns: () or [members]
-        return ctx.row_sum(x.reshape(x.shape[0], -1).sum(-1)) if fused else total(x.sum())
+        return ctx.row_sum(x.reshape(x.shape[0], -1).sum(-1)) if stacked else total(x.sum())
 
     def each_row(v: torch.Tensor) -> torch.Tensor:  # a per-table scalar, broadcast against [U, D]
-        return ctx.per_row(v).unsqueeze(-1) if fused else v
+        return ctx.per_row(v).unsqueeze(-1) if stacked else v
 
     if mask is None or ctx.count is None:
         n_elems: torch.Tensor | float = float(w.numel())
@@ -71,17 +71,17 @@ def adafactor_rule(
             r_mean = r.mean(-1, keepdim=True)
         else:
             assert ctx.count is not None
-            col = ctx.row_sum(real(g2)) if fused else total(real(g2).sum(-2))
-            per = count.unsqueeze(-1) if fused else count
+            col = ctx.row_sum(real(g2)) if stacked else total(real(g2).sum(-2))
+            per = count.unsqueeze(-1) if stacked else count
             c = b2 * c_old + (1 - b2) * col / per
-            touched = (ctx.count > 0).unsqueeze(-1) if fused else ctx.count > 0
+            touched = (ctx.count > 0).unsqueeze(-1) if stacked else ctx.count > 0
             c = torch.where(touched, c, c_old)  # a step without touched rows keeps c
-            r_sum = slots["r_sum"] + (ctx.row_sum(real(r - r_old)) if fused else total(real(r - r_old).sum()))
+            r_sum = slots["r_sum"] + (ctx.row_sum(real(r - r_old)) if stacked else total(real(r - r_old).sum()))
             new["r_sum"] = r_sum
             r_mean = r_sum / ctx.rows_of_table(w)
-            if fused:
+            if stacked:
                 r_mean = ctx.per_row(r_mean)
-        row_c = ctx.per_row(c) if fused and count is not None else c[..., None, :]
+        row_c = ctx.per_row(c) if stacked and count is not None else c[..., None, :]
         v = (r / r_mean)[..., None] * row_c
         new["r"], new["c"] = r, c
     else:

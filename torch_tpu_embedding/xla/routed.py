@@ -163,7 +163,7 @@ class RoutedLookup:
                 f"Tables {sorted(info.frozen_tables)} are frozen (requires_grad_(False)) members of group "
                 f"`{self.table}`, which is row-sharded and trained through the id exchange: freezing one table of "
                 "such a group is not supported. Give the frozen tables a TableConfig.optimizer override of their own "
-                "(they then stack apart) and freeze their group, or build the collection with fuse_tables=False."
+                "(they then stack apart) and freeze their group, or build the collection with stack_tables=False."
             )
         sharding = cast("TableSharding", info.sharding)
         mesh, axis, n = sharding.mesh, sharding.axis, sharding.num_shards

@@ -195,7 +195,7 @@ def shard(
             "the SPMD partitioner's lookup, which all-gathers the global batch's ids and all-reduces its rows: "
             "the bytes each device moves per step grow with the number of devices (docs/sharding.md).",
             stacklevel=2)
-    for name, table in collection.physical_tables().items():  # a fused group is laid out once
+    for name, table in collection.physical_tables().items():  # a stacked group is laid out once
         members = table.members()
         placement = placements[name if members is None else members[0][0]]
         if placement == "column" and table.config.embedding_dim % n:

@@ -9,7 +9,7 @@ import torch
 import torch_tpu_embedding as tte
 
 O = tte.optim  # noqa: E741
-CONFIGS: dict[str, tuple[Any, dict[str, Any], bool]] = {  # optimizer, its arguments, fuse_tables
+CONFIGS: dict[str, tuple[Any, dict[str, Any], bool]] = {  # optimizer, its arguments, stack_tables
     "sgd": (O.SGD, {"lr": 0.1, "clipvalue": 0.5, "weight_decay_factor": 0.01}, False),
     "adagrad": (O.Adagrad, {"lr": 0.1, "initial_accumulator_value": 0.2}, False),
     "adagrad_momentum": (O.AdagradMomentum, {"lr": 0.1, "momentum": 0.9, "use_nesterov": True}, False),
@@ -27,14 +27,14 @@ CONFIGS: dict[str, tuple[Any, dict[str, Any], bool]] = {  # optimizer, its argum
 
 def build(name: str, default_construction: bool = False) -> tuple[torch.nn.ModuleDict, Any]:
     """The model and optimizer of checkpoint ``name``; ``default_construction``: the collection built
-    with no ``fuse_tables`` flag (today's default), instead of the flag the checkpoint was written with."""
-    cls, kwargs, fuse = CONFIGS[name]
+    with no ``stack_tables`` flag (today's default), instead of the flag the checkpoint was written with."""
+    cls, kwargs, stack = CONFIGS[name]
     torch.manual_seed(0)
     a = tte.TableConfig(30, 4, name="a", combiner="sqrtn", dtype=torch.float64)
     b = tte.TableConfig(17, 4, name="b", combiner="mean", dtype=torch.float64)
     features = {"a": tte.FeatureConfig(a, max_ids_per_bag=3), "a1": tte.FeatureConfig(a), "b": tte.FeatureConfig(b)}
     ec = tte.EmbeddingCollection(features) if default_construction else tte.EmbeddingCollection(
-        features, fuse_tables=fuse)
+        features, stack_tables=stack)
     model = torch.nn.ModuleDict({"ec": ec, "head": torch.nn.Linear(12, 1).to(torch.float64)})
     return model, cls(model.parameters(), **kwargs)
 

@@ -36,8 +36,8 @@ from torch_tpu_embedding.optim._core import ema, grad_intake, step_gates
 from torch_tpu_embedding.optim._core.contract import RowContext, Slots, SlotSpec
 from torch_tpu_embedding.optim._core.extras import EXTRA_DEFAULTS, EXTRA_NAMES, check_extras
 from torch_tpu_embedding.optim._core.hyperparams import (
-    check_fused,
     check_group_options,
+    check_stacked,
     param_groups,
     refuse_complex,
     user_groups,
@@ -179,7 +179,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             check_extras(group, extras)
             validate_common(group)
             rule_cls._validate(group)
-            check_fused(group, rule_cls)
+            check_stacked(group, rule_cls)
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise

@@ -64,7 +64,7 @@ class RowContext:
     sum over the shards — so ``all_reduce(f(rows).sum())`` is the sum over all touched rows on every
     device. Per-row rules ignore the context; rules with reductions over rows (Adafactor) use it.
 
-    In a fused table group (several tables stacked in one parameter, ``torch_tpu_embedding/modules/stacking.py``)
+    In a stacked table group (several tables stacked in one parameter, ``torch_tpu_embedding/modules/stacking.py``)
     statistics stay per table: ``segment [U]`` is the table (member) of each row, ``member_rows`` the
     logical rows of each member, ``count`` is ``[members]`` (touched rows per member), and a whole-table
     slot has a leading ``[members]`` dim. :meth:`row_sum` sums per member, :meth:`per_row` hands each row
@@ -75,24 +75,24 @@ class RowContext:
     count: Tensor | None
     num_rows: int  # logical rows of the whole parameter
     all_reduce: Callable[[Tensor], Tensor] = identity
-    segment: Tensor | None = None  # [U] member index of each row (fused groups only)
-    member_rows: tuple[int, ...] = ()  # logical rows of each member (fused groups only)
+    segment: Tensor | None = None  # [U] member index of each row (stacked groups only)
+    member_rows: tuple[int, ...] = ()  # logical rows of each member (stacked groups only)
 
     def row_sum(self, x: Tensor) -> Tensor:
         """``Σ`` over every row of the update of ``x [U, *rest]``: ``[*rest]``, or ``[members, *rest]``
-        per member in a fused group (all-reduced over shards either way)."""
+        per member in a stacked group (all-reduced over shards either way)."""
         if self.segment is None:
             return self.all_reduce(x.sum(0))
         out = torch.zeros((len(self.member_rows), *x.shape[1:]), dtype=x.dtype, device=x.device)
         return self.all_reduce(out.index_add(0, self.segment, x))
 
     def per_row(self, v: Tensor) -> Tensor:
-        """A per-table value ``v`` (``[members, *rest]`` in a fused group) for each row: ``[U, *rest]``;
+        """A per-table value ``v`` (``[members, *rest]`` in a stacked group) for each row: ``[U, *rest]``;
         ``v`` itself for one table."""
         return v if self.segment is None else v.index_select(0, self.segment)
 
     def rows_of_table(self, like: Tensor) -> Tensor | float:
-        """Logical rows of the table: ``num_rows``, or ``[members]`` in a fused group."""
+        """Logical rows of the table: ``num_rows``, or ``[members]`` in a stacked group."""
         if self.segment is None:
             return float(self.num_rows)
         return torch.tensor(self.member_rows, dtype=like.dtype).to(like.device)

@@ -70,7 +70,7 @@ class Work:
     step_now: Tensor | None = None  # this call's step count, once the first row chunk has set it
     pieces: RowGrad | None = None  # ADDITIVE: the row gradient, added per id piece by piece
     divisor: float | None = None  # loss_scale_factor, applied to the pieces
-    #: FUSED: the factored gradient sorted by id, summed a range of rows at a time by the update
+    #: KERNEL: the factored gradient sorted by id, summed a range of rows at a time by the update
     #: (``g`` is then empty; :func:`.row_update.update` makes it for the reference path)
     sums: RowSums | None = None
 
@@ -93,10 +93,10 @@ def has_gradient(p: Tensor, group: dict[str, Any], state: dict[str, Tensor] | No
 def take(p: Tensor, group: dict[str, Any], path: Path) -> Taken:
     """Consume ``p``'s gradient (the table's pending rows are cleared; ``.grad`` is left to zero_grad)."""
     info = table_info(p)
-    # ADDITIVE multiplies the factored rows out piecewise; FUSED sums them per id without doing so,
+    # ADDITIVE multiplies the factored rows out piecewise; KERNEL sums them per id without doing so,
     # except on a 16-bit table: its backward multiplies float32 gains out and rounds the rows to 16
     # bits, and the factored form (16-bit gains) would round differently from the reference path.
-    factored = path is Path.ADDITIVE or (path is Path.FUSED and math_dtype(p) == p.dtype)
+    factored = path is Path.ADDITIVE or (path is Path.KERNEL and math_dtype(p) == p.dtype)
     piecewise = factored and not group["gradient_accumulation_steps"]
     if info is not None:
         # The next backward hands over its rows factored only to a consumer that multiplies them out
@@ -161,7 +161,7 @@ def prepare(
                 return None
             g, gate = acc
     else:
-        if taken.pieces is not None and path is Path.FUSED:
+        if taken.pieces is not None and path is Path.KERNEL:
             sums = row_sums(taken.pieces, p)
             if sums is None:  # multiplied out and summed as on the reference path
                 all_ids, all_rows = taken.pieces.collect()
@@ -206,7 +206,7 @@ def prepare(
 
 
 def _clip(p: Tensor, g: Tensor, ids: Tensor | None, clipnorm: float, owned: bool = False) -> Tensor:
-    """``clipnorm`` on ``p``'s gradient ``g`` (rows ``ids``; ``None``: every row): in a fused group each
+    """``clipnorm`` on ``p``'s gradient ``g`` (rows ``ids``; ``None``: every row): in a stacked group each
     member table's rows by that table's own norm, as for tables of their own. A table whose rows are
     split over a process group: the norm over every rank's rows (one all-reduce)."""
     pg = reduction_group(p)

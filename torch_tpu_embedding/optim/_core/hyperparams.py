@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 __all__ = [
     "TORCH_GROUP_KEYS",
     "check_clipvalue",
-    "check_fused",
+    "check_stacked",
     "check_group_options",
     "param_groups",
     "refuse_complex",
@@ -96,8 +96,8 @@ def validate_common(hp: dict[str, Any]) -> None:
         raise arg_error("slot_creation_fn", "must be a callable or None", fn)
 
 
-def check_fused(group: Mapping[str, Any], rule_cls: type[RowSparseOptimizer]) -> None:
-    """Reject what a fused group cannot do exactly as its separate tables would (by name).
+def check_stacked(group: Mapping[str, Any], rule_cls: type[RowSparseOptimizer]) -> None:
+    """Reject what a stacked group cannot do exactly as its separate tables would (by name).
 
     Every optimizer and option works in a group (``optim/_core/stacked_members.py``: whole-table statistics,
     ``clipnorm`` and ``slot_creation_fn`` per table) except one combination no optimizer of this
@@ -110,10 +110,10 @@ def check_fused(group: Mapping[str, Any], rule_cls: type[RowSparseOptimizer]) ->
         whole = [k for k, spec in rule_cls.slot_specs(tuple(p.shape), group, True).items() if not spec.rows]
         if whole:
             raise ValueError(
-                f"Fused table group '{info.name}' (tables {[m[0] for m in info.members]}) cannot be trained "
+                f"Stacked table group '{info.name}' (tables {[m[0] for m in info.members]}) cannot be trained "
                 f"this way: non-lazy optimizer '{group['algorithm']}' keeps per-table state {whole}. Build the "
-                "EmbeddingCollection with fuse_tables=False, or give these tables their own optimizer with "
-                "TableConfig.optimizer (tables with different optimizers are not fused)."
+                "EmbeddingCollection with stack_tables=False, or give these tables their own optimizer with "
+                "TableConfig.optimizer (tables with different optimizers are not stacked)."
             )
 
 
@@ -227,7 +227,7 @@ def param_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 continue
             refuse_stacked_view(p, "params", "optimized", "For per-table optimizer settings use "
                                 "TableConfig(optimizer=...) (tables with different settings are stacked apart), or "
-                                "build the EmbeddingCollection with fuse_tables=False.")
+                                "build the EmbeddingCollection with stack_tables=False.")
             info = table_info(p)
             if overrides and info is not None and info.optimizer is not None and "algorithm" not in group:
                 out.append(_override_group(p, info.name, info.optimizer))

@@ -2,8 +2,8 @@
 
 :func:`pipeline` is clipvalue → decoupled weight decay → the rule → weight clipping (TF's order), on
 whatever rows a path hands it; :func:`gated` keeps or drops a computed update (``skip_nonfinite``,
-an exchange overflow). Which path a parameter takes, and the paths themselves, are ``_core.update_paths``;
-the compiled eager path (``_kernels.row_update``) and the moving average (``_core.ema``) run the same
+an exchange overflow). Which path a parameter takes, and the paths themselves, are :mod:`.update_paths`;
+the compiled eager path (:mod:`.row_update`) and the moving average (:mod:`.ema`) run the same
 two functions.
 
 Example (one SGD row update, no options set)::
@@ -41,7 +41,7 @@ class Path(enum.Enum):
     ADDITIVE = "additive"
     NO_DEDUP = "no_dedup"
     ROWS = "rows"
-    FUSED = "fused"
+    KERNEL = "kernel"
     ROW_CHUNKS = "row_chunks"
     OWNER_LOCAL = "owner_local"
 

@@ -76,7 +76,7 @@ def rule_slots(p: Tensor, group: Mapping[str, Any]) -> list[str]:
 def specs(p: Tensor, group: Mapping[str, Any]) -> dict[str, SlotSpec]:
     """Every state tensor of ``p`` except ``step`` and the accumulation buffers of tables."""
     cls = rule_of(group)
-    # A fused group keeps each table's whole-table slots: a leading [members] dim (optim/_core/stacked_members.py).
+    # A stacked group keeps each table's whole-table slots: a leading [members] dim (optim/_members.py).
     out = member_specs(p, cls.slot_specs(tuple(p.shape), group, table_info(p) is not None))
     if group["use_ema"]:
         out["ema"] = SlotSpec(tuple(p.shape))
@@ -205,7 +205,7 @@ def make_state(p: Tensor, group: Mapping[str, Any]) -> dict[str, Tensor]:
     all_specs = specs(p, group)
     fn = group.get("slot_creation_fn")
     made: Mapping[str, Any] = {}
-    if fn is not None and member_rows(p):  # a fused group: once per table, as for tables of their own
+    if fn is not None and member_rows(p):  # a stacked group: once per table, as for tables of their own
         cls = rule_of(group)
         made = created_member_slots(p, fn, rule_slots(p, group), all_specs,
                                     lambda shape: cls.slot_specs(shape, group, True))

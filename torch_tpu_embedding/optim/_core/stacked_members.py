@@ -1,6 +1,6 @@
-"""Per-table optimizer behaviour inside a fused table group (``torch_tpu_embedding/modules/stacking.py``).
+"""Per-table optimizer behaviour inside a stacked table group (``torch_tpu_embedding/modules/stacking.py``).
 
-A fused group stacks several tables (its *members*) in one parameter; an update runs once per group.
+A stacked group stacks several tables (its *members*) in one parameter; an update runs once per group.
 What an optimizer does per table stays per table:
 
 * statistics over a table's rows (Adafactor's ``c``, ``r_sum``, touched-row count, ``RMS(w)``,
@@ -29,14 +29,14 @@ Tensor = torch.Tensor
 
 
 def member_rows(p: Tensor) -> tuple[int, ...]:
-    """Logical rows of each member of fused group ``p`` (``()`` for a table of its own or a dense parameter)."""
+    """Logical rows of each member of stacked group ``p`` (``()`` for a table of its own or a dense parameter)."""
     info = table_info(p)
     return () if info is None or info.members is None else tuple(n for _, _, n in info.members)
 
 
 def member_specs(p: Tensor, out: Mapping[str, SlotSpec]) -> dict[str, SlotSpec]:
     """``out`` with every whole-table slot (``rows=False``) given a leading ``[members]`` dim when ``p``
-    is a fused group."""
+    is a stacked group."""
     m = len(member_rows(p))
     if not m:
         return dict(out)
@@ -45,7 +45,7 @@ def member_specs(p: Tensor, out: Mapping[str, SlotSpec]) -> dict[str, SlotSpec]:
 
 def segment_of(p: Tensor, rows: Tensor, *, owned: bool = False) -> Tensor | None:
     """The member of each row of ``rows`` (stored rows of group ``p``, any shape): ``int64``, same shape;
-    ``None`` when ``p`` is not a fused group. Padding and sentinel rows get some member (callers mask them).
+    ``None`` when ``p`` is not a stacked group. Padding and sentinel rows get some member (callers mask them).
 
     ``owned``: ``rows [n, U]`` are shard-local rows, device-major (the owner-local path), row ``d`` on
     shard ``d``.
@@ -94,7 +94,7 @@ def created_member_slots(
     p: Tensor, fn: Callable[..., Any], names: list[str], specs: Mapping[str, SlotSpec],
     table_specs: Callable[[tuple[int, ...]], Mapping[str, SlotSpec]],
 ) -> dict[str, Tensor]:
-    """``slot_creation_fn`` of fused group ``p``, called once per member with that table's rows
+    """``slot_creation_fn`` of stacked group ``p``, called once per member with that table's rows
     (``[rows, D]``, logical order) as for a table of its own; row slots are stacked in the group's row
     order (padding rows at their initial value), whole-table slots along the leading ``[members]`` dim."""
     info = table_info(p)

@@ -8,18 +8,18 @@ only in which rows they hand it and how the results are written back:
                       where a row was not looked up; O(V·D), as TF's non-lazy Adam)
 ``ADDITIVE``          eager, the rule is additive (SGD) and no option needs the summed rows:
                       ``increment(g)`` (``rule(w, g) − w``) is added per looked-up id with
-                      ``index_add_`` — no dedup, gather or scatter; where ``FUSED`` would run, in
-                      one C loop per piece of ids (bags spread in it), bitwise the same (``_kernels.c_add``)
+                      ``index_add_`` — no dedup, gather or scatter; where ``KERNEL`` would run, in
+                      one C loop per piece of ids (bags spread in it), bitwise the same (:mod:`.c_add`)
 ``NO_DEDUP``          ``use_gradient_accumulation=False``: every contribution updates from the same
                       old rows and the changes are added (exact for SGD, an approximation otherwise)
 ``ROWS``              duplicates summed, the touched rows in one pass: XLA (one static-shape
                       graph) and rules with statistics over rows (Adafactor)
-``FUSED``             eager (CPU, CUDA) with a per-row rule: the same pipeline compiled into one
+``KERNEL``             eager (CPU, CUDA) with a per-row rule: the same pipeline compiled into one
                       kernel that reads and writes each touched row and its slots once, the
-                      duplicate sum done without multiplying the gradient out (``_kernels.row_update``)
-``ROW_CHUNKS``        eager with a per-row rule when ``FUSED`` is off, cannot compile, or its
+                      duplicate sum done without multiplying the gradient out (:mod:`.row_update`)
+``ROW_CHUNKS``        eager with a per-row rule when ``KERNEL`` is off, cannot compile, or its
                       policy keeps the step here (the first calls, small tables: ``policy()``): the
-                      touched rows in cache-sized chunks (the reference for ``FUSED``)
+                      touched rows in cache-sized chunks (the reference for ``KERNEL``)
 ``OWNER_LOCAL``       a row-sharded table trained through the id exchange: its gradient arrives
                       at the shards that own the rows, and every shard runs ``ROWS`` (``DENSE``
                       for a non-lazy optimizer) on its own rows and slots in a manual-sharding
@@ -88,15 +88,15 @@ def choose_path(p: Tensor, group: Mapping[str, Any], *, row_grad: bool) -> Path:
         return Path.DENSE
     static = is_static_device(p.device)
     if cls.additive and not static and not any(group.get(k) not in (None, False, 0) for k in _NEEDS_SUMMED_ROWS):
-        # Not FUSED, even where it runs: adding each looked-up id's increment reads and writes each row once,
-        # as the kernel's gather and scatter do, without their sort and sum (measured slower on FUSED at
-        # 1 and 20 ids per bag, docs/benchmarks.md); where FUSED would run, the add is one C loop (_fused_add).
+        # Not KERNEL, even where it runs: adding each looked-up id's increment reads and writes each row once,
+        # as the kernel's gather and scatter do, without their sort and sum (measured slower on KERNEL at
+        # 1 and 20 ids per bag, docs/benchmarks.md); where KERNEL would run, the add is one C loop (c_add).
         return Path.ADDITIVE
     if not group["use_gradient_accumulation"]:
         return Path.NO_DEDUP
     if static or _whole_slots(p, group):
         return Path.ROWS
-    return Path.FUSED if row_update.usable(p) else Path.ROW_CHUNKS
+    return Path.KERNEL if row_update.usable(p) else Path.ROW_CHUNKS
 
 
 def row_chunk() -> int:
@@ -119,7 +119,7 @@ def update(item: Work) -> None:
     else:
         ids = item.ids
         assert ids is not None
-        if item.path is Path.FUSED:
+        if item.path is Path.KERNEL:
             if row_update.update(item):
                 return
             item.path = Path.ROW_CHUNKS  # no compiled kernel: the reference path
@@ -251,7 +251,7 @@ def _update_additive(item: Work) -> None:
 
 
 def _compiled_additive(item: Work) -> bool:
-    """``Path.ADDITIVE`` through the C increment-and-add (``_kernels.c_add``), the chunks in the order of the eager
+    """``Path.ADDITIVE`` through the C increment-and-add (:mod:`.c_add`), the chunks in the order of the eager
     path and each as the eager path makes its rows (so bitwise its result): accumulated rows and sum bags of one id
     without weights add ``increment(g)``, other bags ``gains · increment(dL/dout)`` per id. ``False``: nothing
     done, the eager path runs."""
@@ -296,7 +296,7 @@ def _scratch(rows: int, dim: int, dtype: torch.dtype, device: torch.device) -> T
 def _update_rows(item: Work, space: RowSpace, ids: Tensor, g: Tensor, seg: Tensor | None = None) -> None:
     """Gather the rows ``ids`` of ``space`` (and their slots), run the pipeline, write them back.
 
-    ``seg``: the member table of each row in a fused group whose rule keeps whole-table slots (found
+    ``seg``: the member table of each row in a stacked group whose rule keeps whole-table slots (found
     from ``ids`` when not given; the owner-local path computes it outside its manual region)."""
     p, group, state, gate, where = space.p, item.group, space.state, item.gate, space.where
     sentinel = p.shape[0]
@@ -308,7 +308,7 @@ def _update_rows(item: Work, space: RowSpace, ids: Tensor, g: Tensor, seg: Tenso
     slots = {k: space.gather(k, ids) if k in where.numbers else state[k] for k in names}
     mask = ids < sentinel
     rows_of = member_rows(item.p) if _whole_slots(item.p, item.group) else ()
-    if rows_of:  # a fused group: statistics over rows stay per member table
+    if rows_of:  # a stacked group: statistics over rows stay per member table
         seg = segment_of(item.p, ids) if seg is None else seg
         assert seg is not None
         ctx = RowContext(mask=mask, count=None, num_rows=space.num_rows, all_reduce=space.all_reduce,

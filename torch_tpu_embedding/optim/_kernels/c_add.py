@@ -26,13 +26,13 @@ compiled again in the system's temporary directory.
 
 The result is bitwise the eager path's at any thread count (tests/optim/test_fused_add.py): each product (``f · g``,
 then ``gain ·`` it) and each sum is rounded once, as torch's ``mul`` and ``index_add_`` round them
-(``-ffp-contract=off``: no fused multiply-add); the ids are added in the eager path's order (piece by piece,
+(``-ffp-contract=off``: no FMA); the ids are added in the eager path's order (piece by piece,
 bag by bag). Padding (the sentinel id, one past the last row) is skipped in the loop, as the eager path drops
 it first. The C function first checks every id of the piece and writes nothing if one is outside the table's
 rows and the sentinel.
 
-It runs where the fused row update would (:func:`.row_update.usable`, its :func:`~.row_update.policy`:
-from the optimizer's call ``TTE_FUSED_AFTER`` on, for tables of ``TTE_FUSED_MIN_ELEMENTS`` numbers or
+It runs where the kernel row update would (:func:`.row_update.usable`, its :func:`.row_update.policy`:
+from the optimizer's call ``TTE_KERNEL_AFTER`` on, for tables of ``TTE_KERNEL_MIN_ELEMENTS`` numbers or
 more), on contiguous CPU float32 tables without ``loss_scale_factor``; everything else, or a loop that
 cannot be compiled (one warning), takes the eager add.
 """
@@ -181,7 +181,7 @@ def _build() -> Callable[..., int]:
     if cc is None:
         raise RuntimeError("no C compiler (set CC, or install cc, gcc or clang)")
     cc = [shutil.which(cc[0]) or cc[0], *cc[1:]]  # (a path: see close_fds in _compile)
-    # -ffp-contract=off: a product and a sum, each rounded, as torch's mul and index_add_ (a fused multiply-add
+    # -ffp-contract=off: a product and a sum, each rounded, as torch's mul and index_add_ (an FMA
     # would round once and differ in the last bit). -march=native only where the compiler takes it.
     flags = ["-O3", "-ffp-contract=off", "-fPIC", "-shared"]
     cache = cache_dir()

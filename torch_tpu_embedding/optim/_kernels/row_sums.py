@@ -1,4 +1,4 @@
-"""The duplicate sum of the fused eager update: a table's factored row gradient to one row per id.
+"""The duplicate sum of the kernel eager update: a table's factored row gradient to one row per id.
 
 The lookup's backward leaves its gradient factored (``gains [N, L]``, ``dL/dout [N, D]``,
 :class:`~torch_tpu_embedding._rows.grads.BagRows`): the ``[N·L, D]`` rows are never made. :func:`row_sums`
@@ -9,14 +9,14 @@ themselves are summed by :meth:`RowSums.rows` for any range of ids: the range's 
 them on the reference path (bitwise). Bags without per-id weights (every combiner) have one gain per
 bag (:attr:`~torch_tpu_embedding._rows.grads.BagRows.uniform`): it is applied once per bag, and the ranges'
 sums read those rows straight (no gather, no multiply; the same products, so bitwise the same sums).
-The fused update asks for a range at a time, so the summed rows of a range are used while they are in
-cache (:mod:`~torch_tpu_embedding.optim._kernels.row_update`).
+The kernel update asks for a range at a time, so the summed rows of a range are used while they are in
+cache (:mod:`.row_update`).
 
 Measured (1 thread, 327,680 ids over 16,384 bags, 4,000,000 rows × 64): a stable ``torch.sort`` of the
 ids 270–340 ms against 10–15 ms for an unstable sort of ``id · n + position`` (unique keys: the same
 order, stability by construction); the sum as a sparse ``[U, N] @ [N, D]`` product 380 ms (and a fill
 and a copy of its output) against 39 ms for ``embedding_bag`` with per-sample weights (which is
-not bitwise the reference's sum: it fuses each multiply into the add).
+not bitwise the reference's sum: it merges each multiply into the add).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class RowSums:
         """The summed gradient rows of ``ids[start:stop]``, ``[stop - start, D]`` (a new tensor).
 
         Bitwise the reference path's sum: each contribution ``weight · row`` rounded, then added in
-        lookup order from 0 (``embedding_bag`` with per-sample weights would fuse the multiply into the
+        lookup order from 0 (``embedding_bag`` with per-sample weights would merge the multiply into the
         add and round differently)."""
         stop = self.ids.shape[0] if stop is None else stop
         offsets = self.offsets[start : stop + 1]

@@ -1,4 +1,4 @@
-"""Fused eager row updates (``Path.FUSED``): one compiled kernel per optimizer configuration.
+"""The kernel path of eager row updates (``Path.KERNEL``): one compiled kernel per optimizer configuration.
 
 On CPU and CUDA, the reference row path (``Path.ROW_CHUNKS``) gathers the weight and each slot
 separately, runs the rule as a dozen element-wise torch ops over ``[U, D]`` temporaries and
@@ -25,22 +25,21 @@ over ``[U, D]`` arrays in memory (RowWiseAdagrad at 20 ids per bag, 4 tables of 
 When the kernel is built (:func:`set_policy`): compiling one costs seconds (7–9 s per optimizer on
 an idle 2-core machine, several times that under load), paid where it is first used. So a table's
 update takes the reference path while the optimizer's ``iterations`` (its call count, saved in its
-``state_dict``) is below ``after`` (``TTE_FUSED_AFTER``, default 50), and always where the table holds
-fewer than ``min_elements`` numbers (``TTE_FUSED_MIN_ELEMENTS``, default 2**20: the saving per step
+``state_dict``) is below ``after`` (``TTE_KERNEL_AFTER``, default 50), and always where the table holds
+fewer than ``min_elements`` numbers (``TTE_KERNEL_MIN_ELEMENTS``, default 2**20: the saving per step
 is bounded by the numbers touched, at most 10–20 ms a step at 2**20 as measured, hundreds of steps to
-pay for one compile, and less on smaller tables). The first fused step compiles in the foreground. Which path a step
+pay for one compile, and less on smaller tables). The first kernel step compiles in the foreground. Which path a step
 takes depends only on the call count and the configuration, never on how long a compile took, so two
 runs with one seed are bitwise equal (tests/optim/test_fused_warmup.py); short runs, notebooks and test
 suites never compile. docs/benchmarks.md has the measurements the defaults come from.
 
 If compiling fails (no C++ compiler, say), the update falls back to the reference path with one
-warning. ``TTE_FUSED_UPDATE=0`` in the environment, or :func:`set_enabled`, turns the path off.
+warning. ``TTE_UPDATE_KERNEL=0`` in the environment, or :func:`set_enabled`, turns the path off.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import types
 import warnings
 from collections.abc import Callable, Mapping
@@ -52,7 +51,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from torch_tpu_embedding._rows.grads import table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
-from torch_tpu_embedding._util.env import switched_on
+from torch_tpu_embedding._util.env import env_setting, switched_on
 from torch_tpu_embedding._util.registry import RULE_KEY, rule_of
 from torch_tpu_embedding.optim._core.contract import RowContext, Slots
 from torch_tpu_embedding.optim._core.ema import ema_row_update, momentum_now
@@ -67,11 +66,12 @@ __all__ = ["call", "chunk_rows", "compiled_kernels", "enabled", "has_compiler", 
 
 Tensor = torch.Tensor
 
-_ENABLED = switched_on("TTE_FUSED_UPDATE")
+_ENABLED = switched_on("TTE_UPDATE_KERNEL")
 
 
 def _env_count(name: str, default: int) -> int:
-    text = os.environ.get(name, "").strip()
+    name, value = env_setting(name)  # the variable read: the new name or the deprecated one
+    text = (value or "").strip()
     if not text:
         return default
     if not text.isdigit():
@@ -79,14 +79,14 @@ def _env_count(name: str, default: int) -> int:
     return int(text)
 
 
-#: optimizer calls that take the reference path before the fused kernel is built (see the module doc)
-_AFTER = _env_count("TTE_FUSED_AFTER", 50)
+#: optimizer calls that take the reference path before the update kernel is built (see the module doc)
+_AFTER = _env_count("TTE_KERNEL_AFTER", 50)
 #: tables with fewer numbers than this always take the reference path
-_MIN_ELEMENTS = _env_count("TTE_FUSED_MIN_ELEMENTS", 2**20)
+_MIN_ELEMENTS = _env_count("TTE_KERNEL_MIN_ELEMENTS", 2**20)
 #: compiled kernels by configuration key; ``None``: compiling failed (the reference path runs)
 _KERNELS: dict[tuple[Any, ...], Callable[..., None] | None] = {}
 _WARNED = False
-#: set when inductor found no C++ compiler: the fused path is not chosen again in this process
+#: set when inductor found no C++ compiler: the kernel path is not chosen again in this process
 _NO_COMPILER = False
 #: bytes of summed gradient rows per kernel call (see :func:`chunk_rows`)
 _CHUNK_BYTES = 2**22
@@ -104,7 +104,7 @@ class _NoCudaRuntimeLine(logging.Filter):
     """Drops torch's ``No CUDA runtime is found, using CUDA_HOME=...`` warning.
 
     ``torch.utils.cpp_extension`` logs it when imported on a machine with a CUDA toolkit but no CUDA
-    device, and inductor imports it to build a CPU kernel: the only sign of a fused-kernel compile was
+    device, and inductor imports it to build a CPU kernel: the only sign of an update-kernel compile was
     a line about CUDA, which this path does not use. Every other record of that logger passes.
     """
 
@@ -117,27 +117,27 @@ logging.getLogger("torch.utils.cpp_extension").addFilter(_NoCudaRuntimeLine())
 
 
 def enabled() -> bool:
-    """Whether eager row updates take the fused path (``TTE_FUSED_UPDATE``, :func:`set_enabled`)."""
+    """Whether eager row updates take the kernel path (``TTE_UPDATE_KERNEL``, :func:`set_enabled`)."""
     return _ENABLED
 
 
 def set_enabled(on: bool) -> bool:
-    """Turn the fused path on or off for later steps; returns the previous setting."""
+    """Turn the kernel path on or off for later steps; returns the previous setting."""
     global _ENABLED
     before, _ENABLED = _ENABLED, bool(on)
     return before
 
 
 def policy() -> tuple[int, int]:
-    """``(after, min_elements)``: the fused path runs from the optimizer's call ``after`` on, for
-    tables of at least ``min_elements`` numbers (``TTE_FUSED_AFTER``, ``TTE_FUSED_MIN_ELEMENTS``)."""
+    """``(after, min_elements)``: the kernel path runs from the optimizer's call ``after`` on, for
+    tables of at least ``min_elements`` numbers (``TTE_KERNEL_AFTER``, ``TTE_KERNEL_MIN_ELEMENTS``)."""
     return _AFTER, _MIN_ELEMENTS
 
 
 def set_policy(after: int | None = None, min_elements: int | None = None) -> tuple[int, int]:
     """Set :func:`policy` for later steps (``None``: unchanged); returns the previous one.
 
-    ``set_policy(0, 0)``: every eligible table takes the fused path from its first step (and compiles
+    ``set_policy(0, 0)``: every eligible table takes the kernel path from its first step (and compiles
     there). A checkpoint resumed under the same policy takes the same paths (``iterations`` is saved).
     """
     global _AFTER, _MIN_ELEMENTS
@@ -156,7 +156,7 @@ def warming_up(item: Work) -> bool:
 
 
 def usable(p: Tensor) -> bool:
-    """The fused path may run for ``p``: an eager CPU / CUDA table with the path enabled, whose rows
+    """The kernel path may run for ``p``: an eager CPU / CUDA table with the path enabled, whose rows
     are slot rows (no interleaved row layout of the id exchange, :class:`~.slots.SlotRows`)."""
     if not _ENABLED or _NO_COMPILER or p.device.type not in ("cpu", "cuda"):
         return False
@@ -169,18 +169,18 @@ def usable(p: Tensor) -> bool:
 
 
 def compiled_kernels() -> int:
-    """How many fused kernels this process has built (each compiled on its first use)."""
+    """How many update kernels this process has built (each compiled on its first use)."""
     return sum(fn is not None for fn in _KERNELS.values())
 
 
-# --------------------------------------------------------------------------------------- the fused kernel
+# --------------------------------------------------------------------------------------- the update kernel
 def _kernel_source(
     rule_hp: Mapping[str, Any], names: tuple[str, ...], mdtype: torch.dtype, gate: bool, ema: bool
 ) -> Callable[..., None]:
     """The Python that is compiled: the reference row update of ``_core.update_paths`` for unique ids."""
     momentum = float(rule_hp.get("ema_momentum", 0.0))
 
-    def fused_rows(p: Tensor, ids: Tensor, g: Tensor, row_slots: list[Tensor], lr: Tensor, step: Tensor,
+    def kernel_rows(p: Tensor, ids: Tensor, g: Tensor, row_slots: list[Tensor], lr: Tensor, step: Tensor,
                    num_rows: int, gate_t: Tensor | None, ema_t: Tensor | None, ema_last: Tensor | None,
                    it: Tensor | None, keep: Tensor | None, mu: Tensor | None) -> None:
         w0 = p[ids].to(mdtype)
@@ -201,7 +201,7 @@ def _kernel_source(
             ema_t.index_copy_(0, ids, avg)
             ema_last.index_copy_(0, ids, last)
 
-    return fused_rows
+    return kernel_rows
 
 
 def _key(item: Work, names: tuple[str, ...]) -> tuple[Any, ...]:
@@ -219,7 +219,7 @@ def _build(item: Work, names: tuple[str, ...]) -> Callable[..., None]:
     src = _kernel_source(rule_hp, names, math_dtype(item.p), item.gate is not None, bool(group["use_ema"]))
     # A code object of its own per configuration: torch.compile keeps its compiled graphs per code
     # object, and a shared one would count every configuration against one recompile limit.
-    code = src.__code__.replace(co_name=f"fused_rows_{group['algorithm']}_{len(_KERNELS)}")
+    code = src.__code__.replace(co_name=f"kernel_rows_{group['algorithm']}_{len(_KERNELS)}")
     fn = types.FunctionType(code, src.__globals__, code.co_name, src.__defaults__, src.__closure__)
     # compile_threads=1: one kernel compiles faster in this process than through a pool of workers
     # that each import torch first.
@@ -269,7 +269,7 @@ def _spans(n: int, size: int) -> list[tuple[int, int]]:
 
 
 def _to_reference(item: Work, start: int = 0) -> bool:
-    """``False``, with ``item``'s rows from ``start`` on summed for the reference path (when the fused
+    """``False``, with ``item``'s rows from ``start`` on summed for the reference path (when the kernel
     path took the factored gradient, :attr:`~.grad_intake.Work.sums`)."""
     if item.sums is not None:
         assert item.ids is not None
@@ -278,7 +278,7 @@ def _to_reference(item: Work, start: int = 0) -> bool:
 
 
 def update(item: Work) -> bool:
-    """Run ``item``'s row update (unique ids, no sentinel) as fused kernel calls; ``False`` if no
+    """Run ``item``'s row update (unique ids, no sentinel) as update kernel calls; ``False`` if no
     kernel could be compiled, fewer than 2 rows were touched (dynamic shapes specialise sizes 0 and 1,
     and such a step is no work to speed up), or :func:`policy` keeps this step on the reference path:
     the caller then runs the reference path on ``item.ids`` and ``item.g`` (the rows not yet updated).
@@ -383,8 +383,8 @@ def warn_once(why: str) -> None:
         return
     _WARNED = True
     warnings.warn(
-        f"torch_tpu_embedding: the fused row update could not be compiled ({why}); eager updates run "
-        "the reference path (slower, same results). Set TTE_FUSED_UPDATE=0 to skip the attempt.",
+        f"torch_tpu_embedding: the kernel row update could not be compiled ({why}); eager updates run "
+        "the reference path (slower, same results). Set TTE_UPDATE_KERNEL=0 to skip the attempt.",
         RuntimeWarning,
         stacklevel=2,
     )

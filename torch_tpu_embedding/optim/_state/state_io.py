@@ -1,9 +1,9 @@
 """Optimizer state in and out: ``state_dict`` / ``load_state_dict`` and the distributed-checkpoint form.
 
 Saved state is *logical*: keyed by table name (``table:<name>``; dense parameters ``param:<name or
-index>``), row slots cut to the table's ``num_embeddings`` (no padding or trash rows), and a fused
+index>``), row slots cut to the table's ``num_embeddings`` (no padding or trash rows), and a stacked
 group's state split per table, so it moves between CPU, one XLA device, any sharded layout, and
-fused or unfused collections. Pending accumulation-buffer ids that are padding are saved as ``-1``.
+stacked or unstacked collections. Pending accumulation-buffer ids that are padding are saved as ``-1``.
 
 :class:`PhysicalState` is the same state as it lives on the device (for ``torch.distributed.
 checkpoint``, which writes each device's shards); its small remainder is restored by
@@ -70,7 +70,7 @@ class PhysicalState:
     ``logical_rows`` the same key's rows in :func:`state_dict` (``None``: saved whole) and ``layouts``
     how they are stored (``torch_tpu_embedding._rows.row_order.describe``; ``None``: in order). The rest is
     small and on the host: hyper-parameters (``param_groups`` as :func:`state_dict` saves them), the
-    call counter, pending accumulation buffers by key, and each fused group's tables by key.
+    call counter, pending accumulation buffers by key, and each stacked group's tables by key.
     """
 
     tensors: dict[str, Tensor]
@@ -89,9 +89,9 @@ class PhysicalState:
 def param_keys(opt: RowSparseOptimizer, *, group_as_one: bool = False) -> dict[int, str]:
     """Stable names by ``id(param)``: ``table:<name>`` for tables, else the given name or ``param:<i>``.
 
-    ``i`` counts parameters in group order with a fused group counted as its tables, so a dense
-    parameter keeps its key whether the tables beside it are fused or not (``group_as_one``: as
-    checkpoints written before 2026-11-23 numbered them, a fused group counted once).
+    ``i`` counts parameters in group order with a stacked group counted as its tables, so a dense
+    parameter keeps its key whether the tables beside it are stacked or not (``group_as_one``: as
+    checkpoints written before 2026-11-23 numbered them, a stacked group counted once).
     """
     keys: dict[int, str] = {}
     i = 0
@@ -111,7 +111,7 @@ def param_keys(opt: RowSparseOptimizer, *, group_as_one: bool = False) -> dict[i
 
 def _renumbered(opt: RowSparseOptimizer, sd: dict[str, Any], keys: Mapping[int, str]) -> dict[str, Any]:
     """``sd`` with dense parameters keyed as :func:`param_keys` numbers them today, if it was saved with
-    the older numbering (a fused group counted once); otherwise ``sd`` itself."""
+    the older numbering (a stacked group counted once); otherwise ``sd`` itself."""
     old = param_keys(opt, group_as_one=True)
     rename = {old[pid]: new for pid, new in keys.items() if old[pid] != new}
     saved = {k for g in sd["param_groups"] for k in g["params"]}
@@ -128,7 +128,7 @@ def _members(p: Tensor) -> Members | None:
 
 def _logical_keys(p: Tensor, key: str, rows: int) -> list[tuple[str, int]]:
     """``p``'s keys in :func:`state_dict` with their logical rows (``p``'s ``key`` and ``rows``, or one
-    per table of a fused group)."""
+    per table of a stacked group)."""
     members = _members(p)
     return [(key, rows)] if members is None else [(f"table:{name}", n) for name, _, n in members]
 
@@ -304,17 +304,17 @@ def _merged_state(
     opt: RowSparseOptimizer, saved: Mapping[str, Mapping[str, Tensor]], by_key: Mapping[str, Tensor],
     keys: Mapping[int, str],
 ) -> dict[str, Mapping[str, Tensor]]:
-    """Saved state by physical key: the per-table entries of a fused group's tables stacked."""
+    """Saved state by physical key: the per-table entries of a stacked group's tables stacked."""
     out: dict[str, Mapping[str, Tensor]] = {}
-    fused: dict[int, dict[str, Mapping[str, Tensor]]] = {}
+    stacked: dict[int, dict[str, Mapping[str, Tensor]]] = {}
     for key, s in saved.items():
         p = by_key[key]
         if _members(p) is None:
             out[key] = s
         else:
-            fused.setdefault(id(p), {})[key[len("table:"):]] = s
+            stacked.setdefault(id(p), {})[key[len("table:"):]] = s
     params = {id(p): p for p in by_key.values()}
-    for pid, parts in fused.items():
+    for pid, parts in stacked.items():
         p = params[pid]
         members = _members(p)
         assert members is not None
@@ -331,7 +331,7 @@ def _merged_state(
 
 
 def _logical_targets(opt: RowSparseOptimizer, keys: Mapping[int, str]) -> tuple[dict[str, Tensor], dict[str, int]]:
-    """Logical keys: a fused group answers to each of its tables' keys, with that table's rows."""
+    """Logical keys: a stacked group answers to each of its tables' keys, with that table's rows."""
     by_key: dict[str, Tensor] = {}
     rows_of: dict[str, int] = {}
     for g in opt.param_groups:
@@ -359,7 +359,7 @@ def state_problems(opt: RowSparseOptimizer, sd: Any) -> list[str]:
     group_of = _groups_by_param(opt)
     saved_groups = sd["param_groups"]
     problems = _check_groups(opt, saved_groups, keys) + counter_problems(sd)
-    pending: dict[int, set[int]] = {}  # a fused group's tables' pending call counts (merged side by side)
+    pending: dict[int, set[int]] = {}  # a stacked group's tables' pending call counts (merged side by side)
     for key, s in sd["state"].items():
         p = by_key.get(key)
         if p is None:

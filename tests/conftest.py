@@ -4,7 +4,7 @@ tests/xla and tests/xla_spmd (run as their own pytest processes) import them lik
 
 Eager row updates run the reference path (``Path.ROW_CHUNKS``) unless ``TTE_UPDATE_KERNEL`` is set:
 the kernel path compiles one kernel per optimizer configuration (seconds each), and the suite builds
-hundreds of configurations. tests/optim/test_fused_update.py turns it on and checks it against the
+hundreds of configurations. tests/optim/test_kernel_update.py turns it on and checks it against the
 reference path for every optimizer and option; ``TTE_UPDATE_KERNEL=1 bash scripts/test.sh`` runs the
 whole suite on it. MKL runs its CPU-independent code path (``MKL_CBWR=COMPATIBLE``, below).
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 os.environ.setdefault("TTE_UPDATE_KERNEL", "0")
 # MKL chooses its kernels by CPU: on Intel CPUs with AVX-512 its sparse product (the kernel path's sum of
 # duplicate ids) adds a row's terms in another order than index_add_ (up to 1.4e-6 on sums of order 1 in
-# float32), and tests/optim/test_fused_update.py compares the two paths exactly. The compatible code path
+# float32), and tests/optim/test_kernel_update.py compares the two paths exactly. The compatible code path
 # computes the same on every CPU. Read when torch first calls MKL, so it is set before any test runs.
 os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
 # SGD's C add (optim/_kernels/c_add.py) keeps its compiled library for later processes; the suite's go to a
@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 # tests/ (the helpers: optim_registry.py, keras_reference.py, the process-group workers, ...) and every folder of
 # CPU tests (tests/optim, tests/distributed, ...: test modules import each other across folders, e.g.
-# ``from test_fused_tables import ...``), in front of sys.path. Test module names are unique across these
+# ``from test_stacked_groups import ...``), in front of sys.path. Test module names are unique across these
 # folders (there is no __init__.py: pytest imports each by its basename). tests/xla and tests/xla_spmd run as
 # their own pytest processes and put their own folder first when they import from it.
 _TESTS = Path(__file__).parent

@@ -60,12 +60,12 @@ OVERRIDE = "override"  # test_optim_generic.py: a TableConfig optimizer override
 KERAS = "keras_pipeline"  # test_keras_pipeline_random.py: extras on dense params vs the numpy Keras pipeline
 EXTRAS = "extras"  # test_optim_extras.py: each configuration × every KERAS_EXTRAS combination
 CHUNKS = "chunks"  # test_row_chunks.py: chunked eager row updates == one whole-batch pass
-KERNEL_PATH = "kernel_path"  # test_fused_update.py: the compiled eager row update == the reference path
-STACKED = "stacked"  # test_fused_tables.py: stacked table groups == unstacked tables
+KERNEL_PATH = "kernel_path"  # test_kernel_update.py: the compiled eager row update == the reference path
+STACKED = "stacked"  # test_stacked_groups.py: stacked table groups == unstacked tables
 NONFINITE = "nonfinite"  # test_nonfinite_and_resume.py: skip_nonfinite leaves everything untouched
 XLA = "xla"  # tests/xla/test_xla_optim.py: XLA == CPU
 XLA_COMPILE = "xla_compile"  # tests/xla/_optim_step_script.py: 20 steps, one compilation, no fallback
-XLA_STACKED = "xla_stacked"  # tests/xla/test_fused_xla.py: stacked groups on XLA == unstacked on CPU, one graph
+XLA_STACKED = "xla_stacked"  # tests/xla/test_stacked_xla.py: stacked groups on XLA == unstacked on CPU, one graph
 SPMD = "spmd"  # tests/xla_spmd/test_spmd_training.py: every placement on 4 devices == CPU
 SPMD_STEP = "spmd_step"  # tests/xla_spmd/_spmd_step_script.py (the HLO tests of test_spmd_hlo.py)
 CKPT_MATRIX = "ckpt_matrix"  # tests/xla/_ckpt_script.py: checkpoints across CPU / XLA-1 / SPMD-4 layouts

@@ -245,7 +245,7 @@ def test_frozen_member_of_a_stacked_group_is_bitwise_unchanged(cfg: OptimizerCon
     if "acc_ids" in stacked["b"]:  # the window the group accumulates holds no entry of b
         assert bool((stacked["b"]["acc_ids"] == -1).all()) and not bool(stacked["b"]["acc_rows"].any())
     _, alone = _freeze_run(cfg, False, "module")
-    # As tests/modules/test_fused_tables.py: bitwise, except where a sum's order changes (norms, Adafactor's
+    # As tests/modules/test_stacked_groups.py: bitwise, except where a sum's order changes (norms, Adafactor's
     # statistics); the accumulation buffers' capacity is the group's.
     exact = "global_clipnorm" not in cfg.kwargs and "clipnorm" not in cfg.kwargs and cfg.info.per_row_rule
     for n in ("a", "c"):
@@ -303,18 +303,18 @@ def _takes_kernel_path(cfg: OptimizerConfig) -> bool:
 
 @pytest.mark.parametrize("cfg", [c for c in CONFIGS if c.info.supports_stacked_groups and _takes_kernel_path(c)], ids=str)
 def test_frozen_member_on_the_kernel_update_path(cfg: OptimizerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The compiled eager row update (``Path.KERNEL``, tests/optim/test_fused_update.py) equals the reference path
+    """The compiled eager row update (``Path.KERNEL``, tests/optim/test_kernel_update.py) equals the reference path
     with a frozen member: its rows bitwise unchanged, its neighbours bitwise as on the reference path."""
     from torch_tpu_embedding.optim._core import update_paths
     from torch_tpu_embedding.optim._kernels import row_update
 
     try:
         torch.compile(lambda x: x * 2 + 1, dynamic=False)(torch.ones(3))
-    except Exception as e:  # as tests/optim/test_fused_update.py: no C++ compiler here
+    except Exception as e:  # as tests/optim/test_kernel_update.py: no C++ compiler here
         pytest.skip(f"torch.compile cannot build a CPU kernel here: {type(e).__name__}: {str(e)[:200]}")
     reference = _freeze_run(cfg, True, "module")[1]
     monkeypatch.setattr(row_update, "_ENABLED", True)
-    # Small tables, a short run: the default policy (set_policy, tests/optim/test_fused_warmup.py) would keep them
+    # Small tables, a short run: the default policy (set_policy, tests/optim/test_kernel_warmup.py) would keep them
     # on the reference path. The kernel path from the first step, restored after the test.
     monkeypatch.setattr(row_update, "_AFTER", 0)
     monkeypatch.setattr(row_update, "_MIN_ELEMENTS", 0)
@@ -324,7 +324,7 @@ def test_frozen_member_on_the_kernel_update_path(cfg: OptimizerConfig, monkeypat
     before, kernel = _freeze_run(cfg, True, "module")
     assert update_paths.Path.KERNEL in ran
     _bitwise_equal(_without_step(before["b"]), _without_step(kernel["b"]), "b")
-    for n in ("a", "c"):  # as tests/optim/test_fused_update.py: the kernel's arithmetic may differ in the last bits
+    for n in ("a", "c"):  # as tests/optim/test_kernel_update.py: the kernel's arithmetic may differ in the last bits
         for k, v in reference[n].items():
             torch.testing.assert_close(kernel[n][k], v, rtol=1e-6, atol=1e-6, msg=f"{n}/{k}")
 

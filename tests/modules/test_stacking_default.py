@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_fused_tables import batch, features, train
+from test_stacked_groups import batch, features, train
 
 import torch_tpu_embedding as tte
 

@@ -146,7 +146,7 @@ def test_spread_reuses_one_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_features_of_a_step_are_added_in_one_call() -> None:
     """Four features of one stacked group at one id per bag, looked up as a dict: their rows are added by one
     index_add_ (one sort of the ids, one wake of the thread pool), not one per feature."""
-    from test_fused_tables import _CountOps
+    from test_stacked_groups import _CountOps
 
     torch.manual_seed(0)
     tables = [tte.TableConfig(100, 4, name=f"t{i}", combiner="sum") for i in range(4)]

@@ -49,7 +49,7 @@ def test_chunked_updates_equal_whole_batch(cfg: OptimizerConfig, monkeypatch: py
 def test_sgd_adds_per_id_without_dedup_and_matches_the_summed_update() -> None:
     """SGD is additive: a plain eager step is one index_add_ of increment(g) per looked-up id. An option
     that needs the summed rows (here a weight clip that never binds) takes the dedup path instead."""
-    from test_fused_tables import _CountOps
+    from test_stacked_groups import _CountOps
 
     def run(**kwargs: Any) -> tuple[dict[str, Any], Any]:
         torch.manual_seed(0)

@@ -77,7 +77,7 @@ def test_sparse_coo_grad_takes_the_row_paths() -> None:
 def test_with_kernel_updates_on_the_row_chunk_cases_take_kernel(cls: Any, kwargs: dict[str, Any], which: str,
                                                               expected: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``TTE_UPDATE_KERNEL`` on (the suite runs with it off, tests/conftest.py): every eager per-row
-    update with summed rows is ``KERNEL``; the other paths do not change. tests/optim/test_fused_update.py
+    update with summed rows is ``KERNEL``; the other paths do not change. tests/optim/test_kernel_update.py
     steps each optimizer on it."""
 
     monkeypatch.setattr(row_update, "_ENABLED", True)

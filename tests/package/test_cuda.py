@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from optim_registry import OPTIMIZER_INFOS, OptimizerConfig
-from test_fused_update import CASES as KERNEL_CASES  # the configurations that take the kernel path
+from test_kernel_update import CASES as KERNEL_CASES  # the configurations that take the kernel path
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding.optim._core import base as core_base
@@ -110,7 +110,7 @@ def kernel_from_the_first_step() -> Iterator[None]:
 @pytest.mark.parametrize("cfg", KERNEL_CASES, ids=str)
 def test_kernel_update_on_cuda_equals_the_reference_path(cfg: OptimizerConfig,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """float32, both copies on the GPU, in lockstep (as tests/optim/test_fused_update.py on the CPU): each
+    """float32, both copies on the GPU, in lockstep (as tests/optim/test_kernel_update.py on the CPU): each
     call compared within 1e-6, then the kernel copy set to the reference's values, so a last-bit
     difference is not amplified by the next steps (Adam's small second moments would)."""
     dev = torch.device("cuda")

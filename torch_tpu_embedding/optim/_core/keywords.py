@@ -1,7 +1,7 @@
 """The constructor keywords every optimizer shares, written once: TF's ``_Optimizer`` arguments and the
 Keras extras — how a constructor's arguments become the core's defaults and extras
-(:func:`constructor_options`), and their documentation (:func:`fill_doc`; as torch.optim joins its
-``_foreach_doc`` / ``_fused_doc`` into each optimizer's ``__doc__``).
+(:func:`constructor_options`), and their documentation (:func:`fill_doc`; as torch.optim joins
+its shared doc strings into each optimizer's ``__doc__``).
 
 The constructors keep their explicit signatures (for users and IDEs) and hand them over whole::
 

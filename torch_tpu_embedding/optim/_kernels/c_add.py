@@ -24,7 +24,7 @@ process inside the step that first adds through the loop slowed the next steps t
 directory and nobody else may write either, and where none loads from there (a ``noexec`` mount) the loop is
 compiled again in the system's temporary directory.
 
-The result is bitwise the eager path's at any thread count (tests/optim/test_fused_add.py): each product (``f · g``,
+The result is bitwise the eager path's at any thread count (tests/optim/test_c_add.py): each product (``f · g``,
 then ``gain ·`` it) and each sum is rounded once, as torch's ``mul`` and ``index_add_`` round them
 (``-ffp-contract=off``: no FMA); the ids are added in the eager path's order (piece by piece,
 bag by bag). Padding (the sentinel id, one past the last row) is skipped in the loop, as the eager path drops

@@ -30,7 +30,7 @@ fewer than ``min_elements`` numbers (``TTE_KERNEL_MIN_ELEMENTS``, default 2**20:
 is bounded by the numbers touched, at most 10–20 ms a step at 2**20 as measured, hundreds of steps to
 pay for one compile, and less on smaller tables). The first kernel step compiles in the foreground. Which path a step
 takes depends only on the call count and the configuration, never on how long a compile took, so two
-runs with one seed are bitwise equal (tests/optim/test_fused_warmup.py); short runs, notebooks and test
+runs with one seed are bitwise equal (tests/optim/test_kernel_warmup.py); short runs, notebooks and test
 suites never compile. docs/benchmarks.md has the measurements the defaults come from.
 
 If compiling fails (no C++ compiler, say), the update falls back to the reference path with one

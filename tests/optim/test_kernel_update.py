@@ -48,7 +48,7 @@ needs_compiler = pytest.mark.usefixtures("compiler")
 
 @pytest.fixture(autouse=True)
 def kernel_from_the_first_step() -> Iterator[None]:
-    """Every table here is small and every run short: the default policy (tests/optim/test_fused_warmup.py)
+    """Every table here is small and every run short: the default policy (tests/optim/test_kernel_warmup.py)
     would keep them on the reference path."""
     before = row_update.set_policy(0, 0)
     yield

@@ -13,6 +13,7 @@ process trained on the global batch.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,39 +36,44 @@ CONFIGS: dict[str, tuple[Any, dict[str, Any]]] = {
 }
 GLOBAL_BATCH = 24  # 12, 8 and 6 per rank on 2, 3 and 4 ranks
 STEPS = 10
-TOL = {torch.float64: 1e-10, torch.float32: 1e-6}
-#: float32 configurations that do not reach TOL (1e-6, absolute) against one process at some world sizes, and
-#: the bound each is held to there instead, per slot name ("*": every other leaf): config -> (worlds, bounds).
-#: Measured, the largest difference over every rank (the same on torch 2.9 and 2.13, on MKL's CPU-independent path
-#: that tests/conftest.py sets; every value compared is of magnitude <= 1.75, so no relative tolerance is used):
-#:   adagrad_momentum  momenta 1.35e-5 (world 2), 1.35e-5 (world 3), 1.9e-5 (world 4), on the row-sharded "big";
-#:                     weights 9.5e-7 (world 4): they move by lr (0.05) times the momenta's difference, so they are
-#:                     held to 3e-6 (MKL's AVX-512 path, MKL_CBWR unset: momenta 8.6e-5, weights 4.3e-6)
-#:   rowwise_adagrad 1.6e-6, adafactor 1.3e-6, adafactor-global_clipnorm-ema 1.3e-6 (the replicated "rep"'s
-#:   weight and EMA), adam-clipnorm 1.3e-6 ("big"'s weight): world 3 only.
-#: Why: the DDP head's gradient is each rank's float32 sum over its share, all-reduced, where one process sums the
-#: global batch at once; those last-bit differences (the head differs by <= 1.1e-7) reach every later step's
-#: predictions. Updates that divide by a root of the gradient's own squares amplify them where a row's gradient
-#: nearly cancels: AdagradMomentum's first steps divide g by (g^2 + 1e-10)^(1/2), ~1e5 times a last-bit error of g
-#: near g = 0 (one float32 process is itself 2.7e-5 from the float64 run of the same start, and reordering its
-#: batch moves it 3.5e-5). At world 3 each rank's loss is a mean over 8 examples divided by 3, where one process
-#: divides by 24: other last bits again. The tables sharded over the group (this exchange) stay within 1e-6 when
-#: the head does not train (FROZEN_HEAD, tests/distributed/test_mp_shard.py), except AdagradMomentum's momenta at world 3;
-#: the replicated tables (data parallel's exchange) then keep 1.8e-6 (rowwise_adagrad) and 1.3e-6 (adafactor) at
-#: world 3.
-FLOAT32_BOUNDS: dict[str, tuple[tuple[int, ...], dict[str, float]]] = {
-    "adagrad_momentum": ((2, 3, 4), {"momenta": 5e-5, "*": 3e-6}),
-    "rowwise_adagrad": ((3,), {"*": 3e-6}),
-    "adafactor": ((3,), {"*": 3e-6}),
-    "adafactor-global_clipnorm-ema": ((3,), {"*": 3e-6}),
-    "adam-clipnorm": ((3,), {"*": 3e-6}),
-}
-#: The same runs with the head frozen (no DDP, tte.distributed.data_parallel for the replicated tables): the
-#: sharded tables' float32 bound, TOL except as given here by (world, config, slot). Measured: AdagradMomentum's
-#: momenta 9.3e-6 at world 3 (the division by 3 above, and each rank's duplicate ids summed before the owner adds
-#: the ranks' sums: both paths summing duplicates in float64 leaves 3.2e-6); every other sharded leaf <= 4.8e-7.
-FROZEN_HEAD = tuple(FLOAT32_BOUNDS)
-FROZEN_HEAD_BOUNDS: dict[tuple[int, str, str], float] = {(3, "adagrad_momentum", "momenta"): 2e-5}
+#: float64 against one process: 1e-10 (relative above magnitude 1). float64 rounds at 2**-52 = 2.2e-16; these runs
+#: amplify rounding less than 1000-fold (float32's largest errors below are under 1e-4, 840 times its eps), so
+#: float64's stay under 2.2e-13: 1e-10 leaves a margin of 450, on any CPU.
+TOL = {torch.float64: 1e-10}
+#: float32 against one process: a bound per leaf derived from float32 arithmetic (float32_bounds), not fitted to one
+#: CPU's errors. The ranks and the one process do the same float32 arithmetic in other orders and groupings (each
+#: rank's loss is a mean over its share divided by the world size, where one process divides by 24; DDP all-reduces
+#: the head's gradient summed per rank; each rank sums its duplicate ids before the owner adds the ranks' sums;
+#: other batch sizes, other kernel blockings), so both approximate one exact computation, and for every element
+#:     |ranks - one| <= |ranks - exact| + |one - exact|.
+#: "exact" is shadow: the float32 run's start (its model's values, its batches) trained in float64, whose own error
+#: is 2**-29 of float32's. Each run's error is float32's rounding (EPS32 = 2**-23 = 1.19e-7, relative) of the terms
+#: it adds, amplified by the computation: the head's last-bit differences reach every later prediction, and an update
+#: that divides by a root of the gradient's own squares amplifies an error of g where g nearly cancels
+#: (AdagradMomentum's first steps divide g by (g^2 + 1e-10)^(1/2): up to 1e5 times a last-bit error of g near
+#: g = 0). That amplification is measured on the shadow itself: JITTERS runs of it, each scaling every example's
+#: squared error by 1 + u, u uniform in [-EPS32, EPS32] at every step, perturb every gradient term by a rounding's
+#: worth, where no rounding ever lands the same way twice; R is the largest distance from the shadow of those runs
+#: and of the one float32 process, per leaf. Near-cancelling rows make that distance heavy-tailed (AdagradMomentum's
+#: momenta: 1e-6 to 6e-5 from one jittered run to the next), hence several runs. A leaf's bound is AMPLIFY * R
+#: (4: 2 for the two runs' errors adding, 2 for the tail beyond the largest of 9 samples and for roundings the
+#: jitter does not model, such as world 3's division by 3), plus ROUNDINGS * EPS32 * the leaf's peak magnitude
+#: (its largest over the start and the steps of the shadow) for the roundings that are not amplified: each run
+#: rounds a stored value and its update, of half an ulp (EPS32 / 2 relative) each, at each of the STEPS steps,
+#: 2 runs * 2 * STEPS * EPS32 / 2. Integer leaves (counters) are held to 0. The same rule holds every configuration
+#: at every world size, and none of it depends on the CPU: the jittered shadows are float64, seeded, and a CPU (or
+#: MKL path) whose kernels round otherwise changes the float32 runs only within what they measure. It stays tight:
+#: a learning rate 1 % off, or the gradient of one rank's share lost at one step, moves some leaf hundreds of times
+#: beyond its bound (tests/distributed/test_mp_shard.py, test_bounds_catch_a_wrong_update, on the one-process runs).
+EPS32 = torch.finfo(torch.float32).eps
+AMPLIFY = 4.0
+JITTERS = 8
+ROUNDINGS = 2 * STEPS
+#: the float32 configurations also run with the head frozen (no DDP, tte.distributed.data_parallel for the
+#: replicated tables), to hold the tables sharded over the group to the bound without the head's amplification:
+#: those whose updates normalise by a root of squares (AdagradMomentum, RowWiseAdagrad, Adafactor) or clip by a
+#: norm, where the head's last bits were seen to reach 1e-6 on some CPU
+FROZEN_HEAD = ("adagrad_momentum", "rowwise_adagrad", "adafactor", "adafactor-global_clipnorm-ema", "adam-clipnorm")
 SHARDED = ("big", "row2", "tw", "tw2")
 
 
@@ -141,21 +147,41 @@ def make_opt(name: str, params: Any) -> torch.optim.Optimizer:
     return opt
 
 
+def as_dtype(batch: dict[str, Any], y: torch.Tensor, dtype: torch.dtype) -> tuple[dict[str, Any], torch.Tensor]:
+    """The batch with its floating values (weights, targets) in ``dtype``; ids and masks as they are."""
+    def cast(x: Any) -> Any:
+        if isinstance(x, tte.Padded) and x.weights is not None:
+            return tte.Padded(x.ids, x.mask, x.weights.to(dtype))
+        return x
+
+    return {k: cast(x) for k, x in batch.items()}, y.to(dtype)
+
+
 def train(model: Model, run: torch.nn.Module, opt: torch.optim.Optimizer, dtype: torch.dtype, rank: int = 0,
-          world: int = 1, nan_step: int | None = None, clip: bool = False, steps: range = range(STEPS)) -> None:
+          world: int = 1, nan_step: int | None = None, clip: bool = False, steps: range = range(STEPS),
+          drawn: torch.dtype | None = None, observe: Callable[[], None] | None = None,
+          jitter: int | None = None) -> None:
     """``nan_step``: that step's first target is NaN (on rank 0's share), so the whole step is non-finite;
-    ``clip``: ``tte.clip_grad_norm_`` to 0.05 before each step."""
+    ``clip``: ``tte.clip_grad_norm_`` to 0.05 before each step; ``drawn``: the batches are drawn in that dtype
+    (default ``dtype``) and cast to ``dtype``; ``observe``: called after each step; ``jitter`` (a seed): each
+    example's squared error is scaled by 1 + u, u uniform in [-EPS32, EPS32], drawn anew each step."""
     for step in steps:
-        batch, y = global_batch(step, dtype)
+        batch, y = as_dtype(*global_batch(step, drawn or dtype), dtype)
         if step == nan_step:
             y[0] = float("nan")
         batch, y = share(batch, y, rank, world)
-        loss = ((run(batch) - y) ** 2).mean()
+        err = (run(batch) - y) ** 2
+        if jitter is not None:
+            g = torch.Generator().manual_seed(jitter * 1000 + step)
+            err = err * (1 + EPS32 * (2 * torch.rand(err.shape, generator=g, dtype=err.dtype) - 1))
+        loss = err.mean()
         opt.zero_grad()
         loss.backward()
         if clip:
             tte.clip_grad_norm_(run.parameters(), 0.05)
         opt.step()
+        if observe is not None:
+            observe()
     model.ec.check_ids()  # nothing dropped (eager capacity)
 
 
@@ -164,13 +190,52 @@ def nan_step(name: str) -> int | None:
     return 4 if "skip" in name else None
 
 
-def reference(name: str, dtype: torch.dtype, frozen_head: bool = False) -> dict[str, Any]:
-    """One process on the global batch (``frozen_head``: the dense head does not train)."""
+def reference(name: str, dtype: torch.dtype, frozen_head: bool = False, shadow: bool = False,
+              jitter: int | None = None) -> dict[str, Any]:
+    """One process on the global batch (``frozen_head``: the dense head does not train). ``shadow``: float64
+    from the float32 run's start (its model's values, its batches), the float32 run's exact counterpart; it
+    also returns "peak", each leaf's largest magnitude over the start and every step. ``jitter``: train's."""
     model = Model(dtype)
+    if shadow:
+        assert dtype == torch.float64
+        model.load_state_dict(Model(torch.float32).state_dict())  # the float32 values, exactly
     model.head.requires_grad_(not frozen_head)
     opt = make_opt(name, model.parameters())
-    train(model, model, opt, dtype, nan_step=nan_step(name), clip="clip_grad_norm" in name)
-    return {"model": {k: v.clone() for k, v in model.state_dict().items()}, "optimizer": opt.state_dict()}
+    peak: dict[str, float] = {}
+
+    def observe() -> None:
+        for key, v in leaves({"model": model.state_dict(), "optimizer": opt.state_dict()}).items():
+            if v.is_floating_point() and v.numel():
+                peak[key] = max(peak.get(key, 0.0), float(v.abs().max()))
+
+    if shadow:
+        observe()
+    train(model, model, opt, dtype, nan_step=nan_step(name), clip="clip_grad_norm" in name,
+          drawn=torch.float32 if shadow else None, observe=observe if shadow else None, jitter=jitter)
+    out = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "optimizer": opt.state_dict()}
+    return {**out, "peak": peak} if shadow else out
+
+
+def leaves(run: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A reference run's tensors by the names tests/distributed/test_mp_shard.py reports: model keys, "<state key>/<slot>"."""
+    out = dict(run["model"])
+    for key, slots in run["optimizer"]["state"].items():
+        out.update({f"{key}/{slot}": v for slot, v in slots.items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+def float32_bounds(one: dict[str, Any], exact: dict[str, Any], jittered: list[dict[str, Any]]) -> dict[str, float]:
+    """Each leaf's float32 bound (the derivation above TOL): AMPLIFY * R + ROUNDINGS * EPS32 * the leaf's peak
+    magnitude, R the largest distance from the float64 shadow ``exact`` (reference(shadow=True)) of the one-process
+    float32 run ``one`` and of the ``jittered`` shadows (reference(shadow=True, jitter=seed)); integer leaves 0."""
+    out, ones, shadows = {}, leaves(one), [leaves(j) for j in jittered]
+    for key, want in leaves(exact).items():
+        if not want.is_floating_point() or not want.numel():
+            out[key] = 0.0
+            continue
+        r = max(float((run[key].double() - want).abs().max()) for run in [ones, *shadows])
+        out[key] = AMPLIFY * r + ROUNDINGS * EPS32 * exact["peak"][key]
+    return out
 
 
 def storage_bytes(t: torch.Tensor) -> int:

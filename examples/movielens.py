@@ -41,9 +41,10 @@ splits and early stopping, with ``nn.Embedding`` tables (the genre bag as padded
 ``torch.optim.Adam`` (lr 3e-3) for every parameter. ``--save``/``--resume`` hold our model only (with its
 optimizer, the history and the best weights so far); the twin always starts afresh.
 
-Measured 2026-11-26 (the time split's twin: 2026-11-23), XLA:CPU on a shared 2-core machine, torch
-2.9.0 / torch_xla 2.9.0, seed 0 (README.md shows the default run, which tests/docs/test_readme_movielens_figures.py
-checks):
+Measured 2026-11-26 (the time split's twin: 2026-11-23), XLA:CPU on a shared 2-core Intel Xeon, torch
+2.9.0 / torch_xla 2.9.0, seed 0. The last digits depend on the CPU (an AMD EPYC prints 0.7897 / 0.5489,
+best epoch 14, for the first row): README.md shows the default run per CPU and the bands every CPU's
+run falls in, which tests/docs/test_readme_movielens_figures.py checks:
 
     split    model                          test AUC  log loss  best epoch
     random   ours (Adagrad + FTRL + Adam)     0.7896    0.5530          17

@@ -78,7 +78,7 @@ def test_turned_off_nothing_is_advised_and_the_values_are_the_same(monkeypatch: 
 
 
 def test_the_environment_variable_turns_it_off() -> None:
-    code = "from torch_tpu_embedding import huge_pages as h; print(h.enabled())"
+    code = "from torch_tpu_embedding._util import huge_pages as h; print(h.enabled())"
     env = dict(os.environ, TTE_HUGE_PAGES="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

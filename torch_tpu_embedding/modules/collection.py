@@ -13,7 +13,7 @@ from torch import nn
 from torch_tpu_embedding._rows.backward_order import check_xla_backward
 from torch_tpu_embedding._rows.grads import retire_table, table_info
 from torch_tpu_embedding._util.nest import Path, check_structure, flatten, path_name, pick, rebuild
-from torch_tpu_embedding._util.validation import check_bool, check_device, check_not_meta
+from torch_tpu_embedding._util.validation import check_device, check_not_meta
 from torch_tpu_embedding.config import PLACEMENTS, FeatureConfig, TableConfig
 from torch_tpu_embedding.inputs import to_bags
 from torch_tpu_embedding.modules.lookup import LookupBatch, side_by_side
@@ -25,6 +25,7 @@ from torch_tpu_embedding.modules.stacking import (
     plan_groups,
     split_stacked_weights,
     stack_groups,
+    stacking_argument,
 )
 from torch_tpu_embedding.modules.table import EmbeddingTable
 
@@ -99,17 +100,7 @@ class EmbeddingCollection(nn.Module):
         not a :class:`FeatureConfig`, two tables or two features with one name.
         """
         super().__init__()
-        if fuse_tables is not None:
-            if stack_tables is not None:
-                raise TypeError("Arguments `stack_tables` and `fuse_tables` (its deprecated name) were both "
-                                f"given: stack_tables={stack_tables!r}, fuse_tables={fuse_tables!r}. Pass only "
-                                "`stack_tables`.")
-            warnings.warn("EmbeddingCollection(fuse_tables=...) is deprecated: use stack_tables=...",
-                          DeprecationWarning, stacklevel=2)
-            check_bool("fuse_tables", fuse_tables)
-            stack_tables = fuse_tables
-        stack_tables = True if stack_tables is None else stack_tables
-        check_bool("stack_tables", stack_tables)
+        stack_tables = stacking_argument(stack_tables, fuse_tables)
         flat = list(flatten(feature_config))
         if not flat:
             raise ValueError("Argument `feature_config` must hold at least one FeatureConfig. Received: "

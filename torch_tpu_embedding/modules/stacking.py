@@ -16,6 +16,7 @@ between stacked and unstacked collections.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -25,11 +26,13 @@ from torch import nn
 from torch_tpu_embedding._rows.grads import RowGrad, StackedRows, TableInfo, register_view, table_info
 from torch_tpu_embedding._rows.placement import device_backend
 from torch_tpu_embedding._rows.stacked_state import Members
+from torch_tpu_embedding._util.validation import check_bool
 from torch_tpu_embedding.config import TableConfig
 from torch_tpu_embedding.modules.deferred_init import defer
 from torch_tpu_embedding.modules.table import EmbeddingTable, host_empty
 
 __all__ = [
+    "stacking_argument",
     "GROUP_KEY_PREFIX",
     "FusedTables",
     "StackedTables",
@@ -321,6 +324,23 @@ def _current_rows(module: nn.Module, gname: str) -> torch.Tensor:
 
 
 # Deprecated names, kept importable: models pickled whole before the rename name these hooks and this class.
+def stacking_argument(stack_tables: bool | None, fuse_tables: bool | None) -> bool:
+    """``EmbeddingCollection``'s ``stack_tables`` (default True), or its deprecated name ``fuse_tables`` (a
+    ``DeprecationWarning``); both given is a ``TypeError``."""
+    if fuse_tables is not None:
+        if stack_tables is not None:
+            raise TypeError("Arguments `stack_tables` and `fuse_tables` (its deprecated name) were both "
+                            f"given: stack_tables={stack_tables!r}, fuse_tables={fuse_tables!r}. Pass only "
+                            "`stack_tables`.")
+        warnings.warn("EmbeddingCollection(fuse_tables=...) is deprecated: use stack_tables=...",
+                      DeprecationWarning, stacklevel=3)
+        check_bool("fuse_tables", fuse_tables)
+        stack_tables = fuse_tables
+    stack_tables = True if stack_tables is None else stack_tables
+    check_bool("stack_tables", stack_tables)
+    return stack_tables
+
+
 FusedTables = StackedTables
 split_fused_weights = split_stacked_weights
 join_fused_weights = join_stacked_weights

@@ -341,6 +341,7 @@ def stacking_argument(stack_tables: bool | None, fuse_tables: bool | None) -> bo
     return stack_tables
 
 
+# Deprecated names, kept: models pickled whole before the rename name their class and state hooks by them.
 FusedTables = StackedTables
 split_fused_weights = split_stacked_weights
 join_fused_weights = join_stacked_weights

@@ -176,21 +176,26 @@ class DeviceBackend(Protocol):
 
 
 _DEVICES: dict[str, Callable[[], DeviceBackend]] = {}
+_LOADED: dict[str, DeviceBackend] = {}
 
 
 def register_device(device_type: str, load: Callable[[], DeviceBackend]) -> None:
     """Register the backend of ``device_type`` tensors; ``load`` is called on first use (it may import an
     optional dependency then: torch_xla for ``"xla"``)."""
     _DEVICES[device_type] = load
+    _LOADED.pop(device_type, None)
 
 
 def device_backend(device_type: str) -> DeviceBackend:
-    """The registered backend of ``device_type`` tensors."""
-    try:
-        load = _DEVICES[device_type]
-    except KeyError:
-        raise RuntimeError(f"no backend is registered for {device_type!r} tensors") from None
-    return load()
+    """The registered backend of ``device_type`` tensors (loaded on the first call, then kept)."""
+    backend = _LOADED.get(device_type)
+    if backend is None:
+        try:
+            load = _DEVICES[device_type]
+        except KeyError:
+            raise RuntimeError(f"no backend is registered for {device_type!r} tensors") from None
+        backend = _LOADED[device_type] = load()
+    return backend
 
 
 _ROW_GRAD_SYNC: list[Callable[[list[dict[str, Any]]], None]] = []

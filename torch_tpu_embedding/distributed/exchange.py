@@ -21,8 +21,9 @@ Per rank and step that is ``n·k·(4 + 2·D·b)`` bytes sent for ``b``-byte rows
 distinct ids plus the imbalance of the largest bucket), plus 8 bytes for the capacity.
 
 What the optimizer needs summed over every shard of a row-sharded table (``clipnorm``, Adafactor's
-statistics over rows, ``global_clipnorm``, the ``skip_nonfinite`` gate) is all-reduced over the group
-(:func:`row_group`, :func:`all_reduce_sum`, :func:`all_true`). Nothing here imports torch_xla.
+statistics over rows, ``global_clipnorm``, the ``skip_nonfinite`` gate) is all-reduced over the group the
+table's placement names (:meth:`GroupSharding.reduction_group`; the collectives are
+``_rows/placement.py``'s). Nothing here imports torch_xla.
 
 Every all-to-all of the process-group path goes through :func:`exchange` at a size agreed by
 :func:`agree_capacity`: the lookup's above, and :func:`send_to_owners`, which moves items that each go to
@@ -39,20 +40,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torch_tpu_embedding._rows.grads import table_info
-from torch_tpu_embedding._rows.placement import TablePlacement, all_reduce_sum, all_true
+from torch_tpu_embedding._rows.placement import TablePlacement, process_group_placement
 from torch_tpu_embedding._rows.routing import RoutePlan, RowOwnership, bucket_rows, gather_owned_rows, plan_routes
 
 __all__ = [
     "GroupSharding",
     "agree_capacity",
-    "all_reduce_sum",
-    "all_true",
     "exchange",
     "fetch_rows",
     "group_sharding",
     "plan",
-    "row_group",
     "send_grads",
     "send_to_owners",
 ]
@@ -138,17 +135,10 @@ class GroupSharding(TablePlacement):
 
 
 def group_sharding(p: Tensor) -> GroupSharding | None:
-    """The :class:`GroupSharding` of table parameter ``p``, ``None`` when it is not sharded over a group."""
-    info = table_info(p)
-    sharding = None if info is None else info.sharding
+    """The :class:`GroupSharding` of table parameter ``p``, ``None`` when it is not sharded over a group
+    (:func:`~torch_tpu_embedding._rows.placement.process_group_placement`, typed as this backend's)."""
+    sharding = process_group_placement(p)
     return sharding if isinstance(sharding, GroupSharding) else None
-
-
-def row_group(p: Tensor) -> Any:
-    """The process group over which ``p``'s rows are split (``"row"`` placement), else ``None``: what the
-    optimizer sums over a table's rows is then all-reduced over this group."""
-    s = group_sharding(p)
-    return None if s is None else s.reduction_group()
 
 
 def plan(ids: Tensor, sharding: GroupSharding) -> tuple[RoutePlan, int]:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torch_tpu_embedding._rows.placement import stored_rows
 from torch_tpu_embedding.checkpoint.checks import (
     CheckpointMismatchError,
     apply_payload,
@@ -54,7 +55,6 @@ from torch_tpu_embedding.checkpoint.publish import (
     write_manifest,
 )
 from torch_tpu_embedding.distributed.exchange import GroupSharding, group_sharding
-from torch_tpu_embedding.distributed.state import stored_rows
 from torch_tpu_embedding.modules.collection import EmbeddingCollection
 from torch_tpu_embedding.modules.table import EmbeddingTable
 

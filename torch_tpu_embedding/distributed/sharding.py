@@ -34,7 +34,7 @@ from torch_tpu_embedding._rows.routing import RowOwnership
 from torch_tpu_embedding._util.validation import arg_error, check_bool, check_device, check_int
 from torch_tpu_embedding.config import DEFAULT_REPLICATE_BELOW_BYTES, TableConfig, auto_placement, table_bytes
 from torch_tpu_embedding.distributed.exchange import group_sharding
-from torch_tpu_embedding.distributed.grad_sync import LOCAL, mark, spmd_active
+from torch_tpu_embedding.distributed.grad_sync import mark, spmd_active
 from torch_tpu_embedding.distributed.routed import ProcessGroupLayout
 from torch_tpu_embedding.modules.collection import EmbeddingCollection
 from torch_tpu_embedding.modules.table import EmbeddingTable
@@ -246,8 +246,7 @@ def _lay_out(module: nn.Module, placement: str, owner: int, group: Any, world: i
     table.weight = nn.Parameter(local)  # the whole table goes with its last reference
     table._register("its rows were sharded over a process group (a new parameter)")
     info = register_table(table.weight, table.name, layout.local_rows, table.config.optimizer)
-    info.sharding = layout
-    mark(table.weight, LOCAL)  # never exchanged as data parallel: its gradient goes to the owners
+    info.sharding = layout  # never exchanged as data parallel (grad_sync.exchange_group reads the placement)
 
 
 def _local_row(layout: ProcessGroupLayout) -> Callable[[torch.Tensor], torch.Tensor]:

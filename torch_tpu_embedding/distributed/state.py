@@ -25,14 +25,11 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from torch_tpu_embedding._rows.placement import dtensor_placement, is_dtensor, stored_rows, stored_rows_active
 from torch_tpu_embedding.distributed.exchange import GroupSharding, send_to_owners
 
-__all__ = ["block_rows", "dtensor_layout", "from_logical_shard", "from_logical_slot", "is_dtensor", "stored_rows",
-           "stored_rows_active", "to_logical_shard", "to_logical_slot"]
+__all__ = ["block_rows", "from_logical_shard", "from_logical_slot", "to_logical_shard", "to_logical_slot"]
 
 Tensor = torch.Tensor
-dtensor_layout = dtensor_placement
 
 
 def block_rows(rows: int, world: int) -> int:

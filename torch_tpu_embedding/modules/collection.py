@@ -16,6 +16,8 @@ from torch_tpu_embedding._util.nest import Path, check_structure, flatten, path_
 from torch_tpu_embedding._util.validation import check_device, check_not_meta
 from torch_tpu_embedding.config import PLACEMENTS, FeatureConfig, TableConfig
 from torch_tpu_embedding.inputs import to_bags
+from torch_tpu_embedding.modules.assembly import AssembledBatch, signature
+from torch_tpu_embedding.modules.keyed import is_keyed, keyed_inputs
 from torch_tpu_embedding.modules.lookup import LookupBatch, side_by_side
 from torch_tpu_embedding.modules.screening import DeviceScreen, overflow_problem, warn_unchecked_drops
 from torch_tpu_embedding.modules.stacking import (
@@ -274,7 +276,9 @@ class EmbeddingCollection(nn.Module):
 
         Args:
             features: one input per feature, in the structure of ``feature_config``, in any form of
-                :mod:`torch_tpu_embedding.inputs` (ids ``[B]``, ``Jagged``, ``Padded``, sparse COO, nested).
+                :mod:`torch_tpu_embedding.inputs` (ids ``[B]``, ``Jagged``, ``Padded``, sparse COO, nested); or
+                TorchRec's ``KeyedJaggedTensor`` of every feature, keyed by name (any object with its
+                ``keys()``, ``values()``, ``lengths()`` or ``offsets()``, ``weights_or_none()``).
             weights: per-id weights in the same structure (``None`` leaves allowed), or inside ``Jagged``/``Padded``.
             concat: one ``[B, Σ D]`` tensor instead, the features side by side in :attr:`feature_names`
                 order (TorchRec's ``KeyedTensor.values()``); a stacked group is looked up straight into it.
@@ -284,6 +288,11 @@ class EmbeddingCollection(nn.Module):
         feature, before any state changes. ``backward`` gives the tables row-sparse gradients
         (:meth:`row_grads`), consumed by a :mod:`torch_tpu_embedding.optim` optimizer.
         """
+        if is_keyed(features):  # TorchRec's KeyedJaggedTensor (modules/keyed.py)
+            if weights is not None:
+                raise TypeError("Argument `weights` must be None with a KeyedJaggedTensor input: its per-id weights "
+                                "are its weights_or_none().")
+            features, weights = keyed_inputs(features, self._config, [(f[0], f[1]) for f in self._features])
         check_structure(self._config, features, "Inputs `features`")
         if weights is not None:
             check_structure(self._config, weights, "Argument `weights`")
@@ -305,30 +314,45 @@ class EmbeddingCollection(nn.Module):
         placement (``TablePlacement.routed_lookup``, ``torch_tpu_embedding/_rows/placement.py``), which the
         backend that laid the table out recorded on it.
         """
-        batches: dict[tuple[int, int, str, bool], LookupBatch] = {}
+        batches: dict[tuple[Any, ...], Any] = {}
         routed: dict[int, Any] = {}
         host = torch.device("cpu")
         local: dict[int, Any] = {}  # per physical table: its layout when trained through the id exchange
+        assembled: list[AssembledBatch] = []
         for path, fname, fc, tname in self._features:
             table, offset = self._located[tname]
             weight = table.weight
+            value = pick(features, path)
             if id(table) not in local:
                 if weight.device.type == "xla" and weight.requires_grad and torch.is_grad_enabled():
                     check_xla_backward(tname)
-                check_not_meta(tname, fname, weight, _input_device(pick(features, path)))
+                check_not_meta(tname, fname, weight, _input_device(value))
                 info = table_info(weight)
                 local[id(table)] = info.sharding if info is not None and info.routed else None
             owner_local = local[id(table)] is not None
+            wvalue = None if weights is None else pick(weights, path)
+            # Padded and dense ids of a table or a stacked group: looked up as one (modules/assembly.py)
+            sig = None if owner_local or table.row_layout is not None else signature(value, wvalue, fc, weight.device)
+            if sig is not None:
+                combiner = fc.table.combiner if sig[0] == "padded" else "sum"
+                key = (id(table), combiner, sig)
+                batch = batches.get(key)
+                if batch is None:
+                    resident = weight.device.type == "cpu" or sig[4].type != "cpu"
+                    batch = batches[key] = AssembledBatch(weight, table.row_grad, combiner, resident, sig,
+                                                          int(weight.shape[0]))
+                    assembled.append(batch)
+                batch.add(path, fname, fc, tname, value, wvalue, offset)
+                continue
             # A table sharded over a process group stores only its shard: padding is its layout's id.
             sentinel = int(getattr(local[id(table)], "id_rows", weight.shape[0]))
-            value = pick(features, path)
             on_device = _device_resident(value)
             resident = weight.device.type == "cpu" or _input_device(value) != "cpu"
             bags = to_bags(
                 fname,
                 fc,
                 value,
-                None if weights is None else pick(weights, path),
+                wvalue,
                 sentinel=sentinel,
                 device=weight.device if resident else host,
                 dtype=weight.dtype,
@@ -358,6 +382,8 @@ class EmbeddingCollection(nn.Module):
                     routed[id(table)].batches.append(batches[key])
             batches[key].items.append((path, bags))
             batches[key].tables.add(tname)
+        for batch in assembled:  # every group checked before anything is looked up
+            batch.assemble()
         taken = {id(b) for r in routed.values() for b in r.batches}
         return [b for b in batches.values() if id(b) not in taken] + list(routed.values())
 

@@ -85,7 +85,7 @@ class _RowSparseLookup(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, weight: torch.Tensor, ids: torch.Tensor, gains: torch.Tensor, row_grad: RowGrad,
         tables: frozenset[str], frozen: torch.Tensor | None, splits: tuple[int, ...], unit: bool, uniform: bool,
-        full: bool,
+        full: bool, columns: int,
     ) -> tuple[torch.Tensor, ...]:
         if full and uniform and ids.shape[1] == 1 and weight.device.type != "xla" and gains.dtype == weight.dtype:
             # One real id per bag and every gain 1 (sum, mean and sqrtn alike): the rows themselves, a plain
@@ -96,7 +96,9 @@ class _RowSparseLookup(torch.autograd.Function):
         # The weight is kept only when the gains need a gradient (it costs nothing otherwise).
         ctx.save_for_backward(ids, gains, weight if ctx.needs_input_grad[2] else None)
         _keep(ctx, row_grad, tables, frozen)
-        ctx.splits, ctx.unit, ctx.uniform = splits, unit, uniform
+        ctx.splits, ctx.unit, ctx.uniform, ctx.columns = splits, unit, uniform, columns
+        if columns:  # bags batch-major ([B·F] rows): each feature's [B, D] a view of [B, F, D], in one op
+            return out.view(-1, columns, out.shape[1]).unbind(1)
         # One output per feature (views of ``out``): the backward then gets each feature's gradient as it is
         # (often a view of the gradient of the caller's torch.cat of the features), where a split of one
         # output would have its backward concatenate them into a new [N, D] tensor first.
@@ -105,8 +107,11 @@ class _RowSparseLookup(torch.autograd.Function):
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: Any, *grads: torch.Tensor
-    ) -> tuple[None, None, torch.Tensor | None, None, None, None, None, None, None, None]:
+    ) -> tuple[None, None, torch.Tensor | None, None, None, None, None, None, None, None, None]:
         ids, gains, weight = ctx.saved_tensors
+        if ctx.columns:  # each feature's [B, D] gradient back into the bags' batch-major order, in one op
+            grads = (torch.stack(grads, 1).view(-1, grads[0].shape[-1]),)
+            ctx.splits = (ids.shape[0],)
         grad_out = None
         if ctx.needs_input_grad[0]:  # a frozen weight (requires_grad False) gets no gradient, as in torch
             grad_out = _record_rows(ctx, ids, gains, grads)
@@ -115,7 +120,7 @@ class _RowSparseLookup(torch.autograd.Function):
             grad_out = _whole(grads) if grad_out is None else grad_out
             rows = _gather(weight, ids.clamp(max=weight.shape[0] - 1), gains.dtype)
             grad_gains = torch.bmm(rows, grad_out.to(gains.dtype).unsqueeze(-1)).squeeze(-1)
-        return None, None, grad_gains, None, None, None, None, None, None, None
+        return None, None, grad_gains, None, None, None, None, None, None, None, None
 
 
 def _pooled(weight: torch.Tensor, ids: torch.Tensor, gains: torch.Tensor) -> torch.Tensor:
@@ -164,6 +169,7 @@ def lookup(
     weight: torch.Tensor, ids: torch.Tensor, gains: torch.Tensor, row_grad: RowGrad,
     tables: frozenset[str] = frozenset(), frozen: torch.Tensor | None = None,
     splits: tuple[int, ...] | None = None, unit: bool = False, uniform: bool = False, full: bool = False,
+    columns: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """Combined lookup ``out[n] = Σ_l gains[n, l] · weight[ids[n, l]]``.
 
@@ -182,15 +188,18 @@ def lookup(
         uniform: within each bag every gain is one value where the id is not padding (bags without
             per-id weights, any combiner).
         full: no position is padding (every id is a real row; dense ids).
+        columns: ``F > 0`` when the ``N = B·F`` bags are ``F`` features' bags batch-major (bag ``b`` of every
+            feature, then bag ``b + 1``; ``splits`` unused): then each feature's ``[B, D]`` is returned.
 
     Returns:
-        Each split's ``[n, D]`` activations (views of one ``[N, D]``), differentiable (row-sparsely) with
+        Each split's ``[n, D]`` activations (views of one ``[N, D]``; with ``columns``, each feature's
+        ``[B, D]``, views of one ``[B, F, D]``), differentiable (row-sparsely) with
         respect to ``weight``; they cannot be modified in place (as ``torch.split``'s outputs).
     """
     check_not_ddp_managed(weight)  # torch's DDP must not reduce a table (tte.distributed)
     out: tuple[torch.Tensor, ...] = _RowSparseLookup.apply(  # type: ignore[no-untyped-call]
         weight, ids, gains, row_grad, tables, frozen, (ids.shape[0],) if splits is None else tuple(splits), unit,
-        uniform, full)
+        uniform, full, columns)
     return out
 
 
@@ -355,7 +364,8 @@ def side_by_side(batches: list[Any], order: list[tuple[Path, str]], concat: Any 
     blocks: dict[int, tuple[int, torch.Tensor]] = {}  # first feature's index -> (features, [B, F·D])
     outputs: dict[Path, torch.Tensor] = {}
     for batch in batches:
-        at = [position[p] for p, _ in batch.items] if isinstance(batch, LookupBatch) else []
+        # (a LookupBatch or an assembly.AssembledBatch; a routed lookup is looked up as usual)
+        at = [position[p] for p, _ in batch.items] if hasattr(batch, "run_side_by_side") else []
         if len(at) > 1 and at == list(range(at[0], at[0] + len(at))) \
                 and batch.side_by_side():
             blocks[at[0]] = (len(at), batch.run_side_by_side())

@@ -1,0 +1,225 @@
+"""The host's share of a training step against the number of features: ops dispatched, host reads, trace time.
+
+Run (from the repository root; about a minute):
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/host_ops.py [--features 1 26 100] [--steps 5] [--no-xla]
+
+A DLRM-like step: ``T`` features, one table each (1,000 rows × 16, ``mean``), default construction (all
+``T`` tables stacked in one group), bags of 4 host ids (``Padded [256, 4]``, a quarter of them masked
+out), a ``Linear`` head on the activations, ``tte.optim.Adam``; steady state (past the kernel switch,
+``TTE_KERNEL_AFTER``). Every ``T`` runs in a process of its own. Per ``T`` and output form (the dict,
+concatenated by the user's ``torch.cat``; ``concat=True``; and a duck-typed ``KeyedJaggedTensor`` input):
+
+* **ops**: aten ops dispatched by one steady step (forward, loss, backward, ``step``, ``zero_grad``),
+  counted with a ``TorchDispatchMode``; and among them the host reads (``_local_scalar_dense``) and
+  data-dependent shapes (``nonzero``, ``unique*``, ``masked_select``);
+* **XLA trace** (``PJRT_DEVICE=CPU``, one device, ``concat=True``): the median host time of the Python
+  step up to ``torch_xla.sync()`` over ``--steps`` steps (the device's work not included).
+
+Goals of issue [host] (printed): with ``concat=True`` ops at T = 100 ≤ 1.3× T = 1 and host reads
+independent of T; with the dict output ≤ 3 ops per feature beyond T = 1; XLA trace at T = 100 ≤ 1.5×
+T = 1. ``tests/modules/test_host_ops.py`` asserts the op counts (counts do not depend on the machine).
+The first-step compile against the number of tables is ``benchmarks/xla_tables.py --parts first-compile``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+REPO = Path(__file__).resolve().parent.parent
+READS = ("_local_scalar_dense",)
+DATA_DEPENDENT = ("nonzero", "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim", "masked_select")
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every aten op dispatched while active, by name (the overload packet)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class KJT:
+    """A duck-typed ``torchrec.KeyedJaggedTensor``: ``keys()``, ``values()``, ``lengths()``, ``offsets()``,
+    ``weights_or_none()`` (torchrec need not be installed)."""
+
+    def __init__(self, keys: list[str], values: torch.Tensor, lengths: torch.Tensor,
+                 weights: torch.Tensor | None = None) -> None:
+        self._keys, self._values, self._lengths, self._weights = keys, values, lengths, weights
+
+    def keys(self) -> list[str]:
+        return self._keys
+
+    def values(self) -> torch.Tensor:
+        return self._values
+
+    def lengths(self) -> torch.Tensor:
+        return self._lengths
+
+    def offsets(self) -> torch.Tensor:
+        return torch.cat([self._lengths.new_zeros(1), torch.cumsum(self._lengths, 0)])
+
+    def weights_or_none(self) -> torch.Tensor | None:
+        return self._weights
+
+
+def build(t: int, device: Any = None) -> tuple[Any, Any, Any, list[str]]:
+    import torch_tpu_embedding as tte
+
+    torch.manual_seed(0)
+    features = {f"f{i:03d}": tte.FeatureConfig(tte.TableConfig(1000, 16, name=f"t{i:03d}", combiner="mean"),
+                                               max_ids_per_bag=4) for i in range(t)}
+    ec = tte.EmbeddingCollection(features, device=device)
+    head = torch.nn.Linear(16 * t, 1).to(device)
+    opt = tte.optim.Adam(ec.parameters(), lr=0.01)
+    dense = torch.optim.SGD(head.parameters(), lr=0.01)
+    return ec, head, (opt, dense), list(features)
+
+
+def batches(names: list[str], n: int, form: str, batch: int = 256) -> list[Any]:
+    import torch_tpu_embedding as tte
+
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        ids = {f: torch.randint(0, 1000, (batch, 4), generator=g) for f in names}
+        mask = {f: torch.rand(batch, 4, generator=g) > 0.25 for f in names}
+        if form == "kjt":
+            lengths = torch.cat([mask[f].sum(1) for f in names])
+            values = torch.cat([ids[f][mask[f]] for f in names])
+            out.append(KJT(names, values, lengths))
+        else:
+            out.append({f: tte.Padded(ids[f], mask[f]) for f in names})
+    return out
+
+
+def step(ec: Any, head: Any, opts: Any, x: Any, form: str, y: torch.Tensor) -> torch.Tensor:
+    if form == "concat":
+        act = ec(x, concat=True)
+    else:
+        out = ec(x)
+        act = torch.cat([out[k] for k in sorted(out)], dim=1)
+    loss = torch.nn.functional.mse_loss(head(act).squeeze(1), y)
+    loss.backward()
+    for o in opts:
+        o.step()
+        o.zero_grad()
+    ec.zero_grad()
+    return loss
+
+
+def count_ops(t: int, form: str) -> dict[str, Any]:
+    ec, head, opts, names = build(t)
+    data = batches(names, 4, form)
+    y = torch.zeros(256)
+    for i in range(6):  # past the kernel switch (TTE_KERNEL_AFTER=2 below)
+        step(ec, head, opts, data[i % 4], form, y)
+    with OpCounter() as c:
+        step(ec, head, opts, data[1], form, y)
+    reads = sum(c.counts[n] for n in READS)
+    dd = sum(c.counts[n] for n in DATA_DEPENDENT)
+    return {"ops": sum(c.counts.values()), "reads": reads, "data_dependent": dd,
+            "top": c.counts.most_common(8)}
+
+
+def trace_time(t: int, steps: int) -> dict[str, Any]:
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    dev = torch_xla.device()
+    ec, head, opts, names = build(t, dev)
+    data = batches(names, 4, "concat")
+    y = torch.zeros(256, device=dev)
+    times = []
+    for i in range(3 + steps):
+        start = time.perf_counter()
+        step(ec, head, opts, data[i % 4], "concat", y)
+        traced = time.perf_counter() - start
+        torch_xla.sync()
+        xm.wait_device_ops()
+        if i >= 3:
+            times.append(traced * 1e3)
+    return {"trace_ms": statistics.median(times), "trace_ms_range": [min(times), max(times)]}
+
+
+def child(args: argparse.Namespace) -> None:
+    t = args.child
+    out: dict[str, Any] = {"T": t}
+    if args.xla:
+        out.update(trace_time(t, args.steps))
+    else:
+        for form in ("dict", "concat", "kjt"):
+            out[form] = count_ops(t, form)
+    print(json.dumps(out))
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--features", type=int, nargs="+", default=[1, 26, 100])
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--no-xla", action="store_true")
+    p.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--xla", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child is not None:
+        child(args)
+        return
+    env = dict(os.environ, TTE_KERNEL_AFTER="2", OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+               PYTHONPATH=str(REPO))
+    rows: dict[int, dict[str, Any]] = {}
+    for t in args.features:
+        cmd = [sys.executable, __file__, "--child", str(t), "--steps", str(args.steps)]
+        rows[t] = json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout)
+        if not args.no_xla:
+            xenv = dict(env, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1")
+            res = subprocess.run([*cmd, "--xla"], env=xenv, check=True, capture_output=True, text=True)
+            rows[t].update(json.loads(res.stdout.strip().splitlines()[-1]))
+    print(f"CPU: {cpu_model()}, torch {torch.__version__}, {os.cpu_count()} cores")
+    print(f"{'T':>4} | {'dict ops':>8} {'reads':>5} {'dd':>3} | {'concat ops':>10} {'reads':>5} {'dd':>3} | "
+          f"{'kjt ops':>7} {'reads':>5} {'dd':>3} | {'XLA trace ms':>12}")
+    for t, r in rows.items():
+        trace = f"{r['trace_ms']:.1f}" if "trace_ms" in r else "-"
+        cells = " | ".join(f"{r[f]['ops']:>{w}} {r[f]['reads']:>5} {r[f]['data_dependent']:>3}"
+                           for f, w in (("dict", 8), ("concat", 10), ("kjt", 7)))
+        print(f"{t:>4} | {cells} | {trace:>12}")
+    first, last = rows[min(rows)], rows[max(rows)]
+    span = max(rows) - min(rows)
+    if span:
+        print(f"goals: concat ops T={max(rows)}/T={min(rows)} = {last['concat']['ops'] / first['concat']['ops']:.2f} "
+              f"(≤ 1.3); dict ops per feature beyond T={min(rows)}: "
+              f"{(last['dict']['ops'] - first['dict']['ops']) / span:.2f} (≤ 3); host reads "
+              f"{[r['concat']['reads'] for r in rows.values()]} (independent of T)"
+              + (f"; XLA trace {last['trace_ms'] / first['trace_ms']:.2f}× (≤ 1.5)" if "trace_ms" in first else ""))
+    for t, r in rows.items():
+        print(f"T={t} most frequent ops (concat): {r['concat']['top']}")
+
+
+if __name__ == "__main__":
+    main()

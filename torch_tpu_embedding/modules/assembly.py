@@ -1,0 +1,198 @@
+"""The features of a lookup batch assembled at once: one id tensor, one range check, one lookup.
+
+A stacked group looks its features up as FBGEMM's table-batched embedding does (TorchRec's
+``KeyedJaggedTensor`` layout, padded): the features' ``[B, L]`` ids side by side, ``[B, F, L]``, shifted
+to their tables' first rows in the group by one add of a ``[1, F, 1]`` offset tensor, checked against a
+``[1, F, 1]`` bound tensor with one host read, and looked up by one ``embedding_bag`` whose output
+``[B·F, D]`` is each feature's ``[B, D]`` as a view (``unbind``), or all of them side by side (``concat``).
+The ops a step dispatches for the group do not grow with its number of features; what does is Python
+bookkeeping (a signature per feature, read from sizes and dtypes, never from values). The bound and
+offset tensors are made once per group layout and device (:func:`_columns`).
+
+Forms taken here: :class:`~torch_tpu_embedding.inputs.Padded` and dense ids, on the host or on the table's
+eager device, for features without ``output_shape`` or a sequence length. Everything else (jagged,
+sparse, sequence features, XLA-resident ids, which are screened on the device, row-sharded tables) takes
+the per-feature normalisation of :func:`~torch_tpu_embedding.inputs.to_bags`; a bad input found by the
+group's check is re-checked there, feature by feature, so the error names the feature as it always did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+
+from torch_tpu_embedding._rows.grads import RowGrad, table_info
+from torch_tpu_embedding._util.dtypes import compute_dtype
+from torch_tpu_embedding._util.input_checks import INDEX_DTYPES, tracing
+from torch_tpu_embedding._util.nest import Path
+from torch_tpu_embedding.combiners import bag_gains
+from torch_tpu_embedding.config import FeatureConfig
+from torch_tpu_embedding.inputs import Padded, to_bags
+from torch_tpu_embedding.modules.lookup import lookup
+
+__all__ = ["AssembledBatch", "signature"]
+
+
+def signature(value: Any, weight: Any, fc: FeatureConfig, table_device: torch.device) -> tuple[Any, ...] | None:
+    """What the group assembly needs to know of one feature's input, from sizes and dtypes only: ``(form,
+    B, L, ids dtype, ids device, masked, weights dtype)``, or ``None`` for an input it does not take (then
+    :func:`~torch_tpu_embedding.inputs.to_bags` normalises it, and raises where it is wrong)."""
+    if fc.output_shape is not None or fc.max_sequence_length:
+        return None
+    if isinstance(value, Padded):
+        ids, mask, w = value.ids, value.mask, value.weights
+        if w is not None and weight is not None:
+            return None  # (weights given twice: to_bags says so)
+        w = weight if w is None else w
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in INDEX_DTYPES \
+                or ids.layout != torch.strided or ids.is_nested:
+            return None
+        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool
+                                 or mask.shape != ids.shape or mask.device != ids.device):
+            return None
+        if w is not None and (not isinstance(w, torch.Tensor) or not w.is_floating_point()
+                              or w.shape != ids.shape or w.device != ids.device):
+            return None
+        cap = fc.max_ids_per_bag
+        if cap is not None and ids.shape[1] > cap:
+            return None
+        form = "padded"
+    elif isinstance(value, torch.Tensor) and weight is None and value.layout == torch.strided \
+            and not value.is_nested and value.dtype in INDEX_DTYPES \
+            and (value.dim() == 1 or (value.dim() == 2 and value.shape[1] == 1)):
+        ids, mask, w = value, None, None
+        form = "dense" if value.dim() == 1 else "dense2"
+    else:
+        return None
+    if ids.device.type != "cpu" and (ids.device != table_device or ids.device.type == "xla"):
+        return None  # (XLA-resident ids are screened on the device; ids elsewhere: to_bags says so)
+    return (form, ids.shape[0], 1 if form != "padded" else ids.shape[1], ids.dtype, ids.device, mask is not None,
+            None if w is None else w.dtype)
+
+
+@functools.lru_cache(maxsize=512)
+def _columns(vocabs: tuple[int, ...], offsets: tuple[int, ...], sentinel: int, device: torch.device
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``[1, F, 1]`` bounds and first rows of a batch's columns, and its padding id, on ``device`` (made once)."""
+    bounds = torch.tensor(vocabs, dtype=torch.int64, device=device).view(1, -1, 1)
+    first = torch.tensor(offsets, dtype=torch.int64, device=device).view(1, -1, 1) if any(offsets) else None
+    return bounds, first, torch.tensor(sentinel, dtype=torch.int64, device=device)
+
+
+@dataclasses.dataclass
+class _Item:
+    """One feature of an assembled batch, as :class:`~torch_tpu_embedding.modules.lookup.LookupBatch` lists
+    them for :func:`~torch_tpu_embedding.modules.lookup.side_by_side` (its position and activation shape)."""
+
+    out_shape: tuple[int, ...]
+    offsets: None = None
+
+
+@dataclasses.dataclass
+class AssembledBatch:
+    """The features of one physical table (a stacked group or a table) with one :func:`signature` and one
+    combiner, looked up as one: ``ids [B·F, L]`` batch-major (bag ``b`` of every feature, then bag ``b + 1``).
+
+    :meth:`add` the features (no op), :meth:`assemble` once (the group's ops, its check and its transfer),
+    then :meth:`run` (each feature's ``[B, D]``, views) or :meth:`run_side_by_side` (``[B, F·D]``).
+    """
+
+    weight: torch.Tensor
+    row_grad: RowGrad
+    combiner: str
+    resident: bool
+    sig: tuple[Any, ...]
+    sentinel: int
+    items: list[tuple[Path, _Item]] = dataclasses.field(default_factory=list)
+    tables: set[str] = dataclasses.field(default_factory=set)
+    _inputs: list[tuple[str, FeatureConfig, Any, Any, int]] = dataclasses.field(default_factory=list)
+    _ids: torch.Tensor | None = None
+    _weights: torch.Tensor | None = None
+
+    def add(self, path: Path, feature: str, fc: FeatureConfig, table: str, value: Any, weight: Any,
+            offset: int) -> None:
+        """Take one feature (its input ``value`` and separate ``weight``; ``offset``: its table's first row)."""
+        self.items.append((path, _Item((self.sig[1],))))
+        self.tables.add(table)
+        self._inputs.append((feature, fc, value, weight, offset))
+
+    def assemble(self) -> None:
+        """Join, check, shift and move the features' ids (and weights): a fixed number of ops, one host read.
+
+        Raises the :func:`~torch_tpu_embedding.inputs.to_bags` error of the first bad feature.
+        """
+        form, b, width, _, device, masked, wdtype = self.sig
+        inputs = self._inputs
+        if form == "padded":
+            ids = torch.stack([v.ids for _, _, v, _, _ in inputs], 1)  # [B, F, L], a copy: never the caller's
+            mask = torch.stack([v.mask for _, _, v, _, _ in inputs], 1) if masked else None
+        else:
+            ids = torch.stack([v for _, _, v, _, _ in inputs], 1)
+            ids = ids.unsqueeze(-1) if form == "dense" else ids
+            mask = None
+        bounds, first, sentinel = _columns(tuple(fc.table.num_embeddings for _, fc, _, _, _ in inputs),
+                                           tuple(o for *_, o in inputs), self.sentinel, device)
+        if ids.numel() and not tracing():  # (no values while torch.compile traces, as to_bags)
+            bad = (ids < 0) | (ids >= bounds)
+            if bool((bad & mask if mask is not None else bad).any()):
+                self._raise()
+        if first is not None:
+            ids = ids + first
+        elif ids.dtype != torch.int64:
+            ids = ids.to(torch.int64)
+        if mask is not None:
+            ids = torch.where(mask, ids, sentinel)
+        w = None
+        if wdtype is not None:
+            w = torch.stack([v.weights if v.weights is not None else wv for _, _, v, wv, _ in inputs], 1)
+            if w.numel() and not tracing():
+                target = compute_dtype(self.weight.dtype)
+                if not bool(torch.isfinite(w).all()) or (
+                        torch.finfo(target).max < torch.finfo(w.dtype).max
+                        and bool(w.abs().amax() > torch.finfo(target).max)):
+                    self._raise()
+            w = w.to(compute_dtype(self.weight.dtype)).view(b * len(inputs), width)
+        ids = ids.view(b * len(inputs), width)
+        if not self.resident:  # one transfer of the batch's ids (and weights)
+            ids = ids.to(self.weight.device)
+            w = None if w is None else w.to(self.weight.device)
+        self._ids, self._weights = ids, w
+        self._inputs = []  # (the caller's tensors are not kept)
+
+    def _raise(self) -> None:
+        """The first bad feature's own error, from its per-feature normalisation."""
+        for feature, fc, value, weight, _ in self._inputs:
+            to_bags(feature, fc, value, weight, sentinel=self.sentinel, device=torch.device("cpu"),
+                    dtype=self.weight.dtype)
+        raise AssertionError("the group check found a bad id or weight that no feature's own check finds")
+
+    def _lookup(self, columns: int) -> tuple[torch.Tensor, ...]:
+        ids, w, weight, combiner = self._ids, self._weights, self.weight, self.combiner
+        assert ids is not None, "assemble() first"
+        full = not self.sig[5]
+        if full and w is None and (ids.shape[1] == 1 or combiner == "sum"):
+            gains = torch.ones(ids.shape, dtype=compute_dtype(weight.dtype), device=ids.device)
+        else:
+            gains = bag_gains(ids != self.sentinel, w, combiner, weight.dtype)
+        info = table_info(weight)
+        frozen = None if info is None else info.frozen_rows
+        training = frozenset(self.tables) - (info.frozen_tables if info is not None else frozenset())
+        return lookup(weight, ids, gains, self.row_grad, training, frozen, None, unit=combiner == "sum" and w is None,
+                      uniform=w is None, full=full, columns=columns)
+
+    def run(self) -> dict[Path, torch.Tensor]:
+        """Each feature's ``[B, D]`` activations by its position: views of one ``[B, F, D]``."""
+        pieces = self._lookup(len(self.items) if len(self.items) > 1 else 0)
+        return {path: piece for (path, _), piece in zip(self.items, pieces, strict=True)}
+
+    def side_by_side(self) -> bool:
+        """Always (every feature is ``[B]`` bags): :func:`~torch_tpu_embedding.modules.lookup.side_by_side`."""
+        return True
+
+    def run_side_by_side(self) -> torch.Tensor:
+        """The features' activations side by side, ``[B, F·D]``, as one tensor (nothing copied)."""
+        (out,) = self._lookup(0)
+        return out.view(self.sig[1], len(self.items) * out.shape[1])

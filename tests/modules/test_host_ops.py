@@ -131,7 +131,7 @@ def test_assembled_lookup_equals_the_per_feature_one(concat: bool) -> None:
             (out * torch.arange(out.shape[1], dtype=out.dtype)).sum().backward()
             (ref_out * torch.arange(out.shape[1], dtype=out.dtype)).sum().backward()
         else:
-            for i, f in enumerate(names):
+            for f in names:
                 torch.testing.assert_close(out[f], ref_out[f], rtol=0, atol=0)
             sum((i + 1) * out[f].sum() for i, f in enumerate(names)).backward()
             sum((i + 1) * ref_out[f].sum() for i, f in enumerate(names)).backward()

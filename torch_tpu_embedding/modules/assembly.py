@@ -7,7 +7,7 @@ to their tables' first rows in the group by one add of a ``[1, F, 1]`` offset te
 ``[B·F, D]`` is each feature's ``[B, D]`` as a view (``unbind``), or all of them side by side (``concat``).
 The ops a step dispatches for the group do not grow with its number of features; what does is Python
 bookkeeping (a signature per feature, read from sizes and dtypes, never from values). The bound and
-offset tensors are made once per group layout and device (:func:`_columns`).
+offset tensors are made once per group layout and device (:func:`_bounds`, :func:`_shifts`).
 
 Forms taken here: :class:`~torch_tpu_embedding.inputs.Padded` and dense ids, on the host or on the table's
 eager device, for features without ``output_shape`` or a sequence length. Everything else (jagged,
@@ -74,12 +74,18 @@ def signature(value: Any, weight: Any, fc: FeatureConfig, table_device: torch.de
 
 
 @functools.lru_cache(maxsize=512)
-def _columns(vocabs: tuple[int, ...], offsets: tuple[int, ...], sentinel: int, device: torch.device
-             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``[1, F, 1]`` bounds and first rows of a batch's columns, and its padding id, on ``device`` (made once)."""
-    bounds = torch.tensor(vocabs, dtype=torch.int64, device=device).view(1, -1, 1)
+def _bounds(vocabs: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``0`` and ``[1, F, 1]`` largest ids of a batch's columns in the ids' ``dtype`` on ``device`` (made once)."""
+    top = torch.iinfo(dtype).max
+    last = torch.tensor([min(v - 1, top) for v in vocabs], dtype=dtype, device=device).view(1, -1, 1)
+    return torch.zeros((), dtype=dtype, device=device), last
+
+
+@functools.lru_cache(maxsize=512)
+def _shifts(offsets: tuple[int, ...], sentinel: int, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``[1, F, 1]`` first rows of a batch's columns in their group (``None``: all 0) and its padding id."""
     first = torch.tensor(offsets, dtype=torch.int64, device=device).view(1, -1, 1) if any(offsets) else None
-    return bounds, first, torch.tensor(sentinel, dtype=torch.int64, device=device)
+    return first, torch.tensor(sentinel, dtype=torch.int64, device=device)
 
 
 @dataclasses.dataclass
@@ -124,7 +130,7 @@ class AssembledBatch:
 
         Raises the :func:`~torch_tpu_embedding.inputs.to_bags` error of the first bad feature.
         """
-        form, b, width, _, device, masked, wdtype = self.sig
+        form, b, width, dtype, device, masked, wdtype = self.sig
         inputs = self._inputs
         if form == "padded":
             ids = torch.stack([v.ids for _, _, v, _, _ in inputs], 1)  # [B, F, L], a copy: never the caller's
@@ -133,18 +139,13 @@ class AssembledBatch:
             ids = torch.stack([v for _, _, v, _, _ in inputs], 1)
             ids = ids.unsqueeze(-1) if form == "dense" else ids
             mask = None
-        bounds, first, sentinel = _columns(tuple(fc.table.num_embeddings for _, fc, _, _, _ in inputs),
-                                           tuple(o for *_, o in inputs), self.sentinel, device)
         if ids.numel() and not tracing():  # (no values while torch.compile traces, as to_bags)
-            bad = (ids < 0) | (ids >= bounds)
-            if bool((bad & mask if mask is not None else bad).any()):
+            # Two passes and one read: every id in [0, num_embeddings) is what clamping leaves unchanged. Only
+            # when that fails are the ids masked out (which are not ids: any value) told apart, at a cost.
+            zero, last = _bounds(tuple(fc.table.num_embeddings for _, fc, _, _, _ in inputs), dtype, device)
+            if not torch.equal(torch.clamp(ids, zero, last), ids) and (
+                    mask is None or bool((mask & ((ids < zero) | (ids > last))).any())):
                 self._raise()
-        if first is not None:
-            ids = ids + first
-        elif ids.dtype != torch.int64:
-            ids = ids.to(torch.int64)
-        if mask is not None:
-            ids = torch.where(mask, ids, sentinel)
         w = None
         if wdtype is not None:
             w = torch.stack([v.weights if v.weights is not None else wv for _, _, v, wv, _ in inputs], 1)
@@ -154,12 +155,19 @@ class AssembledBatch:
                         torch.finfo(target).max < torch.finfo(w.dtype).max
                         and bool(w.abs().amax() > torch.finfo(target).max)):
                     self._raise()
-            w = w.to(compute_dtype(self.weight.dtype)).view(b * len(inputs), width)
-        ids = ids.view(b * len(inputs), width)
-        if not self.resident:  # one transfer of the batch's ids (and weights)
+        if not self.resident:  # one transfer of the batch's ids (and mask, weights); the rest is the device's
             ids = ids.to(self.weight.device)
+            mask = None if mask is None else mask.to(self.weight.device)
             w = None if w is None else w.to(self.weight.device)
-        self._ids, self._weights = ids, w
+        first, sentinel = _shifts(tuple(o for *_, o in inputs), self.sentinel, ids.device)
+        if first is not None:
+            ids = ids + first
+        elif ids.dtype != torch.int64:
+            ids = ids.to(torch.int64)
+        if mask is not None:
+            ids = torch.where(mask, ids, sentinel)
+        self._ids = ids.view(b * len(inputs), width)
+        self._weights = None if w is None else w.to(compute_dtype(self.weight.dtype)).view(b * len(inputs), width)
         self._inputs = []  # (the caller's tensors are not kept)
 
     def _raise(self) -> None:

@@ -292,7 +292,7 @@ class EmbeddingCollection(nn.Module):
             if weights is not None:
                 raise TypeError("Argument `weights` must be None with a KeyedJaggedTensor input: its per-id weights "
                                 "are its weights_or_none().")
-            features, weights = keyed_inputs(features, self._config, [(f[0], f[1]) for f in self._features])
+            features, weights = keyed_inputs(features, self._config, [f[:3] for f in self._features])
         check_structure(self._config, features, "Inputs `features`")
         if weights is not None:
             check_structure(self._config, weights, "Argument `weights`")
@@ -371,17 +371,17 @@ class EmbeddingCollection(nn.Module):
                 order = table.row_layout.ownership(int(weight.shape[0]))
                 bags = dataclasses.replace(bags, ids=order.physical_row(bags.ids.to(torch.int64)))
             combiner = fc.table.combiner if bags.combine else "sum"
-            key = (id(table), bags.ids.shape[1] if bags.offsets is None else -1, combiner, resident)  # -1: jagged
-            if key not in batches:
-                batches[key] = LookupBatch(weight, table.row_grad, combiner, resident)
+            bkey = (id(table), bags.ids.shape[1] if bags.offsets is None else -1, combiner, resident)  # -1: jagged
+            if bkey not in batches:
+                batches[bkey] = LookupBatch(weight, table.row_grad, combiner, resident)
                 if owner_local:
                     if id(table) not in routed:
                         names = [f for _, f, _, t in self._features if self._located[t][0] is table]
                         routed[id(table)] = local[id(table)].routed_lookup(
                             table.name, weight, table.config.max_unique_ids_per_shard, names, self._exchange_counts)
-                    routed[id(table)].batches.append(batches[key])
-            batches[key].items.append((path, bags))
-            batches[key].tables.add(tname)
+                    routed[id(table)].batches.append(batches[bkey])
+            batches[bkey].items.append((path, bags))
+            batches[bkey].tables.add(tname)
         for batch in assembled:  # every group checked before anything is looked up
             batch.assemble()
         taken = {id(b) for r in routed.values() for b in r.batches}

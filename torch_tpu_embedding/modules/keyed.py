@@ -5,7 +5,9 @@
 need not be installed) — in place of the structure of ``feature_config``: its keys are the features'
 names, its values the ids of every feature's bags, feature-major (all bags of ``keys()[0]``, then of
 ``keys()[1]``, ...), each feature with the same number of bags ``B = len(lengths) / len(keys)``.
-Each feature becomes a :class:`~torch_tpu_embedding.inputs.Jagged` view of the values (one split, no copy).
+The bags of every key are padded at once (:func:`keyed_inputs`): widths as the host would pad a
+:class:`~torch_tpu_embedding.inputs.Jagged` input for XLA (``max_ids_per_bag``, else the longest bag
+rounded up to a power of two), so results equal those of the same bags given per feature.
 """
 
 from __future__ import annotations
@@ -14,8 +16,14 @@ from typing import Any
 
 import torch
 
+from torch_tpu_embedding._util.input_checks import INDEX_DTYPES
 from torch_tpu_embedding._util.nest import Path, rebuild
-from torch_tpu_embedding.inputs import Jagged
+from torch_tpu_embedding.config import FeatureConfig
+from torch_tpu_embedding.inputs import Padded
+
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 __all__ = ["is_keyed", "keyed_inputs"]
 
@@ -27,11 +35,15 @@ def is_keyed(features: Any) -> bool:
         callable(getattr(features, "lengths", None)) or callable(getattr(features, "offsets", None)))
 
 
-def keyed_inputs(features: Any, config: Any, order: list[tuple[Path, str]]) -> tuple[Any, Any]:
+def keyed_inputs(features: Any, config: Any, order: list[tuple[Path, str, FeatureConfig]]) -> tuple[Any, Any]:
     """``(inputs, weights)`` in the structure of ``config`` from a ``KeyedJaggedTensor`` ``features``;
-    ``order``: each feature's position and name. Raises ``ValueError`` naming missing or unknown keys."""
+    ``order``: each feature's position, name and config. Each feature's bags become a
+    :class:`~torch_tpu_embedding.inputs.Padded` (views of one ``[F·B, W]`` padding of every key, made by one
+    scatter), so a stacked group's features are looked up as one (``modules/assembly.py``). Raises
+    ``ValueError`` naming missing or unknown keys, or the feature with a bag over its ``max_ids_per_bag``."""
     keys = [str(k) for k in features.keys()]
-    names = {name: path for path, name in order}
+    names = {name: path for path, name, _ in order}
+    features_of = {name: fc for _, name, fc in order}
     unknown = [k for k in keys if k not in names]
     missing = [n for n in names if n not in keys]
     if unknown or missing or len(set(keys)) != len(keys):
@@ -54,14 +66,44 @@ def keyed_inputs(features: Any, config: Any, order: list[tuple[Path, str]]) -> t
             f"A KeyedJaggedTensor input needs the same number of bags for each of its {len(keys)} keys (a variable "
             f"batch per feature is not taken as a KeyedJaggedTensor: pass {{name: tte.Jagged(...)}} per "
             f"feature instead). Received {lengths.numel()} lengths")
-    per_key = lengths.view(len(keys), -1)  # [F, B]
-    sizes = per_key.sum(1).tolist()  # the one host read of the input's structure (a sync for device lengths)
-    if sum(sizes) != values.numel():
-        raise ValueError(f"A KeyedJaggedTensor input's lengths must add up to len(values()) = {values.numel()}. "
-                         f"Received lengths adding up to {sum(sizes)}")
-    vals = values.split(sizes)
-    ws = weights.split(sizes) if weights is not None else [None] * len(keys)
-    lens = per_key.unbind(0)
-    inputs = {names[k]: Jagged(v, lengths=n) for k, v, n in zip(keys, vals, lens, strict=True)}
-    per_id = {names[k]: w for k, w in zip(keys, ws, strict=True)}
-    return rebuild(config, inputs), None if weights is None else rebuild(config, per_id)
+    if lengths.dtype not in INDEX_DTYPES or values.dtype not in INDEX_DTYPES:
+        raise TypeError("A KeyedJaggedTensor input's values() and lengths() must be integer tensors. Received "
+                        f"{values.dtype} and {lengths.dtype}")
+    f, nnz = len(keys), values.numel()
+    b = lengths.numel() // f
+    lengths = lengths.to(torch.int64)
+    per_key = lengths.view(f, b)  # [F, B]
+    # The one host read of the input's structure (a sync for device lengths): each key's longest bag, the
+    # total and the shortest (lengths must be >= 0 and add up to the values).
+    stats = torch.cat([per_key.amax(1), lengths.sum().view(1), lengths.amin().view(1)]).tolist() if b else [0] * (f + 2)
+    longest, total, shortest = stats[:f], stats[f], stats[f + 1]
+    if total != nnz or shortest < 0:
+        raise ValueError(f"A KeyedJaggedTensor input's lengths must be >= 0 and add up to len(values()) = {nnz}. "
+                         f"Received lengths adding up to {total}, the shortest {shortest}")
+    widths = []
+    for k, n in zip(keys, longest, strict=True):
+        fc = features_of[k]
+        cap = fc.max_ids_per_bag
+        if cap is not None and n > cap and not fc.max_sequence_length:
+            raise ValueError(f"Feature `{k}`: a bag holds {n} ids, more than max_ids_per_bag={cap}. Raise the "
+                             "capacity; ids are never dropped silently.")
+        widths.append(cap if cap is not None and not fc.max_sequence_length else _next_pow2(n))
+    # Every key's bags padded at once: id k of bag n of key j at [j·B + n, k], one scatter.
+    width = max(widths, default=1)
+    offsets = torch.cumsum(lengths, 0) - lengths
+    row = torch.repeat_interleave(torch.arange(f * b, device=values.device), lengths, output_size=nnz)
+    rank = torch.arange(nnz, device=values.device) - offsets[row]
+    ids = values.new_zeros(f * b, width).index_put_((row, rank), values)
+    mask = torch.zeros(f * b, width, dtype=torch.bool, device=values.device).index_put_(
+        (row, rank), torch.ones((), dtype=torch.bool, device=values.device))
+    w = None if weights is None else weights.new_zeros(f * b, width).index_put_((row, rank), weights)
+    if all(wd == width for wd in widths):  # each key's [B, W] a view, all in one op per tensor
+        parts = zip(ids.view(f, b, width).unbind(0), mask.view(f, b, width).unbind(0),
+                    [None] * f if w is None else w.view(f, b, width).unbind(0), strict=True)
+    else:
+        rows = [slice(j * b, (j + 1) * b) for j in range(f)]
+        parts = zip([ids[r, :wd] for r, wd in zip(rows, widths, strict=True)],
+                    [mask[r, :wd] for r, wd in zip(rows, widths, strict=True)],
+                    [None if w is None else w[r, :wd] for r, wd in zip(rows, widths, strict=True)], strict=True)
+    inputs = {names[k]: Padded(i, m, wt) for k, (i, m, wt) in zip(keys, parts, strict=True)}
+    return rebuild(config, inputs), None

@@ -118,10 +118,9 @@ def step(ec: Any, head: Any, opts: Any, x: Any, form: str, y: torch.Tensor) -> t
         act = torch.cat([out[k] for k in sorted(out)], dim=1)
     loss = torch.nn.functional.mse_loss(head(act).squeeze(1), y)
     loss.backward()
-    for o in opts:
+    for o in opts:  # (tte's zero_grad clears the tables' pending row gradients too)
         o.step()
         o.zero_grad()
-    ec.zero_grad()
     return loss
 
 

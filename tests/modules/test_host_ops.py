@@ -82,7 +82,6 @@ def _step(ec: Any, head: Any, opt: Any, x: Any, concat: bool) -> None:
     head(act).square().mean().backward()
     opt.step()
     opt.zero_grad()
-    ec.zero_grad()
 
 
 def _count(t: int, concat: bool) -> Counter[str]:

@@ -61,8 +61,9 @@ def check_structure(config: Any, given: Any, what: str, path: Path = ()) -> None
                     f"{what}{_where(path)} do not match the feature config: missing {missing}, "
                     f"unknown {unknown}."
                 )
-        for key in config:
-            check_structure(config[key], given[key], what, (*path, key))
+        for key, sub in config.items():
+            if isinstance(sub, (Mapping, list, tuple)):  # (a leaf may be given as anything: nothing to check)
+                check_structure(sub, given[key], what, (*path, key))
     elif isinstance(config, (list, tuple)):
         if not isinstance(given, (list, tuple)) or len(given) != len(config):
             raise ValueError(
@@ -71,4 +72,5 @@ def check_structure(config: Any, given: Any, what: str, path: Path = ()) -> None
                 + (f" of {len(given)}" if isinstance(given, (list, tuple)) else "")
             )
         for i, (c, g) in enumerate(zip(config, given, strict=True)):
-            check_structure(c, g, what, (*path, i))
+            if isinstance(c, (Mapping, list, tuple)):
+                check_structure(c, g, what, (*path, i))

@@ -35,42 +35,48 @@ from torch_tpu_embedding.modules.lookup import lookup
 
 __all__ = ["AssembledBatch", "signature"]
 
+_INDEX_DTYPES = frozenset(INDEX_DTYPES)
+
 
 def signature(value: Any, weight: Any, fc: FeatureConfig, table_device: torch.device) -> tuple[Any, ...] | None:
     """What the group assembly needs to know of one feature's input, from sizes and dtypes only: ``(form,
     B, L, ids dtype, ids device, masked, weights dtype)``, or ``None`` for an input it does not take (then
-    :func:`~torch_tpu_embedding.inputs.to_bags` normalises it, and raises where it is wrong)."""
+    :func:`~torch_tpu_embedding.inputs.to_bags` normalises it, and raises where it is wrong).
+
+    Called for every feature in every step: each attribute is read once (a tensor's ``shape`` and
+    ``device`` are made anew at each read)."""
     if fc.output_shape is not None or fc.max_sequence_length:
         return None
-    if isinstance(value, Padded):
+    if type(value) is Padded:
         ids, mask, w = value.ids, value.mask, value.weights
         if w is not None and weight is not None:
             return None  # (weights given twice: to_bags says so)
         w = weight if w is None else w
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in INDEX_DTYPES \
-                or ids.layout != torch.strided or ids.is_nested:
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in _INDEX_DTYPES or ids.layout != torch.strided:
+            return None
+        shape, device = ids.shape, ids.device
+        if len(shape) != 2 or ids.is_nested or (fc.max_ids_per_bag is not None and shape[1] > fc.max_ids_per_bag):
             return None
         if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool
-                                 or mask.shape != ids.shape or mask.device != ids.device):
+                                 or mask.shape != shape or mask.device != device):
             return None
         if w is not None and (not isinstance(w, torch.Tensor) or not w.is_floating_point()
-                              or w.shape != ids.shape or w.device != ids.device):
+                              or w.shape != shape or w.device != device):
             return None
-        cap = fc.max_ids_per_bag
-        if cap is not None and ids.shape[1] > cap:
+        form, width = "padded", shape[1]
+    elif isinstance(value, torch.Tensor) and weight is None and value.dtype in _INDEX_DTYPES \
+            and value.layout == torch.strided:
+        shape, device = value.shape, value.device
+        if not (len(shape) == 1 or (len(shape) == 2 and shape[1] == 1)) or value.is_nested:
             return None
-        form = "padded"
-    elif isinstance(value, torch.Tensor) and weight is None and value.layout == torch.strided \
-            and not value.is_nested and value.dtype in INDEX_DTYPES \
-            and (value.dim() == 1 or (value.dim() == 2 and value.shape[1] == 1)):
-        ids, mask, w = value, None, None
-        form = "dense" if value.dim() == 1 else "dense2"
+        mask = w = None
+        form, width = "dense" if len(shape) == 1 else "dense2", 1
     else:
         return None
-    if ids.device.type != "cpu" and (ids.device != table_device or ids.device.type == "xla"):
+    if device.type != "cpu" and (device != table_device or device.type == "xla"):
         return None  # (XLA-resident ids are screened on the device; ids elsewhere: to_bags says so)
-    return (form, ids.shape[0], 1 if form != "padded" else ids.shape[1], ids.dtype, ids.device, mask is not None,
-            None if w is None else w.dtype)
+    return form, shape[0], width, value.dtype if form != "padded" else ids.dtype, device, mask is not None, \
+        None if w is None else w.dtype
 
 
 @functools.lru_cache(maxsize=512)
@@ -115,13 +121,17 @@ class AssembledBatch:
     items: list[tuple[Path, _Item]] = dataclasses.field(default_factory=list)
     tables: set[str] = dataclasses.field(default_factory=set)
     _inputs: list[tuple[str, FeatureConfig, Any, Any, int]] = dataclasses.field(default_factory=list)
+    _shape: _Item = dataclasses.field(init=False)
     _ids: torch.Tensor | None = None
     _weights: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        self._shape = _Item((self.sig[1],))  # every feature's bags: [B]
 
     def add(self, path: Path, feature: str, fc: FeatureConfig, table: str, value: Any, weight: Any,
             offset: int) -> None:
         """Take one feature (its input ``value`` and separate ``weight``; ``offset``: its table's first row)."""
-        self.items.append((path, _Item((self.sig[1],))))
+        self.items.append((path, self._shape))
         self.tables.add(table)
         self._inputs.append((feature, fc, value, weight, offset))
 

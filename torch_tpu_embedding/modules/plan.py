@@ -1,0 +1,118 @@
+"""The lookups of one forward call: every feature's input normalised and grouped into the batches looked up
+together (``EmbeddingCollection.forward``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from torch_tpu_embedding._rows.backward_order import check_xla_backward
+from torch_tpu_embedding._rows.grads import table_info
+from torch_tpu_embedding._util.nest import pick
+from torch_tpu_embedding._util.validation import check_not_meta
+from torch_tpu_embedding.inputs import to_bags
+from torch_tpu_embedding.modules.assembly import AssembledBatch, signature
+from torch_tpu_embedding.modules.lookup import LookupBatch
+
+__all__ = ["plan_lookups"]
+
+
+def _input_device(value: Any) -> str:
+    """The device type of a feature's ids (``"cpu"`` for anything else)."""
+    ids = value if isinstance(value, torch.Tensor) else getattr(value, "ids", getattr(value, "values", None))
+    return ids.device.type if isinstance(ids, torch.Tensor) else "cpu"
+
+
+def _device_resident(value: Any) -> bool:
+    """True when a feature's ids arrived already on an XLA device (not readable without a sync)."""
+    return _input_device(value) == "xla"
+
+
+def plan_lookups(ec: Any, features: Any, weights: Any) -> list[Any]:
+    """Every feature of ``ec`` (an ``EmbeddingCollection``) normalised to padded bags, grouped into the batches
+    looked up together; each batch's ids checked before any is looked up.
+
+    Features of the same physical table with the same bag width and combiner are looked up
+    together: one gather and one backward node per batch, not per feature. ``Padded`` and dense ids are
+    assembled per batch (:class:`~torch_tpu_embedding.modules.assembly.AssembledBatch`: the batch's ops and
+    host reads do not grow with its features); other forms are normalised feature by feature. Host inputs for a
+    device table are normalised and batched on the host and moved in one transfer per batch
+    (TorchRec's KJT and TBE do the same). The batches of a table trained through the id exchange
+    (row-sharded under SPMD) are routed together: one routed lookup per table, made by the table's
+    placement (``TablePlacement.routed_lookup``, ``torch_tpu_embedding/_rows/placement.py``), which the
+    backend that laid the table out recorded on it.
+    """
+    batches: dict[tuple[Any, ...], Any] = {}
+    routed: dict[int, Any] = {}
+    host = torch.device("cpu")
+    local: dict[int, Any] = {}  # per physical table: its layout when trained through the id exchange
+    assembled: list[AssembledBatch] = []
+    for path, fname, fc, tname in ec._features:
+        table, offset = ec._located[tname]
+        weight = table.weight
+        value = pick(features, path)
+        if id(table) not in local:
+            if weight.device.type == "xla" and weight.requires_grad and torch.is_grad_enabled():
+                check_xla_backward(tname)
+            check_not_meta(tname, fname, weight, _input_device(value))
+            info = table_info(weight)
+            local[id(table)] = info.sharding if info is not None and info.routed else None
+        owner_local = local[id(table)] is not None
+        wvalue = None if weights is None else pick(weights, path)
+        # Padded and dense ids of a table or a stacked group: looked up as one (modules/assembly.py)
+        sig = None if owner_local or table.row_layout is not None else signature(value, wvalue, fc, weight.device)
+        if sig is not None:
+            combiner = fc.table.combiner if sig[0] == "padded" else "sum"
+            key = (id(table), combiner, sig)
+            batch = batches.get(key)
+            if batch is None:
+                resident = weight.device.type == "cpu" or sig[4].type != "cpu"
+                batch = batches[key] = AssembledBatch(weight, table.row_grad, combiner, resident, sig,
+                                                      int(weight.shape[0]))
+                assembled.append(batch)
+            batch.add(path, fname, fc, tname, value, wvalue, offset)
+            continue
+        # A table sharded over a process group stores only its shard: padding is its layout's id.
+        sentinel = int(getattr(local[id(table)], "id_rows", weight.shape[0]))
+        on_device = _device_resident(value)
+        resident = weight.device.type == "cpu" or _input_device(value) != "cpu"
+        bags = to_bags(
+            fname,
+            fc,
+            value,
+            wvalue,
+            sentinel=sentinel,
+            device=weight.device if resident else host,
+            dtype=weight.dtype,
+            # a routed lookup (the id exchange: SPMD or a process group) buckets padded bags
+            static=weight.device.type == "xla" or owner_local,
+            offset=0 if on_device else offset,  # a stacked table's rows start at `offset` of its group
+        )
+        if on_device:  # host inputs were checked in to_bags; these are screened before the offset
+            ids, valid = ec._screen_device_ids(
+                fname, fc.table.num_embeddings, bags.ids, bags.valid, weight.shape[0], bags.weights
+            )
+            if offset:  # padding stays the sentinel
+                ids = torch.where(valid, ids + offset, ids)
+            bags = dataclasses.replace(bags, ids=ids, valid=valid, full=False)  # (dropped ids: padding)
+        if table.row_layout is not None and not owner_local:  # stored permuted: look up the stored row
+            order = table.row_layout.ownership(int(weight.shape[0]))
+            bags = dataclasses.replace(bags, ids=order.physical_row(bags.ids.to(torch.int64)))
+        combiner = fc.table.combiner if bags.combine else "sum"
+        bkey = (id(table), bags.ids.shape[1] if bags.offsets is None else -1, combiner, resident)  # -1: jagged
+        if bkey not in batches:
+            batches[bkey] = LookupBatch(weight, table.row_grad, combiner, resident)
+            if owner_local:
+                if id(table) not in routed:
+                    names = [f for _, f, _, t in ec._features if ec._located[t][0] is table]
+                    routed[id(table)] = local[id(table)].routed_lookup(
+                        table.name, weight, table.config.max_unique_ids_per_shard, names, ec._exchange_counts)
+                routed[id(table)].batches.append(batches[bkey])
+        batches[bkey].items.append((path, bags))
+        batches[bkey].tables.add(tname)
+    for batch in assembled:  # every group checked before anything is looked up
+        batch.assemble()
+    taken = {id(b) for r in routed.values() for b in r.batches}
+    return [b for b in batches.values() if id(b) not in taken] + list(routed.values())

@@ -52,7 +52,7 @@ class NotPrivate(OSError):
 
 
 def _check(st: os.stat_result, where: str, private: bool, kind: str) -> None:
-    uid = os.getuid()
+    uid = os.geteuid()
     owners = (uid,) if private else (uid, 0)
     if st.st_uid not in owners:
         whose = "this user's" if private else "this user's or root's"
@@ -195,7 +195,7 @@ def remove_stale_temporaries(dir_fd: int, prefix: str, legacy: tuple[str, ...] =
             st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         except OSError:
             continue
-        if st.st_uid != os.getuid():  # (another user's, in a shared temporary directory: theirs to remove)
+        if st.st_uid != os.geteuid():  # (another user's, in a shared temporary directory: theirs to remove)
             continue
         old = now - st.st_mtime > STALE_AFTER
         dead = owner is not None and owner[0] == host and owner[1] != os.getpid() and _gone(owner[1])

@@ -120,31 +120,40 @@ def test_a_library_loads_through_its_descriptor_whatever_its_path_names_by_then(
         os.close(fd)
 
 
-def test_stale_work_directories_are_removed_and_no_others(tmp_path: Path) -> None:
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead_pid = int(gone.stdout)
+def test_a_work_directory_is_removed_once_its_process_is_gone_and_not_before(tmp_path: Path) -> None:
+    """A work directory's lock says whether its process lives (whatever its age, its host or its pid namespace);
+    one without a lock, by its process id on this host or its age; a directory left before its lock was taken and
+    the old unnamed ones, by their age; nothing else, and nothing of another user's."""
+    killed = subprocess.run([sys.executable, "-c", (
+        "import os, sys; from torch_tpu_embedding._util import private_files as pf\n"
+        f"fd = os.open({str(tmp_path)!r}, os.O_RDONLY | os.O_DIRECTORY)\n"
+        f"with pf.work_dir(fd, {str(tmp_path)!r}, 'tmp-x-') as (w, path):\n"
+        "    open(os.path.join(path, 'x.c'), 'w').close(); print(os.path.basename(path)); sys.stdout.flush()\n"
+        "    os._exit(0)  # (as if killed: nothing cleaned up)\n")], capture_output=True, text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert killed.returncode == 0, killed.stderr
+    dead_locked, dead_pid = killed.stdout.strip(), int(killed.stdout.strip().split("-")[-2])
     host = private_files._host()
+    past = time.time() - private_files.STALE_AFTER - 10
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        live = private_files.make_temporary_dir(fd, "tmp-x-")  # (this process's, recent)
-        (tmp_path / live / "x.c").write_text("int x;")
-        dead = f"tmp-x-{host}-{dead_pid}-abc"
-        (tmp_path / dead / "sub").mkdir(parents=True)
-        (tmp_path / dead / "sub" / "x.so").write_bytes(b"x")
-        (tmp_path / dead / "link").symlink_to(tmp_path / live)  # (removed as a link; what it names stays)
-        old_live = f"tmp-x-{host}-1-abc"  # (pid 1 lives: removed only for its age)
-        recent_live = f"tmp-x-{host}-1-def"
-        other_host = f"tmp-x-elsewhere-{dead_pid}-abc"  # (a pid of another host says nothing here)
-        legacy_old, legacy_recent, unrelated = "old_abc", "old_def", "kept.so"
-        for name in (old_live, recent_live, other_host, legacy_old, legacy_recent, unrelated):
-            (tmp_path / name).mkdir()
-        past = time.time() - private_files.STALE_AFTER - 10
-        for name in (old_live, legacy_old):
-            os.utime(tmp_path / name, (past, past))
-        removed = private_files.remove_stale_temporaries(fd, "tmp-x-", legacy=("old_",))
+        with private_files.work_dir(fd, str(tmp_path), "tmp-x-") as (_, live):
+            live = os.path.basename(live)
+            os.utime(tmp_path / live, (past, past))  # (old, but in use)
+            unlocked = {"dead_pid": f"tmp-x-{host}-{dead_pid}-abc", "old": f"tmp-x-{host}-1-abc",
+                        "live_pid": f"tmp-x-{host}-1-def", "other_host": f"tmp-x-elsewhere-{dead_pid}-abc",
+                        "unborn_old": f".new-tmp-x-{host}-1-abc", "unborn": f".new-tmp-x-{host}-1-def",
+                        "legacy_old": "old_abc", "legacy": "old_def", "unrelated": "kept.so"}
+            for name in unlocked.values():
+                (tmp_path / name).mkdir()
+            (tmp_path / unlocked["dead_pid"] / "link").symlink_to(tmp_path / live)  # (removed as a link)
+            for case in ("old", "unborn_old", "legacy_old"):
+                os.utime(tmp_path / unlocked[case], (past, past))
+            removed = private_files.remove_stale_temporaries(fd, "tmp-x-", legacy=("old_",))
+            assert sorted(removed) == sorted([dead_locked, *(unlocked[c] for c in ("dead_pid", "old", "unborn_old",
+                                                                                   "legacy_old"))])
+            assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+                [live, *(unlocked[c] for c in ("live_pid", "other_host", "unborn", "legacy", "unrelated"))])
+        assert not (tmp_path / live).exists()  # (removed by its own process on exit)
     finally:
         os.close(fd)
-    assert sorted(removed) == sorted([dead, old_live, legacy_old])
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live, recent_live, other_host, legacy_recent,
-                                                                 unrelated])
-    assert (tmp_path / live / "x.c").exists()

@@ -15,14 +15,15 @@ fault (``SIGBUS``) when it touches the missing pages. So:
   for the caller to check (a content hash) before use.
 * :func:`load_library` ``dlopen``\\ s through that descriptor (``/proc/self/fd/N``), so the loader maps the
   file that was checked, whatever its path names by then.
-* :func:`make_temporary_dir` names a work directory for its host and process; :func:`remove_stale_temporaries`
-  removes those of processes that are gone (killed while compiling) or older than :data:`STALE_AFTER`.
+* :func:`work_dir` makes a private work directory, locked while in use; :func:`remove_stale_temporaries`
+  removes those whose lock nobody holds (their process was killed while compiling).
 
 Linux only (``/proc/self/fd``); the callers keep nothing off Linux.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -32,13 +33,16 @@ import secrets
 import socket
 import stat
 import time
+from collections.abc import Iterator
 
-__all__ = ["NotPrivate", "STALE_AFTER", "load_library", "make_temporary_dir", "open_dir", "read_file",
-           "remove_stale_temporaries", "remove_tree"]
+__all__ = ["NotPrivate", "STALE_AFTER", "fsync_dir", "load_library", "open_dir", "read_file",
+           "remove_stale_temporaries", "remove_tree", "work_dir"]
 
-#: seconds after which a work directory is removed even if its process seems alive (its pid reused, or a
-#: process of another pid namespace): well past the 120 s a compile may take
+#: seconds after which a work directory whose lock cannot tell is removed even if its process seems alive (its
+#: pid reused, say): well past the 2 × 120 s a compile may take
 STALE_AFTER = 3600
+#: the prefix of a work directory's name until its lock is held
+_UNBORN = ".new-"
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 #: descriptors of the libraries loaded through them, kept open for the process's life: the loader knows a
@@ -158,12 +162,59 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:64] or "host"
 
 
-def make_temporary_dir(dir_fd: int, prefix: str) -> str:
-    """The name of a new directory (mode ``0700``) in ``dir_fd``: ``prefix``, this host, this process's id and a
-    random part, so that :func:`remove_stale_temporaries` can tell when its process is gone."""
+@contextlib.contextmanager
+def work_dir(dir_fd: int, where: str, prefix: str) -> Iterator[tuple[int, str]]:
+    """``(descriptor, real path)`` of a new private directory in ``dir_fd`` (whose real path is ``where``), named
+    ``prefix``, this host, this process's id and a random part; removed on exit. While it is in use its ``.lock``
+    is held (``flock``): the kernel lets go of it when the process ends however it ends, so that
+    :func:`remove_stale_temporaries` can tell one in use from one left by a process that was killed. It is made
+    under a hidden name and renamed to ``prefix...`` only once locked: no one sees it unlocked."""
     name = f"{prefix}{_host()}-{os.getpid()}-{secrets.token_hex(6)}"
-    os.mkdir(name, 0o700, dir_fd=dir_fd)
-    return name
+    hidden = _UNBORN + name
+    os.mkdir(hidden, 0o700, dir_fd=dir_fd)
+    current, fd, lock = hidden, -1, -1
+    try:
+        fd = os.open(hidden, _DIR_FLAGS, dir_fd=dir_fd)
+        _check(os.fstat(fd), os.path.join(where, hidden), True, "directory")
+        lock = os.open(".lock", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=fd)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # (a file system without locks: others fall back to the process id and the age)
+            pass
+        os.rename(hidden, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        current = name
+        yield fd, os.path.join(where, name)
+    finally:
+        for held in (lock, fd):
+            if held >= 0:
+                os.close(held)
+        try:
+            remove_tree(dir_fd, current)
+        except OSError:
+            pass
+
+
+def _in_use(dir_fd: int, name: str) -> bool | None:
+    """Whether the work directory ``name``'s lock is held (``None``: it has no lock, or locks do not work here)."""
+    try:
+        sub = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        lock = os.open(".lock", os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=sub)
+    except OSError:
+        return None
+    finally:
+        os.close(sub)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    finally:
+        os.close(lock)  # (its lock, if taken, with it)
+    return False
 
 
 def _gone(pid: int) -> bool:
@@ -177,19 +228,15 @@ def _gone(pid: int) -> bool:
 
 
 def remove_stale_temporaries(dir_fd: int, prefix: str, legacy: tuple[str, ...] = ()) -> list[str]:
-    """Remove this user's work directories (:func:`make_temporary_dir`, named ``prefix...``) in ``dir_fd`` whose
-    process, on this host, is gone or that are older than :data:`STALE_AFTER`, and entries named ``legacy...``
-    (without a process id) older than that; the names removed. Errors (another process removing them too) are
-    ignored."""
+    """Remove this user's work directories (:func:`work_dir`, named ``prefix...``) in ``dir_fd`` whose lock no one
+    holds (their process is gone: killed while it compiled, say); where the lock cannot tell, those whose process
+    on this host is gone or that are older than :data:`STALE_AFTER`; and entries named ``legacy...`` (or left
+    before their lock was taken) older than that. The names removed; errors (another process removing them too)
+    are ignored."""
     removed = []
     now, host = time.time(), _host()
     for name in os.listdir(dir_fd):
-        if name.startswith(prefix):
-            fields = name[len(prefix):].rsplit("-", 2)
-            owner = (fields[0], int(fields[1])) if len(fields) == 3 and fields[1].isdigit() else None
-        elif name.startswith(legacy):
-            owner = None
-        else:
+        if not name.startswith((prefix, _UNBORN + prefix, *legacy)):
             continue
         try:
             st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
@@ -197,9 +244,17 @@ def remove_stale_temporaries(dir_fd: int, prefix: str, legacy: tuple[str, ...] =
             continue
         if st.st_uid != os.geteuid():  # (another user's, in a shared temporary directory: theirs to remove)
             continue
-        old = now - st.st_mtime > STALE_AFTER
-        dead = owner is not None and owner[0] == host and owner[1] != os.getpid() and _gone(owner[1])
-        if old or dead:
+        stale = now - st.st_mtime > STALE_AFTER
+        if name.startswith(prefix):
+            in_use = _in_use(dir_fd, name)
+            if in_use is None:
+                fields = name[len(prefix):].rsplit("-", 2)
+                dead = (len(fields) == 3 and fields[0] == host and fields[1].isdigit()
+                        and int(fields[1]) != os.getpid() and _gone(int(fields[1])))
+                stale = stale or dead
+            else:
+                stale = not in_use
+        if stale:
             try:
                 remove_tree(dir_fd, name)
                 removed.append(name)

@@ -28,8 +28,8 @@ process, if not); a library is named by the sha256 of its bytes, opened without 
 (this user's, nobody else may write it) and hashed through its descriptor, and loaded through that same
 descriptor (``/proc/self/fd/N``), so that neither a swap after the check nor a file cut short (``dlopen``
 faults on one) is loaded: one that fails is removed and compiled again. A new library is written to disk
-(fsync) before it is renamed into the cache; work directories of processes killed while compiling are removed
-by the next build. Where no library loads from the cache (a ``noexec`` mount), the loop is compiled again in a
+(fsync) before it is renamed into the cache; a compile's work directory holds a lock while in use, and the
+next build removes those whose lock is free (their process killed while compiling). Where no library loads from the cache (a ``noexec`` mount), the loop is compiled again in a
 private directory under the system's temporary one.
 
 The result is bitwise the eager path's at any thread count (tests/optim/test_c_add.py): each product (``f · g``,
@@ -273,19 +273,9 @@ def _compile(cc: list[str], flags: list[str], where_fd: int, where: str, stem: s
     """The loop compiled in a new directory of its own in ``where`` (open at ``where_fd``, its real path) and loaded
     through the descriptor its bytes were read by; with ``stem``, the library then kept in ``where`` as
     ``{stem}{its sha256}.so``, written to disk (fsync) before it is renamed there. The work directory is removed
-    (if this process is killed first, a later one removes it: :func:`.private_files.remove_stale_temporaries`)."""
-    tmp_name = private_files.make_temporary_dir(where_fd, _TEMPORARY)
-    try:
-        tmp_fd, tmp = private_files.open_dir(os.path.join(where, tmp_name), private=True)
-        try:
-            return _compile_in(cc, flags, tmp_fd, tmp, where_fd, stem)
-        finally:
-            os.close(tmp_fd)
-    finally:
-        try:
-            private_files.remove_tree(where_fd, tmp_name)
-        except OSError:
-            pass
+    (if this process is killed first, a later build removes it: its lock is free)."""
+    with private_files.work_dir(where_fd, where, _TEMPORARY) as (tmp_fd, tmp):
+        return _compile_in(cc, flags, tmp_fd, tmp, where_fd, stem)
 
 
 def _compile_in(cc: list[str], flags: list[str], tmp_fd: int, tmp: str, where_fd: int,

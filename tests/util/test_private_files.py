@@ -109,13 +109,13 @@ def test_a_library_loads_through_its_descriptor_whatever_its_path_names_by_then(
     fd = os.open(tmp_path / "one.so", os.O_RDONLY)
     os.replace(tmp_path / "two.so", tmp_path / "one.so")
     try:
-        assert private_files.load_library(fd).which() == 1
+        assert private_files.load_library(fd, str(tmp_path / "one.so")).which() == 1
     finally:
         os.close(fd)
     # (and a later load through a new descriptor is that file's, not the first one's, whatever number it gets)
     fd = os.open(tmp_path / "one.so", os.O_RDONLY)
     try:
-        assert private_files.load_library(fd).which() == 2
+        assert private_files.load_library(fd, str(tmp_path / "one.so")).which() == 2
     finally:
         os.close(fd)
 

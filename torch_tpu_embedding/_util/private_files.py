@@ -18,7 +18,8 @@ fault (``SIGBUS``) when it touches the missing pages. So:
 * :func:`work_dir` makes a private work directory, locked while in use; :func:`remove_stale_temporaries`
   removes those whose lock nobody holds (their process was killed while compiling).
 
-Linux only (``/proc/self/fd``); the callers keep nothing off Linux.
+The descriptors and ``openat`` calls are POSIX; the load through a descriptor needs ``/proc/self/fd`` (Linux,
+where the kernel cache is kept; elsewhere only a library compiled in a private directory is loaded).
 """
 
 from __future__ import annotations
@@ -137,9 +138,13 @@ def read_file(dir_fd: int, name: str, max_bytes: int) -> tuple[int, bytes]:
         raise
 
 
-def load_library(fd: int) -> ctypes.CDLL:
+def load_library(fd: int, path: str) -> ctypes.CDLL:
     """The shared library open at ``fd``, loaded through that descriptor (``/proc/self/fd/N``): the loader maps
-    exactly the file behind ``fd``. The caller still closes ``fd`` (a duplicate stays open while loaded)."""
+    exactly the file behind ``fd``, whatever its path ``path`` names by then. Without ``/proc`` (macOS) it is
+    loaded by ``path``, which must have been reached through directories :func:`open_dir` checked (only this
+    user or root may rename in them). The caller still closes ``fd`` (a duplicate stays open while loaded)."""
+    if not os.path.isdir("/proc/self/fd"):
+        return ctypes.CDLL(path)
     kept = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 0)
     try:
         lib = ctypes.CDLL(f"/proc/self/fd/{kept}")

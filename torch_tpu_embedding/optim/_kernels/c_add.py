@@ -22,15 +22,16 @@ process inside the step that first adds through the loop slowed the next steps t
 ``TTE_KERNEL_CACHE=0``, 3.35–3.63 ms loading; docs/benchmarks.md).
 ``TTE_KERNEL_CACHE=0`` turns the cache off. A library there runs as this user, so nothing in it is trusted
 unchecked (:mod:`~torch_tpu_embedding._util.private_files`; docs/reliability.md, "The kernel cache"): the
-cache directory is used only if it is this user's and nobody else may write it, nor any directory above it
-(except root's sticky ones, ``/tmp``), checked through descriptors (one warning, then a compile for this
+cache directory is used only if it is this user's and nobody else may write it, nor any directory above it (a
+sticky one such as ``/tmp`` excepted), all checked through descriptors (one warning, then a compile for this
 process, if not); a library is named by the sha256 of its bytes, opened without following links, checked
 (this user's, nobody else may write it) and hashed through its descriptor, and loaded through that same
 descriptor (``/proc/self/fd/N``), so that neither a swap after the check nor a file cut short (``dlopen``
 faults on one) is loaded: one that fails is removed and compiled again. A new library is written to disk
 (fsync) before it is renamed into the cache; a compile's work directory holds a lock while in use, and the
-next build removes those whose lock is free (their process killed while compiling). Where no library loads from the cache (a ``noexec`` mount), the loop is compiled again in a
-private directory under the system's temporary one.
+next build removes those whose lock is free (their process killed while compiling). Where no library loads
+from the cache (a ``noexec`` mount), the loop is compiled again in a private directory under the system's
+temporary one.
 
 The result is bitwise the eager path's at any thread count (tests/optim/test_c_add.py): each product (``f · g``,
 then ``gain ·`` it) and each sum is rounded once, as torch's ``mul`` and ``index_add_`` round them
@@ -176,9 +177,10 @@ def loop() -> Callable[..., int] | None:
     return _LOOP[0]
 
 
-def _load(fd: int) -> Callable[..., int]:
-    """``tte_add_rows`` of the library open at ``fd``, loaded through that descriptor (the file checked)."""
-    fn = private_files.load_library(fd).tte_add_rows  # (the mapping outlives the file, deleted or replaced)
+def _load(fd: int, path: str) -> Callable[..., int]:
+    """``tte_add_rows`` of the library open at ``fd`` (at ``path``), loaded through that descriptor (the file
+    checked): :func:`.private_files.load_library`."""
+    fn = private_files.load_library(fd, path).tte_add_rows  # (the mapping outlives the file, deleted or replaced)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr]
     fn.restype = ctypes.c_int
@@ -206,7 +208,7 @@ def _build() -> Callable[..., int]:
         else:
             try:
                 private_files.remove_stale_temporaries(cache_fd, _TEMPORARY, legacy=(_LEGACY_TEMPORARY,))
-                fn = _load_kept(cache_fd, stem)
+                fn = _load_kept(cache_fd, real, stem)
                 if fn is not None:
                     return fn
                 try:
@@ -235,7 +237,7 @@ def _refused(cache: str, why: OSError) -> None:
                   RuntimeWarning, stacklevel=4)
 
 
-def _load_kept(cache_fd: int, stem: str) -> Callable[..., int] | None:
+def _load_kept(cache_fd: int, cache: str, stem: str) -> Callable[..., int] | None:
     """The loop from the cache's ``{stem}{sha256 of the library}.so``, checked through the descriptor it is loaded
     by: this user's, nobody else may write it, and its bytes hash to its name's (a library cut short would make
     ``dlopen`` fault); one that fails is removed (compiled again and replaced), never loaded. ``None``: none."""
@@ -253,7 +255,7 @@ def _load_kept(cache_fd: int, stem: str) -> Callable[..., int] | None:
                 _discard(cache_fd, name)
                 continue
             try:
-                return _load(fd)
+                return _load(fd, os.path.join(cache, name))
             except (OSError, AttributeError):  # unloadable or not the loop: compiled again, and replaced
                 _discard(cache_fd, name)
         finally:
@@ -300,7 +302,7 @@ def _compile_in(cc: list[str], flags: list[str], tmp_fd: int, tmp: str, where_fd
         raise RuntimeError(f"{' '.join(cc)} failed: {errors.splitlines()[0] if errors else 'no output'}")
     fd, data = private_files.read_file(tmp_fd, "add_rows.so", _MAX_BYTES)
     try:
-        fn = _load(fd)
+        fn = _load(fd, lib)
         if stem is not None:
             # Kept once it loaded, under the hash of the bytes just read and loaded: on disk (fsync) before
             # the rename, so that a crash leaves the whole library or none under its name, and the rename

@@ -86,3 +86,22 @@ def test_the_environment_variable_turns_it_off() -> None:
 
 def test_no_advice_off_the_host_or_on_meta() -> None:
     assert not huge_pages.advise(torch.empty(huge_pages.MIN_BYTES, dtype=torch.uint8, device="meta"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise: Linux")
+def test_madvise_comes_from_the_process_itself_no_file_looked_up_no_process_started() -> None:
+    """libc's ``madvise`` is taken from the symbols already loaded: ``ctypes.util.find_library`` (which runs
+    ldconfig, else gcc or ld from the PATH, at import) is not called, and nothing is started."""
+    code = ("import subprocess, ctypes.util, torch\n"
+            "calls = []\n"
+            "ctypes.util.find_library = lambda *a: calls.append(('find_library', a))\n"
+            "real = subprocess.Popen.__init__\n"
+            "def spawn(self, *a, **k):\n"
+            "    calls.append(('Popen', a[:1]))\n"
+            "    real(self, *a, **k)\n"
+            "subprocess.Popen.__init__ = spawn\n"
+            "from torch_tpu_embedding._util import huge_pages as h\n"
+            "print(calls, h._MADVISE is not None)\n")
+    env = dict(os.environ, TTE_HUGE_PAGES="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[] True", out.stdout

@@ -27,7 +27,6 @@ Example::
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 
 import torch
@@ -49,8 +48,9 @@ def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        fn = libc.madvise
+        # The process's own symbols, libc's among them (Python links it): no file is looked up or opened, and
+        # no process started (ctypes.util.find_library runs ldconfig, else gcc or ld from the PATH).
+        fn = ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):
         return None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

@@ -20,9 +20,18 @@ CPU's model and flags (``-march=native``), so later processes load it instead of
 process inside the step that first adds through the loop slowed the next steps too (``benchmarks/eager_cpu.py
 --threads 1 --iters 8 --bags 1 --modes ours_sgd``, 5 alternating pairs of runs: 3.52–4.00 ms a step with
 ``TTE_KERNEL_CACHE=0``, 3.35–3.63 ms loading; docs/benchmarks.md).
-``TTE_KERNEL_CACHE=0`` turns the cache off; a library there is loaded only if this user owns it and its
-directory and nobody else may write either, and where none loads from there (a ``noexec`` mount) the loop is
-compiled again in the system's temporary directory.
+``TTE_KERNEL_CACHE=0`` turns the cache off. A library there runs as this user, so nothing in it is trusted
+unchecked (:mod:`~torch_tpu_embedding._util.private_files`; docs/reliability.md, "The kernel cache"): the
+cache directory is used only if it is this user's and nobody else may write it, nor any directory above it (a
+sticky one such as ``/tmp`` excepted), all checked through descriptors (one warning, then a compile for this
+process, if not); a library is named by the sha256 of its bytes, opened without following links, checked
+(this user's, nobody else may write it) and hashed through its descriptor, and loaded through that same
+descriptor (``/proc/self/fd/N``), so that neither a swap after the check nor a file cut short (``dlopen``
+faults on one) is loaded: one that fails is removed and compiled again. A new library is written to disk
+(fsync) before it is renamed into the cache; a compile's work directory holds a lock while in use, and the
+next build removes those whose lock is free (their process killed while compiling). Where no library loads
+from the cache (a ``noexec`` mount), the loop is compiled again in a private directory under the system's
+temporary one.
 
 The result is bitwise the eager path's at any thread count (tests/optim/test_c_add.py): each product (``f · g``,
 then ``gain ·`` it) and each sum is rounded once, as torch's ``mul`` and ``index_add_`` round them
@@ -43,17 +52,20 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 from torch.autograd.graph import increment_version
 
+from torch_tpu_embedding._util import private_files
 from torch_tpu_embedding._util.env import is_off
 from torch_tpu_embedding._util.registry import rule_of
 from torch_tpu_embedding.optim._kernels import row_update
@@ -108,6 +120,12 @@ int tte_add_rows(float *restrict p, int64_t rows, int64_t d, const int64_t *rest
 
 #: the compiled loop (``None``: it could not be compiled), once per process
 _LOOP: list[Callable[..., int] | None] = []
+#: the kernel cache refused (others may change it): warned once per process
+_REFUSED: list[str] = []
+#: the work directories of compiles (with host and process id); the old ``TemporaryDirectory`` ones' prefix
+_TEMPORARY, _LEGACY_TEMPORARY = "tmp-add_rows-", "tte_add_rows_"
+#: a cached library's name ends in the sha256 of its bytes; no library of the loop is near this size
+_DIGEST, _MAX_BYTES = re.compile(r"[0-9a-f]{64}"), 16 << 20
 
 
 def c_compiler() -> list[str] | None:
@@ -146,15 +164,6 @@ def _cpu() -> str:
     return "\n".join(dict.fromkeys(lines))  # (one line of each, as every core repeats them)
 
 
-def _own_and_private(path: str) -> bool:
-    """``path`` belongs to this user and nobody else may write it: a library loaded from it runs as ours."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return False
-    return st.st_uid == os.getuid() and not st.st_mode & 0o022
-
-
 def loop() -> Callable[..., int] | None:
     """``tte_add_rows`` of :data:`_SOURCE`, loaded from :func:`cache_dir` or compiled, on the first call; ``None``
     (after one warning) if it cannot be."""
@@ -168,8 +177,10 @@ def loop() -> Callable[..., int] | None:
     return _LOOP[0]
 
 
-def _load(lib: str) -> Callable[..., int]:
-    fn = ctypes.CDLL(lib).tte_add_rows  # (the mapping outlives the file, deleted or replaced)
+def _load(fd: int, path: str) -> Callable[..., int]:
+    """``tte_add_rows`` of the library open at ``fd`` (at ``path``), loaded through that descriptor (the file
+    checked): :func:`.private_files.load_library`."""
+    fn = private_files.load_library(fd, path).tte_add_rows  # (the mapping outlives the file, deleted or replaced)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr]
     fn.restype = ctypes.c_int
@@ -187,51 +198,129 @@ def _build() -> Callable[..., int]:
     cache = cache_dir()
     if cache is not None:
         key = hashlib.sha256("\0".join([_SOURCE, *cc, *flags, platform.machine(), _cpu()]).encode()).hexdigest()
-        kept = os.path.join(cache, f"add_rows-{key[:24]}.so")
-        if _own_and_private(cache) and _own_and_private(kept):
-            try:
-                return _load(kept)
-            except (OSError, AttributeError):  # unreadable or not the loop: compiled again, and replaced
-                pass
+        stem = f"add_rows-{key[:24]}-"
         try:
-            os.makedirs(cache, mode=0o700, exist_ok=True)
-            if _own_and_private(cache) and os.access(cache, os.W_OK | os.X_OK):
-                return _compile(cc, flags, cache, kept)
-        except OSError:  # e.g. a cache on a noexec mount, whose libraries do not load
+            cache_fd, real = private_files.open_dir(cache, private=True, create=True)
+        except private_files.NotPrivate as e:
+            _refused(cache, e)
+        except OSError:  # (it cannot be made or opened: nothing kept, as with TTE_KERNEL_CACHE=0)
             pass
-    return _compile(cc, flags, None, None)  # in the system's temporary directory, for this process only
-
-
-def _compile(cc: list[str], flags: list[str], where: str | None, kept: str | None) -> Callable[..., int]:
-    """The loop compiled in a new directory under ``where`` (``None``: the system's temporary one) and loaded;
-    the library then renamed to ``kept`` (if given)."""
-    with tempfile.TemporaryDirectory(prefix="tte_add_rows_", dir=where) as tmp:
-        src, lib = os.path.join(tmp, "add_rows.c"), os.path.join(tmp, "add_rows.so")
-        with open(src, "w") as f:
-            f.write(_SOURCE)
-        errors = ""
-        for extra in (["-march=native"], []):
-            # close_fds=False and the compiler's path: CPython then starts it with posix_spawn, not fork. A fork
-            # while a process group's gloo threads run aborted 3 of 43 two-rank runs at exit (std::terminate);
-            # none of 32 did with posix_spawn or with the compile before init_process_group. (Python's own
-            # descriptors are not inheritable: the compiler gets no more than it would.)
-            run = subprocess.run([*cc, *flags, *extra, src, "-o", lib], capture_output=True, text=True, timeout=120,
-                                 close_fds=False)
-            if run.returncode == 0:
-                break
-            errors = run.stderr.strip()
         else:
-            raise RuntimeError(f"{' '.join(cc)} failed: {errors.splitlines()[0] if errors else 'no output'}")
-        fn = _load(lib)
-        if kept is not None:
-            # Renamed into place once it loaded: a reader sees the whole library or none (processes compiling
-            # at once each rename their own; the last stays). A cache that cannot take it only costs the next
-            # process a compile.
             try:
-                os.chmod(lib, 0o700)
-                os.replace(lib, kept)
+                private_files.remove_stale_temporaries(cache_fd, _TEMPORARY, legacy=(_LEGACY_TEMPORARY,))
+                fn = _load_kept(cache_fd, real, stem)
+                if fn is not None:
+                    return fn
+                try:
+                    return _compile(cc, flags, cache_fd, real, stem)
+                except OSError:  # e.g. a cache on a noexec mount, whose libraries do not load
+                    pass
+            finally:
+                os.close(cache_fd)
+    # In a directory of its own under the system's temporary one (root's, sticky), for this process only.
+    tmp_fd, real = private_files.open_dir(tempfile.gettempdir(), private=False)
+    try:
+        private_files.remove_stale_temporaries(tmp_fd, _TEMPORARY)
+        return _compile(cc, flags, tmp_fd, real, None)
+    finally:
+        os.close(tmp_fd)
+
+
+def _refused(cache: str, why: OSError) -> None:
+    """Warn, once per process, that the kernel cache is not used because others may change it."""
+    if _REFUSED:
+        return
+    _REFUSED.append(cache)
+    warnings.warn(f"torch_tpu_embedding: the kernel cache {cache} (TTE_KERNEL_CACHE) is not used: {why}; the C add "
+                  "is compiled for this process only. Point TTE_KERNEL_CACHE at a directory that only you may "
+                  "write, under directories only you or root may write (chmod go-w), or set TTE_KERNEL_CACHE=0.",
+                  RuntimeWarning, stacklevel=4)
+
+
+def _load_kept(cache_fd: int, cache: str, stem: str) -> Callable[..., int] | None:
+    """The loop from the cache's ``{stem}{sha256 of the library}.so``, checked through the descriptor it is loaded
+    by: this user's, nobody else may write it, and its bytes hash to its name's (a library cut short would make
+    ``dlopen`` fault); one that fails is removed (compiled again and replaced), never loaded. ``None``: none."""
+    for name in sorted(os.listdir(cache_fd)):
+        digest = name[len(stem):-3] if name.startswith(stem) and name.endswith(".so") else ""
+        if not _DIGEST.fullmatch(digest):
+            continue
+        try:
+            fd, data = private_files.read_file(cache_fd, name, _MAX_BYTES)
+        except OSError:  # (NotPrivate included)
+            _discard(cache_fd, name)
+            continue
+        try:
+            if hashlib.sha256(data).hexdigest() != digest:
+                _discard(cache_fd, name)
+                continue
+            try:
+                return _load(fd, os.path.join(cache, name))
+            except (OSError, AttributeError):  # unloadable or not the loop: compiled again, and replaced
+                _discard(cache_fd, name)
+        finally:
+            os.close(fd)
+    return None
+
+
+def _discard(dir_fd: int, name: str) -> None:
+    """Remove ``name`` from the cache (whatever it is: a library that failed its checks is never kept)."""
+    try:
+        private_files.remove_tree(dir_fd, name)
+    except OSError:
+        pass
+
+
+def _compile(cc: list[str], flags: list[str], where_fd: int, where: str, stem: str | None) -> Callable[..., int]:
+    """The loop compiled in a new directory of its own in ``where`` (open at ``where_fd``, its real path) and loaded
+    through the descriptor its bytes were read by; with ``stem``, the library then kept in ``where`` as
+    ``{stem}{its sha256}.so``, written to disk (fsync) before it is renamed there. The work directory is removed
+    (if this process is killed first, a later build removes it: its lock is free)."""
+    with private_files.work_dir(where_fd, where, _TEMPORARY) as (tmp_fd, tmp):
+        return _compile_in(cc, flags, tmp_fd, tmp, where_fd, stem)
+
+
+def _compile_in(cc: list[str], flags: list[str], tmp_fd: int, tmp: str, where_fd: int,
+                stem: str | None) -> Callable[..., int]:
+    src, lib = os.path.join(tmp, "add_rows.c"), os.path.join(tmp, "add_rows.so")
+    with open(os.open("add_rows.c", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                      dir_fd=tmp_fd), "w") as f:
+        f.write(_SOURCE)
+    errors = ""
+    for extra in (["-march=native"], []):
+        # close_fds=False and the compiler's path: CPython then starts it with posix_spawn, not fork. A fork
+        # while a process group's gloo threads run aborted 3 of 43 two-rank runs at exit (std::terminate);
+        # none of 32 did with posix_spawn or with the compile before init_process_group. (Python's own
+        # descriptors are not inheritable: the compiler gets no more than it would.) The paths are safe to
+        # name: every directory on them was checked, and none but this user or root may rename in them.
+        run = subprocess.run([*cc, *flags, *extra, src, "-o", lib], capture_output=True, text=True, timeout=120,
+                             close_fds=False)
+        if run.returncode == 0:
+            break
+        errors = run.stderr.strip()
+    else:
+        raise RuntimeError(f"{' '.join(cc)} failed: {errors.splitlines()[0] if errors else 'no output'}")
+    fd, data = private_files.read_file(tmp_fd, "add_rows.so", _MAX_BYTES)
+    try:
+        fn = _load(fd, lib)
+        if stem is not None:
+            # Kept once it loaded, under the hash of the bytes just read and loaded: on disk (fsync) before
+            # the rename, so that a crash leaves the whole library or none under its name, and the rename
+            # itself then written (processes compiling at once each rename their own; the last stays). A
+            # cache that cannot take it only costs the next process a compile.
+            try:
+                os.fchmod(fd, 0o700)
+                os.fsync(fd)
+                kept = f"{stem}{hashlib.sha256(data).hexdigest()}.so"
+                os.rename("add_rows.so", kept, src_dir_fd=tmp_fd, dst_dir_fd=where_fd)
+                private_files.fsync_dir(where_fd)
+                for name in os.listdir(where_fd):  # (another process's build of the same loop, differing in bytes)
+                    if name.startswith(stem) and name != kept:
+                        _discard(where_fd, name)
             except OSError:
                 pass
+    finally:
+        os.close(fd)
     return fn
 
 

@@ -83,15 +83,18 @@ def signature(value: Any, weight: Any, fc: FeatureConfig, table_device: torch.de
 def _bounds(vocabs: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``0`` and ``[1, F, 1]`` largest ids of a batch's columns in the ids' ``dtype`` on ``device`` (made once)."""
     top = torch.iinfo(dtype).max
-    last = torch.tensor([min(v - 1, top) for v in vocabs], dtype=dtype, device=device).view(1, -1, 1)
-    return torch.zeros((), dtype=dtype, device=device), last
+    last = torch.tensor([min(v - 1, top) for v in vocabs], dtype=dtype).view(1, -1, 1).to(device)
+    return torch.zeros((), dtype=dtype).to(device), last
 
 
 @functools.lru_cache(maxsize=512)
 def _shifts(offsets: tuple[int, ...], sentinel: int, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """``[1, F, 1]`` first rows of a batch's columns in their group (``None``: all 0) and its padding id."""
-    first = torch.tensor(offsets, dtype=torch.int64, device=device).view(1, -1, 1) if any(offsets) else None
-    return first, torch.tensor(sentinel, dtype=torch.int64, device=device)
+    """``[1, F, 1]`` first rows of a batch's columns in their group (``None``: all 0) and its padding id.
+
+    Made on the host and moved: on XLA a view made on the device would stay a pending graph node until the
+    first step's graph computes it, and the second step would then trace another graph."""
+    first = torch.tensor(offsets, dtype=torch.int64).view(1, -1, 1).to(device) if any(offsets) else None
+    return first, torch.tensor(sentinel, dtype=torch.int64).to(device)
 
 
 @dataclasses.dataclass

@@ -109,8 +109,8 @@ class _RowSparseLookup(torch.autograd.Function):
         ctx: Any, *grads: torch.Tensor
     ) -> tuple[None, None, torch.Tensor | None, None, None, None, None, None, None, None, None]:
         ids, gains, weight = ctx.saved_tensors
-        if ctx.columns:  # each feature's [B, D] gradient back into the bags' batch-major order, in one op
-            grads = (torch.stack(grads, 1).view(-1, grads[0].shape[-1]),)
+        if ctx.columns:  # each feature's [B, D] gradient back into the bags' batch-major order
+            grads = (_columns_whole(grads),)
             ctx.splits = (ids.shape[0],)
         grad_out = None
         if ctx.needs_input_grad[0]:  # a frozen weight (requires_grad False) gets no gradient, as in torch
@@ -135,6 +135,20 @@ def _pooled(weight: torch.Tensor, ids: torch.Tensor, gains: torch.Tensor) -> tor
     if ids.shape[1] == 1:
         return weight.index_select(0, safe.reshape(-1)) * gains
     return torch.bmm(gains.unsqueeze(1), _gather(weight, safe, weight.dtype)).squeeze(1)
+
+
+def _columns_whole(grads: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``F`` features' ``[B, D]`` gradients as one ``[B·F, D]``, batch-major. When they tile one contiguous
+    ``[B, F·D]`` tensor side by side, as the gradient of the caller's ``torch.cat(outputs, dim=1)`` does, that
+    tensor viewed (no copy; its layout read from strides and offsets, no op); else one ``stack``."""
+    first = grads[0]
+    base = first._base
+    n, d = first.shape
+    if base is not None and base.is_contiguous() and base.shape == (n, len(grads) * d) and all(
+            g._base is base and g.stride() == (len(grads) * d, 1)
+            and g.storage_offset() == base.storage_offset() + i * d for i, g in enumerate(grads)):
+        return base.view(n * len(grads), d)
+    return torch.stack(grads, 1).view(n * len(grads), d)
 
 
 def _whole(grads: tuple[torch.Tensor, ...]) -> torch.Tensor:

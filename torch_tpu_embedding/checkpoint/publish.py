@@ -9,11 +9,16 @@ size and sha256), and publishes the directory with renames (POSIX ``rename`` is 
    previous one is deleted.
 
 A process killed at any point leaves ``<name>`` complete (the old or the new checkpoint), or, between
-the two renames of 2., no ``<name>`` and the complete old one at ``.tte-previous``: :func:`resolve`
-reads that one, and the next save moves it back (:func:`prepare_staging`). A staging directory is
-never read. :func:`verify` checks every file against the manifest (sizes first, then checksums)
-before a load writes anything; a directory written before manifests existed is checked against the
-byte ranges its ``.metadata`` records (a truncated file is found; a changed byte is not).
+the two renames of 2., no ``<name>`` (or an empty directory a restarted job made again) and the complete
+old one at ``.tte-previous``: :func:`resolve` reads that one, and the next save moves it back
+(:func:`prepare_staging`), never deletes it. A staging directory is never read. The rank that publishes
+holds the save lock (``files.SaveLock``) from before :func:`prepare_staging` until it has published, so a
+second save to the path is refused (:func:`begin_save`, on every rank). An old checkpoint a load is
+reading (its shared ``flock``, ``checkpoint/snapshot.py``) is set aside, not deleted (:func:`_remove`).
+Which files are a checkpoint's is its manifest's word (:func:`foreign_files`). :func:`verify` checks every
+file against the manifest (sizes first, then checksums) before a load writes anything; a directory
+written before manifests existed is checked against the byte ranges its ``.metadata`` records (a
+truncated file is found; a changed byte is not: the load warns of it).
 """
 
 from __future__ import annotations
@@ -105,8 +110,7 @@ def begin_save(target: str, lead: bool, group: Any = None) -> SaveLock | None:
     dist = _dist()
     if dist is not None:
         box = [error]
-        src = 0 if group is None else dist.get_global_rank(group, 0)
-        dist.broadcast_object_list(box, src=src, group=group)
+        dist.broadcast_object_list(box, group=group, group_src=0)
         error = box[0]
     if error is not None:
         raise error
@@ -150,6 +154,11 @@ def _listed(path: str) -> set[str] | None:
     return None if files is None else {*files, MANIFEST}
 
 
+def _ours_unlisted(name: str) -> bool:
+    """A file of a checkpoint of ours whose manifest is there but unreadable (damaged): a save replaces it."""
+    return _dcp_file(name) or name in (MANIFEST, SHARDED_META) or (name.startswith("rows-") and name.endswith(".pt"))
+
+
 def _published(path: str) -> bool:
     """Whether ``path`` is a directory a save published (it holds a manifest)."""
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))
@@ -172,8 +181,8 @@ def foreign_files(target: str) -> list[str]:
     """The files of directory ``target`` that are not a checkpoint's of ours: those its manifest does not
     list, or without a manifest those a directory written before manifests could not hold."""
     listed = _listed(target)
-    return sorted(n for n in os.listdir(target)
-                  if not (_dcp_file(n) if listed is None else n in listed or _dcp_file(n)))
+    ours = _ours_unlisted if listed is None and os.path.isfile(os.path.join(target, MANIFEST)) else _dcp_file
+    return sorted(n for n in os.listdir(target) if not (n in (listed or ()) or ours(n)))
 
 
 def _remove(path: str) -> None:
@@ -187,8 +196,9 @@ def _remove(path: str) -> None:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 parent, name = os.path.split(path)
-                os.rename(path, os.path.join(parent, f"{name.removesuffix('.tte-previous')}.tte-retired-"
-                                             f"{os.getpid()}-{os.urandom(4).hex()}"))
+                if ".tte-retired-" not in name:  # (one set aside already stays where it is)
+                    os.rename(path, os.path.join(parent, f"{name.removesuffix('.tte-previous')}.tte-retired-"
+                                                 f"{os.getpid()}-{os.urandom(4).hex()}"))
                 return
             except OSError:
                 pass  # a file system without flock on directories (some network ones): deleted as before
@@ -324,12 +334,16 @@ def _manifest(path: str) -> dict[str, dict[str, Any]] | None:
                                      f"torch_tpu_embedding reads {_MANIFEST_FORMAT!r} (a checkpoint written by a "
                                      "newer version? Load it with that version). Nothing was loaded.")
     files = data.get("files") if isinstance(data, dict) else None
-    if found != _MANIFEST_FORMAT or not isinstance(files, dict) or not all(
+    if found != _MANIFEST_FORMAT:
+        raise CheckpointCorruptError(f"{file} is not a readable checkpoint manifest (truncated or altered): not "
+                                     f"a {_MANIFEST_FORMAT} manifest (format found: {found!r}). Nothing was loaded.")
+    if not isinstance(files, dict) or not all(
         isinstance(k, str) and isinstance(v, dict) and type(v.get("size")) is int and v["size"] >= 0
         and isinstance(v.get("sha256"), str) and _plain_name(k) for k, v in files.items()
     ):
-        raise CheckpointCorruptError(f"{file} is not a readable checkpoint manifest (truncated or altered): not "
-                                     f"a {_MANIFEST_FORMAT} manifest (format found: {found!r}). Nothing was loaded.")
+        raise CheckpointCorruptError(f"{file} is not a readable checkpoint manifest (truncated or altered): its "
+                                     "'files' must map plain file names of the directory to {'size': a whole number "
+                                     "of bytes, 'sha256': a string}. Nothing was loaded.")
     return files
 
 

@@ -5,7 +5,9 @@ rows that rank stores, in ascending logical id, with their logical ids and the r
 row slot; the table's whole-table slots and ``step``; its pending gradient-accumulation buffers, with
 logical ids) and ``meta.pt`` from rank 0 (the world size, each sharded table's placement, rows and
 ``state_dict`` key, and the rest of the model's and optimizer's ``state_dict``: dense layers, replicated
-tables). Checkpoints are in logical row order whatever the ownership scheme.
+tables). Checkpoints are in logical row order whatever the ownership scheme. A rank's rows are written a
+window at a time (``checkpoint/row_writer.py``; the order worked out per window, :func:`_in_order`): a
+save's memory grows by a window, never by a shard.
 
 :func:`load_sharded` loads such a directory, or a ``tte.checkpoint.save_distributed`` one (torch_xla
 SPMD's, or one process's), into a model sharded over any number of ranks, or into a model holding every

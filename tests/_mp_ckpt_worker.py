@@ -269,3 +269,28 @@ def save_memory_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.save(out, os.path.join(out_dir, f"save{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def two_saves_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """World 2: two saves of a sharded table (the second with other values); rank r then loads save r, as if
+    a third save had been published between the ranks' opening the path: every rank must refuse, unchanged."""
+    _init(rank, world, port)
+    ec, opt = _sharded_table(MEMORY_ROWS[0])
+    paths = [os.path.join(out_dir, f"save{i}") for i in range(2)]
+    tte.checkpoint.save_distributed(paths[0], model=ec, optimizer=opt)
+    with torch.no_grad():
+        ec.tables["huge"].weight.add_(1)
+    tte.checkpoint.save_distributed(paths[1], model=ec, optimizer=opt)
+    fresh, fresh_opt = _sharded_table(MEMORY_ROWS[0])
+    with torch.no_grad():
+        fresh.tables["huge"].weight.fill_(-1)
+    before = snapshot(fresh, fresh_opt)
+    try:
+        tte.checkpoint.load_distributed(paths[rank], model=fresh, optimizer=fresh_opt)
+        out: dict[str, Any] = {"error": None}
+    except tte.checkpoint.CheckpointCorruptError as e:
+        out = {"error": str(e)}
+    out["unchanged"] = same(before, snapshot(fresh, fresh_opt))
+    torch.save(out, os.path.join(out_dir, f"two{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()

@@ -76,3 +76,15 @@ def test_saving_memory_is_within_two_chunks(tmp_path: Path) -> None:
         assert g["shard"] == C.MEMORY_ROWS[2] * C.BIG_DIM * 4 // 2
         assert g["delta"] <= 2 * CHUNK, (f"rank {r}: the save grew memory by {g['delta'] / 2**20:.1f} MiB > two "
                                         f"chunks (shard: {g['shard'] / 2**20:.0f} MiB)")
+
+
+def test_ranks_that_opened_different_saves_all_refuse(tmp_path: Path) -> None:
+    """Each rank pins the directory it opened (checkpoint/snapshot.py); a save published while the ranks of a
+    group opened the path would give them different saves. Made deterministic: rank r loads save r. Every
+    rank raises CheckpointCorruptError before writing anything (none hangs), its model and optimizer
+    unchanged."""
+    mp.start_processes(C.two_saves_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    for r in range(2):
+        got = torch.load(tmp_path / f"two{r}.pt", weights_only=True)
+        assert got["error"] is not None and "The ranks opened different saves of" in got["error"], (r, got)
+        assert got["unchanged"], r

@@ -20,6 +20,7 @@ that the path still names the directory it opened; a checkpoint replaced under i
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import warnings
 from collections.abc import Iterator
@@ -31,7 +32,7 @@ try:  # POSIX advisory locks; elsewhere the directory is opened without one
 except ImportError:  # pragma: no cover - not on Linux
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["UnverifiedCheckpointWarning", "pinned"]
+__all__ = ["UnverifiedCheckpointWarning", "identity", "pinned"]
 
 
 class UnverifiedCheckpointWarning(UserWarning):
@@ -101,3 +102,13 @@ def pinned(path: str) -> Iterator[str]:
                                              "again (the model may hold values of both).")
     finally:
         os.close(fd)
+
+
+def identity(path: str) -> str:
+    """Which save the pinned directory ``path`` holds: the sha256 of its manifest (``""`` without one), for
+    the ranks of a group to check that they opened the same one."""
+    try:
+        with open(os.path.join(path, MANIFEST), "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except FileNotFoundError:
+        return ""

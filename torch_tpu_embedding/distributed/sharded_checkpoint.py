@@ -59,7 +59,7 @@ from torch_tpu_embedding.checkpoint.publish import (
     write_manifest,
 )
 from torch_tpu_embedding.checkpoint.row_writer import Rows, write_rows
-from torch_tpu_embedding.checkpoint.snapshot import pinned
+from torch_tpu_embedding.checkpoint.snapshot import identity, pinned
 from torch_tpu_embedding.distributed.exchange import GroupSharding, group_sharding
 from torch_tpu_embedding.modules.collection import EmbeddingCollection
 from torch_tpu_embedding.modules.table import EmbeddingTable
@@ -313,11 +313,23 @@ def load_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer:
         _load(path, model, optimizer)
 
 
+def _same_save(path: str, s: GroupSharding) -> None:
+    """Raise on every rank of ``s``'s group unless each opened the same save (a save published while the
+    ranks opened the path gives some of them the old directory, some the new one)."""
+    got: list[Any] = [None] * s.world
+    dist.all_gather_object(got, identity(path), group=s.group)
+    if len(set(got)) > 1:
+        raise CheckpointCorruptError(f"The ranks opened different saves of {path} (another save was published "
+                                     "while they opened it); nothing was loaded. Load it again.")
+
+
 def _load(path: str, model: nn.Module, optimizer: Any) -> None:
     """:func:`load_sharded` of the pinned directory ``path``."""
     source = open_checkpoint(path)
     tables = _tables(model)
     mine = group_sharded(model)
+    if mine:
+        _same_save(path, next(iter(mine.values()))[2])
     if not mine:  # every table whole here: the logical payload, checked and loaded as tte.checkpoint.load's
         apply_payload(source.payload(_saved_keys(source, tables)), path, model, optimizer, strict=True)
         return

@@ -273,7 +273,8 @@ def save_memory_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 def two_saves_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     """World 2: two saves of a sharded table (the second with other values); rank r then loads save r, as if
-    a third save had been published between the ranks' opening the path: every rank must refuse, unchanged."""
+    a third save had been published between the ranks' opening the path: every rank must refuse, unchanged.
+    Then a save into a directory holding a user's file: refused by rank 0, raised on every rank."""
     _init(rank, world, port)
     ec, opt = _sharded_table(MEMORY_ROWS[0])
     paths = [os.path.join(out_dir, f"save{i}") for i in range(2)]
@@ -291,6 +292,17 @@ def two_saves_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     except tte.checkpoint.CheckpointCorruptError as e:
         out = {"error": str(e)}
     out["unchanged"] = same(before, snapshot(fresh, fresh_opt))
+    mine = os.path.join(out_dir, "mine")  # a save refused by rank 0 (a foreign file): raised on every rank
+    if rank == 0:
+        os.makedirs(mine)
+        with open(os.path.join(mine, "notes.txt"), "w") as f:
+            f.write("keep")
+    dist.barrier()
+    try:
+        tte.checkpoint.save_distributed(mine, model=ec, optimizer=opt)
+        out["refused"] = None
+    except FileExistsError as e:
+        out["refused"] = str(e)
     torch.save(out, os.path.join(out_dir, f"two{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

@@ -82,9 +82,12 @@ def test_ranks_that_opened_different_saves_all_refuse(tmp_path: Path) -> None:
     """Each rank pins the directory it opened (checkpoint/snapshot.py); a save published while the ranks of a
     group opened the path would give them different saves. Made deterministic: rank r loads save r. Every
     rank raises CheckpointCorruptError before writing anything (none hangs), its model and optimizer
-    unchanged."""
+    unchanged. A save that rank 0 refuses (a user's file in the directory) raises on every rank, none left
+    waiting in a barrier."""
     mp.start_processes(C.two_saves_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
     for r in range(2):
         got = torch.load(tmp_path / f"two{r}.pt", weights_only=True)
         assert got["error"] is not None and "The ranks opened different saves of" in got["error"], (r, got)
         assert got["unchanged"], r
+        assert got["refused"] is not None and "['notes.txt']" in got["refused"], (r, got["refused"])
+    assert sorted(os.listdir(tmp_path / "mine")) == ["notes.txt"]

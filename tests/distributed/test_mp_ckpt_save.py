@@ -15,6 +15,7 @@ import torch
 import torch.multiprocessing as mp
 from test_mp_shard import _free_port
 
+from torch_tpu_embedding.checkpoint import row_writer
 from torch_tpu_embedding.checkpoint.publish import CHUNK
 from torch_tpu_embedding.checkpoint.row_writer import Rows, write_rows
 from torch_tpu_embedding.distributed import sharded_checkpoint as sc
@@ -41,10 +42,15 @@ def test_rows_are_placed_in_ascending_logical_id_window_by_window(v: int, world:
         assert sc._real_rows(s, at) == int((want_ids < v).sum()), rank
 
 
+@pytest.mark.parametrize("found", [True, False], ids=["offsets-found", "offsets-not-found"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64], ids=str)
-def test_streamed_file_loads_as_torch_save_wrote_it(tmp_path: Path, dtype: torch.dtype) -> None:
+def test_streamed_file_loads_as_torch_save_wrote_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    dtype: torch.dtype, found: bool) -> None:
     """:func:`write_rows`: the file ``torch.load`` reads (plain and mmap) equals ``torch.save`` of the same
-    values: streamed rows (several windows, an empty one), small tensors and plain values beside them."""
+    values: streamed rows (several windows, an empty one), small tensors and plain values beside them; where
+    the records' offsets are not found, the whole is written by ``torch.save``."""
+    if not found:
+        monkeypatch.setattr(row_writer, "storage_offsets", lambda file, part: None)
     big = (torch.arange(20000 * 3) % 251).to(dtype).reshape(20000, 3)
 
     def fill(a: int, b: int, out: torch.Tensor) -> None:

@@ -235,3 +235,74 @@ def memory_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.save(out, os.path.join(out_dir, f"mem{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _measured_save(rows: int, path: str) -> dict[str, Any]:
+    """:func:`_sharded_table` saved (tte.checkpoint.save_distributed → save_sharded): the peak resident memory
+    of the save over the memory before it (VmHWM after resetting it), and whether a load into the table,
+    zeroed, gives every row and accumulator back."""
+    ec, opt = _sharded_table(rows)
+    w = ec.tables["huge"].weight
+    dist.barrier()
+    _release_freed()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident memory
+    before = _kib("VmRSS")
+    tte.checkpoint.save_distributed(path, model=ec, optimizer=opt)
+    peak = _kib("VmHWM")
+    want_w, want_a = w.detach().clone(), opt.state[w]["accumulators"].clone()
+    with torch.no_grad():
+        w.zero_()
+        opt.state[w]["accumulators"].zero_()
+    tte.checkpoint.load_distributed(path, model=ec, optimizer=opt)
+    out = {"delta": (peak - before) * 1024, "shard": w.numel() * w.element_size(),
+           "weight": torch.equal(w, want_w), "accumulators": torch.equal(opt.state[w]["accumulators"], want_a)}
+    dist.barrier()
+    return out
+
+
+def save_memory_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """:func:`_measured_save` of the first and the last of :data:`MEMORY_ROWS` (the first warms the code
+    paths a save runs)."""
+    _init(rank, world, port)
+    out = {rows: _measured_save(rows, os.path.join(out_dir, f"s{rows}")) for rows in (MEMORY_ROWS[0], MEMORY_ROWS[2])}
+    torch.save(out, os.path.join(out_dir, f"save{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def two_saves_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """World 2: two saves of a sharded table (the second with other values); rank r then loads save r, as if
+    a third save had been published between the ranks' opening the path: every rank must refuse, unchanged.
+    Then a save into a directory holding a user's file: refused by rank 0, raised on every rank."""
+    _init(rank, world, port)
+    ec, opt = _sharded_table(MEMORY_ROWS[0])
+    paths = [os.path.join(out_dir, f"save{i}") for i in range(2)]
+    tte.checkpoint.save_distributed(paths[0], model=ec, optimizer=opt)
+    with torch.no_grad():
+        ec.tables["huge"].weight.add_(1)
+    tte.checkpoint.save_distributed(paths[1], model=ec, optimizer=opt)
+    fresh, fresh_opt = _sharded_table(MEMORY_ROWS[0])
+    with torch.no_grad():
+        fresh.tables["huge"].weight.fill_(-1)
+    before = snapshot(fresh, fresh_opt)
+    try:
+        tte.checkpoint.load_distributed(paths[rank], model=fresh, optimizer=fresh_opt)
+        out: dict[str, Any] = {"error": None}
+    except tte.checkpoint.CheckpointCorruptError as e:
+        out = {"error": str(e)}
+    out["unchanged"] = same(before, snapshot(fresh, fresh_opt))
+    mine = os.path.join(out_dir, "mine")  # a save refused by rank 0 (a foreign file): raised on every rank
+    if rank == 0:
+        os.makedirs(mine)
+        with open(os.path.join(mine, "notes.txt"), "w") as f:
+            f.write("keep")
+    dist.barrier()
+    try:
+        tte.checkpoint.save_distributed(mine, model=ec, optimizer=opt)
+        out["refused"] = None
+    except FileExistsError as e:
+        out["refused"] = str(e)
+    torch.save(out, os.path.join(out_dir, f"two{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()

@@ -35,10 +35,10 @@ from torch_tpu_embedding.checkpoint.dcp import (
 from torch_tpu_embedding.checkpoint.files import check_loadable, dcp_quiet, read_dcp_metadata, write_atomic
 from torch_tpu_embedding.checkpoint.host import host_model_state, host_optimizer_state, to_cpu
 from torch_tpu_embedding.checkpoint.publish import (
-    SHARDED_META,
     CheckpointCorruptError,
     barrier,
-    prepare_staging,
+    begin_save,
+    is_sharded,
     publish,
     rank,
     resolve,
@@ -47,13 +47,14 @@ from torch_tpu_embedding.checkpoint.publish import (
     write_manifest,
 )
 from torch_tpu_embedding.checkpoint.sharded import sharded
+from torch_tpu_embedding.checkpoint.snapshot import UnverifiedCheckpointWarning, pinned
 from torch_tpu_embedding.modules.collection import EmbeddingCollection
 from torch_tpu_embedding.modules.screening import warn_unreported
 from torch_tpu_embedding.optim._state.state_io import rest_problems
 
 __all__ = [
-    "FORMAT", "CheckpointCorruptError", "CheckpointMismatchError", "convert_distributed", "load", "load_distributed",
-    "save", "save_distributed", "to_cpu",
+    "FORMAT", "CheckpointCorruptError", "CheckpointMismatchError", "UnverifiedCheckpointWarning", "convert_distributed",
+    "load", "load_distributed", "save", "save_distributed", "to_cpu",
 ]
 
 
@@ -182,19 +183,22 @@ def save_distributed(
     meta = {"format": FORMAT, "rows": rows, "members": members, "layouts": layouts,
             "optimizer": to_cpu(rest) if optimizer is not None else None}
     # Written into a staging directory beside the target and published whole (checkpoint/publish.py): a
-    # process killed at any point leaves the previous checkpoint or this one, complete, never a mix.
-    target = os.path.abspath(os.fspath(path))
+    # process killed at any point leaves the previous checkpoint or this one, complete, never a mix. Rank 0
+    # holds the save lock throughout: a second save to the path (another job) is refused, not mixed in.
+    target = os.path.realpath(os.fspath(path))  # a symlinked directory: the save replaces what it points to
     staging = staging_path(target)
-    if rank() == 0:
-        prepare_staging(target)
-    barrier()
-    with dcp_quiet():
-        api.save(tensors, storage_writer=api.FileSystemWriter(staging, sync_files=True), planner=planner)
-    barrier()  # every rank's files are written and fsynced
-    if rank() == 0:
-        write_atomic(meta, os.path.join(staging, META))
-        write_manifest(staging)
-        publish(staging, target)
+    lock = begin_save(target, rank() == 0)
+    try:
+        with dcp_quiet():
+            api.save(tensors, storage_writer=api.FileSystemWriter(staging, sync_files=True), planner=planner)
+        barrier()  # every rank's files are written and fsynced
+        if rank() == 0:
+            write_atomic(meta, os.path.join(staging, META))
+            write_manifest(staging)
+            publish(staging, target)
+    finally:
+        if lock is not None:
+            lock.release()
     barrier()  # no rank returns before the checkpoint is published
 
 
@@ -237,12 +241,18 @@ def load_distributed(
     resharded as the model lays them out); into a model sharded over a process group either kind loads
     through ``tte.distributed.load_sharded`` (each rank its own rows).
     """
-    target = resolve(os.fspath(path))  # a save killed between its renames left the old one aside
-    if sharded().owns(model) or os.path.isfile(os.path.join(target, SHARDED_META)):
+    if sharded().owns(model) or is_sharded(resolve(os.fspath(path))):
         if optimizer is not None and hasattr(optimizer, "init_state"):
             optimizer.init_state()
-        sharded().load(target, model, optimizer)
+        sharded().load(path, model, optimizer)
         return
+    # One directory read throughout (a save publishing meanwhile changes nothing read here): checkpoint/snapshot.py
+    with pinned(os.fspath(path)) as target:
+        _load_dcp(target, model, optimizer)
+
+
+def _load_dcp(target: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """:func:`load_distributed` of the ``save_distributed`` directory ``target`` (pinned)."""
     present(target)
     verify(target)  # every file whole and as saved, before anything is written
     meta = read_meta(target)
@@ -307,10 +317,11 @@ def convert_distributed(path: str | os.PathLike[str], out: str | os.PathLike[str
     Reads on the host without torch_xla; the result loads anywhere with :func:`load`. A
     ``tte.distributed.save_sharded`` directory converts too.
     """
-    target = resolve(os.fspath(path))
-    if os.path.isfile(os.path.join(target, SHARDED_META)):
-        write_atomic(sharded().payload(target), out)
+    if is_sharded(resolve(os.fspath(path))):
+        write_atomic(sharded().payload(os.fspath(path)), out)
         return
-    present(target)
-    verify(target)
-    write_atomic(logical_payload(target, read_meta(target)), out)
+    with pinned(os.fspath(path)) as target:
+        present(target)
+        verify(target)
+        payload = logical_payload(target, read_meta(target))
+    write_atomic(payload, out)

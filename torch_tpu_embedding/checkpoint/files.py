@@ -23,6 +23,7 @@ import importlib
 import io
 import os
 import pickle
+import re
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -35,8 +36,8 @@ try:  # POSIX advisory locks; elsewhere no stale temporary is ever removed
 except ImportError:  # pragma: no cover - not on Linux
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["TMP_PREFIX", "check_loadable", "dcp_quiet", "dcp_reader", "read_dcp_metadata", "remove_stale_temporaries",
-           "write_atomic"]
+__all__ = ["TMP_PREFIX", "SaveLock", "check_loadable", "dcp_quiet", "dcp_reader", "load_refusal", "read_dcp_metadata",
+           "remove_stale_temporaries", "write_atomic"]
 
 #: name prefix of our temporary files (``.tte-tmp-<target name>-<random>``)
 TMP_PREFIX = ".tte-tmp-"
@@ -132,6 +133,37 @@ def write_atomic(payload: Any, path: str | os.PathLike[str]) -> None:
         gc.collect()
 
 
+# ----------------------------------------------------------------------------- one save at a time
+class SaveLock:
+    """An exclusive ``flock`` on ``.<name>.tte-lock`` beside a checkpoint directory, held by the process that
+    publishes a save (rank 0) from before it touches anything until it has published: a second save to the
+    same path (another job) is refused, not mixed in. The file is removed by its holder; the kernel drops the
+    lock of a process that dies (its file is then taken over by the next save)."""
+
+    def __init__(self, target: str) -> None:
+        parent, name = os.path.split(target)
+        self.path = os.path.join(parent, f".{name}.tte-lock")
+        while True:
+            f = open(self.path, "a+b")  # noqa: SIM115 - held until release()
+            if not _lock(f, blocking=False):
+                f.close()
+                raise BlockingIOError(
+                    f"Another save to {target} is in progress (a live process holds {self.path}); nothing was "
+                    "written. Save to another path, or after that save has finished.")
+            if _same_file(self.path, f):  # not a file its last holder removed while we opened it
+                break
+            f.close()
+        self._file: IO[bytes] | None = f
+
+    def release(self) -> None:
+        """Remove the lock file and drop the lock (removed first: a waiter never locks a file about to go)."""
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            self._file.close()
+            self._file = None
+
+
 # ----------------------------------------------------------------------------- what a save may hold
 _LEAVES = (type(None), bool, int, float, complex, str, bytes, bytearray, torch.Size, torch.dtype, torch.device,
            torch.layout)
@@ -196,6 +228,21 @@ def check_loadable(obj: Any, name: str) -> None:
         "and dicts, lists, tuples and sets of them: convert it first (e.g. float(x), x.tolist(), "
         "torch.from_numpy(a), str(path), dt.isoformat()). Nothing was written."
     )
+
+
+def load_refusal(e: BaseException) -> str:
+    """Why ``torch.load(..., weights_only=True)`` refused a checkpoint file, in words that do not suggest
+    ``weights_only=False`` (which would run whatever the file holds)."""
+    text = str(e)
+    found = re.search(r"WeightsUnpickler error: ([^\n]*)", text)
+    if found or isinstance(e, pickle.UnpicklingError):
+        detail = found.group(1).split(" was not an allowed global")[0] if found else text.splitlines()[0]
+        return (f"it holds pickled objects other than tensors, numbers, strings and containers ({detail}); "
+                "refused without running them (checkpoints of ours never hold any)")
+    if isinstance(e, RecursionError):
+        return "it nests deeper than Python's recursion limit"
+    first = text.splitlines()[0] if text else ""
+    return f"truncated or corrupt ({type(e).__name__}: {first})"
 
 
 # ----------------------------------------------------------------------------- safe DCP metadata

@@ -52,10 +52,12 @@ from typing import Any, NamedTuple
 import torch
 
 from torch_tpu_embedding.checkpoint.dcp import FORMAT
+from torch_tpu_embedding.checkpoint.files import load_refusal
 from torch_tpu_embedding.checkpoint.publish import BUFFER, CHUNK, CheckpointCorruptError
 
-__all__ = ["BUFFER", "CHUNK", "WINDOW_BYTES", "Locate", "Source", "Window", "copy_window", "everything",
-           "merge_accumulation", "select_accumulation", "window_buffers", "window_bytes", "window_rows"]
+__all__ = ["BUFFER", "CHUNK", "WINDOW_BYTES", "Locate", "Source", "Window", "copy_window", "everything", "mapped",
+           "merge_accumulation", "select_accumulation", "storage_offsets", "window_buffers", "window_bytes",
+           "window_rows"]
 
 Tensor = torch.Tensor
 ACC = ("acc_ids", "acc_rows")
@@ -133,7 +135,7 @@ def window_bytes(n: int, src: Tensor, dest: Tensor, ids: torch.dtype = torch.int
 
 def window_buffers(n: int, src: Tensor, dest: Tensor, ids: torch.dtype = torch.int64) -> Window:
     """A :class:`Window` of ``n`` rows of ``src`` (its logical ids of dtype ``ids``) read into ``dest``."""
-    return Window(*_mapped(*_window_specs(n, src, dest, ids)))
+    return Window(*mapped(*_window_specs(n, src, dest, ids)))
 
 
 def copy_window(read: Callable[[], Tensor], ids: Tensor, locate: Locate, dest: Tensor, window: Window) -> None:
@@ -163,7 +165,7 @@ def copy_window(read: Callable[[], Tensor], ids: Tensor, locate: Locate, dest: T
         dest.index_copy_(0, local.to(dest.device), rows.to(dest.device))
 
 
-def _storage_offsets(file: str, part: Any) -> dict[int, int] | None:
+def storage_offsets(file: str, part: Any) -> dict[int, int] | None:
     """The offset in ``file`` of every tensor storage of ``part`` (``file`` loaded with ``mmap=True``), by
     its address in the mapping: each is the mapping's start (page-aligned) plus its record's offset.
     ``None`` unless exactly one start fits them all (another storage layout): windows are then read
@@ -203,10 +205,17 @@ class _RowFiles:
         self.files = [os.path.join(path, f"rows-{r}.pt") for r in range(world)]
         # Kept mapped for shapes, whole-table slots and accumulation buffers (small); rows are read in windows.
         self.parts = [self._load(r) for r in range(world)]
-        self.offsets = [_storage_offsets(f, p) for f, p in zip(self.files, self.parts, strict=True)]
+        self.offsets = [storage_offsets(f, p) for f, p in zip(self.files, self.parts, strict=True)]
 
     def _load(self, r: int) -> dict[str, Any]:
-        part: dict[str, Any] = torch.load(self.files[r], mmap=True, weights_only=True)
+        try:
+            part: dict[str, Any] = torch.load(self.files[r], mmap=True, weights_only=True)
+        except Exception as e:  # weights-only refusals and damaged files raise several types
+            raise CheckpointCorruptError(f"{self.files[r]} is not a readable checkpoint file: {load_refusal(e)}. "
+                                         "Nothing was loaded.") from e
+        if not isinstance(part, dict):
+            raise CheckpointCorruptError(f"{self.files[r]} holds a {type(part).__name__}, not a rank's rows (a "
+                                         "dict by table). Nothing was loaded.")
         return part
 
     def copy_rows(self, name: str, slot: str | None, locate: Locate, dest: Tensor) -> bool:
@@ -253,7 +262,7 @@ def _layout(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[int]
     return sizes, [sum(-(-k // 64) * 64 for k in sizes[:i]) for i in range(len(sizes) + 1)]
 
 
-def _mapped(*specs: tuple[tuple[int, ...], torch.dtype]) -> list[Tensor]:
+def mapped(*specs: tuple[tuple[int, ...], torch.dtype]) -> list[Tensor]:
     """Tensors of the given shapes and dtypes in one anonymous mapping of their own, unmapped when the last
     tensor over it is freed (``torch.frombuffer`` holds the mapping): freed to malloc instead, they would
     stay resident in its heap, and the next table's or slot's buffers would add to them. Its pages count

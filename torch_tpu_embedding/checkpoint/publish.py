@@ -9,11 +9,16 @@ size and sha256), and publishes the directory with renames (POSIX ``rename`` is 
    previous one is deleted.
 
 A process killed at any point leaves ``<name>`` complete (the old or the new checkpoint), or, between
-the two renames of 2., no ``<name>`` and the complete old one at ``.tte-previous``: :func:`resolve`
-reads that one, and the next save moves it back (:func:`prepare_staging`). A staging directory is
-never read. :func:`verify` checks every file against the manifest (sizes first, then checksums)
-before a load writes anything; a directory written before manifests existed is checked against the
-byte ranges its ``.metadata`` records (a truncated file is found; a changed byte is not).
+the two renames of 2., no ``<name>`` (or an empty directory a restarted job made again) and the complete
+old one at ``.tte-previous``: :func:`resolve` reads that one, and the next save moves it back
+(:func:`prepare_staging`), never deletes it. A staging directory is never read. The rank that publishes
+holds the save lock (``files.SaveLock``) from before :func:`prepare_staging` until it has published, so a
+second save to the path is refused (:func:`begin_save`, on every rank). An old checkpoint a load is
+reading (its shared ``flock``, ``checkpoint/snapshot.py``) is set aside, not deleted (:func:`_remove`).
+Which files are a checkpoint's is its manifest's word (:func:`foreign_files`). :func:`verify` checks every
+file against the manifest (sizes first, then checksums) before a load writes anything; a directory
+written before manifests existed is checked against the byte ranges its ``.metadata`` records (a
+truncated file is found; a changed byte is not: the load warns of it).
 """
 
 from __future__ import annotations
@@ -27,10 +32,16 @@ import os
 import shutil
 from typing import Any
 
-from torch_tpu_embedding.checkpoint.files import read_dcp_metadata
+from torch_tpu_embedding.checkpoint.files import SaveLock, read_dcp_metadata
+
+try:  # POSIX advisory locks; elsewhere an old checkpoint is deleted even while a load reads it
+    import fcntl
+except ImportError:  # pragma: no cover - not on Linux
+    fcntl = None  # type: ignore[assignment]
 
 __all__ = ["BUFFER", "CHUNK", "MANIFEST", "RESERVE", "SHARDED_META", "CheckpointCorruptError", "barrier",
-           "prepare_staging", "publish", "rank", "read_errors", "resolve", "staging_path", "verify", "write_manifest"]
+           "begin_save", "foreign_files", "is_sharded", "prepare_staging", "publish", "rank", "read_errors", "resolve",
+           "staging_path", "verify", "write_manifest"]
 
 #: the manifest of a distributed checkpoint: ``{"format", "files": {name: {"size", "sha256"}}}``
 MANIFEST = "tte_manifest.json"
@@ -82,6 +93,30 @@ def barrier() -> None:
         dist.barrier()
 
 
+def begin_save(target: str, lead: bool, group: Any = None) -> SaveLock | None:
+    """Every rank of ``group`` (the default one: ``None``) before a save of ``target``: the leading rank takes
+    the save lock (:class:`~torch_tpu_embedding.checkpoint.files.SaveLock`) and prepares the staging
+    directory (:func:`prepare_staging`); a refusal (a save in progress, a foreign file) changes nothing and
+    is raised on every rank, none left waiting. Returns the lead's lock, to release once published."""
+    lock, error = None, None
+    if lead:
+        try:
+            lock = SaveLock(target)
+            prepare_staging(target)
+        except (OSError, ValueError) as e:
+            if lock is not None:
+                lock.release()
+            lock, error = None, e
+    dist = _dist()
+    if dist is not None:
+        box = [error]
+        dist.broadcast_object_list(box, group=group, group_src=0)
+        error = box[0]
+    if error is not None:
+        raise error
+    return lock
+
+
 # ----------------------------------------------------------------------------- publishing
 def _siblings(target: str) -> tuple[str, str]:
     parent, name = os.path.split(target)
@@ -101,35 +136,111 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _ours(name: str) -> bool:
-    """A file name a distributed checkpoint of ours holds (DCP's files, ours, a dead writer's temporary;
-    a process-group-sharded save's ``meta.pt`` and ``rows-<rank>.pt``)."""
-    return (name in (".metadata", ".metadata.tmp", _META, MANIFEST, f".{MANIFEST}.tmp", SHARDED_META)
+def _dcp_file(name: str) -> bool:
+    """A file name a ``save_distributed`` directory written before manifests held (DCP's files, ours, a dead
+    writer's temporary). A ``save_sharded`` directory always has a manifest: its ``meta.pt`` and
+    ``rows-<rank>.pt`` are ours only where a manifest of ours lists them (a user's own ``meta.pt`` is not)."""
+    return (name in (".metadata", ".metadata.tmp", _META, f".{MANIFEST}.tmp")
             or (name.startswith("__") and name.endswith((".distcp", ".metadata")))
-            or (name.startswith("rows-") and name.endswith(".pt"))
             or name.startswith(".tte-tmp-"))
 
 
+def _listed(path: str) -> set[str] | None:
+    """The files the manifest of directory ``path`` lists (with the manifest); ``None`` without a readable one."""
+    try:
+        files = _manifest(path)
+    except CheckpointCorruptError:
+        return None
+    return None if files is None else {*files, MANIFEST}
+
+
+def _ours_unlisted(name: str) -> bool:
+    """A file of a checkpoint of ours whose manifest is there but unreadable (damaged): a save replaces it."""
+    return _dcp_file(name) or name in (MANIFEST, SHARDED_META) or (name.startswith("rows-") and name.endswith(".pt"))
+
+
+def _published(path: str) -> bool:
+    """Whether ``path`` is a directory a save published (it holds a manifest)."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def is_sharded(path: str) -> bool:
+    """Whether directory ``path`` is a ``save_sharded`` checkpoint: its manifest lists ``meta.pt`` (without a
+    readable manifest: it holds ``meta.pt`` and no ``tte_meta.pt``; its load then refuses the manifest)."""
+    listed = _listed(path)
+    if listed is not None:
+        return SHARDED_META in listed
+    return os.path.isfile(os.path.join(path, SHARDED_META)) and not os.path.isfile(os.path.join(path, _META))
+
+
+def _empty_dir(path: str) -> bool:
+    return os.path.isdir(path) and not os.listdir(path)
+
+
+def foreign_files(target: str) -> list[str]:
+    """The files of directory ``target`` that are not a checkpoint's of ours: those its manifest does not
+    list, or without a manifest those a directory written before manifests could not hold."""
+    listed = _listed(target)
+    ours = _ours_unlisted if listed is None and os.path.isfile(os.path.join(target, MANIFEST)) else _dcp_file
+    return sorted(n for n in os.listdir(target) if not (n in (listed or ()) or ours(n)))
+
+
+def _remove(path: str) -> None:
+    """Delete the old checkpoint directory ``path`` unless a load is reading it (it holds a shared ``flock``
+    on the directory, ``checkpoint/snapshot.py``): then it is set aside under a name of its own, deleted by a
+    later save once no load holds it."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                parent, name = os.path.split(path)
+                if ".tte-retired-" not in name:  # (one set aside already stays where it is)
+                    os.rename(path, os.path.join(parent, f"{name.removesuffix('.tte-previous')}.tte-retired-"
+                                                 f"{os.getpid()}-{os.urandom(4).hex()}"))
+                return
+            except OSError:
+                pass  # a file system without flock on directories (some network ones): deleted as before
+        shutil.rmtree(path)
+    finally:
+        os.close(fd)
+
+
+def _sweep_retired(target: str) -> None:
+    """Delete the old checkpoints of ``target`` set aside while loads read them, once none does."""
+    parent, name = os.path.split(target)
+    for n in os.listdir(parent):
+        if n.startswith(f".{name}.tte-retired-"):
+            with contextlib.suppress(OSError):
+                _remove(os.path.join(parent, n))
+
+
 def prepare_staging(target: str) -> None:
-    """Rank 0, before a save: finish what an interrupted save left, check that ``target`` (if it exists)
-    is a checkpoint of ours (its files are replaced), and make a fresh, empty staging directory.
-    The same for both kinds of directory (``save_distributed``'s and ``save_sharded``'s)."""
+    """Rank 0, before a save: check that ``target`` (if it exists) is a checkpoint of ours or an empty
+    directory (its files are replaced) — a refused save changes nothing —, then finish what an interrupted
+    save left (the complete old checkpoint aside at ``.tte-previous`` goes back in place of a missing or
+    empty ``target``), and make a fresh, empty staging directory. The same for both kinds of directory
+    (``save_distributed``'s and ``save_sharded``'s)."""
     staging, previous = _siblings(target)
-    if os.path.isdir(previous):
-        if os.path.lexists(target):
-            shutil.rmtree(previous)  # the new checkpoint was published; the old one was being deleted
-        else:
-            os.rename(previous, target)  # killed between the two renames: the old checkpoint is back
-            _fsync_dir(os.path.dirname(target))
     if os.path.lexists(target):
         if not os.path.isdir(target):
             raise FileExistsError(f"A checkpoint save to {target}: it exists and is not a directory")
-        foreign = sorted(n for n in os.listdir(target) if not _ours(n))
+        foreign = foreign_files(target)
         if foreign:
             raise FileExistsError(
                 f"A checkpoint save to {target}: it holds files that are not part of a distributed checkpoint "
                 f"({foreign[:5]}); a save replaces the whole directory, so it refuses to. Choose another path."
             )
+    if os.path.isdir(previous):
+        if _published(previous) and (not os.path.lexists(target) or _empty_dir(target)):
+            if os.path.lexists(target):
+                os.rmdir(target)  # e.g. os.makedirs(path, exist_ok=True) on a restart after a kill
+            os.rename(previous, target)  # killed between the two renames: the old checkpoint is back
+            _fsync_dir(os.path.dirname(target))
+        else:
+            _remove(previous)  # the new checkpoint was published; the old one was being deleted
+    _sweep_retired(target)
     if os.path.lexists(staging):
         shutil.rmtree(staging)  # a save that died before publishing
     os.makedirs(staging)
@@ -186,16 +297,18 @@ def publish(staging: str, target: str) -> None:
     _fsync_dir(parent)
     os.rename(staging, target)
     _fsync_dir(parent)
-    shutil.rmtree(previous)
+    _remove(previous)
 
 
 def resolve(target: str) -> str:
-    """The directory a load reads for ``target``: ``target``, or the old checkpoint that a save killed
-    between its two renames left at ``.<name>.tte-previous``."""
-    if os.path.isdir(target):
+    """The directory a load reads for ``target`` (a symlink followed): ``target``, or the complete old
+    checkpoint that a save killed between its two renames left at ``.<name>.tte-previous`` while
+    ``target`` is missing or an empty directory (made again by a restarted job's ``os.makedirs``)."""
+    target = os.path.realpath(target)
+    if _published(target):
         return target
     _, previous = _siblings(target)
-    if not os.path.lexists(target) and os.path.isdir(previous):
+    if _published(previous) and (not os.path.lexists(target) or _empty_dir(target)):
         return previous
     return target
 
@@ -208,16 +321,35 @@ def _manifest(path: str) -> dict[str, dict[str, Any]] | None:
     try:
         with open(file) as f:
             data = json.load(f)
-        files = data["files"]
-        if data.get("format") != _MANIFEST_FORMAT or not isinstance(files, dict) or not all(
-            isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
-            for v in files.values()
-        ):
-            raise ValueError(f"not a {_MANIFEST_FORMAT} manifest")
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except RecursionError as e:  # json nests one Python frame per level
+        raise CheckpointCorruptError(f"{file} is not a readable checkpoint manifest: it nests deeper than Python's "
+                                     "recursion limit (a manifest of ours is two levels deep). Nothing was "
+                                     "loaded.") from e
+    except (OSError, ValueError) as e:
         raise CheckpointCorruptError(f"{file} is not a readable checkpoint manifest (truncated or altered): {e}. "
                                      "Nothing was loaded.") from e
+    found = data.get("format") if isinstance(data, dict) else None
+    if isinstance(found, str) and found != _MANIFEST_FORMAT and found.startswith(_MANIFEST_FORMAT.split("/")[0]):
+        raise CheckpointCorruptError(f"{file} is in checkpoint manifest format {found!r}; this version of "
+                                     f"torch_tpu_embedding reads {_MANIFEST_FORMAT!r} (a checkpoint written by a "
+                                     "newer version? Load it with that version). Nothing was loaded.")
+    files = data.get("files") if isinstance(data, dict) else None
+    if found != _MANIFEST_FORMAT:
+        raise CheckpointCorruptError(f"{file} is not a readable checkpoint manifest (truncated or altered): not "
+                                     f"a {_MANIFEST_FORMAT} manifest (format found: {found!r}). Nothing was loaded.")
+    if not isinstance(files, dict) or not all(
+        isinstance(k, str) and isinstance(v, dict) and type(v.get("size")) is int and v["size"] >= 0
+        and isinstance(v.get("sha256"), str) and _plain_name(k) for k, v in files.items()
+    ):
+        raise CheckpointCorruptError(f"{file} is not a readable checkpoint manifest (truncated or altered): its "
+                                     "'files' must map plain file names of the directory to {'size': a whole number "
+                                     "of bytes, 'sha256': a string}. Nothing was loaded.")
     return files
+
+
+def _plain_name(name: str) -> bool:
+    """A file name directly in the checkpoint directory (a manifest naming ``../x`` or ``a/b`` is refused)."""
+    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name
 
 
 def verify(path: str, required: tuple[str, ...] = (".metadata", _META)) -> None:

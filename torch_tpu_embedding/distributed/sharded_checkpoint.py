@@ -5,7 +5,9 @@ rows that rank stores, in ascending logical id, with their logical ids and the r
 row slot; the table's whole-table slots and ``step``; its pending gradient-accumulation buffers, with
 logical ids) and ``meta.pt`` from rank 0 (the world size, each sharded table's placement, rows and
 ``state_dict`` key, and the rest of the model's and optimizer's ``state_dict``: dense layers, replicated
-tables). Checkpoints are in logical row order whatever the ownership scheme.
+tables). Checkpoints are in logical row order whatever the ownership scheme. A rank's rows are written a
+window at a time (``checkpoint/row_writer.py``; the order worked out per window, :func:`_in_order`): a
+save's memory grows by a window, never by a shard.
 
 :func:`load_sharded` loads such a directory, or a ``tte.checkpoint.save_distributed`` one (torch_xla
 SPMD's, or one process's), into a model sharded over any number of ranks, or into a model holding every
@@ -29,6 +31,7 @@ it changes anything.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,17 +46,20 @@ from torch_tpu_embedding.checkpoint.checks import (
     optimizer_problems,
 )
 from torch_tpu_embedding.checkpoint.dcp import META, logical_payload, read_meta
+from torch_tpu_embedding.checkpoint.files import load_refusal
 from torch_tpu_embedding.checkpoint.logical_rows import ACC, Locate, Source, select_accumulation
 from torch_tpu_embedding.checkpoint.publish import (
     SHARDED_META,
     CheckpointCorruptError,
-    prepare_staging,
+    begin_save,
+    is_sharded,
     publish,
-    resolve,
     staging_path,
     verify,
     write_manifest,
 )
+from torch_tpu_embedding.checkpoint.row_writer import Rows, write_rows
+from torch_tpu_embedding.checkpoint.snapshot import identity, pinned
 from torch_tpu_embedding.distributed.exchange import GroupSharding, group_sharding
 from torch_tpu_embedding.modules.collection import EmbeddingCollection
 from torch_tpu_embedding.modules.table import EmbeddingTable
@@ -61,6 +67,8 @@ from torch_tpu_embedding.modules.table import EmbeddingTable
 __all__ = ["group_sharded", "load_sharded", "open_checkpoint", "save_sharded", "sharded_payload"]
 
 Tensor = torch.Tensor
+#: Rows a save places at a time where it counts a table's real rows (a few int64 each).
+_WINDOW = 8192
 
 
 def _tables(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
@@ -83,11 +91,54 @@ def group_sharded(model: nn.Module) -> dict[str, tuple[str, EmbeddingTable, Grou
     return out
 
 
-def _stored_in_order(s: GroupSharding) -> tuple[Tensor, Tensor]:
-    """``(logical ids ascending, the local rows holding them)`` of the real rows this rank stores."""
-    ids, local = torch.sort(s.local_logical_ids())  # padding rows (ids >= rows) sort last
-    n = int((ids < s.rows).sum())
-    return ids[:n], local[:n]
+def _in_order(s: GroupSharding) -> Callable[[int, int], Tensor]:
+    """``at(a, b)``: this rank's local rows holding the ``a``-th to ``b``-th of its rows in ascending logical id
+    (padding rows last), worked out per window from the ownership (sorting the shard's ids would copy them).
+
+    A row-sharded table's rank holds ``m`` blocks of ``run`` rows (``"interleaved"``; ``"range"`` and ``"mod"``:
+    one block), block ``i``'s row ``j`` holding logical id ``j·stride + q_i`` with every ``q_i < stride``: in
+    ascending order, row ``k`` is row ``k // m`` of the block with the ``(k % m)``-th smallest ``q``."""
+    own = s.ownership
+    if s.placement == "table" or own.scheme == "range":
+        return lambda a, b: torch.arange(a, b, dtype=torch.int64)
+    per, first = own.rows_per_shard, s.rank * own.rows_per_shard
+    m = own.chunks // own.num_shards if own.scheme == "interleaved" else 1  # "mod": ids rank + j·n, ascending
+    run = per // m
+    order = torch.argsort(own.logical_id(torch.arange(first, first + per, run, dtype=torch.int64)))
+    return lambda a, b: order[torch.arange(a, b, dtype=torch.int64) % m] * run + torch.arange(a, b) // m
+
+
+def _logical(s: GroupSharding, local: Tensor) -> Tensor:
+    """The logical ids of this rank's rows ``local`` (``>= s.rows``: padding rows)."""
+    if s.placement == "table":
+        return local
+    return s.ownership.logical_id(local + s.rank * s.ownership.rows_per_shard)
+
+
+def _real_rows(s: GroupSharding, at: Callable[[int, int], Tensor]) -> int:
+    """How many of this rank's rows are real (not padding): a prefix in ascending order, counted per window."""
+    n, total = 0, s.local_rows
+    for a in range(0, total, _WINDOW):
+        n += int((_logical(s, at(a, min(a + _WINDOW, total))) < s.rows).sum())
+    return n
+
+
+def _rows(n: int, src: Tensor, at: Callable[[int, int], Tensor]) -> Rows:
+    """The first ``n`` rows of ``src`` in ascending logical id (``at``), written a window at a time."""
+    def fill(a: int, b: int, out: Tensor) -> None:
+        pos = at(a, b).to(src.device)
+        if src.device.type == "cpu" and src.dtype == out.dtype:
+            torch.index_select(src.detach(), 0, pos, out=out)
+        else:
+            out.copy_(src.detach().index_select(0, pos))
+    return Rows((n, *src.shape[1:]), src.dtype, fill)
+
+
+def _ids(n: int, s: GroupSharding, at: Callable[[int, int], Tensor]) -> Rows:
+    """The logical ids of the first ``n`` rows in ascending order (``at``), written a window at a time."""
+    def fill(a: int, b: int, out: Tensor) -> None:
+        out.copy_(_logical(s, at(a, b)))
+    return Rows((n,), torch.int64, fill)
 
 
 def _locator(s: GroupSharding) -> Locate:
@@ -110,7 +161,7 @@ def _logical_accumulation(state: dict[str, Tensor], s: GroupSharding, local: int
     buffers hold its local rows (``local``: padding)."""
     ids = state["acc_ids"].detach().cpu()
     valid = (ids >= 0) & (ids < local)
-    logical = s.local_logical_ids()[ids.clamp(0, local - 1)] if local else torch.zeros_like(ids)
+    logical = _logical(s, ids.clamp(0, local - 1)) if local else torch.zeros_like(ids)
     return {"acc_ids": torch.where(valid, logical, torch.full_like(ids, -1)),
             "acc_rows": state["acc_rows"].detach().cpu().clone()}
 
@@ -132,26 +183,37 @@ def save_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer:
                          "save it with tte.checkpoint.save.")
     first = next(iter(tables.values()))[2]
     rank, world, group = first.rank, first.world, first.group
-    target = os.path.normpath(os.path.abspath(os.fspath(directory)))
-    if rank == 0:
-        prepare_staging(target)
-    dist.barrier(group=group)
+    target = os.path.realpath(os.fspath(directory))  # a symlinked directory: the save replaces what it points to
+    lock = begin_save(target, rank == 0, group)  # a refusal on every rank, nothing changed
+    try:
+        _write(target, rank, world, group, model, optimizer, tables)
+    finally:
+        if lock is not None:
+            lock.release()
+    dist.barrier(group=group)  # no rank returns before the checkpoint is published
+
+
+def _write(target: str, rank: int, world: int, group: Any, model: nn.Module, optimizer: Any,
+           tables: dict[str, tuple[str, EmbeddingTable, GroupSharding]]) -> None:
+    """:func:`save_sharded`'s files, each rank's rows streamed a window at a time (``checkpoint/row_writer.py``:
+    a save's memory grows by a window, never by a shard), published by rank 0."""
     staging = staging_path(target)
     part: dict[str, Any] = {}
     for name, (_, t, s) in tables.items():
-        ids, pos = _stored_in_order(s)
-        entry: dict[str, Any] = {"ids": ids, "weight": t.weight.detach().index_select(0, pos)}
+        at = _in_order(s)
+        n = _real_rows(s, at)
+        entry: dict[str, Any] = {"ids": _ids(n, s, at), "weight": _rows(n, t.weight, at)}
         if optimizer is not None:
             state = optimizer.state.get(t.weight, {})
             local = t.weight.shape[0]
-            entry["rows"] = {k: v.index_select(0, pos) for k, v in state.items()
+            entry["rows"] = {k: _rows(n, v, at) for k, v in state.items()
                              if k not in ACC and v.dim() and v.shape[0] == local}
-            entry["whole"] = {k: v.clone() for k, v in state.items()
+            entry["whole"] = {k: v for k, v in state.items()
                               if k not in ACC and not (v.dim() and v.shape[0] == local)}
             if "acc_ids" in state:
                 entry["acc"] = _logical_accumulation(state, s, local)
         part[name] = entry
-    torch.save(part, os.path.join(staging, f"rows-{rank}.pt"))
+    write_rows(os.path.join(staging, f"rows-{rank}.pt"), part)
     dist.barrier(group=group)  # every rank's rows are written (rank 0 fsyncs them before publishing)
     if rank == 0:
         keys = {key for key, _, _ in tables.values()}
@@ -168,18 +230,19 @@ def save_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer:
         torch.save(meta, os.path.join(staging, SHARDED_META))
         write_manifest(staging)
         publish(staging, target)
-    dist.barrier(group=group)  # no rank returns before the checkpoint is published
 
 
 def open_checkpoint(path: str) -> Source:
-    """The verified checkpoint at ``path`` (a ``save_sharded`` or a ``save_distributed`` directory)."""
-    if os.path.isfile(os.path.join(path, SHARDED_META)):
+    """The verified checkpoint at ``path`` (a ``save_sharded`` or a ``save_distributed`` directory; pinned,
+    ``checkpoint/snapshot.py``: the source reads its rank files later)."""
+    if is_sharded(path):
         verify(path, required=(SHARDED_META,))  # every file whole and as saved, before anything is written
+        file = os.path.join(path, SHARDED_META)
         try:
-            meta = torch.load(os.path.join(path, SHARDED_META), map_location="cpu", weights_only=True)
+            meta = torch.load(file, map_location="cpu", weights_only=True)
         except Exception as e:  # weights-only refusals and damaged files raise several types
-            raise CheckpointCorruptError(f"{os.path.join(path, SHARDED_META)} is not a readable checkpoint file: "
-                                         f"{str(e).splitlines()[0]}. Nothing was loaded.") from e
+            raise CheckpointCorruptError(f"{file} is not a readable checkpoint file: {load_refusal(e)}. "
+                                         "Nothing was loaded.") from e
         return Source.sharded(path, meta)
     if os.path.isfile(os.path.join(path, META)):
         verify(path)
@@ -200,8 +263,9 @@ def _saved_keys(source: Source, tables: dict[str, tuple[str, nn.Module]]) -> dic
 
 def sharded_payload(path: str) -> dict[str, Any]:
     """The :func:`save_sharded` directory at ``path`` (verified) as one ``tte.checkpoint.save`` payload."""
-    source = open_checkpoint(path)
-    return source.payload(_saved_keys(source, {}))
+    with pinned(os.fspath(path)) as pin:
+        source = open_checkpoint(pin)
+        return source.payload(_saved_keys(source, {}))
 
 
 def _stand_in(like: Tensor, rows: int) -> Tensor:
@@ -245,10 +309,27 @@ def load_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer:
     rank reads only the rows it stores. Nothing changes unless everything fits (files, names, shapes,
     dtypes, the optimizer's hyper-parameters): :class:`CheckpointCorruptError` or
     :class:`CheckpointMismatchError` otherwise."""
-    path = resolve(os.path.normpath(os.path.abspath(os.fspath(directory))))
+    with pinned(os.fspath(directory)) as path:  # one directory read throughout: checkpoint/snapshot.py
+        _load(path, model, optimizer)
+
+
+def _same_save(path: str, s: GroupSharding) -> None:
+    """Raise on every rank of ``s``'s group unless each opened the same save (a save published while the
+    ranks opened the path gives some of them the old directory, some the new one)."""
+    got: list[Any] = [None] * s.world
+    dist.all_gather_object(got, identity(path), group=s.group)
+    if len(set(got)) > 1:
+        raise CheckpointCorruptError(f"The ranks opened different saves of {path} (another save was published "
+                                     "while they opened it); nothing was loaded. Load it again.")
+
+
+def _load(path: str, model: nn.Module, optimizer: Any) -> None:
+    """:func:`load_sharded` of the pinned directory ``path``."""
     source = open_checkpoint(path)
     tables = _tables(model)
     mine = group_sharded(model)
+    if mine:
+        _same_save(path, next(iter(mine.values()))[2])
     if not mine:  # every table whole here: the logical payload, checked and loaded as tte.checkpoint.load's
         apply_payload(source.payload(_saved_keys(source, tables)), path, model, optimizer, strict=True)
         return

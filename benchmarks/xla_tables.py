@@ -42,7 +42,8 @@ XLA device count; the table prints them.
 (d) a user's script (``--parts first-compile``): (b)'s tables, default construction, a ``Linear`` head on
     the concatenated activations (with its own ``torch.optim.SGD`` in the step) and no ``init_state()``, so
     the first step also makes the optimizer state: the first step's wall time and ``CompileTime`` per T
-    and as a ratio to T = 1 (goal of issue [host]: ≤ 2× at 100 tables).
+    and as a ratio to T = 1 (goal of issue [host]: ≤ 2× at 100 tables); the activations once as the dict
+    concatenated by the user's ``torch.cat``, once as ``concat=True``.
 """
 
 from __future__ import annotations
@@ -125,7 +126,8 @@ def measure(build: Callable[[Any], None], batches: list[Any], warmup: int, steps
 
 
 def _ours(tables: int, rows: int, dim: int, batch: int, bag: int, lr: float,
-          layout: str = "unstacked", user: bool = False) -> tuple[Callable[[Any], None], list[Any]]:
+          layout: str = "unstacked", user: bool = False, concat: bool = False
+          ) -> tuple[Callable[[Any], None], list[Any]]:
     import torch_xla
 
     import torch_tpu_embedding as tte
@@ -150,8 +152,11 @@ def _ours(tables: int, rows: int, dim: int, batch: int, bag: int, lr: float,
     batches = [{f: tte.Padded(torch.randint(0, rows, (batch, bag), generator=g)) for f in names} for _ in range(4)]
 
     def build(b: dict[str, Any]) -> None:
-        out = ec(b)
-        act = torch.cat([out[f] for f in names], dim=1)
+        if concat:  # the activations side by side from the collection (TorchRec's KeyedTensor.values())
+            act = ec(b, concat=True)
+        else:  # the dict, concatenated by the user
+            out = ec(b)
+            act = torch.cat([out[f] for f in names], dim=1)
         (head(act).square().mean() if user else act.sum()).backward()
         opt.step()
         opt.zero_grad()
@@ -193,7 +198,7 @@ def child(args: argparse.Namespace) -> None:
     elif args.child == "user":
         t = args.ntables
         build, batches = _ours(t, args.table_rows // t, args.table_dim, args.table_batch,
-                               args.ids_per_example // t, args.lr, layout="default", user=True)
+                               args.ids_per_example // t, args.lr, layout="default", user=True, concat=args.concat)
     elif args.child == "lazy":
         build, batches = _ours(1, args.vocab, args.dim, args.batch, args.bag, args.lr)
     else:
@@ -303,6 +308,7 @@ def main() -> None:
     ap.add_argument("--child", choices=["lazy", "dense_module", "dense_gather", "tables", "user"],
                     help=argparse.SUPPRESS)
     ap.add_argument("--ntables", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--concat", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--layout", choices=["unstacked", "stacked", "default"], default="unstacked",
                     help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -384,19 +390,21 @@ def main() -> None:
                       f"{ms / base_ms if base_ms else float('nan'):12.2f}{goal}")
     if "first-compile" in args.parts:
         user = {t: run_child(args, "--child", "user", "--ntables", str(t)) for t in args.tables}
-        results += list(user.values())
+        side = {t: run_child(args, "--child", "user", "--ntables", str(t), "--concat") for t in args.tables}
+        results += list(user.values()) + list(side.values())
         print("\n(d) a user's script on XLA:CPU: (b)'s tables, default construction, a Linear head on the "
               "concatenated activations (its SGD in the step), no init_state(): the first step makes the "
               "optimizer state and compiles the step")
         print(header(w))
-        for t, r in user.items():
-            print(row(f"T = {t}", r, w))
-        one = user.get(min(user))
-        for t, r in user.items():
-            if t != min(user) and one and "error" not in one and "error" not in r:
-                print(f"  T = {t} / T = {min(user)}: first step {r['first_step_ms'] / one['first_step_ms']:.2f}×, "
-                      f"its compile {r['compile_ms'] / one['compile_ms']:.2f}× (goal ≤ 2×), trace "
-                      f"{r['trace_ms'] / one['trace_ms']:.2f}×")
+        for label, runs in (("dict + torch.cat", user), ("concat=True", side)):
+            for t, r in runs.items():
+                print(row(f"{label}, T = {t}", r, w))
+            one = runs.get(min(runs))
+            for t, r in runs.items():
+                if t != min(runs) and one and "error" not in one and "error" not in r:
+                    print(f"  {label}: T = {t} / T = {min(runs)}: first step "
+                          f"{r['first_step_ms'] / one['first_step_ms']:.2f}×, its compile "
+                          f"{r['compile_ms'] / one['compile_ms']:.2f}× (goal ≤ 2×), trace {r['trace_ms'] / one['trace_ms']:.2f}×")
     if "graphs" in args.parts:
         print("\n(c) every graph compiled until the first step returns (default construction; a run of its own with "
               "PT_XLA_DEBUG_LEVEL=1): phase, torch_xla's cause, where (innermost frame in the package, else outside "

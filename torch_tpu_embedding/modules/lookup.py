@@ -98,7 +98,7 @@ class _RowSparseLookup(torch.autograd.Function):
         _keep(ctx, row_grad, tables, frozen)
         ctx.splits, ctx.unit, ctx.uniform, ctx.columns = splits, unit, uniform, columns
         if columns:  # bags batch-major ([B·F] rows): each feature's [B, D] a view of [B, F, D], in one op
-            return out.view(-1, columns, out.shape[1]).unbind(1)
+            return out.view(-1, columns * out.shape[1]).split(out.shape[1], dim=1)
         # One output per feature (views of ``out``): the backward then gets each feature's gradient as it is
         # (often a view of the gradient of the caller's torch.cat of the features), where a split of one
         # output would have its backward concatenate them into a new [N, D] tensor first.

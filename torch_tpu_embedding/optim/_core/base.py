@@ -180,6 +180,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             validate_common(group)
             rule_cls._validate(group)
             check_stacked(group, rule_cls)
+            grad_intake.mark_exchange(group)
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise

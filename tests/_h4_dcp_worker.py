@@ -4,13 +4,14 @@
 ``tte.clip_grad_norm_`` at a ``max_norm`` it never reaches and without it: every value must be the same, bit
 for bit. ``dcp``: tests/_mp_worker.py's model (row-wise, table-wise and replicated tables, a DDP head) sharded
 with ``dtensor_state_dict=True``, trained 3 steps (in the middle of an accumulation window where the
-optimizer accumulates), saved with torch's ``get_state_dict`` + ``dcp.save``, loaded into a model and
-optimizer of other values through a fresh template (``get_state_dict`` + ``dcp.load`` + ``set_state_dict``),
+optimizer accumulates), saved with torch's ``get_model_state_dict`` / ``get_optimizer_state_dict`` + ``dcp.save``, loaded into a model and
+optimizer of other values through a fresh template (the same helpers + ``dcp.load`` + ``set_model_state_dict`` / ``set_optimizer_state_dict``),
 and both trained 3 steps more: every rank's model and optimizer state must be the same, bit for bit.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any
 
@@ -19,7 +20,12 @@ import _mp_worker as W
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding._rows.placement import stored_rows
@@ -43,9 +49,10 @@ DCP_CONFIGS: dict[str, tuple[Any, dict[str, Any]]] = {
 
 
 def _state(model: torch.nn.Module, opt: Any) -> dict[str, Any]:
-    """The model's and the optimizer's state as stored on this rank (no collective)."""
+    """The model's and the optimizer's state as stored on this rank (no collective), copied (the optimizer's
+    ``state_dict`` shares its live tensors, which training on changes in place)."""
     with stored_rows():
-        return {"model": {k: v.clone() for k, v in model.state_dict().items()}, "optim": opt.state_dict()}
+        return copy.deepcopy({"model": model.state_dict(), "optim": opt.state_dict()})
 
 
 def clip(rank: int, world: int) -> dict[str, Any]:
@@ -76,13 +83,15 @@ def _sharded(name: str, seed: int) -> tuple[W.Model, torch.nn.Module, Any]:
 def dcp_round_trip(name: str, rank: int, world: int, path: str) -> dict[str, Any]:
     model, ddp, opt = _sharded(name, 0)
     W.train(model, ddp, opt, torch.float64, rank, world, steps=range(3))
-    msd, osd = get_state_dict(ddp, opt)
+    # the model's state through the model itself (torch's set_model_state_dict of the DDP wrapper looks a
+    # stacked group's parameter up by its own name, which the model's state_dict keys per table)
+    msd, osd = get_model_state_dict(model), get_optimizer_state_dict(ddp, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
     fresh, ddp2, opt2 = _sharded(name, 300 + rank)  # other values: everything must come from the files
-    tm, to = get_state_dict(ddp2, opt2)
-    sd = {"model": tm, "optim": to}
+    sd = {"model": get_model_state_dict(fresh), "optim": get_optimizer_state_dict(ddp2, opt2)}
     dcp.load(sd, checkpoint_id=path)
-    set_state_dict(ddp2, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    set_model_state_dict(fresh, sd["model"])
+    set_optimizer_state_dict(ddp2, opt2, sd["optim"])
     loaded = (_state(model, opt), _state(fresh, opt2))
     W.train(model, ddp, opt, torch.float64, rank, world, steps=range(3, 6))
     W.train(fresh, ddp2, opt2, torch.float64, rank, world, steps=range(3, 6))

@@ -10,6 +10,13 @@ last brought up to date. The whole table is caught up only at an ``ema_overwrite
 A call that ``skip_nonfinite`` drops changes no average and no weight, and does not count as a call
 of the average (:meth:`StepClock.ema_on`), so lazy rows and dense parameters agree; nor does a call an
 exchange overflow drops (:meth:`StepClock.on`).
+
+With gradient accumulation (``k`` calls a window, eagerly) the check sees a window's sum at its last call,
+so a non-finite micro-batch drops the whole window: none of its ``k`` calls counts, and the averages of
+non-lazy parameters over its accumulate-only calls wait for that last call (:func:`catch_up_windows`: the
+weights do not move in them, so ``k − 1`` calls are one closed form, as a lazy row's idle calls are). A
+window dropped is then as if it had not happened. Read in the middle of a window, :func:`moving_average`
+includes the calls so far (Keras's per-call average).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torch_tpu_embedding._rows.dedup import is_static_device
 from torch_tpu_embedding.optim._core.extras import ema_catch_up
 from torch_tpu_embedding.optim._core.rule_pipeline import gated
 from torch_tpu_embedding.optim._core.slots import RowSpace, lazy_table
@@ -28,8 +36,8 @@ if TYPE_CHECKING:
     from torch_tpu_embedding.optim._core.grad_intake import Work
 
 __all__ = [
-    "ema_all_rows", "ema_calls", "ema_row_update", "ema_rows", "last_call", "momentum_now", "moving_average",
-    "overwrite_due",
+    "catch_up_windows", "deferred_calls", "ema_all_rows", "ema_calls", "ema_row_update", "ema_rows", "last_call",
+    "momentum_now", "moving_average", "overwrite_due",
 ]
 
 Tensor = torch.Tensor
@@ -38,7 +46,7 @@ Tensor = torch.Tensor
 def momentum_now(group: Mapping[str, Any], clock: StepClock, device: torch.device, dtype: torch.dtype) -> Tensor:
     """μ' = 0 while Keras's ``iterations`` (calls // k) is 0, else ``ema_momentum``."""
     k = group["gradient_accumulation_steps"] or 1
-    it = clock.ema_on(device, group["skip_nonfinite"])
+    it = clock.ema_on(device, group["skip_nonfinite"], k)
     mu: Tensor = (torch.div(it, k, rounding_mode="floor") != 0).to(dtype) * group["ema_momentum"]
     return mu
 
@@ -50,7 +58,7 @@ def ema_rows(item: Work, space: RowSpace, ids: Tensor, w_old: Tensor, w_new: Ten
     weights before/after this call's update.
     """
     p, group, state, where = space.p, item.group, space.state, space.where
-    it = item.clock.ema_on(p.device, group["skip_nonfinite"]).to(torch.int32)
+    it = item.clock.ema_on(p.device, group["skip_nonfinite"], group["gradient_accumulation_steps"]).to(torch.int32)
     keep = item.clock.keep(p.device, group["skip_nonfinite"])
     avg = space.gather("ema", ids)
     last = space.gather("ema_last", ids)
@@ -103,7 +111,7 @@ def ema_calls(
             avg = space.table_order("ema")
             if lazy_table(p, group):
                 if overwrite:  # O(V·D), every f calls, as in Keras
-                    it = clock.ema_on(p.device, group["skip_nonfinite"])
+                    it = clock.ema_on(p.device, group["skip_nonfinite"], group["gradient_accumulation_steps"])
                     caught = ema_all_rows(space, group, it)
                     space.write("ema", gated(keep, caught, avg))
                     last = space.table_order("ema_last")
@@ -111,10 +119,57 @@ def ema_calls(
                     p.copy_(gated(keep, caught, p))
                 continue
             mu = momentum_now(group, clock, p.device, avg.dtype)
+            pending = deferred_calls(group, clock.iterations, p)
+            if pending:  # an accumulate-only call: its average waits for the window's last call
+                if overwrite:  # ... unless the weights take the average now (then avg == w: nothing waits)
+                    avg = gated(keep, _after_idle(avg, p, mu, pending), avg)
+                    space.write("ema", avg)
+                    p.copy_(gated(keep, avg, p))
+                continue
             avg = gated(keep, mu * avg + (1 - mu) * p, avg)
             space.write("ema", avg)
             if overwrite:
                 p.copy_(gated(keep, avg, p))
+
+
+def deferred_calls(group: Mapping[str, Any], iterations: int, p: Tensor) -> int:
+    """Eager gradient accumulation: the calls of the current window whose average of non-lazy parameter ``p``
+    waits (the window's accumulate-only calls so far, this one included, ``iterations`` calls before it);
+    0 at a window's last call, without accumulation, for lazy tables (their rows catch up when touched) and
+    on static-shape devices (one graph every call: each call averages)."""
+    k = group["gradient_accumulation_steps"]
+    if not k or is_static_device(p.device) or (iterations + 1) % k == 0:
+        return 0
+    return iterations % k + 1
+
+
+def _after_idle(avg: Tensor, w: Tensor, mu: Tensor, calls: int) -> Tensor:
+    """The average after ``calls`` calls in which the weight stayed ``w`` (μ' the same in each): Keras's
+    ``avg ← μ'·avg + (1−μ')·w`` applied ``calls`` times."""
+    return w + mu**calls * (avg - w)
+
+
+def catch_up_windows(
+    groups: list[dict[str, Any]],
+    state_for: Callable[[Tensor, dict[str, Any]], dict[str, Tensor]],
+    clock: StepClock,
+) -> None:
+    """At a window's last call, before its update: each non-lazy parameter's average brought over the
+    window's ``k − 1`` accumulate-only calls (the weights did not change in them), gated as the call is, so a
+    window that ``skip_nonfinite`` drops changes no average (with the counter, :meth:`StepClock.ema_on`, it is
+    as if it had not happened)."""
+    for group in groups:
+        k = group["gradient_accumulation_steps"]
+        if not group["use_ema"] or not k or (clock.iterations + 1) % k:
+            continue
+        for p in group["params"]:
+            if lazy_table(p, group) or is_static_device(p.device):
+                continue
+            space = RowSpace.of(p, group, state_for(p, group))
+            avg = space.table_order("ema")
+            mu = momentum_now(group, clock, p.device, avg.dtype)
+            keep = clock.keep(p.device, group["skip_nonfinite"])
+            space.write("ema", gated(keep, _after_idle(avg, p.detach().to(avg.dtype), mu, k - 1), avg))
 
 
 def last_call(
@@ -124,7 +179,7 @@ def last_call(
     """The average's counter at the last of ``iterations`` calls (``skipped`` of them dropped by
     ``skip_nonfinite``, ``dropped`` by an exchange overflow)."""
     clock = StepClock(iterations - 1, skipped, dropped)
-    return clock.ema_on(device, group["skip_nonfinite"])
+    return clock.ema_on(device, group["skip_nonfinite"], group["gradient_accumulation_steps"])
 
 
 def moving_average(
@@ -136,4 +191,11 @@ def moving_average(
     space = RowSpace.of(p, group, state)
     if lazy_table(p, group):
         return ema_all_rows(space, group, last_call(group, p.device, iterations, skipped, dropped))
-    return space.table_order("ema").clone()
+    avg = space.table_order("ema").clone()
+    pending = deferred_calls(group, iterations - 1, p)  # the last call's: its window's calls so far
+    if not pending:
+        return avg
+    it = last_call(group, p.device, iterations, skipped, dropped)
+    k = group["gradient_accumulation_steps"]
+    mu = (torch.div(it, k, rounding_mode="floor") != 0).to(avg.dtype) * group["ema_momentum"]
+    return _after_idle(avg, p.detach().to(avg.dtype), mu, pending)

@@ -10,6 +10,7 @@ ask for): 1.5e-3 off after 3 more steps.
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import sys
@@ -132,6 +133,31 @@ def test_a_per_table_checkpoint_loads_into_the_default_stacked_model(info: Optim
     for t in ("a", "b", "c"):
         p, s = plain.ec.tables[t].weight, stacked.ec.embedding_tables[t]
         torch.testing.assert_close(opt2.moving_average(s), opt.moving_average(p), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("bad", [
+    lambda ids, rows: [ids, rows],
+    lambda ids, rows: (ids,),
+    lambda ids, rows: (ids + 1000, rows),
+    lambda ids, rows: (ids, rows[:, :1]),
+], ids=["a list", "one tensor", "ids out of range", "rows of another width"])
+def test_a_damaged_window_is_refused_before_anything_changes(bad: Any) -> None:
+    """A hostile ``tte_pending`` (not the tuple, a missing tensor, ids outside the table, shapes that do not
+    pair) is refused by ``load_state_dict``, naming the entry; the optimizer keeps what it had."""
+    info = next(i for i in OPTIMIZER_INFOS if i.name == "adagrad")
+    model = Model(stack=False)
+    opt = make(info, model)
+    train(model, opt, batches(), 3)
+    _, osd = get_state_dict(model, opt)
+    ids, rows = osd["state"]["ec.tables.a.weight"]["tte_pending"]
+    osd["state"]["ec.tables.a.weight"]["tte_pending"] = bad(ids, rows)
+    fresh = Model(stack=False, seed=3)
+    opt2 = make(info, fresh)
+    train(fresh, opt2, batches(7), 1)
+    before = copy.deepcopy(state_io.state_dict(opt2))
+    with pytest.raises(ValueError, match="Optimizer state does not match"):
+        opt2.load_state_dict(osd)
+    assert_bitwise(state_io.state_dict(opt2), before)
 
 
 class _Payload:

@@ -135,9 +135,9 @@ def ema_calls(
 def deferred_calls(group: Mapping[str, Any], iterations: int, p: Tensor) -> int:
     """Eager gradient accumulation: the calls of the current window whose average of non-lazy parameter ``p``
     waits (the window's accumulate-only calls so far, this one included, ``iterations`` calls before it);
-    0 at a window's last call, without accumulation, for lazy tables (their rows catch up when touched) and
-    on static-shape devices (one graph every call: each call averages)."""
-    k = group["gradient_accumulation_steps"]
+    0 at a window's last call, without accumulation and on static-shape devices (one graph every call: each
+    call averages). Asked for non-lazy parameters only: a lazy table's rows catch up when next touched."""
+    k: int | None = group["gradient_accumulation_steps"]
     if not k or is_static_device(p.device) or (iterations + 1) % k == 0:
         return 0
     return iterations % k + 1

@@ -95,7 +95,7 @@ def dcp_round_trip(name: str, rank: int, world: int, path: str) -> dict[str, Any
     loaded = (_state(model, opt), _state(fresh, opt2))
     W.train(model, ddp, opt, torch.float64, rank, world, steps=range(3, 6))
     W.train(fresh, ddp2, opt2, torch.float64, rank, world, steps=range(3, 6))
-    return {"loaded": loaded, "trained": (_state(model, opt), _state(fresh, opt2))}
+    return {"loaded": loaded, "trained": (_state(model, opt), _state(fresh, opt2)), "path": path}
 
 
 def worker(rank: int, world: int, port: int, out_dir: str, job: str) -> None:

@@ -11,9 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 import _h4_dcp_worker as H
+import _mp_worker as W
 import pytest
 import torch
 from test_mp_build import ranks
+
+import torch_tpu_embedding as tte
+from torch_tpu_embedding.optim._state import state_io
 
 
 def assert_bitwise(a: Any, b: Any, path: str = "") -> None:
@@ -73,3 +77,34 @@ def test_dcp_round_trip_of_every_optimizer_at_2_processes(name: str, tmp_path_fa
         assert_bitwise(per_call_sums(loaded), per_call_sums(saved), f"rank {r} loaded")
         a, b = res[name]["trained"]
         assert_bitwise(per_call_sums(b), per_call_sums(a), f"rank {r} trained on")
+
+
+@pytest.mark.parametrize("name", list(H.DCP_CONFIGS))
+def test_the_2_process_checkpoint_loads_into_one_default_stacked_process(
+        name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The checkpoint the 2 processes saved (per-table keys, DTensors, a pending window in logical ids) read
+    into one process with ``tte.checkpoint.read_torch_dcp`` and loaded into the default, stacked model equals
+    one process trained on the global batch (float64 within 1e-10, as tests/distributed/test_mp_shard.py holds
+    the sharded run to it), and so does training on 3 steps from it."""
+    path = ranks(2, "dcp", tmp_path_factory, worker=H.worker)[0][name]["path"]
+    cls, kw = H.DCP_CONFIGS[name]
+    ref = W.Model(torch.float64)
+    ref_opt = cls(ref.parameters(), **kw)
+    W.train(ref, ref, ref_opt, torch.float64, steps=range(3))
+    one = W.Model(torch.float64, seed=5)  # built as by default: its replicated and row tables stacked
+    assert any("groups." in n for n, _ in one.named_parameters())
+    opt = cls(one.parameters(), **kw)
+    saved = tte.checkpoint.read_torch_dcp(path)
+    one.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optim"])
+    for steps in (range(0), range(3, 6)):
+        W.train(ref, ref, ref_opt, torch.float64, steps=steps)
+        W.train(one, one, opt, torch.float64, steps=steps)
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(one.state_dict()[k], v, rtol=1e-10, atol=1e-10, msg=k)
+        ours, theirs = state_io.state_dict(opt)["state"], state_io.state_dict(ref_opt)["state"]
+        assert sorted(ours) == sorted(theirs)
+        for key, entry in theirs.items():
+            for slot, v in entry.items():
+                if slot not in ("acc_ids", "acc_rows"):
+                    torch.testing.assert_close(ours[key][slot], v, rtol=1e-10, atol=1e-10, msg=f"{key}/{slot}")

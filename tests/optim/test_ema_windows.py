@@ -2,8 +2,8 @@
 
 ``skip_nonfinite`` drops a whole accumulation window when any of its micro-batches is non-finite (the check
 runs on the window's sum, at its last call). On main the EMA counter still counted the window's ``k − 1``
-accumulate-only calls and the dense averages had moved in them: the moving averages ended 0.157 off the run
-without that window. Now a dropped window is as if it had not happened: weights, slots and every moving
+accumulate-only calls and the dense averages had moved in them (Keras averages at every call): the moving
+averages ended 0.157 off the run without that window. Now a dropped window is as if it had not happened: weights, slots and every moving
 average (lazy tables caught up, dense parameters) equal, bit for bit, the run that never saw it.
 """
 
@@ -53,9 +53,8 @@ def test_a_dropped_window_is_as_if_it_never_happened(info: OptimizerInfo, k: int
 
 @pytest.mark.parametrize("k", [2, 3])
 def test_a_dense_average_mid_window_is_keras_per_call_average(k: int) -> None:
-    """The dense parameters' averages of a window's accumulate-only calls are applied at its last call, in
-    closed form (the weight does not move in them); read mid-window, ``moving_average`` includes them: Keras's
-    per-call EMA, in float64, after every call."""
+    """Without a dropped window nothing changes: Keras's per-call EMA of a dense parameter, in float64, after
+    every call (accumulate-only calls included)."""
     info = next(i for i in OPTIMIZER_INFOS if i.name == "adam")
     ec, head = two_tables()
     opt = info.cls([*ec.parameters(), *head.parameters()], **info.default, use_ema=True, ema_momentum=MU,

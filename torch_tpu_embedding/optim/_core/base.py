@@ -274,10 +274,9 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             self._run.dropped = self._run.dropped.to(clean.device) + (~clean).to(torch.int64).reshape(1)
         kept = clean if finite is None else finite if clean is None else finite & clean.to(finite.device)
         self._run.last_skipped = None if kept is None else ~kept
-        ema.catch_up_windows(self.param_groups, self._state_for, clock)  # before a window's update: its idle calls
         for item in work:
             update(item)
-        ema.ema_calls(self.param_groups, self._state_for, clock)
+        ema.ema_calls(self.param_groups, self._state_for, clock, getattr(self._run, "ema_window", None))
         self._run.iterations += 1
         return loss
 

@@ -12,11 +12,10 @@ of the average (:meth:`StepClock.ema_on`), so lazy rows and dense parameters agr
 exchange overflow drops (:meth:`StepClock.on`).
 
 With gradient accumulation (``k`` calls a window, eagerly) the check sees a window's sum at its last call,
-so a non-finite micro-batch drops the whole window: none of its ``k`` calls counts, and the averages of
-non-lazy parameters over its accumulate-only calls wait for that last call (:func:`catch_up_windows`: the
-weights do not move in them, so ``k − 1`` calls are one closed form, as a lazy row's idle calls are). A
-window dropped is then as if it had not happened. Read in the middle of a window, :func:`moving_average`
-includes the calls so far (Keras's per-call average).
+so a non-finite micro-batch drops the whole window: none of its ``k`` calls counts (the counter counts the
+calls of applied windows), a lazy row's catch-up never sees them, and a non-lazy parameter's average, which
+Keras moves at every call, goes back to what it was when the window began (:func:`ema_calls`' record of it).
+A window dropped is then as if it had not happened.
 """
 
 from __future__ import annotations
@@ -36,8 +35,8 @@ if TYPE_CHECKING:
     from torch_tpu_embedding.optim._core.grad_intake import Work
 
 __all__ = [
-    "catch_up_windows", "deferred_calls", "ema_all_rows", "ema_calls", "ema_row_update", "ema_rows", "last_call",
-    "momentum_now", "moving_average", "overwrite_due",
+    "ema_all_rows", "ema_calls", "ema_row_update", "ema_rows", "last_call", "momentum_now", "moving_average",
+    "overwrite_due", "window_averages",
 ]
 
 Tensor = torch.Tensor
@@ -99,16 +98,23 @@ def ema_calls(
     groups: list[dict[str, Any]],
     state_for: Callable[[Tensor, dict[str, Any]], dict[str, Tensor]],
     clock: StepClock,
+    window_start: dict[int, Tensor] | None = None,
 ) -> None:
-    """After the updates of a call: EMA of dense (and non-lazy) parameters, and the periodic overwrite."""
+    """After the updates of a call: EMA of dense (and non-lazy) parameters, and the periodic overwrite.
+
+    ``window_start`` (eager gradient accumulation with ``skip_nonfinite``): each non-lazy parameter's average
+    as its window began, by ``id``, kept by the optimizer between calls (:func:`window_averages`)."""
     for group in groups:
         if not group["use_ema"]:
             continue
         overwrite = overwrite_due(group, clock.iterations)
+        starts = window_averages(group, clock.iterations, window_start)
         for p in group["params"]:
             space = RowSpace.of(p, group, state_for(p, group))
             keep = clock.keep(p.device, group["skip_nonfinite"])
             avg = space.table_order("ema")
+            if starts is not None and not lazy_table(p, group):
+                avg = _restore_dropped(starts, p, avg, keep, group, clock.iterations)
             if lazy_table(p, group):
                 if overwrite:  # O(V·D), every f calls, as in Keras
                     it = clock.ema_on(p.device, group["skip_nonfinite"], group["gradient_accumulation_steps"])
@@ -119,57 +125,35 @@ def ema_calls(
                     p.copy_(gated(keep, caught, p))
                 continue
             mu = momentum_now(group, clock, p.device, avg.dtype)
-            pending = deferred_calls(group, clock.iterations, p)
-            if pending:  # an accumulate-only call: its average waits for the window's last call
-                if overwrite:  # ... unless the weights take the average now (then avg == w: nothing waits)
-                    avg = gated(keep, _after_idle(avg, p, mu, pending), avg)
-                    space.write("ema", avg)
-                    p.copy_(gated(keep, avg, p))
-                continue
             avg = gated(keep, mu * avg + (1 - mu) * p, avg)
             space.write("ema", avg)
             if overwrite:
                 p.copy_(gated(keep, avg, p))
 
 
-def deferred_calls(group: Mapping[str, Any], iterations: int, p: Tensor) -> int:
-    """Eager gradient accumulation: the calls of the current window whose average of non-lazy parameter ``p``
-    waits (the window's accumulate-only calls so far, this one included, ``iterations`` calls before it);
-    0 at a window's last call, without accumulation and on static-shape devices (one graph every call: each
-    call averages). Asked for non-lazy parameters only: a lazy table's rows catch up when next touched."""
-    k: int | None = group["gradient_accumulation_steps"]
-    if not k or is_static_device(p.device) or (iterations + 1) % k == 0:
-        return 0
-    return iterations % k + 1
+def window_averages(group: Mapping[str, Any], iterations: int,
+                    window_start: dict[int, Tensor] | None) -> dict[int, Tensor] | None:
+    """The store of the group's averages at its window's start, or ``None`` where none is kept: only eagerly,
+    with gradient accumulation and ``skip_nonfinite``, where a window's accumulate-only calls average (Keras's
+    per-call EMA) before the check at its last call can drop the window."""
+    if window_start is None or not group["gradient_accumulation_steps"] or not group["skip_nonfinite"]:
+        return None
+    return window_start
 
 
-def _after_idle(avg: Tensor, w: Tensor, mu: Tensor, calls: int) -> Tensor:
-    """The average after ``calls`` calls in which the weight stayed ``w`` (μ' the same in each): Keras's
-    ``avg ← μ'·avg + (1−μ')·w`` applied ``calls`` times."""
-    return w + mu**calls * (avg - w)
-
-
-def catch_up_windows(
-    groups: list[dict[str, Any]],
-    state_for: Callable[[Tensor, dict[str, Any]], dict[str, Tensor]],
-    clock: StepClock,
-) -> None:
-    """At a window's last call, before its update: each non-lazy parameter's average brought over the
-    window's ``k − 1`` accumulate-only calls (the weights did not change in them), gated as the call is, so a
-    window that ``skip_nonfinite`` drops changes no average (with the counter, :meth:`StepClock.ema_on`, it is
-    as if it had not happened)."""
-    for group in groups:
-        k = group["gradient_accumulation_steps"]
-        if not group["use_ema"] or not k or (clock.iterations + 1) % k:
-            continue
-        for p in group["params"]:
-            if lazy_table(p, group) or is_static_device(p.device):
-                continue
-            space = RowSpace.of(p, group, state_for(p, group))
-            avg = space.table_order("ema")
-            mu = momentum_now(group, clock, p.device, avg.dtype)
-            keep = clock.keep(p.device, group["skip_nonfinite"])
-            space.write("ema", gated(keep, _after_idle(avg, p.detach().to(avg.dtype), mu, k - 1), avg))
+def _restore_dropped(starts: dict[int, Tensor], p: Tensor, avg: Tensor, keep: Tensor | None,
+                     group: Mapping[str, Any], iterations: int) -> Tensor:
+    """Non-lazy ``p``'s average before this call's: at a window's first call it is recorded (a copy, the size
+    of the parameter, once a window); at its last call, when the call is dropped (``keep`` False), the window's
+    accumulate-only calls are undone (the average it began with), so the dropped window counts no call."""
+    if is_static_device(p.device):
+        return avg  # one graph every call: each call's average is gated on its own (not covered)
+    k = group["gradient_accumulation_steps"]
+    if iterations % k == 0:
+        starts[id(p)] = avg.clone()
+    if (iterations + 1) % k == 0 and keep is not None and id(p) in starts:
+        avg = gated(keep, avg, starts.pop(id(p)))
+    return avg
 
 
 def last_call(
@@ -191,11 +175,4 @@ def moving_average(
     space = RowSpace.of(p, group, state)
     if lazy_table(p, group):
         return ema_all_rows(space, group, last_call(group, p.device, iterations, skipped, dropped))
-    avg = space.table_order("ema").clone()
-    pending = deferred_calls(group, iterations - 1, p)  # the last call's: its window's calls so far
-    if not pending:
-        return avg
-    it = last_call(group, p.device, iterations, skipped, dropped)
-    k = group["gradient_accumulation_steps"]
-    mu = (torch.div(it, k, rounding_mode="floor") != 0).to(avg.dtype) * group["ema_momentum"]
-    return _after_idle(avg, p.detach().to(avg.dtype), mu, pending)
+    return space.table_order("ema").clone()

@@ -91,7 +91,7 @@ class StepCounters:
     cannot trace an assignment to an attribute of a ``torch.optim.Optimizer`` (its ``OptimizerVariable``
     takes no attribute mutation), while it traces one to this object's."""
 
-    __slots__ = ("checked_retired", "dropped", "iterations", "last_skipped", "skipped")
+    __slots__ = ("checked_retired", "dropped", "ema_window", "iterations", "last_skipped", "skipped")
 
     def __init__(self, iterations: int = 0) -> None:
         #: calls of ``step()`` so far (Keras ``iterations`` before the ``// k`` of accumulation)
@@ -100,6 +100,8 @@ class StepCounters:
         self.skipped: Tensor | None = None  # device-side count of calls dropped by skip_nonfinite
         self.dropped: Tensor | None = None  # device-side count of calls dropped by an exchange overflow
         self.last_skipped: Tensor | None = None  # whether the last call was dropped (0-d bool, device)
+        #: non-lazy parameters' moving averages as the accumulation window under way began, by id (ema.ema_calls)
+        self.ema_window: dict[int, Tensor] = {}
 
 
 class StepClock:

@@ -38,6 +38,7 @@ from torch_tpu_embedding.optim._core.extras import EXTRA_DEFAULTS, EXTRA_NAMES, 
 from torch_tpu_embedding.optim._core.hyperparams import (
     check_group_options,
     check_stacked,
+    mark_exchange,
     param_groups,
     refuse_complex,
     user_groups,
@@ -180,7 +181,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             validate_common(group)
             rule_cls._validate(group)
             check_stacked(group, rule_cls)
-            grad_intake.mark_exchange(group)
+            mark_exchange(group)
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise

@@ -38,7 +38,7 @@ from torch_tpu_embedding.optim._core.stacked_members import clip_members, member
 from torch_tpu_embedding.optim._core.step_values import StepClock
 from torch_tpu_embedding.optim._kernels.row_sums import RowSums, row_sums
 
-__all__ = ["Taken", "Work", "arrives_as_rows", "has_gradient", "mark_exchange", "prepare", "take"]
+__all__ = ["Taken", "Work", "arrives_as_rows", "has_gradient", "prepare", "take"]
 
 Tensor = torch.Tensor
 
@@ -88,15 +88,6 @@ def has_gradient(p: Tensor, group: dict[str, Any], state: dict[str, Tensor] | No
     if p.grad is not None and (p.grad.is_sparse or info is None):
         return True
     return bool(group["gradient_accumulation_steps"]) and "acc_ids" in (state or {})
-
-
-def mark_exchange(group: dict[str, Any]) -> None:
-    """Tell the group's tables how data parallel sends their rows (:attr:`RowGrad.raw_exchange`), so that
-    whoever exchanges first (``step()``, or ``tte.clip_grad_norm_`` before it) sends what the update needs."""
-    for p in group["params"]:
-        info = table_info(p)
-        if info is not None:
-            info.row_grad.raw_exchange = not group["use_gradient_accumulation"]
 
 
 def take(p: Tensor, group: dict[str, Any], path: Path) -> Taken:

@@ -33,8 +33,7 @@ from torch_tpu_embedding._rows.stacked_state import Members, merge_member_state,
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding._util.registry import RULE_KEY, resolve_rule, rule_of
 from torch_tpu_embedding.optim._core.extras import EXTRA_DEFAULTS, check_extras
-from torch_tpu_embedding.optim._core.grad_intake import mark_exchange
-from torch_tpu_embedding.optim._core.hyperparams import validate_common
+from torch_tpu_embedding.optim._core.hyperparams import mark_exchange, validate_common
 from torch_tpu_embedding.optim._core.slots import (
     ACCUMULATION,
     from_saved_ids,

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 
 from torch_tpu_embedding._rows.dedup import coalesce_rows
-from torch_tpu_embedding._rows.grads import refuse_stacked_view, table_info
+from torch_tpu_embedding._rows.grads import RowGrad, refuse_stacked_view, table_info
 from torch_tpu_embedding._rows.placement import all_reduce_sum, process_group_placement, sync_row_grads
 from torch_tpu_embedding._util.dtypes import math_dtype
 
@@ -68,7 +68,11 @@ def clip_grad_norm_(
         refuse_stacked_view(p, "parameters", "clipped", "Its gradient is part of its group's.")
     tables = [p for p in params if table_info(p) is not None]
     dense = [p for p in params if table_info(p) is None]
-    sync_row_grads([{"params": tables}])
+    # The exchange the optimizer's step would do (it is done once, by whoever comes first): a table whose
+    # optimizer group has use_gradient_accumulation=False sends its rows as they are, others each rank's sums.
+    raw = [p for p in tables if _row_grad(p).raw_exchange]
+    sync_row_grads([{"params": [p for p in tables if not _row_grad(p).raw_exchange]},
+                    {"params": raw, "use_gradient_accumulation": False}])
     summed = [(p, r) for p, r in ((p, _summed_rows(p)) for p in tables) if r is not None]
     spread = [p for p in tables if process_group_placement(p) is not None]
     if spread:  # tables sharded over a process group: every rank holds a part of the gradient
@@ -88,6 +92,12 @@ def clip_grad_norm_(
             assert info is not None
             info.row_grad.scale_(coef, math_dtype(p))
     return total
+
+
+def _row_grad(p: Tensor) -> RowGrad:
+    info = table_info(p)
+    assert info is not None
+    return info.row_grad
 
 
 def _has_zero_rows(p: Tensor) -> bool:

@@ -111,3 +111,21 @@ def test_torch_clip_grad_norm_does_not_see_tables() -> None:
     dense_only = torch.cat([p.grad.reshape(-1) for p in m["head"].parameters()]).norm()
     assert float(torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9)) == pytest.approx(float(dense_only))
     assert float(tte.clip_grad_norm_(m.parameters(), 1e9)) > float(dense_only)
+
+
+def test_the_optimizer_tells_its_tables_how_their_rows_travel() -> None:
+    """The clip exchanges a table's rows under data parallel before the step does, so it must send them as
+    the step would: unsummed for a group with ``use_gradient_accumulation=False`` (RowGrad.raw_exchange, set
+    by the optimizer's groups, at construction and from a loaded state). The 2-process check:
+    tests/distributed/test_mp_dcp_optim.py::test_clip_that_scales_nothing_leaves_use_gradient_accumulation_false_bitwise."""
+    m = model()
+    a, b = m["ec"].tables.a, m["ec"].tables.b
+    opt = tte.optim.Adagrad([{"params": [a.weight]}, {"params": [b.weight], "use_gradient_accumulation": False}],
+                            lr=0.1)
+    assert not a.row_grad.raw_exchange and b.row_grad.raw_exchange
+    saved = opt.state_dict()
+    fresh = model()  # built with the default (True) for both groups, then loads the saved False
+    opt3 = tte.optim.Adagrad([{"params": [fresh["ec"].tables.a.weight]}, {"params": [fresh["ec"].tables.b.weight]}],
+                             lr=0.1)
+    opt3.load_state_dict(saved)
+    assert fresh["ec"].tables.b.row_grad.raw_exchange and not fresh["ec"].tables.a.row_grad.raw_exchange

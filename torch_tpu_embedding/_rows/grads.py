@@ -106,7 +106,8 @@ class RowGrad:
     ``rows [n, M, D]``, plus a 0-d flag that is False when the lookup dropped ids (overflow).
     """
 
-    __slots__ = ("__weakref__", "_ids", "_ok", "_rows", "exchanged", "handle", "keep_factored", "reached")
+    __slots__ = ("__weakref__", "_ids", "_ok", "_rows", "exchanged", "handle", "keep_factored", "raw_exchange",
+                 "reached")
 
     def __init__(self) -> None:
         self.handle = -1  # not registered: a temporary (take(), local_part()), which no lookup is given
@@ -116,6 +117,10 @@ class RowGrad:
         #: set by the optimizer that consumes this gradient piecewise (SGD's eager step): eager
         #: lookups then add :class:`BagRows` instead of multiplied-out rows
         self.keep_factored = False
+        #: set by the optimizer whose group has ``use_gradient_accumulation=False``: data parallel sends
+        #: every looked-up row as it is (the update applies duplicates one by one), not each rank's sums;
+        #: read by whoever exchanges first (the step, or ``tte.clip_grad_norm_`` before it)
+        self.raw_exchange = False
         #: data parallel (:mod:`torch_tpu_embedding.distributed`): the leading chunks that already
         #: hold the process group's global gradient
         self.exchanged = 0
@@ -131,6 +136,7 @@ class RowGrad:
         return out
 
     def __setstate__(self, state: tuple[None, dict[str, Any]]) -> None:  # deepcopy, pickle: another table's
+        self.raw_exchange = False  # pickled before it existed
         for k, v in state[1].items():
             setattr(self, k, v)
         if self.handle >= 0:

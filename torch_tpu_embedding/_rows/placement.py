@@ -137,6 +137,24 @@ class TablePlacement:
         """The saved form of the logical rows as this process's stored rows (``base``: their dtype)."""
         raise NotImplementedError(f"{type(self).__name__} loads no DTensors")
 
+    def whole_to_saved(self, value: Tensor) -> Tensor:
+        """An optimizer slot of the whole table (not per row) as saved: the same on every process."""
+        raise NotImplementedError(f"{type(self).__name__} saves no DTensors")
+
+    def whole_from_saved(self, value: Tensor, live: Tensor | None) -> Tensor:
+        """A saved slot of the whole table as this process keeps it (``live``: its slot now)."""
+        raise NotImplementedError(f"{type(self).__name__} loads no DTensors")
+
+    def pending_to_logical(self, ids: Tensor | None, rows: Tensor | None, k: int, width: int,
+                           dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """A pending accumulation window (``[k, cap]`` ids of the stored rows, their rows) as saved: every
+        process's, in logical ids."""
+        raise NotImplementedError(f"{type(self).__name__} saves no DTensors")
+
+    def pending_from_logical(self, ids: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """The inverse of :meth:`pending_to_logical` for this process."""
+        raise NotImplementedError(f"{type(self).__name__} loads no DTensors")
+
 
 def process_group_placement(p: Tensor) -> TablePlacement | None:
     """The placement of table parameter ``p`` when it is sharded over a process group, else ``None``."""

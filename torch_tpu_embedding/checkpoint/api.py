@@ -29,6 +29,7 @@ from torch_tpu_embedding.checkpoint.dcp import (
     present,
     read_meta,
     read_tensors,
+    read_torch_dcp,
     uses_xla,
     xla_planner,
 )
@@ -54,7 +55,7 @@ from torch_tpu_embedding.optim._state.state_io import rest_problems
 
 __all__ = [
     "FORMAT", "CheckpointCorruptError", "CheckpointMismatchError", "UnverifiedCheckpointWarning", "convert_distributed",
-    "load", "load_distributed", "save", "save_distributed", "to_cpu",
+    "load", "load_distributed", "read_torch_dcp", "save", "save_distributed", "to_cpu",
 ]
 
 

@@ -8,6 +8,7 @@ Shared by ``tte.checkpoint.load_distributed`` / ``convert_distributed`` and by
 from __future__ import annotations
 
 import importlib
+import io
 import os
 from typing import Any
 
@@ -19,8 +20,8 @@ from torch_tpu_embedding.checkpoint.files import dcp_quiet, dcp_reader, read_dcp
 from torch_tpu_embedding.checkpoint.host import split_stacked_entries
 from torch_tpu_embedding.checkpoint.publish import read_errors
 
-__all__ = ["FORMAT", "META", "dcp", "logical_payload", "present", "read_meta", "read_tensors", "uses_xla",
-           "xla_planner"]
+__all__ = ["FORMAT", "META", "dcp", "logical_payload", "present", "read_meta", "read_tensors", "read_torch_dcp",
+           "uses_xla", "xla_planner"]
 
 #: written into every checkpoint; ``tte.checkpoint.load`` refuses other formats
 FORMAT = "torch_tpu_embedding.checkpoint/1"
@@ -111,3 +112,72 @@ def logical_payload(target: str, meta: Any) -> dict[str, Any]:
         optimizer_sd = {"state": state, "param_groups": meta["optimizer"]["param_groups"],
                         "iterations": meta["optimizer"]["iterations"]}
     return {"format": FORMAT, "model": model_sd, "optimizer": optimizer_sd, "extra": None}
+
+
+def read_torch_dcp(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Everything a ``torch.distributed.checkpoint`` directory holds, read into this process as the nested
+    dict it was saved from (what ``dcp.save`` was given: e.g. ``{"model": ..., "optim": ...}``), DTensors as
+    whole tensors.
+
+    torch's ``dcp.load`` reads only the keys of the dict it fills, so a checkpoint of one model's layout
+    cannot fill the template of another's: the optimizer state of tables saved one per parameter
+    (``stack_tables=False``, or sharded over processes by ``tte.distributed.shard``) is keyed
+    ``ec.tables.<name>.weight``, which the default, stacked collection's template does not have (``dcp.load``
+    raises ``Missing key in checkpoint state_dict``). Read the whole checkpoint with this instead and load
+    each part where it goes; an optimizer of this package maps per-table state into a stacked group and
+    back (pending accumulation windows included)::
+
+        saved = tte.checkpoint.read_torch_dcp(directory)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optim"])
+
+    One process reads everything: for a model that holds its whole tables. The metadata is read with an
+    allow-list and every non-tensor entry with ``torch.load(weights_only=True)`` (torch's own ``dcp.load``
+    unpickles them with ``weights_only=False``).
+
+    Raises:
+        FileNotFoundError: no DCP checkpoint at ``path``.
+        CheckpointCorruptError: a file of it cannot be read.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        raise FileNotFoundError(f"No torch.distributed.checkpoint directory at {path} (no .metadata)")
+    md = read_dcp_metadata(path, non_tensors=True)
+    flat: dict[str, Any] = {k: torch.empty(v.size, dtype=v.properties.dtype) if hasattr(v, "size") else None
+                            for k, v in md.state_dict_metadata.items()}
+    with dcp_quiet(), read_errors(path):
+        dcp().load(flat, storage_reader=dcp_reader(path, non_tensors=True), planner=_safe_planner(), no_dist=True)
+    mapping = md.planner_data if isinstance(md.planner_data, dict) else {}
+    out: dict[str, Any] = {}
+    for k, v in flat.items():
+        _set_path(out, tuple(mapping.get(k, (k,))), v)
+    return out
+
+
+def _safe_planner() -> Any:
+    """torch's default load planner on flat keys, non-tensor entries read with ``weights_only=True``."""
+    base = importlib.import_module("torch.distributed.checkpoint").DefaultLoadPlanner
+
+    class _WeightsOnly(base):  # type: ignore[misc, valid-type]
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            # into the dict given to dcp.load (self.state_dict is a copy of it)
+            self.original_state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+    return _WeightsOnly(flatten_state_dict=False)
+
+
+def _set_path(root: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
+    """``root[path[0]][path[1]]... = value``, making the dicts (string keys) and lists (int keys) on the way,
+    as DCP's flattening recorded them."""
+    cur: Any = root
+    for key, nxt in zip(path[:-1], path[1:], strict=True):
+        if isinstance(cur, list):
+            cur.extend([None] * (key + 1 - len(cur)))
+            if cur[key] is None:
+                cur[key] = [] if isinstance(nxt, int) else {}
+            cur = cur[key]
+        else:
+            cur = cur.setdefault(key, [] if isinstance(nxt, int) else {})
+    if isinstance(cur, list):
+        cur.extend([None] * (path[-1] + 1 - len(cur)))
+    cur[path[-1]] = value

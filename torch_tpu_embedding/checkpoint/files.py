@@ -250,6 +250,7 @@ _DCP_CLASSES = {
     "torch.distributed.checkpoint.metadata": (
         "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "StorageMeta",
         "MetadataIndex", "_MEM_FORMAT_ENCODING",
+        "BytesStorageMetadata",  # a non-tensor entry (torch's helpers' param_groups), a field-less dataclass
     ),
     "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
     "torch.serialization": ("_get_layout",),  # a layout by name (torch.strided)
@@ -277,8 +278,10 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-def read_dcp_metadata(path: str) -> Any:
-    """The ``Metadata`` of a DCP folder's ``.metadata`` file, unpickled with the allow-list above."""
+def read_dcp_metadata(path: str, non_tensors: bool = False) -> Any:
+    """The ``Metadata`` of a DCP folder's ``.metadata`` file, unpickled with the allow-list above.
+    ``non_tensors``: entries that are not tensors are allowed (for a reader whose planner reads them with
+    ``weights_only=True``: ``tte.checkpoint.read_torch_dcp``)."""
     md_mod = importlib.import_module("torch.distributed.checkpoint.metadata")
     file = os.path.join(path, ".metadata")
     try:
@@ -295,7 +298,8 @@ def read_dcp_metadata(path: str) -> Any:
         raise ValueError(f"{file} holds a {type(md).__name__}, not torch.distributed.checkpoint Metadata.")
     tensor_md = md_mod.TensorStorageMetadata
     entries = md.state_dict_metadata if isinstance(md.state_dict_metadata, dict) else None
-    bad = sorted(k for k, v in (entries or {}).items() if not isinstance(v, tensor_md))
+    allowed = (tensor_md, md_mod.BytesStorageMetadata) if non_tensors else tensor_md
+    bad = sorted(k for k, v in (entries or {}).items() if not isinstance(v, allowed))
     if entries is None or bad:
         raise ValueError(f"{file}: entries {bad} are not tensors. Our distributed checkpoints hold only tensors; "
                          "other entries would be read back with an unrestricted torch.load, so they are refused.")
@@ -317,8 +321,9 @@ def dcp_quiet() -> Iterator[None]:
 _READER: Any = None
 
 
-def dcp_reader(path: str) -> Any:
-    """A ``FileSystemReader`` for ``path`` whose ``read_metadata`` is :func:`read_dcp_metadata`."""
+def dcp_reader(path: str, non_tensors: bool = False) -> Any:
+    """A ``FileSystemReader`` for ``path`` whose ``read_metadata`` is :func:`read_dcp_metadata` (``non_tensors``
+    passed on)."""
     global _READER
     if _READER is None:
         base = importlib.import_module("torch.distributed.checkpoint").FileSystemReader
@@ -327,9 +332,11 @@ def dcp_reader(path: str) -> Any:
             def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
                 if kwargs.get("rank") is not None:
                     raise ValueError("Per-rank distributed-checkpoint metadata is not supported.")
-                md = read_dcp_metadata(os.fspath(self.path))
+                md = read_dcp_metadata(os.fspath(self.path), getattr(self, "tte_non_tensors", False))
                 md.storage_meta.load_id = self.load_id
                 return md
 
         _READER = _SafeReader
-    return _READER(path)
+    reader = _READER(path)
+    reader.tte_non_tensors = non_tensors
+    return reader

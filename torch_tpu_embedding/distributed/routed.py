@@ -29,8 +29,12 @@ from torch_tpu_embedding.distributed.exchange import GroupSharding, fetch_rows, 
 from torch_tpu_embedding.distributed.state import (
     from_logical_shard,
     from_logical_slot,
+    pending_from_logical,
+    pending_to_logical,
     to_logical_shard,
     to_logical_slot,
+    whole_from_saved,
+    whole_to_saved,
 )
 from torch_tpu_embedding.modules.lookup import LookupBatch
 
@@ -70,6 +74,23 @@ class ProcessGroupLayout(GroupSharding):
     def from_logical(self, value: Any, name: str, base: Tensor | None = None, slot: bool = False) -> Tensor:
         """A DTensor of the logical rows as this rank's stored rows (a collective)."""
         return from_logical_slot(value, self, name, base) if slot else from_logical_shard(value, self, name, base)
+
+    def whole_to_saved(self, value: Tensor) -> Tensor:
+        """A slot of the whole table as saved: the same on every rank (a collective)."""
+        return whole_to_saved(value, self)
+
+    def whole_from_saved(self, value: Tensor, live: Tensor | None) -> Tensor:
+        """A saved slot of the whole table as this rank keeps it."""
+        return whole_from_saved(value, self, live)
+
+    def pending_to_logical(self, ids: Tensor | None, rows: Tensor | None, k: int, width: int,
+                           dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """This rank's pending accumulation window as every rank's, in logical ids (a collective)."""
+        return pending_to_logical(ids, rows, k, width, dtype, self)
+
+    def pending_from_logical(self, ids: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """A saved window (every rank's, logical ids) as this rank's ``acc_ids`` / ``acc_rows``."""
+        return pending_from_logical(ids, rows, self)
 
 
 @dataclasses.dataclass

@@ -22,12 +22,16 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from torch_tpu_embedding.distributed.exchange import GroupSharding, send_to_owners
 
-__all__ = ["block_rows", "from_logical_shard", "from_logical_slot", "to_logical_shard", "to_logical_slot"]
+__all__ = [
+    "block_rows", "from_logical_shard", "from_logical_slot", "pending_from_logical", "pending_to_logical",
+    "to_logical_shard", "to_logical_slot", "whole_from_saved", "whole_to_saved",
+]
 
 Tensor = torch.Tensor
 
@@ -129,3 +133,78 @@ def from_logical_slot(value: Any, s: GroupSharding, name: str, base: Tensor | No
                               run_check=False, shape=torch.Size((value.shape[0], width)), stride=(width, 1))
     return from_logical_shard(flat, s, name, base).reshape(-1, *tail)
 
+
+
+def whole_to_saved(value: Tensor, s: GroupSharding) -> Tensor:
+    """An optimizer slot of the whole table (not per row: Adafactor's ``c`` and ``r_sum``, a step counter) as
+    saved: the same on every rank. DCP keeps one rank's copy of a plain tensor; a table-wise table's slot is
+    live on its owner only (zero elsewhere), so it is broadcast from the owner (a collective: every rank calls
+    it, in the same order). A row-wise table's is all-reduced by every step already: as is."""
+    if s.placement != "table" or s.world == 1:
+        return value
+    out = value.detach().clone()
+    dist.broadcast(out, src=dist.get_global_rank(s.group, s.owner), group=s.group)
+    return out
+
+
+def whole_from_saved(value: Tensor, s: GroupSharding, live: Tensor | None) -> Tensor:
+    """The inverse of :func:`whole_to_saved`: the owner of a table-wise table takes the saved value; another
+    rank keeps its own (``live``, never read there), so that its state is what it would have been."""
+    if s.placement != "table" or s.rank == s.owner or live is None:
+        return value
+    return live
+
+
+def pending_to_logical(ids: Tensor | None, rows: Tensor | None, k: int, width: int, dtype: torch.dtype,
+                       s: GroupSharding) -> tuple[Tensor, Tensor]:
+    """A pending accumulation window as the optimizer's ``state_dict`` holds it (``acc_ids [k, cap]``: this
+    rank's stored rows, ``-1`` padding; ``acc_rows [k, cap, D]``; ``None``: none) as every rank's, gathered:
+    ``[k, world · C]`` logical ids (``-1`` padding) and their rows, rank-major within each call's slot, on the
+    CPU (a collective: one ``all_reduce`` of the capacity and two ``all_gather`` s; a window holds a few
+    micro-batches' ids, never a table)."""
+    device = torch.device("cpu") if rows is None else rows.device
+    cap = torch.tensor([0 if ids is None else ids.shape[1]], dtype=torch.int64, device=device)
+    dist.all_reduce(cap, op=dist.ReduceOp.MAX, group=s.group)
+    c = int(cap.item())
+    out_ids = torch.full((k, c), -1, dtype=torch.int64, device=device)
+    out_rows = torch.zeros((k, c, width), dtype=dtype, device=device)
+    if ids is not None and rows is not None and ids.numel():
+        real = (ids >= 0) & (ids < s.local_rows)
+        # each stored row's logical id, and -1 after them for the padding entries (a rank may store none)
+        logical = torch.cat([s.local_logical_ids().to(device), torch.tensor([-1], device=device)])
+        here = logical[torch.where(real, ids, torch.full_like(ids, s.local_rows))]
+        out_ids[:, : ids.shape[1]] = torch.where(here < s.rows, here, torch.full_like(here, -1))
+        out_rows[:, : ids.shape[1]] = rows.to(dtype)
+    all_ids = [torch.empty_like(out_ids) for _ in range(s.world)]
+    all_rows = [torch.empty_like(out_rows) for _ in range(s.world)]
+    dist.all_gather(all_ids, out_ids, group=s.group)
+    dist.all_gather(all_rows, out_rows, group=s.group)
+    return torch.cat(all_ids, dim=1).cpu(), torch.cat(all_rows, dim=1).cpu()
+
+
+def pending_from_logical(ids: Tensor, rows: Tensor, s: GroupSharding) -> tuple[Tensor, Tensor]:
+    """The inverse of :func:`pending_to_logical` (no collective: every rank holds the whole window): this
+    rank's entries of each call's slot, in their order, as ``acc_ids [k, cap]`` of its stored rows (``-1``
+    padding) and ``acc_rows`` (none on a rank that stores no row of the table: ``[k, 0]``).
+
+    Raises:
+        ValueError: an id outside ``[-1, rows)``, or shapes that are not ``[k, C]`` and ``[k, C, D]``.
+    """
+    if ids.dim() != 2 or rows.dim() != 3 or rows.shape[:2] != ids.shape or \
+            bool(((ids < -1) | (ids >= s.rows)).any()):
+        raise ValueError(f"Table `{s.table}`: a saved accumulation window must be ids [k, C] in [-1, {s.rows}) "
+                         f"and rows [k, C, D]. Received: ids of shape {tuple(ids.shape)}, rows of shape "
+                         f"{tuple(rows.shape)}")
+    real = ids >= 0
+    owner, slot = _owner_and_slot(torch.where(real, ids, torch.zeros_like(ids)), s)
+    mine = real & (owner == s.rank) & (s.local_rows > 0)
+    cap = int(mine.sum(dim=1).max()) if ids.numel() else 0
+    k = ids.shape[0]
+    out_ids = torch.full((k, cap), -1, dtype=torch.int64)
+    out_rows = torch.zeros((k, cap, rows.shape[-1]), dtype=rows.dtype)
+    for j in range(k):
+        keep = mine[j]
+        n = int(keep.sum())
+        out_ids[j, :n] = slot[j][keep]
+        out_rows[j, :n] = rows[j][keep]
+    return out_ids, out_rows

@@ -38,6 +38,7 @@ from torch_tpu_embedding.optim._core.extras import EXTRA_DEFAULTS, EXTRA_NAMES, 
 from torch_tpu_embedding.optim._core.hyperparams import (
     check_group_options,
     check_stacked,
+    mark_exchange,
     param_groups,
     refuse_complex,
     user_groups,
@@ -180,6 +181,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             validate_common(group)
             rule_cls._validate(group)
             check_stacked(group, rule_cls)
+            mark_exchange(group)
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
@@ -275,7 +277,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         self._run.last_skipped = None if kept is None else ~kept
         for item in work:
             update(item)
-        ema.ema_calls(self.param_groups, self._state_for, clock)
+        ema.ema_calls(self.param_groups, self._state_for, clock, getattr(self._run, "ema_window", None))
         self._run.iterations += 1
         return loss
 

@@ -10,6 +10,12 @@ last brought up to date. The whole table is caught up only at an ``ema_overwrite
 A call that ``skip_nonfinite`` drops changes no average and no weight, and does not count as a call
 of the average (:meth:`StepClock.ema_on`), so lazy rows and dense parameters agree; nor does a call an
 exchange overflow drops (:meth:`StepClock.on`).
+
+With gradient accumulation (``k`` calls a window, eagerly) the check sees a window's sum at its last call,
+so a non-finite micro-batch drops the whole window: none of its ``k`` calls counts (the counter counts the
+calls of applied windows), a lazy row's catch-up never sees them, and a non-lazy parameter's average, which
+Keras moves at every call, goes back to what it was when the window began (:func:`ema_calls`' record of it).
+A window dropped is then as if it had not happened.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torch_tpu_embedding._rows.dedup import is_static_device
 from torch_tpu_embedding.optim._core.extras import ema_catch_up
 from torch_tpu_embedding.optim._core.rule_pipeline import gated
 from torch_tpu_embedding.optim._core.slots import RowSpace, lazy_table
@@ -29,7 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ema_all_rows", "ema_calls", "ema_row_update", "ema_rows", "last_call", "momentum_now", "moving_average",
-    "overwrite_due",
+    "overwrite_due", "window_averages",
 ]
 
 Tensor = torch.Tensor
@@ -38,7 +45,7 @@ Tensor = torch.Tensor
 def momentum_now(group: Mapping[str, Any], clock: StepClock, device: torch.device, dtype: torch.dtype) -> Tensor:
     """μ' = 0 while Keras's ``iterations`` (calls // k) is 0, else ``ema_momentum``."""
     k = group["gradient_accumulation_steps"] or 1
-    it = clock.ema_on(device, group["skip_nonfinite"])
+    it = clock.ema_on(device, group["skip_nonfinite"], k)
     mu: Tensor = (torch.div(it, k, rounding_mode="floor") != 0).to(dtype) * group["ema_momentum"]
     return mu
 
@@ -50,7 +57,7 @@ def ema_rows(item: Work, space: RowSpace, ids: Tensor, w_old: Tensor, w_new: Ten
     weights before/after this call's update.
     """
     p, group, state, where = space.p, item.group, space.state, space.where
-    it = item.clock.ema_on(p.device, group["skip_nonfinite"]).to(torch.int32)
+    it = item.clock.ema_on(p.device, group["skip_nonfinite"], group["gradient_accumulation_steps"]).to(torch.int32)
     keep = item.clock.keep(p.device, group["skip_nonfinite"])
     avg = space.gather("ema", ids)
     last = space.gather("ema_last", ids)
@@ -91,19 +98,26 @@ def ema_calls(
     groups: list[dict[str, Any]],
     state_for: Callable[[Tensor, dict[str, Any]], dict[str, Tensor]],
     clock: StepClock,
+    window_start: dict[int, Tensor] | None = None,
 ) -> None:
-    """After the updates of a call: EMA of dense (and non-lazy) parameters, and the periodic overwrite."""
+    """After the updates of a call: EMA of dense (and non-lazy) parameters, and the periodic overwrite.
+
+    ``window_start`` (eager gradient accumulation with ``skip_nonfinite``): each non-lazy parameter's average
+    as its window began, by ``id``, kept by the optimizer between calls (:func:`window_averages`)."""
     for group in groups:
         if not group["use_ema"]:
             continue
         overwrite = overwrite_due(group, clock.iterations)
+        starts = window_averages(group, clock.iterations, window_start)
         for p in group["params"]:
             space = RowSpace.of(p, group, state_for(p, group))
             keep = clock.keep(p.device, group["skip_nonfinite"])
             avg = space.table_order("ema")
+            if starts is not None and not lazy_table(p, group):
+                avg = _restore_dropped(starts, p, avg, keep, group, clock.iterations)
             if lazy_table(p, group):
                 if overwrite:  # O(V·D), every f calls, as in Keras
-                    it = clock.ema_on(p.device, group["skip_nonfinite"])
+                    it = clock.ema_on(p.device, group["skip_nonfinite"], group["gradient_accumulation_steps"])
                     caught = ema_all_rows(space, group, it)
                     space.write("ema", gated(keep, caught, avg))
                     last = space.table_order("ema_last")
@@ -117,6 +131,31 @@ def ema_calls(
                 p.copy_(gated(keep, avg, p))
 
 
+def window_averages(group: Mapping[str, Any], iterations: int,
+                    window_start: dict[int, Tensor] | None) -> dict[int, Tensor] | None:
+    """The store of the group's averages at its window's start, or ``None`` where none is kept: only eagerly,
+    with gradient accumulation and ``skip_nonfinite``, where a window's accumulate-only calls average (Keras's
+    per-call EMA) before the check at its last call can drop the window."""
+    if window_start is None or not group["gradient_accumulation_steps"] or not group["skip_nonfinite"]:
+        return None
+    return window_start
+
+
+def _restore_dropped(starts: dict[int, Tensor], p: Tensor, avg: Tensor, keep: Tensor | None,
+                     group: Mapping[str, Any], iterations: int) -> Tensor:
+    """Non-lazy ``p``'s average before this call's: at a window's first call it is recorded (a copy, the size
+    of the parameter, once a window); at its last call, when the call is dropped (``keep`` False), the window's
+    accumulate-only calls are undone (the average it began with), so the dropped window counts no call."""
+    if is_static_device(p.device):
+        return avg  # one graph every call: each call's average is gated on its own (not covered)
+    k = group["gradient_accumulation_steps"]
+    if iterations % k == 0:
+        starts[id(p)] = avg.clone()
+    if (iterations + 1) % k == 0 and keep is not None and id(p) in starts:
+        avg = gated(keep, avg, starts.pop(id(p)))
+    return avg
+
+
 def last_call(
     group: Mapping[str, Any], device: torch.device, iterations: int, skipped: Tensor | None,
     dropped: Tensor | None = None,
@@ -124,7 +163,7 @@ def last_call(
     """The average's counter at the last of ``iterations`` calls (``skipped`` of them dropped by
     ``skip_nonfinite``, ``dropped`` by an exchange overflow)."""
     clock = StepClock(iterations - 1, skipped, dropped)
-    return clock.ema_on(device, group["skip_nonfinite"])
+    return clock.ema_on(device, group["skip_nonfinite"], group["gradient_accumulation_steps"])
 
 
 def moving_average(

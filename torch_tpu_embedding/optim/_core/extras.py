@@ -15,7 +15,8 @@
 clipping) holds a NaN or inf, no parameter or slot changes; ``optimizer.skipped_steps`` counts such
 calls. It is a device-side mask, so it costs no sync and no recompilation on XLA.
 
-6. EMA: ``avg ← μ'·avg + (1−μ')·w`` after every call (μ' = 0 while ``iterations // k == 0``);
+6. EMA: ``avg ← μ'·avg + (1−μ')·w`` after every call (μ' = 0 while ``iterations // k == 0``; a window
+   ``skip_nonfinite`` drops counts none of its calls: ema.py);
    every ``ema_overwrite_frequency`` calls ``w ← avg``; ``finalize_variable_values()`` copies
    the averages into the parameters.
 

@@ -24,14 +24,8 @@ if TYPE_CHECKING:
     from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
 
 __all__ = [
-    "TORCH_GROUP_KEYS",
-    "check_clipvalue",
-    "check_stacked",
-    "check_group_options",
-    "param_groups",
-    "refuse_complex",
-    "user_groups",
-    "validate_common",
+    "TORCH_GROUP_KEYS", "check_clipvalue", "check_group_options", "check_stacked", "mark_exchange", "param_groups",
+    "refuse_complex", "user_groups", "validate_common",
 ]
 
 #: Marks the parameter group a table override's own optimizer is built from: that optimizer must
@@ -260,3 +254,12 @@ def _override_group(p: torch.Tensor, name: str, spec: Any) -> dict[str, Any]:
     group = dict(inner.param_groups[0])
     group["params"] = [p]
     return group
+
+
+def mark_exchange(group: Mapping[str, Any]) -> None:
+    """Tell the group's tables how data parallel sends their rows (:attr:`RowGrad.raw_exchange`), so that
+    whoever exchanges first (``step()``, or ``tte.clip_grad_norm_`` before it) sends what the update needs."""
+    for p in group["params"]:
+        info = table_info(p)
+        if info is not None:
+            info.row_grad.raw_exchange = not group["use_gradient_accumulation"]

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from torch_tpu_embedding._rows.dedup import is_static_device
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding._util.validation import check_number
 
@@ -90,7 +91,7 @@ class StepCounters:
     cannot trace an assignment to an attribute of a ``torch.optim.Optimizer`` (its ``OptimizerVariable``
     takes no attribute mutation), while it traces one to this object's."""
 
-    __slots__ = ("checked_retired", "dropped", "iterations", "last_skipped", "skipped")
+    __slots__ = ("checked_retired", "dropped", "ema_window", "iterations", "last_skipped", "skipped")
 
     def __init__(self, iterations: int = 0) -> None:
         #: calls of ``step()`` so far (Keras ``iterations`` before the ``// k`` of accumulation)
@@ -99,6 +100,8 @@ class StepCounters:
         self.skipped: Tensor | None = None  # device-side count of calls dropped by skip_nonfinite
         self.dropped: Tensor | None = None  # device-side count of calls dropped by an exchange overflow
         self.last_skipped: Tensor | None = None  # whether the last call was dropped (0-d bool, device)
+        #: non-lazy parameters' moving averages as the accumulation window under way began, by id (ema.ema_calls)
+        self.ema_window: dict[int, Tensor] = {}
 
 
 class StepClock:
@@ -120,12 +123,16 @@ class StepClock:
         self.clean: Tensor | None = None
         self._tensors: dict[torch.device, Tensor] = {}
 
-    def ema_on(self, device: torch.device, skip_nonfinite: bool) -> Tensor:
-        """The moving average's call counter: calls dropped by ``skip_nonfinite`` do not count."""
+    def ema_on(self, device: torch.device, skip_nonfinite: bool, window: int | None = None) -> Tensor:
+        """The moving average's call counter: calls dropped by ``skip_nonfinite`` do not count. ``window``:
+        the group's ``gradient_accumulation_steps``; eagerly a non-finite window is dropped at its last call,
+        the one call ``skipped`` counts, and none of its ``window`` calls counts (the counter counts the calls
+        of applied windows)."""
         it = self.on(device)
         if not skip_nonfinite or self.skipped is None:
             return it
-        return it - self.skipped.to(device)
+        per = window if window and not is_static_device(device) else 1
+        return it - self.skipped.to(device) * per
 
     def keep(self, device: torch.device, skip_nonfinite: bool) -> Tensor | None:
         """This call's gate on ``device``: the non-finite test (groups that set ``skip_nonfinite``) and

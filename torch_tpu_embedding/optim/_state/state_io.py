@@ -33,7 +33,7 @@ from torch_tpu_embedding._rows.stacked_state import Members, merge_member_state,
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding._util.registry import RULE_KEY, resolve_rule, rule_of
 from torch_tpu_embedding.optim._core.extras import EXTRA_DEFAULTS, check_extras
-from torch_tpu_embedding.optim._core.hyperparams import validate_common
+from torch_tpu_embedding.optim._core.hyperparams import mark_exchange, validate_common
 from torch_tpu_embedding.optim._core.slots import (
     ACCUMULATION,
     from_saved_ids,
@@ -273,6 +273,7 @@ def _apply_groups(opt: RowSparseOptimizer, saved: list[dict[str, Any]]) -> None:
             if k != "params" and not _callable(g.get(k)):
                 g[k] = v
         resolve_rule(g)  # the loaded group's rule, resolved again from its (checked) algorithm
+        mark_exchange(g)  # a loaded use_gradient_accumulation: how data parallel (and the clip) send its rows
 
 
 def _restore_accumulation(state: dict[str, Tensor], bufs: Mapping[str, Tensor], p: Tensor) -> None:

@@ -31,6 +31,7 @@ import torch
 from torch_tpu_embedding._rows.grads import table_info
 from torch_tpu_embedding._rows.placement import dtensor_placement, is_dtensor, process_group_placement
 from torch_tpu_embedding._rows.stacked_state import merge_member_state, split_member_state
+from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding.optim._core.slots import logical_rows, specs
 from torch_tpu_embedding.optim._state import state_io
 from torch_tpu_embedding.optim._state.state_io import param_keys
@@ -42,6 +43,7 @@ __all__ = ["called_by_torch_helpers", "from_torch_layout", "state_dict", "to_tor
 
 _TTE = "tte_params"  # a saved group's key: per parameter, {"keys", "rows", "row_slots"}
 _COUNTERS = ("iterations", "skipped_steps")
+_PENDING = "tte_pending"  # a table's pending accumulation window: (acc_ids, acc_rows) or () (_pack_pending)
 _UNSAVED = "tte_unsaved"  # a saved group's key: the keys saved as None placeholders (see to_torch_layout)
 # Where torch's helpers call ``optim.state_dict()`` (torch 2.9 to 2.13: ``_get_optim_state_dict``, which
 # ``get_optimizer_state_dict``, ``get_state_dict`` and a full-state-dict ``set_*`` go through).
@@ -134,8 +136,10 @@ def to_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str,
                 entry = merge_member_state(parts, members, desc["row_slots"], _no_current(desc["keys"]))
             else:
                 entry = None
+            if entry is None and group["gradient_accumulation_steps"] and table_info(p) is not None:
+                entry = {}  # a table of a group that accumulates always has an entry: its window's (_pack_pending)
             if entry is not None:
-                state[pid] = _as_dtensors(p, group, dict(entry))
+                state[pid] = _pack_pending(p, group, _as_dtensors(p, group, dict(entry)))
             out["params"].append(pid)
             out[_TTE].append(desc)
             pid += 1
@@ -156,8 +160,47 @@ def _as_dtensors(p: torch.Tensor, group: Mapping[str, Any], entry: dict[str, Any
     spread = dtensor_placement(p)
     if spread is None:
         return entry
-    rows = [k for k, spec in sorted(specs(p, group).items()) if spec.rows and k in entry]
-    return {**entry, **{k: spread.to_logical(entry[k], slot=True) for k in rows}}
+    slots = sorted(specs(p, group).items())
+    rows = [k for k, spec in slots if spec.rows and k in entry]
+    whole = [k for k, spec in slots if not spec.rows and isinstance(entry.get(k), torch.Tensor)]
+    return {**entry, **{k: spread.to_logical(entry[k], slot=True) for k in rows},
+            **{k: spread.whole_to_saved(entry[k]) for k in whole}}
+
+
+def _pack_pending(p: torch.Tensor, group: Mapping[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
+    """A table's pending accumulation window (``acc_ids [k, cap]``, ``acc_rows [k, cap, D]``) as one entry,
+    ``tte_pending``: a tuple ``(ids, rows)``, or ``()`` with none. A tuple is one object to DCP (saved and
+    loaded whole, whatever its shapes), and every table of a group that accumulates has the entry, so a fresh
+    optimizer's template (which has no window yet) loads a saved window too. A table sharded over a process
+    group with ``dtensor_state_dict=True`` saves every rank's window in logical ids (a collective)."""
+    k = group["gradient_accumulation_steps"]
+    if not k or table_info(p) is None:
+        return entry
+    ids, rows = entry.pop("acc_ids", None), entry.pop("acc_rows", None)
+    spread = dtensor_placement(p)
+    if spread is not None:
+        ids, rows = spread.pending_to_logical(ids, rows, k, p.shape[1], math_dtype(p))
+    entry[_PENDING] = () if ids is None or rows is None else (ids, rows)
+    return entry
+
+
+def _unpack_pending(entry: Mapping[str, Any], p: torch.Tensor | None) -> Mapping[str, Any]:
+    """The inverse of :func:`_pack_pending` on a loaded entry (``p``: the live table, ``None`` for a stacked
+    group's entry, split per table after this)."""
+    if _PENDING not in entry:
+        return entry
+    out = {k: v for k, v in entry.items() if k != _PENDING}
+    pending = entry[_PENDING]
+    if not isinstance(pending, tuple) or len(pending) not in (0, 2) or \
+            not all(isinstance(t, torch.Tensor) for t in pending):
+        raise ValueError(f"Optimizer state does not match: '{_PENDING}' must be () or (acc_ids, acc_rows), the "
+                         f"pending accumulation window. Received: {type(pending).__name__}")
+    if not pending:
+        return out
+    ids, rows = pending
+    spread = None if p is None else dtensor_placement(p)
+    out["acc_ids"], out["acc_rows"] = (ids, rows) if spread is None else spread.pending_from_logical(ids, rows)
+    return out
 
 
 def _from_dtensors(opt: torch.optim.Optimizer, entry: Any, key: str, live: Mapping[str, torch.Tensor],
@@ -190,7 +233,9 @@ def _from_dtensors(opt: torch.optim.Optimizer, entry: Any, key: str, live: Mappi
             raise ValueError(f"Optimizer state of `{name}` does not match: {rule}. Received: slot '{k}', a DTensor "
                              f"of shape {tuple(v.shape)}")
     live_slots = opt.state[p]
-    return {k: spread.from_logical(v, name, live_slots.get(k), slot=True) if is_dtensor(v) else v
+    whole = {k for k, spec in specs(p, group).items() if not spec.rows}
+    return {k: spread.from_logical(v, name, live_slots.get(k), slot=True) if is_dtensor(v)
+            else spread.whole_from_saved(v, live_slots.get(k)) if k in whole and isinstance(v, torch.Tensor) else v
             for k, v in sorted(entry.items())}
 
 
@@ -264,6 +309,7 @@ def from_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[st
                                  "not a mapping of slot names to tensors")
             if not entry:  # what torch's unflattening gives for an optimizer with no slots yet
                 raise ValueError(f"Optimizer state does not match: the saved state of {desc['keys']} is empty.")
+            entry = _unpack_pending(entry, live.get(desc["keys"][0]) if len(desc["keys"]) == 1 else None)
             if len(desc["keys"]) == 1:
                 state[desc["keys"][0]] = _from_dtensors(opt, entry, desc["keys"][0], live, group)
             else:

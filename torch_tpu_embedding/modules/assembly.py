@@ -4,7 +4,7 @@ A stacked group looks its features up as FBGEMM's table-batched embedding does (
 ``KeyedJaggedTensor`` layout, padded): the features' ``[B, L]`` ids side by side, ``[B, F, L]``, shifted
 to their tables' first rows in the group by one add of a ``[1, F, 1]`` offset tensor, checked against a
 ``[1, F, 1]`` bound tensor with one host read, and looked up by one ``embedding_bag`` whose output
-``[B·F, D]`` is each feature's ``[B, D]`` as a view (``unbind``), or all of them side by side (``concat``).
+``[B·F, D]`` is each feature's ``[B, D]`` as a slice of it viewed ``[B, F·D]``, or all of them side by side (``concat``).
 The ops a step dispatches for the group do not grow with its number of features; what does is Python
 bookkeeping (a signature per feature, read from sizes and dtypes, never from values). The bound and
 offset tensors are made once per group layout and device (:func:`_bounds`, :func:`_shifts`).
@@ -205,7 +205,7 @@ class AssembledBatch:
                       uniform=w is None, full=full, columns=columns)
 
     def run(self) -> dict[Path, torch.Tensor]:
-        """Each feature's ``[B, D]`` activations by its position: views of one ``[B, F, D]``."""
+        """Each feature's ``[B, D]`` activations by its position: slices of one ``[B, F·D]``."""
         pieces = self._lookup(len(self.items) if len(self.items) > 1 else 0)
         return {path: piece for (path, _), piece in zip(self.items, pieces, strict=True)}
 

@@ -97,8 +97,9 @@ class _RowSparseLookup(torch.autograd.Function):
         ctx.save_for_backward(ids, gains, weight if ctx.needs_input_grad[2] else None)
         _keep(ctx, row_grad, tables, frozen)
         ctx.splits, ctx.unit, ctx.uniform, ctx.columns = splits, unit, uniform, columns
-        if columns:  # bags batch-major ([B·F] rows): each feature's [B, D] a view of [B, F, D], in one op
-            return out.view(-1, columns * out.shape[1]).split(out.shape[1], dim=1)
+        if columns:  # bags batch-major ([B·F] rows): each feature's [B, D] a view of [B, F·D], in one op
+            # (slices along dim 1, not unbind: on XLA the caller's torch.cat gradient is then one tensor)
+            return tuple(torch.split(out.view(-1, columns * out.shape[1]), out.shape[1], dim=1))
         # One output per feature (views of ``out``): the backward then gets each feature's gradient as it is
         # (often a view of the gradient of the caller's torch.cat of the features), where a split of one
         # output would have its backward concatenate them into a new [N, D] tensor first.
@@ -207,7 +208,7 @@ def lookup(
 
     Returns:
         Each split's ``[n, D]`` activations (views of one ``[N, D]``; with ``columns``, each feature's
-        ``[B, D]``, views of one ``[B, F, D]``), differentiable (row-sparsely) with
+        ``[B, D]``, slices of one ``[B, F·D]``), differentiable (row-sparsely) with
         respect to ``weight``; they cannot be modified in place (as ``torch.split``'s outputs).
     """
     check_not_ddp_managed(weight)  # torch's DDP must not reduce a table (tte.distributed)

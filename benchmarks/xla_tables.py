@@ -404,7 +404,8 @@ def main() -> None:
                 if t != min(runs) and one and "error" not in one and "error" not in r:
                     print(f"  {label}: T = {t} / T = {min(runs)}: first step "
                           f"{r['first_step_ms'] / one['first_step_ms']:.2f}×, its compile "
-                          f"{r['compile_ms'] / one['compile_ms']:.2f}× (goal ≤ 2×), trace {r['trace_ms'] / one['trace_ms']:.2f}×")
+                          f"{r['compile_ms'] / one['compile_ms']:.2f}× (goal ≤ 2×), trace "
+                          f"{r['trace_ms'] / one['trace_ms']:.2f}×")
     if "graphs" in args.parts:
         print("\n(c) every graph compiled until the first step returns (default construction; a run of its own with "
               "PT_XLA_DEBUG_LEVEL=1): phase, torch_xla's cause, where (innermost frame in the package, else outside "

@@ -4,7 +4,8 @@ A stacked group looks its features up as FBGEMM's table-batched embedding does (
 ``KeyedJaggedTensor`` layout, padded): the features' ``[B, L]`` ids side by side, ``[B, F, L]``, shifted
 to their tables' first rows in the group by one add of a ``[1, F, 1]`` offset tensor, checked against a
 ``[1, F, 1]`` bound tensor with one host read, and looked up by one ``embedding_bag`` whose output
-``[B·F, D]`` is each feature's ``[B, D]`` as a slice of it viewed ``[B, F·D]``, or all of them side by side (``concat``).
+``[B·F, D]`` is each feature's ``[B, D]`` as a slice of it viewed ``[B, F·D]``, or all of them side by
+side (``concat``).
 The ops a step dispatches for the group do not grow with its number of features; what does is Python
 bookkeeping (a signature per feature, read from sizes and dtypes, never from values). The bound and
 offset tensors are made once per group layout and device (:func:`_bounds`, :func:`_shifts`).

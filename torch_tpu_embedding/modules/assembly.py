@@ -156,7 +156,8 @@ class AssembledBatch:
         if ids.numel() and not tracing():  # (no values while torch.compile traces, as to_bags)
             # Two passes and one read: every id in [0, num_embeddings) is what clamping leaves unchanged. Only
             # when that fails are the ids masked out (which are not ids: any value) told apart, at a cost.
-            zero, last = _bounds(tuple(fc.table.num_embeddings for _, fc, _, _, _ in inputs), dtype, device)
+            bounds = _bounds if type(ids) is torch.Tensor else _bounds.__wrapped__  # (as _shifts below)
+            zero, last = bounds(tuple(fc.table.num_embeddings for _, fc, _, _, _ in inputs), dtype, device)
             if not torch.equal(torch.clamp(ids, zero, last), ids) and (
                     mask is None or bool((mask & ((ids < zero) | (ids > last))).any())):
                 self._raise()
@@ -173,7 +174,9 @@ class AssembledBatch:
             ids = ids.to(self.weight.device)
             mask = None if mask is None else mask.to(self.weight.device)
             w = None if w is None else w.to(self.weight.device)
-        first, sentinel = _shifts(tuple(o for *_, o in inputs), self.sentinel, ids.device)
+        # Kept only for plain tensors: under torch.export / torch.compile they would be fake (and kept fake).
+        shifts = _shifts if type(ids) is torch.Tensor and not tracing() else _shifts.__wrapped__
+        first, sentinel = shifts(tuple(o for *_, o in inputs), self.sentinel, ids.device)
         if first is not None:
             ids = ids + first
         elif ids.dtype != torch.int64:

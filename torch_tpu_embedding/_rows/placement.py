@@ -101,6 +101,11 @@ class TablePlacement:
         """The lookup of a table placed this way for one forward call (where ``TableInfo.routed``)."""
         raise NotImplementedError(f"{type(self).__name__} has no routed lookup")
 
+    def lookup_failed(self, device: torch.device) -> None:
+        """Called by a forward that failed before its first routed lookup, with this table's (the first one's)
+        device: a process group's ranks agree on each step before its first collective, and the failed rank
+        takes part in that agreement so that the others raise at the same step. Nothing to do elsewhere."""
+
     def spec(self, dim: int, rows: bool = True) -> tuple[str | None, ...]:
         """The partition spec of a ``dim``-d tensor laid out like the table (``rows``: dim 0 = rows)."""
         return (None,) * dim

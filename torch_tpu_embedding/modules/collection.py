@@ -284,15 +284,34 @@ class EmbeddingCollection(nn.Module):
         feature, before any state changes. ``backward`` gives the tables row-sparse gradients
         (:meth:`row_grads`), consumed by a :mod:`torch_tpu_embedding.optim` optimizer.
         """
-        check_structure(self._config, features, "Inputs `features`")
-        if weights is not None:
-            check_structure(self._config, weights, "Argument `weights`")
+        try:
+            check_structure(self._config, features, "Inputs `features`")
+            if weights is not None:
+                check_structure(self._config, weights, "Argument `weights`")
+            batches = self._plan(features, weights)
+        except Exception:
+            self._failed_before_lookups()
+            raise
         if concat is not False:  # (checked to be True there)
-            return side_by_side(self._plan(features, weights), [(f[0], f[1]) for f in self._features], concat)
+            return side_by_side(batches, [(f[0], f[1]) for f in self._features], concat)
         outputs: dict[Path, torch.Tensor] = {}
-        for batch in self._plan(features, weights):
+        for batch in batches:
             outputs.update(batch.run())
         return rebuild(self._config, outputs)
+
+    def _failed_before_lookups(self) -> None:
+        """The inputs were refused before any table was looked up: a table sharded over a process group
+        (its placement's ``lookup_failed``) tells the other ranks, whose first collective of the step is the
+        first routed table's, so that they raise at this step too instead of pairing it with this rank's next."""
+        for tname in dict.fromkeys(t for _, _, _, t in self._features):
+            table = self._located[tname][0]
+            info = table_info(table.weight)
+            if info is not None and info.sharding is not None and info.routed:
+                try:
+                    info.sharding.lookup_failed(table.weight.device)
+                except Exception:  # noqa: BLE001 - this rank's own error is the one to raise
+                    pass
+                return
 
     def _plan(self, features: Any, weights: Any) -> list[Any]:
         """Every feature normalised to padded bags, grouped into the batches looked up together.

@@ -12,6 +12,7 @@ from torch import nn
 
 from torch_tpu_embedding._rows.backward_order import check_xla_backward
 from torch_tpu_embedding._rows.grads import retire_table, table_info
+from torch_tpu_embedding._rows.placement import lookup_failed
 from torch_tpu_embedding._util.nest import Path, check_structure, flatten, path_name, pick, rebuild
 from torch_tpu_embedding._util.validation import check_device, check_not_meta
 from torch_tpu_embedding.config import PLACEMENTS, FeatureConfig, TableConfig
@@ -289,8 +290,8 @@ class EmbeddingCollection(nn.Module):
             if weights is not None:
                 check_structure(self._config, weights, "Argument `weights`")
             batches = self._plan(features, weights)
-        except Exception:
-            self._failed_before_lookups()
+        except Exception:  # a process group's other ranks raise at this step too (not at this rank's next)
+            lookup_failed(self._located[t][0].weight for t in dict.fromkeys(f[3] for f in self._features))
             raise
         if concat is not False:  # (checked to be True there)
             return side_by_side(batches, [(f[0], f[1]) for f in self._features], concat)
@@ -298,20 +299,6 @@ class EmbeddingCollection(nn.Module):
         for batch in batches:
             outputs.update(batch.run())
         return rebuild(self._config, outputs)
-
-    def _failed_before_lookups(self) -> None:
-        """The inputs were refused before any table was looked up: a table sharded over a process group
-        (its placement's ``lookup_failed``) tells the other ranks, whose first collective of the step is the
-        first routed table's, so that they raise at this step too instead of pairing it with this rank's next."""
-        for tname in dict.fromkeys(t for _, _, _, t in self._features):
-            table = self._located[tname][0]
-            info = table_info(table.weight)
-            if info is not None and info.sharding is not None and info.routed:
-                try:
-                    info.sharding.lookup_failed(table.weight.device)
-                except Exception:  # noqa: BLE001 - this rank's own error is the one to raise
-                    pass
-                return
 
     def _plan(self, features: Any, weights: Any) -> list[Any]:
         """Every feature normalised to padded bags, grouped into the batches looked up together.

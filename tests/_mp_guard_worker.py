@@ -30,7 +30,8 @@ def configs(rank: int, scenario: str) -> dict[str, tte.FeatureConfig]:
     who_placement = "row" if scenario == "placement_differ" and rank == 0 else "table"
     item = tte.TableConfig(item_rows, DIM, name="item", placement="row")
     who = tte.TableConfig(600, DIM, name="who", placement=who_placement)
-    kind = tte.TableConfig(20, DIM, name="kind", placement="replicated")
+    kind = tte.TableConfig(20, DIM, name="kinds" if scenario == "names_differ" and rank == 1 else "kind",
+                           placement="replicated")
     return {"item": tte.FeatureConfig(item), "who": tte.FeatureConfig(who), "kind": tte.FeatureConfig(kind)}
 
 
@@ -95,14 +96,20 @@ def run(scenario: str, rank: int, world: int) -> dict[str, Any]:
                          for n in ("alpha", "beta")})
         stale = tte.optim.Adagrad(stacked.parameters(), lr=0.1)
         grouped = list(stacked.ec.stacked_members())
+        refused = []
+        for timeout in (5, datetime.timedelta(0)):  # not a timedelta; not positive: refused before anything
+            try:
+                tte.distributed.shard(stacked, timeout=timeout)  # type: ignore[arg-type]
+            except ValueError as e:
+                refused.append(str(e))
         tte.distributed.shard(stacked)
         ids = {n: torch.tensor([1, 2]) for n in ("alpha", "beta")}
         stacked(ids).sum().backward()
         try:
             stale.step()
         except RuntimeError as e:
-            return {"errors": [error(e)], "groups": grouped}
-        return {"errors": [], "groups": grouped}
+            return {"errors": [error(e)], "groups": grouped, "refused": refused}
+        return {"errors": [], "groups": grouped, "refused": refused}
     try:
         tte.distributed.shard(model)
     except RuntimeError as e:
@@ -117,7 +124,7 @@ def run(scenario: str, rank: int, world: int) -> dict[str, Any]:
         return {"errors": []}
     ddp = tte.distributed.DistributedDataParallel(model)
     opt = tte.optim.Adagrad(ddp.parameters(), lr=0.1)
-    if scenario in ("rows_differ", "placement_differ"):
+    if scenario in ("rows_differ", "placement_differ", "names_differ"):
         return train(ddp, opt, rank, 2, None)
     if scenario == "bad_id_skipped":  # rank 1 skips its bad batch (as the user did); rank 0 stops at an error
         return train(ddp, opt, rank, 4, (1, 1), (ValueError,))

@@ -65,7 +65,9 @@ def test_a_rank_that_never_calls_shard_is_named_not_waited_for(tmp_path: Path) -
 @pytest.mark.parametrize("scenario, want", [
     ("rows_differ", ["table `item`: num_embeddings 1001 on rank 0, 1000 on rank 1"]),
     ("placement_differ", ["table `who`: placement 'row' on rank 0, 'table' on rank 1"]),
-], ids=["1001 and 1000 rows", "row and table placements"])
+    ("names_differ", ["table `kind` exists on ranks [0] but not on ranks [1]",
+                      "table `kinds` exists on ranks [1] but not on ranks [0]"]),
+], ids=["1001 and 1000 rows", "row and table placements", "other table names"])
 def test_ranks_with_different_layouts_raise_at_shard(scenario: str, want: list[str], tmp_path: Path) -> None:
     """Every rank raises at ``shard``, naming the table and each rank's value; nothing trains."""
     for r, res in enumerate(run(scenario, tmp_path)):
@@ -114,7 +116,10 @@ def test_torch_ddp_on_a_sharded_model_names_the_wrapper(tmp_path: Path) -> None:
 
 
 def test_an_optimizer_built_before_shard_names_the_tables_and_shard(tmp_path: Path) -> None:
+    """It named the internal group `fused_0` and torch_tpu_embedding.xla.shard; ``shard``'s ``timeout`` is
+    checked before anything changes (the tables stay stacked for the shard that follows)."""
     for r, res in enumerate(run("opt_before_shard", tmp_path)):
+        assert ["Argument `timeout`" in m for m in res["refused"]] == [True, True], res["refused"]
         assert res["groups"], res  # the tables were stacked before shard unstacked them
         msg = res["errors"][0]["message"]
         assert "tte.distributed.shard(model)" in msg and "`alpha`, `beta`" in msg, (r, msg)

@@ -52,6 +52,8 @@ __all__ = [
 #: Row-sharded tables get physical rows up to a multiple of ``lcm(ROW_ALIGNMENT, n)``, as on the SPMD
 #: path (``torch_tpu_embedding.xla.sharding.ROW_ALIGNMENT``): the same interleaved row order.
 ROW_ALIGNMENT = 512
+#: how long shard() waits for the other ranks without a `timeout`: torch's default for a new group
+_DEFAULT_WAIT = "torch's default timeout (30 minutes on gloo)"
 
 
 def group_placement(name: str, config: TableConfig, world: int, replicate_below_bytes: int) -> str:
@@ -127,12 +129,13 @@ def shard(
     ``load_state_dict`` are then collectives (:func:`~torch_tpu_embedding.distributed.save_sharded` and
     ``load_sharded`` work either way). Off: the entry holds the rank's rows as stored.
 
-    Every rank must shard the same layout: the ranks first meet (each waits at most ``timeout`` for the others,
-    default the process group's timeout: a rank that never calls ``shard`` makes the others raise, naming it,
-    instead of waiting for ever) and agree on it (one ``all_gather_object`` of each rank's tables: names, rows,
-    widths, dtypes and resolved placements); where they differ every rank raises, naming the tables and each
-    rank's value. The sharded tables are named in ``module._ddp_params_and_buffers_to_ignore`` (torch's list of
-    parameters its ``DistributedDataParallel`` leaves alone: each rank's rows are its own).
+    Every rank must shard the same layout: the ranks first meet (each waits at most ``timeout`` for the
+    others, default torch's for a new process group, 30 minutes on gloo: a rank that never calls ``shard``
+    makes the others raise, naming it, instead of waiting for ever) and agree on it (one
+    ``all_gather_object`` of each rank's tables: names, rows, widths, dtypes and resolved placements); where
+    they differ every rank raises, naming the tables and each rank's value. The sharded tables are named in
+    ``module._ddp_params_and_buffers_to_ignore`` (torch's list of parameters its ``DistributedDataParallel``
+    leaves alone: each rank's rows are its own).
 
     Every argument and table is checked before anything changes: a refused call leaves the model as it was.
 
@@ -142,7 +145,7 @@ def shard(
         ValueError: an argument of the wrong type or value (``module`` not a module or holding no collection,
             ``group`` not a process group, ``device`` not a device name or ``"meta"``, a non-bool
             ``dtensor_state_dict``), a table's placement is ``"column"``, or ``dtensor_state_dict=True`` where
-            every table is replicated, or ``timeout`` not a ``datetime.timedelta``.
+            every table is replicated, or ``timeout`` not a positive ``datetime.timedelta``.
         RuntimeError: the ranks did not all arrive within ``timeout``, or their layouts differ (on every rank).
     """
     if spmd_active():
@@ -154,9 +157,10 @@ def shard(
                            "Received: torch.distributed.is_initialized() is False")
     # Everything checked before anything changes: a refused call leaves the model and the groups as they were.
     collections, where = _check_call(module, group, replicate_below_bytes, device, dtensor_state_dict)
-    if timeout is not None and not isinstance(timeout, datetime.timedelta):
-        raise arg_error("timeout", "must be None (the process group's timeout) or a datetime.timedelta",
-                        type(timeout).__name__)
+    if timeout is not None and not (isinstance(timeout, datetime.timedelta) and timeout > datetime.timedelta(0)):
+        raise arg_error("timeout", "must be None (torch's default for a new process group) or a positive "
+                        "datetime.timedelta",
+                        timeout if isinstance(timeout, datetime.timedelta) else type(timeout).__name__)
     pg = dist.group.WORLD if group is None else group
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
     placed = [{n: group_placement(n, c, world, replicate_below_bytes) for n, c in ec.table_configs.items()}
@@ -219,7 +223,7 @@ def _meet(pg: Any, group: Any, timeout: datetime.timedelta | None, rank: int) ->
         return dist.new_group(dist.get_process_group_ranks(pg), timeout=timeout)
     except dist.DistError as e:
         raise RuntimeError(
-            f"tte.distributed.shard on rank {rank} waited {timeout or 'the process group timeout'} for the other "
+            f"tte.distributed.shard on rank {rank} waited {timeout or _DEFAULT_WAIT} for the other "
             "ranks of the process group, and some never arrived: every rank must call tte.distributed.shard(model) "
             "(with the same model) before its first step. A rank that skipped it, or one that failed or is still "
             "loading before it, leaves the others here; shard(..., timeout=datetime.timedelta(...)) sets the wait. "

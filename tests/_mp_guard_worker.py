@@ -97,9 +97,10 @@ def run(scenario: str, rank: int, world: int) -> dict[str, Any]:
         stale = tte.optim.Adagrad(stacked.parameters(), lr=0.1)
         grouped = list(stacked.ec.stacked_members())
         refused = []
-        for timeout in (5, datetime.timedelta(0)):  # not a timedelta; not positive: refused before anything
-            try:
-                tte.distributed.shard(stacked, timeout=timeout)  # type: ignore[arg-type]
+        seconds = datetime.timedelta(seconds=5)
+        for timeout, group in ((5, None), (datetime.timedelta(0), None), (seconds, dist.group.WORLD)):
+            try:  # not a timedelta; not positive; with a group given (which shard does not create): refused
+                tte.distributed.shard(stacked, group, timeout=timeout)  # type: ignore[arg-type]
             except ValueError as e:
                 refused.append(str(e))
         tte.distributed.shard(stacked)
@@ -111,7 +112,7 @@ def run(scenario: str, rank: int, world: int) -> dict[str, Any]:
             return {"errors": [error(e)], "groups": grouped, "refused": refused}
         return {"errors": [], "groups": grouped, "refused": refused}
     try:
-        tte.distributed.shard(model)
+        tte.distributed.shard(model, dtensor_state_dict=scenario == "state_on_one_rank")
     except RuntimeError as e:
         return {"errors": [error(e)], "stage": "shard"}
     if scenario == "torch_ddp":
@@ -133,6 +134,15 @@ def run(scenario: str, rank: int, world: int) -> dict[str, Any]:
         out["head"] = [float(x) for x in model.head.weight.detach().reshape(-1)]
         out["kind"] = float(model.ec.tables["kind"].weight.detach().sum())
         return out
+    if scenario == "state_on_one_rank":  # rank 0 alone takes the state_dict (a collective with DTensors)
+        out = train(ddp, opt, rank, 2, None)
+        try:
+            if rank == 0:
+                model.state_dict()
+            train_more = train(ddp, opt, rank, 1, None)
+        except RuntimeError as e:
+            return out | {"errors": [error(e)]}
+        return out | {"errors": train_more["errors"]}
     if scenario == "eval_on_one_rank":  # rank 0 alone looks up under no_grad between training steps
         out = train(ddp, opt, rank, 2, None)  # (DDP rebuilds its buckets, a collective, in its second forward)
         try:

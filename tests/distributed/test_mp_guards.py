@@ -106,6 +106,17 @@ def test_a_lookup_on_one_rank_only_raises_on_both(tmp_path: Path) -> None:
         assert "at different exchanges" in msg and "without gradients (evaluation)" in msg, msg
 
 
+def test_a_state_dict_on_one_rank_only_raises_on_both(tmp_path: Path) -> None:
+    """Rank 0 alone takes the ``state_dict`` of a model sharded with ``dtensor_state_dict`` (a collective: the
+    rows move to their logical blocks) while rank 1 trains on: both raise at that exchange."""
+    r0, r1 = run("state_on_one_rank", tmp_path)
+    for res in (r0, r1):
+        assert res["done"] == [0, 1], res
+        msg = res["errors"][0]["message"]
+        assert "at different exchanges" in msg and "moves a sharded table's rows between ranks" in msg, msg
+        assert "looks up table `item` with gradients (training)" in msg, msg
+
+
 def test_torch_ddp_on_a_sharded_model_names_the_wrapper(tmp_path: Path) -> None:
     """torch's own DistributedDataParallel around a sharded model with a replicated table: every rank raises at
     the first forward naming tte.distributed.DistributedDataParallel (before: torch's shape check failed inside
@@ -119,7 +130,7 @@ def test_an_optimizer_built_before_shard_names_the_tables_and_shard(tmp_path: Pa
     """It named the internal group `fused_0` and torch_tpu_embedding.xla.shard; ``shard``'s ``timeout`` is
     checked before anything changes (the tables stay stacked for the shard that follows)."""
     for r, res in enumerate(run("opt_before_shard", tmp_path)):
-        assert ["Argument `timeout`" in m for m in res["refused"]] == [True, True], res["refused"]
+        assert ["Argument `timeout`" in m for m in res["refused"]] == [True] * 3, res["refused"]
         assert res["groups"], res  # the tables were stacked before shard unstacked them
         msg = res["errors"][0]["message"]
         assert "tte.distributed.shard(model)" in msg and "`alpha`, `beta`" in msg, (r, msg)

@@ -7,7 +7,7 @@ steps of :mod:`torch_tpu_embedding.routing` (dedup, owner, bucket, capacity), wi
 positions:
 
 1. :func:`plan` deduplicates the rank's ids and buckets them by owner; the bucket size ``k`` is the
-   largest load of any rank for any owner this step, agreed by one ``all_reduce(MAX)`` of one integer
+   largest load of any rank for any owner this step, agreed by one ``all_reduce(MAX)`` of four integers
    (eager capacity: no id is ever dropped, and every rank's buckets have the same size);
 2. :func:`fetch_rows`: one ``all_to_all_single`` of the ``[n, k]`` int32 local rows (equal splits),
    each owner gathers its rows, a second ``all_to_all_single`` of ``[n, k, D]`` returns them;
@@ -18,7 +18,8 @@ positions:
 
 Only equal-split collectives: it runs where uneven all-to-all does not (TorchTPU's ``tpu_dist``).
 Per rank and step that is ``n·k·(4 + 2·D·b)`` bytes sent for ``b``-byte rows (``n·k`` is the rank's
-distinct ids plus the imbalance of the largest bucket), plus 8 bytes for the capacity.
+distinct ids plus the imbalance of the largest bucket), plus 32 bytes for the capacity and the step's
+agreement (:func:`agree_capacity`: every rank at the same exchange, none failed before it).
 
 What the optimizer needs summed over every shard of a row-sharded table (``clipnorm``, Adafactor's
 statistics over rows, ``global_clipnorm``, the ``skip_nonfinite`` gate) is all-reduced over the group the
@@ -157,7 +158,7 @@ def plan(ids: Tensor, sharding: GroupSharding, grad: bool = False) -> tuple[Rout
     """One rank's route plan of logical ``ids [N]`` at the group's eager capacity: ``(plan, k)``.
 
     ``k`` is the largest number of distinct ids any rank has for any owner this step (one
-    ``all_reduce(MAX)`` of one integer), so every bucket fits and every rank sends ``[n, k]``.
+    ``all_reduce(MAX)``, :func:`agree_capacity`), so every bucket fits and every rank sends ``[n, k]``.
     """
     n = sharding.world
     routed = sharding.route_ids(ids.to(torch.int64))

@@ -145,7 +145,8 @@ def shard(
         ValueError: an argument of the wrong type or value (``module`` not a module or holding no collection,
             ``group`` not a process group, ``device`` not a device name or ``"meta"``, a non-bool
             ``dtensor_state_dict``), a table's placement is ``"column"``, or ``dtensor_state_dict=True`` where
-            every table is replicated, or ``timeout`` not a positive ``datetime.timedelta``.
+            every table is replicated, or ``timeout`` not a positive ``datetime.timedelta`` or given with
+            ``group``.
         RuntimeError: the ranks did not all arrive within ``timeout``, or their layouts differ (on every rank).
     """
     if spmd_active():
@@ -161,6 +162,10 @@ def shard(
         raise arg_error("timeout", "must be None (torch's default for a new process group) or a positive "
                         "datetime.timedelta",
                         timeout if isinstance(timeout, datetime.timedelta) else type(timeout).__name__)
+    if timeout is not None and group is not None:  # never ignored silently
+        raise arg_error("timeout", "sets the wait of the exchange group shard() creates over the default group; with "
+                        "`group` given none is created, and the ranks meet with that group's own timeout (set it "
+                        "in torch.distributed.new_group(..., timeout=...)). Pass one or the other", timeout)
     pg = dist.group.WORLD if group is None else group
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
     placed = [{n: group_placement(n, c, world, replicate_below_bytes) for n, c in ec.table_configs.items()}

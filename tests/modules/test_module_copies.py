@@ -66,7 +66,7 @@ def test_weights_replaced_by_an_assigning_load_are_refused_by_an_older_optimizer
     ec.load_state_dict({k: v.clone() for k, v in src.state_dict().items()}, assign=True)  # new Parameters
     for k, v in src.state_dict().items():
         assert torch.equal(ec.state_dict()[k], v), k
-    with pytest.raises(RuntimeError, match=r"no longer the table's: the table's weight parameter was replaced"):
+    with pytest.raises(RuntimeError, match=r"no longer (the table's|theirs): the table's weight parameter was replaced"):
         _train(ec, stale, 1, seed=2)
     ec.zero_grad()
     fresh = tte.optim.Adagrad(ec.parameters(), lr=0.1)

@@ -240,7 +240,7 @@ def test_an_optimizer_built_before_moving_to_xla_refuses_to_step(stack: bool) ->
         (out["a"].sum() + out["b"].sum()).backward()
         opt.step()
 
-    with pytest.raises(RuntimeError, match=r"no longer the table's: the table's weight parameter was replaced"):
+    with pytest.raises(RuntimeError, match=r"no longer (the table's|theirs): the table's weight parameter was replaced"):
         step(stale)
     ec.zero_grad()
     before = {k: v.cpu() for k, v in ec.state_dict().items()}

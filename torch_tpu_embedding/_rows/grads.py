@@ -397,11 +397,14 @@ def check_live_tables(params: Iterable[torch.Tensor]) -> None:
     for p in params:
         info = table_info(p)
         if info is not None and info.retired is not None:
+            tables = ", ".join(f"`{m[0]}`" for m in info.members) if info.members else f"`{info.name}`"
+            what = (f"tables {tables} (stacked together) that is no longer theirs" if info.members
+                    else f"table {tables} that is no longer the table's")
             raise RuntimeError(
-                f"The optimizer holds a weight of table `{info.name}` that is no longer the table's: "
-                f"{info.retired}. It would update a tensor that nothing looks up. Build the optimizer "
-                "after torch_tpu_embedding.xla.shard(...) (and after any other call that replaces "
-                "table weights), from ec.parameters()."
+                f"The optimizer holds a weight of {what}: {info.retired}. It "
+                "would update a tensor that nothing looks up. Build the optimizer after the call that laid the "
+                "tables out (tte.distributed.shard(model) over a process group, tte.xla.shard(...) under SPMD) "
+                "and after any other call that replaces table weights, from model.parameters()."
             )
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -47,6 +47,7 @@ __all__ = [
     "dtensor_placement",
     "process_group_placement",
     "install_row_grad_sync",
+    "lookup_failed",
     "is_dtensor",
     "reduction_group",
     "register_device",
@@ -100,6 +101,11 @@ class TablePlacement:
     ) -> Any:
         """The lookup of a table placed this way for one forward call (where ``TableInfo.routed``)."""
         raise NotImplementedError(f"{type(self).__name__} has no routed lookup")
+
+    def lookup_failed(self, device: torch.device) -> None:
+        """Called by a forward that failed before its first routed lookup, with this table's (the first one's)
+        device: a process group's ranks agree on each step before its first collective, and the failed rank
+        takes part in that agreement so that the others raise at the same step. Nothing to do elsewhere."""
 
     def spec(self, dim: int, rows: bool = True) -> tuple[str | None, ...]:
         """The partition spec of a ``dim``-d tensor laid out like the table (``rows``: dim 0 = rows)."""
@@ -161,6 +167,19 @@ def process_group_placement(p: Tensor) -> TablePlacement | None:
     info = table_info(p)
     sharding = None if info is None else info.sharding
     return sharding if sharding is not None and sharding.over_process_group else None
+
+
+def lookup_failed(weights: Iterable[Tensor]) -> None:
+    """A forward refused its inputs before any table was looked up: the first routed table among ``weights``
+    (in the order the forward looks them up) tells its placement (:meth:`TablePlacement.lookup_failed`). Over a
+    process group the other ranks' first collective of the step is that table's, so they raise at this step
+    too instead of pairing it with this rank's next. The caller raises its own error, whatever this meets."""
+    for w in weights:
+        info = table_info(w)
+        if info is not None and info.sharding is not None and info.routed:
+            with contextlib.suppress(Exception):
+                info.sharding.lookup_failed(w.device)
+            return
 
 
 def reduction_group(p: Tensor) -> Any:

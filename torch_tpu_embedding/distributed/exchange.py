@@ -7,7 +7,7 @@ steps of :mod:`torch_tpu_embedding.routing` (dedup, owner, bucket, capacity), wi
 positions:
 
 1. :func:`plan` deduplicates the rank's ids and buckets them by owner; the bucket size ``k`` is the
-   largest load of any rank for any owner this step, agreed by one ``all_reduce(MAX)`` of one integer
+   largest load of any rank for any owner this step, agreed by one ``all_reduce(MAX)`` of four integers
    (eager capacity: no id is ever dropped, and every rank's buckets have the same size);
 2. :func:`fetch_rows`: one ``all_to_all_single`` of the ``[n, k]`` int32 local rows (equal splits),
    each owner gathers its rows, a second ``all_to_all_single`` of ``[n, k, D]`` returns them;
@@ -18,7 +18,8 @@ positions:
 
 Only equal-split collectives: it runs where uneven all-to-all does not (TorchTPU's ``tpu_dist``).
 Per rank and step that is ``n·k·(4 + 2·D·b)`` bytes sent for ``b``-byte rows (``n·k`` is the rank's
-distinct ids plus the imbalance of the largest bucket), plus 8 bytes for the capacity.
+distinct ids plus the imbalance of the largest bucket), plus 32 bytes for the capacity and the step's
+agreement (:func:`agree_capacity`: every rank at the same exchange, none failed before it).
 
 What the optimizer needs summed over every shard of a row-sharded table (``clipnorm``, Adafactor's
 statistics over rows, ``global_clipnorm``, the ``skip_nonfinite`` gate) is all-reduced over the group the
@@ -34,6 +35,7 @@ one rank (no dedup, nothing summed) for the state's moves between the stored and
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,6 +48,7 @@ from torch_tpu_embedding._rows.routing import RoutePlan, RowOwnership, bucket_ro
 __all__ = [
     "GroupSharding",
     "agree_capacity",
+    "describe_tables",
     "exchange",
     "fetch_rows",
     "group_sharding",
@@ -85,6 +88,16 @@ class GroupSharding(TablePlacement):
     # owner-local path (``TableInfo.owner_local``). Class attributes (no annotation): not fields.
     over_process_group = True
     exchange = False
+
+    def __post_init__(self) -> None:
+        describe_tables([self.table])  # so that this rank can name this table in another rank's step errors
+
+    def lookup_failed(self, device: torch.device) -> None:
+        """This rank's forward failed before its first exchange (a bad id, a missing feature): take part in
+        the step's agreement (:func:`agree_capacity`) with the failure, so that every rank raises at this step
+        instead of pairing it with this rank's next one. The caller then raises its own error."""
+        agree_capacity(torch.zeros((), dtype=torch.int64, device=device), self.group, what="lookup", table=self.table,
+                       grad=torch.is_grad_enabled(), failed=True)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> GroupSharding:
         # Immutable, and its process group is a handle on the running processes, not data: a copy of the
@@ -141,17 +154,18 @@ def group_sharding(p: Tensor) -> GroupSharding | None:
     return sharding if isinstance(sharding, GroupSharding) else None
 
 
-def plan(ids: Tensor, sharding: GroupSharding) -> tuple[RoutePlan, int]:
+def plan(ids: Tensor, sharding: GroupSharding, grad: bool = False) -> tuple[RoutePlan, int]:
     """One rank's route plan of logical ``ids [N]`` at the group's eager capacity: ``(plan, k)``.
 
     ``k`` is the largest number of distinct ids any rank has for any owner this step (one
-    ``all_reduce(MAX)`` of one integer), so every bucket fits and every rank sends ``[n, k]``.
+    ``all_reduce(MAX)``, :func:`agree_capacity`), so every bucket fits and every rank sends ``[n, k]``.
     """
     n = sharding.world
     routed = sharding.route_ids(ids.to(torch.int64))
     room = max(1, routed.shape[0])  # every id fits at this capacity
     full = plan_routes(routed, sharding.ownership, room)
-    k = agree_capacity(full.load.max() if n else torch.zeros((), dtype=torch.int64), sharding.group)
+    k = agree_capacity(full.load.max() if n else torch.zeros((), dtype=torch.int64), sharding.group, what="lookup",
+                       table=sharding.table, grad=grad)
     # Each owner's ids are at the front of its bucket (ascending), so the buckets are cut to k columns and
     # the slots renumbered: slot = owner·room + rank becomes owner·k + rank; padding n·room becomes n·k.
     owner, rank = full.slot // room, full.slot % room
@@ -185,13 +199,75 @@ def send_grads(grad: Tensor, slot: Tensor, k: int, sharding: GroupSharding) -> T
     return exchange(bucket_rows(grad, slot, sharding.world, k), sharding.group).reshape(-1, grad.shape[-1])
 
 
-def agree_capacity(largest: Tensor, group: Any) -> int:
+#: what :func:`agree_capacity` agrees on: a collective's tag (see :func:`_tag`) → its description, for errors
+_DESCRIBED: dict[int, str] = {}
+#: the kinds of exchange, named in errors
+_KINDS = {"lookup": "looks up table `{table}`",
+          "rows": "moves a sharded table's rows between ranks (its state_dict, load_state_dict or a checkpoint)"}
+
+
+def _tag(what: str, table: str, grad: bool) -> int:
+    """A number every process computes alike for one kind of exchange (``hash`` is salted per process)."""
+    tag = zlib.crc32(f"{what}|{table}|{grad}".encode()) & 0x3FFFFFFF
+    if tag not in _DESCRIBED:
+        text = _KINDS[what].format(table=table)
+        _DESCRIBED[tag] = text + (" with gradients (training)" if grad else " without gradients (evaluation)"
+                                  if what == "lookup" else "")
+    return tag
+
+
+def describe_tables(tables: Sequence[str]) -> None:
+    """Make the exchanges of ``tables`` known by name to this process's errors (a rank names what another
+    rank's tag stands for only if it computed that tag itself)."""
+    for table in tables:
+        for grad in (True, False):
+            _tag("lookup", table, grad)
+    _tag("rows", "", False)
+
+
+def agree_capacity(largest: Tensor, group: Any, *, what: str = "rows", table: str = "", grad: bool = False,
+                   failed: bool = False) -> int:
     """The bucket size every rank of ``group`` uses: the largest of every rank's ``largest`` (a 0-d or 1-element
-    integer tensor, on the group's device), at least 1; one ``all_reduce(MAX)`` of one int64. Every rank's
-    buckets then have that size, so every all-to-all splits equally and nothing is dropped."""
-    k = largest.detach().to(torch.int64).reshape(1).clone()  # all_reduce writes in place: never the caller's
+    integer tensor, on the group's device), at least 1. Every rank's buckets then have that size, so every
+    all-to-all splits equally and nothing is dropped.
+
+    The same collective agrees that every rank is at the same step: one ``all_reduce(MAX)`` of four int64 (the
+    largest load; a tag of the exchange (``what``: ``"lookup"`` of ``table``, ``grad``: recording gradients, or
+    ``"rows"``) and its negation, so that the maximum and the minimum of the tags arrive; the highest
+    rank that ``failed`` plus one), read back once. A rank whose step failed before its first collective takes
+    part with ``failed=True`` (:meth:`GroupSharding.lookup_failed`) instead of skipping it: the others then
+    raise at that step rather than pair this exchange with the failed rank's next one.
+
+    Raises:
+        RuntimeError: (on every rank but a failed one) another rank failed this step, or the ranks are at
+            different exchanges (another table, another kind, a lookup with gradients on some ranks only).
+    """
+    tag = _tag(what, table, grad)
+    rank = dist.get_rank(group)
+    step = torch.tensor([tag, -tag, rank + 1 if failed else 0], dtype=torch.int64).to(largest.device)
+    k = torch.cat([largest.detach().to(torch.int64).reshape(1), step])  # a new tensor: all_reduce writes in place
     dist.all_reduce(k, op=dist.ReduceOp.MAX, group=group)
-    return max(1, int(k))
+    got = k.tolist()  # the step's one host read
+    if failed:
+        return 1
+    if got[3]:
+        raise RuntimeError(
+            f"Rank {got[3] - 1} of the process group failed this step before its exchange (its own error is raised "
+            f"there: see that rank's output), while this rank {_DESCRIBED[tag]}. Every rank raises here, at the same "
+            "step, so that none waits for it or pairs this step's collectives with another step's. To skip such a "
+            "batch, catch the error on every rank alike (each rank then moves to the next batch together)."
+        )
+    if got[1] != -got[2]:
+        theirs = [_DESCRIBED.get(t, f"makes an exchange this rank does not know (tag {t})")
+                  for t in (got[1], -got[2])]
+        raise RuntimeError(
+            "The ranks of the process group are at different exchanges: one "
+            f"{theirs[0]}, another {theirs[1]} (this rank {_DESCRIBED[tag]}). Every rank must run the same lookups "
+            "and state moves in the same order: a forward on some ranks only (evaluation on rank 0 alone), a batch "
+            "skipped on one rank, or state_dict() of a model sharded with dtensor_state_dict on one rank only pairs "
+            "one rank's collectives with another's. Received: different exchanges on the ranks of one step"
+        )
+    return max(1, int(got[0]))
 
 
 def exchange(buckets: Tensor, group: Any) -> Tensor:

@@ -99,6 +99,10 @@ class _Route:
     row_grad: RowGrad
     tables: frozenset[str]
     grad_dtype: torch.dtype
+    #: a lookup that records gradients (training): part of the step's agreement (evaluation on one rank only
+    #: is refused, not paired with another rank's training step). Read outside the autograd Function, whose
+    #: forward always runs without gradients.
+    grad: bool = False
     slot: Tensor | None = None
     local: Tensor | None = None
     k: int = 0
@@ -107,7 +111,7 @@ class _Route:
 class _Exchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, weight: Tensor, ids: Tensor, route: _Route) -> Tensor:  # type: ignore[override]
-        routes, k = plan(ids, route.sharding)
+        routes, k = plan(ids, route.sharding, route.grad)
         rows, local = fetch_rows(weight.detach(), routes.send, route.sharding)
         route.slot, route.local, route.k = routes.slot, local, k
         ctx.route = route
@@ -160,7 +164,7 @@ class GroupLookup:
         flat = [bags.ids.reshape(-1).to(weight.device) for _, bags, _ in items]
         ids = flat[0] if len(flat) == 1 else torch.cat(flat)
         tables = frozenset(t for b in self.batches for t in b.tables)
-        route = _Route(layout, info.row_grad, tables, math_dtype(weight))
+        route = _Route(layout, info.row_grad, tables, math_dtype(weight), torch.is_grad_enabled())
         rows: Tensor = _Exchange.apply(weight, ids, route)  # type: ignore[no-untyped-call]
         self._count(route)
         out: dict[Path, Tensor] = {}

@@ -21,6 +21,7 @@ unstacked first (each is laid out alone); replicated tables stay stacked.
 
 from __future__ import annotations
 
+import datetime
 import math
 from collections.abc import Callable
 from typing import Any
@@ -51,6 +52,8 @@ __all__ = [
 #: Row-sharded tables get physical rows up to a multiple of ``lcm(ROW_ALIGNMENT, n)``, as on the SPMD
 #: path (``torch_tpu_embedding.xla.sharding.ROW_ALIGNMENT``): the same interleaved row order.
 ROW_ALIGNMENT = 512
+#: how long shard() waits for the other ranks without a `timeout`: torch's default for a new group
+_DEFAULT_WAIT = "torch's default timeout (30 minutes on gloo)"
 
 
 def group_placement(name: str, config: TableConfig, world: int, replicate_below_bytes: int) -> str:
@@ -97,6 +100,7 @@ def logical_ids(table: Any) -> torch.Tensor:
 def shard(
     module: nn.Module, group: Any = None, *, replicate_below_bytes: int = DEFAULT_REPLICATE_BELOW_BYTES,
     device: torch.device | str | None = None, dtensor_state_dict: bool = False,
+    timeout: datetime.timedelta | None = None,
 ) -> dict[str, str]:
     """Lay the tables of every :class:`EmbeddingCollection` in ``module`` over the process group ``group``
     (default: the default group) by their placements; returns table name → placement.
@@ -125,6 +129,14 @@ def shard(
     ``load_state_dict`` are then collectives (:func:`~torch_tpu_embedding.distributed.save_sharded` and
     ``load_sharded`` work either way). Off: the entry holds the rank's rows as stored.
 
+    Every rank must shard the same layout: the ranks first meet (each waits at most ``timeout`` for the
+    others, default torch's for a new process group, 30 minutes on gloo: a rank that never calls ``shard``
+    makes the others raise, naming it, instead of waiting for ever) and agree on it (one
+    ``all_gather_object`` of each rank's tables: names, rows, widths, dtypes and resolved placements); where
+    they differ every rank raises, naming the tables and each rank's value. The sharded tables are named in
+    ``module._ddp_params_and_buffers_to_ignore`` (torch's list of parameters its ``DistributedDataParallel``
+    leaves alone: each rank's rows are its own).
+
     Every argument and table is checked before anything changes: a refused call leaves the model as it was.
 
     Raises:
@@ -133,7 +145,9 @@ def shard(
         ValueError: an argument of the wrong type or value (``module`` not a module or holding no collection,
             ``group`` not a process group, ``device`` not a device name or ``"meta"``, a non-bool
             ``dtensor_state_dict``), a table's placement is ``"column"``, or ``dtensor_state_dict=True`` where
-            every table is replicated.
+            every table is replicated, or ``timeout`` not a positive ``datetime.timedelta`` or given with
+            ``group``.
+        RuntimeError: the ranks did not all arrive within ``timeout``, or their layouts differ (on every rank).
     """
     if spmd_active():
         raise RuntimeError("tte.distributed.shard is for process groups; under torch_xla SPMD use "
@@ -144,6 +158,14 @@ def shard(
                            "Received: torch.distributed.is_initialized() is False")
     # Everything checked before anything changes: a refused call leaves the model and the groups as they were.
     collections, where = _check_call(module, group, replicate_below_bytes, device, dtensor_state_dict)
+    if timeout is not None and not (isinstance(timeout, datetime.timedelta) and timeout > datetime.timedelta(0)):
+        raise arg_error("timeout", "must be None (torch's default for a new process group) or a positive "
+                        "datetime.timedelta",
+                        timeout if isinstance(timeout, datetime.timedelta) else type(timeout).__name__)
+    if timeout is not None and group is not None:  # never ignored silently
+        raise arg_error("timeout", "sets the wait of the exchange group shard() creates over the default group; with "
+                        "`group` given none is created, and the ranks meet with that group's own timeout (set it "
+                        "in torch.distributed.new_group(..., timeout=...)). Pass one or the other", timeout)
     pg = dist.group.WORLD if group is None else group
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
     placed = [{n: group_placement(n, c, world, replicate_below_bytes) for n, c in ec.table_configs.items()}
@@ -159,7 +181,8 @@ def shard(
     # The exchange gets a group of its own: its all-to-alls run inside autograd's backward, where a DDP over
     # the same group issues its own all-reduces. new_group needs every process of the default group, which
     # calls shard() only when `group` is the default; a group given is used as it is (give DDP another).
-    exchange = dist.new_group(dist.get_process_group_ranks(pg)) if group is None else group
+    exchange = _meet(pg, group, timeout, rank)
+    _agree_layout(collections, placed, exchange, world, rank, dtensor_state_dict)
     out: dict[str, str] = {}
     for ec, placements in zip(collections, placed, strict=True):
         # Tables built on the meta device: their recorded draws by table, followed through the re-stacking
@@ -186,7 +209,90 @@ def shard(
             if group_sharding(t.weight) is None:
                 mark(t.weight, group)  # replicated: data parallel over the group
         out.update(placements)
+    _ignore_in_torch_ddp(module)
     return out
+
+
+def _meet(pg: Any, group: Any, timeout: datetime.timedelta | None, rank: int) -> Any:
+    """Every rank of ``pg`` at :func:`shard`, each waiting at most ``timeout``; returns the exchange's group.
+
+    The exchange gets a group of its own: its all-to-alls run inside autograd's backward, where a DDP over the
+    same group issues its own all-reduces. ``new_group`` needs every process of the default group, which calls
+    ``shard`` only when ``group`` is the default; its connection through the store waits ``timeout`` and never
+    pairs with another collective, so a rank that never calls ``shard`` is named rather than waited for. A group
+    given is used as it is (give DDP another; the layout agreement then waits its timeout).
+    """
+    if group is not None:
+        return group
+    try:
+        return dist.new_group(dist.get_process_group_ranks(pg), timeout=timeout)
+    except dist.DistError as e:
+        raise RuntimeError(
+            f"tte.distributed.shard on rank {rank} waited {timeout or _DEFAULT_WAIT} for the other "
+            "ranks of the process group, and some never arrived: every rank must call tte.distributed.shard(model) "
+            "(with the same model) before its first step. A rank that skipped it, or one that failed or is still "
+            "loading before it, leaves the others here; shard(..., timeout=datetime.timedelta(...)) sets the wait. "
+            f"Received: {e}"
+        ) from e
+
+
+def _layout(collections: list[EmbeddingCollection], placed: list[dict[str, str]],
+            dtensor_state_dict: bool) -> dict[str, Any]:
+    """What every rank must agree on: per table (by name) rows, width, dtype and resolved placement."""
+    tables = {}
+    for ec, placements in zip(collections, placed, strict=True):
+        for name, c in ec.table_configs.items():
+            w = ec.tables[name].weight
+            tables[name] = {"num_embeddings": c.num_embeddings, "embedding_dim": c.embedding_dim,
+                            "dtype": str(w.dtype).replace("torch.", ""), "placement": placements[name]}
+    return {"tables": tables, "dtensor_state_dict": dtensor_state_dict}
+
+
+def _agree_layout(collections: list[EmbeddingCollection], placed: list[dict[str, str]], group: Any, world: int,
+                  rank: int, dtensor_state_dict: bool) -> None:
+    """One ``all_gather_object`` of every rank's :func:`_layout`; raises on every rank where they differ.
+
+    Raises:
+        RuntimeError: the ranks' tables differ: which tables, which value on which rank.
+    """
+    mine = _layout(collections, placed, dtensor_state_dict)
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, mine, group=group)
+    problems = []
+    names = dict.fromkeys(n for lay in every for n in lay["tables"])
+    for name in names:
+        per = [lay["tables"].get(name) for lay in every]
+        missing = [r for r, t in enumerate(per) if t is None]
+        if missing:
+            problems.append(f"table `{name}` exists on ranks {[r for r, t in enumerate(per) if t is not None]} "
+                            f"but not on ranks {missing}")
+            continue
+        for key in ("num_embeddings", "embedding_dim", "dtype", "placement"):
+            values = [t[key] for t in per]  # type: ignore[index]
+            if len(set(values)) > 1:
+                problems.append(f"table `{name}`: {key} " + ", ".join(f"{v!r} on rank {r}"
+                                                                       for r, v in enumerate(values)))
+    flags = [lay["dtensor_state_dict"] for lay in every]
+    if len(set(flags)) > 1:
+        problems.append("dtensor_state_dict " + ", ".join(f"{v} on rank {r}" for r, v in enumerate(flags)))
+    if problems:
+        raise RuntimeError(
+            f"tte.distributed.shard (rank {rank}): the ranks of the process group hold different models, so their "
+            "lookups and updates would not pair up; every rank must build the same tables (the same configs, "
+            "placements and dtype) and call shard with the same arguments. Nothing was changed. Received: "
+            + "; ".join(problems)
+        )
+
+
+def _ignore_in_torch_ddp(module: nn.Module) -> None:
+    """Name the tables sharded over a process group in ``module._ddp_params_and_buffers_to_ignore``: torch's
+    own ``DistributedDataParallel(module)`` then neither checks their shapes across the ranks (a table-wise
+    table is ``[0, D]`` off its owner) nor reduces them (each rank's rows are its own)."""
+    names = [n for n, p in module.named_parameters() if group_sharding(p) is not None]
+    names += ["." + n for n in names if "." not in n]  # DDP names a root-level parameter ".weight"
+    ignored = list(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(  # type: ignore[no-untyped-call]
+        module, ignored + [n for n in names if n not in ignored])
 
 
 def _check_call(module: Any, group: Any, replicate_below_bytes: Any, device: Any, dtensor_state_dict: Any,

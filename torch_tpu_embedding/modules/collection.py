@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from torch_tpu_embedding._rows.grads import retire_table
+from torch_tpu_embedding._rows.placement import lookup_failed
 from torch_tpu_embedding._util.nest import Path, check_structure, flatten, path_name, rebuild
 from torch_tpu_embedding._util.validation import check_device
 from torch_tpu_embedding.config import PLACEMENTS, FeatureConfig, TableConfig
@@ -275,18 +276,23 @@ class EmbeddingCollection(nn.Module):
         feature, before any state changes. ``backward`` gives the tables row-sparse gradients
         (:meth:`row_grads`), consumed by a :mod:`torch_tpu_embedding.optim` optimizer.
         """
-        if is_keyed(features):  # TorchRec's KeyedJaggedTensor (modules/keyed.py)
+        try:
+            if is_keyed(features):  # TorchRec's KeyedJaggedTensor (modules/keyed.py)
+                if weights is not None:
+                    raise TypeError("Argument `weights` must be None with a KeyedJaggedTensor input: its per-id "
+                                    "weights are its weights_or_none().")
+                features, weights = keyed_inputs(features, self._config, [f[:3] for f in self._features])
+            check_structure(self._config, features, "Inputs `features`")
             if weights is not None:
-                raise TypeError("Argument `weights` must be None with a KeyedJaggedTensor input: its per-id weights "
-                                "are its weights_or_none().")
-            features, weights = keyed_inputs(features, self._config, [f[:3] for f in self._features])
-        check_structure(self._config, features, "Inputs `features`")
-        if weights is not None:
-            check_structure(self._config, weights, "Argument `weights`")
+                check_structure(self._config, weights, "Argument `weights`")
+            batches = plan_lookups(self, features, weights)
+        except Exception:  # a process group's other ranks raise at this step too (not at this rank's next)
+            lookup_failed(self._located[t][0].weight for t in dict.fromkeys(f[3] for f in self._features))
+            raise
         if concat is not False:  # (checked to be True there)
-            return side_by_side(plan_lookups(self, features, weights), [(f[0], f[1]) for f in self._features], concat)
+            return side_by_side(batches, [(f[0], f[1]) for f in self._features], concat)
         outputs: dict[Path, torch.Tensor] = {}
-        for batch in plan_lookups(self, features, weights):
+        for batch in batches:
             outputs.update(batch.run())
         return rebuild(self._config, outputs)
 

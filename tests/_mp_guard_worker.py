@@ -1,0 +1,172 @@
+"""One rank of a process group that a user gets wrong, for tests/distributed/test_mp_guards.py.
+
+Run as ``python tests/_mp_guard_worker.py SCENARIO OUT_DIR`` with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+``MASTER_PORT`` set (one process per rank, as torchrun starts them); writes ``OUT_DIR/rank<r>.json``: what the
+rank saw (each error's step, type and message, the steps it completed). The test runs every rank with a timeout,
+so a rank that hangs fails the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import torch_tpu_embedding as tte
+
+B, DIM = 8, 4
+
+
+def configs(rank: int, scenario: str) -> dict[str, tte.FeatureConfig]:
+    item_rows = 1001 if scenario == "rows_differ" and rank == 0 else 1000
+    who_placement = "row" if scenario == "placement_differ" and rank == 0 else "table"
+    item = tte.TableConfig(item_rows, DIM, name="item", placement="row")
+    who = tte.TableConfig(600, DIM, name="who", placement=who_placement)
+    kind = tte.TableConfig(20, DIM, name="kinds" if scenario == "names_differ" and rank == 1 else "kind",
+                           placement="replicated")
+    return {"item": tte.FeatureConfig(item), "who": tte.FeatureConfig(who), "kind": tte.FeatureConfig(kind)}
+
+
+class Model(nn.Module):
+    def __init__(self, features: dict[str, tte.FeatureConfig]) -> None:
+        super().__init__()
+        self.ec = tte.EmbeddingCollection(features)
+        self.head = nn.Linear(DIM * len(features), 1)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = self.ec(batch)
+        return self.head(torch.cat([out[k] for k in sorted(out)], dim=1)).squeeze(1)
+
+
+def batch(rank: int, step: int, bad: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    ids = {"item": torch.randint(0, 1000, (B,), generator=gen), "who": torch.randint(0, 600, (B,), generator=gen),
+           "kind": torch.randint(0, 20, (B,), generator=gen)}
+    if bad:
+        ids["item"][3] = 1000  # one past the table's rows: refused by the lookup
+    return ids, torch.rand(B, generator=gen)
+
+
+def error(e: BaseException, step: int | None = None) -> dict[str, Any]:
+    return {"step": step, "type": type(e).__name__, "message": str(e)}
+
+
+def train(model: nn.Module, opt: Any, rank: int, steps: int, bad: tuple[int, int] | None,
+          skip: tuple[type[BaseException], ...] = ()) -> dict[str, Any]:
+    """``steps`` steps; at step ``bad[1]`` rank ``bad[0]`` has an out-of-range id. Every error is recorded; one
+    of a type in ``skip`` skips the batch, any other ends the loop."""
+    errors, done = [], []
+    for step in range(steps):
+        ids, label = batch(rank, step, bad == (rank, step))
+        try:
+            F.binary_cross_entropy_with_logits(model(ids), label).backward()
+            opt.step()
+            opt.zero_grad()
+            done.append(step)
+        except Exception as e:  # noqa: BLE001 - recorded
+            errors.append(error(e, step))
+            opt.zero_grad()
+            if not isinstance(e, skip):
+                break
+    return {"errors": errors, "done": done}
+
+
+def run(scenario: str, rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = Model(configs(rank, scenario))
+    if scenario == "forgot_shard":
+        if rank == 0:  # rank 1 never calls shard and trains on
+            try:
+                tte.distributed.shard(model, timeout=datetime.timedelta(seconds=5))
+            except RuntimeError as e:
+                return {"errors": [error(e)]}
+            return {"errors": []}
+        opt = tte.optim.Adagrad(model.parameters(), lr=0.1)
+        return train(model, opt, rank, 3, None)
+    if scenario == "opt_before_shard":
+        stacked = Model({n: tte.FeatureConfig(tte.TableConfig(1000, DIM, name=n, placement="row"))
+                         for n in ("alpha", "beta")})
+        stale = tte.optim.Adagrad(stacked.parameters(), lr=0.1)
+        grouped = list(stacked.ec.stacked_members())
+        refused = []
+        seconds = datetime.timedelta(seconds=5)
+        for timeout, group in ((5, None), (datetime.timedelta(0), None), (seconds, dist.group.WORLD)):
+            try:  # not a timedelta; not positive; with a group given (which shard does not create): refused
+                tte.distributed.shard(stacked, group, timeout=timeout)  # type: ignore[arg-type]
+            except ValueError as e:
+                refused.append(str(e))
+        tte.distributed.shard(stacked)
+        ids = {n: torch.tensor([1, 2]) for n in ("alpha", "beta")}
+        stacked(ids).sum().backward()
+        try:
+            stale.step()
+        except RuntimeError as e:
+            return {"errors": [error(e)], "groups": grouped, "refused": refused}
+        return {"errors": [], "groups": grouped, "refused": refused}
+    try:
+        tte.distributed.shard(model, dtensor_state_dict=scenario == "state_on_one_rank")
+    except RuntimeError as e:
+        return {"errors": [error(e)], "stage": "shard"}
+    if scenario == "torch_ddp":
+        try:
+            ddp = nn.parallel.DistributedDataParallel(model)
+            ids, label = batch(rank, 0)
+            F.binary_cross_entropy_with_logits(ddp(ids), label).backward()
+        except RuntimeError as e:
+            return {"errors": [error(e)]}
+        return {"errors": []}
+    ddp = tte.distributed.DistributedDataParallel(model)
+    opt = tte.optim.Adagrad(ddp.parameters(), lr=0.1)
+    if scenario in ("rows_differ", "placement_differ", "names_differ"):
+        return train(ddp, opt, rank, 2, None)
+    if scenario == "bad_id_skipped":  # rank 1 skips its bad batch (as the issue's user did); rank 0 stops at an error
+        return train(ddp, opt, rank, 4, (1, 1), (ValueError,))
+    if scenario == "bad_id_every_rank_skips":  # every rank skips a failed step alike: they stay in step
+        out = train(ddp, opt, rank, 4, (1, 1), (Exception,))
+        out["head"] = [float(x) for x in model.head.weight.detach().reshape(-1)]
+        out["kind"] = float(model.ec.tables["kind"].weight.detach().sum())
+        return out
+    if scenario == "state_on_one_rank":  # rank 0 alone takes the state_dict (a collective with DTensors)
+        out = train(ddp, opt, rank, 2, None)
+        try:
+            if rank == 0:
+                model.state_dict()
+            train_more = train(ddp, opt, rank, 1, None)
+        except RuntimeError as e:
+            return out | {"errors": [error(e)]}
+        return out | {"errors": train_more["errors"]}
+    if scenario == "eval_on_one_rank":  # rank 0 alone looks up under no_grad between training steps
+        out = train(ddp, opt, rank, 2, None)  # (DDP rebuilds its buckets, a collective, in its second forward)
+        try:
+            if rank == 0:
+                with torch.no_grad():
+                    model(batch(rank, 9)[0])
+            train_more = train(ddp, opt, rank, 1, None)
+        except RuntimeError as e:
+            return out | {"errors": [error(e)]}
+        return out | {"errors": train_more["errors"]}
+    raise SystemExit(f"unknown scenario {scenario!r}")
+
+
+def main() -> None:
+    scenario, out = sys.argv[1], Path(sys.argv[2])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = run(scenario, rank, world)
+    except Exception as e:  # noqa: BLE001 - recorded for the test, which checks what each rank saw
+        result = {"errors": [error(e)], "uncaught": True}
+    (out / f"rank{rank}.json").write_text(json.dumps(result), encoding="utf-8")
+    os._exit(0)  # never wait in destroy_process_group for a rank that failed
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""A process group whose ranks a user gets out of step: every rank raises, naming the cause, and none hangs.
+
+Each case starts 2 gloo processes (tests/_mp_guard_worker.py, one ``python`` per rank as torchrun starts them)
+under a timeout: a rank that hangs fails the test (as each of these did before the guards) instead of hanging
+the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).parents[2]
+WORKER = ROOT / "tests" / "_mp_guard_worker.py"
+#: seconds a case may take (two processes importing torch on a loaded machine); a hang ends here, as a failure
+HANG = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run(scenario: str, tmp_path: Path, world: int = 2) -> list[dict[str, Any]]:
+    """Every rank's record of ``scenario``; fails (killing the ranks) when one does not end within :data:`HANG`."""
+    port = str(_free_port())
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world),
+           "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)])), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, str(tmp_path)], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=HANG)[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"{scenario}: a rank hung (still running after {HANG} s)", pytrace=False)
+    out = []
+    for r in range(world):
+        f = tmp_path / f"rank{r}.json"
+        assert f.exists(), f"{scenario}: rank {r} wrote no result\n{logs[r][-4000:]}"
+        out.append(json.loads(f.read_text(encoding="utf-8")))
+    return out
+
+
+def test_a_rank_that_never_calls_shard_is_named_not_waited_for(tmp_path: Path) -> None:
+    """Rank 1 forgets ``shard`` and trains on: rank 0 raises after its ``timeout``, naming the likely cause, and
+    rank 1's next collective then fails (its peer is gone) instead of waiting."""
+    r0, r1 = run("forgot_shard", tmp_path)
+    assert len(r0["errors"]) == 1, r0
+    msg = r0["errors"][0]["message"]
+    assert "every rank must call tte.distributed.shard(model)" in msg and "timeout=" in msg, msg
+    assert r1["errors"], r1  # it trained into a collective whose peer left: an error, not a hang
+
+
+@pytest.mark.parametrize("scenario, want", [
+    ("rows_differ", ["table `item`: num_embeddings 1001 on rank 0, 1000 on rank 1"]),
+    ("placement_differ", ["table `who`: placement 'row' on rank 0, 'table' on rank 1"]),
+    ("names_differ", ["table `kind` exists on ranks [0] but not on ranks [1]",
+                      "table `kinds` exists on ranks [1] but not on ranks [0]"]),
+], ids=["1001 and 1000 rows", "row and table placements", "other table names"])
+def test_ranks_with_different_layouts_raise_at_shard(scenario: str, want: list[str], tmp_path: Path) -> None:
+    """Every rank raises at ``shard``, naming the table and each rank's value; nothing trains."""
+    for r, res in enumerate(run(scenario, tmp_path)):
+        assert res.get("stage") == "shard", (r, res)
+        msg = res["errors"][0]["message"]
+        assert "hold different models" in msg and all(w in msg for w in want), (r, msg)
+
+
+def test_a_bad_id_on_one_rank_raises_at_that_step_on_every_rank(tmp_path: Path) -> None:
+    """Rank 1 meets an out-of-range id at step 1 and skips the batch: rank 0 raises at step 1 too, naming rank 1
+    (before, rank 0's step 1 paired with rank 1's step 2, and the run hung or failed steps later)."""
+    r0, r1 = run("bad_id_skipped", tmp_path)
+    assert r0["done"] == [0] and [e["step"] for e in r0["errors"]] == [1], r0
+    assert "Rank 1 of the process group failed this step" in r0["errors"][0]["message"], r0
+    assert "table `item`" in r0["errors"][0]["message"]
+    assert r1["errors"][0]["step"] == 1 and r1["errors"][0]["type"] == "ValueError", r1
+    assert "Feature `item`" in r1["errors"][0]["message"], r1
+
+
+def test_every_rank_skipping_the_failed_step_stays_in_step(tmp_path: Path) -> None:
+    """Every rank catches the step's error and moves on: they train the remaining steps together, their
+    replicated parameters (the DDP head, the replicated table) equal."""
+    r0, r1 = run("bad_id_every_rank_skips", tmp_path)
+    for res in (r0, r1):
+        assert res["done"] == [0, 2, 3] and [e["step"] for e in res["errors"]] == [1], res
+    assert r0["head"] == r1["head"] and r0["kind"] == r1["kind"]
+
+
+def test_a_lookup_on_one_rank_only_raises_on_both(tmp_path: Path) -> None:
+    """Rank 0 alone evaluates (a forward under ``no_grad``) between training steps: both ranks raise at that
+    exchange, naming what each was doing, instead of pairing the evaluation with rank 1's training step."""
+    r0, r1 = run("eval_on_one_rank", tmp_path)
+    for res in (r0, r1):
+        assert res["done"] == [0, 1], res
+        msg = res["errors"][0]["message"]
+        assert "at different exchanges" in msg and "without gradients (evaluation)" in msg, msg
+
+
+def test_a_state_dict_on_one_rank_only_raises_on_both(tmp_path: Path) -> None:
+    """Rank 0 alone takes the ``state_dict`` of a model sharded with ``dtensor_state_dict`` (a collective: the
+    rows move to their logical blocks) while rank 1 trains on: both raise at that exchange."""
+    r0, r1 = run("state_on_one_rank", tmp_path)
+    for res in (r0, r1):
+        assert res["done"] == [0, 1], res
+        msg = res["errors"][0]["message"]
+        assert "at different exchanges" in msg and "moves a sharded table's rows between ranks" in msg, msg
+        assert "looks up table `item` with gradients (training)" in msg, msg
+
+
+def test_torch_ddp_on_a_sharded_model_names_the_wrapper(tmp_path: Path) -> None:
+    """torch's own DistributedDataParallel around a sharded model with a replicated table: every rank raises at
+    the first forward naming tte.distributed.DistributedDataParallel (before: torch's shape check failed inside
+    torch on the table-wise table, ``[0, 4]`` off its owner)."""
+    for r, res in enumerate(run("torch_ddp", tmp_path)):
+        msg = res["errors"][0]["message"]
+        assert "tte.distributed.DistributedDataParallel" in msg and "`kind`" in msg.replace("'", "`"), (r, msg)
+
+
+def test_an_optimizer_built_before_shard_names_the_tables_and_shard(tmp_path: Path) -> None:
+    """It named the internal group `fused_0` and torch_tpu_embedding.xla.shard; ``shard``'s ``timeout`` is
+    checked before anything changes (the tables stay stacked for the shard that follows)."""
+    for r, res in enumerate(run("opt_before_shard", tmp_path)):
+        assert ["Argument `timeout`" in m for m in res["refused"]] == [True] * 3, res["refused"]
+        assert res["groups"], res  # the tables were stacked before shard unstacked them
+        msg = res["errors"][0]["message"]
+        assert "tte.distributed.shard(model)" in msg and "`alpha`, `beta`" in msg, (r, msg)
+        assert all(g not in msg for g in res["groups"]), (r, msg)  # no internal group name

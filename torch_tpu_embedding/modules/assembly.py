@@ -136,7 +136,8 @@ class AssembledBatch:
             offset: int) -> None:
         """Take one feature (its input ``value`` and separate ``weight``; ``offset``: its table's first row)."""
         self.items.append((path, self._shape))
-        self.tables.add(table)
+        if table not in self.tables:
+            self.tables.add(table)
         self._inputs.append((feature, fc, value, weight, offset))
 
     def assemble(self) -> None:
@@ -154,13 +155,18 @@ class AssembledBatch:
             ids = ids.unsqueeze(-1) if form == "dense" else ids
             mask = None
         if ids.numel() and not tracing():  # (no values while torch.compile traces, as to_bags)
-            # Two passes and one read: every id in [0, num_embeddings) is what clamping leaves unchanged. Only
-            # when that fails are the ids masked out (which are not ids: any value) told apart, at a cost.
-            bounds = _bounds if type(ids) is torch.Tensor else _bounds.__wrapped__  # (as _shifts below)
-            zero, last = bounds(tuple(fc.table.num_embeddings for _, fc, _, _, _ in inputs), dtype, device)
-            if not torch.equal(torch.clamp(ids, zero, last), ids) and (
-                    mask is None or bool((mask & ((ids < zero) | (ids > last))).any())):
-                self._raise()
+            vocabs = tuple(fc.table.num_embeddings for _, fc, _, _, _ in inputs)
+            # Host ids: one pass (a vectorised reduction) and two host reads settle the usual case, every id
+            # in [0, the smallest num_embeddings). Else two passes and one read (one sync for device ids):
+            # every id in [0, num_embeddings) is what clamping leaves unchanged. Only when that fails are the
+            # ids masked out (which are not ids: any value) told apart, at a cost.
+            lo, hi = torch.aminmax(ids) if device.type == "cpu" else (None, None)
+            if lo is None or hi is None or int(lo) < 0 or int(hi) >= min(vocabs):
+                bounds = _bounds if type(ids) is torch.Tensor else _bounds.__wrapped__  # (as _shifts below)
+                zero, last = bounds(vocabs, dtype, device)
+                if not torch.equal(torch.clamp(ids, zero, last), ids) and (
+                        mask is None or bool((mask & ((ids < zero) | (ids > last))).any())):
+                    self._raise()
         w = None
         if wdtype is not None:
             w = torch.stack([v.weights if v.weights is not None else wv for _, _, v, wv, _ in inputs], 1)

@@ -49,31 +49,38 @@ def plan_lookups(ec: Any, features: Any, weights: Any) -> list[Any]:
     host = torch.device("cpu")
     local: dict[int, Any] = {}  # per physical table: its layout when trained through the id exchange
     assembled: list[AssembledBatch] = []
+    # per physical table: (its weight, its weight's device; None: not assembled (routed or laid out permuted))
+    fast: dict[int, tuple[torch.Tensor, torch.device] | None] = {}
     for path, fname, fc, tname in ec._features:
         table, offset = ec._located[tname]
-        weight = table.weight
-        value = pick(features, path)
+        value = features[path[0]] if len(path) == 1 else pick(features, path)  # (every feature, every step)
         if id(table) not in local:
+            weight = table.weight
             if weight.device.type == "xla" and weight.requires_grad and torch.is_grad_enabled():
                 check_xla_backward(tname)
             check_not_meta(tname, fname, weight, _input_device(value))
             info = table_info(weight)
             local[id(table)] = info.sharding if info is not None and info.routed else None
-        owner_local = local[id(table)] is not None
+            fast[id(table)] = None if local[id(table)] is not None or table.row_layout is not None else (
+                weight, weight.device)
         wvalue = None if weights is None else pick(weights, path)
         # Padded and dense ids of a table or a stacked group: looked up as one (modules/assembly.py)
-        sig = None if owner_local or table.row_layout is not None else signature(value, wvalue, fc, weight.device)
+        known = fast[id(table)]
+        sig = None if known is None else signature(value, wvalue, fc, known[1])
         if sig is not None:
             combiner = fc.table.combiner if sig[0] == "padded" else "sum"
             key = (id(table), combiner, sig)
             batch = batches.get(key)
             if batch is None:
+                weight = known[0]  # type: ignore[index]
                 resident = weight.device.type == "cpu" or sig[4].type != "cpu"
                 batch = batches[key] = AssembledBatch(weight, table.row_grad, combiner, resident, sig,
                                                       int(weight.shape[0]))
                 assembled.append(batch)
             batch.add(path, fname, fc, tname, value, wvalue, offset)
             continue
+        weight = table.weight
+        owner_local = local[id(table)] is not None
         # A table sharded over a process group stores only its shard: padding is its layout's id.
         sentinel = int(getattr(local[id(table)], "id_rows", weight.shape[0]))
         on_device = _device_resident(value)

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 import torch_tpu_embedding as tte
 from torch_tpu_embedding.modules import deferred_init
 
-_RUNS: dict[tuple[int, str], list[dict[str, Any]]] = {}
+_RUNS: dict[tuple[int, str, Callable[..., None]], list[dict[str, Any]]] = {}
 
 
 def _free_port() -> int:
@@ -34,11 +34,12 @@ def ranks(world: int, job: str, tmp_path_factory: pytest.TempPathFactory,
           worker: Callable[..., None] = B.worker) -> list[dict[str, Any]]:
     """Every rank's results of one spawn of ``world`` gloo processes running ``worker``'s ``job`` (once per
     session): ``worker(rank, world, port, out_dir, job)`` saves each rank's to ``out_dir/rank<r>.pt``."""
-    if (world, job) not in _RUNS:
+    key = (world, job, worker)  # (two workers may both have a job called "dcp")
+    if key not in _RUNS:
         out = tmp_path_factory.mktemp(f"build{world}{job.split(':')[0]}")
         mp.start_processes(worker, args=(world, _free_port(), str(out), job), nprocs=world, start_method="spawn")
-        _RUNS[(world, job)] = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
-    return _RUNS[(world, job)]
+        _RUNS[key] = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return _RUNS[key]
 
 
 @pytest.mark.parametrize("world", (2, 3))

@@ -104,9 +104,9 @@ def test_additive_keeps_a_frozen_member_and_16_bit_tables(case: str) -> None:
 
 
 def test_backward_keeps_each_feature_gradient_as_it_came() -> None:
-    """Three features of one stacked group looked up together, their outputs concatenated by the caller: each
-    feature's ``dL/dout`` reaches the table as a view of the concatenation's gradient (no ``[N, D]`` copy), and
-    SGD's step adds one ``index_add_`` per feature."""
+    """Three features of one stacked group looked up together (assembled: bags batch-major), their outputs
+    concatenated by the caller: the features' ``dL/dout`` reach the table as the concatenation's gradient
+    itself, viewed (no ``[N, D]`` copy), in one piece."""
     torch.manual_seed(0)
     ec = tte.EmbeddingCollection(_features("sum1", torch.float32))
     opt = SGD(ec.parameters(), lr=0.1)
@@ -119,7 +119,7 @@ def test_backward_keeps_each_feature_gradient_as_it_came() -> None:
         (cat * torch.arange(18.0)).sum().backward()
         if step == 1:
             chunks = ec.tables["a"].row_grad.chunks()
-            assert len(chunks) == 3 and all(isinstance(r, BagRows) and r.unit for _, r in chunks)
+            assert len(chunks) == 1 and all(isinstance(r, BagRows) and r.unit for _, r in chunks)
             base = seen[-1].untyped_storage().data_ptr()
             assert all(r.grad_out.untyped_storage().data_ptr() == base for _, r in chunks)  # type: ignore[union-attr]
         opt.step()
@@ -159,9 +159,9 @@ def test_the_features_of_a_step_are_added_in_one_call() -> None:
             opt.step()
         opt.zero_grad()
     assert ops.counts["index_add_"] == 1, ops.counts
-    # Each feature's increment is written where the index_add_ reads it (the scratch buffer): no float rows
-    # are copied or concatenated (one cat: the ids; one copy_: the step count).
-    assert ops.counts["cat"] == 1 and ops.counts["copy_"] == 1, ops.counts
+    # The increment is written where the index_add_ reads it (the scratch buffer): no float rows are copied
+    # or concatenated, nor the ids (the group's bags are one piece, batch-major); one copy_: the step count.
+    assert ops.counts["cat"] == 0 and ops.counts["copy_"] == 1, ops.counts
 
 
 def test_clip_grad_norm_keeps_the_rows_factored_and_unit() -> None:

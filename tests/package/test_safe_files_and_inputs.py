@@ -105,7 +105,8 @@ def _evil_metadata(ckpt: Path, marker: Path, how: str) -> None:
 @pytest.mark.parametrize("how, pattern", [
     ("whole", r"refers to `posix.system`, which such a file never holds \(refused without running it\)"),
     ("nested", r"refers to `posix.system`"),
-    ("bytes-entry", r"refers to `torch.distributed.checkpoint.metadata.BytesStorageMetadata`"),
+    # (BytesStorageMetadata unpickles since read_torch_dcp reads torch's own DCP files: refused as an entry)
+    ("bytes-entry", r"entries \['model/tables.t.weight'\] are not tensors"),
     ("chunk-entry", r"entries \['model/tables.t.weight'\] are not tensors"),
 ])
 def test_crafted_dcp_metadata_runs_no_code(tmp_path: Path, how: str, pattern: str) -> None:

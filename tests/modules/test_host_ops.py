@@ -14,20 +14,10 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from test_stacked_groups import _CountOps
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding.optim._core import update_paths
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.counts[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 class DuckKJT:
@@ -90,7 +80,7 @@ def _count(t: int, concat: bool) -> Counter[str]:
     data = _batches(names, 4)
     for i in range(52):  # past the kernel switch (TTE_KERNEL_AFTER, 50 calls by default): the steady step
         _step(ec, head, opt, data[i % 4], concat)
-    with _Ops() as ops:
+    with _CountOps() as ops:
         _step(ec, head, opt, data[1], concat)
     return ops.counts
 

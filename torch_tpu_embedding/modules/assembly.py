@@ -2,8 +2,8 @@
 
 A stacked group looks its features up as FBGEMM's table-batched embedding does (TorchRec's
 ``KeyedJaggedTensor`` layout, padded): the features' ``[B, L]`` ids side by side, ``[B, F, L]``, shifted
-to their tables' first rows in the group by one add of a ``[1, F, 1]`` offset tensor, checked against a
-``[1, F, 1]`` bound tensor with one host read, and looked up by one ``embedding_bag`` whose output
+to their tables' first rows in the group by one add of a ``[1, F, 1]`` offset tensor, checked in one host
+pass (an ``aminmax``, or a clamp to a ``[1, F, 1]`` bound tensor), and looked up by one ``embedding_bag`` whose output
 ``[B·F, D]`` is each feature's ``[B, D]`` as a slice of it viewed ``[B, F·D]``, or all of them side by
 side (``concat``).
 The ops a step dispatches for the group do not grow with its number of features; what does is Python
@@ -25,14 +25,13 @@ from typing import Any
 
 import torch
 
-from torch_tpu_embedding._rows.grads import RowGrad, table_info
+from torch_tpu_embedding._rows.grads import RowGrad
 from torch_tpu_embedding._util.dtypes import compute_dtype
 from torch_tpu_embedding._util.input_checks import INDEX_DTYPES, tracing
 from torch_tpu_embedding._util.nest import Path
-from torch_tpu_embedding.combiners import bag_gains
 from torch_tpu_embedding.config import FeatureConfig
 from torch_tpu_embedding.inputs import Padded, to_bags
-from torch_tpu_embedding.modules.lookup import lookup
+from torch_tpu_embedding.modules.lookup import bags_lookup
 
 __all__ = ["AssembledBatch", "signature"]
 
@@ -104,7 +103,6 @@ class _Item:
     them for :func:`~torch_tpu_embedding.modules.lookup.side_by_side` (its position and activation shape)."""
 
     out_shape: tuple[int, ...]
-    offsets: None = None
 
 
 @dataclasses.dataclass
@@ -136,12 +134,11 @@ class AssembledBatch:
             offset: int) -> None:
         """Take one feature (its input ``value`` and separate ``weight``; ``offset``: its table's first row)."""
         self.items.append((path, self._shape))
-        if table not in self.tables:
-            self.tables.add(table)
+        self.tables.add(table)
         self._inputs.append((feature, fc, value, weight, offset))
 
     def assemble(self) -> None:
-        """Join, check, shift and move the features' ids (and weights): a fixed number of ops, one host read.
+        """Join, check, shift and move the features' ids (and weights): a fixed number of ops and of host reads.
 
         Raises the :func:`~torch_tpu_embedding.inputs.to_bags` error of the first bad feature.
         """
@@ -201,18 +198,9 @@ class AssembledBatch:
         raise AssertionError("the group check found a bad id or weight that no feature's own check finds")
 
     def _lookup(self, columns: int) -> tuple[torch.Tensor, ...]:
-        ids, w, weight, combiner = self._ids, self._weights, self.weight, self.combiner
-        assert ids is not None, "assemble() first"
-        full = not self.sig[5]
-        if full and w is None and (ids.shape[1] == 1 or combiner == "sum"):
-            gains = torch.ones(ids.shape, dtype=compute_dtype(weight.dtype), device=ids.device)
-        else:
-            gains = bag_gains(ids != self.sentinel, w, combiner, weight.dtype)
-        info = table_info(weight)
-        frozen = None if info is None else info.frozen_rows
-        training = frozenset(self.tables) - (info.frozen_tables if info is not None else frozenset())
-        return lookup(weight, ids, gains, self.row_grad, training, frozen, None, unit=combiner == "sum" and w is None,
-                      uniform=w is None, full=full, columns=columns)
+        assert self._ids is not None, "assemble() first"
+        return bags_lookup(self.weight, self._ids, self._weights, self.combiner, self.row_grad, self.tables,
+                           not self.sig[5], columns=columns)  # (full: no mask, no padding)
 
     def run(self) -> dict[Path, torch.Tensor]:
         """Each feature's ``[B, D]`` activations by its position: slices of one ``[B, F·D]``."""

@@ -35,7 +35,7 @@ from torch_tpu_embedding._util.nest import Path
 from torch_tpu_embedding.combiners import bag_gains, jagged_gains
 from torch_tpu_embedding.inputs import Bags
 
-__all__ = ["LookupBatch", "add_rows", "lookup", "side_by_side"]
+__all__ = ["LookupBatch", "add_rows", "bags_lookup", "lookup", "side_by_side"]
 
 
 @torch.library.custom_op("torch_tpu_embedding::add_rows", mutates_args=())
@@ -254,6 +254,26 @@ class _JaggedLookup(torch.autograd.Function):
         return None, None, grad_gains, None, None, None, None, None
 
 
+def bags_lookup(
+    weight: torch.Tensor, ids: torch.Tensor, w: torch.Tensor | None, combiner: str, row_grad: RowGrad,
+    tables: set[str], full: bool, splits: tuple[int, ...] | None = None, columns: int = 0,
+) -> tuple[torch.Tensor, ...]:
+    """:func:`lookup` of padded bags ``ids [N, L]`` (padding: the sentinel ``weight.shape[0]``) with per-id
+    weights ``w`` (or ``None``) under ``combiner``, for ``tables`` (those frozen in a stacked group get no rows);
+    ``full``: no position is padding. ``splits`` and ``columns`` as :func:`lookup` takes them."""
+    dtype = weight.dtype
+    if full and w is None and (ids.shape[1] == 1 or combiner == "sum"):
+        # No padding and no weights (dense ids): every gain is 1, as bag_gains would find (no pass over the ids)
+        gains = torch.ones(ids.shape, dtype=compute_dtype(dtype), device=ids.device)
+    else:  # (padding holds the sentinel: Bags)
+        gains = bag_gains(ids != weight.shape[0], w, combiner, dtype)
+    info = table_info(weight)
+    frozen = None if info is None else info.frozen_rows
+    training = frozenset(tables) - (info.frozen_tables if info is not None else frozenset())
+    return lookup(weight, ids, gains, row_grad, training, frozen, splits, unit=combiner == "sum" and w is None,
+                  uniform=w is None, full=full, columns=columns)
+
+
 @dataclasses.dataclass
 class LookupBatch:
     """Features looked up together: one physical table, one bag width, one combiner.
@@ -310,17 +330,8 @@ class LookupBatch:
         if not self.resident:  # one transfer of the batch's ids (and weights)
             ids = ids.to(weight.device)
             w = None if w is None else w.to(weight.device)
-        full = all(b.full for _, b in items)
-        if full and w is None and (ids.shape[1] == 1 or self.combiner == "sum"):
-            # No padding and no weights (dense ids): every gain is 1, as bag_gains would find (no pass over the ids)
-            gains = torch.ones(ids.shape, dtype=compute_dtype(dtype), device=ids.device)
-        else:  # (padding holds the sentinel: Bags)
-            gains = bag_gains(ids != weight.shape[0], w, self.combiner, dtype)
-        info = table_info(weight)
-        frozen = None if info is None else info.frozen_rows
-        training = frozenset(self.tables) - (info.frozen_tables if info is not None else frozenset())
-        return lookup(weight, ids, gains, self.row_grad, training, frozen, splits,
-                      unit=self.combiner == "sum" and w is None, uniform=w is None, full=full)
+        return bags_lookup(weight, ids, w, self.combiner, self.row_grad, self.tables, all(b.full for _, b in items),
+                           splits)
 
     def _run_jagged(self) -> dict[Path, torch.Tensor]:
         """:meth:`run` for jagged bags (eager devices): one pooled lookup of every item's ids, unpadded."""

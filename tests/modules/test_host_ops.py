@@ -205,6 +205,8 @@ def test_keyed_jagged_tensor_input(use_offsets: bool) -> None:
         ec(DuckKJT(keys[:2], values[:4], lengths[:4]))
     with pytest.raises(ValueError, match=r"unknown: \['clicked'\]"):
         ec(DuckKJT([*keys, "clicked"], values, torch.cat([lengths, torch.tensor([0, 0])])))
+    with pytest.raises(ValueError, match=r"one weight per id: len\(values\(\)\) = 8. Received 7 weights"):
+        ec(DuckKJT(keys, values, lengths, weights[:7]))
     with pytest.raises(ValueError, match="same number of bags"):
         ec(DuckKJT(keys, values, torch.cat([lengths, torch.tensor([0])])))
     with pytest.raises(ValueError, match=r"Feature `user_id`: ids must be in \[0, 50\)"):

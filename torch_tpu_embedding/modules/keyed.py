@@ -80,6 +80,9 @@ def keyed_inputs(features: Any, config: Any, order: list[tuple[Path, str, Featur
     if total != nnz or shortest < 0:
         raise ValueError(f"A KeyedJaggedTensor input's lengths must be >= 0 and add up to len(values()) = {nnz}. "
                          f"Received lengths adding up to {total}, the shortest {shortest}")
+    if weights is not None and weights.numel() != nnz:
+        raise ValueError(f"A KeyedJaggedTensor input's weights_or_none() must hold one weight per id: "
+                         f"len(values()) = {nnz}. Received {weights.numel()} weights")
     widths = []
     for k, n in zip(keys, longest, strict=True):
         fc = features_of[k]

@@ -21,6 +21,7 @@ from torch_tpu_embedding.config import (
 from torch_tpu_embedding.inputs import Jagged, Padded
 from torch_tpu_embedding.modules.collection import EmbeddingCollection, EmbeddingTable, split_parameters
 from torch_tpu_embedding.optim import OPTIMIZER_NAMES
+from torch_tpu_embedding.train import TrainPipeline
 
 __all__ = [
     "COMBINERS",
@@ -32,6 +33,7 @@ __all__ = [
     "Jagged",
     "Padded",
     "TableConfig",
+    "TrainPipeline",
     "bag_gains",
     "checkpoint",
     "clip_grad_norm_",

@@ -32,6 +32,7 @@ from torch_tpu_embedding._util.nest import Path
 from torch_tpu_embedding.config import FeatureConfig
 from torch_tpu_embedding.inputs import Padded, to_bags
 from torch_tpu_embedding.modules.lookup import bags_lookup
+from torch_tpu_embedding.modules.prepared import move_ahead
 
 __all__ = ["AssembledBatch", "signature"]
 
@@ -137,9 +138,11 @@ class AssembledBatch:
         self.tables.add(table)
         self._inputs.append((feature, fc, value, weight, offset))
 
-    def assemble(self) -> None:
+    def assemble(self, ahead: bool = False) -> None:
         """Join, check, shift and move the features' ids (and weights): a fixed number of ops and of host reads.
 
+        ``ahead`` (``EmbeddingCollection.prepare`` off the main thread): host ids are shifted on the host and moved
+        as they are (no op on the device: on XLA it would be a graph node of whichever step syncs next).
         Raises the :func:`~torch_tpu_embedding.inputs.to_bags` error of the first bad feature.
         """
         form, b, width, dtype, device, masked, wdtype = self.sig
@@ -173,10 +176,24 @@ class AssembledBatch:
                         torch.finfo(target).max < torch.finfo(w.dtype).max
                         and bool(w.abs().amax() > torch.finfo(target).max)):
                     self._raise()
+        if ahead and not self.resident:  # shifted and shaped here, then moved (the same integers as on the device)
+            n, where = b * len(inputs), self.weight.device
+            self._ids = move_ahead(self._shifted(ids, mask, inputs).view(n, width), where)
+            self._weights = None if w is None else move_ahead(
+                w.to(compute_dtype(self.weight.dtype)).reshape(n, width), where)
+            self._inputs = []
+            return
         if not self.resident:  # one transfer of the batch's ids (and mask, weights); the rest is the device's
             ids = ids.to(self.weight.device)
             mask = None if mask is None else mask.to(self.weight.device)
             w = None if w is None else w.to(self.weight.device)
+        ids = self._shifted(ids, mask, inputs)
+        self._ids = ids.view(b * len(inputs), width)
+        self._weights = None if w is None else w.to(compute_dtype(self.weight.dtype)).view(b * len(inputs), width)
+        self._inputs = []  # (the caller's tensors are not kept)
+
+    def _shifted(self, ids: torch.Tensor, mask: torch.Tensor | None, inputs: list[Any]) -> torch.Tensor:
+        """``ids [B, F, L]`` moved to their tables' rows in the group, int64, padding the sentinel."""
         # Kept only for plain tensors: under torch.export / torch.compile they would be fake (and kept fake).
         shifts = _shifts if type(ids) is torch.Tensor and not tracing() else _shifts.__wrapped__
         first, sentinel = shifts(tuple(o for *_, o in inputs), self.sentinel, ids.device)
@@ -186,9 +203,11 @@ class AssembledBatch:
             ids = ids.to(torch.int64)
         if mask is not None:
             ids = torch.where(mask, ids, sentinel)
-        self._ids = ids.view(b * len(inputs), width)
-        self._weights = None if w is None else w.to(compute_dtype(self.weight.dtype)).view(b * len(inputs), width)
-        self._inputs = []  # (the caller's tensors are not kept)
+        return ids
+
+    def device_tensors(self) -> list[torch.Tensor]:
+        """The tensors :meth:`assemble` made (CUDA: recorded on the stream that uses them)."""
+        return [t for t in (self._ids, self._weights) if t is not None]
 
     def _raise(self) -> None:
         """The first bad feature's own error, from its per-feature normalisation."""

@@ -15,9 +15,11 @@ from torch_tpu_embedding._rows.placement import lookup_failed
 from torch_tpu_embedding._util.nest import Path, check_structure, flatten, path_name, rebuild
 from torch_tpu_embedding._util.validation import check_device
 from torch_tpu_embedding.config import PLACEMENTS, FeatureConfig, TableConfig
+from torch_tpu_embedding.modules.ahead import AheadLookups
 from torch_tpu_embedding.modules.keyed import is_keyed, keyed_inputs
 from torch_tpu_embedding.modules.lookup import side_by_side
 from torch_tpu_embedding.modules.plan import plan_lookups
+from torch_tpu_embedding.modules.prepared import PreparedFeatures
 from torch_tpu_embedding.modules.screening import DeviceScreen, overflow_problem, warn_unchecked_drops
 from torch_tpu_embedding.modules.stacking import (
     StackedTables,
@@ -33,7 +35,7 @@ from torch_tpu_embedding.modules.table import EmbeddingTable
 __all__ = ["EmbeddingCollection", "EmbeddingTable", "split_parameters"]
 
 
-class EmbeddingCollection(nn.Module):
+class EmbeddingCollection(AheadLookups, nn.Module):
     """Many embedding tables looked up by many features, with row-sparse gradients.
 
     Args:
@@ -276,19 +278,36 @@ class EmbeddingCollection(nn.Module):
         feature, before any state changes. ``backward`` gives the tables row-sparse gradients
         (:meth:`row_grads`), consumed by a :mod:`torch_tpu_embedding.optim` optimizer.
         """
+        prepared = features if isinstance(features, PreparedFeatures) else None
+        if prepared is not None and weights is not None:
+            raise TypeError("Argument `weights` must be None with prepared features: pass the weights to prepare().")
+        held = self.__dict__.get("_held")
+        if prepared is None and held is not None and held.matches(features, weights):
+            prepared, self._held = held, None  # (tte.TrainPipeline prepared these very inputs)
+        if prepared is not None:
+            return self._look_up_prepared(prepared, concat)
         try:
-            if is_keyed(features):  # TorchRec's KeyedJaggedTensor (modules/keyed.py)
-                if weights is not None:
-                    raise TypeError("Argument `weights` must be None with a KeyedJaggedTensor input: its per-id "
-                                    "weights are its weights_or_none().")
-                features, weights = keyed_inputs(features, self._config, [f[:3] for f in self._features])
-            check_structure(self._config, features, "Inputs `features`")
-            if weights is not None:
-                check_structure(self._config, weights, "Argument `weights`")
-            batches = plan_lookups(self, features, weights)
+            batches = self._plan(features, weights, False)
         except Exception:  # a process group's other ranks raise at this step too (not at this rank's next)
-            lookup_failed(self._located[t][0].weight for t in dict.fromkeys(f[3] for f in self._features))
+            self._lookup_failed()
             raise
+        return self._outputs(batches, concat)
+
+    def _plan(self, features: Any, weights: Any, ahead: bool) -> list[Any]:
+        if is_keyed(features):  # TorchRec's KeyedJaggedTensor (modules/keyed.py)
+            if weights is not None:
+                raise TypeError("Argument `weights` must be None with a KeyedJaggedTensor input: its per-id "
+                                "weights are its weights_or_none().")
+            features, weights = keyed_inputs(features, self._config, [f[:3] for f in self._features])
+        check_structure(self._config, features, "Inputs `features`")
+        if weights is not None:
+            check_structure(self._config, weights, "Argument `weights`")
+        return plan_lookups(self, features, weights, ahead)
+
+    def _lookup_failed(self) -> None:
+        lookup_failed(self._located[t][0].weight for t in dict.fromkeys(f[3] for f in self._features))
+
+    def _outputs(self, batches: list[Any], concat: bool) -> Any:
         if concat is not False:  # (checked to be True there)
             return side_by_side(batches, [(f[0], f[1]) for f in self._features], concat)
         outputs: dict[Path, torch.Tensor] = {}

@@ -34,6 +34,7 @@ from torch_tpu_embedding._util.dtypes import compute_dtype
 from torch_tpu_embedding._util.nest import Path
 from torch_tpu_embedding.combiners import bag_gains, jagged_gains
 from torch_tpu_embedding.inputs import Bags
+from torch_tpu_embedding.modules.prepared import move_ahead
 
 __all__ = ["LookupBatch", "add_rows", "bags_lookup", "lookup", "side_by_side"]
 
@@ -299,6 +300,19 @@ class LookupBatch:
         # (no reshape of a piece already in shape: each would add a node to the backward)
         return {path: piece if piece.shape == (*b.out_shape, dim) else piece.reshape(*b.out_shape, dim)
                 for (path, b), piece in zip(items, pieces, strict=True)}
+
+    def move_ahead(self) -> None:
+        """Move the items' host bags to the table's device now, without a device op (``ahead`` planning)."""
+        where = self.weight.device
+        self.items = [(path, dataclasses.replace(
+            b, ids=move_ahead(b.ids, where), valid=move_ahead(b.valid, where),
+            weights=None if b.weights is None else move_ahead(b.weights, where),
+            offsets=None if b.offsets is None else move_ahead(b.offsets, where))) for path, b in self.items]
+        self.resident = True
+
+    def device_tensors(self) -> list[torch.Tensor]:
+        """The tensors :meth:`move_ahead` moved (CUDA: recorded on the stream that uses them)."""
+        return [t for _, b in self.items for t in (b.ids, b.valid, b.weights, b.offsets) if t is not None]
 
     def side_by_side(self) -> bool:
         """Whether :meth:`run_side_by_side` can look the batch up: padded bags, each item ``[B]`` bags, one ``B``."""

@@ -15,6 +15,7 @@ from torch_tpu_embedding._util.validation import check_not_meta
 from torch_tpu_embedding.inputs import to_bags
 from torch_tpu_embedding.modules.assembly import AssembledBatch, signature
 from torch_tpu_embedding.modules.lookup import LookupBatch
+from torch_tpu_embedding.modules.prepared import NotAhead
 
 __all__ = ["plan_lookups"]
 
@@ -30,7 +31,7 @@ def _device_resident(value: Any) -> bool:
     return _input_device(value) == "xla"
 
 
-def plan_lookups(ec: Any, features: Any, weights: Any) -> list[Any]:
+def plan_lookups(ec: Any, features: Any, weights: Any, ahead: bool = False) -> list[Any]:
     """Every feature of ``ec`` (an ``EmbeddingCollection``) normalised to padded bags, grouped into the batches
     looked up together; each batch's ids checked before any is looked up.
 
@@ -43,6 +44,10 @@ def plan_lookups(ec: Any, features: Any, weights: Any) -> list[Any]:
     (row-sharded under SPMD) are routed together: one routed lookup per table, made by the table's
     placement (``TablePlacement.routed_lookup``, ``torch_tpu_embedding/_rows/placement.py``), which the
     backend that laid the table out recorded on it.
+
+    ``ahead`` (``EmbeddingCollection.prepare`` off the main thread): no op on a device, host tensors moved
+    there only (:mod:`~torch_tpu_embedding.modules.prepared`); ids already on an XLA device raise
+    :class:`~torch_tpu_embedding.modules.prepared.NotAhead`.
     """
     batches: dict[tuple[Any, ...], Any] = {}
     routed: dict[int, Any] = {}
@@ -84,6 +89,8 @@ def plan_lookups(ec: Any, features: Any, weights: Any) -> list[Any]:
         # A table sharded over a process group stores only its shard: padding is its layout's id.
         sentinel = int(getattr(local[id(table)], "id_rows", weight.shape[0]))
         on_device = _device_resident(value)
+        if on_device and ahead:
+            raise NotAhead(f"feature `{fname}`: its ids are on an XLA device (screened there, graph nodes)")
         resident = weight.device.type == "cpu" or _input_device(value) != "cpu"
         bags = to_bags(
             fname,
@@ -120,6 +127,11 @@ def plan_lookups(ec: Any, features: Any, weights: Any) -> list[Any]:
         batches[bkey].items.append((path, bags))
         batches[bkey].tables.add(tname)
     for batch in assembled:  # every group checked before anything is looked up
-        batch.assemble()
+        batch.assemble(ahead)
     taken = {id(b) for r in routed.values() for b in r.batches}
-    return [b for b in batches.values() if id(b) not in taken] + list(routed.values())
+    plain = [b for b in batches.values() if id(b) not in taken]
+    if ahead:  # host bags moved now (a routed lookup moves its own ids, in its exchange)
+        for b in plain:
+            if isinstance(b, LookupBatch) and not b.resident:
+                b.move_ahead()
+    return plain + list(routed.values())

@@ -1,0 +1,117 @@
+"""Lookups prepared ahead of the forward, and looked up ahead of it (``EmbeddingCollection``'s part of
+``tte.TrainPipeline``): :meth:`AheadLookups.prepare`, :meth:`AheadLookups.look_up_ahead`,
+:meth:`AheadLookups.use_prepared`. What is prepared is :class:`~torch_tpu_embedding.modules.prepared.PreparedFeatures`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+
+from torch_tpu_embedding.modules.prepared import NotAhead, PreparedFeatures, leaves_of
+from torch_tpu_embedding.modules.table import EmbeddingTable
+
+__all__ = ["AheadLookups"]
+
+
+class AheadLookups:
+    """``EmbeddingCollection``'s methods for inputs prepared ahead (mixed in; the collection supplies the plan,
+    the outputs and the failure signal)."""
+
+    _held: PreparedFeatures | None
+
+    def _plan(self, features: Any, weights: Any, ahead: bool) -> list[Any]:
+        raise NotImplementedError
+
+    def _outputs(self, batches: list[Any], concat: bool) -> Any:
+        raise NotImplementedError
+
+    def _lookup_failed(self) -> None:
+        raise NotImplementedError
+
+    def physical_tables(self) -> dict[str, EmbeddingTable]:
+        raise NotImplementedError
+
+    def _look_up_prepared(self, prepared: PreparedFeatures, concat: bool) -> Any:
+        if prepared.outputs is not None:  # looked up ahead (tte.TrainPipeline's one-step-stale schedule)
+            if concat is not prepared.concat:
+                raise ValueError(f"These features were looked up ahead with concat={prepared.concat}; the forward "
+                                 f"asks for concat={concat!r}. Give the pipeline the concat your model uses.")
+            outputs, prepared.outputs = prepared.outputs, None
+            return outputs
+        try:
+            batches = prepared.take(id(self))
+        except Exception:
+            self._lookup_failed()
+            raise
+        return self._outputs(batches, concat)
+
+    # ------------------------------------------------------------------ inputs prepared ahead
+    def prepare(self, features: Any, weights: Any = None, *, ahead: bool = False,
+                keep_error: bool = False) -> PreparedFeatures:
+        """The host half of :meth:`forward` done now: structure and range checks, padding, the group assembly and
+        the transfer to the tables' device. ``ec(prepared)`` (or ``ec(prepared, concat=True)``) then only looks
+        up, once. Raises what :meth:`forward` would raise for these inputs.
+
+        ``ahead=True`` (a background thread, as ``tte.TrainPipeline``'s): no op is put on a device (on XLA it
+        would join the graph of whichever step syncs next), host tensors are moved there only (CUDA: pinned,
+        non-blocking, on a side stream the lookup's stream waits for), and an error is kept and raised by the
+        lookup, on the thread that looks up. Ids already on an XLA device cannot be prepared ahead
+        (:class:`~torch_tpu_embedding.modules.prepared.NotAhead`). ``keep_error=True``: an error is kept so on the
+        main thread too (raised by the lookup, at the step of these inputs).
+
+        Example::
+
+            >>> prepared = ec.prepare(batch)     # doctest: +SKIP
+            >>> out = ec(prepared)               # doctest: +SKIP
+        """
+        where = (leaves_of(features), None if weights is None else leaves_of(weights))
+        side = self._side_stream() if ahead else None
+        try:
+            with torch.cuda.stream(side) if side is not None else nullcontext():
+                batches = self._plan(features, weights, ahead)
+                event = side.record_event() if side is not None else None
+        except NotAhead:
+            raise
+        except Exception as e:
+            if ahead or keep_error:
+                return PreparedFeatures(id(self), None, e, *where)
+            self._lookup_failed()
+            raise
+        return PreparedFeatures(id(self), batches, None, *where, stream_event=event)
+
+    def look_up_ahead(self, prepared: PreparedFeatures, concat: bool = False) -> None:
+        """Look ``prepared`` up now, with the tables as they are; the forward given its inputs (while
+        :meth:`use_prepared` holds it) or ``prepared`` itself then returns these activations, whatever the
+        tables hold by then. ``tte.TrainPipeline(pipeline_execution_with_tensor_core=True)`` does this for
+        batch ``N + 1`` before update ``N``: TF's one-step-stale lookups."""
+        if prepared.outputs is not None:
+            raise ValueError("These prepared features were looked up ahead already.")
+        outputs = self._look_up_prepared(prepared, concat)
+        prepared.outputs, prepared.concat = outputs, concat
+
+    @contextmanager
+    def use_prepared(self, prepared: PreparedFeatures | None) -> Iterator[None]:
+        """While inside, the first forward whose ``features`` (and ``weights``) are the very objects ``prepared``
+        was made from looks ``prepared`` up instead of preparing them again (how ``tte.TrainPipeline`` feeds a
+        model that calls the collection itself)."""
+        before = self.__dict__.get("_held")
+        self._held = prepared
+        try:
+            yield
+        finally:
+            self._held = before
+
+    def _side_stream(self) -> Any:
+        """CUDA tables: the stream inputs prepared ahead are moved on (one per device); else ``None``."""
+        devices = {t.weight.device for t in self.physical_tables().values() if t.weight.device.type == "cuda"}
+        if not devices:
+            return None
+        streams = self.__dict__.setdefault("_side_streams", {})
+        device = min(devices, key=str)
+        if device not in streams:
+            streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        return streams[device]

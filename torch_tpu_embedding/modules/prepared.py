@@ -1,0 +1,98 @@
+"""A forward's inputs prepared ahead of it: checked, padded, assembled and on the tables' device.
+
+``EmbeddingCollection.prepare(features)`` does the host half of a forward — the structure and range checks,
+padding, the group assembly (:mod:`~torch_tpu_embedding.modules.assembly`) and the transfer — and returns a
+:class:`PreparedFeatures`; ``ec(prepared)`` then only looks up. ``tte.TrainPipeline`` prepares batch ``N + 1``
+on a background thread while step ``N`` runs. With ``ahead=True`` nothing is put on a device but host tensors
+moved to it: on XLA a thread may add no graph node (the main thread's next ``torch_xla.sync()`` would take it
+into its graph), so a stacked group's ids are shifted to their rows on the host, and ids already on an XLA device
+(screened on the device, graph nodes) are refused with :class:`NotAhead` (prepare them on the main thread).
+On CUDA the transfers are non-blocking copies from pinned memory on a side stream, which the forward's stream
+waits for.
+
+Example::
+
+    >>> import torch, torch_tpu_embedding as tte
+    >>> ec = tte.EmbeddingCollection({"a": tte.FeatureConfig(tte.TableConfig(10, 4, name="t"))})
+    >>> prepared = ec.prepare({"a": torch.tensor([1, 2])})
+    >>> ec(prepared)["a"].shape
+    torch.Size([2, 4])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from torch_tpu_embedding._util.nest import flatten
+
+__all__ = ["NotAhead", "PreparedFeatures", "leaves_of", "move_ahead"]
+
+
+class NotAhead(Exception):
+    """Inputs that cannot be prepared off the main thread (ids already on an XLA device)."""
+
+
+def leaves_of(value: Any) -> tuple[int, ...]:
+    """The identities of a nested input's leaves (what a forward call is matched to its prepared inputs by)."""
+    return tuple(id(leaf) for _, leaf in flatten(value))
+
+
+@dataclasses.dataclass
+class PreparedFeatures:
+    """One forward's lookups, planned and checked (``batches``), or the error its inputs raised (``error``).
+
+    Made by ``EmbeddingCollection.prepare``; looked up once, by ``ec(prepared)`` (or by the forward whose
+    ``features`` are the very objects prepared, while ``tte.TrainPipeline`` holds it). ``outputs``: the
+    activations when they were looked up ahead (the pipeline's one-step-stale schedule), with the
+    ``concat`` they were looked up with.
+    """
+
+    owner: int  # id() of the collection that prepared it
+    batches: list[Any] | None
+    error: BaseException | None
+    features: tuple[int, ...]  # leaves_of(features)
+    weights: tuple[int, ...] | None  # leaves_of(weights), None without weights
+    stream_event: Any = None  # CUDA: the side stream's event the transfers recorded
+    outputs: Any = None
+    concat: bool | None = None
+    used: bool = False
+
+    def matches(self, features: Any, weights: Any) -> bool:
+        """Whether a forward's ``features`` and ``weights`` are the very objects this was prepared from."""
+        if leaves_of(features) != self.features:
+            return False
+        if self.weights is None:
+            return weights is None
+        return weights is not None and leaves_of(weights) == self.weights
+
+    def take(self, owner: int) -> list[Any]:
+        """The batches to look up (once), after the CUDA transfers; raises the inputs' error if they had one."""
+        if owner != self.owner:
+            raise ValueError("These prepared features were prepared by another EmbeddingCollection: call "
+                             "prepare() on the collection that looks them up.")
+        if self.used:
+            raise ValueError("These prepared features were looked up already: a PreparedFeatures is looked up "
+                             "once (its lookup records the gradient rows of one backward). Call prepare() again.")
+        self.used = True
+        if self.error is not None:
+            raise self.error
+        if self.stream_event is not None:  # CUDA: the side stream's copies, then their memory kept for this one
+            stream = torch.cuda.current_stream()
+            stream.wait_event(self.stream_event)
+            for batch in self.batches or ():
+                for t in getattr(batch, "device_tensors", list)():
+                    if t.device.type == "cuda":
+                        t.record_stream(stream)
+        assert self.batches is not None
+        return self.batches
+
+
+def move_ahead(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without a graph node or a blocking copy: pinned and non-blocking on CUDA (the
+    caller runs this under its side stream), a plain transfer elsewhere (XLA: device data, not a node)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)

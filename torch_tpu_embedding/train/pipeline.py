@@ -1,0 +1,342 @@
+"""``TrainPipeline``: a training loop whose input work overlaps the step, with TF's one-step-stale lookups on request.
+
+Each step is the user's: ``step(model, batch)`` returns the loss (or ``(loss, anything)``), the pipeline calls
+``backward`` and every optimizer's ``step`` and ``zero_grad``. Around it:
+
+* **Input prefetch** (``prefetch=True``, exact): a background thread takes batch ``N + 1`` from the source and
+  prepares it (``EmbeddingCollection.prepare(..., ahead=True)``: checks, padding, the group assembly, the
+  transfer) while step ``N`` runs; the model's call ``collection(features(batch))`` then only looks up. The
+  results equal the plain loop's bitwise.
+* **Pipelined execution** (``pipeline_execution_with_tensor_core=True``, TF's flag; off by default): batch
+  ``N + 1`` is looked up before update ``N`` is applied, so its activations come from the tables as they were
+  after update ``N - 1`` — one step stale, TF's documented semantics ("the TPU embedding computations will overlap
+  with the TensorCore computations (and hence will be one step old ...)"). The gradient of step ``N + 1`` is
+  applied to the tables as they are then. The lookup of ``N + 1`` and the dense part of ``N`` are independent:
+  on XLA they are one graph, on CUDA the lookup runs on a side stream.
+
+Collectives (a process group's id exchange, data-parallel gradient syncs) run on the main thread only, in one
+order on every rank: the thread prepares, it never looks up.
+
+A checkpoint between steps: :meth:`TrainPipeline.state_dict` holds the batches taken from the source and not yet
+trained (and, with pipelined execution, the activations already looked up for the first of them); saved with
+the model's and the optimizers' state and restored with :meth:`~TrainPipeline.load_state_dict`, the run goes on
+as if uninterrupted: give :meth:`~TrainPipeline.run` the source from batch ``state_dict()["taken"]`` on.
+
+Example::
+
+    >>> import torch, torch_tpu_embedding as tte
+    >>> ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(100, 4, name="t"))})
+    >>> head = torch.nn.Linear(4, 1)
+    >>> model = torch.nn.ModuleDict({"ec": ec, "head": head})
+    >>> def step(model, batch):
+    ...     out = model["ec"](batch["sparse"])
+    ...     return torch.nn.functional.mse_loss(model["head"](out["f"]).squeeze(1), batch["label"])
+    >>> opts = [tte.optim.Adagrad([ec.groups["t"].weight] if "t" in ec.groups else list(ec.parameters()), lr=0.1),
+    ...         torch.optim.SGD(head.parameters(), lr=0.1)]
+    >>> data = [{"sparse": {"f": torch.randint(0, 100, (8,))}, "label": torch.rand(8)} for _ in range(5)]
+    >>> pipe = tte.TrainPipeline(model, opts, step=step, features=lambda b: b["sparse"], collection=ec)
+    >>> losses = [float(loss) for loss in pipe.run(data)]
+    >>> len(losses)
+    5
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from torch_tpu_embedding.modules.collection import EmbeddingCollection
+from torch_tpu_embedding.modules.prepared import NotAhead, PreparedFeatures
+from torch_tpu_embedding.train.prefetch import Prefetcher, Ready
+
+__all__ = ["TrainPipeline"]
+
+
+class _Saved(torch.autograd.Function):
+    """Activations restored from a checkpoint: the saved values, with the gradient of a fresh lookup of the same
+    ids (a lookup's gradient rows depend on its ids and gains, never on the table's values)."""
+
+    @staticmethod
+    def forward(ctx: Any, fresh: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return saved.to(fresh.device, fresh.dtype).clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
+class TrainPipeline:
+    """Train ``model`` with ``optimizers``, one ``step(model, batch)`` per batch, its input work done ahead.
+
+    Args:
+        model: the user's module (it calls ``collection`` on ``features(batch)``).
+        optimizers: the optimizers of the tables and of the rest; each step calls ``step()`` then ``zero_grad()``
+            on each, in order.
+        step: ``step(model, batch)`` → the loss, or a tuple whose first item is the loss; ``run`` yields it.
+        features: ``features(batch)`` → the collection's inputs for ``batch``: the very objects the model passes to
+            the collection (matched by identity; a model that looks up other objects raises at the first step).
+        collection: the :class:`~torch_tpu_embedding.EmbeddingCollection` (default: the only one in ``model``).
+        weights: ``weights(batch)`` → the per-id weights the model passes, if it passes any.
+        concat: the ``concat`` the model calls the collection with (needed for lookups ahead).
+        prefetch: prepare the next batch on a background thread (default ``True``); ``False`` prepares it in
+            the step, as the plain loop does.
+        pipeline_execution_with_tensor_core: TF's flag: look up batch ``N + 1`` before update ``N`` (one step
+            stale). Default ``False``.
+        after_step: called after each step's optimizer steps (on XLA: ``torch_xla.sync``, so that a step is one
+            graph).
+
+    Use :meth:`run` (a generator: one item per step) or :meth:`progress`; both stop the thread at the end, at an
+    error and at :meth:`close` (also on leaving ``with pipe:``). Batches taken but not trained are never dropped
+    silently: :meth:`unfinished` lists them, :meth:`state_dict` saves them.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], *,
+        step: Callable[[Any, Any], Any], features: Callable[[Any], Any],
+        collection: EmbeddingCollection | None = None, weights: Callable[[Any], Any] | None = None,
+        concat: bool = False, prefetch: bool = True, pipeline_execution_with_tensor_core: bool = False,
+        after_step: Callable[[], Any] | None = None,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"Argument `model` must be a torch.nn.Module. Received: {type(model).__name__}")
+        opts = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+        if not opts or not all(isinstance(o, torch.optim.Optimizer) for o in opts):
+            raise TypeError("Argument `optimizers` must be a torch.optim.Optimizer or a sequence of them. "
+                            f"Received: {optimizers!r}")
+        for name, fn in (("step", step), ("features", features), ("weights", weights), ("after_step", after_step)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"Argument `{name}` must be callable. Received: {fn!r}")
+        if collection is None:
+            found = [m for m in model.modules() if isinstance(m, EmbeddingCollection)]
+            if len(found) != 1:
+                raise ValueError(f"Argument `collection` must name the EmbeddingCollection the model looks up: "
+                                 f"the model holds {len(found)}.")
+            collection = found[0]
+        if not isinstance(collection, EmbeddingCollection):
+            raise TypeError("Argument `collection` must be an EmbeddingCollection. "
+                            f"Received: {type(collection).__name__}")
+        for name, flag in (("concat", concat), ("prefetch", prefetch),
+                           ("pipeline_execution_with_tensor_core", pipeline_execution_with_tensor_core)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"Argument `{name}` must be a bool. Received: {flag!r}")
+        self.model, self.optimizers, self.collection = model, opts, collection
+        self._step_fn, self._features, self._weights, self._after = step, features, weights, after_step
+        self.concat, self.prefetch, self.stale = concat, prefetch, pipeline_execution_with_tensor_core
+        #: steps trained, and batches taken from the sources (trained, or waiting in :meth:`unfinished`)
+        self.steps, self.taken = 0, 0
+        self._source: Iterator[Any] | None = None
+        self._given: Iterator[Any] | None = None  # the iterator given to progress()
+        self._prefetcher: Prefetcher | None = None
+        self._next: Ready | None = None  # the batch after the current one (pipelined execution: looked up)
+        self._resume: list[Any] = []  # batches from a checkpoint, trained before the source's
+        self._resume_outputs: Any = None  # their first's activations looked up ahead (pipelined execution)
+        self._failed: list[Any] = []  # the batch of a step that raised
+        self._lookup_stream: Any = None
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """Train on ``batches`` (after any restored by :meth:`load_state_dict`); yields each step's result."""
+        source = iter(batches)
+        try:
+            while True:
+                try:
+                    result = self.progress(source)
+                except StopIteration:
+                    return
+                yield result
+        finally:
+            self.close()
+
+    def progress(self, source: Iterator[Any]) -> Any:
+        """Train one step on the next batch of ``source`` (the same iterator at every call, as TorchRec's
+        ``progress``); returns ``step``'s result. Raises ``StopIteration`` when it is exhausted."""
+        if self._source is None:
+            self._start(source)
+        elif source is not self._source and source is not self._given:
+            raise ValueError("TrainPipeline.progress() must be given the same iterator at every call (the next "
+                             "batches are taken from it ahead); close() the pipeline to start on another.")
+        current = self._next if self._next is not None else self._take()
+        self._next = None
+        if current is None:
+            self.close()
+            raise StopIteration
+        try:
+            return self._train(current)
+        except BaseException:
+            self._failed = [current.batch]
+            self.close()
+            raise
+
+    def _train(self, current: Ready) -> Any:
+        prepared = self._prepared(current)
+        if self._resume_outputs is not None:  # restored: its activations as looked up before the checkpoint
+            self._look_up_ahead(prepared)
+        if self.stale:  # batch N + 1 looked up now: the tables before update N (its error waits for its step)
+            following = self._take()
+            if following is not None:
+                ahead = self._prepared(following, keep_error=True)
+                if ahead is not None and ahead.error is None:
+                    self._look_up_ahead(ahead)
+            self._next = following
+        with self.collection.use_prepared(prepared):
+            result = self._step_fn(self.model, current.batch)
+        if not prepared.used:
+            raise ValueError("The model did not look up the features TrainPipeline prepared: `features(batch)` must "
+                             "return the very objects the model passes to the collection (they are matched by "
+                             "identity), and `weights(batch)` its per-id weights if it passes any.")
+        loss = result[0] if isinstance(result, tuple) else result
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"`step(model, batch)` must return the loss tensor, or a tuple whose first item is the "
+                            f"loss. Received: {type(loss).__name__}")
+        loss.backward()
+        if self._lookup_stream is not None:  # the update writes the rows the lookup ahead reads
+            torch.cuda.current_stream().wait_stream(self._lookup_stream)
+        for opt in self.optimizers:
+            opt.step()
+        for opt in self.optimizers:
+            opt.zero_grad()
+        if self._after is not None:
+            self._after()
+        self.steps += 1
+        return result
+
+    # ------------------------------------------------------------------ batches
+    def _start(self, source: Iterator[Any]) -> None:
+        self._given = source
+        resumed = self._resume
+        self._resume = []
+
+        def chained() -> Iterator[Any]:
+            yield from resumed
+            for batch in source:  # (not `yield from`: closing this generator would close the caller's iterator)
+                yield batch
+
+        self._source = chained()
+        if self.prefetch:
+            self._prefetcher = Prefetcher(self._source, self._prepare_ahead)
+
+    def _prepare_ahead(self, batch: Any) -> PreparedFeatures | None:
+        try:
+            return self.collection.prepare(*self._inputs(batch), ahead=True)  # (its input errors kept in it)
+        except NotAhead:
+            return None  # (ids on an XLA device: prepared on the main thread)
+
+    def _inputs(self, batch: Any) -> tuple[Any, Any]:
+        return self._features(batch), None if self._weights is None else self._weights(batch)
+
+    def _take(self) -> Ready | None:
+        """The next batch (prepared when prefetching), or ``None`` at the end; raises the source's error."""
+        if self._prefetcher is not None:
+            item = self._prefetcher.next()
+        else:
+            assert self._source is not None
+            try:
+                item = Ready(next(self._source))
+            except StopIteration:
+                item = None
+        if item is None:
+            return None
+        if item.source_error is not None:
+            raise item.source_error
+        self.taken += 1
+        return item
+
+    def _prepared(self, item: Ready, keep_error: bool = False) -> PreparedFeatures:
+        """``item``'s prepared features (prepared now where the thread did not). An error of its inputs is kept
+        in them (raised by their lookup, at their own step) when ``keep_error``, else raised now."""
+        if item.error is not None:
+            raise item.error
+        if item.prepared is None:
+            item.prepared = self.collection.prepare(*self._inputs(item.batch), keep_error=keep_error)
+        prepared: PreparedFeatures = item.prepared
+        return prepared
+
+    def _look_up_ahead(self, prepared: PreparedFeatures) -> None:
+        stream = self._side_stream()
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream) if stream is not None else _Nothing():
+            self.collection.look_up_ahead(prepared, self.concat)
+        if self._resume_outputs is not None:  # restored from a checkpoint: the values looked up before it
+            saved, self._resume_outputs = self._resume_outputs, None
+            prepared.outputs = _restore(prepared.outputs, saved)
+
+    def _side_stream(self) -> Any:
+        if not any(p.device.type == "cuda" for p in self.collection.parameters()):
+            return None
+        if self._lookup_stream is None:
+            self._lookup_stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        return self._lookup_stream
+
+    # ------------------------------------------------------------------ stopping, checkpoints
+    def close(self) -> None:
+        """Stop the background thread (joined); the batches it took stay in :meth:`unfinished`."""
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._resume = self._prefetcher.waiting() + self._resume
+            self._prefetcher = None
+        self._source = None
+
+    def unfinished(self) -> list[Any]:
+        """The batches taken from the source and not trained, in order (the batch of a step that raised first)."""
+        pending = [] if self._next is None else [self._next.batch]
+        waiting = self._prefetcher.waiting() if self._prefetcher is not None else []
+        return [*self._failed, *pending, *waiting, *self._resume]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Between steps: ``steps``, ``taken`` and the batches not yet trained (``unfinished``, as given by the
+        source), with the activations already looked up for the first of them (pipelined execution)."""
+        if self._failed:
+            raise RuntimeError("A step raised: state_dict() is taken between steps. unfinished() lists the batches "
+                               "not trained, the failed step's first.")
+        outputs = None
+        if self._next is not None and self._next.prepared is not None and self._next.prepared.outputs is not None:
+            outputs = tree_map(lambda t: t.detach().cpu().clone() if isinstance(t, torch.Tensor) else t,
+                               self._next.prepared.outputs)
+        elif self._resume_outputs is not None:
+            outputs = self._resume_outputs
+        unfinished = self.unfinished()
+        handed = 0 if self._next is None else 1  # (counted in self.taken already)
+        return {"steps": self.steps, "taken": self.taken + len(unfinished) - handed, "unfinished": unfinished,
+                "outputs_ahead": outputs, "pipeline_execution_with_tensor_core": self.stale}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` before :meth:`run`: its unfinished batches are trained first."""
+        if self._source is not None:
+            raise RuntimeError("TrainPipeline.load_state_dict() must come before run() or progress().")
+        if state.get("pipeline_execution_with_tensor_core") != self.stale:
+            raise ValueError("The state was saved by a pipeline with pipeline_execution_with_tensor_core="
+                             f"{state.get('pipeline_execution_with_tensor_core')!r}; this one has {self.stale}.")
+        self.steps, self.taken = int(state["steps"]), int(state["taken"]) - len(state["unfinished"])
+        self._next = None
+        self._resume, self._resume_outputs, self._failed = list(state["unfinished"]), state["outputs_ahead"], []
+
+    def __enter__(self) -> TrainPipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _restore(fresh: Any, saved: Any) -> Any:
+    """``fresh`` activations (a structure of tensors) with the values of ``saved`` (the same structure)."""
+    if isinstance(fresh, torch.Tensor):
+        out: torch.Tensor = _Saved.apply(fresh, saved)  # type: ignore[no-untyped-call]
+        return out
+    if isinstance(fresh, dict):
+        return {k: _restore(v, saved[k]) for k, v in fresh.items()}
+    if isinstance(fresh, (list, tuple)):
+        items = [_restore(v, s) for v, s in zip(fresh, saved, strict=True)]
+        return items if isinstance(fresh, list) else tuple(items)
+    return fresh

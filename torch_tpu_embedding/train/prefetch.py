@@ -1,0 +1,110 @@
+"""Batches taken from a source and prepared on a background thread, one step ahead (``tte.TrainPipeline``).
+
+The thread takes the next batch from the user's iterator and runs ``prepare`` on it (an
+``EmbeddingCollection.prepare(..., ahead=True)``: checks, padding, id assembly, the transfer) while the main
+thread runs a step; at most ``depth`` batches wait prepared. Nothing it does is a collective or a graph node:
+collectives and lookups stay on the main thread, in one order on every rank.
+
+Every batch taken from the source is kept until the main thread takes it: an error of the source or of
+``prepare`` is handed over with its batch, at the point of the stream where it happened; :meth:`Prefetcher.close`
+stops and joins the thread; :meth:`Prefetcher.waiting` lists the batches taken and not handed over.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+__all__ = ["Prefetcher", "Ready"]
+
+
+@dataclasses.dataclass
+class Ready:
+    """One batch as the thread left it: the batch, what ``prepare`` made of it (``None``: prepare it on the
+    main thread), and the error ``prepare`` raised; or the source's own error (``batch`` unset)."""
+
+    batch: Any
+    prepared: Any = None
+    error: BaseException | None = None
+    source_error: BaseException | None = None
+
+
+class Prefetcher:
+    """A background thread taking batches from ``source`` and preparing them, ``depth`` ahead.
+
+    ``prepare(batch)`` returns what the step needs, or ``None`` to have the main thread prepare it (inputs
+    that cannot be prepared off it).
+    """
+
+    def __init__(self, source: Iterator[Any], prepare: Callable[[Any], Any], depth: int = 1) -> None:
+        self._source, self._prepare, self._depth = source, prepare, depth
+        self._ready: collections.deque[Ready] = collections.deque()
+        self._cond = threading.Condition()
+        self._busy = False  # between taking a batch and handing it over
+        self._stop = False
+        self._done = False  # the source is exhausted (or raised)
+        self._thread = threading.Thread(target=self._run, name="tte-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while len(self._ready) >= self._depth and not self._stop:
+                    self._cond.wait()
+                if self._stop:
+                    return
+                self._busy = True
+            item: Ready | None
+            try:
+                batch = next(self._source)
+            except StopIteration:
+                item = None
+            except BaseException as e:  # the source's error, handed over in its place in the stream
+                item = Ready(None, source_error=e)
+            else:
+                try:
+                    item = Ready(batch, self._prepare(batch))
+                except BaseException as e:  # (prepare keeps input errors itself; anything else lands here)
+                    item = Ready(batch, error=e)
+            with self._cond:
+                self._busy = False
+                if item is None or item.source_error is not None:
+                    self._done = True
+                if item is not None:
+                    self._ready.append(item)
+                self._cond.notify_all()
+                if self._done:
+                    return
+
+    def next(self) -> Ready | None:
+        """The next batch prepared (waiting for it), or ``None`` when the source is exhausted."""
+        with self._cond:
+            while not self._ready and not self._done and not self._stop:
+                self._cond.wait()
+            if not self._ready:
+                return None
+            item = self._ready.popleft()
+            self._cond.notify_all()
+            return item
+
+    def waiting(self) -> list[Any]:
+        """The batches taken from the source and not handed over yet, in order (after the one being taken)."""
+        with self._cond:
+            while self._busy:
+                self._cond.wait()
+            return [r.batch for r in self._ready if r.source_error is None]
+
+    def close(self) -> None:
+        """Stop taking batches and join the thread (after the batch it is taking, if any: it is kept)."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()

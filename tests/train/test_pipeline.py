@@ -126,7 +126,7 @@ def _piped(info: Any, kwargs: dict[str, Any], data: list[Any], stack: bool = Tru
 _CASES = [pytest.param(info, dict(info.default), id=info.name) for info in OPTIMIZER_INFOS] + [
     pytest.param(OPTIMIZER_INFOS[3], {**OPTIMIZER_INFOS[3].default, **KERAS_EXTRAS[name]}, id=f"adam-{name}")
     for name in ("accumulate2-ema-clipnorm", "accumulate2-gclip-scale", "ema-overwrite")
-]
+] + [pytest.param(OPTIMIZER_INFOS[1], {**OPTIMIZER_INFOS[1].default, "skip_nonfinite": True}, id="adagrad-skip")]
 
 
 @pytest.mark.parametrize(("info", "kwargs"), _CASES)

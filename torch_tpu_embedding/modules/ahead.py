@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -22,6 +23,7 @@ class AheadLookups:
     the outputs and the failure signal)."""
 
     _held: PreparedFeatures | None
+    _rows_known: dict[int, tuple[weakref.ref[torch.Tensor], int]]
 
     def _plan(self, features: Any, weights: Any, ahead: bool) -> list[Any]:
         raise NotImplementedError
@@ -92,6 +94,13 @@ class AheadLookups:
             raise ValueError("These prepared features were looked up ahead already.")
         outputs = self._look_up_prepared(prepared, concat)
         prepared.outputs, prepared.concat = outputs, concat
+
+    def know_rows(self) -> None:
+        """Record every table's row count now, for :meth:`prepare` ``(ahead=True)`` on another thread: an XLA
+        tensor's shape is read from its data, which the thread running the steps replaces at each update
+        (``tte.TrainPipeline`` calls this when it starts; a table replaced since is read as before)."""
+        self._rows_known = {id(t.weight): (weakref.ref(t.weight), int(t.weight.shape[0]))
+                            for t in self.physical_tables().values()}
 
     @contextmanager
     def use_prepared(self, prepared: PreparedFeatures | None) -> Iterator[None]:

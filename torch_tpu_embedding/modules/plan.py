@@ -49,6 +49,12 @@ def plan_lookups(ec: Any, features: Any, weights: Any, ahead: bool = False) -> l
     there only (:mod:`~torch_tpu_embedding.modules.prepared`); ids already on an XLA device raise
     :class:`~torch_tpu_embedding.modules.prepared.NotAhead`.
     """
+    rows_known = ec.__dict__.get("_rows_known") or {}  # (AheadLookups.know_rows: no XLA tensor read off its thread)
+
+    def rows_of(weight: torch.Tensor) -> int:
+        ref, rows = rows_known.get(id(weight), (None, None))
+        return int(weight.shape[0]) if ref is None or ref() is not weight else int(rows)
+
     batches: dict[tuple[Any, ...], Any] = {}
     routed: dict[int, Any] = {}
     host = torch.device("cpu")
@@ -80,14 +86,15 @@ def plan_lookups(ec: Any, features: Any, weights: Any, ahead: bool = False) -> l
                 weight = known[0]  # type: ignore[index]
                 resident = weight.device.type == "cpu" or sig[4].type != "cpu"
                 batch = batches[key] = AssembledBatch(weight, table.row_grad, combiner, resident, sig,
-                                                      int(weight.shape[0]))
+                                                      rows_of(weight))
                 assembled.append(batch)
             batch.add(path, fname, fc, tname, value, wvalue, offset)
             continue
         weight = table.weight
         owner_local = local[id(table)] is not None
         # A table sharded over a process group stores only its shard: padding is its layout's id.
-        sentinel = int(getattr(local[id(table)], "id_rows", weight.shape[0]))
+        layout = local[id(table)]
+        sentinel = int(layout.id_rows) if hasattr(layout, "id_rows") else rows_of(weight)
         on_device = _device_resident(value)
         if on_device and ahead:
             raise NotAhead(f"feature `{fname}`: its ids are on an XLA device (screened there, graph nodes)")
@@ -112,7 +119,7 @@ def plan_lookups(ec: Any, features: Any, weights: Any, ahead: bool = False) -> l
                 ids = torch.where(valid, ids + offset, ids)
             bags = dataclasses.replace(bags, ids=ids, valid=valid, full=False)  # (dropped ids: padding)
         if table.row_layout is not None and not owner_local:  # stored permuted: look up the stored row
-            order = table.row_layout.ownership(int(weight.shape[0]))
+            order = table.row_layout.ownership(rows_of(weight))
             bags = dataclasses.replace(bags, ids=order.physical_row(bags.ids.to(torch.int64)))
         combiner = fc.table.combiner if bags.combine else "sum"
         bkey = (id(table), bags.ids.shape[1] if bags.offsets is None else -1, combiner, resident)  # -1: jagged

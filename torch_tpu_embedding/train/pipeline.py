@@ -191,7 +191,7 @@ class TrainPipeline:
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"`step(model, batch)` must return the loss tensor, or a tuple whose first item is the "
                             f"loss. Received: {type(loss).__name__}")
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         if self._lookup_stream is not None:  # the update writes the rows the lookup ahead reads
             torch.cuda.current_stream().wait_stream(self._lookup_stream)
         for opt in self.optimizers:
@@ -215,6 +215,7 @@ class TrainPipeline:
                 yield batch
 
         self._source = chained()
+        self.collection.know_rows()  # (the thread reads no XLA tensor)
         if self.prefetch:
             self._prefetcher = Prefetcher(self._source, self._prepare_ahead)
 

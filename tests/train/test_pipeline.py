@@ -337,3 +337,14 @@ def test_prepared_features_are_looked_up_once_by_their_collection() -> None:
     kept = ec.prepare(bad, ahead=True)  # kept, raised by its lookup
     with pytest.raises(ValueError, match="Feature `b`"):
         ec(kept)
+
+
+def test_the_docstring_examples_run() -> None:
+    import doctest
+
+    from torch_tpu_embedding.modules import ahead, prepared
+    from torch_tpu_embedding.train import pipeline
+    for module in (pipeline, prepared, ahead):
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0, module.__name__
+    assert doctest.testmod(pipeline).attempted >= 5

@@ -26,18 +26,17 @@ Example::
 
     >>> import torch, torch_tpu_embedding as tte
     >>> ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(100, 4, name="t"))})
-    >>> head = torch.nn.Linear(4, 1)
-    >>> model = torch.nn.ModuleDict({"ec": ec, "head": head})
-    >>> def step(model, batch):
+    >>> model = torch.nn.ModuleDict({"ec": ec, "head": torch.nn.Linear(4, 1)})
+    >>> def step(model, batch):                      # the user's forward and loss
     ...     out = model["ec"](batch["sparse"])
     ...     return torch.nn.functional.mse_loss(model["head"](out["f"]).squeeze(1), batch["label"])
-    >>> opts = [tte.optim.Adagrad([ec.groups["t"].weight] if "t" in ec.groups else list(ec.parameters()), lr=0.1),
-    ...         torch.optim.SGD(head.parameters(), lr=0.1)]
+    >>> tables, dense = tte.split_parameters(model)
+    >>> opts = [tte.optim.Adagrad(tables, lr=0.1), torch.optim.SGD(dense, lr=0.1)]
     >>> data = [{"sparse": {"f": torch.randint(0, 100, (8,))}, "label": torch.rand(8)} for _ in range(5)]
-    >>> pipe = tte.TrainPipeline(model, opts, step=step, features=lambda b: b["sparse"], collection=ec)
-    >>> losses = [float(loss) for loss in pipe.run(data)]
-    >>> len(losses)
-    5
+    >>> pipe = tte.TrainPipeline(model, opts, step=step, features=lambda batch: batch["sparse"])
+    >>> losses = [loss.detach() for loss in pipe.run(data)]
+    >>> len(losses), pipe.steps
+    (5, 5)
 """
 
 from __future__ import annotations

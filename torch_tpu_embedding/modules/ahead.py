@@ -58,12 +58,13 @@ class AheadLookups:
         the transfer to the tables' device. ``ec(prepared)`` (or ``ec(prepared, concat=True)``) then only looks
         up, once. Raises what :meth:`forward` would raise for these inputs.
 
-        ``ahead=True`` (a background thread, as ``tte.TrainPipeline``'s): no op is put on a device (on XLA it
-        would join the graph of whichever step syncs next), host tensors are moved there only (CUDA: pinned,
-        non-blocking, on a side stream the lookup's stream waits for), and an error is kept and raised by the
-        lookup, on the thread that looks up. Ids already on an XLA device cannot be prepared ahead
-        (:class:`~torch_tpu_embedding.modules.prepared.NotAhead`). ``keep_error=True``: an error is kept so on the
-        main thread too (raised by the lookup, at the step of these inputs).
+        ``ahead=True`` (a background thread, as ``tte.TrainPipeline``'s): no op is put on a device, host tensors
+        are moved there only (CUDA: pinned, non-blocking, on a side stream the lookup's stream waits for), and an
+        error is kept and raised by the lookup, on the thread that looks up. A collection with a table on an XLA
+        device, or ids already on one, cannot be prepared ahead
+        (:class:`~torch_tpu_embedding.modules.prepared.NotAhead`: prepare them on the thread that looks up).
+        ``keep_error=True``: an error is kept so on the main thread too (raised by the lookup, at the step of
+        these inputs).
 
         Example::
 
@@ -71,6 +72,13 @@ class AheadLookups:
             >>> out = ec(prepared)               # doctest: +SKIP
         """
         where = (leaves_of(features), None if weights is None else leaves_of(weights))
+        if ahead and any(t.weight.device.type == "xla" for t in self.physical_tables().values()):
+            # Off the thread that calls torch_xla.sync(), an XLA tensor cannot be touched in torch_xla 2.9, not even
+            # a table's size (planning reads it) or a new transfer: sync() rewrites every live tensor's data
+            # unlocked, and the other thread then raises "Check failed: data()->tensor_data" or corrupts the heap.
+            # Measured on XLA:CPU against a main thread that updates and syncs: 6,900 of 7.3M `weight.shape` reads
+            # raised and one of two runs aborted in malloc; 6 of 153k `.to(xla)` (and reads of the result) raised.
+            raise NotAhead("tables on an XLA device are prepared on the thread that looks them up")
         side = self._side_stream() if ahead else None
         try:
             with torch.cuda.stream(side) if side is not None else nullcontext():

@@ -142,7 +142,7 @@ class AssembledBatch:
         """Join, check, shift and move the features' ids (and weights): a fixed number of ops and of host reads.
 
         ``ahead`` (``EmbeddingCollection.prepare`` off the main thread): host ids are shifted on the host and moved
-        as they are (no op on the device: on XLA it would be a graph node of whichever step syncs next).
+        as they are (the preparing thread puts no op on the device).
         Raises the :func:`~torch_tpu_embedding.inputs.to_bags` error of the first bad feature.
         """
         form, b, width, dtype, device, masked, wdtype = self.sig

@@ -4,11 +4,11 @@
 padding, the group assembly (:mod:`~torch_tpu_embedding.modules.assembly`) and the transfer — and returns a
 :class:`PreparedFeatures`; ``ec(prepared)`` then only looks up. ``tte.TrainPipeline`` prepares batch ``N + 1``
 on a background thread while step ``N`` runs. With ``ahead=True`` nothing is put on a device but host tensors
-moved to it: on XLA a thread may add no graph node (the main thread's next ``torch_xla.sync()`` would take it
-into its graph), so a stacked group's ids are shifted to their rows on the host, and ids already on an XLA device
-(screened on the device, graph nodes) are refused with :class:`NotAhead` (prepare them on the main thread).
-On CUDA the transfers are non-blocking copies from pinned memory on a side stream, which the forward's stream
-waits for.
+moved to it, so a stacked group's ids are shifted to their rows on the host. On CUDA the transfers are
+non-blocking copies from pinned memory on a side stream, which the forward's stream waits for. XLA is refused
+with :class:`NotAhead` (prepare on the main thread): tables there, as torch_xla 2.9's tensors cannot be touched
+off the thread that runs ``torch_xla.sync()`` (a size read or a transfer races with it), and ids already there
+(screened on the device: graph nodes, which would join whichever step syncs next).
 
 Example::
 
@@ -32,7 +32,7 @@ __all__ = ["NotAhead", "PreparedFeatures", "leaves_of", "move_ahead"]
 
 
 class NotAhead(Exception):
-    """Inputs that cannot be prepared off the main thread (ids already on an XLA device)."""
+    """Inputs that cannot be prepared off the main thread (tables or ids on an XLA device)."""
 
 
 def leaves_of(value: Any) -> tuple[int, ...]:
@@ -91,8 +91,8 @@ class PreparedFeatures:
 
 
 def move_ahead(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device`` without a graph node or a blocking copy: pinned and non-blocking on CUDA (the
-    caller runs this under its side stream), a plain transfer elsewhere (XLA: device data, not a node)."""
+    """A host tensor on ``device`` without a device op or a blocking copy: pinned and non-blocking on CUDA (the
+    caller runs this under its side stream), a plain transfer elsewhere (never XLA: not prepared ahead)."""
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)

@@ -6,7 +6,8 @@ Each step is the user's: ``step(model, batch)`` returns the loss (or ``(loss, an
 * **Input prefetch** (``prefetch=True``, exact): a background thread takes batch ``N + 1`` from the source and
   prepares it (``EmbeddingCollection.prepare(..., ahead=True)``: checks, padding, the group assembly, the
   transfer) while step ``N`` runs; the model's call ``collection(features(batch))`` then only looks up. The
-  results equal the plain loop's bitwise.
+  results equal the plain loop's bitwise. Tables on XLA: the thread only takes the batch from the source, the main
+  thread prepares it (torch_xla's tensors cannot be touched off the thread that runs ``torch_xla.sync()``).
 * **Pipelined execution** (``pipeline_execution_with_tensor_core=True``, TF's flag; off by default): batch
   ``N + 1`` is looked up before update ``N`` is applied, so its activations come from the tables as they were
   after update ``N - 1`` — one step stale, TF's documented semantics ("the TPU embedding computations will overlap
@@ -80,8 +81,8 @@ class TrainPipeline:
         collection: the :class:`~torch_tpu_embedding.EmbeddingCollection` (default: the only one in ``model``).
         weights: ``weights(batch)`` → the per-id weights the model passes, if it passes any.
         concat: the ``concat`` the model calls the collection with (needed for lookups ahead).
-        prefetch: prepare the next batch on a background thread (default ``True``); ``False`` prepares it in
-            the step, as the plain loop does.
+        prefetch: take the next batch from the source and prepare it on a background thread (default ``True``;
+            tables on XLA: prepared on the main thread); ``False`` does both in the step, as the plain loop does.
         pipeline_execution_with_tensor_core: TF's flag: look up batch ``N + 1`` before update ``N`` (one step
             stale). Default ``False``.
         after_step: called after each step's optimizer steps (on XLA: ``torch_xla.sync``, so that a step is one
@@ -190,7 +191,7 @@ class TrainPipeline:
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"`step(model, batch)` must return the loss tensor, or a tuple whose first item is the "
                             f"loss. Received: {type(loss).__name__}")
-        loss.backward()  # type: ignore[no-untyped-call]
+        loss.backward()  # type: ignore[no-untyped-call]  # (torch 2.9 leaves Tensor.backward unannotated)
         if self._lookup_stream is not None:  # the update writes the rows the lookup ahead reads
             torch.cuda.current_stream().wait_stream(self._lookup_stream)
         for opt in self.optimizers:
@@ -222,7 +223,7 @@ class TrainPipeline:
         try:
             return self.collection.prepare(*self._inputs(batch), ahead=True)  # (its input errors kept in it)
         except NotAhead:
-            return None  # (ids on an XLA device: prepared on the main thread)
+            return None  # (tables or ids on an XLA device: prepared on the main thread)
 
     def _inputs(self, batch: Any) -> tuple[Any, Any]:
         return self._features(batch), None if self._weights is None else self._weights(batch)

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 torch_xla = pytest.importorskip("torch_xla")
 import torch_xla.core.xla_model as xm  # noqa: E402
@@ -147,33 +148,72 @@ def test_the_steady_pipelined_step_compiles_once_without_host_fallbacks(mode: st
     assert bool(torch.isfinite(state["losses"]).all())
 
 
-def test_tables_on_xla_are_prepared_on_the_main_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The prefetch thread touches no XLA tensor: off the thread that runs ``torch_xla.sync()`` even a table's size
-    read or a transfer races with it in torch_xla 2.9 (``Check failed: data()->tensor_data``, heap corruption).
-    ``prepare(ahead=True)`` refuses XLA tables before reading anything (no XLA tensor made), and a prefetching
-    pipeline plans every batch, once, on the main thread."""
+#: what a thread may read of an XLA tensor: fields of the tensor object, not of its data (which torch_xla.sync() on
+#: the main thread rewrites unlocked: a size read or a transfer from another thread races with it)
+_OUTSIDE_THE_DATA = {"device", "dtype", "requires_grad", "is_meta", "layout", "is_sparse", "is_nested"}
+
+
+class _XlaTouches(TorchFunctionMode):
+    """Every torch function (and tensor attribute read) on an XLA tensor, by name (a mode is per thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.touched: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        leaves = [*args, *(kwargs or {}).values()]
+        if any(isinstance(a, torch.Tensor) and a.device.type == "xla" for a in leaves):
+            owner = getattr(func, "__self__", None)  # a getter: Tensor.<attribute>.__get__
+            self.touched.append(getattr(owner, "__name__", None) or getattr(func, "__name__", repr(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_tables_on_xla_are_prepared_on_the_thread_without_touching_xla_data(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefetch thread plans every batch (checks, padding, the group's id assembly on the host) and touches no
+    XLA tensor's data: off the thread that runs ``torch_xla.sync()`` even a table's size read or a transfer races
+    with it in torch_xla 2.9 (``Check failed: data()->tensor_data``, heap corruption). The sizes come from
+    ``know_rows()`` (recorded on the main thread; without it, ``prepare(ahead=True)`` refuses before reading
+    anything); the lookup moves the ids, on the main thread."""
     ec = _model(DEV, torch.float32)["ec"]
     features = _batches(1, torch.float32)[0]["sparse"]
     torch_xla.sync()
     made = met.counter_value("CreateXlaTensor") or 0
-    with pytest.raises(NotAhead, match="XLA"):
+    with pytest.raises(NotAhead, match="know_rows"):
         ec.prepare(features, ahead=True)
-    assert (met.counter_value("CreateXlaTensor") or 0) == made
-    ec.prepare(features)  # (on the thread that looks up: transfers, counted)
+    ec.know_rows()
+    with _XlaTouches() as mode:
+        prepared = ec.prepare(features, ahead=True)
+    assert (met.counter_value("CreateXlaTensor") or 0) == made  # nothing moved yet
+    assert set(mode.touched) <= _OUTSIDE_THE_DATA, mode.touched
+    with torch.no_grad():
+        got = {k: v.cpu() for k, v in ec(prepared).items()}  # (the transfers, on this thread)
+        want = {k: v.cpu() for k, v in ec(features).items()}
     assert (met.counter_value("CreateXlaTensor") or 0) > made
+    assert all(torch.equal(got[k], want[k]) for k in want)
     torch_xla.sync()
 
-    planned: list[threading.Thread] = []
+    planned: list[str] = []
+    touched: list[str] = []
+    prepare_ahead = tte.TrainPipeline._prepare_ahead
 
     def plan(*args: Any, **kwargs: Any) -> Any:
-        planned.append(threading.current_thread())
+        planned.append(threading.current_thread().name)
         return plan_lookups(*args, **kwargs)
 
+    def watched(self: Any, batch: Any) -> Any:
+        with _XlaTouches() as mode:
+            try:
+                return prepare_ahead(self, batch)
+            finally:
+                touched.extend(mode.touched)
+
     monkeypatch.setattr(collection, "plan_lookups", plan)
-    for mode in ("stale-prefetch", "prefetch"):
+    monkeypatch.setattr(tte.TrainPipeline, "_prepare_ahead", watched)
+    for mode_name in ("stale-prefetch", "prefetch"):
         planned.clear()
-        _run(DEV, torch.float32, "adagrad", mode)
-        assert planned == [threading.main_thread()] * STEPS, mode
+        _run(DEV, torch.float32, "adagrad", mode_name)
+        assert planned == ["tte-prefetch"] * STEPS, mode_name
+    assert set(touched) <= _OUTSIDE_THE_DATA, sorted(set(touched))
 
 
 # ---------------------------------------------------------------------------------------------- the HLO

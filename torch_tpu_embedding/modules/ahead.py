@@ -60,8 +60,9 @@ class AheadLookups:
 
         ``ahead=True`` (a background thread, as ``tte.TrainPipeline``'s): no op is put on a device, host tensors
         are moved there only (CUDA: pinned, non-blocking, on a side stream the lookup's stream waits for), and an
-        error is kept and raised by the lookup, on the thread that looks up. A collection with a table on an XLA
-        device, or ids already on one, cannot be prepared ahead
+        error is kept and raised by the lookup, on the thread that looks up. Tables on an XLA device are prepared
+        on the host only (their sizes as :meth:`know_rows` recorded them; the lookup moves the ids, on its
+        thread); ids already on an XLA device cannot be prepared ahead
         (:class:`~torch_tpu_embedding.modules.prepared.NotAhead`: prepare them on the thread that looks up).
         ``keep_error=True``: an error is kept so on the main thread too (raised by the lookup, at the step of
         these inputs).
@@ -72,13 +73,20 @@ class AheadLookups:
             >>> out = ec(prepared)               # doctest: +SKIP
         """
         where = (leaves_of(features), None if weights is None else leaves_of(weights))
-        if ahead and any(t.weight.device.type == "xla" for t in self.physical_tables().values()):
-            # Off the thread that calls torch_xla.sync(), an XLA tensor cannot be touched in torch_xla 2.9, not even
-            # a table's size (planning reads it) or a new transfer: sync() rewrites every live tensor's data
-            # unlocked, and the other thread then raises "Check failed: data()->tensor_data" or corrupts the heap.
-            # Measured on XLA:CPU against a main thread that updates and syncs: 6,900 of 7.3M `weight.shape` reads
-            # raised and one of two runs aborted in malloc; 6 of 153k `.to(xla)` (and reads of the result) raised.
-            raise NotAhead("tables on an XLA device are prepared on the thread that looks them up")
+        if ahead:
+            # Off the thread that calls torch_xla.sync(), an XLA tensor's data cannot be touched in torch_xla 2.9, not
+            # even a table's size or a new transfer: sync() rewrites every live tensor's data unlocked, and the other
+            # thread then raises "Check failed: data()->tensor_data" or corrupts the heap. Measured on XLA:CPU against
+            # a main thread that updates and syncs: 6,900 of 7.3M `weight.shape` reads raised and one of two runs
+            # aborted in malloc; 6 of 153k `.to(xla)` (and reads of the result) raised. So the plan reads the sizes
+            # know_rows() recorded and keeps XLA tables' ids on the host; `.device`, `.dtype` and `.requires_grad`
+            # live outside the data (26M reads from a thread, none failed).
+            known = self.__dict__.get("_rows_known") or {}
+            for t in self.physical_tables().values():
+                ref = known.get(id(t.weight), (None,))[0]
+                if t.weight.device.type == "xla" and (ref is None or ref() is not t.weight):
+                    raise NotAhead(f"table `{t.name}` is on an XLA device and its size was not recorded: call "
+                                   "know_rows() on the thread that looks up first")
         side = self._side_stream() if ahead else None
         try:
             with torch.cuda.stream(side) if side is not None else nullcontext():

@@ -178,9 +178,11 @@ class AssembledBatch:
                     self._raise()
         if ahead and not self.resident:  # shifted and shaped here, then moved (the same integers as on the device)
             n, where = b * len(inputs), self.weight.device
-            self._ids = move_ahead(self._shifted(ids, mask, inputs).view(n, width), where)
-            self._weights = None if w is None else move_ahead(
-                w.to(compute_dtype(self.weight.dtype)).reshape(n, width), where)
+            self._ids = self._shifted(ids, mask, inputs).view(n, width)
+            self._weights = None if w is None else w.to(compute_dtype(self.weight.dtype)).reshape(n, width)
+            if where.type != "xla":  # (XLA: moved by the lookup, on the thread that syncs; see modules/ahead.py)
+                self._ids = move_ahead(self._ids, where)
+                self._weights = None if self._weights is None else move_ahead(self._weights, where)
             self._inputs = []
             return
         if not self.resident:  # one transfer of the batch's ids (and mask, weights); the rest is the device's
@@ -218,7 +220,10 @@ class AssembledBatch:
 
     def _lookup(self, columns: int) -> tuple[torch.Tensor, ...]:
         assert self._ids is not None, "assemble() first"
-        return bags_lookup(self.weight, self._ids, self._weights, self.combiner, self.row_grad, self.tables,
+        ids, w, where = self._ids, self._weights, self.weight.device
+        if ids.device != where:  # prepared ahead for an XLA table: moved now, on the thread that looks up
+            ids, w = ids.to(where), None if w is None else w.to(where)
+        return bags_lookup(self.weight, ids, w, self.combiner, self.row_grad, self.tables,
                            not self.sig[5], columns=columns)  # (full: no mask, no padding)
 
     def run(self) -> dict[Path, torch.Tensor]:

@@ -139,6 +139,6 @@ def plan_lookups(ec: Any, features: Any, weights: Any, ahead: bool = False) -> l
     plain = [b for b in batches.values() if id(b) not in taken]
     if ahead:  # host bags moved now (a routed lookup moves its own ids, in its exchange)
         for b in plain:
-            if isinstance(b, LookupBatch) and not b.resident:
-                b.move_ahead()
+            if isinstance(b, LookupBatch) and not b.resident and b.weight.device.type != "xla":
+                b.move_ahead()  # (XLA: moved by its lookup, on the thread that syncs; see modules/ahead.py)
     return plain + list(routed.values())

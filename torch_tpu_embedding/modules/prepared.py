@@ -5,10 +5,11 @@ padding, the group assembly (:mod:`~torch_tpu_embedding.modules.assembly`) and t
 :class:`PreparedFeatures`; ``ec(prepared)`` then only looks up. ``tte.TrainPipeline`` prepares batch ``N + 1``
 on a background thread while step ``N`` runs. With ``ahead=True`` nothing is put on a device but host tensors
 moved to it, so a stacked group's ids are shifted to their rows on the host. On CUDA the transfers are
-non-blocking copies from pinned memory on a side stream, which the forward's stream waits for. XLA is refused
-with :class:`NotAhead` (prepare on the main thread): tables there, as torch_xla 2.9's tensors cannot be touched
-off the thread that runs ``torch_xla.sync()`` (a size read or a transfer races with it), and ids already there
-(screened on the device: graph nodes, which would join whichever step syncs next).
+non-blocking copies from pinned memory on a side stream, which the forward's stream waits for. On XLA the
+prepared ids stay on the host and the lookup moves them: torch_xla 2.9's tensors cannot be touched off the
+thread that runs ``torch_xla.sync()`` (a size read or a transfer races with it; the sizes come from
+``EmbeddingCollection.know_rows``). Ids already on an XLA device (screened on the device: graph nodes, which
+would join whichever step syncs next) are refused with :class:`NotAhead` (prepare them on the main thread).
 
 Example::
 
@@ -32,7 +33,7 @@ __all__ = ["NotAhead", "PreparedFeatures", "leaves_of", "move_ahead"]
 
 
 class NotAhead(Exception):
-    """Inputs that cannot be prepared off the main thread (tables or ids on an XLA device)."""
+    """Inputs that cannot be prepared off the main thread (ids on an XLA device, or XLA tables of unrecorded size)."""
 
 
 def leaves_of(value: Any) -> tuple[int, ...]:
@@ -92,7 +93,7 @@ class PreparedFeatures:
 
 def move_ahead(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on ``device`` without a device op or a blocking copy: pinned and non-blocking on CUDA (the
-    caller runs this under its side stream), a plain transfer elsewhere (never XLA: not prepared ahead)."""
+    caller runs this under its side stream), a plain transfer elsewhere (never XLA: moved by the lookup)."""
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)

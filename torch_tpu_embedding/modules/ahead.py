@@ -88,6 +88,8 @@ class AheadLookups:
                     raise NotAhead(f"table `{t.name}` is on an XLA device and its size was not recorded: call "
                                    "know_rows() on the thread that looks up first")
         side = self._side_stream() if ahead else None
+        if side is not None:  # (inputs already on the GPU were made on its default stream)
+            side.wait_stream(torch.cuda.default_stream(side.device))
         try:
             with torch.cuda.stream(side) if side is not None else nullcontext():
                 batches = self._plan(features, weights, ahead)

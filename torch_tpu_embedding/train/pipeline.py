@@ -261,6 +261,9 @@ class TrainPipeline:
             stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream) if stream is not None else _Nothing():
             self.collection.look_up_ahead(prepared, self.concat)
+        if stream is not None:  # made on the side stream, used on this one: their memory kept until it has
+            current = torch.cuda.current_stream()
+            tree_map(lambda t: t.record_stream(current) if isinstance(t, torch.Tensor) else t, prepared.outputs)
         if self._resume_outputs is not None:  # restored from a checkpoint: the values looked up before it
             saved, self._resume_outputs = self._resume_outputs, None
             prepared.outputs = _restore(prepared.outputs, saved)

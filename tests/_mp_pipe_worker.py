@@ -130,12 +130,31 @@ def _dp_run(name: str, schedule: str, rank: int, world: int) -> dict[str, Any]:
 RUNS: dict[str, Callable[[str, str, int, int], dict[str, Any]]] = {"pg": _pg_run, "dp": _dp_run}
 
 
+class Recording(MP.Recording):
+    """tests/_mp_worker.py's recording backend (every collective, DDP's C++ ones too, on gloo), each collective
+    with the thread that issued it."""
+
+    def _log(self, name: str, tensors: list[torch.Tensor], splits: tuple[Any, ...] = ()) -> None:
+        super()._log(name, tensors, splits)
+        MP.LOG[-1]["thread"] = threading.current_thread().name
+
+
+def _create_recording(store: Any, rank: int, size: int, timeout: Any) -> Recording:
+    return Recording(dist.ProcessGroupGloo(store, rank, size, timeout), rank, size)
+
+
 def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = {f"{setup}/{name}/{schedule}": run(name, schedule, rank, world)
-               for setup, run in RUNS.items() for name in OPTS for schedule in SCHEDULES}
+    dist.Backend.register_backend("recording", _create_recording, devices=["cpu"])
+    dist.init_process_group("recording", rank=rank, world_size=world)  # gloo, every collective recorded
+    results: dict[str, Any] = {}
+    for setup, run in RUNS.items():
+        for name in OPTS:
+            for schedule in SCHEDULES:
+                MP.LOG.clear()
+                results[f"{setup}/{name}/{schedule}"] = run(name, schedule, rank, world)
+                results[f"collectives/{setup}/{name}/{schedule}"] = [(c["name"], c["thread"]) for c in MP.LOG]
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

@@ -6,7 +6,7 @@ pipeline, and every rank equals one process running the global batches through t
 hand (the plain loop for prefetch; TF's one-step-stale schedule for pipelined execution), float64, compared as the
 suites of each setup compare (tests/distributed/test_mp_shard.py: every rank's stored rows by logical id, their
 slots, the replicated tables and the DDP head; tests/distributed/test_data_parallel.py: replicas bitwise equal, and
-equal to one process). A bad id on one rank raises on both at that step, in each schedule (one process per rank
+equal to one process); every collective is the main thread's, in one order on both ranks. A bad id on one rank raises on both at that step, in each schedule (one process per rank
 under a timeout, as tests/distributed/test_mp_guards.py runs them: a rank that hangs fails the test).
 """
 
@@ -77,6 +77,22 @@ def test_data_parallel_replicas_equal_one_process(name: str, schedule: str,
     runs = [res[f"dp/{name}/{schedule}"] for res in ranks(tmp_path_factory)]
     assert_replicas_equal(runs)
     assert_close(runs[0], reference("dp", name, schedule), TOL)
+
+
+@pytest.mark.parametrize("schedule", W.SCHEDULES)
+@pytest.mark.parametrize("setup", ["pg", "dp"])
+def test_every_collective_is_the_main_threads_in_one_order(setup: str, schedule: str,
+                                                          tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Every collective of every run (recorded by tests/_mp_worker.py's wrapping backend: the exchange's, DDP's and
+    the optimizers') was issued by the main thread, never by the prefetch thread, and both ranks issued the same
+    ones in the same order."""
+    results = ranks(tmp_path_factory)
+    for name in W.OPTS:
+        logs = [res[f"collectives/{setup}/{name}/{schedule}"] for res in results]
+        assert logs[0] and {thread for _, thread in logs[0] + logs[1]} == {"MainThread"}, (name, logs)
+        assert [c for c, _ in logs[0]] == [c for c, _ in logs[1]], name
+    if setup == "pg":  # the id exchange ran (its all-to-alls) in every schedule
+        assert any(c == "all_to_all_single" for c, _ in results[0][f"collectives/pg/sgd/{schedule}"])
 
 
 @pytest.mark.parametrize("setup", ["pg", "dp"])

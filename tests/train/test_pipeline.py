@@ -373,3 +373,15 @@ def test_prepared_features_are_looked_up_once_by_their_collection() -> None:
     kept = ec.prepare(bad, ahead=True)  # kept, raised by its lookup
     with pytest.raises(ValueError, match="Feature `b`"):
         ec(kept)
+    with pytest.raises(ValueError, match="Feature `b`"):  # a lookup ahead raises it now
+        ec.look_up_ahead(ec.prepare(bad, ahead=True))
+    kept = ec.prepare(bad, ahead=True)
+    ec.look_up_ahead(kept, keep_error=True)  # or keeps it for the forward that uses these features
+    assert kept.outputs is None and isinstance(kept.ahead_error, ValueError)
+    with pytest.raises(ValueError, match="looked up ahead already"):
+        ec.look_up_ahead(kept, keep_error=True)
+    with pytest.raises(ValueError, match="Feature `b`"), ec.use_prepared(kept):
+        ec(bad)
+    good = ec.prepare(batch, ahead=True)
+    ec.look_up_ahead(good, keep_error=True)
+    _equal(ec(good), ec(batch))

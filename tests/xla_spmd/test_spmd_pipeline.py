@@ -79,11 +79,21 @@ def run(device: torch.device, opt: str, stale: bool) -> dict[str, torch.Tensor]:
     if xla:
         torch_xla.sync()
         met.clear_all()
+    compiles: list[int] = []
+
+    def after_step() -> None:
+        torch_xla.sync()
+        compiles.append(met.counter_value("UncachedCompile") or 0)
+
     pipe = tte.TrainPipeline(model, optimizer, step=step, features=lambda b: b["sparse"],
-                             pipeline_execution_with_tensor_core=stale, after_step=torch_xla.sync if xla else None)
+                             pipeline_execution_with_tensor_core=stale, after_step=after_step if xla else None)
     assert sum(1 for _ in pipe.run(batches())) == STEPS
     if xla:
         assert met.executed_fallback_ops() == []  # (no host read in a step)
+        # One graph per kind of step: prefetch one from the first step on; pipelined execution one for step 0 (its
+        # batch looked up in the step), one for the steady steps (their batch looked up in the step before), one for
+        # the last (nothing left to look up ahead).
+        assert compiles == ([1, 2, 2, 2, 3] if stale else [1] * STEPS), compiles
     assert not [t for t in threading.enumerate() if t.name == "tte-prefetch"]
     if xla:
         assert sharding_spec(model["ec"].embedding_tables["row"]).startswith("{devices=[4,1]")

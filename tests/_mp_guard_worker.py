@@ -12,6 +12,7 @@ import datetime
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,41 @@ def train(model: nn.Module, opt: Any, rank: int, steps: int, bad: tuple[int, int
     return {"errors": errors, "done": done}
 
 
+def pipeline(model: nn.Module, opt: Any, rank: int, fault: str, stale: bool) -> dict[str, Any]:
+    """4 steps through ``tte.TrainPipeline`` with prefetch (``stale``: and pipelined execution); rank 1 fails at
+    batch 2: ``fault`` ``"bad_id"``: an out-of-range id; ``"features"``: ``features(batch)`` raises; ``"source"``: the
+    source raises instead of giving it. Records the steps done, the error with the step it was raised at, the
+    prefetch threads left and the first unfinished batch's step."""
+    failing = rank == 1
+    data = [{"ids": ids, "label": label, "step": s}
+            for s in range(4) for ids, label in [batch(rank, s, fault == "bad_id" and failing and s == 2)]]
+
+    def source() -> Any:
+        for b in data:
+            if fault == "source" and failing and b["step"] == 2:
+                raise OSError("the reader failed")
+            yield b
+
+    def features(b: dict[str, Any]) -> Any:
+        if fault == "features" and failing and b["step"] == 2:
+            raise KeyError("ids")
+        return b["ids"]
+
+    def step(m: nn.Module, b: dict[str, Any]) -> torch.Tensor:
+        return F.binary_cross_entropy_with_logits(m(b["ids"]), b["label"])
+
+    pipe = tte.TrainPipeline(model, opt, step=step, features=features, pipeline_execution_with_tensor_core=stale)
+    errors, done = [], []
+    try:
+        for _ in pipe.run(source()):
+            done.append(pipe.steps - 1)
+    except Exception as e:  # noqa: BLE001 - recorded
+        errors.append(error(e, pipe.steps))
+    left = pipe.unfinished()
+    return {"errors": errors, "done": done, "threads": sum(t.name == "tte-prefetch" for t in threading.enumerate()),
+            "unfinished_first": left[0]["step"] if left else None}
+
+
 def run(scenario: str, rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = Model(configs(rank, scenario))
@@ -127,6 +163,8 @@ def run(scenario: str, rank: int, world: int) -> dict[str, Any]:
     opt = tte.optim.Adagrad(ddp.parameters(), lr=0.1)
     if scenario in ("rows_differ", "placement_differ", "names_differ"):
         return train(ddp, opt, rank, 2, None)
+    if scenario.startswith("pipeline_"):  # "pipeline_<fault>[_stale]": rank 1 fails at batch 2 in tte.TrainPipeline
+        return pipeline(ddp, opt, rank, scenario[len("pipeline_"):].removesuffix("_stale"), scenario.endswith("_stale"))
     if scenario == "bad_id_skipped":  # rank 1 skips its bad batch (as the issue's user did); rank 0 stops at an error
         return train(ddp, opt, rank, 4, (1, 1), (ValueError,))
     if scenario == "bad_id_every_rank_skips":  # every rank skips a failed step alike: they stay in step

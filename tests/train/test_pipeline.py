@@ -246,7 +246,11 @@ def test_a_bad_id_raises_at_its_own_step_naming_the_feature(stale: bool) -> None
     assert pipe.unfinished()[0] is data[3]
 
 
-def test_the_sources_error_is_raised_at_its_place_in_the_stream() -> None:
+@pytest.mark.parametrize("stale", [False, True])
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_the_sources_error_is_raised_at_its_place_in_the_stream(stale: bool, prefetch: bool) -> None:
+    """After the steps of the batches before it (with pipelined execution it is met while batch 1's step looks
+    ahead: that step still trains, its update applied)."""
     info = OPTIMIZER_INFOS[0]
     data = _batches(4, seed=6)
 
@@ -255,12 +259,44 @@ def test_the_sources_error_is_raised_at_its_place_in_the_stream() -> None:
         raise OSError("the reader failed")
 
     model = _model()
-    pipe = tte.TrainPipeline(model, _opts(model, info, info.default), step=_step, features=lambda b: b["sparse"])
+    opts = _opts(model, info, info.default)
+    pipe = tte.TrainPipeline(model, opts, step=_step, features=lambda b: b["sparse"], prefetch=prefetch,
+                             pipeline_execution_with_tensor_core=stale)
     done = []
     with pytest.raises(OSError, match="the reader failed"):
         for loss in pipe.run(source()):
             done.append(loss)
-    assert len(done) == 2 and not _threads()
+    assert len(done) == 2 and pipe.steps == 2 and not _threads() and pipe.unfinished() == []
+    want = _stale_reference(info, info.default, data[:2]) if stale else _plain(info, info.default, data[:2])
+    _equal(_state(model, opts), want)
+    assert pipe.state_dict()["taken"] == 2
+
+
+@pytest.mark.parametrize("stale", [False, True])
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_an_error_of_features_raises_at_its_own_step(stale: bool, prefetch: bool) -> None:
+    """``features(batch)`` raising for batch 2 (on the thread, or in the step before with pipelined execution):
+    raised at step 2, after update 1; the batch is the first unfinished."""
+    info = OPTIMIZER_INFOS[0]
+    data = _batches(4, seed=8)
+
+    def features(b: dict[str, Any]) -> Any:
+        if b is data[2]:
+            raise KeyError("no sparse features in this batch")
+        return b["sparse"]
+
+    model = _model()
+    opts = _opts(model, info, info.default)
+    pipe = tte.TrainPipeline(model, opts, step=_step, features=features, prefetch=prefetch,
+                             pipeline_execution_with_tensor_core=stale)
+    done = []
+    with pytest.raises(KeyError, match="no sparse features"):
+        for loss in pipe.run(data):
+            done.append(loss)
+    assert len(done) == 2 and pipe.steps == 2 and not _threads()
+    assert pipe.unfinished()[0] is data[2]
+    want = _stale_reference(info, info.default, data[:2]) if stale else _plain(info, info.default, data[:2])
+    _equal(_state(model, opts), want)
 
 
 def test_stopping_early_leaves_no_thread_and_keeps_the_batches_taken() -> None:
@@ -337,6 +373,18 @@ def test_prepared_features_are_looked_up_once_by_their_collection() -> None:
     kept = ec.prepare(bad, ahead=True)  # kept, raised by its lookup
     with pytest.raises(ValueError, match="Feature `b`"):
         ec(kept)
+    with pytest.raises(ValueError, match="Feature `b`"):  # a lookup ahead raises it now
+        ec.look_up_ahead(ec.prepare(bad, ahead=True))
+    kept = ec.prepare(bad, ahead=True)
+    ec.look_up_ahead(kept, keep_error=True)  # or keeps it for the forward that uses these features
+    assert kept.outputs is None and isinstance(kept.ahead_error, ValueError)
+    with pytest.raises(ValueError, match="looked up ahead already"):
+        ec.look_up_ahead(kept, keep_error=True)
+    with pytest.raises(ValueError, match="Feature `b`"), ec.use_prepared(kept):
+        ec(bad)
+    good = ec.prepare(batch, ahead=True)
+    ec.look_up_ahead(good, keep_error=True)
+    _equal(ec(good), ec(batch))
 
 
 def test_the_docstring_examples_run() -> None:

@@ -38,6 +38,8 @@ class AheadLookups:
         raise NotImplementedError
 
     def _look_up_prepared(self, prepared: PreparedFeatures, concat: bool) -> Any:
+        if prepared.ahead_error is not None:  # (this rank took part in its step's agreement when it was looked up)
+            raise prepared.ahead_error
         if prepared.outputs is not None:  # looked up ahead (tte.TrainPipeline's one-step-stale schedule)
             if concat is not prepared.concat:
                 raise ValueError(f"These features were looked up ahead with concat={prepared.concat}; the forward "
@@ -103,14 +105,26 @@ class AheadLookups:
             raise
         return PreparedFeatures(id(self), batches, None, *where, stream_event=event)
 
-    def look_up_ahead(self, prepared: PreparedFeatures, concat: bool = False) -> None:
+    def look_up_ahead(self, prepared: PreparedFeatures, concat: bool = False, *, keep_error: bool = False) -> None:
         """Look ``prepared`` up now, with the tables as they are; the forward given its inputs (while
         :meth:`use_prepared` holds it) or ``prepared`` itself then returns these activations, whatever the
         tables hold by then. ``tte.TrainPipeline(pipeline_execution_with_tensor_core=True)`` does this for
-        batch ``N + 1`` before update ``N``: TF's one-step-stale lookups."""
-        if prepared.outputs is not None:
+        batch ``N + 1`` before update ``N``: TF's one-step-stale lookups.
+
+        ``keep_error=True``: an error of this lookup (the inputs' own, kept by :meth:`prepare`; over a process
+        group, another rank's failure, reported by the lookup's exchange) is kept in ``prepared``
+        (``prepared.ahead_error``) and raised by the forward that uses it, at its own step. Every rank of a process
+        group takes part in the lookup's agreement now, failed or not, so every rank raises at that step and none
+        waits for another's collective."""
+        if prepared.outputs is not None or prepared.ahead_error is not None:
             raise ValueError("These prepared features were looked up ahead already.")
-        outputs = self._look_up_prepared(prepared, concat)
+        try:
+            outputs = self._look_up_prepared(prepared, concat)
+        except Exception as e:
+            if not keep_error:
+                raise
+            prepared.ahead_error = e
+            return
         prepared.outputs, prepared.concat = outputs, concat
 
     def know_rows(self) -> None:

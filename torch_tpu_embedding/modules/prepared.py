@@ -60,6 +60,15 @@ class PreparedFeatures:
     outputs: Any = None
     concat: bool | None = None
     used: bool = False
+    #: the error of a lookup ahead (``look_up_ahead(..., keep_error=True)``): raised by the forward that uses these
+    #: features, at their own step (over a process group every rank took part in that lookup's agreement already)
+    ahead_error: BaseException | None = None
+
+    @classmethod
+    def failed(cls, owner: int, error: BaseException) -> PreparedFeatures:
+        """Features that could not be prepared (``error``: e.g. what reading them from the batch raised): their
+        lookup raises ``error``, after taking part in the step's agreement as any failed lookup does."""
+        return cls(owner, None, error, (), None)
 
     def matches(self, features: Any, weights: Any) -> bool:
         """Whether a forward's ``features`` and ``weights`` are the very objects this was prepared from."""

@@ -16,7 +16,10 @@ Each step is the user's: ``step(model, batch)`` returns the loss (or ``(loss, an
   on XLA they are one graph, on CUDA the lookup runs on a side stream.
 
 Collectives (a process group's id exchange, data-parallel gradient syncs) run on the main thread only, in one
-order on every rank: the thread prepares, it never looks up.
+order on every rank: the thread prepares, it never looks up. A batch that fails on one rank (a bad id, ``features``
+raising, the source raising) fails its lookup there, and that rank still takes part in the lookup's agreement
+(with pipelined execution: the lookup ahead, during the previous step), so every rank raises at that batch's step and
+none waits for another (tests/distributed/test_mp_pipeline.py).
 
 A checkpoint between steps: :meth:`TrainPipeline.state_dict` holds the batches taken from the source and not yet
 trained (and, with pipelined execution, the activations already looked up for the first of them); saved with
@@ -43,7 +46,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch.utils._pytree import tree_map
@@ -158,11 +161,18 @@ class TrainPipeline:
         elif source is not self._source and source is not self._given:
             raise ValueError("TrainPipeline.progress() must be given the same iterator at every call (the next "
                              "batches are taken from it ahead); close() the pipeline to start on another.")
-        current = self._next if self._next is not None else self._take()
+        try:
+            current = self._next if self._next is not None else self._take()
+        except Exception as e:  # the source's error
+            self.close()
+            self._fail(e)
         self._next = None
         if current is None:
             self.close()
             raise StopIteration
+        if current.source_error is not None:  # met while looking ahead during the previous step: its place is here
+            self.close()
+            raise current.source_error
         try:
             return self._train(current)
         except BaseException:
@@ -172,14 +182,21 @@ class TrainPipeline:
 
     def _train(self, current: Ready) -> Any:
         prepared = self._prepared(current)
+        if prepared.ahead_error is not None:  # its lookup, during the previous step, failed (here or on another rank)
+            raise prepared.ahead_error
         if self._resume_outputs is not None:  # restored: its activations as looked up before the checkpoint
             self._look_up_ahead(prepared)
-        if self.stale:  # batch N + 1 looked up now: the tables before update N (its error waits for its step)
-            following = self._take()
+        if self.stale:  # batch N + 1 looked up now: the tables before update N
+            try:
+                following = self._take()
+            except Exception as e:  # the source's error, raised after this step, at its place in the stream
+                following = Ready(None, source_error=e)
             if following is not None:
-                ahead = self._prepared(following, keep_error=True)
-                if ahead is not None and ahead.error is None:
-                    self._look_up_ahead(ahead)
+                # Looked up even when its inputs (or the source) failed, the error kept for its step: over a process
+                # group the failed rank takes part in this lookup's agreement, so that every rank raises at that step.
+                ahead = (self._prepared(following, keep_error=True) if following.source_error is None
+                         else PreparedFeatures.failed(id(self.collection), following.source_error))
+                self._look_up_ahead(ahead)
             self._next = following
         with self.collection.use_prepared(prepared):
             result = self._step_fn(self.model, current.batch)
@@ -246,27 +263,42 @@ class TrainPipeline:
         return item
 
     def _prepared(self, item: Ready, keep_error: bool = False) -> PreparedFeatures:
-        """``item``'s prepared features (prepared now where the thread did not). An error of its inputs is kept
-        in them (raised by their lookup, at their own step) when ``keep_error``, else raised now."""
-        if item.error is not None:
-            raise item.error
-        if item.prepared is None:
-            item.prepared = self.collection.prepare(*self._inputs(item.batch), keep_error=keep_error)
+        """``item``'s prepared features (prepared now where the thread did not). An error of its inputs (or of
+        ``features`` / ``weights`` reading them) is kept in them (raised by their lookup, at their own step) when
+        ``keep_error``, else raised now; either way by a lookup, which over a process group tells the other ranks."""
+        if item.prepared is None and item.error is None:
+            try:
+                inputs = self._inputs(item.batch)
+            except Exception as e:
+                item.error = e
+            else:
+                item.prepared = self.collection.prepare(*inputs, keep_error=keep_error)
+        if item.error is not None:  # `features(batch)` raised: the lookup of its step fails with that error
+            if not keep_error:
+                self._fail(item.error)
+            item.prepared, item.error = PreparedFeatures.failed(id(self.collection), item.error), None
         prepared: PreparedFeatures = item.prepared
         return prepared
+
+    def _fail(self, error: BaseException) -> NoReturn:
+        """Raise ``error`` as this step's lookup: over a process group the other ranks' lookups of this step then
+        raise too (the failed rank takes part in their agreement) instead of waiting for this rank."""
+        self.collection(PreparedFeatures.failed(id(self.collection), error))
+        raise error  # (the lookup raised it already)
 
     def _look_up_ahead(self, prepared: PreparedFeatures) -> None:
         stream = self._side_stream()
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream) if stream is not None else _Nothing():
-            self.collection.look_up_ahead(prepared, self.concat)
-        if stream is not None:  # made on the side stream, used on this one: their memory kept until it has
-            current = torch.cuda.current_stream()
+            self.collection.look_up_ahead(prepared, self.concat, keep_error=True)
+        if stream is not None and prepared.outputs is not None:  # made on the side stream, used on this one:
+            current = torch.cuda.current_stream()  # their memory kept until it has used them
             tree_map(lambda t: t.record_stream(current) if isinstance(t, torch.Tensor) else t, prepared.outputs)
         if self._resume_outputs is not None:  # restored from a checkpoint: the values looked up before it
             saved, self._resume_outputs = self._resume_outputs, None
-            prepared.outputs = _restore(prepared.outputs, saved)
+            if prepared.outputs is not None:  # (else its error is raised at its step)
+                prepared.outputs = _restore(prepared.outputs, saved)
 
     def _side_stream(self) -> Any:
         if not any(p.device.type == "cuda" for p in self.collection.parameters()):
@@ -286,7 +318,7 @@ class TrainPipeline:
 
     def unfinished(self) -> list[Any]:
         """The batches taken from the source and not trained, in order (the batch of a step that raised first)."""
-        pending = [] if self._next is None else [self._next.batch]
+        pending = [] if self._next is None or self._next.source_error is not None else [self._next.batch]
         waiting = self._prefetcher.waiting() if self._prefetcher is not None else []
         return [*self._failed, *pending, *waiting, *self._resume]
 
@@ -303,7 +335,7 @@ class TrainPipeline:
         elif self._resume_outputs is not None:
             outputs = self._resume_outputs
         unfinished = self.unfinished()
-        handed = 0 if self._next is None else 1  # (counted in self.taken already)
+        handed = int(self._next is not None and self._next.source_error is None)  # (counted in self.taken already)
         return {"steps": self.steps, "taken": self.taken + len(unfinished) - handed, "unfinished": unfinished,
                 "outputs_ahead": outputs, "pipeline_execution_with_tensor_core": self.stale}
 

@@ -107,7 +107,7 @@ class RowGrad:
     """
 
     __slots__ = ("__weakref__", "_ids", "_ok", "_rows", "exchanged", "handle", "keep_factored", "raw_exchange",
-                 "reached")
+                 "reached", "variable_rows")
 
     def __init__(self) -> None:
         self.handle = -1  # not registered: a temporary (take(), local_part()), which no lookup is given
@@ -127,6 +127,8 @@ class RowGrad:
         #: names of the tables whose lookups' backward added a chunk (a stacked group's members, which
         #: may have had no id of their own: bags all empty)
         self.reached: set[str] = set()
+        #: a pending chunk came from jagged bags (as many rows as the data's ids): data parallel exchanges counts
+        self.variable_rows = False
 
     @classmethod
     def registered(cls) -> RowGrad:  # a table's: a compiled backward names it by an int (_lookup.add_rows)
@@ -136,7 +138,7 @@ class RowGrad:
         return out
 
     def __setstate__(self, state: tuple[None, dict[str, Any]]) -> None:  # deepcopy, pickle: another table's
-        self.raw_exchange = False  # pickled before it existed
+        self.raw_exchange = self.variable_rows = False  # pickled before they existed
         for k, v in state[1].items():
             setattr(self, k, v)
         if self.handle >= 0:
@@ -260,6 +262,7 @@ class RowGrad:
         """A new :class:`RowGrad` holding this one's chunks; this one is left empty."""
         out = RowGrad()
         out._ids, out._rows, out._ok = list(self._ids), list(self._rows), list(self._ok)
+        out.variable_rows = self.variable_rows
         self.clear()
         return out
 
@@ -269,6 +272,7 @@ class RowGrad:
         self._ok.clear()
         self.exchanged = 0
         self.reached.clear()
+        self.variable_rows = False
 
 
 _HANDLES = itertools.count()

@@ -21,11 +21,14 @@ the partitioner already makes gradients global (multi-host SPMD runs call ``init
 checkpoint coordination; exchanging there would count every gradient once per host). Tables marked
 local are never exchanged.
 
-How: eager devices (CPU/gloo, CUDA/NCCL) first sum each rank's duplicate ids, exchange the row
-counts, pad to the largest and gather; static-shape devices (XLA multi-process, the ``xla``
-backend) gather the raw padded rows at their static size, which must be equal on every rank (it is
-checked once per shape, the only host round trip). One gather of ids and one of rows per dtype
-carries every table of a step.
+How (:func:`static_route` chooses): on the CPU (gloo), where reading the host costs nothing, each
+rank first sums its duplicate ids, the ranks exchange their row counts (read on the host), pad to the
+largest and gather. On every other device (CUDA/NCCL, XLA multi-process) a per-step read would stall
+the host on the device, so the ranks gather the raw rows as the backward made them, padding kept, at
+sizes taken from their shapes; those must be equal on every rank (the same batch size and padded
+width per feature), which is checked once per shape, the only host round trip. Jagged (unpadded)
+bags, whose row counts follow each rank's data, take the first route on any eager device. One
+gather of ids and one of rows per dtype carries every table of a step.
 
 Example (one process: nothing to exchange, so a no-op)::
 
@@ -56,6 +59,7 @@ __all__ = [
     "mark",
     "should_exchange",
     "spmd_active",
+    "static_route",
     "sync_row_grads",
 ]
 
@@ -67,6 +71,10 @@ LOCAL = "local"
 _MARKS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # type: ignore[no-untyped-call]
 #: static-shape exchanges whose per-table sizes were checked equal on every rank: (group id, sizes)
 _CHECKED_SIZES: set[tuple[int, tuple[int, ...]]] = set()
+#: device types whose exchange sums duplicates and reads the ranks' row counts on the host each step
+#: (:func:`static_route`): the CPU, where a host read stalls nothing. Remove "cpu" to exchange CPU
+#: tables as accelerators do (the tests do); add "cuda" to let CUDA ranks send row counts that differ.
+DEDUP_DEVICE_TYPES: set[str] = {"cpu"}
 #: rows multiplied out at a time when a factored (SGD) gradient is summed per id before the exchange
 _PIECE_ROWS = 8192
 
@@ -112,6 +120,19 @@ def exchange_group(table: Tensor) -> Any:
 
 
 # ---------------------------------------------------------------------------------- the exchange
+def static_route(device: torch.device, variable_rows: bool = False) -> bool:
+    """Whether tables on ``device`` are exchanged at static sizes (no host read after a shape's first
+    step) rather than deduplicated first with each rank's row counts read on the host (every step).
+
+    Static on XLA always, and on eager devices not in :data:`DEDUP_DEVICE_TYPES` (CUDA: a host read
+    there waits for the device) unless ``variable_rows``: some table's rows came from jagged bags,
+    whose count differs from rank to rank, so only the counted route can agree on the sizes.
+    """
+    if is_static_device(device):
+        return True
+    return device.type not in DEDUP_DEVICE_TYPES and not variable_rows
+
+
 def sync_row_grads(param_groups: Iterable[Mapping[str, Any]]) -> None:
     """Make the pending row gradients of the tables in ``param_groups`` global (data parallel).
 
@@ -146,18 +167,18 @@ def sync_row_grads(param_groups: Iterable[Mapping[str, Any]]) -> None:
         _exchange(items, pg)
 
 
-def _local_rows(p: Tensor, rg: RowGrad, world: int, dedup: bool = True) -> tuple[Tensor, Tensor] | None:
+def _local_rows(p: Tensor, rg: RowGrad, world: int, dedup: bool, static: bool) -> tuple[Tensor, Tensor] | None:
     """This rank's not-yet-exchanged rows of ``p``, divided by ``world``; ``None`` without any.
 
-    Eager with ``dedup``: duplicate ids summed and padding dropped (fewer rows to send and to dedup
-    after the exchange; a factored gradient is multiplied out piece by piece). Otherwise, and on
-    static-shape devices: the rows as the backward made them, padding kept.
+    With ``dedup`` on the counted route: duplicate ids summed and padding dropped (fewer rows to send
+    and to dedup after the exchange; a factored gradient is multiplied out piece by piece). Otherwise,
+    and on the ``static`` route: the rows as the backward made them, padding kept.
     """
     local = rg.local_part()
     if not local:
         return None
     sentinel, dtype = p.shape[0], math_dtype(p)  # float32 for 16-bit tables, as the update
-    if is_static_device(p.device) or not dedup:
+    if static or not dedup:
         ids, rows = local.collect()
     elif len(local) == 1 and not rg.keep_factored:
         ids, rows = local.collect()
@@ -203,11 +224,12 @@ def _exchange(items: list[tuple[Tensor, RowGrad, bool]], group: Any) -> None:
     """
     world = dist.get_world_size(group)
     device = items[0][0].device
-    local = [_local_rows(p, rg, world, dedup) for p, rg, dedup in items]
+    static = static_route(device, any(rg.variable_rows for _, rg, _ in items))
+    local = [_local_rows(p, rg, world, dedup, static) for p, rg, dedup in items]
     # Per table, the number of ids this rank sends plus one (0: no gradient at all, as in a step
     # where no backward reached the table): every rank then agrees on which tables get one.
     mine = [0 if x is None else x[0].shape[0] + 1 for x in local]
-    if is_static_device(device):
+    if static:
         _check_equal_sizes(mine, group, world, device)
         counts = [mine] * world
     else:
@@ -252,15 +274,19 @@ def _exchange(items: list[tuple[Tensor, RowGrad, bool]], group: Any) -> None:
 
 
 def _check_equal_sizes(mine: list[int], group: Any, world: int, device: torch.device) -> None:
-    """Static-shape exchange: every rank must send the same number of rows per table (checked once per
-    shape: one host round trip)."""
+    """Static-size exchange: every rank must send the same number of rows per table (checked once per
+    shape: one host round trip; a rank whose shape repeats trusts the earlier check)."""
     key = (id(group), tuple(mine))
     if key in _CHECKED_SIZES:
         return
     theirs = _gather(torch.tensor(mine, dtype=torch.int64).to(device), group, world).cpu().view(world, -1)
     if not bool((theirs == theirs[0]).all()):
+        remedy = "" if is_static_device(device) else (
+            f" Or let the ranks differ at a host read per step: "
+            f"torch_tpu_embedding.distributed.grad_sync.DEDUP_DEVICE_TYPES.add({device.type!r}).")
         raise RuntimeError(
-            "Data parallel on a static-shape device needs the same row-gradient sizes on every process "
-            f"(the same batch size and max_ids_per_bag per feature). Per process and table: {theirs.tolist()}"
+            f"Data parallel on {device.type} exchanges row gradients at static sizes, which must be the same on "
+            "every process (the same batch size and padded width per feature). Per process and table: "
+            f"{theirs.tolist()}.{remedy}"
         )
     _CHECKED_SIZES.add(key)

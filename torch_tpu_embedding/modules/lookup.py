@@ -248,6 +248,8 @@ class _JaggedLookup(torch.autograd.Function):
             frozen = ctx.frozen
             if frozen is not None:  # frozen members of a stacked group: their ids become the sentinel
                 ids = torch.where(frozen[ids], frozen.shape[0], ids)
+            if not torch.compiler.is_compiling():  # rows as many as the data's ids: data parallel counts them
+                ctx.row_grad.variable_rows = True
             _hand_over(ctx, ids, (gains.unsqueeze(1) * per_id).to(grad_out.dtype))
         grad_gains = None
         if ctx.needs_input_grad[2]:  # <row, grad_out of its bag> per id

@@ -1,0 +1,76 @@
+"""Data parallel's exchange routes (torch_tpu_embedding.distributed.grad_sync.static_route): on an accelerator
+the row gradients are exchanged at static sizes, with no host read once a shape has been checked; on the CPU
+each rank sums its duplicates first and the ranks' row counts are read every step.
+
+Both routes run on 2 gloo CPU processes (tests/_dp_route_worker.py; the static one forced by emptying
+``DEDUP_DEVICE_TYPES``) and must give the same training as each other and as one process on the global
+batch (float64 ≤ 1e-10), while the static route reads the host in its first exchange only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import _dp_route_worker as R
+import _dp_worker as W
+import pytest
+import torch
+import torch.multiprocessing as mp
+from test_data_parallel import _free_port, assert_close, assert_replicas_equal
+
+from torch_tpu_embedding.distributed import grad_sync
+
+WORLD = 2
+_RUN: list[list[dict[str, Any]]] = []
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Every rank's results of one spawn (tests/_dp_route_worker.py)."""
+    if not _RUN:
+        out: Path = tmp_path_factory.mktemp("route")
+        mp.start_processes(R.worker, args=(WORLD, _free_port(), str(out)), nprocs=WORLD, start_method="spawn")
+        _RUN.append([torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)])
+    return _RUN[0]
+
+
+def test_accelerators_take_the_static_route() -> None:
+    """The policy: static on every device but the CPU, unless a table's rows came from jagged bags (their count
+    follows each rank's data) on an eager device; XLA is static always."""
+    route = grad_sync.static_route
+    assert route(torch.device("cuda", 0)) and route(torch.device("xla", 0)) and route(torch.device("meta"))
+    assert not route(torch.device("cpu"))
+    assert not route(torch.device("cuda", 0), variable_rows=True)
+    assert not route(torch.device("cpu"), variable_rows=True)
+    assert route(torch.device("xla", 0), variable_rows=True)
+
+
+@pytest.mark.parametrize("name", R.NAMES)
+def test_static_route_trains_as_the_dedup_route_and_one_process(name: str, ranks: list[dict[str, Any]]) -> None:
+    """Model, every slot and the dense head: the ranks bitwise equal, each route equal to one process on the
+    global batch, and the two routes equal to each other."""
+    for route in ("dedup", "static"):
+        assert_replicas_equal([r[f"{route}/{name}"] for r in ranks])
+        assert_close(ranks[0][f"{route}/{name}"], W.reference(name, torch.float64), 1e-10)
+    assert_close(ranks[0][f"static/{name}"], ranks[0][f"dedup/{name}"], 1e-10)
+
+
+@pytest.mark.parametrize("name", R.NAMES)
+def test_static_route_reads_the_host_in_its_first_exchange_only(name: str, ranks: list[dict[str, Any]]) -> None:
+    """The static route checks the sizes once (a host read) and never reads again while they repeat: no
+    ``_local_scalar_dense`` and no ``tolist()``; the counted route reads every step (so the count can fail)."""
+    for r in ranks:
+        static, dedup = r[f"static/{name}/reads"], r[f"dedup/{name}/reads"]
+        assert len(static) == len(dedup) == W.STEPS
+        assert static[0][0] >= 1 and static[1:] == [(0, 0)] * (W.STEPS - 1), static
+        assert all(sum(reads) >= 1 for reads in dedup), dedup
+        assert all(lists == 1 for _, lists in dedup), dedup  # the ranks' row counts, every step
+
+
+def test_jagged_bags_are_counted_on_any_eager_device(ranks: list[dict[str, Any]]) -> None:
+    """Jagged bags give each rank as many rows as its ids (different here): even with the static route forced
+    on the CPU they are exchanged by count, and train as one process on the global batch (padded)."""
+    assert_replicas_equal([r["jagged"] for r in ranks])
+    assert_close(ranks[0]["jagged"], W.reference("adagrad", torch.float64), 1e-10)
+    assert all(lists == 1 for r in ranks for _, lists in r["jagged/reads"])  # counted every step

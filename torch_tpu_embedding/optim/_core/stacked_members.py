@@ -28,10 +28,24 @@ __all__ = ["check_created", "clip_members", "created_member_slots", "member_rows
 Tensor = torch.Tensor
 
 
+#: each group's member rows by the identity of its members tuple (asked at every step; the tuple never changes)
+_ROWS: dict[int, tuple[tuple[Any, ...], tuple[int, ...]]] = {}
+
+
 def member_rows(p: Tensor) -> tuple[int, ...]:
     """Logical rows of each member of stacked group ``p`` (``()`` for a table of its own or a dense parameter)."""
     info = table_info(p)
-    return () if info is None or info.members is None else tuple(n for _, _, n in info.members)
+    members = None if info is None else info.members
+    if members is None:
+        return ()
+    if torch.compiler.is_compiling():  # (traced once per graph: no cache to keep)
+        return tuple(n for _, _, n in members)
+    known = _ROWS.get(id(members))
+    if known is None or known[0] is not members:
+        if len(_ROWS) >= 256:  # (a bound: collections come and go in a long process)
+            _ROWS.clear()
+        known = _ROWS[id(members)] = (members, tuple(n for _, _, n in members))
+    return known[1]
 
 
 def member_specs(p: Tensor, out: Mapping[str, SlotSpec]) -> dict[str, SlotSpec]:

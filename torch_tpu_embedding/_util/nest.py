@@ -43,6 +43,19 @@ def rebuild(template: Any, values: dict[Path, Any], path: Path = ()) -> Any:
     return values[path]
 
 
+#: per type: whether its instances are branches of a structure (a mapping, list or tuple), not leaves. Asked of
+#: every config entry at every call: a dict lookup instead of an ABC ``isinstance`` per feature.
+_BRANCH: dict[type, bool] = {}
+
+
+def _is_branch(value: Any) -> bool:
+    kind = type(value)
+    known = _BRANCH.get(kind)
+    if known is None:
+        known = _BRANCH[kind] = issubclass(kind, (Mapping, list, tuple))
+    return known
+
+
 def _where(path: Path) -> str:
     return f" at `{path_name(path)}`" if path else ""
 
@@ -62,7 +75,7 @@ def check_structure(config: Any, given: Any, what: str, path: Path = ()) -> None
                     f"unknown {unknown}."
                 )
         for key, sub in config.items():
-            if isinstance(sub, (Mapping, list, tuple)):  # (a leaf may be given as anything: nothing to check)
+            if _is_branch(sub):  # (a leaf may be given as anything: nothing to check)
                 check_structure(sub, given[key], what, (*path, key))
     elif isinstance(config, (list, tuple)):
         if not isinstance(given, (list, tuple)) or len(given) != len(config):
@@ -72,5 +85,5 @@ def check_structure(config: Any, given: Any, what: str, path: Path = ()) -> None
                 + (f" of {len(given)}" if isinstance(given, (list, tuple)) else "")
             )
         for i, (c, g) in enumerate(zip(config, given, strict=True)):
-            if isinstance(c, (Mapping, list, tuple)):
+            if _is_branch(c):
                 check_structure(c, g, what, (*path, i))

@@ -81,10 +81,13 @@ def signature(value: Any, weight: Any, fc: FeatureConfig, table_device: torch.de
 
 
 @functools.lru_cache(maxsize=512)
-def _bounds(vocabs: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``0`` and ``[1, F, 1]`` largest ids of a batch's columns in the ids' ``dtype`` on ``device`` (made once)."""
+def _bounds(vocabs: tuple[int, ...], dtype: torch.dtype, device: torch.device, feature_major: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``0`` and the ``[1, F, 1]`` (``feature_major``: ``[F, 1, 1]``) largest ids of a batch's columns in the
+    ids' ``dtype`` on ``device`` (made once)."""
     top = torch.iinfo(dtype).max
-    last = torch.tensor([min(v - 1, top) for v in vocabs], dtype=dtype).view(1, -1, 1).to(device)
+    last = torch.tensor([min(v - 1, top) for v in vocabs], dtype=dtype)
+    last = (last.view(-1, 1, 1) if feature_major else last.view(1, -1, 1)).to(device)
     return torch.zeros((), dtype=dtype).to(device), last
 
 
@@ -113,6 +116,8 @@ class AssembledBatch:
 
     :meth:`add` the features (no op), :meth:`assemble` once (the group's ops, its check and its transfer),
     then :meth:`run` (each feature's ``[B, D]``, views) or :meth:`run_side_by_side` (``[B, F·D]``).
+    A later call whose features have the same signatures may make its batch from this one's items, tables,
+    members and columns (``modules/plan.py``'s cached plan), never added to then.
     """
 
     weight: torch.Tensor
@@ -123,39 +128,70 @@ class AssembledBatch:
     sentinel: int
     items: list[tuple[Path, _Item]] = dataclasses.field(default_factory=list)
     tables: set[str] = dataclasses.field(default_factory=set)
-    _inputs: list[tuple[str, FeatureConfig, Any, Any, int]] = dataclasses.field(default_factory=list)
-    _shape: _Item = dataclasses.field(init=False)
+    #: per feature: its name, config and its table's first row in the group
+    members: list[tuple[str, FeatureConfig, int]] = dataclasses.field(default_factory=list)
+    #: per feature: its input and separate weights (dropped once assembled: never the caller's tensors kept)
+    _values: list[Any] = dataclasses.field(default_factory=list)
+    _wvalues: list[Any] = dataclasses.field(default_factory=list)
+    _columns: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # (num_embeddings, first rows), made once
     _ids: torch.Tensor | None = None
     _weights: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        self._shape = _Item((self.sig[1],))  # every feature's bags: [B]
 
     def add(self, path: Path, feature: str, fc: FeatureConfig, table: str, value: Any, weight: Any,
             offset: int) -> None:
         """Take one feature (its input ``value`` and separate ``weight``; ``offset``: its table's first row)."""
-        self.items.append((path, self._shape))
+        shape = self.items[0][1] if self.items else _Item((self.sig[1],))  # every feature's bags: [B]
+        self.items.append((path, shape))
         self.tables.add(table)
-        self._inputs.append((feature, fc, value, weight, offset))
+        self.members.append((feature, fc, offset))
+        self._values.append(value)
+        self._wvalues.append(weight)
 
-    def assemble(self, ahead: bool = False) -> None:
-        """Join, check, shift and move the features' ids (and weights): a fixed number of ops and of host reads.
+    @property
+    def _major(self) -> bool:
+        """:meth:`join` stacks feature-major: host ids of several features for another device."""
+        return not self.resident and len(self._values) > 1
 
-        ``ahead`` (``EmbeddingCollection.prepare`` off the main thread): host ids are shifted on the host and moved
-        as they are (the preparing thread puts no op on the device).
+    def join(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The features' ids and masks stacked, ``[B, F, L]``; host ids for another device ``[F, B, L]``
+        feature-major (each feature one contiguous copy, several times faster than writing every feature
+        strided), transposed there. Copies: never the caller's tensors."""
+        form, values, dim = self.sig[0], self._values, 0 if self._major else 1
+        if form == "padded":
+            ids = torch.stack([v.ids for v in values], dim)
+            return ids, torch.stack([v.mask for v in values], dim) if self.sig[5] else None
+        ids = torch.stack(values, dim)
+        return ids.unsqueeze(-1) if form == "dense" else ids, None
+
+    def fits(self, joined: tuple[torch.Tensor, torch.Tensor | None]) -> bool:
+        """Whether :meth:`join`'s tensors are what the signature says (sizes, dtypes, device, layout): a
+        replayed plan's check of what it did not read feature by feature."""
+        ids, mask = joined
+        _, b, width, dtype, device, masked, _ = self.sig
+        f = len(self.items)
+        shape = (f, b, width) if self._major else (b, f, width)
+        return (ids.shape == shape and ids.dtype == dtype and ids.device == device and ids.layout == torch.strided
+                and not ids.is_nested and (mask is None) != masked
+                and (mask is None or (mask.shape == shape and mask.dtype == torch.bool and mask.device == device
+                                      and mask.layout == torch.strided and not mask.is_nested)))
+
+    def assemble(self, joined: tuple[torch.Tensor, torch.Tensor | None] | None = None, ahead: bool = False) -> None:
+        """Join (unless given :meth:`join`'s), check, shift and move the features' ids (and weights): a fixed
+        number of ops and of host reads.
+
+        ``ahead`` (``EmbeddingCollection.prepare`` off the main thread): host ids are shifted and shaped on the host
+        and moved as they are (the preparing thread puts no op on a device; XLA's are moved by the lookup).
         Raises the :func:`~torch_tpu_embedding.inputs.to_bags` error of the first bad feature.
         """
-        form, b, width, dtype, device, masked, wdtype = self.sig
-        inputs = self._inputs
-        if form == "padded":
-            ids = torch.stack([v.ids for _, _, v, _, _ in inputs], 1)  # [B, F, L], a copy: never the caller's
-            mask = torch.stack([v.mask for _, _, v, _, _ in inputs], 1) if masked else None
-        else:
-            ids = torch.stack([v for _, _, v, _, _ in inputs], 1)
-            ids = ids.unsqueeze(-1) if form == "dense" else ids
-            mask = None
+        _, b, width, dtype, device, _, wdtype = self.sig
+        values = self._values
+        if self._columns is None:
+            self._columns = (tuple(fc.table.num_embeddings for _, fc, _ in self.members),
+                             tuple(o for _, _, o in self.members))
+        vocabs, offsets = self._columns
+        major = self._major
+        ids, mask = self.join() if joined is None else joined
         if ids.numel() and not tracing():  # (no values while torch.compile traces, as to_bags)
-            vocabs = tuple(fc.table.num_embeddings for _, fc, _, _, _ in inputs)
             # Host ids: one pass (a vectorised reduction) and two host reads settle the usual case, every id
             # in [0, the smallest num_embeddings). Else two passes and one read (one sync for device ids):
             # every id in [0, num_embeddings) is what clamping leaves unchanged. Only when that fails are the
@@ -163,42 +199,47 @@ class AssembledBatch:
             lo, hi = torch.aminmax(ids) if device.type == "cpu" else (None, None)
             if lo is None or hi is None or int(lo) < 0 or int(hi) >= min(vocabs):
                 bounds = _bounds if type(ids) is torch.Tensor else _bounds.__wrapped__  # (as _shifts below)
-                zero, last = bounds(vocabs, dtype, device)
+                zero, last = bounds(vocabs, dtype, device, major)
                 if not torch.equal(torch.clamp(ids, zero, last), ids) and (
                         mask is None or bool((mask & ((ids < zero) | (ids > last))).any())):
                     self._raise()
         w = None
         if wdtype is not None:
-            w = torch.stack([v.weights if v.weights is not None else wv for _, _, v, wv, _ in inputs], 1)
+            w = torch.stack([v.weights if v.weights is not None else wv for v, wv in zip(values, self._wvalues,
+                                                                                        strict=True)],
+                            0 if major else 1)
             if w.numel() and not tracing():
                 target = compute_dtype(self.weight.dtype)
                 if not bool(torch.isfinite(w).all()) or (
                         torch.finfo(target).max < torch.finfo(w.dtype).max
                         and bool(w.abs().amax() > torch.finfo(target).max)):
                     self._raise()
-        if ahead and not self.resident:  # shifted and shaped here, then moved (the same integers as on the device)
-            n, where = b * len(inputs), self.weight.device
-            self._ids = self._shifted(ids, mask, inputs).view(n, width)
-            self._weights = None if w is None else w.to(compute_dtype(self.weight.dtype)).reshape(n, width)
-            if where.type != "xla":  # (XLA: moved by the lookup, on the thread that syncs; see modules/ahead.py)
-                self._ids = move_ahead(self._ids, where)
-                self._weights = None if self._weights is None else move_ahead(self._weights, where)
-            self._inputs = []
-            return
-        if not self.resident:  # one transfer of the batch's ids (and mask, weights); the rest is the device's
+        moved = not self.resident and not ahead
+        if moved:  # one transfer of the batch's ids (and mask, weights); the rest is the device's
             ids = ids.to(self.weight.device)
             mask = None if mask is None else mask.to(self.weight.device)
             w = None if w is None else w.to(self.weight.device)
-        ids = self._shifted(ids, mask, inputs)
-        self._ids = ids.view(b * len(inputs), width)
-        self._weights = None if w is None else w.to(compute_dtype(self.weight.dtype)).view(b * len(inputs), width)
-        self._inputs = []  # (the caller's tensors are not kept)
+        if major:  # [B, F, L] on the device (ahead: on the host)
+            ids = ids.transpose(0, 1)
+            mask = None if mask is None else mask.transpose(0, 1)
+            w = None if w is None else w.transpose(0, 1)
+        ids = self._shifted(ids, mask, offsets)
+        f = len(values)
+        self._ids = ids.reshape(b * f, width) if major else ids.view(b * f, width)
+        if w is not None:
+            w = w.to(compute_dtype(self.weight.dtype))
+            self._weights = w.reshape(b * f, width) if major else w.view(b * f, width)
+        where = self.weight.device
+        if ahead and not self.resident and where.type != "xla":  # (XLA: moved by the lookup, on the thread that
+            self._ids = move_ahead(self._ids, where)            # syncs; see modules/ahead.py)
+            self._weights = None if self._weights is None else move_ahead(self._weights, where)
+        self._values, self._wvalues = [], []  # (the caller's tensors are not kept)
 
-    def _shifted(self, ids: torch.Tensor, mask: torch.Tensor | None, inputs: list[Any]) -> torch.Tensor:
+    def _shifted(self, ids: torch.Tensor, mask: torch.Tensor | None, offsets: tuple[int, ...]) -> torch.Tensor:
         """``ids [B, F, L]`` moved to their tables' rows in the group, int64, padding the sentinel."""
         # Kept only for plain tensors: under torch.export / torch.compile they would be fake (and kept fake).
         shifts = _shifts if type(ids) is torch.Tensor and not tracing() else _shifts.__wrapped__
-        first, sentinel = shifts(tuple(o for *_, o in inputs), self.sentinel, ids.device)
+        first, sentinel = shifts(offsets, self.sentinel, ids.device)
         if first is not None:
             ids = ids + first
         elif ids.dtype != torch.int64:
@@ -213,7 +254,7 @@ class AssembledBatch:
 
     def _raise(self) -> None:
         """The first bad feature's own error, from its per-feature normalisation."""
-        for feature, fc, value, weight, _ in self._inputs:
+        for (feature, fc, _), value, weight in zip(self.members, self._values, self._wvalues, strict=True):
             to_bags(feature, fc, value, weight, sentinel=self.sentinel, device=torch.device("cpu"),
                     dtype=self.weight.dtype)
         raise AssertionError("the group check found a bad id or weight that no feature's own check finds")

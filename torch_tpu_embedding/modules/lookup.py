@@ -391,15 +391,15 @@ def side_by_side(batches: list[Any], order: list[tuple[Path, str]], concat: Any 
     """
     if concat is not True:
         raise TypeError(f"Argument `concat` must be a bool; received {concat!r}.")
-    names = dict(order)
     shapes = {path: bags.out_shape for batch in batches  # (a routed lookup holds LookupBatches)
               for b in getattr(batch, "batches", [batch]) for path, bags in b.items}
     for path, shape in shapes.items():  # checked before anything is looked up
         if len(shape) != 1:
-            raise ValueError(f"concat=True needs every feature's activations as [B, D]; feature `{names[path]}` "
+            raise ValueError(f"concat=True needs every feature's activations as [B, D]; feature `{dict(order)[path]}` "
                              f"gives {[*shape, 'D']} (a sequence feature or an output_shape). Look it up without "
                              f"concat, or in a collection of its own.")
     if len({s[0] for s in shapes.values()}) > 1:
+        names = dict(order)
         raise ValueError("concat=True needs one batch size B for every feature; got "
                          + ", ".join(f"`{names[p]}`: {s[0]}" for p, s in shapes.items()) + ".")
     position = {path: i for i, (path, _) in enumerate(order)}

@@ -4,15 +4,19 @@ together (``EmbeddingCollection.forward``)."""
 from __future__ import annotations
 
 import dataclasses
+import operator
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from torch_tpu_embedding._rows.backward_order import check_xla_backward
 from torch_tpu_embedding._rows.grads import table_info
-from torch_tpu_embedding._util.nest import pick
+from torch_tpu_embedding._util.input_checks import tracing
+from torch_tpu_embedding._util.nest import Path, pick
 from torch_tpu_embedding._util.validation import check_not_meta
-from torch_tpu_embedding.inputs import to_bags
+from torch_tpu_embedding.inputs import Padded, to_bags
 from torch_tpu_embedding.modules.assembly import AssembledBatch, signature
 from torch_tpu_embedding.modules.lookup import LookupBatch
 from torch_tpu_embedding.modules.prepared import NotAhead
@@ -31,6 +35,96 @@ def _device_resident(value: Any) -> bool:
     return _input_device(value) == "xla"
 
 
+@dataclasses.dataclass
+class _Plan:
+    """The assembled batches of a call in which every feature was assembled, kept to be replayed while later
+    calls give inputs of the same signatures (:func:`_replay`): the grouping is then not redone feature by
+    feature, only each feature's form, ids dtype and mask read (a cached plan, as issue [host] allows).
+
+    Tables and weights are held weakly: a plan never keeps a replaced table's memory alive."""
+
+    features: list[Any]  # the collection's feature list and its table locations it was made for
+    located: dict[str, Any]
+    tables: list[tuple[str, Any, Any, torch.device, int]]  # (a name, table ref, weight ref, device, rows)
+    #: per batch: its table's index in ``tables``, a batch of the call it was made in (its weight and
+    #: row_grad replaced at each replay) and a getter of its features' inputs
+    batches: list[tuple[int, dict[str, Any], Any]]
+
+
+#: per collection, the plan of its last call (none while its inputs take another path)
+_PLANS: weakref.WeakKeyDictionary[Any, _Plan] = weakref.WeakKeyDictionary()
+
+
+def _getter(paths: list[Path]) -> Any:
+    """``features -> [input per path]`` (one C call for a flat structure)."""
+    if all(len(p) == 1 for p in paths):
+        get = operator.itemgetter(*[p[0] for p in paths])
+        return (lambda f: [get(f)]) if len(paths) == 1 else (lambda f: list(get(f)))
+    return lambda f: [pick(f, p) for p in paths]
+
+
+def _keep(ec: Any, assembled: list[AssembledBatch], tables: dict[int, tuple[str, Any, torch.Tensor]],
+          rows_of: Callable[[torch.Tensor], int]) -> None:
+    """Keep this call's plan for the next (only where every feature was assembled, without separate weights)."""
+    _PLANS.pop(ec, None)
+    if sum(len(b.items) for b in assembled) != len(ec._features) or any(b.sig[6] is not None for b in assembled):
+        return
+    index = {id(w): i for i, (_, _, w) in enumerate(tables.values())}
+    static = ("combiner", "resident", "sig", "sentinel", "items", "tables", "members", "_columns")
+    _PLANS[ec] = _Plan(ec._features, dict(ec._located),
+                       [(n, weakref.ref(t), weakref.ref(w), w.device, rows_of(w)) for n, t, w in tables.values()],
+                       [(index[id(b.weight)], {k: getattr(b, k) for k in static}, _getter([p for p, _ in b.items]))
+                        for b in assembled])
+
+
+def _same_forms(batch: AssembledBatch, values: list[Any]) -> bool:
+    """Each feature's input of the form, ids dtype and mask presence of ``batch``'s signature (what
+    :meth:`AssembledBatch.fits` cannot see once stacked)."""
+    form, _, _, dtype, _, masked, _ = batch.sig
+    if form != "padded":
+        return all(type(v) is torch.Tensor and v.dtype == dtype for v in values)
+    for v in values:
+        if type(v) is not Padded or v.weights is not None or type(v.ids) is not torch.Tensor or v.ids.dtype != dtype:
+            return False
+        if masked != (type(v.mask) is torch.Tensor) or (not masked and v.mask is not None):
+            return False
+    return True
+
+
+def _replay(ec: Any, plan: _Plan, features: Any, rows_of: Callable[[torch.Tensor], int],
+            ahead: bool) -> list[AssembledBatch] | None:
+    """The batches of ``plan`` for ``features``, or ``None`` when they are not what it was made for (the
+    caller then plans afresh, and raises where an input is wrong)."""
+    if ec._features is not plan.features or ec._located != plan.located:
+        return None
+    live = []
+    for tname, table_ref, weight_ref, device, rows in plan.tables:  # the per-table facts plan_lookups reads
+        table, weight = table_ref(), weight_ref()
+        if table is None or weight is None or table.weight is not weight or weight.device != device \
+                or rows_of(weight) != rows or table.row_layout is not None:
+            return None
+        if device.type == "xla" and weight.requires_grad and torch.is_grad_enabled():
+            check_xla_backward(tname)
+        live.append((table, weight))
+    batches = []
+    for at, static, get in plan.batches:
+        values = get(features)
+        batch = AssembledBatch(live[at][1], live[at][0].row_grad, _values=values, _wvalues=[None] * len(values),
+                               **static)
+        if not _same_forms(batch, values):
+            return None
+        batches.append(batch)
+    try:  # sizes, devices and layouts: checked on the stacked tensors (stack refuses unequal sizes or devices)
+        joined = [b.join() for b in batches]
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    if not all(b.fits(j) for b, j in zip(batches, joined, strict=True)):
+        return None
+    for b, j in zip(batches, joined, strict=True):
+        b.assemble(j, ahead)
+    return batches
+
+
 def plan_lookups(ec: Any, features: Any, weights: Any, ahead: bool = False) -> list[Any]:
     """Every feature of ``ec`` (an ``EmbeddingCollection``) normalised to padded bags, grouped into the batches
     looked up together; each batch's ids checked before any is looked up.
@@ -45,8 +139,12 @@ def plan_lookups(ec: Any, features: Any, weights: Any, ahead: bool = False) -> l
     placement (``TablePlacement.routed_lookup``, ``torch_tpu_embedding/_rows/placement.py``), which the
     backend that laid the table out recorded on it.
 
+    A call whose features were all assembled is kept (:class:`_Plan`) and replayed by the next call whose
+    inputs have the same signatures, with no per-feature grouping; anything else plans afresh.
+
     ``ahead`` (``EmbeddingCollection.prepare`` off the main thread): no op on a device, host tensors moved
-    there only (:mod:`~torch_tpu_embedding.modules.prepared`); ids already on an XLA device raise
+    there only (:mod:`~torch_tpu_embedding.modules.prepared`; XLA's stay on the host, moved by the lookup), table
+    sizes as ``know_rows`` recorded them; ids already on an XLA device raise
     :class:`~torch_tpu_embedding.modules.prepared.NotAhead`.
     """
     rows_known = ec.__dict__.get("_rows_known") or {}  # (AheadLookups.know_rows: no XLA tensor read off its thread)
@@ -55,6 +153,11 @@ def plan_lookups(ec: Any, features: Any, weights: Any, ahead: bool = False) -> l
         ref, rows = rows_known.get(id(weight), (None, None))
         return int(weight.shape[0]) if ref is None or ref() is not weight else int(rows)
 
+    plan = None if weights is not None or tracing() else _PLANS.get(ec)
+    if plan is not None:
+        replayed = _replay(ec, plan, features, rows_of, ahead)
+        if replayed is not None:
+            return replayed
     batches: dict[tuple[Any, ...], Any] = {}
     routed: dict[int, Any] = {}
     host = torch.device("cpu")
@@ -62,6 +165,7 @@ def plan_lookups(ec: Any, features: Any, weights: Any, ahead: bool = False) -> l
     assembled: list[AssembledBatch] = []
     # per physical table: (its weight, its weight's device; None: not assembled (routed or laid out permuted))
     fast: dict[int, tuple[torch.Tensor, torch.device] | None] = {}
+    seen: dict[int, tuple[str, Any, torch.Tensor]] = {}  # per physical table: a name of it, it, its weight
     for path, fname, fc, tname in ec._features:
         table, offset = ec._located[tname]
         value = features[path[0]] if len(path) == 1 else pick(features, path)  # (every feature, every step)
@@ -74,6 +178,7 @@ def plan_lookups(ec: Any, features: Any, weights: Any, ahead: bool = False) -> l
             local[id(table)] = info.sharding if info is not None and info.routed else None
             fast[id(table)] = None if local[id(table)] is not None or table.row_layout is not None else (
                 weight, weight.device)
+            seen[id(table)] = (tname, table, weight)
         wvalue = None if weights is None else pick(weights, path)
         # Padded and dense ids of a table or a stacked group: looked up as one (modules/assembly.py)
         known = fast[id(table)]
@@ -134,7 +239,9 @@ def plan_lookups(ec: Any, features: Any, weights: Any, ahead: bool = False) -> l
         batches[bkey].items.append((path, bags))
         batches[bkey].tables.add(tname)
     for batch in assembled:  # every group checked before anything is looked up
-        batch.assemble(ahead)
+        batch.assemble(ahead=ahead)
+    if not tracing():
+        _keep(ec, assembled, seen, rows_of)
     taken = {id(b) for r in routed.values() for b in r.batches}
     plain = [b for b in batches.values() if id(b) not in taken]
     if ahead:  # host bags moved now (a routed lookup moves its own ids, in its exchange)

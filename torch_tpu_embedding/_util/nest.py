@@ -44,12 +44,11 @@ def rebuild(template: Any, values: dict[Path, Any], path: Path = ()) -> Any:
 
 
 #: per type: whether its instances are branches of a structure (a mapping, list or tuple), not leaves. Asked of
-#: every config entry at every call: a dict lookup instead of an ABC ``isinstance`` per feature.
+#: the config's entries at every call: a dict lookup per type instead of an ABC ``isinstance`` per feature.
 _BRANCH: dict[type, bool] = {}
 
 
-def _is_branch(value: Any) -> bool:
-    kind = type(value)
+def _is_branch_type(kind: type) -> bool:
     known = _BRANCH.get(kind)
     if known is None:
         known = _BRANCH[kind] = issubclass(kind, (Mapping, list, tuple))
@@ -74,8 +73,10 @@ def check_structure(config: Any, given: Any, what: str, path: Path = ()) -> None
                     f"{what}{_where(path)} do not match the feature config: missing {missing}, "
                     f"unknown {unknown}."
                 )
+        if not any(map(_is_branch_type, set(map(type, config.values())))):
+            return  # (leaves only, the usual case: a leaf may be given as anything, nothing to check)
         for key, sub in config.items():
-            if _is_branch(sub):  # (a leaf may be given as anything: nothing to check)
+            if _is_branch_type(type(sub)):
                 check_structure(sub, given[key], what, (*path, key))
     elif isinstance(config, (list, tuple)):
         if not isinstance(given, (list, tuple)) or len(given) != len(config):
@@ -85,5 +86,5 @@ def check_structure(config: Any, given: Any, what: str, path: Path = ()) -> None
                 + (f" of {len(given)}" if isinstance(given, (list, tuple)) else "")
             )
         for i, (c, g) in enumerate(zip(config, given, strict=True)):
-            if _is_branch(c):
+            if _is_branch_type(type(c)):
                 check_structure(c, g, what, (*path, i))

@@ -83,10 +83,14 @@ def _same_forms(batch: AssembledBatch, values: list[Any]) -> bool:
     form, _, _, dtype, _, masked, _ = batch.sig
     if form != "padded":
         return all(type(v) is torch.Tensor and v.dtype == dtype for v in values)
+    tensor = torch.Tensor
     for v in values:
-        if type(v) is not Padded or v.weights is not None or type(v.ids) is not torch.Tensor or v.ids.dtype != dtype:
+        if type(v) is not Padded or v.weights is not None:
             return False
-        if masked != (type(v.mask) is torch.Tensor) or (not masked and v.mask is not None):
+        ids, mask = v.ids, v.mask
+        if type(ids) is not tensor or ids.dtype != dtype:
+            return False
+        if (type(mask) is not tensor) if masked else (mask is not None):
             return False
     return True
 

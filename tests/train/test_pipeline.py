@@ -396,3 +396,50 @@ def test_the_docstring_examples_run() -> None:
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0, module.__name__
     assert doctest.testmod(pipeline).attempted >= 5
+
+
+def test_prefetch_replays_the_cached_plan_and_equals_the_plain_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Padded and dense features only: every call after the first replays the collection's cached plan (on the
+    thread when prefetching), bitwise as the plain loop."""
+    from torch_tpu_embedding.modules import plan as plan_module
+
+    replays: list[str] = []
+    replay = plan_module._replay
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        out = replay(*args, **kwargs)
+        replays.append(threading.current_thread().name if out is not None else "none")
+        return out
+
+    monkeypatch.setattr(plan_module, "_replay", counted)
+
+    def build() -> tuple[Any, list[torch.optim.Optimizer]]:
+        torch.manual_seed(0)
+        t1 = tte.TableConfig(7, 3, name="t1", dtype=torch.float64)
+        t2 = tte.TableConfig(5, 3, name="t2", dtype=torch.float64, combiner="sum")
+        ec = tte.EmbeddingCollection({"a": tte.FeatureConfig(t1), "b": tte.FeatureConfig(t2)})
+        model = torch.nn.ModuleDict({"ec": ec, "head": torch.nn.Linear(6, 1).double()})
+        tables, dense = tte.split_parameters(model)
+        return model, [tte.optim.Adam(tables, lr=0.05), torch.optim.SGD(dense, lr=0.05)]
+
+    def step(model: Any, batch: Any) -> torch.Tensor:
+        x = model["ec"](batch["sparse"], concat=True)
+        return torch.nn.functional.mse_loss(model["head"](x).squeeze(1), batch["label"])
+
+    data = [{"sparse": {"a": b["sparse"]["a"], "b": b["sparse"]["b"]}, "label": b["label"]} for b in _batches(6, 8)]
+    plain, plain_opts = build()
+    for batch in data:
+        step(plain, batch).backward()
+        for o in plain_opts:
+            o.step()
+        for o in plain_opts:
+            o.zero_grad()
+    for stale in (False, True):
+        replays.clear()
+        model, opts = build()
+        pipe = tte.TrainPipeline(model, opts, step=step, features=lambda b: b["sparse"], concat=True,
+                                 pipeline_execution_with_tensor_core=stale)
+        assert sum(1 for _ in pipe.run(data)) == 6
+        assert replays == ["tte-prefetch"] * 5, replays
+        if not stale:
+            _equal(_state(model, opts), _state(plain, plain_opts))

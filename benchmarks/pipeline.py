@@ -1,6 +1,6 @@
 """``tte.TrainPipeline`` against the plain loop: a step with heavy host input, with and without prefetch.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/pipeline.py [--device cpu|xla] [--steps 20] [--batch 1024]
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/pipeline.py [--device cpu|xla] [--steps 20] [--threads 1]
 
 The input is deliberately heavy on the host: 26 jagged features (lengths 0–``--max-len``), each padded to a
 ``Padded [B, max_len]`` by the data source (as a user's input function does), then prepared by the collection
@@ -8,8 +8,9 @@ The input is deliberately heavy on the host: 26 jagged features (lengths 0–``-
 ``Linear`` head on ``concat=True``, Adagrad; ``--device xla`` runs on XLA:CPU (``PJRT_DEVICE=CPU``) with
 ``after_step=torch_xla.sync``.
 
-Printed, median ms per steady step over ``--steps`` steps (after 3 warm-up steps, before the last), in one
-process (defaults: batch 2048, bags of up to 8 ids, tables of 1,000 × 4: a light step, so the input's share shows):
+Printed per round (``--rounds``, each measuring everything in turn), median ms per steady step over
+``--steps`` steps (after 3 warm-up steps, before the last), in one process (defaults: batch 2048, bags of
+up to 8 ids, tables of 1,000 × 4: a light step, so the input's share shows):
 
 * ``host input``: the source's padding plus ``EmbeddingCollection.prepare`` for one batch, alone;
 * ``step, inputs ready``: a step whose inputs were prepared before the clock started;
@@ -97,7 +98,11 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=8)
     p.add_argument("--vocab", type=int, default=1000)
     p.add_argument("--dim", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=3, help="rounds of every measurement, one after the other")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch's intra-op threads (1: the step on one core, the prefetch thread on another)")
     args = p.parse_args()
+    torch.set_num_threads(args.threads)
     sync: Callable[[], Any] = lambda: None  # noqa: E731
     if args.device == "xla":
         import torch_xla  # (an optional dependency: only for --device xla)
@@ -117,80 +122,90 @@ def main() -> None:
 
             xm.wait_device_ops()
 
-    # host input alone
-    model, opts, ec = build(device, args.vocab, args.dim)
-    host = []
-    for r in raws:
-        t0 = time.perf_counter()
-        prepared = ec.prepare(pad(r, args.max_len)["sparse"])
-        host.append(time.perf_counter() - t0)
-        del prepared
-    # step, inputs ready
-    ready = [pad(r, args.max_len) for r in raws]
-    prepared_all = [ec.prepare(b["sparse"]) for b in ready]
-    finish()
-    alone = []
-    for i, (b, pr) in enumerate(zip(ready, prepared_all, strict=True)):
-        t0 = time.perf_counter()
-        with ec.use_prepared(pr):
-            step(model, b).backward()
-        for o in opts:
-            o.step()
-            o.zero_grad()
-        finish()
-        if i >= warm:
-            alone.append(time.perf_counter() - t0)
-
-    def timed(make: Callable[[], Iterator[Any]]) -> list[float]:
-        """Each step's time from the end of the one before; the last step is not counted: it has no next batch
-        to look up ahead (on XLA another graph, compiled once)."""
-        times, t0 = [], time.perf_counter()
-        for i, _ in enumerate(make()):
-            if args.device == "xla":
-                import torch_xla.core.xla_model as xm
-
-                xm.wait_device_ops()
-            now = time.perf_counter()
-            if i >= warm:
-                times.append(now - t0)
-            t0 = now
-        return times[:-1]
-
-    def source() -> Iterator[Any]:
+    def one_round() -> dict[str, float]:
+        # host input alone
+        model, opts, ec = build(device, args.vocab, args.dim)
+        host = []
         for r in raws:
-            yield pad(r, args.max_len)
-
-    def plain() -> Iterator[Any]:
-        model, opts, _ = build(device, args.vocab, args.dim)
-        for b in source():
-            loss = step(model, b)
-            loss.backward()
+            t0 = time.perf_counter()
+            prepared = ec.prepare(pad(r, args.max_len)["sparse"])
+            host.append(time.perf_counter() - t0)
+            del prepared
+        # step, inputs ready
+        ready = [pad(r, args.max_len) for r in raws]
+        prepared_all = [ec.prepare(b["sparse"]) for b in ready]
+        finish()
+        alone = []
+        for i, (b, pr) in enumerate(zip(ready, prepared_all, strict=True)):
+            t0 = time.perf_counter()
+            with ec.use_prepared(pr):
+                step(model, b).backward()
             for o in opts:
                 o.step()
                 o.zero_grad()
             finish()
-            yield loss
+            if i >= warm:
+                alone.append(time.perf_counter() - t0)
 
-    def piped(stale: bool) -> Callable[[], Iterator[Any]]:
-        def run() -> Iterator[Any]:
+        def timed(make: Callable[[], Iterator[Any]]) -> list[float]:
+            """Each step's time from the end of the one before; the last step is not counted: it has no next batch
+            to look up ahead (on XLA another graph, compiled once)."""
+            times, t0 = [], time.perf_counter()
+            for i, _ in enumerate(make()):
+                if args.device == "xla":
+                    import torch_xla.core.xla_model as xm
+
+                    xm.wait_device_ops()
+                now = time.perf_counter()
+                if i >= warm:
+                    times.append(now - t0)
+                t0 = now
+            return times[:-1]
+
+        def source() -> Iterator[Any]:
+            for r in raws:
+                yield pad(r, args.max_len)
+
+        def plain() -> Iterator[Any]:
             model, opts, _ = build(device, args.vocab, args.dim)
-            pipe = tte.TrainPipeline(model, opts, step=step, features=lambda b: b["sparse"], concat=True,
-                                     pipeline_execution_with_tensor_core=stale, after_step=sync)
-            yield from pipe.run(source())
-        return run
+            for b in source():
+                loss = step(model, b)
+                loss.backward()
+                for o in opts:
+                    o.step()
+                    o.zero_grad()
+                finish()
+                yield loss
 
-    results = {"plain loop": timed(plain), "prefetch": timed(piped(False)), "pipelined": timed(piped(True))}
-    h, s = median_ms(host[warm:]), median_ms(alone)
+        def piped(stale: bool) -> Callable[[], Iterator[Any]]:
+            def run() -> Iterator[Any]:
+                model, opts, _ = build(device, args.vocab, args.dim)
+                pipe = tte.TrainPipeline(model, opts, step=step, features=lambda b: b["sparse"], concat=True,
+                                         pipeline_execution_with_tensor_core=stale, after_step=sync)
+                yield from pipe.run(source())
+            return run
+
+        results = {"plain loop": timed(plain), "prefetch": timed(piped(False)), "pipelined": timed(piped(True))}
+        return {"host input": median_ms(host[warm:]), "step, inputs ready": median_ms(alone),
+                **{name: median_ms(times) for name, times in results.items()}}
+
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; CPU: {cpu_model()}; torch {torch.__version__}; "
           f"device {args.device}; threads {torch.get_num_threads()}; OMP_WAIT_POLICY="
-          f"{os.environ.get('OMP_WAIT_POLICY', '')}; batch {args.batch}, {F} features, max_len {args.max_len}")
-    print(f"host input          {h:8.2f} ms")
-    print(f"step, inputs ready  {s:8.2f} ms")
-    for name, times in results.items():
-        print(f"{name:<19} {median_ms(times):8.2f} ms  (range {min(times) * 1e3:.2f}–{max(times) * 1e3:.2f})")
-    pre, pipe = median_ms(results["prefetch"]), median_ms(results["pipelined"])
-    print(f"prefetch / max(host input, step) = {pre / max(h, s):.2f} (goal ≤ 1.2); plain loop / (host + step) = "
-          f"{median_ms(results['plain loop']) / (h + s):.2f}; pipelined / prefetch = {pipe / pre:.2f}")
+          f"{os.environ.get('OMP_WAIT_POLICY', '')}; batch {args.batch}, {F} features, max_len {args.max_len}; "
+          f"median ms of {args.steps} steady steps per round, the rounds one after the other")
+    names = ["host input", "step, inputs ready", "plain loop", "prefetch", "pipelined"]
+    print("round | " + " | ".join(names) + " | prefetch / max(host, step) (goal ≤ 1.2) | plain / (host + step)"
+          " | pipelined / prefetch")
+    ratios = []
+    for r in range(args.rounds):
+        m = one_round()
+        ratio = (m["prefetch"] / max(m["host input"], m["step, inputs ready"]),
+                 m["plain loop"] / (m["host input"] + m["step, inputs ready"]), m["pipelined"] / m["prefetch"])
+        ratios.append(ratio)
+        print(f"{r + 1:>5} | " + " | ".join(f"{m[k]:.2f}" for k in names) + " | "
+              + " | ".join(f"{x:.2f}" for x in ratio))
+    print("ranges: " + "; ".join(f"{label} {min(x[i] for x in ratios):.2f}–{max(x[i] for x in ratios):.2f}"
+                                 for i, label in enumerate(["prefetch / max", "plain / sum", "pipelined / prefetch"])))
 
 
 if __name__ == "__main__":

@@ -443,3 +443,24 @@ def test_prefetch_replays_the_cached_plan_and_equals_the_plain_loop(monkeypatch:
         assert replays == ["tte-prefetch"] * 5, replays
         if not stale:
             _equal(_state(model, opts), _state(plain, plain_opts))
+
+
+def test_a_model_trained_through_the_pipeline_pickles_and_copies() -> None:
+    """The collection's per-process state of the pipeline (weak references to its tables, streams, the held
+    inputs) is neither pickled nor copied: ``torch.save(model)`` and ``copy.deepcopy`` work after a run."""
+    info = OPTIMIZER_INFOS[1]
+    model = _model()
+    pipe = tte.TrainPipeline(model, _opts(model, info, info.default), step=_step, features=lambda b: b["sparse"],
+                             pipeline_execution_with_tensor_core=True)
+    data = _batches(3, seed=9)
+    assert sum(1 for _ in pipe.run(data)) == 3
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    again = torch.load(buf, weights_only=False)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        want = model["ec"](data[0]["sparse"])
+        for other in (again, twin):
+            _equal(other["ec"](data[0]["sparse"]), want)
+    assert "_rows_known" in model["ec"].__dict__ and "_rows_known" not in twin["ec"].__dict__

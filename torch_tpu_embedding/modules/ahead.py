@@ -25,6 +25,15 @@ class AheadLookups:
     _held: PreparedFeatures | None
     _rows_known: dict[int, tuple[weakref.ref[torch.Tensor], int]]
 
+    #: per-process state of these methods, never pickled nor copied: weak references, CUDA streams, the held inputs
+    _RUNTIME = ("_rows_known", "_side_streams", "_held")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state: dict[str, Any] = dict(super().__getstate__())  # type: ignore[call-overload]
+        for key in self._RUNTIME:
+            state.pop(key, None)
+        return state
+
     def _plan(self, features: Any, weights: Any, ahead: bool) -> list[Any]:
         raise NotImplementedError
 

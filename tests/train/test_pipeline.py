@@ -189,6 +189,13 @@ def test_a_checkpoint_mid_pipeline_resumes_to_the_uninterrupted_run(stale: bool,
     _equal(_state(model2, opts2), want)
 
 
+def _counted(data: list[Any], given: list[Any]) -> Any:
+    """``data``, each batch appended to ``given`` as the pipeline takes it."""
+    for b in data:
+        given.append(b)
+        yield b
+
+
 def _threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "tte-prefetch"]
 
@@ -208,15 +215,10 @@ def test_an_exception_in_a_step_stops_the_pipeline_and_its_thread(stale: bool) -
 
     pipe = tte.TrainPipeline(model, _opts(model, info, info.default), step=step, features=lambda b: b["sparse"],
                              pipeline_execution_with_tensor_core=stale)
-    given = []
-
-    def source() -> Any:
-        for b in data:
-            given.append(b)
-            yield b
+    given: list[Any] = []
 
     with pytest.raises(RuntimeError, match="boom at step 2"):
-        for _ in pipe.run(source()):
+        for _ in pipe.run(_counted(data, given)):
             pass
     assert not _threads()
     assert pipe.steps == 2
@@ -305,14 +307,9 @@ def test_stopping_early_leaves_no_thread_and_keeps_the_batches_taken() -> None:
     model = _model()
     pipe = tte.TrainPipeline(model, _opts(model, info, info.default), step=_step, features=lambda b: b["sparse"],
                              pipeline_execution_with_tensor_core=True)
-    given = []
+    given: list[Any] = []
 
-    def source() -> Any:
-        for b in data:
-            given.append(b)
-            yield b
-
-    it = source()
+    it = _counted(data, given)
     for _ in pipe.run(it):
         if pipe.steps == 2:
             break

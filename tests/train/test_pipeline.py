@@ -77,15 +77,20 @@ def _equal(a: Any, b: Any, path: str = "") -> None:
         assert a == b, f"{path}: {a!r} != {b!r}"
 
 
-def _plain(info: Any, kwargs: dict[str, Any], data: list[Any], stack: bool = True) -> dict[str, Any]:
-    model = _model(stack)
-    opts = _opts(model, info, kwargs)
+def _train_plain(model: Any, opts: list[torch.optim.Optimizer], data: list[Any], step: Any = None) -> None:
+    """The plain loop: ``step`` (``_step`` by default), backward, every optimizer's step, then zero_grad."""
     for batch in data:
-        _step(model, batch).backward()
+        (step or _step)(model, batch).backward()
         for o in opts:
             o.step()
         for o in opts:
             o.zero_grad()
+
+
+def _plain(info: Any, kwargs: dict[str, Any], data: list[Any], stack: bool = True) -> dict[str, Any]:
+    model = _model(stack)
+    opts = _opts(model, info, kwargs)
+    _train_plain(model, opts, data)
     return _state(model, opts)
 
 
@@ -425,12 +430,7 @@ def test_prefetch_replays_the_cached_plan_and_equals_the_plain_loop(monkeypatch:
 
     data = [{"sparse": {"a": b["sparse"]["a"], "b": b["sparse"]["b"]}, "label": b["label"]} for b in _batches(6, 8)]
     plain, plain_opts = build()
-    for batch in data:
-        step(plain, batch).backward()
-        for o in plain_opts:
-            o.step()
-        for o in plain_opts:
-            o.zero_grad()
+    _train_plain(plain, plain_opts, data, step)
     for stale in (False, True):
         replays.clear()
         model, opts = build()

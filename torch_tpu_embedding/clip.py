@@ -1,7 +1,7 @@
 """``clip_grad_norm_`` that sees the tables' row-sparse gradients.
 
 ``torch.nn.utils.clip_grad_norm_`` reads ``.grad`` only; a table's gradient lives in its
-:class:`~torch_tpu_embedding._rows.grads.RowGrad`, so torch's function leaves the tables out of the norm and
+:class:`~torch_tpu_embedding._rows.row_grad.RowGrad`, so torch's function leaves the tables out of the norm and
 never scales their update. This one has the same signature and return value and includes them.
 """
 
@@ -14,8 +14,9 @@ from collections.abc import Iterable
 import torch
 
 from torch_tpu_embedding._rows.dedup import coalesce_rows
-from torch_tpu_embedding._rows.grads import RowGrad, refuse_stacked_view, table_info
+from torch_tpu_embedding._rows.grads import refuse_stacked_view, table_info
 from torch_tpu_embedding._rows.placement import all_reduce_sum, process_group_placement, sync_row_grads
+from torch_tpu_embedding._rows.row_grad import RowGrad
 from torch_tpu_embedding._util.dtypes import math_dtype
 
 __all__ = ["clip_grad_norm_"]

@@ -2,7 +2,7 @@
 :func:`shard`, tables sharded over the process group by placement (``torch_tpu_embedding/distributed/sharding.py``).
 
 Every process holds every table and trains on its share of the global batch. A table's gradient
-lives in its :class:`~torch_tpu_embedding._rows.grads.RowGrad`, never in ``.grad``, so torch's
+lives in its :class:`~torch_tpu_embedding._rows.row_grad.RowGrad`, never in ``.grad``, so torch's
 data-parallel machinery (``DistributedDataParallel``, ``all_reduce`` of ``.grad``) does not see it.
 Here each process's ``(ids [n], rows [n, D])`` of a table are gathered across the process group,
 concatenated in rank order and averaged as DDP averages (each rank's rows divided by the world size

@@ -13,7 +13,7 @@ positions:
    each owner gathers its rows, a second ``all_to_all_single`` of ``[n, k, D]`` returns them;
 3. :func:`send_grads` (the backward): each position's gradient row summed into its bucket slot
    (``routing.bucket_rows``), one ``all_to_all_single`` of ``[n, k, D]`` to the owners, which add
-   ``(local rows, rows)`` to the shard's :class:`~torch_tpu_embedding._rows.grads.RowGrad`: the optimizer
+   ``(local rows, rows)`` to the shard's :class:`~torch_tpu_embedding._rows.row_grad.RowGrad`: the optimizer
    then updates the shard as an ordinary table of its own rows.
 
 Only equal-split collectives: it runs where uneven all-to-all does not (TorchTPU's ``tpu_dist``).

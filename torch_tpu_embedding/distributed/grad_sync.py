@@ -1,7 +1,7 @@
 """Data parallel's transport: the row gradients of replicated tables made global over a process group.
 
 Under ``torch.distributed`` (torchrun, DDP) every process holds every table and trains on its share of
-the global batch. A table's gradient lives in its :class:`~torch_tpu_embedding._rows.grads.RowGrad`, never in
+the global batch. A table's gradient lives in its :class:`~torch_tpu_embedding._rows.row_grad.RowGrad`, never in
 ``.grad``, so torch's data-parallel machinery does not see it. Here each process's ``(ids [n], rows
 [n, D])`` of a table are gathered across the process group, concatenated in rank order and averaged as
 DDP averages (each rank's rows divided by the world size before the sum). The optimizer's dedup then
@@ -47,7 +47,8 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from torch_tpu_embedding._rows.dedup import coalesce_rows, is_static_device
-from torch_tpu_embedding._rows.grads import RowGrad, table_info
+from torch_tpu_embedding._rows.grads import table_info
+from torch_tpu_embedding._rows.row_grad import RowGrad
 from torch_tpu_embedding._rows.stock_guard import check_not_ddp_managed, ddp_message
 from torch_tpu_embedding._util.dtypes import math_dtype
 

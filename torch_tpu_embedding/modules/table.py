@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from torch_tpu_embedding._rows.dedup import is_static_device
-from torch_tpu_embedding._rows.grads import RowGrad, TableInfo, register_table, retire_table, table_info
+from torch_tpu_embedding._rows.grads import TableInfo, register_table, retire_table, table_info
 from torch_tpu_embedding._rows.placement import dtensor_placement, is_dtensor
+from torch_tpu_embedding._rows.row_grad import RowGrad
 from torch_tpu_embedding._rows.row_order import RowLayout, from_logical, owned_logical_ids, to_logical
 from torch_tpu_embedding._rows.stacked_state import member_entries
 from torch_tpu_embedding._util.huge_pages import empty
@@ -41,7 +42,7 @@ class EmbeddingTable(nn.Module):
     """One table: ``weight`` ``[num_embeddings, embedding_dim]`` plus its config.
 
     The weight is an ordinary ``nn.Parameter`` whose gradient arrives row-sparse in a
-    :class:`~torch_tpu_embedding._rows.grads.RowGrad` (never in ``.grad``). It holds the rows in their
+    :class:`~torch_tpu_embedding._rows.row_grad.RowGrad` (never in ``.grad``). It holds the rows in their
     stored order: logical order plus padding rows, or, for a row-sharded table trained through the id
     exchange, the interleaved order of ``row_layout`` (read logical rows with :meth:`logical_weight`
     or ``state_dict``).

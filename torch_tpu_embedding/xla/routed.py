@@ -14,7 +14,7 @@ examples) of a device look up travels once:
 3. each device combines its bags from the rows (the table's combiner, per-id weights).
 
 The backward sends the gradient rows to the owners (one ``all-to-all`` of ``[n, n, k, D]``; duplicates
-of a device summed first) and hands the table's :class:`~torch_tpu_embedding._rows.grads.RowGrad` owner-local
+of a device summed first) and hands the table's :class:`~torch_tpu_embedding._rows.row_grad.RowGrad` owner-local
 ``(local rows [n, n·k], rows [n, n·k, D])``, which the optimizer's ``OWNER_LOCAL`` path updates where
 they live. Per device and step that is ``n·k·(4 + 2·D·4)`` bytes for float32 rows, against ``N·(2·D·4)``
 ideally; ``n·k`` is ``N`` plus the capacity's headroom, not ``n`` times the batch.
@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from torch_tpu_embedding._rows.grads import RowGrad, table_info
+from torch_tpu_embedding._rows.grads import table_info
 from torch_tpu_embedding._rows.routing import RowOwnership, default_capacity
+from torch_tpu_embedding._rows.row_grad import RowGrad
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding._util.nest import Path
 from torch_tpu_embedding.combiners import bag_gains

@@ -23,7 +23,6 @@ are created with trash rows and their table's layout on XLA (:mod:`~torch_tpu_em
 from __future__ import annotations
 
 import inspect
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
@@ -46,6 +45,7 @@ from torch_tpu_embedding.optim._core.hyperparams import (
 )
 from torch_tpu_embedding.optim._core.keywords import fill_doc
 from torch_tpu_embedding.optim._core.slots import RowSpace, lazy_table, make_state
+from torch_tpu_embedding.optim._core.state_mapping import StateMapping
 from torch_tpu_embedding.optim._core.step_values import LearningRates, StepClock, StepCounters, lr_value
 from torch_tpu_embedding.optim._core.update_paths import choose_path, update
 from torch_tpu_embedding.optim._state import state_io, torch_form
@@ -101,7 +101,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         self._groups_checked = True
         super().__init__(param_groups(groups), defaults)
         self._groups_checked = False
-        self.state = _State(dict, self.state)
+        self.state = StateMapping(dict, self.state)
 
     # ------------------------------------------------------------------ subclass API
     @staticmethod
@@ -189,8 +189,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        if not isinstance(self.state, _State):
-            self.state = _State(dict, self.state)
+        if not isinstance(self.state, StateMapping):
+            self.state = StateMapping(dict, self.state)
         self.__dict__.setdefault("_lrs", LearningRates())
         if "_run" not in self.__dict__:  # pickled before the counters moved into StepCounters
             run = self._run = StepCounters(self.__dict__.pop("_iterations", 0))
@@ -238,9 +238,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         # A lookup over the id exchange's capacity drops the whole call, before anything (the accumulation
         # window included) is written: the same gate as skip_nonfinite, over every group.
         clean = step_gates.exchange_clean([p for ps in pending for p in ps])
-        if clean is not None and self._run.dropped is None:  # uploaded: every step then traces the same graph
-            self._run.dropped = torch.zeros(1, dtype=torch.int64).to(clean.device)
-        clock = StepClock(self._run.iterations, self._skipped_now(), self._dropped_now())
+        self._run.start(clean)
+        clock = StepClock(self._run.iterations, self._run.skipped_now(), self._run.dropped_now())
         clock.clean = clean
         # Every learning rate first: a callable that raises must find every gradient still pending.
         lrs = [lr_value(g) if ps else None for g, ps in zip(self.param_groups, pending, strict=True)]
@@ -262,19 +261,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 item.g = item.g * scale[item.g.device].to(item.g.dtype)
         step_gates.gate_clean(work, clean)  # after the norm: a dropped call updates nothing, whatever its norm
         finite = clock.finite = step_gates.gate_nonfinite(work)
-        if finite is not None:
-            # A call the overflow drops counts once, there (it is no call at all for the clock).
-            dropped = ~finite if clean is None else ~finite & clean.to(finite.device)
-            skipped = dropped.to(torch.int64)
-            dev = finite.device
-            # Kept [1]-shaped: a 0-d counter would enter the first step as an upload and later steps as the
-            # previous step's 0-d output, two different graphs.
-            base = torch.zeros(1, dtype=torch.int64).to(dev) if self._run.skipped is None else self._run.skipped
-            self._run.skipped = (base if base.device == dev else base.to(dev)) + skipped.reshape(1)
-        if clean is not None and self._run.dropped is not None:
-            self._run.dropped = self._run.dropped.to(clean.device) + (~clean).to(torch.int64).reshape(1)
-        kept = clean if finite is None else finite if clean is None else finite & clean.to(finite.device)
-        self._run.last_skipped = None if kept is None else ~kept
+        self._run.count(finite, clean)
         for item in work:
             update(item)
         ema.ema_calls(self.param_groups, self._state_for, clock, getattr(self._run, "ema_window", None))
@@ -285,7 +272,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
     def skipped_steps(self) -> int:
         """Calls that changed nothing: dropped by ``skip_nonfinite``, or because a lookup overflowed the id
         exchange (reading it syncs an XLA device)."""
-        return self._skipped_count() + self.overflowed_steps
+        return self._run.skipped_count() + self.overflowed_steps
 
     @property
     def overflowed_steps(self) -> int:
@@ -302,17 +289,6 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             return torch.zeros((), dtype=torch.bool)
         return self._run.last_skipped
 
-    def _skipped_count(self) -> int:
-        return 0 if self._run.skipped is None else int(self._run.skipped.item())
-
-    def _skipped_now(self) -> Tensor | None:
-        """The count of calls ``skip_nonfinite`` dropped, 0-d (``None`` before the first)."""
-        return None if self._run.skipped is None else self._run.skipped.reshape(())
-
-    def _dropped_now(self) -> Tensor | None:
-        """The count of calls an exchange overflow dropped, 0-d (``None`` without exchanged tables)."""
-        return None if self._run.dropped is None else self._run.dropped.reshape(())
-
     # ------------------------------------------------------------------ EMA
     def moving_average(self, p: Tensor) -> Tensor:
         """The EMA of ``p`` now (every row caught up), as a new tensor. Needs ``use_ema=True``. ``p`` may be a
@@ -325,7 +301,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             raise ValueError("moving_average() needs an optimizer built with `use_ema=True`.")
         with torch.no_grad():
             return ema.moving_average(p, group, self._state_for(p, group), self._run.iterations,
-                                       self._skipped_now(), self._dropped_now())
+                                       self._run.skipped_now(), self._run.dropped_now())
 
     @torch.no_grad()
     def finalize_variable_values(self) -> None:
@@ -339,8 +315,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 if lazy_table(p, group):
                     space = RowSpace.of(p, group, self.state[p])
                     space.write("ema", avg)
-                    upto = ema.last_call(group, p.device, self._run.iterations, self._skipped_now(),
-                                          self._dropped_now())
+                    upto = ema.last_call(group, p.device, self._run.iterations, self._run.skipped_now(),
+                                          self._run.dropped_now())
                     space.write("ema_last", upto.to(torch.int32).expand(p.shape[0]))
 
     # ------------------------------------------------------------------ lifecycle
@@ -427,32 +403,5 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         state_io.load_physical_rest(self, rest)
 
 
-class _State(defaultdict[Any, Any]):
-    """``Optimizer.state`` (a ``defaultdict(dict)`` keyed by parameter) that explains, rather than
-    answering ``{}``, when asked for a stacked table's weight: its slots are its group's.
 
-    Always true: every slot is made on first use, so there is never state to create by stepping.
-    ``torch.distributed.checkpoint.state_dict``'s helpers step an optimizer whose ``state`` is false
-    with a ``zeros_like`` gradient per parameter (a ``[V, D]`` one per table) at lr 0, which moves
-    FTRL's weights; they skip an optimizer whose ``state`` is true.
-    """
-
-    def __bool__(self) -> bool:
-        return True
-
-    def __missing__(self, key: Any) -> Any:
-        rows = stacked_rows(key) if isinstance(key, Tensor) else None
-        if rows is not None:
-            raise KeyError(
-                f"Table `{rows.table}` is stacked in group `{rows.group}`: its optimizer state is in "
-                f"opt.state[ec.groups.{rows.group}.weight] (its rows [{rows.offset}, {rows.offset + rows.rows})"
-                f" of each row slot), and per table in opt.state_dict()['state']['table:{rows.table}']."
-            )
-        # defaultdict's own __missing__, spelled out: dynamo cannot trace ``super()`` in a dict
-        # subclass's __missing__ (a graph break in a compiled step's first call).
-        if self.default_factory is None:
-            raise KeyError(key)
-        value = self.default_factory()
-        self[key] = value
-        return value
-
+_State = StateMapping  # the name pickles of earlier optimizers give their ``state``

@@ -4,7 +4,7 @@ In Keras's order: loss scale ``g ← g / s`` → gradient accumulation over ``k`
 summed (tables) → ``clipnorm``. ``global_clipnorm`` and ``skip_nonfinite`` look at every gradient
 of the call at once (:func:`global_clip_scales`, :func:`gate_nonfinite`).
 
-Where a table's gradient comes from: its :class:`~torch_tpu_embedding._rows.grads.RowGrad` (the lookup's
+Where a table's gradient comes from: its :class:`~torch_tpu_embedding._rows.row_grad.RowGrad` (the lookup's
 backward), or a sparse COO ``.grad`` (``nn.Embedding(sparse=True)``); a dense parameter's from
 ``.grad``. Nothing is consumed by :func:`has_gradient`; :func:`take` consumes.
 
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from torch_tpu_embedding._rows.dedup import coalesce_rows, drop_sentinel, is_static_device
-from torch_tpu_embedding._rows.grads import RowGrad, table_info
+from torch_tpu_embedding._rows.grads import table_info
 from torch_tpu_embedding._rows.placement import (
     TablePlacement,
     all_reduce_sum,
@@ -31,6 +31,7 @@ from torch_tpu_embedding._rows.placement import (
     process_group_placement,
     reduction_group,
 )
+from torch_tpu_embedding._rows.row_grad import RowGrad
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding.optim._core.extras import clip_by_norm
 from torch_tpu_embedding.optim._core.rule_pipeline import Path

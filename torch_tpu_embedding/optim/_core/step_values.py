@@ -103,6 +103,41 @@ class StepCounters:
         #: non-lazy parameters' moving averages as the accumulation window under way began, by id (ema.ema_calls)
         self.ema_window: dict[int, Tensor] = {}
 
+    def start(self, clean: Tensor | None) -> None:
+        """A call begins; ``clean``: whether its lookups dropped no id (``None``: no table of the call goes
+        through the id exchange)."""
+        if clean is not None and self.dropped is None:  # uploaded: every step then traces the same graph
+            self.dropped = torch.zeros(1, dtype=torch.int64).to(clean.device)
+
+    def count(self, finite: Tensor | None, clean: Tensor | None) -> None:
+        """Count the call as ``skip_nonfinite`` (``finite``: whether its gradients are; ``None``: not checked)
+        and the exchange's overflow (``clean``, as in :meth:`start`) decided it."""
+        if finite is not None:
+            # A call the overflow drops counts once, there (it is no call at all for the clock).
+            dropped = ~finite if clean is None else ~finite & clean.to(finite.device)
+            skipped = dropped.to(torch.int64)
+            dev = finite.device
+            # Kept [1]-shaped: a 0-d counter would enter the first step as an upload and later steps as the
+            # previous step's 0-d output, two different graphs.
+            base = torch.zeros(1, dtype=torch.int64).to(dev) if self.skipped is None else self.skipped
+            self.skipped = (base if base.device == dev else base.to(dev)) + skipped.reshape(1)
+        if clean is not None and self.dropped is not None:
+            self.dropped = self.dropped.to(clean.device) + (~clean).to(torch.int64).reshape(1)
+        kept = clean if finite is None else finite if clean is None else finite & clean.to(finite.device)
+        self.last_skipped = None if kept is None else ~kept
+
+    def skipped_count(self) -> int:
+        """Calls ``skip_nonfinite`` dropped so far (reading it syncs an XLA device)."""
+        return 0 if self.skipped is None else int(self.skipped.item())
+
+    def skipped_now(self) -> Tensor | None:
+        """The count of calls ``skip_nonfinite`` dropped, 0-d (``None`` before the first)."""
+        return None if self.skipped is None else self.skipped.reshape(())
+
+    def dropped_now(self) -> Tensor | None:
+        """The count of calls an exchange overflow dropped, 0-d (``None`` without exchanged tables)."""
+        return None if self.dropped is None else self.dropped.reshape(())
+
 
 class StepClock:
     """The optimizer's call counter (Keras ``iterations``) for one call of ``step()``.

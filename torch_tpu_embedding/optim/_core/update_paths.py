@@ -41,7 +41,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torch_tpu_embedding._rows.dedup import drop_sentinel, is_static_device, unique_ids
-from torch_tpu_embedding._rows.grads import BagRows, table_info
+from torch_tpu_embedding._rows.grads import table_info
+from torch_tpu_embedding._rows.row_grad import BagRows
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding._util.registry import rule_of
 from torch_tpu_embedding.optim._core.contract import RowContext

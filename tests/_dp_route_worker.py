@@ -9,7 +9,6 @@ accelerator, each a wait for the device): ``aten::_local_scalar_dense`` (``.item
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import _dp_worker as W
 import torch
 import torch.distributed as dist
+from suite_helpers import finish_rank, init_rank
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -107,9 +107,7 @@ def _jagged_run(rank: int, world: int) -> dict[str, Any]:
 
 
 def worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_rank(rank, world, port)
     results: dict[str, Any] = {}
     for name in NAMES:
         for route, static in (("dedup", False), ("static", True)):
@@ -119,6 +117,4 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     with counted_exchanges(True) as reads:
         results["jagged"] = _jagged_run(rank, world)
     results["jagged/reads"] = reads
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_rank(results, out_dir, rank)

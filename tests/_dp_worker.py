@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from suite_helpers import finish_rank, init_rank
 
 import torch_tpu_embedding as tte
 
@@ -293,9 +294,7 @@ def _static_run(rank: int, world: int) -> dict[str, Any]:
 
 
 def worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_rank(rank, world, port)
     results: dict[str, Any] = {}
     for dtype in (torch.float64, torch.float32):
         results[f"ddp/{dtype}"] = _ddp_run("zoo", dtype, rank, world)
@@ -308,6 +307,4 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     results["spmd"] = _spmd_excluded(rank, world)
     if world == 3:
         results["subgroup"] = _subgroup_run(rank, world)
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_rank(results, out_dir, rank)

@@ -18,8 +18,8 @@ from typing import Any
 import _dp_worker as D
 import _mp_worker as W
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from suite_helpers import finish_rank, init_rank
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -99,9 +99,7 @@ def dcp_round_trip(name: str, rank: int, world: int, path: str) -> dict[str, Any
 
 
 def worker(rank: int, world: int, port: int, out_dir: str, job: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_rank(rank, world, port)
     results: dict[str, Any] = {}
     if job == "clip":
         results["clip"] = clip(rank, world)
@@ -109,6 +107,4 @@ def worker(rank: int, world: int, port: int, out_dir: str, job: str) -> None:
         names = job.split(":", 1)[1].split(",") if ":" in job else list(DCP_CONFIGS)
         for name in names:
             results[name] = dcp_round_trip(name, rank, world, os.path.join(out_dir, f"dcp-{name}"))
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_rank(results, out_dir, rank)

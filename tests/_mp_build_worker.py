@@ -18,6 +18,7 @@ import _mp_worker as W
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from suite_helpers import finish_rank, init_rank
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding.modules import deferred_init
@@ -229,9 +230,7 @@ def peak(meta: bool) -> dict[str, Any]:
 
 
 def worker(rank: int, world: int, port: int, out_dir: str, job: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_rank(rank, world, port)
     results: dict[str, Any] = {}
     if job.startswith("dcp"):  # "dcp" or "dcp:<checkpoint of another world size>"
         results["dcp"] = dcp_round_trip(rank, world, out_dir, job[4:])
@@ -246,6 +245,4 @@ def worker(rank: int, world: int, port: int, out_dir: str, job: str) -> None:
             for dtype in (torch.float64, torch.float32):
                 for meta in (True, False):
                     results[f"{name}/{dtype}/{meta}"] = trained(name, dtype, rank, world, meta)
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_rank(results, out_dir, rank)

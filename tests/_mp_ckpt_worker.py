@@ -16,6 +16,7 @@ from typing import Any
 import _mp_worker as W
 import torch
 import torch.distributed as dist
+from suite_helpers import finish_rank, init_rank
 
 import torch_tpu_embedding as tte
 
@@ -50,12 +51,6 @@ def result(model: W.Model, opt: torch.optim.Optimizer) -> dict[str, Any]:
     return {"sharded": sharded, "optimizer": opt.state_dict(),
             "model": {k: v.clone() for k, v in model.state_dict().items()},
             "skipped": getattr(opt, "skipped_steps", 0)}
-
-
-def _init(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
 def _resume(path: str, name: str, rank: int, w: int, steps: range) -> dict[str, Any] | None:
@@ -116,7 +111,7 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     """World 4: the accumulation configuration saved after 5 steps (one call of a 2-call window pending)
     with tte.checkpoint.save_distributed, resumed at 2 and 3 ranks; a mismatched load refused."""
-    _init(rank, world, port)
+    init_rank(rank, world, port)
     path = os.path.join(out_dir, "accum")
     model = W.Model(torch.float64)
     tte.distributed.shard(model)
@@ -129,14 +124,12 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     for w in (2, 3):
         results[w] = _resume(path, ACCUM, rank, w, range(5, W.STEPS))
     results["refusal"] = _refusal(path, rank)
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_rank(results, out_dir, rank)
 
 
 def save_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     """World ``world``: W.CKPT's configuration, 5 steps, tte.checkpoint.save_distributed to ``out_dir``/ckpt."""
-    _init(rank, world, port)
+    init_rank(rank, world, port)
     model = W.Model(torch.float64)
     tte.distributed.shard(model)
     ddp = tte.distributed.DistributedDataParallel(model)
@@ -150,7 +143,7 @@ def save_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def resume_worker(rank: int, world: int, port: int, path: str, out_dir: str, name: str = W.CKPT) -> None:
     """World ``world``: load ``path`` (any kind of distributed checkpoint of optimizer configuration ``name``
     after 5 steps) and train 5 more; each rank's result to ``out_dir``/rank<r>.pt."""
-    _init(rank, world, port)
+    init_rank(rank, world, port)
     out = _resume(path, name, rank, world, range(5, W.STEPS))
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
@@ -229,7 +222,7 @@ def memory_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     """:func:`_measured_load` of each of :data:`MEMORY_ROWS` in turn (the first warms the code paths a load
     runs: their first pages of code and lazily built state are not what a load stages), then of the
     second saved by rank 0 alone (``"resharded"``)."""
-    _init(rank, world, port)
+    init_rank(rank, world, port)
     out: dict[Any, Any] = {rows: _measured_load(rows, os.path.join(out_dir, f"t{rows}")) for rows in MEMORY_ROWS}
     out["resharded"] = _measured_load(MEMORY_ROWS[1], os.path.join(out_dir, "alone"), saved_alone=True)
     torch.save(out, os.path.join(out_dir, f"mem{rank}.pt"))
@@ -264,7 +257,7 @@ def _measured_save(rows: int, path: str) -> dict[str, Any]:
 def save_memory_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     """:func:`_measured_save` of the first and the last of :data:`MEMORY_ROWS` (the first warms the code
     paths a save runs)."""
-    _init(rank, world, port)
+    init_rank(rank, world, port)
     out = {rows: _measured_save(rows, os.path.join(out_dir, f"s{rows}")) for rows in (MEMORY_ROWS[0], MEMORY_ROWS[2])}
     torch.save(out, os.path.join(out_dir, f"save{rank}.pt"))
     dist.barrier()
@@ -275,7 +268,7 @@ def two_saves_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     """World 2: two saves of a sharded table (the second with other values); rank r then loads save r, as if
     a third save had been published between the ranks' opening the path: every rank must refuse, unchanged.
     Then a save into a directory holding a user's file: refused by rank 0, raised on every rank."""
-    _init(rank, world, port)
+    init_rank(rank, world, port)
     ec, opt = _sharded_table(MEMORY_ROWS[0])
     paths = [os.path.join(out_dir, f"save{i}") for i in range(2)]
     tte.checkpoint.save_distributed(paths[0], model=ec, optimizer=opt)

@@ -10,13 +10,13 @@ whether the model changed.
 from __future__ import annotations
 
 import copy
-import os
 import pickle
 from typing import Any
 
 import _mp_worker as W
 import torch
 import torch.distributed as dist
+from suite_helpers import finish_rank, init_rank
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor, Shard
 
@@ -202,11 +202,7 @@ def refusals(rank: int, world: int) -> dict[str, Any]:
 
 
 def worker(rank: int, world: int, port: int, out_dir: str, job: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_rank(rank, world, port)
     results: dict[str, Any] = {"transport": transport(rank, world), "copies": copies(rank, world),
                                "refusals": refusals(rank, world)}
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_rank(results, out_dir, rank)

@@ -7,12 +7,12 @@ rank trains its share of tests/_mp_worker.py's global batches) and data parallel
 ``tte.distributed.DistributedDataParallel``, the shares of its global batches). Each rank runs every optimizer of
 :data:`OPTS` through ``TrainPipeline`` with input prefetch, and with pipelined execution
 (``pipeline_execution_with_tensor_core=True``); the parent compares them with one process running the global
-batches through :func:`loop`: the plain loop, and TF's one-step-stale schedule written out.
+batches through tests/suite_helpers.py's ``train_by_hand``: the plain loop, and TF's one-step-stale schedule
+written out.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +21,7 @@ import _dp_worker as DP
 import _mp_worker as MP
 import torch
 import torch.distributed as dist
+from suite_helpers import finish_rank, init_rank, train_by_hand
 
 import torch_tpu_embedding as tte
 
@@ -31,51 +32,29 @@ DTYPE = torch.float64
 Batch = dict[str, Any]
 
 
-def pg_batches(rank: int = 0, world: int = 1) -> list[Batch]:
-    """tests/_mp_worker.py's global batches (``world == 1``), or rank ``rank``'s share of each."""
+def _shares(suite: Any, rank: int, world: int, *model: Any) -> list[Batch]:
+    """``suite``'s (tests/_mp_worker.py's or tests/_dp_worker.py's) global batches (``world == 1``), or rank
+    ``rank``'s share of each; ``model``: for tests/_dp_worker.py's, the model they are drawn for."""
     out = []
-    for step in range(STEPS):
-        sparse, y = MP.share(*MP.global_batch(step, DTYPE), rank, world)
+    for s in range(STEPS):
+        sparse, y = suite.share(*suite.global_batch(s, DTYPE, *model), rank, world)
         out.append({"sparse": sparse, "y": y})
     return out
+
+
+def pg_batches(rank: int = 0, world: int = 1) -> list[Batch]:
+    """tests/_mp_worker.py's global batches (``world == 1``), or rank ``rank``'s share of each."""
+    return _shares(MP, rank, world)
 
 
 def dp_batches(model: DP.Model, rank: int = 0, world: int = 1) -> list[Batch]:
     """tests/_dp_worker.py's global batches for ``model`` (``world == 1``), or rank ``rank``'s share of each."""
-    out = []
-    for step in range(STEPS):
-        sparse, y = DP.share(*DP.global_batch(step, DTYPE, model), rank, world)
-        out.append({"sparse": sparse, "y": y})
-    return out
+    return _shares(DP, rank, world, model)
 
 
 def step(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """A step's loss, as both suites compute it: the mean squared error over the batch (a rank's share)."""
     return ((model(batch["sparse"]) - batch["y"]) ** 2).mean()
-
-
-def loop(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list[Batch], schedule: str) -> None:
-    """One process, by hand. ``"prefetch"``: the plain loop (prefetch changes nothing). ``"pipelined"``: TF's
-    one-step-stale schedule: step ``n`` looks up the tables as they were before update ``n - 1`` (steps 0 and 1
-    both read the initial tables), and its gradient is applied to the tables as they are."""
-    tables = tte.split_parameters(model)[0]
-    stale = [t.detach().clone() for t in tables]  # what the next step looks up
-    for batch in batches:
-        if schedule == "pipelined":
-            live = [t.detach().clone() for t in tables]
-            with torch.no_grad():
-                for t, s in zip(tables, stale, strict=True):
-                    t.copy_(s)
-            loss = step(model, batch)  # (a lookup's backward reads its ids and gains, never the table's values)
-            with torch.no_grad():
-                for t, v in zip(tables, live, strict=True):
-                    t.copy_(v)
-            stale = live
-        else:
-            loss = step(model, batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
 
 
 def make_opt(name: str, params: Any) -> torch.optim.Optimizer:
@@ -89,7 +68,7 @@ def pg_reference(name: str, schedule: str) -> dict[str, Any]:
     in tests/_mp_worker.py's result form."""
     model = MP.Model(DTYPE)
     opt = make_opt(name, model.parameters())
-    loop(model, opt, pg_batches(), schedule)
+    train_by_hand(model, [opt], pg_batches(), step, stale=schedule == "pipelined")
     return {"model": {k: v.clone() for k, v in model.state_dict().items()}, "optimizer": opt.state_dict()}
 
 
@@ -97,7 +76,7 @@ def dp_reference(name: str, schedule: str) -> dict[str, Any]:
     """One process on the global batches of the data-parallel setup, in tests/_dp_worker.py's result form."""
     model = DP.build(name, DTYPE, seed=0)
     opt = make_opt(name, model.parameters())
-    loop(model, opt, dp_batches(model), schedule)
+    train_by_hand(model, [opt], dp_batches(model), step, stale=schedule == "pipelined")
     return DP.state(model, opt)
 
 
@@ -144,10 +123,7 @@ def _create_recording(store: Any, rank: int, size: int, timeout: Any) -> Recordi
 
 
 def worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.Backend.register_backend("recording", _create_recording, devices=["cpu"])
-    dist.init_process_group("recording", rank=rank, world_size=world)  # gloo, every collective recorded
+    init_rank(rank, world, port, "recording", _create_recording)  # gloo, every collective recorded
     results: dict[str, Any] = {}
     for setup, run in RUNS.items():
         for name in OPTS:
@@ -155,6 +131,4 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 MP.LOG.clear()
                 results[f"{setup}/{name}/{schedule}"] = run(name, schedule, rank, world)
                 results[f"collectives/{setup}/{name}/{schedule}"] = [(c["name"], c["thread"]) for c in MP.LOG]
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_rank(results, out_dir, rank)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from _dp_worker import OPTIMIZERS
+from suite_helpers import finish_rank, init_rank
 
 import torch_tpu_embedding as tte
 
@@ -416,10 +417,7 @@ def _collectives(rank: int, world: int) -> list[dict[str, Any]]:
 
 
 def worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.Backend.register_backend("recording", _create_recording, devices=["cpu"])
-    dist.init_process_group("recording", rank=rank, world_size=world)  # gloo, every collective recorded
+    init_rank(rank, world, port, "recording", _create_recording)  # gloo, every collective recorded
     results: dict[str, Any] = {}
     for name in CONFIGS:
         for dtype in (torch.float64, torch.float32):
@@ -430,6 +428,4 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     results["collectives"] = _collectives(rank, world)
     if world == 4:
         results["checkpoint"] = _checkpoint(rank, world, out_dir)
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_rank(results, out_dir, rank)

@@ -7,7 +7,6 @@ on the global batch (float64 ≤ 1e-10, float32 ≤ 1e-6), which is the referenc
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from suite_helpers import free_port
 
 import torch_tpu_embedding as tte
 
@@ -27,12 +27,6 @@ DTYPES = (torch.float64, torch.float32)
 DENSE_TOL = {torch.float64: 1e-10, torch.float32: 3e-6}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 _RUNS: dict[int, tuple[list[dict[str, Any]], Path]] = {}
 
 
@@ -40,7 +34,7 @@ def ranks(world: int, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[di
     """Every rank's results of one spawn of ``world`` processes (run once per session)."""
     if world not in _RUNS:
         out = tmp_path_factory.mktemp(f"dp{world}")
-        mp.start_processes(W.worker, args=(world, _free_port(), str(out)), nprocs=world, start_method="spawn")
+        mp.start_processes(W.worker, args=(world, free_port(), str(out)), nprocs=world, start_method="spawn")
         _RUNS[world] = ([torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)], out)
     return _RUNS[world]
 

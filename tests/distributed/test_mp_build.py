@@ -8,7 +8,6 @@ peak-memory measurement is a spawn of its own at world 2.
 from __future__ import annotations
 
 import functools
-import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -17,17 +16,12 @@ import _mp_worker as W
 import pytest
 import torch
 import torch.multiprocessing as mp
+from suite_helpers import free_port
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding.modules import deferred_init
 
 _RUNS: dict[tuple[int, str, Callable[..., None]], list[dict[str, Any]]] = {}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def ranks(world: int, job: str, tmp_path_factory: pytest.TempPathFactory,
@@ -37,7 +31,7 @@ def ranks(world: int, job: str, tmp_path_factory: pytest.TempPathFactory,
     key = (world, job, worker)  # (two workers may both have a job called "dcp")
     if key not in _RUNS:
         out = tmp_path_factory.mktemp(f"build{world}{job.split(':')[0]}")
-        mp.start_processes(worker, args=(world, _free_port(), str(out), job), nprocs=world, start_method="spawn")
+        mp.start_processes(worker, args=(world, free_port(), str(out), job), nprocs=world, start_method="spawn")
         _RUNS[key] = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
     return _RUNS[key]
 

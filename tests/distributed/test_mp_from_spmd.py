@@ -13,7 +13,8 @@ import _mp_ckpt_worker as C
 import _mp_worker as W
 import torch
 import torch.multiprocessing as mp
-from test_mp_shard import _close, _free_port, bound, compare
+from suite_helpers import free_port
+from test_mp_shard import _close, bound, compare
 
 FIXTURE = Path(__file__).parents[1] / "data" / "mp_spmd4"
 OPTIMIZER = "rowwise_adagrad"  # tests/data/mp_spmd4/make.py's
@@ -24,7 +25,7 @@ def expected() -> dict[str, object]:
 
 
 def test_spmd4_checkpoint_loads_at_world_3(tmp_path: Path) -> None:
-    mp.start_processes(C.resume_worker, args=(3, _free_port(), str(FIXTURE / "ckpt"), str(tmp_path), OPTIMIZER), nprocs=3,
+    mp.start_processes(C.resume_worker, args=(3, free_port(), str(FIXTURE / "ckpt"), str(tmp_path), OPTIMIZER), nprocs=3,
                        start_method="spawn")
     want = expected()
     for r in range(3):

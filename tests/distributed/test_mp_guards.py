@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from suite_helpers import free_port
 
 ROOT = Path(__file__).parents[2]
 WORKER = ROOT / "tests" / "_mp_guard_worker.py"
@@ -23,15 +23,9 @@ WORKER = ROOT / "tests" / "_mp_guard_worker.py"
 HANG = 240
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run(scenario: str, tmp_path: Path, world: int = 2) -> list[dict[str, Any]]:
     """Every rank's record of ``scenario``; fails (killing the ranks) when one does not end within :data:`HANG`."""
-    port = str(_free_port())
+    port = str(free_port())
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world),
            "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)])), "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, str(tmp_path)], env={**env, "RANK": str(r)},

@@ -12,7 +12,6 @@ under a timeout, as tests/distributed/test_mp_guards.py runs them: a rank that h
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ import _mp_pipe_worker as W
 import pytest
 import torch
 import torch.multiprocessing as mp
+from suite_helpers import free_port
 from test_data_parallel import assert_close, assert_replicas_equal
 from test_mp_guards import run as run_ranks
 from test_mp_shard import compare
@@ -29,17 +29,11 @@ TOL = 1e-10  # float64 against one process: as tests/_mp_worker.py's and tests/_
 _RUNS: list[list[dict[str, Any]]] = []
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Every rank's results of one spawn (run once per session)."""
     if not _RUNS:
         out = tmp_path_factory.mktemp("pipe")
-        mp.start_processes(W.worker, args=(WORLD, _free_port(), str(out)), nprocs=WORLD, start_method="spawn")
+        mp.start_processes(W.worker, args=(WORLD, free_port(), str(out)), nprocs=WORLD, start_method="spawn")
         _RUNS.append([torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)])
     return _RUNS[0]
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ import _mp_worker as W
 import pytest
 import torch
 import torch.multiprocessing as mp
+from suite_helpers import free_port
 
 import torch_tpu_embedding as tte
 
@@ -38,17 +38,11 @@ VOCAB = {"big": 1500, "row2": 1000, "tw": 600, "tw2": 400}
 DIM = {"big": 4, "row2": 4, "tw": 3, "tw2": 3}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def ranks(world: int, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Every rank's results of one spawn of ``world`` processes (run once per session)."""
     if world not in _RUNS:
         out = tmp_path_factory.mktemp(f"mp{world}")
-        mp.start_processes(W.worker, args=(world, _free_port(), str(out)), nprocs=world, start_method="spawn")
+        mp.start_processes(W.worker, args=(world, free_port(), str(out)), nprocs=world, start_method="spawn")
         _RUNS[world] = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
         _DIRS[world] = out
     return _RUNS[world]

@@ -11,22 +11,16 @@ as one process.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import test_docs_snippets as S
+from suite_helpers import free_port
 
 #: seconds a script may take on 2 processes of a loaded machine; a hang ends here, as a failure
 HANG = 400
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.parametrize("section", [14, 15], ids=["section-14", "section-15"])
@@ -38,7 +32,7 @@ def test_guide_torchrun_script_runs_on_2_processes(section: int, tmp_path: Path)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(S.ROOT)])),
                OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            str(script)]
     try:
         out = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=HANG)

@@ -12,28 +12,9 @@ from typing import Any
 import pytest
 import torch
 from optim_registry import KERAS_EXTRAS, OPTIMIZER_INFOS
+from suite_helpers import pipeline_batches, train_by_hand
 
 import torch_tpu_embedding as tte
-
-B = 6
-
-
-def _batches(n: int, seed: int = 0, last: int | None = None) -> list[dict[str, Any]]:
-    """Batches of three features over two tables (7 and 5 rows: ids repeat within and across batches)."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        b = last if (last is not None and i == n - 1) else B
-        lengths = torch.randint(0, 3, (b,), generator=g)
-        out.append({
-            "sparse": {
-                "a": tte.Padded(torch.randint(0, 7, (b, 2), generator=g), torch.rand(b, 2, generator=g) > 0.3),
-                "b": torch.randint(0, 5, (b,), generator=g),
-                "c": tte.Jagged(torch.randint(0, 7, (int(lengths.sum()),), generator=g), lengths=lengths),
-            },
-            "label": torch.rand(b, generator=g, dtype=torch.float64),
-        })
-    return out
 
 
 def _model(stack: bool = True) -> torch.nn.ModuleDict:
@@ -77,20 +58,10 @@ def _equal(a: Any, b: Any, path: str = "") -> None:
         assert a == b, f"{path}: {a!r} != {b!r}"
 
 
-def _train_plain(model: Any, opts: list[torch.optim.Optimizer], data: list[Any], step: Any = None) -> None:
-    """The plain loop: ``step`` (``_step`` by default), backward, every optimizer's step, then zero_grad."""
-    for batch in data:
-        (step or _step)(model, batch).backward()
-        for o in opts:
-            o.step()
-        for o in opts:
-            o.zero_grad()
-
-
 def _plain(info: Any, kwargs: dict[str, Any], data: list[Any], stack: bool = True) -> dict[str, Any]:
     model = _model(stack)
     opts = _opts(model, info, kwargs)
-    _train_plain(model, opts, data)
+    train_by_hand(model, opts, data, _step)
     return _state(model, opts)
 
 
@@ -99,23 +70,7 @@ def _stale_reference(info: Any, kwargs: dict[str, Any], data: list[Any]) -> dict
     and step 1 both read the initial tables); its gradient is applied to the tables as they are."""
     model = _model()
     opts = _opts(model, info, kwargs)
-    tables = tte.split_parameters(model)[0]
-    stale = [t.detach().clone() for t in tables]  # what step n looks up
-    for batch in data:
-        live = [t.detach().clone() for t in tables]
-        with torch.no_grad():
-            for t, s in zip(tables, stale, strict=True):
-                t.copy_(s)
-        loss = _step(model, batch)  # (a lookup's backward reads ids and gains, never the table's values)
-        with torch.no_grad():
-            for t, v in zip(tables, live, strict=True):
-                t.copy_(v)
-        loss.backward()
-        stale = [t.detach().clone() for t in tables]  # the next step reads the tables before this update
-        for o in opts:
-            o.step()
-        for o in opts:
-            o.zero_grad()
+    train_by_hand(model, opts, data, _step, stale=True)
     return _state(model, opts)
 
 
@@ -137,7 +92,7 @@ _CASES = [pytest.param(info, dict(info.default), id=info.name) for info in OPTIM
 @pytest.mark.parametrize(("info", "kwargs"), _CASES)
 def test_pipelined_execution_is_tf_one_step_stale_schedule(info: Any, kwargs: dict[str, Any]) -> None:
     assert OPTIMIZER_INFOS[3].name == "adam"
-    data = _batches(7)
+    data = pipeline_batches(7)
     want = _stale_reference(info, kwargs, data)
     _equal(_piped(info, kwargs, data, pipeline_execution_with_tensor_core=True), want)
     _equal(_piped(info, kwargs, data, pipeline_execution_with_tensor_core=True, prefetch=False), want)
@@ -148,7 +103,7 @@ def test_pipelined_execution_is_tf_one_step_stale_schedule(info: Any, kwargs: di
 
 @pytest.mark.parametrize(("info", "kwargs"), _CASES)
 def test_prefetch_equals_the_plain_loop_bitwise(info: Any, kwargs: dict[str, Any]) -> None:
-    data = _batches(6, seed=1, last=4)  # the last batch partial
+    data = pipeline_batches(6, seed=1, last=4)  # the last batch partial
     want = _plain(info, kwargs, data)
     _equal(_piped(info, kwargs, data), want)  # prefetch on: the default
     _equal(_piped(info, kwargs, data, prefetch=False), want)
@@ -156,7 +111,7 @@ def test_prefetch_equals_the_plain_loop_bitwise(info: Any, kwargs: dict[str, Any
 
 def test_unstacked_tables_and_the_keyed_input() -> None:
     info = OPTIMIZER_INFOS[1]
-    data = _batches(5, seed=2)
+    data = pipeline_batches(5, seed=2)
     _equal(_piped(info, info.default, data, stack=False), _plain(info, info.default, data, stack=False))
 
 
@@ -164,7 +119,7 @@ def test_unstacked_tables_and_the_keyed_input() -> None:
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_a_checkpoint_mid_pipeline_resumes_to_the_uninterrupted_run(stale: bool, prefetch: bool) -> None:
     info = next(i for i in OPTIMIZER_INFOS if i.name == "lazy_adam")
-    data = _batches(8, seed=3)
+    data = pipeline_batches(8, seed=3)
     flags = {"pipeline_execution_with_tensor_core": stale, "prefetch": prefetch}
     want = _piped(info, info.default, data, **flags)
     model = _model()
@@ -208,7 +163,7 @@ def _threads() -> list[threading.Thread]:
 @pytest.mark.parametrize("stale", [False, True])
 def test_an_exception_in_a_step_stops_the_pipeline_and_its_thread(stale: bool) -> None:
     info = OPTIMIZER_INFOS[0]
-    data = _batches(6, seed=4)
+    data = pipeline_batches(6, seed=4)
     model = _model()
     calls = []
 
@@ -237,7 +192,7 @@ def test_an_exception_in_a_step_stops_the_pipeline_and_its_thread(stale: bool) -
 @pytest.mark.parametrize("stale", [False, True])
 def test_a_bad_id_raises_at_its_own_step_naming_the_feature(stale: bool) -> None:
     info = OPTIMIZER_INFOS[0]
-    data = _batches(5, seed=5)
+    data = pipeline_batches(5, seed=5)
     data[3]["sparse"]["b"] = torch.tensor([0, 1, 9, 0, 1, 2])
     model = _model()
     opts = _opts(model, info, info.default)
@@ -259,7 +214,7 @@ def test_the_sources_error_is_raised_at_its_place_in_the_stream(stale: bool, pre
     """After the steps of the batches before it (with pipelined execution it is met while batch 1's step looks
     ahead: that step still trains, its update applied)."""
     info = OPTIMIZER_INFOS[0]
-    data = _batches(4, seed=6)
+    data = pipeline_batches(4, seed=6)
 
     def source() -> Any:
         yield from data[:2]
@@ -285,7 +240,7 @@ def test_an_error_of_features_raises_at_its_own_step(stale: bool, prefetch: bool
     """``features(batch)`` raising for batch 2 (on the thread, or in the step before with pipelined execution):
     raised at step 2, after update 1; the batch is the first unfinished."""
     info = OPTIMIZER_INFOS[0]
-    data = _batches(4, seed=8)
+    data = pipeline_batches(4, seed=8)
 
     def features(b: dict[str, Any]) -> Any:
         if b is data[2]:
@@ -308,7 +263,7 @@ def test_an_error_of_features_raises_at_its_own_step(stale: bool, prefetch: bool
 
 def test_stopping_early_leaves_no_thread_and_keeps_the_batches_taken() -> None:
     info = OPTIMIZER_INFOS[0]
-    data = _batches(6, seed=7)
+    data = pipeline_batches(6, seed=7)
     model = _model()
     pipe = tte.TrainPipeline(model, _opts(model, info, info.default), step=_step, features=lambda b: b["sparse"],
                              pipeline_execution_with_tensor_core=True)
@@ -326,6 +281,28 @@ def test_stopping_early_leaves_no_thread_and_keeps_the_batches_taken() -> None:
     assert sum(1 for _ in pipe.run(it)) == 4 and pipe.steps == 6 and not _threads()
 
 
+def test_progress_takes_the_same_iterator_at_every_call() -> None:
+    """``progress(source)`` trains the next batch of the iterator it started on; another iterator is refused before
+    anything is taken from either, and the pipeline goes on with its own."""
+    info = OPTIMIZER_INFOS[0]
+    data = pipeline_batches(3, seed=10)
+    model = _model()
+    opts = _opts(model, info, info.default)
+    pipe = tte.TrainPipeline(model, opts, step=_step, features=lambda b: b["sparse"])
+    it = iter(data)
+    pipe.progress(it)
+    other = iter(data)
+    with pytest.raises(ValueError, match="the same iterator at every call"):
+        pipe.progress(other)
+    assert next(other) is data[0]  # (nothing taken from it)
+    pipe.progress(it)
+    pipe.progress(it)
+    with pytest.raises(StopIteration):
+        pipe.progress(it)
+    assert pipe.steps == 3 and pipe.unfinished() == [] and not _threads()
+    _equal(_state(model, opts), _plain(info, info.default, data))
+
+
 def test_a_model_that_does_not_look_up_the_prepared_objects_is_told() -> None:
     info = OPTIMIZER_INFOS[0]
     model = _model()
@@ -333,14 +310,14 @@ def test_a_model_that_does_not_look_up_the_prepared_objects_is_told() -> None:
     def step(model: Any, batch: Any) -> torch.Tensor:
         return _step(model, {"sparse": dict(batch["sparse"]), "label": batch["label"]})  # a copy of the dict: fine
     pipe = tte.TrainPipeline(model, _opts(model, info, info.default), step=step, features=lambda b: b["sparse"])
-    assert sum(1 for _ in pipe.run(_batches(2))) == 2  # (matched by its leaves, not by the dict)
+    assert sum(1 for _ in pipe.run(pipeline_batches(2))) == 2  # (matched by its leaves, not by the dict)
 
     def other(model: Any, batch: Any) -> torch.Tensor:
         sparse = {k: (copy.copy(v)) for k, v in batch["sparse"].items()}
         return _step(model, {"sparse": sparse, "label": batch["label"]})
     pipe = tte.TrainPipeline(model, _opts(model, info, info.default), step=other, features=lambda b: b["sparse"])
     with pytest.raises(ValueError, match="did not look up the features TrainPipeline prepared"):
-        next(pipe.run(_batches(2)))
+        next(pipe.run(pipeline_batches(2)))
     assert not _threads()
 
 
@@ -362,7 +339,7 @@ def test_arguments_are_checked_at_construction() -> None:
 def test_prepared_features_are_looked_up_once_by_their_collection() -> None:
     model = _model()
     ec = model["ec"]
-    batch = _batches(1)[0]["sparse"]
+    batch = pipeline_batches(1)[0]["sparse"]
     prepared = ec.prepare(batch)
     _equal(ec(prepared), ec(batch))
     with pytest.raises(ValueError, match="looked up already"):
@@ -428,9 +405,10 @@ def test_prefetch_replays_the_cached_plan_and_equals_the_plain_loop(monkeypatch:
         x = model["ec"](batch["sparse"], concat=True)
         return torch.nn.functional.mse_loss(model["head"](x).squeeze(1), batch["label"])
 
-    data = [{"sparse": {"a": b["sparse"]["a"], "b": b["sparse"]["b"]}, "label": b["label"]} for b in _batches(6, 8)]
+    data = [{"sparse": {"a": b["sparse"]["a"], "b": b["sparse"]["b"]}, "label": b["label"]} 
+            for b in pipeline_batches(6, 8)]
     plain, plain_opts = build()
-    _train_plain(plain, plain_opts, data, step)
+    train_by_hand(plain, plain_opts, data, step)
     for stale in (False, True):
         replays.clear()
         model, opts = build()
@@ -449,7 +427,7 @@ def test_a_model_trained_through_the_pipeline_pickles_and_copies() -> None:
     model = _model()
     pipe = tte.TrainPipeline(model, _opts(model, info, info.default), step=_step, features=lambda b: b["sparse"],
                              pipeline_execution_with_tensor_core=True)
-    data = _batches(3, seed=9)
+    data = pipeline_batches(3, seed=9)
     assert sum(1 for _ in pipe.run(data)) == 3
     buf = io.BytesIO()
     torch.save(model, buf)

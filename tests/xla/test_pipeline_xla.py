@@ -20,6 +20,7 @@ from torch.overrides import TorchFunctionMode
 torch_xla = pytest.importorskip("torch_xla")
 import torch_xla.core.xla_model as xm  # noqa: E402
 import torch_xla.debug.metrics as met  # noqa: E402
+from suite_helpers import pipeline_batches  # noqa: E402
 
 import torch_tpu_embedding as tte  # noqa: E402
 from torch_tpu_embedding.modules import collection  # noqa: E402
@@ -33,19 +34,7 @@ STEPS = 8
 
 def _batches(n: int, dtype: torch.dtype, seed: int = 0) -> list[dict[str, Any]]:
     """Batches of one shape (ids repeat within and across batches: a stale lookup reads rows updated since)."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        lengths = torch.randint(0, 3, (B,), generator=g)
-        out.append({
-            "sparse": {
-                "a": tte.Padded(torch.randint(0, 7, (B, 2), generator=g), torch.rand(B, 2, generator=g) > 0.3),
-                "b": torch.randint(0, 5, (B,), generator=g),
-                "c": tte.Jagged(torch.randint(0, 7, (int(lengths.sum()),), generator=g), lengths=lengths),
-            },
-            "label": torch.rand(B, generator=g, dtype=dtype),
-        })
-    return out
+    return pipeline_batches(n, seed, dtype, size=B)
 
 
 def _model(device: torch.device, dtype: torch.dtype) -> torch.nn.ModuleDict:

@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: the process-group 
 import _mp_ckpt_worker as C  # noqa: E402
 import _mp_worker as W  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-from test_mp_shard import _close, _free_port  # noqa: E402
+from suite_helpers import free_port  # noqa: E402
+from test_mp_shard import _close  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("_mp_interop_script.py")
 ROOT = Path(__file__).parents[2]
@@ -36,7 +37,7 @@ def spmd(stage: str, folder: Path, devices: int = 4) -> str:
 
 
 def test_process_group_checkpoint_into_spmd4(tmp_path: Path) -> None:
-    mp.start_processes(C.save_worker, args=(4, _free_port(), str(tmp_path)), nprocs=4, start_method="spawn")
+    mp.start_processes(C.save_worker, args=(4, free_port(), str(tmp_path)), nprocs=4, start_method="spawn")
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
         "meta.pt", "rows-0.pt", "rows-1.pt", "rows-2.pt", "rows-3.pt", "tte_manifest.json"]
     assert spmd("load", tmp_path) == "ok 4"

@@ -46,6 +46,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import nullcontext
 from typing import Any, NoReturn
 
 import torch
@@ -158,7 +159,7 @@ class TrainPipeline:
         ``progress``); returns ``step``'s result. Raises ``StopIteration`` when it is exhausted."""
         if self._source is None:
             self._start(source)
-        elif source is not self._source and source is not self._given:
+        elif source is not self._given:  # (self._source is the pipeline's own chain, never handed out)
             raise ValueError("TrainPipeline.progress() must be given the same iterator at every call (the next "
                              "batches are taken from it ahead); close() the pipeline to start on another.")
         try:
@@ -290,7 +291,7 @@ class TrainPipeline:
         stream = self._side_stream()
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream) if stream is not None else _Nothing():
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
             self.collection.look_up_ahead(prepared, self.concat, keep_error=True)
         if stream is not None and prepared.outputs is not None:  # made on the side stream, used on this one:
             current = torch.cuda.current_stream()  # their memory kept until it has used them
@@ -355,14 +356,6 @@ class TrainPipeline:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _Nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _restore(fresh: Any, saved: Any) -> Any:

@@ -1,0 +1,98 @@
+"""Helpers the test suites share (tests/ is on ``sys.path``: tests/conftest.py; a spawned rank inherits it).
+
+* A process-group test's ranks: :func:`free_port` (the parent's), :func:`init_rank` and :func:`finish_rank` (each
+  rank's start and end in the ``tests/_*_worker.py`` modules).
+* ``tte.TrainPipeline``'s references: :func:`pipeline_batches`, the batches of the pipeline suites (tests/train,
+  tests/xla), and :func:`train_by_hand`, the plain loop and TF's one-step-stale schedule written out by hand, which
+  the pipeline must equal (tests/train/test_pipeline.py in one process, tests/_mp_pipe_worker.py over a group).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import torch_tpu_embedding as tte
+
+__all__ = ["finish_rank", "free_port", "init_rank", "pipeline_batches", "train_by_hand"]
+
+
+# ---------------------------------------------------------------------------------- process-group ranks
+def free_port() -> int:
+    """A TCP port free on this machine now (for ``MASTER_PORT``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_rank(rank: int, world: int, port: int, backend: str = "gloo",
+              create: Callable[..., dist.ProcessGroup] | None = None) -> None:
+    """Join the default group as rank ``rank`` of ``world`` on this machine, with one intra-op thread (ranks share
+    the CPUs). ``create``: registers ``backend`` first (a recording backend of tests/_mp_worker.py)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    if create is not None:
+        dist.Backend.register_backend(backend, create, devices=["cpu"])
+    dist.init_process_group(backend, rank=rank, world_size=world)
+
+
+def finish_rank(results: dict[str, Any], out_dir: str, rank: int) -> None:
+    """Save this rank's ``results`` as ``out_dir/rank<rank>.pt`` for the parent, then leave the group together."""
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------- the pipeline's references
+def pipeline_batches(n: int, seed: int = 0, dtype: torch.dtype = torch.float64, last: int | None = None,
+                     size: int = 6) -> list[dict[str, Any]]:
+    """``n`` batches of ``size`` (the last of ``last`` where given): three features over two tables of 7 and 5 rows
+    (``"a"`` padded with a mask, ``"b"`` dense, ``"c"`` jagged; ids repeat within and across batches, so a stale
+    lookup reads rows updated since) and a ``"label"`` of ``dtype``."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        b = last if (last is not None and i == n - 1) else size
+        lengths = torch.randint(0, 3, (b,), generator=g)
+        out.append({
+            "sparse": {
+                "a": tte.Padded(torch.randint(0, 7, (b, 2), generator=g), torch.rand(b, 2, generator=g) > 0.3),
+                "b": torch.randint(0, 5, (b,), generator=g),
+                "c": tte.Jagged(torch.randint(0, 7, (int(lengths.sum()),), generator=g), lengths=lengths),
+            },
+            "label": torch.rand(b, generator=g, dtype=dtype),
+        })
+    return out
+
+
+def train_by_hand(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], batches: Sequence[Any],
+                  step: Callable[[Any, Any], torch.Tensor], stale: bool = False) -> None:
+    """One process, by hand: per batch ``step(model, batch)``, backward, every optimizer's ``step()``, then every
+    ``zero_grad()``. ``stale``: TF's pipelined execution written out: step ``n`` looks up the tables as they were
+    before update ``n - 1`` (steps 0 and 1 both read the initial tables), and its gradient is applied to the
+    tables as they are."""
+    tables = tte.split_parameters(model)[0] if stale else []
+    before = [t.detach().clone() for t in tables]  # what the next step looks up
+    for batch in batches:
+        if stale:
+            live = [t.detach().clone() for t in tables]
+            with torch.no_grad():
+                for t, s in zip(tables, before, strict=True):
+                    t.copy_(s)
+            loss = step(model, batch)  # (a lookup's backward reads its ids and gains, never the table's values)
+            with torch.no_grad():
+                for t, v in zip(tables, live, strict=True):
+                    t.copy_(v)
+            before = live
+        else:
+            loss = step(model, batch)
+        loss.backward()  # type: ignore[no-untyped-call]
+        for o in optimizers:
+            o.step()
+        for o in optimizers:
+            o.zero_grad()

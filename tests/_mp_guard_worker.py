@@ -147,6 +147,22 @@ def run(scenario: str, rank: int, world: int) -> dict[str, Any]:
         except RuntimeError as e:
             return {"errors": [error(e)], "groups": grouped, "refused": refused}
         return {"errors": [], "groups": grouped, "refused": refused}
+    if scenario.startswith("dp_"):  # data parallel, no table sharded: "dp_<ddp|plain>_<case>"
+        # ddp: tte.distributed.DistributedDataParallel (DDP's all-reduce of the head in the backward); plain:
+        # tte.distributed.data_parallel alone (the tables' exchange at step() is the step's first collective)
+        dp = tte.distributed.DistributedDataParallel(model) if scenario.startswith("dp_ddp_") \
+            else tte.distributed.data_parallel(model)
+        opt = tte.optim.Adagrad(dp.parameters(), lr=0.1)
+        if "_pipeline_" in scenario:  # "dp_<wrapper>_pipeline_<fault>[_stale]": as "pipeline_<fault>[_stale]" below
+            fault = scenario.split("_pipeline_", 1)[1].removesuffix("_stale")
+            return pipeline(dp, opt, rank, fault, scenario.endswith("_stale"))
+        if scenario.endswith("_every_rank_skips"):  # every rank skips a failed step alike: they stay in step
+            out = train(dp, opt, rank, 4, (1, 1), (Exception,))
+            return out | {"head": [float(x) for x in model.head.weight.detach().reshape(-1)],
+                          "kind": float(model.ec.tables["kind"].weight.detach().sum()),
+                          "item": float(model.ec.tables["item"].weight.detach().sum())}
+        # rank 1 skips its bad batch (as in bad_id_skipped); rank 0 stops at an error
+        return train(dp, opt, rank, 4, (1, 1), (ValueError,))
     try:
         tte.distributed.shard(model, dtensor_state_dict=scenario == "state_on_one_rank")
     except RuntimeError as e:

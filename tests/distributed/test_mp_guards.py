@@ -129,3 +129,34 @@ def test_an_optimizer_built_before_shard_names_the_tables_and_shard(tmp_path: Pa
         msg = res["errors"][0]["message"]
         assert "tte.distributed.shard(model)" in msg and "`alpha`, `beta`" in msg, (r, msg)
         assert all(g not in msg for g in res["groups"]), (r, msg)  # no internal group name
+
+
+
+_DP = pytest.mark.parametrize("wrapper", ["plain", "ddp"], ids=["data_parallel", "DistributedDataParallel"])
+
+
+@_DP
+def test_data_parallel_a_bad_id_on_one_rank_raises_at_that_step_on_every_rank(wrapper: str, tmp_path: Path) -> None:
+    """Data parallel, no table sharded (the row gradients exchanged at ``step()``; with DDP its all-reduce of the
+    head in the backward first): rank 1 meets an out-of-range id at step 1 and skips the batch. Rank 0 raises at
+    step 1 too, naming rank 1 and its own lookup (before: rank 0's steps 1 and 2 trained on rank 1's steps 2 and
+    3, and it failed only when rank 1 left)."""
+    r0, r1 = run(f"dp_{wrapper}_bad_id_skipped", tmp_path)
+    assert r1["errors"][0]["step"] == 1 and r1["errors"][0]["type"] == "ValueError", r1
+    assert "Feature `item`" in r1["errors"][0]["message"], r1
+    assert r0["done"] == [0] and [e["step"] for e in r0["errors"]] == [1], r0
+    msg = r0["errors"][0]["message"]
+    assert "Rank 1 of the process group failed this step" in msg, r0
+    assert "looks up data-parallel tables `item`" in msg and "with gradients (training)" in msg, msg
+
+
+@_DP
+def test_data_parallel_every_rank_skipping_the_failed_step_stays_in_step(wrapper: str, tmp_path: Path) -> None:
+    """Every rank catches the step's error and moves on: they train the remaining steps together, their replicas
+    (the tables, and the head under DDP) equal."""
+    r0, r1 = run(f"dp_{wrapper}_every_rank_skips", tmp_path)
+    for res in (r0, r1):
+        assert res["done"] == [0, 2, 3] and [e["step"] for e in res["errors"]] == [1], res
+    assert (r0["kind"], r0["item"]) == (r1["kind"], r1["item"])
+    if wrapper == "ddp":
+        assert r0["head"] == r1["head"]

@@ -107,7 +107,13 @@ def test_a_failure_on_one_rank_raises_at_its_step_on_every_rank(fault: str, pipe
     rank 0 the failure of rank 1, both at step 2, after steps 0 and 1 (with pipelined execution, batch 2 is taken
     and looked up during step 1: its error waits for step 2 on both ranks); no rank hangs, no prefetch thread is
     left, and the failed batch is the first unfinished one."""
-    r0, r1 = run_ranks(f"pipeline_{fault}" + ("_stale" if pipelined else ""), tmp_path)
+    _failed_at_step_2(f"pipeline_{fault}" + ("_stale" if pipelined else ""), fault, tmp_path)
+
+
+def _failed_at_step_2(scenario: str, fault: str, tmp_path: Path) -> None:
+    """What :func:`test_a_failure_on_one_rank_raises_at_its_step_on_every_rank` checks, for ``scenario`` of
+    tests/_mp_guard_worker.py."""
+    r0, r1 = run_ranks(scenario, tmp_path)
     for res in (r0, r1):
         assert res["done"] == [0, 1] and [e["step"] for e in res["errors"]] == [2], res
         assert res["threads"] == 0, res
@@ -117,3 +123,13 @@ def test_a_failure_on_one_rank_raises_at_its_step_on_every_rank(fault: str, pipe
             "source": ("OSError", "the reader failed")}[fault]
     assert (r1["errors"][0]["type"], want[1] in r1["errors"][0]["message"]) == (want[0], True), r1
     assert r1["unfinished_first"] == (None if fault == "source" else 2), r1
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["prefetch", "pipelined"])
+@pytest.mark.parametrize("fault", ["bad_id", "features", "source"])
+def test_data_parallel_a_failure_on_one_rank_raises_at_its_step_on_every_rank(fault: str, pipelined: bool,
+                                                                              tmp_path: Path) -> None:
+    """As :func:`test_a_failure_on_one_rank_raises_at_its_step_on_every_rank`, under data parallel (no table
+    sharded, the model in tte.distributed.DistributedDataParallel): the failed rank takes part in data parallel's
+    agreement on the lookup (distributed/step_agreement.py), so rank 0 raises at step 2 too, before its backward."""
+    _failed_at_step_2(f"dp_ddp_pipeline_{fault}" + ("_stale" if pipelined else ""), fault, tmp_path)

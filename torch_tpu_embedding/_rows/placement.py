@@ -19,7 +19,9 @@ What depends on the device a tensor lives on rather than on a placement (an XLA 
 laid out like it, several lazy XLA tensors computed in one graph, DCP's planners for XLA tensors) is a
 :class:`DeviceBackend`, registered per device type by the backend's package (:func:`register_device`) and
 found with :func:`device_backend`. Data parallel's exchange of row gradients before a step is a hook the
-process-group package installs (:func:`install_row_grad_sync`), run by every optimizer step.
+process-group package installs (:func:`install_row_grad_sync`), run by every optimizer step, and so is its
+agreement on each training lookup (:func:`install_lookup_agreement`, run by :func:`lookup_starts` and
+:func:`lookup_failed`).
 
 The collectives here (:func:`all_reduce_sum`, :func:`all_true`) are ``torch.distributed``'s: a process
 group is a value the placement carries, and these need no backend.
@@ -46,8 +48,10 @@ __all__ = [
     "device_backend",
     "dtensor_placement",
     "process_group_placement",
+    "install_lookup_agreement",
     "install_row_grad_sync",
     "lookup_failed",
+    "lookup_starts",
     "is_dtensor",
     "reduction_group",
     "register_device",
@@ -169,17 +173,44 @@ def process_group_placement(p: Tensor) -> TablePlacement | None:
     return sharding if sharding is not None and sharding.over_process_group else None
 
 
-def lookup_failed(weights: Iterable[Tensor]) -> None:
+def lookup_failed(weights: Iterable[Tensor], training: bool = False) -> None:
     """A forward refused its inputs before any table was looked up: the first routed table among ``weights``
     (in the order the forward looks them up) tells its placement (:meth:`TablePlacement.lookup_failed`). Over a
     process group the other ranks' first collective of the step is that table's, so they raise at this step
-    too instead of pairing it with this rank's next. The caller raises its own error, whatever this meets."""
+    too instead of pairing it with this rank's next. Without a routed table, a ``training`` forward (module in
+    training mode, gradients on) takes part in data parallel's agreement instead (:func:`lookup_starts`). The
+    caller raises its own error, whatever this meets."""
+    weights = list(weights)
     for w in weights:
         info = table_info(w)
         if info is not None and info.sharding is not None and info.routed:
             with contextlib.suppress(Exception):
                 info.sharding.lookup_failed(w.device)
             return
+    if training:
+        for agree in _LOOKUP_AGREEMENTS:
+            with contextlib.suppress(Exception):
+                agree(weights, True)
+
+
+_LOOKUP_AGREEMENTS: list[Callable[[list[Tensor], bool], None]] = []
+
+
+def install_lookup_agreement(agree: Callable[[list[Tensor], bool], None]) -> None:
+    """Install data parallel's agreement on each training lookup (``agree(weights, failed)``), run by
+    :func:`lookup_starts` and :func:`lookup_failed` (once)."""
+    if agree not in _LOOKUP_AGREEMENTS:
+        _LOOKUP_AGREEMENTS.append(agree)
+
+
+def lookup_starts(weights: Sequence[Tensor], training: bool) -> None:
+    """A ``training`` forward accepted its inputs and is about to look ``weights`` up: the installed agreements
+    run (the process-group package's: over a data-parallel group, every rank's training lookup of a step meets
+    the others' before the step's first collective, and raises there when another rank's failed, the failed rank
+    taking part through :func:`lookup_failed`). Routed tables' lookups agree on each step themselves."""
+    if training:
+        for agree in _LOOKUP_AGREEMENTS:
+            agree(list(weights), False)
 
 
 def reduction_group(p: Tensor) -> Any:

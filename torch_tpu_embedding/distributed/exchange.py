@@ -203,6 +203,7 @@ def send_grads(grad: Tensor, slot: Tensor, k: int, sharding: GroupSharding) -> T
 _DESCRIBED: dict[int, str] = {}
 #: the kinds of exchange, named in errors
 _KINDS = {"lookup": "looks up table `{table}`",
+          "data_parallel": "looks up data-parallel tables {table}",
           "rows": "moves a sharded table's rows between ranks (its state_dict, load_state_dict or a checkpoint)"}
 
 
@@ -232,7 +233,8 @@ def agree_capacity(largest: Tensor, group: Any, *, what: str = "rows", table: st
     all-to-all splits equally and nothing is dropped.
 
     The same collective agrees that every rank is at the same step: one ``all_reduce(MAX)`` of four int64 (the
-    largest load; a tag of the exchange (``what``: ``"lookup"`` of ``table``, ``grad``: recording gradients, or
+    largest load; a tag of the exchange (``what``: ``"lookup"`` of ``table``, ``grad``: recording gradients,
+    ``"data_parallel"``: a training lookup of replicated tables (``distributed/step_agreement.py``), or
     ``"rows"``) and its negation, so that the maximum and the minimum of the tags arrive; the highest
     rank that ``failed`` plus one), read back once. A rank whose step failed before its first collective takes
     part with ``failed=True`` (:meth:`GroupSharding.lookup_failed`) instead of skipping it: the others then

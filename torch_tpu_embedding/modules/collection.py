@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from torch_tpu_embedding._rows.grads import retire_table
-from torch_tpu_embedding._rows.placement import lookup_failed
+from torch_tpu_embedding._rows.placement import lookup_failed, lookup_starts
 from torch_tpu_embedding._util.nest import Path, check_structure, flatten, path_name, rebuild
 from torch_tpu_embedding._util.validation import check_device
 from torch_tpu_embedding.config import PLACEMENTS, FeatureConfig, TableConfig
@@ -304,10 +304,16 @@ class EmbeddingCollection(AheadLookups, nn.Module):
             check_structure(self._config, weights, "Argument `weights`")
         return plan_lookups(self, features, weights, ahead)
 
+    def _weights(self) -> list[torch.Tensor]:
+        """The physical tables' weights in the order the forward looks them up."""
+        return [self._located[t][0].weight for t in dict.fromkeys(f[3] for f in self._features)]
+
     def _lookup_failed(self) -> None:
-        lookup_failed(self._located[t][0].weight for t in dict.fromkeys(f[3] for f in self._features))
+        lookup_failed(self._weights(), self.training and torch.is_grad_enabled())
 
     def _outputs(self, batches: list[Any], concat: bool) -> Any:
+        # Over a data-parallel group a training lookup meets the other ranks' first (a failed one raises here).
+        lookup_starts(self._weights(), self.training and torch.is_grad_enabled())
         if concat is not False:  # (checked to be True there)
             return side_by_side(batches, [(f[0], f[1]) for f in self._features], concat)
         outputs: dict[Path, torch.Tensor] = {}

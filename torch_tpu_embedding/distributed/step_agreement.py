@@ -1,0 +1,57 @@
+"""Data parallel's agreement on each training lookup: a rank whose forward fails makes every rank raise.
+
+Under data parallel (:mod:`torch_tpu_embedding.distributed.grad_sync`) a forward makes no collective of its
+own: the step's first is DDP's all-reduce of the dense gradients in the backward, or the exchange of the
+tables' row gradients at ``step()``. A rank whose forward refused its inputs (an out-of-range id, a missing
+feature) skips both, so the others' would pair with its next step's (training on mismatched gradients) or
+wait for it. So a training forward of data-parallel tables (the module in training mode, gradients on) meets
+the other ranks' before it looks up: the lookup agreement of tables sharded over a process group
+(:func:`~torch_tpu_embedding.distributed.exchange.agree_capacity`: one ``all_reduce(MAX)`` of four int64 and
+one host read), its failed rank taking part with ``failed=True``. Every other rank then raises at that step
+(``Rank 1 of the process group failed this step before its exchange ...``), before its backward, and ranks
+that all catch it and move on stay in step. A forward with a table sharded over the group needs none: its
+routed lookups agree already.
+
+Installed by :mod:`torch_tpu_embedding.distributed` into the layer below
+(:func:`~torch_tpu_embedding._rows.placement.install_lookup_agreement`), which the collection's forward calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from torch_tpu_embedding._rows.grads import table_info
+from torch_tpu_embedding.distributed.exchange import agree_capacity
+from torch_tpu_embedding.distributed.grad_sync import exchange_group
+
+__all__ = ["agree_lookup"]
+
+
+def agree_lookup(weights: Sequence[torch.Tensor], failed: bool) -> None:
+    """A training forward of ``weights`` (a collection's tables, in lookup order) meets the other ranks of the
+    data-parallel group of its first trainable table whose row gradients are exchanged (none: nothing to do);
+    ``failed``: this rank's forward refused its inputs (its own error is raised by the caller).
+
+    Raises:
+        RuntimeError: (on every rank but a failed one) another rank failed this step, or is at another exchange.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    first = group = None
+    for w in weights:
+        info = table_info(w)
+        if info is not None and info.routed:
+            return  # its lookup agrees on the step (TablePlacement.lookup_failed)
+        if first is None and w.requires_grad:
+            group = exchange_group(w)
+            first = w if group is not None else None
+    if first is None:
+        return
+    info = table_info(first)
+    assert info is not None
+    names = [m[0] for m in info.members] if info.members else [info.name]
+    agree_capacity(torch.zeros((), dtype=torch.int64, device=first.device), group, what="data_parallel",
+                   table=", ".join(f"`{n}`" for n in names), grad=True, failed=failed)

@@ -190,27 +190,28 @@ def lookup_failed(weights: Iterable[Tensor], training: bool = False) -> None:
     if training:
         for agree in _LOOKUP_AGREEMENTS:
             with contextlib.suppress(Exception):
-                agree(weights, True)
+                agree(lambda: weights, True)
 
 
-_LOOKUP_AGREEMENTS: list[Callable[[list[Tensor], bool], None]] = []
+_LOOKUP_AGREEMENTS: list[Callable[[Callable[[], list[Tensor]], bool], None]] = []
 
 
-def install_lookup_agreement(agree: Callable[[list[Tensor], bool], None]) -> None:
-    """Install data parallel's agreement on each training lookup (``agree(weights, failed)``), run by
-    :func:`lookup_starts` and :func:`lookup_failed` (once)."""
+def install_lookup_agreement(agree: Callable[[Callable[[], list[Tensor]], bool], None]) -> None:
+    """Install data parallel's agreement on each training lookup, ``agree(weights, failed)`` (``weights()``: the
+    forward's tables, asked for only where a process group needs them), run by :func:`lookup_starts` and
+    :func:`lookup_failed` (once)."""
     if agree not in _LOOKUP_AGREEMENTS:
         _LOOKUP_AGREEMENTS.append(agree)
 
 
-def lookup_starts(weights: Sequence[Tensor], training: bool) -> None:
-    """A ``training`` forward accepted its inputs and is about to look ``weights`` up: the installed agreements
+def lookup_starts(weights: Callable[[], list[Tensor]], training: bool) -> None:
+    """A ``training`` forward accepted its inputs and is about to look ``weights()`` up: the installed agreements
     run (the process-group package's: over a data-parallel group, every rank's training lookup of a step meets
     the others' before the step's first collective, and raises there when another rank's failed, the failed rank
     taking part through :func:`lookup_failed`). Routed tables' lookups agree on each step themselves."""
     if training:
         for agree in _LOOKUP_AGREEMENTS:
-            agree(list(weights), False)
+            agree(weights, False)
 
 
 def reduction_group(p: Tensor) -> Any:

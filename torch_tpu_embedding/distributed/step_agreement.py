@@ -18,7 +18,7 @@ Installed by :mod:`torch_tpu_embedding.distributed` into the layer below
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -30,8 +30,8 @@ from torch_tpu_embedding.distributed.grad_sync import exchange_group
 __all__ = ["agree_lookup"]
 
 
-def agree_lookup(weights: Sequence[torch.Tensor], failed: bool) -> None:
-    """A training forward of ``weights`` (a collection's tables, in lookup order) meets the other ranks of the
+def agree_lookup(weights: Callable[[], list[torch.Tensor]], failed: bool) -> None:
+    """A training forward of ``weights()`` (a collection's tables, in lookup order) meets the other ranks of the
     data-parallel group of its first trainable table whose row gradients are exchanged (none: nothing to do);
     ``failed``: this rank's forward refused its inputs (its own error is raised by the caller).
 
@@ -41,7 +41,7 @@ def agree_lookup(weights: Sequence[torch.Tensor], failed: bool) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     first = group = None
-    for w in weights:
+    for w in weights():
         info = table_info(w)
         if info is not None and info.routed:
             return  # its lookup agrees on the step (TablePlacement.lookup_failed)

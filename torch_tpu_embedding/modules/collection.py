@@ -313,7 +313,7 @@ class EmbeddingCollection(AheadLookups, nn.Module):
 
     def _outputs(self, batches: list[Any], concat: bool) -> Any:
         # Over a data-parallel group a training lookup meets the other ranks' first (a failed one raises here).
-        lookup_starts(self._weights(), self.training and torch.is_grad_enabled())
+        lookup_starts(self._weights, self.training and torch.is_grad_enabled())
         if concat is not False:  # (checked to be True there)
             return side_by_side(batches, [(f[0], f[1]) for f in self._features], concat)
         outputs: dict[Path, torch.Tensor] = {}

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _dp_route_worker import ListReads, ScalarReads
 from torch import nn
 
 import torch_tpu_embedding as tte
@@ -153,6 +154,23 @@ def run(scenario: str, rank: int, world: int) -> dict[str, Any]:
         dp = tte.distributed.DistributedDataParallel(model) if scenario.startswith("dp_ddp_") \
             else tte.distributed.data_parallel(model)
         opt = tte.optim.Adagrad(dp.parameters(), lr=0.1)
+        if scenario == "dp_plain_reads":  # a training forward's host reads, with and without the agreement
+            out = train(dp, opt, rank, 2, None)
+            ids = batch(rank, 5)[0]
+            reads = []
+            for tables in ("exchanged", "local"):
+                if tables == "local":
+                    tte.distributed.local_tables(model)  # no exchange: no agreement
+                with ListReads() as lists, ScalarReads() as scalars:
+                    model(ids)
+                opt.zero_grad()
+                reads.append([scalars.reads, lists.reads])
+            tte.distributed.data_parallel(model, broadcast=False)  # exchanged again
+            if rank == 0:  # evaluation on rank 0 alone makes no collective: the ranks then train on together
+                with torch.no_grad():
+                    model.eval()(batch(rank, 9)[0])
+                model.train()
+            return out | {"reads": reads, "after": train(dp, opt, rank, 1, None)}
         if "_pipeline_" in scenario:  # "dp_<wrapper>_pipeline_<fault>[_stale]": as "pipeline_<fault>[_stale]" below
             fault = scenario.split("_pipeline_", 1)[1].removesuffix("_stale")
             return pipeline(dp, opt, rank, fault, scenario.endswith("_stale"))

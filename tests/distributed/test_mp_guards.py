@@ -160,3 +160,14 @@ def test_data_parallel_every_rank_skipping_the_failed_step_stays_in_step(wrapper
     assert (r0["kind"], r0["item"]) == (r1["kind"], r1["item"])
     if wrapper == "ddp":
         assert r0["head"] == r1["head"]
+
+
+def test_data_parallel_agreement_costs_one_host_read_per_training_forward(tmp_path: Path) -> None:
+    """The agreement is one ``tolist()`` per training forward (measured against the same forward with the tables
+    opted out of the exchange), and evaluation under ``no_grad`` on rank 0 alone makes no collective: the ranks
+    train on together afterwards."""
+    for res in run("dp_plain_reads", tmp_path):
+        assert res["done"] == [0, 1] and not res["errors"], res
+        (scalars, lists), (local_scalars, local_lists) = res["reads"]
+        assert (scalars - local_scalars, lists - local_lists) == (0, 1), res["reads"]
+        assert res["after"] == {"errors": [], "done": [0]}, res

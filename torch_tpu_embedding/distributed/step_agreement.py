@@ -27,7 +27,7 @@ from torch_tpu_embedding._rows.grads import table_info
 from torch_tpu_embedding.distributed.exchange import agree_capacity
 from torch_tpu_embedding.distributed.grad_sync import exchange_group
 
-__all__ = ["agree_lookup"]
+__all__ = ["agree_lookup", "agreement_device"]
 
 
 def agree_lookup(weights: Callable[[], list[torch.Tensor]], failed: bool) -> None:
@@ -53,5 +53,25 @@ def agree_lookup(weights: Callable[[], list[torch.Tensor]], failed: bool) -> Non
     info = table_info(first)
     assert info is not None
     names = [m[0] for m in info.members] if info.members else [info.name]
-    agree_capacity(torch.zeros((), dtype=torch.int64, device=first.device), group, what="data_parallel",
+    where = agreement_device(dist.get_backend_config(group), first.device)
+    agree_capacity(torch.zeros((), dtype=torch.int64, device=where), group, what="data_parallel",
                    table=", ".join(f"`{n}`" for n in names), grad=True, failed=failed)
+
+
+def agreement_device(backend: str, device: torch.device) -> torch.device:
+    """Where the agreement's four numbers are reduced: on the host wherever the group's ``backend`` (as
+    ``torch.distributed.get_backend_config`` gives it) reduces host tensors: gloo (``"cpu:gloo,cuda:gloo"``),
+    MPI, or torch's default ``"cpu:gloo,cuda:nccl"``. Reading the result back then waits for no device (a CUDA
+    or XLA step keeps its device queue full). Else (``"cuda:nccl"``, ``"xla:xla"``) on the tables' ``device``:
+    one device read per training forward.
+
+    Example::
+
+        >>> agreement_device("cpu:gloo,cuda:nccl", torch.device("cuda", 0))
+        device(type='cpu')
+        >>> agreement_device("cuda:nccl", torch.device("cuda", 0))
+        device(type='cuda', index=0)
+    """
+    spec = backend.lower().replace(" ", "")
+    host = spec in ("gloo", "mpi") or any(part.startswith("cpu:") for part in spec.split(","))
+    return torch.device("cpu") if host or device.type == "cpu" else device

@@ -396,6 +396,12 @@ def side_by_side(batches: list[Any], order: list[tuple[Path, str]], concat: Any 
     """
     if concat is not True:
         raise TypeError(f"Argument `concat` must be a bool; received {concat!r}.")
+    if len(batches) == 1 and hasattr(batches[0], "run_side_by_side"):  # every feature in one batch (a group)
+        items = batches[0].items
+        if 1 < len(items) == len(order) and [p for p, _ in items] == [p for p, _ in order] \
+                and batches[0].side_by_side():  # (in order, every feature [B], one B: nothing below to check)
+            out: torch.Tensor = batches[0].run_side_by_side()
+            return out
     shapes = {path: bags.out_shape for batch in batches  # (a routed lookup holds LookupBatches)
               for b in getattr(batch, "batches", [batch]) for path, bags in b.items}
     for path, shape in shapes.items():  # checked before anything is looked up

@@ -142,7 +142,12 @@ def _pooled(weight: torch.Tensor, ids: torch.Tensor, gains: torch.Tensor) -> tor
 def _columns_whole(grads: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """``F`` features' ``[B, D]`` gradients as one ``[B·F, D]``, batch-major. When they tile one contiguous
     ``[B, F·D]`` tensor side by side, as the gradient of the caller's ``torch.cat(outputs, dim=1)`` does, that
-    tensor viewed (no copy; its layout read from strides and offsets, no op); else one ``stack``."""
+    tensor viewed (no copy; its layout read from strides and offsets, no op); else one ``cat`` side by side.
+
+    On XLA strides and offsets say nothing, so the gradients of the caller's ``torch.cat`` come here as its
+    slices, in order; their ``cat`` along dim 1 is what XLA's simplifier folds back into the sliced tensor (a
+    ``stack`` of them, as ``[B, 1, D]`` reshapes, it does not fold: the first compile at 100 features cost 4×
+    one feature's; ``tests/xla/test_first_step_hlo.py``)."""
     first = grads[0]
     base = first._base
     n, d = first.shape
@@ -150,7 +155,7 @@ def _columns_whole(grads: tuple[torch.Tensor, ...]) -> torch.Tensor:
             g._base is base and g.stride() == (len(grads) * d, 1)
             and g.storage_offset() == base.storage_offset() + i * d for i, g in enumerate(grads)):
         return base.view(n * len(grads), d)
-    return torch.stack(grads, 1).view(n * len(grads), d)
+    return torch.cat(grads, 1).view(n * len(grads), d)
 
 
 def _whole(grads: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -391,6 +396,12 @@ def side_by_side(batches: list[Any], order: list[tuple[Path, str]], concat: Any 
     """
     if concat is not True:
         raise TypeError(f"Argument `concat` must be a bool; received {concat!r}.")
+    if len(batches) == 1 and hasattr(batches[0], "run_side_by_side"):  # every feature in one batch (a group)
+        items = batches[0].items
+        if 1 < len(items) == len(order) and [p for p, _ in items] == [p for p, _ in order] \
+                and batches[0].side_by_side():  # (in order, every feature [B], one B: nothing below to check)
+            out: torch.Tensor = batches[0].run_side_by_side()
+            return out
     shapes = {path: bags.out_shape for batch in batches  # (a routed lookup holds LookupBatches)
               for b in getattr(batch, "batches", [batch]) for path, bags in b.items}
     for path, shape in shapes.items():  # checked before anything is looked up

@@ -88,7 +88,8 @@ def _hp(name: str, item: Work, step: Tensor) -> Tensor:
             lr = lr * torch.sqrt(1 - torch.pow(b2, t)) / (1 - torch.pow(b1, t))
         inside = bool(group["sum_inside_sqrt"])
         values = [lr.to(torch.float32), b1, 1 - b1, b2, 1 - b2, eps * eps if inside else eps, float(inside)]
-    return torch.stack([torch.as_tensor(v, dtype=torch.float32).reshape(()) for v in values])
+    # (a float32 tensor's value is exact as a Python float: the list rounds each number to float32 once)
+    return torch.tensor([float(v) for v in values], dtype=torch.float32)
 
 
 def update(item: Work) -> bool:

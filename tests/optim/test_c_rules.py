@@ -269,3 +269,32 @@ def test_what_the_loop_does_not_cover_takes_the_other_paths(kernel_path: list[st
         row_update.set_enabled(True)
     assert kernel_path == []
     assert len(taken) == (0 if case == "disabled" else 2)
+
+
+def _run_in_child(name: str) -> None:
+    p, slots, ids, rows = _problem(name)
+    torch.set_num_threads(2)
+    lib = c_add.library()
+    assert lib is not None
+    c_rules.run_rows(getattr(lib, name), p, slots, ids, None, rows, _hp(name, {}, torch.tensor(0.1), torch.tensor(1.0)))
+
+
+def test_a_forked_child_runs_the_loop_over_threads(lib: c_add.Library, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranges' thread pool belongs to the process that made it: a child forked after it ran makes its own
+    (the parent's threads are not in the child; a submit to their queue would wait forever)."""
+    import multiprocessing
+
+    monkeypatch.setattr(c_rules, "_MIN_ROWS_PER_THREAD", 64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _run_in_child("adam")  # (the pool made here, in the parent)
+        child = multiprocessing.get_context("fork").Process(target=_run_in_child, args=("adam",))
+        child.start()
+        child.join(60)
+        alive = child.is_alive()
+        if alive:
+            child.kill()
+    finally:
+        torch.set_num_threads(before)
+    assert not alive and child.exitcode == 0

@@ -13,6 +13,9 @@ cache miss). Measured at one thread, a 1 GB table: 4 pieces of 4,096 ids of 64 f
 0.9–1.0 ms for the same loop compiled by inductor and 1.3 ms for the increments and ``index_add_``; the SGD step
 at 20 ids per bag 62–64 → 40–41 ms (docs/benchmarks.md).
 
+The library also holds RowWiseAdagrad's and Adam's fused row loops (:mod:`.c_rules`, source in
+:mod:`.c_rules_source`): one build, one cache entry, one set of checks (:func:`library`).
+
 The loop is compiled with the system's C compiler (``CC``, else ``cc``, ``gcc`` or ``clang``; about 0.1 s) and
 called through :mod:`ctypes`. On Linux the library is kept in :func:`cache_dir` (``TTE_KERNEL_CACHE``, else
 ``~/.cache/torch_tpu_embedding/kernels``), named by a hash of the source, the compiler command and flags and the

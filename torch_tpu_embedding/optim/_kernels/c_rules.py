@@ -24,6 +24,7 @@ the GIL; the ranges' rows are disjoint), so the result does not depend on the th
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -52,6 +53,7 @@ _AROUND_RULE = ("clipvalue", "weight_decay_factor", "use_ema")
 #: distinct ids per thread below which the rows are not split over threads (a range costs some 20 µs)
 _MIN_ROWS_PER_THREAD = 2048
 _POOL: list[concurrent.futures.ThreadPoolExecutor] = []
+_POOL_PID: list[int] = []  # the process the pool's threads belong to
 
 
 def covered(item: Work) -> str | None:
@@ -157,6 +159,9 @@ def run_rows(fn: Callable[..., int], p: Tensor, slots: list[Tensor], ids: Tensor
     if threads == 1:
         codes = [part(0)]
     else:
+        if _POOL_PID and _POOL_PID[0] != os.getpid():  # a forked child: the parent's pool threads are not here
+            _POOL.clear()
+        _POOL_PID[:] = [os.getpid()]
         if len(_POOL) < threads - 1:  # (one single-worker pool per extra thread: each range on its own thread)
             _POOL.extend(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tte-rows")
                          for _ in range(threads - 1 - len(_POOL)))

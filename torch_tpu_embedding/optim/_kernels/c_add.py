@@ -77,7 +77,7 @@ from torch_tpu_embedding.optim._kernels.c_rules_source import SOURCE as RULES_SO
 if TYPE_CHECKING:
     from torch_tpu_embedding.optim._core.grad_intake import Work
 
-__all__ = ["AddRows", "Library", "Pieces", "add_rows_kernel", "c_compiler", "cache_dir", "library", "loop"]
+__all__ = ["AddRows", "Library", "Pieces", "add_rows_kernel", "c_compiler", "cache_dir", "library", "loaded", "loop"]
 
 Tensor = torch.Tensor
 #: ``(ids [B·L], g [B, D], gains [B, L] or None)`` pieces, added in order (see :func:`add_piece`)
@@ -129,6 +129,7 @@ class Library(NamedTuple):
     add: Callable[..., int]
     rowwise_adagrad: Callable[..., int]
     adam: Callable[..., int]
+    sort_keys: Callable[..., None]
 
 
 #: the compiled library (``None``: it could not be compiled), once per process
@@ -184,6 +185,11 @@ def loop() -> Callable[..., int] | None:
     return None if lib is None else lib.add
 
 
+def loaded() -> Library | None:
+    """The library if this process has already loaded it (:func:`library`), else ``None``: nothing is compiled."""
+    return _LOOP[0] if _LOOP else None
+
+
 def library() -> Library | None:
     """The functions of :data:`_SOURCE`, loaded from :func:`cache_dir` or compiled, on the first call; ``None``
     (after one warning) if they cannot be."""
@@ -211,7 +217,9 @@ def _load(fd: int, path: str) -> Library:
     fns[2].argtypes = [ptr, ptr, ptr, *rows]
     for fn in fns:
         fn.restype = ctypes.c_int
-    return Library(*fns)
+    sort = lib.tte_sort_keys
+    sort.argtypes, sort.restype = [ptr, ptr, i64, i64], None
+    return Library(*fns, sort)
 
 
 def _build() -> Library:

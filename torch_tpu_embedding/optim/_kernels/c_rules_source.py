@@ -1,4 +1,5 @@
-"""The C source of the fused eager row updates of :mod:`.c_rules` (RowWiseAdagrad, Adam / LazyAdam).
+"""The C source of the fused eager row updates of :mod:`.c_rules` (RowWiseAdagrad, Adam / LazyAdam), and of the
+radix sort of the duplicate sum's keys (:func:`.row_sums.row_sums`).
 
 Compiled into one library with SGD's add loop (:mod:`.c_add` builds, caches and loads it; this module holds
 only the text). Each function takes a table's distinct touched ids, sorted, and where each id's gradient
@@ -154,5 +155,28 @@ int tte_adam_rows(float *restrict p, float *restrict mom, float *restrict vel, i
     }
   }
   return 0;
+}
+
+/* The duplicate sum's keys (row_sums: id * n + position, all >= 0 and < 2^bits, distinct) sorted ascending in
+   place: LSD radix sort, 11-bit digits; tmp: n int64 of scratch. */
+void tte_sort_keys(int64_t *restrict keys, int64_t *restrict tmp, int64_t n, int64_t bits) {
+  int64_t count[2048];
+  int64_t *from = keys, *to = tmp;
+  for (int64_t shift = 0; shift < bits; shift += 11) {
+    for (int k = 0; k < 2048; ++k) count[k] = 0;
+    for (int64_t i = 0; i < n; ++i) count[(from[i] >> shift) & 2047]++;
+    int64_t sum = 0;
+    for (int k = 0; k < 2048; ++k) {
+      const int64_t c = count[k];
+      count[k] = sum;
+      sum += c;
+    }
+    for (int64_t i = 0; i < n; ++i) to[count[(from[i] >> shift) & 2047]++] = from[i];
+    int64_t *swap = from;
+    from = to;
+    to = swap;
+  }
+  if (from != keys)
+    for (int64_t i = 0; i < n; ++i) keys[i] = from[i];
 }
 """

@@ -27,6 +27,7 @@ import torch
 
 from torch_tpu_embedding._rows.grads import BagRows, RowGrad
 from torch_tpu_embedding._util.dtypes import math_dtype
+from torch_tpu_embedding.optim._kernels import c_add
 
 __all__ = ["RowSums", "row_sums"]
 
@@ -69,6 +70,18 @@ class RowSums:
         return out
 
 
+def _sorted_keys(keys: Tensor, bound: int) -> Tensor:
+    """``keys`` (distinct, in ``[0, bound)``) sorted: on the CPU by the C radix sort of the kernel library once this
+    process has loaded it (the kernel path's first step past its warm-up does), else by ``torch.sort``. Distinct keys
+    have one sorted order: the result is the same either way."""
+    lib = c_add.loaded() if keys.device.type == "cpu" and keys.dtype == torch.int64 else None
+    if lib is None:
+        return torch.sort(keys).values
+    keys, scratch = keys.contiguous(), torch.empty_like(keys)  # (both held until the C sort returns)
+    lib.sort_keys(keys.data_ptr(), scratch.data_ptr(), keys.numel(), max(1, (bound - 1).bit_length()))
+    return keys
+
+
 def row_sums(pieces: RowGrad, p: Tensor) -> RowSums | None:
     """The ids of table ``p``'s pending gradient ``pieces``, sorted and grouped (:class:`RowSums`).
 
@@ -88,7 +101,7 @@ def row_sums(pieces: RowGrad, p: Tensor) -> RowSums | None:
     n = ids.numel()
     if n and (sentinel + 1) * n < 2**63:
         # id · n + position: unique keys, so an unstable (radix) sort gives the stable order.
-        keys = torch.sort(ids * n + torch.arange(n, device=ids.device)).values
+        keys = _sorted_keys(ids * n + torch.arange(n, device=ids.device), (sentinel + 1) * n)
         sorted_ids = torch.div(keys, n, rounding_mode="floor")
         perm = keys - sorted_ids * n
     else:

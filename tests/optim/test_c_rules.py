@@ -304,9 +304,7 @@ def test_a_forked_child_runs_the_loop_over_threads(lib: c_add.Library, monkeypat
 def test_the_duplicate_sums_radix_sort_is_torch_sort(lib: c_add.Library, n: int) -> None:
     """``row_sums``' keys (``id · n + position``: distinct) sorted by the C radix sort once the library is loaded, as
     ``torch.sort`` sorts them; the ids of 0 to 2³⁷ rows (1 to 4 digits of 11 bits; the sentinel included)."""
-    from torch_tpu_embedding.optim._kernels import row_sums
-
     for rows in (1, 300, 4_000_000, 2**37):
         ids = torch.randint(0, rows + 1, (n,), generator=torch.Generator().manual_seed(n))
         keys = ids * n + torch.arange(n)
-        assert torch.equal(row_sums._sorted_keys(keys.clone(), (rows + 1) * max(n, 1)), torch.sort(keys).values)
+        assert torch.equal(c_rules.sorted_keys(keys.clone(), (rows + 1) * max(n, 1)), torch.sort(keys).values)

@@ -22,12 +22,12 @@ not bitwise the reference's sum: it merges each multiply into the add).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
 from torch_tpu_embedding._rows.grads import BagRows, RowGrad
 from torch_tpu_embedding._util.dtypes import math_dtype
-from torch_tpu_embedding.optim._kernels import c_add
 
 __all__ = ["RowSums", "row_sums"]
 
@@ -70,19 +70,7 @@ class RowSums:
         return out
 
 
-def _sorted_keys(keys: Tensor, bound: int) -> Tensor:
-    """``keys`` (distinct, in ``[0, bound)``) sorted: on the CPU by the C radix sort of the kernel library once this
-    process has loaded it (the kernel path's first step past its warm-up does), else by ``torch.sort``. Distinct keys
-    have one sorted order: the result is the same either way."""
-    lib = c_add.loaded() if keys.device.type == "cpu" and keys.dtype == torch.int64 else None
-    if lib is None:
-        return torch.sort(keys).values
-    keys, scratch = keys.contiguous(), torch.empty_like(keys)  # (both held until the C sort returns)
-    lib.sort_keys(keys.data_ptr(), scratch.data_ptr(), keys.numel(), max(1, (bound - 1).bit_length()))
-    return keys
-
-
-def row_sums(pieces: RowGrad, p: Tensor) -> RowSums | None:
+def row_sums(pieces: RowGrad, p: Tensor, sort_keys: Callable[[Tensor, int], Tensor] | None = None) -> RowSums | None:
     """The ids of table ``p``'s pending gradient ``pieces``, sorted and grouped (:class:`RowSums`).
 
     ``None`` (the caller multiplies the rows out and sums them as the reference does) for rows not in
@@ -101,7 +89,8 @@ def row_sums(pieces: RowGrad, p: Tensor) -> RowSums | None:
     n = ids.numel()
     if n and (sentinel + 1) * n < 2**63:
         # id · n + position: unique keys, so an unstable (radix) sort gives the stable order.
-        keys = _sorted_keys(ids * n + torch.arange(n, device=ids.device), (sentinel + 1) * n)
+        keys = ids * n + torch.arange(n, device=ids.device)
+        keys = torch.sort(keys).values if sort_keys is None else sort_keys(keys, (sentinel + 1) * n)
         sorted_ids = torch.div(keys, n, rounding_mode="floor")
         perm = keys - sorted_ids * n
     else:

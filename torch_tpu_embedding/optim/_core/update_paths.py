@@ -16,7 +16,9 @@ only in which rows they hand it and how the results are written back:
                       graph) and rules with statistics over rows (Adafactor)
 ``KERNEL``             eager (CPU, CUDA) with a per-row rule: the same pipeline compiled into one
                       kernel that reads and writes each touched row and its slots once, the
-                      duplicate sum done without multiplying the gradient out (:mod:`.row_update`)
+                      duplicate sum done without multiplying the gradient out (:mod:`.row_update`);
+                      RowWiseAdagrad and Adam on CPU float32 tables: one C loop that also sums the
+                      duplicates, prefetching rows (:mod:`.c_rules`)
 ``ROW_CHUNKS``        eager with a per-row rule when ``KERNEL`` is off, cannot compile, or its
                       policy keeps the step here (the first calls, small tables: ``policy()``): the
                       touched rows in cache-sized chunks (the reference for ``KERNEL``)
@@ -50,7 +52,7 @@ from torch_tpu_embedding.optim._core.ema import ema_rows
 from torch_tpu_embedding.optim._core.rule_pipeline import Path, gated, pipeline
 from torch_tpu_embedding.optim._core.slots import RowSpace, rule_slots
 from torch_tpu_embedding.optim._core.stacked_members import member_rows, segment_of
-from torch_tpu_embedding.optim._kernels import row_update
+from torch_tpu_embedding.optim._kernels import c_rules, row_update
 from torch_tpu_embedding.optim._kernels.c_add import add_rows_kernel
 
 if TYPE_CHECKING:
@@ -121,7 +123,9 @@ def update(item: Work) -> None:
         ids = item.ids
         assert ids is not None
         if item.path is Path.KERNEL:
-            if row_update.update(item):
+            # RowWiseAdagrad and Adam: one fused C loop (c_rules); other rules, or options it does not cover,
+            # the compiled kernel of the rule (row_update).
+            if c_rules.update(item) or row_update.update(item):
                 return
             item.path = Path.ROW_CHUNKS  # no compiled kernel: the reference path
         chunk = row_chunk()

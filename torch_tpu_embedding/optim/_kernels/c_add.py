@@ -13,6 +13,9 @@ cache miss). Measured at one thread, a 1 GB table: 4 pieces of 4,096 ids of 64 f
 0.9–1.0 ms for the same loop compiled by inductor and 1.3 ms for the increments and ``index_add_``; the SGD step
 at 20 ids per bag 62–64 → 40–41 ms (docs/benchmarks.md).
 
+The library also holds RowWiseAdagrad's and Adam's fused row loops (:mod:`.c_rules`, source in
+:mod:`.c_rules_source`): one build, one cache entry, one set of checks (:func:`library`).
+
 The loop is compiled with the system's C compiler (``CC``, else ``cc``, ``gcc`` or ``clang``; about 0.1 s) and
 called through :mod:`ctypes`. On Linux the library is kept in :func:`cache_dir` (``TTE_KERNEL_CACHE``, else
 ``~/.cache/torch_tpu_embedding/kernels``), named by a hash of the source, the compiler command and flags and the
@@ -60,7 +63,7 @@ import sys
 import tempfile
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch.autograd.graph import increment_version
@@ -69,11 +72,12 @@ from torch_tpu_embedding._util import private_files
 from torch_tpu_embedding._util.env import is_off
 from torch_tpu_embedding._util.registry import rule_of
 from torch_tpu_embedding.optim._kernels import row_update
+from torch_tpu_embedding.optim._kernels.c_rules_source import SOURCE as RULES_SOURCE
 
 if TYPE_CHECKING:
     from torch_tpu_embedding.optim._core.grad_intake import Work
 
-__all__ = ["AddRows", "Pieces", "add_rows_kernel", "c_compiler", "cache_dir", "loop"]
+__all__ = ["AddRows", "Library", "Pieces", "add_rows_kernel", "c_compiler", "cache_dir", "library", "loaded", "loop"]
 
 Tensor = torch.Tensor
 #: ``(ids [B·L], g [B, D], gains [B, L] or None)`` pieces, added in order (see :func:`add_piece`)
@@ -116,10 +120,20 @@ int tte_add_rows(float *restrict p, int64_t rows, int64_t d, const int64_t *rest
   }
   return 0;
 }
-""" % {"ahead": PREFETCH}
+""" % {"ahead": PREFETCH} + RULES_SOURCE  # (one library: the fused row rules of .c_rules too)
 
-#: the compiled loop (``None``: it could not be compiled), once per process
-_LOOP: list[Callable[..., int] | None] = []
+
+class Library(NamedTuple):
+    """The functions of the compiled library: the add loop and :mod:`.c_rules`' fused row updates."""
+
+    add: Callable[..., int]
+    rowwise_adagrad: Callable[..., int]
+    adam: Callable[..., int]
+    sort_keys: Callable[..., None]
+
+
+#: the compiled library (``None``: it could not be compiled), once per process
+_LOOP: list[Library | None] = []
 #: the kernel cache refused (others may change it): warned once per process
 _REFUSED: list[str] = []
 #: the work directories of compiles (with host and process id); the old ``TemporaryDirectory`` ones' prefix
@@ -167,6 +181,18 @@ def _cpu() -> str:
 def loop() -> Callable[..., int] | None:
     """``tte_add_rows`` of :data:`_SOURCE`, loaded from :func:`cache_dir` or compiled, on the first call; ``None``
     (after one warning) if it cannot be."""
+    lib = library()
+    return None if lib is None else lib.add
+
+
+def loaded() -> Library | None:
+    """The library if this process has already loaded it (:func:`library`), else ``None``: nothing is compiled."""
+    return _LOOP[0] if _LOOP else None
+
+
+def library() -> Library | None:
+    """The functions of :data:`_SOURCE`, loaded from :func:`cache_dir` or compiled, on the first call; ``None``
+    (after one warning) if they cannot be."""
     if not _LOOP:
         try:
             _LOOP.append(_build())
@@ -177,24 +203,34 @@ def loop() -> Callable[..., int] | None:
     return _LOOP[0]
 
 
-def _load(fd: int, path: str) -> Callable[..., int]:
-    """``tte_add_rows`` of the library open at ``fd`` (at ``path``), loaded through that descriptor (the file
+def _load(fd: int, path: str) -> Library:
+    """The functions of the library open at ``fd`` (at ``path``), loaded through that descriptor (the file
     checked): :func:`.private_files.load_library`."""
-    fn = private_files.load_library(fd, path).tte_add_rows  # (the mapping outlives the file, deleted or replaced)
+    lib = private_files.load_library(fd, path)  # (the mapping outlives the file, deleted or replaced)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr]
-    fn.restype = ctypes.c_int
-    return fn  # type: ignore[no-any-return]
+    # (the rules': rows, d, ids, n, offsets, cols, weights, src, ss0, ncols, srows, hp, g after the table and slots)
+    rows: list[type[ctypes.c_int64 | ctypes.c_void_p]] = [i64, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64,
+                                                          ptr, ptr]
+    fns = (lib.tte_add_rows, lib.tte_rowwise_adagrad_rows, lib.tte_adam_rows)
+    fns[0].argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr]
+    fns[1].argtypes = [ptr, ptr, *rows]
+    fns[2].argtypes = [ptr, ptr, ptr, *rows]
+    for fn in fns:
+        fn.restype = ctypes.c_int
+    sort = lib.tte_sort_keys
+    sort.argtypes, sort.restype = [ptr, ptr, i64, i64], None
+    return Library(*fns, sort)
 
 
-def _build() -> Callable[..., int]:
+def _build() -> Library:
     cc = c_compiler()
     if cc is None:
         raise RuntimeError("no C compiler (set CC, or install cc, gcc or clang)")
     cc = [shutil.which(cc[0]) or cc[0], *cc[1:]]  # (a path: see close_fds in _compile)
     # -ffp-contract=off: a product and a sum, each rounded, as torch's mul and index_add_ (an FMA
-    # would round once and differ in the last bit). -march=native only where the compiler takes it.
-    flags = ["-O3", "-ffp-contract=off", "-fPIC", "-shared"]
+    # would round once and differ in the last bit). -fno-math-errno: sqrtf vectorised (IEEE sqrt all the
+    # same; nothing reads errno). -march=native only where the compiler takes it.
+    flags = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
     cache = cache_dir()
     if cache is not None:
         key = hashlib.sha256("\0".join([_SOURCE, *cc, *flags, platform.machine(), _cpu()]).encode()).hexdigest()
@@ -237,7 +273,7 @@ def _refused(cache: str, why: OSError) -> None:
                   RuntimeWarning, stacklevel=4)
 
 
-def _load_kept(cache_fd: int, cache: str, stem: str) -> Callable[..., int] | None:
+def _load_kept(cache_fd: int, cache: str, stem: str) -> Library | None:
     """The loop from the cache's ``{stem}{sha256 of the library}.so``, checked through the descriptor it is loaded
     by: this user's, nobody else may write it, and its bytes hash to its name's (a library cut short would make
     ``dlopen`` fault); one that fails is removed (compiled again and replaced), never loaded. ``None``: none."""
@@ -271,7 +307,7 @@ def _discard(dir_fd: int, name: str) -> None:
         pass
 
 
-def _compile(cc: list[str], flags: list[str], where_fd: int, where: str, stem: str | None) -> Callable[..., int]:
+def _compile(cc: list[str], flags: list[str], where_fd: int, where: str, stem: str | None) -> Library:
     """The loop compiled in a new directory of its own in ``where`` (open at ``where_fd``, its real path) and loaded
     through the descriptor its bytes were read by; with ``stem``, the library then kept in ``where`` as
     ``{stem}{its sha256}.so``, written to disk (fsync) before it is renamed there. The work directory is removed
@@ -281,7 +317,7 @@ def _compile(cc: list[str], flags: list[str], where_fd: int, where: str, stem: s
 
 
 def _compile_in(cc: list[str], flags: list[str], tmp_fd: int, tmp: str, where_fd: int,
-                stem: str | None) -> Callable[..., int]:
+                stem: str | None) -> Library:
     src, lib = os.path.join(tmp, "add_rows.c"), os.path.join(tmp, "add_rows.so")
     with open(os.open("add_rows.c", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                       dir_fd=tmp_fd), "w") as f:

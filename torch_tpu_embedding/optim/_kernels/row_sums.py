@@ -22,6 +22,7 @@ not bitwise the reference's sum: it merges each multiply into the add).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -69,7 +70,7 @@ class RowSums:
         return out
 
 
-def row_sums(pieces: RowGrad, p: Tensor) -> RowSums | None:
+def row_sums(pieces: RowGrad, p: Tensor, sort_keys: Callable[[Tensor, int], Tensor] | None = None) -> RowSums | None:
     """The ids of table ``p``'s pending gradient ``pieces``, sorted and grouped (:class:`RowSums`).
 
     ``None`` (the caller multiplies the rows out and sums them as the reference does) for rows not in
@@ -88,7 +89,8 @@ def row_sums(pieces: RowGrad, p: Tensor) -> RowSums | None:
     n = ids.numel()
     if n and (sentinel + 1) * n < 2**63:
         # id · n + position: unique keys, so an unstable (radix) sort gives the stable order.
-        keys = torch.sort(ids * n + torch.arange(n, device=ids.device)).values
+        keys = ids * n + torch.arange(n, device=ids.device)
+        keys = torch.sort(keys).values if sort_keys is None else sort_keys(keys, (sentinel + 1) * n)
         sorted_ids = torch.div(keys, n, rounding_mode="floor")
         perm = keys - sorted_ids * n
     else:

@@ -2,7 +2,8 @@
 
 Run (from the repository root; about a minute):
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/host_ops.py [--features 1 26 100] [--steps 5] [--no-xla]
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/host_ops.py [--features 1 26 100] [--steps 5] [--rounds 1]
+        [--flush-mb 64] [--no-xla]
 
 A DLRM-like step: ``T`` features, one table each (1,000 rows × 16, ``mean``), default construction (all
 ``T`` tables stacked in one group), bags of 4 host ids (``Padded [256, 4]``, a quarter of them masked
@@ -14,7 +15,19 @@ concatenated by the user's ``torch.cat``; ``concat=True``; and a duck-typed ``Ke
   counted with a ``TorchDispatchMode``; and among them the host reads (``_local_scalar_dense``) and
   data-dependent shapes (``nonzero``, ``unique*``, ``masked_select``);
 * **XLA trace** (``PJRT_DEVICE=CPU``, one device, ``concat=True``): the median host time of the Python
-  step up to ``torch_xla.sync()`` over ``--steps`` steps (the device's work not included).
+  step up to ``torch_xla.sync()`` over ``--steps`` steps (the device's work not included: each step starts
+  after ``torch_xla.sync()`` and ``xm.wait_device_ops()`` of the one before). Two kinds of step alternate in
+  one process, so that both see the same minutes of a shared machine:
+
+  * **warm**: right after the previous step's device work, as a training loop runs;
+  * **cold**: the same, after a ``--flush-mb`` host buffer (default 64 MiB, twice this machine's L3) is
+    written outside the clock. XLA:CPU runs the device's work on the host's cores: T = 100's step (Adam on
+    100,000 rows) takes about 50 ms there and leaves the host's caches cold; T = 1's takes about 1 ms and
+    leaves them warm. The cold step starts every ``T`` from the same cache state.
+
+  Each kind is given as wall time and as the Python thread's CPU time (``time.thread_time``: what the host
+  computed, without time spent preempted or waiting on other threads). ``--rounds`` repeats every ``T``'s
+  process, the ``T`` alternating, and prints each round's ratios and their median.
 
 Goals of issue [host] (printed): with ``concat=True`` ops at T = 100 ≤ 1.3× T = 1 and host reads
 independent of T; with the dict output ≤ 3 ops per feature beyond T = 1; XLA trace at T = 100 ≤ 1.5×
@@ -138,7 +151,7 @@ def count_ops(t: int, form: str) -> dict[str, Any]:
             "top": c.counts.most_common(8)}
 
 
-def trace_time(t: int, steps: int) -> dict[str, Any]:
+def trace_time(t: int, steps: int, flush_mb: int) -> dict[str, Any]:
     import torch_xla
     import torch_xla.core.xla_model as xm
 
@@ -146,23 +159,34 @@ def trace_time(t: int, steps: int) -> dict[str, Any]:
     ec, head, opts, names = build(t, dev)
     data = batches(names, 4, "concat")
     y = torch.zeros(256, device=dev)
-    times = []
-    for i in range(3 + steps):
-        start = time.perf_counter()
+    junk = torch.zeros(flush_mb << 18) if flush_mb else None  # float32: 2**18 per MiB
+    kinds: dict[str, list[tuple[float, float]]] = {"warm": [], "cold": []}
+    for i in range(3 + 2 * steps):
+        cold = junk is not None and i % 2 == 1
+        if cold:
+            junk.add_(1)  # every cache line of the buffer written: the host's caches hold nothing of the step
+        start, cpu = time.perf_counter(), time.thread_time()
         step(ec, head, opts, data[i % 4], "concat", y)
-        traced = time.perf_counter() - start
+        traced, cpu = time.perf_counter() - start, time.thread_time() - cpu
         torch_xla.sync()
         xm.wait_device_ops()
         if i >= 3:
-            times.append(traced * 1e3)
-    return {"trace_ms": statistics.median(times), "trace_ms_range": [min(times), max(times)]}
+            kinds["cold" if cold else "warm"].append((traced * 1e3, cpu * 1e3))
+    out: dict[str, Any] = {}
+    for kind, times in kinds.items():
+        if times:
+            wall = [w for w, _ in times]
+            prefix = "trace" if kind == "warm" else "cold_trace"
+            out.update({f"{prefix}_ms": statistics.median(wall), f"{prefix}_ms_range": [min(wall), max(wall)],
+                        f"{prefix}_cpu_ms": statistics.median(c for _, c in times)})
+    return out
 
 
 def child(args: argparse.Namespace) -> None:
     t = args.child
     out: dict[str, Any] = {"T": t}
     if args.xla:
-        out.update(trace_time(t, args.steps))
+        out.update(trace_time(t, args.steps, args.flush_mb))
     else:
         for form in ("dict", "concat", "kjt"):
             out[form] = count_ops(t, form)
@@ -182,7 +206,9 @@ def cpu_model() -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--features", type=int, nargs="+", default=[1, 26, 100])
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=5, help="measured steps of each kind (warm, cold) per process")
+    p.add_argument("--rounds", type=int, default=1, help="XLA processes per T, the T alternating")
+    p.add_argument("--flush-mb", type=int, default=64, help="host buffer written before a cold step (0: none)")
     p.add_argument("--no-xla", action="store_true")
     p.add_argument("--child", type=int, help=argparse.SUPPRESS)
     p.add_argument("--xla", action="store_true", help=argparse.SUPPRESS)
@@ -193,31 +219,53 @@ def main() -> None:
     env = dict(os.environ, TTE_KERNEL_AFTER="2", OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
                PYTHONPATH=str(REPO))
     rows: dict[int, dict[str, Any]] = {}
-    for t in args.features:
-        cmd = [sys.executable, __file__, "--child", str(t), "--steps", str(args.steps)]
+    for t in args.features:  # (op counts do not depend on the machine: one process per T)
+        cmd = [sys.executable, __file__, "--child", str(t)]
         rows[t] = json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout)
-        if not args.no_xla:
-            xenv = dict(env, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1")
-            res = subprocess.run([*cmd, "--xla"], env=xenv, check=True, capture_output=True, text=True)
-            rows[t].update(json.loads(res.stdout.strip().splitlines()[-1]))
+    rounds: list[dict[int, dict[str, Any]]] = []
+    if not args.no_xla:
+        xenv = dict(env, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1")
+        for _ in range(args.rounds):
+            got = {}
+            for t in args.features:
+                cmd = [sys.executable, __file__, "--child", str(t), "--xla", "--steps", str(args.steps),
+                       "--flush-mb", str(args.flush_mb)]
+                res = subprocess.run(cmd, env=xenv, check=True, capture_output=True, text=True)
+                got[t] = json.loads(res.stdout.strip().splitlines()[-1])
+            rounds.append(got)
     print(f"CPU: {cpu_model()}, torch {torch.__version__}, {os.cpu_count()} cores")
     print(f"{'T':>4} | {'dict ops':>8} {'reads':>5} {'dd':>3} | {'concat ops':>10} {'reads':>5} {'dd':>3} | "
-          f"{'kjt ops':>7} {'reads':>5} {'dd':>3} | {'XLA trace ms':>12}")
+          f"{'kjt ops':>7} {'reads':>5} {'dd':>3}")
     for t, r in rows.items():
-        trace = f"{r['trace_ms']:.1f}" if "trace_ms" in r else "-"
         cells = " | ".join(f"{r[f]['ops']:>{w}} {r[f]['reads']:>5} {r[f]['data_dependent']:>3}"
                            for f, w in (("dict", 8), ("concat", 10), ("kjt", 7)))
-        print(f"{t:>4} | {cells} | {trace:>12}")
-    first, last = rows[min(rows)], rows[max(rows)]
-    span = max(rows) - min(rows)
-    if span:
-        print(f"goals: concat ops T={max(rows)}/T={min(rows)} = {last['concat']['ops'] / first['concat']['ops']:.2f} "
-              f"(≤ 1.3); dict ops per feature beyond T={min(rows)}: "
-              f"{(last['dict']['ops'] - first['dict']['ops']) / span:.2f} (≤ 3); host reads "
-              f"{[r['concat']['reads'] for r in rows.values()]} (independent of T)"
-              + (f"; XLA trace {last['trace_ms'] / first['trace_ms']:.2f}× (≤ 1.5)" if "trace_ms" in first else ""))
+        print(f"{t:>4} | {cells}")
+    lo, hi = min(rows), max(rows)
+    if hi > lo:
+        first, last = rows[lo], rows[hi]
+        print(f"goals: concat ops T={hi}/T={lo} = {last['concat']['ops'] / first['concat']['ops']:.2f} "
+              f"(≤ 1.3); dict ops per feature beyond T={lo}: "
+              f"{(last['dict']['ops'] - first['dict']['ops']) / (hi - lo):.2f} (≤ 3); host reads "
+              f"{[r['concat']['reads'] for r in rows.values()]} (independent of T)")
     for t, r in rows.items():
         print(f"T={t} most frequent ops (concat): {r['concat']['top']}")
+    if not rounds:
+        return
+    kinds = [k for k in ("trace", "cold_trace") if f"{k}_ms" in rounds[0][lo]]
+    print(f"XLA trace per step, ms, median of {args.steps} steps per kind (wall; the Python thread's CPU in brackets)")
+    ratios: dict[str, list[float]] = {k: [] for k in kinds}
+    for n, got in enumerate(rounds, 1):
+        cells = []
+        for k in kinds:
+            ratios[k].append(got[hi][f"{k}_ms"] / got[lo][f"{k}_ms"])
+            cells.append(f"{k.replace('_trace', '').replace('trace', 'warm')} " + " / ".join(
+                f"T={t} {got[t][f'{k}_ms']:.2f} ({got[t][f'{k}_cpu_ms']:.2f})" for t in args.features)
+                + (f", T={hi}/T={lo} {ratios[k][-1]:.2f}" if hi > lo else ""))
+        print(f"round {n}: " + "; ".join(cells))
+    if hi > lo:
+        print("goal: XLA trace T={}/T={} ≤ 1.5; median over rounds: {}".format(hi, lo, ", ".join(
+            f"{k.replace('_trace', '').replace('trace', 'warm')} {statistics.median(v):.2f}"
+            for k, v in ratios.items())))
 
 
 if __name__ == "__main__":

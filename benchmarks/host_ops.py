@@ -161,7 +161,7 @@ def trace_time(t: int, steps: int, flush_mb: int) -> dict[str, Any]:
     y = torch.zeros(256, device=dev)
     junk = torch.zeros(flush_mb << 18) if flush_mb else None  # float32: 2**18 per MiB
     kinds: dict[str, list[tuple[float, float]]] = {"warm": [], "cold": []}
-    for i in range(3 + 2 * steps):
+    for i in range(3 + (2 * steps if junk is not None else steps)):
         cold = junk is not None and i % 2 == 1
         if cold:
             junk.add_(1)  # every cache line of the buffer written: the host's caches hold nothing of the step

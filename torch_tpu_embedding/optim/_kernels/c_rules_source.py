@@ -1,5 +1,6 @@
-"""The C source of the fused eager row updates of :mod:`.c_rules` (RowWiseAdagrad, Adam / LazyAdam), and of the
-radix sort of the duplicate sum's keys (:func:`.row_sums.row_sums`).
+"""The C source of the fused eager row updates of :mod:`.c_rules` (RowWiseAdagrad, Adam / LazyAdam), of the
+radix sort of the duplicate sum's keys (:func:`.row_sums.row_sums`), and of the lookup's prefetching row gather
+(:mod:`.c_gather`).
 
 Compiled into one library with SGD's add loop (:mod:`.c_add` builds, caches and loads it; this module holds
 only the text). Each function takes a table's distinct touched ids, sorted, and where each id's gradient
@@ -22,6 +23,7 @@ PREFETCH_ROWS = 8
 
 SOURCE = f"#define TTE_AHEAD {PREFETCH_ROWS}\n" + r"""
 #include <math.h>
+#include <string.h>
 /* The lines of bytes at ptr prefetched, for writing (rw 1) or reading (rw 0). */
 #define TTE_PREFETCH(ptr, bytes, rw)                                                    \
   do {                                                                                  \
@@ -153,6 +155,19 @@ int tte_adam_rows(float *restrict p, float *restrict mom, float *restrict vel, i
         w[j] = w[j] - (lr * mj) / (sqrtf(vj) + eps);
       }
     }
+  }
+  return 0;
+}
+
+/* out[k] = table row ids[k] for k in [0, n), rows of row_bytes bytes (any dtype: a copy), the row TTE_AHEAD ids
+   ahead prefetched for reading. -1 (nothing written) if an id is outside [0, rows). */
+int tte_gather_rows(char *restrict out, const char *restrict p, int64_t rows, int64_t row_bytes,
+                    const int64_t *restrict ids, int64_t n) {
+  for (int64_t k = 0; k < n; ++k)
+    if (ids[k] < 0 || ids[k] >= rows) return -1;
+  for (int64_t k = 0; k < n; ++k) {
+    if (k + TTE_AHEAD < n) TTE_PREFETCH(p + ids[k + TTE_AHEAD] * row_bytes, row_bytes, 0);
+    memcpy(out + k * row_bytes, p + ids[k] * row_bytes, (size_t)row_bytes);
   }
   return 0;
 }

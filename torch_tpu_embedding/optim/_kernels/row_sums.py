@@ -47,7 +47,7 @@ class RowSums:
     offsets: Tensor  # [U + 1] int64, offsets[0] == 0
     cols: Tensor  # [M] int64 rows of src (contributions of the sentinel may trail)
     weights: Tensor | None  # [M]
-    src: Tensor  # [S, D]
+    src: Tensor  # [S, D] (one row broadcast, row stride 0, where the gradient came so: rows() makes it whole)
 
     def rows(self, start: int = 0, stop: int | None = None) -> Tensor:
         """The summed gradient rows of ``ids[start:stop]``, ``[stop - start, D]`` (a new tensor).
@@ -55,6 +55,8 @@ class RowSums:
         Bitwise the reference path's sum: each contribution ``weight · row`` rounded, then added in
         lookup order from 0 (``embedding_bag`` with per-sample weights would merge the multiply into the
         add and round differently)."""
+        if not self.src.is_contiguous():  # (a broadcast row kept by row_sums: made whole once, as row_sums did)
+            self.src = self.src.contiguous()
         stop = self.ids.shape[0] if stop is None else stop
         offsets = self.offsets[start : stop + 1]
         first, last = int(offsets[0]), int(offsets[-1])
@@ -68,6 +70,11 @@ class RowSums:
             cols = torch.arange(last - first, device=src.device)
         out: Tensor = torch.embedding_bag(src, cols, offsets, False, 0, False, None, True)[0]
         return out
+
+
+def _broadcast(t: Tensor) -> bool:
+    """``t`` ``[S, D]`` is one row for every row (row stride 0) on the CPU."""
+    return t.dim() == 2 and t.shape[0] > 0 and t.stride(0) == 0 and t.device.type == "cpu"
 
 
 def row_sums(pieces: RowGrad, p: Tensor, sort_keys: Callable[[Tensor, int], Tensor] | None = None) -> RowSums | None:
@@ -106,7 +113,10 @@ def row_sums(pieces: RowGrad, p: Tensor, sort_keys: Callable[[Tensor, int], Tens
             width = rows.width
             cols = perm if width == 1 else torch.div(perm, width, rounding_mode="floor")
             if rows.uniform:  # each bag's one gain applied once per bag, not once per id
-                return RowSums(uniq, offsets, cols, None, rows.per_bag().contiguous())
+                per_bag = rows.per_bag()
+                # (a broadcast row, as loss = out.sum() gives, kept as it is: the C row loops read it so; rows()
+                # makes it whole)
+                return RowSums(uniq, offsets, cols, None, per_bag if _broadcast(per_bag) else per_bag.contiguous())
             return RowSums(uniq, offsets, cols, rows.gains.reshape(-1)[perm], rows.grad_out)
         return RowSums(uniq, offsets, perm, None, rows)
     srcs = [rows.grad_out if isinstance(rows, BagRows) else rows for _, rows in chunks]

@@ -133,6 +133,7 @@ class Library(NamedTuple):
     adam: Callable[..., int]
     sort_keys: Callable[..., None]
     gather: Callable[..., int]
+    group_ids: Callable[..., int]
 
 
 #: the compiled library (``None``: it could not be compiled), once per process
@@ -224,7 +225,9 @@ def _load(fd: int, path: str) -> Library:
     sort.argtypes, sort.restype = [ptr, ptr, i64, i64], None
     gather = lib.tte_gather_rows
     gather.argtypes, gather.restype = [ptr, ptr, i64, i64, ptr, i64], ctypes.c_int
-    return Library(*fns, sort, gather)
+    group = lib.tte_group_ids
+    group.argtypes, group.restype = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr], i64
+    return Library(*fns, sort, gather, group)
 
 
 def _build() -> Library:

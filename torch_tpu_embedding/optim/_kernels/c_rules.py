@@ -39,7 +39,7 @@ from torch_tpu_embedding.optim._kernels.row_sums import RowSums
 if TYPE_CHECKING:
     from torch_tpu_embedding.optim._core.grad_intake import Work
 
-__all__ = ["covered", "in_parallel", "run_rows", "sorted_keys", "update"]
+__all__ = ["covered", "grouped_ids", "in_parallel", "run_rows", "sorted_keys", "update"]
 
 Tensor = torch.Tensor
 
@@ -193,3 +193,24 @@ def sorted_keys(keys: Tensor, bound: int) -> Tensor:
     keys, scratch = keys.contiguous(), torch.empty_like(keys)  # (both held until the C sort returns)
     lib.sort_keys(keys.data_ptr(), scratch.data_ptr(), keys.numel(), max(1, (bound - 1).bit_length()))
     return keys
+
+
+def grouped_ids(ids: Tensor, bound: int, width: int) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+    """``ids`` (int64 ``[n]``, in ``[0, bound)``) grouped for :func:`.row_sums.row_sums` by one C call of the kernel
+    library, once this process has loaded it: the distinct ids ascending ``[U]``, where each one's positions start
+    ``[U + 1]``, the positions in (id, position) order ``[n]`` (the stable sort's permutation) and those divided by
+    ``width``. ``None`` where it does not apply (not loaded, not a CPU tensor, keys over 62 bits): ``row_sums``
+    then sorts and groups with torch ops, to the same result (one order sorts distinct keys)."""
+    lib = c_add.loaded() if ids.device.type == "cpu" and ids.dtype == torch.int64 and ids.dim() == 1 else None
+    n = ids.numel()
+    shift = max(1, (n - 1).bit_length())
+    bits = shift + max(1, (bound - 1).bit_length())
+    if lib is None or not n or bits > 62 or width < 1:
+        return None
+    ids = ids.contiguous()
+    keys, tmp, uniq, perm = (torch.empty(n, dtype=torch.int64) for _ in range(4))
+    offsets = torch.empty(n + 1, dtype=torch.int64)
+    cols = torch.empty(n, dtype=torch.int64) if width > 1 else perm
+    u = lib.group_ids(ids.data_ptr(), n, shift, bits, width, keys.data_ptr(), tmp.data_ptr(), uniq.data_ptr(),
+                      offsets.data_ptr(), perm.data_ptr(), cols.data_ptr() if width > 1 else None)
+    return uniq[:u], offsets[: u + 1], perm, cols

@@ -194,4 +194,29 @@ void tte_sort_keys(int64_t *restrict keys, int64_t *restrict tmp, int64_t n, int
   if (from != keys)
     for (int64_t i = 0; i < n; ++i) keys[i] = from[i];
 }
+
+/* ids[0:n] (each in [0, 2^(bits - shift))) grouped in the order of (id, position): the keys (id << shift) | k
+   (n <= 2^shift) radix-sorted (keys, tmp: n int64 of scratch), then in one pass the distinct ids in ascending
+   order into uniq, where each one's run starts into offsets (offsets[U] = n), each position k into perm, and,
+   with cols, perm / width into cols. Returns U, the number of distinct ids. */
+int64_t tte_group_ids(const int64_t *restrict ids, int64_t n, int64_t shift, int64_t bits, int64_t width,
+                      int64_t *restrict keys, int64_t *restrict tmp, int64_t *restrict uniq,
+                      int64_t *restrict offsets, int64_t *restrict perm, int64_t *restrict cols) {
+  for (int64_t k = 0; k < n; ++k) keys[k] = (ids[k] << shift) | k;
+  tte_sort_keys(keys, tmp, n, bits);
+  const int64_t mask = ((int64_t)1 << shift) - 1;
+  int64_t u = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t id = keys[k] >> shift, at = keys[k] & mask;
+    if (k == 0 || id != uniq[u - 1]) {
+      uniq[u] = id;
+      offsets[u] = k;
+      ++u;
+    }
+    perm[k] = at;
+    if (cols) cols[k] = at / width;
+  }
+  offsets[u] = n;
+  return u;
+}
 """

@@ -30,8 +30,8 @@ _MIN_ROWS_PER_THREAD = 2048
 def gather_rows(weight: Tensor, ids: Tensor) -> Tensor:
     """``weight.index_select(0, ids)`` for ``ids [n]``: by the prefetching C loop where it applies (see the module's
     text), else by ``index_select``. Bitwise the same either way; no autograd (the lookup's forward calls it)."""
-    lib = c_add.loaded()
-    if (lib is None or torch.compiler.is_compiling() or type(weight) not in (torch.Tensor, torch.nn.Parameter)
+    lib = None if torch.compiler.is_compiling() else c_add.loaded()  # (traced: index_select, an op dynamo knows)
+    if (lib is None or type(weight) not in (torch.Tensor, torch.nn.Parameter)
             or type(ids) is not torch.Tensor or weight.device.type != "cpu" or ids.device.type != "cpu"
             or weight.layout != torch.strided or weight.dim() != 2 or not weight.is_contiguous()
             or weight.is_quantized or weight.is_conj() or weight.is_neg()

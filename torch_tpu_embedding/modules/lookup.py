@@ -280,6 +280,10 @@ def bags_lookup(
     if full and w is None and (ids.shape[1] == 1 or combiner == "sum"):
         # No padding and no weights (dense ids): every gain is 1, as bag_gains would find (no pass over the ids)
         gains = torch.ones(ids.shape, dtype=compute_dtype(dtype), device=ids.device)
+    elif full and w is None and combiner == "mean" and ids.device.type == "cpu" and not torch.compiler.is_compiling():
+        # Every gain is bag_gains' 1 / L (its reciprocal of the count, the same op here): one fill, no passes over ids
+        gains = torch.full(ids.shape, (1.0 / torch.full((), float(ids.shape[1]), dtype=compute_dtype(dtype))).item(),
+                           dtype=compute_dtype(dtype))
     else:  # (padding holds the sentinel: Bags)
         gains = bag_gains(ids != weight.shape[0], w, combiner, dtype)
     info = table_info(weight)

@@ -19,11 +19,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from test_row_sums import _pieces  # (a sibling module: tests/optim is on sys.path, tests/conftest.py)
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding._util.registry import RULE_KEY
 from torch_tpu_embedding.optim._kernels import c_add, c_rules, row_update
-from torch_tpu_embedding.optim._kernels.row_sums import RowSums
+from torch_tpu_embedding.optim._kernels.row_sums import RowSums, row_sums
 from torch_tpu_embedding.optim.adam import adam_rule
 from torch_tpu_embedding.optim.rowwise_adagrad import rowwise_adagrad_rule
 
@@ -308,3 +309,40 @@ def test_the_duplicate_sums_radix_sort_is_torch_sort(lib: c_add.Library, n: int)
         ids = torch.randint(0, rows + 1, (n,), generator=torch.Generator().manual_seed(n))
         keys = ids * n + torch.arange(n)
         assert torch.equal(c_rules.sorted_keys(keys.clone(), (rows + 1) * max(n, 1)), torch.sort(keys).values)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 1000, 40000])
+@pytest.mark.parametrize("width", [1, 3, 20])
+def test_the_duplicate_sums_grouping_is_torchs(lib: c_add.Library, n: int, width: int) -> None:
+    """``row_sums``' grouping by one C call (sort of ``(id, position)``, distinct ids, their runs' starts, the
+    permutation and it divided by the bag width) equals the torch ops' (``torch.sort``, ``unique_consecutive``,
+    ``cumsum``, ``div``), the sentinel included; keys over 62 bits are left to torch."""
+    for rows in (1, 300, 4_000_000, 2**37):
+        ids = torch.randint(0, rows + 1, (n,), generator=torch.Generator().manual_seed(n + width))
+        found = c_rules.grouped_ids(ids, rows + 1, width)
+        if n == 0:
+            assert found is None
+            continue
+        assert found is not None
+        uniq, counts = torch.unique_consecutive(torch.sort(ids).values, return_counts=True)
+        perm = torch.sort(ids, stable=True).indices
+        assert torch.equal(found[0], uniq)
+        assert torch.equal(found[1], torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]))
+        assert torch.equal(found[2], perm)
+        assert torch.equal(found[3], torch.div(perm, width, rounding_mode="floor"))
+    assert c_rules.grouped_ids(torch.tensor([0, 5]), 2**62, 1) is None  # (63 bits of keys)
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_duplicate_sums_grouped_in_c_are_bitwise_torchs(lib: c_add.Library, combiner: str, weighted: bool) -> None:
+    """:func:`.row_sums.row_sums` with the C grouping gives the same ids, runs, columns, weights and sums."""
+    for chunks, plain in [(1, False), (3, False), (3, True)]:
+        pieces, _ = _pieces(combiner, weighted, chunks, plain)
+        p = torch.zeros(40, 7)
+        got, want = row_sums(pieces, p, group=c_rules.grouped_ids), row_sums(pieces, p)
+        assert got is not None and want is not None
+        for name in ("ids", "offsets", "cols", "weights"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert (a is None and b is None) or torch.equal(a, b), name
+        assert torch.equal(got.rows(), want.rows())

@@ -35,6 +35,7 @@ from torch_tpu_embedding._util.nest import Path
 from torch_tpu_embedding.combiners import bag_gains, jagged_gains
 from torch_tpu_embedding.inputs import Bags
 from torch_tpu_embedding.modules.prepared import move_ahead
+from torch_tpu_embedding.optim._kernels.c_gather import gather_rows
 
 __all__ = ["LookupBatch", "add_rows", "bags_lookup", "lookup", "side_by_side"]
 
@@ -90,8 +91,9 @@ class _RowSparseLookup(torch.autograd.Function):
     ) -> tuple[torch.Tensor, ...]:
         if full and uniform and ids.shape[1] == 1 and weight.device.type != "xla" and gains.dtype == weight.dtype:
             # One real id per bag and every gain 1 (sum, mean and sqrtn alike): the rows themselves, a plain
-            # gather (measured 0.57 against 0.69 ms for embedding_bag, 16,384 rows of 64 from a 1 GB table).
-            out = weight.index_select(0, ids.view(-1))
+            # gather (measured 0.57 against 0.69 ms for embedding_bag, 16,384 rows of 64 from a 1 GB table),
+            # prefetching on the CPU once the kernel library is loaded (bitwise index_select's).
+            out = gather_rows(weight, ids.view(-1))
         else:
             out = _pooled(weight, ids, gains)
         # The weight is kept only when the gains need a gradient (it costs nothing otherwise).
@@ -112,7 +114,7 @@ class _RowSparseLookup(torch.autograd.Function):
     ) -> tuple[None, None, torch.Tensor | None, None, None, None, None, None, None, None, None]:
         ids, gains, weight = ctx.saved_tensors
         if ctx.columns:  # each feature's [B, D] gradient back into the bags' batch-major order
-            grads = (_columns_whole(grads),)
+            grads = (_columns_whole(grads, broadcast=not ctx.needs_input_grad[2]),)
             ctx.splits = (ids.shape[0],)
         grad_out = None
         if ctx.needs_input_grad[0]:  # a frozen weight (requires_grad False) gets no gradient, as in torch
@@ -139,10 +141,12 @@ def _pooled(weight: torch.Tensor, ids: torch.Tensor, gains: torch.Tensor) -> tor
     return torch.bmm(gains.unsqueeze(1), _gather(weight, safe, weight.dtype)).squeeze(1)
 
 
-def _columns_whole(grads: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def _columns_whole(grads: tuple[torch.Tensor, ...], broadcast: bool = False) -> torch.Tensor:
     """``F`` features' ``[B, D]`` gradients as one ``[B·F, D]``, batch-major. When they tile one contiguous
     ``[B, F·D]`` tensor side by side, as the gradient of the caller's ``torch.cat(outputs, dim=1)`` does, that
-    tensor viewed (no copy; its layout read from strides and offsets, no op); else one ``cat`` side by side.
+    tensor viewed (no copy; its layout read from strides and offsets, no op); with ``broadcast``, when they are
+    all one value broadcast (strides 0, as ``loss = out.sum()`` gives), that value broadcast (the row update
+    reads it, no ``[B·F, D]`` is written); else one ``cat`` side by side.
 
     On XLA strides and offsets say nothing, so the gradients of the caller's ``torch.cat`` come here as its
     slices, in order; their ``cat`` along dim 1 is what XLA's simplifier folds back into the sliced tensor (a
@@ -155,6 +159,9 @@ def _columns_whole(grads: tuple[torch.Tensor, ...]) -> torch.Tensor:
             g._base is base and g.stride() == (len(grads) * d, 1)
             and g.storage_offset() == base.storage_offset() + i * d for i, g in enumerate(grads)):
         return base.view(n * len(grads), d)
+    if broadcast and first.numel() and first.device.type != "xla" and not torch.compiler.is_compiling() and all(
+            g.stride() == (0, 0) and g.data_ptr() == first.data_ptr() for g in grads):
+        return first[:1, :1].expand(n * len(grads), d)
     return torch.cat(grads, 1).view(n * len(grads), d)
 
 
@@ -273,6 +280,10 @@ def bags_lookup(
     if full and w is None and (ids.shape[1] == 1 or combiner == "sum"):
         # No padding and no weights (dense ids): every gain is 1, as bag_gains would find (no pass over the ids)
         gains = torch.ones(ids.shape, dtype=compute_dtype(dtype), device=ids.device)
+    elif full and w is None and combiner == "mean" and ids.device.type == "cpu" and not torch.compiler.is_compiling():
+        # Every gain is bag_gains' 1 / L (its reciprocal of the count, the same op here): one fill, no passes over ids
+        gains = torch.full(ids.shape, (1.0 / torch.full((), float(ids.shape[1]), dtype=compute_dtype(dtype))).item(),
+                           dtype=compute_dtype(dtype))
     else:  # (padding holds the sentinel: Bags)
         gains = bag_gains(ids != weight.shape[0], w, combiner, dtype)
     info = table_info(weight)

@@ -37,7 +37,7 @@ from torch_tpu_embedding.optim._core.extras import clip_by_norm
 from torch_tpu_embedding.optim._core.rule_pipeline import Path
 from torch_tpu_embedding.optim._core.stacked_members import clip_members, member_rows, segment_of
 from torch_tpu_embedding.optim._core.step_values import StepClock
-from torch_tpu_embedding.optim._kernels.c_rules import sorted_keys
+from torch_tpu_embedding.optim._kernels.c_rules import grouped_ids, sorted_keys
 from torch_tpu_embedding.optim._kernels.row_sums import RowSums, row_sums
 
 __all__ = ["Taken", "Work", "arrives_as_rows", "has_gradient", "prepare", "take"]
@@ -164,7 +164,7 @@ def prepare(
             g, gate = acc
     else:
         if taken.pieces is not None and path is Path.KERNEL:
-            sums = row_sums(taken.pieces, p, sort_keys=sorted_keys)
+            sums = row_sums(taken.pieces, p, sort_keys=sorted_keys, group=grouped_ids)
             if sums is None:  # multiplied out and summed as on the reference path
                 all_ids, all_rows = taken.pieces.collect()
                 taken = Taken(ids=all_ids, rows=all_rows)

@@ -14,7 +14,8 @@ cache miss). Measured at one thread, a 1 GB table: 4 pieces of 4,096 ids of 64 f
 at 20 ids per bag 62–64 → 40–41 ms (docs/benchmarks.md).
 
 The library also holds RowWiseAdagrad's and Adam's fused row loops (:mod:`.c_rules`, source in
-:mod:`.c_rules_source`): one build, one cache entry, one set of checks (:func:`library`).
+:mod:`.c_rules_source`) and the lookup's row gather (:mod:`.c_gather`): one build, one cache entry, one set of
+checks (:func:`library`).
 
 The loop is compiled with the system's C compiler (``CC``, else ``cc``, ``gcc`` or ``clang``; about 0.1 s) and
 called through :mod:`ctypes`. On Linux the library is kept in :func:`cache_dir` (``TTE_KERNEL_CACHE``, else
@@ -124,12 +125,15 @@ int tte_add_rows(float *restrict p, int64_t rows, int64_t d, const int64_t *rest
 
 
 class Library(NamedTuple):
-    """The functions of the compiled library: the add loop and :mod:`.c_rules`' fused row updates."""
+    """The functions of the compiled library: the add loop, :mod:`.c_rules`' fused row updates and sort, and
+    :mod:`.c_gather`'s row gather."""
 
     add: Callable[..., int]
     rowwise_adagrad: Callable[..., int]
     adam: Callable[..., int]
     sort_keys: Callable[..., None]
+    gather: Callable[..., int]
+    group_ids: Callable[..., int]
 
 
 #: the compiled library (``None``: it could not be compiled), once per process
@@ -219,7 +223,11 @@ def _load(fd: int, path: str) -> Library:
         fn.restype = ctypes.c_int
     sort = lib.tte_sort_keys
     sort.argtypes, sort.restype = [ptr, ptr, i64, i64], None
-    return Library(*fns, sort)
+    gather = lib.tte_gather_rows
+    gather.argtypes, gather.restype = [ptr, ptr, i64, i64, ptr, i64], ctypes.c_int
+    group = lib.tte_group_ids
+    group.argtypes, group.restype = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr], i64
+    return Library(*fns, sort, gather, group)
 
 
 def _build() -> Library:

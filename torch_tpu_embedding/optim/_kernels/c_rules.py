@@ -39,7 +39,7 @@ from torch_tpu_embedding.optim._kernels.row_sums import RowSums
 if TYPE_CHECKING:
     from torch_tpu_embedding.optim._core.grad_intake import Work
 
-__all__ = ["covered", "run_rows", "sorted_keys", "update"]
+__all__ = ["covered", "grouped_ids", "in_parallel", "run_rows", "sorted_keys", "update"]
 
 Tensor = torch.Tensor
 
@@ -129,7 +129,10 @@ def run_rows(fn: Callable[..., int], p: Tensor, slots: list[Tensor], ids: Tensor
         weights = None if sums.weights is None else sums.weights.contiguous()
     else:
         src, offsets, cols, weights = g, None, None, None
-    if src.dim() != 2 or src.stride(1) != 1:
+    if src.dim() == 2 and src.shape[0] and src.stride(0) == 0 and src.stride(1) != 1:
+        # every row one row (a broadcast gradient, as loss = out.sum() gives): that row, read for every id
+        src = src[:1].contiguous().expand(src.shape)
+    elif src.dim() != 2 or src.stride(1) != 1:
         src = src.contiguous()
     tensors = [p, *slots, ids, src, hp] + [t for t in (offsets, cols, weights) if t is not None]
     if (ids.dtype != torch.int64 or ids.dim() != 1 or src.dtype != torch.float32 or src.dim() != 2
@@ -156,22 +159,26 @@ def run_rows(fn: Callable[..., int], p: Tensor, slots: list[Tensor], ids: Tensor
                            scratch[t].data_ptr()]
         return fn(*args)
 
-    if threads == 1:
-        codes = [part(0)]
-    else:
-        if _POOL_PID and _POOL_PID[0] != os.getpid():  # a forked child: the parent's pool threads are not here
-            _POOL.clear()
-        _POOL_PID[:] = [os.getpid()]
-        if len(_POOL) < threads - 1:  # (one single-worker pool per extra thread: each range on its own thread)
-            _POOL.extend(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tte-rows")
-                         for _ in range(threads - 1 - len(_POOL)))
-        futures = [_POOL[t - 1].submit(part, t) for t in range(1, threads)]
-        codes = [part(0), *[f.result() for f in futures]]
-    if any(codes):
+    if any(in_parallel(part, threads)):
         raise IndexError(f"an id to update is outside the table's {rows} rows, or a gradient row outside the "
                          f"{src.shape[0]} given (an internal error: ids are checked at the lookup)")
     for t in (p, *slots):
         increment_version(t)  # (written through its pointer: autograd's check of saved tensors sees the change)
+
+
+def in_parallel(part: Callable[[int], int], threads: int) -> list[int]:
+    """``[part(0), ..., part(threads - 1)]``, run at once: ``part(0)`` on this thread, each other on a thread of its
+    own (a C loop called through ctypes releases the GIL), kept for the next call in this process."""
+    if threads == 1:
+        return [part(0)]
+    if _POOL_PID and _POOL_PID[0] != os.getpid():  # a forked child: the parent's pool threads are not here
+        _POOL.clear()
+    _POOL_PID[:] = [os.getpid()]
+    if len(_POOL) < threads - 1:  # (one single-worker pool per extra thread: each range on its own thread)
+        _POOL.extend(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tte-rows")
+                     for _ in range(threads - 1 - len(_POOL)))
+    futures = [_POOL[t - 1].submit(part, t) for t in range(1, threads)]
+    return [part(0), *[f.result() for f in futures]]
 
 
 def sorted_keys(keys: Tensor, bound: int) -> Tensor:
@@ -186,3 +193,24 @@ def sorted_keys(keys: Tensor, bound: int) -> Tensor:
     keys, scratch = keys.contiguous(), torch.empty_like(keys)  # (both held until the C sort returns)
     lib.sort_keys(keys.data_ptr(), scratch.data_ptr(), keys.numel(), max(1, (bound - 1).bit_length()))
     return keys
+
+
+def grouped_ids(ids: Tensor, bound: int, width: int) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+    """``ids`` (int64 ``[n]``, in ``[0, bound)``) grouped for :func:`.row_sums.row_sums` by one C call of the kernel
+    library, once this process has loaded it: the distinct ids ascending ``[U]``, where each one's positions start
+    ``[U + 1]``, the positions in (id, position) order ``[n]`` (the stable sort's permutation) and those divided by
+    ``width``. ``None`` where it does not apply (not loaded, not a CPU tensor, keys over 62 bits): ``row_sums``
+    then sorts and groups with torch ops, to the same result (one order sorts distinct keys)."""
+    lib = c_add.loaded() if ids.device.type == "cpu" and ids.dtype == torch.int64 and ids.dim() == 1 else None
+    n = ids.numel()
+    shift = max(1, (n - 1).bit_length())
+    bits = shift + max(1, (bound - 1).bit_length())
+    if lib is None or not n or bits > 62 or width < 1:
+        return None
+    ids = ids.contiguous()
+    keys, tmp, uniq, perm = (torch.empty(n, dtype=torch.int64) for _ in range(4))
+    offsets = torch.empty(n + 1, dtype=torch.int64)
+    cols = torch.empty(n, dtype=torch.int64) if width > 1 else perm
+    u = lib.group_ids(ids.data_ptr(), n, shift, bits, width, keys.data_ptr(), tmp.data_ptr(), uniq.data_ptr(),
+                      offsets.data_ptr(), perm.data_ptr(), cols.data_ptr() if width > 1 else None)
+    return uniq[:u], offsets[: u + 1], perm, cols

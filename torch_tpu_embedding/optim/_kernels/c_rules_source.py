@@ -1,5 +1,6 @@
-"""The C source of the fused eager row updates of :mod:`.c_rules` (RowWiseAdagrad, Adam / LazyAdam), and of the
-radix sort of the duplicate sum's keys (:func:`.row_sums.row_sums`).
+"""The C source of the fused eager row updates of :mod:`.c_rules` (RowWiseAdagrad, Adam / LazyAdam), of the
+radix sort of the duplicate sum's keys (:func:`.row_sums.row_sums`), and of the lookup's prefetching row gather
+(:mod:`.c_gather`).
 
 Compiled into one library with SGD's add loop (:mod:`.c_add` builds, caches and loads it; this module holds
 only the text). Each function takes a table's distinct touched ids, sorted, and where each id's gradient
@@ -22,6 +23,7 @@ PREFETCH_ROWS = 8
 
 SOURCE = f"#define TTE_AHEAD {PREFETCH_ROWS}\n" + r"""
 #include <math.h>
+#include <string.h>
 /* The lines of bytes at ptr prefetched, for writing (rw 1) or reading (rw 0). */
 #define TTE_PREFETCH(ptr, bytes, rw)                                                    \
   do {                                                                                  \
@@ -157,6 +159,19 @@ int tte_adam_rows(float *restrict p, float *restrict mom, float *restrict vel, i
   return 0;
 }
 
+/* out[k] = table row ids[k] for k in [0, n), rows of row_bytes bytes (any dtype: a copy), the row TTE_AHEAD ids
+   ahead prefetched for reading. -1 (nothing written) if an id is outside [0, rows). */
+int tte_gather_rows(char *restrict out, const char *restrict p, int64_t rows, int64_t row_bytes,
+                    const int64_t *restrict ids, int64_t n) {
+  for (int64_t k = 0; k < n; ++k)
+    if (ids[k] < 0 || ids[k] >= rows) return -1;
+  for (int64_t k = 0; k < n; ++k) {
+    if (k + TTE_AHEAD < n) TTE_PREFETCH(p + ids[k + TTE_AHEAD] * row_bytes, row_bytes, 0);
+    memcpy(out + k * row_bytes, p + ids[k] * row_bytes, (size_t)row_bytes);
+  }
+  return 0;
+}
+
 /* The duplicate sum's keys (row_sums: id * n + position, all >= 0 and < 2^bits, distinct) sorted ascending in
    place: LSD radix sort, 11-bit digits; tmp: n int64 of scratch. */
 void tte_sort_keys(int64_t *restrict keys, int64_t *restrict tmp, int64_t n, int64_t bits) {
@@ -178,5 +193,30 @@ void tte_sort_keys(int64_t *restrict keys, int64_t *restrict tmp, int64_t n, int
   }
   if (from != keys)
     for (int64_t i = 0; i < n; ++i) keys[i] = from[i];
+}
+
+/* ids[0:n] (each in [0, 2^(bits - shift))) grouped in the order of (id, position): the keys (id << shift) | k
+   (n <= 2^shift) radix-sorted (keys, tmp: n int64 of scratch), then in one pass the distinct ids in ascending
+   order into uniq, where each one's run starts into offsets (offsets[U] = n), each position k into perm, and,
+   with cols, perm / width into cols. Returns U, the number of distinct ids. */
+int64_t tte_group_ids(const int64_t *restrict ids, int64_t n, int64_t shift, int64_t bits, int64_t width,
+                      int64_t *restrict keys, int64_t *restrict tmp, int64_t *restrict uniq,
+                      int64_t *restrict offsets, int64_t *restrict perm, int64_t *restrict cols) {
+  for (int64_t k = 0; k < n; ++k) keys[k] = (ids[k] << shift) | k;
+  tte_sort_keys(keys, tmp, n, bits);
+  const int64_t mask = ((int64_t)1 << shift) - 1;
+  int64_t u = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t id = keys[k] >> shift, at = keys[k] & mask;
+    if (k == 0 || id != uniq[u - 1]) {
+      uniq[u] = id;
+      offsets[u] = k;
+      ++u;
+    }
+    perm[k] = at;
+    if (cols) cols[k] = at / width;
+  }
+  offsets[u] = n;
+  return u;
 }
 """

@@ -47,7 +47,7 @@ class RowSums:
     offsets: Tensor  # [U + 1] int64, offsets[0] == 0
     cols: Tensor  # [M] int64 rows of src (contributions of the sentinel may trail)
     weights: Tensor | None  # [M]
-    src: Tensor  # [S, D]
+    src: Tensor  # [S, D] (one row broadcast, row stride 0, where the gradient came so: rows() makes it whole)
 
     def rows(self, start: int = 0, stop: int | None = None) -> Tensor:
         """The summed gradient rows of ``ids[start:stop]``, ``[stop - start, D]`` (a new tensor).
@@ -55,6 +55,8 @@ class RowSums:
         Bitwise the reference path's sum: each contribution ``weight · row`` rounded, then added in
         lookup order from 0 (``embedding_bag`` with per-sample weights would merge the multiply into the
         add and round differently)."""
+        if not self.src.is_contiguous():  # (a broadcast row kept by row_sums: made whole once, as row_sums did)
+            self.src = self.src.contiguous()
         stop = self.ids.shape[0] if stop is None else stop
         offsets = self.offsets[start : stop + 1]
         first, last = int(offsets[0]), int(offsets[-1])
@@ -70,8 +72,19 @@ class RowSums:
         return out
 
 
-def row_sums(pieces: RowGrad, p: Tensor, sort_keys: Callable[[Tensor, int], Tensor] | None = None) -> RowSums | None:
-    """The ids of table ``p``'s pending gradient ``pieces``, sorted and grouped (:class:`RowSums`).
+def _broadcast(t: Tensor) -> bool:
+    """``t`` ``[S, D]`` is one row for every row (row stride 0) on the CPU."""
+    return t.dim() == 2 and t.shape[0] > 0 and t.stride(0) == 0 and t.device.type == "cpu"
+
+
+#: ``group(ids, bound, width)``: :func:`.c_rules.grouped_ids`' signature (its C call; ``None``: torch ops here)
+Group = Callable[[Tensor, int, int], "tuple[Tensor, Tensor, Tensor, Tensor] | None"]
+
+
+def row_sums(pieces: RowGrad, p: Tensor, sort_keys: Callable[[Tensor, int], Tensor] | None = None,
+             group: Group | None = None) -> RowSums | None:
+    """The ids of table ``p``'s pending gradient ``pieces``, sorted and grouped (:class:`RowSums`); ``group``, if
+    given and it applies, does the sort and the grouping in one call (:func:`.c_rules.grouped_ids`: the same result).
 
     ``None`` (the caller multiplies the rows out and sums them as the reference does) for rows not in
     the update's dtype: a 16-bit table's, whose backward rounds the rows to 16 bits after multiplying
@@ -86,29 +99,25 @@ def row_sums(pieces: RowGrad, p: Tensor, sort_keys: Callable[[Tensor, int], Tens
                 else rows.dtype != dtype:
             return None
     ids = (chunks[0][0] if len(chunks) == 1 else torch.cat([i for i, _ in chunks])).to(torch.int64)
-    n = ids.numel()
-    if n and (sentinel + 1) * n < 2**63:
-        # id · n + position: unique keys, so an unstable (radix) sort gives the stable order.
-        keys = ids * n + torch.arange(n, device=ids.device)
-        keys = torch.sort(keys).values if sort_keys is None else sort_keys(keys, (sentinel + 1) * n)
-        sorted_ids = torch.div(keys, n, rounding_mode="floor")
-        perm = keys - sorted_ids * n
+    single = chunks[0][1] if len(chunks) == 1 else None
+    width = single.width if isinstance(single, BagRows) else 1
+    found = None if group is None else group(ids, sentinel + 1, width)
+    if found is not None:
+        uniq, offsets, perm, divided = found
     else:
-        sorted_ids, perm = torch.sort(ids, stable=True)
-    uniq, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-    offsets = torch.zeros(uniq.shape[0] + 1, dtype=torch.int64, device=ids.device)
-    torch.cumsum(counts, 0, out=offsets[1:])
+        uniq, offsets, perm = _grouped(ids, sentinel, sort_keys)
+        divided = perm if width == 1 else torch.div(perm, width, rounding_mode="floor")
     if uniq.shape[0] and int(uniq[-1]) == sentinel:  # padding sorts last: its contributions trail
         uniq, offsets = uniq[:-1], offsets[:-1]
-    if len(chunks) == 1:
-        rows = chunks[0][1]
-        if isinstance(rows, BagRows):
-            width = rows.width
-            cols = perm if width == 1 else torch.div(perm, width, rounding_mode="floor")
-            if rows.uniform:  # each bag's one gain applied once per bag, not once per id
-                return RowSums(uniq, offsets, cols, None, rows.per_bag().contiguous())
-            return RowSums(uniq, offsets, cols, rows.gains.reshape(-1)[perm], rows.grad_out)
-        return RowSums(uniq, offsets, perm, None, rows)
+    if isinstance(single, BagRows):
+        if single.uniform:  # each bag's one gain applied once per bag, not once per id
+            per_bag = single.per_bag()
+            # (a broadcast row, as loss = out.sum() gives, kept as it is: the C row loops read it so; rows()
+            # makes it whole)
+            return RowSums(uniq, offsets, divided, None, per_bag if _broadcast(per_bag) else per_bag.contiguous())
+        return RowSums(uniq, offsets, divided, single.gains.reshape(-1)[perm], single.grad_out)
+    if single is not None:
+        return RowSums(uniq, offsets, perm, None, single)
     srcs = [rows.grad_out if isinstance(rows, BagRows) else rows for _, rows in chunks]
     # Bags without per-id weights: each bag's one gain applied once per bag, into one source array.
     uniform = all(rows.uniform for _, rows in chunks if isinstance(rows, BagRows))
@@ -131,3 +140,22 @@ def row_sums(pieces: RowGrad, p: Tensor, sort_keys: Callable[[Tensor, int], Tens
     if src is not None:
         return RowSums(uniq, offsets, cols, None, src)
     return RowSums(uniq, offsets, cols, torch.cat(weight_parts)[perm], torch.cat(srcs))
+
+
+def _grouped(ids: Tensor, sentinel: int, sort_keys: Callable[[Tensor, int], Tensor] | None
+             ) -> tuple[Tensor, Tensor, Tensor]:
+    """``ids`` sorted and grouped with torch ops: the distinct ids ``[U]``, where each one's positions start
+    ``[U + 1]``, and the stable sort's permutation ``[n]``."""
+    n = ids.numel()
+    if n and (sentinel + 1) * n < 2**63:
+        # id · n + position: unique keys, so an unstable (radix) sort gives the stable order.
+        keys = ids * n + torch.arange(n, device=ids.device)
+        keys = torch.sort(keys).values if sort_keys is None else sort_keys(keys, (sentinel + 1) * n)
+        sorted_ids = torch.div(keys, n, rounding_mode="floor")
+        perm = keys - sorted_ids * n
+    else:
+        sorted_ids, perm = torch.sort(ids, stable=True)
+    uniq, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    offsets = torch.zeros(uniq.shape[0] + 1, dtype=torch.int64, device=ids.device)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    return uniq, offsets, perm

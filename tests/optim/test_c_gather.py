@@ -1,0 +1,132 @@
+"""The lookup's prefetching C row gather (``optim/_kernels/c_gather.py``) against ``index_select``.
+
+The loop alone: bitwise ``index_select`` for float32, float64 and bfloat16 rows, ids repeated, in any order, at 1
+and 2 threads; an id outside the table refused with nothing written. In a lookup: once the kernel library is
+loaded, a lookup of one id per bag (dict and ``concat=True``, stacked or not) gathers through the loop (no
+``index_select``), and its output and the trained tables are bitwise those of ``index_select``'s path.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torch_tpu_embedding as tte
+from torch_tpu_embedding.optim._kernels import c_add, c_gather
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def gathers(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The library loaded, its gather counted: the ids each call of the C loop gathered."""
+    lib = c_add.library()
+    if lib is None:
+        pytest.skip("no C compiler builds the library here")
+    calls: list[int] = []
+
+    def counted(*args: Any) -> int:
+        calls.append(args[-1])
+        return lib.gather(*args)
+
+    monkeypatch.setattr(c_add, "_LOOP", [lib._replace(gather=counted)])
+    yield calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_loop_is_index_select_bitwise(gathers: list[int], dtype: torch.dtype, threads: int,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(c_gather, "_MIN_ROWS_PER_THREAD", 16)  # (small: split over threads all the same)
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(500, 24, generator=g, dtype=torch.float64) * 1e3).to(dtype)
+    ids = torch.cat([torch.randint(0, 500, (300,), generator=g), torch.tensor([0, 499, 499, 7])])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = c_gather.gather_rows(weight, ids)
+    finally:
+        torch.set_num_threads(before)
+    want = weight.index_select(0, ids)
+    assert got.dtype == want.dtype and got.shape == want.shape and got.is_contiguous()
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))  # (bitwise: NaN payloads, -0.0 alike)
+    assert sum(gathers) == ids.numel() and len(gathers) == threads
+
+
+@pytest.mark.parametrize("bad", [-1, 500])
+def test_the_loop_refuses_an_id_outside_the_table(gathers: list[int], bad: int) -> None:
+    weight = torch.randn(500, 8)
+    ids = torch.tensor([3, bad, 4])
+    with pytest.raises(IndexError, match=f"index {bad} is out of bounds"):
+        c_gather.gather_rows(weight, ids)
+
+
+def test_not_loaded_takes_index_select(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(c_add, "_LOOP", [])  # (this process has not loaded the library: nothing is compiled)
+    weight, ids = torch.randn(50, 4), torch.tensor([1, 2, 2])
+    with _Ops() as ops:
+        out = c_gather.gather_rows(weight, ids)
+    assert ops.counts["index_select"] == 1 and torch.equal(out, weight[ids])
+    assert c_add._LOOP == []
+
+
+def test_other_tables_take_index_select(gathers: list[int]) -> None:
+    ids = torch.tensor([1, 2, 2])
+    for weight in (torch.empty(50, 4, device="meta"), torch.randn(4, 50).t(), torch.randn(50, 4, 2)[:, :, 0]):
+        out = c_gather.gather_rows(weight, ids.to(weight.device))
+        assert out.shape == (3, 4) and out.device == weight.device
+    assert gathers == []
+
+
+def _train(dtype: torch.dtype, concat: bool, stacked: bool) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    tables = [tte.TableConfig(300, 8, name=f"t{i}", dtype=dtype) for i in range(3)]
+    ec = tte.EmbeddingCollection({f"f{i}": tte.FeatureConfig(t) for i, t in enumerate(tables)},
+                                 stack_tables=stacked)
+    opt = tte.optim.SGD(ec.parameters(), lr=0.5)
+    outs = []
+    for s in range(3):
+        g = torch.Generator().manual_seed(s)
+        batch = {f"f{i}": torch.randint(0, 300, (64,), generator=g) for i in range(3)}
+        if concat:
+            out = ec(batch, concat=True)
+        else:
+            d = ec(batch)
+            out = torch.cat([d[f] for f in ec.feature_names], dim=1)
+        outs.append(out.detach().clone())
+        (out * torch.linspace(-1, 1, out.shape[1], dtype=dtype)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return outs, {k: v.clone() for k, v in ec.state_dict().items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("concat", [False, True])
+@pytest.mark.parametrize("stacked", [True, False])
+def test_a_lookup_of_one_id_gathers_through_the_loop_bitwise(gathers: list[int], dtype: torch.dtype, concat: bool,
+                                                             stacked: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    ours = _train(dtype, concat, stacked)
+    assert len(gathers) == 3 * (1 if stacked else 3)  # every lookup of every step
+    ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(300, 8, name="t", dtype=dtype))})
+    with _Ops() as ops:
+        ec({"f": torch.tensor([1, 2, 3])})
+    assert ops.counts["index_select"] == 0, ops.counts
+    monkeypatch.setattr(c_add, "_LOOP", [None])  # index_select's path
+    reference = _train(dtype, concat, stacked)
+    for got, want in zip(ours[0], reference[0], strict=True):
+        assert torch.equal(got, want)
+    for k, v in reference[1].items():
+        assert torch.equal(ours[1][k], v), k

@@ -32,9 +32,9 @@ from torch_tpu_embedding._rows.grads import RowGrad, row_grad_by_handle, table_i
 from torch_tpu_embedding._rows.stock_guard import check_not_ddp_managed
 from torch_tpu_embedding._util.dtypes import compute_dtype
 from torch_tpu_embedding._util.nest import Path
+from torch_tpu_embedding._util.transfer import upload
 from torch_tpu_embedding.combiners import bag_gains, jagged_gains
 from torch_tpu_embedding.inputs import Bags
-from torch_tpu_embedding.modules.prepared import move_ahead
 
 __all__ = ["LookupBatch", "add_rows", "bags_lookup", "lookup", "side_by_side"]
 
@@ -312,9 +312,9 @@ class LookupBatch:
         """Move the items' host bags to the table's device now, without a device op (``ahead`` planning)."""
         where = self.weight.device
         self.items = [(path, dataclasses.replace(
-            b, ids=move_ahead(b.ids, where), valid=move_ahead(b.valid, where),
-            weights=None if b.weights is None else move_ahead(b.weights, where),
-            offsets=None if b.offsets is None else move_ahead(b.offsets, where))) for path, b in self.items]
+            b, ids=upload(b.ids, where), valid=upload(b.valid, where),
+            weights=None if b.weights is None else upload(b.weights, where),
+            offsets=None if b.offsets is None else upload(b.offsets, where))) for path, b in self.items]
         self.resident = True
 
     def device_tensors(self) -> list[torch.Tensor]:
@@ -349,8 +349,8 @@ class LookupBatch:
             if any(b.weights is not None for _, b in items):
                 w = join([b.valid.to(dtype) if b.weights is None else b.weights for _, b in items])
         if not self.resident:  # one transfer of the batch's ids (and weights)
-            ids = ids.to(weight.device)
-            w = None if w is None else w.to(weight.device)
+            ids = upload(ids, weight.device)
+            w = None if w is None else upload(w, weight.device)
         return bags_lookup(weight, ids, w, self.combiner, self.row_grad, self.tables, all(b.full for _, b in items),
                            splits)
 
@@ -369,8 +369,8 @@ class LookupBatch:
             starts.append(starts[-1] + b.ids.numel())
         whole = torch.cat([o[:-1] + s for o, s in zip(offsets, starts, strict=True) if o is not None]
                           + [torch.full((1,), ids.numel(), dtype=torch.int64, device=ids.device)])
-        ids, whole = ids.to(weight.device), whole.to(weight.device)
-        w = None if w is None else w.to(weight.device)
+        ids, whole = upload(ids, weight.device), upload(whole, weight.device)
+        w = None if w is None else upload(w, weight.device)
         # output_size: one bag per id, known without reading ``whole`` (a compiled graph keeps one size).
         bag = torch.repeat_interleave(torch.arange(sum(counts), device=ids.device), whole.diff(),
                                       output_size=ids.numel())

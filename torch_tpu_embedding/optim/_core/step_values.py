@@ -15,6 +15,7 @@ import torch
 
 from torch_tpu_embedding._rows.dedup import is_static_device
 from torch_tpu_embedding._util.dtypes import math_dtype
+from torch_tpu_embedding._util.transfer import upload
 from torch_tpu_embedding._util.validation import check_number
 
 __all__ = ["LearningRates", "StepClock", "StepCounters", "check_lr", "lr_value", "to_device"]
@@ -201,7 +202,7 @@ class StepClock:
         t = self._tensors.get(device)
         if t is None:
             # Through a 1-element shape: a 0-d host tensor would become an XLA constant.
-            t = torch.tensor([self.iterations], dtype=torch.int64).to(device).reshape(())
+            t = upload(torch.tensor([self.iterations], dtype=torch.int64), device).reshape(())
             if self.dropped is not None:
                 t = t - self.dropped.to(device).reshape(())
             self._tensors[device] = t

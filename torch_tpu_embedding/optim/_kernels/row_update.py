@@ -1,10 +1,10 @@
 """The kernel path of eager row updates (``Path.KERNEL``): one compiled kernel per optimizer configuration.
 
-On CPU and CUDA, the reference row path (``Path.ROW_CHUNKS``) gathers the weight and each slot
-separately, runs the rule as a dozen element-wise torch ops over ``[U, D]`` temporaries and
-scatters each array back. Here the same Python — gather → :func:`~.rule_pipeline.pipeline` (clipvalue,
-weight decay, the optimizer's own ``rule``, weight clipping) → the ``skip_nonfinite`` gate → EMA →
-scatter — is compiled by ``torch.compile`` (inductor: C++/OpenMP loops on CPU, Triton on CUDA) into
+On the CPU (an eager accelerator takes ``Path.ROWS``, which reads nothing on the host), the reference row
+path (``Path.ROW_CHUNKS``) gathers the weight and each slot separately, runs the rule as a dozen element-wise
+torch ops over ``[U, D]`` temporaries and scatters each array back. Here the same Python — gather →
+:func:`~.rule_pipeline.pipeline` (clipvalue, weight decay, the optimizer's own ``rule``, weight clipping) → the
+``skip_nonfinite`` gate → EMA → scatter — is compiled by ``torch.compile`` (inductor: C++/OpenMP loops) into
 one loop that reads each touched row of the weight and its slots once and writes them back once.
 The rule stays the one the XLA path traces and the numpy references mirror; nothing is rewritten.
 

@@ -1,0 +1,189 @@
+"""The step of an eager accelerator (CUDA): no host read, static shapes, and the CPU's results.
+
+On CUDA a host read of a tensor's value (``.item()``, ``bool()``, a data-dependent shape such as ``unique``'s)
+waits for the device, and the host falls behind it every step. There the optimizer keeps static shapes: the
+duplicate sum keeps ``N`` entries with a sentinel tail, written through the table's last row
+(``torch_tpu_embedding._rows.dedup.sink_rows`` / ``sink_padding``). Two checks, with no GPU:
+
+* the same path on the CPU (``HOST_READ_DEVICE_TYPES`` emptied; the CPU raises on an out-of-range index as
+  CUDA asserts) gives the CPU's own results, every optimizer with its options (tests/optim_registry.py,
+  target ``sync_free``), on batches that touch the sink row, leave it alone, and pad a whole group;
+* every step on the meta device (a stand-in accelerator: every read of a value and every data-dependent
+  shape raises there) runs: forward, backward and ``step()``, before and after the kernel switch; and the
+  steady steps copy nothing from the host with a blocking copy (on CUDA one synchronises the stream).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import pytest
+import torch
+from optim_registry import SYNC_FREE, OptimizerConfig, cases
+from test_host_ops import _batches as host_batches
+from test_host_ops import _model, _step
+from test_stacked_groups import _CountOps
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torch_tpu_embedding as tte
+from torch_tpu_embedding._rows import dedup
+from torch_tpu_embedding.modules import plan
+
+CASES = cases(SYNC_FREE)
+F64 = torch.float64
+
+
+def _collection(device: str | torch.device = "cpu") -> tte.EmbeddingCollection:
+    torch.manual_seed(0)
+    a = tte.TableConfig(40, 4, name="a", combiner="mean", dtype=F64)
+    b = tte.TableConfig(30, 4, name="b", combiner="sum", dtype=F64)  # stacked after a: its row 29 is the sink
+    c = tte.TableConfig(20, 3, name="c", combiner="sqrtn", dtype=F64)  # a group of its own (dim 3)
+    return tte.EmbeddingCollection({"fa": tte.FeatureConfig(a, max_ids_per_bag=4),
+                                    "fb": tte.FeatureConfig(b, max_ids_per_bag=3),
+                                    "fc": tte.FeatureConfig(c, max_ids_per_bag=2)}, device=device)
+
+
+def _batches() -> list[dict[str, tte.Padded]]:
+    """Duplicates and padding every step; the sink rows (b's 29, c's 19) looked up in steps 0 and 3 only;
+    in step 2 c's feature is all padding (its group gets no real id)."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for step in range(5):
+        fa = torch.randint(0, 40, (12, 4), generator=g)
+        fb = torch.randint(0, 29, (12, 3), generator=g)
+        fc = torch.randint(0, 19, (12, 2), generator=g)
+        if step in (0, 3):
+            fb[1, 0] = fb[5, 2] = 29
+            fc[2, 1] = 19
+        mask_c = torch.rand(12, 2, generator=g) > 0.3
+        if step == 2:
+            mask_c[:] = False
+        out.append({"fa": tte.Padded(fa, torch.rand(12, 4, generator=g) > 0.25),
+                    "fb": tte.Padded(fb, torch.rand(12, 3, generator=g) > 0.25),
+                    "fc": tte.Padded(fc, mask_c)})
+    return out
+
+
+class _BlockingCopies(TorchDispatchMode):
+    """Counts the host-to-device copies that block (on CUDA a blocking copy synchronises the stream)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocking: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name == "_to_copy" and args[0].device.type == "cpu" and kwargs.get("device", args[0].device).type != "cpu" \
+                and not kwargs.get("non_blocking", False):
+            self.blocking.append(f"_to_copy {tuple(args[0].shape)}")
+        elif name == "copy_" and args[1].device.type == "cpu" and args[0].device.type != "cpu" \
+                and not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False)):
+            self.blocking.append(f"copy_ {tuple(args[1].shape)}")
+        return func(*args, **kwargs)
+
+
+def _train(cfg: OptimizerConfig, device: str | torch.device = "cpu",
+           steady: contextlib.AbstractContextManager[Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The collection's and the optimizer's state after 5 steps (``{}``, ``{}`` on the meta device: a state dict
+    reads counters, which is no step's business); ``steady``: a context the last two steps run in (each step's
+    ids new from the host; tests/package/test_cuda.py runs them on CUDA under ``set_sync_debug_mode``)."""
+    ec = _collection(device)
+    opt = cfg.make(ec.parameters())
+    head = {f: torch.linspace(-1.0, 1.5, 12 * d, dtype=F64).view(12, d).to(device)
+            for f, d in (("fa", 4), ("fb", 4), ("fc", 3))}
+    for i, batch in enumerate(_batches()):
+        with steady if steady is not None and i >= 3 else contextlib.nullcontext():
+            out = ec(batch)
+            sum((out[f] * head[f]).sum() for f in head).backward()  # type: ignore[union-attr]
+            opt.step()
+            opt.zero_grad()
+    if torch.device(device).type == "meta":
+        return {}, {}
+    return ec.state_dict(), opt.state_dict()["state"]
+
+
+@pytest.mark.parametrize("cfg", CASES, ids=str)
+def test_the_accelerator_path_gives_the_cpu_results(cfg: OptimizerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    weights, state = _train(cfg)
+    monkeypatch.setattr(dedup, "HOST_READ_DEVICE_TYPES", set())
+    assert dedup.sync_free(torch.device("cpu"))
+    static_weights, static_state = _train(cfg)
+    # The same float64 operations on every touched row (N rows with a tail instead of the U distinct ones):
+    # bitwise, but where a sum runs over rows (Adafactor's statistics, clipnorm's norm) and adds the tail's
+    # zeros in another order: a few ulps.
+    over_rows = cfg.info.whole_slots or "clipnorm" in cfg.kwargs
+    tol = {"rtol": 1e-13, "atol": 1e-15} if over_rows else {"rtol": 0.0, "atol": 0.0}
+    for k, v in weights.items():
+        torch.testing.assert_close(static_weights[k], v, **tol, msg=lambda m, k=k: f"{k}: {m}")
+    for key, slots in state.items():
+        for slot, v in slots.items():
+            torch.testing.assert_close(static_state[key][slot], v, **tol, msg=lambda m, s=slot: f"{s}: {m}")
+
+
+@pytest.mark.parametrize("cfg", CASES, ids=str)
+def test_every_step_runs_without_reading_the_device(cfg: OptimizerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TTE_KERNEL_AFTER", "2")  # the steps after the kernel switch too
+    # The meta tables hold no values, which a lookup refuses (the user must lay them out first): allowed here.
+    monkeypatch.setattr(plan, "check_not_meta", lambda *args: None)
+    copies = _BlockingCopies()
+    _train(cfg, "meta", copies)
+    assert copies.blocking == []  # the batch's ids travel without a blocking copy
+
+
+def test_the_stand_in_catches_a_host_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check can fail: with the meta device taken for one where host reads are free (the CPU's path: a
+    ``unique`` of the ids, a read of how many are padding), the first step raises."""
+    monkeypatch.setattr(plan, "check_not_meta", lambda *args: None)
+    monkeypatch.setattr(dedup, "HOST_READ_DEVICE_TYPES", {"cpu", "meta"})
+    with pytest.raises((NotImplementedError, RuntimeError), match="(?i)meta"):
+        _train(next(c for c in CASES if c.id == "adagrad"), "meta")
+
+
+@pytest.mark.parametrize("touched", [True, False])
+def test_sink_rows_writes_the_tail_as_the_sink_row_ends(touched: bool) -> None:
+    """The tail goes to the last row (5) with that row's new value when it is among the ids, else its old one."""
+    sentinel, row5_old = 6, 55.0
+    ids = torch.tensor([1, 3, 5 if touched else 4, sentinel, sentinel])
+    old = torch.tensor([[11.0], [33.0], [row5_old if touched else 44.0], [row5_old], [row5_old]])  # at ids.clamp(max=5)
+    new = torch.arange(5.0).view(5, 1)
+    at, values = dedup.sink_rows(ids, new, old, sentinel)
+    assert at.tolist() == [1, 3, 5 if touched else 4, 5, 5]
+    assert values.view(-1).tolist() == ([0.0, 1.0, 2.0, 2.0, 2.0] if touched else [0.0, 1.0, 2.0, row5_old, row5_old])
+
+
+def test_sink_rows_with_every_id_padding_changes_nothing() -> None:
+    ids = torch.full((3,), 6)
+    old = torch.full((3, 2), 7.0)  # row 5, gathered three times
+    at, values = dedup.sink_rows(ids, torch.zeros(3, 2), old, 6)
+    assert at.tolist() == [5, 5, 5] and torch.equal(values, old)
+
+
+def test_sink_padding_adds_negative_zero() -> None:
+    table = torch.tensor([[0.0], [-0.0], [float("nan")], [3.0]])
+    ids, rows = dedup.sink_padding(torch.tensor([4, 4, 0]), torch.tensor([[5.0], [float("inf")], [1.0]]), 4)
+    table.index_add_(0, ids, rows)
+    assert ids.tolist() == [3, 3, 0] and table[3].item() == 3.0 and table[0].item() == 1.0
+    assert torch.signbit(table[1]).item() and torch.isnan(table[2]).item()
+
+
+def test_an_accelerator_step_dispatches_as_many_ops_at_100_features_as_at_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    """issue [host]'s step (T features stacked in one group, ``Padded`` host bags, ``mean``, a ``Linear`` head on
+    ``concat=True``, Adam) on the meta device: the ops a steady step dispatches do not grow with T (≤ 1.3×), and
+    the only host reads are of host data (the group's range check of its host ids)."""
+    monkeypatch.setattr(plan, "check_not_meta", lambda *args: None)
+    counts = {}
+    for t in (1, 100):
+        ec, head, names = _model(t, device="meta")
+        opt = tte.optim.Adam([*ec.parameters(), *head.to("meta").parameters()], lr=0.01)
+        data = host_batches(names, 4)
+        for i in range(6):
+            _step(ec, head, opt, data[i % 4], True)
+        with _CountOps() as ops:
+            _step(ec, head, opt, data[1], True)
+        counts[t] = ops.counts
+    total = {t: sum(c.values()) for t, c in counts.items()}
+    print(f"ops per steady step on the meta device: {total}")
+    assert total[100] <= 1.3 * total[1], total
+    assert counts[100]["_local_scalar_dense"] == counts[1]["_local_scalar_dense"] == 2, counts  # aminmax's two

@@ -20,15 +20,20 @@ from typing import Any
 
 import pytest
 import torch
-from optim_registry import SYNC_FREE, OptimizerConfig, cases
+from optim_registry import KERNEL_PATH, SYNC_FREE, OptimizerConfig, case, cases
 from test_host_ops import _batches as host_batches
 from test_host_ops import _model, _step
+from test_kernel_update import _tensors, assert_same
+from test_kernel_update import model as kernel_model
+from test_kernel_update import step as kernel_step
 from test_stacked_groups import _CountOps
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding._rows import dedup
 from torch_tpu_embedding.modules import plan
+from torch_tpu_embedding.optim._core.update_paths import Path
+from torch_tpu_embedding.optim._kernels import row_update
 
 CASES = cases(SYNC_FREE)
 F64 = torch.float64
@@ -187,3 +192,31 @@ def test_an_accelerator_step_dispatches_as_many_ops_at_100_features_as_at_1(monk
     print(f"ops per steady step on the meta device: {total}")
     assert total[100] <= 1.3 * total[1], total
     assert counts[100]["_local_scalar_dense"] == counts[1]["_local_scalar_dense"] == 2, counts  # aminmax's two
+
+
+@pytest.mark.usefixtures("compiler")
+@pytest.mark.parametrize("cfg", [case(KERNEL_PATH, c) for c in ("lazy_adam-options", "rowwise_adagrad-accum-clipnorm",
+                                                                "ftrl")], ids=str)
+def test_the_accelerator_kernel_equals_its_reference_path(cfg: OptimizerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled update (``Path.KERNEL``: Triton on CUDA, here inductor's C++ on the CPU forced onto the
+    accelerator's path) of the static ids, sentinel tail and sink row included, against that path's reference
+    (``Path.ROWS``), in lockstep as tests/optim/test_kernel_update.py compares the CPU's: within 1e-6 (float32)
+    after every call. Three configurations: each compiles a kernel of its own (seconds)."""
+    monkeypatch.setattr(dedup, "HOST_READ_DEVICE_TYPES", set())
+    before = row_update.set_policy(0, 0)
+    try:
+        kernel, ref = kernel_model(cfg, torch.float32), kernel_model(cfg, torch.float32)
+        k = cfg.kwargs.get("gradient_accumulation_steps") or 1
+        for s in range(4 * k):
+            scale = float("inf") if cfg.kwargs.get("skip_nonfinite") and s == 3 else 1.0
+            got, want = kernel_step(*kernel, s, scale, kernel=True), kernel_step(*ref, s, scale, kernel=False)
+            if (s + 1) % k == 0:
+                assert Path.KERNEL in got and Path.ROWS in want and Path.KERNEL not in want, (got, want)
+            assert_same(kernel, ref, f"call {s}")
+            with torch.no_grad():  # each call compared from the same state (a last-bit difference not carried on)
+                for (a, sa), (b, sb) in zip(_tensors(*kernel), _tensors(*ref), strict=True):
+                    a.copy_(b)
+                    for n in sa:
+                        sa[n].copy_(sb[n])
+    finally:
+        row_update.set_policy(*before)

@@ -98,7 +98,8 @@ def take(p: Tensor, group: dict[str, Any], path: Path) -> Taken:
     # ADDITIVE multiplies the factored rows out piecewise; KERNEL sums them per id without doing so,
     # except on a 16-bit table: its backward multiplies float32 gains out and rounds the rows to 16
     # bits, and the factored form (16-bit gains) would round differently from the reference path.
-    factored = path is Path.ADDITIVE or (path is Path.KERNEL and math_dtype(p) == p.dtype)
+    # (An accelerator's KERNEL takes the static duplicate sum: the factored one's sort reads sizes on the host.)
+    factored = path is Path.ADDITIVE or (path is Path.KERNEL and math_dtype(p) == p.dtype and not sync_free(p.device))
     piecewise = factored and not group["gradient_accumulation_steps"]
     if info is not None:
         # The next backward hands over its rows factored only to a consumer that multiplies them out

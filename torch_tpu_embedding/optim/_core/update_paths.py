@@ -13,13 +13,14 @@ only in which rows they hand it and how the results are written back:
 ``NO_DEDUP``          ``use_gradient_accumulation=False``: every contribution updates from the same
                       old rows and the changes are added (exact for SGD, an approximation otherwise);
                       on an eager accelerator padding adds ``-0.0`` to the sink row (``sink_padding``)
-``ROWS``              duplicates summed, the touched rows in one pass: sync-free devices (XLA: one
-                      static-shape graph; CUDA: no host read, ``N`` rows with a sentinel tail written
-                      through the sink row, ``_rows.dedup.sink_rows``) and rules with statistics over
-                      rows (Adafactor)
-``KERNEL``            eager CPU with a per-row rule: the same pipeline compiled into one
-                      kernel that reads and writes each touched row and its slots once, the
-                      duplicate sum done without multiplying the gradient out (:mod:`.row_update`);
+``ROWS``              duplicates summed, the touched rows in one pass: XLA (one static-shape graph),
+                      rules with statistics over rows (Adafactor), and an eager accelerator's reference
+                      (no host read: ``N`` rows with a sentinel tail written through the sink row,
+                      ``_rows.dedup.sink_rows``)
+``KERNEL``            eager with a per-row rule: the same pipeline compiled into one kernel that
+                      reads and writes each touched row and its slots once; on the CPU the duplicate
+                      sum done without multiplying the gradient out (:mod:`.row_update`), on an
+                      accelerator the static ids of ``ROWS`` (nothing read on the host);
                       RowWiseAdagrad and Adam on CPU float32 tables: one C loop that also sums the
                       duplicates, prefetching rows (:mod:`.c_rules`)
 ``ROW_CHUNKS``        eager with a per-row rule when ``KERNEL`` is off, cannot compile, or its
@@ -107,9 +108,11 @@ def choose_path(p: Tensor, group: Mapping[str, Any], *, row_grad: bool) -> Path:
         return Path.ADDITIVE
     if not group["use_gradient_accumulation"]:
         return Path.NO_DEDUP
-    if sync_free(p.device) or _whole_slots(p, group):  # (KERNEL's duplicate sum reads sizes on the host)
+    if is_static_device(p.device) or _whole_slots(p, group):
         return Path.ROWS
-    return Path.KERNEL if row_update.usable(p) else Path.ROW_CHUNKS
+    if row_update.usable(p):  # (on an accelerator its kernel takes the static ids of ROWS: row_update._sink)
+        return Path.KERNEL
+    return Path.ROWS if sync_free(p.device) else Path.ROW_CHUNKS
 
 
 def row_chunk() -> int:
@@ -137,7 +140,8 @@ def update(item: Work) -> None:
             # the compiled kernel of the rule (row_update).
             if c_rules.update(item) or row_update.update(item):
                 return
-            item.path = Path.ROW_CHUNKS  # no compiled kernel: the reference path
+            # No compiled kernel: the reference path (an accelerator's keeps its static shapes)
+            item.path = Path.ROWS if sync_free(item.p.device) else Path.ROW_CHUNKS
         chunk = row_chunk()
         # Under torch.compile the count of touched rows is a symbol with no value to compare (and the
         # compiled code fuses the rule's passes anyway): one pass.

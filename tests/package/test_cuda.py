@@ -19,6 +19,7 @@ from optim_registry import OPTIMIZER_INFOS, SYNC_FREE, OptimizerConfig, cases
 from test_sync_free_step import _train as train_host_ids
 
 import torch_tpu_embedding as tte
+from torch_tpu_embedding.optim._kernels import row_update
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
 
@@ -108,18 +109,26 @@ def no_sync() -> Iterator[None]:
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["reference", "kernel"])
 @pytest.mark.parametrize("cfg", cases(SYNC_FREE), ids=str)
-def test_a_steady_step_makes_no_host_device_sync(cfg: OptimizerConfig) -> None:
+def test_a_steady_step_makes_no_host_device_sync(cfg: OptimizerConfig, kernel: bool) -> None:
     """Host ids (padded bags with padding, stacked tables), every optimizer with EMA, accumulation,
-    ``skip_nonfinite``, clipping and without dedup: the steps after the first three (the kernel switch
-    included) run under ``set_sync_debug_mode("error")``, and give the CPU's results (float64; CUDA's atomics
-    sum duplicates in another order, hence 1e-10)."""
+    ``skip_nonfinite``, clipping and without dedup, on the reference path and on the compiled one (Triton,
+    from the first step): the steps after the first three run under ``set_sync_debug_mode("error")``, and give
+    the CPU's results (float64; CUDA's atomics sum duplicates in another order, hence 1e-10)."""
     def host(x: Any) -> Any:
         return x.cpu() if isinstance(x, torch.Tensor) else {k: host(v) for k, v in x.items()} \
             if isinstance(x, dict) else x
 
+    if kernel and not cfg.info.per_row_rule:
+        pytest.skip("no compiled update: the rule keeps statistics over rows")
     cpu = train_host_ids(cfg, "cpu")
-    dev = train_host_ids(cfg, "cuda", no_sync())
+    enabled, policy = row_update.set_enabled(kernel), row_update.set_policy(0, 0)
+    try:
+        dev = train_host_ids(cfg, "cuda", no_sync())
+    finally:
+        row_update.set_enabled(enabled)
+        row_update.set_policy(*policy)
     torch.testing.assert_close(host(dev), cpu, rtol=1e-10, atol=1e-10)
 
 

@@ -109,6 +109,12 @@ def no_sync() -> Iterator[None]:
         torch.cuda.set_sync_debug_mode("default")
 
 
+#: configurations whose compiled update runs under the sync check (each a kernel of its own): every per-row rule
+#: with a lazy update, and the options around the rule (EMA; accumulation with skip_nonfinite)
+KERNEL_ON_CUDA = ("adagrad", "adagrad_momentum", "lazy_adam", "ftrl", "rowwise_adagrad", "lazy_adam-ema",
+                  "rowwise_adagrad-accum2-skip")
+
+
 @pytest.mark.parametrize("kernel", [False, True], ids=["reference", "kernel"])
 @pytest.mark.parametrize("cfg", cases(SYNC_FREE), ids=str)
 def test_a_steady_step_makes_no_host_device_sync(cfg: OptimizerConfig, kernel: bool) -> None:
@@ -120,8 +126,8 @@ def test_a_steady_step_makes_no_host_device_sync(cfg: OptimizerConfig, kernel: b
         return x.cpu() if isinstance(x, torch.Tensor) else {k: host(v) for k, v in x.items()} \
             if isinstance(x, dict) else x
 
-    if kernel and not cfg.info.per_row_rule:
-        pytest.skip("no compiled update: the rule keeps statistics over rows")
+    if kernel and cfg.id not in KERNEL_ON_CUDA:
+        pytest.skip("compiled for a few configurations only: each builds its Triton kernel (seconds)")
     cpu = train_host_ids(cfg, "cpu")
     enabled, policy = row_update.set_enabled(kernel), row_update.set_policy(0, 0)
     try:

@@ -16,11 +16,13 @@ duplicate sum keeps ``N`` entries with a sentinel tail, written through the tabl
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any
 
 import pytest
 import torch
 from optim_registry import KERNEL_PATH, SYNC_FREE, OptimizerConfig, case, cases
+from test_frozen_tables_and_bag_edges import STACKED_CASES, _freeze_run
 from test_host_ops import _batches as host_batches
 from test_host_ops import _model, _step
 from test_kernel_update import _tensors, assert_same
@@ -220,3 +222,34 @@ def test_the_accelerator_kernel_equals_its_reference_path(cfg: OptimizerConfig, 
                         sa[n].copy_(sb[n])
     finally:
         row_update.set_policy(*before)
+
+
+_FROZEN_CASES = [c for c in STACKED_CASES if c.id in ("adagrad-clipnorm", "lazy_adam-ema-accum-gclip", "adafactor")]
+
+
+@pytest.mark.parametrize("cfg", _FROZEN_CASES, ids=str)
+def test_a_frozen_member_adds_nothing_to_what_sums_over_rows(cfg: OptimizerConfig,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A frozen member of a stacked group has its ids made the sentinel with their rows kept (the lookup's
+    backward); the CPU drops those entries. The accelerator's kept sentinel tail must carry them into no sum over
+    rows (``clipnorm`` per member, ``global_clipnorm``; Adafactor's statistics mask the tail): it held their sum,
+    and the other members trained up to 1e-2 away from the CPU's (``adagrad-clipnorm``)."""
+    _, want = _freeze_run(cfg, True, "module")
+    monkeypatch.setattr(dedup, "HOST_READ_DEVICE_TYPES", set())
+    _, got = _freeze_run(cfg, True, "module")
+    for n in ("a", "b", "c"):
+        for k, v in want[n].items():
+            if not k.startswith("acc_"):  # (the window's capacity follows the path: N entries, or U)
+                torch.testing.assert_close(got[n][k], v, rtol=1e-12, atol=1e-14, msg=lambda m, w=f"{n}/{k}": f"{w}: {m}")
+
+
+def test_a_negative_norm_sees_no_zero_row_of_the_sentinel_tail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tte.clip_grad_norm_`` with ``norm_type=-inf`` (the smallest |g| of the dense gradient, as torch's): every
+    row of the table looked up leaves no zero row, on the accelerator's path too (its duplicate sum keeps a tail
+    of zero rows, which the norm read as 0)."""
+    monkeypatch.setattr(dedup, "HOST_READ_DEVICE_TYPES", set())
+    ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(3, 2, name="t"))})
+    (ec({"f": torch.tensor([0, 1, 2, 2])})["f"] * torch.tensor([1.0, 2.0])).sum().backward()
+    i, r = ec.row_grads()["t"]
+    want = torch.nn.utils.get_total_norm([torch.zeros(4, 2).index_add_(0, i, r)[:3]], -math.inf)
+    assert float(tte.clip_grad_norm_(ec.parameters(), 1.0, norm_type=-math.inf)) == float(want) == 1.0

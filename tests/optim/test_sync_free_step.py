@@ -253,3 +253,22 @@ def test_a_negative_norm_sees_no_zero_row_of_the_sentinel_tail(monkeypatch: pyte
     i, r = ec.row_grads()["t"]
     want = torch.nn.utils.get_total_norm([torch.zeros(4, 2).index_add_(0, i, r)[:3]], -math.inf)
     assert float(tte.clip_grad_norm_(ec.parameters(), 1.0, norm_type=-math.inf)) == float(want) == 1.0
+
+
+def test_a_learning_rate_schedule_copies_nothing_blocking(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A schedule sets a new learning rate each step (a float, or a host tensor): it travels to the device as the ids
+    do, not by a blocking copy (on CUDA one waits for the device every step)."""
+    monkeypatch.setattr(plan, "check_not_meta", lambda *args: None)
+    ec = _collection("meta")
+    opt = tte.optim.Adagrad(ec.parameters(), lr=0.1)
+    head = {"fa": 4, "fb": 4, "fc": 3}
+    for i, batch in enumerate(_batches()):
+        copies = _BlockingCopies()
+        opt.param_groups[0]["lr"] = 0.1 / (i + 1) if i % 2 else torch.tensor(0.1 / (i + 1))
+        with copies:
+            out = ec(batch)
+            sum(out[f].sum() * d for f, d in head.items()).backward()  # type: ignore[union-attr]
+            opt.step()
+            opt.zero_grad()
+        if i >= 2:  # (the first steps make the state and the cached bounds: once)
+            assert copies.blocking == [], (i, copies.blocking)

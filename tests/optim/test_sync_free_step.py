@@ -9,7 +9,8 @@ duplicate sum keeps ``N`` entries with a sentinel tail, written through the tabl
   CUDA asserts) gives the CPU's own results, every optimizer with its options (tests/optim_registry.py,
   target ``sync_free``), on batches that touch the sink row, leave it alone, and pad a whole group;
 * every step on the meta device (a stand-in accelerator: every read of a value and every data-dependent
-  shape raises there) runs: forward, backward and ``step()``, before and after the kernel switch; and the
+  shape raises there) runs: forward, backward and ``step()`` (on ``Path.ROWS``: the compiled kernel runs only on the
+  CPU and CUDA, tests/package/test_cuda.py checks it there); and the
   steady steps copy nothing from the host with a blocking copy (on CUDA one synchronises the stream).
 """
 
@@ -131,7 +132,6 @@ def test_the_accelerator_path_gives_the_cpu_results(cfg: OptimizerConfig, monkey
 
 @pytest.mark.parametrize("cfg", CASES, ids=str)
 def test_every_step_runs_without_reading_the_device(cfg: OptimizerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TTE_KERNEL_AFTER", "2")  # the steps after the kernel switch too
     # The meta tables hold no values, which a lookup refuses (the user must lay them out first): allowed here.
     monkeypatch.setattr(plan, "check_not_meta", lambda *args: None)
     copies = _BlockingCopies()

@@ -19,6 +19,7 @@ from optim_registry import OPTIMIZER_INFOS, SYNC_FREE, OptimizerConfig, cases
 from test_sync_free_step import _train as train_host_ids
 
 import torch_tpu_embedding as tte
+from torch_tpu_embedding.optim._kernels import row_update
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
 
@@ -111,9 +112,9 @@ def no_sync() -> Iterator[None]:
 @pytest.mark.parametrize("cfg", cases(SYNC_FREE), ids=str)
 def test_a_steady_step_makes_no_host_device_sync(cfg: OptimizerConfig) -> None:
     """Host ids (padded bags with padding, stacked tables), every optimizer with EMA, accumulation,
-    ``skip_nonfinite``, clipping and without dedup: the steps after the first three (the kernel switch
-    included) run under ``set_sync_debug_mode("error")``, and give the CPU's results (float64; CUDA's atomics
-    sum duplicates in another order, hence 1e-10)."""
+    ``skip_nonfinite``, clipping and without dedup: the steps after the first three run under
+    ``set_sync_debug_mode("error")``, and give the CPU's results (float64; CUDA's atomics sum duplicates in
+    another order, hence 1e-10). (Tables this small take the reference path: the kernel's test is below.)"""
     def host(x: Any) -> Any:
         return x.cpu() if isinstance(x, torch.Tensor) else {k: host(v) for k, v in x.items()} \
             if isinstance(x, dict) else x
@@ -121,6 +122,37 @@ def test_a_steady_step_makes_no_host_device_sync(cfg: OptimizerConfig) -> None:
     cpu = train_host_ids(cfg, "cpu")
     dev = train_host_ids(cfg, "cuda", no_sync())
     torch.testing.assert_close(host(dev), cpu, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("cfg", [c for c in cases(SYNC_FREE) if c.id in ("lazy_adam-options", "rowwise_adagrad",
+                                                                         "ftrl-ema")], ids=str)
+def test_a_steady_kernel_step_makes_no_host_device_sync(cfg: OptimizerConfig,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above on the compiled update (``Path.KERNEL``: Triton, the sentinel tail copied after it) from the third
+    step on: compiled there, outside the check, and run by the steady steps under it (counted: the test cannot
+    pass on the reference path)."""
+    ran: list[str] = []
+    call = row_update.call
+
+    def counted(fn: Any, args: tuple[Any, ...]) -> Any:
+        ran.append(args[0].device.type)
+        return call(fn, args)
+
+    monkeypatch.setattr(row_update, "call", counted)
+    before = row_update.set_policy(2, 0)
+    try:
+        dev = train_host_ids(cfg, "cuda", no_sync())
+    finally:
+        row_update.set_policy(*before)
+    assert ran.count("cuda") >= 2, ran
+    cpu = train_host_ids(cfg, "cpu")
+    # (float64: the kernel's fused arithmetic against the CPU's reference path)
+    torch.testing.assert_close(_on_host(dev), cpu, rtol=1e-8, atol=1e-8)
+
+
+def _on_host(x: Any) -> Any:
+    return x.cpu() if isinstance(x, torch.Tensor) else {k: _on_host(v) for k, v in x.items()} \
+        if isinstance(x, dict) else x
 
 
 @pytest.mark.parametrize("cfg", DEFAULTS, ids=str)

@@ -272,3 +272,26 @@ def test_a_learning_rate_schedule_copies_nothing_blocking(monkeypatch: pytest.Mo
             opt.zero_grad()
         if i >= 2:  # (the first steps make the state and the cached bounds: once)
             assert copies.blocking == [], (i, copies.blocking)
+
+
+def test_jagged_sparse_and_nested_host_ids_step_without_reading_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other host input forms (``Jagged``, a sparse COO tensor, a ``torch.nested`` jagged tensor) are converted
+    on the host (their lengths are host data) and travel as the padded ones do: a steady step on the meta device
+    reads nothing there and copies nothing from the host with a blocking copy."""
+    monkeypatch.setattr(plan, "check_not_meta", lambda *args: None)
+    t = tte.TableConfig(50, 4, name="t", combiner="mean", dtype=F64)
+    u = tte.TableConfig(60, 4, name="u", combiner="sum", dtype=F64)
+    ec = tte.EmbeddingCollection({"j": tte.FeatureConfig(t), "s": tte.FeatureConfig(t, name="s"),
+                                  "n": tte.FeatureConfig(u, name="n")}, device="meta")
+    opt = tte.optim.Adam(ec.parameters(), lr=0.1)
+    for i in range(4):
+        j = tte.Jagged(torch.tensor([1, 2, 3, 4 + i]), lengths=torch.tensor([1, 3]))
+        sp = torch.sparse_coo_tensor(torch.tensor([[0, 1, 1], [0, 0, 1]]), torch.tensor([5, 6, 7 + i]), (2, 2))
+        n = torch.nested.nested_tensor([torch.tensor([1, 2 + i]), torch.tensor([3])], layout=torch.jagged)
+        copies = _BlockingCopies()
+        with copies if i == 3 else contextlib.nullcontext():
+            out = ec({"j": j, "s": sp, "n": n})
+            sum(v.sum() for v in out.values()).backward()
+            opt.step()
+            opt.zero_grad()
+    assert copies.blocking == []

@@ -73,7 +73,6 @@ def coalesce_rows(
     """
     static = sync_free(ids.device)
     if static:
-        rows = _zero_padding(ids, rows, sentinel)
         uniq, inv = dedup_static(ids, sentinel)
     else:
         uniq, inv = torch.unique(ids, return_inverse=True)
@@ -95,28 +94,15 @@ def coalesce_rows(
 def drop_sentinel(
     ids: torch.Tensor, rows: torch.Tensor, sentinel: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Remove padding entries on the CPU; sync-free devices keep them, with zero rows (see :func:`sink_padding`)."""
+    """Remove padding entries on the CPU; sync-free devices keep them (see :func:`sink_padding`)."""
     if sync_free(ids.device):
-        return ids, _zero_padding(ids, rows, sentinel)
+        return ids, rows
     keep = ids != sentinel
     if torch.compiler.is_compiling():  # no host read of a tensor: it would split the graph
         return ids[keep], rows[keep]
     if bool(keep.all()):  # no padding: no masked copy of the rows
         return ids, rows
     return ids[keep], rows[keep]
-
-
-def _zero_padding(ids: torch.Tensor, rows: torch.Tensor, sentinel: int) -> torch.Tensor:
-    """``rows`` with zeros at the sentinel entries on an eager accelerator (XLA's as they are).
-
-    Padding rows are zero, but a frozen member of a stacked group has its ids made the sentinel with their
-    rows kept (the lookup's backward): the CPU drops those entries, and a kept tail must not carry them into
-    what sums over rows (``clipnorm``, ``global_clipnorm``, ``tte.clip_grad_norm_``, Adafactor's statistics).
-    """
-    if is_static_device(ids.device) or not rows.numel():
-        return rows
-    keep = (ids < sentinel).view(-1, *[1] * (rows.dim() - 1))
-    return torch.where(keep, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
 
 
 def unique_ids(ids: torch.Tensor, sentinel: int) -> torch.Tensor:

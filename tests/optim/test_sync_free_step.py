@@ -230,10 +230,10 @@ _FROZEN_CASES = [c for c in STACKED_CASES if c.id in ("adagrad-clipnorm", "lazy_
 @pytest.mark.parametrize("cfg", _FROZEN_CASES, ids=str)
 def test_a_frozen_member_adds_nothing_to_what_sums_over_rows(cfg: OptimizerConfig,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """A frozen member of a stacked group has its ids made the sentinel with their rows kept (the lookup's
-    backward); the CPU drops those entries. The accelerator's kept sentinel tail must carry them into no sum over
-    rows (``clipnorm`` per member, ``global_clipnorm``; Adafactor's statistics mask the tail): it held their sum,
-    and the other members trained up to 1e-2 away from the CPU's (``adagrad-clipnorm``)."""
+    """A frozen member of a stacked group has its ids made the sentinel (the lookup's backward), which the CPU drops
+    and the accelerator keeps as the duplicate sum's tail: that tail must carry no rows into a sum over rows
+    (``clipnorm`` per member, ``global_clipnorm``; Adafactor's statistics mask it). With the frozen rows kept it held
+    their sum, and the other members trained up to 1e-2 away from the CPU's (``adagrad-clipnorm``)."""
     _, want = _freeze_run(cfg, True, "module")
     monkeypatch.setattr(dedup, "HOST_READ_DEVICE_TYPES", set())
     _, got = _freeze_run(cfg, True, "module")

@@ -9,18 +9,21 @@ duplicate sum keeps ``N`` entries with a sentinel tail, written through the tabl
   CUDA asserts) gives the CPU's own results, every optimizer with its options (tests/optim_registry.py,
   target ``sync_free``), on batches that touch the sink row, leave it alone, and pad a whole group;
 * every step on the meta device (a stand-in accelerator: every read of a value and every data-dependent
-  shape raises there) runs: forward, backward and ``step()``, before and after the kernel switch; and the
+  shape raises there) runs: forward, backward and ``step()`` (on ``Path.ROWS``: the compiled kernel runs only on the
+  CPU and CUDA, tests/package/test_cuda.py checks it there); and the
   steady steps copy nothing from the host with a blocking copy (on CUDA one synchronises the stream).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any
 
 import pytest
 import torch
 from optim_registry import KERNEL_PATH, SYNC_FREE, OptimizerConfig, case, cases
+from test_frozen_tables_and_bag_edges import STACKED_CASES, _freeze_run
 from test_host_ops import _batches as host_batches
 from test_host_ops import _model, _step
 from test_kernel_update import _tensors, assert_same
@@ -129,7 +132,6 @@ def test_the_accelerator_path_gives_the_cpu_results(cfg: OptimizerConfig, monkey
 
 @pytest.mark.parametrize("cfg", CASES, ids=str)
 def test_every_step_runs_without_reading_the_device(cfg: OptimizerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TTE_KERNEL_AFTER", "2")  # the steps after the kernel switch too
     # The meta tables hold no values, which a lookup refuses (the user must lay them out first): allowed here.
     monkeypatch.setattr(plan, "check_not_meta", lambda *args: None)
     copies = _BlockingCopies()
@@ -220,3 +222,76 @@ def test_the_accelerator_kernel_equals_its_reference_path(cfg: OptimizerConfig, 
                         sa[n].copy_(sb[n])
     finally:
         row_update.set_policy(*before)
+
+
+_FROZEN_CASES = [c for c in STACKED_CASES if c.id in ("adagrad-clipnorm", "lazy_adam-ema-accum-gclip", "adafactor")]
+
+
+@pytest.mark.parametrize("cfg", _FROZEN_CASES, ids=str)
+def test_a_frozen_member_adds_nothing_to_what_sums_over_rows(cfg: OptimizerConfig,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A frozen member of a stacked group has its ids made the sentinel (the lookup's backward), which the CPU drops
+    and the accelerator keeps as the duplicate sum's tail: that tail must carry no rows into a sum over rows
+    (``clipnorm`` per member, ``global_clipnorm``; Adafactor's statistics mask it). With the frozen rows kept it held
+    their sum, and the other members trained up to 1e-2 away from the CPU's (``adagrad-clipnorm``)."""
+    _, want = _freeze_run(cfg, True, "module")
+    monkeypatch.setattr(dedup, "HOST_READ_DEVICE_TYPES", set())
+    _, got = _freeze_run(cfg, True, "module")
+    for n in ("a", "b", "c"):
+        for k, v in want[n].items():
+            if not k.startswith("acc_"):  # (the window's capacity follows the path: N entries, or U)
+                torch.testing.assert_close(got[n][k], v, rtol=1e-12, atol=1e-14, msg=lambda m, w=f"{n}/{k}": f"{w}: {m}")
+
+
+def test_a_negative_norm_sees_no_zero_row_of_the_sentinel_tail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tte.clip_grad_norm_`` with ``norm_type=-inf`` (the smallest |g| of the dense gradient, as torch's): every
+    row of the table looked up leaves no zero row, on the accelerator's path too (its duplicate sum keeps a tail
+    of zero rows, which the norm read as 0)."""
+    monkeypatch.setattr(dedup, "HOST_READ_DEVICE_TYPES", set())
+    ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(3, 2, name="t"))})
+    (ec({"f": torch.tensor([0, 1, 2, 2])})["f"] * torch.tensor([1.0, 2.0])).sum().backward()
+    i, r = ec.row_grads()["t"]
+    want = torch.nn.utils.get_total_norm([torch.zeros(4, 2).index_add_(0, i, r)[:3]], -math.inf)
+    assert float(tte.clip_grad_norm_(ec.parameters(), 1.0, norm_type=-math.inf)) == float(want) == 1.0
+
+
+def test_a_learning_rate_schedule_copies_nothing_blocking(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A schedule sets a new learning rate each step (a float, or a host tensor): it travels to the device as the ids
+    do, not by a blocking copy (on CUDA one waits for the device every step)."""
+    monkeypatch.setattr(plan, "check_not_meta", lambda *args: None)
+    ec = _collection("meta")
+    opt = tte.optim.Adagrad(ec.parameters(), lr=0.1)
+    head = {"fa": 4, "fb": 4, "fc": 3}
+    for i, batch in enumerate(_batches()):
+        copies = _BlockingCopies()
+        opt.param_groups[0]["lr"] = 0.1 / (i + 1) if i % 2 else torch.tensor(0.1 / (i + 1))
+        with copies:
+            out = ec(batch)
+            sum(out[f].sum() * d for f, d in head.items()).backward()  # type: ignore[union-attr]
+            opt.step()
+            opt.zero_grad()
+        if i >= 2:  # (the first steps make the state and the cached bounds: once)
+            assert copies.blocking == [], (i, copies.blocking)
+
+
+def test_jagged_sparse_and_nested_host_ids_step_without_reading_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other host input forms (``Jagged``, a sparse COO tensor, a ``torch.nested`` jagged tensor) are converted
+    on the host (their lengths are host data) and travel as the padded ones do: a steady step on the meta device
+    reads nothing there and copies nothing from the host with a blocking copy."""
+    monkeypatch.setattr(plan, "check_not_meta", lambda *args: None)
+    t = tte.TableConfig(50, 4, name="t", combiner="mean", dtype=F64)
+    u = tte.TableConfig(60, 4, name="u", combiner="sum", dtype=F64)
+    ec = tte.EmbeddingCollection({"j": tte.FeatureConfig(t), "s": tte.FeatureConfig(t, name="s"),
+                                  "n": tte.FeatureConfig(u, name="n")}, device="meta")
+    opt = tte.optim.Adam(ec.parameters(), lr=0.1)
+    for i in range(4):
+        j = tte.Jagged(torch.tensor([1, 2, 3, 4 + i]), lengths=torch.tensor([1, 3]))
+        sp = torch.sparse_coo_tensor(torch.tensor([[0, 1, 1], [0, 0, 1]]), torch.tensor([5, 6, 7 + i]), (2, 2))
+        n = torch.nested.nested_tensor([torch.tensor([1, 2 + i]), torch.tensor([3])], layout=torch.jagged)
+        copies = _BlockingCopies()
+        with copies if i == 3 else contextlib.nullcontext():
+            out = ec({"j": j, "s": sp, "n": n})
+            sum(v.sum() for v in out.values()).backward()
+            opt.step()
+            opt.zero_grad()
+    assert copies.blocking == []

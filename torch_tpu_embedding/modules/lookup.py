@@ -165,12 +165,16 @@ def _whole(grads: tuple[torch.Tensor, ...]) -> torch.Tensor:
 def _record_rows(ctx: Any, ids: torch.Tensor, gains: torch.Tensor, grads: tuple[torch.Tensor, ...]
                  ) -> torch.Tensor | None:
     """Add ``dL/de_{i_k} = gain_k · dL/dout_b`` to ``ctx.row_grad``, one row per (bag, position); padding rows
-    are 0. Ids of frozen rows (a frozen member of a stacked group) become the sentinel: no row, no update.
-    ``grads``: each feature's ``dL/dout`` (``ctx.splits`` bags each). Returns them whole if it made that."""
+    are 0. Ids of frozen rows (a frozen member of a stacked group) become the sentinel with zero rows, as padding:
+    no update, and nothing in what sums over rows where the sentinel entries are kept (XLA, an eager
+    accelerator: ``clipnorm``, ``tte.clip_grad_norm_``). ``grads``: each feature's ``dL/dout`` (``ctx.splits``
+    bags each). Returns them whole if it made that."""
     row_grad, frozen = ctx.row_grad, ctx.frozen
     sentinel = frozen.shape[0] if frozen is not None else 0
     if frozen is not None:
-        ids = torch.where(frozen[ids.clamp(max=sentinel - 1)], sentinel, ids)
+        hit = frozen[ids.clamp(max=sentinel - 1)]
+        ids = torch.where(hit, sentinel, ids)
+        gains = torch.where(hit, torch.zeros((), dtype=gains.dtype, device=gains.device), gains)
     dtype = grads[0].dtype  # the table's
     if row_grad.keep_factored and ids.device.type != "xla" and not torch.compiler.is_compiling():
         start = 0  # each feature's bags kept factored, as they came: no [N, D] concatenation
@@ -250,12 +254,13 @@ class _JaggedLookup(torch.autograd.Function):
         ids, gains, bag, weight = ctx.saved_tensors
         per_id = grad_out.to(gains.dtype).index_select(0, bag)  # [nnz, D]: each id's bag's gradient
         if ctx.needs_input_grad[0]:  # a frozen weight gets no gradient, as in torch
-            frozen = ctx.frozen
-            if frozen is not None:  # frozen members of a stacked group: their ids become the sentinel
-                ids = torch.where(frozen[ids], frozen.shape[0], ids)
+            frozen, at, own = ctx.frozen, ids, gains
+            if frozen is not None:  # frozen members of a stacked group: their ids become the sentinel, zero rows
+                at = torch.where(frozen[ids], frozen.shape[0], ids)
+                own = torch.where(frozen[ids], torch.zeros((), dtype=gains.dtype, device=gains.device), gains)
             if not torch.compiler.is_compiling():  # rows as many as the data's ids: data parallel counts them
                 ctx.row_grad.variable_rows = True
-            _hand_over(ctx, ids, (gains.unsqueeze(1) * per_id).to(grad_out.dtype))
+            _hand_over(ctx, at, (own.unsqueeze(1) * per_id).to(grad_out.dtype))
         grad_gains = None
         if ctx.needs_input_grad[2]:  # <row, grad_out of its bag> per id
             grad_gains = (weight.index_select(0, ids).to(gains.dtype) * per_id).sum(1)

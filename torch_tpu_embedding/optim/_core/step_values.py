@@ -74,13 +74,14 @@ class LearningRates:
         if isinstance(lr, Tensor):
             lr = lr.detach().to(dtype=dtype)
             # Through a 1-element shape: a 0-d host tensor would become an XLA constant.
-            return lr if lr.device == p.device else lr.reshape(1).to(p.device).reshape(())
+            return lr if lr.device == p.device else upload(lr.reshape(1), p.device).reshape(())
         key = (gi, p.device, dtype)
         cached = self._cache.get(key)
         if cached is None or cached[0] != lr:
             # A 0-d host tensor moved to XLA is folded into the graph as a constant (one compile
-            # per value); a 1-element tensor arrives as device data.
-            cached = (float(lr), torch.tensor([float(lr)], dtype=dtype).to(p.device))
+            # per value); a 1-element tensor arrives as device data. (A schedule sets a new value each step:
+            # not a blocking copy, which on CUDA would wait for the device.)
+            cached = (float(lr), upload(torch.tensor([float(lr)], dtype=dtype), p.device))
             self._cache[key] = cached
         # Reshaped on every use: a cached 0-d view would be materialised by the first step's sync
         # and change the next step's graph inputs ([1] -> []), compiling twice.

@@ -31,7 +31,8 @@ PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 "$PY" -m pytest -q -p no:cacheprovider tests/x
 # torch.load's record offsets), stacking, the data-parallel and process-group paths, the package's
 # import without torch_xla, the examples, the table-building memory peak, the kernel update's duplicate sum
 # (tests/optim/test_row_sums.py), huge pages for large tables (tests/util/test_huge_pages.py), the primed malloc thresholds
-# (tests/util/test_heap.py) and SGD's C add, bitwise the eager one (tests/optim/test_c_add.py).
+# (tests/util/test_heap.py), SGD's C add, bitwise the eager one (tests/optim/test_c_add.py), and the accelerator's sync-free step
+# (tests/optim/test_sync_free_step.py: the meta device's kernels are the version's).
 # The glob picks up every process-group test file (tests/test_mp_*.py), none when there is none; among them
 # tests/distributed/test_mp_from_spmd.py, which loads the SPMD checkpoint written on torch 2.9 (tests/data/mp_spmd4) here.
 shopt -s nullglob
@@ -40,7 +41,7 @@ TESTS_213=(
   tests/checkpoint/test_checkpoint.py tests/checkpoint/test_ckpt_rows.py tests/modules/test_stacking_default.py tests/modules/test_stacked_groups.py
   tests/distributed/test_data_parallel.py tests/rows/test_routing.py tests/package/test_layers.py tests/modules/test_config_and_input_errors.py
   tests/package/test_safe_files_and_inputs.py tests/docs/test_examples.py tests/package/test_torch_versions.py tests/optim/test_row_sums.py
-  tests/util/test_huge_pages.py tests/util/test_heap.py tests/optim/test_c_add.py tests/distributed/test_mp_*.py
+  tests/util/test_huge_pages.py tests/util/test_heap.py tests/optim/test_c_add.py tests/optim/test_sync_free_step.py tests/distributed/test_mp_*.py
 )
 shopt -u nullglob
 echo "== CPU tests on torch 2.13 (CPU build, no torch_xla; a representative subset)"

@@ -21,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_tpu_embedding as tte
+from torch_tpu_embedding._rows import dedup
 from torch_tpu_embedding.distributed import grad_sync
 
 #: the optimizers run both ways: one that sums duplicates first, one lazy with two slots, one without
@@ -106,12 +107,26 @@ def _jagged_run(rank: int, world: int) -> dict[str, Any]:
     return W.state(model, opt)
 
 
+@contextmanager
+def sync_free_step(on: bool) -> Iterator[None]:
+    """``on``: the optimizer takes an accelerator's path on the CPU (``_rows.dedup.HOST_READ_DEVICE_TYPES``
+    emptied: static shapes, the sentinel tail written through the sink row), as a CUDA rank's step."""
+    before = set(dedup.HOST_READ_DEVICE_TYPES)
+    if on:
+        dedup.HOST_READ_DEVICE_TYPES.clear()
+    try:
+        yield
+    finally:
+        dedup.HOST_READ_DEVICE_TYPES.update(before)
+
+
 def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     init_rank(rank, world, port)
     results: dict[str, Any] = {}
     for name in NAMES:
-        for route, static in (("dedup", False), ("static", True)):
-            with counted_exchanges(static) as reads:
+        # "accelerator": what a CUDA rank runs, the static route and the optimizer's sync-free path
+        for route, static in (("dedup", False), ("static", True), ("accelerator", True)):
+            with counted_exchanges(static) as reads, sync_free_step(route == "accelerator"):
                 results[f"{route}/{name}"] = W._plain_run(name, torch.float64, rank, world)
             results[f"{route}/{name}/reads"] = reads
     with counted_exchanges(True) as reads:

@@ -63,6 +63,7 @@ CHUNKS = "chunks"  # test_row_chunks.py: chunked eager row updates == one whole-
 KERNEL_PATH = "kernel_path"  # test_kernel_update.py: the compiled eager row update == the reference path
 STACKED = "stacked"  # test_stacked_groups.py: stacked table groups == unstacked tables
 NONFINITE = "nonfinite"  # test_nonfinite_and_resume.py: skip_nonfinite leaves everything untouched
+SYNC_FREE = "sync_free"  # test_sync_free_step.py: the accelerator's static-shape step == the CPU's, and reads nothing
 XLA = "xla"  # tests/xla/test_xla_optim.py: XLA == CPU
 XLA_COMPILE = "xla_compile"  # tests/xla/_optim_step_script.py: 20 steps, one compilation, no fallback
 XLA_STACKED = "xla_stacked"  # tests/xla/test_stacked_xla.py: stacked groups on XLA == unstacked on CPU, one graph
@@ -112,6 +113,14 @@ TARGETS: dict[str, Target] = {
         noaccum=True,
     ),
     NONFINITE: Target(requires="keras_extras"),
+    SYNC_FREE: Target(
+        extras={"ema": {"use_ema": True, "ema_momentum": 0.8},
+                "accum2-skip": {"gradient_accumulation_steps": 2, "skip_nonfinite": True},
+                "clipnorm-scale": {"clipnorm": 0.5, "loss_scale_factor": 4.0},
+                "options": {"clipvalue": 0.05, "weight_decay_factor": 0.05, "clip_weight_min": -0.3,
+                            "clip_weight_max": 0.35}},
+        noaccum=True,
+    ),
     XLA: Target(),
     XLA_COMPILE: Target(),
     XLA_STACKED: Target(requires="supports_stacked_groups"),
@@ -467,7 +476,7 @@ ADAM_INFO = OptimizerInfo(
         _in("adam-bias-correction", {"lr": 0.01, "bias_correction": True}, GENERIC),
         _in("adam-nonlazy", {"lr": 0.01, "lazy_adam": False}, GENERIC),
         _in("adam", {"lr": 0.05}, EXTRAS, STACKED, XLA, SPMD),
-        _in("adam-nonlazy", {"lr": 0.05, "lazy_adam": False}, STACKED, XLA, XLA_STACKED, SPMD),
+        _in("adam-nonlazy", {"lr": 0.05, "lazy_adam": False}, STACKED, XLA, XLA_STACKED, SPMD, SYNC_FREE),
         _in("adam", {"lr": 0.1}, XLA_COMPILE, SPMD_STEP),
         _in("adam", {"lr": 0.02, "bias_correction": True}, OVERRIDE),
         # Keras Adam == ours with bias correction and ε outside the sqrt; TPU Adam: the numpy rule.

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import torch
 
-from torch_tpu_embedding._rows.dedup import coalesce_rows
+from torch_tpu_embedding._rows.dedup import coalesce_rows, is_static_device, sync_free
 from torch_tpu_embedding._rows.grads import refuse_stacked_view, table_info
 from torch_tpu_embedding._rows.placement import all_reduce_sum, process_group_placement, sync_row_grads
 from torch_tpu_embedding._rows.row_grad import RowGrad
@@ -74,7 +74,7 @@ def clip_grad_norm_(
     raw = [p for p in tables if _row_grad(p).raw_exchange]
     sync_row_grads([{"params": [p for p in tables if not _row_grad(p).raw_exchange]},
                     {"params": raw, "use_gradient_accumulation": False}])
-    summed = [(p, r) for p, r in ((p, _summed_rows(p)) for p in tables) if r is not None]
+    summed = [(p, r) for p, r in ((p, _summed_rows(p, norm_type < 0)) for p in tables) if r is not None]
     spread = [p for p in tables if process_group_placement(p) is not None]
     if spread:  # tables sharded over a process group: every rank holds a part of the gradient
         total = _group_norm(params, summed, spread, float(norm_type), error_if_nonfinite, foreach)
@@ -151,9 +151,11 @@ def _group_norm(params: list[Tensor], summed: list[tuple[Tensor, Tensor]], sprea
     return total
 
 
-def _summed_rows(p: Tensor) -> Tensor | None:
+def _summed_rows(p: Tensor, distinct: bool = False) -> Tensor | None:
     """A copy of ``p``'s pending row gradient with duplicate ids summed (float32 for a 16-bit table),
-    for the norm; ``None`` without one. The pending rows themselves are left as they are."""
+    for the norm; ``None`` without one. The pending rows themselves are left as they are. ``distinct``: only
+    the rows of ids looked up (a negative ``norm_type`` sees a zero row: the sentinel tail a sync-free device
+    keeps on an eager accelerator is dropped, by a host read, as :func:`_has_zero_rows` reads)."""
     info = table_info(p)
     assert info is not None
     rg = info.row_grad
@@ -162,7 +164,9 @@ def _summed_rows(p: Tensor) -> Tensor | None:
     if rg.owned:
         return _owned_rows(p)
     ids, rows = rg.collect()
-    return coalesce_rows(ids, rows.to(math_dtype(p)), p.shape[0])[1]
+    uniq, summed = coalesce_rows(ids, rows.to(math_dtype(p)), p.shape[0])
+    eager_tail = sync_free(p.device) and not is_static_device(p.device)  # (XLA's left as it was)
+    return summed[uniq < p.shape[0]] if distinct and eager_tail else summed
 
 
 def _owned_rows(p: Tensor) -> Tensor:

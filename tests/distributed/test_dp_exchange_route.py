@@ -69,6 +69,18 @@ def test_static_route_reads_the_host_in_its_first_exchange_only(name: str, ranks
         assert all(lists == 1 for _, lists in dedup), dedup  # the ranks' row counts, every step
 
 
+@pytest.mark.parametrize("name", R.NAMES)
+def test_a_cuda_ranks_step_trains_as_one_process(name: str, ranks: list[dict[str, Any]]) -> None:
+    """What a CUDA rank runs, on the CPU: the static route (padding sent as it is) and the optimizer's sync-free
+    path (the exchanged sentinel entries kept as a tail and written through the sink row): the ranks bitwise
+    equal, equal to one process on the global batch, and reading the host in the first exchange only."""
+    assert_replicas_equal([r[f"accelerator/{name}"] for r in ranks])
+    assert_close(ranks[0][f"accelerator/{name}"], W.reference(name, torch.float64), 1e-10)
+    for r in ranks:
+        reads = r[f"accelerator/{name}/reads"]
+        assert len(reads) == W.STEPS and reads[1:] == [(0, 0)] * (W.STEPS - 1), reads
+
+
 def test_jagged_bags_are_counted_on_any_eager_device(ranks: list[dict[str, Any]]) -> None:
     """Jagged bags give each rank as many rows as its ids (different here): even with the static route forced
     on the CPU they are exchanged by count, and train as one process on the global batch (padded)."""

@@ -256,6 +256,26 @@ def test_frozen_member_of_a_stacked_group_is_bitwise_unchanged(cfg: OptimizerCon
         assert not torch.equal(before[n]["weight"], stacked[n]["weight"])
 
 
+def test_a_frozen_member_of_weighted_jagged_bags_gives_its_weights_their_gradient() -> None:
+    """Jagged bags of a frozen stacked member with per-id weights that require grad: the backward read the weight
+    rows at the sentinel it had made of the frozen ids (IndexError); the weights get their gradient, as next to a
+    frozen table of its own, and the member no row."""
+    grads = []
+    for stack in (False, True):
+        torch.manual_seed(0)
+        a = tte.TableConfig(20, 4, name="a", combiner="mean", dtype=torch.float64)
+        b = tte.TableConfig(12, 4, name="b", combiner="sum", dtype=torch.float64)
+        ec = tte.EmbeddingCollection({"x": tte.FeatureConfig(a), "y": tte.FeatureConfig(b)}, stack_tables=stack)
+        ec.tables.b.requires_grad_(False)
+        w = torch.tensor([0.5, 1.5, 2.0, 0.25], dtype=torch.float64, requires_grad=True)
+        out = ec({"x": tte.Jagged(torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([2, 2])),
+                  "y": tte.Jagged(torch.tensor([11, 2, 3, 4]), lengths=torch.tensor([1, 3]), weights=w)})
+        (out["x"].sum() + (out["y"] * torch.arange(8.0, dtype=torch.float64).view(2, 4)).sum()).backward()
+        assert "b" not in ec.row_grads()
+        grads.append(w.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0.0, atol=0.0)
+
+
 def test_frozen_member_api() -> None:
     ec, _ = _freeze_model(True)
     view = ec.tables.b

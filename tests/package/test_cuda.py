@@ -1,11 +1,13 @@
-"""Plain CUDA (no torch_xla): every optimizer trains the same on a CUDA device as on the CPU, the kernel
-eager update (inductor's Triton kernels) equals the reference path there, and a checkpoint written on
-the GPU resumes on the CPU. Skipped where no GPU is visible (CI has none); run on a GPU machine with
-``python -m pytest -q tests/package/test_cuda.py``.
+"""Plain CUDA (no torch_xla): every optimizer trains the same on a CUDA device as on the CPU, a steady step
+with host ids makes no host–device sync (``torch.cuda.set_sync_debug_mode("error")``), and a checkpoint
+written on the GPU resumes on the CPU. Skipped where no GPU is visible (CI has none); run on a GPU machine with
+``python -m pytest -q tests/package/test_cuda.py``. (tests/optim/test_sync_free_step.py checks the same step
+with no GPU: forced on the CPU, and on the meta device.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 from collections.abc import Iterator
@@ -13,13 +15,10 @@ from typing import Any
 
 import pytest
 import torch
-from optim_registry import OPTIMIZER_INFOS, OptimizerConfig
-from test_kernel_update import CASES as KERNEL_CASES  # the configurations that take the kernel path
+from optim_registry import OPTIMIZER_INFOS, SYNC_FREE, OptimizerConfig, cases
+from test_sync_free_step import _train as train_host_ids
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding.optim._core import base as core_base
-from torch_tpu_embedding.optim._core import update_paths
-from torch_tpu_embedding.optim._core.update_paths import Path
 from torch_tpu_embedding.optim._kernels import row_update
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
@@ -99,48 +98,62 @@ def test_cuda_trains_like_the_cpu(cfg: OptimizerConfig) -> None:
     assert_same(tensors(m_cpu, o_cpu), tensors(m_dev, o_dev), 1e-10)
 
 
-@pytest.fixture
-def kernel_from_the_first_step() -> Iterator[None]:
-    before = row_update.set_policy(0, 0)
-    yield
-    row_update.set_policy(*before)
+@contextlib.contextmanager
+def no_sync() -> Iterator[None]:
+    """Every host–device sync raises (a read of a value, a data-dependent shape, a blocking copy)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
-@pytest.mark.usefixtures("kernel_from_the_first_step")
-@pytest.mark.parametrize("cfg", KERNEL_CASES, ids=str)
-def test_kernel_update_on_cuda_equals_the_reference_path(cfg: OptimizerConfig,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """float32, both copies on the GPU, in lockstep (as tests/optim/test_kernel_update.py on the CPU): each
-    call compared within 1e-6, then the kernel copy set to the reference's values, so a last-bit
-    difference is not amplified by the next steps (Adam's small second moments would)."""
-    dev = torch.device("cuda")
-    ran: list[Path] = []
+@pytest.mark.parametrize("cfg", cases(SYNC_FREE), ids=str)
+def test_a_steady_step_makes_no_host_device_sync(cfg: OptimizerConfig) -> None:
+    """Host ids (padded bags with padding, stacked tables), every optimizer with EMA, accumulation,
+    ``skip_nonfinite``, clipping and without dedup: the steps after the first three run under
+    ``set_sync_debug_mode("error")``, and give the CPU's results (float64; CUDA's atomics sum duplicates in
+    another order, hence 1e-10). (Tables this small take the reference path: the kernel's test is below.)"""
+    def host(x: Any) -> Any:
+        return x.cpu() if isinstance(x, torch.Tensor) else {k: host(v) for k, v in x.items()} \
+            if isinstance(x, dict) else x
 
-    def spy(item: Any) -> None:
-        update_paths.update(item)
-        ran.append(item.path)  # after the update: a kernel that failed to build has become ROW_CHUNKS
+    cpu = train_host_ids(cfg, "cpu")
+    dev = train_host_ids(cfg, "cuda", no_sync())
+    torch.testing.assert_close(host(dev), cpu, rtol=1e-10, atol=1e-10)
 
-    monkeypatch.setattr(core_base, "update", spy)
-    base = build(torch.float32)
-    kernel, ref = on(base, "cuda"), on(base, "cuda")
-    opts = [cfg.make([*m[0].parameters(), *m[1].parameters()]) for m in (kernel, ref)]
-    k = cfg.kwargs.get("gradient_accumulation_steps") or 1
-    for s in range(4 * k):
-        for m, opt, enabled in ((kernel, opts[0], True), (ref, opts[1], False)):
-            before = row_update.set_enabled(enabled)
-            try:
-                train(m, opt, range(s, s + 1), dev, torch.float32)
-            finally:
-                row_update.set_enabled(before)
-        assert_same(tensors(kernel, opts[0]), tensors(ref, opts[1]), 1e-6)
-        with torch.no_grad():
-            for p, q in zip([*kernel[0].parameters(), *kernel[1].parameters()],
-                            [*ref[0].parameters(), *ref[1].parameters()], strict=True):
-                p.copy_(q)
-                for name, v in opts[0].state[p].items():
-                    if isinstance(v, torch.Tensor):
-                        v.copy_(opts[1].state[q][name])
-    assert Path.KERNEL in ran, ran
+
+@pytest.mark.parametrize("cfg", [c for c in cases(SYNC_FREE) if c.id in ("lazy_adam-options", "rowwise_adagrad",
+                                                                         "ftrl-ema")], ids=str)
+def test_a_steady_kernel_step_makes_no_host_device_sync(cfg: OptimizerConfig,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above on the compiled update (``Path.KERNEL``: Triton, the sentinel tail copied after it) from the third
+    step on: compiled there, outside the check, and run by the steady steps under it (counted: the test cannot
+    pass on the reference path)."""
+    ran: list[str] = []
+    call = row_update.call
+
+    def counted(fn: Any, args: tuple[Any, ...]) -> Any:
+        ran.append(args[0].device.type)
+        return call(fn, args)
+
+    monkeypatch.setattr(row_update, "call", counted)
+    before, enabled = row_update.set_policy(2, 0), row_update.set_enabled(True)  # (the suite turns it off)
+    try:
+        dev = train_host_ids(cfg, "cuda", no_sync())
+    finally:
+        row_update.set_policy(*before)
+        row_update.set_enabled(enabled)
+    assert ran.count("cuda") >= 2, ran
+    cpu = train_host_ids(cfg, "cpu")
+    # (float64: the kernel's fused arithmetic against the CPU's reference path)
+    torch.testing.assert_close(_on_host(dev), cpu, rtol=1e-8, atol=1e-8)
+
+
+def _on_host(x: Any) -> Any:
+    return x.cpu() if isinstance(x, torch.Tensor) else {k: _on_host(v) for k, v in x.items()} \
+        if isinstance(x, dict) else x
 
 
 @pytest.mark.parametrize("cfg", DEFAULTS, ids=str)

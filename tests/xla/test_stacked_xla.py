@@ -129,3 +129,21 @@ def test_default_stacked_state_dict_and_row_grads_per_table_on_xla() -> None:
         dense = [torch.zeros(vocab + 1, 4).index_add_(0, i.cpu(), r.detach().cpu().float())[:-1]
                  for i, r in (grads["xla"][name], (ids, rows))]
         torch.testing.assert_close(dense[0], dense[1], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_frozen_member_adds_nothing_to_the_clipnorm_of_the_others() -> None:
+    """A frozen member of a stacked group (``ec.tables.t1.requires_grad_(False)``): its ids become the sentinel,
+    which XLA keeps as the duplicate sum's tail; its rows must be zero there, or ``clipnorm`` counts them in
+    another member's norm (the others trained 1e-2 away from the CPU's)."""
+    cfg = case(XLA_STACKED, "adagrad-slotfn-clipnorm")
+    runs = []
+    for device in (torch.device("cpu"), DEV):
+        ec, _ = build(device, True, cfg)
+        ec.tables.t1.requires_grad_(False)
+        opt = cfg.make(ec.parameters())
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            step(ec, opt, g)
+        runs.append({k: v.cpu() for k, v in ec.state_dict().items()})
+    for k, v in runs[0].items():
+        torch.testing.assert_close(runs[1][k], v, rtol=1e-5, atol=1e-6, msg=k)

@@ -29,10 +29,10 @@ from torch_tpu_embedding._rows.grads import RowGrad
 from torch_tpu_embedding._util.dtypes import compute_dtype
 from torch_tpu_embedding._util.input_checks import INDEX_DTYPES, tracing
 from torch_tpu_embedding._util.nest import Path
+from torch_tpu_embedding._util.transfer import upload
 from torch_tpu_embedding.config import FeatureConfig
 from torch_tpu_embedding.inputs import Padded, to_bags
 from torch_tpu_embedding.modules.lookup import bags_lookup
-from torch_tpu_embedding.modules.prepared import move_ahead
 
 __all__ = ["AssembledBatch", "signature"]
 
@@ -216,9 +216,9 @@ class AssembledBatch:
                     self._raise()
         moved = not self.resident and not ahead
         if moved:  # one transfer of the batch's ids (and mask, weights); the rest is the device's
-            ids = ids.to(self.weight.device)
-            mask = None if mask is None else mask.to(self.weight.device)
-            w = None if w is None else w.to(self.weight.device)
+            ids = upload(ids, self.weight.device)
+            mask = None if mask is None else upload(mask, self.weight.device)
+            w = None if w is None else upload(w, self.weight.device)
         if major:  # [B, F, L] on the device (ahead: on the host)
             ids = ids.transpose(0, 1)
             mask = None if mask is None else mask.transpose(0, 1)
@@ -231,8 +231,8 @@ class AssembledBatch:
             self._weights = w.reshape(b * f, width) if major else w.view(b * f, width)
         where = self.weight.device
         if ahead and not self.resident and where.type != "xla":  # (XLA: moved by the lookup, on the thread that
-            self._ids = move_ahead(self._ids, where)            # syncs; see modules/ahead.py)
-            self._weights = None if self._weights is None else move_ahead(self._weights, where)
+            self._ids = upload(self._ids, where)            # syncs; see modules/ahead.py)
+            self._weights = None if self._weights is None else upload(self._weights, where)
         self._values, self._wvalues = [], []  # (the caller's tensors are not kept)
 
     def _shifted(self, ids: torch.Tensor, mask: torch.Tensor | None, offsets: tuple[int, ...]) -> torch.Tensor:

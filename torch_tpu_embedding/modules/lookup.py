@@ -32,9 +32,9 @@ from torch_tpu_embedding._rows.grads import RowGrad, row_grad_by_handle, table_i
 from torch_tpu_embedding._rows.stock_guard import check_not_ddp_managed
 from torch_tpu_embedding._util.dtypes import compute_dtype
 from torch_tpu_embedding._util.nest import Path
+from torch_tpu_embedding._util.transfer import upload
 from torch_tpu_embedding.combiners import bag_gains, jagged_gains
 from torch_tpu_embedding.inputs import Bags
-from torch_tpu_embedding.modules.prepared import move_ahead
 from torch_tpu_embedding.optim._kernels.c_gather import gather_rows
 
 __all__ = ["LookupBatch", "add_rows", "bags_lookup", "lookup", "side_by_side"]
@@ -172,12 +172,16 @@ def _whole(grads: tuple[torch.Tensor, ...]) -> torch.Tensor:
 def _record_rows(ctx: Any, ids: torch.Tensor, gains: torch.Tensor, grads: tuple[torch.Tensor, ...]
                  ) -> torch.Tensor | None:
     """Add ``dL/de_{i_k} = gain_k · dL/dout_b`` to ``ctx.row_grad``, one row per (bag, position); padding rows
-    are 0. Ids of frozen rows (a frozen member of a stacked group) become the sentinel: no row, no update.
-    ``grads``: each feature's ``dL/dout`` (``ctx.splits`` bags each). Returns them whole if it made that."""
+    are 0. Ids of frozen rows (a frozen member of a stacked group) become the sentinel with zero rows, as padding:
+    no update, and nothing in what sums over rows where the sentinel entries are kept (XLA, an eager
+    accelerator: ``clipnorm``, ``tte.clip_grad_norm_``). ``grads``: each feature's ``dL/dout`` (``ctx.splits``
+    bags each). Returns them whole if it made that."""
     row_grad, frozen = ctx.row_grad, ctx.frozen
     sentinel = frozen.shape[0] if frozen is not None else 0
     if frozen is not None:
-        ids = torch.where(frozen[ids.clamp(max=sentinel - 1)], sentinel, ids)
+        hit = frozen[ids.clamp(max=sentinel - 1)]
+        ids = torch.where(hit, sentinel, ids)
+        gains = torch.where(hit, torch.zeros((), dtype=gains.dtype, device=gains.device), gains)
     dtype = grads[0].dtype  # the table's
     if row_grad.keep_factored and ids.device.type != "xla" and not torch.compiler.is_compiling():
         start = 0  # each feature's bags kept factored, as they came: no [N, D] concatenation
@@ -257,12 +261,13 @@ class _JaggedLookup(torch.autograd.Function):
         ids, gains, bag, weight = ctx.saved_tensors
         per_id = grad_out.to(gains.dtype).index_select(0, bag)  # [nnz, D]: each id's bag's gradient
         if ctx.needs_input_grad[0]:  # a frozen weight gets no gradient, as in torch
-            frozen = ctx.frozen
-            if frozen is not None:  # frozen members of a stacked group: their ids become the sentinel
-                ids = torch.where(frozen[ids], frozen.shape[0], ids)
+            frozen, at, own = ctx.frozen, ids, gains
+            if frozen is not None:  # frozen members of a stacked group: their ids become the sentinel, zero rows
+                at = torch.where(frozen[ids], frozen.shape[0], ids)
+                own = torch.where(frozen[ids], torch.zeros((), dtype=gains.dtype, device=gains.device), gains)
             if not torch.compiler.is_compiling():  # rows as many as the data's ids: data parallel counts them
                 ctx.row_grad.variable_rows = True
-            _hand_over(ctx, ids, (gains.unsqueeze(1) * per_id).to(grad_out.dtype))
+            _hand_over(ctx, at, (own.unsqueeze(1) * per_id).to(grad_out.dtype))
         grad_gains = None
         if ctx.needs_input_grad[2]:  # <row, grad_out of its bag> per id
             grad_gains = (weight.index_select(0, ids).to(gains.dtype) * per_id).sum(1)
@@ -323,9 +328,9 @@ class LookupBatch:
         """Move the items' host bags to the table's device now, without a device op (``ahead`` planning)."""
         where = self.weight.device
         self.items = [(path, dataclasses.replace(
-            b, ids=move_ahead(b.ids, where), valid=move_ahead(b.valid, where),
-            weights=None if b.weights is None else move_ahead(b.weights, where),
-            offsets=None if b.offsets is None else move_ahead(b.offsets, where))) for path, b in self.items]
+            b, ids=upload(b.ids, where), valid=upload(b.valid, where),
+            weights=None if b.weights is None else upload(b.weights, where),
+            offsets=None if b.offsets is None else upload(b.offsets, where))) for path, b in self.items]
         self.resident = True
 
     def device_tensors(self) -> list[torch.Tensor]:
@@ -360,8 +365,8 @@ class LookupBatch:
             if any(b.weights is not None for _, b in items):
                 w = join([b.valid.to(dtype) if b.weights is None else b.weights for _, b in items])
         if not self.resident:  # one transfer of the batch's ids (and weights)
-            ids = ids.to(weight.device)
-            w = None if w is None else w.to(weight.device)
+            ids = upload(ids, weight.device)
+            w = None if w is None else upload(w, weight.device)
         return bags_lookup(weight, ids, w, self.combiner, self.row_grad, self.tables, all(b.full for _, b in items),
                            splits)
 
@@ -380,8 +385,8 @@ class LookupBatch:
             starts.append(starts[-1] + b.ids.numel())
         whole = torch.cat([o[:-1] + s for o, s in zip(offsets, starts, strict=True) if o is not None]
                           + [torch.full((1,), ids.numel(), dtype=torch.int64, device=ids.device)])
-        ids, whole = ids.to(weight.device), whole.to(weight.device)
-        w = None if w is None else w.to(weight.device)
+        ids, whole = upload(ids, weight.device), upload(whole, weight.device)
+        w = None if w is None else upload(w, weight.device)
         # output_size: one bag per id, known without reading ``whole`` (a compiled graph keeps one size).
         bag = torch.repeat_interleave(torch.arange(sum(counts), device=ids.device), whole.diff(),
                                       output_size=ids.numel())

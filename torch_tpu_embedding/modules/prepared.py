@@ -29,7 +29,7 @@ import torch
 
 from torch_tpu_embedding._util.nest import flatten
 
-__all__ = ["NotAhead", "PreparedFeatures", "leaves_of", "move_ahead"]
+__all__ = ["NotAhead", "PreparedFeatures", "leaves_of"]
 
 
 class NotAhead(Exception):
@@ -98,11 +98,3 @@ class PreparedFeatures:
                         t.record_stream(stream)
         assert self.batches is not None
         return self.batches
-
-
-def move_ahead(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device`` without a device op or a blocking copy: pinned and non-blocking on CUDA (the
-    caller runs this under its side stream), a plain transfer elsewhere (never XLA: moved by the lookup)."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from torch_tpu_embedding._util.transfer import upload
+
 __all__ = [
     "RowContext",
     "Rule",
@@ -95,7 +97,7 @@ class RowContext:
         """Logical rows of the table: ``num_rows``, or ``[members]`` in a stacked group."""
         if self.segment is None:
             return float(self.num_rows)
-        return torch.tensor(self.member_rows, dtype=like.dtype).to(like.device)
+        return upload(torch.tensor(self.member_rows, dtype=like.dtype), like.device)
 
 
 #: ``rule(w [U, D], g [U, D], slots, lr (0-d), step (0-d), hp, ctx) -> (w_new, slots_new)``

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torch_tpu_embedding._rows.dedup import is_static_device
+from torch_tpu_embedding._rows.dedup import is_static_device, sink_rows, sync_free
 from torch_tpu_embedding.optim._core.extras import ema_catch_up
 from torch_tpu_embedding.optim._core.rule_pipeline import gated
 from torch_tpu_embedding.optim._core.slots import RowSpace, lazy_table
@@ -59,12 +59,16 @@ def ema_rows(item: Work, space: RowSpace, ids: Tensor, w_old: Tensor, w_new: Ten
     p, group, state, where = space.p, item.group, space.state, space.where
     it = item.clock.ema_on(p.device, group["skip_nonfinite"], group["gradient_accumulation_steps"]).to(torch.int32)
     keep = item.clock.keep(p.device, group["skip_nonfinite"])
-    avg = space.gather("ema", ids)
-    last = space.gather("ema_last", ids)
+    avg0 = space.gather("ema", ids)
+    last0 = space.gather("ema_last", ids)
     mu = momentum_now(group, item.clock, p.device, w_new.dtype)
-    avg, last = ema_row_update(avg, last, w_old, w_new, it, keep, mu, group["ema_momentum"])
-    state["ema"].index_copy_(0, where.at("ema", ids), avg)
-    state["ema_last"].index_copy_(0, where.at("ema_last", ids), last)
+    avg, last = ema_row_update(avg0, last0, w_old, w_new, it, keep, mu, group["ema_momentum"])
+    at = ids
+    if sync_free(p.device) and not is_static_device(p.device):  # the sentinel tail into the sink row (no XLA scatter)
+        at, avg = sink_rows(ids, avg, avg0, p.shape[0])
+        last = sink_rows(ids, last, last0, p.shape[0])[1]
+    state["ema"].index_copy_(0, where.at("ema", at), avg)
+    state["ema_last"].index_copy_(0, where.at("ema_last", at), last)
 
 
 def ema_row_update(

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from torch_tpu_embedding._rows.dedup import coalesce_rows, drop_sentinel, is_static_device
+from torch_tpu_embedding._rows.dedup import coalesce_rows, drop_sentinel, is_static_device, sink_padding, sync_free
 from torch_tpu_embedding._rows.grads import table_info
 from torch_tpu_embedding._rows.placement import (
     TablePlacement,
@@ -98,7 +98,8 @@ def take(p: Tensor, group: dict[str, Any], path: Path) -> Taken:
     # ADDITIVE multiplies the factored rows out piecewise; KERNEL sums them per id without doing so,
     # except on a 16-bit table: its backward multiplies float32 gains out and rounds the rows to 16
     # bits, and the factored form (16-bit gains) would round differently from the reference path.
-    factored = path is Path.ADDITIVE or (path is Path.KERNEL and math_dtype(p) == p.dtype)
+    # (An accelerator's KERNEL takes the static duplicate sum: the factored one's sort reads sizes on the host.)
+    factored = path is Path.ADDITIVE or (path is Path.KERNEL and math_dtype(p) == p.dtype and not sync_free(p.device))
     piecewise = factored and not group["gradient_accumulation_steps"]
     if info is not None:
         # The next backward hands over its rows factored only to a consumer that multiplies them out
@@ -198,6 +199,8 @@ def prepare(
         if k:
             rows = rows / k
         if path is Path.DENSE:  # a non-lazy table: every row updates, with g = 0 where not looked up
+            if sync_free(p.device) and not is_static_device(p.device):  # (XLA's scatter drops the sentinel tail)
+                ids, rows = sink_padding(ids, rows, sentinel)
             g = torch.zeros_like(p).index_add_(0, ids, rows)
             ids = None
         else:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from torch_tpu_embedding._rows.grads import table_info
+from torch_tpu_embedding._util.transfer import upload
 from torch_tpu_embedding.optim._core.contract import SlotSpec
 
 __all__ = ["check_created", "clip_members", "created_member_slots", "member_rows", "member_specs", "segment_of"]
@@ -85,7 +86,7 @@ def clip_members(g: Tensor, seg: Tensor, members: int, clipnorm: float) -> Tenso
     """Keras ``clipnorm`` per member: rows ``g [..., D]`` of member ``seg [...]`` scaled by
     ``c / max(‖g_member‖₂, c)``. Masked sums (no scatter, no cross-member NaN): fine on a sharded ``g``."""
     sq = (g * g).sum(-1)
-    which = seg.unsqueeze(-1) == torch.arange(members, dtype=seg.dtype).to(seg.device)
+    which = seg.unsqueeze(-1) == upload(torch.arange(members, dtype=seg.dtype), seg.device)
     per = torch.where(which, sq.unsqueeze(-1), torch.zeros_like(sq).unsqueeze(-1))
     norms = torch.sqrt(per.reshape(-1, members).sum(0))
     scale = clipnorm / torch.clamp(norms, min=clipnorm)

@@ -15,6 +15,7 @@ import torch
 
 from torch_tpu_embedding._rows.dedup import is_static_device
 from torch_tpu_embedding._util.dtypes import math_dtype
+from torch_tpu_embedding._util.transfer import upload
 from torch_tpu_embedding._util.validation import check_number
 
 __all__ = ["LearningRates", "StepClock", "StepCounters", "check_lr", "lr_value", "to_device"]
@@ -73,13 +74,14 @@ class LearningRates:
         if isinstance(lr, Tensor):
             lr = lr.detach().to(dtype=dtype)
             # Through a 1-element shape: a 0-d host tensor would become an XLA constant.
-            return lr if lr.device == p.device else lr.reshape(1).to(p.device).reshape(())
+            return lr if lr.device == p.device else upload(lr.reshape(1), p.device).reshape(())
         key = (gi, p.device, dtype)
         cached = self._cache.get(key)
         if cached is None or cached[0] != lr:
             # A 0-d host tensor moved to XLA is folded into the graph as a constant (one compile
-            # per value); a 1-element tensor arrives as device data.
-            cached = (float(lr), torch.tensor([float(lr)], dtype=dtype).to(p.device))
+            # per value); a 1-element tensor arrives as device data. (A schedule sets a new value each step:
+            # not a blocking copy, which on CUDA would wait for the device.)
+            cached = (float(lr), upload(torch.tensor([float(lr)], dtype=dtype), p.device))
             self._cache[key] = cached
         # Reshaped on every use: a cached 0-d view would be materialised by the first step's sync
         # and change the next step's graph inputs ([1] -> []), compiling twice.
@@ -201,7 +203,7 @@ class StepClock:
         t = self._tensors.get(device)
         if t is None:
             # Through a 1-element shape: a 0-d host tensor would become an XLA constant.
-            t = torch.tensor([self.iterations], dtype=torch.int64).to(device).reshape(())
+            t = upload(torch.tensor([self.iterations], dtype=torch.int64), device).reshape(())
             if self.dropped is not None:
                 t = t - self.dropped.to(device).reshape(())
             self._tensors[device] = t

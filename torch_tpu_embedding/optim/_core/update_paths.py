@@ -11,12 +11,16 @@ only in which rows they hand it and how the results are written back:
                       ``index_add_`` — no dedup, gather or scatter; where ``KERNEL`` would run, in
                       one C loop per piece of ids (bags spread in it), bitwise the same (:mod:`.c_add`)
 ``NO_DEDUP``          ``use_gradient_accumulation=False``: every contribution updates from the same
-                      old rows and the changes are added (exact for SGD, an approximation otherwise)
-``ROWS``              duplicates summed, the touched rows in one pass: XLA (one static-shape
-                      graph) and rules with statistics over rows (Adafactor)
-``KERNEL``             eager (CPU, CUDA) with a per-row rule: the same pipeline compiled into one
-                      kernel that reads and writes each touched row and its slots once, the
-                      duplicate sum done without multiplying the gradient out (:mod:`.row_update`);
+                      old rows and the changes are added (exact for SGD, an approximation otherwise);
+                      on an eager accelerator padding adds ``-0.0`` to the sink row (``sink_padding``)
+``ROWS``              duplicates summed, the touched rows in one pass: XLA (one static-shape graph),
+                      rules with statistics over rows (Adafactor), and an eager accelerator's reference
+                      (no host read: ``N`` rows with a sentinel tail written through the sink row,
+                      ``_rows.dedup.sink_rows``)
+``KERNEL``            eager with a per-row rule: the same pipeline compiled into one kernel that
+                      reads and writes each touched row and its slots once; on the CPU the duplicate
+                      sum done without multiplying the gradient out (:mod:`.row_update`), on an
+                      accelerator the static ids of ``ROWS`` (nothing read on the host);
                       RowWiseAdagrad and Adam on CPU float32 tables: one C loop that also sums the
                       duplicates, prefetching rows (:mod:`.c_rules`)
 ``ROW_CHUNKS``        eager with a per-row rule when ``KERNEL`` is off, cannot compile, or its
@@ -42,7 +46,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torch_tpu_embedding._rows.dedup import drop_sentinel, is_static_device, unique_ids
+from torch_tpu_embedding._rows.dedup import (
+    drop_sentinel,
+    is_static_device,
+    sink_padding,
+    sink_rows,
+    sync_free,
+    unique_ids,
+)
 from torch_tpu_embedding._rows.grads import table_info
 from torch_tpu_embedding._rows.row_grad import BagRows
 from torch_tpu_embedding._util.dtypes import math_dtype
@@ -89,17 +100,19 @@ def choose_path(p: Tensor, group: Mapping[str, Any], *, row_grad: bool) -> Path:
         # over all its rows (Adafactor): densified, as Keras densifies IndexedSlices, so it trains as on a
         # dense .grad. Only a table keeps the bookkeeping (Adafactor's r_sum) a lazy update of them needs.
         return Path.DENSE
-    static = is_static_device(p.device)
-    if cls.additive and not static and not any(group.get(k) not in (None, False, 0) for k in _NEEDS_SUMMED_ROWS):
+    if cls.additive and not is_static_device(p.device) \
+            and not any(group.get(k) not in (None, False, 0) for k in _NEEDS_SUMMED_ROWS):
         # Not KERNEL, even where it runs: adding each looked-up id's increment reads and writes each row once,
         # as the kernel's gather and scatter do, without their sort and sum (measured slower on KERNEL at
         # 1 and 20 ids per bag, docs/benchmarks.md); where KERNEL would run, the add is one C loop (c_add).
         return Path.ADDITIVE
     if not group["use_gradient_accumulation"]:
         return Path.NO_DEDUP
-    if static or _whole_slots(p, group):
+    if is_static_device(p.device) or _whole_slots(p, group):
         return Path.ROWS
-    return Path.KERNEL if row_update.usable(p) else Path.ROW_CHUNKS
+    if row_update.usable(p):  # (on an accelerator its kernel takes the static ids of ROWS: row_update._sink)
+        return Path.KERNEL
+    return Path.ROWS if sync_free(p.device) else Path.ROW_CHUNKS
 
 
 def row_chunk() -> int:
@@ -127,7 +140,8 @@ def update(item: Work) -> None:
             # the compiled kernel of the rule (row_update).
             if c_rules.update(item) or row_update.update(item):
                 return
-            item.path = Path.ROW_CHUNKS  # no compiled kernel: the reference path
+            # No compiled kernel: the reference path (an accelerator's keeps its static shapes)
+            item.path = Path.ROWS if sync_free(item.p.device) else Path.ROW_CHUNKS
         chunk = row_chunk()
         # Under torch.compile the count of touched rows is a symbol with no value to compare (and the
         # compiled code fuses the rule's passes anyway): one pass.
@@ -182,8 +196,12 @@ def _update_additive(item: Work) -> None:
         return
     small: list[tuple[Tensor, Tensor, bool]] = []  # pieces of fewer rows, added together (see flush)
 
+    sink = sync_free(p.device)  # (never XLA here: an eager accelerator, no read of which ids are padding)
+
     def add(ids: Tensor, rows: Tensor, padded: bool) -> None:
-        if padded:  # (else no masked copy, nor a check per piece)
+        if sink:
+            ids, rows = sink_padding(ids, rows, sentinel)
+        elif padded:  # (else no masked copy, nor a check per piece)
             ids, rows = drop_sentinel(ids, rows, sentinel)
         p.index_add_(0, ids, rows.to(p.dtype))
 
@@ -221,7 +239,7 @@ def _update_additive(item: Work) -> None:
 
     for ids, rows in pieces.chunks():
         # (under torch.compile no read of a tensor's value: drop_sentinel masks)
-        padded = torch.compiler.is_compiling() or (ids.numel() > 0 and bool((ids == sentinel).any()))
+        padded = sink or torch.compiler.is_compiling() or (ids.numel() > 0 and bool((ids == sentinel).any()))
         if not isinstance(rows, BagRows):  # accumulated (or sparse COO) rows
             for a in range(0, ids.numel(), chunk):
                 piece(ids[a : a + chunk], delta(rows[a : a + chunk]), padded)
@@ -333,17 +351,29 @@ def _update_rows(item: Work, space: RowSpace, ids: Tensor, g: Tensor, seg: Tenso
     if item.step_now is None:  # the first chunk counts the step; later chunks use the same count
         item.step_now = step
         _write(state["step"], gated(gate, step, state["step"]))
+    # An eager accelerator keeps the sentinel tail (no read of how many rows are real) and has no scatter that
+    # drops it, as XLA's does: the tail is written into the last row with the value that row gets anyway.
+    sink = sync_free(p.device) and not is_static_device(p.device)
+
+    def copy_rows(dst: Tensor, name: str | None, value: Tensor, old: Tensor) -> None:
+        at, value = sink_rows(ids, value, old, sentinel) if sink else (ids, value)
+        dst.index_copy_(0, at if name is None else where.at(name, at), value)
+
+    def add_rows(dst: Tensor, name: str | None, delta: Tensor) -> None:
+        at, delta = sink_padding(ids, delta, sentinel) if sink else (ids, delta)
+        dst.index_add_(0, at if name is None else where.at(name, at), delta)
+
     for k in names:
         if k not in where.numbers:
             _write(state[k], new[k])
         elif dedup:  # ids are unique: write the rows
-            state[k].index_copy_(0, where.at(k, ids), new[k])
+            copy_rows(state[k], k, new[k], slots[k])
         else:  # ids repeat: add the changes
-            state[k].index_add_(0, where.at(k, ids), new[k] - slots[k])
+            add_rows(state[k], k, new[k] - slots[k])
     if dedup:
-        p.index_copy_(0, ids, w.to(p.dtype))
+        copy_rows(p, None, w.to(p.dtype), w0.to(p.dtype))
     else:
-        p.index_add_(0, ids, (w - w0).to(p.dtype))
+        add_rows(p, None, (w - w0).to(p.dtype))
     if ema:
         if dedup:
             ema_rows(item, space, ids, w0, w.to(p.dtype).to(w0.dtype))  # the stored weight

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.autograd.graph import increment_version
 
+from torch_tpu_embedding._rows.dedup import sync_free
 from torch_tpu_embedding._util.registry import rule_of
 from torch_tpu_embedding.optim._kernels import c_add, row_update
 from torch_tpu_embedding.optim._kernels.row_sums import RowSums
@@ -64,7 +65,8 @@ def covered(item: Work) -> str | None:
     if (found is None or item.gate is not None or item.ids is None
             or any(group.get(k) for k in _AROUND_RULE)
             or group.get("clip_weight_min") is not None or group.get("clip_weight_max") is not None
-            or p.device.type != "cpu" or p.dtype != torch.float32 or p.dim() != 2 or not p.is_contiguous()
+            or p.device.type != "cpu" or sync_free(p.device) or p.dtype != torch.float32 or p.dim() != 2
+            or not p.is_contiguous()
             or not sys.platform.startswith(("linux", "darwin"))):
         return None
     name, slots = found

@@ -1,10 +1,10 @@
 """The kernel path of eager row updates (``Path.KERNEL``): one compiled kernel per optimizer configuration.
 
-On CPU and CUDA, the reference row path (``Path.ROW_CHUNKS``) gathers the weight and each slot
-separately, runs the rule as a dozen element-wise torch ops over ``[U, D]`` temporaries and
-scatters each array back. Here the same Python — gather → :func:`~.rule_pipeline.pipeline` (clipvalue,
-weight decay, the optimizer's own ``rule``, weight clipping) → the ``skip_nonfinite`` gate → EMA →
-scatter — is compiled by ``torch.compile`` (inductor: C++/OpenMP loops on CPU, Triton on CUDA) into
+On the CPU (an eager accelerator takes ``Path.ROWS``, which reads nothing on the host), the reference row
+path (``Path.ROW_CHUNKS``) gathers the weight and each slot separately, runs the rule as a dozen element-wise
+torch ops over ``[U, D]`` temporaries and scatters each array back. Here the same Python — gather →
+:func:`~.rule_pipeline.pipeline` (clipvalue, weight decay, the optimizer's own ``rule``, weight clipping) → the
+``skip_nonfinite`` gate → EMA → scatter — is compiled by ``torch.compile`` (inductor: C++/OpenMP loops) into
 one loop that reads each touched row of the weight and its slots once and writes them back once.
 The rule stays the one the XLA path traces and the numpy references mirror; nothing is rewritten.
 
@@ -49,6 +49,7 @@ import torch
 import torch.fx.experimental._config as fx_config
 from torch.utils.weak import WeakIdKeyDictionary
 
+from torch_tpu_embedding._rows.dedup import sink_rows, sync_free
 from torch_tpu_embedding._rows.grads import table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding._util.env import env_setting, switched_on
@@ -84,7 +85,7 @@ _AFTER = _env_count("TTE_KERNEL_AFTER", 50)
 #: tables with fewer numbers than this always take the reference path
 _MIN_ELEMENTS = _env_count("TTE_KERNEL_MIN_ELEMENTS", 2**20)
 #: compiled kernels by configuration key; ``None``: compiling failed (the reference path runs)
-_KERNELS: dict[tuple[Any, ...], Callable[..., None] | None] = {}
+_KERNELS: dict[tuple[Any, ...], Callable[..., list[Tensor]] | None] = {}
 _WARNED = False
 #: set when inductor found no C++ compiler: the kernel path is not chosen again in this process
 _NO_COMPILER = False
@@ -175,16 +176,33 @@ def compiled_kernels() -> int:
 
 # --------------------------------------------------------------------------------------- the update kernel
 def _kernel_source(
-    rule_hp: Mapping[str, Any], names: tuple[str, ...], mdtype: torch.dtype, gate: bool, ema: bool
-) -> Callable[..., None]:
-    """The Python that is compiled: the reference row update of ``_core.update_paths`` for unique ids."""
+    rule_hp: Mapping[str, Any], names: tuple[str, ...], mdtype: torch.dtype, gate: bool, ema: bool, sink: bool
+) -> Callable[..., list[Tensor]]:
+    """The Python that is compiled: the reference row update of ``_core.update_paths`` for unique ids.
+
+    With ``sink`` (an eager accelerator: the sorted ids of ``dedup_static`` with their sentinel tail) it writes
+    nothing: it returns the rows to write (:func:`~torch_tpu_embedding._rows.dedup.sink_rows`' values, in the
+    order slots, weight, EMA), which :func:`update` copies at the clamped ids. The tail's rows are the sink row's
+    new rows, and a kernel that wrote them itself would read that row in one position after another position
+    had written it (a fused loop, or a GPU's threads, runs positions in no order): measured as the update
+    applied twice to the sink row."""
     momentum = float(rule_hp.get("ema_momentum", 0.0))
 
     def kernel_rows(p: Tensor, ids: Tensor, g: Tensor, row_slots: list[Tensor], lr: Tensor, step: Tensor,
                    num_rows: int, gate_t: Tensor | None, ema_t: Tensor | None, ema_last: Tensor | None,
-                   it: Tensor | None, keep: Tensor | None, mu: Tensor | None) -> None:
-        w0 = p[ids].to(mdtype)
-        slots: Slots = {k: s[ids] for k, s in zip(names, row_slots, strict=True)}
+                   it: Tensor | None, keep: Tensor | None, mu: Tensor | None) -> list[Tensor]:
+        sentinel = p.shape[0]
+        at = ids.clamp(max=sentinel - 1) if sink else ids
+        out: list[Tensor] = []
+
+        def copy_rows(dst: Tensor, value: Tensor, old: Tensor) -> None:
+            if sink:
+                out.append(sink_rows(ids, value, old, sentinel)[1])
+            else:
+                dst.index_copy_(0, ids, value)
+
+        w0 = p[at].to(mdtype)
+        slots: Slots = {k: s[at] for k, s in zip(names, row_slots, strict=True)}
         ctx = RowContext(mask=None, count=None, num_rows=num_rows)
         w, new = pipeline(w0, g, slots, lr, step, rule_hp, ctx)
         if gate:
@@ -192,14 +210,15 @@ def _kernel_source(
         stored = w.to(p.dtype)
         for k, s in zip(names, row_slots, strict=True):
             value = new[k].to(s.dtype)
-            s.index_copy_(0, ids, gated(gate_t, value, slots[k]) if gate else value)
-        p.index_copy_(0, ids, stored)
+            copy_rows(s, gated(gate_t, value, slots[k]) if gate else value, slots[k])
+        copy_rows(p, stored, w0.to(p.dtype))
         if ema:
             assert ema_t is not None and ema_last is not None and it is not None and mu is not None
-            avg, last = ema_t[ids], ema_last[ids]
-            avg, last = ema_row_update(avg, last, w0, stored.to(mdtype), it, keep, mu, momentum)
-            ema_t.index_copy_(0, ids, avg)
-            ema_last.index_copy_(0, ids, last)
+            avg0, last0 = ema_t[at], ema_last[at]
+            avg, last = ema_row_update(avg0, last0, w0, stored.to(mdtype), it, keep, mu, momentum)
+            copy_rows(ema_t, avg, avg0)
+            copy_rows(ema_last, last, last0)
+        return out
 
     return kernel_rows
 
@@ -210,25 +229,31 @@ def _key(item: Work, names: tuple[str, ...]) -> tuple[Any, ...]:
     hp = tuple(sorted((k, repr(v)) for k, v in group.items() if k not in _NOT_HP | _NOT_IN_KERNEL))
     slot_dtypes = tuple(state[k].dtype for k in names)
     return (rule.__module__, rule.__qualname__, hp, p.device.type, p.dtype, p.dim(), slot_dtypes,
-            item.gate is not None, torch.get_num_threads())
+            item.gate is not None, torch.get_num_threads(), _sink(p))
 
 
-def _build(item: Work, names: tuple[str, ...]) -> Callable[..., None]:
+def _sink(p: Tensor) -> bool:
+    """``p``'s update keeps the sentinel tail (an eager accelerator: ``_rows.dedup.sync_free``)."""
+    return sync_free(p.device)
+
+
+def _build(item: Work, names: tuple[str, ...]) -> Callable[..., list[Tensor]]:
     group = item.group
     rule_hp = {k: v for k, v in group.items() if k not in _NOT_HP}
-    src = _kernel_source(rule_hp, names, math_dtype(item.p), item.gate is not None, bool(group["use_ema"]))
+    src = _kernel_source(rule_hp, names, math_dtype(item.p), item.gate is not None, bool(group["use_ema"]),
+                         _sink(item.p))
     # A code object of its own per configuration: torch.compile keeps its compiled graphs per code
     # object, and a shared one would count every configuration against one recompile limit.
     code = src.__code__.replace(co_name=f"kernel_rows_{group['algorithm']}_{len(_KERNELS)}")
     fn = types.FunctionType(code, src.__globals__, code.co_name, src.__defaults__, src.__closure__)
     # compile_threads=1: one kernel compiles faster in this process than through a pool of workers
     # that each import torch first.
-    compiled: Callable[..., None] = torch.compile(fn, dynamic=True, fullgraph=True,
+    compiled: Callable[..., list[Tensor]] = torch.compile(fn, dynamic=True, fullgraph=True,
                                                   options={"compile_threads": 1})
     return compiled
 
 
-def call(fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+def call(fn: Callable[..., list[Tensor]], args: tuple[Any, ...]) -> list[Tensor]:
     """``fn(*args)``, a compiled kernel, under the settings every kernel here is compiled with."""
     # Hyper-parameters are constants of the kernel, as they are Python numbers of the eager rule (an
     # unspecialised float exponent makes inductor call pow() where eager torch.pow computes x ** -0.5
@@ -237,7 +262,7 @@ def call(fn: Callable[..., None], args: tuple[Any, ...]) -> None:
     # shape guards are checked in Python: compiled to C++ they cost a compiler run per kernel.
     no_duck, dynamo = _settings()
     with dynamo, no_duck, torch.no_grad():
-        fn(*args)
+        return fn(*args)
 
 
 _SETTINGS: list[Any] = []
@@ -278,7 +303,8 @@ def _to_reference(item: Work, start: int = 0) -> bool:
 
 
 def update(item: Work) -> bool:
-    """Run ``item``'s row update (unique ids, no sentinel) as update kernel calls; ``False`` if no
+    """Run ``item``'s row update (unique ids, no sentinel; on an accelerator the static ids of
+    ``dedup_static``, sentinel tail included) as update kernel calls; ``False`` if no
     kernel could be compiled, fewer than 2 rows were touched (dynamic shapes specialise sizes 0 and 1,
     and such a step is no work to speed up), or :func:`policy` keeps this step on the reference path:
     the caller then runs the reference path on ``item.ids`` and ``item.g`` (the rows not yet updated).
@@ -324,7 +350,7 @@ def update(item: Work) -> bool:
         if first:
             first = False
             try:
-                call(fn, args)
+                _write(args, call(fn, args))
             except Exception as e:  # compiling failed before anything was written
                 _KERNELS[key] = None
                 text = str(e).strip()
@@ -337,7 +363,7 @@ def update(item: Work) -> bool:
                 return _to_reference(item)
             continue
         try:
-            call(fn, args)
+            _write(args, call(fn, args))
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             # Raised by the guards, before the kernel runs: this table's shapes would need one more
             # compile than torch.compile allows per kernel (a guard that sizes do not pass: tables of
@@ -347,6 +373,20 @@ def update(item: Work) -> bool:
             return _to_reference(item, start)
     state["step"].copy_(step if item.gate is None else torch.where(item.gate, step, state["step"]))
     return True
+
+
+def _write(args: tuple[Any, ...], rows: list[Tensor]) -> None:
+    """Copy a sink kernel's rows (:func:`_kernel_source`) into the slots, the weight and the EMA state of its
+    ``args``, at the clamped ids (duplicates of the sink row carry the same bytes); nothing for a kernel that
+    wrote them itself."""
+    if not rows:
+        return
+    p, ids, _, row_slots, *_, ema_t, ema_last = args[:10]
+    at = ids.clamp(max=p.shape[0] - 1)
+    dsts = [*row_slots, p, *([ema_t, ema_last] if ema_t is not None else [])]
+    with torch.no_grad():
+        for dst, value in zip(dsts, rows, strict=True):
+            dst.index_copy_(0, at, value)
 
 
 _REFERENCE_ONLY: WeakIdKeyDictionary = WeakIdKeyDictionary()  # type: ignore[no-untyped-call]

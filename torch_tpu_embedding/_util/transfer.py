@@ -1,0 +1,29 @@
+"""Host tensors onto a device without a blocking copy.
+
+On CUDA a blocking host-to-device copy synchronises the stream: the host waits for every kernel queued before
+it, so a step's copies of its ids (and its counters) would keep the host from running ahead of the device. A
+pinned copy (``pin_memory``, cached by torch's host allocator) travels asynchronously; torch keeps the pinned
+block until the copy has run.
+
+Example::
+
+    >>> import torch
+    >>> upload(torch.arange(3), torch.device("cpu")).tolist()
+    [0, 1, 2]
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["upload"]
+
+
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``: pinned and non-blocking from the host onto CUDA, non-blocking onto another eager
+    device, a plain ``.to`` onto XLA (its transfer is its own) and from anywhere but the host."""
+    if t.device.type != "cpu" or device.type in ("cpu", "xla"):
+        return t.to(device)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device, non_blocking=True)

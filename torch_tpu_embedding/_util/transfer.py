@@ -20,10 +20,10 @@ __all__ = ["upload"]
 
 
 def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``: pinned and non-blocking from the host onto CUDA, non-blocking onto another eager
-    device, a plain ``.to`` onto XLA (its transfer is its own) and from anywhere but the host."""
-    if t.device.type != "cpu" or device.type in ("cpu", "xla"):
-        return t.to(device)
-    if device.type == "cuda":
+    """``t`` on ``device``: pinned and non-blocking from the host onto CUDA; a plain ``.to`` elsewhere (XLA's
+    transfer is its own; a non-blocking copy from pageable memory to MPS can read the source after it is freed,
+    pytorch/pytorch#139550). Onto the meta device, which moves no data, non-blocking as onto CUDA: the tests'
+    stand-in accelerator sees the calls CUDA gets (tests/optim/test_sync_free_step.py)."""
+    if t.device.type == "cpu" and device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device, non_blocking=True)
+    return t.to(device, non_blocking=t.device.type == "cpu" and device.type == "meta")

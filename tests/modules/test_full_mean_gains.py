@@ -4,26 +4,13 @@ forward and the recorded rows are bitwise what ``bag_gains`` gives, for every wi
 
 from __future__ import annotations
 
-from collections import Counter
-from typing import Any
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from test_stacked_groups import _CountOps as _Ops
 
 from torch_tpu_embedding._rows.grads import RowGrad
 from torch_tpu_embedding.combiners import bag_gains
 from torch_tpu_embedding.modules.lookup import bags_lookup, lookup
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.counts[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)

@@ -8,26 +8,15 @@ loaded, a lookup of one id per bag (dict and ``concat=True``, stacked or not) ga
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from test_stacked_groups import _CountOps as _Ops
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding.optim._kernels import c_add, c_gather
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.counts[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture

@@ -172,21 +172,25 @@ int tte_gather_rows(char *restrict out, const char *restrict p, int64_t rows, in
   return 0;
 }
 
-/* The duplicate sum's keys (row_sums: id * n + position, all >= 0 and < 2^bits, distinct) sorted ascending in
-   place: LSD radix sort, 11-bit digits; tmp: n int64 of scratch. */
-void tte_sort_keys(int64_t *restrict keys, int64_t *restrict tmp, int64_t n, int64_t bits) {
-  int64_t count[2048];
+/* keys[0:n] (each >= 0 and < 2^bits, bits <= 66) sorted by their bits [low, bits) in place, stably: LSD radix sort,
+   11-bit digits from bit low up, every digit's counts taken in one pass over the keys; tmp: n int64 of scratch. */
+static void tte_radix_sort(int64_t *restrict keys, int64_t *restrict tmp, int64_t n, int64_t low, int64_t bits) {
+  const int64_t passes = bits > low ? (bits - low + 10) / 11 : 0;
+  int64_t count[6][2048];
+  for (int64_t q = 0; q < passes; ++q)
+    for (int k = 0; k < 2048; ++k) count[q][k] = 0;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t q = 0; q < passes; ++q) count[q][(keys[i] >> (low + 11 * q)) & 2047]++;
   int64_t *from = keys, *to = tmp;
-  for (int64_t shift = 0; shift < bits; shift += 11) {
-    for (int k = 0; k < 2048; ++k) count[k] = 0;
-    for (int64_t i = 0; i < n; ++i) count[(from[i] >> shift) & 2047]++;
+  for (int64_t q = 0; q < passes; ++q) {
+    const int64_t shift = low + 11 * q;
     int64_t sum = 0;
     for (int k = 0; k < 2048; ++k) {
-      const int64_t c = count[k];
-      count[k] = sum;
+      const int64_t c = count[q][k];
+      count[q][k] = sum;
       sum += c;
     }
-    for (int64_t i = 0; i < n; ++i) to[count[(from[i] >> shift) & 2047]++] = from[i];
+    for (int64_t i = 0; i < n; ++i) to[count[q][(from[i] >> shift) & 2047]++] = from[i];
     int64_t *swap = from;
     from = to;
     to = swap;
@@ -195,15 +199,23 @@ void tte_sort_keys(int64_t *restrict keys, int64_t *restrict tmp, int64_t n, int
     for (int64_t i = 0; i < n; ++i) keys[i] = from[i];
 }
 
+/* The duplicate sum's keys (row_sums: id * n + position, all >= 0 and < 2^bits, distinct) sorted ascending in
+   place; tmp: n int64 of scratch. */
+void tte_sort_keys(int64_t *restrict keys, int64_t *restrict tmp, int64_t n, int64_t bits) {
+  tte_radix_sort(keys, tmp, n, 0, bits);
+}
+
 /* ids[0:n] (each in [0, 2^(bits - shift))) grouped in the order of (id, position): the keys (id << shift) | k
-   (n <= 2^shift) radix-sorted (keys, tmp: n int64 of scratch), then in one pass the distinct ids in ascending
+   (n <= 2^shift) radix-sorted (keys, tmp: n int64 of scratch) by their id bits alone (made in position order, and
+   the sort is stable: ties stay in position order, so the keys come out fully sorted with half the passes over
+   them at 20 ids), then in one pass the distinct ids in ascending
    order into uniq, where each one's run starts into offsets (offsets[U] = n), each position k into perm, and,
    with cols, perm / width into cols. Returns U, the number of distinct ids. */
 int64_t tte_group_ids(const int64_t *restrict ids, int64_t n, int64_t shift, int64_t bits, int64_t width,
                       int64_t *restrict keys, int64_t *restrict tmp, int64_t *restrict uniq,
                       int64_t *restrict offsets, int64_t *restrict perm, int64_t *restrict cols) {
   for (int64_t k = 0; k < n; ++k) keys[k] = (ids[k] << shift) | k;
-  tte_sort_keys(keys, tmp, n, bits);
+  tte_radix_sort(keys, tmp, n, shift, bits);
   const int64_t mask = ((int64_t)1 << shift) - 1;
   int64_t u = 0;
   for (int64_t k = 0; k < n; ++k) {

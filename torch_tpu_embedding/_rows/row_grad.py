@@ -36,14 +36,18 @@ class BagRows:
     faster (LazyAdam at 20 ids, 4 tables: 250–290 ms against 285–345 ms multiplying out in the step).
     """
 
-    __slots__ = ("gains", "grad_out", "uniform", "unit")
+    __slots__ = ("constant", "gains", "grad_out", "uniform", "unit")
 
-    def __init__(self, gains: torch.Tensor, grad_out: torch.Tensor, unit: bool = False, uniform: bool = False) -> None:
+    def __init__(self, gains: torch.Tensor, grad_out: torch.Tensor, unit: bool = False, uniform: bool = False,
+                 constant: bool = False) -> None:
         self.gains = gains  # [N, L]
         self.grad_out = grad_out  # [N, D]
         self.unit = unit  # every gain is 1 where the id is not padding (sum bags, no per-id weights)
         #: within each bag every gain is the same where the id is not padding, 0 at padding (no per-id weights)
-        self.uniform = uniform or unit
+        self.uniform = uniform or unit or constant
+        #: every gain of every bag is ``gains[0, 0]`` (no padding and no per-id weights: each bag has ``L`` real
+        #: ids, and the combiner's gain depends only on that count)
+        self.constant = constant
 
     def per_bag(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """``[N, D]``: each bag's gradient row times its one gain, ``gains[n, l] · grad_out[n]`` for every
@@ -52,11 +56,19 @@ class BagRows:
         assert self.uniform
         if self.unit:
             return self.grad_out if out is None else out.copy_(self.grad_out)
+        g, grad_out = self.gains, self.grad_out
+        if self.constant and g.numel():
+            # One gain for every bag: no pass over the gains for it. The products are those below, each
+            # grad_out[n, j] · gain; a gradient that is one row broadcast (row stride 0, as loss = out.sum()
+            # gives) has one row of them, kept broadcast (row_sums and the C row loops read it so).
+            gain = g[:1, :1]
+            if out is None and grad_out.dim() == 2 and grad_out.shape[0] and grad_out.stride(0) == 0:
+                return torch.mul(grad_out[:1], gain).expand(grad_out.shape)
+            return torch.mul(grad_out, gain, out=out)
         # amax: the bag's gain (padding holds 0, real ids the gain, which is >= 0 without per-id weights);
         # bags of width 0 have no id to take a row
-        g = self.gains
         gain = g.amax(dim=1, keepdim=True) if g.shape[1] else g.new_zeros(g.shape[0], 1)
-        return torch.mul(self.grad_out, gain, out=out)
+        return torch.mul(grad_out, gain, out=out)
 
     @property
     def width(self) -> int:
@@ -136,12 +148,13 @@ class RowGrad:
         self._rows.append(rows.reshape(ids.numel(), rows.shape[-1]))  # explicit D: n may be 0
 
     def add_bags(self, ids: torch.Tensor, gains: torch.Tensor, grad_out: torch.Tensor, unit: bool = False,
-                 uniform: bool = False) -> None:
+                 uniform: bool = False, constant: bool = False) -> None:
         """Add ``ids [N, L]`` whose gradient rows are ``gains[n, l] · grad_out[n]`` (kept factored; ``unit``:
-        every gain is 1 where the id is not padding; ``uniform``: each bag's gains are one value there)."""
+        every gain is 1 where the id is not padding; ``uniform``: each bag's gains are one value there;
+        ``constant``: every gain is ``gains[0, 0]``)."""
         note_backward()
         self._ids.append(ids.reshape(-1))
-        self._rows.append(BagRows(gains, grad_out, unit, uniform))
+        self._rows.append(BagRows(gains, grad_out, unit, uniform, constant))
 
     def add_owned(self, ids: torch.Tensor, rows: torch.Tensor, ok: torch.Tensor) -> None:
         """Add an owner-local chunk: ``ids [n, M]`` (shard-local rows), ``rows [n, M, D]``, ``ok`` (0-d bool)."""

@@ -99,7 +99,7 @@ class _RowSparseLookup(torch.autograd.Function):
         # The weight is kept only when the gains need a gradient (it costs nothing otherwise).
         ctx.save_for_backward(ids, gains, weight if ctx.needs_input_grad[2] else None)
         _keep(ctx, row_grad, tables, frozen)
-        ctx.splits, ctx.unit, ctx.uniform, ctx.columns = splits, unit, uniform, columns
+        ctx.splits, ctx.unit, ctx.uniform, ctx.columns, ctx.constant = splits, unit, uniform, columns, full and uniform
         if columns:  # bags batch-major ([B·F] rows): each feature's [B, D] a view of [B, F·D], in one op
             # (slices along dim 1, not unbind: on XLA the caller's torch.cat gradient is then one tensor)
             return tuple(torch.split(out.view(-1, columns * out.shape[1]), out.shape[1], dim=1))
@@ -187,7 +187,7 @@ def _record_rows(ctx: Any, ids: torch.Tensor, gains: torch.Tensor, grads: tuple[
         start = 0  # each feature's bags kept factored, as they came: no [N, D] concatenation
         for n, grad_out in zip(ctx.splits, grads, strict=True):  # multiplied out piecewise by the step
             row_grad.add_bags(ids[start : start + n], gains[start : start + n].to(dtype), grad_out, ctx.unit,
-                              ctx.uniform)
+                              ctx.uniform, ctx.constant and frozen is None)
             start += n
         row_grad.reached.update(ctx.tables)
         return None
@@ -219,7 +219,8 @@ def lookup(
         unit: every gain is 1 where the id is not padding (sum bags without per-id weights).
         uniform: within each bag every gain is one value where the id is not padding (bags without
             per-id weights, any combiner).
-        full: no position is padding (every id is a real row; dense ids).
+        full: no position is padding (every id is a real row; dense ids). With ``uniform``, every gain is
+            then one value (``bag_gains`` of ``L`` real ids per bag): the backward applies ``gains[0, 0]``.
         columns: ``F > 0`` when the ``N = B·F`` bags are ``F`` features' bags batch-major (bag ``b`` of every
             feature, then bag ``b + 1``; ``splits`` unused): then each feature's ``[B, D]`` is returned.
 

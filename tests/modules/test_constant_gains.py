@@ -1,0 +1,139 @@
+"""Full bags without per-id weights (no padding: every bag ``L`` real ids) have one gain for every position of every
+bag, so the backward's factored rows apply ``gains[0, 0]`` (``BagRows.constant``) instead of finding each bag's gain
+with an ``amax`` over ``[N, L]``; a gradient that is one row broadcast (``loss = out.sum()``) stays one row (the
+C row loops read it with row stride 0). Every optimizer's result is bitwise the one the per-bag path gives.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from test_stacked_groups import _CountOps
+
+import torch_tpu_embedding as tte
+from torch_tpu_embedding._rows.grads import BagRows, RowGrad
+from torch_tpu_embedding.combiners import bag_gains
+from torch_tpu_embedding.optim._kernels import c_add, c_rules, row_update
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("combiner", ["mean", "sqrtn"])
+def test_a_constant_gain_per_bag_is_bitwise_the_amax_path(dtype: torch.dtype, combiner: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    for width in (2, 3, 20, 129):
+        ids = torch.zeros(37, width, dtype=torch.int64)
+        gains = bag_gains(ids >= 0, None, combiner, dtype)
+        dense = torch.randn(37, 16, generator=g, dtype=dtype)
+        broadcast = torch.randn(1, 1, generator=g, dtype=dtype).expand(37, 16)
+        for grad_out in (dense, broadcast, dense[:, ::2]):
+            got = BagRows(gains, grad_out, uniform=True, constant=True).per_bag()
+            want = BagRows(gains, grad_out, uniform=True).per_bag()
+            assert torch.equal(got, want), (width, grad_out.stride())
+            if grad_out.stride(0) == 0:
+                assert got.stride(0) == 0  # (one row, kept broadcast)
+            out, out_want = torch.empty_like(want), torch.empty_like(want)
+            BagRows(gains, grad_out, uniform=True, constant=True).per_bag(out=out)
+            BagRows(gains, grad_out, uniform=True).per_bag(out=out_want)
+            assert torch.equal(out, out_want)
+
+
+@pytest.fixture
+def kernel_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    if c_add.library() is None:
+        pytest.skip("no C compiler builds the library here")
+    monkeypatch.setattr(row_update, "_ENABLED", True)
+    before = row_update.set_policy(0, 0)
+    yield
+    row_update.set_policy(*before)
+
+
+OPTIMIZERS = {
+    "rowwise_adagrad": lambda ps: tte.optim.RowWiseAdagrad(ps, lr=0.1, weight_decay=0.01),
+    "rowwise_adagrad_clipnorm": lambda ps: tte.optim.RowWiseAdagrad(ps, lr=0.1, clipnorm=0.5),
+    "lazy_adam": lambda ps: tte.optim.LazyAdam(ps, lr=0.01),
+    "sgd": lambda ps: tte.optim.SGD(ps, lr=0.5),
+    "adagrad": lambda ps: tte.optim.Adagrad(ps, lr=0.1),
+}
+
+
+def _train(make: Any, combiner: str, broadcast: bool, freeze: bool = False, steps: int = 3
+           ) -> tuple[dict[str, torch.Tensor], Counter[str]]:
+    """4 features of one table width and combiner (one stacked group), full bags of 5 ids."""
+    torch.manual_seed(0)
+    tables = [tte.TableConfig(500, 8, name=f"t{i}", combiner=combiner) for i in range(4)]
+    ec = tte.EmbeddingCollection({f"f{i}": tte.FeatureConfig(t, max_ids_per_bag=5) for i, t in enumerate(tables)})
+    if freeze:
+        ec.tables.t1.requires_grad_(False)
+    opt = make(ec.parameters())
+    counts: Counter[str] = Counter()
+    for s in range(steps):
+        g = torch.Generator().manual_seed(s)
+        out = ec({f"f{i}": tte.Padded(torch.randint(0, 500, (96, 5), generator=g)) for i in range(4)})
+        joined = torch.cat([out[f] for f in ec.feature_names], dim=1)
+        loss = joined.sum() if broadcast else (joined * torch.linspace(-1, 1, joined.shape[1])).sum()
+        with _CountOps() as ops:
+            loss.backward()
+            opt.step()
+        counts += ops.counts
+        opt.zero_grad()
+    return {k: v.clone() for k, v in ec.state_dict().items()}, counts
+
+
+def _per_bag_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every chunk's rows as the lookup recorded them before: each bag's gain found by amax."""
+    add = RowGrad.add_bags
+
+    def add_bags(self: RowGrad, *args: Any, **kwargs: Any) -> None:
+        add(self, *args[:5], **{k: v for k, v in kwargs.items() if k != "constant"})
+
+    monkeypatch.setattr(RowGrad, "add_bags", add_bags)
+
+
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("combiner", ["mean", "sqrtn"])
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_full_bags_train_bitwise_as_the_per_bag_path(kernel_path: None, opt: str, combiner: str, broadcast: bool,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    got, counts = _train(OPTIMIZERS[opt], combiner, broadcast)
+    with monkeypatch.context() as m:
+        _per_bag_path(m)
+        want, old_counts = _train(OPTIMIZERS[opt], combiner, broadcast)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+    if opt in ("rowwise_adagrad", "lazy_adam"):  # (the duplicate sum's per-bag rows: the C row loops)
+        assert old_counts["amax"] > 0  # (the test sees the path it replaces)
+        assert counts["amax"] == 0, counts
+
+
+@pytest.mark.parametrize("opt", ["rowwise_adagrad", "lazy_adam"])
+def test_a_frozen_member_keeps_the_per_bag_path_and_trains_bitwise_alike(kernel_path: None, opt: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A frozen member's gains are 0 in its bags: not one gain for all, so those rows take ``amax``."""
+    got, counts = _train(OPTIMIZERS[opt], "mean", True, freeze=True)
+    with monkeypatch.context() as m:
+        _per_bag_path(m)
+        want, _ = _train(OPTIMIZERS[opt], "mean", True, freeze=True)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+    assert counts["amax"] > 0
+
+
+def test_the_row_loop_reads_one_broadcast_row(kernel_path: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``loss = out.sum()`` over full mean bags: the C row loop gets the gradient as one row (row stride 0), no
+    ``[B·F, D]`` of per-bag rows is written."""
+    strides: list[int] = []
+    run = c_rules.run_rows
+
+    def spy(fn: Any, p: torch.Tensor, slots: Any, ids: torch.Tensor, sums: Any, *rest: Any) -> None:
+        strides.append(sums.src.stride(0))
+        run(fn, p, slots, ids, sums, *rest)
+
+    monkeypatch.setattr(c_rules, "run_rows", spy)
+    _train(OPTIMIZERS["rowwise_adagrad"], "mean", True)
+    # (the first step looks the features up one by one, before the group's plan is kept: several chunks, whose
+    # per-bag rows are written into one source array)
+    assert len(strides) == 3 and strides[1:] == [0, 0], strides

@@ -22,13 +22,14 @@ weights are not scaled: their gains are bitwise those of the plain formula.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from torch_tpu_embedding._util.dtypes import compute_dtype
 
-__all__ = ["bag_gains", "jagged_gains"]
+__all__ = ["bag_gains", "full_mean_gain", "jagged_gains"]
 
 
 def bag_gains(
@@ -109,3 +110,11 @@ def _power_of_two_scale(biggest: torch.Tensor) -> torch.Tensor:
     scale = torch.pow(2.0, -exponent)
     ordinary = (biggest >= 2.0**-32) & (biggest <= 2.0**32)
     return torch.where(ordinary, torch.ones((), dtype=scale.dtype, device=scale.device), scale)
+
+
+@functools.lru_cache(maxsize=256)
+def full_mean_gain(width: int, dtype: torch.dtype) -> float:
+    """Every gain of full ``mean`` bags of ``width`` ids without weights, as :func:`bag_gains` computes it for a
+    table of ``dtype`` (``1 / width`` by its ``reciprocal`` in the compute dtype, rounded once), as a Python
+    number (exact: a float32 or float64 value); computed once per width and dtype."""
+    return (1.0 / torch.full((), float(width), dtype=compute_dtype(dtype))).item()

@@ -1,7 +1,8 @@
-"""Full bags without per-id weights (no padding: every bag ``L`` real ids) have one gain for every position of every
-bag, so the backward's factored rows apply ``gains[0, 0]`` (``BagRows.constant``) instead of finding each bag's gain
-with an ``amax`` over ``[N, L]``; a gradient that is one row broadcast (``loss = out.sum()``) stays one row (the
-C row loops read it with row stride 0). Every optimizer's result is bitwise the one the per-bag path gives.
+"""Full ``mean`` bags without per-id weights (no padding: every bag ``L`` real ids) have one gain, ``1 / L``, which the
+lookup fills in (``combiners.full_mean_gain``, once per ``L``): the backward's factored rows apply that number
+(``BagRows.constant``) instead of finding each bag's gain with an ``amax`` over ``[N, L]``, and a gradient that is one
+row broadcast (``loss = out.sum()``) stays one row (the C row loops read it with row stride 0). Every optimizer's
+result is bitwise the one the per-bag path gives, and the step dispatches fewer ops.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from test_stacked_groups import _CountOps
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding._rows.grads import BagRows, RowGrad
-from torch_tpu_embedding.combiners import bag_gains
+from torch_tpu_embedding.combiners import bag_gains, full_mean_gain
+from torch_tpu_embedding.modules.lookup import bags_lookup
 from torch_tpu_embedding.optim._kernels import c_add, c_rules, row_update
 
 
@@ -24,19 +26,22 @@ from torch_tpu_embedding.optim._kernels import c_add, c_rules, row_update
 @pytest.mark.parametrize("combiner", ["mean", "sqrtn"])
 def test_a_constant_gain_per_bag_is_bitwise_the_amax_path(dtype: torch.dtype, combiner: str) -> None:
     g = torch.Generator().manual_seed(0)
-    for width in (2, 3, 20, 129):
+    for width in (2, 3, 7, 20, 129, 4097):
         ids = torch.zeros(37, width, dtype=torch.int64)
         gains = bag_gains(ids >= 0, None, combiner, dtype)
+        constant = float(gains[0, 0])
+        if combiner == "mean":
+            assert full_mean_gain(width, dtype) == constant
         dense = torch.randn(37, 16, generator=g, dtype=dtype)
         broadcast = torch.randn(1, 1, generator=g, dtype=dtype).expand(37, 16)
         for grad_out in (dense, broadcast, dense[:, ::2]):
-            got = BagRows(gains, grad_out, uniform=True, constant=True).per_bag()
+            got = BagRows(gains, grad_out, uniform=True, constant=constant).per_bag()
             want = BagRows(gains, grad_out, uniform=True).per_bag()
             assert torch.equal(got, want), (width, grad_out.stride())
             if grad_out.stride(0) == 0:
                 assert got.stride(0) == 0  # (one row, kept broadcast)
             out, out_want = torch.empty_like(want), torch.empty_like(want)
-            BagRows(gains, grad_out, uniform=True, constant=True).per_bag(out=out)
+            BagRows(gains, grad_out, uniform=True, constant=constant).per_bag(out=out)
             BagRows(gains, grad_out, uniform=True).per_bag(out=out_want)
             assert torch.equal(out, out_want)
 
@@ -72,10 +77,12 @@ def _train(make: Any, combiner: str, broadcast: bool, freeze: bool = False, step
     counts: Counter[str] = Counter()
     for s in range(steps):
         g = torch.Generator().manual_seed(s)
-        out = ec({f"f{i}": tte.Padded(torch.randint(0, 500, (96, 5), generator=g)) for i in range(4)})
-        joined = torch.cat([out[f] for f in ec.feature_names], dim=1)
-        loss = joined.sum() if broadcast else (joined * torch.linspace(-1, 1, joined.shape[1])).sum()
-        with _CountOps() as ops:
+        batch = {f"f{i}": tte.Padded(torch.randint(0, 500, (96, 5), generator=g)) for i in range(4)}
+        scale = torch.linspace(-1, 1, 32)
+        with _CountOps() as ops:  # (the whole step: the lookup's fill of the gains too)
+            out = ec(batch)
+            joined = torch.cat([out[f] for f in ec.feature_names], dim=1)
+            loss = joined.sum() if broadcast else (joined * scale).sum()
             loss.backward()
             opt.step()
         counts += ops.counts
@@ -106,7 +113,8 @@ def test_full_bags_train_bitwise_as_the_per_bag_path(kernel_path: None, opt: str
         assert torch.equal(got[k], v), k
     if opt in ("rowwise_adagrad", "lazy_adam"):  # (the duplicate sum's per-bag rows: the C row loops)
         assert old_counts["amax"] > 0  # (the test sees the path it replaces)
-        assert counts["amax"] == 0, counts
+        if combiner == "mean":  # (sqrtn's gains come from bag_gains: no number known, the per-bag path)
+            assert counts["amax"] == 0, counts
 
 
 @pytest.mark.parametrize("opt", ["rowwise_adagrad", "lazy_adam"])
@@ -137,3 +145,17 @@ def test_the_row_loop_reads_one_broadcast_row(kernel_path: None, monkeypatch: py
     # (the first step looks the features up one by one, before the group's plan is kept: several chunks, whose
     # per-bag rows are written into one source array)
     assert len(strides) == 3 and strides[1:] == [0, 0], strides
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_the_full_mean_gain_is_filled_in_one_op(dtype: torch.dtype) -> None:
+    """The lookup of full mean bags fills its gains with one op: ``1 / L`` computed once per ``L`` and dtype (no
+    ``reciprocal`` and no host read of it per step), bitwise ``bag_gains``' value."""
+    weight = torch.randn(50, 6).to(dtype)
+    ids = torch.randint(0, 50, (7, 9), generator=torch.Generator().manual_seed(0))
+    bags_lookup(weight, ids, None, "mean", RowGrad(), {"t"}, full=True)  # (the first call may compute it)
+    with _CountOps() as ops:
+        bags_lookup(weight, ids, None, "mean", RowGrad(), {"t"}, full=True)
+    assert ops.counts["full"] == 1 and ops.counts["reciprocal"] == 0 and ops.counts["_local_scalar_dense"] == 0, \
+        ops.counts
+    assert full_mean_gain(9, dtype) == float(bag_gains(ids >= 0, None, "mean", dtype)[0, 0])

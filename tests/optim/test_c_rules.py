@@ -346,3 +346,20 @@ def test_the_duplicate_sums_grouped_in_c_are_bitwise_torchs(lib: c_add.Library, 
             a, b = getattr(got, name), getattr(want, name)
             assert (a is None and b is None) or torch.equal(a, b), name
         assert torch.equal(got.rows(), want.rows())
+
+
+@pytest.mark.parametrize("n", [2047, 2048, 2049, 65537])
+@pytest.mark.parametrize("rows", [1, 2046, 2047, 2**22 - 1, 2**22, 2**33 + 5])
+def test_the_grouping_sorts_the_id_digits_alone_stably(lib: c_add.Library, n: int, rows: int) -> None:
+    """The C grouping sorts its keys ``(id << shift) | position`` by the id's digits alone, keys made in position
+    order (a stable sort keeps ties so): the permutation is the stable sort's at the sizes where the position bits
+    (``shift``) and the id bits (1 to 3 digits of 11) end, with many duplicates (few rows) and few (many)."""
+    ids = torch.randint(0, rows + 1, (n,), generator=torch.Generator().manual_seed(rows % 1000 + n))
+    found = c_rules.grouped_ids(ids, rows + 1, 3)
+    assert found is not None
+    perm = torch.sort(ids, stable=True).indices
+    uniq, counts = torch.unique_consecutive(ids[perm], return_counts=True)
+    assert torch.equal(found[0], uniq)
+    assert torch.equal(found[1], torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]))
+    assert torch.equal(found[2], perm)
+    assert torch.equal(found[3], torch.div(perm, 3, rounding_mode="floor"))

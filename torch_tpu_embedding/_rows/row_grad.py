@@ -39,14 +39,13 @@ class BagRows:
     __slots__ = ("constant", "gains", "grad_out", "uniform", "unit")
 
     def __init__(self, gains: torch.Tensor, grad_out: torch.Tensor, unit: bool = False, uniform: bool = False,
-                 constant: bool = False) -> None:
+                 constant: float | None = None) -> None:
         self.gains = gains  # [N, L]
         self.grad_out = grad_out  # [N, D]
         self.unit = unit  # every gain is 1 where the id is not padding (sum bags, no per-id weights)
         #: within each bag every gain is the same where the id is not padding, 0 at padding (no per-id weights)
-        self.uniform = uniform or unit or constant
-        #: every gain of every bag is ``gains[0, 0]`` (no padding and no per-id weights: each bag has ``L`` real
-        #: ids, and the combiner's gain depends only on that count)
+        self.uniform = uniform or unit or constant is not None
+        #: every gain of every bag is this number, exactly (the lookup's fill of full mean bags), or ``None``
         self.constant = constant
 
     def per_bag(self, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -57,14 +56,14 @@ class BagRows:
         if self.unit:
             return self.grad_out if out is None else out.copy_(self.grad_out)
         g, grad_out = self.gains, self.grad_out
-        if self.constant and g.numel():
-            # One gain for every bag: no pass over the gains for it. The products are those below, each
-            # grad_out[n, j] · gain; a gradient that is one row broadcast (row stride 0, as loss = out.sum()
-            # gives) has one row of them, kept broadcast (row_sums and the C row loops read it so).
-            gain = g[:1, :1]
+        if self.constant is not None:
+            # One gain for every bag, known: no pass over the gains. The products are those below, each
+            # grad_out[n, j] · gain (the number is the gains' value: a scalar operand of their dtype); a
+            # gradient that is one row broadcast (row stride 0, as loss = out.sum() gives) has one row of
+            # them, kept broadcast (row_sums and the C row loops read it so).
             if out is None and grad_out.dim() == 2 and grad_out.shape[0] and grad_out.stride(0) == 0:
-                return torch.mul(grad_out[:1], gain).expand(grad_out.shape)
-            return torch.mul(grad_out, gain, out=out)
+                return torch.mul(grad_out[:1], self.constant).expand(grad_out.shape)
+            return torch.mul(grad_out, self.constant, out=out)
         # amax: the bag's gain (padding holds 0, real ids the gain, which is >= 0 without per-id weights);
         # bags of width 0 have no id to take a row
         gain = g.amax(dim=1, keepdim=True) if g.shape[1] else g.new_zeros(g.shape[0], 1)
@@ -148,10 +147,10 @@ class RowGrad:
         self._rows.append(rows.reshape(ids.numel(), rows.shape[-1]))  # explicit D: n may be 0
 
     def add_bags(self, ids: torch.Tensor, gains: torch.Tensor, grad_out: torch.Tensor, unit: bool = False,
-                 uniform: bool = False, constant: bool = False) -> None:
+                 uniform: bool = False, constant: float | None = None) -> None:
         """Add ``ids [N, L]`` whose gradient rows are ``gains[n, l] · grad_out[n]`` (kept factored; ``unit``:
         every gain is 1 where the id is not padding; ``uniform``: each bag's gains are one value there;
-        ``constant``: every gain is ``gains[0, 0]``)."""
+        ``constant``: every gain is this number)."""
         note_backward()
         self._ids.append(ids.reshape(-1))
         self._rows.append(BagRows(gains, grad_out, unit, uniform, constant))

@@ -33,7 +33,7 @@ from torch_tpu_embedding._rows.stock_guard import check_not_ddp_managed
 from torch_tpu_embedding._util.dtypes import compute_dtype
 from torch_tpu_embedding._util.nest import Path
 from torch_tpu_embedding._util.transfer import upload
-from torch_tpu_embedding.combiners import bag_gains, jagged_gains
+from torch_tpu_embedding.combiners import bag_gains, full_mean_gain, jagged_gains
 from torch_tpu_embedding.inputs import Bags
 from torch_tpu_embedding.optim._kernels.c_gather import gather_rows
 
@@ -87,7 +87,7 @@ class _RowSparseLookup(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, weight: torch.Tensor, ids: torch.Tensor, gains: torch.Tensor, row_grad: RowGrad,
         tables: frozenset[str], frozen: torch.Tensor | None, splits: tuple[int, ...], unit: bool, uniform: bool,
-        full: bool, columns: int,
+        full: bool, columns: int, constant: float | None,
     ) -> tuple[torch.Tensor, ...]:
         if full and uniform and ids.shape[1] == 1 and weight.device.type != "xla" and gains.dtype == weight.dtype:
             # One real id per bag and every gain 1 (sum, mean and sqrtn alike): the rows themselves, a plain
@@ -99,7 +99,7 @@ class _RowSparseLookup(torch.autograd.Function):
         # The weight is kept only when the gains need a gradient (it costs nothing otherwise).
         ctx.save_for_backward(ids, gains, weight if ctx.needs_input_grad[2] else None)
         _keep(ctx, row_grad, tables, frozen)
-        ctx.splits, ctx.unit, ctx.uniform, ctx.columns, ctx.constant = splits, unit, uniform, columns, full and uniform
+        ctx.splits, ctx.unit, ctx.uniform, ctx.columns, ctx.constant = splits, unit, uniform, columns, constant
         if columns:  # bags batch-major ([B·F] rows): each feature's [B, D] a view of [B, F·D], in one op
             # (slices along dim 1, not unbind: on XLA the caller's torch.cat gradient is then one tensor)
             return tuple(torch.split(out.view(-1, columns * out.shape[1]), out.shape[1], dim=1))
@@ -111,7 +111,7 @@ class _RowSparseLookup(torch.autograd.Function):
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: Any, *grads: torch.Tensor
-    ) -> tuple[None, None, torch.Tensor | None, None, None, None, None, None, None, None, None]:
+    ) -> tuple[None, None, torch.Tensor | None, None, None, None, None, None, None, None, None, None]:
         ids, gains, weight = ctx.saved_tensors
         if ctx.columns:  # each feature's [B, D] gradient back into the bags' batch-major order
             grads = (_columns_whole(grads, broadcast=not ctx.needs_input_grad[2]),)
@@ -124,7 +124,7 @@ class _RowSparseLookup(torch.autograd.Function):
             grad_out = _whole(grads) if grad_out is None else grad_out
             rows = _gather(weight, ids.clamp(max=weight.shape[0] - 1), gains.dtype)
             grad_gains = torch.bmm(rows, grad_out.to(gains.dtype).unsqueeze(-1)).squeeze(-1)
-        return None, None, grad_gains, None, None, None, None, None, None, None, None
+        return None, None, grad_gains, None, None, None, None, None, None, None, None, None
 
 
 def _pooled(weight: torch.Tensor, ids: torch.Tensor, gains: torch.Tensor) -> torch.Tensor:
@@ -187,7 +187,7 @@ def _record_rows(ctx: Any, ids: torch.Tensor, gains: torch.Tensor, grads: tuple[
         start = 0  # each feature's bags kept factored, as they came: no [N, D] concatenation
         for n, grad_out in zip(ctx.splits, grads, strict=True):  # multiplied out piecewise by the step
             row_grad.add_bags(ids[start : start + n], gains[start : start + n].to(dtype), grad_out, ctx.unit,
-                              ctx.uniform, ctx.constant and frozen is None)
+                              ctx.uniform, ctx.constant if frozen is None and gains.dtype == dtype else None)
             start += n
         row_grad.reached.update(ctx.tables)
         return None
@@ -201,7 +201,7 @@ def lookup(
     weight: torch.Tensor, ids: torch.Tensor, gains: torch.Tensor, row_grad: RowGrad,
     tables: frozenset[str] = frozenset(), frozen: torch.Tensor | None = None,
     splits: tuple[int, ...] | None = None, unit: bool = False, uniform: bool = False, full: bool = False,
-    columns: int = 0,
+    columns: int = 0, constant: float | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Combined lookup ``out[n] = Σ_l gains[n, l] · weight[ids[n, l]]``.
 
@@ -219,8 +219,8 @@ def lookup(
         unit: every gain is 1 where the id is not padding (sum bags without per-id weights).
         uniform: within each bag every gain is one value where the id is not padding (bags without
             per-id weights, any combiner).
-        full: no position is padding (every id is a real row; dense ids). With ``uniform``, every gain is
-            then one value (``bag_gains`` of ``L`` real ids per bag): the backward applies ``gains[0, 0]``.
+        full: no position is padding (every id is a real row; dense ids).
+        constant: every gain is this number (or ``None``): the backward applies it to each bag, no pass over gains.
         columns: ``F > 0`` when the ``N = B·F`` bags are ``F`` features' bags batch-major (bag ``b`` of every
             feature, then bag ``b + 1``; ``splits`` unused): then each feature's ``[B, D]`` is returned.
 
@@ -232,7 +232,7 @@ def lookup(
     check_not_ddp_managed(weight)  # torch's DDP must not reduce a table (tte.distributed)
     out: tuple[torch.Tensor, ...] = _RowSparseLookup.apply(  # type: ignore[no-untyped-call]
         weight, ids, gains, row_grad, tables, frozen, (ids.shape[0],) if splits is None else tuple(splits), unit,
-        uniform, full, columns)
+        uniform, full, columns, constant)
     return out
 
 
@@ -282,21 +282,21 @@ def bags_lookup(
     """:func:`lookup` of padded bags ``ids [N, L]`` (padding: the sentinel ``weight.shape[0]``) with per-id
     weights ``w`` (or ``None``) under ``combiner``, for ``tables`` (those frozen in a stacked group get no rows);
     ``full``: no position is padding. ``splits`` and ``columns`` as :func:`lookup` takes them."""
-    dtype = weight.dtype
+    dtype, constant = weight.dtype, None
     if full and w is None and (ids.shape[1] == 1 or combiner == "sum"):
         # No padding and no weights (dense ids): every gain is 1, as bag_gains would find (no pass over the ids)
         gains = torch.ones(ids.shape, dtype=compute_dtype(dtype), device=ids.device)
     elif full and w is None and combiner == "mean" and ids.device.type == "cpu" and not torch.compiler.is_compiling():
-        # Every gain is bag_gains' 1 / L (its reciprocal of the count, the same op here): one fill, no passes over ids
-        gains = torch.full(ids.shape, (1.0 / torch.full((), float(ids.shape[1]), dtype=compute_dtype(dtype))).item(),
-                           dtype=compute_dtype(dtype))
+        # Every gain is bag_gains' 1 / L (its reciprocal of the count, the same op, once per L): one fill, no passes
+        constant = full_mean_gain(ids.shape[1], dtype)
+        gains = torch.full(ids.shape, constant, dtype=compute_dtype(dtype))
     else:  # (padding holds the sentinel: Bags)
         gains = bag_gains(ids != weight.shape[0], w, combiner, dtype)
     info = table_info(weight)
     frozen = None if info is None else info.frozen_rows
     training = frozenset(tables) - (info.frozen_tables if info is not None else frozenset())
     return lookup(weight, ids, gains, row_grad, training, frozen, splits, unit=combiner == "sum" and w is None,
-                  uniform=w is None, full=full, columns=columns)
+                  uniform=w is None, full=full, columns=columns, constant=constant)
 
 
 @dataclasses.dataclass

@@ -33,6 +33,7 @@ from torch_tpu_embedding._util.transfer import upload
 from torch_tpu_embedding.config import FeatureConfig
 from torch_tpu_embedding.inputs import Padded, to_bags
 from torch_tpu_embedding.modules.lookup import bags_lookup
+from torch_tpu_embedding.optim._kernels.c_gather import join_ids
 
 __all__ = ["AssembledBatch", "signature"]
 
@@ -136,6 +137,8 @@ class AssembledBatch:
     _columns: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # (num_embeddings, first rows), made once
     _ids: torch.Tensor | None = None
     _weights: torch.Tensor | None = None
+    #: :meth:`join`'s ids are shifted and checked already (its C pass on the host, for host tables)
+    _ready: bool = False
 
     def add(self, path: Path, feature: str, fc: FeatureConfig, table: str, value: Any, weight: Any,
             offset: int) -> None:
@@ -157,6 +160,14 @@ class AssembledBatch:
         feature-major (each feature one contiguous copy, several times faster than writing every feature
         strided), transposed there. Copies: never the caller's tensors."""
         form, values, dim = self.sig[0], self._values, 0 if self._major else 1
+        self._ready = False
+        if self.resident and not self._major and not self.sig[5] and self.sig[4].type == "cpu" and not tracing():
+            # Host ids of a host table: joined, shifted and checked in one C pass where it applies (not XLA's)
+            vocabs, offsets = self._layout()
+            ids = join_ids([v.ids for v in values] if form == "padded" else values, self.sig[2], offsets, vocabs)
+            if ids is not None:
+                self._ready = True
+                return ids, None
         if form == "padded":
             ids = torch.stack([v.ids for v in values], dim)
             return ids, torch.stack([v.mask for v in values], dim) if self.sig[5] else None
@@ -185,13 +196,11 @@ class AssembledBatch:
         """
         _, b, width, dtype, device, _, wdtype = self.sig
         values = self._values
-        if self._columns is None:
-            self._columns = (tuple(fc.table.num_embeddings for _, fc, _ in self.members),
-                             tuple(o for _, _, o in self.members))
-        vocabs, offsets = self._columns
+        vocabs, offsets = self._layout()
         major = self._major
         ids, mask = self.join() if joined is None else joined
-        if ids.numel() and not tracing():  # (no values while torch.compile traces, as to_bags)
+        ready = self._ready  # (set by the join() that made joined)
+        if ids.numel() and not tracing() and not ready:  # (no values while torch.compile traces, as to_bags)
             # Host ids: one pass (a vectorised reduction) and two host reads settle the usual case, every id
             # in [0, the smallest num_embeddings). Else two passes and one read (one sync for device ids):
             # every id in [0, num_embeddings) is what clamping leaves unchanged. Only when that fails are the
@@ -223,7 +232,7 @@ class AssembledBatch:
             ids = ids.transpose(0, 1)
             mask = None if mask is None else mask.transpose(0, 1)
             w = None if w is None else w.transpose(0, 1)
-        ids = self._shifted(ids, mask, offsets)
+        ids = ids if ready else self._shifted(ids, mask, offsets)
         f = len(values)
         self._ids = ids.reshape(b * f, width) if major else ids.view(b * f, width)
         if w is not None:
@@ -234,6 +243,13 @@ class AssembledBatch:
             self._ids = upload(self._ids, where)            # syncs; see modules/ahead.py)
             self._weights = None if self._weights is None else upload(self._weights, where)
         self._values, self._wvalues = [], []  # (the caller's tensors are not kept)
+
+    def _layout(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The features' tables' ``num_embeddings`` and first rows in the group (made once)."""
+        if self._columns is None:
+            self._columns = (tuple(fc.table.num_embeddings for _, fc, _ in self.members),
+                             tuple(o for _, _, o in self.members))
+        return self._columns
 
     def _shifted(self, ids: torch.Tensor, mask: torch.Tensor | None, offsets: tuple[int, ...]) -> torch.Tensor:
         """``ids [B, F, L]`` moved to their tables' rows in the group, int64, padding the sentinel."""

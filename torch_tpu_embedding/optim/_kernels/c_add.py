@@ -126,7 +126,7 @@ int tte_add_rows(float *restrict p, int64_t rows, int64_t d, const int64_t *rest
 
 class Library(NamedTuple):
     """The functions of the compiled library: the add loop, :mod:`.c_rules`' fused row updates and sort, and
-    :mod:`.c_gather`'s row gather."""
+    :mod:`.c_gather`'s row gather and id join."""
 
     add: Callable[..., int]
     rowwise_adagrad: Callable[..., int]
@@ -134,6 +134,7 @@ class Library(NamedTuple):
     sort_keys: Callable[..., None]
     gather: Callable[..., int]
     group_ids: Callable[..., int]
+    join_ids: Callable[..., int]
 
 
 #: the compiled library (``None``: it could not be compiled), once per process
@@ -227,7 +228,9 @@ def _load(fd: int, path: str) -> Library:
     gather.argtypes, gather.restype = [ptr, ptr, i64, i64, ptr, i64], ctypes.c_int
     group = lib.tte_group_ids
     group.argtypes, group.restype = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr], i64
-    return Library(*fns, sort, gather, group)
+    join = lib.tte_join_ids
+    join.argtypes, join.restype = [ptr, ptr, ptr, ptr, i64, i64, i64], ctypes.c_int
+    return Library(*fns, sort, gather, group, join)
 
 
 def _build() -> Library:

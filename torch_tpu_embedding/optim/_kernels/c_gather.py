@@ -11,15 +11,22 @@ It runs only once this process has loaded the library (the kernel path of an opt
 nothing is compiled for a lookup). It also needs a contiguous plain CPU table, int64 ids, and no
 ``torch.compile``. Everything else takes ``index_select`` as before. With several torch threads the ids are
 split into one range per thread, run at once (:func:`.c_rules.in_parallel`).
+
+A stacked group's join of its features' ids (:func:`join_ids`, ``modules/assembly.py``) is one pass of the same
+library: the ids side by side, shifted to their tables' rows and checked, where ``torch.stack``, ``aminmax`` (and its
+two host reads) and the add of the shifts made three passes and a fresh tensor each.
 """
 
 from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
 
 import torch
 
 from torch_tpu_embedding.optim._kernels import c_add, c_rules
 
-__all__ = ["gather_rows"]
+__all__ = ["gather_rows", "join_ids"]
 
 Tensor = torch.Tensor
 
@@ -53,4 +60,30 @@ def gather_rows(weight: Tensor, ids: Tensor) -> Tensor:
         # (the same error index_select raises, with the offending id named)
         bad = ids[(ids < 0) | (ids >= rows)][0]
         raise IndexError(f"index {int(bad)} is out of bounds for dimension 0 with size {rows}")
+    return out
+
+
+def join_ids(values: Sequence[Tensor], width: int, shifts: Sequence[int], vocabs: Sequence[int]) -> Tensor | None:
+    """``F`` features' ids (``[B, width]`` each, or ``[B]`` where ``width`` is 1) side by side as ``[B, F, width]``
+    int64, feature ``f``'s plus ``shifts[f]``, by one C pass that checks each id (before its shift) to lie in
+    ``[0, vocabs[f])``. ``None`` where that does not apply (the library not loaded, ``torch.compile``, a value not a
+    contiguous int64 CPU tensor of that shape, no ids) or an id is outside its range: the caller then joins, checks
+    and shifts with torch ops (``torch.stack``, ``aminmax``, ``add``), to the same ids, and raises its own error."""
+    lib = None if torch.compiler.is_compiling() else c_add.loaded()
+    if lib is None or not values:
+        return None
+    b = values[0].shape[0] if type(values[0]) is torch.Tensor and values[0].dim() else 0
+    shape = (b,) if width == 1 and values[0].dim() == 1 else (b, width)
+    for v in values:
+        if (type(v) is not torch.Tensor or v.dtype != torch.int64 or v.device.type != "cpu"
+                or v.layout != torch.strided or v.shape != shape or not v.is_contiguous() or v.is_nested):
+            return None
+    f = len(values)
+    if not b * width or len(shifts) != f or len(vocabs) != f:
+        return None
+    out = torch.empty(b, f, width, dtype=torch.int64)
+    src = (ctypes.c_void_p * f)(*[v.data_ptr() for v in values])
+    if lib.join_ids(out.data_ptr(), src, (ctypes.c_int64 * f)(*shifts), (ctypes.c_int64 * f)(*vocabs), f, b,
+                    width) != 0:
+        return None
     return out

@@ -1,6 +1,6 @@
 """The C source of the fused eager row updates of :mod:`.c_rules` (RowWiseAdagrad, Adam / LazyAdam), of the
 radix sort of the duplicate sum's keys (:func:`.row_sums.row_sums`), and of the lookup's prefetching row gather
-(:mod:`.c_gather`).
+and a stacked group's join of its features' ids (:mod:`.c_gather`).
 
 Compiled into one library with SGD's add loop (:mod:`.c_add` builds, caches and loads it; this module holds
 only the text). Each function takes a table's distinct touched ids, sorted, and where each id's gradient
@@ -230,5 +230,26 @@ int64_t tte_group_ids(const int64_t *restrict ids, int64_t n, int64_t shift, int
   }
   offsets[u] = n;
   return u;
+}
+
+/* A stacked group's features' ids side by side, shifted to their tables' rows: out[b][f][l] = src[f][b * width + l]
+   + shift[f] for b < nb, f < nf, l < width, each id (before the shift) checked to lie in [0, vocab[f]). -1 (out not
+   written in full) at the first bag of a feature holding one that does not. */
+int tte_join_ids(int64_t *restrict out, const int64_t *const *restrict src, const int64_t *restrict shift,
+                 const int64_t *restrict vocab, int64_t nf, int64_t nb, int64_t width) {
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t f = 0; f < nf; ++f) {
+      const int64_t *restrict from = src[f] + b * width;
+      int64_t *restrict to = out + (b * nf + f) * width;
+      const uint64_t s = (uint64_t)shift[f], v = (uint64_t)vocab[f];
+      int bad = 0;
+      for (int64_t l = 0; l < width; ++l) {
+        const uint64_t x = (uint64_t)from[l];
+        bad |= x >= v; /* (a negative id is a large unsigned one) */
+        to[l] = (int64_t)(x + s);
+      }
+      if (bad) return -1;
+    }
+  return 0;
 }
 """

@@ -1,0 +1,123 @@
+"""A stacked group's host ids of a host table joined by one C pass (``c_gather.join_ids``, ``AssembledBatch.join``):
+the features' ids side by side, shifted to their tables' rows, each checked against its own table's rows. Bitwise
+``torch.stack`` + the add of the shifts; where it does not apply (library not loaded, other dtypes, strides, shapes,
+an id out of range) the torch ops run as before, and a bad id raises the feature's own error."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from test_stacked_groups import _CountOps
+
+import torch_tpu_embedding as tte
+from torch_tpu_embedding.modules import assembly
+from torch_tpu_embedding.optim._kernels import c_add
+from torch_tpu_embedding.optim._kernels.c_gather import join_ids
+
+
+@pytest.fixture
+def lib() -> Iterator[c_add.Library]:
+    found = c_add.library()
+    if found is None:
+        pytest.skip("no C compiler builds the library here")
+    yield found
+
+
+@pytest.mark.parametrize("features", [1, 3, 7])
+@pytest.mark.parametrize("width", [0, 1, 5])  # (0: dense ids, [B])
+def test_join_ids_is_stack_plus_shift(lib: c_add.Library, features: int, width: int) -> None:
+    g = torch.Generator().manual_seed(features * 10 + width)
+    vocabs = [int(v) for v in torch.randint(1, 1000, (features,), generator=g)]
+    shifts = [sum(vocabs[:f]) for f in range(features)]
+    shape = (33,) if width == 0 else (33, width)
+    values = [torch.randint(0, v, shape, generator=g) for v in vocabs]
+    got = join_ids(values, max(width, 1), shifts, vocabs)
+    want = torch.stack([v if width else v.unsqueeze(-1) for v in values], 1) \
+        + torch.tensor(shifts).view(1, -1, 1)
+    assert got is not None and got.dtype == torch.int64 and torch.equal(got, want)
+    assert all(got.data_ptr() != v.data_ptr() for v in values)  # (never the caller's)
+
+
+def test_join_ids_leaves_what_it_does_not_take_to_torch(lib: c_add.Library) -> None:
+    ids = torch.randint(0, 10, (8, 3))
+    ok = join_ids([ids, ids], 3, [0, 10], [10, 10])
+    assert ok is not None
+    for bad in (-1, 10):  # (below 0, and the table's row count)
+        wrong = ids.clone()
+        wrong[5, 2] = bad
+        assert join_ids([ids, wrong], 3, [0, 10], [10, 10]) is None
+    assert join_ids([ids, ids.to(torch.int32)], 3, [0, 10], [10, 10]) is None
+    assert join_ids([ids, torch.randint(0, 10, (3, 8)).t()], 3, [0, 10], [10, 10]) is None  # (strided)
+    assert join_ids([ids, ids[:4]], 3, [0, 10], [10, 10]) is None
+    assert join_ids([ids[:0], ids[:0]], 3, [0, 10], [10, 10]) is None
+    assert join_ids([], 3, [], []) is None
+
+
+def _model(padded: bool) -> tte.EmbeddingCollection:
+    # one stacked group of tables of different sizes: ids of the larger ones pass the smallest's row count
+    tables = [tte.TableConfig(rows, 4, name=f"t{i}", combiner="mean") for i, rows in enumerate((30, 500, 70))]
+    width = 3 if padded else None
+    return tte.EmbeddingCollection({f"f{i}": tte.FeatureConfig(t, max_ids_per_bag=width) for i, t in enumerate(tables)})
+
+
+def _batch(padded: bool, s: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(s)
+    out: dict[str, Any] = {}
+    for i, rows in enumerate((30, 500, 70)):
+        ids = torch.randint(0, rows, (16, 3) if padded else (16,), generator=g)
+        out[f"f{i}"] = tte.Padded(ids) if padded else ids
+    return out
+
+
+def _train(padded: bool) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], list[Any]]:
+    torch.manual_seed(0)
+    ec = _model(padded)
+    opt = tte.optim.Adagrad(ec.parameters(), lr=0.1)
+    outs, counts = [], []
+    for s in range(4):
+        batch = _batch(padded, s)
+        with _CountOps() as ops:
+            out = ec(batch)
+        counts.append(ops.counts)
+        joined = torch.cat([out[f] for f in ec.feature_names], 1)
+        outs.append(joined.detach().clone())
+        (joined * torch.linspace(-1, 1, joined.shape[1])).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return outs, {k: v.clone() for k, v in ec.state_dict().items()}, counts
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_a_stacked_group_joins_in_one_pass_and_trains_bitwise_alike(lib: c_add.Library, padded: bool,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    got_outs, got, counts = _train(padded)
+    with monkeypatch.context() as m:
+        m.setattr(assembly, "join_ids", lambda *args: None)  # the torch ops' join
+        want_outs, want, old_counts = _train(padded)
+    for a, b in zip(got_outs, want_outs, strict=True):
+        assert torch.equal(a, b)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+    for c, old in zip(counts[1:], old_counts[1:], strict=True):  # (the first: full_mean_gain's first call too)
+        assert c["stack"] == 0 and c["aminmax"] == 0 and c["_local_scalar_dense"] == 0, c
+        assert old["stack"] == 1 and old["aminmax"] == 1, old  # (the test sees the ops it replaces)
+        assert sum(c.values()) < sum(old.values())
+
+
+@pytest.mark.parametrize("bad", [-1, 70])
+def test_a_bad_id_raises_the_features_own_error(lib: c_add.Library, bad: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    ec = _model(True)
+    ec(_batch(True, 0))  # (the group's plan kept: the next call replays it)
+    batch = _batch(True, 1)
+    batch["f2"].ids[3, 1] = bad
+    with pytest.raises(Exception) as got:
+        ec(batch)
+    with monkeypatch.context() as m:
+        m.setattr(assembly, "join_ids", lambda *args: None)
+        with pytest.raises(Exception) as want:
+            ec(batch)
+    assert type(got.value) is type(want.value) and str(got.value) == str(want.value)
+    assert "f2" in str(got.value)

@@ -3,9 +3,10 @@
 A stacked group looks its features up as FBGEMM's table-batched embedding does (TorchRec's
 ``KeyedJaggedTensor`` layout, padded): the features' ``[B, L]`` ids side by side, ``[B, F, L]``, shifted
 to their tables' first rows in the group by one add of a ``[1, F, 1]`` offset tensor, checked in one host
-pass (an ``aminmax``, or a clamp to a ``[1, F, 1]`` bound tensor), and looked up by one ``embedding_bag`` whose output
-``[B·F, D]`` is each feature's ``[B, D]`` as a slice of it viewed ``[B, F·D]``, or all of them side by
-side (``concat``).
+pass (an ``aminmax``, or a clamp to a ``[1, F, 1]`` bound tensor), and looked up by one ``embedding_bag`` whose
+output ``[B·F, D]`` is each feature's ``[B, D]`` as a slice of it viewed ``[B, F·D]``, or all of them side by
+side (``concat``). Host ids of a host table, once the kernel library is loaded, are joined, shifted and checked
+in one C pass instead (:func:`~torch_tpu_embedding.optim._kernels.c_gather.join_ids`).
 The ops a step dispatches for the group do not grow with its number of features; what does is Python
 bookkeeping (a signature per feature, read from sizes and dtypes, never from values). The bound and
 offset tensors are made once per group layout and device (:func:`_bounds`, :func:`_shifts`).
@@ -158,7 +159,8 @@ class AssembledBatch:
     def join(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The features' ids and masks stacked, ``[B, F, L]``; host ids for another device ``[F, B, L]``
         feature-major (each feature one contiguous copy, several times faster than writing every feature
-        strided), transposed there. Copies: never the caller's tensors."""
+        strided), transposed there. Copies: never the caller's tensors. Host ids of a host table without a mask
+        come shifted and checked where :func:`join_ids` applies (``_ready``: :meth:`assemble` then does neither)."""
         form, values, dim = self.sig[0], self._values, 0 if self._major else 1
         self._ready = False
         if self.resident and not self._major and not self.sig[5] and self.sig[4].type == "cpu" and not tracing():

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_cached_plan import _variants, test_another_signature_plans_afresh
 from test_stacked_groups import _CountOps
 
 import torch_tpu_embedding as tte
@@ -34,7 +35,7 @@ def test_join_ids_is_stack_plus_shift(lib: c_add.Library, features: int, width: 
     shifts = [sum(vocabs[:f]) for f in range(features)]
     shape = (33,) if width == 0 else (33, width)
     values = [torch.randint(0, v, shape, generator=g) for v in vocabs]
-    got = join_ids(values, max(width, 1), shifts, vocabs)
+    got = join_ids(values, shape, shifts, vocabs)
     want = torch.stack([v if width else v.unsqueeze(-1) for v in values], 1) \
         + torch.tensor(shifts).view(1, -1, 1)
     assert got is not None and got.dtype == torch.int64 and torch.equal(got, want)
@@ -43,17 +44,20 @@ def test_join_ids_is_stack_plus_shift(lib: c_add.Library, features: int, width: 
 
 def test_join_ids_leaves_what_it_does_not_take_to_torch(lib: c_add.Library) -> None:
     ids = torch.randint(0, 10, (8, 3))
-    ok = join_ids([ids, ids], 3, [0, 10], [10, 10])
+    ok = join_ids([ids, ids], (8, 3), [0, 10], [10, 10])
     assert ok is not None
     for bad in (-1, 10):  # (below 0, and the table's row count)
         wrong = ids.clone()
         wrong[5, 2] = bad
-        assert join_ids([ids, wrong], 3, [0, 10], [10, 10]) is None
-    assert join_ids([ids, ids.to(torch.int32)], 3, [0, 10], [10, 10]) is None
-    assert join_ids([ids, torch.randint(0, 10, (3, 8)).t()], 3, [0, 10], [10, 10]) is None  # (strided)
-    assert join_ids([ids, ids[:4]], 3, [0, 10], [10, 10]) is None
-    assert join_ids([ids[:0], ids[:0]], 3, [0, 10], [10, 10]) is None
-    assert join_ids([], 3, [], []) is None
+        assert join_ids([ids, wrong], (8, 3), [0, 10], [10, 10]) is None
+    assert join_ids([ids, ids.to(torch.int32)], (8, 3), [0, 10], [10, 10]) is None
+    assert join_ids([ids, torch.randint(0, 10, (3, 8)).t()], (8, 3), [0, 10], [10, 10]) is None  # (strided)
+    assert join_ids([ids, ids[:4]], (8, 3), [0, 10], [10, 10]) is None
+    assert join_ids([ids[:0], ids[:0]], (0, 3), [0, 10], [10, 10]) is None
+    assert join_ids([], (8, 3), [], []) is None
+    column = torch.randint(0, 10, (8, 1))  # (a [B, 1] among [B] values, or the other way: not the shape given)
+    assert join_ids([column[:, 0], column], (8,), [0, 10], [10, 10]) is None
+    assert join_ids([column, column[:, 0]], (8, 1), [0, 10], [10, 10]) is None
 
 
 def _model(padded: bool) -> tte.EmbeddingCollection:
@@ -121,3 +125,34 @@ def test_a_bad_id_raises_the_features_own_error(lib: c_add.Library, bad: int, mo
             ec(batch)
     assert type(got.value) is type(want.value) and str(got.value) == str(want.value)
     assert "f2" in str(got.value)
+
+
+def test_a_changed_form_between_replayed_steps_is_not_joined_as_the_plans(lib: c_add.Library,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dense ids ``[B]``, then ``[B, 1]`` for one feature, then ``[B]`` again: each step's plan fits its own forms (the
+    C join takes the signature's shape, as ``torch.stack`` refuses unequal ones), bitwise as the torch ops' join."""
+
+    def run() -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        ec = _model(False)
+        outs = []
+        for s, column in enumerate((False, False, True, False, False)):
+            batch = _batch(False, s)
+            if column:
+                batch["f1"] = batch["f1"].unsqueeze(1)
+            out = ec(batch)
+            outs.append(torch.cat([out[f] for f in ec.feature_names], 1).detach().clone())
+        return outs
+
+    got = run()
+    with monkeypatch.context() as m:
+        m.setattr(assembly, "join_ids", lambda *args: None)
+        want = run()
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("name,change", _variants(), ids=[n for n, _ in _variants()])
+def test_cached_plans_with_the_c_join(lib: c_add.Library, name: str, change: Any,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """test_cached_plan's changed forms between replayed steps, with the library loaded (the C join taken)."""
+    test_another_signature_plans_afresh(name, change, monkeypatch)

@@ -166,7 +166,8 @@ class AssembledBatch:
         if self.resident and not self._major and not self.sig[5] and self.sig[4].type == "cpu" and not tracing():
             # Host ids of a host table: joined, shifted and checked in one C pass where it applies (not XLA's)
             vocabs, offsets = self._layout()
-            ids = join_ids([v.ids for v in values] if form == "padded" else values, self.sig[2], offsets, vocabs)
+            shape = (self.sig[1],) if form == "dense" else (self.sig[1], self.sig[2])  # (each value's: dense2 [B, 1])
+            ids = join_ids([v.ids for v in values] if form == "padded" else values, shape, offsets, vocabs)
             if ids is not None:
                 self._ready = True
                 return ids, None

@@ -63,17 +63,17 @@ def gather_rows(weight: Tensor, ids: Tensor) -> Tensor:
     return out
 
 
-def join_ids(values: Sequence[Tensor], width: int, shifts: Sequence[int], vocabs: Sequence[int]) -> Tensor | None:
-    """``F`` features' ids (``[B, width]`` each, or ``[B]`` where ``width`` is 1) side by side as ``[B, F, width]``
+def join_ids(values: Sequence[Tensor], shape: tuple[int, ...], shifts: Sequence[int], vocabs: Sequence[int]
+             ) -> Tensor | None:
+    """``F`` features' ids, each of ``shape`` (``[B, L]``, or ``[B]``: ``L`` is 1), side by side as ``[B, F, L]``
     int64, feature ``f``'s plus ``shifts[f]``, by one C pass that checks each id (before its shift) to lie in
     ``[0, vocabs[f])``. ``None`` where that does not apply (the library not loaded, ``torch.compile``, a value not a
-    contiguous int64 CPU tensor of that shape, no ids) or an id is outside its range: the caller then joins, checks
+    contiguous int64 CPU tensor of ``shape``, no ids) or an id is outside its range: the caller then joins, checks
     and shifts with torch ops (``torch.stack``, ``aminmax``, ``add``), to the same ids, and raises its own error."""
     lib = None if torch.compiler.is_compiling() else c_add.loaded()
-    if lib is None or not values:
+    if lib is None or not values or len(shape) not in (1, 2):
         return None
-    b = values[0].shape[0] if type(values[0]) is torch.Tensor and values[0].dim() else 0
-    shape = (b,) if width == 1 and values[0].dim() == 1 else (b, width)
+    b, width = shape[0], shape[1] if len(shape) == 2 else 1
     for v in values:
         if (type(v) is not torch.Tensor or v.dtype != torch.int64 or v.device.type != "cpu"
                 or v.layout != torch.strided or v.shape != shape or not v.is_contiguous() or v.is_nested):

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import torch
 
-from torch_tpu_embedding._rows.dedup import coalesce_rows, is_static_device, sync_free
+from torch_tpu_embedding._rows.dedup import coalesce_rows, sinks_sentinel
 from torch_tpu_embedding._rows.grads import refuse_stacked_view, table_info
 from torch_tpu_embedding._rows.placement import all_reduce_sum, process_group_placement, sync_row_grads
 from torch_tpu_embedding._rows.row_grad import RowGrad
@@ -165,8 +165,7 @@ def _summed_rows(p: Tensor, distinct: bool = False) -> Tensor | None:
         return _owned_rows(p)
     ids, rows = rg.collect()
     uniq, summed = coalesce_rows(ids, rows.to(math_dtype(p)), p.shape[0])
-    eager_tail = sync_free(p.device) and not is_static_device(p.device)  # (XLA's left as it was)
-    return summed[uniq < p.shape[0]] if distinct and eager_tail else summed
+    return summed[uniq < p.shape[0]] if distinct and sinks_sentinel(p.device) else summed
 
 
 def _owned_rows(p: Tensor) -> Tensor:

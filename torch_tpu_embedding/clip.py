@@ -7,13 +7,14 @@ never scales their update. This one has the same signature and return value and 
 
 from __future__ import annotations
 
+import math
 import types
 import warnings
 from collections.abc import Iterable
 
 import torch
 
-from torch_tpu_embedding._rows.dedup import coalesce_rows, sinks_sentinel
+from torch_tpu_embedding._rows.dedup import coalesce_rows, is_static_device, sinks_sentinel
 from torch_tpu_embedding._rows.grads import refuse_stacked_view, table_info
 from torch_tpu_embedding._rows.placement import all_reduce_sum, process_group_placement, sync_row_grads
 from torch_tpu_embedding._rows.row_grad import RowGrad
@@ -155,7 +156,8 @@ def _summed_rows(p: Tensor, distinct: bool = False) -> Tensor | None:
     """A copy of ``p``'s pending row gradient with duplicate ids summed (float32 for a 16-bit table),
     for the norm; ``None`` without one. The pending rows themselves are left as they are. ``distinct``: only
     the rows of ids looked up (a negative ``norm_type`` sees a zero row: the sentinel tail a sync-free device
-    keeps on an eager accelerator is dropped, by a host read, as :func:`_has_zero_rows` reads)."""
+    keeps is dropped on an eager accelerator, by a host read, as :func:`_has_zero_rows` reads; on XLA its rows
+    are made ``+inf``)."""
     info = table_info(p)
     assert info is not None
     rg = info.row_grad
@@ -165,7 +167,13 @@ def _summed_rows(p: Tensor, distinct: bool = False) -> Tensor | None:
         return _owned_rows(p)
     ids, rows = rg.collect()
     uniq, summed = coalesce_rows(ids, rows.to(math_dtype(p)), p.shape[0])
-    return summed[uniq < p.shape[0]] if distinct and sinks_sentinel(p.device) else summed
+    if distinct and sinks_sentinel(p.device):
+        return summed[uniq < p.shape[0]]
+    if distinct and is_static_device(p.device):
+        # XLA keeps static shapes (a mask would compile a graph per count): the tail's rows made +inf, which is
+        # no row's smallest |g| and adds 0 to a sum of |g|^p for p < 0. (torch's dense gradient holds no such row.)
+        return torch.where((uniq < p.shape[0]).unsqueeze(1), summed, math.inf)
+    return summed
 
 
 def _owned_rows(p: Tensor) -> Tensor:

@@ -164,22 +164,26 @@ def _summed_rows(p: Tensor, distinct: bool = False) -> Tensor | None:
     if not rg:
         return None
     if rg.owned:
-        return _owned_rows(p)
+        return _owned_rows(p, distinct)
     ids, rows = rg.collect()
     uniq, summed = coalesce_rows(ids, rows.to(math_dtype(p)), p.shape[0])
     if distinct and sinks_sentinel(p.device):
         return summed[uniq < p.shape[0]]
-    if distinct and is_static_device(p.device):
-        # XLA keeps static shapes (a mask would compile a graph per count): the tail's rows made +inf, which is
-        # no row's smallest |g| and adds 0 to a sum of |g|^p for p < 0. (torch's dense gradient holds no such row.)
-        return torch.where((uniq < p.shape[0]).unsqueeze(1), summed, math.inf)
-    return summed
+    return _no_tail(uniq, summed, p.shape[0]) if distinct and is_static_device(p.device) else summed
 
 
-def _owned_rows(p: Tensor) -> Tensor:
+def _no_tail(uniq: Tensor, summed: Tensor, sentinel: int) -> Tensor:
+    """``summed`` with the rows of XLA's sentinel tail made ``+inf``: static (a mask would compile a graph per
+    count), and such a row is no row's smallest ``|g|`` and adds 0 to a sum of ``|g|^p`` for ``p < 0`` (torch's
+    dense gradient holds no such row)."""
+    return torch.where((uniq < sentinel).unsqueeze(-1), summed, math.inf)
+
+
+def _owned_rows(p: Tensor, distinct: bool = False) -> Tensor:
     """As :func:`_summed_rows` for a table trained through the id exchange (SPMD, owner-local chunks
     ``ids [n, M]``, ``rows [n, M, D]``): duplicates are summed on each shard (a row lives on one shard),
-    in one manual-sharding region. A chunk whose lookup dropped ids counts zero, as in the step."""
+    in one manual-sharding region. A chunk whose lookup dropped ids counts zero, as in the step. ``distinct``:
+    each shard's sentinel tail made ``+inf`` (:func:`_no_tail`)."""
     info = table_info(p)
     assert info is not None and info.sharding is not None
     sharding = info.sharding
@@ -191,5 +195,5 @@ def _owned_rows(p: Tensor) -> Tensor:
                  rep: list[Tensor | None]) -> list[Tensor]:
         return list(coalesce_rows(inputs[0], inputs[1], sentinel))
 
-    _, summed = sharding.on_shards(on_shard, {}, {}, [ids, rows], [])
-    return summed
+    uniq, summed = sharding.on_shards(on_shard, {}, {}, [ids, rows], [])
+    return _no_tail(uniq, summed, sentinel) if distinct else summed

@@ -3,7 +3,7 @@
 Run (from the repository root; about a minute):
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/host_ops.py [--features 1 26 100] [--steps 5] [--rounds 1]
-        [--flush-mb 64] [--no-xla]
+        [--flush-mb 64] [--same-ids] [--no-xla]
 
 A DLRM-like step: ``T`` features, one table each (1,000 rows × 16, ``mean``), default construction (all
 ``T`` tables stacked in one group), bags of 4 host ids (``Padded [256, 4]``, a quarter of them masked
@@ -28,6 +28,12 @@ concatenated by the user's ``torch.cat``; ``concat=True``; and a duck-typed ``Ke
   Each kind is given as wall time and as the Python thread's CPU time (``time.thread_time``: what the host
   computed, without time spent preempted or waiting on other threads). ``--rounds`` repeats every ``T``'s
   process, the ``T`` alternating, and prints each round's ratios and their median.
+
+  At a fixed batch, each feature brings its own bags: T = 100's step carries 100 times T = 1's ids (102,400)
+  and rows, which the host stacks, checks and moves, and which XLA:CPU's device work walks through on the
+  same cores. ``--same-ids`` adds a run of T = 1 with the largest T's ids and table rows (its bags and rows
+  that many times: one feature, one table, the same data): the largest T against it is the cost of the
+  number of features alone.
 
 Goals of issue [host] (printed): with ``concat=True`` ops at T = 100 ≤ 1.3× T = 1 and host reads
 independent of T; with the dict output ≤ 3 ops per feature beyond T = 1; XLA trace at T = 100 ≤ 1.5×
@@ -54,6 +60,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parent.parent
 READS = ("_local_scalar_dense",)
+#: the extra XLA run of ``--same-ids``: T = 1 with the largest T's ids and table rows
+SAME = "same-ids"
 DATA_DEPENDENT = ("nonzero", "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim", "masked_select")
 
 
@@ -93,11 +101,11 @@ class KJT:
         return self._weights
 
 
-def build(t: int, device: Any = None) -> tuple[Any, Any, Any, list[str]]:
+def build(t: int, device: Any = None, rows: int = 1000) -> tuple[Any, Any, Any, list[str]]:
     import torch_tpu_embedding as tte
 
     torch.manual_seed(0)
-    features = {f"f{i:03d}": tte.FeatureConfig(tte.TableConfig(1000, 16, name=f"t{i:03d}", combiner="mean"),
+    features = {f"f{i:03d}": tte.FeatureConfig(tte.TableConfig(rows, 16, name=f"t{i:03d}", combiner="mean"),
                                                max_ids_per_bag=4) for i in range(t)}
     ec = tte.EmbeddingCollection(features, device=device)
     head = torch.nn.Linear(16 * t, 1).to(device)
@@ -151,14 +159,16 @@ def count_ops(t: int, form: str) -> dict[str, Any]:
             "top": c.counts.most_common(8)}
 
 
-def trace_time(t: int, steps: int, flush_mb: int) -> dict[str, Any]:
+def trace_time(t: int, steps: int, flush_mb: int, scale: int = 1) -> dict[str, Any]:
+    """The XLA trace per step (see the module's text); ``scale``: the table's rows and the batch's bags that many
+    times the usual (1,000 rows, 256 bags), so that one feature brings the ids and rows of ``scale`` features."""
     import torch_xla
     import torch_xla.core.xla_model as xm
 
     dev = torch_xla.device()
-    ec, head, opts, names = build(t, dev)
-    data = batches(names, 4, "concat")
-    y = torch.zeros(256, device=dev)
+    ec, head, opts, names = build(t, dev, rows=1000 * scale)
+    data = batches(names, 4, "concat", batch=256 * scale)
+    y = torch.zeros(256 * scale, device=dev)
     junk = torch.zeros(flush_mb << 18) if flush_mb else None  # float32: 2**18 per MiB
     kinds: dict[str, list[tuple[float, float]]] = {"warm": [], "cold": []}
     for i in range(3 + (2 * steps if junk is not None else steps)):
@@ -186,7 +196,7 @@ def child(args: argparse.Namespace) -> None:
     t = args.child
     out: dict[str, Any] = {"T": t}
     if args.xla:
-        out.update(trace_time(t, args.steps, args.flush_mb))
+        out.update(trace_time(t, args.steps, args.flush_mb, args.scale))
     else:
         for form in ("dict", "concat", "kjt"):
             out[form] = count_ops(t, form)
@@ -209,7 +219,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="measured steps of each kind (warm, cold) per process")
     p.add_argument("--rounds", type=int, default=1, help="XLA processes per T, the T alternating")
     p.add_argument("--flush-mb", type=int, default=64, help="host buffer written before a cold step (0: none)")
+    p.add_argument("--same-ids", action="store_true",
+                   help="also trace T=1 with the ids and rows of the largest T (its bags and rows that many times)")
     p.add_argument("--no-xla", action="store_true")
+    p.add_argument("--scale", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--child", type=int, help=argparse.SUPPRESS)
     p.add_argument("--xla", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -227,11 +240,14 @@ def main() -> None:
         xenv = dict(env, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1")
         for _ in range(args.rounds):
             got = {}
-            for t in args.features:
+            runs: list[tuple[Any, int, int]] = [(t, t, 1) for t in args.features]
+            if args.same_ids and max(args.features) > 1:
+                runs.append((SAME, 1, max(args.features)))
+            for key, t, scale in runs:
                 cmd = [sys.executable, __file__, "--child", str(t), "--xla", "--steps", str(args.steps),
-                       "--flush-mb", str(args.flush_mb)]
+                       "--flush-mb", str(args.flush_mb), "--scale", str(scale)]
                 res = subprocess.run(cmd, env=xenv, check=True, capture_output=True, text=True)
-                got[t] = json.loads(res.stdout.strip().splitlines()[-1])
+                got[key] = json.loads(res.stdout.strip().splitlines()[-1])
             rounds.append(got)
     print(f"CPU: {cpu_model()}, torch {torch.__version__}, {os.cpu_count()} cores")
     print(f"{'T':>4} | {'dict ops':>8} {'reads':>5} {'dd':>3} | {'concat ops':>10} {'reads':>5} {'dd':>3} | "
@@ -252,23 +268,27 @@ def main() -> None:
     if not rounds:
         return
     kinds = [k for k in ("trace", "cold_trace") if f"{k}_ms" in rounds[0][lo]]
-    print(f"XLA trace per step, ms, median of {args.steps} steps per kind (wall; the Python thread's CPU in brackets)")
+    print(f"XLA trace per step, ms, median of {args.steps} steps per kind (wall; the Python thread's CPU in brackets)"
+          + (f"; {SAME}: T=1 with T={hi}'s ids and rows" if SAME in rounds[0] else ""))
     name = {"trace": "warm", "cold_trace": "cold"}
-    ratios: dict[str, list[tuple[float, float]]] = {k: [] for k in kinds}
+    ratios: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for n, got in enumerate(rounds, 1):
         cells = []
         for k in kinds:
-            ratios[k].append((got[hi][f"{k}_ms"] / got[lo][f"{k}_ms"],
-                              got[hi][f"{k}_cpu_ms"] / got[lo][f"{k}_cpu_ms"]))
-            cells.append(f"{name[k]} " + " / ".join(
-                f"T={t} {got[t][f'{k}_ms']:.2f} ({got[t][f'{k}_cpu_ms']:.2f})" for t in args.features)
-                + (f", T={hi}/T={lo} {ratios[k][-1][0]:.2f} ({ratios[k][-1][1]:.2f})" if hi > lo else ""))
+            shown = [*args.features, *([SAME] if SAME in got else [])]
+            cells.append(f"{name[k]} " + " / ".join(f"{'T=' if t != SAME else ''}{t} {got[t][f'{k}_ms']:.2f} "
+                                                    f"({got[t][f'{k}_cpu_ms']:.2f})" for t in shown))
+            for base in (lo, SAME):
+                if hi > lo and base in got:
+                    ratio = (got[hi][f"{k}_ms"] / got[base][f"{k}_ms"],
+                             got[hi][f"{k}_cpu_ms"] / got[base][f"{k}_cpu_ms"])
+                    ratios.setdefault((k, str(base)), []).append(ratio)
+                    cells[-1] += f", T={hi}/{'T=' if base != SAME else ''}{base} {ratio[0]:.2f} ({ratio[1]:.2f})"
         print(f"round {n}: " + "; ".join(cells))
     if hi > lo:
         print("goal: XLA trace T={}/T={} ≤ 1.5; median over rounds, wall (CPU): {}".format(hi, lo, ", ".join(
-            f"{name[k]} {statistics.median(w for w, _ in v):.2f} ({statistics.median(c for _, c in v):.2f})"
-            for k, v in ratios.items())))
-
+            f"{name[k]}{'' if base == str(lo) else ' against ' + base} {statistics.median(w for w, _ in v):.2f} "
+            f"({statistics.median(c for _, c in v):.2f})" for (k, base), v in ratios.items())))
 
 if __name__ == "__main__":
     main()

@@ -7,13 +7,14 @@ never scales their update. This one has the same signature and return value and 
 
 from __future__ import annotations
 
+import math
 import types
 import warnings
 from collections.abc import Iterable
 
 import torch
 
-from torch_tpu_embedding._rows.dedup import coalesce_rows, is_static_device, sync_free
+from torch_tpu_embedding._rows.dedup import coalesce_rows, is_static_device, sinks_sentinel
 from torch_tpu_embedding._rows.grads import refuse_stacked_view, table_info
 from torch_tpu_embedding._rows.placement import all_reduce_sum, process_group_placement, sync_row_grads
 from torch_tpu_embedding._rows.row_grad import RowGrad
@@ -155,24 +156,34 @@ def _summed_rows(p: Tensor, distinct: bool = False) -> Tensor | None:
     """A copy of ``p``'s pending row gradient with duplicate ids summed (float32 for a 16-bit table),
     for the norm; ``None`` without one. The pending rows themselves are left as they are. ``distinct``: only
     the rows of ids looked up (a negative ``norm_type`` sees a zero row: the sentinel tail a sync-free device
-    keeps on an eager accelerator is dropped, by a host read, as :func:`_has_zero_rows` reads)."""
+    keeps is dropped on an eager accelerator, by a host read, as :func:`_has_zero_rows` reads; on XLA its rows
+    are made ``+inf``)."""
     info = table_info(p)
     assert info is not None
     rg = info.row_grad
     if not rg:
         return None
     if rg.owned:
-        return _owned_rows(p)
+        return _owned_rows(p, distinct)
     ids, rows = rg.collect()
     uniq, summed = coalesce_rows(ids, rows.to(math_dtype(p)), p.shape[0])
-    eager_tail = sync_free(p.device) and not is_static_device(p.device)  # (XLA's left as it was)
-    return summed[uniq < p.shape[0]] if distinct and eager_tail else summed
+    if distinct and sinks_sentinel(p.device):
+        return summed[uniq < p.shape[0]]
+    return _no_tail(uniq, summed, p.shape[0]) if distinct and is_static_device(p.device) else summed
 
 
-def _owned_rows(p: Tensor) -> Tensor:
+def _no_tail(uniq: Tensor, summed: Tensor, sentinel: int) -> Tensor:
+    """``summed`` with the rows of XLA's sentinel tail made ``+inf``: static (a mask would compile a graph per
+    count), and such a row is no row's smallest ``|g|`` and adds 0 to a sum of ``|g|^p`` for ``p < 0`` (torch's
+    dense gradient holds no such row)."""
+    return torch.where((uniq < sentinel).unsqueeze(-1), summed, math.inf)
+
+
+def _owned_rows(p: Tensor, distinct: bool = False) -> Tensor:
     """As :func:`_summed_rows` for a table trained through the id exchange (SPMD, owner-local chunks
     ``ids [n, M]``, ``rows [n, M, D]``): duplicates are summed on each shard (a row lives on one shard),
-    in one manual-sharding region. A chunk whose lookup dropped ids counts zero, as in the step."""
+    in one manual-sharding region. A chunk whose lookup dropped ids counts zero, as in the step. ``distinct``:
+    each shard's sentinel tail made ``+inf`` (:func:`_no_tail`)."""
     info = table_info(p)
     assert info is not None and info.sharding is not None
     sharding = info.sharding
@@ -184,5 +195,5 @@ def _owned_rows(p: Tensor) -> Tensor:
                  rep: list[Tensor | None]) -> list[Tensor]:
         return list(coalesce_rows(inputs[0], inputs[1], sentinel))
 
-    _, summed = sharding.on_shards(on_shard, {}, {}, [ids, rows], [])
-    return summed
+    uniq, summed = sharding.on_shards(on_shard, {}, {}, [ids, rows], [])
+    return _no_tail(uniq, summed, sentinel) if distinct else summed

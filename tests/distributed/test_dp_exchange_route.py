@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from suite_helpers import free_port
 from test_data_parallel import assert_close, assert_replicas_equal
 
+from torch_tpu_embedding._rows.row_grad import RowGrad
 from torch_tpu_embedding.distributed import grad_sync
 
 WORLD = 2
@@ -87,3 +88,31 @@ def test_jagged_bags_are_counted_on_any_eager_device(ranks: list[dict[str, Any]]
     assert_replicas_equal([r["jagged"] for r in ranks])
     assert_close(ranks[0]["jagged"], W.reference("adagrad", torch.float64), 1e-10)
     assert all(lists == 1 for r in ranks for _, lists in r["jagged/reads"])  # counted every step
+
+
+@pytest.mark.parametrize("factored", [False, True])
+def test_the_counted_route_sends_each_distinct_id_once_on_an_accelerator(factored: bool) -> None:
+    """With "cuda" added to ``DEDUP_DEVICE_TYPES`` a CUDA rank takes the counted route, which sends each distinct
+    id once with its summed row and no padding (``U`` rows), as the CPU's: not the ``N`` entries of the
+    accelerator's static duplicate sum with its sentinel tail. A CUDA rank stood in for by the CPU with
+    ``HOST_READ_DEVICE_TYPES`` emptied (its sync-free step), the CPU's own counted route the reference
+    (bitwise: the same sums); ``factored``: an SGD gradient kept factored (summed piece by piece)."""
+    sentinel, world = 9, 2
+    p = torch.zeros(sentinel, 3, dtype=torch.float64)
+    ids = torch.tensor([4, 1, sentinel, 4, 8, sentinel, 1, 0])
+    rows = torch.arange(24, dtype=torch.float64).view(8, 3) * torch.tensor([[1.0], [2.0], [0.0], [3.0], [1.0],
+                                                                            [0.0], [5.0], [1.0]])
+
+    def sent() -> tuple[torch.Tensor, torch.Tensor]:
+        rg = RowGrad()
+        rg.add(ids, rows)
+        rg.keep_factored = factored
+        out = grad_sync._local_rows(p, rg, world, dedup=True, static=False)
+        assert out is not None
+        return out
+
+    cpu_ids, cpu_rows = sent()
+    with R.sync_free_step(True):
+        acc_ids, acc_rows = sent()
+    assert cpu_ids.tolist() == [0, 1, 4, 8]
+    assert torch.equal(acc_ids, cpu_ids) and torch.equal(acc_rows, cpu_rows), (acc_ids, acc_rows)

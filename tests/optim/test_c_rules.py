@@ -180,6 +180,34 @@ def test_the_loop_refuses_rows_outside_and_writes_nothing(lib: c_add.Library, na
     assert torch.equal(p, p0) and all(torch.equal(a, b) for a, b in zip(slots, s0, strict=True))
 
 
+@pytest.mark.parametrize("name", ["rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("bad", ["first_id_below", "last_id_above", "last_col_above"])
+def test_over_threads_a_refused_range_leaves_every_range_unwritten(lib: c_add.Library, name: str, bad: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two threads, one range each: an id or a gradient row outside in one range writes nothing in the other
+    either (a failed step changes nothing), whichever range it is in."""
+    monkeypatch.setattr(c_rules, "_MIN_ROWS_PER_THREAD", 64)  # (UNIQUE ids: two ranges of 150)
+    p, slots, ids, _ = _problem(name)
+    sums, _ = _factored(ids, weighted=False)
+    if bad == "first_id_below":
+        ids[0] = -1
+    elif bad == "last_id_above":
+        ids[-1] = ROWS
+    else:  # the last id's first contribution
+        sums.cols[int(sums.offsets[-2])] = sums.src.shape[0]
+    sums.ids = ids
+    p0, s0 = p.clone(), [s.clone() for s in slots]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(IndexError, match="outside"):
+            c_rules.run_rows(getattr(lib, name), p, slots, ids, sums, torch.empty(0, DIM),
+                             _hp(name, {}, torch.tensor(0.1), torch.tensor(1.0)))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(p, p0) and all(torch.equal(a, b) for a, b in zip(slots, s0, strict=True))
+
+
 # ------------------------------------------------------------------------------------------------- in training
 @pytest.fixture
 def kernel_path(monkeypatch: pytest.MonkeyPatch, lib: c_add.Library) -> Iterator[list[str]]:

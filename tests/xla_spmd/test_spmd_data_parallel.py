@@ -10,6 +10,7 @@ tables) as the CPU clips it. Run in its own process: PJRT_DEVICE=CPU CPU_NUM_DEV
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -110,3 +111,31 @@ def test_clip_grad_norm_of_a_routed_table() -> None:
     assert xla_norms == pytest.approx(cpu_norms, rel=1e-5)
     for k, v in cpu_state.items():
         torch.testing.assert_close(xla_state[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("norm_type", [-math.inf, -2.0], ids=["-inf", "-2"])
+def test_a_negative_norm_of_a_routed_table_sees_no_zero_row_of_the_tail(norm_type: float) -> None:
+    """A negative ``norm_type`` on a row-sharded table trained through the id exchange (owner-local chunks, each
+    shard's duplicate sum with a sentinel tail of zero rows): every row looked up, each summed row nonzero, the
+    norm is the CPU's (which equals torch's dense gradient's, tests/optim/test_clip.py), not 0."""
+
+    def build(device: torch.device) -> tte.EmbeddingCollection:
+        torch.manual_seed(0)
+        return tte.EmbeddingCollection({"f": tte.FeatureConfig(
+            tte.TableConfig(8, 2, name="t", placement="row", combiner="sum"), max_ids_per_bag=3)}, device=device)
+
+    xla = build(torch_xla.device())  # (sharded before any backward: the runtime starts first)
+    shard(xla, device_mesh())
+    assert table_info(xla.tables.t.weight).owner_local  # type: ignore[union-attr]
+    norms = []
+    for ec in (build(torch.device("cpu")), xla):
+        device = next(ec.parameters()).device
+        ids = torch.tensor([0, 1, 2, 3, 3, 4, 5, 6, 7, 7, 2])  # every row, duplicates
+        out = ec({"f": tte.Jagged(ids, lengths=torch.tensor([3, 2, 3, 0, 3]))})["f"]
+        (out * torch.tensor([[1.0, -2.0], [0.5, 3.0], [-1.5, 0.25], [4.0, 1.0], [2.0, 1.0]],
+                            device=device)).sum().backward()
+        if device.type == "xla":
+            assert table_info(ec.tables.t.weight).row_grad.owned  # type: ignore[union-attr]
+        norms.append(float(tte.clip_grad_norm_(ec.parameters(), 0.05, norm_type=norm_type).cpu()))
+    assert norms[0] > 0.05  # (the CPU's: no row of its dense gradient is 0)
+    assert norms[1] == pytest.approx(norms[0], rel=1e-6)

@@ -23,7 +23,7 @@ import torch
 
 __all__ = [
     "HOST_READ_DEVICE_TYPES", "coalesce_rows", "dedup_static", "drop_sentinel", "is_static_device", "sink_padding",
-    "sink_rows", "sync_free", "unique_ids",
+    "sink_rows", "sinks_sentinel", "sync_free", "unique_ids",
 ]
 
 #: Device types whose steps may read tensor values on the host (a read there waits for no device) and make
@@ -41,6 +41,15 @@ def sync_free(device: torch.device) -> bool:
     """Devices whose step reads no tensor value on the host and keeps static shapes: XLA, and eager
     accelerators (CUDA: each read is a host–device sync, and the host would wait for the device every step)."""
     return device.type not in HOST_READ_DEVICE_TYPES
+
+
+def sinks_sentinel(device: torch.device) -> bool:
+    """Devices whose step keeps the sentinel tail and writes it into the table's last row (the *sink row*,
+    :func:`sink_rows`, :func:`sink_padding`): the eager accelerators (CUDA), :func:`sync_free` but not XLA.
+
+    Both keep the tail (no host read of how many entries are real), but XLA's scatter drops an out-of-range
+    index, so the sentinel needs nothing there; CUDA's asserts on it, so there it must land on a real row."""
+    return sync_free(device) and not is_static_device(device)
 
 
 def dedup_static(ids: torch.Tensor, sentinel: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from torch_tpu_embedding._rows.dedup import coalesce_rows, is_static_device
+from torch_tpu_embedding._rows.dedup import coalesce_rows, is_static_device, sync_free
 from torch_tpu_embedding._rows.grads import table_info
 from torch_tpu_embedding._rows.row_grad import RowGrad
 from torch_tpu_embedding._rows.stock_guard import check_not_ddp_managed, ddp_message
@@ -181,10 +181,10 @@ def _local_rows(p: Tensor, rg: RowGrad, world: int, dedup: bool, static: bool) -
     sentinel, dtype = p.shape[0], math_dtype(p)  # float32 for 16-bit tables, as the update
     if static or not dedup:
         ids, rows = local.collect()
-    elif len(local) == 1 and not rg.keep_factored:
+    elif len(local) == 1 and not rg.keep_factored and not sync_free(p.device):
         ids, rows = local.collect()
         ids, rows = coalesce_rows(ids, rows.to(dtype), sentinel)
-    else:
+    else:  # (also an accelerator's one chunk: its coalesce_rows keeps all N entries, a sentinel tail)
         ids, inv = torch.unique(local.ids(), return_inverse=True)
         rows = torch.zeros(ids.shape[0], p.shape[1], dtype=dtype, device=p.device)
         for pos, _, part in local.pieces(_PIECE_ROWS):

@@ -37,7 +37,7 @@ from torch_tpu_embedding.distributed.state import (
     whole_from_saved,
     whole_to_saved,
 )
-from torch_tpu_embedding.modules.lookup import LookupBatch
+from torch_tpu_embedding.modules.lookup_batch import LookupBatch
 
 __all__ = ["GroupLookup", "LoadCounts", "ProcessGroupLayout"]
 

@@ -105,8 +105,8 @@ def _shifts(offsets: tuple[int, ...], sentinel: int, device: torch.device) -> tu
 
 @dataclasses.dataclass
 class _Item:
-    """One feature of an assembled batch, as :class:`~torch_tpu_embedding.modules.lookup.LookupBatch` lists
-    them for :func:`~torch_tpu_embedding.modules.lookup.side_by_side` (its position and activation shape)."""
+    """One feature of an assembled batch, as :class:`~torch_tpu_embedding.modules.lookup_batch.LookupBatch` lists
+    them for :func:`~torch_tpu_embedding.modules.lookup_batch.side_by_side` (its position and activation shape)."""
 
     out_shape: tuple[int, ...]
 
@@ -292,7 +292,7 @@ class AssembledBatch:
         return {path: piece for (path, _), piece in zip(self.items, pieces, strict=True)}
 
     def side_by_side(self) -> bool:
-        """Always (every feature is ``[B]`` bags): :func:`~torch_tpu_embedding.modules.lookup.side_by_side`."""
+        """Always (every feature is ``[B]`` bags): :func:`~torch_tpu_embedding.modules.lookup_batch.side_by_side`."""
         return True
 
     def run_side_by_side(self) -> torch.Tensor:

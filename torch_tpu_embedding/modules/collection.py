@@ -17,7 +17,7 @@ from torch_tpu_embedding._util.validation import check_device
 from torch_tpu_embedding.config import PLACEMENTS, FeatureConfig, TableConfig
 from torch_tpu_embedding.modules.ahead import AheadLookups
 from torch_tpu_embedding.modules.keyed import is_keyed, keyed_inputs
-from torch_tpu_embedding.modules.lookup import side_by_side
+from torch_tpu_embedding.modules.lookup_batch import side_by_side
 from torch_tpu_embedding.modules.plan import plan_lookups
 from torch_tpu_embedding.modules.prepared import PreparedFeatures
 from torch_tpu_embedding.modules.screening import DeviceScreen, overflow_problem, warn_unchecked_drops

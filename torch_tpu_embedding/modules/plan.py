@@ -18,7 +18,7 @@ from torch_tpu_embedding._util.nest import Path, pick
 from torch_tpu_embedding._util.validation import check_not_meta
 from torch_tpu_embedding.inputs import Padded, to_bags
 from torch_tpu_embedding.modules.assembly import AssembledBatch, signature
-from torch_tpu_embedding.modules.lookup import LookupBatch
+from torch_tpu_embedding.modules.lookup_batch import LookupBatch
 from torch_tpu_embedding.modules.prepared import NotAhead
 
 __all__ = ["plan_lookups"]

@@ -38,7 +38,7 @@ from torch_tpu_embedding._rows.row_grad import RowGrad
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding._util.nest import Path
 from torch_tpu_embedding.combiners import bag_gains
-from torch_tpu_embedding.modules.lookup import LookupBatch
+from torch_tpu_embedding.modules.lookup_batch import LookupBatch
 from torch_tpu_embedding.xla.exchange import Routing, exchange_grad, exchange_lookup
 from torch_tpu_embedding.xla.manual import Mesh, annotate, reshard, spec
 

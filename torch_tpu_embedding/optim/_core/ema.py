@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torch_tpu_embedding._rows.dedup import is_static_device, sink_rows, sync_free
+from torch_tpu_embedding._rows.dedup import is_static_device, sink_rows, sinks_sentinel
 from torch_tpu_embedding.optim._core.extras import ema_catch_up
 from torch_tpu_embedding.optim._core.rule_pipeline import gated
 from torch_tpu_embedding.optim._core.slots import RowSpace, lazy_table
@@ -64,7 +64,7 @@ def ema_rows(item: Work, space: RowSpace, ids: Tensor, w_old: Tensor, w_new: Ten
     mu = momentum_now(group, item.clock, p.device, w_new.dtype)
     avg, last = ema_row_update(avg0, last0, w_old, w_new, it, keep, mu, group["ema_momentum"])
     at = ids
-    if sync_free(p.device) and not is_static_device(p.device):  # the sentinel tail into the sink row (no XLA scatter)
+    if sinks_sentinel(p.device):  # the sentinel tail into the sink row
         at, avg = sink_rows(ids, avg, avg0, p.shape[0])
         last = sink_rows(ids, last, last0, p.shape[0])[1]
     state["ema"].index_copy_(0, where.at("ema", at), avg)

@@ -22,7 +22,14 @@ from typing import Any
 
 import torch
 
-from torch_tpu_embedding._rows.dedup import coalesce_rows, drop_sentinel, is_static_device, sink_padding, sync_free
+from torch_tpu_embedding._rows.dedup import (
+    coalesce_rows,
+    drop_sentinel,
+    is_static_device,
+    sink_padding,
+    sinks_sentinel,
+    sync_free,
+)
 from torch_tpu_embedding._rows.grads import table_info
 from torch_tpu_embedding._rows.placement import (
     TablePlacement,
@@ -199,7 +206,7 @@ def prepare(
         if k:
             rows = rows / k
         if path is Path.DENSE:  # a non-lazy table: every row updates, with g = 0 where not looked up
-            if sync_free(p.device) and not is_static_device(p.device):  # (XLA's scatter drops the sentinel tail)
+            if sinks_sentinel(p.device):
                 ids, rows = sink_padding(ids, rows, sentinel)
             g = torch.zeros_like(p).index_add_(0, ids, rows)
             ids = None

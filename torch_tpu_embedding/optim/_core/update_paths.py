@@ -51,6 +51,7 @@ from torch_tpu_embedding._rows.dedup import (
     is_static_device,
     sink_padding,
     sink_rows,
+    sinks_sentinel,
     sync_free,
     unique_ids,
 )
@@ -196,7 +197,7 @@ def _update_additive(item: Work) -> None:
         return
     small: list[tuple[Tensor, Tensor, bool]] = []  # pieces of fewer rows, added together (see flush)
 
-    sink = sync_free(p.device)  # (never XLA here: an eager accelerator, no read of which ids are padding)
+    sink = sinks_sentinel(p.device)  # (no read of which ids are padding)
 
     def add(ids: Tensor, rows: Tensor, padded: bool) -> None:
         if sink:
@@ -353,7 +354,7 @@ def _update_rows(item: Work, space: RowSpace, ids: Tensor, g: Tensor, seg: Tenso
         _write(state["step"], gated(gate, step, state["step"]))
     # An eager accelerator keeps the sentinel tail (no read of how many rows are real) and has no scatter that
     # drops it, as XLA's does: the tail is written into the last row with the value that row gets anyway.
-    sink = sync_free(p.device) and not is_static_device(p.device)
+    sink = sinks_sentinel(p.device)
 
     def copy_rows(dst: Tensor, name: str | None, value: Tensor, old: Tensor) -> None:
         at, value = sink_rows(ids, value, old, sentinel) if sink else (ids, value)

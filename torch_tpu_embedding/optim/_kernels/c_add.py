@@ -134,6 +134,7 @@ class Library(NamedTuple):
     sort_keys: Callable[..., None]
     gather: Callable[..., int]
     group_ids: Callable[..., int]
+    rows_ok: Callable[..., int]
     join_ids: Callable[..., int]
 
 
@@ -228,9 +229,11 @@ def _load(fd: int, path: str) -> Library:
     gather.argtypes, gather.restype = [ptr, ptr, i64, i64, ptr, i64], ctypes.c_int
     group = lib.tte_group_ids
     group.argtypes, group.restype = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr], i64
+    rows_ok = lib.tte_rows_ok
+    rows_ok.argtypes, rows_ok.restype = [ptr, i64, i64, ptr, ptr, i64, i64], ctypes.c_int
     join = lib.tte_join_ids
     join.argtypes, join.restype = [ptr, ptr, ptr, ptr, i64, i64, i64], ctypes.c_int
-    return Library(*fns, sort, gather, group, join)
+    return Library(*fns, sort, gather, group, rows_ok, join)
 
 
 def _build() -> Library:

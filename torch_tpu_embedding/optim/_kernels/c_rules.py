@@ -149,19 +149,28 @@ def run_rows(fn: Callable[..., int], p: Tensor, slots: list[Tensor], ids: Tensor
     threads = max(1, min(torch.get_num_threads(), n // _MIN_ROWS_PER_THREAD))
     bounds = [n * t // threads for t in range(threads + 1)]
     scratch = torch.empty(threads, dim, dtype=torch.float32)
+    ncols = 0 if cols is None else cols.shape[0]
+
+    def ranged(t: int) -> list[Any]:
+        """Range ``t``'s ``ids, n, rows, offsets, cols, ncols, srows``: ``rows_ok``'s arguments, the loops' too."""
+        a, b = bounds[t], bounds[t + 1]  # ids and offsets from a on (offsets index cols: absolute)
+        return [ids.data_ptr() + 8 * a, b - a, rows, None if offsets is None else offsets.data_ptr() + 8 * a,
+                None if cols is None else cols.data_ptr(), ncols, src.shape[0]]
 
     def part(t: int) -> int:
-        a, b = bounds[t], bounds[t + 1]
-        # ids and offsets from a on (offsets index cols: absolute); without offsets, src's rows from a on
-        src_ptr = src.data_ptr() + (0 if offsets is not None else 4 * a * src.stride(0))
-        args: list[Any] = [p.data_ptr(), *[s.data_ptr() for s in slots], rows, dim, ids.data_ptr() + 8 * a, b - a,
-                           None if offsets is None else offsets.data_ptr() + 8 * a,
-                           None if cols is None else cols.data_ptr(), None if weights is None else weights.data_ptr(),
-                           src_ptr, src.stride(0), 0 if cols is None else cols.shape[0], src.shape[0], hp.data_ptr(),
-                           scratch[t].data_ptr()]
-        return fn(*args)
+        ids_at, count, _, offsets_at, cols_at, _, srows = ranged(t)
+        # without offsets, src's rows from the range's first id on
+        src_ptr = src.data_ptr() + (0 if offsets is not None else 4 * bounds[t] * src.stride(0))
+        return fn(p.data_ptr(), *[s.data_ptr() for s in slots], rows, dim, ids_at, count, offsets_at, cols_at,
+                  None if weights is None else weights.data_ptr(), src_ptr, src.stride(0), ncols, srows,
+                  hp.data_ptr(), scratch[t].data_ptr())
 
-    if any(in_parallel(part, threads)):
+    lib = c_add.loaded()  # (fn is one of its loops)
+    assert lib is not None
+    # Each loop checks its own range before writing it. Over threads every range is checked first: one range
+    # refused after another was written would leave the step half applied (a failed step changes nothing).
+    if (threads > 1 and not all(in_parallel(lambda t: int(lib.rows_ok(*ranged(t))), threads))) \
+            or any(in_parallel(part, threads)):
         raise IndexError(f"an id to update is outside the table's {rows} rows, or a gradient row outside the "
                          f"{src.shape[0]} given (an internal error: ids are checked at the lookup)")
     for t in (p, *slots):

@@ -79,6 +79,13 @@ static int tte_ids_ok(const int64_t *restrict ids, int64_t n, int64_t rows, cons
   return 1;
 }
 
+/* tte_ids_ok on its own: c_rules checks every thread's range before any thread writes (each loop below checks
+   only its own range before writing). */
+int tte_rows_ok(const int64_t *restrict ids, int64_t n, int64_t rows, const int64_t *restrict offsets,
+                const int64_t *restrict cols, int64_t ncols, int64_t srows) {
+  return tte_ids_ok(ids, n, rows, offsets, cols, ncols, srows);
+}
+
 /* RowWiseAdagrad (rowwise_adagrad_rule) on ids[0:n], hp = {lr, eps, weight_decay}: g <- g + wd*w;
    m <- m + mean(g*g); w <- w - (lr*g) / (sqrt(m) + eps), the sum of g*g in 16 lanes over the whole blocks of 16,
    halved 8, 4, 2, 1, then the rest added in order. g: d floats of scratch. -1 (nothing written) if an id is

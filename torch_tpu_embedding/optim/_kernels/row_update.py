@@ -49,7 +49,7 @@ import torch
 import torch.fx.experimental._config as fx_config
 from torch.utils.weak import WeakIdKeyDictionary
 
-from torch_tpu_embedding._rows.dedup import sink_rows, sync_free
+from torch_tpu_embedding._rows.dedup import sink_rows, sinks_sentinel
 from torch_tpu_embedding._rows.grads import table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding._util.env import env_setting, switched_on
@@ -233,8 +233,8 @@ def _key(item: Work, names: tuple[str, ...]) -> tuple[Any, ...]:
 
 
 def _sink(p: Tensor) -> bool:
-    """``p``'s update keeps the sentinel tail (an eager accelerator: ``_rows.dedup.sync_free``)."""
-    return sync_free(p.device)
+    """``p``'s update keeps the sentinel tail and writes it into the sink row (``_rows.dedup.sinks_sentinel``)."""
+    return sinks_sentinel(p.device)
 
 
 def _build(item: Work, names: tuple[str, ...]) -> Callable[..., list[Tensor]]:

@@ -61,7 +61,6 @@ OPTIMIZERS = {
     "rowwise_adagrad_clipnorm": lambda ps: tte.optim.RowWiseAdagrad(ps, lr=0.1, clipnorm=0.5),
     "lazy_adam": lambda ps: tte.optim.LazyAdam(ps, lr=0.01),
     "sgd": lambda ps: tte.optim.SGD(ps, lr=0.5),
-    "adagrad": lambda ps: tte.optim.Adagrad(ps, lr=0.1),
 }
 
 
@@ -159,3 +158,16 @@ def test_the_full_mean_gain_is_filled_in_one_op(dtype: torch.dtype) -> None:
     assert ops.counts["full"] == 1 and ops.counts["reciprocal"] == 0 and ops.counts["_local_scalar_dense"] == 0, \
         ops.counts
     assert full_mean_gain(9, dtype) == float(bag_gains(ids >= 0, None, "mean", dtype)[0, 0])
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_the_reference_path_trains_bitwise_as_the_per_bag_path(broadcast: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No kernel path (rows multiplied out as the reference update takes them; no compile under the op counter)."""
+    monkeypatch.setattr(row_update, "_ENABLED", False)
+    for make in (OPTIMIZERS["rowwise_adagrad"], lambda ps: tte.optim.Adagrad(ps, lr=0.1)):
+        got, _ = _train(make, "mean", broadcast)
+        with monkeypatch.context() as m:
+            _per_bag_path(m)
+            want, _ = _train(make, "mean", broadcast)
+        for k, v in want.items():
+            assert torch.equal(got[k], v), k

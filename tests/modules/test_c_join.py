@@ -156,3 +156,41 @@ def test_cached_plans_with_the_c_join(lib: c_add.Library, name: str, change: Any
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """test_cached_plan's changed forms between replayed steps, with the library loaded (the C join taken)."""
     test_another_signature_plans_afresh(name, change, monkeypatch)
+
+
+def test_join_ids_reads_the_ids_values_not_their_memory(lib: c_add.Library) -> None:
+    """A tensor whose values are not its memory as it lies (a negative view: memory ``x``, values ``-x``) is joined
+    as its values, by the torch ops: the C pass, reading memory, took ids ``x`` of the table where the values are
+    negative and the torch ops raise."""
+    ids = torch.randint(1, 10, (8, 3))
+    neg = torch._neg_view(ids)  # values -ids, out of every table's range
+    assert join_ids([ids, neg], (8, 3), [0, 10], [10, 10]) is None
+    back = torch._neg_view(-ids)  # values ids, memory -ids
+    got = join_ids([back], (8, 3), [5], [10])
+    assert got is None or torch.equal(got, ids.unsqueeze(1) + 5)
+
+
+def test_join_ids_leaves_a_tensor_without_memory_to_torch(lib: c_add.Library) -> None:
+    """A zero tensor (``_efficientzerotensor``: no storage, ``data_ptr()`` 0) is not read through its null pointer
+    (which crashed the process): the torch ops join its zeros."""
+    zeros = torch._efficientzerotensor((8, 3), dtype=torch.int64)
+    got = join_ids([zeros], (8, 3), [4], [10])
+    assert got is None or torch.equal(got, torch.full((8, 1, 3), 4))
+
+
+def test_a_negative_view_of_ids_raises_the_features_own_error(lib: c_add.Library,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The group's join of a feature given a negative view (values out of range, memory in range) raises the
+    feature's own error, as the torch ops' join does, instead of looking up the rows its memory names."""
+    ec = _model(True)
+    ec(_batch(True, 0))
+    batch = _batch(True, 1)
+    batch["f1"] = tte.Padded(torch._neg_view(batch["f1"].ids.clamp(min=1)))
+    with monkeypatch.context() as m:
+        m.setattr(assembly, "join_ids", lambda *args: None)
+        with pytest.raises(Exception) as want:
+            ec(batch)
+    with pytest.raises(Exception) as got:
+        ec(batch)
+    assert type(got.value) is type(want.value) and str(got.value) == str(want.value)
+    assert "f1" in str(got.value)

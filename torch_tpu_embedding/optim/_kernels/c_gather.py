@@ -68,15 +68,17 @@ def join_ids(values: Sequence[Tensor], shape: tuple[int, ...], shifts: Sequence[
     """``F`` features' ids, each of ``shape`` (``[B, L]``, or ``[B]``: ``L`` is 1), side by side as ``[B, F, L]``
     int64, feature ``f``'s plus ``shifts[f]``, by one C pass that checks each id (before its shift) to lie in
     ``[0, vocabs[f])``. ``None`` where that does not apply (the library not loaded, ``torch.compile``, a value not a
-    contiguous int64 CPU tensor of ``shape``, no ids) or an id is outside its range: the caller then joins, checks
-    and shifts with torch ops (``torch.stack``, ``aminmax``, ``add``), to the same ids, and raises its own error."""
+    contiguous int64 CPU tensor of ``shape`` whose memory holds its values, no ids) or an id is outside its range:
+    the caller then joins, checks and shifts with torch ops (``torch.stack``, ``aminmax``, ``add``), to the same ids,
+    and raises its own error."""
     lib = None if torch.compiler.is_compiling() else c_add.loaded()
     if lib is None or not values or len(shape) not in (1, 2):
         return None
     b, width = shape[0], shape[1] if len(shape) == 2 else 1
     for v in values:
         if (type(v) is not torch.Tensor or v.dtype != torch.int64 or v.device.type != "cpu"
-                or v.layout != torch.strided or v.shape != shape or not v.is_contiguous() or v.is_nested):
+                or v.layout != torch.strided or v.shape != shape or not v.is_contiguous() or v.is_nested
+                or v.is_neg() or v._is_zerotensor()):  # (values that are not the memory read, or no memory)
             return None
     f = len(values)
     if not b * width or len(shifts) != f or len(vocabs) != f:

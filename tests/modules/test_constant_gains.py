@@ -7,6 +7,7 @@ result is bitwise the one the per-bag path gives, and the step dispatches fewer 
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -171,3 +172,18 @@ def test_the_reference_path_trains_bitwise_as_the_per_bag_path(broadcast: bool, 
             want, _ = _train(make, "mean", broadcast)
         for k, v in want.items():
             assert torch.equal(got[k], v), k
+
+
+def test_full_mean_bags_of_width_0_carry_no_infinite_gain() -> None:
+    """Bags of width 0 have no id, hence no gain: their per-bag rows are 0 as on the per-bag path (``amax`` over no
+    gain), not ``grad_out · 1 / 0`` (``inf``, ``nan`` where the gradient is 0), which ``1 / L`` made of ``L = 0``."""
+    weight = torch.randn(10, 4, requires_grad=True)
+    for grad_out in (torch.randn(5, 4), torch.zeros(5, 4), torch.ones(1, 1).expand(5, 4)):
+        rows = RowGrad()
+        rows.keep_factored = True
+        (out,) = bags_lookup(weight, torch.empty(5, 0, dtype=torch.int64), None, "mean", rows, {"t"}, full=True)
+        out.backward(grad_out)
+        ((_, bag),) = rows.chunks()
+        assert isinstance(bag, BagRows)
+        assert bag.constant is None or math.isfinite(bag.constant)
+        assert torch.equal(bag.per_bag(), torch.zeros(5, 4))

@@ -282,8 +282,10 @@ def bags_lookup(
     if full and w is None and (ids.shape[1] == 1 or combiner == "sum"):
         # No padding and no weights (dense ids): every gain is 1, as bag_gains would find (no pass over the ids)
         gains = torch.ones(ids.shape, dtype=compute_dtype(dtype), device=ids.device)
-    elif full and w is None and combiner == "mean" and ids.device.type == "cpu" and not torch.compiler.is_compiling():
+    elif full and w is None and combiner == "mean" and ids.shape[1] and ids.device.type == "cpu" \
+            and not torch.compiler.is_compiling():
         # Every gain is bag_gains' 1 / L (its reciprocal of the count, the same op, once per L): one fill, no passes
+        # (L = 0: no gain at all, where 1 / 0 would make the backward's per-bag rows inf)
         constant = full_mean_gain(ids.shape[1], dtype)
         gains = torch.full(ids.shape, constant, dtype=compute_dtype(dtype))
     else:  # (padding holds the sentinel: Bags)

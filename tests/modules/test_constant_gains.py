@@ -161,19 +161,6 @@ def test_the_full_mean_gain_is_filled_in_one_op(dtype: torch.dtype) -> None:
     assert full_mean_gain(9, dtype) == float(bag_gains(ids >= 0, None, "mean", dtype)[0, 0])
 
 
-@pytest.mark.parametrize("broadcast", [True, False])
-def test_the_reference_path_trains_bitwise_as_the_per_bag_path(broadcast: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """No kernel path (rows multiplied out as the reference update takes them; no compile under the op counter)."""
-    monkeypatch.setattr(row_update, "_ENABLED", False)
-    for make in (OPTIMIZERS["rowwise_adagrad"], lambda ps: tte.optim.Adagrad(ps, lr=0.1)):
-        got, _ = _train(make, "mean", broadcast)
-        with monkeypatch.context() as m:
-            _per_bag_path(m)
-            want, _ = _train(make, "mean", broadcast)
-        for k, v in want.items():
-            assert torch.equal(got[k], v), k
-
-
 def test_full_mean_bags_of_width_0_carry_no_infinite_gain() -> None:
     """Bags of width 0 have no id, hence no gain: their per-bag rows are 0 as on the per-bag path (``amax`` over no
     gain), not ``grad_out · 1 / 0`` (``inf``, ``nan`` where the gradient is 0), which ``1 / L`` made of ``L = 0``."""

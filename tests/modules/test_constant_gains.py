@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+from test_broadcast_gradient import OPTIMIZERS, kernel_path  # noqa: F401 (a fixture)
 from test_stacked_groups import _CountOps
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding._rows.grads import BagRows, RowGrad
 from torch_tpu_embedding.combiners import bag_gains, full_mean_gain
 from torch_tpu_embedding.modules.lookup import bags_lookup
-from torch_tpu_embedding.optim._kernels import c_add, c_rules, row_update
+from torch_tpu_embedding.optim._kernels import c_rules
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
@@ -45,24 +45,6 @@ def test_a_constant_gain_per_bag_is_bitwise_the_amax_path(dtype: torch.dtype, co
             BagRows(gains, grad_out, uniform=True, constant=constant).per_bag(out=out)
             BagRows(gains, grad_out, uniform=True).per_bag(out=out_want)
             assert torch.equal(out, out_want)
-
-
-@pytest.fixture
-def kernel_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    if c_add.library() is None:
-        pytest.skip("no C compiler builds the library here")
-    monkeypatch.setattr(row_update, "_ENABLED", True)
-    before = row_update.set_policy(0, 0)
-    yield
-    row_update.set_policy(*before)
-
-
-OPTIMIZERS = {
-    "rowwise_adagrad": lambda ps: tte.optim.RowWiseAdagrad(ps, lr=0.1, weight_decay=0.01),
-    "rowwise_adagrad_clipnorm": lambda ps: tte.optim.RowWiseAdagrad(ps, lr=0.1, clipnorm=0.5),
-    "lazy_adam": lambda ps: tte.optim.LazyAdam(ps, lr=0.01),
-    "sgd": lambda ps: tte.optim.SGD(ps, lr=0.5),
-}
 
 
 def _train(make: Any, combiner: str, broadcast: bool, freeze: bool = False, steps: int = 3
@@ -100,10 +82,11 @@ def _per_bag_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(RowGrad, "add_bags", add_bags)
 
 
+@pytest.mark.usefixtures("kernel_path")
 @pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("combiner", ["mean", "sqrtn"])
 @pytest.mark.parametrize("broadcast", [True, False])
-def test_full_bags_train_bitwise_as_the_per_bag_path(kernel_path: None, opt: str, combiner: str, broadcast: bool,
+def test_full_bags_train_bitwise_as_the_per_bag_path(opt: str, combiner: str, broadcast: bool,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     got, counts = _train(OPTIMIZERS[opt], combiner, broadcast)
     with monkeypatch.context() as m:
@@ -117,9 +100,10 @@ def test_full_bags_train_bitwise_as_the_per_bag_path(kernel_path: None, opt: str
             assert counts["amax"] == 0, counts
 
 
+@pytest.mark.usefixtures("kernel_path")
 @pytest.mark.parametrize("opt", ["rowwise_adagrad", "lazy_adam"])
-def test_a_frozen_member_keeps_the_per_bag_path_and_trains_bitwise_alike(kernel_path: None, opt: str,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_frozen_member_keeps_the_per_bag_path_and_trains_bitwise_alike(opt: str, monkeypatch: pytest.MonkeyPatch
+                                                                        ) -> None:
     """A frozen member's gains are 0 in its bags: not one gain for all, so those rows take ``amax``."""
     got, counts = _train(OPTIMIZERS[opt], "mean", True, freeze=True)
     with monkeypatch.context() as m:
@@ -130,7 +114,8 @@ def test_a_frozen_member_keeps_the_per_bag_path_and_trains_bitwise_alike(kernel_
     assert counts["amax"] > 0
 
 
-def test_the_row_loop_reads_one_broadcast_row(kernel_path: None, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.usefixtures("kernel_path")
+def test_the_row_loop_reads_one_broadcast_row(monkeypatch: pytest.MonkeyPatch) -> None:
     """``loss = out.sum()`` over full mean bags: the C row loop gets the gradient as one row (row stride 0), no
     ``[B·F, D]`` of per-bag rows is written."""
     strides: list[int] = []

@@ -251,6 +251,43 @@ def test_a_failed_compile_warns_once_and_runs_the_reference_path(built_before: b
         assert torch.equal(a, b) and all(torch.equal(sa[n], sb[n]) for n in sa)
 
 
+@needs_compiler
+def test_a_step_under_a_dispatch_mode_updates_its_rows_once_on_the_reference_path(kernel_on: None,
+                                                                                   monkeypatch: pytest.MonkeyPatch
+                                                                                   ) -> None:
+    """A step under a TorchDispatchMode (torch's FLOP counter, as a user measuring a step has it): its rows are
+    updated once, on the reference path, bitwise as there; the steps after it compile and run the kernel. The
+    mode over the process's first compile and over a step after it. (torch 2.13 runs no compiled code under a
+    mode: it ran the kernel's Python eagerly, which wrote the rows, then raised: a caught first compile wrote the
+    rows twice and turned the kernel path off for the process; a later step raised half applied.)"""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = next(c for c in cases(KERNEL_PATH) if c.id == "adagrad")
+    monkeypatch.setattr(row_update, "_KERNELS", {})
+    monkeypatch.setattr(row_update, "_NO_COMPILER", False)
+    got, ref = model(cfg, torch.float32), model(cfg, torch.float32)
+    for s in range(4):
+        under = s in (0, 2)
+        if under:
+            with FlopCounterMode(display=False):
+                ran = step(*got, s, 1.0, kernel=True)
+            assert Path.KERNEL not in ran and Path.ROW_CHUNKS in ran, (s, ran)
+        else:
+            ran = step(*got, s, 1.0, kernel=True)
+            assert Path.KERNEL in ran, (s, ran)
+        step(*ref, s, 1.0, kernel=False)
+        pairs = list(zip(_tensors(*got), _tensors(*ref), strict=True))
+        if under:  # the same path from the same state
+            assert all(torch.equal(a, b) and all(torch.equal(sa[n], sb[n]) for n in sa) for (a, sa), (b, sb) in pairs)
+        assert_same(got, ref, f"call {s}")
+        with torch.no_grad():  # (each call from the same state, as run_lockstep)
+            for (a, sa), (b, sb) in pairs:
+                a.copy_(b)
+                for n in sa:
+                    sa[n].copy_(sb[n])
+    assert not row_update._NO_COMPILER and row_update.compiled_kernels() >= 1
+
+
 def test_without_a_cxx_compiler_one_warning_and_the_reference_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """inductor's compiler set to one that does not exist (as on a machine without g++): the first
     step warns once and every optimizer runs the reference path, no compile attempted; results are

@@ -306,7 +306,8 @@ def update(item: Work) -> bool:
     """Run ``item``'s row update (unique ids, no sentinel; on an accelerator the static ids of
     ``dedup_static``, sentinel tail included) as update kernel calls; ``False`` if no
     kernel could be compiled, fewer than 2 rows were touched (dynamic shapes specialise sizes 0 and 1,
-    and such a step is no work to speed up), or :func:`policy` keeps this step on the reference path:
+    and such a step is no work to speed up), a ``TorchDispatchMode`` is active, or :func:`policy` keeps this
+    step on the reference path:
     the caller then runs the reference path on ``item.ids`` and ``item.g`` (the rows not yet updated).
 
     With ``item.sums`` (the factored gradient, sorted) the summed rows are made and updated a range of
@@ -315,6 +316,12 @@ def update(item: Work) -> bool:
     p, group, state, ids = item.p, item.group, item.state, item.ids
     assert ids is not None
     if ids.shape[0] < 2 or warming_up(item):
+        return _to_reference(item)
+    if torch._C._len_torch_dispatch_stack():
+        # A TorchDispatchMode is active (the user's FLOP or op counter, say). Newer torch (2.13) does not run
+        # compiled code under one: dynamo skips the frame, runs the kernel's Python eagerly, which writes the
+        # rows, and then raises. Caught here, that step's rows were written twice; uncaught, the step failed
+        # half applied. The reference path runs the same rule op by op, and the mode sees its ops.
         return _to_reference(item)
     names = tuple(rule_slots(p, group))
     key = _key(item, names)

@@ -271,6 +271,15 @@ class _JaggedLookup(torch.autograd.Function):
         return None, None, grad_gains, None, None, None, None, None
 
 
+def _trained(weight: torch.Tensor, tables: set[str]) -> tuple[torch.Tensor | None, frozenset[str]]:
+    """``weight``'s frozen rows (``[R]`` bool, or ``None``) and those of ``tables`` that train (a stacked group's
+    frozen members left out): what :func:`lookup` takes as ``frozen`` and ``tables``."""
+    info = table_info(weight)
+    if info is None:
+        return None, frozenset(tables)
+    return info.frozen_rows, frozenset(tables) - info.frozen_tables
+
+
 def bags_lookup(
     weight: torch.Tensor, ids: torch.Tensor, w: torch.Tensor | None, combiner: str, row_grad: RowGrad,
     tables: set[str], full: bool, splits: tuple[int, ...] | None = None, columns: int = 0,
@@ -290,9 +299,7 @@ def bags_lookup(
         gains = torch.full(ids.shape, constant, dtype=compute_dtype(dtype))
     else:  # (padding holds the sentinel: Bags)
         gains = bag_gains(ids != weight.shape[0], w, combiner, dtype)
-    info = table_info(weight)
-    frozen = None if info is None else info.frozen_rows
-    training = frozenset(tables) - (info.frozen_tables if info is not None else frozenset())
+    frozen, training = _trained(weight, tables)
     return lookup(weight, ids, gains, row_grad, training, frozen, splits, unit=combiner == "sum" and w is None,
                   uniform=w is None, full=full, columns=columns, constant=constant)
 
@@ -304,9 +311,7 @@ def jagged_lookup(
     """The pooled ``[N, D]`` lookup of jagged bags (eager devices): ``ids [nnz]`` in bag order with per-id
     weights ``w`` (or ``None``) under ``combiner``, ``bag [nnz]`` each id's bag, ``offsets [N+1]``; for
     ``tables`` (those frozen in a stacked group get no rows), as :func:`bags_lookup` for padded bags."""
-    info = table_info(weight)
-    frozen = None if info is None else info.frozen_rows
-    training = frozenset(tables) - (info.frozen_tables if info is not None else frozenset())
+    frozen, training = _trained(weight, tables)
     gains = jagged_gains(bag, offsets.numel() - 1, w, combiner, weight.dtype)
     check_not_ddp_managed(weight)
     out: torch.Tensor = _JaggedLookup.apply(  # type: ignore[no-untyped-call]

@@ -229,19 +229,14 @@ def _key(item: Work, names: tuple[str, ...]) -> tuple[Any, ...]:
     hp = tuple(sorted((k, repr(v)) for k, v in group.items() if k not in _NOT_HP | _NOT_IN_KERNEL))
     slot_dtypes = tuple(state[k].dtype for k in names)
     return (rule.__module__, rule.__qualname__, hp, p.device.type, p.dtype, p.dim(), slot_dtypes,
-            item.gate is not None, torch.get_num_threads(), _sink(p))
-
-
-def _sink(p: Tensor) -> bool:
-    """``p``'s update keeps the sentinel tail and writes it into the sink row (``_rows.dedup.sinks_sentinel``)."""
-    return sinks_sentinel(p.device)
+            item.gate is not None, torch.get_num_threads(), sinks_sentinel(p.device))
 
 
 def _build(item: Work, names: tuple[str, ...]) -> Callable[..., list[Tensor]]:
     group = item.group
     rule_hp = {k: v for k, v in group.items() if k not in _NOT_HP}
     src = _kernel_source(rule_hp, names, math_dtype(item.p), item.gate is not None, bool(group["use_ema"]),
-                         _sink(item.p))
+                         sinks_sentinel(item.p.device))
     # A code object of its own per configuration: torch.compile keeps its compiled graphs per code
     # object, and a shared one would count every configuration against one recompile limit.
     code = src.__code__.replace(co_name=f"kernel_rows_{group['algorithm']}_{len(_KERNELS)}")

@@ -271,19 +271,23 @@ def main() -> None:
     print(f"XLA trace per step, ms, median of {args.steps} steps per kind (wall; the Python thread's CPU in brackets)"
           + (f"; {SAME}: T=1 with T={hi}'s ids and rows" if SAME in rounds[0] else ""))
     name = {"trace": "warm", "cold_trace": "cold"}
+
+    def label(t: Any) -> str:  # a T, or the same-ids run
+        return str(t) if t == SAME else f"T={t}"
+
     ratios: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for n, got in enumerate(rounds, 1):
         cells = []
         for k in kinds:
             shown = [*args.features, *([SAME] if SAME in got else [])]
-            cells.append(f"{name[k]} " + " / ".join(f"{'T=' if t != SAME else ''}{t} {got[t][f'{k}_ms']:.2f} "
-                                                    f"({got[t][f'{k}_cpu_ms']:.2f})" for t in shown))
+            cells.append(f"{name[k]} " + " / ".join(f"{label(t)} {got[t][f'{k}_ms']:.2f} ({got[t][f'{k}_cpu_ms']:.2f})"
+                                                    for t in shown))
             for base in (lo, SAME):
                 if hi > lo and base in got:
                     ratio = (got[hi][f"{k}_ms"] / got[base][f"{k}_ms"],
                              got[hi][f"{k}_cpu_ms"] / got[base][f"{k}_cpu_ms"])
                     ratios.setdefault((k, str(base)), []).append(ratio)
-                    cells[-1] += f", T={hi}/{'T=' if base != SAME else ''}{base} {ratio[0]:.2f} ({ratio[1]:.2f})"
+                    cells[-1] += f", {label(hi)}/{label(base)} {ratio[0]:.2f} ({ratio[1]:.2f})"
         print(f"round {n}: " + "; ".join(cells))
     if hi > lo:
         print("goal: XLA trace T={}/T={} ≤ 1.5; median over rounds, wall (CPU): {}".format(hi, lo, ", ".join(

@@ -18,6 +18,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+import torch
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding._util import heap, huge_pages, registry
@@ -246,3 +247,22 @@ def test_reliability_case_counts(pattern: str, test_file: str, cases: str) -> No
     """reliability.md's counts of the cases these tests are parametrized over."""
     m = found(pattern, "docs/reliability.md")[0]
     assert int(m[1]) == len(getattr(load_script(test_file), cases))
+
+
+# ------------------------------------------------------------------ configs
+@pytest.mark.parametrize("doc", ["docs/configs.md", "docs/optimizers.md"])
+def test_optimizer_names_a_table_config_accepts(doc: str) -> None:
+    """The names ``TableConfig(optimizer=...)`` accepts, as configs.md and optimizers.md list them."""
+    listed = found(r"`((?:'\w+' \\?\| )+'\w+')`", doc)[0]
+    assert tuple(re.findall(r"'(\w+)'", listed[1])) == registry.OPTIMIZER_NAMES
+
+
+def test_config_dtypes_and_combiners() -> None:
+    """configs.md's table: the dtypes a table may have and the combiners, as ``TableConfig`` checks them."""
+    from torch_tpu_embedding import config
+
+    dtypes = found(r"\| `dtype` \| float32 \(default\), ((?:\w+, )+\w+) \|", "docs/configs.md")[0]
+    assert ["float32", *dtypes[1].split(", ")] == [str(d).removeprefix("torch.") for d in config._FLOAT_DTYPES]
+    combiners = found(r"\| `combiner` \| `\"(\w+)\"` \(default\), ((?:`\"\w+\"`, )+`\"\w+\"`);", "docs/configs.md")[0]
+    assert [combiners[1], *re.findall(r"\"(\w+)\"", combiners[2])] == list(config.COMBINERS)
+    assert config.TableConfig(4, 2).combiner == combiners[1] and config.TableConfig(4, 2).dtype == torch.float32

@@ -22,7 +22,7 @@ import torch
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding._util import heap, huge_pages, registry
-from torch_tpu_embedding.checkpoint import publish
+from torch_tpu_embedding.checkpoint import logical_rows, publish
 from torch_tpu_embedding.config import DEFAULT_REPLICATE_BELOW_BYTES
 from torch_tpu_embedding.optim._core import update_paths
 from torch_tpu_embedding.optim._kernels import row_update
@@ -128,6 +128,11 @@ def test_checkpoint_load_budget() -> None:
     assert float(buffer[1]) * MIB == publish.BUFFER == publish.CHUNK - publish.RESERVE
     reserve = found(r"`RESERVE` \((\d+) KiB\)", "docs/checkpoints.md")[0]
     assert int(reserve[1]) * 1024 == publish.RESERVE
+    window = found(r"a mapping of at most (\d+) MiB that `window_rows` sizes, .* and ([\d.]+) MiB charged for the "
+                   r"ownership's temporaries, computed (\d+) ids at a time", "docs/checkpoints.md")[0]
+    assert int(window[1]) * MIB == logical_rows.WINDOW_BYTES
+    assert float(window[2]) * MIB == logical_rows._PIECE * logical_rows._LOCATE_BYTES
+    assert int(window[3]) == logical_rows._PIECE
 
 
 # ------------------------------------------------------------------ placement on a mesh

@@ -271,3 +271,12 @@ def test_config_dtypes_and_combiners() -> None:
     combiners = found(r"\| `combiner` \| `\"(\w+)\"` \(default\), ((?:`\"\w+\"`, )+`\"\w+\"`);", "docs/configs.md")[0]
     assert [combiners[1], *re.findall(r"\"(\w+)\"", combiners[2])] == list(config.COMBINERS)
     assert config.TableConfig(4, 2).combiner == combiners[1] and config.TableConfig(4, 2).dtype == torch.float32
+
+
+def test_meta_build_chunk() -> None:
+    """guide.md: a table built on the meta device is drawn 4 MiB of rows at a time (``CHUNK_BYTES``)."""
+    from torch_tpu_embedding.modules import deferred_init
+
+    m = found(r"(\d+) MiB of rows at a time \(`torch_tpu_embedding\.modules\.deferred_init\.CHUNK_BYTES`\)",
+              "docs/guide.md")[0]
+    assert int(m[1]) * MIB == deferred_init.CHUNK_BYTES

@@ -280,3 +280,21 @@ def test_meta_build_chunk() -> None:
     m = found(r"(\d+) MiB of rows at a time \(`torch_tpu_embedding\.modules\.deferred_init\.CHUNK_BYTES`\)",
               "docs/guide.md")[0]
     assert int(m[1]) * MIB == deferred_init.CHUNK_BYTES
+
+
+def test_exchange_bytes_follow_the_default_capacity() -> None:
+    """sharding.md's measured exchange bytes per device are ``n·k · (4 + 2·64·4)`` plus 24 bytes of scalar
+    all-reduces with ``k = default_capacity(N, n)``: if the capacity rule changes, these HLO figures are
+    stale (rerun ``benchmarks/spmd_scaling.py``)."""
+    per_slot = 4 + 2 * 64 * 4
+    row = found(r"\| (\d) \| ([\d,]+) \(k = (\d+)\) \| [\d,]+ \(k = \d+\) \|", "docs/sharding.md", count=3)
+    for m in row:
+        n, k = int(m[1]), int(m[3])
+        assert k == default_capacity(576, n) and number(m[2]) == n * k * per_slot + 24, m[0]
+    for examples, pattern in [(256, r"\(`N = 2,304`\), the default capacity gives ([\d,]+), ([\d,]+) and ([\d,]+) bytes"),
+                              (1024, r"\(`N = 9,216`, the per-chip batch of the pod below\) ([\d,]+), ([\d,]+) and "
+                                     r"([\d,]+):")]:
+        m = found(pattern, "docs/sharding.md")[0]
+        big_n = 9 * examples
+        assert [number(m[i]) for i in (1, 2, 3)] == [
+            n * default_capacity(big_n, n) * per_slot + 24 for n in (2, 4, 8)], m[0]

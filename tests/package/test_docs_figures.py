@@ -298,3 +298,18 @@ def test_exchange_bytes_follow_the_default_capacity() -> None:
         big_n = 9 * examples
         assert [number(m[i]) for i in (1, 2, 3)] == [
             n * default_capacity(big_n, n) * per_slot + 24 for n in (2, 4, 8)], m[0]
+
+
+def test_readme_counts_the_tensorflow_back_end_cases() -> None:
+    """README.md: the CPU suite's live comparisons with Keras on its TensorFlow back end (skipped where
+    TensorFlow is not installed), counted as pytest collects them."""
+    import subprocess
+    import sys
+
+    m = found(r"Of the skipped CPU cases, (\d+) are the live comparison with Keras on its TensorFlow back end",
+              "README.md")[0]
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
+                          "tests/optim/test_keras_reference.py"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    ids = [line for line in out.stdout.splitlines() if "::" in line]
+    assert int(m[1]) == sum("tensorflow" in line for line in ids), ids

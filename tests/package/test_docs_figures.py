@@ -313,3 +313,34 @@ def test_readme_counts_the_tensorflow_back_end_cases() -> None:
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     ids = [line for line in out.stdout.splitlines() if "::" in line]
     assert int(m[1]) == sum("tensorflow" in line for line in ids), ids
+
+
+# ------------------------------------------------------------------ references between docs
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _headings(path: Path) -> list[str]:
+    return [" ".join(m.group(1).split()) for m in re.finditer(r"^#+ (.*)$", path.read_text(encoding="utf-8"), re.M)]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=[p.name for p in DOCS])
+def test_cited_benchmark_sections_exist(doc: Path) -> None:
+    """Every ``docs/benchmarks.md, "<section>"`` a figure points to names a heading of docs/benchmarks.md."""
+    heads = _headings(ROOT / "docs" / "benchmarks.md")
+    text = " ".join(doc.read_text(encoding="utf-8").split())
+    cited = re.findall(r"benchmarks\.md`?,? \(?\"([^\"]+)\"", text)
+    assert [c for c in cited if not any(c in h for h in heads)] == []
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=[p.name for p in DOCS])
+def test_relative_links_resolve(doc: Path) -> None:
+    """Relative Markdown links point to files of the repository (and their anchors to headings)."""
+    for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text(encoding="utf-8")):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (doc.parent / path).resolve() if path else doc
+        assert dest.exists(), f"{doc.name}: {target}"
+        if anchor and dest.suffix == ".md":
+            slugs = {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in _headings(dest)}
+            assert anchor in slugs, f"{doc.name}: {target}"

@@ -21,7 +21,7 @@ XLA device count; the table prints them.
 (a) lazy vs dense, at a moderate vocabulary (``--vocab``, default 100,000 × 64, batch 1024 × 8 ids,
     mean): ours (``EmbeddingCollection`` + ``tte.optim.Adam``, lazy rows) vs ``nn.EmbeddingBag`` + dense
     autograd + ``torch.optim.Adam`` on the XLA device, once through the module's own forward (whose
-    training lowering falls back to the host, XLA_NOTES) and once as a gather + mean of its weight (no
+    training lowering falls back to the host on XLA) and once as a gather + mean of its weight (no
     fallback). The step time vs vocabulary (100,000 and 2,000,000 rows, row-sharded on 4 devices) is
     ``benchmarks/spmd_vocab.py``; not repeated here.
 (b) 1, 10 and 100 tables with the same total work: the same batch (256), 100 ids per example split

@@ -1,8 +1,16 @@
-"""Independent float64 numpy oracle for Keras 3 optimizers (tf_spec.md §5.1-§5.3, golden data §9.1).
+"""Independent float64 numpy oracle for Keras 3 optimizers (golden data: ``tests/data/golden_keras.json``).
 
-Written from ``/work/shared/reference/tf_spec.md`` (checked against the Keras 3.15.1 sources and the
-golden file), deliberately *not* from ``torch_tpu_embedding``, so that the package can be tested
-against it.
+Written from the Keras 3.15.1 sources (``keras/src/optimizers/``) and checked against the golden file,
+deliberately *not* from ``torch_tpu_embedding``, so that the package can be tested against it.
+
+Section marks used below:
+
+* §5.1: ``BaseOptimizer.apply(grads, vars)`` (``keras/src/optimizers/base_optimizer.py``), in its order:
+  step 1 build (accumulators and EMA averages at zero), step 2 ``g / loss_scale_factor``, step 3 gradient
+  accumulation (``gradient_accumulation_steps``), step 4 clipping (one of ``clipnorm``, ``global_clipnorm``,
+  ``clipvalue``), step 5 decoupled weight decay, step 6 ``update_step``, step 7 EMA and its overwrite.
+* §5.2: Adafactor (``keras/src/optimizers/adafactor.py``).
+* §5.3: Adam, Adagrad, Ftrl and SGD (``adam.py``, ``adagrad.py``, ``ftrl.py``, ``sgd.py`` there).
 
 Contents
 --------
@@ -112,7 +120,7 @@ def clip_by_global_norm(grads: Sequence[Array], clipnorm: float) -> list[Array]:
 # KerasPipeline: BaseOptimizer.apply() (§5.1)
 # ----------------------------------------------------------------------------------------------
 class KerasPipeline:
-    """Keras 3 ``BaseOptimizer.apply(grads, vars)`` in float64 numpy (tf_spec.md §5.1).
+    """Keras 3 ``BaseOptimizer.apply(grads, vars)`` in float64 numpy (§5.1).
 
     Args:
         variables: initial values of the trainable variables (copied to float64).
@@ -609,7 +617,7 @@ def make_keras_optimizer(
         rule = AdafactorRule(shapes, lr_is_schedule=lr_is_schedule, **args)
     elif optimizer == "Adam":
         if args.pop("amsgrad", False):
-            raise NotImplementedError("amsgrad is not part of tf_spec.md §5.3")
+            raise NotImplementedError("amsgrad is not modelled by this oracle (§5.3)")
         rule = AdamRule(shapes, **args)
     elif optimizer == "Adagrad":
         rule = AdagradRule(shapes, **args)
@@ -617,6 +625,6 @@ def make_keras_optimizer(
         rule = FtrlRule(shapes, **args)
     else:
         if args.pop("momentum", 0.0) or args.pop("nesterov", False):
-            raise NotImplementedError("SGD momentum is not part of tf_spec.md §5.3")
+            raise NotImplementedError("SGD momentum is not modelled by this oracle (§5.3)")
         rule = SGDRule(shapes, **args)
     return KerasPipeline(variables, rule, **base), rule

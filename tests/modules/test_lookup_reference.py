@@ -1,4 +1,5 @@
-"""EmbeddingCollection forward and row gradients vs a float64 numpy reference written from tf_spec §3.1."""
+"""EmbeddingCollection forward and row gradients vs a float64 numpy reference written from TF's combiners
+(tensorflow/python/tpu/tpu_embedding_v2_utils.py, TableConfig.combiner)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ WEIGHTS = [[0.5, 2.0], [], [1.0, -1.0, 0.5], [0.0], [1.0, 2.0, 3.0, 4.0]]  # neg
 
 
 def np_lookup(table: np.ndarray, bags, weights, combiner: str, grad_out: np.ndarray):
-    """(out [B, D], row grads {id: [D]}) for bags, per tf_spec §3.1 (empty / zero-sum → 0)."""
+    """(out [B, D], row grads {id: [D]}) for bags, per TF's combiners (empty / zero-sum → 0)."""
     out = np.zeros((len(bags), table.shape[1]))
     grads: dict[int, np.ndarray] = {}
     for b, (ids, ws) in enumerate(zip(bags, weights, strict=True)):
@@ -205,7 +206,7 @@ def test_golden_tf_ragged_serving_lookup(name: str) -> None:
 
 
 def test_golden_weighted_mean_example() -> None:
-    """tf_spec §3.4: mean of [3,3,5] with weights [1,-1,.5] is (e3 − e3 + .5·e5)/.5 = e5 (no pruning)."""
+    """TF's serving lookup (tensorflow/python/tpu/tpu_embedding_for_serving.py): mean of [3,3,5] with weights [1,-1,.5] is (e3 − e3 + .5·e5)/.5 = e5 (no pruning)."""
     out = _tf_collection("mean")({"f": _tf_input(True)})["f"]
     torch.testing.assert_close(out[2], TF_TABLE[5])
     # TF's safe sparse lookup prunes the −1 weight (validate=True) and gives [1.2, 1.3, 1.4]: differs by design.

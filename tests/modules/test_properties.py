@@ -1,5 +1,6 @@
 """Property-based tests (hypothesis, bounded): random tables, bags and weights; forward and one optimizer step
-vs a float64 numpy reference written from tf_spec §3.1 (combiners) and §4.2 (SGD / Adagrad / FTRL)."""
+vs a float64 numpy reference written from TF's TPU embedding
+(tensorflow/python/tpu/tpu_embedding_v2_utils.py: the combiners of TableConfig, and SGD / Adagrad / FTRL)."""
 
 from __future__ import annotations
 

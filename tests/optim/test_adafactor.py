@@ -1,6 +1,6 @@
 """Adafactor: Keras golden vectors on dense parameters, lazy factored state on tables, memory.
 
-References: golden_keras.json (real Keras 3.15.1, tf_spec §9.1); a float64 numpy implementation of the
+References: golden_keras.json (tests/data: real Keras 3.15.1 outputs); a float64 numpy implementation of the
 lazy table semantics written from docs/optimizers.md (below, not from the code under test). Its
 argument errors are the Adafactor entry's ``error_inputs`` in tests/optim_registry.py (run by
 tests/optim/test_optim_errors.py), and the generic optimizer tests run it from that entry too.

@@ -1,6 +1,6 @@
 """Fresh random cases: every optimizer × Keras extras on dense parameters vs the float64 numpy port of
-tf_spec §5 (tests/keras_reference.py: the Keras base pipeline, validated against golden_keras.json and
-live Keras 3).
+Keras 3.15.1's optimizers (tests/keras_reference.py: the Keras base pipeline, validated against
+golden_keras.json and live Keras 3).
 
 The numpy pipeline wraps Keras's own Adafactor/Adam/SGD/Ftrl rules where ours coincide with Keras (a
 configuration's ``keras_rule`` in tests/optim_registry.py), and otherwise the entry's float64 TPU rule

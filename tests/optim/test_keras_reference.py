@@ -1,4 +1,4 @@
-"""Checks of the independent Keras oracle ``tests/keras_reference.py`` (tf_spec.md §5.1-§5.3, §9.1).
+"""Checks of the independent Keras oracle ``tests/keras_reference.py`` (its §5.1-§5.3; tests/data/golden_keras.json).
 
 1. Every case of ``tests/data/golden_keras.json`` (real Keras 3.15.1, float32, TF back end) is replayed
    through the float64 reference; the variable, every recorded slot (r, c, v, momentums, velocities,

@@ -5,8 +5,8 @@ runs with every combination of ``KERAS_EXTRAS``; the extras' argument errors are
 ``SHARED_ERRORS`` (tests/optim/test_optim_errors.py).
 
 Independent references: the same optimizer on a dense twin parameter fed the densified gradient (Keras
-densifies sparse gradients, tf_spec §5.2), a float64 EMA of the recorded weight trajectory written from
-tf_spec §5.1, and one un-accumulated step on the mean gradient.
+densifies sparse gradients), a float64 EMA of the recorded weight trajectory written from Keras 3.15.1's
+keras/src/optimizers/base_optimizer.py, and one un-accumulated step on the mean gradient.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def test_partial_batches_equal_dense(cfg: OptimizerConfig, extra: str) -> None:
 @pytest.mark.parametrize("k", [None, 2, 3])
 @pytest.mark.parametrize("cfg", CFGS, ids=str)
 def test_ema_equals_the_average_of_the_recorded_trajectory(cfg: OptimizerConfig, k: int | None) -> None:
-    """Keras EMA (tf_spec §5.1) in float64 over the weights recorded after each call."""
+    """Keras EMA (keras/src/optimizers/base_optimizer.py) in float64 over the weights recorded after each call."""
     ec, head = model()
     w = ec.tables.t.weight
     mu = 0.75

@@ -344,3 +344,16 @@ def test_relative_links_resolve(doc: Path) -> None:
         if anchor and dest.suffix == ".md":
             slugs = {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in _headings(dest)}
             assert anchor in slugs, f"{doc.name}: {target}"
+
+
+def test_default_capacity_docstring() -> None:
+    """``routing.default_capacity``'s own worked examples (``help()`` shows them) are what it computes."""
+    doc = " ".join(str(default_capacity.__doc__).split())
+    rows = re.search(r"``n·k`` rows per device: at ``N = 576`` that is (\d+), (\d+) and (\d+) for ``n = 2, 4, 8``", doc)
+    small = re.search(r"``N = 576, n = 256``: ``k`` = (\d+), ``n·k`` = ([\d.]+) N", doc)
+    pod = re.search(r"``N = 26,624``: ``k`` = (\d+), ([\d.]+) N", doc)
+    assert rows is not None and small is not None and pod is not None, doc
+    assert [int(rows[i]) for i in (1, 2, 3)] == [n * default_capacity(576, n) for n in (2, 4, 8)]
+    assert (int(small[1]), small[2]) == (default_capacity(576, 256), f"{256 * default_capacity(576, 256) / 576:.1f}")
+    assert (int(pod[1]), pod[2]) == (default_capacity(26_624, 256),
+                                     f"{256 * default_capacity(26_624, 256) / 26_624:.2f}")

@@ -629,3 +629,17 @@ def test_docs_cite_no_private_files() -> None:
     files = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "examples").glob("*.py")]
     hits = [f"{p.name}:{i}" for p in files for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert hits == []
+
+
+def test_code_cites_no_private_files() -> None:
+    """The package, its tests, benchmarks and scripts cite only files in this repository (public sources, such as
+    TF's or Keras's, by their own paths), never the private workshop beside it."""
+    import re
+
+    pattern = re.compile(r"shared/|tf_spec|XLA_NOTES|DESIGN\.md|/work/")
+    this = Path(__file__).resolve()
+    files = [p for d in ("torch_tpu_embedding", "tests", "benchmarks", "scripts", "examples")
+             for p in (ROOT / d).rglob("*") if p.suffix in (".py", ".sh", ".md", ".toml", ".c") and p.resolve() != this]
+    hits = [f"{p.relative_to(ROOT)}:{i}" for p in files
+            for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if pattern.search(line)]
+    assert hits == []

@@ -218,8 +218,8 @@ def default_capacity(
 
     The exchange moves ``n·k`` rows per device: at ``N = 576`` that is 704, 832 and 960 for
     ``n = 2, 4, 8`` (1.2–1.7 × N). The relative fluctuation of a bucket grows as ``√(n/N)``, so a
-    small per-device batch on many devices pays more headroom (``N = 576, n = 256``: ``n·k`` = 7 N;
-    ``N = 26,624``: 1.5 N).
+    small per-device batch on many devices pays more headroom (``N = 576, n = 256``: ``k`` = 24, ``n·k`` =
+    10.7 N; ``N = 26,624``: ``k`` = 184, 1.77 N).
     """
     n_ids = check_int("ids_per_device", ids_per_device, minimum=1)
     n = check_int("num_shards", num_shards, minimum=1)

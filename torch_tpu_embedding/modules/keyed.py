@@ -53,9 +53,14 @@ def keyed_inputs(features: Any, config: Any, order: list[tuple[Path, str, Featur
             + (f"; unknown: {unknown}" if unknown else "") + (f"; missing: {missing}" if missing else ""))
     values = features.values()
     lengths = features.lengths() if callable(getattr(features, "lengths", None)) else None
+    first = None  # offsets(): its first entry, read with the lengths below (it must be 0)
     if lengths is None:
         offsets = features.offsets()
-        lengths = offsets[1:] - offsets[:-1]
+        if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or not offsets.numel():
+            raise TypeError("A KeyedJaggedTensor input's offsets() must be a 1-D tensor of len(keys()) · B + 1 "
+                            f"entries. Received {type(offsets).__name__}"
+                            f"{'' if not isinstance(offsets, torch.Tensor) else tuple(offsets.shape)}")
+        lengths, first = offsets[1:] - offsets[:-1], offsets[:1]
     weights = features.weights_or_none() if callable(getattr(features, "weights_or_none", None)) else None
     for what, t in (("values()", values), ("lengths()", lengths), ("weights_or_none()", weights)):
         if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != 1):
@@ -74,9 +79,15 @@ def keyed_inputs(features: Any, config: Any, order: list[tuple[Path, str, Featur
     lengths = lengths.to(torch.int64)
     per_key = lengths.view(f, b)  # [F, B]
     # The one host read of the input's structure (a sync for device lengths): each key's longest bag, the
-    # total and the shortest (lengths must be >= 0 and add up to the values).
-    stats = torch.cat([per_key.amax(1), lengths.sum().view(1), lengths.amin().view(1)]).tolist() if b else [0] * (f + 2)
+    # total and the shortest (lengths must be >= 0 and add up to the values), and offsets()' first entry.
+    parts = [per_key.amax(1), lengths.sum().view(1), lengths.amin().view(1)] if b else [lengths.new_zeros(f + 2)]
+    if first is not None:
+        parts.append(first.to(torch.int64))
+    stats = torch.cat(parts).tolist() if b or first is not None else [0] * (f + 2)
     longest, total, shortest = stats[:f], stats[f], stats[f + 1]
+    if first is not None and (stats[f + 2] != 0 or total != nnz):  # (bag n: values()[offsets[n]:offsets[n + 1]])
+        raise ValueError("A KeyedJaggedTensor input's offsets() must start at 0 and end at len(values()) = "
+                         f"{nnz}. Received offsets from {stats[f + 2]} to {stats[f + 2] + total}")
     if total != nnz or shortest < 0:
         raise ValueError(f"A KeyedJaggedTensor input's lengths must be >= 0 and add up to len(values()) = {nnz}. "
                          f"Received lengths adding up to {total}, the shortest {shortest}")

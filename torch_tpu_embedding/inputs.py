@@ -110,6 +110,11 @@ def _normalise_variable(
     if isinstance(value, Padded):
         for what, t in (("Padded ids", value.ids), ("Padded mask", value.mask), ("Padded weights", value.weights)):
             check_tensor(feature, what, t)
+            if t is not None and (t.layout != torch.strided or t.is_nested):
+                raise _err(feature, f"{what} must be a dense (strided) tensor. Received a "
+                           f"{'nested' if t.is_nested else str(t.layout).removeprefix('torch.')} tensor: pass "
+                           "variable-length bags as the feature's input itself (Jagged, sparse COO or a torch.nested "
+                           "jagged tensor), not inside Padded")
         if weight is not None and value.weights is not None:
             raise _err(feature, "weights given twice (inside Padded and in `weights`)")
         return value if weight is None else dataclasses.replace(value, weights=weight)

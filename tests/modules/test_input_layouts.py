@@ -1,7 +1,7 @@
-"""Inputs of a layout their form does not take (a nested or sparse tensor inside ``Padded``, a strided nested tensor
-as dense ids) raise the feature's error naming the rule, on a first call and on one that would replay the last
-call's plan; they raised torch's internal errors (``NestedTensorImpl doesn't support sizes``, ``aminmax`` not
-implemented for the sparse or nested layout)."""
+"""Inputs of a layout their form does not take (a nested or sparse tensor inside ``Padded`` or ``Jagged``, a strided
+nested tensor as dense ids, a sparse tensor other than COO) raise the feature's error naming the rule, on a first call
+and on one that would replay the last call's plan; they raised torch's internal errors (``NestedTensorImpl doesn't
+support sizes``, ``aminmax`` or ``_indices`` not implemented for the sparse or nested layout)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,12 @@ def _nested(layout: torch.layout) -> torch.Tensor:
         return torch.nested.nested_tensor([torch.tensor([1, 2]), torch.tensor([3, 4])], layout=layout)
 
 
+def _csr() -> torch.Tensor:
+    with warnings.catch_warnings():  # (torch's beta warning for the layout)
+        warnings.simplefilter("ignore")
+        return _IDS.to_sparse_csr()
+
+
 _IDS = torch.tensor([[1, 2], [3, 4]])
 _CASES: list[tuple[str, Callable[[], Any], str]] = [
     ("dense_strided_nested", lambda: _nested(torch.strided), r"nested inputs must be 2-D torch.nested tensors with "
@@ -35,6 +41,12 @@ _CASES: list[tuple[str, Callable[[], Any], str]] = [
      r"Padded mask must be a dense \(strided\) tensor. Received a sparse_coo tensor"),
     ("padded_sparse_weights", lambda: tte.Padded(_IDS, None, torch.ones(2, 2).to_sparse()),
      r"Padded weights must be a dense \(strided\) tensor. Received a sparse_coo tensor"),
+    ("sparse_csr", lambda: _csr(), r"sparse inputs must be sparse COO tensors .* Received layout torch.sparse_csr: "
+                                   r"convert it with .to_sparse_coo\(\)"),
+    ("jagged_sparse_values", lambda: tte.Jagged(torch.tensor([1, 2]).to_sparse(), lengths=torch.tensor([1, 1])),
+     r"Jagged values must be a dense \(strided\) tensor. Received a sparse_coo tensor"),
+    ("jagged_nested_lengths", lambda: tte.Jagged(torch.tensor([1, 2]), lengths=_nested(torch.jagged)),
+     r"Jagged lengths must be a dense \(strided\) tensor. Received a nested tensor"),
 ]
 
 

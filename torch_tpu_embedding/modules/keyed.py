@@ -80,10 +80,10 @@ def keyed_inputs(features: Any, config: Any, order: list[tuple[Path, str, Featur
     per_key = lengths.view(f, b)  # [F, B]
     # The one host read of the input's structure (a sync for device lengths): each key's longest bag, the
     # total and the shortest (lengths must be >= 0 and add up to the values), and offsets()' first entry.
-    parts = [per_key.amax(1), lengths.sum().view(1), lengths.amin().view(1)] if b else [lengths.new_zeros(f + 2)]
+    read = [per_key.amax(1), lengths.sum().view(1), lengths.amin().view(1)] if b else [lengths.new_zeros(f + 2)]
     if first is not None:
-        parts.append(first.to(torch.int64))
-    stats = torch.cat(parts).tolist() if b or first is not None else [0] * (f + 2)
+        read.append(first.to(torch.int64))
+    stats = torch.cat(read).tolist() if b or first is not None else [0] * (f + 2)
     longest, total, shortest = stats[:f], stats[f], stats[f + 1]
     if first is not None and (stats[f + 2] != 0 or total != nnz):  # (bag n: values()[offsets[n]:offsets[n + 1]])
         raise ValueError("A KeyedJaggedTensor input's offsets() must start at 0 and end at len(values()) = "

@@ -103,6 +103,15 @@ def _next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def _check_strided(feature: str, what: str, t: torch.Tensor | None, form: str) -> None:
+    """A part of a ``Padded`` or ``Jagged`` input must be a dense (strided) tensor, not a nested or sparse one."""
+    if t is not None and (t.layout != torch.strided or t.is_nested):
+        raise _err(feature, f"{what} must be a dense (strided) tensor. Received a "
+                   f"{'nested' if t.is_nested else str(t.layout).removeprefix('torch.')} tensor: pass variable-length "
+                   f"bags as the feature's input itself (Jagged of dense tensors, sparse COO or a torch.nested jagged "
+                   f"tensor), not inside {form}")
+
+
 def _normalise_variable(
     feature: str, value: object, weight: torch.Tensor | None
 ) -> _RowPos | Padded:
@@ -110,6 +119,7 @@ def _normalise_variable(
     if isinstance(value, Padded):
         for what, t in (("Padded ids", value.ids), ("Padded mask", value.mask), ("Padded weights", value.weights)):
             check_tensor(feature, what, t)
+            _check_strided(feature, what, t, "Padded")
         if weight is not None and value.weights is not None:
             raise _err(feature, "weights given twice (inside Padded and in `weights`)")
         return value if weight is None else dataclasses.replace(value, weights=weight)
@@ -120,6 +130,8 @@ def _normalise_variable(
         for what, t in (("Jagged values", value.values), ("Jagged offsets", value.offsets),
                         ("Jagged lengths", value.lengths), ("Jagged weights", w)):
             check_tensor(feature, what, t)
+            if what != "Jagged weights":  # (weights may be nested: the ids' offsets, checked below)
+                _check_strided(feature, what, t, "Jagged")
         if (value.offsets is None) == (value.lengths is None):
             raise _err(feature, "Jagged needs exactly one of `offsets` and `lengths`")
         if value.offsets is not None:
@@ -150,7 +162,9 @@ def _normalise_variable(
             value.offsets().cpu(),  # type: ignore[attr-defined]
             None if w is None else w.cpu(),
         )
-    # sparse COO
+    if value.layout != torch.sparse_coo:
+        raise _err(feature, f"sparse inputs must be sparse COO tensors (tf.SparseTensor's layout). Received layout "
+                   f"{value.layout}: convert it with .to_sparse_coo()")
     return _from_sparse(feature, value.cpu(), None if weight is None else weight.cpu())
 
 

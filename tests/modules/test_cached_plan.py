@@ -175,3 +175,41 @@ def test_a_kept_plan_holds_no_table_alive() -> None:
     del ec
     gc.collect()
     assert weight() is None
+
+
+@pytest.mark.parametrize("change", ["unstack", "restack"])
+def test_a_kept_plan_holds_no_dissolved_group_alive(change: str) -> None:
+    """A group dissolved between calls (``unstack``, as ``tte.distributed.shard`` does, or ``restack`` for other
+    placements) is freed at once, not at the next call: its plan held it through the table locations it kept."""
+    ec = _collection()
+    x = _batch(0)
+    first = ec(x, concat=True).detach()
+    assert ec in plan._PLANS
+    groups = [weakref.ref(g.weight) for g in ec.groups.values()]
+    assert groups
+    if change == "unstack":
+        ec.unstack(list(ec.groups))
+    else:
+        ec.restack({f"t{i}": ("row", "replicated")[i % 2] for i in range(F)})
+    gc.collect()
+    assert all(w() is None for w in groups)
+    assert torch.equal(ec(x, concat=True), first)  # (the tables as they are now)
+
+
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "padded"])
+def test_scalar_ids_on_a_replayed_call_raise_the_features_own_error(dense: bool) -> None:
+    """Ids of rank 0 in every feature of a replayed group: the fresh plan's error naming the feature (``torch.stack``
+    of scalars along dim 1 raised an IndexError that the replay let through)."""
+    def unmasked(x: dict[str, Any]) -> dict[str, Any]:
+        return {k: tte.Padded(v.ids) if isinstance(v, tte.Padded) else v for k, v in x.items()}
+
+    ec = _collection()
+    ec(unmasked(_batch(0)), concat=True)
+    assert ec in plan._PLANS
+    x = unmasked(_batch(1))
+    for i in range(F):
+        if (i % 2 == 1) == dense:
+            x[f"f{i}"] = torch.tensor(3) if dense else tte.Padded(torch.tensor(3))
+    want = r"Feature `f1`: dense ids must have rank >= 1" if dense else r"Feature `f0`: Padded ids must be \[B, L\]"
+    with pytest.raises(ValueError, match=want):
+        ec(x, concat=True)

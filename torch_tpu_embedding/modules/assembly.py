@@ -55,22 +55,25 @@ def signature(value: Any, weight: Any, fc: FeatureConfig, table_device: torch.de
         if w is not None and weight is not None:
             return None  # (weights given twice: to_bags says so)
         w = weight if w is None else w
-        if not isinstance(ids, torch.Tensor) or ids.dtype not in _INDEX_DTYPES or ids.layout != torch.strided:
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in _INDEX_DTYPES or ids.layout != torch.strided \
+                or ids.is_nested:  # (before its shape: a strided nested tensor has none)
             return None
         shape, device = ids.shape, ids.device
-        if len(shape) != 2 or ids.is_nested or (fc.max_ids_per_bag is not None and shape[1] > fc.max_ids_per_bag):
+        if len(shape) != 2 or (fc.max_ids_per_bag is not None and shape[1] > fc.max_ids_per_bag):
             return None
         if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool
+                                 or mask.layout != torch.strided or mask.is_nested
                                  or mask.shape != shape or mask.device != device):
             return None
         if w is not None and (not isinstance(w, torch.Tensor) or not w.is_floating_point()
+                              or w.layout != torch.strided or w.is_nested
                               or w.shape != shape or w.device != device):
             return None
         form, width = "padded", shape[1]
     elif isinstance(value, torch.Tensor) and weight is None and value.dtype in _INDEX_DTYPES \
-            and value.layout == torch.strided:
+            and value.layout == torch.strided and not value.is_nested:
         shape, device = value.shape, value.device
-        if not (len(shape) == 1 or (len(shape) == 2 and shape[1] == 1)) or value.is_nested:
+        if not (len(shape) == 1 or (len(shape) == 2 and shape[1] == 1)):
             return None
         mask = w = None
         form, width = "dense" if len(shape) == 1 else "dense2", 1

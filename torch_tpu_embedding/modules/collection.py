@@ -298,7 +298,7 @@ class EmbeddingCollection(AheadLookups, nn.Module):
             if weights is not None:
                 raise TypeError("Argument `weights` must be None with a KeyedJaggedTensor input: its per-id "
                                 "weights are its weights_or_none().")
-            features, weights = keyed_inputs(features, self._config, [f[:3] for f in self._features])
+            features, weights = keyed_inputs(features, self._config, [f[:3] for f in self._features], ahead)
         check_structure(self._config, features, "Inputs `features`")
         if weights is not None:
             check_structure(self._config, weights, "Argument `weights`")

@@ -20,6 +20,7 @@ from torch_tpu_embedding._util.input_checks import INDEX_DTYPES
 from torch_tpu_embedding._util.nest import Path, rebuild
 from torch_tpu_embedding.config import FeatureConfig
 from torch_tpu_embedding.inputs import Padded
+from torch_tpu_embedding.modules.prepared import NotAhead
 
 
 def _next_pow2(n: int) -> int:
@@ -35,12 +36,17 @@ def is_keyed(features: Any) -> bool:
         callable(getattr(features, "lengths", None)) or callable(getattr(features, "offsets", None)))
 
 
-def keyed_inputs(features: Any, config: Any, order: list[tuple[Path, str, FeatureConfig]]) -> tuple[Any, Any]:
+def keyed_inputs(features: Any, config: Any, order: list[tuple[Path, str, FeatureConfig]], ahead: bool = False
+                 ) -> tuple[Any, Any]:
     """``(inputs, weights)`` in the structure of ``config`` from a ``KeyedJaggedTensor`` ``features``;
     ``order``: each feature's position, name and config. Each feature's bags become a
     :class:`~torch_tpu_embedding.inputs.Padded` (views of one ``[F·B, W]`` padding of every key, made by one
     scatter), so a stacked group's features are looked up as one (``modules/assembly.py``). Raises
-    ``ValueError`` naming missing or unknown keys, or the feature with a bag over its ``max_ids_per_bag``."""
+    ``ValueError`` naming missing or unknown keys, or the feature with a bag over its ``max_ids_per_bag``.
+
+    ``ahead`` (``EmbeddingCollection.prepare`` off the main thread): parts on an XLA device raise
+    :class:`~torch_tpu_embedding.modules.prepared.NotAhead` before any of them is read (the read of the lengths
+    is a transfer, which torch_xla 2.9 races with the thread that syncs)."""
     keys = [str(k) for k in features.keys()]
     names = {name: path for path, name, _ in order}
     features_of = {name: fc for _, name, fc in order}
@@ -53,10 +59,19 @@ def keyed_inputs(features: Any, config: Any, order: list[tuple[Path, str, Featur
             + (f"; unknown: {unknown}" if unknown else "") + (f"; missing: {missing}" if missing else ""))
     values = features.values()
     lengths = features.lengths() if callable(getattr(features, "lengths", None)) else None
-    if lengths is None:
-        offsets = features.offsets()
-        lengths = offsets[1:] - offsets[:-1]
+    offsets = features.offsets() if lengths is None else None
     weights = features.weights_or_none() if callable(getattr(features, "weights_or_none", None)) else None
+    given = (values, lengths, offsets, weights)
+    if ahead and any(isinstance(t, torch.Tensor) and t.device.type == "xla" for t in given):
+        # (a tensor's device is read outside its data: safe off the thread that syncs)
+        raise NotAhead("a KeyedJaggedTensor input on an XLA device (its lengths are read on the host, a transfer)")
+    first = None  # offsets(): its first entry, read with the lengths below (it must be 0)
+    if lengths is None:
+        if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or not offsets.numel():
+            raise TypeError("A KeyedJaggedTensor input's offsets() must be a 1-D tensor of len(keys()) · B + 1 "
+                            f"entries. Received {type(offsets).__name__}"
+                            f"{'' if not isinstance(offsets, torch.Tensor) else tuple(offsets.shape)}")
+        lengths, first = offsets[1:] - offsets[:-1], offsets[:1]
     for what, t in (("values()", values), ("lengths()", lengths), ("weights_or_none()", weights)):
         if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != 1):
             raise TypeError(f"A KeyedJaggedTensor input's {what} must be a 1-D tensor. Received "
@@ -74,9 +89,17 @@ def keyed_inputs(features: Any, config: Any, order: list[tuple[Path, str, Featur
     lengths = lengths.to(torch.int64)
     per_key = lengths.view(f, b)  # [F, B]
     # The one host read of the input's structure (a sync for device lengths): each key's longest bag, the
-    # total and the shortest (lengths must be >= 0 and add up to the values).
-    stats = torch.cat([per_key.amax(1), lengths.sum().view(1), lengths.amin().view(1)]).tolist() if b else [0] * (f + 2)
+    # total and the shortest (lengths must be >= 0 and add up to the values), and offsets()' first entry. (Each
+    # reduced over a dim named: torch_xla 2.9's amin() of no dim returns the tensor as it is.)
+    read = [per_key.amax(1), lengths.sum(0, keepdim=True), lengths.amin(0, keepdim=True)] if b \
+        else [lengths.new_zeros(f + 2)]
+    if first is not None:
+        read.append(first.to(torch.int64))
+    stats = torch.cat(read).tolist() if b or first is not None else [0] * (f + 2)
     longest, total, shortest = stats[:f], stats[f], stats[f + 1]
+    if first is not None and (stats[f + 2] != 0 or total != nnz):  # (bag n: values()[offsets[n]:offsets[n + 1]])
+        raise ValueError("A KeyedJaggedTensor input's offsets() must start at 0 and end at len(values()) = "
+                         f"{nnz}. Received offsets from {stats[f + 2]} to {stats[f + 2] + total}")
     if total != nnz or shortest < 0:
         raise ValueError(f"A KeyedJaggedTensor input's lengths must be >= 0 and add up to len(values()) = {nnz}. "
                          f"Received lengths adding up to {total}, the shortest {shortest}")

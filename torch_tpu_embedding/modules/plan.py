@@ -41,10 +41,12 @@ class _Plan:
     calls give inputs of the same signatures (:func:`_replay`): the grouping is then not redone feature by
     feature, only each feature's form, ids dtype and mask read (a cached plan, as issue [host] allows).
 
-    Tables and weights are held weakly: a plan never keeps a replaced table's memory alive."""
+    Tables and weights are held weakly: a plan never keeps a replaced table's memory alive (nor a stacked group's
+    that ``unstack`` or ``restack`` dissolved before the next call)."""
 
-    features: list[Any]  # the collection's feature list and its table locations it was made for
-    located: dict[str, Any]
+    features: list[Any]  # the collection's feature list it was made for
+    #: per table name: a reference to the module holding its rows, its first row there (``ec._located``)
+    located: dict[str, tuple[Any, int]]
     tables: list[tuple[str, Any, Any, torch.device, int]]  # (a name, table ref, weight ref, device, rows)
     #: per batch: its table's index in ``tables``, a batch of the call it was made in (its weight and
     #: row_grad replaced at each replay) and a getter of its features' inputs
@@ -71,7 +73,7 @@ def _keep(ec: Any, assembled: list[AssembledBatch], tables: dict[int, tuple[str,
         return
     index = {id(w): i for i, (_, _, w) in enumerate(tables.values())}
     static = ("combiner", "resident", "sig", "sentinel", "items", "tables", "members", "_columns")
-    _PLANS[ec] = _Plan(ec._features, dict(ec._located),
+    _PLANS[ec] = _Plan(ec._features, {n: (weakref.ref(t), o) for n, (t, o) in ec._located.items()},
                        [(n, weakref.ref(t), weakref.ref(w), w.device, rows_of(w)) for n, t, w in tables.values()],
                        [(index[id(b.weight)], {k: getattr(b, k) for k in static}, _getter([p for p, _ in b.items]))
                         for b in assembled])
@@ -99,7 +101,9 @@ def _replay(ec: Any, plan: _Plan, features: Any, rows_of: Callable[[torch.Tensor
             ahead: bool) -> list[AssembledBatch] | None:
     """The batches of ``plan`` for ``features``, or ``None`` when they are not what it was made for (the
     caller then plans afresh, and raises where an input is wrong)."""
-    if ec._features is not plan.features or ec._located != plan.located:
+    located = ec._located
+    if ec._features is not plan.features or located.keys() != plan.located.keys() or any(
+            located[n][0] is not ref() or located[n][1] != o for n, (ref, o) in plan.located.items()):
         return None
     live = []
     for tname, table_ref, weight_ref, device, rows in plan.tables:  # the per-table facts plan_lookups reads
@@ -118,9 +122,9 @@ def _replay(ec: Any, plan: _Plan, features: Any, rows_of: Callable[[torch.Tensor
         if not _same_forms(batch, values):
             return None
         batches.append(batch)
-    try:  # sizes, devices and layouts: checked on the stacked tensors (stack refuses unequal sizes or devices)
-        joined = [b.join() for b in batches]
-    except (RuntimeError, TypeError, ValueError):
+    try:  # sizes, devices and layouts: checked on the stacked tensors (stack refuses unequal sizes or devices;
+        joined = [b.join() for b in batches]  # ids of rank 0 an IndexError)
+    except (RuntimeError, TypeError, ValueError, IndexError):
         return None
     if not all(b.fits(j) for b, j in zip(batches, joined, strict=True)):
         return None

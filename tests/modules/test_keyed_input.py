@@ -1,0 +1,106 @@
+"""A ``KeyedJaggedTensor`` input (``modules/keyed.py``) against the same bags given per feature as ``tte.Jagged``:
+keys in any order, ``lengths()`` or ``offsets()`` only, int32 parts, weights, empty bags and batches, sequence
+features; a malformed one raises naming what is wrong."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import torch_tpu_embedding as tte
+
+_KEYS = ("fa", "fb", "fc")
+_VOCAB = {"fa": 10, "fb": 17, "fc": 24}
+_CAP = {"fa": 4, "fb": 6, "fc": 3}
+
+
+class _KJT:
+    """``keys()``, ``values()``, ``weights_or_none()`` and one of ``lengths()`` / ``offsets()`` (as given)."""
+
+    def __init__(self, keys: list[str], values: torch.Tensor, lengths: torch.Tensor | None = None,
+                 offsets: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> None:
+        self._k, self._v, self._w = keys, values, weights
+        if lengths is not None:
+            self.lengths = lambda: lengths
+        if offsets is not None:
+            self.offsets = lambda: offsets
+
+    def keys(self) -> list[str]:
+        return self._k
+
+    def values(self) -> torch.Tensor:
+        return self._v
+
+    def weights_or_none(self) -> torch.Tensor | None:
+        return self._w
+
+
+def _collection(sequence: bool = False) -> tte.EmbeddingCollection:
+    torch.manual_seed(0)
+    tables = {k: tte.TableConfig(_VOCAB[k], 3, name=f"t_{k}", combiner=c, dtype=torch.float64)
+              for k, c in zip(_KEYS, ("mean", "sum", "sqrtn"), strict=True)}
+    caps = {"fa": 4, "fb": None, "fc": 3}
+    return tte.EmbeddingCollection({
+        k: tte.FeatureConfig(tables[k], name=k, max_sequence_length=3) if sequence and k == "fc"
+        else tte.FeatureConfig(tables[k], name=k, max_ids_per_bag=caps[k]) for k in _KEYS})
+
+
+def _bags(b: int, seed: int, weighted: bool, empty: bool = False) -> dict[str, tuple[Any, ...]]:
+    """Per key: (values, lengths, weights or None)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k in _KEYS:
+        lengths = torch.zeros(b, dtype=torch.int64) if empty else torch.randint(0, _CAP[k] + 1, (b,), generator=g)
+        n = int(lengths.sum())
+        out[k] = (torch.randint(0, _VOCAB[k], (n,), generator=g), lengths,
+                  torch.rand(n, generator=g, dtype=torch.float64) if weighted else None)
+    return out
+
+
+def _keyed(bags: dict[str, tuple[Any, ...]], order: list[str], offsets: bool = False,
+           dtype: torch.dtype = torch.int64) -> _KJT:
+    values = torch.cat([bags[k][0] for k in order]).to(dtype)
+    lengths = torch.cat([bags[k][1] for k in order]).to(dtype)
+    weights = None if bags[order[0]][2] is None else torch.cat([bags[k][2] for k in order])
+    if offsets:
+        return _KJT(order, values, offsets=torch.cat([lengths.new_zeros(1), lengths.cumsum(0).to(dtype)]),
+                    weights=weights)
+    return _KJT(order, values, lengths=lengths, weights=weights)
+
+
+def _flat(out: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([out[k].flatten(1) for k in _KEYS], 1)
+
+
+@pytest.mark.parametrize("offsets", [False, True], ids=["lengths", "offsets"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
+@pytest.mark.parametrize("case", ["plain", "weighted", "sequence", "empty_bags", "no_bags"])
+def test_a_keyed_input_equals_its_bags_per_feature(offsets: bool, dtype: torch.dtype, case: str) -> None:
+    ec = _collection(sequence=case == "sequence")
+    for seed in range(3):  # (later calls replay the first call's plan where their widths allow)
+        bags = _bags(0 if case == "no_bags" else 5, seed, case == "weighted", empty=case == "empty_bags")
+        want = _flat(ec({k: tte.Jagged(v, lengths=n, weights=w) for k, (v, n, w) in bags.items()}))
+        for order in (list(_KEYS), ["fc", "fa", "fb"]):
+            got = _flat(ec(_keyed(bags, order, offsets, dtype)))
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_offsets_that_do_not_start_at_0_raise() -> None:
+    """``offsets()`` only, shifted by 2: its bags are not those of its values from 0 (TorchRec's bag n is
+    ``values()[offsets[n]:offsets[n + 1]]``); the lengths alone, its differences, were taken and looked up the
+    wrong ids."""
+    ec = _collection()
+    bags = _bags(4, 0, False)
+    good = _keyed(bags, list(_KEYS), offsets=True)
+    ec(good)
+    shifted = _KJT(list(_KEYS), good.values(), offsets=good.offsets() + 2)
+    with pytest.raises(ValueError, match=r"offsets\(\) must start at 0 and end at len\(values\(\)\) = \d+. "
+                                         r"Received offsets from 2 to"):
+        ec(shifted)
+    short = _KJT(list(_KEYS), good.values(), offsets=good.offsets()[:-1])  # (bags of unequal count: lengths)
+    with pytest.raises(ValueError, match="same number of bags"):
+        ec(short)
+    with pytest.raises(TypeError, match=r"offsets\(\) must be a 1-D tensor .* Received Tensor\(0,\)"):
+        ec(_KJT(list(_KEYS), good.values(), offsets=torch.zeros(0, dtype=torch.int64)))

@@ -45,6 +45,8 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import nullcontext
 from typing import Any, NoReturn
@@ -93,8 +95,10 @@ class TrainPipeline:
             graph).
 
     Use :meth:`run` (a generator: one item per step) or :meth:`progress`; both stop the thread at the end, at an
-    error and at :meth:`close` (also on leaving ``with pipe:``). Batches taken but not trained are never dropped
-    silently: :meth:`unfinished` lists them, :meth:`state_dict` saves them.
+    error and at :meth:`close` (also on leaving ``with pipe:``; a pipeline collected without it stops its thread
+    too). Batches taken but not trained are never dropped silently: :meth:`unfinished` lists them,
+    :meth:`state_dict` saves them. A step may edit its batch's ids in place before its forward (they are planned
+    again, as in the plain loop), but not a batch looked up ahead (pipelined execution: that raises).
     """
 
     def __init__(
@@ -139,6 +143,7 @@ class TrainPipeline:
         self._resume_outputs: Any = None  # their first's activations looked up ahead (pipelined execution)
         self._failed: list[Any] = []  # the batch of a step that raised
         self._lookup_stream: Any = None
+        self._finalizer: Any = None  # stops the thread of a pipeline collected without close()
 
     # ------------------------------------------------------------------ the loop
     def run(self, batches: Iterable[Any]) -> Iterator[Any]:
@@ -235,7 +240,11 @@ class TrainPipeline:
         self._source = chained()
         self.collection.know_rows()  # (the thread reads no XLA tensor)
         if self.prefetch:
-            self._prefetcher = Prefetcher(self._source, self._prepare_ahead)
+            # The thread holds this pipeline weakly: dropped without close(), it is collected and its finalizer
+            # stops the thread (a join there could wait on a source that blocks).
+            prepare = functools.partial(_call_weakly, weakref.WeakMethod(self._prepare_ahead))
+            self._prefetcher = Prefetcher(self._source, prepare)
+            self._finalizer = weakref.finalize(self, self._prefetcher.stop)
 
     def _prepare_ahead(self, batch: Any) -> PreparedFeatures | None:
         try:
@@ -315,6 +324,7 @@ class TrainPipeline:
             self._prefetcher.close()
             self._resume = self._prefetcher.waiting() + self._resume
             self._prefetcher = None
+            self._finalizer.detach()
         self._source = None
 
     def unfinished(self) -> list[Any]:
@@ -356,6 +366,12 @@ class TrainPipeline:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _call_weakly(method: weakref.WeakMethod[Callable[[Any], Any]], batch: Any) -> Any:
+    """``method(batch)`` while its object lives (else ``None``: nothing prepared, for a pipeline already gone)."""
+    bound = method()
+    return None if bound is None else bound(batch)
 
 
 def _restore(fresh: Any, saved: Any) -> Any:

@@ -112,3 +112,40 @@ def test_a_process_that_leaves_a_pipeline_running_exits() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "trained 3"
+
+
+@pytest.mark.parametrize("stale", [False, True])
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_later_run_trains_the_failed_batch_first_and_equals_the_uninterrupted_run(stale: bool, prefetch: bool) -> None:
+    """Step 2's backward raises (a hook on its activations: the head's gradients are accumulated already). A later
+    run trains the batches ``unfinished()`` lists, the failed one first, with no gradient left from the failure;
+    the result equals the run that never failed, and ``state_dict()`` is taken again between its steps."""
+    data = pipeline_batches(6, seed=5)
+    flags = {"prefetch": prefetch, "pipeline_execution_with_tensor_core": stale}
+    want = _model()
+    want_pipe = tte.TrainPipeline(want, _opts(want), step=_step, features=lambda b: b["sparse"], **flags)
+    assert sum(1 for _ in want_pipe.run(data)) == 6
+    calls = []
+
+    def step(model: Any, batch: dict[str, Any]) -> torch.Tensor:
+        calls.append(batch)
+        out = model["ec"](batch["sparse"])
+        x = torch.cat([out["a"], out["b"], out["c"]], dim=1)
+        if len(calls) == 3:
+            x.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("interrupted in the backward")))
+        return torch.nn.functional.mse_loss(model["head"](torch.tanh(x)).squeeze(1), batch["label"])
+
+    model = _model()
+    pipe = tte.TrainPipeline(model, _opts(model), step=step, features=lambda b: b["sparse"], **flags)
+    it = iter(data)
+    with pytest.raises(RuntimeError, match="interrupted in the backward"):
+        for _ in pipe.run(it):
+            pass
+    assert pipe.steps == 2 and pipe.unfinished()[0] is data[2]
+    run = pipe.run(it)
+    next(run)  # the failed batch, trained now
+    assert calls[-1] is data[2] and pipe.state_dict()["taken"] == 3 + len(pipe.state_dict()["unfinished"])
+    assert sum(1 for _ in run) == 3 and pipe.steps == 6 and pipe.unfinished() == []
+    assert [id(b) for b in calls[3:]] == [id(b) for b in data[2:]]
+    for name, value in want.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name

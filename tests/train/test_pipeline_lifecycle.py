@@ -149,3 +149,61 @@ def test_a_later_run_trains_the_failed_batch_first_and_equals_the_uninterrupted_
     assert [id(b) for b in calls[3:]] == [id(b) for b in data[2:]]
     for name, value in want.state_dict().items():
         assert torch.equal(model.state_dict()[name], value), name
+
+
+class _CachingKJT:
+    """A KeyedJaggedTensor as torchrec's: given offsets, ``lengths()`` computes them once and keeps them (a tensor
+    the object makes after the pipeline prepared it: not an edit of the batch)."""
+
+    def __init__(self, keys: list[str], values: torch.Tensor, offsets: torch.Tensor) -> None:
+        self._keys, self._values, self._offsets = keys, values, offsets
+        self._lengths: torch.Tensor | None = None
+
+    def keys(self) -> list[str]:
+        return self._keys
+
+    def values(self) -> torch.Tensor:
+        return self._values
+
+    def offsets(self) -> torch.Tensor:
+        return self._offsets
+
+    def lengths(self) -> torch.Tensor:
+        if self._lengths is None:
+            self._lengths = torch.diff(self._offsets)
+        return self._lengths
+
+    def weights_or_none(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_a_keyed_input_that_caches_a_tensor_when_read_is_not_an_edit(stale: bool) -> None:
+    def build() -> tuple[Any, list[torch.optim.Optimizer]]:
+        torch.manual_seed(0)
+        t = tte.TableConfig(9, 2, name="t", dtype=torch.float64)
+        ec = tte.EmbeddingCollection({"x": tte.FeatureConfig(t), "y": tte.FeatureConfig(t)})
+        model = torch.nn.ModuleDict({"ec": ec, "head": torch.nn.Linear(4, 1).double()})
+        return model, _opts(model)
+
+    def step(model: Any, batch: Any) -> torch.Tensor:
+        x = model["ec"](batch["kjt"], concat=True)
+        return torch.nn.functional.mse_loss(model["head"](x).squeeze(1), batch["label"])
+
+    g = torch.Generator().manual_seed(6)
+
+    def batch() -> dict[str, Any]:
+        lengths = torch.randint(0, 3, (8,), generator=g)  # (x's 4 bags, then y's)
+        kjt = _CachingKJT(["x", "y"], torch.randint(0, 9, (int(lengths.sum()),), generator=g),
+                          torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]))
+        return {"kjt": kjt, "label": torch.rand(4, generator=g, dtype=torch.float64)}
+
+    data = [batch() for _ in range(5)]
+    plain, plain_opts = build()
+    train_by_hand(plain, plain_opts, copy.deepcopy(data), step, stale=stale)
+    model, opts = build()
+    pipe = tte.TrainPipeline(model, opts, step=step, features=lambda b: b["kjt"], concat=True,
+                             pipeline_execution_with_tensor_core=stale)
+    assert sum(1 for _ in pipe.run(data)) == 5
+    for name, value in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name

@@ -49,10 +49,12 @@ def _tensors(leaf: Any) -> list[torch.Tensor]:
     return [v for v in fields.values() if isinstance(v, torch.Tensor)] if fields else []
 
 
-def versions_of(value: Any) -> tuple[tuple[int, ...], ...]:
-    """Per leaf of a nested input, its tensors' version counters (an in-place write bumps them). XLA tensors are
-    left out: their ids are screened on the device, and nothing of them is read off the thread that syncs."""
-    return tuple(tuple(t._version for t in _tensors(leaf) if t.device.type != "xla") for _, leaf in flatten(value))
+def versions_of(value: Any) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per leaf of a nested input, its tensors' identities and version counters (an in-place write bumps them). XLA
+    tensors are left out: their ids are screened on the device, and nothing of them is read off the thread that
+    syncs."""
+    return tuple(tuple((id(t), t._version) for t in _tensors(leaf) if t.device.type != "xla")
+                 for _, leaf in flatten(value))
 
 
 @dataclasses.dataclass
@@ -78,7 +80,7 @@ class PreparedFeatures:
     #: features, at their own step (over a process group every rank took part in that lookup's agreement already)
     ahead_error: BaseException | None = None
     #: ``versions_of(features)`` then ``versions_of(weights)`` when prepared: a later in-place write is seen
-    versions: tuple[tuple[int, ...], ...] = ()
+    versions: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     @classmethod
     def failed(cls, owner: int, error: BaseException) -> PreparedFeatures:
@@ -102,7 +104,11 @@ class PreparedFeatures:
             return None
         names = [path_name(p) for p, _ in flatten(features)]
         names += [f"weights {path_name(p)}" for p, _ in flatten(weights)] if weights is not None else []
-        return next(n for n, a, b in zip(names, now, self.versions, strict=True) if a != b)
+        for name, then, later in zip(names, self.versions, now, strict=True):
+            current = dict(later)  # (a tensor an input object made since, e.g. a KJT's cached offsets, is not an edit)
+            if any(current.get(t, v) != v for t, v in then):
+                return name
+        return None
 
     def take(self, owner: int) -> list[Any]:
         """The batches to look up (once), after the CUDA transfers; raises the inputs' error if they had one."""

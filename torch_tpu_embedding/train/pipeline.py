@@ -228,7 +228,9 @@ class TrainPipeline:
         loss.backward()  # type: ignore[no-untyped-call]  # (torch 2.9 leaves Tensor.backward unannotated)
         if self._lookup_stream is not None:  # the update writes the rows the lookup ahead reads
             torch.cuda.current_stream().wait_stream(self._lookup_stream)
-        self._updating = True  # (from here a failure leaves this update applied, maybe in part: never retried)
+        # From here a failure leaves this update applied, maybe in part: never retried. (The activations kept for a
+        # retry are let go before after_step: on XLA a tensor alive at torch_xla.sync() becomes a graph output.)
+        self._updating, self._ahead_outputs = True, None
         for opt in self.optimizers:
             opt.step()
         for opt in self.optimizers:

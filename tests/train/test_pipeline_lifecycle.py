@@ -207,3 +207,28 @@ def test_a_keyed_input_that_caches_a_tensor_when_read_is_not_an_edit(stale: bool
     assert sum(1 for _ in pipe.run(data)) == 5
     for name, value in plain.state_dict().items():
         assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_a_keyboard_interrupt_in_a_step_stops_the_thread_and_the_run_goes_on_from_that_batch() -> None:
+    data = pipeline_batches(5, seed=7)
+    plain = _model()
+    plain_opts = _opts(plain)
+    train_by_hand(plain, plain_opts, data, _step)
+    calls = []
+
+    def step(model: Any, batch: dict[str, Any]) -> torch.Tensor:
+        calls.append(batch)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return _step(model, batch)
+
+    model = _model()
+    pipe = tte.TrainPipeline(model, _opts(model), step=step, features=lambda b: b["sparse"])
+    it = iter(data)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in pipe.run(it):
+            pass
+    assert pipe.steps == 1 and not _threads() and pipe.unfinished()[0] is data[1]
+    assert sum(1 for _ in pipe.run(it)) == 4 and pipe.steps == 5 and not _threads()
+    for name, value in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name

@@ -201,6 +201,8 @@ class TrainPipeline:
             raise prepared.ahead_error
         if self._resume_outputs is not None:  # restored: its activations as looked up before the checkpoint
             self._look_up_ahead(prepared)
+        # (looked up ahead: kept should the step fail before its update, for the later run that trains it again)
+        self._ahead_outputs = None if prepared.outputs is None else tree_map(_detached, prepared.outputs)
         if self.stale:  # batch N + 1 looked up now: the tables before update N
             try:
                 following = self._take()
@@ -213,8 +215,6 @@ class TrainPipeline:
                          else PreparedFeatures.failed(id(self.collection), following.source_error))
                 self._look_up_ahead(ahead)
             self._next = following
-        # (looked up ahead: kept should the step fail before its update, for the later run that trains it again)
-        self._ahead_outputs = None if prepared.outputs is None else tree_map(_detached, prepared.outputs)
         with self.collection.use_prepared(prepared):
             result = self._step_fn(self.model, current.batch)
         if not prepared.used:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from torch_tpu_embedding.modules.prepared import NotAhead, PreparedFeatures, leaves_of
+from torch_tpu_embedding.modules.prepared import NotAhead, PreparedFeatures, leaves_of, versions_of
 from torch_tpu_embedding.modules.table import EmbeddingTable
 
 __all__ = ["AheadLookups"]
@@ -45,6 +45,26 @@ class AheadLookups:
 
     def physical_tables(self) -> dict[str, EmbeddingTable]:
         raise NotImplementedError
+
+    def _held_for(self, features: Any, weights: Any) -> PreparedFeatures | None:
+        """What :meth:`use_prepared` holds for a forward given ``features`` and ``weights``, or ``None`` (plan them
+        now). Inputs written in place since they were prepared (a step that edits its batch before the forward)
+        are planned again as they are now, as the plain forward would; when they were looked up ahead already,
+        that lookup read them as they were, and this raises."""
+        held: PreparedFeatures | None = self.__dict__.get("_held")
+        if held is None or not held.matches(features, weights):
+            return None
+        self._held = None
+        name = held.modified(features, weights)
+        if name is None:
+            return held
+        if held.outputs is not None or held.ahead_error is not None:
+            raise ValueError(f"Input `{name}` was modified in place after it was looked up ahead (look_up_ahead(); "
+                             "tte.TrainPipeline(pipeline_execution_with_tensor_core=True) looks a batch up during the "
+                             "step before its own): modify it before the pipeline takes the batch (in your data "
+                             "source, or in `features(batch)`), not in the step.")
+        held.used = True  # (done with: these inputs are planned again, as they are now)
+        return None
 
     def _look_up_prepared(self, prepared: PreparedFeatures, concat: bool) -> Any:
         if prepared.ahead_error is not None:  # (this rank took part in its step's agreement when it was looked up)
@@ -84,6 +104,8 @@ class AheadLookups:
             >>> out = ec(prepared)               # doctest: +SKIP
         """
         where = (leaves_of(features), None if weights is None else leaves_of(weights))
+        # read before planning: a write while it plans (a source refilling the tensors it gave) is seen at the lookup
+        versions = versions_of(features) + (() if weights is None else versions_of(weights))
         if ahead:
             # Off the thread that calls torch_xla.sync(), an XLA tensor's data cannot be touched in torch_xla 2.9, not
             # even a table's size or a new transfer: sync() rewrites every live tensor's data unlocked, and the other
@@ -109,10 +131,10 @@ class AheadLookups:
             raise
         except Exception as e:
             if ahead or keep_error:
-                return PreparedFeatures(id(self), None, e, *where)
+                return PreparedFeatures(id(self), None, e, *where, versions=versions)
             self._lookup_failed()
             raise
-        return PreparedFeatures(id(self), batches, None, *where, stream_event=event)
+        return PreparedFeatures(id(self), batches, None, *where, stream_event=event, versions=versions)
 
     def look_up_ahead(self, prepared: PreparedFeatures, concat: bool = False, *, keep_error: bool = False) -> None:
         """Look ``prepared`` up now, with the tables as they are; the forward given its inputs (while

@@ -281,9 +281,8 @@ class EmbeddingCollection(AheadLookups, nn.Module):
         prepared = features if isinstance(features, PreparedFeatures) else None
         if prepared is not None and weights is not None:
             raise TypeError("Argument `weights` must be None with prepared features: pass the weights to prepare().")
-        held = self.__dict__.get("_held")
-        if prepared is None and held is not None and held.matches(features, weights):
-            prepared, self._held = held, None  # (tte.TrainPipeline prepared these very inputs)
+        if prepared is None:  # (tte.TrainPipeline may have prepared these very inputs)
+            prepared = self._held_for(features, weights)
         if prepared is not None:
             return self._look_up_prepared(prepared, concat)
         try:

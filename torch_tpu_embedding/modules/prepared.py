@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from torch_tpu_embedding._util.nest import flatten
+from torch_tpu_embedding._util.nest import flatten, path_name
 
-__all__ = ["NotAhead", "PreparedFeatures", "leaves_of"]
+__all__ = ["NotAhead", "PreparedFeatures", "leaves_of", "versions_of"]
 
 
 class NotAhead(Exception):
@@ -39,6 +39,22 @@ class NotAhead(Exception):
 def leaves_of(value: Any) -> tuple[int, ...]:
     """The identities of a nested input's leaves (what a forward call is matched to its prepared inputs by)."""
     return tuple(id(leaf) for _, leaf in flatten(value))
+
+
+def _tensors(leaf: Any) -> list[torch.Tensor]:
+    """A leaf's tensors: itself, or the tensor fields of an input object (``Padded``, ``Jagged``, a KJT)."""
+    if isinstance(leaf, torch.Tensor):
+        return [leaf]
+    fields = getattr(leaf, "__dict__", None)
+    return [v for v in fields.values() if isinstance(v, torch.Tensor)] if fields else []
+
+
+def versions_of(value: Any) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per leaf of a nested input, its tensors' identities and version counters (an in-place write bumps them). XLA
+    tensors are left out: their ids are screened on the device, and nothing of them is read off the thread that
+    syncs."""
+    return tuple(tuple((id(t), t._version) for t in _tensors(leaf) if t.device.type != "xla")
+                 for _, leaf in flatten(value))
 
 
 @dataclasses.dataclass
@@ -63,6 +79,8 @@ class PreparedFeatures:
     #: the error of a lookup ahead (``look_up_ahead(..., keep_error=True)``): raised by the forward that uses these
     #: features, at their own step (over a process group every rank took part in that lookup's agreement already)
     ahead_error: BaseException | None = None
+    #: ``versions_of(features)`` then ``versions_of(weights)`` when prepared: a later in-place write is seen
+    versions: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     @classmethod
     def failed(cls, owner: int, error: BaseException) -> PreparedFeatures:
@@ -77,6 +95,20 @@ class PreparedFeatures:
         if self.weights is None:
             return weights is None
         return weights is not None and leaves_of(weights) == self.weights
+
+    def modified(self, features: Any, weights: Any) -> str | None:
+        """The name of the first input (``"b"``, ``"user/ids"``; a weight's: ``"weights b"``) written in place since
+        these features were prepared from it (their :meth:`matches` objects), or ``None``."""
+        now = versions_of(features) + (() if weights is None else versions_of(weights))
+        if not self.versions or now == self.versions:
+            return None
+        names = [path_name(p) for p, _ in flatten(features)]
+        names += [f"weights {path_name(p)}" for p, _ in flatten(weights)] if weights is not None else []
+        for name, then, later in zip(names, self.versions, now, strict=True):
+            current = dict(later)  # (a tensor an input object made since, e.g. a KJT's cached offsets, is not an edit)
+            if any(current.get(t, v) != v for t, v in then):
+                return name
+        return None
 
     def take(self, owner: int) -> list[Any]:
         """The batches to look up (once), after the CUDA transfers; raises the inputs' error if they had one."""

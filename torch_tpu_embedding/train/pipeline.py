@@ -45,6 +45,8 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import nullcontext
 from typing import Any, NoReturn
@@ -93,8 +95,12 @@ class TrainPipeline:
             graph).
 
     Use :meth:`run` (a generator: one item per step) or :meth:`progress`; both stop the thread at the end, at an
-    error and at :meth:`close` (also on leaving ``with pipe:``). Batches taken but not trained are never dropped
-    silently: :meth:`unfinished` lists them, :meth:`state_dict` saves them.
+    error and at :meth:`close` (also on leaving ``with pipe:``; a pipeline collected without it stops its thread
+    too). Batches taken but not trained are never dropped silently: :meth:`unfinished` lists them,
+    :meth:`state_dict` saves them; after a step that raised before its update, a later :meth:`run` trains the
+    failed batch first, as if that step had not run. A step may edit its batch's ids in place before its forward
+    (they are planned again, as in the plain loop), but not a batch looked up ahead (pipelined execution: that
+    raises).
     """
 
     def __init__(
@@ -137,8 +143,12 @@ class TrainPipeline:
         self._next: Ready | None = None  # the batch after the current one (pipelined execution: looked up)
         self._resume: list[Any] = []  # batches from a checkpoint, trained before the source's
         self._resume_outputs: Any = None  # their first's activations looked up ahead (pipelined execution)
-        self._failed: list[Any] = []  # the batch of a step that raised
+        self._failed: list[Any] = []  # the batch of a step that raised before its update (trained first by a later run)
+        self._updating = False  # the current step's optimizers have begun its update
+        self._ahead_outputs: Any = None  # the current batch's activations looked up ahead (pipelined execution)
+        self._failed_outputs: Any = None  # the failed batch's (restored when trained again, as a checkpoint's)
         self._lookup_stream: Any = None
+        self._finalizer: Any = None  # stops the thread of a pipeline collected without close()
 
     # ------------------------------------------------------------------ the loop
     def run(self, batches: Iterable[Any]) -> Iterator[Any]:
@@ -177,16 +187,22 @@ class TrainPipeline:
         try:
             return self._train(current)
         except BaseException:
-            self._failed = [current.batch]
+            if not self._updating:  # failed before its update: trained first by a later run, from no gradient
+                self._failed, self._failed_outputs = [current.batch], self._ahead_outputs
+                for opt in self.optimizers:
+                    opt.zero_grad()
             self.close()
             raise
 
     def _train(self, current: Ready) -> Any:
+        self._updating, self._ahead_outputs = False, None
         prepared = self._prepared(current)
         if prepared.ahead_error is not None:  # its lookup, during the previous step, failed (here or on another rank)
             raise prepared.ahead_error
         if self._resume_outputs is not None:  # restored: its activations as looked up before the checkpoint
             self._look_up_ahead(prepared)
+        # (looked up ahead: kept should the step fail before its update, for the later run that trains it again)
+        self._ahead_outputs = None if prepared.outputs is None else tree_map(_detached, prepared.outputs)
         if self.stale:  # batch N + 1 looked up now: the tables before update N
             try:
                 following = self._take()
@@ -212,6 +228,9 @@ class TrainPipeline:
         loss.backward()  # type: ignore[no-untyped-call]  # (torch 2.9 leaves Tensor.backward unannotated)
         if self._lookup_stream is not None:  # the update writes the rows the lookup ahead reads
             torch.cuda.current_stream().wait_stream(self._lookup_stream)
+        # From here a failure leaves this update applied, maybe in part: never retried. (The activations kept for a
+        # retry are let go before after_step: on XLA a tensor alive at torch_xla.sync() becomes a graph output.)
+        self._updating, self._ahead_outputs = True, None
         for opt in self.optimizers:
             opt.step()
         for opt in self.optimizers:
@@ -224,6 +243,12 @@ class TrainPipeline:
     # ------------------------------------------------------------------ batches
     def _start(self, source: Iterator[Any]) -> None:
         self._given = source
+        if self._failed:  # a step raised: its batch first, then the one looked up ahead during it (looked up again)
+            again = [*self._failed, *([self._next.batch] if self._next is not None and self._next.source_error is None
+                                      else [])]
+            self._resume, self.taken = [*again, *self._resume], self.taken - len(again)  # (counted again when taken)
+            self._failed, self._next = [], None
+            self._resume_outputs, self._failed_outputs = self._failed_outputs, None  # (its activations, as looked up)
         resumed = self._resume
         self._resume = []
 
@@ -235,7 +260,11 @@ class TrainPipeline:
         self._source = chained()
         self.collection.know_rows()  # (the thread reads no XLA tensor)
         if self.prefetch:
-            self._prefetcher = Prefetcher(self._source, self._prepare_ahead)
+            # The thread holds this pipeline weakly: dropped without close(), it is collected and its finalizer
+            # stops the thread (a join there could wait on a source that blocks).
+            prepare = functools.partial(_call_weakly, weakref.WeakMethod(self._prepare_ahead))
+            self._prefetcher = Prefetcher(self._source, prepare)
+            self._finalizer = weakref.finalize(self, self._prefetcher.stop)
 
     def _prepare_ahead(self, batch: Any) -> PreparedFeatures | None:
         try:
@@ -315,10 +344,12 @@ class TrainPipeline:
             self._prefetcher.close()
             self._resume = self._prefetcher.waiting() + self._resume
             self._prefetcher = None
+            self._finalizer.detach()
         self._source = None
 
     def unfinished(self) -> list[Any]:
-        """The batches taken from the source and not trained, in order (the batch of a step that raised first)."""
+        """The batches taken from the source and not trained, in order (the batch of a step that raised first): what
+        a later :meth:`run` trains before its source's."""
         pending = [] if self._next is None or self._next.source_error is not None else [self._next.batch]
         waiting = self._prefetcher.waiting() if self._prefetcher is not None else []
         return [*self._failed, *pending, *waiting, *self._resume]
@@ -356,6 +387,16 @@ class TrainPipeline:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _detached(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+def _call_weakly(method: weakref.WeakMethod[Callable[[Any], Any]], batch: Any) -> Any:
+    """``method(batch)`` while its object lives (else ``None``: nothing prepared, for a pipeline already gone)."""
+    bound = method()
+    return None if bound is None else bound(batch)
 
 
 def _restore(fresh: Any, saved: Any) -> Any:

@@ -7,7 +7,9 @@ collectives and lookups stay on the main thread, in one order on every rank.
 
 Every batch taken from the source is kept until the main thread takes it: an error of the source or of
 ``prepare`` is handed over with its batch, at the point of the stream where it happened; :meth:`Prefetcher.close`
-stops and joins the thread; :meth:`Prefetcher.waiting` lists the batches taken and not handed over.
+stops and joins the thread; :meth:`Prefetcher.waiting` lists the batches taken and not handed over. The thread
+holds the prefetcher, the source and ``prepare`` (``TrainPipeline``'s holds the pipeline weakly): a pipeline dropped
+without ``close()`` is collected, and its finalizer calls :meth:`Prefetcher.stop`.
 """
 
 from __future__ import annotations
@@ -97,11 +99,15 @@ class Prefetcher:
                 self._cond.wait()
             return [r.batch for r in self._ready if r.source_error is None]
 
-    def close(self) -> None:
-        """Stop taking batches and join the thread (after the batch it is taking, if any: it is kept)."""
+    def stop(self) -> None:
+        """Tell the thread to stop taking batches, without waiting for it (it ends after the batch it is taking)."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stop taking batches and join the thread (after the batch it is taking, if any: it is kept)."""
+        self.stop()
         if self._thread is not threading.current_thread():
             self._thread.join()
 

@@ -190,6 +190,22 @@ def test_the_loop_refuses_what_it_cannot_add_and_writes_nothing(c_loop: Any, bad
     assert not p.any()
 
 
+@pytest.mark.parametrize("operand", ["rows", "gains", "ids"])
+def test_the_loop_refuses_a_zero_tensor_and_writes_nothing(c_loop: Any, operand: str) -> None:
+    """A zero tensor (``torch._efficientzerotensor``) has no memory: its pointer is null, and the loop read through
+    it and crashed the process (SIGSEGV). Refused (``ValueError``), nothing written."""
+    p, ids, rows, gains = torch.zeros(10, 4), torch.tensor([1, 2, 3]), torch.ones(3, 4), torch.ones(3, 1)
+    if operand == "rows":
+        rows = torch._efficientzerotensor(3, 4)
+    elif operand == "gains":
+        gains = torch._efficientzerotensor(3, 1)
+    else:
+        ids = torch._efficientzerotensor(3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="add_piece"):
+        c_add.add_piece(c_loop, p, ids, rows, gains, torch.tensor(-0.5), torch.empty(4))
+    assert not p.any()
+
+
 @pytest.mark.parametrize("case", ["warming_up", "loss_scale_factor", "disabled"])
 def test_where_the_eager_path_runs(kernel_calls: list[int], case: str) -> None:
     if case == "warming_up":

@@ -162,6 +162,35 @@ def test_the_loop_is_the_rule(lib: c_add.Library, case: tuple[str, dict[str, Any
 
 
 @pytest.mark.parametrize("name", ["rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("bad", ["float64_slot", "slot_shape", "strided_table", "float64_table", "short_hp",
+                                 "zero_tensor_rows"])
+def test_the_loop_refuses_a_table_slots_or_rows_it_would_misread_and_writes_nothing(lib: c_add.Library, name: str,
+                                                                                   bad: str) -> None:
+    """The loop writes the table and its slots through their pointers as contiguous float32 of the table's shape
+    (a slot ``[rows]`` for RowWiseAdagrad, ``[rows, D]`` for Adam) and reads 3 or 7 hyper-parameters: anything
+    else was written silently wrong (float32 bits in a float64 slot, rows of a wider slot); a zero tensor of rows
+    (no memory: a null pointer) crashed the process. Each is refused, nothing written."""
+    p, slots, ids, rows = _problem(name)
+    h = _hp(name, {}, torch.tensor(0.1), torch.tensor(1.0))
+    if bad == "float64_slot":
+        slots[0] = slots[0].double()
+    elif bad == "slot_shape":  # (more memory than the loop reads: wrong, not out of bounds)
+        slots[0] = slots[0].reshape(ROWS, -1).repeat(1, 2)
+    elif bad == "strided_table":
+        p = torch.randn(DIM, ROWS).t()
+    elif bad == "float64_table":
+        p = p.double()
+    elif bad == "short_hp":
+        h = h[:2].clone()
+    else:
+        rows = torch._efficientzerotensor(rows.shape)
+    p0, s0 = p.clone(), [s.clone() for s in slots]
+    with pytest.raises(ValueError, match="run_rows"):
+        c_rules.run_rows(getattr(lib, name), p, slots, ids, None, rows, h)
+    assert torch.equal(p, p0) and all(torch.equal(a, b) for a, b in zip(slots, s0, strict=True))
+
+
+@pytest.mark.parametrize("name", ["rowwise_adagrad", "adam"])
 @pytest.mark.parametrize("bad", ["id_above", "id_below", "col_above"])
 def test_the_loop_refuses_rows_outside_and_writes_nothing(lib: c_add.Library, name: str, bad: str) -> None:
     p, slots, ids, _ = _problem(name)

@@ -74,6 +74,7 @@ from torch_tpu_embedding._util import private_files
 from torch_tpu_embedding._util.env import is_off
 from torch_tpu_embedding._util.registry import rule_of
 from torch_tpu_embedding.optim._kernels import row_update
+from torch_tpu_embedding.optim._kernels.c_args import in_memory
 from torch_tpu_embedding.optim._kernels.c_rules_source import SOURCE as RULES_SOURCE
 
 if TYPE_CHECKING:
@@ -429,7 +430,7 @@ def add_piece(fn: Callable[..., int], p: Tensor, ids: Tensor, g: Tensor, gains: 
             or (gains is not None and (gains.dtype != torch.float32 or gains.shape[0] != nbags))
             or factor.dtype != torch.float32 or factor.numel() != 1 or inc.dtype != torch.float32 or inc.numel() < dim
             or not p.is_contiguous() or p.dtype != torch.float32
-            or not all(t.is_cpu and t.layout == torch.strided for t in tensors)):
+            or not all(in_memory(t) for t in tensors)):
         got = None if gains is None else (gains.dtype, tuple(gains.shape))
         raise ValueError(f"add_piece: ids {ids.dtype} {tuple(ids.shape)}, rows {g.dtype} {tuple(g.shape)}, gains {got} "
                          f"for a {tuple(p.shape)} table; expected int64 [B·L], float32 [B, {dim}], float32 [B, L] or "

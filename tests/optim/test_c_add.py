@@ -340,6 +340,19 @@ def test_the_cache_is_not_used_when_off_or_writable_by_others(monkeypatch: pytes
         assert not fresh_cache.exists()
 
 
+@pytest.mark.parametrize("value", ["1", "true", " On ", "yes"])
+def test_a_value_that_turns_the_cache_on_is_the_default_directory(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                                  value: str) -> None:
+    """``TTE_KERNEL_CACHE=1`` (as the other ``TTE_*`` switches are turned on) keeps the cache where it is by default,
+    not in a directory named ``1`` made in whatever directory the process runs in."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TTE_KERNEL_CACHE", value)
+    assert c_add.cache_dir() == str(tmp_path / "xdg" / "torch_tpu_embedding" / "kernels")
+    monkeypatch.setenv("TTE_KERNEL_CACHE", "kernels-here")  # (a relative path: from the working directory)
+    assert c_add.cache_dir() == str(tmp_path / "kernels-here")
+
+
 def test_a_cache_whose_libraries_cannot_load_compiles_in_the_temporary_directory(monkeypatch: pytest.MonkeyPatch,
                                                                                  fresh_cache: Path) -> None:
     """As on a ``noexec`` mount: the library compiled in the cache does not load there, so it is compiled again in

@@ -237,6 +237,37 @@ def test_over_threads_a_refused_range_leaves_every_range_unwritten(lib: c_add.Li
     assert torch.equal(p, p0) and all(torch.equal(a, b) for a, b in zip(slots, s0, strict=True))
 
 
+@pytest.mark.parametrize("name", ["rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("bad", ["duplicate_in_a_range", "duplicate_across_ranges", "descending"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_loop_refuses_ids_not_distinct_and_ascending_and_writes_nothing(lib: c_add.Library, name: str, bad: str,
+                                                                            threads: int,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop takes distinct ids, ascending (as the duplicate sum and ``torch.unique`` give them): an id twice
+    was updated twice from its one gradient (at one thread) or by two threads at once when its copies fell in two
+    ranges (a race: a result that depends on timing), silently. Refused, nothing written, wherever the two are."""
+    monkeypatch.setattr(c_rules, "_MIN_ROWS_PER_THREAD", 64)  # (UNIQUE ids: two ranges of 150 at 2 threads)
+    p, slots, ids, _ = _problem(name)
+    half = UNIQUE // 2
+    if bad == "duplicate_in_a_range":
+        ids[10] = ids[9]
+    elif bad == "duplicate_across_ranges":  # (the last id of the first range, the first of the second)
+        ids[half] = ids[half - 1]
+    else:
+        ids[10], ids[11] = ids[11].clone(), ids[10].clone()
+    sums, _ = _factored(ids, weighted=False)
+    p0, s0 = p.clone(), [s.clone() for s in slots]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with pytest.raises(IndexError, match="distinct and ascending"):
+            c_rules.run_rows(getattr(lib, name), p, slots, ids, sums, torch.empty(0, DIM),
+                             _hp(name, {}, torch.tensor(0.1), torch.tensor(1.0)))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(p, p0) and all(torch.equal(a, b) for a, b in zip(slots, s0, strict=True))
+
+
 # ------------------------------------------------------------------------------------------------- in training
 @pytest.fixture
 def kernel_path(monkeypatch: pytest.MonkeyPatch, lib: c_add.Library) -> Iterator[list[str]]:

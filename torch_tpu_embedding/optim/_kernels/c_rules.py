@@ -123,7 +123,8 @@ def run_rows(fn: Callable[..., int], p: Tensor, slots: list[Tensor], ids: Tensor
              hp: Tensor) -> None:
     """``fn`` (a loop of the library) over the sorted distinct ``ids`` of ``p``: their gradient rows summed from
     ``sums``, or (``sums`` ``None``) the rows ``g`` ``[U, D]`` as they are. Everything is checked here: the loop
-    trusts its pointers (it checks only that the ids are rows of ``p``)."""
+    trusts its pointers (it checks only that the ids are rows of ``p``, ascending, and that the gradient rows it
+    reads are ``src``'s)."""
     rows, dim = p.shape
     ids = ids.contiguous()
     n = ids.shape[0]
@@ -163,9 +164,10 @@ def run_rows(fn: Callable[..., int], p: Tensor, slots: list[Tensor], ids: Tensor
     scratch = torch.empty(threads, dim, dtype=torch.float32)
     ncols = 0 if cols is None else cols.shape[0]
 
-    def ranged(t: int) -> list[Any]:
-        """Range ``t``'s ``ids, n, rows, offsets, cols, ncols, srows``: ``rows_ok``'s arguments, the loops' too."""
-        a, b = bounds[t], bounds[t + 1]  # ids and offsets from a on (offsets index cols: absolute)
+    def ranged(t: int, before: int = 0) -> list[Any]:
+        """Range ``t``'s ``ids, n, rows, offsets, cols, ncols, srows``: ``rows_ok``'s arguments (``before``: from the
+        range before's last id on, checked ascending across the ranges), the loops' too."""
+        a, b = bounds[t] - (before if t else 0), bounds[t + 1]  # ids and offsets from a on (offsets index cols)
         return [ids.data_ptr() + 8 * a, b - a, rows, None if offsets is None else offsets.data_ptr() + 8 * a,
                 None if cols is None else cols.data_ptr(), ncols, src.shape[0]]
 
@@ -179,10 +181,11 @@ def run_rows(fn: Callable[..., int], p: Tensor, slots: list[Tensor], ids: Tensor
 
     # Each loop checks its own range before writing it. Over threads every range is checked first: one range
     # refused after another was written would leave the step half applied (a failed step changes nothing).
-    if (threads > 1 and not all(in_parallel(lambda t: int(lib.rows_ok(*ranged(t))), threads))) \
+    if (threads > 1 and not all(in_parallel(lambda t: int(lib.rows_ok(*ranged(t, 1))), threads))) \
             or any(in_parallel(part, threads)):
-        raise IndexError(f"an id to update is outside the table's {rows} rows, or a gradient row outside the "
-                         f"{src.shape[0]} given (an internal error: ids are checked at the lookup)")
+        raise IndexError(f"an id to update is outside the table's {rows} rows or not above the one before it (they "
+                         f"are distinct and ascending), or a gradient row outside the {src.shape[0]} given (an "
+                         "internal error: ids are checked at the lookup)")
     for t in (p, *slots):
         increment_version(t)  # (written through its pointer: autograd's check of saved tensors sees the change)
 

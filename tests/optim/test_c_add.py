@@ -353,6 +353,23 @@ def test_a_value_that_turns_the_cache_on_is_the_default_directory(monkeypatch: p
     assert c_add.cache_dir() == str(tmp_path / "kernels-here")
 
 
+def test_without_a_home_nothing_is_kept_in_the_working_directory(monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Path) -> None:
+    """No ``HOME`` and no passwd entry (a container run as an arbitrary uid): ``~`` stays ``~``, and the cache was
+    ``~/.cache/...`` relative to the working directory (a directory ``~`` made there). Nothing is kept then; a
+    relative ``XDG_CACHE_HOME`` is ignored (its specification) for the home's."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TTE_KERNEL_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    monkeypatch.setattr(os.path, "expanduser", lambda path: path)  # (what Python does without HOME nor passwd)
+    assert c_add.cache_dir() is None
+    monkeypatch.undo()
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("TTE_KERNEL_CACHE", raising=False)
+    assert c_add.cache_dir() == str(tmp_path / "home" / ".cache" / "torch_tpu_embedding" / "kernels")
+
+
 def test_a_cache_whose_libraries_cannot_load_compiles_in_the_temporary_directory(monkeypatch: pytest.MonkeyPatch,
                                                                                  fresh_cache: Path) -> None:
     """As on a ``noexec`` mount: the library compiled in the cache does not load there, so it is compiled again in

@@ -172,15 +172,19 @@ def cache_dir() -> str | None:
     """Where compiled loops are kept for later processes (Linux): ``TTE_KERNEL_CACHE``, else
     ``$XDG_CACHE_HOME/torch_tpu_embedding/kernels`` (``~/.cache/...``), also for a value that turns a switch on
     (``1``, ``true``, ``on``, ``yes``: not a directory ``1`` made in the working directory); ``None`` with
-    ``TTE_KERNEL_CACHE=0`` or off Linux (no CPU identity to name a ``-march=native`` library by). A relative path
-    is taken from the working directory of the process's first build."""
+    ``TTE_KERNEL_CACHE=0``, off Linux (no CPU identity to name a ``-march=native`` library by) or without a home
+    (no ``HOME`` nor passwd entry, as in a container run as an arbitrary uid: not a directory ``~`` made in the
+    working directory). A relative ``TTE_KERNEL_CACHE`` is taken from the working directory of the process's first
+    build; a relative ``XDG_CACHE_HOME`` is ignored, as its specification says."""
     chosen = os.environ.get("TTE_KERNEL_CACHE", "").strip()
     if is_off(chosen) or not sys.platform.startswith("linux"):
         return None
     if chosen and chosen.lower() not in ("1", "true", "on", "yes"):
         return os.path.abspath(os.path.expanduser(chosen))
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "torch_tpu_embedding", "kernels")
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "torch_tpu_embedding", "kernels") if os.path.isabs(base) else None
 
 
 def _cpu() -> str:

@@ -190,6 +190,22 @@ def test_the_loop_refuses_what_it_cannot_add_and_writes_nothing(c_loop: Any, bad
     assert not p.any()
 
 
+@pytest.mark.parametrize("operand", ["rows", "gains", "ids"])
+def test_the_loop_refuses_a_zero_tensor_and_writes_nothing(c_loop: Any, operand: str) -> None:
+    """A zero tensor (``torch._efficientzerotensor``) has no memory: its pointer is null, and the loop read through
+    it and crashed the process (SIGSEGV). Refused (``ValueError``), nothing written."""
+    p, ids, rows, gains = torch.zeros(10, 4), torch.tensor([1, 2, 3]), torch.ones(3, 4), torch.ones(3, 1)
+    if operand == "rows":
+        rows = torch._efficientzerotensor(3, 4)
+    elif operand == "gains":
+        gains = torch._efficientzerotensor(3, 1)
+    else:
+        ids = torch._efficientzerotensor(3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="add_piece"):
+        c_add.add_piece(c_loop, p, ids, rows, gains, torch.tensor(-0.5), torch.empty(4))
+    assert not p.any()
+
+
 @pytest.mark.parametrize("case", ["warming_up", "loss_scale_factor", "disabled"])
 def test_where_the_eager_path_runs(kernel_calls: list[int], case: str) -> None:
     if case == "warming_up":
@@ -322,6 +338,36 @@ def test_the_cache_is_not_used_when_off_or_writable_by_others(monkeypatch: pytes
     assert runs
     if case == "off":
         assert not fresh_cache.exists()
+
+
+@pytest.mark.parametrize("value", ["1", "true", " On ", "yes"])
+def test_a_value_that_turns_the_cache_on_is_the_default_directory(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                                  value: str) -> None:
+    """``TTE_KERNEL_CACHE=1`` (as the other ``TTE_*`` switches are turned on) keeps the cache where it is by default,
+    not in a directory named ``1`` made in whatever directory the process runs in."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TTE_KERNEL_CACHE", value)
+    assert c_add.cache_dir() == str(tmp_path / "xdg" / "torch_tpu_embedding" / "kernels")
+    monkeypatch.setenv("TTE_KERNEL_CACHE", "kernels-here")  # (a relative path: from the working directory)
+    assert c_add.cache_dir() == str(tmp_path / "kernels-here")
+
+
+def test_without_a_home_nothing_is_kept_in_the_working_directory(monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Path) -> None:
+    """No ``HOME`` and no passwd entry (a container run as an arbitrary uid): ``~`` stays ``~``, and the cache was
+    ``~/.cache/...`` relative to the working directory (a directory ``~`` made there). Nothing is kept then; a
+    relative ``XDG_CACHE_HOME`` is ignored (its specification) for the home's."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TTE_KERNEL_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    monkeypatch.setattr(os.path, "expanduser", lambda path: path)  # (what Python does without HOME nor passwd)
+    assert c_add.cache_dir() is None
+    monkeypatch.undo()
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("TTE_KERNEL_CACHE", raising=False)
+    assert c_add.cache_dir() == str(tmp_path / "home" / ".cache" / "torch_tpu_embedding" / "kernels")
 
 
 def test_a_cache_whose_libraries_cannot_load_compiles_in_the_temporary_directory(monkeypatch: pytest.MonkeyPatch,

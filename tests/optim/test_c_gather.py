@@ -55,6 +55,19 @@ def test_the_loop_is_index_select_bitwise(gathers: list[int], dtype: torch.dtype
     assert sum(gathers) == ids.numel() and len(gathers) == threads
 
 
+@pytest.mark.parametrize("operand", ["table", "ids"])
+def test_a_zero_tensor_takes_index_select(gathers: list[int], operand: str) -> None:
+    """A zero tensor (``torch._efficientzerotensor``) has no memory (a null pointer): the loop read through it and
+    crashed the process (SIGSEGV). ``index_select`` gathers it."""
+    weight, ids = torch.randn(10, 4), torch.tensor([1, 2, 1])
+    if operand == "table":
+        weight = torch._efficientzerotensor(10, 4)
+    else:
+        ids = torch._efficientzerotensor(3, dtype=torch.int64)
+    assert torch.equal(c_gather.gather_rows(weight, ids), weight.index_select(0, ids))
+    assert gathers == []
+
+
 @pytest.mark.parametrize("bad", [-1, 500])
 def test_the_loop_refuses_an_id_outside_the_table(gathers: list[int], bad: int) -> None:
     weight = torch.randn(500, 8)

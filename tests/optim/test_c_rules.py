@@ -162,6 +162,35 @@ def test_the_loop_is_the_rule(lib: c_add.Library, case: tuple[str, dict[str, Any
 
 
 @pytest.mark.parametrize("name", ["rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("bad", ["float64_slot", "slot_shape", "strided_table", "float64_table", "short_hp",
+                                 "zero_tensor_rows"])
+def test_the_loop_refuses_a_table_slots_or_rows_it_would_misread_and_writes_nothing(lib: c_add.Library, name: str,
+                                                                                   bad: str) -> None:
+    """The loop writes the table and its slots through their pointers as contiguous float32 of the table's shape
+    (a slot ``[rows]`` for RowWiseAdagrad, ``[rows, D]`` for Adam) and reads 3 or 7 hyper-parameters: anything
+    else was written silently wrong (float32 bits in a float64 slot, rows of a wider slot); a zero tensor of rows
+    (no memory: a null pointer) crashed the process. Each is refused, nothing written."""
+    p, slots, ids, rows = _problem(name)
+    h = _hp(name, {}, torch.tensor(0.1), torch.tensor(1.0))
+    if bad == "float64_slot":
+        slots[0] = slots[0].double()
+    elif bad == "slot_shape":  # (more memory than the loop reads: wrong, not out of bounds)
+        slots[0] = slots[0].reshape(ROWS, -1).repeat(1, 2)
+    elif bad == "strided_table":
+        p = torch.randn(DIM, ROWS).t()
+    elif bad == "float64_table":
+        p = p.double()
+    elif bad == "short_hp":
+        h = h[:2].clone()
+    else:
+        rows = torch._efficientzerotensor(rows.shape)
+    p0, s0 = p.clone(), [s.clone() for s in slots]
+    with pytest.raises(ValueError, match="run_rows"):
+        c_rules.run_rows(getattr(lib, name), p, slots, ids, None, rows, h)
+    assert torch.equal(p, p0) and all(torch.equal(a, b) for a, b in zip(slots, s0, strict=True))
+
+
+@pytest.mark.parametrize("name", ["rowwise_adagrad", "adam"])
 @pytest.mark.parametrize("bad", ["id_above", "id_below", "col_above"])
 def test_the_loop_refuses_rows_outside_and_writes_nothing(lib: c_add.Library, name: str, bad: str) -> None:
     p, slots, ids, _ = _problem(name)
@@ -201,6 +230,37 @@ def test_over_threads_a_refused_range_leaves_every_range_unwritten(lib: c_add.Li
     torch.set_num_threads(2)
     try:
         with pytest.raises(IndexError, match="outside"):
+            c_rules.run_rows(getattr(lib, name), p, slots, ids, sums, torch.empty(0, DIM),
+                             _hp(name, {}, torch.tensor(0.1), torch.tensor(1.0)))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(p, p0) and all(torch.equal(a, b) for a, b in zip(slots, s0, strict=True))
+
+
+@pytest.mark.parametrize("name", ["rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("bad", ["duplicate_in_a_range", "duplicate_across_ranges", "descending"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_loop_refuses_ids_not_distinct_and_ascending_and_writes_nothing(lib: c_add.Library, name: str, bad: str,
+                                                                            threads: int,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop takes distinct ids, ascending (as the duplicate sum and ``torch.unique`` give them): an id twice
+    was updated twice from its one gradient (at one thread) or by two threads at once when its copies fell in two
+    ranges (a race: a result that depends on timing), silently. Refused, nothing written, wherever the two are."""
+    monkeypatch.setattr(c_rules, "_MIN_ROWS_PER_THREAD", 64)  # (UNIQUE ids: two ranges of 150 at 2 threads)
+    p, slots, ids, _ = _problem(name)
+    half = UNIQUE // 2
+    if bad == "duplicate_in_a_range":
+        ids[10] = ids[9]
+    elif bad == "duplicate_across_ranges":  # (the last id of the first range, the first of the second)
+        ids[half] = ids[half - 1]
+    else:
+        ids[10], ids[11] = ids[11].clone(), ids[10].clone()
+    sums, _ = _factored(ids, weighted=False)
+    p0, s0 = p.clone(), [s.clone() for s in slots]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with pytest.raises(IndexError, match="distinct and ascending"):
             c_rules.run_rows(getattr(lib, name), p, slots, ids, sums, torch.empty(0, DIM),
                              _hp(name, {}, torch.tensor(0.1), torch.tensor(1.0)))
     finally:

@@ -2,7 +2,8 @@
 check through the descriptor it loads: a library or cache directory swapped in between the check and the load
 (interposed at the loader, deterministically) is not what runs; a cache under a directory others may write or
 own is not used; a library cut short (``dlopen`` faults on it: SIGBUS) or altered is compiled again, never
-loaded, in a new process that survives; a new library is on disk (fsync) before its rename into the cache; a
+loaded, in a new process that survives; a library built for another CPU (Arm's, whose ``/proc/cpuinfo`` has no
+``flags``) is not loaded, and nothing is kept for a CPU that cannot be told; a new library is on disk (fsync) before its rename into the cache; a
 process killed while compiling leaves nothing a later build does not remove.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import io
 import os
 import signal
 import subprocess
@@ -284,6 +286,79 @@ def test_the_library_is_on_disk_before_its_rename_into_the_cache(monkeypatch: py
     renamed = events.index(("rename", kept.name))
     assert ("fsync", kept.stat().st_ino) in events[:renamed]
     assert ("fsync", cache.stat().st_ino) in events[renamed:]
+
+
+# ---------------------------------------------------------------------------------- the CPU it was built for
+#: two Arm CPUs as /proc/cpuinfo shows them (no "model name" nor "flags" lines): a Neoverse N1, and a V1 with SVE
+_NEOVERSE_N1 = ("processor\t: 0\nBogoMIPS\t: 243.75\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics "
+                "fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp ssbs\nCPU implementer\t: 0x41\nCPU architecture: "
+                "8\nCPU variant\t: 0x3\nCPU part\t: 0xd0c\nCPU revision\t: 1\n\n")
+_NEOVERSE_V1 = ("processor\t: 0\nBogoMIPS\t: 2100.00\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics "
+                "fphp asimdhp cpuid asimdrdm jscvt fcma lrcpc dcpop sha3 sm3 sm4 asimddp sha512 sve asimdfhm dit uscat "
+                "ilrcpc flagm ssbs paca pacg dcpodp svei8mm svebf16 i8mm bf16 dgh rng\nCPU implementer\t: 0x41\n"
+                "CPU architecture: 8\nCPU variant\t: 0x1\nCPU part\t: 0xd40\nCPU revision\t: 1\n\n")
+
+
+def _cpuinfo(monkeypatch: pytest.MonkeyPatch, text: str | None) -> None:
+    """``/proc/cpuinfo`` reads as ``text`` in ``c_add`` from now on (``None``: it cannot be read)."""
+    real = open
+
+    def fake(file: Any, *args: Any, **kw: Any) -> Any:
+        if file == "/proc/cpuinfo":
+            if text is None:
+                raise PermissionError(13, "Permission denied", file)
+            return io.StringIO(text)
+        return real(file, *args, **kw)
+
+    monkeypatch.setattr(c_add, "open", fake, raising=False)  # (c_add's open: a module global before the builtin)
+
+
+def _counted_compiles(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Where each compile of the loop from now on works (``c_add._compile``'s directory)."""
+    where: list[str] = []
+    real = c_add._compile
+
+    def compile_(cc: Any, flags: Any, where_fd: int, at: str, stem: Any) -> Any:
+        where.append(at)
+        return real(cc, flags, where_fd, at, stem)
+
+    monkeypatch.setattr(c_add, "_compile", compile_)
+    return where
+
+
+def test_a_library_built_for_another_cpu_is_never_loaded(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                         fresh: None) -> None:
+    """A cache shared by hosts of two Arm CPUs (a home directory): ``-march=native`` built the first host's library
+    for its CPU (the N1's), which the V1's must not load (nor the N1's the V1's, whose SVE it lacks: SIGILL). Arm's
+    ``/proc/cpuinfo`` has no ``model name`` nor ``flags``: the key held no CPU at all, and the V1 loaded the N1's."""
+    cache = tmp_path / "kernels"
+    monkeypatch.setenv("TTE_KERNEL_CACHE", str(cache))
+    compiles = _counted_compiles(monkeypatch)
+    _cpuinfo(monkeypatch, _NEOVERSE_N1)
+    _check_loop(_rebuild(monkeypatch))
+    assert len(compiles) == 1 and len(_kept(cache)) == 1
+    _cpuinfo(monkeypatch, _NEOVERSE_V1)
+    _check_loop(_rebuild(monkeypatch))
+    assert len(compiles) == 2, "the other CPU's library was loaded"
+    assert len(_kept(cache)) == 2
+    _cpuinfo(monkeypatch, _NEOVERSE_N1)  # (each CPU's own library is still kept and loaded)
+    _check_loop(_rebuild(monkeypatch))
+    assert len(compiles) == 2
+
+
+@pytest.mark.parametrize("cpuinfo", ["unreadable", "no_identity"])
+def test_a_cpu_that_cannot_be_told_keeps_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fresh: None,
+                                                 cpuinfo: str) -> None:
+    """Where ``/proc/cpuinfo`` cannot be read or names no CPU, a library compiled for it could be loaded on any
+    other CPU later: it is compiled for this process alone, and nothing is kept nor loaded from the cache."""
+    cache = tmp_path / "kernels"
+    monkeypatch.setenv("TTE_KERNEL_CACHE", str(cache))
+    compiles = _counted_compiles(monkeypatch)
+    _cpuinfo(monkeypatch, None if cpuinfo == "unreadable" else "processor\t: 0\nBogoMIPS\t: 50.00\n\n")
+    _check_loop(_rebuild(monkeypatch))
+    _check_loop(_rebuild(monkeypatch))
+    assert len(compiles) == 2 and not any(at.startswith(str(cache)) for at in compiles)
+    assert not cache.exists() or _kept(cache) == []
 
 
 # ------------------------------------------------------------------------------ killed while compiling

@@ -20,7 +20,8 @@ checks (:func:`library`).
 The loop is compiled with the system's C compiler (``CC``, else ``cc``, ``gcc`` or ``clang``; about 0.1 s) and
 called through :mod:`ctypes`. On Linux the library is kept in :func:`cache_dir` (``TTE_KERNEL_CACHE``, else
 ``~/.cache/torch_tpu_embedding/kernels``), named by a hash of the source, the compiler command and flags and the
-CPU's model and flags (``-march=native``), so later processes load it instead of compiling: the compiler's
+CPU's identity (``-march=native``: x86's model and flags, Arm's part and features; where ``/proc/cpuinfo`` tells
+none, nothing is kept), so later processes load it instead of compiling: the compiler's
 process inside the step that first adds through the loop slowed the next steps too (``benchmarks/eager_cpu.py
 --threads 1 --iters 8 --bags 1 --modes ours_sgd``, 5 alternating pairs of runs: 3.52–4.00 ms a step with
 ``TTE_KERNEL_CACHE=0``, 3.35–3.63 ms loading; docs/benchmarks.md).
@@ -73,6 +74,7 @@ from torch_tpu_embedding._util import private_files
 from torch_tpu_embedding._util.env import is_off
 from torch_tpu_embedding._util.registry import rule_of
 from torch_tpu_embedding.optim._kernels import row_update
+from torch_tpu_embedding.optim._kernels.c_args import in_memory
 from torch_tpu_embedding.optim._kernels.c_rules_source import SOURCE as RULES_SOURCE
 
 if TYPE_CHECKING:
@@ -146,6 +148,11 @@ _REFUSED: list[str] = []
 _TEMPORARY, _LEGACY_TEMPORARY = "tmp-add_rows-", "tte_add_rows_"
 #: a cached library's name ends in the sha256 of its bytes; no library of the loop is near this size
 _DIGEST, _MAX_BYTES = re.compile(r"[0-9a-f]{64}"), 16 << 20
+#: the lines of ``/proc/cpuinfo`` that tell what ``-march=native`` compiles for: x86's, Arm's (which has no
+#: ``model name`` nor ``flags``: SVE is in its ``Features``), RISC-V's, POWER's and s390's
+_CPU_FIELDS = ("vendor_id", "cpu family", "model", "model name", "stepping", "flags", "CPU implementer",
+               "CPU architecture", "CPU variant", "CPU part", "CPU revision", "Features", "isa", "uarch", "cpu",
+               "features")
 
 
 def c_compiler() -> list[str] | None:
@@ -163,24 +170,33 @@ def c_compiler() -> list[str] | None:
 
 def cache_dir() -> str | None:
     """Where compiled loops are kept for later processes (Linux): ``TTE_KERNEL_CACHE``, else
-    ``$XDG_CACHE_HOME/torch_tpu_embedding/kernels`` (``~/.cache/...``); ``None`` with ``TTE_KERNEL_CACHE=0`` or
-    off Linux (no CPU identity to name a ``-march=native`` library by)."""
+    ``$XDG_CACHE_HOME/torch_tpu_embedding/kernels`` (``~/.cache/...``), also for a value that turns a switch on
+    (``1``, ``true``, ``on``, ``yes``: not a directory ``1`` made in the working directory); ``None`` with
+    ``TTE_KERNEL_CACHE=0``, off Linux (no CPU identity to name a ``-march=native`` library by) or without a home
+    (no ``HOME`` nor passwd entry, as in a container run as an arbitrary uid: not a directory ``~`` made in the
+    working directory). A relative ``TTE_KERNEL_CACHE`` is taken from the working directory of the process's first
+    build; a relative ``XDG_CACHE_HOME`` is ignored, as its specification says."""
     chosen = os.environ.get("TTE_KERNEL_CACHE", "").strip()
     if is_off(chosen) or not sys.platform.startswith("linux"):
         return None
-    if chosen:
+    if chosen and chosen.lower() not in ("1", "true", "on", "yes"):
         return os.path.abspath(os.path.expanduser(chosen))
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "torch_tpu_embedding", "kernels")
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "torch_tpu_embedding", "kernels") if os.path.isabs(base) else None
 
 
 def _cpu() -> str:
-    """The CPU's model and feature flags (what ``-march=native`` compiles for), from ``/proc/cpuinfo``."""
+    """The CPU's identity for ``-march=native`` (:data:`_CPU_FIELDS` of ``/proc/cpuinfo``: x86's model and flags,
+    Arm's implementer, part and features, ...); ``""`` where it cannot be told (nothing is then kept: a library
+    compiled for one CPU may not run on another, as a cache in a home directory shared by several hosts has it)."""
     try:
         with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f.read().splitlines() if ln.split(":")[0].strip() in ("model name", "flags")]
+            text = f.read()
     except OSError:
         return ""
+    lines = [ln.strip() for ln in text.splitlines() if ln.split(":")[0].strip() in _CPU_FIELDS]
     return "\n".join(dict.fromkeys(lines))  # (one line of each, as every core repeats them)
 
 
@@ -245,9 +261,10 @@ def _build() -> Library:
     # would round once and differ in the last bit). -fno-math-errno: sqrtf vectorised (IEEE sqrt all the
     # same; nothing reads errno). -march=native only where the compiler takes it.
     flags = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
-    cache = cache_dir()
+    cpu = _cpu()
+    cache = cache_dir() if cpu else None  # (a CPU it cannot tell apart from another: nothing kept nor loaded)
     if cache is not None:
-        key = hashlib.sha256("\0".join([_SOURCE, *cc, *flags, platform.machine(), _cpu()]).encode()).hexdigest()
+        key = hashlib.sha256("\0".join([_SOURCE, *cc, *flags, platform.machine(), cpu]).encode()).hexdigest()
         stem = f"add_rows-{key[:24]}-"
         try:
             cache_fd, real = private_files.open_dir(cache, private=True, create=True)
@@ -419,7 +436,7 @@ def add_piece(fn: Callable[..., int], p: Tensor, ids: Tensor, g: Tensor, gains: 
             or (gains is not None and (gains.dtype != torch.float32 or gains.shape[0] != nbags))
             or factor.dtype != torch.float32 or factor.numel() != 1 or inc.dtype != torch.float32 or inc.numel() < dim
             or not p.is_contiguous() or p.dtype != torch.float32
-            or not all(t.is_cpu and t.layout == torch.strided for t in tensors)):
+            or not all(in_memory(t) for t in tensors)):
         got = None if gains is None else (gains.dtype, tuple(gains.shape))
         raise ValueError(f"add_piece: ids {ids.dtype} {tuple(ids.shape)}, rows {g.dtype} {tuple(g.shape)}, gains {got} "
                          f"for a {tuple(p.shape)} table; expected int64 [B·L], float32 [B, {dim}], float32 [B, L] or "

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from torch_tpu_embedding.optim._kernels import c_add, c_rules
+from torch_tpu_embedding.optim._kernels.c_args import in_memory
 
 __all__ = ["gather_rows", "join_ids"]
 
@@ -39,10 +40,9 @@ def gather_rows(weight: Tensor, ids: Tensor) -> Tensor:
     text), else by ``index_select``. Bitwise the same either way; no autograd (the lookup's forward calls it)."""
     lib = None if torch.compiler.is_compiling() else c_add.loaded()  # (traced: index_select, an op dynamo knows)
     if (lib is None or type(weight) not in (torch.Tensor, torch.nn.Parameter)
-            or type(ids) is not torch.Tensor or weight.device.type != "cpu" or ids.device.type != "cpu"
-            or weight.layout != torch.strided or weight.dim() != 2 or not weight.is_contiguous()
-            or weight.is_quantized or weight.is_conj() or weight.is_neg()
-            or ids.dtype != torch.int64 or ids.dim() != 1):
+            or type(ids) is not torch.Tensor or not in_memory(weight) or not in_memory(ids)
+            or weight.dim() != 2 or not weight.is_contiguous() or weight.is_quantized
+            or ids.dtype != torch.int64 or ids.dim() != 1):  # (in_memory: a zero tensor's null pointer, say)
         return weight.index_select(0, ids)
     rows, row_bytes = weight.shape[0], weight.shape[1] * weight.element_size()
     ids = ids.contiguous()

@@ -35,6 +35,7 @@ from torch.autograd.graph import increment_version
 from torch_tpu_embedding._rows.dedup import sync_free
 from torch_tpu_embedding._util.registry import rule_of
 from torch_tpu_embedding.optim._kernels import c_add, row_update
+from torch_tpu_embedding.optim._kernels.c_args import in_memory
 from torch_tpu_embedding.optim._kernels.row_sums import RowSums
 
 if TYPE_CHECKING:
@@ -122,7 +123,8 @@ def run_rows(fn: Callable[..., int], p: Tensor, slots: list[Tensor], ids: Tensor
              hp: Tensor) -> None:
     """``fn`` (a loop of the library) over the sorted distinct ``ids`` of ``p``: their gradient rows summed from
     ``sums``, or (``sums`` ``None``) the rows ``g`` ``[U, D]`` as they are. Everything is checked here: the loop
-    trusts its pointers (it checks only that the ids are rows of ``p``)."""
+    trusts its pointers (it checks only that the ids are rows of ``p``, ascending, and that the gradient rows it
+    reads are ``src``'s)."""
     rows, dim = p.shape
     ids = ids.contiguous()
     n = ids.shape[0]
@@ -137,13 +139,24 @@ def run_rows(fn: Callable[..., int], p: Tensor, slots: list[Tensor], ids: Tensor
     elif src.dim() != 2 or src.stride(1) != 1:
         src = src.contiguous()
     tensors = [p, *slots, ids, src, hp] + [t for t in (offsets, cols, weights) if t is not None]
+    lib = c_add.loaded()  # (fn is one of its loops: the table's slots and hyper-parameters it reads, by loop)
+    assert lib is not None
+    slot_shapes, hps = {id(lib.rowwise_adagrad): ([(rows,)], 3), id(lib.adam): ([(rows, dim)] * 2, 7)}.get(
+        id(fn), ([], -1))
+    if (p.dtype != torch.float32 or p.dim() != 2 or not p.is_contiguous() or hp.numel() != hps
+            or [tuple(s.shape) for s in slots] != slot_shapes
+            or not all(s.dtype == torch.float32 and s.is_contiguous() for s in slots)):
+        raise ValueError(f"c_rules.run_rows: a {p.dtype} {tuple(p.shape)} table, slots "
+                         f"{[(s.dtype, tuple(s.shape)) for s in slots]}, {hp.numel()} hyper-parameters; expected a "
+                         f"contiguous float32 table and float32 contiguous slots of shapes {slot_shapes}, {hps} "
+                         "hyper-parameters (the loop writes through their pointers)")
     if (ids.dtype != torch.int64 or ids.dim() != 1 or src.dtype != torch.float32 or src.dim() != 2
             or src.shape[1] != dim or hp.dtype != torch.float32 or not hp.is_contiguous()
             or (sums is None and src.shape[0] != n)
             or (offsets is not None and (offsets.dtype != torch.int64 or offsets.shape != (n + 1,)))
             or (cols is not None and (cols.dtype != torch.int64 or cols.dim() != 1))
             or (weights is not None and (weights.dtype != torch.float32 or cols is None or weights.shape != cols.shape))
-            or not all(t.is_cpu and t.layout == torch.strided for t in tensors)):
+            or not all(in_memory(t) for t in tensors)):
         raise ValueError(f"c_rules.run_rows: ids {ids.dtype} {tuple(ids.shape)}, gradient {src.dtype} "
                          f"{tuple(src.shape)} for a {tuple(p.shape)} table: expected int64 [U], float32 [., {dim}]")
     threads = max(1, min(torch.get_num_threads(), n // _MIN_ROWS_PER_THREAD))
@@ -151,9 +164,10 @@ def run_rows(fn: Callable[..., int], p: Tensor, slots: list[Tensor], ids: Tensor
     scratch = torch.empty(threads, dim, dtype=torch.float32)
     ncols = 0 if cols is None else cols.shape[0]
 
-    def ranged(t: int) -> list[Any]:
-        """Range ``t``'s ``ids, n, rows, offsets, cols, ncols, srows``: ``rows_ok``'s arguments, the loops' too."""
-        a, b = bounds[t], bounds[t + 1]  # ids and offsets from a on (offsets index cols: absolute)
+    def ranged(t: int, before: int = 0) -> list[Any]:
+        """Range ``t``'s ``ids, n, rows, offsets, cols, ncols, srows``: ``rows_ok``'s arguments (``before``: from the
+        range before's last id on, checked ascending across the ranges), the loops' too."""
+        a, b = bounds[t] - (before if t else 0), bounds[t + 1]  # ids and offsets from a on (offsets index cols)
         return [ids.data_ptr() + 8 * a, b - a, rows, None if offsets is None else offsets.data_ptr() + 8 * a,
                 None if cols is None else cols.data_ptr(), ncols, src.shape[0]]
 
@@ -165,14 +179,13 @@ def run_rows(fn: Callable[..., int], p: Tensor, slots: list[Tensor], ids: Tensor
                   None if weights is None else weights.data_ptr(), src_ptr, src.stride(0), ncols, srows,
                   hp.data_ptr(), scratch[t].data_ptr())
 
-    lib = c_add.loaded()  # (fn is one of its loops)
-    assert lib is not None
     # Each loop checks its own range before writing it. Over threads every range is checked first: one range
     # refused after another was written would leave the step half applied (a failed step changes nothing).
-    if (threads > 1 and not all(in_parallel(lambda t: int(lib.rows_ok(*ranged(t))), threads))) \
+    if (threads > 1 and not all(in_parallel(lambda t: int(lib.rows_ok(*ranged(t, 1))), threads))) \
             or any(in_parallel(part, threads)):
-        raise IndexError(f"an id to update is outside the table's {rows} rows, or a gradient row outside the "
-                         f"{src.shape[0]} given (an internal error: ids are checked at the lookup)")
+        raise IndexError(f"an id to update is outside the table's {rows} rows or not above the one before it (they "
+                         f"are distinct and ascending), or a gradient row outside the {src.shape[0]} given (an "
+                         "internal error: ids are checked at the lookup)")
     for t in (p, *slots):
         increment_version(t)  # (written through its pointer: autograd's check of saved tensors sees the change)
 

@@ -65,11 +65,12 @@ static inline void tte_sum_row(float *restrict g, int64_t d, int64_t u, const in
   }
 }
 
-/* Every id a row of the table, every contribution of theirs a row of src (srows rows). */
+/* Every id a row of the table and above the one before it (distinct: a row updated twice, or by two threads at
+   once, would be wrong), every contribution of theirs a row of src (srows rows). */
 static int tte_ids_ok(const int64_t *restrict ids, int64_t n, int64_t rows, const int64_t *restrict offsets,
                       const int64_t *restrict cols, int64_t ncols, int64_t srows) {
   for (int64_t u = 0; u < n; ++u)
-    if (ids[u] < 0 || ids[u] >= rows) return 0;
+    if (ids[u] < 0 || ids[u] >= rows || (u > 0 && ids[u] <= ids[u - 1])) return 0;
   if (!offsets) return 1;
   if (offsets[0] < 0 || offsets[n] > ncols) return 0;
   for (int64_t u = 0; u < n; ++u)
@@ -79,8 +80,9 @@ static int tte_ids_ok(const int64_t *restrict ids, int64_t n, int64_t rows, cons
   return 1;
 }
 
-/* tte_ids_ok on its own: c_rules checks every thread's range before any thread writes (each loop below checks
-   only its own range before writing). */
+/* tte_ids_ok on its own: c_rules checks every thread's range (each from the last id of the range before it, so
+   that the ids are ascending across ranges too) before any thread writes (each loop below checks only its own
+   range before writing). */
 int tte_rows_ok(const int64_t *restrict ids, int64_t n, int64_t rows, const int64_t *restrict offsets,
                 const int64_t *restrict cols, int64_t ncols, int64_t srows) {
   return tte_ids_ok(ids, n, rows, offsets, cols, ncols, srows);
@@ -89,7 +91,8 @@ int tte_rows_ok(const int64_t *restrict ids, int64_t n, int64_t rows, const int6
 /* RowWiseAdagrad (rowwise_adagrad_rule) on ids[0:n], hp = {lr, eps, weight_decay}: g <- g + wd*w;
    m <- m + mean(g*g); w <- w - (lr*g) / (sqrt(m) + eps), the sum of g*g in 16 lanes over the whole blocks of 16,
    halved 8, 4, 2, 1, then the rest added in order. g: d floats of scratch. -1 (nothing written) if an id is
-   outside [0, rows) or a contribution outside src's srows rows (cols has ncols entries). */
+   outside [0, rows) or not above the one before it, or a contribution outside src's srows rows (cols has ncols
+   entries). */
 int tte_rowwise_adagrad_rows(float *restrict p, float *restrict acc, int64_t rows, int64_t d,
                              const int64_t *restrict ids, int64_t n, const int64_t *restrict offsets,
                              const int64_t *restrict cols, const float *restrict weights,

@@ -63,6 +63,7 @@ from torch_tpu_embedding.checkpoint.snapshot import Seal, identity, pinned
 from torch_tpu_embedding.distributed.exchange import GroupSharding, group_sharding
 from torch_tpu_embedding.modules.collection import EmbeddingCollection
 from torch_tpu_embedding.modules.table import EmbeddingTable
+from torch_tpu_embedding.optim._state.state_check import accumulation_problems
 
 __all__ = ["group_sharded", "load_sharded", "open_checkpoint", "save_sharded", "sharded_payload"]
 
@@ -285,14 +286,17 @@ def _stand_in(like: Tensor, rows: int) -> Tensor:
 def _optimizer_state(
     source: Source, optimizer: Any, mine: dict[str, tuple[str, EmbeddingTable, GroupSharding]],
     whole: dict[str, Any],
-) -> tuple[dict[str, Any], dict[str, list[str]]]:
-    """The optimizer ``state_dict`` to check (each shard's row slots as stand-ins) and each sharded table's
-    row slots. ``whole``: the logical entries of the tables sharded when saved and whole here."""
+) -> tuple[dict[str, Any], dict[str, list[str]], list[str]]:
+    """The optimizer ``state_dict`` to check (each shard's row slots as stand-ins), each sharded table's
+    row slots and the problems of its saved pending accumulation buffers (logical ids: checked before each
+    rank keeps its own, which would drop an id outside the table unseen). ``whole``: the logical entries of
+    the tables sharded when saved and whole here."""
     assert source.optimizer is not None
     state = dict(optimizer.state_dict()["state"])
     state.update({k: v for k, v in source.optimizer["state"].items() if k.split(":", 1)[-1] not in mine})
     state.update(whole)
     row_slots: dict[str, list[str]] = {}
+    problems: list[str] = []
     for name, (_, t, _) in mine.items():
         local = t.weight.shape[0]
         # (no local name for the slots: load_state_dict replaces them, and the old ones must go then)
@@ -304,10 +308,13 @@ def _optimizer_state(
             if like is not None:
                 entry[slot] = _stand_in(like, local)
         acc = source.accumulation(name)
-        if acc is not None:
+        bad = [] if acc is None else accumulation_problems(
+            f"table:{name}", {"acc_ids": acc[0], "acc_rows": acc[1]}, t.config.num_embeddings, t.weight.shape[-1])
+        problems += bad
+        if acc is not None and not bad:
             entry["acc_ids"], entry["acc_rows"] = select_accumulation(acc, _locator(mine[name][2]))
         state[f"table:{name}"] = entry
-    return {**source.optimizer, "state": state}, row_slots
+    return {**source.optimizer, "state": state}, row_slots, problems
 
 
 def load_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer: Any = None) -> None:
@@ -374,8 +381,8 @@ def _load(path: str, model: nn.Module, optimizer: Any) -> None:
             raise CheckpointMismatchError(f"{path} holds no optimizer state (nothing was loaded).")
         optimizer.init_state()
         whole_state = {f"table:{n}": payload["optimizer"]["state"][f"table:{n}"] for n in whole}
-        osd, row_slots = _optimizer_state(source, optimizer, mine, whole_state)
-        problems += [f"optimizer: {p}" for p in optimizer_problems(optimizer, osd)]
+        osd, row_slots, pending = _optimizer_state(source, optimizer, mine, whole_state)
+        problems += [f"optimizer: {p}" for p in pending + optimizer_problems(optimizer, osd)]
         # Loaded without the row slots' stand-ins (the optimizer would copy them whole): its fresh slots
         # get their rows below.
         osd["state"].update({f"table:{n}": {k: v for k, v in osd["state"][f"table:{n}"].items()

@@ -136,9 +136,10 @@ def apply_payload(
     strict: bool,
 ) -> dict[str, Any] | None:
     """Check a ``tte.checkpoint.save`` payload against ``model`` / ``optimizer``, then load it; returns ``extra``."""
-    if model is not None and payload["model"] is None:
+    # (an entry missing from a file of another writer is named as one saved as None, not a KeyError)
+    if model is not None and payload.get("model") is None:
         raise ValueError(f"{target} holds no model state.")
-    if optimizer is not None and payload["optimizer"] is None:
+    if optimizer is not None and payload.get("optimizer") is None:
         raise ValueError(f"{target} holds no optimizer state.")
     # Everything is checked before anything is written: a load that fails changes nothing.
     problems = []

@@ -20,7 +20,12 @@ import torch
 
 from torch_tpu_embedding._rows.grads import table_info
 from torch_tpu_embedding._rows.row_order import Description, describe, from_logical, layout_of, to_logical
-from torch_tpu_embedding.checkpoint.checks import CheckpointMismatchError, apply_payload, is_row_sparse
+from torch_tpu_embedding.checkpoint.checks import (
+    CheckpointMismatchError,
+    apply_payload,
+    is_row_sparse,
+    slots_for_a_load,
+)
 from torch_tpu_embedding.checkpoint.dcp import (
     FORMAT,
     META,
@@ -243,12 +248,10 @@ def load_distributed(
     through ``tte.distributed.load_sharded`` (each rank its own rows).
     """
     if sharded().owns(model) or is_sharded(resolve(os.fspath(path))):
-        if optimizer is not None and hasattr(optimizer, "init_state"):
-            optimizer.init_state()
-        sharded().load(path, model, optimizer)
+        sharded().load(path, model, optimizer)  # (the optimizer's slots made as below)
         return
     # One directory read throughout (a save publishing meanwhile changes nothing read here): checkpoint/snapshot.py
-    with pinned(os.fspath(path)) as target:
+    with pinned(os.fspath(path)) as target, slots_for_a_load(optimizer):
         _load_dcp(target, model, optimizer)
 
 
@@ -257,9 +260,7 @@ def _load_dcp(target: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
     present(target)
     seal = Seal(target, verify(target))  # every file whole and as saved, before anything is written
     meta = read_meta(target)
-    if optimizer is not None and hasattr(optimizer, "init_state"):
-        optimizer.init_state()
-    dest, rows, rest = _physical(model, optimizer)
+    dest, rows, rest = _physical(model, optimizer)  # the optimizer's slots made (slots_for_a_load)
     saved_layouts, layouts = meta.get("layouts", {}), rest["layouts"]
     saved, saved_dtypes = _saved_sizes(target)
     if set(saved) != set(dest) and _groups(meta.get("members", {})) != _groups(rest["members"]):

@@ -44,6 +44,7 @@ from torch_tpu_embedding.checkpoint.checks import (
     apply_payload,
     model_problems,
     optimizer_problems,
+    slots_for_a_load,
 )
 from torch_tpu_embedding.checkpoint.dcp import META, logical_payload, read_meta
 from torch_tpu_embedding.checkpoint.files import load_refusal
@@ -324,7 +325,9 @@ def load_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer:
     rank reads only the rows it stores. Nothing changes unless everything fits (files, names, shapes,
     dtypes, the optimizer's hyper-parameters): :class:`CheckpointCorruptError` or
     :class:`CheckpointMismatchError` otherwise."""
-    with pinned(os.fspath(directory)) as path:  # one directory read throughout: checkpoint/snapshot.py
+    # One directory read throughout (checkpoint/snapshot.py); the optimizer's slots made for the checks go
+    # again if the load fails.
+    with pinned(os.fspath(directory)) as path, slots_for_a_load(optimizer):
         _load(path, model, optimizer)
 
 
@@ -379,7 +382,6 @@ def _load(path: str, model: nn.Module, optimizer: Any) -> None:
     if optimizer is not None:
         if source.optimizer is None:
             raise CheckpointMismatchError(f"{path} holds no optimizer state (nothing was loaded).")
-        optimizer.init_state()
         whole_state = {f"table:{n}": payload["optimizer"]["state"][f"table:{n}"] for n in whole}
         osd, row_slots, pending = _optimizer_state(source, optimizer, mine, whole_state)
         problems += [f"optimizer: {p}" for p in pending + optimizer_problems(optimizer, osd)]

@@ -20,7 +20,12 @@ import torch
 
 from torch_tpu_embedding._rows.grads import table_info
 from torch_tpu_embedding._rows.row_order import Description, describe, from_logical, layout_of, to_logical
-from torch_tpu_embedding.checkpoint.checks import CheckpointMismatchError, apply_payload, is_row_sparse
+from torch_tpu_embedding.checkpoint.checks import (
+    CheckpointMismatchError,
+    apply_payload,
+    is_row_sparse,
+    slots_for_a_load,
+)
 from torch_tpu_embedding.checkpoint.dcp import (
     FORMAT,
     META,
@@ -48,7 +53,7 @@ from torch_tpu_embedding.checkpoint.publish import (
     write_manifest,
 )
 from torch_tpu_embedding.checkpoint.sharded import sharded
-from torch_tpu_embedding.checkpoint.snapshot import UnverifiedCheckpointWarning, pinned
+from torch_tpu_embedding.checkpoint.snapshot import Seal, UnverifiedCheckpointWarning, pinned
 from torch_tpu_embedding.modules.collection import EmbeddingCollection
 from torch_tpu_embedding.modules.screening import warn_unreported
 from torch_tpu_embedding.optim._state.state_io import rest_problems
@@ -243,29 +248,27 @@ def load_distributed(
     through ``tte.distributed.load_sharded`` (each rank its own rows).
     """
     if sharded().owns(model) or is_sharded(resolve(os.fspath(path))):
-        if optimizer is not None and hasattr(optimizer, "init_state"):
-            optimizer.init_state()
-        sharded().load(path, model, optimizer)
+        sharded().load(path, model, optimizer)  # (the optimizer's slots made as below)
         return
     # One directory read throughout (a save publishing meanwhile changes nothing read here): checkpoint/snapshot.py
-    with pinned(os.fspath(path)) as target:
+    with pinned(os.fspath(path)) as target, slots_for_a_load(optimizer):
         _load_dcp(target, model, optimizer)
 
 
 def _load_dcp(target: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """:func:`load_distributed` of the ``save_distributed`` directory ``target`` (pinned)."""
     present(target)
-    verify(target)  # every file whole and as saved, before anything is written
+    seal = Seal(target, verify(target))  # every file whole and as saved, before anything is written
     meta = read_meta(target)
-    if optimizer is not None and hasattr(optimizer, "init_state"):
-        optimizer.init_state()
-    dest, rows, rest = _physical(model, optimizer)
+    dest, rows, rest = _physical(model, optimizer)  # the optimizer's slots made (slots_for_a_load)
     saved_layouts, layouts = meta.get("layouts", {}), rest["layouts"]
     saved, saved_dtypes = _saved_sizes(target)
     if set(saved) != set(dest) and _groups(meta.get("members", {})) != _groups(rest["members"]):
         # Tables stacked in other groups than here (stack_tables, or a mesh's placements): per table,
         # through the host.
-        apply_payload(logical_payload(target, meta), target, model, optimizer, strict=True)
+        payload = logical_payload(target, meta)
+        seal.check()  # what was read is what was verified
+        apply_payload(payload, target, model, optimizer, strict=True)
         return
     missing = sorted(set(dest) - set(saved))
     unexpected = sorted(k for k in set(saved) - set(dest) if optimizer is not None or k.startswith("model/"))
@@ -294,7 +297,9 @@ def _load_dcp(target: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
         if tuple(t.shape) != tuple(saved[k]) or saved_layouts.get(k) != layouts.get(k):
             staged[k] = torch.empty(saved[k], dtype=t.dtype)
             wanted[k] = staged[k]
+    seal.check()  # the metadata read above is the one verified: nothing written yet
     read_tensors(target, wanted)
+    seal.check(written=True)  # the tensors read in place too
     with torch.no_grad():
         for k, host in staged.items():
             t, n = dest[k], rows[k]
@@ -323,6 +328,7 @@ def convert_distributed(path: str | os.PathLike[str], out: str | os.PathLike[str
         return
     with pinned(os.fspath(path)) as target:
         present(target)
-        verify(target)
+        seal = Seal(target, verify(target))
         payload = logical_payload(target, read_meta(target))
+        seal.check()
     write_atomic(payload, out)

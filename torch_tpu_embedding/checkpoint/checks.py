@@ -8,7 +8,8 @@ otherwise be gathered to the host just to be checked).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from torch_tpu_embedding.optim._state.state_check import tensor_problem
 
 __all__ = [
     "CheckpointMismatchError", "apply_payload", "expected_model_state", "is_row_sparse", "model_problems",
-    "optimizer_problems",
+    "optimizer_problems", "slots_for_a_load",
 ]
 
 
@@ -123,6 +124,26 @@ def is_row_sparse(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, RowSparseOptimizer)
 
 
+@contextlib.contextmanager
+def slots_for_a_load(optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
+    """``optimizer.init_state()`` (every slot made, for a load to check the checkpoint against and write into),
+    undone if the load fails: the slots it made go again, so a later first step makes them as it would have
+    (an EMA slot is made as a copy of the weights as they are then)."""
+    if optimizer is None or not hasattr(optimizer, "init_state"):
+        yield
+        return
+    had = {id(p) for p, s in optimizer.state.items() if s}
+    optimizer.init_state()
+    try:
+        yield
+    except BaseException:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in had:
+                    optimizer.state.pop(p, None)
+        raise
+
+
 def optimizer_problems(optimizer: torch.optim.Optimizer, state: Any) -> list[str]:
     """A ``tte.optim`` optimizer's refusals of ``state`` (``optim/state_io.py``), without writing; other
     optimizers answer ``[]`` (torch's optimizers check their state before writing it)."""
@@ -136,9 +157,10 @@ def apply_payload(
     strict: bool,
 ) -> dict[str, Any] | None:
     """Check a ``tte.checkpoint.save`` payload against ``model`` / ``optimizer``, then load it; returns ``extra``."""
-    if model is not None and payload["model"] is None:
+    # (an entry missing from a file of another writer is named as one saved as None, not a KeyError)
+    if model is not None and payload.get("model") is None:
         raise ValueError(f"{target} holds no model state.")
-    if optimizer is not None and payload["optimizer"] is None:
+    if optimizer is not None and payload.get("optimizer") is None:
         raise ValueError(f"{target} holds no optimizer state.")
     # Everything is checked before anything is written: a load that fails changes nothing.
     problems = []

@@ -407,9 +407,10 @@ class Source:
 
 def merge_accumulation(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     """Several ranks' buffers of one table (logical ids, ``-1`` padding; the same ``k`` calls) as one:
-    call ``j``'s entries side by side, padded to the widest call (at least 1)."""
+    call ``j``'s entries side by side, padded to the widest call (at least 1). Every id but ``-1`` is kept (a
+    crafted negative one too: the load's checks refuse it by name, it is not padding to drop unseen)."""
     k, dim, dtype = parts[0][0].shape[0], parts[0][1].shape[-1], parts[0][1].dtype
-    calls = [[(ids[j][ids[j] >= 0], rows[j][ids[j] >= 0]) for ids, rows in parts] for j in range(k)]
+    calls = [[(ids[j][ids[j] != -1], rows[j][ids[j] != -1]) for ids, rows in parts] for j in range(k)]
     width = max([1] + [sum(int(i.numel()) for i, _ in call) for call in calls])
     out_ids = torch.full((k, width), -1, dtype=torch.int64)
     out_rows = torch.zeros((k, width, dim), dtype=dtype)

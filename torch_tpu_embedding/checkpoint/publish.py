@@ -41,7 +41,7 @@ except ImportError:  # pragma: no cover - not on Linux
 
 __all__ = ["BUFFER", "CHUNK", "MANIFEST", "RESERVE", "SHARDED_META", "CheckpointCorruptError", "barrier",
            "begin_save", "foreign_files", "is_sharded", "prepare_staging", "publish", "rank", "read_errors", "resolve",
-           "staging_path", "verify", "write_manifest"]
+           "stamp", "staging_path", "verify", "write_manifest"]
 
 #: the manifest of a distributed checkpoint: ``{"format", "files": {name: {"size", "sha256"}}}``
 MANIFEST = "tte_manifest.json"
@@ -246,13 +246,16 @@ def prepare_staging(target: str) -> None:
     os.makedirs(staging)
 
 
-def _sha256(path: str) -> str:
+def _sha256(path: str, stamps: dict[str, tuple[int, ...]] | None = None) -> str:
+    """The sha256 of file ``path``; ``stamps[path]``: :func:`stamp` of the descriptor it was read through."""
     h = hashlib.sha256()
     # One buffer of BUFFER bytes (a multiple of the page), refilled: a reader's memory grows by it alone
     # (and RESERVE: hashlib's state, the file object). An anonymous mapping of its own, which goes back to
     # the system when closed (freed to malloc, it would stay resident in the heap beside the buffers a load
     # allocates next).
     with mmap.mmap(-1, BUFFER) as buffer, open(path, "rb", buffering=0) as f:
+        if stamps is not None:  # before reading: a write while it is hashed changes the file's stamp
+            stamps[path] = stamp(os.fstat(f.fileno()))
         view = memoryview(buffer)
         try:
             while n := f.readinto(view):
@@ -260,6 +263,12 @@ def _sha256(path: str) -> str:
         finally:
             view.release()  # (a view still open would make closing the mapping raise)
     return h.hexdigest()
+
+
+def stamp(st: os.stat_result) -> tuple[int, ...]:
+    """Which file and which version of it: device, inode, size, modification and change times (a rename or a
+    write changes the change time)."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def write_manifest(staging: str) -> None:
@@ -352,18 +361,20 @@ def _plain_name(name: str) -> bool:
     return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name
 
 
-def verify(path: str, required: tuple[str, ...] = (".metadata", _META)) -> None:
+def verify(path: str, required: tuple[str, ...] = (".metadata", _META)) -> dict[str, tuple[int, ...]]:
     """Raise :class:`CheckpointCorruptError` naming the first file of ``path`` that is missing, of the
     wrong size or whose sha256 differs from the manifest (sizes of every file first: cheap); the
     manifest must list the ``required`` files. Without a manifest (a DCP directory written before
-    manifests existed): every byte range ``.metadata`` refers to must exist."""
+    manifests existed): every byte range ``.metadata`` refers to must exist. Returns each file checked (by
+    path) as it was read (:func:`stamp`; ``snapshot.Seal`` checks them again before a load writes)."""
+    manifest = os.path.join(path, MANIFEST)
+    before = stamp(os.stat(manifest)) if os.path.isfile(manifest) else None
     files = _manifest(path)
     if files is None:
         if ".metadata" not in required:
             raise CheckpointCorruptError(f"{os.path.join(path, MANIFEST)} is missing: the save did not finish "
                                          "(or the directory is not a checkpoint). Nothing was loaded.")
-        _verify_ranges(path)
-        return
+        return _verify_ranges(path)
     for required_file in required:
         if required_file not in files:
             raise CheckpointCorruptError(f"{os.path.join(path, MANIFEST)} does not list {required_file}. "
@@ -375,14 +386,19 @@ def verify(path: str, required: tuple[str, ...] = (".metadata", _META)) -> None:
             found = "it is missing" if size is None else f"it has {size} bytes"
             raise CheckpointCorruptError(f"{file} is truncated, missing or altered: the manifest records "
                                          f"{want['size']} bytes, {found}. Nothing was loaded.")
+    stamps: dict[str, tuple[int, ...]] = {} if before is None else {manifest: before}
     for name, want in sorted(files.items()):
         file = os.path.join(path, name)
-        if _sha256(file) != want["sha256"]:
+        if _sha256(file, stamps) != want["sha256"]:
             raise CheckpointCorruptError(f"{file} is altered: its sha256 differs from the one the manifest "
                                          "records. Nothing was loaded.")
+    return stamps
 
 
-def _verify_ranges(path: str) -> None:
+def _verify_ranges(path: str) -> dict[str, tuple[int, ...]]:
+    """Check the byte ranges of a directory without a manifest; returns the stamps of the files it checked."""
+    stamps = {os.path.join(path, n): stamp(os.stat(os.path.join(path, n))) for n in (".metadata", _META)
+              if os.path.isfile(os.path.join(path, n))}
     md = read_dcp_metadata(path)
     need: dict[str, int] = {}
     for info in (md.storage_data or {}).values():
@@ -396,6 +412,8 @@ def _verify_ranges(path: str) -> None:
             found = "it is missing" if size is None else f"it has {size} bytes"
             raise CheckpointCorruptError(f"{file} is truncated or missing: {os.path.join(path, '.metadata')} "
                                          f"refers to its bytes up to {end}, {found}. Nothing was loaded.")
+        stamps[file] = stamp(os.stat(file))
+    return stamps
 
 
 @contextlib.contextmanager

@@ -8,9 +8,10 @@ could read some of them from one save and the rest from the next (an evaluator l
 :func:`pinned` resolves the path once, opens the directory and holds a shared ``flock`` on it for the
 whole load, and gives the load a path that names that open directory (``/proc/self/fd/<fd>``): a rename of
 the path to another directory changes nothing read through it, and the save that publishes next sets the
-old directory aside instead of deleting it while the lock is held (``publish._remove``). A published
-directory's files are never written in place, so the files the load checked against the manifest are the
-ones it reads. Errors name the user's path, not the descriptor's.
+old directory aside instead of deleting it while the lock is held (``publish._remove``). A save never writes a
+published directory's files in place; files copied into it by other means (another save's, file by file, as
+``cp`` or ``rsync`` put them) after the load verified them are found by :class:`Seal`, which the load checks
+before its first write (and after its reads). Errors name the user's path, not the descriptor's.
 
 Where ``/proc/self/fd`` is missing (not Linux) the load reads by the resolved path and checks when it is done
 that the path still names the directory it opened; a checkpoint replaced under it then raises
@@ -25,14 +26,14 @@ import os
 import warnings
 from collections.abc import Iterator
 
-from torch_tpu_embedding.checkpoint.publish import MANIFEST, CheckpointCorruptError, resolve
+from torch_tpu_embedding.checkpoint.publish import MANIFEST, CheckpointCorruptError, resolve, stamp
 
 try:  # POSIX advisory locks; elsewhere the directory is opened without one
     import fcntl
 except ImportError:  # pragma: no cover - not on Linux
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["UnverifiedCheckpointWarning", "identity", "pinned"]
+__all__ = ["Seal", "UnverifiedCheckpointWarning", "identity", "pinned"]
 
 
 class UnverifiedCheckpointWarning(UserWarning):
@@ -112,3 +113,37 @@ def identity(path: str) -> str:
             return hashlib.sha256(f.read()).hexdigest()
     except FileNotFoundError:
         return ""
+
+
+class Seal:
+    """The files ``publish.verify`` checked, as it read them (``publish.stamp`` through the descriptor it hashed).
+
+    A load reads those files again by name (``tte_meta.pt``, ``.metadata``, the data and rank files): a file
+    replaced in the directory meanwhile (another save's copied over this one, ``rsync`` renaming file by
+    file) or written in place would be read unverified: another save's counters beside this one's weights.
+    :meth:`check` finds it.
+    """
+
+    def __init__(self, path: str, stamps: dict[str, tuple[int, ...]]) -> None:
+        self.path, self.stamps = path, stamps
+
+    def changed(self) -> str | None:
+        """The first file replaced or written to since it was verified (``None``: none)."""
+        for file, saw in sorted(self.stamps.items()):
+            try:
+                now: tuple[int, ...] | None = stamp(os.stat(file))
+            except OSError:
+                now = None
+            if now != saw:
+                return file
+        return None
+
+    def check(self, written: bool = False) -> None:
+        """Raise :class:`CheckpointCorruptError` if a file changed since ``publish.verify`` (``written``: the load
+        has written some values already; else nothing was loaded)."""
+        file = self.changed()
+        if file is not None:
+            raise CheckpointCorruptError(
+                f"{file} was replaced or written to while the checkpoint {self.path} was loaded (another save or "
+                "a copy into the directory); " + ("the model may hold values of both. " if written else
+                                                  "nothing was loaded. ") + "Load it again.")

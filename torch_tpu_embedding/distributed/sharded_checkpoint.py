@@ -44,6 +44,7 @@ from torch_tpu_embedding.checkpoint.checks import (
     apply_payload,
     model_problems,
     optimizer_problems,
+    slots_for_a_load,
 )
 from torch_tpu_embedding.checkpoint.dcp import META, logical_payload, read_meta
 from torch_tpu_embedding.checkpoint.files import load_refusal
@@ -59,10 +60,11 @@ from torch_tpu_embedding.checkpoint.publish import (
     write_manifest,
 )
 from torch_tpu_embedding.checkpoint.row_writer import Rows, write_rows
-from torch_tpu_embedding.checkpoint.snapshot import identity, pinned
+from torch_tpu_embedding.checkpoint.snapshot import Seal, identity, pinned
 from torch_tpu_embedding.distributed.exchange import GroupSharding, group_sharding
 from torch_tpu_embedding.modules.collection import EmbeddingCollection
 from torch_tpu_embedding.modules.table import EmbeddingTable
+from torch_tpu_embedding.optim._state.state_check import accumulation_problems
 
 __all__ = ["group_sharded", "load_sharded", "open_checkpoint", "save_sharded", "sharded_payload"]
 
@@ -235,19 +237,25 @@ def _write(target: str, rank: int, world: int, group: Any, model: nn.Module, opt
 def open_checkpoint(path: str) -> Source:
     """The verified checkpoint at ``path`` (a ``save_sharded`` or a ``save_distributed`` directory; pinned,
     ``checkpoint/snapshot.py``: the source reads its rank files later)."""
+    return _open(path)[0]
+
+
+def _open(path: str) -> tuple[Source, Seal]:
+    """:func:`open_checkpoint`, with the files as verified (check the seal before writing: the rank files and
+    ``meta.pt`` are read by name, after they were verified)."""
     if is_sharded(path):
-        verify(path, required=(SHARDED_META,))  # every file whole and as saved, before anything is written
+        seal = Seal(path, verify(path, required=(SHARDED_META,)))  # every file whole and as saved
         file = os.path.join(path, SHARDED_META)
         try:
             meta = torch.load(file, map_location="cpu", weights_only=True)
         except Exception as e:  # weights-only refusals and damaged files raise several types
             raise CheckpointCorruptError(f"{file} is not a readable checkpoint file: {load_refusal(e)}. "
                                          "Nothing was loaded.") from e
-        return Source.sharded(path, meta)
+        return Source.sharded(path, meta), seal
     if os.path.isfile(os.path.join(path, META)):
-        verify(path)
+        seal = Seal(path, verify(path))
         payload = logical_payload(path, read_meta(path))
-        return Source(payload["model"], payload["optimizer"])
+        return Source(payload["model"], payload["optimizer"]), seal
     raise FileNotFoundError(f"No distributed checkpoint at {path} (neither {SHARDED_META} of "
                             f"tte.distributed.save_sharded nor {META} of tte.checkpoint.save_distributed)")
 
@@ -264,8 +272,10 @@ def _saved_keys(source: Source, tables: dict[str, tuple[str, nn.Module]]) -> dic
 def sharded_payload(path: str) -> dict[str, Any]:
     """The :func:`save_sharded` directory at ``path`` (verified) as one ``tte.checkpoint.save`` payload."""
     with pinned(os.fspath(path)) as pin:
-        source = open_checkpoint(pin)
-        return source.payload(_saved_keys(source, {}))
+        source, seal = _open(pin)
+        payload = source.payload(_saved_keys(source, {}))
+        seal.check()
+        return payload
 
 
 def _stand_in(like: Tensor, rows: int) -> Tensor:
@@ -277,14 +287,17 @@ def _stand_in(like: Tensor, rows: int) -> Tensor:
 def _optimizer_state(
     source: Source, optimizer: Any, mine: dict[str, tuple[str, EmbeddingTable, GroupSharding]],
     whole: dict[str, Any],
-) -> tuple[dict[str, Any], dict[str, list[str]]]:
-    """The optimizer ``state_dict`` to check (each shard's row slots as stand-ins) and each sharded table's
-    row slots. ``whole``: the logical entries of the tables sharded when saved and whole here."""
+) -> tuple[dict[str, Any], dict[str, list[str]], list[str]]:
+    """The optimizer ``state_dict`` to check (each shard's row slots as stand-ins), each sharded table's
+    row slots and the problems of its saved pending accumulation buffers (logical ids: checked before each
+    rank keeps its own, which would drop an id outside the table unseen). ``whole``: the logical entries of
+    the tables sharded when saved and whole here."""
     assert source.optimizer is not None
     state = dict(optimizer.state_dict()["state"])
     state.update({k: v for k, v in source.optimizer["state"].items() if k.split(":", 1)[-1] not in mine})
     state.update(whole)
     row_slots: dict[str, list[str]] = {}
+    problems: list[str] = []
     for name, (_, t, _) in mine.items():
         local = t.weight.shape[0]
         # (no local name for the slots: load_state_dict replaces them, and the old ones must go then)
@@ -296,10 +309,13 @@ def _optimizer_state(
             if like is not None:
                 entry[slot] = _stand_in(like, local)
         acc = source.accumulation(name)
-        if acc is not None:
+        bad = [] if acc is None else accumulation_problems(
+            f"table:{name}", {"acc_ids": acc[0], "acc_rows": acc[1]}, t.config.num_embeddings, t.weight.shape[-1])
+        problems += bad
+        if acc is not None and not bad:
             entry["acc_ids"], entry["acc_rows"] = select_accumulation(acc, _locator(mine[name][2]))
         state[f"table:{name}"] = entry
-    return {**source.optimizer, "state": state}, row_slots
+    return {**source.optimizer, "state": state}, row_slots, problems
 
 
 def load_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer: Any = None) -> None:
@@ -309,15 +325,24 @@ def load_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer:
     rank reads only the rows it stores. Nothing changes unless everything fits (files, names, shapes,
     dtypes, the optimizer's hyper-parameters): :class:`CheckpointCorruptError` or
     :class:`CheckpointMismatchError` otherwise."""
-    with pinned(os.fspath(directory)) as path:  # one directory read throughout: checkpoint/snapshot.py
+    # One directory read throughout (checkpoint/snapshot.py); the optimizer's slots made for the checks go
+    # again if the load fails.
+    with pinned(os.fspath(directory)) as path, slots_for_a_load(optimizer):
         _load(path, model, optimizer)
 
 
-def _same_save(path: str, s: GroupSharding) -> None:
+def _same_save(path: str, s: GroupSharding, seal: Seal) -> None:
     """Raise on every rank of ``s``'s group unless each opened the same save (a save published while the
-    ranks opened the path gives some of them the old directory, some the new one)."""
+    ranks opened the path gives some of them the old directory, some the new one) and none of its files
+    changed since the rank verified it (``seal``)."""
     got: list[Any] = [None] * s.world
-    dist.all_gather_object(got, identity(path), group=s.group)
+    changed = seal.changed()
+    dist.all_gather_object(got, identity(path) if changed is None else f"changed: {changed}", group=s.group)
+    if any(g.startswith("changed: ") for g in got):
+        seal.check()  # this rank's file, named
+        raise CheckpointCorruptError(f"A file of {path} was replaced or written to while another rank loaded it "
+                                     f"({next(g for g in got if g.startswith('changed: '))[9:]}); nothing was "
+                                     "loaded. Load it again.")
     if len(set(got)) > 1:
         raise CheckpointCorruptError(f"The ranks opened different saves of {path} (another save was published "
                                      "while they opened it); nothing was loaded. Load it again.")
@@ -325,13 +350,15 @@ def _same_save(path: str, s: GroupSharding) -> None:
 
 def _load(path: str, model: nn.Module, optimizer: Any) -> None:
     """:func:`load_sharded` of the pinned directory ``path``."""
-    source = open_checkpoint(path)
+    source, seal = _open(path)
     tables = _tables(model)
     mine = group_sharded(model)
     if mine:
-        _same_save(path, next(iter(mine.values()))[2])
+        _same_save(path, next(iter(mine.values()))[2], seal)
     if not mine:  # every table whole here: the logical payload, checked and loaded as tte.checkpoint.load's
-        apply_payload(source.payload(_saved_keys(source, tables)), path, model, optimizer, strict=True)
+        payload = source.payload(_saved_keys(source, tables))
+        seal.check()  # what was read is what was verified
+        apply_payload(payload, path, model, optimizer, strict=True)
         return
     problems: list[str] = []
     sd = _stored_state(model)
@@ -355,27 +382,27 @@ def _load(path: str, model: nn.Module, optimizer: Any) -> None:
     if optimizer is not None:
         if source.optimizer is None:
             raise CheckpointMismatchError(f"{path} holds no optimizer state (nothing was loaded).")
-        optimizer.init_state()
         whole_state = {f"table:{n}": payload["optimizer"]["state"][f"table:{n}"] for n in whole}
-        osd, row_slots = _optimizer_state(source, optimizer, mine, whole_state)
-        problems += [f"optimizer: {p}" for p in optimizer_problems(optimizer, osd)]
+        osd, row_slots, pending = _optimizer_state(source, optimizer, mine, whole_state)
+        problems += [f"optimizer: {p}" for p in pending + optimizer_problems(optimizer, osd)]
         # Loaded without the row slots' stand-ins (the optimizer would copy them whole): its fresh slots
         # get their rows below.
         osd["state"].update({f"table:{n}": {k: v for k, v in osd["state"][f"table:{n}"].items()
                                             if k not in row_slots[n]} for n in mine})
     if problems:
         raise CheckpointMismatchError(f"{path} does not match (nothing was loaded): " + "; ".join(problems))
+    seal.check()  # the files read since _same_save too (no collective: a rank's error leaves no other waiting)
     with stored_rows():  # the sharded tables' entries are their stored rows (as _stored_state read them)
         model.load_state_dict(sd)  # the shards get zeros from their stand-ins: their rows are copied next
     for name, (key, t, s) in mine.items():
         source.copy_rows(name, key, None, _locator(s), t.weight.data)
-    if optimizer is None:
-        return
-    optimizer.load_state_dict(osd)
-    for name, (key, t, s) in mine.items():
-        slots = optimizer.state[t.weight]
-        for slot in row_slots[name]:
-            source.copy_rows(name, key, slot, _locator(s), slots[slot])
+    if optimizer is not None:
+        optimizer.load_state_dict(osd)
+        for name, (key, t, s) in mine.items():
+            slots = optimizer.state[t.weight]
+            for slot in row_slots[name]:
+                source.copy_rows(name, key, slot, _locator(s), slots[slot])
+    seal.check(written=True)  # the rows were read by name as they were copied
 
 
 class _Checkpoints:

@@ -1,0 +1,158 @@
+"""A distributed load reads only the files it verified: files of another save copied into the checkpoint's
+directory (file by file, as ``cp`` or ``rsync`` do) after the load checked them against the manifest are
+refused, before anything is written when they are found before the first write.
+
+The load verifies every file (size, sha256) and then reads ``tte_meta.pt``, ``.metadata`` and the data files
+again by name. Pinning the directory (checkpoint/snapshot.py) covers a save that publishes a new directory,
+not a file replaced inside the directory: before ``checkpoint.snapshot.Seal``, such a load took the other
+save's tensors with this save's counters (or the other save whole, unverified) and said nothing. The copies
+are made deterministic by interposing on the load's own steps, not by timing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _crash_child import build, train
+
+import torch_tpu_embedding as tte
+from torch_tpu_embedding.checkpoint import CheckpointCorruptError
+from torch_tpu_embedding.checkpoint import api as ckpt_api
+from torch_tpu_embedding.checkpoint.publish import write_manifest
+from torch_tpu_embedding.distributed import sharded_checkpoint
+
+
+def state(m: torch.nn.Module, opt: torch.optim.Optimizer | None) -> dict[str, Any]:
+    out = {"model": {k: v.detach().clone() for k, v in m.state_dict().items()}}
+    if opt is not None:
+        out["optimizer"] = opt.state_dict()
+    return out
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def trained(steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    m, opt = build()
+    train(m, opt, steps)
+    return m, opt
+
+
+def copy_over(src: Path, dest: Path) -> None:
+    """Every file of ``src`` into ``dest`` as ``rsync`` puts it: a temporary beside it, renamed over the old."""
+    for f in sorted(src.iterdir()):
+        tmp = dest / f".{f.name}.part"
+        shutil.copyfile(f, tmp)
+        os.replace(tmp, dest / f.name)
+
+
+def after(fn: Callable[..., Any], action: Callable[[], None]) -> Callable[..., Any]:
+    """``fn``, then ``action`` once (the first call)."""
+    done: list[bool] = []
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        if not done:
+            done.append(True)
+            action()
+        return out
+
+    return wrapped
+
+
+def two_saves(tmp_path: Path) -> tuple[Path, Path]:
+    ck, other = tmp_path / "ck", tmp_path / "other"
+    a, b = trained(3), trained(6)
+    tte.checkpoint.save_distributed(ck, model=a[0], optimizer=a[1])
+    tte.checkpoint.save_distributed(other, model=b[0], optimizer=b[1])
+    return ck, other
+
+
+@pytest.mark.parametrize("step", ["verify", "read_meta"])
+def test_files_of_another_save_copied_in_after_verifying_are_refused_and_change_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, step: str) -> None:
+    """Copied in right after the files were verified (the other save would load whole, unverified), or after
+    ``tte_meta.pt`` was read (its tensors would load with this save's counters): refused naming a file, and
+    the model and optimizer are bitwise unchanged; the same load once the copy is over reads the copy."""
+    ck, other = two_saves(tmp_path)
+    m, opt = trained(1)
+    before = state(m, opt)
+    monkeypatch.setattr(ckpt_api, step, after(getattr(ckpt_api, step), lambda: copy_over(other, ck)))
+    with pytest.raises(CheckpointCorruptError, match=r"ck/\S+ was replaced or written to while the checkpoint "
+                                                     r"\S*ck was loaded .*nothing was loaded"):
+        tte.checkpoint.load_distributed(ck, model=m, optimizer=opt)
+    assert same(state(m, opt), before), "a refused load changed the model or the optimizer"
+    monkeypatch.undo()
+    want, got = trained(6), build()
+    tte.checkpoint.load_distributed(ck, model=got[0], optimizer=got[1])  # the copy is over: it is save b
+    assert same(state(*got), state(*want))
+
+
+def test_files_copied_in_while_the_tensors_are_read_are_refused(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Copied in after the tensors were read in place (too late to change nothing): refused all the same,
+    saying the model may hold values of both; the optimizer's counters are not loaded."""
+    ck, other = two_saves(tmp_path)
+    m, opt = trained(1)
+    iterations = opt.state_dict()["iterations"]
+    monkeypatch.setattr(ckpt_api, "read_tensors", after(ckpt_api.read_tensors, lambda: copy_over(other, ck)))
+    with pytest.raises(CheckpointCorruptError, match="was replaced or written to .* may hold values of both"):
+        tte.checkpoint.load_distributed(ck, model=m, optimizer=opt)
+    assert opt.state_dict()["iterations"] == iterations
+
+
+def test_convert_refuses_files_copied_in_after_verifying(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``convert_distributed`` writes no file mixing two saves."""
+    ck, other = two_saves(tmp_path)
+    out = tmp_path / "out.pt"
+    monkeypatch.setattr(ckpt_api, "read_meta", after(ckpt_api.read_meta, lambda: copy_over(other, ck)))
+    with pytest.raises(CheckpointCorruptError, match="was replaced or written to"):
+        tte.checkpoint.convert_distributed(ck, out)
+    assert not out.exists()
+
+
+def sharded_dir(path: Path, scale: float) -> None:
+    """A ``save_sharded`` directory of one row-sharded table "t" saved by 2 ranks (their files, ``meta.pt`` and
+    the manifest, as ``save_sharded`` writes them), rows ``scale * id``."""
+    path.mkdir()
+    for r in range(2):
+        ids = torch.arange(r, 10, 2)
+        rows = ids.to(torch.float64)[:, None].expand(-1, 4) * scale
+        torch.save({"t": {"ids": ids, "weight": rows.clone()}}, path / f"rows-{r}.pt")
+    meta = {"world": 2, "tables": {"t": {"placement": "row", "rows": 10, "owner": 0, "key": "tables.t.weight"}},
+            "model": {}}
+    torch.save(meta, path / "meta.pt")
+    write_manifest(str(path))
+
+
+def test_a_sharded_checkpoint_with_rows_of_another_save_copied_in_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``save_sharded`` directory loaded whole into one process: rank files of another save copied in
+    after they were verified are refused, the table unchanged."""
+    ck, other = tmp_path / "ck", tmp_path / "other"
+    sharded_dir(ck, 1.0)
+    sharded_dir(other, -1.0)
+    ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(10, 4, name="t", dtype=torch.float64))})
+    before = state(ec, None)
+    monkeypatch.setattr(sharded_checkpoint, "verify", after(sharded_checkpoint.verify,
+                                                            lambda: copy_over(other, ck)))
+    with pytest.raises(CheckpointCorruptError, match="was replaced or written to .*nothing was loaded"):
+        tte.checkpoint.load_distributed(ck, model=ec)
+    assert same(state(ec, None), before)
+    monkeypatch.undo()
+    tte.checkpoint.load_distributed(ck, model=ec)  # the copy is over: the other save, whole
+    assert torch.equal(ec.state_dict()["tables.t.weight"],
+                       -torch.arange(10, dtype=torch.float64)[:, None].expand(-1, 4))

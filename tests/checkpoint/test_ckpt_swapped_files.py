@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 import torch
-from _crash_child import build, train
+from _crash_child import build
+from test_ckpt_snapshot import same, trained
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding.checkpoint import CheckpointCorruptError
@@ -33,22 +34,6 @@ def state(m: torch.nn.Module, opt: torch.optim.Optimizer | None) -> dict[str, An
     if opt is not None:
         out["optimizer"] = opt.state_dict()
     return out
-
-
-def same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
-
-
-def trained(steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    m, opt = build()
-    train(m, opt, steps)
-    return m, opt
 
 
 def copy_over(src: Path, dest: Path) -> None:

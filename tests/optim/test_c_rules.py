@@ -85,6 +85,22 @@ def _hp(name: str, hp: dict[str, Any], lr: torch.Tensor, step: torch.Tensor) -> 
     return c_rules._hp(name, item, step)
 
 
+def _refused_unwritten(lib: c_add.Library, name: str, p: torch.Tensor, slots: list[torch.Tensor], ids: torch.Tensor,
+                       sums: RowSums, threads: int, match: str) -> None:
+    """``run_rows`` of loop ``name`` at ``threads`` threads raises ``IndexError`` matching ``match``, and the table
+    and its slots are as they were (a refused step writes nothing)."""
+    p0, s0 = p.clone(), [s.clone() for s in slots]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with pytest.raises(IndexError, match=match):
+            c_rules.run_rows(getattr(lib, name), p, slots, ids, sums, torch.empty(0, DIM),
+                             _hp(name, {}, torch.tensor(0.1), torch.tensor(1.0)))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(p, p0) and all(torch.equal(a, b) for a, b in zip(slots, s0, strict=True))
+
+
 def _rule(name: str, hp: dict[str, Any], p: torch.Tensor, slots: list[torch.Tensor], ids: torch.Tensor,
           rows: torch.Tensor, lr: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The optimizer's rule in torch on the rows ``ids`` (as the reference path runs it), written back."""
@@ -225,16 +241,7 @@ def test_over_threads_a_refused_range_leaves_every_range_unwritten(lib: c_add.Li
     else:  # the last id's first contribution
         sums.cols[int(sums.offsets[-2])] = sums.src.shape[0]
     sums.ids = ids
-    p0, s0 = p.clone(), [s.clone() for s in slots]
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        with pytest.raises(IndexError, match="outside"):
-            c_rules.run_rows(getattr(lib, name), p, slots, ids, sums, torch.empty(0, DIM),
-                             _hp(name, {}, torch.tensor(0.1), torch.tensor(1.0)))
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(p, p0) and all(torch.equal(a, b) for a, b in zip(slots, s0, strict=True))
+    _refused_unwritten(lib, name, p, slots, ids, sums, 2, "outside")
 
 
 @pytest.mark.parametrize("name", ["rowwise_adagrad", "adam"])
@@ -256,16 +263,7 @@ def test_the_loop_refuses_ids_not_distinct_and_ascending_and_writes_nothing(lib:
     else:
         ids[10], ids[11] = ids[11].clone(), ids[10].clone()
     sums, _ = _factored(ids, weighted=False)
-    p0, s0 = p.clone(), [s.clone() for s in slots]
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with pytest.raises(IndexError, match="distinct and ascending"):
-            c_rules.run_rows(getattr(lib, name), p, slots, ids, sums, torch.empty(0, DIM),
-                             _hp(name, {}, torch.tensor(0.1), torch.tensor(1.0)))
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(p, p0) and all(torch.equal(a, b) for a, b in zip(slots, s0, strict=True))
+    _refused_unwritten(lib, name, p, slots, ids, sums, threads, "distinct and ascending")
 
 
 # ------------------------------------------------------------------------------------------------- in training

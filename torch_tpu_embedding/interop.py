@@ -184,6 +184,10 @@ def convert_ftrl_linears(state_dict: Mapping[str, Any], multiply_linear_by_learn
     ``multiply_linear_by_learning_rate`` the slot holds ``lr · z``. Conversion multiplies or divides by
     each group's learning rate, which must be a number (not a callable or schedule). Returns a new
     state_dict for ``FTRL(..., multiply_linear_by_learning_rate=<the new mode>)``.
+
+    The factor is the group's ``lr`` as saved (the next step's, once a scheduler has stepped). The two modes
+    train alike only at a constant learning rate: under a schedule they are two algorithms (as in TF), and a
+    converted run follows the new mode from its first step on.
     """
     out = copy.deepcopy(dict(state_dict))
     for group in out["param_groups"]:

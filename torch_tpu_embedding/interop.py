@@ -43,6 +43,14 @@ def _table(collection: EmbeddingCollection, name: str) -> EmbeddingTable:
     return cast(EmbeddingTable, collection.tables[name])
 
 
+def _on_meta(name: str, table: nn.Module) -> str | None:
+    """Why table ``name`` of the collection cannot be read or written: it is on the meta device, else ``None``."""
+    if not table.weight.is_meta:
+        return None
+    return (f"table '{name}' is on the meta device in the collection (it holds no values yet: call "
+            "model.to_empty(device=...) or tte.distributed.shard(model, device=...) first)")
+
+
 def _spread(table: nn.Module) -> TablePlacement | None:
     """The layout of a table sharded over a process group, else ``None`` (stacked tables never are)."""
     return process_group_placement(table.weight) if isinstance(table, EmbeddingTable) else None
@@ -129,7 +137,7 @@ def load_torchrec_state_dict(
         problems.append(f"unexpected keys {sorted(unexpected + [f'{head}{n}.weight' for n in extra])}")
     for name in sorted(set(want) & set(given)):
         shape = (want[name].config.num_embeddings, want[name].config.embedding_dim)
-        problem = _problem(name, f"{head}{name}.weight", given[name], shape)
+        problem = _problem(name, f"{head}{name}.weight", given[name], shape) or _on_meta(name, want[name])
         if problem:
             problems.append(problem)
     if missing and not given and unexpected:
@@ -158,6 +166,8 @@ def to_embedding_bag(collection: EmbeddingCollection, table: str) -> nn.Embeddin
         raise ValueError(
             f"Table `{table}`: combiner '{t.config.combiner}' has no nn.EmbeddingBag mode (only 'sum' and 'mean')."
         )
+    if _on_meta(table, t):
+        raise ValueError(f"Cannot build an nn.EmbeddingBag: {_on_meta(table, t)}.")
     w = _logical(t).to("cpu", copy=True)
     return nn.EmbeddingBag.from_pretrained(w, freeze=False, mode=_BAG_MODES[t.config.combiner])
 
@@ -170,6 +180,7 @@ def load_embedding_bag(collection: EmbeddingCollection, table: str, module: nn.E
     spread = _spread(t)
     problems = [] if tuple(module.weight.shape) == shape else [
         f"Table `{table}` has shape {shape}; the module's weight is {tuple(module.weight.shape)}."]
+    problems += [f"Cannot load the module's weight: {why}." for why in (_on_meta(table, t),) if why]
     _agree(problems, [] if spread is None else [spread], "module")
     if problems:
         raise ValueError(problems[0])

@@ -111,3 +111,19 @@ def test_embedding_bags_give_the_collections_bags(stack: bool, dtype: torch.dtyp
     torch.testing.assert_close(got.double(), torch.from_numpy(want), **tol)
     with pytest.raises(ValueError, match="Table `t_sqrtn`: combiner 'sqrtn' has no nn.EmbeddingBag mode"):
         tte.interop.to_embedding_bag(ec, "t_sqrtn")
+
+
+def test_a_collection_on_the_meta_device_is_refused_not_silently_left_empty() -> None:
+    """Built on the meta device, a collection holds no values: ``load_state_dict`` into it is a no-op (torch only
+    warns), so a TorchRec load there was lost without an error, and ``to_embedding_bag`` raised torch's
+    "Cannot copy out of meta tensor"."""
+    ec = tte.EmbeddingCollection({f"f_{t.name}": tte.FeatureConfig(t)
+                                  for t in collection().table_configs.values()}, device="meta")
+    sd = tte.interop.to_torchrec_state_dict(collection())
+    rule = r"table 't_sum' is on the meta device in the collection \(it holds no values yet: call model\.to_empty"
+    with pytest.raises(ValueError, match=rule):
+        tte.interop.load_torchrec_state_dict(ec, sd)
+    with pytest.raises(ValueError, match="Cannot build an nn.EmbeddingBag: " + rule):
+        tte.interop.to_embedding_bag(ec, "t_sum")
+    with pytest.raises(ValueError, match="Cannot load the module's weight: " + rule):
+        tte.interop.load_embedding_bag(ec, "t_sum", torch.nn.EmbeddingBag(10, 4))

@@ -97,17 +97,17 @@ def to_torchrec_state_dict(collection: EmbeddingCollection, prefix: str = "embed
             for name, module in collection.tables.items()}
 
 
-def _problem(name: str, key: str, value: Any, shape: tuple[int, int]) -> str | None:
-    """What is wrong with ``value`` as table ``name``'s weight (``key`` in the state_dict), else ``None``."""
+def _problem(name: str, key: str, value: Any, shape: tuple[int, int], where: str = "in the state_dict") -> str | None:
+    """What is wrong with ``value`` as table ``name``'s weight (``key`` ``where``), else ``None``."""
     if is_dtensor(value) or not isinstance(value, torch.Tensor) or type(value) not in (torch.Tensor, nn.Parameter):
         return (f"'{key}' is a {type(value).__name__}, not a plain tensor (gather a sharded value, e.g. a "
                 "DistributedModelParallel state_dict's ShardedTensor or DTensor, into one tensor first)")
     if tuple(value.shape) != shape:
-        return f"table '{name}' has shape {tuple(value.shape)} in the state_dict, expected {shape}"
+        return f"table '{name}' has shape {tuple(value.shape)} {where}, expected {shape}"
     if not value.dtype.is_floating_point:
-        return f"table '{name}' has dtype {value.dtype} in the state_dict, not a floating point dtype"
+        return f"table '{name}' has dtype {value.dtype} {where}, not a floating point dtype"
     if value.is_meta:
-        return f"table '{name}' is on the meta device in the state_dict (it holds no values)"
+        return f"table '{name}' is on the meta device {where} (it holds no values)"
     return None
 
 
@@ -178,9 +178,8 @@ def load_embedding_bag(collection: EmbeddingCollection, table: str, module: nn.E
     t = _table(collection, table)
     shape = (t.config.num_embeddings, t.config.embedding_dim)
     spread = _spread(t)
-    problems = [] if tuple(module.weight.shape) == shape else [
-        f"Table `{table}` has shape {shape}; the module's weight is {tuple(module.weight.shape)}."]
-    problems += [f"Cannot load the module's weight: {why}." for why in (_on_meta(table, t),) if why]
+    why = _problem(table, "the module's weight", module.weight, shape, "in the module") or _on_meta(table, t)
+    problems = [] if why is None else [f"Cannot load the module's weight: {why}."]
     _agree(problems, [] if spread is None else [spread], "module")
     if problems:
         raise ValueError(problems[0])

@@ -127,3 +127,15 @@ def test_a_collection_on_the_meta_device_is_refused_not_silently_left_empty() ->
         tte.interop.to_embedding_bag(ec, "t_sum")
     with pytest.raises(ValueError, match="Cannot load the module's weight: " + rule):
         tte.interop.load_embedding_bag(ec, "t_sum", torch.nn.EmbeddingBag(10, 4))
+
+
+def test_a_module_whose_weight_cannot_be_a_table_is_refused_and_loads_nothing() -> None:
+    """``load_embedding_bag``: a module on the meta device raised torch's copy error naming the stacked group's
+    internal parameter (``groups.fused_0.weight``), not the table."""
+    ec = collection()
+    before = tables(ec)
+    for module, why in ((torch.nn.EmbeddingBag(11, 4, device="meta"), "is on the meta device in the module"),
+                        (torch.nn.EmbeddingBag(12, 4), r"has shape \(12, 4\) in the module, expected \(11, 4\)")):
+        with pytest.raises(ValueError, match=r"^Cannot load the module's weight: table 't_mean' " + why):
+            tte.interop.load_embedding_bag(ec, "t_mean", module)
+    assert all(torch.equal(ec.embedding_tables[n], w) for n, w in before.items())

@@ -157,14 +157,17 @@ _BAG_MODES = {"sum": "sum", "mean": "mean"}
 def to_embedding_bag(collection: EmbeddingCollection, table: str) -> nn.EmbeddingBag:
     """An ``nn.EmbeddingBag`` (CPU) holding the table's weights, with the table's combiner as its mode.
 
-    ``sqrtn`` has no ``nn.EmbeddingBag`` mode: use ``mode="sum"`` with ``per_sample_weights`` of
-    ``1/sqrt(bag length)`` yourself, or :func:`to_torchrec_state_dict`. A table sharded over a process group
-    is gathered onto every rank (a collective).
+    ``sqrtn`` has no ``nn.EmbeddingBag`` mode, and ``nn.EmbeddingBag`` takes ``per_sample_weights`` in mode
+    ``"sum"`` only: a ``sqrtn`` bag (a weighted ``mean`` bag) is a ``mode="sum"`` bag of the same weight with
+    ``per_sample_weights`` ``w / sqrt(Σ w²)`` (``w / Σ w``) over each bag, ``1 / sqrt(bag length)`` unweighted. A
+    table sharded over a process group is gathered onto every rank (a collective).
     """
     t = _table(collection, table)
     if t.config.combiner not in _BAG_MODES:
         raise ValueError(
-            f"Table `{table}`: combiner '{t.config.combiner}' has no nn.EmbeddingBag mode (only 'sum' and 'mean')."
+            f"Table `{table}`: combiner '{t.config.combiner}' has no nn.EmbeddingBag mode (only 'sum' and 'mean'). "
+            "Use nn.EmbeddingBag(mode='sum') of its weight with per_sample_weights w / sqrt(sum of w²) over each bag "
+            "(1 / sqrt(bag length) unweighted)."
         )
     if _on_meta(table, t):
         raise ValueError(f"Cannot build an nn.EmbeddingBag: {_on_meta(table, t)}.")

@@ -111,6 +111,16 @@ def test_embedding_bags_give_the_collections_bags(stack: bool, dtype: torch.dtyp
     torch.testing.assert_close(got.double(), torch.from_numpy(want), **tol)
     with pytest.raises(ValueError, match="Table `t_sqrtn`: combiner 'sqrtn' has no nn.EmbeddingBag mode"):
         tte.interop.to_embedding_bag(ec, "t_sqrtn")
+    # The recipe of to_embedding_bag's docstring: sqrtn (and weighted mean) as mode="sum" with normalised weights.
+    ends = offsets.tolist()[1:] + [ids.numel()]
+    for name, norm in (("t_sqrtn", lambda w: w.square().sum().sqrt()), ("t_mean", lambda w: w.sum())):
+        combiner = name[2:]
+        bag = torch.nn.EmbeddingBag.from_pretrained(ec.embedding_tables[name].detach(), mode="sum")
+        scaled = torch.cat([per_id[a:b] / norm(per_id[a:b]) for a, b in zip(offsets.tolist(), ends, strict=True)])
+        want = _numpy_bags(ec.embedding_tables[name], bags, weights, combiner) if combiner == "mean" else np.stack(
+            [_numpy_bags(ec.embedding_tables[name], [b], [w], "sum")[0] / (np.sqrt(np.square(w).sum()) if b else 1)
+             for b, w in zip(bags, weights, strict=True)])
+        torch.testing.assert_close(bag(ids, offsets, per_sample_weights=scaled).double(), torch.from_numpy(want), **tol)
 
 
 def test_a_collection_on_the_meta_device_is_refused_not_silently_left_empty() -> None:

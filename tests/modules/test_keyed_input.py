@@ -154,3 +154,16 @@ def test_a_keyed_input_with_a_batch_size_per_key_raises() -> None:
                                          r"\(\.\.\.\)\} per feature instead\)\. Received a KeyedJaggedTensor with "
                                          r"variable_stride_per_key\(\) True"):
         ec(kjt)
+
+
+def test_a_keyed_input_with_other_keys_raises_with_the_way_out() -> None:
+    """A TorchRec KJT often carries other modules' keys (TorchRec's EmbeddingBagCollection skips them): the error
+    names them and how to keep the collection's keys."""
+    ec = _collection()
+    bags = _bags(3, 0, False)
+    bags["other"] = bags["fa"]
+    with pytest.raises(ValueError, match=r"unknown: \['other'\]\. TorchRec's EmbeddingBagCollection ignores keys it "
+                                         r"has no feature for; here keep the collection's keys first: kjt\.permute"):
+        ec(_keyed(bags, ["fa", "other", "fb", "fc"]))
+    with pytest.raises(ValueError, match=r"missing: \['fc'\]$"):
+        ec(_keyed(bags, ["fa", "fb"]))

@@ -60,7 +60,9 @@ def keyed_inputs(features: Any, config: Any, order: list[tuple[Path, str, Featur
         raise ValueError(
             "A KeyedJaggedTensor input must hold every feature of the collection once, keyed by its name "
             f"(EmbeddingCollection.feature_names): {sorted(names)}. Received keys {keys}"
-            + (f"; unknown: {unknown}" if unknown else "") + (f"; missing: {missing}" if missing else ""))
+            + (f"; unknown: {unknown}" if unknown else "") + (f"; missing: {missing}" if missing else "")
+            + (". TorchRec's EmbeddingBagCollection ignores keys it has no feature for; here keep the collection's "
+               "keys first: kjt.permute([kjt.keys().index(k) for k in ec.feature_names])" if unknown else ""))
     variable = getattr(features, "variable_stride_per_key", None)  # TorchRec's VBE: a batch size per key
     if callable(variable) and variable():
         raise ValueError(_PER_FEATURE_BATCH + "Received a KeyedJaggedTensor with variable_stride_per_key() True")

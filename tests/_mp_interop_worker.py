@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 import torch_tpu_embedding as tte
 
@@ -59,6 +61,13 @@ def main() -> None:
         tte.interop.load_torchrec_state_dict(ec, bad)
     except ValueError as e:
         res["error"] = str(e)
+    # A DistributedModelParallel-style value (a DTensor) is refused, not loaded as the shard it holds.
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    sharded = DTensor.from_local(good["embedding_bags.row.weight"].chunk(2)[rank].contiguous(), mesh, [Shard(0)])
+    try:
+        tte.interop.load_torchrec_state_dict(ec, dict(good, **{"embedding_bags.row.weight": sharded}))
+    except ValueError as e:
+        res["dtensor_error"] = str(e)
     res["after_error"] = {k: v.clone() for k, v in tte.interop.to_torchrec_state_dict(ec).items()}
     # One table from an nn.EmbeddingBag.
     bag = nn.EmbeddingBag.from_pretrained(good["embedding_bags.tw.weight"], mode="sum")

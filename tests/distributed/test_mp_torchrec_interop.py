@@ -3,7 +3,7 @@
 Each rank's TorchRec state_dict and ``nn.EmbeddingBag`` hold every table whole, as one process holds them (a
 row-sharded table's rows are stored interleaved, a table-wise table on one rank only); a TorchRec state_dict
 loads each rank's rows of it, and lookups then equal one process's; a state_dict wrong on one rank makes every
-rank raise and changes nothing. Ranks run as separate ``python`` processes under a timeout, so a hang fails.
+rank raise and changes nothing, and so does a DTensor value (a sharded TorchRec model's). Ranks run as separate ``python`` processes under a timeout, so a hang fails.
 """
 
 from __future__ import annotations
@@ -66,5 +66,6 @@ def test_torchrec_layout_of_a_collection_sharded_over_a_process_group(dtensor: b
         assert "TorchRec state_dict does not match the collection" in res["error"], (r, res["error"])
         assert ("table 'row' has shape (3, 4) in the state_dict, expected (1500, 4)" if r else
                 "another rank's state_dict does not match the collection") in res["error"], (r, res["error"])
+        assert "'embedding_bags.row.weight' is a DTensor, not a plain tensor" in res["dtensor_error"], r
         _same(res["after_error"], one[1])
         _same(res["after_bag"], after_bag)

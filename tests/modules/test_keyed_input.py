@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -104,3 +105,65 @@ def test_offsets_that_do_not_start_at_0_raise() -> None:
         ec(short)
     with pytest.raises(TypeError, match=r"offsets\(\) must be a 1-D tensor .* Received Tensor\(0,\)"):
         ec(_KJT(list(_KEYS), good.values(), offsets=torch.zeros(0, dtype=torch.int64)))
+
+
+def _numpy_bag(table: np.ndarray, ids: np.ndarray, w: np.ndarray, combiner: str) -> np.ndarray:
+    """One bag in float64 numpy: Σ wᵢ·eᵢ, divided by Σ wᵢ (mean) or sqrt(Σ wᵢ²) (sqrtn); empty: zeros."""
+    if not len(ids):
+        return np.zeros(table.shape[1])
+    total = (w[:, None] * table[ids]).sum(0)
+    return total / {"sum": 1.0, "mean": w.sum(), "sqrtn": np.sqrt((w * w).sum())}[combiner]
+
+
+@pytest.mark.parametrize("offsets", [False, True], ids=["lengths", "offsets"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+def test_a_keyed_input_against_numpy_bags(offsets: bool, dtype: torch.dtype, weighted: bool) -> None:
+    """Keys in another order than ``feature_names``, empty bags among full ones: each bag combined in numpy."""
+    ec = _collection()
+    combiner = {"fa": "mean", "fb": "sum", "fc": "sqrtn"}
+    bags = _bags(6, 7, weighted)
+    for k in _KEYS:  # bag 1 of every key empty
+        v, n, w = bags[k]
+        start, end = int(n[:1].sum()), int(n[:2].sum())
+        bags[k] = (torch.cat([v[:start], v[end:]]), torch.cat([n[:1], n.new_zeros(1), n[2:]]),
+                   None if w is None else torch.cat([w[:start], w[end:]]))
+    got = ec(_keyed(bags, ["fc", "fa", "fb"], offsets, dtype))
+    for k in _KEYS:
+        v, n, w = bags[k]
+        table = ec.embedding_tables[f"t_{k}"].detach().numpy()
+        ends = np.cumsum(n.numpy())
+        ws = np.ones(len(v)) if w is None else w.numpy()
+        want = np.stack([_numpy_bag(table, v.numpy()[e - ln: e], ws[e - ln: e], combiner[k])
+                         for e, ln in zip(ends, n.numpy(), strict=True)])
+        torch.testing.assert_close(got[k], torch.from_numpy(want), rtol=1e-12, atol=1e-12)
+        assert not got[k][1].any()
+
+
+def test_a_keyed_input_with_a_batch_size_per_key_raises() -> None:
+    """TorchRec's variable batch per feature (VBE: ``variable_stride_per_key()``): 1, 2 and 3 bags for the three keys
+    are 6 lengths, which 3 keys divide; read as 2 bags each, every key's bags would be wrong."""
+    ec = _collection()
+
+    class _VBE(_KJT):
+        def variable_stride_per_key(self) -> bool:
+            return True
+
+    kjt = _VBE(list(_KEYS), torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 0, 1, 0, 0, 1]))
+    with pytest.raises(ValueError, match=r"same number of bags for each of its keys .* pass \{name: tte\.Jagged"
+                                         r"\(\.\.\.\)\} per feature instead\)\. Received a KeyedJaggedTensor with "
+                                         r"variable_stride_per_key\(\) True"):
+        ec(kjt)
+
+
+def test_a_keyed_input_with_other_keys_raises_with_the_way_out() -> None:
+    """A TorchRec KJT often carries other modules' keys (TorchRec's EmbeddingBagCollection skips them): the error
+    names them and how to keep the collection's keys."""
+    ec = _collection()
+    bags = _bags(3, 0, False)
+    bags["other"] = bags["fa"]
+    with pytest.raises(ValueError, match=r"unknown: \['other'\]\. TorchRec's EmbeddingBagCollection ignores keys it "
+                                         r"has no feature for; here keep the collection's keys first: kjt\.permute"):
+        ec(_keyed(bags, ["fa", "other", "fb", "fc"]))
+    with pytest.raises(ValueError, match=r"missing: \['fc'\]$"):
+        ec(_keyed(bags, ["fa", "fb"]))

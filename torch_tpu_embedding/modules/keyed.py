@@ -28,6 +28,10 @@ def _next_pow2(n: int) -> int:
 
 __all__ = ["is_keyed", "keyed_inputs"]
 
+_PER_FEATURE_BATCH = ("A KeyedJaggedTensor input needs the same number of bags for each of its keys (a variable batch "
+                      "per feature is not taken as a KeyedJaggedTensor: pass {name: tte.Jagged(...)} per feature "
+                      "instead). ")
+
 
 def is_keyed(features: Any) -> bool:
     """Whether ``features`` is a ``KeyedJaggedTensor`` (by its methods: a dict has ``keys``/``values`` only)."""
@@ -56,7 +60,12 @@ def keyed_inputs(features: Any, config: Any, order: list[tuple[Path, str, Featur
         raise ValueError(
             "A KeyedJaggedTensor input must hold every feature of the collection once, keyed by its name "
             f"(EmbeddingCollection.feature_names): {sorted(names)}. Received keys {keys}"
-            + (f"; unknown: {unknown}" if unknown else "") + (f"; missing: {missing}" if missing else ""))
+            + (f"; unknown: {unknown}" if unknown else "") + (f"; missing: {missing}" if missing else "")
+            + (". TorchRec's EmbeddingBagCollection ignores keys it has no feature for; here keep the collection's "
+               "keys first: kjt.permute([kjt.keys().index(k) for k in ec.feature_names])" if unknown else ""))
+    variable = getattr(features, "variable_stride_per_key", None)  # TorchRec's VBE: a batch size per key
+    if callable(variable) and variable():
+        raise ValueError(_PER_FEATURE_BATCH + "Received a KeyedJaggedTensor with variable_stride_per_key() True")
     values = features.values()
     lengths = features.lengths() if callable(getattr(features, "lengths", None)) else None
     offsets = features.offsets() if lengths is None else None
@@ -77,10 +86,7 @@ def keyed_inputs(features: Any, config: Any, order: list[tuple[Path, str, Featur
             raise TypeError(f"A KeyedJaggedTensor input's {what} must be a 1-D tensor. Received "
                             f"{type(t).__name__}{'' if not isinstance(t, torch.Tensor) else tuple(t.shape)}")
     if lengths.numel() % len(keys):
-        raise ValueError(
-            f"A KeyedJaggedTensor input needs the same number of bags for each of its {len(keys)} keys (a variable "
-            f"batch per feature is not taken as a KeyedJaggedTensor: pass {{name: tte.Jagged(...)}} per "
-            f"feature instead). Received {lengths.numel()} lengths")
+        raise ValueError(_PER_FEATURE_BATCH + f"Received {lengths.numel()} lengths for {len(keys)} keys")
     if lengths.dtype not in INDEX_DTYPES or values.dtype not in INDEX_DTYPES:
         raise TypeError("A KeyedJaggedTensor input's values() and lengths() must be integer tensors. Received "
                         f"{values.dtype} and {lengths.dtype}")

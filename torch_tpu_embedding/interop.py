@@ -14,15 +14,11 @@ rows: :func:`to_torchrec_state_dict`, :func:`load_torchrec_state_dict`, :func:`t
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Mapping
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 from torch_tpu_embedding._rows.placement import TablePlacement, all_true, is_dtensor, process_group_placement
 from torch_tpu_embedding._util.validation import arg_error
@@ -60,22 +56,13 @@ def _logical(table: EmbeddingTable) -> torch.Tensor:
     """The table's whole ``[num_embeddings, D]`` logical rows; for one sharded over a process group, gathered
     onto every rank (a collective)."""
     spread = _spread(table)
-    if spread is None:
-        return table.logical_weight()
-    return cast(DTensor, spread.to_logical(table.weight.detach())).full_tensor()
+    return table.logical_weight() if spread is None else spread.gather_whole(table.weight.detach())
 
 
 def _stored(table: EmbeddingTable, value: torch.Tensor, spread: TablePlacement) -> torch.Tensor:
     """The whole logical rows ``value`` (the same on every rank) as the rows this rank stores of a table
     sharded over a process group (a collective)."""
-    world, rank = dist.get_world_size(spread.group), dist.get_rank(spread.group)
-    rows, dim = int(value.shape[0]), int(value.shape[1])
-    block = math.ceil(rows / world)
-    mine = value.detach().to(table.weight.device)[min(rows, rank * block): min(rows, (rank + 1) * block)]
-    mesh = DeviceMesh.from_group(spread.group, table.weight.device.type)
-    logical = DTensor.from_local(mine.contiguous(), mesh, [Shard(0)], run_check=False, shape=torch.Size((rows, dim)),
-                                 stride=(dim, 1))
-    return spread.from_logical(logical, table.name, base=table.weight)
+    return spread.stored_from_whole(value, table.name, table.weight)
 
 
 def _agree(problems: list[str], spread: Any, what: str) -> None:

@@ -147,6 +147,16 @@ class TablePlacement:
         """The saved form of the logical rows as this process's stored rows (``base``: their dtype)."""
         raise NotImplementedError(f"{type(self).__name__} loads no DTensors")
 
+    def gather_whole(self, local: Tensor) -> Tensor:
+        """This process's stored rows of the table as its whole ``[V, D]`` logical rows, the same on every
+        process (a collective: every process calls it, in the same order)."""
+        raise NotImplementedError(f"{type(self).__name__} gathers no rows")
+
+    def stored_from_whole(self, value: Tensor, name: str, base: Tensor) -> Tensor:
+        """The rows this process stores of the table, from ``value``, its whole ``[V, D]`` logical rows given
+        alike on every process (a collective; ``base``: the stored rows now, their dtype and device)."""
+        raise NotImplementedError(f"{type(self).__name__} scatters no rows")
+
     def whole_to_saved(self, value: Tensor) -> Tensor:
         """An optimizer slot of the whole table (not per row) as saved: the same on every process."""
         raise NotImplementedError(f"{type(self).__name__} saves no DTensors")

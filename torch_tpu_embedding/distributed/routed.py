@@ -30,8 +30,10 @@ from torch_tpu_embedding.distributed.exchange import GroupSharding, fetch_rows, 
 from torch_tpu_embedding.distributed.state import (
     from_logical_shard,
     from_logical_slot,
+    gather_whole,
     pending_from_logical,
     pending_to_logical,
+    stored_from_whole,
     to_logical_shard,
     to_logical_slot,
     whole_from_saved,
@@ -75,6 +77,14 @@ class ProcessGroupLayout(GroupSharding):
     def from_logical(self, value: Any, name: str, base: Tensor | None = None, slot: bool = False) -> Tensor:
         """A DTensor of the logical rows as this rank's stored rows (a collective)."""
         return from_logical_slot(value, self, name, base) if slot else from_logical_shard(value, self, name, base)
+
+    def gather_whole(self, local: Tensor) -> Tensor:
+        """This rank's stored rows as the whole logical rows, on every rank (a collective)."""
+        return gather_whole(local, self)
+
+    def stored_from_whole(self, value: Tensor, name: str, base: Tensor) -> Tensor:
+        """The whole logical rows (alike on every rank) as this rank's stored rows (a collective)."""
+        return stored_from_whole(value, self, name, base)
 
     def whole_to_saved(self, value: Tensor) -> Tensor:
         """A slot of the whole table as saved: the same on every rank (a collective)."""

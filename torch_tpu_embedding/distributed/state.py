@@ -29,8 +29,9 @@ from torch.distributed.tensor import DTensor, Shard
 from torch_tpu_embedding.distributed.exchange import GroupSharding, send_to_owners
 
 __all__ = [
-    "block_rows", "from_logical_shard", "from_logical_slot", "pending_from_logical", "pending_to_logical",
-    "to_logical_shard", "to_logical_slot", "whole_from_saved", "whole_to_saved",
+    "block_rows", "from_logical_shard", "from_logical_slot", "gather_whole", "pending_from_logical",
+    "pending_to_logical", "stored_from_whole", "to_logical_shard", "to_logical_slot", "whole_from_saved",
+    "whole_to_saved",
 ]
 
 Tensor = torch.Tensor
@@ -208,3 +209,22 @@ def pending_from_logical(ids: Tensor, rows: Tensor, s: GroupSharding) -> tuple[T
         out_ids[j, :n] = slot[j][keep]
         out_rows[j, :n] = rows[j][keep]
     return out_ids, out_rows
+
+
+def gather_whole(local: Tensor, s: GroupSharding) -> Tensor:
+    """This rank's stored rows ``local`` of a table laid out by ``s`` as its whole ``[V, D]`` logical rows, on
+    every rank (:func:`to_logical_shard`, then every rank's block gathered: collectives)."""
+    return to_logical_shard(local, s).full_tensor()
+
+
+def stored_from_whole(value: Tensor, s: GroupSharding, name: str, base: Tensor) -> Tensor:
+    """The rows this rank stores of a table laid out by ``s``, from ``value``, its whole ``[V, D]`` logical rows
+    given alike on every rank: this rank's logical block of it, moved as :func:`from_logical_shard` moves a
+    saved one (a collective)."""
+    rows, dim = int(value.shape[0]), int(value.shape[1])
+    block = block_rows(rows, s.world)
+    mine = value.detach().to(base.device)[min(rows, s.rank * block): min(rows, (s.rank + 1) * block)]
+    mesh = DeviceMesh.from_group(s.group, base.device.type)
+    logical = DTensor.from_local(mine.contiguous(), mesh, [Shard(0)], run_check=False, shape=torch.Size((rows, dim)),
+                                 stride=(dim, 1))
+    return from_logical_shard(logical, s, name, base)

@@ -7,6 +7,8 @@ then meets the others at a barrier (the job's next collective), which it reaches
 * ``ckpt_mismatch``: the same directory, rank 1 loads with Adam a checkpoint of Adagrad: only rank 1's checks fail.
 * ``ckpt_dcp_damaged_file``: data parallel, a ``save_distributed`` directory loaded through
   ``torch.distributed.checkpoint`` (its collectives), rank 1's copy of ``tte_meta.pt`` damaged.
+* ``ckpt_dtensor_wrong_table``: ``shard(..., dtensor_state_dict=True)``; rank 1's ``load_state_dict`` is given another
+  table's DTensor for table ``item``: refused there before the rows' move, which every other rank makes.
 * ``ckpt_save_rows`` / ``ckpt_save_publish``: ``save_sharded`` over a good checkpoint; rank 1's rows file cannot be
   written (a full disk), or rank 0 cannot publish: nothing is published, the old checkpoint stays.
 """
@@ -90,6 +92,18 @@ def run(scenario: str, rank: int, model: nn.Module, batch: Any, out: Path) -> di
         mine = _own_copy(saved, out, rank, "tte_meta.pt")
         _train(dp, opt, rank, range(2, 3), batch)
         got = _load(lambda p, m, o: tte.checkpoint.load_distributed(p, model=m, optimizer=o), mine, model, opt)
+        dist.barrier()
+        return got
+    if scenario == "ckpt_dtensor_wrong_table":  # rank 1 loads table `who`'s DTensor into table `item`
+        tte.distributed.shard(model, dtensor_state_dict=True)
+        sd = model.state_dict()  # (a collective: every rank's rows to their logical blocks)
+        if rank == 1:
+            sd["ec.tables.item.weight"] = sd["ec.tables.who.weight"]
+        try:
+            model.load_state_dict(sd)
+            got: dict[str, Any] = {"errors": []}
+        except Exception as e:  # noqa: BLE001 - recorded
+            got = {"errors": [{"type": type(e).__name__, "message": str(e)}]}
         dist.barrier()
         return got
     tte.distributed.shard(model)

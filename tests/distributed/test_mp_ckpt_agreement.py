@@ -60,3 +60,14 @@ def test_a_save_that_fails_on_one_rank_raises_on_every_rank(scenario: str, faili
             assert res["errors"][0]["type"] == "RuntimeError", (r, res)
             assert msg.startswith(f"Rank {failing} of the process group failed: OSError: "), (r, msg)
         assert res["kept"], (r, stage, res)
+
+
+def test_a_dtensor_refused_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
+    """A model sharded with ``dtensor_state_dict``: rank 1's ``load_state_dict`` gets table `who`'s DTensor (600
+    rows) for table `item` (1000). Before, rank 1 raised and rank 0 waited for it in the move's collective (a
+    hang). Now rank 1 raises its ValueError naming the table and rank 0 a RuntimeError naming rank 1."""
+    r0, r1 = run("ckpt_dtensor_wrong_table", tmp_path)
+    assert [e["type"] for e in r1["errors"]] == ["ValueError"], r1
+    assert "Table `item`" in r1["errors"][0]["message"], r1
+    assert [e["type"] for e in r0["errors"]] == ["RuntimeError"], r0
+    assert "Rank 1 of the process group failed" in r0["errors"][0]["message"], r0

@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import _mp_ckpt_guard
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -233,7 +234,11 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        result = run(scenario, rank, world)
+        if scenario.startswith("ckpt_"):  # a checkpoint load or save that fails on one rank (tests/_mp_ckpt_guard.py)
+            torch.manual_seed(0)
+            result = _mp_ckpt_guard.run(scenario, rank, Model(configs(rank, scenario)), batch, out)
+        else:
+            result = run(scenario, rank, world)
     except Exception as e:  # noqa: BLE001 - recorded for the test, which checks what each rank saw
         result = {"errors": [error(e)], "uncaught": True}
     (out / f"rank{rank}.json").write_text(json.dumps(result), encoding="utf-8")

@@ -14,17 +14,21 @@ Example::
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from torch_tpu_embedding._rows.grads import table_info
 from torch_tpu_embedding._rows.row_order import Description, describe, from_logical, layout_of, to_logical
+from torch_tpu_embedding.checkpoint.agreement import Attempt, agree
 from torch_tpu_embedding.checkpoint.checks import (
     CheckpointMismatchError,
     apply_payload,
+    check_payload,
     is_row_sparse,
     slots_for_a_load,
+    write_payload,
 )
 from torch_tpu_embedding.checkpoint.dcp import (
     FORMAT,
@@ -194,18 +198,22 @@ def save_distributed(
     target = os.path.realpath(os.fspath(path))  # a symlinked directory: the save replaces what it points to
     staging = staging_path(target)
     lock = begin_save(target, rank() == 0)
-    try:
-        with dcp_quiet():
-            api.save(tensors, storage_writer=api.FileSystemWriter(staging, sync_files=True), planner=planner)
-        barrier()  # every rank's files are written and fsynced
-        if rank() == 0:
-            write_atomic(meta, os.path.join(staging, META))
-            write_manifest(staging)
-            publish(staging, target)
-    finally:
-        if lock is not None:
-            lock.release()
-    barrier()  # no rank returns before the checkpoint is published
+    with Attempt() as published:  # (DCP's own errors reach every rank: a CheckpointException goes through)
+        try:
+            with dcp_quiet():
+                api.save(tensors, storage_writer=api.FileSystemWriter(staging, sync_files=True), planner=planner)
+            barrier()  # every rank's files are written and fsynced
+            if rank() == 0:
+                write_atomic(meta, os.path.join(staging, META))
+                write_manifest(staging)
+                publish(staging, target)
+        finally:
+            if lock is not None:
+                lock.release()
+    # No rank returns before the checkpoint is published, and rank 0's failure to publish it (a full disk)
+    # is raised on every rank: none waits for it at its next collective.
+    agree(published.error, done=f"the save did not finish: {target} holds the previous checkpoint or this one, "
+          "complete", other=RuntimeError)
 
 
 def _groups(members: Any) -> Any:
@@ -239,7 +247,8 @@ def load_distributed(
 
     Every file is checked against the save's manifest (sizes, sha256) before anything is written:
     a truncated, missing or altered file raises :class:`CheckpointCorruptError` naming it, and the
-    model and optimizer are unchanged.
+    model and optimizer are unchanged. Under a process group (whose ranks read together) a check that
+    fails on one rank raises on every rank, before any reads in place (``checkpoint/agreement.py``).
 
     Between the two kinds of distributed checkpoint: a directory written from a model sharded over a
     process group (``tte.distributed.save_sharded``, or this module's :func:`save_distributed` of such
@@ -256,7 +265,22 @@ def load_distributed(
 
 
 def _load_dcp(target: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """:func:`load_distributed` of the ``save_distributed`` directory ``target`` (pinned)."""
+    """:func:`load_distributed` of the ``save_distributed`` directory ``target`` (pinned). Every check runs
+    before the ranks of the default process group (if any) agree (``checkpoint/agreement.py``: one
+    ``all_gather_object`` per load, the only collective besides DCP's own): a rank whose checks fail makes
+    every rank raise, before any of them writes or enters DCP's read, whose collectives it would not join."""
+    write = None
+    with Attempt() as checks:
+        write = _checked_dcp(target, model, optimizer)
+    agree(checks.error, done="every rank refused the load: nothing was loaded on any rank")
+    assert write is not None
+    write()
+
+
+def _checked_dcp(target: str, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer | None) -> Callable[[], None]:
+    """Check the ``save_distributed`` directory ``target`` against ``model`` and ``optimizer`` (raises, writing
+    nothing); returns what writes it (DCP's read in place, or the logical payload read here)."""
     present(target)
     seal = Seal(target, verify(target))  # every file whole and as saved, before anything is written
     meta = read_meta(target)
@@ -268,8 +292,12 @@ def _load_dcp(target: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
         # through the host.
         payload = logical_payload(target, meta)
         seal.check()  # what was read is what was verified
-        apply_payload(payload, target, model, optimizer, strict=True)
-        return
+        check_payload(payload, target, model, optimizer, strict=True)
+
+        def write_logical() -> None:
+            write_payload(payload, model, optimizer, strict=True)
+
+        return write_logical
     missing = sorted(set(dest) - set(saved))
     unexpected = sorted(k for k in set(saved) - set(dest) if optimizer is not None or k.startswith("model/"))
     problems = [f"missing {missing}"] if missing else []
@@ -298,23 +326,29 @@ def _load_dcp(target: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
             staged[k] = torch.empty(saved[k], dtype=t.dtype)
             wanted[k] = staged[k]
     seal.check()  # the metadata read above is the one verified: nothing written yet
-    read_tensors(target, wanted)
-    seal.check(written=True)  # the tensors read in place too
-    with torch.no_grad():
-        for k, host in staged.items():
-            t, n = dest[k], rows[k]
-            if n is None:
-                t.copy_(host.to(t.device))
-                continue
-            saved_order, saved_k = layout_of(saved_layouts.get(k))
-            value = to_logical(host, n, saved_order, saved_k)
-            order, slot_k = layout_of(layouts.get(k))
-            current = t.detach().cpu() if order is not None or t.device.type == "cpu" else t
-            # Copied from the host tensor itself: an XLA destination keeps its sharding (copying a
-            # replicated device tensor into it would leave the table replicated).
-            t.copy_(from_logical(value.to(current.device), current, order, slot_k))
-    if optimizer is not None:
-        _row_sparse(optimizer).load_physical_rest(meta["optimizer"])
+
+    def write() -> None:
+        read_tensors(target, wanted)  # (DCP's collectives: a read error reaches every rank)
+        # A file replaced while DCP read it (a copy into the directory): found by the ranks whose files it is;
+        # on a file system every rank shares, every rank.
+        seal.check(written=True)  # the tensors read in place too
+        with torch.no_grad():
+            for k, host in staged.items():
+                t, n = dest[k], rows[k]
+                if n is None:
+                    t.copy_(host.to(t.device))
+                    continue
+                saved_order, saved_k = layout_of(saved_layouts.get(k))
+                value = to_logical(host, n, saved_order, saved_k)
+                order, slot_k = layout_of(layouts.get(k))
+                current = t.detach().cpu() if order is not None or t.device.type == "cpu" else t
+                # Copied from the host tensor itself: an XLA destination keeps its sharding (copying a
+                # replicated device tensor into it would leave the table replicated).
+                t.copy_(from_logical(value.to(current.device), current, order, slot_k))
+        if optimizer is not None:
+            _row_sparse(optimizer).load_physical_rest(meta["optimizer"])
+
+    return write
 
 
 def convert_distributed(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> None:

@@ -21,8 +21,8 @@ from torch_tpu_embedding.optim._state import state_io
 from torch_tpu_embedding.optim._state.state_check import tensor_problem
 
 __all__ = [
-    "CheckpointMismatchError", "apply_payload", "expected_model_state", "is_row_sparse", "model_problems",
-    "optimizer_problems", "slots_for_a_load",
+    "CheckpointMismatchError", "apply_payload", "check_payload", "expected_model_state", "is_row_sparse",
+    "model_problems", "optimizer_problems", "slots_for_a_load", "write_payload",
 ]
 
 
@@ -157,6 +157,16 @@ def apply_payload(
     strict: bool,
 ) -> dict[str, Any] | None:
     """Check a ``tte.checkpoint.save`` payload against ``model`` / ``optimizer``, then load it; returns ``extra``."""
+    check_payload(payload, target, model, optimizer, strict)
+    return write_payload(payload, model, optimizer, strict)
+
+
+def check_payload(
+    payload: dict[str, Any], target: str, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
+    strict: bool,
+) -> None:
+    """Raise unless :func:`write_payload` of ``payload`` (read from ``target``) fits ``model`` / ``optimizer``;
+    writes nothing."""
     # (an entry missing from a file of another writer is named as one saved as None, not a KeyError)
     if model is not None and payload.get("model") is None:
         raise ValueError(f"{target} holds no model state.")
@@ -170,6 +180,12 @@ def apply_payload(
         problems += [f"optimizer: {p}" for p in optimizer_problems(optimizer, payload["optimizer"])]
     if problems:
         raise CheckpointMismatchError(f"{target} does not match (nothing was loaded): " + "; ".join(problems))
+
+
+def write_payload(
+    payload: dict[str, Any], model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None, strict: bool,
+) -> dict[str, Any] | None:
+    """Load ``payload``, checked by :func:`check_payload`, into ``model`` / ``optimizer``; returns ``extra``."""
     if optimizer is not None:  # other optimizers check their own state before writing it
         optimizer.load_state_dict(payload["optimizer"])
     if model is not None:

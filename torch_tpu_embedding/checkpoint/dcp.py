@@ -68,11 +68,14 @@ def present(path: str) -> None:
         raise FileNotFoundError(f"No distributed checkpoint at {path} (no {META})")
 
 
-def read_tensors(path: str, dest: dict[str, torch.Tensor]) -> None:
+def read_tensors(path: str, dest: dict[str, torch.Tensor], local: bool = False) -> None:
+    """Read ``dest``'s tensors from the distributed checkpoint ``path`` in place: with the other ranks of the
+    default process group (``torch.distributed.checkpoint``'s collectives: every rank gets any rank's read
+    error), or ``local``: this process alone (host tensors read whole; no collective)."""
     api = dcp()
     planner = xla_planner("SPMDLoadPlanner") if uses_xla(dest) else None
     with dcp_quiet(), read_errors(path):
-        api.load(dest, storage_reader=dcp_reader(path), planner=planner)
+        api.load(dest, storage_reader=dcp_reader(path), planner=planner, no_dist=local)
 
 
 def logical_payload(target: str, meta: Any) -> dict[str, Any]:
@@ -83,7 +86,9 @@ def logical_payload(target: str, meta: Any) -> dict[str, Any]:
         for k, v in md.state_dict_metadata.items()
         if hasattr(v, "size")
     }
-    read_tensors(target, host)
+    # Each process reads every tensor whole: no collective, so a process whose own checks failed before it
+    # leaves none waiting here (the loads agree once they have checked, checkpoint/agreement.py).
+    read_tensors(target, host, local=True)
 
     def logical(k: str) -> torch.Tensor:
         n = meta["rows"].get(k)

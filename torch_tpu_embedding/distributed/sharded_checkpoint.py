@@ -26,6 +26,9 @@ renames, so a process killed at any point leaves the old checkpoint or the new o
 checks every file against the manifest (each rank reads every file once, in chunks) and the whole state
 against the model and optimizer (names, shapes, dtypes, hyper-parameters, accumulation buffers) before
 it changes anything.
+
+A part that fails on some ranks only (a rank's copy of a file damaged, a shape only its model has, a full
+disk under one rank's rows) raises on every rank, none left waiting (``checkpoint/agreement.py``).
 """
 
 from __future__ import annotations
@@ -35,10 +38,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from torch_tpu_embedding._rows.placement import stored_rows
+from torch_tpu_embedding.checkpoint.agreement import Attempt, agree
 from torch_tpu_embedding.checkpoint.checks import (
     CheckpointMismatchError,
     apply_payload,
@@ -187,12 +190,16 @@ def save_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer:
     rank, world, group = first.rank, first.world, first.group
     target = os.path.realpath(os.fspath(directory))  # a symlinked directory: the save replaces what it points to
     lock = begin_save(target, rank == 0, group)  # a refusal on every rank, nothing changed
-    try:
-        _write(target, rank, world, group, model, optimizer, tables)
-    finally:
-        if lock is not None:
-            lock.release()
-    dist.barrier(group=group)  # no rank returns before the checkpoint is published
+    with Attempt() as published:
+        try:
+            _write(target, rank, world, group, model, optimizer, tables)
+        finally:
+            if lock is not None:
+                lock.release()
+    # No rank returns before the checkpoint is published, and rank 0's failure to publish it is raised on
+    # every rank (none waits for it at its next collective).
+    agree(published.error, group, done=f"the save did not finish: {target} holds the previous checkpoint or this "
+          "one, complete", other=RuntimeError)
 
 
 def _write(target: str, rank: int, world: int, group: Any, model: nn.Module, optimizer: Any,
@@ -200,23 +207,25 @@ def _write(target: str, rank: int, world: int, group: Any, model: nn.Module, opt
     """:func:`save_sharded`'s files, each rank's rows streamed a window at a time (``checkpoint/row_writer.py``:
     a save's memory grows by a window, never by a shard), published by rank 0."""
     staging = staging_path(target)
-    part: dict[str, Any] = {}
-    for name, (_, t, s) in tables.items():
-        at = _in_order(s)
-        n = _real_rows(s, at)
-        entry: dict[str, Any] = {"ids": _ids(n, s, at), "weight": _rows(n, t.weight, at)}
-        if optimizer is not None:
-            state = optimizer.state.get(t.weight, {})
-            local = t.weight.shape[0]
-            entry["rows"] = {k: _rows(n, v, at) for k, v in state.items()
-                             if k not in ACC and v.dim() and v.shape[0] == local}
-            entry["whole"] = {k: v for k, v in state.items()
-                              if k not in ACC and not (v.dim() and v.shape[0] == local)}
-            if "acc_ids" in state:
-                entry["acc"] = _logical_accumulation(state, s, local)
-        part[name] = entry
-    write_rows(os.path.join(staging, f"rows-{rank}.pt"), part)
-    dist.barrier(group=group)  # every rank's rows are written (rank 0 fsyncs them before publishing)
+    with Attempt() as wrote:  # (a full disk, an unwritable directory: on some ranks only)
+        part: dict[str, Any] = {}
+        for name, (_, t, s) in tables.items():
+            at = _in_order(s)
+            n = _real_rows(s, at)
+            entry: dict[str, Any] = {"ids": _ids(n, s, at), "weight": _rows(n, t.weight, at)}
+            if optimizer is not None:
+                state = optimizer.state.get(t.weight, {})
+                local = t.weight.shape[0]
+                entry["rows"] = {k: _rows(n, v, at) for k, v in state.items()
+                                 if k not in ACC and v.dim() and v.shape[0] == local}
+                entry["whole"] = {k: v for k, v in state.items()
+                                  if k not in ACC and not (v.dim() and v.shape[0] == local)}
+                if "acc_ids" in state:
+                    entry["acc"] = _logical_accumulation(state, s, local)
+            part[name] = entry
+        write_rows(os.path.join(staging, f"rows-{rank}.pt"), part)
+    # Every rank's rows are written (rank 0 fsyncs them before publishing), or none publishes.
+    agree(wrote.error, group, done=f"nothing was published: {target} is as it was", other=RuntimeError)
     if rank == 0:
         keys = {key for key, _, _ in tables.values()}
         meta: dict[str, Any] = {
@@ -324,42 +333,52 @@ def load_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer:
     building the optimizer) or not sharded at all (one process, torch_xla SPMD: every table whole). Each
     rank reads only the rows it stores. Nothing changes unless everything fits (files, names, shapes,
     dtypes, the optimizer's hyper-parameters): :class:`CheckpointCorruptError` or
-    :class:`CheckpointMismatchError` otherwise."""
-    # One directory read throughout (checkpoint/snapshot.py); the optimizer's slots made for the checks go
-    # again if the load fails.
+    :class:`CheckpointMismatchError` otherwise, on every rank when any rank's checks fail (that rank its own
+    error, the others one naming it): nothing is loaded on any rank, none is left waiting.
+
+    Into a sharded model: two small collectives (``all_gather_object`` of each rank's outcome), once every
+    rank has checked, before any writes (the ranks' saves compared too), and after the writes (a rank file
+    cut while a rank copied its rows: every rank raises, saying that the others loaded their part)."""
+    # One directory read throughout (checkpoint/snapshot.py); the slots made for the checks go if it fails.
     with pinned(os.fspath(directory)) as path, slots_for_a_load(optimizer):
         _load(path, model, optimizer)
 
 
-def _same_save(path: str, s: GroupSharding, seal: Seal) -> None:
-    """Raise on every rank of ``s``'s group unless each opened the same save (a save published while the
-    ranks opened the path gives some of them the old directory, some the new one) and none of its files
-    changed since the rank verified it (``seal``)."""
-    got: list[Any] = [None] * s.world
-    changed = seal.changed()
-    dist.all_gather_object(got, identity(path) if changed is None else f"changed: {changed}", group=s.group)
-    if any(g.startswith("changed: ") for g in got):
-        seal.check()  # this rank's file, named
-        raise CheckpointCorruptError(f"A file of {path} was replaced or written to while another rank loaded it "
-                                     f"({next(g for g in got if g.startswith('changed: '))[9:]}); nothing was "
-                                     "loaded. Load it again.")
-    if len(set(got)) > 1:
-        raise CheckpointCorruptError(f"The ranks opened different saves of {path} (another save was published "
-                                     "while they opened it); nothing was loaded. Load it again.")
-
-
 def _load(path: str, model: nn.Module, optimizer: Any) -> None:
     """:func:`load_sharded` of the pinned directory ``path``."""
-    source, seal = _open(path)
     tables = _tables(model)
     mine = group_sharded(model)
-    if mine:
-        _same_save(path, next(iter(mine.values()))[2], seal)
     if not mine:  # every table whole here: the logical payload, checked and loaded as tte.checkpoint.load's
+        source, seal = _open(path)
         payload = source.payload(_saved_keys(source, tables))
         seal.check()  # what was read is what was verified
         apply_payload(payload, path, model, optimizer, strict=True)
         return
+    group = next(iter(mine.values()))[2].group
+    plan, save = None, None
+    with Attempt() as checks:  # every check, on this rank's files and model: one rank may fail alone
+        plan = _checked(path, model, optimizer, tables, mine)
+        save = identity(path)
+    saves = agree(checks.error, group, save, done="every rank refused the load: nothing was loaded on any rank")
+    if len(set(saves)) > 1:  # a save published while the ranks opened the path: some have the old one
+        raise CheckpointCorruptError(f"The ranks opened different saves of {path} (another save was published "
+                                     "while they opened it); nothing was loaded. Load it again.")
+    assert plan is not None
+    with Attempt() as writes:  # (a rank file cut or replaced since it was verified; a failed allocation)
+        _write_state(plan, model, optimizer, mine)
+    agree(writes.error, group, done="the other ranks loaded their part: the job holds values of two states. "
+          "Load a checkpoint again on every rank")
+
+
+#: :func:`_checked`'s source, seal, model and optimizer ``state_dict`` to load, each sharded table's row slots.
+_Plan = tuple[Source, Seal, dict[str, Any], "dict[str, Any] | None", dict[str, list[str]]]
+
+
+def _checked(path: str, model: nn.Module, optimizer: Any, tables: dict[str, tuple[str, nn.Module]],
+             mine: dict[str, tuple[str, EmbeddingTable, GroupSharding]]) -> _Plan:
+    """Open and check the pinned directory ``path`` against ``model`` and ``optimizer`` on this rank: raises
+    before anything is written."""
+    source, seal = _open(path)
     problems: list[str] = []
     sd = _stored_state(model)
     sd.update(source.model)
@@ -391,7 +410,14 @@ def _load(path: str, model: nn.Module, optimizer: Any) -> None:
                                             if k not in row_slots[n]} for n in mine})
     if problems:
         raise CheckpointMismatchError(f"{path} does not match (nothing was loaded): " + "; ".join(problems))
-    seal.check()  # the files read since _same_save too (no collective: a rank's error leaves no other waiting)
+    seal.check()  # the files read since they were verified too
+    return source, seal, sd, osd, row_slots
+
+
+def _write_state(plan: _Plan, model: nn.Module, optimizer: Any,
+                 mine: dict[str, tuple[str, EmbeddingTable, GroupSharding]]) -> None:
+    """Write the checked ``plan`` (:func:`_checked`) into ``model`` and ``optimizer``: each rank its rows."""
+    source, seal, sd, osd, row_slots = plan
     with stored_rows():  # the sharded tables' entries are their stored rows (as _stored_state read them)
         model.load_state_dict(sd)  # the shards get zeros from their stand-ins: their rows are copied next
     for name, (key, t, s) in mine.items():

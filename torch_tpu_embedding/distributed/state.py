@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from torch_tpu_embedding.distributed.exchange import GroupSharding, send_to_owners
+from torch_tpu_embedding.distributed.exchange import GroupSharding, agree_capacity, send_to_owners
 
 __all__ = [
     "block_rows", "from_logical_shard", "from_logical_slot", "gather_whole", "pending_from_logical",
@@ -83,10 +83,16 @@ def from_logical_shard(value: Any, s: GroupSharding, name: str, base: Tensor | N
     logical rows over the same group (a collective, as :func:`to_logical_shard`); padding rows zero.
 
     Raises:
-        ValueError: ``value`` is not a ``Shard(0)`` of ``[V, D]`` over this group's ranks.
+        ValueError: ``value`` is not a ``Shard(0)`` of ``[V, D]`` over this group's ranks (then, on the other ranks
+            of the group, RuntimeError naming this rank: it takes part in the move as failed).
     """
     if (not isinstance(value, DTensor) or tuple(value.placements) != (Shard(0),) or value.device_mesh.size() != s.world
             or value.shape[0] != s.rows):
+        # This rank takes part in the move's one agreement as failed, instead of skipping the move: the other
+        # ranks raise there (naming it) rather than wait for it, each in its own load_state_dict.
+        local = value.to_local() if isinstance(value, DTensor) else base if base is not None else value
+        where = local.device if isinstance(local, Tensor) else torch.device("cpu")
+        agree_capacity(torch.zeros((), dtype=torch.int64, device=where), s.group, failed=True)
         raise ValueError(
             f"Table `{name}`: a DTensor loaded into a table sharded over a process group must be a Shard(0) of "
             f"its {s.rows} logical rows over the {s.world} ranks of its group. Received: {type(value).__name__} of "

@@ -1,0 +1,140 @@
+"""Checkpoint scenarios of tests/_mp_guard_worker.py (``ckpt_*``): one rank's part of a load or a save fails, the
+others' would pass. Each rank records the error it got and whether its model and optimizer are bitwise unchanged,
+then meets the others at a barrier (the job's next collective), which it reaches only if no rank hangs.
+
+* ``ckpt_damaged_file``: each rank loads its own copy of a ``save_sharded`` directory (as on disks of their own),
+  rank 1's ``rows-1.pt`` has a byte flipped (its size kept): only rank 1's checks fail, before any collective.
+* ``ckpt_mismatch``: the same directory, rank 1 loads with Adam a checkpoint of Adagrad: only rank 1's checks fail.
+* ``ckpt_dcp_damaged_file``: data parallel, a ``save_distributed`` directory loaded through
+  ``torch.distributed.checkpoint`` (its collectives), rank 1's copy of ``tte_meta.pt`` damaged.
+* ``ckpt_dtensor_wrong_table``: ``shard(..., dtensor_state_dict=True)``; rank 1's ``load_state_dict`` is given another
+  table's DTensor for table ``item``: refused there before the rows' move, which every other rank makes.
+* ``ckpt_save_rows`` / ``ckpt_save_publish``: ``save_sharded`` over a good checkpoint; rank 1's rows file cannot be
+  written (a full disk), or rank 0 cannot publish: nothing is published, the old checkpoint stays.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import torch_tpu_embedding as tte
+from torch_tpu_embedding.distributed import sharded_checkpoint
+
+__all__ = ["run"]
+
+
+def _snapshot(model: nn.Module, opt: Any) -> list[torch.Tensor]:
+    out = [v.detach().clone() for v in model.state_dict().values() if isinstance(v, torch.Tensor)]
+    for slots in opt.state.values():
+        out += [v.detach().clone() for v in slots.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _train(model: nn.Module, opt: Any, rank: int, steps: range, batch: Any) -> None:
+    for step in steps:
+        ids, label = batch(rank, step)
+        F.binary_cross_entropy_with_logits(model(ids), label).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _flip(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # the size kept: found by the checksum
+    file.write_bytes(bytes(data))
+
+
+def _own_copy(saved: Path, out: Path, rank: int, damaged: str) -> Path:
+    """Rank ``rank``'s copy of ``saved``; rank 1's file ``damaged`` altered."""
+    mine = out / f"copy{rank}"
+    shutil.copytree(saved, mine)
+    if rank == 1:
+        _flip(mine / damaged)
+    return mine
+
+
+def _load(load: Any, path: Path, model: nn.Module, opt: Any) -> dict[str, Any]:
+    before = _snapshot(model, opt)
+    try:
+        load(path, model, opt)
+        got: dict[str, Any] = {"errors": []}
+    except Exception as e:  # noqa: BLE001 - recorded
+        got = {"errors": [{"type": type(e).__name__, "message": str(e)}]}
+    return got | {"unchanged": _same(before, _snapshot(model, opt))}
+
+
+def _digest(path: Path) -> dict[str, str]:
+    return {n: hashlib.sha256((path / n).read_bytes()).hexdigest() for n in sorted(os.listdir(path))}
+
+
+def run(scenario: str, rank: int, model: nn.Module, batch: Any, out: Path) -> dict[str, Any]:
+    """``scenario`` on this rank (``model``: built, not sharded; ``batch(rank, step)``: a training batch)."""
+    saved = out / "saved"
+    if scenario == "ckpt_dcp_damaged_file":
+        dp = tte.distributed.data_parallel(model)
+        opt = tte.optim.Adagrad(dp.parameters(), lr=0.1)
+        _train(dp, opt, rank, range(2), batch)
+        tte.checkpoint.save_distributed(saved, model=model, optimizer=opt)
+        mine = _own_copy(saved, out, rank, "tte_meta.pt")
+        _train(dp, opt, rank, range(2, 3), batch)
+        got = _load(lambda p, m, o: tte.checkpoint.load_distributed(p, model=m, optimizer=o), mine, model, opt)
+        dist.barrier()
+        return got
+    if scenario == "ckpt_dtensor_wrong_table":  # rank 1 loads table `who`'s DTensor into table `item`
+        tte.distributed.shard(model, dtensor_state_dict=True)
+        sd = model.state_dict()  # (a collective: every rank's rows to their logical blocks)
+        if rank == 1:
+            sd["ec.tables.item.weight"] = sd["ec.tables.who.weight"]
+        try:
+            model.load_state_dict(sd)
+            got: dict[str, Any] = {"errors": []}
+        except Exception as e:  # noqa: BLE001 - recorded
+            got = {"errors": [{"type": type(e).__name__, "message": str(e)}]}
+        dist.barrier()
+        return got
+    tte.distributed.shard(model)
+    ddp = tte.distributed.DistributedDataParallel(model)
+    opt = tte.optim.Adagrad(ddp.parameters(), lr=0.1)
+    _train(ddp, opt, rank, range(2), batch)
+    tte.distributed.save_sharded(saved, model, opt)
+    if scenario.startswith("ckpt_save_"):
+        before = _digest(saved)
+        _train(ddp, opt, rank, range(2, 3), batch)
+        failing, name = (1, "write_rows") if scenario == "ckpt_save_rows" else (0, "publish")
+        if rank == failing:
+            def full(*args: Any, **kwargs: Any) -> None:
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
+            setattr(sharded_checkpoint, name, full)
+        try:
+            tte.distributed.save_sharded(saved, model, opt)
+            got = {"errors": []}
+        except Exception as e:  # noqa: BLE001 - recorded
+            got = {"errors": [{"type": type(e).__name__, "message": str(e)}]}
+        dist.barrier()
+        return got | {"kept": _digest(saved) == before, "left": sorted(os.listdir(out))}
+    if scenario == "ckpt_damaged_file":
+        mine = _own_copy(saved, out, rank, "rows-1.pt")
+    elif scenario == "ckpt_mismatch":
+        mine = saved
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")
+    _train(ddp, opt, rank, range(2, 3), batch)
+    if scenario == "ckpt_mismatch" and rank == 1:
+        opt = tte.optim.Adam(ddp.parameters(), lr=0.1)  # (its slots are made by the load, for its checks)
+    got = _load(tte.distributed.load_sharded, mine, model, opt)
+    dist.barrier()
+    return got

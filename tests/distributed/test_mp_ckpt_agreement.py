@@ -1,0 +1,73 @@
+"""A checkpoint load or save whose part fails on one rank of a process group only: every rank raises, none hangs,
+none loads (or publishes) alone (checkpoint/agreement.py).
+
+Each case runs 2 gloo processes through tests/distributed/test_mp_guards.py's harness (scenarios in
+tests/_mp_ckpt_guard.py) under its timeout: a rank that hangs fails the test. After the load or save every rank
+meets the others at a barrier, as a job's next collective would.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_mp_guards import run
+
+
+@pytest.mark.parametrize("scenario", ["ckpt_damaged_file", "ckpt_dcp_damaged_file"],
+                         ids=["load_sharded", "load_distributed"])
+def test_a_file_damaged_on_one_rank_refuses_the_load_on_every_rank(scenario: str, tmp_path: Path) -> None:
+    """Each rank loads its own copy of the directory; rank 1's has a byte flipped. Before, rank 1 raised alone
+    and rank 0 waited for it in the load's collective (the save's identity; DCP's read plan): a hang. Now rank 1
+    raises its own error, rank 0 one naming rank 1 and the file, both CheckpointCorruptError, both unchanged."""
+    r0, r1 = run(scenario, tmp_path)
+    damaged = "rows-1.pt" if scenario == "ckpt_damaged_file" else "tte_meta.pt"
+    assert [e["type"] for e in r1["errors"]] == ["CheckpointCorruptError"], r1
+    assert damaged in r1["errors"][0]["message"] and "is altered" in r1["errors"][0]["message"], r1
+    assert [e["type"] for e in r0["errors"]] == ["CheckpointCorruptError"], r0
+    msg = r0["errors"][0]["message"]
+    assert msg.startswith("Rank 1 of the process group failed: CheckpointCorruptError: "), msg
+    assert damaged in msg and "nothing was loaded on any rank" in msg, msg
+    assert r0["unchanged"] and r1["unchanged"], (r0, r1)
+
+
+def test_a_checkpoint_that_fits_one_rank_only_is_loaded_on_none(tmp_path: Path) -> None:
+    """Rank 1 loads a checkpoint of Adagrad into Adam. Before, rank 1 raised after the ranks' last collective
+    and rank 0 loaded (a job half loaded). Now both raise CheckpointMismatchError, both unchanged."""
+    r0, r1 = run("ckpt_mismatch", tmp_path)
+    assert [e["type"] for e in r1["errors"]] == ["CheckpointMismatchError"], r1
+    assert "adagrad" in r1["errors"][0]["message"], r1
+    assert [e["type"] for e in r0["errors"]] == ["CheckpointMismatchError"], r0
+    msg = r0["errors"][0]["message"]
+    assert msg.startswith("Rank 1 of the process group failed: CheckpointMismatchError: ") and "adagrad" in msg, msg
+    assert r0["unchanged"] and r1["unchanged"], (r0, r1)
+
+
+@pytest.mark.parametrize("scenario, failing, stage", [
+    ("ckpt_save_rows", 1, "write_rows"), ("ckpt_save_publish", 0, "publish")], ids=["rows", "publish"])
+def test_a_save_that_fails_on_one_rank_raises_on_every_rank(scenario: str, failing: int, stage: str,
+                                                             tmp_path: Path) -> None:
+    """save_sharded over a good checkpoint: rank 1 cannot write its rows (a full disk), or rank 0 cannot publish.
+    Before, the other rank waited in the save's barrier for it (rank 0 then published a checkpoint without
+    rank 1's rows, or rank 1 returned as if saved). Now every rank raises, naming the failed rank and the
+    error, and the previous checkpoint is bitwise as it was."""
+    results = run(scenario, tmp_path)
+    for r, res in enumerate(results):
+        assert len(res["errors"]) == 1, (r, res)
+        msg = res["errors"][0]["message"]
+        assert "No space left on device (injected)" in msg, (r, msg)
+        if r != failing:
+            assert res["errors"][0]["type"] == "RuntimeError", (r, res)
+            assert msg.startswith(f"Rank {failing} of the process group failed: OSError: "), (r, msg)
+        assert res["kept"], (r, stage, res)
+
+
+def test_a_dtensor_refused_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
+    """A model sharded with ``dtensor_state_dict``: rank 1's ``load_state_dict`` gets table `who`'s DTensor (600
+    rows) for table `item` (1000). Before, rank 1 raised and rank 0 waited for it in the move's collective (a
+    hang). Now rank 1 raises its ValueError naming the table and rank 0 a RuntimeError naming rank 1."""
+    r0, r1 = run("ckpt_dtensor_wrong_table", tmp_path)
+    assert [e["type"] for e in r1["errors"]] == ["ValueError"], r1
+    assert "Table `item`" in r1["errors"][0]["message"], r1
+    assert [e["type"] for e in r0["errors"]] == ["RuntimeError"], r0
+    assert "Rank 1 of the process group failed" in r0["errors"][0]["message"], r0

@@ -234,3 +234,48 @@ def test_post_hooks_see_the_load_finished_but_the_tables(tmp_path: Path) -> None
     fresh, fresh_opt = build(True)
     tte.checkpoint.load(path, model=fresh, optimizer=fresh_opt)
     assert same(everything(m, opt), everything(fresh, fresh_opt))
+
+
+@pytest.mark.parametrize("saved_stacked", [True, False], ids=["same-stacking", "stacked-otherwise"])
+def test_load_distributed_with_a_raising_hook_changes_nothing(tmp_path: Path, saved_stacked: bool) -> None:
+    """``load_distributed`` reads the tables in place without module code; a checkpoint stacked otherwise than the
+    model goes through ``load``'s order, where a hook that raises changes nothing."""
+    def make(stack: bool) -> tuple[torch.nn.ModuleDict, torch.optim.Optimizer]:
+        m, _ = build(stack)
+        del m["sub"]  # (a distributed checkpoint holds no extra state)
+        return m, tte.optim.Adam(m.parameters(), lr=0.05)
+
+    def steps(m: torch.nn.ModuleDict, opt: torch.optim.Optimizer, seeds: range) -> None:
+        for s in seeds:
+            g = torch.Generator().manual_seed(s)
+            out = m["ec"]({f: torch.randint(0, n, (4,), generator=g) for f, n in (("fa", 12), ("fb", 9), ("fc", 7))})
+            m["head"](torch.cat([out["fa"], out["fb"], out["fc"]], 1)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    src, src_opt = make(saved_stacked)
+    steps(src, src_opt, range(3))
+    tte.checkpoint.save_distributed(tmp_path / "d", model=src, optimizer=src_opt)
+    m, opt = make(True)
+    steps(m, opt, range(10, 14))
+    failures = [1]
+
+    def hook(module: Any, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        if failures[0]:
+            failures[0] -= 1
+            raise KeyError("pre-hook refused")
+    m["head"].register_load_state_dict_pre_hook(hook)
+    before = {"params": {n: p.detach().clone() for n, p in m.named_parameters()},
+              "optimizer": copy.deepcopy(opt.state_dict())}
+    if saved_stacked:  # read in place: no module code runs
+        tte.checkpoint.load_distributed(tmp_path / "d", model=m, optimizer=opt)
+        assert failures == [1]
+        return
+    with pytest.raises(KeyError, match="pre-hook refused"):
+        tte.checkpoint.load_distributed(tmp_path / "d", model=m, optimizer=opt)
+    assert same({"params": {n: p.detach().clone() for n, p in m.named_parameters()},
+                 "optimizer": copy.deepcopy(opt.state_dict())}, before)
+    tte.checkpoint.load_distributed(tmp_path / "d", model=m, optimizer=opt)
+    fresh, fresh_opt = make(True)
+    tte.checkpoint.load_distributed(tmp_path / "d", model=fresh, optimizer=fresh_opt)
+    assert same(m.state_dict(), fresh.state_dict()) and same(opt.state_dict(), fresh_opt.state_dict())

@@ -385,7 +385,7 @@ class TrainPipeline:
         listed from then on.)"""
         self._settle_late(0.0)
         pending = [] if self._next is None or self._next.source_error is not None else [self._next.batch]
-        rest = functools.partial(list, self._resumed)  # (restored batches the source has not yielded yet)
+        rest: Callable[[], list[Any]] = functools.partial(list, self._resumed)  # (restored, not yielded yet)
         waiting = self._prefetcher.waiting(rest) if self._prefetcher is not None else rest()
         return [*self._failed, *pending, *waiting, *self._resume]
 

@@ -16,6 +16,7 @@ import torch
 
 from torch_tpu_embedding._rows.grads import table_info
 from torch_tpu_embedding._util.dtypes import dtype_kind
+from torch_tpu_embedding.checkpoint.rollback import load_in_order
 from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
 from torch_tpu_embedding.optim._state import state_io
 from torch_tpu_embedding.optim._state.state_check import tensor_problem
@@ -186,9 +187,7 @@ def write_payload(
     payload: dict[str, Any], model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None, strict: bool,
 ) -> dict[str, Any] | None:
     """Load ``payload``, checked by :func:`check_payload`, into ``model`` / ``optimizer``; returns ``extra``."""
-    if optimizer is not None:  # other optimizers check their own state before writing it
-        optimizer.load_state_dict(payload["optimizer"])
-    if model is not None:
-        model.load_state_dict(payload["model"], strict=strict)
+    # The user's load code (hooks, set_extra_state) runs before the tables are written: checkpoint/rollback.py
+    load_in_order(model, payload.get("model"), optimizer, payload.get("optimizer"), strict)
     extra: dict[str, Any] | None = payload.get("extra")
     return extra

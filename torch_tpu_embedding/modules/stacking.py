@@ -16,6 +16,7 @@ between stacked and unstacked collections.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
@@ -30,7 +31,8 @@ from torch_tpu_embedding._rows.stacked_state import Members
 from torch_tpu_embedding._util.validation import check_bool
 from torch_tpu_embedding.config import TableConfig
 from torch_tpu_embedding.modules.deferred_init import defer
-from torch_tpu_embedding.modules.table import EmbeddingTable, host_empty
+from torch_tpu_embedding.modules.later_writes import later_writes
+from torch_tpu_embedding.modules.table import EmbeddingTable, host_empty, write_rows
 
 __all__ = [
     "stacking_argument",
@@ -292,13 +294,21 @@ def join_stacked_weights(
     Tables absent from ``state_dict`` keep their values (and are reported missing when ``strict``);
     a state_dict that holds the group's weight itself (a distributed checkpoint) loads as is.
     """
+    later = later_writes()
     for gname, members in _stacked_members(module).items():
         gkey = prefix + f"groups.{gname}.weight"
         keys = [prefix + f"tables.{tname}.weight" for tname, _, _ in members]
+        group = cast(StackedTables, cast(nn.ModuleDict, module.groups)[gname])
         if gkey in state_dict or not any(k in state_dict for k in keys):
             if gkey not in state_dict and strict:
                 missing_keys.extend(keys)
-                state_dict[gkey] = _current_rows(module, gname)
+                # (the rows as they are: nothing to write when the writes are held back)
+                state_dict[gkey] = _current_rows(module, gname) if later is None else later.stand_in(group.weight)
+            continue
+        if later is not None:  # tte.checkpoint.load: joined and written once the user's load code has run
+            given = {k: state_dict.pop(k) for k in keys if k in state_dict}
+            state_dict[gkey] = later.stand_in(group.weight)
+            later.later(functools.partial(_join_and_write, module, prefix, gname, given))
             continue
         device = next(state_dict[k].device for k in keys if k in state_dict)
         pieces = []
@@ -317,6 +327,18 @@ def join_stacked_weights(
                 value = current
             pieces.append(value.detach().to(device=device))
         state_dict[gkey] = torch.cat(pieces)
+
+
+def _join_and_write(module: nn.Module, prefix: str, gname: str, pieces: dict[str, torch.Tensor]) -> None:
+    """A stacked group's write held back by a load (``modules/later_writes.py``): its tables' ``pieces``
+    joined as :func:`join_stacked_weights` joins them (a table absent keeps its rows), then written."""
+    state: dict[str, Any] = dict(pieces)
+    errors: list[str] = []
+    join_stacked_weights(module, state, prefix, {}, False, [], [], errors)
+    if errors:  # (the load's checks refuse these first)
+        raise RuntimeError("; ".join(errors))
+    gkey = prefix + f"groups.{gname}.weight"
+    write_rows(cast(StackedTables, cast(nn.ModuleDict, module.groups)[gname]), state[gkey], gkey)
 
 
 def _current_rows(module: nn.Module, gname: str) -> torch.Tensor:

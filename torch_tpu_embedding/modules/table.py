@@ -20,8 +20,9 @@ from torch_tpu_embedding._rows.stacked_state import member_entries
 from torch_tpu_embedding._util.huge_pages import empty
 from torch_tpu_embedding.config import TableConfig, default_initializer
 from torch_tpu_embedding.modules.deferred_init import DeferredDraw, defer, fill
+from torch_tpu_embedding.modules.later_writes import later_writes
 
-__all__ = ["EmbeddingTable", "host_empty"]
+__all__ = ["EmbeddingTable", "host_empty", "write_rows"]
 
 
 def host_empty(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -304,11 +305,38 @@ def _restore_padding_rows(
     table = cast(EmbeddingTable, module)
     key = prefix + "weight"
     value = state_dict.get(key)
+    later = later_writes()
+    if later is not None and later.is_stand_in(value):  # a stacked group's weight, written later
+        return
     spread = _dtensor_sharding(table)
     if spread is not None and is_dtensor(value):  # a collective, as state_dict()
         state_dict[key] = spread.from_logical(value, table.name)
         return
+    if later is not None and spread is None and isinstance(value, torch.Tensor):
+        # tte.checkpoint.load: written once the user's load code has run (modules/later_writes.py)
+        state_dict[key] = later.stand_in(table.weight)
+        later.later(functools.partial(write_rows, table, value, key))
+        return
+    stored = _stored_rows(table, value)
+    if stored is not value:
+        state_dict[key] = stored
+
+
+def _stored_rows(table: EmbeddingTable, value: Any) -> Any:
+    """``value`` as ``table.weight`` stores it: logical rows get the padding rows (zero) and the row order."""
     n = table.config.num_embeddings
     if table.padding_rows and isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[0] == n:
         pad = torch.zeros(table.padding_rows + n, value.shape[1], dtype=value.dtype, device=value.device)
-        state_dict[key] = from_logical(value, pad, table.row_layout)  # padding rows are zero
+        return from_logical(value, pad, table.row_layout)  # padding rows are zero
+    return value
+
+
+def write_rows(table: EmbeddingTable, value: torch.Tensor, key: str) -> None:
+    """Write ``value`` (the table's logical rows, or its rows as stored) into ``table.weight`` as
+    ``load_state_dict`` writes it (``key``: its name there, for the error)."""
+    stored = _stored_rows(table, value)
+    if tuple(stored.shape) != tuple(table.weight.shape):
+        raise RuntimeError(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from "
+                           f"checkpoint, the shape in current model is {tuple(table.weight.shape)}.")
+    with torch.no_grad():
+        table.weight.copy_(stored)

@@ -45,6 +45,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import functools
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -149,6 +150,10 @@ class TrainPipeline:
         self._failed_outputs: Any = None  # the failed batch's (restored when trained again, as a checkpoint's)
         self._lookup_stream: Any = None
         self._finalizer: Any = None  # stops the thread of a pipeline collected without close()
+        # A thread close() left blocked in the source's next(): the batch it returns goes into _resume at _late_at.
+        self._late: Prefetcher | None = None
+        self._late_at = 0
+        self._resumed: collections.deque[Any] = collections.deque()  # _resume's batches the running source holds
 
     # ------------------------------------------------------------------ the loop
     def run(self, batches: Iterable[Any]) -> Iterator[Any]:
@@ -242,6 +247,8 @@ class TrainPipeline:
 
     # ------------------------------------------------------------------ batches
     def _start(self, source: Iterator[Any]) -> None:
+        self._settle_late(self.close_timeout, "run()/progress()", "Unblock it (its batch is then trained first) or go "
+                          "on with a new TrainPipeline (from unfinished()).")
         self._given = source
         if self._failed:  # a step raised: its batch first, then the one looked up ahead during it (looked up again)
             again = [*self._failed, *([self._next.batch] if self._next is not None and self._next.source_error is None
@@ -249,11 +256,12 @@ class TrainPipeline:
             self._resume, self.taken = [*again, *self._resume], self.taken - len(again)  # (counted again when taken)
             self._failed, self._next = [], None
             self._resume_outputs, self._failed_outputs = self._failed_outputs, None  # (its activations, as looked up)
-        resumed = self._resume
+        resumed = self._resumed = collections.deque(self._resume)  # (what close() finds left goes back to _resume)
         self._resume = []
 
         def chained() -> Iterator[Any]:
-            yield from resumed
+            while resumed:
+                yield resumed.popleft()
             for batch in source:  # (not `yield from`: closing this generator would close the caller's iterator)
                 yield batch
 
@@ -338,20 +346,47 @@ class TrainPipeline:
         return self._lookup_stream
 
     # ------------------------------------------------------------------ stopping, checkpoints
+    #: seconds :meth:`close` waits for the background thread (a source blocked in ``next()`` holds it)
+    close_timeout: float = 2.0
+
     def close(self) -> None:
-        """Stop the background thread (joined); the batches it took stay in :meth:`unfinished`."""
+        """Stop the background thread; the batches it took stay in :meth:`unfinished`.
+
+        Joined for at most :attr:`close_timeout` seconds: a source blocked in ``next()`` (a queue that never yields)
+        keeps the thread (a daemon: no hold on the interpreter's exit). The batch it returns later is kept, once:
+        :meth:`unfinished` lists it from then on, after those taken before it; a later :meth:`run` trains it first."""
+        taken: list[Any] = []
         if self._prefetcher is not None:
-            self._prefetcher.close()
-            self._resume = self._prefetcher.waiting() + self._resume
-            self._prefetcher = None
+            prefetcher, self._prefetcher = self._prefetcher, None
             self._finalizer.detach()
+            ended = prefetcher.close(self.close_timeout)
+            taken = prefetcher.take_ready()
+            if not ended:
+                self._late, self._late_at = prefetcher, len(taken)
+        self._resume = [*taken, *self._resumed, *self._resume]  # (restored batches the source had not yielded)
+        self._resumed = collections.deque()
         self._source = None
+
+    def _settle_late(self, timeout: float, what: str = "", advice: str = "") -> None:
+        """Put the batch of a thread :meth:`close` left blocked in the source where it belongs in ``_resume``,
+        waiting at most ``timeout`` seconds for it; still blocked: raises for ``what`` (where given)."""
+        if self._late is not None and not self._late.close(timeout):
+            if what:
+                raise RuntimeError(f"TrainPipeline.{what}: the source has not returned the batch the background thread "
+                                   f"was taking when close() stopped it (it blocks in next()). {advice}")
+            return
+        if self._late is not None:
+            late, self._late = self._late, None
+            self._resume[self._late_at:self._late_at] = late.take_ready()
 
     def unfinished(self) -> list[Any]:
         """The batches taken from the source and not trained, in order (the batch of a step that raised first): what
-        a later :meth:`run` trains before its source's."""
+        a later :meth:`run` trains before its source's. (A batch a source blocked at :meth:`close` returns later is
+        listed from then on.)"""
+        self._settle_late(0.0)
         pending = [] if self._next is None or self._next.source_error is not None else [self._next.batch]
-        waiting = self._prefetcher.waiting() if self._prefetcher is not None else []
+        rest: Callable[[], list[Any]] = functools.partial(list, self._resumed)  # (restored, not yielded yet)
+        waiting = self._prefetcher.waiting(rest) if self._prefetcher is not None else rest()
         return [*self._failed, *pending, *waiting, *self._resume]
 
     def state_dict(self) -> dict[str, Any]:
@@ -360,6 +395,7 @@ class TrainPipeline:
         if self._failed:
             raise RuntimeError("A step raised: state_dict() is taken between steps. unfinished() lists the batches "
                                "not trained, the failed step's first.")
+        self._settle_late(0.0, "state_dict()", "Take it once the source has returned it (unfinished() lists it then).")
         outputs = None
         if self._next is not None and self._next.prepared is not None and self._next.prepared.outputs is not None:
             outputs = tree_map(lambda t: t.detach().cpu().clone() if isinstance(t, torch.Tensor) else t,
@@ -375,6 +411,7 @@ class TrainPipeline:
         """Restore :meth:`state_dict` before :meth:`run`: its unfinished batches are trained first."""
         if self._source is not None:
             raise RuntimeError("TrainPipeline.load_state_dict() must come before run() or progress().")
+        self._settle_late(0.0, "load_state_dict()", "Restore the state into a new TrainPipeline.")
         if state.get("pipeline_execution_with_tensor_core") != self.stale:
             raise ValueError("The state was saved by a pipeline with pipeline_execution_with_tensor_core="
                              f"{state.get('pipeline_execution_with_tensor_core')!r}; this one has {self.stale}.")

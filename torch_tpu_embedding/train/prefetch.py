@@ -7,9 +7,11 @@ collectives and lookups stay on the main thread, in one order on every rank.
 
 Every batch taken from the source is kept until the main thread takes it: an error of the source or of
 ``prepare`` is handed over with its batch, at the point of the stream where it happened; :meth:`Prefetcher.close`
-stops and joins the thread; :meth:`Prefetcher.waiting` lists the batches taken and not handed over. The thread
-holds the prefetcher, the source and ``prepare`` (``TrainPipeline``'s holds the pipeline weakly): a pipeline dropped
-without ``close()`` is collected, and its finalizer calls :meth:`Prefetcher.stop`.
+stops the thread and joins it for a bounded time (a source blocked in ``next()`` keeps it: the batch it returns
+then is kept, unprepared, for :meth:`Prefetcher.take_ready`); :meth:`Prefetcher.waiting` lists the batches taken
+and not handed over. The thread is a daemon: one left blocked in a source does not hold up the interpreter's exit.
+The thread holds the prefetcher, the source and ``prepare`` (``TrainPipeline``'s holds the pipeline weakly): a
+pipeline dropped without ``close()`` is collected, and its finalizer calls :meth:`Prefetcher.stop`.
 """
 
 from __future__ import annotations
@@ -67,8 +69,11 @@ class Prefetcher:
             except BaseException as e:  # the source's error, handed over in its place in the stream
                 item = Ready(None, source_error=e)
             else:
+                with self._cond:
+                    stopped = self._stop
                 try:
-                    item = Ready(batch, self._prepare(batch))
+                    # (stopped meanwhile: kept as taken, prepared by whoever trains it)
+                    item = Ready(batch) if stopped else Ready(batch, self._prepare(batch))
                 except BaseException as e:  # (prepare keeps input errors itself; anything else lands here)
                     item = Ready(batch, error=e)
             with self._cond:
@@ -92,12 +97,13 @@ class Prefetcher:
             self._cond.notify_all()
             return item
 
-    def waiting(self) -> list[Any]:
-        """The batches taken from the source and not handed over yet, in order (after the one being taken)."""
+    def waiting(self, then: Callable[[], list[Any]] = list) -> list[Any]:
+        """The batches taken from the source and not handed over yet, in order (after the one being taken), followed
+        by ``then()``, read while the thread takes nothing (the batches its source holds)."""
         with self._cond:
             while self._busy:
                 self._cond.wait()
-            return [r.batch for r in self._ready if r.source_error is None]
+            return [r.batch for r in self._ready if r.source_error is None] + then()
 
     def stop(self) -> None:
         """Tell the thread to stop taking batches, without waiting for it (it ends after the batch it is taking)."""
@@ -105,11 +111,22 @@ class Prefetcher:
             self._stop = True
             self._cond.notify_all()
 
-    def close(self) -> None:
-        """Stop taking batches and join the thread (after the batch it is taking, if any: it is kept)."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop taking batches and join the thread, waiting at most ``timeout`` seconds (``None``: until it ends);
+        whether it ended. The batch it is taking, if any, is kept, also when it comes after the wait: a source
+        blocked in ``next()`` keeps the thread (a daemon) until it returns."""
         self.stop()
         if self._thread is not threading.current_thread():
-            self._thread.join()
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def take_ready(self) -> list[Any]:
+        """Remove and return the batches taken and not handed over, in order, without waiting (the one being
+        taken is not among them)."""
+        with self._cond:
+            ready, self._ready = self._ready, collections.deque()
+            self._cond.notify_all()
+        return [r.batch for r in ready if r.source_error is None]
 
     @property
     def alive(self) -> bool:

@@ -381,6 +381,12 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         torch.optim's layout (:func:`~torch_tpu_embedding.optim.use_torch_layout`'s, or parameters
         by position or module path as ``torch.distributed.checkpoint.state_dict`` gives it) loads too.
         """
+        self.staged_load(state_dict)()
+
+    def staged_load(self, state_dict: dict[str, Any]) -> Callable[[], None]:
+        """:meth:`load_state_dict` in two parts: now the load pre-hooks and every check, writing nothing
+        (an error here leaves the optimizer as it was); the function returned writes the state and runs
+        the load post-hooks. ``tte.checkpoint.load`` writes the model's tables in between."""
         state_dict = state_dict.copy()  # shallow, as torch.optim (a hook may add or drop keys)
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
@@ -388,9 +394,16 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 state_dict = result
         # torch.optim's layout (torch.distributed.checkpoint.state_dict's helpers give it): into ours.
         state_dict = torch_form.from_torch_layout(self, state_dict) or state_dict
-        state_io.load_state_dict(self, state_dict)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+        problems = state_io.state_problems(self, state_dict)
+        if problems:
+            raise ValueError("Optimizer state does not match: " + "; ".join(problems))
+
+        def write() -> None:
+            state_io.load_state_dict(self, state_dict)
+            for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+                post_hook(self)
+
+        return write
 
     def physical_state(self) -> state_io.PhysicalState:
         """The slots as they are on the device, for distributed checkpoints (``tte.checkpoint``):

@@ -1,0 +1,105 @@
+"""The order of a checkpoint load, so that the user's own load code raising changes nothing.
+
+A load runs the user's code: the model's load pre- and post-hooks, ``set_extra_state`` and
+``_load_from_state_dict`` overrides as ``load_state_dict`` walks the model, and the optimizer's load hooks.
+Undoing the writes of a failed load with a copy of everything would double the host memory of the tables,
+so everything the user's code can see or stop runs first, while what it changed is small enough to copy:
+
+1. the checks (``checks.py``), which read names, shapes and dtypes;
+2. ``model.load_state_dict`` with the tables' writes held back (``modules/later_writes.py``): every other
+   parameter, buffer and extra state is written and every user hook runs; a copy of those, made before,
+   puts them back if anything raises;
+3. the optimizer up to its writes: a ``tte.optim`` optimizer's load pre-hooks and checks
+   (:meth:`~torch_tpu_embedding.optim.RowSparseOptimizer.staged_load`); another optimizer's whole
+   ``load_state_dict``, undone if it raises by putting back its ``state`` and ``param_groups`` (torch's
+   ``Optimizer.load_state_dict`` replaces both, never writing the tensors they hold);
+4. the tables (our code, checked in 1.), then the ``tte.optim`` optimizer's state and its load post-hooks,
+   which run after the whole load, as torch's: one that raises leaves the load complete.
+
+What a module's own load code changes besides its parameters, buffers and extra state is not undone.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from torch_tpu_embedding._rows.grads import table_info
+from torch_tpu_embedding.modules.later_writes import tables_written_later
+from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
+
+__all__ = ["load_in_order"]
+
+
+def _has_extra_state(module: torch.nn.Module) -> bool:
+    kind = type(module)
+    return (kind.set_extra_state is not torch.nn.Module.set_extra_state
+            and kind.get_extra_state is not torch.nn.Module.get_extra_state)
+
+
+def _small_state(model: torch.nn.Module) -> Callable[[BaseException], None]:
+    """A copy of everything of ``model`` a load writes but its tables (parameters, persistent buffers, extra
+    state); the function returned puts it back (a tensor a hook replaced included) and names on the
+    error what it could not."""
+    tensors: list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]] = []
+    extras: list[tuple[str, torch.nn.Module, Any]] = []
+    for name, module in model.named_modules():
+        for where, held in (("p", module._parameters), ("b", module._buffers)):
+            for key, t in held.items():
+                if t is None or table_info(t) is not None or (
+                        where == "b" and key in module._non_persistent_buffers_set):
+                    continue
+                tensors.append((held, key, t, t.detach().clone()))
+        if _has_extra_state(module):
+            extras.append((name, module, copy.deepcopy(module.get_extra_state())))
+
+    def restore(error: BaseException) -> None:
+        with torch.no_grad():
+            for held, key, t, saved in tensors:
+                held[key] = t  # (a hook may have put another tensor there)
+                t.copy_(saved)
+        for name, module, state in extras:
+            try:
+                module.set_extra_state(state)
+            except Exception as e:  # the load's own error is the one raised
+                error.add_note(f"The extra state of module '{name}' could not be put back: "
+                               f"set_extra_state raised {type(e).__name__}: {e}")
+
+    return restore
+
+
+def _optimizer_up_to_writes(optimizer: torch.optim.Optimizer, state: Any) -> Callable[[], None]:
+    """Step 3 of the load (see the module); returns step 4's part of the optimizer."""
+    if isinstance(optimizer, RowSparseOptimizer):
+        return optimizer.staged_load(state)
+    before = (optimizer.state, optimizer.param_groups)
+    try:
+        optimizer.load_state_dict(state)
+    except BaseException:
+        optimizer.state, optimizer.param_groups = before
+        raise
+    return lambda: None
+
+
+def load_in_order(
+    model: torch.nn.Module | None, model_state: Any, optimizer: torch.optim.Optimizer | None, optimizer_state: Any,
+    strict: bool,
+) -> None:
+    """Load checked states into ``model`` and ``optimizer`` in the order of this module: any error before
+    the tables are written (the user's hooks included) leaves both as they were."""
+    undo = _small_state(model) if model is not None else None
+    try:
+        with tables_written_later() as tables:
+            if model is not None:
+                model.load_state_dict(model_state, strict=strict)
+        finish = _optimizer_up_to_writes(optimizer, optimizer_state) if optimizer is not None else None
+    except BaseException as e:
+        if undo is not None:
+            undo(e)
+        raise
+    tables.run()
+    if finish is not None:
+        finish()

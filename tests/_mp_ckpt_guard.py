@@ -7,6 +7,9 @@ then meets the others at a barrier (the job's next collective), which it reaches
 * ``ckpt_mismatch``: the same directory, rank 1 loads with Adam a checkpoint of Adagrad: only rank 1's checks fail.
 * ``ckpt_dcp_damaged_file``: data parallel, a ``save_distributed`` directory loaded through
   ``torch.distributed.checkpoint`` (its collectives), rank 1's copy of ``tte_meta.pt`` damaged.
+* ``ckpt_dcp_write_fails``: data parallel, a ``save_distributed`` directory read in place through
+  ``torch.distributed.checkpoint``; on rank 1 alone the check after the read finds a file changed (injected: as
+  a file copied into that rank's directory while DCP read it), after every rank's checks agreed.
 * ``ckpt_dtensor_wrong_table``: ``shard(..., dtensor_state_dict=True)``; rank 1's ``load_state_dict`` is given another
   table's DTensor for table ``item``: refused there before the rows' move, which every other rank makes.
 * ``ckpt_save_rows`` / ``ckpt_save_publish``: ``save_sharded`` over a good checkpoint; rank 1's rows file cannot be
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import torch_tpu_embedding as tte
+from torch_tpu_embedding.checkpoint import snapshot
 from torch_tpu_embedding.distributed import sharded_checkpoint
 
 __all__ = ["run"]
@@ -92,6 +96,22 @@ def run(scenario: str, rank: int, model: nn.Module, batch: Any, out: Path) -> di
         mine = _own_copy(saved, out, rank, "tte_meta.pt")
         _train(dp, opt, rank, range(2, 3), batch)
         got = _load(lambda p, m, o: tte.checkpoint.load_distributed(p, model=m, optimizer=o), mine, model, opt)
+        dist.barrier()
+        return got
+    if scenario == "ckpt_dcp_write_fails":
+        dp = tte.distributed.data_parallel(model)
+        opt = tte.optim.Adagrad(dp.parameters(), lr=0.1)
+        _train(dp, opt, rank, range(2), batch)
+        tte.checkpoint.save_distributed(saved, model=model, optimizer=opt)
+        if rank == 1:
+            check = snapshot.Seal.check
+
+            def changed(self: Any, written: bool = False) -> None:
+                if written:
+                    raise tte.checkpoint.CheckpointCorruptError(f"{saved}: a file changed while read (injected)")
+                check(self, written)
+            snapshot.Seal.check = changed  # type: ignore[method-assign]
+        got = _load(lambda p, m, o: tte.checkpoint.load_distributed(p, model=m, optimizer=o), saved, model, opt)
         dist.barrier()
         return got
     if scenario == "ckpt_dtensor_wrong_table":  # rank 1 loads table `who`'s DTensor into table `item`

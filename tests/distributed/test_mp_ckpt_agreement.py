@@ -71,3 +71,16 @@ def test_a_dtensor_refused_on_one_rank_raises_on_every_rank(tmp_path: Path) -> N
     assert "Table `item`" in r1["errors"][0]["message"], r1
     assert [e["type"] for e in r0["errors"]] == ["RuntimeError"], r0
     assert "Rank 1 of the process group failed" in r0["errors"][0]["message"], r0
+
+
+def test_a_read_found_changed_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
+    """load_distributed reads in place through DCP after every rank's checks agreed; rank 1's check after the read
+    finds a file changed (injected). Before, rank 1 raised alone and rank 0 returned as if loaded (the job then
+    trained on two states). Now every rank raises, rank 0 naming rank 1 and saying the others loaded their part."""
+    r0, r1 = run("ckpt_dcp_write_fails", tmp_path)
+    assert [e["type"] for e in r1["errors"]] == ["CheckpointCorruptError"], r1
+    assert "(injected)" in r1["errors"][0]["message"], r1
+    assert [e["type"] for e in r0["errors"]] == ["CheckpointCorruptError"], r0
+    msg = r0["errors"][0]["message"]
+    assert msg.startswith("Rank 1 of the process group failed: CheckpointCorruptError: "), msg
+    assert "(injected)" in msg and "the other ranks loaded their part" in msg, msg

@@ -266,15 +266,20 @@ def load_distributed(
 
 def _load_dcp(target: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """:func:`load_distributed` of the ``save_distributed`` directory ``target`` (pinned). Every check runs
-    before the ranks of the default process group (if any) agree (``checkpoint/agreement.py``: one
-    ``all_gather_object`` per load, the only collective besides DCP's own): a rank whose checks fail makes
-    every rank raise, before any of them writes or enters DCP's read, whose collectives it would not join."""
+    before the ranks of the default process group (if any) agree (``checkpoint/agreement.py``: an
+    ``all_gather_object``): a rank whose checks fail makes every rank raise, before any of them writes or enters
+    DCP's read, whose collectives it would not join. They agree again after the writes: a file found changed
+    after the read on one rank (a file system of its own), or the user's load code raising there, raises on
+    every rank, saying that the others loaded their part (two small collectives per load besides DCP's)."""
     write = None
     with Attempt() as checks:
         write = _checked_dcp(target, model, optimizer)
     agree(checks.error, done="every rank refused the load: nothing was loaded on any rank")
     assert write is not None
-    write()
+    with Attempt() as writes:
+        write()
+    agree(writes.error, done="the other ranks loaded their part: the job holds values of two states. Load a "
+          "checkpoint again on every rank")
 
 
 def _checked_dcp(target: str, model: torch.nn.Module,
@@ -329,8 +334,8 @@ def _checked_dcp(target: str, model: torch.nn.Module,
 
     def write() -> None:
         read_tensors(target, wanted)  # (DCP's collectives: a read error reaches every rank)
-        # A file replaced while DCP read it (a copy into the directory): found by the ranks whose files it is;
-        # on a file system every rank shares, every rank.
+        # A file replaced while DCP read it (a copy into the directory): found by the ranks whose files it is
+        # (every rank on a file system they share), then raised on every rank (_load_dcp's second agreement).
         seal.check(written=True)  # the tensors read in place too
         with torch.no_grad():
             for k, host in staged.items():

@@ -14,14 +14,13 @@ checkpoint that does not fit, else :class:`CheckpointCorruptError`).
 
 from __future__ import annotations
 
-import importlib
 from types import TracebackType
 from typing import Any
 
 from torch_tpu_embedding.checkpoint.checks import CheckpointMismatchError
-from torch_tpu_embedding.checkpoint.publish import CheckpointCorruptError
+from torch_tpu_embedding.checkpoint.publish import CheckpointCorruptError, distributed
 
-__all__ = ["Attempt", "agree", "default_group_size"]
+__all__ = ["Attempt", "agree"]
 
 
 class Attempt:
@@ -42,17 +41,6 @@ class Attempt:
         return False
 
 
-def _dist() -> Any:
-    dist = importlib.import_module("torch.distributed")
-    return dist if dist.is_available() and dist.is_initialized() else None
-
-
-def default_group_size() -> int:
-    """The ranks of the default process group (1 without one)."""
-    dist = _dist()
-    return 1 if dist is None else int(dist.get_world_size())
-
-
 def agree(error: Exception | None, group: Any = None, value: Any = None, *, done: str,
           other: type[Exception] = CheckpointCorruptError) -> list[Any]:
     """Meet every rank of ``group`` (the default one: ``None``) with this rank's ``error`` (``None``: it
@@ -64,7 +52,7 @@ def agree(error: Exception | None, group: Any = None, value: Any = None, *, done
     ``done``: what the others did (for example, that nothing was loaded on any rank). Its type: the failed
     rank's where that is :class:`CheckpointMismatchError` or :class:`CheckpointCorruptError`, else ``other``.
     """
-    dist = _dist()
+    dist = distributed()
     world = 1 if dist is None else int(dist.get_world_size(group))
     if world == 1:
         if error is not None:

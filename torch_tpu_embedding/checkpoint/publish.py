@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover - not on Linux
     fcntl = None  # type: ignore[assignment]
 
 __all__ = ["BUFFER", "CHUNK", "MANIFEST", "RESERVE", "SHARDED_META", "CheckpointCorruptError", "barrier",
-           "begin_save", "foreign_files", "is_sharded", "prepare_staging", "publish", "rank", "read_errors", "resolve",
+           "begin_save", "distributed", "foreign_files", "is_sharded", "prepare_staging", "publish", "rank", "read_errors", "resolve",
            "stamp", "staging_path", "verify", "write_manifest"]
 
 #: the manifest of a distributed checkpoint: ``{"format", "files": {name: {"size", "sha256"}}}``
@@ -75,20 +75,21 @@ class CheckpointCorruptError(ValueError):
 
 
 # ----------------------------------------------------------------------------- ranks
-def _dist() -> Any:
+def distributed() -> Any:
+    """``torch.distributed`` where a default process group is up, else ``None`` (one process)."""
     dist = importlib.import_module("torch.distributed")
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
 def rank() -> int:
     """This process's rank in the default process group (0 without one)."""
-    dist = _dist()
+    dist = distributed()
     return 0 if dist is None else int(dist.get_rank())
 
 
 def barrier() -> None:
     """Wait for every rank of the default process group (nothing without one)."""
-    dist = _dist()
+    dist = distributed()
     if dist is not None:
         dist.barrier()
 
@@ -107,7 +108,7 @@ def begin_save(target: str, lead: bool, group: Any = None) -> SaveLock | None:
             if lock is not None:
                 lock.release()
             lock, error = None, e
-    dist = _dist()
+    dist = distributed()
     if dist is not None:
         box = [error]
         dist.broadcast_object_list(box, group=group, group_src=0)

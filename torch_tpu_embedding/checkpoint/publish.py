@@ -40,8 +40,8 @@ except ImportError:  # pragma: no cover - not on Linux
     fcntl = None  # type: ignore[assignment]
 
 __all__ = ["BUFFER", "CHUNK", "MANIFEST", "RESERVE", "SHARDED_META", "CheckpointCorruptError", "barrier",
-           "begin_save", "distributed", "foreign_files", "is_sharded", "prepare_staging", "publish", "rank", "read_errors", "resolve",
-           "stamp", "staging_path", "verify", "write_manifest"]
+           "begin_save", "distributed", "foreign_files", "is_sharded", "prepare_staging", "publish", "rank",
+           "read_errors", "resolve", "stamp", "staging_path", "verify", "write_manifest"]
 
 #: the manifest of a distributed checkpoint: ``{"format", "files": {name: {"size", "sha256"}}}``
 MANIFEST = "tte_manifest.json"

@@ -14,6 +14,8 @@ then meets the others at a barrier (the job's next collective), which it reaches
 * ``ckpt_dtensor_plain_on_one_rank`` / ``ckpt_dtensor_plain_on_every_rank``: the same sharding; ``load_state_dict`` of
   a state taken a step earlier, where table ``item``'s entry is a plain tensor (the rank's stored rows) on rank 1
   only (the others give the DTensor), or on every rank.
+* ``ckpt_dtensor_whole_plain_on_every_rank``: the same, every rank given table ``who``'s whole logical rows (other
+  values) as a plain tensor: rank 0, which stores ``who`` whole, would take them, rank 1 (which stores none) not.
 * ``ckpt_dtensor_item_missing_on_one_rank``: the same, ``strict=False``; rank 1's state has no entry for table
   ``item``, so its first move is table ``who``'s while rank 0's is table ``item``'s.
 * ``ckpt_save_rows`` / ``ckpt_save_publish``: ``save_sharded`` over a good checkpoint; rank 1's rows file cannot be
@@ -170,6 +172,11 @@ def _dtensor(scenario: str, rank: int, model: nn.Module, batch: Any) -> dict[str
     sd = model.state_dict()  # (a collective)
     with stored_rows():
         stored = model.state_dict()["ec.tables.item.weight"].detach().clone()
+    if scenario == "ckpt_dtensor_whole_plain_on_every_rank":  # table `who` (table-wise: rank 0 stores it whole)
+        sd["ec.tables.who.weight"] = sd["ec.tables.who.weight"].full_tensor() + 1  # (a collective)
+        got = _load(lambda p, m, o: m.load_state_dict(sd), Path(), model, opt)  # (nothing trained since sd)
+        dist.barrier()
+        return got
     if scenario == "ckpt_dtensor_item_missing_on_one_rank":
         if rank == 1:  # (strict=False on every rank: rank 1's first move is table `who`'s)
             del sd["ec.tables.item.weight"]

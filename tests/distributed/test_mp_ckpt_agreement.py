@@ -116,3 +116,17 @@ def test_moves_of_different_tables_on_two_ranks_raise_on_every_rank(tmp_path: Pa
         msg = res["errors"][0]["message"]
         assert "different exchanges" in msg and "(table `item`:" in msg and "(table `who`:" in msg, (r, msg)
         assert res["unchanged"], (r, res)
+
+
+def test_a_whole_table_as_a_plain_tensor_is_refused_on_every_rank(tmp_path: Path) -> None:
+    """Every rank's ``load_state_dict`` gets table `who`'s whole logical rows (600, table-wise: rank 0 stores them,
+    rank 1 none) as a plain tensor. Before, rank 0 loaded them and rank 1 raised a size mismatch (a job half
+    loaded). Now rank 1 raises a ValueError naming the table and its stored rows, rank 0 a RuntimeError naming
+    rank 1; both models bitwise unchanged."""
+    r0, r1 = run("ckpt_dtensor_whole_plain_on_every_rank", tmp_path)
+    assert [e["type"] for e in r1["errors"]] == ["ValueError"], r1
+    msg = r1["errors"][0]["message"]
+    assert "Table `who`" in msg and "stored rows (0 rows here" in msg and "(600, 4)" in msg, msg
+    assert [e["type"] for e in r0["errors"]] == ["RuntimeError"], r0
+    assert "Rank 1 of the process group failed" in r0["errors"][0]["message"], r0
+    assert r0["unchanged"] and r1["unchanged"], (r0, r1)

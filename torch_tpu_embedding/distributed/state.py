@@ -89,11 +89,22 @@ def from_logical_shard(value: Any, s: GroupSharding, name: str, base: Tensor | N
     ranks waiting in the move for the others.
 
     Raises:
-        ValueError: ``value`` is not a ``Shard(0)`` of ``[V, D]`` over this group's ranks (then, on the other ranks
-            of the group, RuntimeError naming this rank: it takes part in the move as failed).
+        ValueError: ``value`` is not a ``Shard(0)`` of ``[V, D]`` over this group's ranks, or a plain tensor of
+            other rows than this rank stores (then, on the other ranks of the group, RuntimeError naming this
+            rank: it takes part in the agreement as failed).
     """
     if isinstance(value, Tensor) and not isinstance(value, DTensor):
-        agree_capacity(torch.zeros((), dtype=torch.int64, device=value.device), s.group, what="plain", table=s.table)
+        stored = value.dim() >= 1 and value.shape[0] == s.local_rows
+        agree_capacity(torch.zeros((), dtype=torch.int64, device=value.device), s.group, what="plain", table=s.table,
+                       failed=not stored)  # refused here: the others raise there, naming this rank
+        if not stored:
+            raise ValueError(
+                f"Table `{name}`: a plain tensor loaded into a table sharded over a process group with "
+                f"dtensor_state_dict=True must be this rank's stored rows ({s.local_rows} rows here, as the state_dict "
+                "of a model sharded without dtensor_state_dict holds them). Give its logical rows as the DTensor "
+                "Shard(0) that model.state_dict() gives, or a whole table through "
+                f"tte.interop.load_torchrec_state_dict. Received: a tensor of shape {tuple(value.shape)}"
+            )
         return value
     if (not isinstance(value, DTensor) or tuple(value.placements) != (Shard(0),) or value.device_mesh.size() != s.world
             or value.shape[0] != s.rows):

@@ -12,6 +12,15 @@ then meets the others at a barrier (the job's next collective), which it reaches
   a file copied into that rank's directory while DCP read it), after every rank's checks agreed.
 * ``ckpt_dtensor_wrong_table``: ``shard(..., dtensor_state_dict=True)``; rank 1's ``load_state_dict`` is given another
   table's DTensor for table ``item``: refused there before the rows' move, which every other rank makes.
+* ``ckpt_dtensor_optim_wrong_slot``: the same sharding, Adagrad; torch's ``set_optimizer_state_dict`` where rank 1's
+  state holds table ``who``'s accumulator DTensor for table ``item``: refused there before the slots' moves.
+* ``ckpt_dtensor_plain_on_one_rank`` / ``ckpt_dtensor_plain_on_every_rank``: the same sharding; ``load_state_dict`` of
+  a state taken a step earlier, where table ``item``'s entry is a plain tensor (the rank's stored rows) on rank 1
+  only (the others give the DTensor), or on every rank.
+* ``ckpt_dtensor_whole_plain_on_every_rank``: the same, every rank given table ``who``'s whole logical rows (other
+  values) as a plain tensor: rank 0, which stores ``who`` whole, would take them, rank 1 (which stores none) not.
+* ``ckpt_dtensor_item_missing_on_one_rank``: the same, ``strict=False``; rank 1's state has no entry for table
+  ``item``, so its first move is table ``who``'s while rank 0's is table ``item``'s.
 * ``ckpt_save_rows`` / ``ckpt_save_publish``: ``save_sharded`` over a good checkpoint; rank 1's rows file cannot be
   written (a full disk), or rank 0 cannot publish: nothing is published, the old checkpoint stays.
 """
@@ -29,8 +38,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 import torch_tpu_embedding as tte
+from torch_tpu_embedding._rows.placement import stored_rows
 from torch_tpu_embedding.checkpoint import snapshot
 from torch_tpu_embedding.distributed import sharded_checkpoint
 
@@ -38,7 +49,8 @@ __all__ = ["run"]
 
 
 def _snapshot(model: nn.Module, opt: Any) -> list[torch.Tensor]:
-    out = [v.detach().clone() for v in model.state_dict().values() if isinstance(v, torch.Tensor)]
+    with stored_rows():  # (no collective under dtensor_state_dict: each rank's stored rows)
+        out = [v.detach().clone() for v in model.state_dict().values() if isinstance(v, torch.Tensor)]
     for slots in opt.state.values():
         out += [v.detach().clone() for v in slots.values() if isinstance(v, torch.Tensor)]
     return out
@@ -126,6 +138,8 @@ def run(scenario: str, rank: int, model: nn.Module, batch: Any, out: Path) -> di
             got = {"errors": [{"type": type(e).__name__, "message": str(e)}]}
         dist.barrier()
         return got
+    if scenario.startswith("ckpt_dtensor_"):
+        return _dtensor(scenario, rank, model, batch)
     tte.distributed.shard(model)
     ddp = tte.distributed.DistributedDataParallel(model)
     opt = tte.optim.Adagrad(ddp.parameters(), lr=0.1)
@@ -158,3 +172,39 @@ def run(scenario: str, rank: int, model: nn.Module, batch: Any, out: Path) -> di
     got = _load(tte.distributed.load_sharded, mine, model, opt)
     dist.barrier()
     return got
+
+
+def _dtensor(scenario: str, rank: int, model: nn.Module, batch: Any) -> dict[str, Any]:
+    """The ``ckpt_dtensor_*`` scenarios after the first: a state taken after 2 steps, loaded after a third."""
+    tte.distributed.shard(model, dtensor_state_dict=True)
+    ddp = tte.distributed.DistributedDataParallel(model)
+    opt = tte.optim.Adagrad(ddp.parameters(), lr=0.1)
+    _train(ddp, opt, rank, range(2), batch)
+    if scenario == "ckpt_dtensor_optim_wrong_slot":  # rank 1: table `who`'s accumulator DTensor for table `item`
+        osd = get_optimizer_state_dict(ddp, opt)  # (collectives: every rank's slots to their logical blocks)
+        _train(ddp, opt, rank, range(2, 3), batch)
+        key = {k.split(".")[-2]: k for k in osd["state"]}
+        if rank == 1:
+            osd["state"][key["item"]]["accumulators"] = osd["state"][key["who"]]["accumulators"]
+        got = _load(lambda p, m, o: set_optimizer_state_dict(ddp, o, osd), Path(), model, opt)
+        dist.barrier()
+        return got
+    sd = model.state_dict()  # (a collective)
+    with stored_rows():
+        stored = model.state_dict()["ec.tables.item.weight"].detach().clone()
+    if scenario == "ckpt_dtensor_whole_plain_on_every_rank":  # table `who` (table-wise: rank 0 stores it whole)
+        sd["ec.tables.who.weight"] = sd["ec.tables.who.weight"].full_tensor() + 1  # (a collective)
+        got = _load(lambda p, m, o: m.load_state_dict(sd), Path(), model, opt)  # (nothing trained since sd)
+        dist.barrier()
+        return got
+    if scenario == "ckpt_dtensor_item_missing_on_one_rank":
+        if rank == 1:  # (strict=False on every rank: rank 1's first move is table `who`'s)
+            del sd["ec.tables.item.weight"]
+    elif scenario == "ckpt_dtensor_plain_on_every_rank" or rank == 1:
+        sd["ec.tables.item.weight"] = stored  # this rank's stored rows, as a plain tensor
+    elif scenario != "ckpt_dtensor_plain_on_one_rank":
+        raise SystemExit(f"unknown scenario {scenario!r}")
+    _train(ddp, opt, rank, range(2, 3), batch)
+    got = _load(lambda p, m, o: m.load_state_dict(sd, strict=False), Path(), model, opt)
+    dist.barrier()
+    return got | {"item_loaded": torch.equal(model.ec.tables["item"].weight.detach(), stored)}

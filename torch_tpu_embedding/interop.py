@@ -20,7 +20,13 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from torch_tpu_embedding._rows.placement import TablePlacement, all_true, is_dtensor, process_group_placement
+from torch_tpu_embedding._rows.placement import (
+    TablePlacement,
+    all_true,
+    is_dtensor,
+    process_group_placement,
+    stored_rows,
+)
 from torch_tpu_embedding._util.validation import arg_error
 from torch_tpu_embedding.modules.collection import EmbeddingCollection, EmbeddingTable
 
@@ -135,7 +141,8 @@ def load_torchrec_state_dict(
     if problems:
         raise ValueError("TorchRec state_dict does not match the collection: " + "; ".join(problems))
     values = {n: _stored(want[n], given[n], spread[n]) if n in spread else given[n] for n in want}
-    collection.load_state_dict({f"tables.{n}.weight": v for n, v in values.items()})
+    with stored_rows():  # the sharded tables' values are their stored rows already (moved by _stored)
+        collection.load_state_dict({f"tables.{n}.weight": v for n, v in values.items()})
 
 
 _BAG_MODES = {"sum": "sum", "mean": "mean"}
@@ -174,7 +181,8 @@ def load_embedding_bag(collection: EmbeddingCollection, table: str, module: nn.E
     if problems:
         raise ValueError(problems[0])
     value = module.weight.detach() if spread is None else _stored(t, module.weight, spread)
-    collection.load_state_dict({f"tables.{table}.weight": value}, strict=False)
+    with stored_rows():  # (a sharded table's value: its stored rows, moved by _stored)
+        collection.load_state_dict({f"tables.{table}.weight": value}, strict=False)
 
 
 def convert_ftrl_linears(state_dict: Mapping[str, Any], multiply_linear_by_learning_rate: bool) -> dict[str, Any]:

@@ -84,3 +84,62 @@ def test_a_read_found_changed_on_one_rank_raises_on_every_rank(tmp_path: Path) -
     msg = r0["errors"][0]["message"]
     assert msg.startswith("Rank 1 of the process group failed: CheckpointCorruptError: "), msg
     assert "(injected)" in msg and "the other ranks loaded their part" in msg, msg
+
+
+def test_an_optimizer_dtensor_refused_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
+    """torch's ``set_optimizer_state_dict`` into Adagrad of a model sharded with ``dtensor_state_dict``, rank 1's
+    state holding table `who`'s accumulator DTensor (600 rows) for table `item` (1000). Before, rank 1 raised
+    before the slots' moves and rank 0 waited for it in one (a hang). Now rank 1 raises its ValueError naming the
+    table and the slot, rank 0 a RuntimeError naming rank 1; models and optimizers bitwise unchanged."""
+    r0, r1 = run("ckpt_dtensor_optim_wrong_slot", tmp_path)
+    assert [e["type"] for e in r1["errors"]] == ["ValueError"], r1
+    assert "`item`" in r1["errors"][0]["message"] and "'accumulators'" in r1["errors"][0]["message"], r1
+    assert [e["type"] for e in r0["errors"]] == ["RuntimeError"], r0
+    assert "Rank 1 of the process group failed" in r0["errors"][0]["message"], r0
+    assert r0["unchanged"] and r1["unchanged"], (r0, r1)
+
+
+def test_a_plain_tensor_on_one_rank_and_dtensors_on_the_others_raises_on_every_rank(tmp_path: Path) -> None:
+    """``load_state_dict`` of a model sharded with ``dtensor_state_dict``: table `item`'s entry is a plain tensor
+    (its stored rows) on rank 1, the DTensor on rank 0. Before, rank 1 loaded its rows and went on while rank 0
+    waited for it in the rows' move (a hang). Now both raise, naming the plain tensor and the table; both
+    models and optimizers bitwise unchanged."""
+    results = run("ckpt_dtensor_plain_on_one_rank", tmp_path)
+    for r, res in enumerate(results):
+        assert [e["type"] for e in res["errors"]] == ["RuntimeError"], (r, res)
+        msg = res["errors"][0]["message"]
+        assert "different exchanges" in msg and "table `item`'s state_dict entry as a plain tensor" in msg, (r, msg)
+        assert res["unchanged"], (r, res)
+
+
+def test_a_plain_tensor_on_every_rank_loads_as_each_ranks_stored_rows(tmp_path: Path) -> None:
+    """The same with every rank giving its stored rows of table `item` as a plain tensor: loaded on every rank
+    (each its own rows), as before."""
+    for r, res in enumerate(run("ckpt_dtensor_plain_on_every_rank", tmp_path)):
+        assert res["errors"] == [] and res["item_loaded"] and not res["unchanged"], (r, res)
+
+
+def test_moves_of_different_tables_on_two_ranks_raise_on_every_rank(tmp_path: Path) -> None:
+    """``load_state_dict(strict=False)`` of a model sharded with ``dtensor_state_dict``, rank 1's state without table
+    `item`: rank 0 moves `item`'s rows while rank 1 moves `who`'s. Before, the two moves were paired (the same
+    agreement tag for every table) and rank 0 raised an IndexError on rank 1's rows. Now every rank raises a
+    RuntimeError naming both tables' moves; both unchanged."""
+    for r, res in enumerate(run("ckpt_dtensor_item_missing_on_one_rank", tmp_path)):
+        assert [e["type"] for e in res["errors"]] == ["RuntimeError"], (r, res)
+        msg = res["errors"][0]["message"]
+        assert "different exchanges" in msg and "(table `item`:" in msg and "(table `who`:" in msg, (r, msg)
+        assert res["unchanged"], (r, res)
+
+
+def test_a_whole_table_as_a_plain_tensor_is_refused_on_every_rank(tmp_path: Path) -> None:
+    """Every rank's ``load_state_dict`` gets table `who`'s whole logical rows (600, table-wise: rank 0 stores them,
+    rank 1 none) as a plain tensor. Before, rank 0 loaded them and rank 1 raised a size mismatch (a job half
+    loaded). Now rank 1 raises a ValueError naming the table and its stored rows, rank 0 a RuntimeError naming
+    rank 1; both models bitwise unchanged."""
+    r0, r1 = run("ckpt_dtensor_whole_plain_on_every_rank", tmp_path)
+    assert [e["type"] for e in r1["errors"]] == ["ValueError"], r1
+    msg = r1["errors"][0]["message"]
+    assert "Table `who`" in msg and "stored rows (0 rows here" in msg and "(600, 4)" in msg, msg
+    assert [e["type"] for e in r0["errors"]] == ["RuntimeError"], r0
+    assert "Rank 1 of the process group failed" in r0["errors"][0]["message"], r0
+    assert r0["unchanged"] and r1["unchanged"], (r0, r1)

@@ -13,7 +13,7 @@ optimizer core, the lookup, clipping and the checkpoints ask that object, never 
   manual-sharding region :meth:`~TablePlacement.on_shards`, :meth:`~TablePlacement.all_reduce`,
   :meth:`~TablePlacement.row_sharded`);
 * how its state is saved (:meth:`~TablePlacement.to_logical`, :meth:`~TablePlacement.from_logical`: the
-  process group's DTensor form).
+  process group's DTensor form; :meth:`~TablePlacement.move_failed`: a refused load's part in the move).
 
 What depends on the device a tensor lives on rather than on a placement (an XLA table's optimizer slots
 laid out like it, several lazy XLA tensors computed in one graph, DCP's planners for XLA tensors) is a
@@ -144,8 +144,15 @@ class TablePlacement:
         raise NotImplementedError(f"{type(self).__name__} saves no DTensors")
 
     def from_logical(self, value: Any, name: str, base: Tensor | None = None, slot: bool = False) -> Tensor:
-        """The saved form of the logical rows as this process's stored rows (``base``: their dtype)."""
+        """The saved form of the logical rows as this process's stored rows (``base``: their dtype). A plain
+        tensor (not the saved form) is this process's stored rows, given so on every process: returned as it
+        is once the processes agree that none was given the saved form instead."""
         raise NotImplementedError(f"{type(self).__name__} loads no DTensors")
+
+    def move_failed(self, device: torch.device) -> None:
+        """This process refuses a saved state whose rows it would have moved with :meth:`from_logical`: it takes
+        part in the move's agreement as failed (with a tensor on ``device``), so that the other processes raise
+        there instead of waiting for it. The caller then raises its own error. Nothing to do elsewhere."""
 
     def gather_whole(self, local: Tensor) -> Tensor:
         """This process's stored rows of the table as its whole ``[V, D]`` logical rows, the same on every

@@ -92,6 +92,13 @@ class GroupSharding(TablePlacement):
     def __post_init__(self) -> None:
         describe_tables([self.table])  # so that this rank can name this table in another rank's step errors
 
+    def move_failed(self, device: torch.device) -> None:
+        """This rank refuses a state it would have moved between the stored and the logical rows (a DTensor of
+        ``load_state_dict``, an optimizer's DTensor slots): it takes part in the move's agreement
+        (:func:`agree_capacity`) as failed, so that the other ranks raise there, naming it, instead of waiting
+        for it. The caller then raises its own error."""
+        agree_capacity(torch.zeros((), dtype=torch.int64, device=device), self.group, table=self.table, failed=True)
+
     def lookup_failed(self, device: torch.device) -> None:
         """This rank's forward failed before its first exchange (a bad id, a missing feature): take part in
         the step's agreement (:func:`agree_capacity`) with the failure, so that every rank raises at this step
@@ -204,14 +211,16 @@ _DESCRIBED: dict[int, str] = {}
 #: the kinds of exchange, named in errors
 _KINDS = {"lookup": "looks up table `{table}`",
           "data_parallel": "looks up data-parallel tables {table}",
-          "rows": "moves a sharded table's rows between ranks (its state_dict, load_state_dict or a checkpoint)"}
+          "rows": "moves a sharded table's rows between ranks ({of}its state_dict, load_state_dict or a checkpoint)",
+          "plain": "loads table `{table}`'s state_dict entry as a plain tensor (its stored rows, given so on every "
+                   "rank), not as a DTensor of its logical rows"}
 
 
 def _tag(what: str, table: str, grad: bool) -> int:
     """A number every process computes alike for one kind of exchange (``hash`` is salted per process)."""
     tag = zlib.crc32(f"{what}|{table}|{grad}".encode()) & 0x3FFFFFFF
     if tag not in _DESCRIBED:
-        text = _KINDS[what].format(table=table)
+        text = _KINDS[what].format(table=table, of=f"table `{table}`: " if table else "")
         _DESCRIBED[tag] = text + (" with gradients (training)" if grad else " without gradients (evaluation)"
                                   if what == "lookup" else "")
     return tag
@@ -223,6 +232,8 @@ def describe_tables(tables: Sequence[str]) -> None:
     for table in tables:
         for grad in (True, False):
             _tag("lookup", table, grad)
+        _tag("plain", table, False)
+        _tag("rows", table, False)
     _tag("rows", "", False)
 
 
@@ -234,8 +245,9 @@ def agree_capacity(largest: Tensor, group: Any, *, what: str = "rows", table: st
 
     The same collective agrees that every rank is at the same step: one ``all_reduce(MAX)`` of four int64 (the
     largest load; a tag of the exchange (``what``: ``"lookup"`` of ``table``, ``grad``: recording gradients,
-    ``"data_parallel"``: a training lookup of replicated tables (``distributed/step_agreement.py``), or
-    ``"rows"``) and its negation, so that the maximum and the minimum of the tags arrive; the highest
+    ``"data_parallel"``: a training lookup of replicated tables (``distributed/step_agreement.py``),
+    ``"rows"``, or ``"plain"``: a load of ``table``'s stored rows, which moves nothing) and its negation, so
+    that the maximum and the minimum of the tags arrive; the highest
     rank that ``failed`` plus one), read back once. A rank whose step failed before its first collective takes
     part with ``failed=True`` (:meth:`GroupSharding.lookup_failed`) instead of skipping it: the others then
     raise at that step rather than pair this exchange with the failed rank's next one.
@@ -266,8 +278,9 @@ def agree_capacity(largest: Tensor, group: Any, *, what: str = "rows", table: st
             "The ranks of the process group are at different exchanges: one "
             f"{theirs[0]}, another {theirs[1]} (this rank {_DESCRIBED[tag]}). Every rank must run the same lookups "
             "and state moves in the same order: a forward on some ranks only (evaluation on rank 0 alone), a batch "
-            "skipped on one rank, or state_dict() of a model sharded with dtensor_state_dict on one rank only pairs "
-            "one rank's collectives with another's. Received: different exchanges on the ranks of one step"
+            "skipped on one rank, state_dict() of a model sharded with dtensor_state_dict on one rank only, or its "
+            "load_state_dict given a table's DTensor on some ranks and a plain tensor on others pairs one rank's "
+            "collectives with another's. Received: different exchanges on the ranks of one step"
         )
     return max(1, int(got[0]))
 
@@ -282,16 +295,17 @@ def exchange(buckets: Tensor, group: Any) -> Tensor:
 
 
 def send_to_owners(dest: Tensor, payloads: Sequence[Tensor], fills: Sequence[float], world: int,
-                   group: Any) -> list[Tensor]:
+                   group: Any, table: str = "") -> list[Tensor]:
     """Send item ``i`` of every payload (``[m, ...]``, on the group's device) to rank ``dest[i]`` (``[m]`` int64
     on the CPU): each payload bucketed by destination (a bucket keeps its items' order), every rank's buckets
     padded to the largest (:func:`agree_capacity`) with that payload's ``fills`` value, one :func:`exchange`
     per payload, in the order given. Returns each payload's received items, ``[world·k, ...]``: ``k`` from
     each rank in rank order, padding holding the fill value. For moves where one item goes to one rank (no
-    duplicates to sum: the state's rows, :mod:`torch_tpu_embedding.distributed.state`)."""
+    duplicates to sum: the state's rows, :mod:`torch_tpu_embedding.distributed.state`), of table ``table``: the
+    agreement's tag, so that ranks moving different tables raise instead of swapping their rows."""
     dev = payloads[0].device
     counts = torch.bincount(dest, minlength=world)
-    cap = agree_capacity(counts.max().to(dev), group)  # counts has `world` entries even when dest is empty
+    cap = agree_capacity(counts.max().to(dev), group, table=table)  # counts has `world` entries even when dest is empty
     order = torch.argsort(dest, stable=True)
     first = torch.cumsum(counts, 0) - counts
     to = dest[order]

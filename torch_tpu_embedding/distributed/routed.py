@@ -75,7 +75,8 @@ class ProcessGroupLayout(GroupSharding):
         return to_logical_slot(local, self) if slot else to_logical_shard(local, self)
 
     def from_logical(self, value: Any, name: str, base: Tensor | None = None, slot: bool = False) -> Tensor:
-        """A DTensor of the logical rows as this rank's stored rows (a collective)."""
+        """A DTensor of the logical rows as this rank's stored rows; a plain tensor (this rank's stored rows,
+        given so on every rank) as it is, once every rank agrees (a collective either way)."""
         return from_logical_slot(value, self, name, base) if slot else from_logical_shard(value, self, name, base)
 
     def gather_whole(self, local: Tensor) -> Tensor:

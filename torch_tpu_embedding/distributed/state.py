@@ -56,7 +56,7 @@ def _exchange(dest: Tensor, slot: Tensor, rows: Tensor, s: GroupSharding) -> tup
     :func:`~torch_tpu_embedding.distributed.exchange.send_to_owners`: one ``all_reduce`` of the bucket size, one
     ``all_to_all_single`` of the slots and one of the rows). Returns the slots (``-1``: padding), on the
     CPU, and rows this rank received."""
-    got_slot, got_rows = send_to_owners(dest, (slot.to(rows.device), rows), (-1, 0), s.world, s.group)
+    got_slot, got_rows = send_to_owners(dest, (slot.to(rows.device), rows), (-1, 0), s.world, s.group, s.table)
     return got_slot.cpu(), got_rows
 
 
@@ -82,17 +82,36 @@ def from_logical_shard(value: Any, s: GroupSharding, name: str, base: Tensor | N
     """The rows this rank stores of a table laid out by ``s``, from ``value``, a DTensor ``Shard(0)`` of its
     logical rows over the same group (a collective, as :func:`to_logical_shard`); padding rows zero.
 
+    A plain tensor (not a DTensor) is this rank's stored rows, as ``state_dict()`` gives them without
+    ``dtensor_state_dict`` and as they are loaded when every rank gives them: returned as it is, nothing moved,
+    after the one agreement of a move (tag ``"plain"``), so that where one rank is given a DTensor and another a
+    plain tensor every rank raises (RuntimeError: the ranks are at different exchanges) instead of the DTensor
+    ranks waiting in the move for the others.
+
     Raises:
-        ValueError: ``value`` is not a ``Shard(0)`` of ``[V, D]`` over this group's ranks (then, on the other ranks
-            of the group, RuntimeError naming this rank: it takes part in the move as failed).
+        ValueError: ``value`` is not a ``Shard(0)`` of ``[V, D]`` over this group's ranks, or a plain tensor of
+            other rows than this rank stores (then, on the other ranks of the group, RuntimeError naming this
+            rank: it takes part in the agreement as failed).
     """
+    if isinstance(value, Tensor) and not isinstance(value, DTensor):
+        stored = value.dim() >= 1 and value.shape[0] == s.local_rows
+        agree_capacity(torch.zeros((), dtype=torch.int64, device=value.device), s.group, what="plain", table=s.table,
+                       failed=not stored)  # refused here: the others raise there, naming this rank
+        if not stored:
+            raise ValueError(
+                f"Table `{name}`: a plain tensor loaded into a table sharded over a process group with "
+                f"dtensor_state_dict=True must be this rank's stored rows ({s.local_rows} rows here, as the state_dict "
+                "of a model sharded without dtensor_state_dict holds them). Give its logical rows as the DTensor "
+                "Shard(0) that model.state_dict() gives, or a whole table through "
+                f"tte.interop.load_torchrec_state_dict. Received: a tensor of shape {tuple(value.shape)}"
+            )
+        return value
     if (not isinstance(value, DTensor) or tuple(value.placements) != (Shard(0),) or value.device_mesh.size() != s.world
             or value.shape[0] != s.rows):
         # This rank takes part in the move's one agreement as failed, instead of skipping the move: the other
         # ranks raise there (naming it) rather than wait for it, each in its own load_state_dict.
         local = value.to_local() if isinstance(value, DTensor) else base if base is not None else value
-        where = local.device if isinstance(local, Tensor) else torch.device("cpu")
-        agree_capacity(torch.zeros((), dtype=torch.int64, device=where), s.group, failed=True)
+        s.move_failed(local.device if isinstance(local, Tensor) else torch.device("cpu"))
         raise ValueError(
             f"Table `{name}`: a DTensor loaded into a table sharded over a process group must be a Shard(0) of "
             f"its {s.rows} logical rows over the {s.world} ranks of its group. Received: {type(value).__name__} of "
@@ -133,7 +152,7 @@ def from_logical_slot(value: Any, s: GroupSharding, name: str, base: Tensor | No
     """The inverse of :func:`to_logical_slot` (a collective): this rank's stored rows of the slot, its padding
     rows (never read) those of ``base``, the live slot (zeros without it)."""
     if not isinstance(value, DTensor):
-        return from_logical_shard(value, s, name, base)  # refused there, by name
+        return from_logical_shard(value, s, name, base)  # a plain tensor agreed, anything else refused there
     tail = tuple(value.shape[1:])
     width = math.prod(tail)
     flat = DTensor.from_local(value.to_local().reshape(-1, width), value.device_mesh, list(value.placements),

@@ -13,7 +13,7 @@ from torch import nn
 
 from torch_tpu_embedding._rows.dedup import is_static_device
 from torch_tpu_embedding._rows.grads import TableInfo, register_table, retire_table, table_info
-from torch_tpu_embedding._rows.placement import dtensor_placement, is_dtensor
+from torch_tpu_embedding._rows.placement import dtensor_placement
 from torch_tpu_embedding._rows.row_grad import RowGrad
 from torch_tpu_embedding._rows.row_order import RowLayout, from_logical, owned_logical_ids, to_logical
 from torch_tpu_embedding._rows.stacked_state import member_entries
@@ -309,7 +309,8 @@ def _restore_padding_rows(
     if later is not None and later.is_stand_in(value):  # a stacked group's weight, written later
         return
     spread = _dtensor_sharding(table)
-    if spread is not None and is_dtensor(value):  # a collective, as state_dict()
+    if spread is not None and isinstance(value, torch.Tensor):  # a collective, as state_dict(): a DTensor moved;
+        # a plain tensor (the stored rows) agreed on, so that one given on some ranks only raises on every rank
         state_dict[key] = spread.from_logical(value, table.name)
         return
     if later is not None and spread is None and isinstance(value, torch.Tensor):

@@ -22,6 +22,7 @@ is split per table again and loads into a collection stacked otherwise; and, und
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -203,18 +204,17 @@ def _unpack_pending(entry: Mapping[str, Any], p: torch.Tensor | None) -> Mapping
     return out
 
 
-def _from_dtensors(opt: torch.optim.Optimizer, entry: Any, key: str, live: Mapping[str, torch.Tensor],
-                   group: Mapping[str, Any]) -> Any:
-    """The inverse of :func:`_as_dtensors` on the loaded entry of table ``key``: each DTensor slot back to
-    this rank's stored rows of the live parameter (a collective, in the order :func:`_as_dtensors` used).
-    An entry without DTensors, as is (the stored rows, as a plain entry of the model's ``state_dict``).
+def _check_dtensors(entry: Any, key: str, live: Mapping[str, torch.Tensor], group: Mapping[str, Any]) -> bool:
+    """Whether the loaded entry of table ``key`` holds DTensors to move back to the stored rows (by
+    :func:`_from_dtensors`, after every entry is checked). An entry without DTensors is loaded as is (the
+    stored rows, as a plain entry of the model's ``state_dict``).
 
-    Raises (on every rank alike, before any collective: the checks read global shapes only):
+    Raises (no collective: the checks read global shapes only):
         ValueError: DTensors for a table not sharded with ``dtensor_state_dict=True`` here, for a slot that
             is not one of the table's row slots, or of a global shape other than the slot's logical rows.
     """
     if not isinstance(entry, Mapping) or not any(is_dtensor(v) for v in entry.values()):
-        return entry
+        return False
     p = live.get(key)
     spread = None if p is None else dtensor_placement(p)
     name = key.split(":", 1)[-1]
@@ -232,6 +232,18 @@ def _from_dtensors(opt: torch.optim.Optimizer, entry: Any, key: str, live: Mappi
                     "rows") if k in rows else f"only its row slots ({sorted(rows)}) can be DTensors"
             raise ValueError(f"Optimizer state of `{name}` does not match: {rule}. Received: slot '{k}', a DTensor "
                              f"of shape {tuple(v.shape)}")
+    return True
+
+
+def _from_dtensors(opt: torch.optim.Optimizer, entry: Mapping[str, Any], key: str, live: Mapping[str, torch.Tensor],
+                   group: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`_as_dtensors` on the loaded entry of table ``key``, checked by
+    :func:`_check_dtensors`: each DTensor slot back to this rank's stored rows of the live parameter (a
+    collective, in the order :func:`_as_dtensors` used)."""
+    p = live[key]
+    spread = dtensor_placement(p)
+    assert spread is not None  # (checked)
+    name = key.split(":", 1)[-1]
     live_slots = opt.state[p]
     whole = {k for k, spec in specs(p, group).items() if not spec.rows}
     return {k: spread.from_logical(v, name, live_slots.get(k), slot=True) if is_dtensor(v)
@@ -264,17 +276,54 @@ def from_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[st
     by position, as torch.optim does). Its ``iterations`` and ``skipped_steps`` are required: a dict
     without them (``flatten_optimizer_state_dict=True`` drops them) is refused, not loaded with the
     counters reset; so is an empty entry (what that option gives for an optimizer with no slots).
+
+    Every entry is read and checked before the first DTensor slot is moved (a collective). A rank that
+    refuses its state takes part in that first move as failed (:func:`_refuse_moves`): over a process group
+    every rank then raises, this one its ``ValueError``, the others a ``RuntimeError`` naming it, none waiting
+    for another and none loading alone.
     """
     if _is_ours(sd) or not isinstance(sd.get("state"), Mapping) or not all(
             isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in sd["param_groups"]):
         return None  # ours, or not a state_dict at all: our loader names the problem
+    keys = param_keys(opt)  # type: ignore[arg-type]
+    live = {keys[id(p)]: p for g in opt.param_groups for p in g["params"]}
+    try:
+        state, groups, counters, moves = _read_torch_layout(opt, sd, keys, live)
+    except Exception:
+        _refuse_moves(opt, sd)
+        raise
+    for key, group in moves:  # every entry checked: the slots' moves (collectives), the same on every rank
+        state[key] = _from_dtensors(opt, state[key], key, live, group)
+    return {"state": state, "param_groups": groups, **counters}
+
+
+def _refuse_moves(opt: torch.optim.Optimizer, sd: Mapping[str, Any]) -> None:
+    """This rank refuses a torch-layout state whose DTensor slots it would have moved: it takes part in the
+    first move as failed (:meth:`~torch_tpu_embedding._rows.placement.TablePlacement.move_failed`, over the
+    group of the optimizer's first table whose state is DTensors), so that the other ranks, at that move, raise
+    there instead of waiting for it. A state without DTensors makes no move here, nor on ranks given the same."""
+    if not any(isinstance(e, Mapping) and any(is_dtensor(v) for v in e.values()) for e in sd["state"].values()):
+        return
+    for g in opt.param_groups:
+        for p in g["params"]:
+            spread = dtensor_placement(p)
+            if spread is not None:
+                with contextlib.suppress(Exception):  # the caller raises its own error, whatever this meets
+                    spread.move_failed(p.device)
+                return
+
+
+def _read_torch_layout(opt: torch.optim.Optimizer, sd: Mapping[str, Any], keys: Mapping[int, str],
+                       live: Mapping[str, torch.Tensor],
+                       ) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, int], list[tuple[str, Any]]]:
+    """:func:`from_torch_layout`'s reading and checks, no collective: ``(state, param_groups, counters, moves)``,
+    ``moves`` the ``(table key, param group)`` of each entry whose DTensor slots are to be moved."""
     saved_groups = sd["param_groups"]
     if len(saved_groups) != len(opt.param_groups):
         raise ValueError(
             f"Optimizer state does not match: {len(saved_groups)} parameter groups saved, {len(opt.param_groups)} here"
         )
-    keys = param_keys(opt)  # type: ignore[arg-type]
-    live = {keys[id(p)]: p for g in opt.param_groups for p in g["params"]}
+    moves: list[tuple[str, Any]] = []
     state: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
     counters: dict[str, int] = {}
@@ -311,13 +360,15 @@ def from_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[st
                 raise ValueError(f"Optimizer state does not match: the saved state of {desc['keys']} is empty.")
             entry = _unpack_pending(entry, live.get(desc["keys"][0]) if len(desc["keys"]) == 1 else None)
             if len(desc["keys"]) == 1:
-                state[desc["keys"][0]] = _from_dtensors(opt, entry, desc["keys"][0], live, group)
+                state[desc["keys"][0]] = entry
+                if _check_dtensors(entry, desc["keys"][0], live, group):
+                    moves.append((desc["keys"][0], group))
             else:
                 members = _members(desc)
                 parts = split_member_state(entry, members, desc["row_slots"])
                 state.update(parts)
         groups.append(out)
-    return {"state": state, "param_groups": groups, **counters}
+    return state, groups, counters, moves
 
 
 def _check_descs(gi: int, params: list[Any], descs: Any) -> None:

@@ -15,9 +15,9 @@ from collections.abc import Iterable
 import torch
 
 from torch_tpu_embedding._rows.dedup import coalesce_rows, is_static_device, sinks_sentinel
-from torch_tpu_embedding._rows.grads import refuse_stacked_view, table_info
 from torch_tpu_embedding._rows.placement import all_reduce_sum, process_group_placement, sync_row_grads
 from torch_tpu_embedding._rows.row_grad import RowGrad
+from torch_tpu_embedding._rows.tables import refuse_stacked_view, table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
 
 __all__ = ["clip_grad_norm_"]

@@ -17,7 +17,7 @@ from test_broadcast_gradient import OPTIMIZERS, kernel_path  # noqa: F401 (a fix
 from test_stacked_groups import _CountOps
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding._rows.grads import BagRows, RowGrad
+from torch_tpu_embedding._rows.row_grad import BagRows, RowGrad
 from torch_tpu_embedding.combiners import bag_gains, full_mean_gain
 from torch_tpu_embedding.modules.lookup import bags_lookup
 from torch_tpu_embedding.optim._kernels import c_rules

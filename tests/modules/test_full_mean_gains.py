@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_stacked_groups import _CountOps as _Ops
 
-from torch_tpu_embedding._rows.grads import RowGrad
+from torch_tpu_embedding._rows.row_grad import RowGrad
 from torch_tpu_embedding.combiners import bag_gains
 from torch_tpu_embedding.modules.lookup import bags_lookup, lookup
 

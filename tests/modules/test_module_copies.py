@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding._rows.grads import table_info
+from torch_tpu_embedding._rows.tables import table_info
 
 
 def _make(stack: bool) -> tte.EmbeddingCollection:
@@ -78,7 +78,7 @@ def test_weights_replaced_by_an_assigning_load_are_refused_by_an_older_optimizer
 def test_a_weight_copied_on_its_own_is_not_a_table(stack: bool) -> None:
     """The registration is an attribute of the weight naming the tensor it was made for: a shallow copy carries
     the attribute along but is not that tensor, a deep copy or pickle drops it, ``detach`` has none."""
-    from torch_tpu_embedding._rows.grads import stacked_rows
+    from torch_tpu_embedding._rows.tables import stacked_rows
 
     ec = _make(stack)
     params = list(ec.parameters())

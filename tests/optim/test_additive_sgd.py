@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding._rows.grads import BagRows
+from torch_tpu_embedding._rows.row_grad import BagRows
 from torch_tpu_embedding.optim import SGD
 from torch_tpu_embedding.optim._core import update_paths
 from torch_tpu_embedding.optim.sgd import sgd_rule

@@ -20,7 +20,7 @@ import torch
 from optim_registry import KERNEL_PATH, OptimizerConfig, cases
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding._rows.grads import table_info
+from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding.optim._core import update_paths
 from torch_tpu_embedding.optim._core.update_paths import Path, choose_path
 from torch_tpu_embedding.optim._kernels import row_update

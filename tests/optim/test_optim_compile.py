@@ -27,7 +27,7 @@ from _stacked_model import Model, batches
 from optim_registry import OPTIMIZER_INFOS, OptimizerInfo
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding._rows.grads import RowGrad, row_grad_by_handle
+from torch_tpu_embedding._rows.row_grad import RowGrad, row_grad_by_handle
 
 PER_ROW = [i for i in OPTIMIZER_INFOS if i.per_row_rule]
 # Adafactor's statistics span rows (r_sum, the column statistics). Its compiled step used to differ from

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding._rows.grads import RowGrad
+from torch_tpu_embedding._rows.row_grad import RowGrad
 from torch_tpu_embedding.combiners import bag_gains
 from torch_tpu_embedding.optim._kernels.row_sums import row_sums
 

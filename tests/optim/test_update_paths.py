@@ -100,7 +100,7 @@ def test_owner_local_is_chosen_for_a_table_trained_through_the_id_exchange() -> 
     on SPMD meshes (tests/xla_spmd/test_routed_training.py)."""
     import types
 
-    from torch_tpu_embedding._rows.grads import table_info
+    from torch_tpu_embedding._rows.tables import table_info
 
     ec, head = model()
     p = ec.tables.t.weight

@@ -24,7 +24,7 @@ import torch_xla.runtime as xr  # noqa: E402
 if not xr.is_spmd():  # once per process: a second call warns (XLA_USE_SPMD is set by the first)
     xr.use_spmd()  # before any XLA tensor exists
 import torch_tpu_embedding as tte  # noqa: E402
-from torch_tpu_embedding._rows.grads import table_info  # noqa: E402
+from torch_tpu_embedding._rows.tables import table_info  # noqa: E402
 from torch_tpu_embedding.xla import device_mesh, replicate, shard, shard_batch  # noqa: E402
 
 

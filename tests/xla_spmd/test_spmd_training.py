@@ -20,8 +20,8 @@ if not xr.is_spmd():  # once per process: a second call warns that XLA_USE_SPMD 
 from optim_registry import SPMD, OptimizerConfig, cases  # noqa: E402
 
 import torch_tpu_embedding as tte  # noqa: E402
-from torch_tpu_embedding._rows.grads import table_info  # noqa: E402
 from torch_tpu_embedding._rows.row_order import to_logical  # noqa: E402
+from torch_tpu_embedding._rows.tables import table_info  # noqa: E402
 from torch_tpu_embedding.xla import device_mesh, replicate, shard, sharding_spec  # noqa: E402
 
 DEV = torch_xla.device()

@@ -18,7 +18,7 @@ import torch_xla.runtime as xr  # noqa: E402
 if not xr.is_spmd():  # once per process: a second call warns that XLA_USE_SPMD (set by the first) is deprecated
     xr.use_spmd()  # before any XLA tensor exists
 import torch_tpu_embedding as tte  # noqa: E402
-from torch_tpu_embedding._rows.grads import table_info  # noqa: E402
+from torch_tpu_embedding._rows.tables import table_info  # noqa: E402
 from torch_tpu_embedding.xla import device_mesh, shard, sharding_spec  # noqa: E402
 
 DEV = torch_xla.device()

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from torch_tpu_embedding._rows.grads import table_info
+from torch_tpu_embedding._rows.tables import table_info
 
 __all__ = [
     "DeviceBackend",

@@ -4,7 +4,7 @@ An embedding table never receives a dense ``[V, D]`` gradient. The lookup's back
 table a :class:`RowGrad`: the ids it looked up and one gradient row per id (``[N]`` and ``[N, D]``),
 accumulated across features sharing the table and across backward calls until an optimizer
 consumes it (or ``zero_grad`` clears it). Which tensors are tables, and their :class:`RowGrad`, is
-:mod:`torch_tpu_embedding._rows.grads`'s registry.
+:mod:`torch_tpu_embedding._rows.tables`'s registry.
 
 Padding positions carry the *sentinel* id ``rows`` (one past the last physical row of the table).
 On XLA, gather clamps that index and scatter drops it, so the step keeps static shapes; in eager

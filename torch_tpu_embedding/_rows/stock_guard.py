@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from torch_tpu_embedding._rows.grads import table_info
+from torch_tpu_embedding._rows.tables import table_info
 
 __all__ = ["check_not_ddp_managed", "ddp_message", "install_stock_optimizer_guard"]
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from torch_tpu_embedding._rows.grads import table_info
 from torch_tpu_embedding._rows.row_order import Description, describe, from_logical, layout_of, to_logical
+from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding.checkpoint.agreement import Attempt, agree
 from torch_tpu_embedding.checkpoint.checks import (
     CheckpointMismatchError,

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from torch_tpu_embedding._rows.grads import table_info
+from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.dtypes import dtype_kind
 from torch_tpu_embedding.checkpoint.rollback import load_in_order
 from torch_tpu_embedding.optim._core.base import RowSparseOptimizer

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from torch_tpu_embedding._rows.grads import table_info
 from torch_tpu_embedding._rows.row_order import Description, layout_of, to_logical
 from torch_tpu_embedding._rows.stacked_state import split_member_state
+from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
 
 __all__ = ["host_model_state", "host_optimizer_state", "split_stacked_entries", "to_cpu"]

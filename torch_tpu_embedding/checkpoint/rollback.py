@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from torch_tpu_embedding._rows.grads import table_info
+from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding.modules.later_writes import tables_written_later
 from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
 

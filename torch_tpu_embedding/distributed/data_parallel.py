@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torch_tpu_embedding._rows.grads import table_info
+from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding.distributed.exchange import group_sharding
 from torch_tpu_embedding.distributed.grad_sync import (
     LOCAL,

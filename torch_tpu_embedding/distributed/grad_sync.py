@@ -47,9 +47,9 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from torch_tpu_embedding._rows.dedup import coalesce_rows, is_static_device, sync_free
-from torch_tpu_embedding._rows.grads import table_info
 from torch_tpu_embedding._rows.row_grad import RowGrad
 from torch_tpu_embedding._rows.stock_guard import check_not_ddp_managed, ddp_message
+from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
 
 __all__ = [

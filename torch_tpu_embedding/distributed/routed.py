@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from torch_tpu_embedding._rows.grads import table_info
 from torch_tpu_embedding._rows.row_grad import RowGrad
+from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding._util.nest import Path
 from torch_tpu_embedding.combiners import bag_gains

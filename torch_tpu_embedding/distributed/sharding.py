@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torch_tpu_embedding._rows.grads import register_table
 from torch_tpu_embedding._rows.routing import RowOwnership
+from torch_tpu_embedding._rows.tables import register_table
 from torch_tpu_embedding._util.validation import arg_error, check_bool, check_device, check_int
 from torch_tpu_embedding.config import DEFAULT_REPLICATE_BELOW_BYTES, TableConfig, auto_placement, table_bytes
 from torch_tpu_embedding.distributed.exchange import group_sharding

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from torch_tpu_embedding._rows.grads import table_info
+from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding.distributed.exchange import agree_capacity
 from torch_tpu_embedding.distributed.grad_sync import exchange_group
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from torch_tpu_embedding._rows.grads import RowGrad
+from torch_tpu_embedding._rows.row_grad import RowGrad
 from torch_tpu_embedding._util.dtypes import compute_dtype
 from torch_tpu_embedding._util.input_checks import INDEX_DTYPES, tracing
 from torch_tpu_embedding._util.nest import Path

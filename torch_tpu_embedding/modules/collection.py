@@ -10,8 +10,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from torch_tpu_embedding._rows.grads import retire_table
 from torch_tpu_embedding._rows.placement import lookup_failed, lookup_starts
+from torch_tpu_embedding._rows.tables import retire_table
 from torch_tpu_embedding._util.nest import Path, check_structure, flatten, path_name, rebuild
 from torch_tpu_embedding._util.validation import check_device
 from torch_tpu_embedding.config import PLACEMENTS, FeatureConfig, TableConfig

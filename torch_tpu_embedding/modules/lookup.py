@@ -2,7 +2,7 @@
 
 Autograd never produces a ``[V, D]`` gradient for a table: the backward returns ``None`` for the
 table and instead records ``(ids, gain · dL/dout)`` — one row per looked-up id — in the table's
-:class:`~torch_tpu_embedding._rows.grads.RowGrad`. The forward is ``F.embedding_bag`` (sum of
+:class:`~torch_tpu_embedding._rows.row_grad.RowGrad`. The forward is ``F.embedding_bag`` (sum of
 ``gain · row``) off XLA; on XLA its mean mode and its backward run on the host
 (measured on torch_xla 2.9: its sum mode also unrolls one loop per bag), so there it is gather +
 weighted sum, which partitions well.
@@ -27,8 +27,9 @@ from typing import Any
 import torch
 from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
 
-from torch_tpu_embedding._rows.grads import RowGrad, row_grad_by_handle, table_info
+from torch_tpu_embedding._rows.row_grad import RowGrad, row_grad_by_handle
 from torch_tpu_embedding._rows.stock_guard import check_not_ddp_managed
+from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.dtypes import compute_dtype
 from torch_tpu_embedding.combiners import bag_gains, full_mean_gain, jagged_gains
 from torch_tpu_embedding.optim._kernels.c_gather import gather_rows

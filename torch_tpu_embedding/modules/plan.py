@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from torch_tpu_embedding._rows.backward_order import check_xla_backward
-from torch_tpu_embedding._rows.grads import table_info
+from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.input_checks import tracing
 from torch_tpu_embedding._util.nest import Path, pick
 from torch_tpu_embedding._util.validation import check_not_meta

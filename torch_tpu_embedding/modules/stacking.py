@@ -24,10 +24,10 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from torch_tpu_embedding._rows.grads import StackedRows, TableInfo, register_view, table_info
 from torch_tpu_embedding._rows.placement import device_backend
 from torch_tpu_embedding._rows.row_grad import RowGrad
 from torch_tpu_embedding._rows.stacked_state import Members
+from torch_tpu_embedding._rows.tables import StackedRows, TableInfo, register_view, table_info
 from torch_tpu_embedding._util.validation import check_bool
 from torch_tpu_embedding.config import TableConfig
 from torch_tpu_embedding.modules.deferred_init import defer

@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from torch_tpu_embedding._rows.dedup import is_static_device
-from torch_tpu_embedding._rows.grads import TableInfo, register_table, retire_table, table_info
 from torch_tpu_embedding._rows.placement import dtensor_placement
 from torch_tpu_embedding._rows.row_grad import RowGrad
 from torch_tpu_embedding._rows.row_order import RowLayout, from_logical, owned_logical_ids, to_logical
 from torch_tpu_embedding._rows.stacked_state import member_entries
+from torch_tpu_embedding._rows.tables import TableInfo, register_table, retire_table, table_info
 from torch_tpu_embedding._util.huge_pages import empty
 from torch_tpu_embedding.config import TableConfig, default_initializer
 from torch_tpu_embedding.modules.deferred_init import DeferredDraw, defer, fill

@@ -23,7 +23,7 @@ import torch_xla
 import torch_xla.distributed.spmd
 import torch_xla.runtime
 
-from torch_tpu_embedding._rows.grads import table_info
+from torch_tpu_embedding._rows.tables import table_info
 
 if TYPE_CHECKING:
     from torch_tpu_embedding.xla.sharding import TableSharding

@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from torch_tpu_embedding._rows.grads import table_info
 from torch_tpu_embedding._rows.routing import RowOwnership, default_capacity
 from torch_tpu_embedding._rows.row_grad import RowGrad
+from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding._util.nest import Path
 from torch_tpu_embedding.combiners import bag_gains

@@ -44,9 +44,9 @@ from typing import Any
 
 import torch
 
-from torch_tpu_embedding._rows.grads import table_info
 from torch_tpu_embedding._rows.placement import TablePlacement
 from torch_tpu_embedding._rows.row_order import RowLayout
+from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.validation import arg_error, check_int
 from torch_tpu_embedding.config import DEFAULT_REPLICATE_BELOW_BYTES, TableConfig, auto_placement
 from torch_tpu_embedding.modules.collection import EmbeddingCollection

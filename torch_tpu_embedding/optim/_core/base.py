@@ -28,8 +28,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from torch_tpu_embedding._rows.grads import check_live_tables, retired_count, stacked_rows, table_info
 from torch_tpu_embedding._rows.placement import sync_row_grads
+from torch_tpu_embedding._rows.tables import check_live_tables, retired_count, stacked_rows, table_info
 from torch_tpu_embedding._util.registry import optimizer_class, register, resolve_rule
 from torch_tpu_embedding.optim._core import ema, grad_intake, step_gates
 from torch_tpu_embedding.optim._core.contract import RowContext, Slots, SlotSpec

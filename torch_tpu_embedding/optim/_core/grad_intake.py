@@ -30,7 +30,6 @@ from torch_tpu_embedding._rows.dedup import (
     sinks_sentinel,
     sync_free,
 )
-from torch_tpu_embedding._rows.grads import table_info
 from torch_tpu_embedding._rows.placement import (
     TablePlacement,
     all_reduce_sum,
@@ -39,6 +38,7 @@ from torch_tpu_embedding._rows.placement import (
     reduction_group,
 )
 from torch_tpu_embedding._rows.row_grad import RowGrad
+from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding.optim._core.extras import clip_by_norm
 from torch_tpu_embedding.optim._core.rule_pipeline import Path

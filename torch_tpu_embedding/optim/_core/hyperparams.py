@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torch_tpu_embedding._rows.grads import refuse_stacked_view, table_info
+from torch_tpu_embedding._rows.tables import refuse_stacked_view, table_info
 from torch_tpu_embedding._util.registry import optimizer_class, optimizer_names
 from torch_tpu_embedding._util.validation import arg_error, check_bool, check_number
 from torch_tpu_embedding.optim._core.step_values import check_lr

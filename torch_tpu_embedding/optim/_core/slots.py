@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from torch_tpu_embedding._rows.grads import table_info
 from torch_tpu_embedding._rows.placement import all_reduce_sum, device_backend, process_group_placement, reduction_group
 from torch_tpu_embedding._rows.routing import slot_row
+from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding._util.huge_pages import empty
 from torch_tpu_embedding._util.registry import rule_of

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from torch_tpu_embedding._rows.grads import table_info
+from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.transfer import upload
 from torch_tpu_embedding.optim._core.contract import SlotSpec
 

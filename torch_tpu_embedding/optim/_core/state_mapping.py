@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from torch_tpu_embedding._rows.grads import stacked_rows
+from torch_tpu_embedding._rows.tables import stacked_rows
 
 __all__ = ["StateMapping"]
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from torch_tpu_embedding._rows.grads import table_info
 from torch_tpu_embedding._rows.placement import all_reduce_sum, all_true, process_group_placement
+from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding.optim._core.extras import global_norm_scale
 from torch_tpu_embedding.optim._core.grad_intake import Work
 

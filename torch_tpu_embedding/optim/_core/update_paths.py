@@ -55,8 +55,8 @@ from torch_tpu_embedding._rows.dedup import (
     sync_free,
     unique_ids,
 )
-from torch_tpu_embedding._rows.grads import table_info
 from torch_tpu_embedding._rows.row_grad import BagRows
+from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding._util.registry import rule_of
 from torch_tpu_embedding.optim._core.contract import RowContext

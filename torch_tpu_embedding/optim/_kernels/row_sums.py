@@ -1,13 +1,13 @@
 """The duplicate sum of the kernel eager update: a table's factored row gradient to one row per id.
 
 The lookup's backward leaves its gradient factored (``gains [N, L]``, ``dL/dout [N, D]``,
-:class:`~torch_tpu_embedding._rows.grads.BagRows`): the ``[N·L, D]`` rows are never made. :func:`row_sums`
+:class:`~torch_tpu_embedding._rows.row_grad.BagRows`): the ``[N·L, D]`` rows are never made. :func:`row_sums`
 sorts the ids once and keeps, per distinct id, where its contributions are (:class:`RowSums`); the rows
 themselves are summed by :meth:`RowSums.rows` for any range of ids: the range's contributions
 ``gain · dL/dout`` made (a gather and a multiply, in cache), then summed per id by one ``embedding_bag``
 (sum mode): each id's contributions in the order they were looked up, from 0, as ``index_add_`` sums
 them on the reference path (bitwise). Bags without per-id weights (every combiner) have one gain per
-bag (:attr:`~torch_tpu_embedding._rows.grads.BagRows.uniform`): it is applied once per bag, and the ranges'
+bag (:attr:`~torch_tpu_embedding._rows.row_grad.BagRows.uniform`): it is applied once per bag, and the ranges'
 sums read those rows straight (no gather, no multiply; the same products, so bitwise the same sums).
 The kernel update asks for a range at a time, so the summed rows of a range are used while they are in
 cache (:mod:`.row_update`).
@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from torch_tpu_embedding._rows.grads import BagRows, RowGrad
+from torch_tpu_embedding._rows.row_grad import BagRows, RowGrad
 from torch_tpu_embedding._util.dtypes import math_dtype
 
 __all__ = ["RowSums", "row_sums"]

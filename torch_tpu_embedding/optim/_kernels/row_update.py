@@ -50,7 +50,7 @@ import torch.fx.experimental._config as fx_config
 from torch.utils.weak import WeakIdKeyDictionary
 
 from torch_tpu_embedding._rows.dedup import sink_rows, sinks_sentinel
-from torch_tpu_embedding._rows.grads import table_info
+from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding._util.env import env_setting, switched_on
 from torch_tpu_embedding._util.registry import RULE_KEY, rule_of

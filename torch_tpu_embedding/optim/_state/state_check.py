@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from torch_tpu_embedding._rows.grads import table_info
+from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.dtypes import dtype_kind, math_dtype
 from torch_tpu_embedding.optim._core.contract import SlotSpec
 from torch_tpu_embedding.optim._core.slots import ACCUMULATION

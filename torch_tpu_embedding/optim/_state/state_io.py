@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torch_tpu_embedding._rows.grads import table_info
 from torch_tpu_embedding._rows.placement import device_backend
 from torch_tpu_embedding._rows.row_order import (
     Description,
@@ -30,6 +29,7 @@ from torch_tpu_embedding._rows.row_order import (
     to_logical,
 )
 from torch_tpu_embedding._rows.stacked_state import Members, merge_member_state, split_member_state
+from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding._util.registry import RULE_KEY, resolve_rule, rule_of
 from torch_tpu_embedding.optim._core.extras import EXTRA_DEFAULTS, check_extras

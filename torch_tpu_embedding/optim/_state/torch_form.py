@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torch_tpu_embedding._rows.grads import table_info
 from torch_tpu_embedding._rows.placement import dtensor_placement, is_dtensor, process_group_placement
 from torch_tpu_embedding._rows.stacked_state import merge_member_state, split_member_state
+from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding.optim._core.slots import logical_rows, specs
 from torch_tpu_embedding.optim._state import state_io

@@ -5,9 +5,6 @@ A table parameter carries a :class:`TableInfo` (its name, rows, placement, store
 :func:`register_table` and read by :func:`table_info`; a stacked table's ``weight`` carries its
 :class:`StackedRows` (:func:`register_view`, :func:`stacked_rows`). A table whose weight was replaced is
 retired (:func:`retire_table`) and named by :func:`check_live_tables`.
-
-The gradient classes are :mod:`torch_tpu_embedding._rows.row_grad`'s, named here too for the modules
-that import them from this one.
 """
 
 from __future__ import annotations
@@ -19,22 +16,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torch_tpu_embedding._rows.row_grad import BagRows, RowGrad, row_grad_by_handle
+from torch_tpu_embedding._rows.row_grad import RowGrad
 from torch_tpu_embedding._rows.row_order import RowLayout
 
 if TYPE_CHECKING:
     from torch_tpu_embedding._rows.placement import TablePlacement
 
 __all__ = [
-    "BagRows",
-    "RowGrad",
     "StackedRows",
     "TableInfo",
     "check_live_tables",
     "register_table",
     "refuse_stacked_view",
     "register_view",
-    "retire_table", "row_grad_by_handle",
+    "retire_table",
     "retired_count", "stacked_rows",
     "table_info",
 ]

@@ -1,7 +1,8 @@
 """Helpers the test suites share (tests/ is on ``sys.path``: tests/conftest.py; a spawned rank inherits it).
 
 * A process-group test's ranks: :func:`free_port` (the parent's), :func:`init_rank` and :func:`finish_rank` (each
-  rank's start and end in the ``tests/_*_worker.py`` modules).
+  rank's start and end in the ``tests/_*_worker.py`` modules); :func:`run_ranks`, ranks started as torchrun
+  starts them (one ``python`` each) under a timeout, so that a hang fails the test instead of the suite.
 * ``tte.TrainPipeline``'s references: :func:`pipeline_batches`, the batches of the pipeline suites (tests/train,
   tests/xla), and :func:`train_by_hand`, the plain loop and TF's one-step-stale schedule written out by hand, which
   the pipeline must equal (tests/train/test_pipeline.py in one process, tests/_mp_pipe_worker.py over a group).
@@ -11,15 +12,22 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
 import torch_tpu_embedding as tte
 
-__all__ = ["finish_rank", "free_port", "init_rank", "pipeline_batches", "train_by_hand"]
+__all__ = ["finish_rank", "free_port", "init_rank", "pipeline_batches", "run_ranks", "run_script", "train_by_hand"]
+
+#: the repository root (on a spawned rank's PYTHONPATH)
+ROOT = Path(__file__).parents[1]
 
 
 # ---------------------------------------------------------------------------------- process-group ranks
@@ -28,6 +36,36 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def run_ranks(worker: Path, args: Sequence[str], world: int = 2, hang: float = 240, what: str = "") -> list[str]:
+    """Start ``world`` ranks of ``python worker *args`` (``RANK``, ``WORLD_SIZE``, ``MASTER_*`` set, one OpenMP
+    thread) and return each one's output, in rank order. A rank still running after ``hang`` seconds (two
+    processes importing torch on a loaded machine take a few) is killed with the others, and the test fails
+    naming ``what``."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
+           "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)])),
+           "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(worker), *args], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=hang)[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"{what + ': ' if what else ''}a rank hung (still running after {hang} s)", pytrace=False)
+    return logs
+
+
+def run_script(script: str, timeout: float = 300) -> str:
+    """Run ``python -c script`` with this checkout's package first on its path; assert it exits 0 (its stderr
+    shown otherwise) and return its output (a process of its own: its exit, or its interpreter's, is the test)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, env=env)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 def init_rank(rank: int, world: int, port: int, backend: str = "gloo",

@@ -8,14 +8,11 @@ the suite.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from suite_helpers import free_port
+from suite_helpers import run_ranks
 
 ROOT = Path(__file__).parents[2]
 WORKER = ROOT / "tests" / "_mp_guard_worker.py"
@@ -25,19 +22,7 @@ HANG = 240
 
 def run(scenario: str, tmp_path: Path, world: int = 2) -> list[dict[str, Any]]:
     """Every rank's record of ``scenario``; fails (killing the ranks) when one does not end within :data:`HANG`."""
-    port = str(free_port())
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world),
-           "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)])), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, str(tmp_path)], env={**env, "RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=HANG)[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"{scenario}: a rank hung (still running after {HANG} s)", pytrace=False)
+    logs = run_ranks(WORKER, [scenario, str(tmp_path)], world, HANG, scenario)
     out = []
     for r in range(world):
         f = tmp_path / f"rank{r}.json"

@@ -8,16 +8,13 @@ rank raise and changes nothing, and so does a DTensor value (a sharded TorchRec 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import _mp_interop_worker as W
 import pytest
 import torch
-from suite_helpers import free_port
+from suite_helpers import run_ranks
 
 import torch_tpu_embedding as tte
 
@@ -26,20 +23,7 @@ HANG = 240  # seconds for two processes that import torch; a rank still running 
 
 
 def run(dtensor: bool, tmp_path: Path, world: int = 2) -> list[dict[str, Any]]:
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
-           "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)])),
-           "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "_mp_interop_worker.py"), str(int(dtensor)),
-                               str(tmp_path)], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=HANG)[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"a rank hung (still running after {HANG} s)", pytrace=False)
+    logs = run_ranks(ROOT / "tests" / "_mp_interop_worker.py", [str(int(dtensor)), str(tmp_path)], world, HANG)
     for r in range(world):
         assert (tmp_path / f"rank{r}.pt").exists(), f"rank {r} saved nothing\n{logs[r][-4000:]}"
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]

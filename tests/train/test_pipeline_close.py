@@ -8,9 +8,6 @@ are hang guards, not timings.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from suite_helpers import pipeline_batches
+from suite_helpers import pipeline_batches, run_script
 from test_pipeline_lifecycle import _model, _opts, _step
 
 import torch_tpu_embedding as tte
@@ -112,11 +109,7 @@ def test_a_process_whose_source_blocks_forever_exits(closed: bool) -> None:
         + ("pipe.close()\n" if closed else "")
         + "print('trained', pipe.steps)\n"
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(tte.__file__)))  # (this checkout's package)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "trained 2"
+    assert run_script(script).strip() == "trained 2"
 
 
 @pytest.mark.parametrize("prefetch", [True, False])

@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import copy
 import gc
-import os
-import subprocess
-import sys
 import threading
 import weakref
 from typing import Any
 
 import pytest
 import torch
-from suite_helpers import pipeline_batches, train_by_hand
+from suite_helpers import pipeline_batches, run_script, train_by_hand
 
 import torch_tpu_embedding as tte
 
@@ -107,11 +104,7 @@ def test_a_process_that_leaves_a_pipeline_running_exits() -> None:
         "    pipe.progress(it)\n"
         "print('trained', pipe.steps)\n"
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(tte.__file__)))  # (this checkout's package)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "trained 3"
+    assert run_script(script).strip() == "trained 3"
 
 
 @pytest.mark.parametrize("stale", [False, True])

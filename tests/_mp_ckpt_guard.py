@@ -14,6 +14,11 @@ then meets the others at a barrier (the job's next collective), which it reaches
   table's DTensor for table ``item``: refused there before the rows' move, which every other rank makes.
 * ``ckpt_dtensor_optim_wrong_slot``: the same sharding, Adagrad; torch's ``set_optimizer_state_dict`` where rank 1's
   state holds table ``who``'s accumulator DTensor for table ``item``: refused there before the slots' moves.
+* ``ckpt_dtensor_optim_bad_lr_on_one_rank``: the same; rank 1's state has a negative ``lr``, refused by the
+  checks that run after the slots' moves.
+* ``ckpt_dtensor_optim_plain_on_one_rank`` / ``ckpt_dtensor_optim_plain_on_every_rank``: the same; every table's
+  DTensor slots given as plain tensors (the rank's stored rows, as the optimizer's own layout holds them) on rank 1 only
+  (the others give the DTensors), or on every rank.
 * ``ckpt_dtensor_plain_on_one_rank`` / ``ckpt_dtensor_plain_on_every_rank``: the same sharding; ``load_state_dict`` of
   a state taken a step earlier, where table ``item``'s entry is a plain tensor (the rank's stored rows) on rank 1
   only (the others give the DTensor), or on every rank.
@@ -39,6 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.tensor import DTensor
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding._rows.placement import stored_rows
@@ -189,6 +195,8 @@ def _dtensor(scenario: str, rank: int, model: nn.Module, batch: Any) -> dict[str
         got = _load(lambda p, m, o: set_optimizer_state_dict(ddp, o, osd), Path(), model, opt)
         dist.barrier()
         return got
+    if scenario.startswith("ckpt_dtensor_optim_"):
+        return _optim(scenario, rank, model, ddp, opt, batch)
     sd = model.state_dict()  # (a collective)
     with stored_rows():
         stored = model.state_dict()["ec.tables.item.weight"].detach().clone()
@@ -208,3 +216,30 @@ def _dtensor(scenario: str, rank: int, model: nn.Module, batch: Any) -> dict[str
     got = _load(lambda p, m, o: m.load_state_dict(sd, strict=False), Path(), model, opt)
     dist.barrier()
     return got | {"item_loaded": torch.equal(model.ec.tables["item"].weight.detach(), stored)}
+
+
+def _optim(scenario: str, rank: int, model: nn.Module, ddp: Any, opt: Any, batch: Any) -> dict[str, Any]:
+    """The other ``ckpt_dtensor_optim_*`` scenarios: torch's ``set_optimizer_state_dict`` of a state taken after 2
+    steps, loaded after a third, changed on rank 1 (or every rank)."""
+    osd = get_optimizer_state_dict(ddp, opt)  # (collectives: every rank's slots to their logical blocks)
+    ours = opt.state_dict()["state"]  # our layout: this rank's stored rows, plain tensors
+    plain = {k.split(".")[-2]: {n: v.detach().clone() for n, v in ours[f"table:{k.split('.')[-2]}"].items()
+                                if isinstance(v, torch.Tensor)} for k in osd["state"] if k.startswith("ec.tables.")}
+    _train(ddp, opt, rank, range(2, 3), batch)
+    if scenario == "ckpt_dtensor_optim_bad_lr_on_one_rank":
+        if rank == 1:  # a hyper-parameter refused by the checks after the slots' moves
+            osd["param_groups"][0]["lr"] = -1.0
+    elif scenario in ("ckpt_dtensor_optim_plain_on_one_rank", "ckpt_dtensor_optim_plain_on_every_rank"):
+        if rank == 1 or scenario.endswith("every_rank"):  # every table's DTensor slots as plain stored rows
+            moved = {n for entry in osd["state"].values() for n, v in entry.items() if isinstance(v, DTensor)}
+            for k, entry in osd["state"].items():
+                mine = plain.get(k.split(".")[-2], {})
+                osd["state"][k] = {n: mine[n] if isinstance(v, DTensor) else v for n, v in entry.items()}
+            plain = {t: {n: v for n, v in slots.items() if n in moved} for t, slots in plain.items()}
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")
+    got = _load(lambda p, m, o: set_optimizer_state_dict(ddp, o, osd), Path(), model, opt)
+    dist.barrier()
+    live = opt.state_dict()["state"]["table:item"]  # (our layout, as `plain` was read; its replaced slots)
+    loaded = bool(plain["item"]) and all(torch.equal(live[k], v) for k, v in plain["item"].items())
+    return got | {"item_loaded": loaded}

@@ -143,3 +143,39 @@ def test_a_whole_table_as_a_plain_tensor_is_refused_on_every_rank(tmp_path: Path
     assert [e["type"] for e in r0["errors"]] == ["RuntimeError"], r0
     assert "Rank 1 of the process group failed" in r0["errors"][0]["message"], r0
     assert r0["unchanged"] and r1["unchanged"], (r0, r1)
+
+
+def test_an_optimizer_state_refused_after_its_moves_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
+    """torch's ``set_optimizer_state_dict`` into Adagrad of a model sharded with ``dtensor_state_dict``, rank 1's
+    state with a negative ``lr``: refused by the checks that run after the slots' moves. Before, rank 1 raised
+    and rank 0 loaded (a job half loaded). Now every rank checks, then the ranks agree before anything is written:
+    rank 1 raises its ValueError naming ``lr``, rank 0 a RuntimeError naming rank 1; both unchanged."""
+    r0, r1 = run("ckpt_dtensor_optim_bad_lr_on_one_rank", tmp_path)
+    assert [e["type"] for e in r1["errors"]] == ["ValueError"], r1
+    assert "Optimizer state does not match" in r1["errors"][0]["message"], r1
+    assert "lr" in r1["errors"][0]["message"], r1
+    assert [e["type"] for e in r0["errors"]] == ["RuntimeError"], r0
+    msg = r0["errors"][0]["message"]
+    assert "Rank 1 of the process group failed" in msg and "checks an optimizer state loaded" in msg, msg
+    assert r0["unchanged"] and r1["unchanged"], (r0, r1)
+
+
+def test_optimizer_slots_plain_on_one_rank_and_dtensors_on_the_others_raise_on_every_rank(tmp_path: Path) -> None:
+    """The same load, every table's slots given as plain tensors (rank 1's stored rows, as a job sharded without
+    ``dtensor_state_dict`` saves them) on rank 1, as DTensors on rank 0. Before, rank 1 loaded its rows and went
+    on while rank 0 waited for it in the slots' first move (a hang). Now rank 1's agreement after its checks
+    meets rank 0's move: both raise, naming the move and the plain tensors; models and optimizers bitwise
+    unchanged."""
+    for r, res in enumerate(run("ckpt_dtensor_optim_plain_on_one_rank", tmp_path)):
+        assert [e["type"] for e in res["errors"]] == ["RuntimeError"], (r, res)
+        msg = res["errors"][0]["message"]
+        assert "different exchanges" in msg and "(table `item`:" in msg and "plain tensors" in msg, (r, msg)
+        assert res["unchanged"], (r, res)
+
+
+def test_optimizer_slots_plain_on_every_rank_load_as_each_ranks_stored_rows(tmp_path: Path) -> None:
+    """The same with every rank giving its stored rows of every table's slots as plain tensors: loaded on every
+    rank, each its own rows (table `item`'s checked; the optimizer's own layout holds them so), after the one
+    agreement."""
+    for r, res in enumerate(run("ckpt_dtensor_optim_plain_on_every_rank", tmp_path)):
+        assert res["errors"] == [] and res["item_loaded"] and not res["unchanged"], (r, res)

@@ -13,7 +13,8 @@ optimizer core, the lookup, clipping and the checkpoints ask that object, never 
   manual-sharding region :meth:`~TablePlacement.on_shards`, :meth:`~TablePlacement.all_reduce`,
   :meth:`~TablePlacement.row_sharded`);
 * how its state is saved (:meth:`~TablePlacement.to_logical`, :meth:`~TablePlacement.from_logical`: the
-  process group's DTensor form; :meth:`~TablePlacement.move_failed`: a refused load's part in the move).
+  process group's DTensor form; :meth:`~TablePlacement.move_failed`: a refused load's part in the move;
+  :meth:`~TablePlacement.state_checked`: an optimizer's loaded state agreed on before it is written).
 
 What depends on the device a tensor lives on rather than on a placement (an XLA table's optimizer slots
 laid out like it, several lazy XLA tensors computed in one graph, DCP's planners for XLA tensors) is a
@@ -153,6 +154,13 @@ class TablePlacement:
         """This process refuses a saved state whose rows it would have moved with :meth:`from_logical`: it takes
         part in the move's agreement as failed (with a tensor on ``device``), so that the other processes raise
         there instead of waiting for it. The caller then raises its own error. Nothing to do elsewhere."""
+
+    def state_checked(self, device: torch.device, failed: bool) -> None:
+        """A saved state of an optimizer holding this table, read (its saved form moved, if any) and checked
+        on this process, ``failed`` or not, before anything is written: the processes agree on it (with a
+        tensor on ``device``), so that where one refuses its state every other raises too, naming it, and
+        where one was given the saved form and another plain tensors (nothing to move) they raise at the first
+        move. The caller raises its own error when ``failed``. Nothing to do elsewhere."""
 
     def gather_whole(self, local: Tensor) -> Tensor:
         """This process's stored rows of the table as its whole ``[V, D]`` logical rows, the same on every

@@ -99,6 +99,15 @@ class GroupSharding(TablePlacement):
         for it. The caller then raises its own error."""
         agree_capacity(torch.zeros((), dtype=torch.int64, device=device), self.group, table=self.table, failed=True)
 
+    def state_checked(self, device: torch.device, failed: bool) -> None:
+        """An optimizer's torch-layout state read, its DTensor slots moved (if any) and checked on this rank:
+        one agreement (:func:`agree_capacity`, tag ``"optim"``) before anything is written, so that a rank
+        refusing its state (``failed``) makes every other raise, naming it, and a rank given plain tensors
+        (no move) meets the other ranks' first move there, every rank raising. The caller raises its own
+        error when ``failed``."""
+        agree_capacity(torch.zeros((), dtype=torch.int64, device=device), self.group, what="optim", table=self.table,
+                       failed=failed)
+
     def lookup_failed(self, device: torch.device) -> None:
         """This rank's forward failed before its first exchange (a bad id, a missing feature): take part in
         the step's agreement (:func:`agree_capacity`) with the failure, so that every rank raises at this step
@@ -213,7 +222,9 @@ _KINDS = {"lookup": "looks up table `{table}`",
           "data_parallel": "looks up data-parallel tables {table}",
           "rows": "moves a sharded table's rows between ranks ({of}its state_dict, load_state_dict or a checkpoint)",
           "plain": "loads table `{table}`'s state_dict entry as a plain tensor (its stored rows, given so on every "
-                   "rank), not as a DTensor of its logical rows"}
+                   "rank), not as a DTensor of its logical rows",
+          "optim": "checks an optimizer state loaded in torch's layout, its DTensor slots moved (a rank given plain "
+                   "tensors, its stored rows, for table `{table}` or every table moves none)"}
 
 
 def _tag(what: str, table: str, grad: bool) -> int:
@@ -234,6 +245,7 @@ def describe_tables(tables: Sequence[str]) -> None:
             _tag("lookup", table, grad)
         _tag("plain", table, False)
         _tag("rows", table, False)
+        _tag("optim", table, False)
     _tag("rows", "", False)
 
 
@@ -246,7 +258,8 @@ def agree_capacity(largest: Tensor, group: Any, *, what: str = "rows", table: st
     The same collective agrees that every rank is at the same step: one ``all_reduce(MAX)`` of four int64 (the
     largest load; a tag of the exchange (``what``: ``"lookup"`` of ``table``, ``grad``: recording gradients,
     ``"data_parallel"``: a training lookup of replicated tables (``distributed/step_agreement.py``),
-    ``"rows"``, or ``"plain"``: a load of ``table``'s stored rows, which moves nothing) and its negation, so
+    ``"rows"``, ``"plain"``: a load of ``table``'s stored rows, which moves nothing, or ``"optim"``: an
+    optimizer's loaded state checked, :meth:`GroupSharding.state_checked`) and its negation, so
     that the maximum and the minimum of the tags arrive; the highest
     rank that ``failed`` plus one), read back once. A rank whose step failed before its first collective takes
     part with ``failed=True`` (:meth:`GroupSharding.lookup_failed`) instead of skipping it: the others then

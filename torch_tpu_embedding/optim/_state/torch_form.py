@@ -23,13 +23,19 @@ is split per table again and loads into a collection stacked otherwise; and, und
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torch_tpu_embedding._rows.placement import dtensor_placement, is_dtensor, process_group_placement
+from torch_tpu_embedding._rows.placement import (
+    TablePlacement,
+    dtensor_placement,
+    is_dtensor,
+    process_group_placement,
+)
 from torch_tpu_embedding._rows.stacked_state import merge_member_state, split_member_state
 from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
@@ -277,40 +283,72 @@ def from_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[st
     without them (``flatten_optimizer_state_dict=True`` drops them) is refused, not loaded with the
     counters reset; so is an empty entry (what that option gives for an optimizer with no slots).
 
-    Every entry is read and checked before the first DTensor slot is moved (a collective). A rank that
-    refuses its state takes part in that first move as failed (:func:`_refuse_moves`): over a process group
-    every rank then raises, this one its ``ValueError``, the others a ``RuntimeError`` naming it, none waiting
-    for another and none loading alone.
+    Every entry is read and checked before the first DTensor slot is moved (a collective). For an optimizer
+    holding a table sharded over a process group with ``dtensor_state_dict=True``, every rank then checks the
+    state it would write (:func:`~torch_tpu_embedding.optim._state.state_io.state_problems`: hyper-parameters,
+    every slot, the moved ones included) and the ranks agree on it before anything is written
+    (:meth:`~torch_tpu_embedding._rows.placement.TablePlacement.state_checked`: one ``all_reduce`` of four int64
+    per load, whether it moved DTensors or read plain tensors, each rank's stored rows). A rank that refuses its
+    state takes part in the first move, or in that agreement, as failed: over a process group every rank then
+    raises, this one its ``ValueError``, the others a ``RuntimeError`` naming it, none waiting for another and
+    none loading alone; a rank given plain tensors where another was given DTensors meets the other's first
+    move with that agreement, and every rank raises (the ranks are at different exchanges).
     """
     if _is_ours(sd) or not isinstance(sd.get("state"), Mapping) or not all(
             isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in sd["param_groups"]):
         return None  # ours, or not a state_dict at all: our loader names the problem
     keys = param_keys(opt)  # type: ignore[arg-type]
     live = {keys[id(p)]: p for g in opt.param_groups for p in g["params"]}
+    shared = _first_dtensor_table(opt)
     try:
         state, groups, counters, moves = _read_torch_layout(opt, sd, keys, live)
     except Exception:
-        _refuse_moves(opt, sd)
+        _refuse_moves(shared)
         raise
     for key, group in moves:  # every entry checked: the slots' moves (collectives), the same on every rank
         state[key] = _from_dtensors(opt, state[key], key, live, group)
-    return {"state": state, "param_groups": groups, **counters}
+    out = {"state": state, "param_groups": groups, **counters}
+    if shared is not None:
+        # What load_state_dict would refuse after the moves (a hyper-parameter, a slot's dtype), found on one
+        # rank only, must not leave the others loading alone: every rank checks, then they agree, nothing
+        # written yet. (The caller checks again: the same answer, no collective.)
+        problems = state_io.state_problems(opt, out)  # type: ignore[arg-type]
+        shared.state_checked(failed=bool(problems))
+        if problems:
+            raise ValueError("Optimizer state does not match: " + "; ".join(problems))
+    return out
 
 
-def _refuse_moves(opt: torch.optim.Optimizer, sd: Mapping[str, Any]) -> None:
-    """This rank refuses a torch-layout state whose DTensor slots it would have moved: it takes part in the
-    first move as failed (:meth:`~torch_tpu_embedding._rows.placement.TablePlacement.move_failed`, over the
-    group of the optimizer's first table whose state is DTensors), so that the other ranks, at that move, raise
-    there instead of waiting for it. A state without DTensors makes no move here, nor on ranks given the same."""
-    if not any(isinstance(e, Mapping) and any(is_dtensor(v) for v in e.values()) for e in sd["state"].values()):
-        return
+@dataclasses.dataclass(frozen=True)
+class _Shared:
+    """The first table of an optimizer sharded over a process group with ``dtensor_state_dict=True``: its
+    placement (over whose group a torch-layout load agrees) and its device."""
+
+    placement: TablePlacement
+    device: torch.device
+
+    def state_checked(self, failed: bool) -> None:
+        self.placement.state_checked(self.device, failed)
+
+
+def _first_dtensor_table(opt: torch.optim.Optimizer) -> _Shared | None:
     for g in opt.param_groups:
         for p in g["params"]:
             spread = dtensor_placement(p)
             if spread is not None:
-                with contextlib.suppress(Exception):  # the caller raises its own error, whatever this meets
-                    spread.move_failed(p.device)
-                return
+                return _Shared(spread, p.device)
+    return None
+
+
+def _refuse_moves(shared: _Shared | None) -> None:
+    """This rank refuses a torch-layout state before its first move: over the group of the optimizer's first
+    table sharded with ``dtensor_state_dict=True``, it takes part in the first move as failed
+    (:meth:`~torch_tpu_embedding._rows.placement.TablePlacement.move_failed`), so that the other ranks, at
+    that move or at the agreement after their checks (no DTensor to move: plain tensors), raise there instead
+    of waiting for it. An optimizer without such a table makes no collective here, nor on the other ranks."""
+    if shared is not None:
+        with contextlib.suppress(Exception):  # the caller raises its own error, whatever this meets
+            shared.placement.move_failed(shared.device)
 
 
 def _read_torch_layout(opt: torch.optim.Optimizer, sd: Mapping[str, Any], keys: Mapping[int, str],

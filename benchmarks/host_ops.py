@@ -26,7 +26,9 @@ concatenated by the user's ``torch.cat``; ``concat=True``; and a duck-typed ``Ke
     leaves them warm. The cold step starts every ``T`` from the same cache state.
 
   Each kind is given as wall time and as the Python thread's CPU time (``time.thread_time``: what the host
-  computed, without time spent preempted or waiting on other threads). ``--rounds`` repeats every ``T``'s
+  computed, without time spent preempted or waiting on other threads), and its wall time by phase: the forward
+  and the loss, ``backward()``, the optimizers' ``step()`` and ``zero_grad()`` (whose trace reads no host data:
+  where it grows with T, the cache state did, not the work). ``--rounds`` repeats every ``T``'s
   process, the ``T`` alternating, and prints each round's ratios and their median.
 
   At a fixed batch, each feature brings its own bags: T = 100's step carries 100 times T = 1's ids (102,400)
@@ -171,24 +173,35 @@ def trace_time(t: int, steps: int, flush_mb: int, scale: int = 1) -> dict[str, A
     y = torch.zeros(256 * scale, device=dev)
     junk = torch.zeros(flush_mb << 18) if flush_mb else None  # float32: 2**18 per MiB
     kinds: dict[str, list[tuple[float, float]]] = {"warm": [], "cold": []}
+    phases: dict[str, list[list[float]]] = {"warm": [], "cold": []}  # forward and loss, backward, step
     for i in range(3 + (2 * steps if junk is not None else steps)):
         cold = junk is not None and i % 2 == 1
         if cold:
             junk.add_(1)  # every cache line of the buffer written: the host's caches hold nothing of the step
         start, cpu = time.perf_counter(), time.thread_time()
-        step(ec, head, opts, data[i % 4], "concat", y)
+        act = ec(data[i % 4], concat=True)  # (step()'s concat form, its three parts timed)
+        loss = torch.nn.functional.mse_loss(head(act).squeeze(1), y)
+        forward = time.perf_counter()
+        loss.backward()
+        backward = time.perf_counter()
+        for o in opts:
+            o.step()
+            o.zero_grad()
         traced, cpu = time.perf_counter() - start, time.thread_time() - cpu
         torch_xla.sync()
         xm.wait_device_ops()
         if i >= 3:
             kinds["cold" if cold else "warm"].append((traced * 1e3, cpu * 1e3))
+            phases["cold" if cold else "warm"].append([(forward - start) * 1e3, (backward - forward) * 1e3,
+                                                       (traced - (backward - start)) * 1e3])
     out: dict[str, Any] = {}
     for kind, times in kinds.items():
         if times:
             wall = [w for w, _ in times]
             prefix = "trace" if kind == "warm" else "cold_trace"
             out.update({f"{prefix}_ms": statistics.median(wall), f"{prefix}_ms_range": [min(wall), max(wall)],
-                        f"{prefix}_cpu_ms": statistics.median(c for _, c in times)})
+                        f"{prefix}_cpu_ms": statistics.median(c for _, c in times),
+                        f"{prefix}_phases_ms": [statistics.median(p[j] for p in phases[kind]) for j in range(3)]})
     return out
 
 
@@ -289,6 +302,10 @@ def main() -> None:
                     ratios.setdefault((k, str(base)), []).append(ratio)
                     cells[-1] += f", {label(hi)}/{label(base)} {ratio[0]:.2f} ({ratio[1]:.2f})"
         print(f"round {n}: " + "; ".join(cells))
+        print("  phases, ms (forward and loss / backward / step() and zero_grad()): " + "; ".join(
+            f"{name[k]} " + ", ".join(f"{label(t)} " + " / ".join(f"{x:.2f}" for x in got[t][f"{k}_phases_ms"])
+                                      for t in [*args.features, *([SAME] if SAME in got else [])])
+            for k in kinds))
     if hi > lo:
         print("goal: XLA trace T={}/T={} ≤ 1.5; median over rounds, wall (CPU): {}".format(hi, lo, ", ".join(
             f"{name[k]}{'' if base == str(lo) else ' against ' + base} {statistics.median(w for w, _ in v):.2f} "

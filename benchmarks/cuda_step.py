@@ -29,6 +29,7 @@ import argparse
 import os
 import statistics
 import subprocess
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,25 +41,53 @@ OURS = {"sgd": ("SGD", {}), "adagrad": ("Adagrad", {}), "lazyadam": ("LazyAdam",
 PEERS = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "lazyadam": torch.optim.SparseAdam}
 
 
-def _timed(step: Callable[[int], Any], iters: int, device: torch.device) -> list[float]:
+#: the host's time to dispatch each timed step (ms), by label: a step whose host time nears its device time is
+#: bound by the host (Python and dispatch), not by the GPU
+HOST_MS: dict[str, list[float]] = {}
+
+
+def _timed(step: Callable[[int], Any], iters: int, device: torch.device, label: str = "") -> list[float]:
     for i in range(5):
         step(i)
-    out = []
+    out, host = [], []
     for i in range(iters):
         if device.type == "cuda":
+            torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            t0 = time.perf_counter()
             step(i)
+            host.append((time.perf_counter() - t0) * 1e3)
             end.record()
             end.synchronize()
             out.append(start.elapsed_time(end))
         else:
-            import time
-
             t0 = time.perf_counter()
             step(i)
             out.append((time.perf_counter() - t0) * 1e3)
+            host.append(out[-1])
+    HOST_MS[label] = sorted(host)
     return sorted(out)
+
+
+def _profile(step: Callable[[int], Any], label: str, path: str, device: torch.device) -> None:
+    """Three steady steps under torch.profiler; the kernels (or, on the CPU, the ops) by total time, appended to
+    ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for i in range(3):
+            step(i)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    try:
+        table = prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=70)
+    except (AttributeError, KeyError, ValueError):
+        table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70)
+    with open(path, "a") as fh:
+        fh.write(f"== {label}: 3 steps\n{table}\n")
 
 
 def _summary(ms: list[float]) -> str:
@@ -77,7 +106,7 @@ def _floor(ring: list[dict[str, torch.Tensor]], names: list[str], args: argparse
         torch.index_select(w, 0, dev_ids[i % 4], out=buf)
         w.index_copy_(0, distinct[i % 4], buf[: distinct[i % 4].numel()])
 
-    return _timed(step, args.iters, dev)
+    return _timed(step, args.iters, dev, "floor")
 
 
 def main() -> None:
@@ -90,6 +119,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--optimizers", nargs="+", default=list(OURS), choices=list(OURS))
+    ap.add_argument("--profile", default="", help="a file: append each step's torch.profiler table to it")
     args = ap.parse_args()
     os.environ.setdefault("TTE_KERNEL_AFTER", "2")
     import torch_tpu_embedding as tte
@@ -104,6 +134,7 @@ def main() -> None:
     results: dict[str, list[float]] = {}
 
     results["floor"] = _floor(ring, names, args, dev)
+    print(f"floor {_summary(results['floor'])}", flush=True)
 
     for opt_name in args.optimizers:
         cls_name, kw = OURS[opt_name]
@@ -119,7 +150,10 @@ def main() -> None:
             opt.step()
             opt.zero_grad()
 
-        results[f"ours {opt_name}"] = _timed(ours, args.iters, dev)
+        results[f"ours {opt_name}"] = _timed(ours, args.iters, dev, f"ours {opt_name}")
+        print(f"ours {opt_name} {_summary(results[f'ours {opt_name}'])}", flush=True)
+        if args.profile:
+            _profile(ours, f"ours {opt_name}", args.profile, dev)
         if dev.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
@@ -144,15 +178,18 @@ def main() -> None:
                 peer.step()
                 peer.zero_grad()
 
-            results[f"torch {opt_name}"] = _timed(theirs, args.iters, dev)
+            results[f"torch {opt_name}"] = _timed(theirs, args.iters, dev, f"torch {opt_name}")
+            print(f"torch {opt_name} {_summary(results[f'torch {opt_name}'])}", flush=True)
+            if args.profile:
+                _profile(theirs, f"torch {opt_name}", args.profile, dev)
             del bags, peer
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
     print(f"{args.tables} tables × {args.rows:,} × {args.dim}, batch {args.batch} × {args.ids} ids, mean; "
-          f"ms per step, median (p10–p90) of {args.iters}")
+          f"ms per step, median (p10–p90) of {args.iters}; the host's dispatch time of the same steps")
     for label, ms in results.items():
-        print(f"  {label:<24s} {_summary(ms)}")
+        print(f"  {label:<24s} {_summary(ms)}   host {_summary(HOST_MS[label])}")
     floor = statistics.median(results["floor"])
     for opt_name in args.optimizers:
         mine = statistics.median(results[f"ours {opt_name}"])

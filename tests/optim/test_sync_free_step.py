@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -93,16 +94,18 @@ class _BlockingCopies(TorchDispatchMode):
 
 
 def _train(cfg: OptimizerConfig, device: str | torch.device = "cpu",
-           steady: contextlib.AbstractContextManager[Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+           steady: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
+           ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The collection's and the optimizer's state after 5 steps (``{}``, ``{}`` on the meta device: a state dict
-    reads counters, which is no step's business); ``steady``: a context the last two steps run in (each step's
-    ids new from the host; tests/package/test_cuda.py runs them on CUDA under ``set_sync_debug_mode``)."""
+    reads counters, which is no step's business); ``steady``: makes the context each of the last two steps runs in
+    (each step's ids new from the host; tests/package/test_cuda.py runs them on CUDA under ``set_sync_debug_mode``;
+    a new context per step: a ``contextlib.contextmanager`` is entered once)."""
     ec = _collection(device)
     opt = cfg.make(ec.parameters())
     head = {f: torch.linspace(-1.0, 1.5, 12 * d, dtype=F64).view(12, d).to(device)
             for f, d in (("fa", 4), ("fb", 4), ("fc", 3))}
     for i, batch in enumerate(_batches()):
-        with steady if steady is not None and i >= 3 else contextlib.nullcontext():
+        with steady() if steady is not None and i >= 3 else contextlib.nullcontext():
             out = ec(batch)
             sum((out[f] * head[f]).sum() for f in head).backward()  # type: ignore[union-attr]
             opt.step()
@@ -135,7 +138,7 @@ def test_every_step_runs_without_reading_the_device(cfg: OptimizerConfig, monkey
     # The meta tables hold no values, which a lookup refuses (the user must lay them out first): allowed here.
     monkeypatch.setattr(plan, "check_not_meta", lambda *args: None)
     copies = _BlockingCopies()
-    _train(cfg, "meta", copies)
+    _train(cfg, "meta", lambda: copies)
     assert copies.blocking == []  # the batch's ids travel without a blocking copy
 
 

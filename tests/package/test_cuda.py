@@ -120,7 +120,7 @@ def test_a_steady_step_makes_no_host_device_sync(cfg: OptimizerConfig) -> None:
             if isinstance(x, dict) else x
 
     cpu = train_host_ids(cfg, "cpu")
-    dev = train_host_ids(cfg, "cuda", no_sync())
+    dev = train_host_ids(cfg, "cuda", no_sync)
     torch.testing.assert_close(host(dev), cpu, rtol=1e-10, atol=1e-10)
 
 
@@ -141,7 +141,7 @@ def test_a_steady_kernel_step_makes_no_host_device_sync(cfg: OptimizerConfig,
     monkeypatch.setattr(row_update, "call", counted)
     before, enabled = row_update.set_policy(2, 0), row_update.set_enabled(True)  # (the suite turns it off)
     try:
-        dev = train_host_ids(cfg, "cuda", no_sync())
+        dev = train_host_ids(cfg, "cuda", no_sync)
     finally:
         row_update.set_policy(*before)
         row_update.set_enabled(enabled)

@@ -24,6 +24,7 @@ import torch
 
 from torch_tpu_embedding._rows.dedup import (
     coalesce_rows,
+    dedup_static,
     drop_sentinel,
     is_static_device,
     sink_padding,
@@ -37,13 +38,14 @@ from torch_tpu_embedding._rows.placement import (
     process_group_placement,
     reduction_group,
 )
-from torch_tpu_embedding._rows.row_grad import RowGrad
+from torch_tpu_embedding._rows.row_grad import BagRows, RowGrad
 from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding.optim._core.extras import clip_by_norm
 from torch_tpu_embedding.optim._core.rule_pipeline import Path
 from torch_tpu_embedding.optim._core.stacked_members import clip_members, member_rows, segment_of
 from torch_tpu_embedding.optim._core.step_values import StepClock
+from torch_tpu_embedding.optim._kernels import triton_rows
 from torch_tpu_embedding.optim._kernels.c_rules import grouped_ids, sorted_keys
 from torch_tpu_embedding.optim._kernels.row_sums import RowSums, row_sums
 
@@ -105,8 +107,10 @@ def take(p: Tensor, group: dict[str, Any], path: Path) -> Taken:
     # ADDITIVE multiplies the factored rows out piecewise; KERNEL sums them per id without doing so,
     # except on a 16-bit table: its backward multiplies float32 gains out and rounds the rows to 16
     # bits, and the factored form (16-bit gains) would round differently from the reference path.
-    # (An accelerator's KERNEL takes the static duplicate sum: the factored one's sort reads sizes on the host.)
-    factored = path is Path.ADDITIVE or (path is Path.KERNEL and math_dtype(p) == p.dtype and not sync_free(p.device))
+    # (An accelerator's KERNEL takes the static duplicate sum: the factored one's sort reads sizes on the host; on
+    # CUDA with Triton the static sum itself takes the factored rows, :func:`_summed_on_device`.)
+    factored = path is Path.ADDITIVE or (path is Path.KERNEL and math_dtype(p) == p.dtype
+                                         and (not sync_free(p.device) or _sums_factored(p, group)))
     piecewise = factored and not group["gradient_accumulation_steps"]
     if info is not None:
         # The next backward hands over its rows factored only to a consumer that multiplies them out
@@ -171,6 +175,13 @@ def prepare(
                 return None
             g, gate = acc
     else:
+        if taken.pieces is not None and path is Path.KERNEL and sync_free(p.device):
+            summed = _summed_on_device(p, taken.pieces) if s is None else None
+            if summed is not None:
+                ids, g = summed
+                return work(ids, _clip(p, g, ids, group["clipnorm"]) if group["clipnorm"] else g, None)
+            all_ids, all_rows = taken.pieces.collect()  # multiplied out, summed below as on the reference path
+            taken = Taken(ids=all_ids, rows=all_rows)
         if taken.pieces is not None and path is Path.KERNEL:
             sums = row_sums(taken.pieces, p, sort_keys=sorted_keys, group=grouped_ids)
             if sums is None:  # multiplied out and summed as on the reference path
@@ -215,6 +226,39 @@ def prepare(
     if group["clipnorm"]:
         g = _clip(p, g, ids, group["clipnorm"])
     return work(ids, g, gate)
+
+
+def _sums_factored(p: Tensor, group: dict[str, Any]) -> bool:
+    """Whether ``p``'s static duplicate sum takes its rows factored (:func:`_summed_on_device`): CUDA with Triton,
+    no loss scale (the reference path divides each row before the sum)."""
+    return sinks_sentinel(p.device) and triton_rows.available(p.device) and group["loss_scale_factor"] is None
+
+
+def _summed_on_device(p: Tensor, pieces: RowGrad) -> tuple[Tensor, Tensor] | None:
+    """The static duplicate sum of ``coalesce_rows`` from factored rows: ``(uniq [N], g [N, D])``, ``dedup_static``'s
+    ids with their sentinel tail and each id's ``gain · dL/dout`` added into its row by
+    :func:`.triton_rows.add_rows` (no ``[N, D]`` rows made, then summed: the products and the atomic adds are
+    ``spread``'s and ``index_add_``'s). ``None`` where the kernel does not take the tensors (nothing done)."""
+    chunks = pieces.chunks()
+    ids = torch.cat([i for i, _ in chunks]) if len(chunks) > 1 else chunks[0][0]
+    uniq, inv = dedup_static(ids, p.shape[0])
+    dtype = math_dtype(p)
+    todo: list[tuple[Tensor, Tensor, Tensor | None, int]] = []
+    at = 0
+    for part, rows in chunks:
+        n = part.numel()
+        if isinstance(rows, BagRows):
+            gains = None if rows.unit and rows.width == 1 else rows.gains.reshape(-1)
+            todo.append((inv[at : at + n], rows.grad_out.to(dtype), gains, max(1, rows.width)))
+        else:
+            todo.append((inv[at : at + n], rows.to(dtype), None, 1))
+        at += n
+    g = torch.zeros(ids.shape[0], p.shape[1], dtype=dtype, device=p.device)
+    if not all(triton_rows.accepts_add(g, *t) for t in todo):
+        return None
+    for t in todo:
+        triton_rows.add_rows(g, *t)
+    return uniq, g
 
 
 def _clip(p: Tensor, g: Tensor, ids: Tensor | None, clipnorm: float, owned: bool = False) -> Tensor:

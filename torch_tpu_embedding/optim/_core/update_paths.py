@@ -41,7 +41,7 @@ a table), so the row bookkeeping is written once.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -64,7 +64,7 @@ from torch_tpu_embedding.optim._core.ema import ema_rows
 from torch_tpu_embedding.optim._core.rule_pipeline import Path, gated, pipeline
 from torch_tpu_embedding.optim._core.slots import RowSpace, rule_slots
 from torch_tpu_embedding.optim._core.stacked_members import member_rows, segment_of
-from torch_tpu_embedding.optim._kernels import c_rules, row_update
+from torch_tpu_embedding.optim._kernels import c_rules, row_update, triton_rows
 from torch_tpu_embedding.optim._kernels.c_add import add_rows_kernel
 
 if TYPE_CHECKING:
@@ -193,7 +193,7 @@ def _update_additive(item: Work) -> None:
         return increment(g, lr, out=out)
 
     chunk, sentinel = ADDITIVE_CHUNK, p.shape[0]
-    if _compiled_additive(item):
+    if _compiled_additive(item) or _triton_additive(item, delta):
         return
     small: list[tuple[Tensor, Tensor, bool]] = []  # pieces of fewer rows, added together (see flush)
 
@@ -293,6 +293,30 @@ def _compiled_additive(item: Work) -> bool:
             todo.append((ids, rows.to(p.dtype), None))
     kernel(p, todo)
     item.state["step"].add_(1)  # (a CPU table: in place, one op)
+    return True
+
+
+def _triton_additive(item: Work, delta: Callable[[Tensor], Tensor]) -> bool:
+    """``Path.ADDITIVE`` on CUDA through :func:`.triton_rows.add_rows`: per chunk, ``delta`` (the increment) of
+    each bag's ``dL/dout`` (or of each accumulated row), then one kernel adds ``gain · it`` per id; the products
+    and the atomic adds are the eager path's (``spread``, ``index_add_``). ``False``: nothing done (no Triton, a
+    16-bit table, or tensors the kernel does not take), the eager path runs."""
+    p, pieces = item.p, item.pieces
+    assert pieces is not None
+    if not triton_rows.available(p.device) or math_dtype(p) != p.dtype:
+        return False
+    todo: list[tuple[Tensor, Tensor, Tensor | None, int]] = []
+    for ids, rows in pieces.chunks():
+        if isinstance(rows, BagRows):
+            gains = None if rows.unit and rows.width == 1 else rows.gains.reshape(-1)
+            todo.append((ids, delta(rows.grad_out), gains, max(1, rows.width)))
+        else:
+            todo.append((ids, delta(rows), None, 1))
+    if not all(triton_rows.accepts_add(p.detach(), *t) for t in todo):
+        return False
+    for t in todo:
+        triton_rows.add_rows(p.detach(), *t)
+    item.state["step"].copy_(item.state["step"] + 1)
     return True
 
 

@@ -58,6 +58,7 @@ from torch_tpu_embedding.optim._core.contract import RowContext, Slots
 from torch_tpu_embedding.optim._core.ema import ema_row_update, momentum_now
 from torch_tpu_embedding.optim._core.rule_pipeline import gated, pipeline
 from torch_tpu_embedding.optim._core.slots import logical_rows, rule_slots
+from torch_tpu_embedding.optim._kernels import triton_rows
 
 if TYPE_CHECKING:
     from torch_tpu_embedding.optim._core.grad_intake import Work
@@ -176,16 +177,18 @@ def compiled_kernels() -> int:
 
 # --------------------------------------------------------------------------------------- the update kernel
 def _kernel_source(
-    rule_hp: Mapping[str, Any], names: tuple[str, ...], mdtype: torch.dtype, gate: bool, ema: bool, sink: bool
+    rule_hp: Mapping[str, Any], names: tuple[str, ...], mdtype: torch.dtype, gate: bool, ema: bool, sink: bool,
+    masked: bool = False,
 ) -> Callable[..., list[Tensor]]:
     """The Python that is compiled: the reference row update of ``_core.update_paths`` for unique ids.
 
     With ``sink`` (an eager accelerator: the sorted ids of ``dedup_static`` with their sentinel tail) it writes
-    nothing: it returns the rows to write (:func:`~torch_tpu_embedding._rows.dedup.sink_rows`' values, in the
-    order slots, weight, EMA), which :func:`update` copies at the clamped ids. The tail's rows are the sink row's
-    new rows, and a kernel that wrote them itself would read that row in one position after another position
-    had written it (a fused loop, or a GPU's threads, runs positions in no order): measured as the update
-    applied twice to the sink row."""
+    nothing: it returns the rows to write (in the order slots, weight, EMA), which :func:`update` copies. The
+    tail's rows are the sink row's new rows, and a kernel that wrote them itself would read that row in one
+    position after another position had written it (a fused loop, or a GPU's threads, runs positions in no
+    order): measured as the update applied twice to the sink row. With ``masked`` (CUDA with Triton) the copy
+    skips the tail (:func:`.triton_rows.copy_rows`), so the rows are returned as computed; without it they
+    carry :func:`~torch_tpu_embedding._rows.dedup.sink_rows`' values, copied at the clamped ids."""
     momentum = float(rule_hp.get("ema_momentum", 0.0))
 
     def kernel_rows(p: Tensor, ids: Tensor, g: Tensor, row_slots: list[Tensor], lr: Tensor, step: Tensor,
@@ -197,7 +200,7 @@ def _kernel_source(
 
         def copy_rows(dst: Tensor, value: Tensor, old: Tensor) -> None:
             if sink:
-                out.append(sink_rows(ids, value, old, sentinel)[1])
+                out.append(value if masked else sink_rows(ids, value, old, sentinel)[1])
             else:
                 dst.index_copy_(0, ids, value)
 
@@ -229,14 +232,14 @@ def _key(item: Work, names: tuple[str, ...]) -> tuple[Any, ...]:
     hp = tuple(sorted((k, repr(v)) for k, v in group.items() if k not in _NOT_HP | _NOT_IN_KERNEL))
     slot_dtypes = tuple(state[k].dtype for k in names)
     return (rule.__module__, rule.__qualname__, hp, p.device.type, p.dtype, p.dim(), slot_dtypes,
-            item.gate is not None, torch.get_num_threads(), sinks_sentinel(p.device))
+            item.gate is not None, torch.get_num_threads(), sinks_sentinel(p.device), _masked(p))
 
 
 def _build(item: Work, names: tuple[str, ...]) -> Callable[..., list[Tensor]]:
     group = item.group
     rule_hp = {k: v for k, v in group.items() if k not in _NOT_HP}
     src = _kernel_source(rule_hp, names, math_dtype(item.p), item.gate is not None, bool(group["use_ema"]),
-                         sinks_sentinel(item.p.device))
+                         sinks_sentinel(item.p.device), _masked(item.p))
     # A code object of its own per configuration: torch.compile keeps its compiled graphs per code
     # object, and a shared one would count every configuration against one recompile limit.
     code = src.__code__.replace(co_name=f"kernel_rows_{group['algorithm']}_{len(_KERNELS)}")
@@ -377,15 +380,34 @@ def update(item: Work) -> bool:
     return True
 
 
+def _masked(p: Tensor) -> bool:
+    """Whether a sink kernel's rows for ``p`` are copied by :func:`.triton_rows.copy_rows` (the tail skipped)."""
+    return sinks_sentinel(p.device) and triton_rows.available(p.device)
+
+
 def _write(args: tuple[Any, ...], rows: list[Tensor]) -> None:
     """Copy a sink kernel's rows (:func:`_kernel_source`) into the slots, the weight and the EMA state of its
-    ``args``, at the clamped ids (duplicates of the sink row carry the same bytes); nothing for a kernel that
-    wrote them itself."""
+    ``args``: with Triton at the real ids alone, else at the clamped ids (duplicates of the sink row carry the
+    same bytes); nothing for a kernel that wrote them itself."""
     if not rows:
         return
     p, ids, _, row_slots, *_, ema_t, ema_last = args[:10]
-    at = ids.clamp(max=p.shape[0] - 1)
     dsts = [*row_slots, p, *([ema_t, ema_last] if ema_t is not None else [])]
+    sentinel = p.shape[0]
+    if _masked(p):
+        # (each kernel checks its tensors before launching: one refused is copied through torch, below)
+        left = [(dst, value) for dst, value in zip(dsts, rows, strict=True)
+                if not triton_rows.copy_rows(dst, ids, value, sentinel)]
+        if not left:
+            return
+        # (rows made for the masked copy: their tail is given the sink row's values here, from rows not yet
+        # written)
+        at = ids.clamp(max=sentinel - 1)
+        with torch.no_grad():
+            for dst, value in left:
+                dst.index_copy_(0, at, sink_rows(ids, value, dst.index_select(0, at), sentinel)[1])
+        return
+    at = ids.clamp(max=sentinel - 1)
     with torch.no_grad():
         for dst, value in zip(dsts, rows, strict=True):
             dst.index_copy_(0, at, value)

@@ -1,0 +1,142 @@
+"""The CUDA row writes of :mod:`torch_tpu_embedding.optim._kernels.triton_rows`, checked with no GPU under Triton's
+interpreter (``TRITON_INTERPRET=1``, CPU tensors).
+
+The interpreter is chosen when a kernel is defined (at import), so :func:`test_the_triton_interpreter_run_passes` runs
+this file's ``interpreted`` tests in a process of their own with it set; they skip in the suite's own process. They
+check each kernel against torch's op (``index_add_``, a masked ``index_copy_``) and, on the accelerator's static-shape
+path forced on the CPU (as tests/optim/test_sync_free_step.py forces it), that a step whose writes go through the
+kernels (counted) gives the CPU's results: SGD's additive update, and the compiled row update's masked copy.
+tests/package/test_cuda.py runs the same steps on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from optim_registry import SYNC_FREE, OptimizerConfig, cases
+from test_sync_free_step import _train
+
+from torch_tpu_embedding._rows import dedup
+from torch_tpu_embedding.optim._kernels import row_update, triton_rows
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted = pytest.mark.skipif(not INTERPRETED or not triton_rows.available(torch.device("cpu")),
+                                 reason="runs under TRITON_INTERPRET=1 (test_the_triton_interpreter_run_passes)")
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreted run itself")
+def test_the_triton_interpreter_run_passes() -> None:
+    if triton_rows.triton is None:
+        pytest.skip("triton is not installed (torch's CUDA builds bring it; the CI's torch 2.9 environment has it)")
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "interpreted"], capture_output=True, text=True, timeout=900, env=env, cwd=root)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    assert " skipped" not in done.stdout.splitlines()[-1], done.stdout[-2000:]
+    assert f"{_INTERPRETED_TESTS} passed" in done.stdout.splitlines()[-1], done.stdout[-2000:]
+
+
+# ------------------------------------------------------------------ the kernels against torch's ops
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("form", ["gains", "no gains", "broadcast"])
+@pytest.mark.parametrize("dim", [5, 300])
+def test_interpreted_add_rows_is_index_add(dtype: torch.dtype, form: str, dim: int) -> None:
+    """Duplicates, the sentinel (padding) and the table's last row among the ids; ``dim`` 300 spans two column
+    blocks. The interpreter adds in the ids' order, as the CPU's ``index_add_`` does: bitwise."""
+    g = torch.Generator().manual_seed(0)
+    rows, width, bags = 10, 3, 7
+    ids = torch.randint(0, rows + 1, (bags * width,), generator=g)
+    ids[:3] = torch.tensor([rows - 1, rows, rows - 1])
+    src = torch.randn(bags, dim, generator=g, dtype=dtype)
+    if form == "broadcast":  # (loss = out.sum(): one gradient row for every bag, stride 0)
+        src = src[:1].expand(bags, dim)
+    gains = torch.rand(bags * width, generator=g, dtype=dtype) if form == "gains" else None
+    table = torch.randn(rows, dim, generator=g, dtype=dtype)
+    want = table.clone()
+    spread = src.repeat_interleave(width, 0)
+    spread = spread if gains is None else gains[:, None] * spread
+    real = ids < rows
+    want.index_add_(0, ids[real], spread[real])
+    assert triton_rows.add_rows(table, ids, src, gains, width)
+    assert torch.equal(table, want)
+
+
+@interpreted
+@pytest.mark.parametrize("shape", [(12, 6), (12,), (12, 300)])
+def test_interpreted_copy_rows_writes_the_real_ids_alone(shape: tuple[int, ...]) -> None:
+    """Sorted distinct ids with a sentinel tail (``dedup_static``'s): the real rows written, the tail nothing."""
+    g = torch.Generator().manual_seed(1)
+    table = torch.randn(*shape, generator=g)
+    ids = torch.tensor([0, 3, 11, 12, 12, 12])
+    src = torch.randn(6, *shape[1:], generator=g)
+    want = table.clone()
+    want[ids[:3]] = src[:3]
+    assert triton_rows.copy_rows(table, ids, src, 12)
+    assert torch.equal(table, want)
+
+
+def test_kernels_refuse_what_they_cannot_take() -> None:
+    """Checked before a launch (no GPU or interpreter needed): the caller then writes through torch."""
+    t = torch.zeros(4, 3, dtype=torch.float16)
+    assert not triton_rows.accepts_add(t, torch.tensor([0]), torch.ones(1, 3), None, 1)  # a 16-bit table
+    t32 = torch.zeros(4, 3)
+    assert not triton_rows.accepts_add(t32, torch.tensor([0], dtype=torch.int32), torch.ones(1, 3), None, 1)
+    assert not triton_rows.accepts_add(t32, torch.tensor([0, 1, 2]), torch.ones(1, 3), None, 2)  # 3 ids > 1 bag × 2
+    assert not triton_rows.accepts_add(t32.t(), torch.tensor([0]), torch.ones(1, 4), None, 1)  # columns not unit
+    assert triton_rows.accepts_add(t32, torch.tensor([0, 1]), torch.ones(1, 3), None, 2)
+    assert not triton_rows.available(torch.device("meta"))
+
+
+# ------------------------------------------------------------------ the step through the kernels
+_STEP_CASES = [c for c in cases(SYNC_FREE) if c.id in ("sgd", "sgd-accum2-skip", "lazy_adam-options",
+                                                        "rowwise_adagrad", "ftrl-ema", "adagrad")]
+
+
+@interpreted
+@pytest.mark.parametrize("cfg", _STEP_CASES, ids=str)
+def test_interpreted_sync_free_step_through_triton_gives_the_cpu_results(cfg: OptimizerConfig,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Five steps on the CPU's own path, then on the accelerator's forced on the CPU with the compiled row update
+    from the third call (``set_policy(2, 0)``): the kernels of this module write (counted), and the results are
+    the CPU's (float64; the compiled update's arithmetic against the reference path's, hence 1e-12)."""
+    want_w, want_s = _train(cfg)
+    calls: list[str] = []
+    for name in ("add_rows", "copy_rows"):
+        real = getattr(triton_rows, name)
+
+        def counted(*args: Any, _real: Any = real, _name: str = name) -> bool:
+            done: bool = _real(*args)
+            calls.append(_name if done else f"{_name} refused")
+            return done
+
+        monkeypatch.setattr(triton_rows, name, counted)
+    monkeypatch.setattr(dedup, "HOST_READ_DEVICE_TYPES", set())
+    before, enabled = row_update.set_policy(2, 0), row_update.set_enabled(True)
+    try:
+        got_w, got_s = _train(cfg)
+    finally:
+        row_update.set_policy(*before)
+        row_update.set_enabled(enabled)
+    # SGD adds each id's increment; the other rules sum the factored rows (add_rows, where there is no loss scale
+    # and no accumulation window: their rows are multiplied out first) and copy the updated rows; so does SGD
+    # with skip_nonfinite, which needs the summed rows.
+    expected = {"add_rows"} if cfg.id == "sgd" else {"copy_rows"} if "accum" in cfg.id \
+        or cfg.kwargs.get("loss_scale_factor") else {"add_rows", "copy_rows"}
+    assert set(calls) == expected, calls
+    for k, v in want_w.items():
+        torch.testing.assert_close(got_w[k], v, rtol=1e-12, atol=1e-14, msg=lambda m, k=k: f"{k}: {m}")
+    for key, slots in want_s.items():
+        for slot, v in slots.items():
+            torch.testing.assert_close(got_s[key][slot], v, rtol=1e-12, atol=1e-14, msg=lambda m, s=slot: f"{s}: {m}")
+
+
+_INTERPRETED_TESTS = 2 * 3 * 2 + 3 + len(_STEP_CASES)

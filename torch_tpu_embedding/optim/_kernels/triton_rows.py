@@ -1,0 +1,158 @@
+"""The eager step's row writes on CUDA as Triton kernels: adding spread bag gradients, and copying updated rows.
+
+On a CUDA table the eager step keeps static shapes (no host read, :mod:`~torch_tpu_embedding._rows.dedup`): the
+ids of a step carry a sentinel tail (padding), written into the table's last row with the value that row gets
+anyway. Through torch's ops that costs passes over ``[N, D]`` arrays: SGD's step made every id's row
+(``gain · increment(g[bag])``), masked the padding (``where``) and added it (``index_add_``); the kernel row
+update (:mod:`.row_update`) returned each updated slot, weight and EMA row, its tail made to carry the sink
+row's bytes (``sink_rows``), and ``index_copy_`` wrote each. Measured on one H200 (torch 2.11, 4 tables × 2M
+× 128, 16,384 bags × 20 ids; docs/benchmarks.md): ``index_copy_`` moved 1.4 TB/s, a third of the copy
+bandwidth. Here:
+
+* :func:`add_rows`: ``dst[ids[i]] += gains[i] · src[i // L]`` for every id that is not the sentinel, one
+  kernel per piece: the ``[B, D]`` per-bag rows are read (they stay in L2), nothing ``[N, D]`` is written. The
+  adds are atomic, as ``index_add_``'s are on CUDA (duplicates sum in no fixed order, there and here). Each
+  product is rounded once and added, as ``spread`` and ``index_add_`` round it.
+* :func:`copy_rows`: ``dst[ids[i]] = src[i]`` for every id that is not the sentinel: sorted distinct ids
+  (``dedup_static``), so no row is written twice and the tail writes nothing (no sink-row value needed).
+
+:func:`available` says whether they run (a CUDA tensor, Triton importable: torch's CUDA builds bring it, and
+``TTE_TRITON`` not ``0``); elsewhere the callers take torch's ops. Triton's interpreter
+(``TRITON_INTERPRET=1``) runs both on CPU tensors, as tests/optim/test_triton_rows.py does where no GPU is.
+
+Example (on a GPU)::
+
+    >>> import torch
+    >>> if available(torch.device("cuda")):
+    ...     t = torch.zeros(3, 2, device="cuda")
+    ...     add_rows(t, torch.tensor([0, 3, 0], device="cuda"), torch.ones(3, 2, device="cuda"), None, 1)
+    ...     assert t.tolist() == [[2.0, 2.0], [0.0, 0.0], [0.0, 0.0]]  # id 3, the sentinel, adds nothing
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch.autograd.graph import increment_version
+
+try:  # an optional dependency: CUDA builds of torch install it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU-only torch without triton
+    triton = None
+    tl = None
+
+__all__ = ["accepts_add", "add_rows", "available", "copy_rows"]
+
+Tensor = torch.Tensor
+
+#: rows per program, and the widest column block (wider rows loop over blocks)
+_BLOCK_ROWS = 16
+_MAX_BLOCK_D = 256
+
+
+def available(device: torch.device) -> bool:
+    """Whether this module's kernels run for tensors on ``device``: CUDA (or, under Triton's interpreter, the
+    CPU), Triton importable, ``TTE_TRITON`` not ``0``."""
+    if triton is None or os.environ.get("TTE_TRITON", "1") == "0":
+        return False
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if triton is not None:
+
+    @triton.jit  # type: ignore[misc]
+    def _add_rows_kernel(dst: Any, ids: Any, src: Any, gains: Any, n: Any, bound: Any, width: Any,
+                         dst_stride: Any, src_stride: Any, DIM: tl.constexpr, HAS_GAINS: tl.constexpr,  # noqa: N803
+                         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr) -> None:  # noqa: N803
+        r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        in_range = r < n
+        at = tl.load(ids + r, mask=in_range, other=bound)
+        real = in_range & (at < bound) & (at >= 0)
+        bag = r // width
+        if HAS_GAINS:
+            gain = tl.load(gains + r, mask=real, other=0.0)
+        for d0 in tl.static_range(0, DIM, BLOCK_D):
+            c = d0 + tl.arange(0, BLOCK_D)
+            m = real[:, None] & (c[None, :] < DIM)
+            v = tl.load(src + bag[:, None] * src_stride + c[None, :], mask=m, other=0.0)
+            if HAS_GAINS:
+                v = gain[:, None] * v
+            tl.atomic_add(dst + at[:, None] * dst_stride + c[None, :], v.to(dst.dtype.element_ty), mask=m,
+                          sem="relaxed")
+
+    @triton.jit  # type: ignore[misc]
+    def _copy_rows_kernel(dst: Any, ids: Any, src: Any, n: Any, bound: Any, dst_stride: Any, src_stride: Any,
+                          DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr) -> None:  # noqa: N803
+        r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        in_range = r < n
+        at = tl.load(ids + r, mask=in_range, other=bound)
+        real = in_range & (at < bound) & (at >= 0)
+        for d0 in tl.static_range(0, DIM, BLOCK_D):
+            c = d0 + tl.arange(0, BLOCK_D)
+            m = real[:, None] & (c[None, :] < DIM)
+            v = tl.load(src + r[:, None] * src_stride + c[None, :], mask=m)
+            tl.store(dst + at[:, None] * dst_stride + c[None, :], v.to(dst.dtype.element_ty), mask=m)
+
+
+def _rows_view(t: Tensor) -> Tensor | None:
+    """``t`` as ``[rows, columns]`` with unit column stride (a 1-D slot as one column), or ``None``."""
+    v = t.unsqueeze(1) if t.dim() == 1 else t.flatten(1) if t.dim() > 2 and t[0].is_contiguous() else t
+    return v if v.dim() == 2 and (v.stride(1) == 1 or v.shape[1] == 1) else None
+
+
+def _block_d(dim: int) -> int:
+    return min(_MAX_BLOCK_D, max(16, triton.next_power_of_2(dim)))
+
+
+def accepts_add(dst: Tensor, ids: Tensor, src: Tensor, gains: Tensor | None, width: int) -> bool:
+    """Whether :func:`add_rows` takes these tensors (checked before any piece of a step is added)."""
+    d, s = _rows_view(dst), _rows_view(src)
+    return not (d is None or s is None or ids.dtype != torch.int64 or d.shape[1] != s.shape[1] or width < 1
+                or ids.numel() > s.shape[0] * width or dst.dtype not in (torch.float32, torch.float64)
+                or src.device != dst.device or ids.device != dst.device
+                or (gains is not None and (gains.numel() != ids.numel() or gains.device != dst.device)))
+
+
+def add_rows(dst: Tensor, ids: Tensor, src: Tensor, gains: Tensor | None, width: int) -> bool:
+    """``dst[ids[i]] += gains[i] · src[i // width]`` (``gains`` ``None``: ``src[i // width]``) for each ``i`` whose
+    id is a row of ``dst`` (the sentinel ``dst.shape[0]``, padding, adds nothing). ``dst [V, D]``; ``ids [B·L]``
+    int64; ``src [B, D]`` (rows of any stride, a broadcast one included); ``gains [B·L]`` or ``None``. ``False``
+    (nothing done) where the kernel cannot take the tensors (:func:`accepts_add`): the caller adds through torch."""
+    if not accepts_add(dst, ids, src, gains, width):
+        return False
+    d, s = _rows_view(dst), _rows_view(src)
+    assert d is not None and s is not None
+    n = ids.numel()
+    if n == 0:
+        return True
+    ids_c = ids.contiguous()
+    g = ids_c if gains is None else gains.reshape(-1).contiguous()
+    src_stride = s.stride(0) if s.shape[0] > 1 else 0
+    _add_rows_kernel[(triton.cdiv(n, _BLOCK_ROWS),)](
+        d, ids_c, s, g, n, d.shape[0], width, d.stride(0), src_stride, DIM=d.shape[1],
+        HAS_GAINS=gains is not None, BLOCK_R=_BLOCK_ROWS, BLOCK_D=_block_d(d.shape[1]))
+    increment_version(dst)  # (written through its pointer: autograd's check of saved tensors sees the change)
+    return True
+
+
+def copy_rows(dst: Tensor, ids: Tensor, src: Tensor, bound: int) -> bool:
+    """``dst[ids[i]] = src[i]`` for each ``i`` whose id is below ``bound`` (the table's rows: the sentinel tail
+    writes nothing). ``ids [N]`` int64, no row twice among the real ones; ``src [N, ...]`` shaped as ``dst``'s
+    rows. ``False`` (nothing done) where the kernel cannot take the tensors: the caller copies through torch."""
+    d, s = _rows_view(dst), _rows_view(src)
+    if d is None or s is None or ids.dtype != torch.int64 or d.shape[1] != s.shape[1] \
+            or s.shape[0] != ids.numel() or bound > d.shape[0] or src.device != dst.device or ids.device != dst.device:
+        return False
+    n = ids.numel()
+    if n == 0:
+        return True
+    _copy_rows_kernel[(triton.cdiv(n, _BLOCK_ROWS),)](
+        d, ids.contiguous(), s, n, bound, d.stride(0), s.stride(0), DIM=d.shape[1],
+        BLOCK_R=_BLOCK_ROWS, BLOCK_D=_block_d(d.shape[1]))
+    increment_version(dst)
+    return True

@@ -150,7 +150,12 @@ def main() -> None:
             opt.step()
             opt.zero_grad()
 
-        results[f"ours {opt_name}"] = _timed(ours, args.iters, dev, f"ours {opt_name}")
+        try:
+            results[f"ours {opt_name}"] = _timed(ours, args.iters, dev, f"ours {opt_name}")
+        except Exception as e:  # (one optimizer's failure reported, the others still measured)
+            print(f"ours {opt_name} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+            del ec, opt
+            continue
         print(f"ours {opt_name} {_summary(results[f'ours {opt_name}'])}", flush=True)
         if args.profile:
             _profile(ours, f"ours {opt_name}", args.profile, dev)
@@ -191,7 +196,7 @@ def main() -> None:
     for label, ms in results.items():
         print(f"  {label:<24s} {_summary(ms)}   host {_summary(HOST_MS[label])}")
     floor = statistics.median(results["floor"])
-    for opt_name in args.optimizers:
+    for opt_name in [o for o in args.optimizers if f"ours {o}" in results]:
         mine = statistics.median(results[f"ours {opt_name}"])
         line = f"  {opt_name:<18s} {mine / floor:5.2f}× the floor (goal ≤ 4)"
         if f"torch {opt_name}" in results:

@@ -25,6 +25,8 @@ from test_sync_free_step import _train
 from torch_tpu_embedding._rows import dedup
 from torch_tpu_embedding.optim._kernels import row_update, triton_rows
 
+triton = triton_rows.triton
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRETED or not triton_rows.available(torch.device("cpu")),
                                  reason="runs under TRITON_INTERPRET=1 (test_the_triton_interpreter_run_passes)")
@@ -94,6 +96,29 @@ def test_kernels_refuse_what_they_cannot_take() -> None:
     assert not triton_rows.accepts_add(t32.t(), torch.tensor([0]), torch.ones(1, 4), None, 1)  # columns not unit
     assert triton_rows.accepts_add(t32, torch.tensor([0, 1]), torch.ones(1, 3), None, 2)
     assert not triton_rows.available(torch.device("meta"))
+
+
+@pytest.mark.skipif(triton_rows.triton is None or INTERPRETED, reason="needs triton (compiled, not interpreted)")
+@pytest.mark.parametrize("dtype", ["fp32", "fp64"])
+def test_the_kernels_compile_for_hopper(dtype: str) -> None:
+    """Each kernel compiled to an H100 / H200 binary (sm_90) with no GPU: the interpreter runs what Triton's
+    compiler may refuse (it reads the annotations, and globals)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", 90, 32)
+    common = {"ids": "*i64", "n": "i64", "bound": "i64", "dst_stride": "i64", "src_stride": "i64",
+              "dst": f"*{dtype}", "src": f"*{dtype}", "DIM": "constexpr", "BLOCK_R": "constexpr", "BLOCK_D": "constexpr"}
+    for has_gains in (True, False):
+        sig = {**common, "gains": f"*{dtype}", "width": "i64", "HAS_GAINS": "constexpr"}
+        sig = {k: sig[k] for k in triton_rows._add_rows_kernel.arg_names}
+        src = ASTSource(fn=triton_rows._add_rows_kernel, signature=sig,
+                        constexprs={"DIM": 128, "HAS_GAINS": has_gains, "BLOCK_R": 16, "BLOCK_D": 128})
+        assert "atom" in triton.compile(src, target=target).asm["ptx"]
+    sig = {k: common[k] for k in triton_rows._copy_rows_kernel.arg_names}
+    src = ASTSource(fn=triton_rows._copy_rows_kernel, signature=sig, constexprs={"DIM": 300, "BLOCK_R": 16,
+                                                                                 "BLOCK_D": 256})
+    assert triton.compile(src, target=target).asm["ptx"]
 
 
 # ------------------------------------------------------------------ the step through the kernels

@@ -49,7 +49,7 @@ def test_the_triton_interpreter_run_passes() -> None:
 # ------------------------------------------------------------------ the kernels against torch's ops
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("form", ["gains", "no gains", "broadcast"])
+@pytest.mark.parametrize("form", ["gains", "no gains", "broadcast", "one value"])
 @pytest.mark.parametrize("dim", [5, 300])
 def test_interpreted_add_rows_is_index_add(dtype: torch.dtype, form: str, dim: int) -> None:
     """Duplicates, the sentinel (padding) and the table's last row among the ids; ``dim`` 300 spans two column
@@ -59,8 +59,10 @@ def test_interpreted_add_rows_is_index_add(dtype: torch.dtype, form: str, dim: i
     ids = torch.randint(0, rows + 1, (bags * width,), generator=g)
     ids[:3] = torch.tensor([rows - 1, rows, rows - 1])
     src = torch.randn(bags, dim, generator=g, dtype=dtype)
-    if form == "broadcast":  # (loss = out.sum(): one gradient row for every bag, stride 0)
+    if form == "broadcast":  # one gradient row for every bag (row stride 0)
         src = src[:1].expand(bags, dim)
+    if form == "one value":  # loss = out.sum(): one number for every element (strides 0, 0)
+        src = torch.tensor(0.7, dtype=dtype).expand(bags, dim)
     gains = torch.rand(bags * width, generator=g, dtype=dtype) if form == "gains" else None
     table = torch.randn(rows, dim, generator=g, dtype=dtype)
     want = table.clone()
@@ -164,4 +166,4 @@ def test_interpreted_sync_free_step_through_triton_gives_the_cpu_results(cfg: Op
             torch.testing.assert_close(got_s[key][slot], v, rtol=1e-12, atol=1e-14, msg=lambda m, s=slot: f"{s}: {m}")
 
 
-_INTERPRETED_TESTS = 2 * 3 * 2 + 3 + len(_STEP_CASES)
+_INTERPRETED_TESTS = 2 * 4 * 2 + 3 + len(_STEP_CASES)

@@ -115,13 +115,9 @@ def test_a_steady_step_makes_no_host_device_sync(cfg: OptimizerConfig) -> None:
     ``skip_nonfinite``, clipping and without dedup: the steps after the first three run under
     ``set_sync_debug_mode("error")``, and give the CPU's results (float64; CUDA's atomics sum duplicates in
     another order, hence 1e-10). (Tables this small take the reference path: the kernel's test is below.)"""
-    def host(x: Any) -> Any:
-        return x.cpu() if isinstance(x, torch.Tensor) else {k: host(v) for k, v in x.items()} \
-            if isinstance(x, dict) else x
-
     cpu = train_host_ids(cfg, "cpu")
     dev = train_host_ids(cfg, "cuda", no_sync)
-    torch.testing.assert_close(host(dev), cpu, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(_on_host(dev), cpu, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("cfg", [c for c in cases(SYNC_FREE) if c.id in ("lazy_adam-options", "rowwise_adagrad",
@@ -152,8 +148,12 @@ def test_a_steady_kernel_step_makes_no_host_device_sync(cfg: OptimizerConfig,
 
 
 def _on_host(x: Any) -> Any:
-    return x.cpu() if isinstance(x, torch.Tensor) else {k: _on_host(v) for k, v in x.items()} \
-        if isinstance(x, dict) else x
+    """``x`` (tensors in dicts, tuples and lists) with every tensor copied to the CPU."""
+    if isinstance(x, torch.Tensor):
+        return x.cpu()
+    if isinstance(x, dict):
+        return {k: _on_host(v) for k, v in x.items()}
+    return type(x)(_on_host(v) for v in x) if isinstance(x, (tuple, list)) else x
 
 
 @pytest.mark.parametrize("cfg", DEFAULTS, ids=str)

@@ -106,13 +106,21 @@ def _rows_view(t: Tensor) -> Tensor | None:
     return v if v.dim() == 2 and (v.stride(1) == 1 or v.shape[1] == 1) else None
 
 
+def _source(src: Tensor) -> Tensor:
+    """``src [B, D]`` with unit column stride: one broadcast row (``loss = out.sum()``'s gradient, strides
+    ``(0, 0)``) made a real row, still broadcast over the bags; other strides copied."""
+    if src.dim() == 2 and src.shape[0] and src.stride(0) == 0 and src.stride(1) != 1:
+        return src[:1].contiguous().expand(src.shape)
+    return src if src.dim() != 2 or src.stride(1) == 1 or src.shape[1] <= 1 else src.contiguous()
+
+
 def _block_d(dim: int) -> int:
     return min(_MAX_BLOCK_D, max(16, triton.next_power_of_2(dim)))
 
 
 def accepts_add(dst: Tensor, ids: Tensor, src: Tensor, gains: Tensor | None, width: int) -> bool:
     """Whether :func:`add_rows` takes these tensors (checked before any piece of a step is added)."""
-    d, s = _rows_view(dst), _rows_view(src)
+    d, s = _rows_view(dst), _rows_view(_source(src))
     return not (d is None or s is None or ids.dtype != torch.int64 or d.shape[1] != s.shape[1] or width < 1
                 or ids.numel() > s.shape[0] * width or dst.dtype not in (torch.float32, torch.float64)
                 or src.device != dst.device or ids.device != dst.device
@@ -126,7 +134,7 @@ def add_rows(dst: Tensor, ids: Tensor, src: Tensor, gains: Tensor | None, width:
     (nothing done) where the kernel cannot take the tensors (:func:`accepts_add`): the caller adds through torch."""
     if not accepts_add(dst, ids, src, gains, width):
         return False
-    d, s = _rows_view(dst), _rows_view(src)
+    d, s = _rows_view(dst), _rows_view(_source(src))
     assert d is not None and s is not None
     n = ids.numel()
     if n == 0:

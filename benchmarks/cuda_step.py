@@ -165,7 +165,6 @@ def main() -> None:
             results[f"ours {opt_name}"] = _timed(ours, args.iters, dev, f"ours {opt_name}")
         except Exception as e:  # (one optimizer's failure reported, the others still measured)
             print(f"ours {opt_name} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
-            del ec, opt
             continue
         print(f"ours {opt_name} {_summary(results[f'ours {opt_name}'])}", flush=True)
         if args.profile:

@@ -32,7 +32,6 @@ Example (on a GPU)::
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 from torch.autograd.graph import increment_version
@@ -115,7 +114,7 @@ def _source(src: Tensor) -> Tensor:
 
 
 def _block_d(dim: int) -> int:
-    return min(_MAX_BLOCK_D, max(16, triton.next_power_of_2(dim)))
+    return min(_MAX_BLOCK_D, max(16, int(triton.next_power_of_2(dim))))
 
 
 def accepts_add(dst: Tensor, ids: Tensor, src: Tensor, gains: Tensor | None, width: int) -> bool:

@@ -15,6 +15,7 @@ set -u
 out=${OUT:-.}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_WAIT_POLICY=PASSIVE PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+echo "host: $(lscpu 2>/dev/null | sed -n "s/^Model name: *//p" | head -1), $(nproc) cores" | tee -a "$out/gpu.txt"
 "${PY:-python3}" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$out/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee -a "$out/gpu.txt"
 timeout "${BENCH_S:-300}" "${PY:-python3}" benchmarks/cuda_step.py --profile "$out/cuda_profile.txt" > "$out/cuda_step.log" 2>&1

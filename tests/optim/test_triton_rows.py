@@ -22,6 +22,7 @@ import torch
 from optim_registry import SYNC_FREE, OptimizerConfig, cases
 from test_sync_free_step import _train
 
+import torch_tpu_embedding as tte
 from torch_tpu_embedding._rows import dedup
 from torch_tpu_embedding.optim._kernels import row_update, triton_rows
 
@@ -117,10 +118,18 @@ def test_the_kernels_compile_for_hopper(dtype: str) -> None:
         src = ASTSource(fn=triton_rows._add_rows_kernel, signature=sig,
                         constexprs={"DIM": 128, "HAS_GAINS": has_gains, "BLOCK_R": 16, "BLOCK_D": 128})
         assert "atom" in triton.compile(src, target=target).asm["ptx"]
-    sig = {k: common[k] for k in triton_rows._copy_rows_kernel.arg_names}
-    src = ASTSource(fn=triton_rows._copy_rows_kernel, signature=sig, constexprs={"DIM": 300, "BLOCK_R": 16,
-                                                                                 "BLOCK_D": 256})
-    assert triton.compile(src, target=target).asm["ptx"]
+    # Triton makes an integer argument of 1 a constant (bags of one id): that specialisation compiles too
+    sig = {**common, "gains": f"*{dtype}", "width": "constexpr", "HAS_GAINS": "constexpr"}
+    sig = {k: sig[k] for k in triton_rows._add_rows_kernel.arg_names}
+    src = ASTSource(fn=triton_rows._add_rows_kernel, signature=sig,
+                    constexprs={"DIM": 64, "width": 1, "HAS_GAINS": False, "BLOCK_R": 16, "BLOCK_D": 64})
+    assert "atom" in triton.compile(src, target=target).asm["ptx"]
+    # the copies: float rows, and EMA's int32 step counts (one column)
+    for dst, src_t, dim in ((f"*{dtype}", f"*{dtype}", 300), ("*i32", "*i32", 1)):
+        sig = {k: {**common, "dst": dst, "src": src_t}[k] for k in triton_rows._copy_rows_kernel.arg_names}
+        src = ASTSource(fn=triton_rows._copy_rows_kernel, signature=sig,
+                        constexprs={"DIM": dim, "BLOCK_R": 16, "BLOCK_D": max(16, min(256, dim))})
+        assert triton.compile(src, target=target).asm["ptx"]
 
 
 # ------------------------------------------------------------------ the step through the kernels
@@ -166,4 +175,116 @@ def test_interpreted_sync_free_step_through_triton_gives_the_cpu_results(cfg: Op
             torch.testing.assert_close(got_s[key][slot], v, rtol=1e-12, atol=1e-14, msg=lambda m, s=slot: f"{s}: {m}")
 
 
-_INTERPRETED_TESTS = 2 * 4 * 2 + 3 + len(_STEP_CASES)
+@interpreted
+def test_interpreted_a_compiled_step_traces_torch_ops_not_a_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``torch.compile(opt.step, fullgraph=True)`` the accelerator's SGD step is traced (torch's ops, in the
+    user's graph): no Triton launch inside the trace, which dynamo cannot take."""
+    calls: list[int] = []
+    add = triton_rows.add_rows
+
+    def counted(*args: Any) -> bool:
+        calls.append(1)
+        done: bool = add(*args)
+        return done
+
+    monkeypatch.setattr(triton_rows, "add_rows", counted)
+    monkeypatch.setattr(dedup, "HOST_READ_DEVICE_TYPES", set())
+    torch.manual_seed(0)
+    ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(10, 3, name="t", combiner="sum"),
+                                                         max_ids_per_bag=2)})
+    opt = tte.optim.SGD(ec.parameters(), lr=0.1)
+    step = torch.compile(opt.step, backend="aot_eager", fullgraph=True)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ec({"f": tte.Padded(torch.randint(0, 10, (8, 2), generator=g))})["f"].sum().backward()
+        step()
+    assert not calls
+
+
+# ------------------------------------------------------------------ bag edges: empty unit bags, a frozen member
+def _edge_run(make: Any, static: bool) -> list[torch.Tensor]:
+    """Six steps on a stacked group of three tables: ``u`` sum bags of one id (no per-id gain) with empty bags,
+    ``m`` padded mean bags, ``z`` frozen (its ids become the sentinel) from the fourth step; ``static``: the
+    accelerator's path forced on the CPU. Returns every weight and optimizer state tensor."""
+    saved = set(dedup.HOST_READ_DEVICE_TYPES)
+    if static:
+        dedup.HOST_READ_DEVICE_TYPES.clear()
+    try:
+        torch.manual_seed(0)
+        u = tte.TableConfig(10, 3, name="u", combiner="sum", dtype=torch.float64)
+        m = tte.TableConfig(12, 3, name="m", combiner="mean", dtype=torch.float64)
+        z = tte.TableConfig(8, 3, name="z", combiner="sum", dtype=torch.float64)
+        ec = tte.EmbeddingCollection({"fu": tte.FeatureConfig(u), "fm": tte.FeatureConfig(m, max_ids_per_bag=3),
+                                      "fz": tte.FeatureConfig(z, max_ids_per_bag=2)})
+        assert len(list(ec.parameters())) == 1  # one stacked group
+        opt = make(ec.parameters())
+        head = torch.linspace(-3.0, 5.0, 8 * 9, dtype=torch.float64).view(8, 9)
+        g = torch.Generator().manual_seed(1)
+        for step in range(6):
+            if step == 3:
+                ec.tables.z.requires_grad_(False)
+            batch = {"fu": tte.Padded(torch.randint(0, 10, (8, 1), generator=g), torch.rand(8, 1, generator=g) > 0.5),
+                     "fm": tte.Padded(torch.randint(0, 12, (8, 3), generator=g), torch.rand(8, 3, generator=g) > 0.3),
+                     "fz": tte.Padded(torch.randint(0, 8, (8, 2), generator=g))}
+            (ec(batch, concat=True) * head).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return [*(p.detach().clone() for p in ec.parameters()),
+                *(v.clone() for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))]
+    finally:
+        dedup.HOST_READ_DEVICE_TYPES.clear()
+        dedup.HOST_READ_DEVICE_TYPES.update(saved)
+
+
+_EDGE_OPTIMIZERS = {
+    "sgd": lambda ps: tte.optim.SGD(ps, lr=0.1),
+    "adagrad-clipnorm": lambda ps: tte.optim.Adagrad(ps, lr=0.1, clipnorm=1.0),
+    "lazyadam-global_clipnorm": lambda ps: tte.optim.LazyAdam(ps, lr=0.1, global_clipnorm=1.0),
+    "rowwise_adagrad": lambda ps: tte.optim.RowWiseAdagrad(ps, lr=0.1),
+}
+
+
+@interpreted
+@pytest.mark.parametrize("refuse", [False, True], ids=["triton copies", "torch copies"])
+@pytest.mark.parametrize("name", list(_EDGE_OPTIMIZERS))
+def test_interpreted_bag_edges_through_triton_give_the_cpu_results(name: str, refuse: bool,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Empty unit bags and a frozen member add nothing to the duplicate sum (whose norms ``clipnorm`` and
+    ``global_clipnorm`` take over every row); with the weight's copy refused by the kernel, torch copies it with
+    the sink row's values. The CPU's results within 1e-12 (float64; norms summed in another order)."""
+    want = _edge_run(_EDGE_OPTIMIZERS[name], static=False)
+    calls: list[str] = []
+    copy = triton_rows.copy_rows
+
+    def copy_or_refuse(dst: torch.Tensor, ids: torch.Tensor, src: torch.Tensor, bound: int) -> bool:
+        if refuse:
+            calls.append("refused")
+            return False
+        calls.append("copy_rows")
+        return copy(dst, ids, src, bound)
+
+    add = triton_rows.add_rows
+
+    def counted_add(*args: Any) -> bool:
+        calls.append("add_rows")
+        done: bool = add(*args)
+        return done
+
+    monkeypatch.setattr(triton_rows, "copy_rows", copy_or_refuse)
+    monkeypatch.setattr(triton_rows, "add_rows", counted_add)
+    before, enabled = row_update.set_policy(2, 0), row_update.set_enabled(True)
+    try:
+        got = _edge_run(_EDGE_OPTIMIZERS[name], static=True)
+    finally:
+        row_update.set_policy(*before)
+        row_update.set_enabled(enabled)
+    assert "add_rows" in calls, calls
+    if name != "sgd":
+        assert ("refused" if refuse else "copy_rows") in calls and ("copy_rows" if refuse else "refused") not in calls, \
+            calls
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14, msg=lambda msg, i=i: f"tensor {i}: {msg}")
+
+
+_INTERPRETED_TESTS = 2 * 4 * 2 + 3 + len(_STEP_CASES) + 1 + 2 * len(_EDGE_OPTIMIZERS)

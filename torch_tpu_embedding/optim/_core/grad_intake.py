@@ -242,6 +242,10 @@ def _summed_on_device(p: Tensor, pieces: RowGrad) -> tuple[Tensor, Tensor] | Non
     chunks = pieces.chunks()
     ids = torch.cat([i for i, _ in chunks]) if len(chunks) > 1 else chunks[0][0]
     uniq, inv = dedup_static(ids, p.shape[0])
+    # Padding (and a frozen member's ids, made the sentinel) points past g's rows, so the kernel adds nothing there:
+    # the sentinel's row stays 0 as coalesce_rows leaves it (a unit bag's padding has no gain of 0 to rely on, and
+    # clipnorm's norms run over every row of g).
+    inv = torch.where(ids < p.shape[0], inv, ids.shape[0])
     dtype = math_dtype(p)
     todo: list[tuple[Tensor, Tensor, Tensor | None, int]] = []
     at = 0

@@ -31,6 +31,7 @@ Example (on a GPU)::
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -54,8 +55,9 @@ _MAX_BLOCK_D = 256
 
 def available(device: torch.device) -> bool:
     """Whether this module's kernels run for tensors on ``device``: CUDA (or, under Triton's interpreter, the
-    CPU), Triton importable, ``TTE_TRITON`` not ``0``."""
-    if triton is None or os.environ.get("TTE_TRITON", "1") == "0":
+    CPU), Triton importable, ``TTE_TRITON`` not ``0``, not while ``torch.compile`` traces."""
+    if triton is None or os.environ.get("TTE_TRITON", "1") == "0" or torch.compiler.is_compiling():
+        # (under torch.compile the step is traced: torch's ops there, compiled with the user's graph)
         return False
     if device.type == "cuda":
         return True
@@ -113,6 +115,13 @@ def _source(src: Tensor) -> Tensor:
     return src if src.dim() != 2 or src.stride(1) == 1 or src.shape[1] <= 1 else src.contiguous()
 
 
+def _on(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """The tensors' GPU made current for a launch: Triton launches on the current device and its current stream
+    (a table on ``cuda:1`` while ``cuda:0`` is current would be written from the wrong device); torch's ops guard
+    their device themselves."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _block_d(dim: int) -> int:
     return min(_MAX_BLOCK_D, max(16, int(triton.next_power_of_2(dim))))
 
@@ -141,9 +150,10 @@ def add_rows(dst: Tensor, ids: Tensor, src: Tensor, gains: Tensor | None, width:
     ids_c = ids.contiguous()
     g = ids_c if gains is None else gains.reshape(-1).contiguous()
     src_stride = s.stride(0) if s.shape[0] > 1 else 0
-    _add_rows_kernel[(triton.cdiv(n, _BLOCK_ROWS),)](
-        d, ids_c, s, g, n, d.shape[0], width, d.stride(0), src_stride, DIM=d.shape[1],
-        HAS_GAINS=gains is not None, BLOCK_R=_BLOCK_ROWS, BLOCK_D=_block_d(d.shape[1]))
+    with _on(dst.device):
+        _add_rows_kernel[(triton.cdiv(n, _BLOCK_ROWS),)](
+            d, ids_c, s, g, n, d.shape[0], width, d.stride(0), src_stride, DIM=d.shape[1],
+            HAS_GAINS=gains is not None, BLOCK_R=_BLOCK_ROWS, BLOCK_D=_block_d(d.shape[1]))
     increment_version(dst)  # (written through its pointer: autograd's check of saved tensors sees the change)
     return True
 
@@ -159,8 +169,9 @@ def copy_rows(dst: Tensor, ids: Tensor, src: Tensor, bound: int) -> bool:
     n = ids.numel()
     if n == 0:
         return True
-    _copy_rows_kernel[(triton.cdiv(n, _BLOCK_ROWS),)](
-        d, ids.contiguous(), s, n, bound, d.stride(0), s.stride(0), DIM=d.shape[1],
-        BLOCK_R=_BLOCK_ROWS, BLOCK_D=_block_d(d.shape[1]))
+    with _on(dst.device):
+        _copy_rows_kernel[(triton.cdiv(n, _BLOCK_ROWS),)](
+            d, ids.contiguous(), s, n, bound, d.stride(0), s.stride(0), DIM=d.shape[1],
+            BLOCK_R=_BLOCK_ROWS, BLOCK_D=_block_d(d.shape[1]))
     increment_version(dst)
     return True

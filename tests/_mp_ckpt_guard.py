@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from suite_helpers import same_state, snapshot_state
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor
@@ -50,20 +51,9 @@ import torch_tpu_embedding as tte
 from torch_tpu_embedding._rows.placement import stored_rows
 from torch_tpu_embedding.checkpoint import snapshot
 from torch_tpu_embedding.distributed import sharded_checkpoint
+from torch_tpu_embedding.optim._state import state_io
 
 __all__ = ["run"]
-
-
-def _snapshot(model: nn.Module, opt: Any) -> list[torch.Tensor]:
-    with stored_rows():  # (no collective under dtensor_state_dict: each rank's stored rows)
-        out = [v.detach().clone() for v in model.state_dict().values() if isinstance(v, torch.Tensor)]
-    for slots in opt.state.values():
-        out += [v.detach().clone() for v in slots.values() if isinstance(v, torch.Tensor)]
-    return out
-
-
-def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def _train(model: nn.Module, opt: Any, rank: int, steps: range, batch: Any) -> None:
@@ -90,13 +80,24 @@ def _own_copy(saved: Path, out: Path, rank: int, damaged: str) -> Path:
 
 
 def _load(load: Any, path: Path, model: nn.Module, opt: Any) -> dict[str, Any]:
-    before = _snapshot(model, opt)
+    """``load(path, model, opt)``'s error, whether it changed nothing, and how often it checked the optimizer's
+    state (``checks``: once per load, tests/optim/test_state_checked_once.py, here over a process group too)."""
+    before = snapshot_state(model, opt, stored=True)  # (no collective: each rank's stored rows)
+    real, checks = state_io.state_problems, []
+
+    def counted(*args: Any) -> list[str]:
+        checks.append(1)
+        return real(*args)
+
+    state_io.state_problems = counted  # (the module's name: every check of a load goes through it)
     try:
         load(path, model, opt)
         got: dict[str, Any] = {"errors": []}
     except Exception as e:  # noqa: BLE001 - recorded
         got = {"errors": [{"type": type(e).__name__, "message": str(e)}]}
-    return got | {"unchanged": _same(before, _snapshot(model, opt))}
+    finally:
+        state_io.state_problems = real
+    return got | {"unchanged": same_state(before, snapshot_state(model, opt, stored=True)), "checks": len(checks)}
 
 
 def _digest(path: Path) -> dict[str, str]:

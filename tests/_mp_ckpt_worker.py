@@ -16,7 +16,7 @@ from typing import Any
 import _mp_worker as W
 import torch
 import torch.distributed as dist
-from suite_helpers import finish_rank, init_rank
+from suite_helpers import finish_rank, init_rank, same_state, snapshot_state
 
 import torch_tpu_embedding as tte
 
@@ -87,25 +87,14 @@ def _refusal(path: str, rank: int) -> dict[str, Any]:
         ddp = tte.distributed.DistributedDataParallel(model)
         opt = W.make_opt("adam" if case == "optimizer" else ACCUM, ddp.parameters())
         opt.init_state()
-        before = snapshot(model, opt)
+        before = snapshot_state(model, opt)
         try:
             tte.checkpoint.load_distributed(path, model=model, optimizer=opt)
             out[case] = "loaded"
         except tte.checkpoint.CheckpointMismatchError as e:
             out[case] = str(e)
-        out[f"{case}_unchanged"] = same(before, snapshot(model, opt))
+        out[f"{case}_unchanged"] = same_state(before, snapshot_state(model, opt))
     return out
-
-
-def snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    tensors = [v.detach().clone() for v in model.state_dict().values() if isinstance(v, torch.Tensor)]
-    for slots in opt.state.values():
-        tensors += [v.detach().clone() for v in slots.values() if isinstance(v, torch.Tensor)]
-    return tensors
-
-
-def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -278,13 +267,13 @@ def two_saves_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     fresh, fresh_opt = _sharded_table(MEMORY_ROWS[0])
     with torch.no_grad():
         fresh.tables["huge"].weight.fill_(-1)
-    before = snapshot(fresh, fresh_opt)
+    before = snapshot_state(fresh, fresh_opt)
     try:
         tte.checkpoint.load_distributed(paths[rank], model=fresh, optimizer=fresh_opt)
         out: dict[str, Any] = {"error": None}
     except tte.checkpoint.CheckpointCorruptError as e:
         out = {"error": str(e)}
-    out["unchanged"] = same(before, snapshot(fresh, fresh_opt))
+    out["unchanged"] = same_state(before, snapshot_state(fresh, fresh_opt))
     mine = os.path.join(out_dir, "mine")  # a save refused by rank 0 (a foreign file): raised on every rank
     if rank == 0:
         os.makedirs(mine)

@@ -6,10 +6,13 @@
 * ``tte.TrainPipeline``'s references: :func:`pipeline_batches`, the batches of the pipeline suites (tests/train,
   tests/xla), and :func:`train_by_hand`, the plain loop and TF's one-step-stale schedule written out by hand, which
   the pipeline must equal (tests/train/test_pipeline.py in one process, tests/_mp_pipe_worker.py over a group).
+* A load that must change nothing when refused: :func:`snapshot_state` and :func:`same_state` (the checkpoint
+  workers, tests/_mp_ckpt_worker.py and tests/_mp_ckpt_guard.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -23,8 +26,10 @@ import torch
 import torch.distributed as dist
 
 import torch_tpu_embedding as tte
+from torch_tpu_embedding._rows.placement import stored_rows
 
-__all__ = ["finish_rank", "free_port", "init_rank", "pipeline_batches", "run_ranks", "run_script", "train_by_hand"]
+__all__ = ["finish_rank", "free_port", "init_rank", "pipeline_batches", "run_ranks", "run_script", "same_state",
+           "snapshot_state", "train_by_hand"]
 
 #: the repository root (on a spawned rank's PYTHONPATH)
 ROOT = Path(__file__).parents[1]
@@ -84,6 +89,23 @@ def finish_rank(results: dict[str, Any], out_dir: str, rank: int) -> None:
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------- a refused load changes nothing
+def snapshot_state(model: torch.nn.Module, opt: torch.optim.Optimizer, stored: bool = False) -> list[torch.Tensor]:
+    """Copies of ``model``'s state-dict tensors and ``opt``'s slots, for :func:`same_state` after a load. ``stored``:
+    the tables' stored rows (``stored_rows()``), so that a model sharded with ``dtensor_state_dict=True`` runs no
+    collective here (a rank whose load failed must not wait in one for the others)."""
+    with stored_rows() if stored else contextlib.nullcontext():
+        out = [v.detach().clone() for v in model.state_dict().values() if isinstance(v, torch.Tensor)]
+    for slots in opt.state.values():
+        out += [v.detach().clone() for v in slots.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def same_state(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """Whether two :func:`snapshot_state` lists are bitwise equal."""
+    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 # ---------------------------------------------------------------------------------- the pipeline's references

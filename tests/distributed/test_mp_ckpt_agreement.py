@@ -176,6 +176,7 @@ def test_optimizer_slots_plain_on_one_rank_and_dtensors_on_the_others_raise_on_e
 def test_optimizer_slots_plain_on_every_rank_load_as_each_ranks_stored_rows(tmp_path: Path) -> None:
     """The same with every rank giving its stored rows of every table's slots as plain tensors: loaded on every
     rank, each its own rows (table `item`'s checked; the optimizer's own layout holds them so), after the one
-    agreement."""
+    agreement. Each rank checks the state once: the check before that agreement is the load's only one."""
     for r, res in enumerate(run("ckpt_dtensor_optim_plain_on_every_rank", tmp_path)):
         assert res["errors"] == [] and res["item_loaded"] and not res["unchanged"], (r, res)
+        assert res["checks"] == 1, (r, res)

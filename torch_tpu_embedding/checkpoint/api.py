@@ -297,10 +297,10 @@ def _checked_dcp(target: str, model: torch.nn.Module,
         # through the host.
         payload = logical_payload(target, meta)
         seal.check()  # what was read is what was verified
-        check_payload(payload, target, model, optimizer, strict=True)
+        checked = check_payload(payload, target, model, optimizer, strict=True)
 
         def write_logical() -> None:
-            write_payload(payload, model, optimizer, strict=True)
+            write_payload(checked, model, optimizer, strict=True)
 
         return write_logical
     missing = sorted(set(dest) - set(saved))

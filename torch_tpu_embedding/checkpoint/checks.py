@@ -19,7 +19,7 @@ from torch_tpu_embedding._util.dtypes import dtype_kind
 from torch_tpu_embedding.checkpoint.rollback import load_in_order
 from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
 from torch_tpu_embedding.optim._state import state_io
-from torch_tpu_embedding.optim._state.state_check import tensor_problem
+from torch_tpu_embedding.optim._state.state_check import CheckedState, tensor_problem
 
 __all__ = [
     "CheckpointMismatchError", "apply_payload", "check_payload", "expected_model_state", "is_row_sparse",
@@ -158,16 +158,16 @@ def apply_payload(
     strict: bool,
 ) -> dict[str, Any] | None:
     """Check a ``tte.checkpoint.save`` payload against ``model`` / ``optimizer``, then load it; returns ``extra``."""
-    check_payload(payload, target, model, optimizer, strict)
-    return write_payload(payload, model, optimizer, strict)
+    return write_payload(check_payload(payload, target, model, optimizer, strict), model, optimizer, strict)
 
 
 def check_payload(
     payload: dict[str, Any], target: str, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
     strict: bool,
-) -> None:
+) -> dict[str, Any]:
     """Raise unless :func:`write_payload` of ``payload`` (read from ``target``) fits ``model`` / ``optimizer``;
-    writes nothing."""
+    writes nothing. Returns the payload to write: a ``tte.optim`` optimizer's state in it marked checked
+    (:class:`~torch_tpu_embedding.optim._state.state_check.CheckedState`), which its load does not check again."""
     # (an entry missing from a file of another writer is named as one saved as None, not a KeyError)
     if model is not None and payload.get("model") is None:
         raise ValueError(f"{target} holds no model state.")
@@ -181,12 +181,15 @@ def check_payload(
         problems += [f"optimizer: {p}" for p in optimizer_problems(optimizer, payload["optimizer"])]
     if problems:
         raise CheckpointMismatchError(f"{target} does not match (nothing was loaded): " + "; ".join(problems))
+    if optimizer is None or not is_row_sparse(optimizer):
+        return payload
+    return {**payload, "optimizer": CheckedState(payload["optimizer"], id(optimizer))}
 
 
 def write_payload(
     payload: dict[str, Any], model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None, strict: bool,
 ) -> dict[str, Any] | None:
-    """Load ``payload``, checked by :func:`check_payload`, into ``model`` / ``optimizer``; returns ``extra``."""
+    """Load ``payload`` as :func:`check_payload` returned it into ``model`` / ``optimizer``; returns ``extra``."""
     # The user's load code (hooks, set_extra_state) runs before the tables are written: checkpoint/rollback.py
     load_in_order(model, payload.get("model"), optimizer, payload.get("optimizer"), strict)
     extra: dict[str, Any] | None = payload.get("extra")

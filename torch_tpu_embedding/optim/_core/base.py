@@ -49,6 +49,7 @@ from torch_tpu_embedding.optim._core.state_mapping import StateMapping
 from torch_tpu_embedding.optim._core.step_values import LearningRates, StepClock, StepCounters, lr_value
 from torch_tpu_embedding.optim._core.update_paths import choose_path, update
 from torch_tpu_embedding.optim._state import state_io, torch_form
+from torch_tpu_embedding.optim._state.state_check import CheckedState
 
 __all__ = ["RowSparseOptimizer"]
 
@@ -383,23 +384,32 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         """
         self.staged_load(state_dict)()
 
-    def staged_load(self, state_dict: dict[str, Any]) -> Callable[[], None]:
+    def staged_load(self, state_dict: dict[str, Any] | CheckedState) -> Callable[[], None]:
         """:meth:`load_state_dict` in two parts: now the load pre-hooks and every check, writing nothing
         (an error here leaves the optimizer as it was); the function returned writes the state and runs
-        the load post-hooks. ``tte.checkpoint.load`` writes the model's tables in between."""
-        state_dict = state_dict.copy()  # shallow, as torch.optim (a hook may add or drop keys)
+        the load post-hooks. ``tte.checkpoint.load`` writes the model's tables in between.
+
+        The state is checked once: the function returned writes what the check passed. A
+        :class:`~torch_tpu_embedding.optim._state.state_check.CheckedState` of this optimizer (``tte.checkpoint``
+        checked the file) is not checked again, unless a load pre-hook, which may change it, ran."""
+        given = state_dict
+        state_dict = (given.state if isinstance(given, CheckedState) else given).copy()  # shallow, as torch.optim
+        hooked = bool(self._optimizer_load_state_dict_pre_hooks)  # (a hook may add or drop keys)
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        # torch.optim's layout (torch.distributed.checkpoint.state_dict's helpers give it): into ours.
-        state_dict = torch_form.from_torch_layout(self, state_dict) or state_dict
-        problems = state_io.state_problems(self, state_dict)
-        if problems:
-            raise ValueError("Optimizer state does not match: " + "; ".join(problems))
+        # torch.optim's layout (torch.distributed.checkpoint.state_dict's helpers give it): into ours, checked.
+        converted = torch_form.from_torch_layout(self, state_dict)
+        if converted is not None:
+            done = converted
+        elif isinstance(given, CheckedState) and given.owner == id(self) and not hooked:
+            done = CheckedState(state_dict, id(self))  # the entries checked, in a shallow copy
+        else:
+            done = state_io.checked(self, state_dict)
 
         def write() -> None:
-            state_io.load_state_dict(self, state_dict)
+            state_io.write_checked(self, done)
             for post_hook in self._optimizer_load_state_dict_post_hooks.values():
                 post_hook(self)
 

@@ -1,4 +1,4 @@
-"""Value checks of a saved optimizer state, run before :func:`.state_io.load_state_dict` writes anything.
+"""Value checks of a saved optimizer state, run before :func:`.state_io.write_checked` writes anything.
 
 ``_state_io.state_problems`` checks the structure (groups, keys, slot names and shapes); the rules
 here check each value it would write: a tensor with data (not on the ``meta`` device, not sparse or
@@ -6,10 +6,14 @@ nested), of the slot's kind of dtype, a ``step`` that is one real number (a Pyth
 in torch), call counters that are integers, and pending accumulation buffers whose ids lie in their
 (stacked member) table. A damaged or crafted file would otherwise fail half-way through the load,
 with some slots already replaced, or load ids that update a neighbouring table's rows.
+
+:class:`CheckedState` is a state those checks passed, handed from the check to the write, so that one load
+checks its state once (the checks walk every slot: they are not free on a large optimizer).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -21,8 +25,26 @@ from torch_tpu_embedding._util.dtypes import dtype_kind, math_dtype
 from torch_tpu_embedding.optim._core.contract import SlotSpec
 from torch_tpu_embedding.optim._core.slots import ACCUMULATION
 
-__all__ = ["accumulation_problems", "counter_problems", "entry_problems", "step_problem", "step_value",
-           "tensor_problem"]
+__all__ = ["CheckedState", "accumulation_problems", "counter_problems", "entry_problems", "refuse", "step_problem",
+           "step_value", "tensor_problem"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckedState:
+    """A state dict in our layout that ``state_io.state_problems`` found nothing in, for the optimizer whose
+    ``id`` is ``owner`` (``state_io.checked``, or ``tte.checkpoint``'s check of a file): handed on, so that
+    ``staged_load`` and ``state_io.write_checked`` write it without checking it again. Another optimizer
+    checks it as any state dict."""
+
+    state: dict[str, Any]
+    owner: int
+
+
+def refuse(problems: list[str]) -> None:
+    """Raise the error of every optimizer load for what its checks found (one message, wherever it is checked);
+    nothing found: return."""
+    if problems:
+        raise ValueError("Optimizer state does not match: " + "; ".join(problems))
 
 
 def _describe(v: Any) -> str:

@@ -1,4 +1,4 @@
-"""Optimizer state in and out: ``state_dict`` / ``load_state_dict`` and the distributed-checkpoint form.
+"""Optimizer state in and out: ``state_dict`` / a load's check and write, and the distributed-checkpoint form.
 
 Saved state is *logical*: keyed by table name (``table:<name>``; dense parameters ``param:<name or
 index>``), row slots cut to the table's ``num_embeddings`` (no padding or trash rows), and a stacked
@@ -45,9 +45,11 @@ from torch_tpu_embedding.optim._core.slots import (
 )
 from torch_tpu_embedding.optim._core.step_values import to_device
 from torch_tpu_embedding.optim._state.state_check import (
+    CheckedState,
     accumulation_problems,
     counter_problems,
     entry_problems,
+    refuse,
     step_value,
 )
 
@@ -55,8 +57,8 @@ if TYPE_CHECKING:
     from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
 
 __all__ = [
-    "PhysicalState", "load_physical_rest", "load_state_dict", "param_keys", "physical_state", "rest_problems",
-    "state_dict", "state_problems",
+    "PhysicalState", "checked", "load_physical_rest", "param_keys", "physical_state", "rest_problems", "state_dict",
+    "state_problems", "write_checked",
 ]
 
 Tensor = torch.Tensor
@@ -343,7 +345,7 @@ def _logical_targets(opt: RowSparseOptimizer, keys: Mapping[int, str]) -> tuple[
 
 
 def state_problems(opt: RowSparseOptimizer, sd: Any) -> list[str]:
-    """Everything in ``sd`` that :func:`load_state_dict` would refuse (empty: it loads); writes nothing."""
+    """Everything in ``sd`` that a load refuses (empty: it loads); writes nothing."""
     if not isinstance(sd, Mapping) or not isinstance(sd.get("state"), Mapping) \
             or not isinstance(sd.get("param_groups"), list):
         return ["not an optimizer state_dict (needs 'state' and 'param_groups')"]
@@ -375,13 +377,16 @@ def state_problems(opt: RowSparseOptimizer, sd: Any) -> list[str]:
     return problems
 
 
-def load_state_dict(opt: RowSparseOptimizer, sd: dict[str, Any]) -> None:
-    """See :meth:`RowSparseOptimizer.load_state_dict`."""
-    problems = state_problems(opt, sd)
-    if problems:
-        raise ValueError("Optimizer state does not match: " + "; ".join(problems))
+def checked(opt: RowSparseOptimizer, sd: Any) -> CheckedState:
+    """``sd`` marked checked for ``opt`` if :func:`state_problems` finds nothing, else every load's ``ValueError``."""
+    refuse(state_problems(opt, sd))
+    return CheckedState(sd, id(opt))
+
+
+def write_checked(opt: RowSparseOptimizer, done: CheckedState) -> None:
+    """Write a state :func:`checked` for ``opt`` (``done.owner``), not checking it again: one check per load."""
     keys = param_keys(opt)
-    sd = _renumbered(opt, sd, keys)
+    sd = _renumbered(opt, done.state, keys)
     # A step saved as a Python number (torch's optimizers accept one) as the 0-d tensor the state holds.
     steps = {k: {**s, "step": step_value(s["step"])} for k, s in sd["state"].items() if "step" in s}
     sd = {**sd, "state": {**sd["state"], **steps}}
@@ -436,9 +441,7 @@ def rest_problems(opt: RowSparseOptimizer, rest: Mapping[str, Any]) -> list[str]
 
 def load_physical_rest(opt: RowSparseOptimizer, rest: Mapping[str, Any]) -> None:
     """See :meth:`RowSparseOptimizer.load_physical_rest`."""
-    problems = rest_problems(opt, rest)
-    if problems:
-        raise ValueError("Optimizer state does not match: " + "; ".join(problems))
+    refuse(rest_problems(opt, rest))
     keys = param_keys(opt)
     by_key = {keys[id(p)]: p for g in opt.param_groups for p in g["params"]}
     saved = rest["param_groups"]

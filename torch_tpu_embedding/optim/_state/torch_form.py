@@ -41,6 +41,7 @@ from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding.optim._core.slots import logical_rows, specs
 from torch_tpu_embedding.optim._state import state_io
+from torch_tpu_embedding.optim._state.state_check import CheckedState, refuse
 from torch_tpu_embedding.optim._state.state_io import param_keys
 
 if TYPE_CHECKING:
@@ -274,9 +275,10 @@ def _is_ours(sd: Mapping[str, Any]) -> bool:
     )
 
 
-def from_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any] | None:
+def from_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> CheckedState | None:
     """For ``load_state_dict``: torch.optim's layout (positions, or module paths as torch's
-    helpers give it) → ours; ``None`` (load ``sd`` as is) when ``sd`` is in our layout already.
+    helpers give it) → ours, checked as the load checks it (the load's one check: the caller writes it as is);
+    ``None`` (``sd`` is to be checked and loaded as is) when ``sd`` is in our layout already.
 
     A saved group's ``tte_params`` names each parameter's tables (without them, parameters are matched
     by position, as torch.optim does). Its ``iterations`` and ``skipped_steps`` are required: a dict
@@ -308,15 +310,15 @@ def from_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[st
     for key, group in moves:  # every entry checked: the slots' moves (collectives), the same on every rank
         state[key] = _from_dtensors(opt, state[key], key, live, group)
     out = {"state": state, "param_groups": groups, **counters}
-    if shared is not None:
-        # What load_state_dict would refuse after the moves (a hyper-parameter, a slot's dtype), found on one
-        # rank only, must not leave the others loading alone: every rank checks, then they agree, nothing
-        # written yet. (The caller checks again: the same answer, no collective.)
-        problems = state_io.state_problems(opt, out)  # type: ignore[arg-type]
-        shared.state_checked(failed=bool(problems))
-        if problems:
-            raise ValueError("Optimizer state does not match: " + "; ".join(problems))
-    return out
+    if shared is None:
+        return state_io.checked(opt, out)  # type: ignore[arg-type]
+    # What the load would refuse after the moves (a hyper-parameter, a slot's dtype), found on one rank only,
+    # must not leave the others loading alone: every rank checks, then they agree, nothing written yet. This
+    # is the load's one check: the caller writes the state it returns without checking it again.
+    problems = state_io.state_problems(opt, out)  # type: ignore[arg-type]
+    shared.state_checked(failed=bool(problems))
+    refuse(problems)
+    return CheckedState(out, id(opt))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -135,5 +135,27 @@ def test_a_state_checked_for_another_optimizer_is_checked_again(checks: list[int
     assert isinstance(passed, CheckedState) and len(checks) == 1
     opt2.staged_load(passed)()
     assert len(checks) == 2
-    opt2.staged_load(CheckedState(passed.state, id(opt2)))()  # checked for opt2: written as it is
+    opt2.staged_load(CheckedState.of(passed.state, opt2))()  # checked for opt2: written as it is
     assert len(checks) == 2
+
+
+def test_a_checkpoint_load_checks_again_when_the_models_load_changed_the_optimizer(tmp_path: Path,
+                                                                                  checks: list[int]) -> None:
+    """The file was checked against the optimizer's groups, then a hook of the model's load changed them (a new
+    group): the state is checked again against what the optimizer is now, and refused; nothing is loaded."""
+    model, opt = _trained()
+    tte.checkpoint.save(tmp_path / "ckpt.pt", model=model, optimizer=opt)
+    model2, opt2 = _trained(seed=3)
+    extra = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+
+    def add_group(module: torch.nn.Module, state_dict: Any, *args: Any) -> None:
+        if not any(p is extra for g in opt2.param_groups for p in g["params"]):
+            opt2.add_param_group({"params": [extra]})
+
+    model2.register_load_state_dict_pre_hook(add_group)
+    weights = {k: v.clone() for k, v in model2.state_dict().items()}
+    checks.clear()
+    with pytest.raises(ValueError, match="Optimizer state does not match"):
+        tte.checkpoint.load(tmp_path / "ckpt.pt", model=model2, optimizer=opt2)
+    assert len(checks) == 2  # the file's, then staged_load's against the changed groups
+    assert all(torch.equal(v, model2.state_dict()[k]) for k, v in weights.items())

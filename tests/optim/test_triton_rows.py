@@ -201,6 +201,36 @@ def test_interpreted_a_compiled_step_traces_torch_ops_not_a_launch(monkeypatch: 
     assert not calls
 
 
+@interpreted
+@pytest.mark.parametrize("name", ["sgd", "adagrad-clipnorm"])
+def test_interpreted_deterministic_mode_adds_through_torch(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``torch.use_deterministic_algorithms(True)`` no atomic add of this module runs (CUDA's ``index_add_``
+    is deterministic then); the copies of distinct rows still do, and the results are the CPU's."""
+    want = _edge_run(_EDGE_OPTIMIZERS[name], static=False)
+    calls: list[str] = []
+    for fn in ("add_rows", "copy_rows"):
+        real = getattr(triton_rows, fn)
+
+        def counted(*args: Any, _real: Any = real, _fn: str = fn) -> bool:
+            calls.append(_fn)
+            done: bool = _real(*args)
+            return done
+
+        monkeypatch.setattr(triton_rows, fn, counted)
+    before, enabled = row_update.set_policy(2, 0), row_update.set_enabled(True)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        got = _edge_run(_EDGE_OPTIMIZERS[name], static=True)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+        row_update.set_policy(*before)
+        row_update.set_enabled(enabled)
+    assert "add_rows" not in calls and ("copy_rows" in calls) == (name != "sgd"), calls
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14, msg=lambda msg, i=i: f"tensor {i}: {msg}")
+
+
 # ------------------------------------------------------------------ bag edges: empty unit bags, a frozen member
 def _edge_run(make: Any, static: bool) -> list[torch.Tensor]:
     """Six steps on a stacked group of three tables: ``u`` sum bags of one id (no per-id gain) with empty bags,
@@ -287,4 +317,4 @@ def test_interpreted_bag_edges_through_triton_give_the_cpu_results(name: str, re
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14, msg=lambda msg, i=i: f"tensor {i}: {msg}")
 
 
-_INTERPRETED_TESTS = 2 * 4 * 2 + 3 + len(_STEP_CASES) + 1 + 2 * len(_EDGE_OPTIMIZERS)
+_INTERPRETED_TESTS = 2 * 4 * 2 + 3 + len(_STEP_CASES) + 1 + 2 + 2 * len(_EDGE_OPTIMIZERS)

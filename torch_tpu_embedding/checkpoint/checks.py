@@ -183,7 +183,7 @@ def check_payload(
         raise CheckpointMismatchError(f"{target} does not match (nothing was loaded): " + "; ".join(problems))
     if optimizer is None or not is_row_sparse(optimizer):
         return payload
-    return {**payload, "optimizer": CheckedState(payload["optimizer"], id(optimizer))}
+    return {**payload, "optimizer": CheckedState.of(payload["optimizer"], optimizer)}
 
 
 def write_payload(

@@ -9,7 +9,8 @@ so everything the user's code can see or stop runs first, while what it changed 
 2. ``model.load_state_dict`` with the tables' writes held back (``modules/later_writes.py``): every other
    parameter, buffer and extra state is written and every user hook runs; a copy of those, made before,
    puts them back if anything raises;
-3. the optimizer up to its writes: a ``tte.optim`` optimizer's load pre-hooks and checks
+3. the optimizer up to its writes: a ``tte.optim`` optimizer's load pre-hooks and, where 1. did not check its
+   state or the model's load changed the optimizer's groups (a hook may), its checks
    (:meth:`~torch_tpu_embedding.optim.RowSparseOptimizer.staged_load`); another optimizer's whole
    ``load_state_dict``, undone if it raises by putting back its ``state`` and ``param_groups`` (torch's
    ``Optimizer.load_state_dict`` replaces both, never writing the tensors they hold);
@@ -30,6 +31,7 @@ import torch
 from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding.modules.later_writes import tables_written_later
 from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
+from torch_tpu_embedding.optim._state.state_check import CheckedState
 
 __all__ = ["load_in_order"]
 
@@ -84,6 +86,12 @@ def _optimizer_up_to_writes(optimizer: torch.optim.Optimizer, state: Any) -> Cal
     return lambda: None
 
 
+def _groups(optimizer: torch.optim.Optimizer) -> list[tuple[tuple[int, ...], str]]:
+    """What the check of an optimizer's state read of its groups: their parameters and options."""
+    return [(tuple(id(p) for p in g["params"]), repr(sorted((k, v) for k, v in g.items() if k != "params")))
+            for g in optimizer.param_groups]
+
+
 def load_in_order(
     model: torch.nn.Module | None, model_state: Any, optimizer: torch.optim.Optimizer | None, optimizer_state: Any,
     strict: bool,
@@ -91,10 +99,13 @@ def load_in_order(
     """Load checked states into ``model`` and ``optimizer`` in the order of this module: any error before
     the tables are written (the user's hooks included) leaves both as they were."""
     undo = _small_state(model) if model is not None else None
+    groups = _groups(optimizer) if optimizer is not None else None
     try:
         with tables_written_later() as tables:
             if model is not None:
                 model.load_state_dict(model_state, strict=strict)
+        if optimizer is not None and isinstance(optimizer_state, CheckedState) and _groups(optimizer) != groups:
+            optimizer_state = optimizer_state.state  # checked against groups the model's load changed: again
         finish = _optimizer_up_to_writes(optimizer, optimizer_state) if optimizer is not None else None
     except BaseException as e:
         if undo is not None:

@@ -403,8 +403,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         converted = torch_form.from_torch_layout(self, state_dict)
         if converted is not None:
             done = converted
-        elif isinstance(given, CheckedState) and given.owner == id(self) and not hooked:
-            done = CheckedState(state_dict, id(self))  # the entries checked, in a shallow copy
+        elif isinstance(given, CheckedState) and given.checked_for(self) and not hooked:
+            done = CheckedState.of(state_dict, self)  # the entries checked, in a shallow copy
         else:
             done = state_io.checked(self, state_dict)
 

@@ -231,7 +231,7 @@ def prepare(
 def _sums_factored(p: Tensor, group: dict[str, Any]) -> bool:
     """Whether ``p``'s static duplicate sum takes its rows factored (:func:`_summed_on_device`): CUDA with Triton,
     no loss scale (the reference path divides each row before the sum)."""
-    return sinks_sentinel(p.device) and triton_rows.available(p.device) and group["loss_scale_factor"] is None
+    return sinks_sentinel(p.device) and triton_rows.adds(p.device) and group["loss_scale_factor"] is None
 
 
 def _summed_on_device(p: Tensor, pieces: RowGrad) -> tuple[Tensor, Tensor] | None:

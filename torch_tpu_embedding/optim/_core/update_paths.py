@@ -303,7 +303,7 @@ def _triton_additive(item: Work, delta: Callable[[Tensor], Tensor]) -> bool:
     16-bit table, or tensors the kernel does not take), the eager path runs."""
     p, pieces = item.p, item.pieces
     assert pieces is not None
-    if not (sinks_sentinel(p.device) and triton_rows.available(p.device)) or math_dtype(p) != p.dtype:
+    if not (sinks_sentinel(p.device) and triton_rows.adds(p.device)) or math_dtype(p) != p.dtype:
         return False
     todo: list[tuple[Tensor, Tensor, Tensor | None, int]] = []
     for ids, rows in pieces.chunks():

@@ -11,8 +11,9 @@ bandwidth. Here:
 
 * :func:`add_rows`: ``dst[ids[i]] += gains[i] · src[i // L]`` for every id that is not the sentinel, one
   kernel per piece: the ``[B, D]`` per-bag rows are read (they stay in L2), nothing ``[N, D]`` is written. The
-  adds are atomic, as ``index_add_``'s are on CUDA (duplicates sum in no fixed order, there and here). Each
-  product is rounded once and added, as ``spread`` and ``index_add_`` round it.
+  adds are atomic, as ``index_add_``'s are on CUDA (duplicates sum in no fixed order, there and here); under
+  ``torch.use_deterministic_algorithms(True)``, where ``index_add_`` is deterministic, torch's ops run
+  (:func:`adds`). Each product is rounded once and added, as ``spread`` and ``index_add_`` round it.
 * :func:`copy_rows`: ``dst[ids[i]] = src[i]`` for every id that is not the sentinel: sorted distinct ids
   (``dedup_static``), so no row is written twice and the tail writes nothing (no sink-row value needed).
 
@@ -44,7 +45,7 @@ except ImportError:  # pragma: no cover - CPU-only torch without triton
     triton = None
     tl = None
 
-__all__ = ["accepts_add", "add_rows", "available", "copy_rows"]
+__all__ = ["accepts_add", "add_rows", "adds", "available", "copy_rows"]
 
 Tensor = torch.Tensor
 
@@ -62,6 +63,13 @@ def available(device: torch.device) -> bool:
     if device.type == "cuda":
         return True
     return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def adds(device: torch.device) -> bool:
+    """Whether :func:`add_rows` is to run for tensors on ``device``: :func:`available`, and torch not asked for
+    deterministic algorithms (``torch.use_deterministic_algorithms``: CUDA's ``index_add_`` is deterministic
+    then, the atomic adds here are not; the copies write distinct rows and stay)."""
+    return available(device) and not torch.are_deterministic_algorithms_enabled()
 
 
 if triton is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,13 +32,21 @@ __all__ = ["CheckedState", "accumulation_problems", "counter_problems", "entry_p
 
 @dataclasses.dataclass(frozen=True)
 class CheckedState:
-    """A state dict in our layout that ``state_io.state_problems`` found nothing in, for the optimizer whose
-    ``id`` is ``owner`` (``state_io.checked``, or ``tte.checkpoint``'s check of a file): handed on, so that
+    """A state dict in our layout that ``state_io.state_problems`` found nothing in, for the optimizer ``owner``
+    refers to (``state_io.checked``, or ``tte.checkpoint``'s check of a file): handed on, so that
     ``staged_load`` and ``state_io.write_checked`` write it without checking it again. Another optimizer
-    checks it as any state dict."""
+    checks it as any state dict (a weak reference: not an ``id``, which a later optimizer may reuse)."""
 
     state: dict[str, Any]
-    owner: int
+    owner: weakref.ref[Any]
+
+    @classmethod
+    def of(cls, state: dict[str, Any], optimizer: Any) -> CheckedState:
+        return cls(state, weakref.ref(optimizer))
+
+    def checked_for(self, optimizer: Any) -> bool:
+        """Whether the check this state passed was ``optimizer``'s."""
+        return self.owner() is optimizer
 
 
 def refuse(problems: list[str]) -> None:

@@ -380,11 +380,12 @@ def state_problems(opt: RowSparseOptimizer, sd: Any) -> list[str]:
 def checked(opt: RowSparseOptimizer, sd: Any) -> CheckedState:
     """``sd`` marked checked for ``opt`` if :func:`state_problems` finds nothing, else every load's ``ValueError``."""
     refuse(state_problems(opt, sd))
-    return CheckedState(sd, id(opt))
+    return CheckedState.of(sd, opt)
 
 
 def write_checked(opt: RowSparseOptimizer, done: CheckedState) -> None:
     """Write a state :func:`checked` for ``opt`` (``done.owner``), not checking it again: one check per load."""
+    assert done.checked_for(opt), "write_checked: a state checked for another optimizer"
     keys = param_keys(opt)
     sd = _renumbered(opt, done.state, keys)
     # A step saved as a Python number (torch's optimizers accept one) as the 0-d tensor the state holds.

@@ -318,7 +318,7 @@ def from_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> Checked
     problems = state_io.state_problems(opt, out)  # type: ignore[arg-type]
     shared.state_checked(failed=bool(problems))
     refuse(problems)
-    return CheckedState(out, id(opt))
+    return CheckedState.of(out, opt)
 
 
 @dataclasses.dataclass(frozen=True)

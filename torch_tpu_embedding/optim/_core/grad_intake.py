@@ -38,7 +38,7 @@ from torch_tpu_embedding._rows.placement import (
     process_group_placement,
     reduction_group,
 )
-from torch_tpu_embedding._rows.row_grad import BagRows, RowGrad
+from torch_tpu_embedding._rows.row_grad import RowGrad
 from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding.optim._core.extras import clip_by_norm
@@ -247,21 +247,9 @@ def _summed_on_device(p: Tensor, pieces: RowGrad) -> tuple[Tensor, Tensor] | Non
     # clipnorm's norms run over every row of g).
     inv = torch.where(ids < p.shape[0], inv, ids.shape[0])
     dtype = math_dtype(p)
-    todo: list[tuple[Tensor, Tensor, Tensor | None, int]] = []
-    at = 0
-    for part, rows in chunks:
-        n = part.numel()
-        if isinstance(rows, BagRows):
-            gains = None if rows.unit and rows.width == 1 else rows.gains.reshape(-1)
-            todo.append((inv[at : at + n], rows.grad_out.to(dtype), gains, max(1, rows.width)))
-        else:
-            todo.append((inv[at : at + n], rows.to(dtype), None, 1))
-        at += n
     g = torch.zeros(ids.shape[0], p.shape[1], dtype=dtype, device=p.device)
-    if not all(triton_rows.accepts_add(g, *t) for t in todo):
+    if not triton_rows.add_pieces(g, chunks, lambda rows: rows.to(dtype), at=inv):
         return None
-    for t in todo:
-        triton_rows.add_rows(g, *t)
     return uniq, g
 
 

@@ -303,19 +303,9 @@ def _triton_additive(item: Work, delta: Callable[[Tensor], Tensor]) -> bool:
     16-bit table, or tensors the kernel does not take), the eager path runs."""
     p, pieces = item.p, item.pieces
     assert pieces is not None
-    if not (sinks_sentinel(p.device) and triton_rows.adds(p.device)) or math_dtype(p) != p.dtype:
+    if not (sinks_sentinel(p.device) and triton_rows.adds(p.device)) or math_dtype(p) != p.dtype \
+            or not triton_rows.add_pieces(p.detach(), pieces.chunks(), delta):
         return False
-    todo: list[tuple[Tensor, Tensor, Tensor | None, int]] = []
-    for ids, rows in pieces.chunks():
-        if isinstance(rows, BagRows):
-            gains = None if rows.unit and rows.width == 1 else rows.gains.reshape(-1)
-            todo.append((ids, delta(rows.grad_out), gains, max(1, rows.width)))
-        else:
-            todo.append((ids, delta(rows), None, 1))
-    if not all(triton_rows.accepts_add(p.detach(), *t) for t in todo):
-        return False
-    for t in todo:
-        triton_rows.add_rows(p.detach(), *t)
     item.state["step"].copy_(item.state["step"] + 1)
     return True
 

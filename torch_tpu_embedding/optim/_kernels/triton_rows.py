@@ -34,9 +34,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 
 import torch
 from torch.autograd.graph import increment_version
+
+from torch_tpu_embedding._rows.row_grad import BagRows
 
 try:  # an optional dependency: CUDA builds of torch install it
     import triton
@@ -45,7 +48,7 @@ except ImportError:  # pragma: no cover - CPU-only torch without triton
     triton = None
     tl = None
 
-__all__ = ["accepts_add", "add_rows", "adds", "available", "copy_rows"]
+__all__ = ["accepts_add", "add_pieces", "add_rows", "adds", "available", "copy_rows"]
 
 Tensor = torch.Tensor
 
@@ -163,6 +166,28 @@ def add_rows(dst: Tensor, ids: Tensor, src: Tensor, gains: Tensor | None, width:
             d, ids_c, s, g, n, d.shape[0], width, d.stride(0), src_stride, DIM=d.shape[1],
             HAS_GAINS=gains is not None, BLOCK_R=_BLOCK_ROWS, BLOCK_D=_block_d(d.shape[1]))
     increment_version(dst)  # (written through its pointer: autograd's check of saved tensors sees the change)
+    return True
+
+
+def add_pieces(dst: Tensor, pieces: list[tuple[Tensor, Tensor | BagRows]], src: Callable[[Tensor], Tensor],
+               at: Tensor | None = None) -> bool:
+    """:func:`add_rows` of each piece ``(ids [n], rows)`` of a row gradient (``RowGrad.chunks()``): ``src`` of its
+    bag rows ``dL/dout`` spread by its gains (a :class:`BagRows`), or of its rows (width 1), added at its ids, or
+    at the same positions of ``at`` (``[Σn]``). Every piece checked before any is added: ``False``, nothing done."""
+    todo: list[tuple[Tensor, Tensor, Tensor | None, int]] = []
+    start = 0
+    for ids, rows in pieces:
+        where = ids if at is None else at[start : start + ids.numel()]
+        start += ids.numel()
+        if isinstance(rows, BagRows):
+            gains = None if rows.unit and rows.width == 1 else rows.gains.reshape(-1)
+            todo.append((where, src(rows.grad_out), gains, max(1, rows.width)))
+        else:
+            todo.append((where, src(rows), None, 1))
+    if not all(accepts_add(dst, *t) for t in todo):
+        return False
+    for t in todo:
+        add_rows(dst, *t)
     return True
 
 

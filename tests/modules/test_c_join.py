@@ -1,7 +1,9 @@
-"""A stacked group's host ids of a host table joined by one C pass (``c_gather.join_ids``, ``AssembledBatch.join``):
-the features' ids side by side, shifted to their tables' rows, each checked against its own table's rows. Bitwise
-``torch.stack`` + the add of the shifts; where it does not apply (library not loaded, other dtypes, strides, shapes,
-an id out of range) the torch ops run as before, and a bad id raises the feature's own error."""
+"""A stacked group's host ids joined by one C pass (``c_gather.join_ids``, ``AssembledBatch.join``): the features'
+ids side by side, shifted to their tables' rows, each checked against its own table's rows, ids masked out written as
+the padding id (and not checked), int32 where asked and they fit. Bitwise ``torch.stack`` + the add of the shifts (+
+``torch.where`` of the masks); where it does not apply (library not loaded, other dtypes, strides, shapes, an id out
+of range) the torch ops run as before, and a bad id raises the feature's own error. Host ids bound for an accelerator
+take it on XLA (tests/xla/test_cached_plan_xla.py) and on the meta device (tests/optim/test_sync_free_step.py)."""
 
 from __future__ import annotations
 
@@ -40,6 +42,56 @@ def test_join_ids_is_stack_plus_shift(lib: c_add.Library, features: int, width: 
         + torch.tensor(shifts).view(1, -1, 1)
     assert got is not None and got.dtype == torch.int64 and torch.equal(got, want)
     assert all(got.data_ptr() != v.data_ptr() for v in values)  # (never the caller's)
+
+
+@pytest.mark.parametrize("narrow", [False, True])
+@pytest.mark.parametrize("b,width", [(33, 4), (700, 3), (5, 512), (3000, 1)])  # (blocks of 512 ids: cut, whole, one)
+def test_join_ids_with_masks_pads_and_narrows(lib: c_add.Library, narrow: bool, b: int, width: int) -> None:
+    g = torch.Generator().manual_seed(b + width)
+    vocabs = [int(v) for v in torch.randint(1, 1000, (5,), generator=g)]
+    shifts = [sum(vocabs[:f]) for f in range(5)]
+    sentinel = sum(vocabs)
+    values = [torch.randint(0, v, (b, width), generator=g) for v in vocabs]
+    masks = [torch.rand(b, width, generator=g) > 0.3 for _ in vocabs]
+    for v, m in zip(values, masks, strict=True):  # masked out: any value, unchecked
+        v[~m] = torch.randint(-10**12, 10**12, (int((~m).sum()),), generator=g)
+    got = join_ids(values, (b, width), shifts, vocabs, masks, sentinel, narrow)
+    want = torch.where(torch.stack(masks, 1), torch.stack(values, 1) + torch.tensor(shifts).view(1, -1, 1), sentinel)
+    assert got is not None and got.dtype == (torch.int32 if narrow else torch.int64)
+    assert torch.equal(got.to(torch.int64), want)
+    masks[3][b // 2, width - 1] = True  # a kept id out of range: the torch ops' join (and its error)
+    values[3][b // 2, width - 1] = vocabs[3]
+    assert join_ids(values, (b, width), shifts, vocabs, masks, sentinel, narrow) is None
+    assert join_ids(values, (b, width), shifts, vocabs, [*masks[:4], masks[4].to(torch.uint8)], sentinel) is None
+
+
+def test_join_ids_narrows_only_what_fits_and_takes_bags_of_at_most_512_ids(lib: c_add.Library) -> None:
+    ids = torch.randint(0, 10, (8, 3))
+    big = join_ids([ids, ids], (8, 3), [0, 2**31 - 10], [10, 10], None, 0, True)  # (the last row: 2**31 - 1)
+    assert big is not None and big.dtype == torch.int32 and int(big[:, 1].max()) <= 2**31 - 1
+    over = join_ids([ids, ids], (8, 3), [0, 2**31 - 9], [10, 10], None, 0, True)
+    assert over is not None and over.dtype == torch.int64 and torch.equal(over[:, 1], ids + 2**31 - 9)
+    assert join_ids([ids], (8, 3), [0], [10], [ids > 4], 2**31, True).dtype == torch.int64  # (the padding id)
+    wide = torch.randint(0, 10, (2, 513))
+    assert join_ids([wide], (2, 513), [0], [10]) is None
+    assert torch.equal(join_ids([wide[:, :512].contiguous()], (2, 512), [3], [10]), wide[:, None, :512] + 3)
+
+
+def test_join_ids_splits_large_joins_over_threads(lib: c_add.Library) -> None:
+    """At least 2**17 ids per thread: bag ranges joined on several threads at once, each checked."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g = torch.Generator().manual_seed(3)
+        values = [torch.randint(0, 50, (40_000, 4), generator=g) for _ in range(2)]
+        masks = [torch.rand(40_000, 4, generator=g) > 0.5 for _ in range(2)]
+        got = join_ids(values, (40_000, 4), [0, 50], [50, 50], masks, 100, True)
+        want = torch.where(torch.stack(masks, 1), torch.stack(values, 1) + torch.tensor([0, 50]).view(1, 2, 1), 100)
+        assert got is not None and torch.equal(got.to(torch.int64), want)
+        values[1][39_999, 3], masks[1][39_999, 3] = 50, True  # (in the second thread's range)
+        assert join_ids(values, (40_000, 4), [0, 50], [50, 50], masks, 100, True) is None
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_join_ids_leaves_what_it_does_not_take_to_torch(lib: c_add.Library) -> None:

@@ -35,9 +35,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding._rows import dedup
-from torch_tpu_embedding.modules import plan
+from torch_tpu_embedding.modules import assembly, plan
 from torch_tpu_embedding.optim._core.update_paths import Path
 from torch_tpu_embedding.optim._kernels import row_update
+from torch_tpu_embedding.optim._kernels.c_gather import join_library
 
 CASES = cases(SYNC_FREE)
 F64 = torch.float64
@@ -140,6 +141,25 @@ def test_every_step_runs_without_reading_the_device(cfg: OptimizerConfig, monkey
     copies = _BlockingCopies()
     _train(cfg, "meta", lambda: copies)
     assert copies.blocking == []  # the batch's ids travel without a blocking copy
+
+
+@pytest.mark.parametrize("cfg", [c for c in CASES if str(c) in ("sgd", "lazy_adam", "adafactor")], ids=str)
+def test_host_ids_joined_in_c_travel_as_one_int32_tensor_without_reading_the_device(
+        cfg: OptimizerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel library on (as a user's run has it; the suite's is off, tests/conftest.py): each batch's host ids
+    are joined, shifted and padded on the host by the C pass and moved as one int32 tensor, non-blocking, without
+    their masks; the steps still read nothing of the device."""
+    monkeypatch.setattr(row_update, "_ENABLED", True)
+    if join_library() is None:
+        pytest.skip("no C compiler builds the library here")
+    monkeypatch.setattr(plan, "check_not_meta", lambda *args: None)
+    moved: list[torch.dtype] = []
+    real = assembly.upload
+    monkeypatch.setattr(assembly, "upload", lambda t, device: (moved.append(t.dtype), real(t, device))[1])
+    copies = _BlockingCopies()
+    _train(cfg, "meta", lambda: copies)
+    assert copies.blocking == []
+    assert moved and set(moved) == {torch.int32}, moved
 
 
 def test_the_stand_in_catches_a_host_read(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,7 +19,9 @@ from optim_registry import OPTIMIZER_INFOS, SYNC_FREE, OptimizerConfig, cases
 from test_sync_free_step import _train as train_host_ids
 
 import torch_tpu_embedding as tte
+from torch_tpu_embedding.modules import assembly
 from torch_tpu_embedding.optim._kernels import row_update
+from torch_tpu_embedding.optim._kernels.c_gather import join_library
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
 
@@ -145,6 +147,23 @@ def test_a_steady_kernel_step_makes_no_host_device_sync(cfg: OptimizerConfig,
     cpu = train_host_ids(cfg, "cpu")
     # (float64: the kernel's fused arithmetic against the CPU's reference path)
     torch.testing.assert_close(_on_host(dev), cpu, rtol=1e-8, atol=1e-8)
+
+
+@pytest.mark.parametrize("cfg", [c for c in cases(SYNC_FREE) if c.id in ("sgd", "lazy_adam")], ids=str)
+def test_host_ids_joined_in_c_travel_pinned_as_int32(cfg: OptimizerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel library on (as a user's run has it): each batch's host ids are joined by the C pass straight into
+    pinned memory, int32, and moved as one tensor without their masks; the steady steps make no sync and give the
+    CPU's results."""
+    monkeypatch.setattr(row_update, "_ENABLED", True)
+    if join_library() is None:
+        pytest.skip("no C compiler builds the library here")
+    moved: list[tuple[torch.dtype, bool]] = []
+    real = assembly.upload
+    monkeypatch.setattr(assembly, "upload", lambda t, d: (moved.append((t.dtype, t.is_pinned())), real(t, d))[1])
+    dev = train_host_ids(cfg, "cuda", no_sync)
+    assert moved and set(moved) == {(torch.int32, True)}, moved
+    cpu = train_host_ids(cfg, "cpu")
+    torch.testing.assert_close(_on_host(dev), cpu, rtol=1e-10, atol=1e-10)
 
 
 def _on_host(x: Any) -> Any:

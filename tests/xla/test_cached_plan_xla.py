@@ -1,5 +1,7 @@
-"""The cached lookup plan (modules/plan.py) for host ids of a stacked XLA group: joined feature-major on the host,
-moved in one transfer and transposed on the device (``AssembledBatch._major``). Calls that alternate masks, ids
+"""The cached lookup plan (modules/plan.py) for host ids of a stacked XLA group: joined, shifted, padded and checked
+by one C pass on the host and moved in one transfer of int32 ids (``c_gather.join_ids``), or, where that does not
+apply, joined feature-major by torch ops, moved with their masks and transposed on the device
+(``AssembledBatch._major``). Calls that alternate masks, ids
 dtypes, batch sizes, forms and strides replay where their signatures match and plan afresh where not: bitwise what
 planning every call afresh gives, and the CPU's numbers; a bad id on a replayed call names its feature."""
 
@@ -13,7 +15,9 @@ import torch
 torch_xla = pytest.importorskip("torch_xla")
 
 import torch_tpu_embedding as tte  # noqa: E402
-from torch_tpu_embedding.modules import plan  # noqa: E402
+from torch_tpu_embedding.modules import assembly, plan  # noqa: E402
+from torch_tpu_embedding.optim._kernels import row_update  # noqa: E402
+from torch_tpu_embedding.optim._kernels.c_gather import join_library  # noqa: E402
 
 DEV = torch_xla.device()  # before any backward (the autograd engine sizes its device queues then)
 F = 4
@@ -91,7 +95,9 @@ def test_replayed_plans_of_an_xla_group_train_as_fresh_ones_and_as_the_cpu(monke
         torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
 
 
-def test_a_bad_id_on_a_replayed_xla_call_names_its_feature() -> None:
+@pytest.mark.parametrize("c_join", [False, True])
+def test_a_bad_id_on_a_replayed_xla_call_names_its_feature(c_join: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(row_update, "_ENABLED", c_join)
     ec = _collection(DEV)
     ec(_batch(0), concat=True)
     assert ec in plan._PLANS
@@ -100,3 +106,35 @@ def test_a_bad_id_on_a_replayed_xla_call_names_its_feature() -> None:
     x["f2"].mask[1, 1] = True
     with pytest.raises(ValueError, match=r"Feature `f2`: ids must be in \[0, 30\).*Received: 30"):
         ec(x, concat=True)
+
+
+def test_the_c_join_moves_one_int32_tensor_and_trains_as_the_torch_ops_join(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host ids bound for XLA: the C pass's int32 ids are the only transfer of a call (no mask, no int64 ids), and
+    every call trains bitwise as the torch ops' join (stack, transfer of ids and masks, shift and ``where`` on the
+    device). The suite runs with the kernel library off (tests/conftest.py): on here, as a user's run has it."""
+    monkeypatch.setattr(row_update, "_ENABLED", True)
+    if join_library() is None:
+        pytest.skip("no C compiler builds the library here")
+    batches: list[tuple[assembly.AssembledBatch, list[torch.dtype]]] = []  # per batch assembled: what it moved
+    real_upload, real_assemble = assembly.upload, assembly.AssembledBatch.assemble
+
+    def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        batches[-1][1].append(t.dtype)
+        return real_upload(t, device)
+
+    def assemble(self: assembly.AssembledBatch, *args: Any, **kwargs: Any) -> None:
+        batches.append((self, []))
+        real_assemble(self, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(assembly, "upload", upload)
+        m.setattr(assembly.AssembledBatch, "assemble", assemble)
+        outs, state, _ = _train(DEV, False, monkeypatch)
+    c_joined = [moved for b, moved in batches if b._ready]
+    assert len(c_joined) >= 20 and len(batches) - len(c_joined) >= 2  # (int32 ids and strided ones: torch ops)
+    assert all(moved == [torch.int32] for moved in c_joined), c_joined  # one transfer, no mask
+    with monkeypatch.context() as m:
+        m.setattr(assembly, "join_ids", lambda *args: None)
+        want_outs, want_state, _ = _train(DEV, False, monkeypatch)
+    assert all(torch.equal(a, b) for a, b in zip(outs, want_outs, strict=True))
+    assert all(torch.equal(state[k], want_state[k]) for k in want_state)

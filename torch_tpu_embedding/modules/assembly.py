@@ -5,8 +5,10 @@ A stacked group looks its features up as FBGEMM's table-batched embedding does (
 to their tables' first rows in the group by one add of a ``[1, F, 1]`` offset tensor, checked in one host
 pass (an ``aminmax``, or a clamp to a ``[1, F, 1]`` bound tensor), and looked up by one ``embedding_bag`` whose
 output ``[B·F, D]`` is each feature's ``[B, D]`` as a slice of it viewed ``[B, F·D]``, or all of them side by
-side (``concat``). Host ids of a host table, once the kernel library is loaded, are joined, shifted and checked
-in one C pass instead (:func:`~torch_tpu_embedding.optim._kernels.c_gather.join_ids`).
+side (``concat``). Host ids of a host table, once the kernel library is loaded, and host ids bound for an
+accelerator are joined, shifted, padded and checked in one C pass instead
+(:func:`~torch_tpu_embedding.optim._kernels.c_gather.join_ids`; the latter int32 where they fit, masks left on the
+host).
 The ops a step dispatches for the group do not grow with its number of features; what does is Python
 bookkeeping (a signature per feature, read from sizes and dtypes, never from values). The bound and
 offset tensors are made once per group layout and device (:func:`_bounds`, :func:`_shifts`).
@@ -34,7 +36,7 @@ from torch_tpu_embedding._util.transfer import upload
 from torch_tpu_embedding.config import FeatureConfig
 from torch_tpu_embedding.inputs import Padded, to_bags
 from torch_tpu_embedding.modules.lookup import bags_lookup
-from torch_tpu_embedding.optim._kernels.c_gather import join_ids
+from torch_tpu_embedding.optim._kernels.c_gather import join_ids, join_library
 
 __all__ = ["AssembledBatch", "signature"]
 
@@ -106,6 +108,11 @@ def _shifts(offsets: tuple[int, ...], sentinel: int, device: torch.device) -> tu
     return first, torch.tensor(sentinel, dtype=torch.int64).to(device)
 
 
+def _wide(ids: torch.Tensor) -> torch.Tensor:
+    """``ids`` as int64 (the C join's int32 ids, widened where they arrived: on the device)."""
+    return ids if ids.dtype == torch.int64 else ids.to(torch.int64)
+
+
 @dataclasses.dataclass
 class _Item:
     """One feature of an assembled batch, as :class:`~torch_tpu_embedding.modules.lookup_batch.LookupBatch` lists
@@ -141,7 +148,7 @@ class AssembledBatch:
     _columns: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # (num_embeddings, first rows), made once
     _ids: torch.Tensor | None = None
     _weights: torch.Tensor | None = None
-    #: :meth:`join`'s ids are shifted and checked already (its C pass on the host, for host tables)
+    #: :meth:`join`'s ids are shifted, padded and checked already (its C pass on the host), ``[B, F, L]``
     _ready: bool = False
 
     def add(self, path: Path, feature: str, fc: FeatureConfig, table: str, value: Any, weight: Any,
@@ -162,15 +169,13 @@ class AssembledBatch:
     def join(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The features' ids and masks stacked, ``[B, F, L]``; host ids for another device ``[F, B, L]``
         feature-major (each feature one contiguous copy, several times faster than writing every feature
-        strided), transposed there. Copies: never the caller's tensors. Host ids of a host table without a mask
-        come shifted and checked where :func:`join_ids` applies (``_ready``: :meth:`assemble` then does neither)."""
+        strided), transposed there. Copies: never the caller's tensors. Host ids come ``[B, F, L]`` shifted,
+        padded and checked, without their masks, where :func:`join_ids` applies (``_ready``: :meth:`assemble` then
+        does none of that), int32 where they are bound for another device and fit."""
         form, values, dim = self.sig[0], self._values, 0 if self._major else 1
         self._ready = False
-        if self.resident and not self._major and not self.sig[5] and self.sig[4].type == "cpu" and not tracing():
-            # Host ids of a host table: joined, shifted and checked in one C pass where it applies (not XLA's)
-            vocabs, offsets = self._layout()
-            shape = (self.sig[1],) if form == "dense" else (self.sig[1], self.sig[2])  # (each value's: dense2 [B, 1])
-            ids = join_ids([v.ids for v in values] if form == "padded" else values, shape, offsets, vocabs)
+        if self.sig[4].type == "cpu" and not tracing():
+            ids = self._joined_in_c()
             if ids is not None:
                 self._ready = True
                 return ids, None
@@ -180,9 +185,28 @@ class AssembledBatch:
         ids = torch.stack(values, dim)
         return ids.unsqueeze(-1) if form == "dense" else ids, None
 
+    def _joined_in_c(self) -> torch.Tensor | None:
+        """Host ids joined by :func:`join_ids`' one C pass: for a host table once the kernel library is loaded (not
+        XLA's); bound for an accelerator, from the first call (:func:`join_library`), int32 where they fit (CUDA:
+        in pinned memory). ``None``: the torch ops join."""
+        if self.resident:
+            lib, narrow, pinned = None, False, False  # (None: the library if loaded, else no C pass)
+        else:
+            lib, narrow, pinned = join_library(), True, self.weight.device.type == "cuda"
+            if lib is None:
+                return None
+        vocabs, offsets = self._layout()
+        form, values = self.sig[0], self._values
+        shape = (self.sig[1],) if form == "dense" else (self.sig[1], self.sig[2])  # (each value's: dense2 [B, 1])
+        ids = [v.ids for v in values] if form == "padded" else values
+        masks = [v.mask for v in values] if self.sig[5] else None
+        return join_ids(ids, shape, offsets, vocabs, masks, self.sentinel, narrow, pinned, lib)
+
     def fits(self, joined: tuple[torch.Tensor, torch.Tensor | None]) -> bool:
         """Whether :meth:`join`'s tensors are what the signature says (sizes, dtypes, device, layout): a
         replayed plan's check of what it did not read feature by feature."""
+        if self._ready:  # (join_ids took only contiguous host tensors of the signature's shapes and dtypes)
+            return True
         ids, mask = joined
         _, b, width, dtype, device, masked, _ = self.sig
         f = len(self.items)
@@ -203,9 +227,9 @@ class AssembledBatch:
         _, b, width, dtype, device, _, wdtype = self.sig
         values = self._values
         vocabs, offsets = self._layout()
-        major = self._major
         ids, mask = self.join() if joined is None else joined
         ready = self._ready  # (set by the join() that made joined)
+        major = self._major and not ready  # (the C pass writes [B, F, L])
         if ids.numel() and not tracing() and not ready:  # (no values while torch.compile traces, as to_bags)
             # Host ids: one pass (a vectorised reduction) and two host reads settle the usual case, every id
             # in [0, the smallest num_embeddings). Else two passes and one read (one sync for device ids):
@@ -238,7 +262,7 @@ class AssembledBatch:
             ids = ids.transpose(0, 1)
             mask = None if mask is None else mask.transpose(0, 1)
             w = None if w is None else w.transpose(0, 1)
-        ids = ids if ready else self._shifted(ids, mask, offsets)
+        ids = (ids if ahead else _wide(ids)) if ready else self._shifted(ids, mask, offsets)
         f = len(values)
         self._ids = ids.reshape(b * f, width) if major else ids.view(b * f, width)
         if w is not None:
@@ -246,7 +270,7 @@ class AssembledBatch:
             self._weights = w.reshape(b * f, width) if major else w.view(b * f, width)
         where = self.weight.device
         if ahead and not self.resident and where.type != "xla":  # (XLA: moved by the lookup, on the thread that
-            self._ids = upload(self._ids, where)            # syncs; see modules/ahead.py)
+            self._ids = _wide(upload(self._ids, where))     # syncs; see modules/ahead.py)
             self._weights = None if self._weights is None else upload(self._weights, where)
         self._values, self._wvalues = [], []  # (the caller's tensors are not kept)
 
@@ -285,7 +309,7 @@ class AssembledBatch:
         assert self._ids is not None, "assemble() first"
         ids, w, where = self._ids, self._weights, self.weight.device
         if ids.device != where:  # prepared ahead for an XLA table: moved now, on the thread that looks up
-            ids, w = ids.to(where), None if w is None else w.to(where)
+            ids, w = _wide(ids.to(where)), None if w is None else w.to(where)
         return bags_lookup(self.weight, ids, w, self.combiner, self.row_grad, self.tables,
                            not self.sig[5], columns=columns)  # (full: no mask, no padding)
 

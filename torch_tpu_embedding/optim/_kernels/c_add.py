@@ -248,7 +248,7 @@ def _load(fd: int, path: str) -> Library:
     rows_ok = lib.tte_rows_ok
     rows_ok.argtypes, rows_ok.restype = [ptr, i64, i64, ptr, ptr, i64, i64], ctypes.c_int
     join = lib.tte_join_ids
-    join.argtypes, join.restype = [ptr, ptr, ptr, ptr, i64, i64, i64], ctypes.c_int
+    join.argtypes, join.restype = [ptr, ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64], ctypes.c_int
     return Library(*fns, sort, gather, group, rows_ok, join)
 
 

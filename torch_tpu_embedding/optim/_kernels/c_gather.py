@@ -13,26 +13,34 @@ nothing is compiled for a lookup). It also needs a contiguous plain CPU table, i
 split into one range per thread, run at once (:func:`.c_rules.in_parallel`).
 
 A stacked group's join of its features' ids (:func:`join_ids`, ``modules/assembly.py``) is one pass of the same
-library: the ids side by side, shifted to their tables' rows and checked, where ``torch.stack``, ``aminmax`` (and its
-two host reads) and the add of the shifts made three passes and a fresh tensor each.
+library: the ids side by side, shifted to their tables' rows, padding written as the group's padding id and checked,
+where ``torch.stack`` (of the ids and of their masks), ``aminmax`` (and its two host reads), the add of the shifts and a
+``where`` made a pass and a fresh tensor each. Host ids bound for an accelerator come out int32 where the group's rows
+allow (half the bytes to move; widened on the device), for CUDA in pinned memory, and their masks stay on the host:
+on XLA:CPU, T = 100 features of 1,024 ids each spent 1.0 ms of a 1.9 ms forward trace joining, checking and moving them
+(docs/benchmarks.md). Such ids take this pass from a group's first call (:func:`join_library` builds the library then).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Sequence
 
 import torch
 
-from torch_tpu_embedding.optim._kernels import c_add, c_rules
+from torch_tpu_embedding.optim._kernels import c_add, c_rules, row_update
 from torch_tpu_embedding.optim._kernels.c_args import in_memory
+from torch_tpu_embedding.optim._kernels.c_rules_source import JOIN_IDS
 
-__all__ = ["gather_rows", "join_ids"]
+__all__ = ["gather_rows", "join_ids", "join_library"]
 
 Tensor = torch.Tensor
 
 #: ids per thread below which the gather is not split over threads (as the row loops')
 _MIN_ROWS_PER_THREAD = 2048
+#: ids per thread below which :func:`join_ids` is not split over threads (a copy: far cheaper per id than a row)
+_MIN_IDS_PER_THREAD = 1 << 17
 
 
 def gather_rows(weight: Tensor, ids: Tensor) -> Tensor:
@@ -63,29 +71,76 @@ def gather_rows(weight: Tensor, ids: Tensor) -> Tensor:
     return out
 
 
-def join_ids(values: Sequence[Tensor], shape: tuple[int, ...], shifts: Sequence[int], vocabs: Sequence[int]
-             ) -> Tensor | None:
-    """``F`` features' ids, each of ``shape`` (``[B, L]``, or ``[B]``: ``L`` is 1), side by side as ``[B, F, L]``
-    int64, feature ``f``'s plus ``shifts[f]``, by one C pass that checks each id (before its shift) to lie in
-    ``[0, vocabs[f])``. ``None`` where that does not apply (the library not loaded, ``torch.compile``, a value not a
-    contiguous int64 CPU tensor of ``shape`` whose memory holds its values, no ids) or an id is outside its range:
-    the caller then joins, checks and shifts with torch ops (``torch.stack``, ``aminmax``, ``add``), to the same ids,
-    and raises its own error."""
-    lib = None if torch.compiler.is_compiling() else c_add.loaded()
+def _pointers(values: Sequence[Tensor], dtype: torch.dtype, shape: tuple[int, ...]
+              ) -> ctypes.Array[ctypes.c_void_p] | None:
+    """The addresses of ``values``' memory, or ``None`` unless each is a contiguous CPU tensor of ``dtype`` and
+    ``shape`` whose memory holds its values (not a negative view) and exists (not a zero tensor's null pointer).
+    Each attribute read costs about 0.1 µs: at 100 features these checks were most of the join's host time."""
+    tensor, strided, ptrs = torch.Tensor, torch.strided, []
+    for v in values:
+        if (type(v) is not tensor or v.dtype is not dtype or not v.is_cpu or v.layout is not strided or v.is_nested
+                or v.shape != shape or not v.is_contiguous() or v.is_neg()):
+            return None
+        ptr = v.data_ptr()
+        if not ptr:  # (a zero tensor: no memory)
+            return None
+        ptrs.append(ptr)
+    return (ctypes.c_void_p * len(ptrs))(*ptrs)
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(shifts: tuple[int, ...], vocabs: tuple[int, ...], sentinel: int
+            ) -> tuple[ctypes.Array[ctypes.c_int64], ctypes.Array[ctypes.c_int64], int]:
+    """A group layout's shifts and row counts as C arrays, and the largest id its join writes (made once)."""
+    top = max([sentinel, *(s + v - 1 for s, v in zip(shifts, vocabs, strict=True))])
+    return (ctypes.c_int64 * len(shifts))(*shifts), (ctypes.c_int64 * len(vocabs))(*vocabs), top
+
+
+def join_library() -> c_add.Library | None:
+    """The library for :func:`join_ids` of host ids bound for an accelerator (XLA, CUDA): loaded, or built on this
+    first call of the process (about 2 s once per machine: the kernel cache keeps it), so that every step of a run
+    takes one path; ``None`` under ``torch.compile``, with ``TTE_UPDATE_KERNEL=0`` (the kernel path off) or where it
+    cannot be built (one warning; the torch ops join as before)."""
+    if torch.compiler.is_compiling() or not row_update.enabled():
+        return None
+    return c_add.library()
+
+
+def join_ids(values: Sequence[Tensor], shape: tuple[int, ...], shifts: Sequence[int], vocabs: Sequence[int],
+             masks: Sequence[Tensor] | None = None, sentinel: int = 0, narrow: bool = False, pinned: bool = False,
+             lib: c_add.Library | None = None) -> Tensor | None:
+    """``F`` features' ids, each of ``shape`` (``[B, L]``, or ``[B]``: ``L`` is 1), side by side as ``[B, F, L]``,
+    feature ``f``'s plus ``shifts[f]``, by one C pass that checks each id (before its shift) to lie in
+    ``[0, vocabs[f])``. With ``masks`` (one bool tensor of ``shape`` per feature) an id masked out is written as
+    ``sentinel`` and not checked (it need not be an id). int64, or int32 where ``narrow`` and every id written fits
+    (half the bytes to move to a device); in pinned memory where ``pinned`` (bound for CUDA: no copy into a pinned
+    buffer after). ``lib``: the library to use (default: the one this process has loaded, if any).
+
+    ``None`` where that does not apply (no library, ``torch.compile``, a value not a contiguous int64 CPU tensor of
+    ``shape`` whose memory holds its values, a mask not a contiguous bool one, no ids) or an id is outside its range:
+    the caller then joins, checks and shifts with torch ops (``torch.stack``, ``aminmax``, ``add``, ``where``), to the
+    same ids, and raises its own error."""
+    lib = None if torch.compiler.is_compiling() else c_add.loaded() if lib is None else lib
     if lib is None or not values or len(shape) not in (1, 2):
         return None
     b, width = shape[0], shape[1] if len(shape) == 2 else 1
-    for v in values:
-        if (type(v) is not torch.Tensor or v.dtype != torch.int64 or v.device.type != "cpu"
-                or v.layout != torch.strided or v.shape != shape or not v.is_contiguous() or v.is_nested
-                or v.is_neg() or v._is_zerotensor()):  # (values that are not the memory read, or no memory)
-            return None
     f = len(values)
-    if not b * width or len(shifts) != f or len(vocabs) != f:
+    if width > JOIN_IDS:  # (a bag of more ids than the C pass's block)
         return None
-    out = torch.empty(b, f, width, dtype=torch.int64)
-    src = (ctypes.c_void_p * f)(*[v.data_ptr() for v in values])
-    if lib.join_ids(out.data_ptr(), src, (ctypes.c_int64 * f)(*shifts), (ctypes.c_int64 * f)(*vocabs), f, b,
-                    width) != 0:
+    if masks is not None and len(masks) != f:
         return None
-    return out
+    src = _pointers(values, torch.int64, shape)
+    keep = None if masks is None else _pointers(masks, torch.bool, shape)
+    if src is None or (masks is not None and keep is None) or not b * width or len(shifts) != f or len(vocabs) != f:
+        return None
+    shift, vocab, top = _layout(tuple(shifts), tuple(vocabs), sentinel)
+    narrow = narrow and top < 2**31
+    out = torch.empty(b, f, width, dtype=torch.int32 if narrow else torch.int64, pin_memory=pinned)
+    threads = max(1, min(torch.get_num_threads(), b * f * width // _MIN_IDS_PER_THREAD))
+    bounds = [b * t // threads for t in range(threads + 1)]
+
+    def part(t: int) -> int:
+        return lib.join_ids(out.data_ptr(), int(narrow), src, keep, shift, vocab, sentinel, f, bounds[t],
+                            bounds[t + 1], width)
+
+    return None if any(c_rules.in_parallel(part, threads)) else out

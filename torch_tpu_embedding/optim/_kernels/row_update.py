@@ -447,8 +447,9 @@ def warn_once(why: str) -> None:
         return
     _WARNED = True
     warnings.warn(
-        f"torch_tpu_embedding: the kernel row update could not be compiled ({why}); eager updates run "
-        "the reference path (slower, same results). Set TTE_UPDATE_KERNEL=0 to skip the attempt.",
+        f"torch_tpu_embedding: the kernel row update could not be compiled ({why}); eager updates (and the join "
+        "of host ids bound for an accelerator) run the reference path (slower, same results). Set "
+        "TTE_UPDATE_KERNEL=0 to skip the attempt.",
         RuntimeWarning,
         stacklevel=2,
     )

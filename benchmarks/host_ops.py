@@ -32,7 +32,7 @@ concatenated by the user's ``torch.cat``; ``concat=True``; and a duck-typed ``Ke
   process, the ``T`` alternating, and prints each round's ratios and their median.
 
   At a fixed batch, each feature brings its own bags: T = 100's step carries 100 times T = 1's ids (102,400)
-  and rows, which the host stacks, checks and moves, and which XLA:CPU's device work walks through on the
+  and rows, which the host joins, checks and moves, and which XLA:CPU's device work walks through on the
   same cores. ``--same-ids`` adds a run of T = 1 with the largest T's ids and table rows (its bags and rows
   that many times: one feature, one table, the same data): the largest T against it is the cost of the
   number of features alone.

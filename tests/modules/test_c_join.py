@@ -72,6 +72,8 @@ def test_join_ids_narrows_only_what_fits_and_takes_bags_of_at_most_512_ids(lib: 
     over = join_ids([ids, ids], (8, 3), [0, 2**31 - 9], [10, 10], None, 0, True)
     assert over is not None and over.dtype == torch.int64 and torch.equal(over[:, 1], ids + 2**31 - 9)
     assert join_ids([ids], (8, 3), [0], [10], [ids > 4], 2**31, True).dtype == torch.int64  # (the padding id)
+    low = join_ids([ids], (8, 3), [0], [10], [ids > 4], -(2**31) - 1, True)  # (a padding id below int32's)
+    assert low is not None and low.dtype == torch.int64 and int(low.min()) == -(2**31) - 1
     wide = torch.randint(0, 10, (2, 513))
     assert join_ids([wide], (2, 513), [0], [10]) is None
     assert torch.equal(join_ids([wide[:, :512].contiguous()], (2, 512), [3], [10]), wide[:, None, :512] + 3)

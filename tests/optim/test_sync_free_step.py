@@ -216,7 +216,8 @@ def test_an_accelerator_step_dispatches_as_many_ops_at_100_features_as_at_1(monk
     total = {t: sum(c.values()) for t, c in counts.items()}
     print(f"ops per steady step on the meta device: {total}")
     assert total[100] <= 1.3 * total[1], total
-    assert counts[100]["_local_scalar_dense"] == counts[1]["_local_scalar_dense"] == 2, counts  # aminmax's two
+    reads = 0 if join_library() is not None else 2  # aminmax's two; none where the C join checks (kernel library on)
+    assert counts[100]["_local_scalar_dense"] == counts[1]["_local_scalar_dense"] == reads, counts
 
 
 @pytest.mark.usefixtures("compiler")

@@ -270,7 +270,7 @@ class AssembledBatch:
             self._weights = w.reshape(b * f, width) if major else w.view(b * f, width)
         where = self.weight.device
         if ahead and not self.resident and where.type != "xla":  # (XLA: moved by the lookup, on the thread that
-            self._ids = _wide(upload(self._ids, where))     # syncs; see modules/ahead.py)
+            self._ids = upload(self._ids, where)            # syncs; see modules/ahead.py; widened by _lookup)
             self._weights = None if self._weights is None else upload(self._weights, where)
         self._values, self._wvalues = [], []  # (the caller's tensors are not kept)
 
@@ -309,7 +309,8 @@ class AssembledBatch:
         assert self._ids is not None, "assemble() first"
         ids, w, where = self._ids, self._weights, self.weight.device
         if ids.device != where:  # prepared ahead for an XLA table: moved now, on the thread that looks up
-            ids, w = _wide(ids.to(where)), None if w is None else w.to(where)
+            ids, w = ids.to(where), None if w is None else w.to(where)
+        ids = _wide(ids)  # (prepared ahead: widened here, where the lookup runs; the preparing thread runs no op)
         return bags_lookup(self.weight, ids, w, self.combiner, self.row_grad, self.tables,
                            not self.sig[5], columns=columns)  # (full: no mask, no padding)
 

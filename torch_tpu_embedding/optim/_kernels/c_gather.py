@@ -90,10 +90,13 @@ def _pointers(values: Sequence[Tensor], dtype: torch.dtype, shape: tuple[int, ..
 
 @functools.lru_cache(maxsize=256)
 def _layout(shifts: tuple[int, ...], vocabs: tuple[int, ...], sentinel: int
-            ) -> tuple[ctypes.Array[ctypes.c_int64], ctypes.Array[ctypes.c_int64], int]:
-    """A group layout's shifts and row counts as C arrays, and the largest id its join writes (made once)."""
+            ) -> tuple[ctypes.Array[ctypes.c_int64], ctypes.Array[ctypes.c_int64], bool]:
+    """A group layout's shifts and row counts as C arrays, and whether every id its join can write fits int32 (made
+    once)."""
     top = max([sentinel, *(s + v - 1 for s, v in zip(shifts, vocabs, strict=True))])
-    return (ctypes.c_int64 * len(shifts))(*shifts), (ctypes.c_int64 * len(vocabs))(*vocabs), top
+    low = min([sentinel, *shifts])
+    fits = -(2**31) <= low and top < 2**31
+    return (ctypes.c_int64 * len(shifts))(*shifts), (ctypes.c_int64 * len(vocabs))(*vocabs), fits
 
 
 def join_library() -> c_add.Library | None:
@@ -133,8 +136,8 @@ def join_ids(values: Sequence[Tensor], shape: tuple[int, ...], shifts: Sequence[
     keep = None if masks is None else _pointers(masks, torch.bool, shape)
     if src is None or (masks is not None and keep is None) or not b * width or len(shifts) != f or len(vocabs) != f:
         return None
-    shift, vocab, top = _layout(tuple(shifts), tuple(vocabs), sentinel)
-    narrow = narrow and top < 2**31
+    shift, vocab, fits = _layout(tuple(shifts), tuple(vocabs), sentinel)
+    narrow = narrow and fits
     out = torch.empty(b, f, width, dtype=torch.int32 if narrow else torch.int64, pin_memory=pinned)
     threads = max(1, min(torch.get_num_threads(), b * f * width // _MIN_IDS_PER_THREAD))
     bounds = [b * t // threads for t in range(threads + 1)]

@@ -255,7 +255,7 @@ int64_t tte_group_ids(const int64_t *restrict ids, int64_t n, int64_t shift, int
     bad |= (on) & (uint64_t)((x) >= v); /* (a negative id is a large unsigned one) */                  \
     dst = (T)(((on) & ((x) + s)) | (~(on) & (uint64_t)sentinel));                                       \
   } while (0)
-#define TTE_JOIN_LOOP(T)                                                                                 \
+#define TTE_JOIN_LOOP(T, buf)                                                                               \
   for (int64_t bb = b0; bb < b1; bb += block) {                                                         \
     const int64_t be = b1 - bb < block ? b1 : bb + block, n = (be - bb) * width;                        \
     for (int64_t f = 0; f < nf; ++f) {                                                                  \
@@ -277,7 +277,7 @@ int64_t tte_group_ids(const int64_t *restrict ids, int64_t n, int64_t shift, int
           }                                                                                             \
         }                                                                                               \
       } else { /* narrow bags: the block in one vector loop into a buffer, then bag by bag */           \
-        T *restrict tmp = (T *)buf;                                                                     \
+        T *restrict tmp = buf;                                                                          \
         if (k) {                                                                                        \
           for (int64_t i = 0; i < n; ++i) TTE_JOIN_ONE(T, (uint64_t)from[i], -(uint64_t)(k[i] != 0), tmp[i]); \
         } else {                                                                                        \
@@ -296,12 +296,13 @@ int tte_join_ids(void *restrict out, int narrow, const int64_t *const *restrict 
      shifted and padded in one vectorised loop into a buffer, then written bag by bag; its ids are read in runs (one
      stream the prefetcher follows) and the block's output stays in cache. Bag by bag, every feature read at once
      was one cache miss per 64 bytes of ids at 100 features. width <= TTE_JOIN_IDS (the caller's check). */
-  int64_t buf[TTE_JOIN_IDS];
+  int64_t wide[TTE_JOIN_IDS];
+  int32_t narrowed[TTE_JOIN_IDS];
   const int64_t block = width >= 16 && nf <= 8 ? 1 : TTE_JOIN_IDS / width;
   if (narrow) {
-    TTE_JOIN_LOOP(int32_t)
+    TTE_JOIN_LOOP(int32_t, narrowed)
   } else {
-    TTE_JOIN_LOOP(int64_t)
+    TTE_JOIN_LOOP(int64_t, wide)
   }
   return 0;
 }

@@ -26,6 +26,7 @@ from torch_tpu_embedding.checkpoint import logical_rows, publish
 from torch_tpu_embedding.config import DEFAULT_REPLICATE_BELOW_BYTES
 from torch_tpu_embedding.optim._core import update_paths
 from torch_tpu_embedding.optim._kernels import row_update
+from torch_tpu_embedding.optim._kernels.c_rules_source import JOIN_IDS
 from torch_tpu_embedding.routing import default_capacity
 
 ROOT = Path(__file__).parents[2]
@@ -104,6 +105,14 @@ def test_row_chunk_sizes() -> None:
     assert (number(chunks[1]), number(chunks[2])) == (update_paths.ROW_CHUNK, update_paths.ROW_CHUNK_PARALLEL)
     spread = found(r"spreads it over the bag's ids by their gains ([\d,]+) rows at a time", "docs/design.md")[0]
     assert number(spread[1]) == update_paths.ADDITIVE_CHUNK
+
+
+
+def test_id_join_block() -> None:
+    """design.md and benchmarks.md: the C join of host ids works 512 ids of a feature at a time, the widest bag it takes."""
+    design = found(r"in blocks of (\d+) ids per feature", "docs/design.md")[0]
+    bench = found(r"The pass works a block of (\d+) ids per feature at a time", "docs/benchmarks.md")[0]
+    assert number(design[1]) == number(bench[1]) == JOIN_IDS
 
 
 # ------------------------------------------------------------------ host memory

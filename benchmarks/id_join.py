@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -35,6 +34,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from host_ops import cpu_model  # noqa: E402  (this folder: the script's own, first on sys.path)
 
 from torch_tpu_embedding.optim._kernels import c_add  # noqa: E402
 from torch_tpu_embedding.optim._kernels.c_gather import join_ids  # noqa: E402
@@ -65,16 +66,6 @@ def c_join(ids: list[torch.Tensor], masks: list[torch.Tensor] | None, rows: int,
                    pinned and torch.cuda.is_available())
     assert out is not None
     return out.numel() * out.element_size()
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main() -> None:

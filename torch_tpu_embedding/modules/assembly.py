@@ -109,7 +109,7 @@ def _shifts(offsets: tuple[int, ...], sentinel: int, device: torch.device) -> tu
 
 
 def _wide(ids: torch.Tensor) -> torch.Tensor:
-    """``ids`` as int64 (the C join's int32 ids, widened where they arrived: on the device)."""
+    """``ids`` as int64 (the C join's int32 ids, widened on the device that looks them up)."""
     return ids if ids.dtype == torch.int64 else ids.to(torch.int64)
 
 
@@ -262,7 +262,7 @@ class AssembledBatch:
             ids = ids.transpose(0, 1)
             mask = None if mask is None else mask.transpose(0, 1)
             w = None if w is None else w.transpose(0, 1)
-        ids = (ids if ahead else _wide(ids)) if ready else self._shifted(ids, mask, offsets)
+        ids = ids if ready else self._shifted(ids, mask, offsets)  # (the C join's int32: widened by _lookup)
         f = len(values)
         self._ids = ids.reshape(b * f, width) if major else ids.view(b * f, width)
         if w is not None:
@@ -270,7 +270,7 @@ class AssembledBatch:
             self._weights = w.reshape(b * f, width) if major else w.view(b * f, width)
         where = self.weight.device
         if ahead and not self.resident and where.type != "xla":  # (XLA: moved by the lookup, on the thread that
-            self._ids = upload(self._ids, where)            # syncs; see modules/ahead.py; widened by _lookup)
+            self._ids = upload(self._ids, where)            # syncs; see modules/ahead.py)
             self._weights = None if self._weights is None else upload(self._weights, where)
         self._values, self._wvalues = [], []  # (the caller's tensors are not kept)
 
@@ -310,7 +310,7 @@ class AssembledBatch:
         ids, w, where = self._ids, self._weights, self.weight.device
         if ids.device != where:  # prepared ahead for an XLA table: moved now, on the thread that looks up
             ids, w = ids.to(where), None if w is None else w.to(where)
-        ids = _wide(ids)  # (prepared ahead: widened here, where the lookup runs; the preparing thread runs no op)
+        ids = _wide(ids)  # (the C join's int32, widened on the device where the lookup runs, not by a preparer)
         return bags_lookup(self.weight, ids, w, self.combiner, self.row_grad, self.tables,
                            not self.sig[5], columns=columns)  # (full: no mask, no padding)
 

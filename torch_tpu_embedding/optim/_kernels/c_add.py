@@ -143,8 +143,7 @@ class Library(NamedTuple):
 
 #: the compiled library (``None``: it could not be compiled), once per process
 _LOOP: list[Library | None] = []
-#: held while the library is built or loaded (by one thread; the others wait for it)
-_BUILDING = threading.Lock()
+_BUILDING = threading.Lock()  # (held while one thread builds or loads the library: the others wait for it)
 #: the kernel cache refused (others may change it): warned once per process
 _REFUSED: list[str] = []
 #: the work directories of compiles (with host and process id); the old ``TemporaryDirectory`` ones' prefix
@@ -217,17 +216,16 @@ def loaded() -> Library | None:
 
 def library() -> Library | None:
     """The functions of :data:`_SOURCE`, loaded from :func:`cache_dir` or compiled, on the first call; ``None``
-    (after one warning) if they cannot be."""
-    if not _LOOP:
-        with _BUILDING:  # (one build: the join of host ids may ask from a pipeline's thread at once)
-            if not _LOOP:
-                try:
-                    _LOOP.append(_build())
-                except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:  # (AttributeError:
-                    _LOOP.append(None)                                                           # no symbol)
-                    text = str(e).strip()
-                    row_update.warn_once(f"{type(e).__name__}: {text.splitlines()[0] if text else ''}")
-    return _LOOP[0]
+    (after one warning) if they cannot be (no compiler, a failed compile or load, a symbol missing: AttributeError)."""
+    with _BUILDING:  # (one build: the join of host ids may ask from a pipeline's thread at once)
+        if not _LOOP:
+            try:
+                _LOOP.append(_build())
+            except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
+                _LOOP.append(None)
+                text = str(e).strip()
+                row_update.warn_once(f"{type(e).__name__}: {text.splitlines()[0] if text else ''}")
+        return _LOOP[0]
 
 
 def _load(fd: int, path: str) -> Library:

@@ -16,9 +16,9 @@ A stacked group's join of its features' ids (:func:`join_ids`, ``modules/assembl
 library: the ids side by side, shifted to their tables' rows, padding written as the group's padding id and checked,
 where ``torch.stack`` (of the ids and of their masks), ``aminmax`` (and its two host reads), the add of the shifts and a
 ``where`` made a pass and a fresh tensor each. Host ids bound for an accelerator come out int32 where the group's rows
-allow (half the bytes to move; widened on the device), for CUDA in pinned memory, and their masks stay on the host:
-on XLA:CPU, T = 100 features of 1,024 ids each spent 1.0 ms of a 1.9 ms forward trace joining, checking and moving them
-(docs/benchmarks.md). Such ids take this pass from a group's first call (:func:`join_library` builds the library then).
+allow (half the bytes to move; widened on the device), for CUDA in pinned memory, and their masks stay on the host
+(what that saves and costs: docs/benchmarks.md, "host ids for an accelerator joined by one C pass"). Such ids take
+this pass from a group's first call (:func:`join_library` builds the library then).
 """
 
 from __future__ import annotations
@@ -75,7 +75,9 @@ def _pointers(values: Sequence[Tensor], dtype: torch.dtype, shape: tuple[int, ..
               ) -> ctypes.Array[ctypes.c_void_p] | None:
     """The addresses of ``values``' memory, or ``None`` unless each is a contiguous CPU tensor of ``dtype`` and
     ``shape`` whose memory holds its values (not a negative view) and exists (not a zero tensor's null pointer).
-    Each attribute read costs about 0.1 µs: at 100 features these checks were most of the join's host time."""
+    :func:`.c_args.in_memory`'s test, inlined: this runs per feature and step, and the call with its conjugate and
+    zero-tensor reads (neither applies to int64 or bool ids: the null pointer tells the latter) cost the join a
+    third more at 100 features (docs/benchmarks.md)."""
     tensor, strided, ptrs = torch.Tensor, torch.strided, []
     for v in values:
         if (type(v) is not tensor or v.dtype is not dtype or not v.is_cpu or v.layout is not strided or v.is_nested

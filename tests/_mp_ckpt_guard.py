@@ -51,7 +51,7 @@ import torch_tpu_embedding as tte
 from torch_tpu_embedding._rows.placement import stored_rows
 from torch_tpu_embedding.checkpoint import snapshot
 from torch_tpu_embedding.distributed import sharded_checkpoint
-from torch_tpu_embedding.optim._state import state_io
+from torch_tpu_embedding.optim._state import state_load
 
 __all__ = ["run"]
 
@@ -83,20 +83,20 @@ def _load(load: Any, path: Path, model: nn.Module, opt: Any) -> dict[str, Any]:
     """``load(path, model, opt)``'s error, whether it changed nothing, and how often it checked the optimizer's
     state (``checks``: once per load, tests/optim/test_state_checked_once.py, here over a process group too)."""
     before = snapshot_state(model, opt, stored=True)  # (no collective: each rank's stored rows)
-    real, checks = state_io.state_problems, []
+    real, checks = state_load.state_problems, []
 
     def counted(*args: Any) -> list[str]:
         checks.append(1)
         return real(*args)
 
-    state_io.state_problems = counted  # (the module's name: every check of a load goes through it)
+    state_load.state_problems = counted  # (the module's name: every check of a load goes through it)
     try:
         load(path, model, opt)
         got: dict[str, Any] = {"errors": []}
     except Exception as e:  # noqa: BLE001 - recorded
         got = {"errors": [{"type": type(e).__name__, "message": str(e)}]}
     finally:
-        state_io.state_problems = real
+        state_load.state_problems = real
     return got | {"unchanged": same_state(before, snapshot_state(model, opt, stored=True)), "checks": len(checks)}
 
 

@@ -25,7 +25,7 @@ from optim_registry import OPTIMIZER_INFOS, OptimizerInfo
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding.optim._state import state_io
+from torch_tpu_embedding.optim._state import state_save
 
 sys.path.insert(0, os.fspath(Path(__file__).parents[1]))
 from _stacked_model import Model, batches  # noqa: E402, I001
@@ -73,7 +73,7 @@ def test_a_pending_window_survives_a_fresh_template(info: OptimizerInfo, stack: 
     model = Model(stack=stack)
     opt = make(info, model, use_ema=True)
     train(model, opt, batches(), 3)  # mid-window: the third call's rows are pending
-    assert "acc_ids" in str(state_io.state_dict(opt)["state"].values())
+    assert "acc_ids" in str(state_save.state_dict(opt)["state"].values())
     save(model, opt, tmp_path)
     fresh = Model(stack=stack, seed=9)
     opt2 = make(info, fresh, use_ema=True)  # no window yet: its template must still ask for one
@@ -81,11 +81,11 @@ def test_a_pending_window_survives_a_fresh_template(info: OptimizerInfo, stack: 
     sd = {"model": tm, "optim": to}
     dcp.load(sd, checkpoint_id=tmp_path)
     set_state_dict(fresh, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    assert_bitwise(state_io.state_dict(opt2), state_io.state_dict(opt))
+    assert_bitwise(state_save.state_dict(opt2), state_save.state_dict(opt))
     train(model, opt, batches(5), 3)
     train(fresh, opt2, batches(5), 3)
     assert_bitwise(weights(fresh), weights(model))
-    assert_bitwise(state_io.state_dict(opt2), state_io.state_dict(opt))
+    assert_bitwise(state_save.state_dict(opt2), state_save.state_dict(opt))
 
 
 def test_no_window_is_saved_as_an_empty_entry_and_loads_as_none(tmp_path: Path) -> None:
@@ -154,10 +154,10 @@ def test_a_damaged_window_is_refused_before_anything_changes(bad: Any) -> None:
     fresh = Model(stack=False, seed=3)
     opt2 = make(info, fresh)
     train(fresh, opt2, batches(7), 1)
-    before = copy.deepcopy(state_io.state_dict(opt2))
+    before = copy.deepcopy(state_save.state_dict(opt2))
     with pytest.raises(ValueError, match="Optimizer state does not match"):
         opt2.load_state_dict(osd)
-    assert_bitwise(state_io.state_dict(opt2), before)
+    assert_bitwise(state_save.state_dict(opt2), before)
 
 
 class _Payload:

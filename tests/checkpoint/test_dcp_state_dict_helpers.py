@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding.optim._state import state_io
+from torch_tpu_embedding.optim._state import state_save
 
 DATA = Path(__file__).parents[1] / "data"
 sys.path.insert(0, os.fspath(DATA))
@@ -158,7 +158,7 @@ def test_round_trip_into_a_fresh_optimizer_and_training_continues_bitwise(info: 
 
 def _ours(opt: Any) -> dict[str, Any]:
     """``opt``'s state in our own layout (``table:<name>`` keys), whatever hooks it has."""
-    return state_io.state_dict(opt)
+    return state_save.state_dict(opt)
 
 
 @pytest.mark.parametrize("info", OPTIMIZER_INFOS, ids=lambda i: i.name)

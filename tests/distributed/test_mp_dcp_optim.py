@@ -17,7 +17,7 @@ import torch
 from test_mp_build import ranks
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding.optim._state import state_io
+from torch_tpu_embedding.optim._state import state_save
 
 
 def assert_bitwise(a: Any, b: Any, path: str = "") -> None:
@@ -102,7 +102,7 @@ def test_the_2_process_checkpoint_loads_into_one_default_stacked_process(
         W.train(one, one, opt, torch.float64, steps=steps)
         for k, v in ref.state_dict().items():
             torch.testing.assert_close(one.state_dict()[k], v, rtol=1e-10, atol=1e-10, msg=k)
-        ours, theirs = state_io.state_dict(opt)["state"], state_io.state_dict(ref_opt)["state"]
+        ours, theirs = state_save.state_dict(opt)["state"], state_save.state_dict(ref_opt)["state"]
         assert sorted(ours) == sorted(theirs)
         for key, entry in theirs.items():
             for slot, v in entry.items():

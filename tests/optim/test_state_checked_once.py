@@ -1,4 +1,4 @@
-"""A load checks the optimizer's state once (``state_io.state_problems`` walks every slot).
+"""A load checks the optimizer's state once (``state_load.state_problems`` walks every slot).
 
 Before, a load checked it up to three times: ``tte.checkpoint``'s check of the file (or, for torch's layout
 over a process group, ``from_torch_layout``'s before the ranks' agreement), ``staged_load``'s, then the write's
@@ -18,7 +18,7 @@ import torch
 from _stacked_model import Model, batches
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding.optim._state import state_io
+from torch_tpu_embedding.optim._state import state_load, state_save
 from torch_tpu_embedding.optim._state.state_check import CheckedState
 
 
@@ -35,15 +35,15 @@ def _trained(seed: int = 0) -> tuple[Model, Any]:
 
 @pytest.fixture
 def checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """One entry per call of ``state_io.state_problems`` (every check of a load goes through the module's name)."""
+    """One entry per call of ``state_load.state_problems`` (every check of a load goes through the module's name)."""
     calls: list[int] = []
-    real = state_io.state_problems
+    real = state_load.state_problems
 
     def counted(*args: Any) -> list[str]:
         calls.append(1)
         return real(*args)
 
-    monkeypatch.setattr(state_io, "state_problems", counted)
+    monkeypatch.setattr(state_load, "state_problems", counted)
     return calls
 
 
@@ -112,7 +112,7 @@ def test_torchs_layout_checks_once(checks: list[int]) -> None:
     checks.clear()
     opt2.load_state_dict(sd)
     assert len(checks) == 1
-    assert _same(state_io.state_dict(opt2), state_io.state_dict(opt))
+    assert _same(state_save.state_dict(opt2), state_save.state_dict(opt))
 
 
 def test_torchs_layout_refused_after_one_check(checks: list[int]) -> None:
@@ -120,18 +120,18 @@ def test_torchs_layout_refused_after_one_check(checks: list[int]) -> None:
     sd = tte.optim.use_torch_layout(opt).state_dict()
     sd["param_groups"][0]["lr"] = -1.0
     _, opt2 = _trained(seed=3)
-    before = state_io.state_dict(opt2)
+    before = state_save.state_dict(opt2)
     checks.clear()
     with pytest.raises(ValueError, match="Optimizer state does not match: group 0: .*lr"):
         opt2.load_state_dict(sd)
     assert len(checks) == 1
-    assert _same(state_io.state_dict(opt2), before)
+    assert _same(state_save.state_dict(opt2), before)
 
 
 def test_a_state_checked_for_another_optimizer_is_checked_again(checks: list[int]) -> None:
     _, opt = _trained()
     _, opt2 = _trained(seed=3)
-    passed = state_io.checked(opt, opt.state_dict())
+    passed = state_load.checked(opt, opt.state_dict())
     assert isinstance(passed, CheckedState) and len(checks) == 1
     opt2.staged_load(passed)()
     assert len(checks) == 2

@@ -2,9 +2,9 @@
 
 A group of stacked tables (``torch_tpu_embedding/modules/stacking.py``) has one weight and one set of slots,
 ``[Σ rows, ...]``; checkpoints keep state per table (``table:<name>``) so that they move between
-stacked and unstacked collections. The optimizer's state I/O (``optim/_state/state_io.py``) and the
-checkpoint helpers call these functions on logical rows. A group is described by its *members*:
-``(table name, first row, rows)`` in stacking order.
+stacked and unstacked collections. The optimizer's state I/O (``optim/_state/state_save.py`` and
+``state_load.py``) and the checkpoint helpers call these functions on logical rows. A group is described by
+its *members*: ``(table name, first row, rows)`` in stacking order.
 
 Example::
 

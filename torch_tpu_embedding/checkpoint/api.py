@@ -60,7 +60,7 @@ from torch_tpu_embedding.checkpoint.sharded import sharded
 from torch_tpu_embedding.checkpoint.snapshot import Seal, UnverifiedCheckpointWarning, pinned
 from torch_tpu_embedding.modules.collection import EmbeddingCollection
 from torch_tpu_embedding.modules.screening import warn_unreported
-from torch_tpu_embedding.optim._state.state_io import rest_problems
+from torch_tpu_embedding.optim._state.state_load import rest_problems
 
 __all__ = [
     "FORMAT", "CheckpointCorruptError", "CheckpointMismatchError", "UnverifiedCheckpointWarning", "convert_distributed",

@@ -18,7 +18,7 @@ from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.dtypes import dtype_kind
 from torch_tpu_embedding.checkpoint.rollback import load_in_order
 from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
-from torch_tpu_embedding.optim._state import state_io
+from torch_tpu_embedding.optim._state import state_load
 from torch_tpu_embedding.optim._state.state_check import CheckedState, tensor_problem
 
 __all__ = [
@@ -146,11 +146,11 @@ def slots_for_a_load(optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
 
 
 def optimizer_problems(optimizer: torch.optim.Optimizer, state: Any) -> list[str]:
-    """A ``tte.optim`` optimizer's refusals of ``state`` (``optim/state_io.py``), without writing; other
+    """A ``tte.optim`` optimizer's refusals of ``state`` (``optim/_state/state_load.py``), without writing; other
     optimizers answer ``[]`` (torch's optimizers check their state before writing it)."""
     if not is_row_sparse(optimizer):
         return []
-    return state_io.state_problems(optimizer, state)  # type: ignore[arg-type]
+    return state_load.state_problems(optimizer, state)  # type: ignore[arg-type]
 
 
 def apply_payload(

@@ -16,7 +16,7 @@ this class runs everything else, once, on every device. A call of :meth:`step`:
 Learning rates may be floats, 0-d tensors or zero-argument callables (called once per step); they
 reach the device as data, so changing one never recompiles on XLA (``_core.step_values``). A table whose
 ``TableConfig.optimizer`` is set gets its own parameter group with that optimizer's rule
-(``_core.hyperparams``). ``state_dict`` keys state by table name and slot name (``_state.state_io``); slots
+(``_core.hyperparams``). ``state_dict`` keys state by table name and slot name (``_state.state_save``); slots
 are created with trash rows and their table's layout on XLA (:mod:`~torch_tpu_embedding.optim._core.slots`).
 """
 
@@ -48,7 +48,7 @@ from torch_tpu_embedding.optim._core.slots import RowSpace, lazy_table, make_sta
 from torch_tpu_embedding.optim._core.state_mapping import StateMapping
 from torch_tpu_embedding.optim._core.step_values import LearningRates, StepClock, StepCounters, lr_value
 from torch_tpu_embedding.optim._core.update_paths import choose_path, update
-from torch_tpu_embedding.optim._state import state_io, torch_form
+from torch_tpu_embedding.optim._state import state_load, state_save, torch_form
 from torch_tpu_embedding.optim._state.state_check import CheckedState
 
 __all__ = ["RowSparseOptimizer"]
@@ -406,24 +406,24 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         elif isinstance(given, CheckedState) and given.checked_for(self) and not hooked:
             done = CheckedState.of(state_dict, self)  # the entries checked, in a shallow copy
         else:
-            done = state_io.checked(self, state_dict)
+            done = state_load.checked(self, state_dict)
 
         def write() -> None:
-            state_io.write_checked(self, done)
+            state_load.write_checked(self, done)
             for post_hook in self._optimizer_load_state_dict_post_hooks.values():
                 post_hook(self)
 
         return write
 
-    def physical_state(self) -> state_io.PhysicalState:
+    def physical_state(self) -> state_save.PhysicalState:
         """The slots as they are on the device, for distributed checkpoints (``tte.checkpoint``):
-        sharded, with trash and padding rows, plus the small rest (:class:`~.state_io.PhysicalState`)."""
-        return state_io.physical_state(self)
+        sharded, with trash and padding rows, plus the small rest (:class:`~.state_save.PhysicalState`)."""
+        return state_save.physical_state(self)
 
     def load_physical_rest(self, rest: Mapping[str, Any]) -> None:
         """Finish a distributed-checkpoint load: the slots were loaded in place (:meth:`physical_state`);
         this restores hyper-parameters, the call counter and pending accumulation buffers."""
-        state_io.load_physical_rest(self, rest)
+        state_load.load_physical_rest(self, rest)
 
 
 

@@ -1,6 +1,6 @@
-"""Value checks of a saved optimizer state, run before :func:`.state_io.write_checked` writes anything.
+"""Value checks of a saved optimizer state, run before :func:`.state_load.write_checked` writes anything.
 
-``_state_io.state_problems`` checks the structure (groups, keys, slot names and shapes); the rules
+``state_load.state_problems`` checks the structure (groups, keys, slot names and shapes); the rules
 here check each value it would write: a tensor with data (not on the ``meta`` device, not sparse or
 nested), of the slot's kind of dtype, a ``step`` that is one real number (a Python number loads, as
 in torch), call counters that are integers, and pending accumulation buffers whose ids lie in their
@@ -32,9 +32,9 @@ __all__ = ["CheckedState", "accumulation_problems", "counter_problems", "entry_p
 
 @dataclasses.dataclass(frozen=True)
 class CheckedState:
-    """A state dict in our layout that ``state_io.state_problems`` found nothing in, for the optimizer ``owner``
-    refers to (``state_io.checked``, or ``tte.checkpoint``'s check of a file): handed on, so that
-    ``staged_load`` and ``state_io.write_checked`` write it without checking it again. Another optimizer
+    """A state dict in our layout that ``state_load.state_problems`` found nothing in, for the optimizer ``owner``
+    refers to (``state_load.checked``, or ``tte.checkpoint``'s check of a file): handed on, so that
+    ``staged_load`` and ``state_load.write_checked`` write it without checking it again. Another optimizer
     checks it as any state dict (a weak reference: not an ``id``, which a later optimizer may reuse)."""
 
     state: dict[str, Any]

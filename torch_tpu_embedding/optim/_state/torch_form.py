@@ -1,6 +1,6 @@
 """torch.optim's ``state_dict`` layout, for ``torch.distributed.checkpoint.state_dict``'s helpers.
 
-Our ``state_dict()`` keys state by table (``table:<name>``, ``param:<...>``: optim/state_io.py), so
+Our ``state_dict()`` keys state by table (``table:<name>``, ``param:<...>``: optim/_state/state_save.py), so
 that it moves between stacked and unstacked collections. torch's helpers
 (``get_optimizer_state_dict`` / ``get_state_dict``, TorchTitan's checkpointing) need torch.optim's
 layout instead: ``state`` keyed by each parameter's position in ``param_groups`` (they rename
@@ -40,9 +40,9 @@ from torch_tpu_embedding._rows.stacked_state import merge_member_state, split_me
 from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding.optim._core.slots import logical_rows, specs
-from torch_tpu_embedding.optim._state import state_io
+from torch_tpu_embedding.optim._state import state_load, state_save
 from torch_tpu_embedding.optim._state.state_check import CheckedState, refuse
-from torch_tpu_embedding.optim._state.state_io import param_keys
+from torch_tpu_embedding.optim._state.state_save import param_keys
 
 if TYPE_CHECKING:
     from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
@@ -78,9 +78,9 @@ def state_dict(optimizer: RowSparseOptimizer) -> dict[str, Any]:
     """``optimizer``'s state in our layout, or, when torch's helpers ask (:func:`called_by_torch_helpers`),
     in torch.optim's, every slot created first (a fresh optimizer's template has an entry per parameter)."""
     if not called_by_torch_helpers() or getattr(optimizer, "_tte_torch_layout", False):
-        return state_io.state_dict(optimizer)  # (use_torch_layout's hooks turn it, user hooks between)
+        return state_save.state_dict(optimizer)  # (use_torch_layout's hooks turn it, user hooks between)
     optimizer.init_state()
-    return to_torch_layout(optimizer, state_io.state_dict(optimizer))
+    return to_torch_layout(optimizer, state_save.state_dict(optimizer))
 
 
 def use_torch_layout(optimizer: RowSparseOptimizer) -> RowSparseOptimizer:
@@ -287,7 +287,7 @@ def from_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> Checked
 
     Every entry is read and checked before the first DTensor slot is moved (a collective). For an optimizer
     holding a table sharded over a process group with ``dtensor_state_dict=True``, every rank then checks the
-    state it would write (:func:`~torch_tpu_embedding.optim._state.state_io.state_problems`: hyper-parameters,
+    state it would write (:func:`~torch_tpu_embedding.optim._state.state_load.state_problems`: hyper-parameters,
     every slot, the moved ones included) and the ranks agree on it before anything is written
     (:meth:`~torch_tpu_embedding._rows.placement.TablePlacement.state_checked`: one ``all_reduce`` of four int64
     per load, whether it moved DTensors or read plain tensors, each rank's stored rows). A rank that refuses its
@@ -311,11 +311,11 @@ def from_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> Checked
         state[key] = _from_dtensors(opt, state[key], key, live, group)
     out = {"state": state, "param_groups": groups, **counters}
     if shared is None:
-        return state_io.checked(opt, out)  # type: ignore[arg-type]
+        return state_load.checked(opt, out)  # type: ignore[arg-type]
     # What the load would refuse after the moves (a hyper-parameter, a slot's dtype), found on one rank only,
     # must not leave the others loading alone: every rank checks, then they agree, nothing written yet. This
     # is the load's one check: the caller writes the state it returns without checking it again.
-    problems = state_io.state_problems(opt, out)  # type: ignore[arg-type]
+    problems = state_load.state_problems(opt, out)  # type: ignore[arg-type]
     shared.state_checked(failed=bool(problems))
     refuse(problems)
     return CheckedState.of(out, opt)

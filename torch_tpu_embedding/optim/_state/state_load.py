@@ -1,37 +1,25 @@
-"""Optimizer state in and out: ``state_dict`` / a load's check and write, and the distributed-checkpoint form.
+"""Optimizer state in: a load's check (:func:`checked`, :func:`state_problems`) and write (:func:`write_checked`)
+of a ``state_dict``, and the distributed-checkpoint form's small remainder (:func:`load_physical_rest`).
 
-Saved state is *logical*: keyed by table name (``table:<name>``; dense parameters ``param:<name or
-index>``), row slots cut to the table's ``num_embeddings`` (no padding or trash rows), and a stacked
-group's state split per table, so it moves between CPU, one XLA device, any sharded layout, and
-stacked or unstacked collections. Pending accumulation-buffer ids that are padding are saved as ``-1``.
-
-:class:`PhysicalState` is the same state as it lives on the device (for ``torch.distributed.
-checkpoint``, which writes each device's shards); its small remainder is restored by
-:func:`load_physical_rest`. Both loads check the saved groups the same way (:func:`_check_groups`)
-and write hyper-parameters and pending buffers the same way.
+A state saved by :mod:`.state_save` (logical: keyed by table, row slots cut to the table's rows, a stacked
+group's state split per table) is checked whole before anything is written, then written into the slots
+``_state_for`` makes, which keep their layout. Both loads check the saved groups the same way
+(:func:`_check_groups`) and write hyper-parameters and pending buffers the same way.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torch_tpu_embedding._rows.placement import device_backend
-from torch_tpu_embedding._rows.row_order import (
-    Description,
-    describe,
-    from_logical,
-    logical_to_owned,
-    owned_to_logical,
-    to_logical,
-)
-from torch_tpu_embedding._rows.stacked_state import Members, merge_member_state, split_member_state
+from torch_tpu_embedding._rows.row_order import from_logical, logical_to_owned
+from torch_tpu_embedding._rows.stacked_state import merge_member_state
 from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
-from torch_tpu_embedding._util.registry import RULE_KEY, resolve_rule, rule_of
+from torch_tpu_embedding._util.registry import resolve_rule, rule_of
 from torch_tpu_embedding.optim._core.extras import EXTRA_DEFAULTS, check_extras
 from torch_tpu_embedding.optim._core.hyperparams import mark_exchange, validate_common
 from torch_tpu_embedding.optim._core.slots import (
@@ -40,7 +28,6 @@ from torch_tpu_embedding.optim._core.slots import (
     logical_rows,
     slot_rows,
     specs,
-    to_saved_ids,
     write_whole,
 )
 from torch_tpu_embedding.optim._core.step_values import to_device
@@ -52,63 +39,14 @@ from torch_tpu_embedding.optim._state.state_check import (
     refuse,
     step_value,
 )
+from torch_tpu_embedding.optim._state.state_save import groups_by_param, logical_keys, members_of, param_keys
 
 if TYPE_CHECKING:
     from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
 
-__all__ = [
-    "PhysicalState", "checked", "load_physical_rest", "param_keys", "physical_state", "rest_problems", "state_dict",
-    "state_problems", "write_checked",
-]
+__all__ = ["checked", "load_physical_rest", "rest_problems", "state_problems", "write_checked"]
 
 Tensor = torch.Tensor
-
-
-@dataclasses.dataclass
-class PhysicalState:
-    """An optimizer's state as it is on the device (for distributed checkpoints).
-
-    ``tensors["<key>/<slot>"]`` is the slot itself (sharded, with trash and padding rows),
-    ``logical_rows`` the same key's rows in :func:`state_dict` (``None``: saved whole) and ``layouts``
-    how they are stored (``torch_tpu_embedding._rows.row_order.describe``; ``None``: in order). The rest is
-    small and on the host: hyper-parameters (``param_groups`` as :func:`state_dict` saves them), the
-    call counter, pending accumulation buffers by key, and each stacked group's tables by key.
-    """
-
-    tensors: dict[str, Tensor]
-    logical_rows: dict[str, int | None]
-    param_groups: list[dict[str, Any]]
-    iterations: int
-    accumulation: dict[str, dict[str, Tensor]]
-    members: dict[str, Members]
-    layouts: dict[str, Description] = dataclasses.field(default_factory=dict)
-
-    def rest(self) -> dict[str, Any]:
-        """What a distributed checkpoint stores beside the tensors (read back by :func:`load_physical_rest`)."""
-        return {"param_groups": self.param_groups, "iterations": self.iterations, "acc": self.accumulation}
-
-
-def param_keys(opt: RowSparseOptimizer, *, group_as_one: bool = False) -> dict[int, str]:
-    """Stable names by ``id(param)``: ``table:<name>`` for tables, else the given name or ``param:<i>``.
-
-    ``i`` counts parameters in group order with a stacked group counted as its tables, so a dense
-    parameter keeps its key whether the tables beside it are stacked or not (``group_as_one``: as
-    checkpoints written before 2026-11-23 numbered them, a stacked group counted once).
-    """
-    keys: dict[int, str] = {}
-    i = 0
-    for group in opt.param_groups:
-        names = group.get("param_names")
-        for j, p in enumerate(group["params"]):
-            info = table_info(p)
-            if info is not None:
-                keys[id(p)] = f"table:{info.name}"
-            elif names is not None:
-                keys[id(p)] = f"param:{names[j]}"
-            else:
-                keys[id(p)] = f"param:{i}"
-            i += 1 if info is None or info.members is None or group_as_one else len(info.members)
-    return keys
 
 
 def _renumbered(opt: RowSparseOptimizer, sd: dict[str, Any], keys: Mapping[int, str]) -> dict[str, Any]:
@@ -123,98 +61,6 @@ def _renumbered(opt: RowSparseOptimizer, sd: dict[str, Any], keys: Mapping[int, 
     return {**sd, "state": {rename.get(k, k): v for k, v in sd["state"].items()}, "param_groups": groups}
 
 
-def _members(p: Tensor) -> Members | None:
-    info = table_info(p)
-    return None if info is None else info.members
-
-
-def _logical_keys(p: Tensor, key: str, rows: int) -> list[tuple[str, int]]:
-    """``p``'s keys in :func:`state_dict` with their logical rows (``p``'s ``key`` and ``rows``, or one
-    per table of a stacked group)."""
-    members = _members(p)
-    return [(key, rows)] if members is None else [(f"table:{name}", n) for name, _, n in members]
-
-
-def _groups_by_param(opt: RowSparseOptimizer) -> dict[int, dict[str, Any]]:
-    return {id(p): g for g in opt.param_groups for p in g["params"]}
-
-
-def _saved_groups(opt: RowSparseOptimizer, keys: Mapping[int, str]) -> list[dict[str, Any]]:
-    """The parameter groups as saved: hyper-parameters (not callables) and the params' logical keys."""
-    groups = []
-    for group in opt.param_groups:
-        saved = {
-            k: v
-            for k, v in group.items()
-            if k not in ("params", "slot_creation_fn", RULE_KEY) and not (callable(v) and not isinstance(v, Tensor))
-        }
-        saved["params"] = [k for p in group["params"] for k, _ in _logical_keys(p, keys[id(p)], 0)]
-        groups.append(saved)
-    return groups
-
-
-def state_dict(opt: RowSparseOptimizer) -> dict[str, Any]:
-    """See :meth:`RowSparseOptimizer.state_dict`."""
-    keys = param_keys(opt)
-    group_of = _groups_by_param(opt)
-    state: dict[str, Any] = {}
-    for p, s in opt.state.items():
-        if id(p) not in keys:
-            continue
-        all_specs = specs(p, group_of[id(p)])
-        numbers = slot_rows(p, group_of[id(p)]).numbers
-        out: dict[str, Tensor] = {}
-        for name, v in s.items():
-            if name in ACCUMULATION:
-                continue
-            out[name] = _logical_slot(p, v, numbers[name]) if name in numbers else v
-        out.update(_saved_accumulation(p, s))
-        members = _members(p)
-        if members is None:
-            state[keys[id(p)]] = out
-            continue
-        row_slots = [k for k, spec in all_specs.items() if spec.rows and spec.shape]
-        parts = split_member_state(out, members, row_slots)
-        state.update({f"table:{name}": part for name, part in parts.items()})
-    return {"state": state, "param_groups": _saved_groups(opt, keys), "iterations": opt._run.iterations,
-            "skipped_steps": opt.skipped_steps, "overflowed_steps": opt.overflowed_steps}
-
-
-def physical_state(opt: RowSparseOptimizer) -> PhysicalState:
-    """See :meth:`RowSparseOptimizer.physical_state`."""
-    keys = param_keys(opt)
-    group_of = _groups_by_param(opt)
-    tensors: dict[str, Tensor] = {}
-    rows: dict[str, int | None] = {}
-    layouts: dict[str, Description] = {}
-    acc: dict[str, dict[str, Tensor]] = {}
-    for p, s in opt.state.items():
-        key = keys[id(p)]
-        numbers = slot_rows(p, group_of[id(p)]).numbers
-        info = table_info(p)
-        n = logical_rows(p)
-        saved = _saved_accumulation(p, s)
-        if saved:
-            acc[key] = {k: v.detach().cpu() for k, v in saved.items()}
-        for name, v in s.items():
-            if name in ACCUMULATION:
-                continue
-            tensors[f"{key}/{name}"] = v
-            rows[f"{key}/{name}"] = n if name in numbers else None
-            if name in numbers and info is not None:
-                layouts[f"{key}/{name}"] = describe(info.layout, numbers[name])
-    members = {keys[id(p)]: m for p in opt.state if (m := _members(p)) is not None}
-    return PhysicalState(tensors, rows, _saved_groups(opt, keys), opt._run.iterations, acc, members, layouts)
-
-
-def _logical_slot(p: Tensor, slot: Tensor, k: int) -> Tensor:
-    """Row slot ``k`` of ``p`` in logical order, cut to the logical rows (a view when stored in order;
-    gathered on the host when the table is stored permuted)."""
-    info = table_info(p)
-    layout = None if info is None else info.layout
-    return to_logical(slot if layout is None else slot.detach().cpu(), logical_rows(p), layout, k)
-
-
 def _write_logical_slot(p: Tensor, slot: Tensor, value: Tensor, k: int) -> None:
     """Write logical rows ``value`` into row slot ``k`` of ``p`` (one whole-tensor copy; trash kept)."""
     info = table_info(p)
@@ -226,19 +72,6 @@ def _write_logical_slot(p: Tensor, slot: Tensor, value: Tensor, k: int) -> None:
     slot.copy_(from_logical(value.to(slot.dtype).cpu(), slot.detach().cpu(), layout, k))
 
 
-def _saved_accumulation(p: Tensor, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """A table's pending accumulation buffers as saved: logical ids (``-1`` = padding) and their rows."""
-    if "acc_ids" not in state:
-        return {}
-    info = table_info(p)
-    ids, rows = state["acc_ids"], state["acc_rows"]
-    if info is None or not info.owner_local or info.layout is None:
-        return {"acc_ids": to_saved_ids(ids, logical_rows(p)), "acc_rows": rows}
-    n = info.num_shards
-    ids_l, rows_l = owned_to_logical(ids.detach().cpu(), rows.detach().cpu(), info.layout, p.shape[0], n)
-    return {"acc_ids": to_saved_ids(ids_l, logical_rows(p)), "acc_rows": rows_l}
-
-
 def _check_groups(opt: RowSparseOptimizer, saved: list[dict[str, Any]], keys: Mapping[int, str] | None) -> list[str]:
     """Problems between saved parameter groups and ours: count, optimizer, and (given ``keys``) params."""
     problems: list[str] = []
@@ -246,7 +79,7 @@ def _check_groups(opt: RowSparseOptimizer, saved: list[dict[str, Any]], keys: Ma
         problems.append(f"{len(saved)} parameter groups saved, {len(opt.param_groups)} here")
     for i, (sg, g) in enumerate(zip(saved, opt.param_groups, strict=False)):
         if keys is not None:
-            mine = [k for p in g["params"] for k, _ in _logical_keys(p, keys[id(p)], 0)]
+            mine = [k for p in g["params"] for k, _ in logical_keys(p, keys[id(p)], 0)]
             if sorted(sg["params"]) != sorted(mine):
                 missing = sorted(set(mine) - set(sg["params"]))
                 extra = sorted(set(sg["params"]) - set(mine))
@@ -312,14 +145,14 @@ def _merged_state(
     stacked: dict[int, dict[str, Mapping[str, Tensor]]] = {}
     for key, s in saved.items():
         p = by_key[key]
-        if _members(p) is None:
+        if members_of(p) is None:
             out[key] = s
         else:
             stacked.setdefault(id(p), {})[key[len("table:"):]] = s
     params = {id(p): p for p in by_key.values()}
     for pid, parts in stacked.items():
         p = params[pid]
-        members = _members(p)
+        members = members_of(p)
         assert members is not None
         group = opt._group_of(p)
         state = opt._state_for(p, group)
@@ -339,7 +172,7 @@ def _logical_targets(opt: RowSparseOptimizer, keys: Mapping[int, str]) -> tuple[
     rows_of: dict[str, int] = {}
     for g in opt.param_groups:
         for p in g["params"]:
-            for key, n in _logical_keys(p, keys[id(p)], logical_rows(p)):
+            for key, n in logical_keys(p, keys[id(p)], logical_rows(p)):
                 by_key[key], rows_of[key] = p, n
     return by_key, rows_of
 
@@ -359,7 +192,7 @@ def state_problems(opt: RowSparseOptimizer, sd: Any) -> list[str]:
     keys = param_keys(opt)
     sd = _renumbered(opt, dict(sd), keys)
     by_key, rows_of = _logical_targets(opt, keys)
-    group_of = _groups_by_param(opt)
+    group_of = groups_by_param(opt)
     saved_groups = sd["param_groups"]
     problems = _check_groups(opt, saved_groups, keys) + counter_problems(sd)
     pending: dict[int, set[int]] = {}  # a stacked group's tables' pending call counts (merged side by side)
@@ -392,7 +225,7 @@ def write_checked(opt: RowSparseOptimizer, done: CheckedState) -> None:
     steps = {k: {**s, "step": step_value(s["step"])} for k, s in sd["state"].items() if "step" in s}
     sd = {**sd, "state": {**sd["state"], **steps}}
     by_key, _ = _logical_targets(opt, keys)
-    group_of = _groups_by_param(opt)
+    group_of = groups_by_param(opt)
     saved_groups = sd["param_groups"]
     opt.state.clear()
     _apply_groups(opt, saved_groups)

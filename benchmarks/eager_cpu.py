@@ -147,7 +147,7 @@ FBGEMM_PINS = ["torch==2.13.0", "fbgemm-gpu-cpu==1.8.0", "numpy"]
 def _ours(args: argparse.Namespace, opt_name: str, raw: list[list[torch.Tensor]], stacked: bool = True,
           concat: bool = False) -> dict[str, Any]:
     import torch_tpu_embedding as tte
-    from torch_tpu_embedding.optim._kernels import row_update
+    from torch_tpu_embedding.optim._kernels import kernel_policy
 
     t, b, n = args.tables, args.batch, args.bag
     tables = [tte.TableConfig(rows, args.dim, name=f"t{i}", combiner=args.pool)
@@ -177,13 +177,13 @@ def _ours(args: argparse.Namespace, opt_name: str, raw: list[list[torch.Tensor]]
             # The first call ran under the default policy (the reference path: no compile). The timed
             # steps measure the kernel path a long run takes after TTE_KERNEL_AFTER calls: it starts now,
             # and the next call compiles its kernel.
-            row_update.set_policy(after=0)
+            kernel_policy.set_policy(after=0)
         return loss
 
     res = time_steps(step, batches, args.warmup, args.iters)
     if len(calls) > 1:
         res["second_step_ms"] = calls[1]
-    res["kernel_policy"] = list(row_update.policy())
+    res["kernel_policy"] = list(kernel_policy.policy())
     return res
 
 

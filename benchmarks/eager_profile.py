@@ -37,11 +37,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     import torch_tpu_embedding as tte
-    from torch_tpu_embedding.optim._kernels import row_update
+    from torch_tpu_embedding.optim._kernels import kernel_policy
 
     # The kernel path from the first call (its default policy keeps the first TTE_KERNEL_AFTER calls on the
     # reference path): the steps profiled are those of a long run. The first warm-up step compiles.
-    row_update.set_policy(after=0)
+    kernel_policy.set_policy(after=0)
     t, b, n = args.tables, args.batch, args.bag
     pool = "sum" if n == 1 else "mean"
     tables = [tte.TableConfig(args.rows, args.dim, name=f"t{i}", combiner=pool) for i in range(t)]

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from host_ops import cpu_model  # noqa: E402  (this folder: the script's own, first on sys.path)
 
-from torch_tpu_embedding.optim._kernels import c_add  # noqa: E402
+from torch_tpu_embedding.optim._kernels import c_library  # noqa: E402
 from torch_tpu_embedding.optim._kernels.c_gather import join_ids  # noqa: E402
 
 WORKLOADS = {"cuda": (4, 16_384, 20, False, 2_000_000), "xla": (100, 256, 4, True, 1_000)}
@@ -75,7 +75,7 @@ def main() -> None:
     p.add_argument("--warm", action="store_true", help="no cache flush between calls")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    if c_add.library() is None:
+    if c_library.library() is None:
         sys.exit("no C compiler builds the kernel library here")
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, threads {args.threads}, "
           f"{'warm' if args.warm else 'cold'} caches")

@@ -22,7 +22,7 @@ os.environ.setdefault("TTE_UPDATE_KERNEL", "0")
 # float32), and tests/optim/test_kernel_update.py compares the two paths exactly. The compatible code path
 # computes the same on every CPU. Read when torch first calls MKL, so it is set before any test runs.
 os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
-# SGD's C add (optim/_kernels/c_add.py) keeps its compiled library for later processes; the suite's go to a
+# SGD's C add (optim/_kernels/c_library.py) keeps its compiled library for later processes; the suite's go to a
 # directory of its own, removed at exit, not to ~/.cache.
 if "TTE_KERNEL_CACHE" not in os.environ:
     os.environ["TTE_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="tte_kernels_")

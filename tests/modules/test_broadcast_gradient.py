@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding.optim._kernels import c_add, c_rules, row_update
+from torch_tpu_embedding.optim._kernels import c_library, c_rules, kernel_policy
 
 
 class _FloatCats(TorchDispatchMode):
@@ -36,12 +36,12 @@ class _FloatCats(TorchDispatchMode):
 
 @pytest.fixture
 def kernel_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    if c_add.library() is None:
+    if c_library.library() is None:
         pytest.skip("no C compiler builds the library here")
-    monkeypatch.setattr(row_update, "_ENABLED", True)
-    before = row_update.set_policy(0, 0)
+    monkeypatch.setattr(kernel_policy, "_ENABLED", True)
+    before = kernel_policy.set_policy(0, 0)
     yield
-    row_update.set_policy(*before)
+    kernel_policy.set_policy(*before)
 
 
 OPTIMIZERS = {
@@ -93,7 +93,7 @@ def test_a_broadcast_gradient_is_not_joined_and_trains_bitwise_alike(kernel_path
 
 def test_the_reference_path_trains_bitwise_alike(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows multiplied out in the backward (no kernel path): the broadcast value is multiplied as the written one."""
-    monkeypatch.setattr(row_update, "_ENABLED", False)
+    monkeypatch.setattr(kernel_policy, "_ENABLED", False)
     for make in (OPTIMIZERS["rowwise_adagrad"], lambda ps: tte.optim.Adagrad(ps, lr=0.1)):
         got, _ = _train(make, broadcast=True)
         want, _ = _train(make, broadcast=False)

@@ -17,13 +17,13 @@ from test_stacked_groups import _CountOps
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding.modules import assembly
-from torch_tpu_embedding.optim._kernels import c_add
+from torch_tpu_embedding.optim._kernels import c_library
 from torch_tpu_embedding.optim._kernels.c_gather import join_ids
 
 
 @pytest.fixture
-def lib() -> Iterator[c_add.Library]:
-    found = c_add.library()
+def lib() -> Iterator[c_library.Library]:
+    found = c_library.library()
     if found is None:
         pytest.skip("no C compiler builds the library here")
     yield found
@@ -31,7 +31,7 @@ def lib() -> Iterator[c_add.Library]:
 
 @pytest.mark.parametrize("features", [1, 3, 7])
 @pytest.mark.parametrize("width", [0, 1, 5])  # (0: dense ids, [B])
-def test_join_ids_is_stack_plus_shift(lib: c_add.Library, features: int, width: int) -> None:
+def test_join_ids_is_stack_plus_shift(lib: c_library.Library, features: int, width: int) -> None:
     g = torch.Generator().manual_seed(features * 10 + width)
     vocabs = [int(v) for v in torch.randint(1, 1000, (features,), generator=g)]
     shifts = [sum(vocabs[:f]) for f in range(features)]
@@ -46,7 +46,7 @@ def test_join_ids_is_stack_plus_shift(lib: c_add.Library, features: int, width: 
 
 @pytest.mark.parametrize("narrow", [False, True])
 @pytest.mark.parametrize("b,width", [(33, 4), (700, 3), (5, 512), (3000, 1)])  # (blocks of 512 ids: cut, whole, one)
-def test_join_ids_with_masks_pads_and_narrows(lib: c_add.Library, narrow: bool, b: int, width: int) -> None:
+def test_join_ids_with_masks_pads_and_narrows(lib: c_library.Library, narrow: bool, b: int, width: int) -> None:
     g = torch.Generator().manual_seed(b + width)
     vocabs = [int(v) for v in torch.randint(1, 1000, (5,), generator=g)]
     shifts = [sum(vocabs[:f]) for f in range(5)]
@@ -65,7 +65,7 @@ def test_join_ids_with_masks_pads_and_narrows(lib: c_add.Library, narrow: bool, 
     assert join_ids(values, (b, width), shifts, vocabs, [*masks[:4], masks[4].to(torch.uint8)], sentinel) is None
 
 
-def test_join_ids_narrows_only_what_fits_and_takes_bags_of_at_most_512_ids(lib: c_add.Library) -> None:
+def test_join_ids_narrows_only_what_fits_and_takes_bags_of_at_most_512_ids(lib: c_library.Library) -> None:
     ids = torch.randint(0, 10, (8, 3))
     big = join_ids([ids, ids], (8, 3), [0, 2**31 - 10], [10, 10], None, 0, True)  # (the last row: 2**31 - 1)
     assert big is not None and big.dtype == torch.int32 and int(big[:, 1].max()) <= 2**31 - 1
@@ -79,7 +79,7 @@ def test_join_ids_narrows_only_what_fits_and_takes_bags_of_at_most_512_ids(lib: 
     assert torch.equal(join_ids([wide[:, :512].contiguous()], (2, 512), [3], [10]), wide[:, None, :512] + 3)
 
 
-def test_join_ids_splits_large_joins_over_threads(lib: c_add.Library) -> None:
+def test_join_ids_splits_large_joins_over_threads(lib: c_library.Library) -> None:
     """At least 2**17 ids per thread: bag ranges joined on several threads at once, each checked."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -96,7 +96,7 @@ def test_join_ids_splits_large_joins_over_threads(lib: c_add.Library) -> None:
         torch.set_num_threads(before)
 
 
-def test_join_ids_leaves_what_it_does_not_take_to_torch(lib: c_add.Library) -> None:
+def test_join_ids_leaves_what_it_does_not_take_to_torch(lib: c_library.Library) -> None:
     ids = torch.randint(0, 10, (8, 3))
     ok = join_ids([ids, ids], (8, 3), [0, 10], [10, 10])
     assert ok is not None
@@ -149,7 +149,7 @@ def _train(padded: bool) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], l
 
 
 @pytest.mark.parametrize("padded", [True, False])
-def test_a_stacked_group_joins_in_one_pass_and_trains_bitwise_alike(lib: c_add.Library, padded: bool,
+def test_a_stacked_group_joins_in_one_pass_and_trains_bitwise_alike(lib: c_library.Library, padded: bool,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     got_outs, got, counts = _train(padded)
     with monkeypatch.context() as m:
@@ -166,7 +166,7 @@ def test_a_stacked_group_joins_in_one_pass_and_trains_bitwise_alike(lib: c_add.L
 
 
 @pytest.mark.parametrize("bad", [-1, 70])
-def test_a_bad_id_raises_the_features_own_error(lib: c_add.Library, bad: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bad_id_raises_the_features_own_error(lib: c_library.Library, bad: int, monkeypatch: pytest.MonkeyPatch) -> None:
     ec = _model(True)
     ec(_batch(True, 0))  # (the group's plan kept: the next call replays it)
     batch = _batch(True, 1)
@@ -181,7 +181,7 @@ def test_a_bad_id_raises_the_features_own_error(lib: c_add.Library, bad: int, mo
     assert "f2" in str(got.value)
 
 
-def test_a_changed_form_between_replayed_steps_is_not_joined_as_the_plans(lib: c_add.Library,
+def test_a_changed_form_between_replayed_steps_is_not_joined_as_the_plans(lib: c_library.Library,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Dense ids ``[B]``, then ``[B, 1]`` for one feature, then ``[B]`` again: each step's plan fits its own forms (the
     C join takes the signature's shape, as ``torch.stack`` refuses unequal ones), bitwise as the torch ops' join."""
@@ -206,13 +206,13 @@ def test_a_changed_form_between_replayed_steps_is_not_joined_as_the_plans(lib: c
 
 
 @pytest.mark.parametrize("name,change", _variants(), ids=[n for n, _ in _variants()])
-def test_cached_plans_with_the_c_join(lib: c_add.Library, name: str, change: Any,
+def test_cached_plans_with_the_c_join(lib: c_library.Library, name: str, change: Any,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """test_cached_plan's changed forms between replayed steps, with the library loaded (the C join taken)."""
     test_another_signature_plans_afresh(name, change, monkeypatch)
 
 
-def test_join_ids_reads_the_ids_values_not_their_memory(lib: c_add.Library) -> None:
+def test_join_ids_reads_the_ids_values_not_their_memory(lib: c_library.Library) -> None:
     """A tensor whose values are not its memory as it lies (a negative view: memory ``x``, values ``-x``) is joined
     as its values, by the torch ops: the C pass, reading memory, took ids ``x`` of the table where the values are
     negative and the torch ops raise."""
@@ -224,7 +224,7 @@ def test_join_ids_reads_the_ids_values_not_their_memory(lib: c_add.Library) -> N
     assert got is None or torch.equal(got, ids.unsqueeze(1) + 5)
 
 
-def test_join_ids_leaves_a_tensor_without_memory_to_torch(lib: c_add.Library) -> None:
+def test_join_ids_leaves_a_tensor_without_memory_to_torch(lib: c_library.Library) -> None:
     """A zero tensor (``_efficientzerotensor``: no storage, ``data_ptr()`` 0) is not read through its null pointer
     (which crashed the process): the torch ops join its zeros."""
     zeros = torch._efficientzerotensor((8, 3), dtype=torch.int64)
@@ -232,7 +232,7 @@ def test_join_ids_leaves_a_tensor_without_memory_to_torch(lib: c_add.Library) ->
     assert got is None or torch.equal(got, torch.full((8, 1, 3), 4))
 
 
-def test_a_negative_view_of_ids_raises_the_features_own_error(lib: c_add.Library,
+def test_a_negative_view_of_ids_raises_the_features_own_error(lib: c_library.Library,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """The group's join of a feature given a negative view (values out of range, memory in range) raises the
     feature's own error, as the torch ops' join does, instead of looking up the rows its memory names."""

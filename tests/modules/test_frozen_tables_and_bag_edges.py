@@ -311,14 +311,14 @@ def test_rowwise_adagrad_window_without_lookups_of_a_table() -> None:
 
 def _takes_kernel_path(cfg: OptimizerConfig) -> bool:
     from torch_tpu_embedding.optim._core.update_paths import Path, choose_path
-    from torch_tpu_embedding.optim._kernels import row_update
+    from torch_tpu_embedding.optim._kernels import kernel_policy
 
     ec, _ = _freeze_model(True)
-    before = row_update.set_enabled(True)
+    before = kernel_policy.set_enabled(True)
     try:
         return choose_path(ec.groups.fused_0.weight, cfg.make(ec.parameters()).param_groups[0], row_grad=True) is Path.KERNEL
     finally:
-        row_update.set_enabled(before)
+        kernel_policy.set_enabled(before)
 
 
 @pytest.mark.parametrize("cfg", [c for c in CONFIGS if c.info.supports_stacked_groups and _takes_kernel_path(c)], ids=str)
@@ -326,18 +326,18 @@ def test_frozen_member_on_the_kernel_update_path(cfg: OptimizerConfig, monkeypat
     """The compiled eager row update (``Path.KERNEL``, tests/optim/test_kernel_update.py) equals the reference path
     with a frozen member: its rows bitwise unchanged, its neighbours bitwise as on the reference path."""
     from torch_tpu_embedding.optim._core import update_paths
-    from torch_tpu_embedding.optim._kernels import row_update
+    from torch_tpu_embedding.optim._kernels import kernel_policy
 
     try:
         torch.compile(lambda x: x * 2 + 1, dynamic=False)(torch.ones(3))
     except Exception as e:  # as tests/optim/test_kernel_update.py: no C++ compiler here
         pytest.skip(f"torch.compile cannot build a CPU kernel here: {type(e).__name__}: {str(e)[:200]}")
     reference = _freeze_run(cfg, True, "module")[1]
-    monkeypatch.setattr(row_update, "_ENABLED", True)
+    monkeypatch.setattr(kernel_policy, "_ENABLED", True)
     # Small tables, a short run: the default policy (set_policy, tests/optim/test_kernel_warmup.py) would keep them
     # on the reference path. The kernel path from the first step, restored after the test.
-    monkeypatch.setattr(row_update, "_AFTER", 0)
-    monkeypatch.setattr(row_update, "_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(kernel_policy, "_AFTER", 0)
+    monkeypatch.setattr(kernel_policy, "_MIN_ELEMENTS", 0)
     ran: list[Any] = []
     real = update_paths.update
     monkeypatch.setattr(base, "update", lambda item: (real(item), ran.append(item.path)))

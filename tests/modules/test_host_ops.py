@@ -18,7 +18,7 @@ from test_stacked_groups import _CountOps
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding.optim._core import update_paths
-from torch_tpu_embedding.optim._kernels import c_add, row_update
+from torch_tpu_embedding.optim._kernels import c_library, kernel_policy
 
 
 class DuckKJT:
@@ -91,9 +91,9 @@ def test_ops_per_step_do_not_grow_with_features(monkeypatch: pytest.MonkeyPatch)
     # follow the ids of a step (25,600 at T = 100), not its features. One chunk here, to count the latter.
     monkeypatch.setattr(update_paths, "ROW_CHUNK", 1 << 20)
     monkeypatch.setattr(update_paths, "ROW_CHUNK_PARALLEL", 1 << 20)
-    if row_update.enabled():  # (TTE_UPDATE_KERNEL=1: only T = 100's table was large enough for the kernel path, whose
-        monkeypatch.setattr(row_update, "_MIN_ELEMENTS", 0)  # update and C join of host ids read less: every T on it)
-        c_add.library()
+    if kernel_policy.enabled():  # (TTE_UPDATE_KERNEL=1: only T = 100's table was large enough for the kernel path, whose
+        monkeypatch.setattr(kernel_policy, "_MIN_ELEMENTS", 0)  # update and C join of host ids read less: every T on it)
+        c_library.library()
     counts = {(t, concat): _count(t, concat) for t in (1, 100) for concat in (True, False)}
     ops = {k: sum(c.values()) for k, c in counts.items()}
     # concat=True: the group's ops do not depend on its features (goal ≤ 1.3× of one feature).

@@ -19,7 +19,7 @@ from optim_registry import STACKED, OptimizerConfig, case, cases
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding.optim._kernels import row_update
+from torch_tpu_embedding.optim._kernels import kernel_policy
 
 O = tte.optim  # noqa: E741
 # Every optimizer that trains stacked groups, alone, with EMA + accumulation + global_clipnorm, with
@@ -231,7 +231,7 @@ class _CountOps(TorchDispatchMode):
 
 @pytest.mark.parametrize("stack", [False, True])
 def test_one_dedup_gather_and_scatter_per_group(stack: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(row_update, "_ENABLED", False)  # the reference path's ops (also under TTE_UPDATE_KERNEL=1)
+    monkeypatch.setattr(kernel_policy, "_ENABLED", False)  # the reference path's ops (also under TTE_UPDATE_KERNEL=1)
     torch.manual_seed(0)
     tables = [tte.TableConfig(50, 4, name=f"t{i}") for i in range(6)]
     ec = tte.EmbeddingCollection({f"f{i}": tte.FeatureConfig(t) for i, t in enumerate(tables)}, stack_tables=stack)

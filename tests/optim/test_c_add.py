@@ -1,4 +1,4 @@
-"""``Path.ADDITIVE``'s C add (``optim/c_add.py``) against the eager path it replaces: bitwise the same
+"""``Path.ADDITIVE``'s C add (``optim/_kernels/c_add.py``) against the eager path it replaces: bitwise the same
 tables after several SGD steps, at 1 and 2 threads, through the per-feature dict and ``concat=True``, with ids
 repeated within and across features, padded bags, a jagged feature with per-id weights and an empty bag, and
 pieces of one id, bags of 3 ids (sum, mean, sqrtn); the loop alone against torch's ``mul``, ``spread`` and
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import torch_tpu_embedding as tte
-from torch_tpu_embedding.optim._kernels import c_add, row_update
+from torch_tpu_embedding.optim._kernels import c_add, c_library, kernel_policy
 
 
 @pytest.fixture
@@ -37,8 +37,8 @@ def c_loop() -> Any:
 def kernel_calls(monkeypatch: pytest.MonkeyPatch, c_loop: Any) -> Iterator[list[int]]:
     """The C add on (from the first step, as the default policy has it from call 50 on), and the number of
     ids of each piece it added."""
-    monkeypatch.setattr(row_update, "_ENABLED", True)
-    before = row_update.set_policy(0, 0)
+    monkeypatch.setattr(kernel_policy, "_ENABLED", True)
+    before = kernel_policy.set_policy(0, 0)
     calls: list[int] = []
     real = c_add.add_piece
 
@@ -48,7 +48,7 @@ def kernel_calls(monkeypatch: pytest.MonkeyPatch, c_loop: Any) -> Iterator[list[
 
     monkeypatch.setattr(c_add, "add_piece", counted)
     yield calls
-    row_update.set_policy(*before)
+    kernel_policy.set_policy(*before)
 
 
 def _model(width: int = 1, combiner: str = "sum", **opt: Any) -> tuple[tte.EmbeddingCollection, tte.optim.SGD]:
@@ -96,11 +96,11 @@ def test_c_add_is_the_eager_path_bitwise(kernel_calls: list[int], threads: int, 
     try:
         got = _train(*_model(width, combiner), 4, concat, width=width)
         assert kernel_calls and all(n >= 1 for n in kernel_calls)  # it ran, never on no ids
-        row_update.set_enabled(False)
+        kernel_policy.set_enabled(False)
         want = _train(*_model(width, combiner), 4, concat, width=width)
     finally:
         torch.set_num_threads(before)
-        row_update.set_enabled(True)
+        kernel_policy.set_enabled(True)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
 
@@ -117,11 +117,11 @@ def test_pieces_of_one_id_and_padding_only(kernel_calls: list[int]) -> None:
 
     got = _train(*_model(), 3, False, batch=batch)
     assert 1 in kernel_calls and 0 not in kernel_calls
-    row_update.set_enabled(False)
+    kernel_policy.set_enabled(False)
     try:
         want = _train(*_model(), 3, False, batch=batch)
     finally:
-        row_update.set_enabled(True)
+        kernel_policy.set_enabled(True)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
 
@@ -209,16 +209,16 @@ def test_the_loop_refuses_a_zero_tensor_and_writes_nothing(c_loop: Any, operand:
 @pytest.mark.parametrize("case", ["warming_up", "loss_scale_factor", "disabled"])
 def test_where_the_eager_path_runs(kernel_calls: list[int], case: str) -> None:
     if case == "warming_up":
-        row_update.set_policy(after=50)
+        kernel_policy.set_policy(after=50)
     if case == "disabled":
-        row_update.set_enabled(False)
+        kernel_policy.set_enabled(False)
     try:
         ec, opt = _model(**({"loss_scale_factor": 4.0} if case == "loss_scale_factor" else {}))
         _train(ec, opt, 1, False)  # (a first step's rows arrive multiplied out: any path takes them)
         kernel_calls.clear()
         _train(ec, opt, 2, False)
     finally:
-        row_update.set_enabled(True)
+        kernel_policy.set_enabled(True)
     assert kernel_calls == []
 
 
@@ -230,26 +230,26 @@ def test_where_the_eager_path_runs(kernel_calls: list[int], case: str) -> None:
 ], ids=["missing", "no_output", "fails", "no_symbol"])
 def test_without_a_c_compiler_it_warns_once_and_the_eager_path_runs(monkeypatch: pytest.MonkeyPatch, cc: str,
                                                                       why: str, tmp_path: Path) -> None:
-    if cc.startswith("cc ") and c_add.c_compiler() is None:
+    if cc.startswith("cc ") and c_library.c_compiler() is None:
         pytest.skip("no cc here")
     monkeypatch.setenv("CC", cc)
     monkeypatch.setenv("TTE_KERNEL_CACHE", str(tmp_path))  # (nothing cached there to load instead)
-    monkeypatch.setattr(row_update, "_ENABLED", True)
-    monkeypatch.setattr(row_update, "_WARNED", False)
-    monkeypatch.setattr(c_add, "_LOOP", [])
-    before = row_update.set_policy(0, 0)
+    monkeypatch.setattr(kernel_policy, "_ENABLED", True)
+    monkeypatch.setattr(kernel_policy, "_WARNED", False)
+    monkeypatch.setattr(c_library, "_LOOP", [])
+    before = kernel_policy.set_policy(0, 0)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             got = _train(*_model(), 3, True)
-        row_update.set_enabled(False)
+        kernel_policy.set_enabled(False)
         want = _train(*_model(), 3, True)
     finally:
-        row_update.set_policy(*before)
-        row_update.set_enabled(True)
+        kernel_policy.set_policy(*before)
+        kernel_policy.set_enabled(True)
     msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(msgs) == 1 and why in msgs[0], msgs
-    assert c_add._LOOP == [None]  # not tried again
+    assert c_library._LOOP == [None]  # not tried again
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
 
@@ -258,13 +258,13 @@ def test_without_a_c_compiler_it_warns_once_and_the_eager_path_runs(monkeypatch:
 def _compiles(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     """Every compiler command the loop's build runs from now on."""
     runs: list[list[str]] = []
-    real = c_add.subprocess.run
+    real = c_library.subprocess.run
 
     def counted(cmd: list[str], **kw: Any) -> Any:
         runs.append(cmd)
         return real(cmd, **kw)
 
-    monkeypatch.setattr(c_add.subprocess, "run", counted)
+    monkeypatch.setattr(c_library.subprocess, "run", counted)
     return runs
 
 
@@ -280,8 +280,8 @@ def _check_loop(fn: Any) -> None:
 def fresh_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, c_loop: Any) -> Path:
     """An empty kernel cache, and no loop built in this process yet."""
     monkeypatch.setenv("TTE_KERNEL_CACHE", str(tmp_path / "kernels"))
-    monkeypatch.setattr(c_add, "_LOOP", [])
-    monkeypatch.setattr(c_add, "_REFUSED", [])
+    monkeypatch.setattr(c_library, "_LOOP", [])
+    monkeypatch.setattr(c_library, "_REFUSED", [])
     return tmp_path / "kernels"
 
 
@@ -295,7 +295,7 @@ def test_a_later_process_loads_the_loop_from_the_cache(monkeypatch: pytest.Monke
     assert len(kept) == 1 and not kept[0].stat().st_mode & 0o022 and not fresh_cache.stat().st_mode & 0o077
     assert [p.name for p in fresh_cache.iterdir()] == [kept[0].name]  # (its temporary directory is gone)
     runs.clear()
-    monkeypatch.setattr(c_add, "_LOOP", [])
+    monkeypatch.setattr(c_library, "_LOOP", [])
     _check_loop(c_add.loop())
     assert runs == []
 
@@ -309,7 +309,7 @@ def test_a_damaged_cached_library_is_compiled_again_and_replaced(monkeypatch: py
     bad.chmod(0o700)
     os.replace(bad, kept)  # (a new file: the library this process loaded stays mapped as it was)
     runs = _compiles(monkeypatch)
-    monkeypatch.setattr(c_add, "_LOOP", [])
+    monkeypatch.setattr(c_library, "_LOOP", [])
     _check_loop(c_add.loop())
     assert runs
     assert kept.read_bytes()[:4] == b"\x7fELF"
@@ -326,7 +326,7 @@ def test_the_cache_is_not_used_when_off_or_writable_by_others(monkeypatch: pytes
         monkeypatch.setenv("TTE_KERNEL_CACHE", "0")
     else:
         c_add.loop()
-        monkeypatch.setattr(c_add, "_LOOP", [])
+        monkeypatch.setattr(c_library, "_LOOP", [])
         (kept,) = fresh_cache.glob("add_rows-*.so")
         (fresh_cache if case == "shared_directory" else kept).chmod(0o777)
     runs = _compiles(monkeypatch)
@@ -348,9 +348,9 @@ def test_a_value_that_turns_the_cache_on_is_the_default_directory(monkeypatch: p
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TTE_KERNEL_CACHE", value)
-    assert c_add.cache_dir() == str(tmp_path / "xdg" / "torch_tpu_embedding" / "kernels")
+    assert c_library.cache_dir() == str(tmp_path / "xdg" / "torch_tpu_embedding" / "kernels")
     monkeypatch.setenv("TTE_KERNEL_CACHE", "kernels-here")  # (a relative path: from the working directory)
-    assert c_add.cache_dir() == str(tmp_path / "kernels-here")
+    assert c_library.cache_dir() == str(tmp_path / "kernels-here")
 
 
 def test_without_a_home_nothing_is_kept_in_the_working_directory(monkeypatch: pytest.MonkeyPatch,
@@ -362,26 +362,26 @@ def test_without_a_home_nothing_is_kept_in_the_working_directory(monkeypatch: py
     monkeypatch.delenv("TTE_KERNEL_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
     monkeypatch.setattr(os.path, "expanduser", lambda path: path)  # (what Python does without HOME nor passwd)
-    assert c_add.cache_dir() is None
+    assert c_library.cache_dir() is None
     monkeypatch.undo()
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.delenv("TTE_KERNEL_CACHE", raising=False)
-    assert c_add.cache_dir() == str(tmp_path / "home" / ".cache" / "torch_tpu_embedding" / "kernels")
+    assert c_library.cache_dir() == str(tmp_path / "home" / ".cache" / "torch_tpu_embedding" / "kernels")
 
 
 def test_a_cache_whose_libraries_cannot_load_compiles_in_the_temporary_directory(monkeypatch: pytest.MonkeyPatch,
                                                                                  fresh_cache: Path) -> None:
     """As on a ``noexec`` mount: the library compiled in the cache does not load there, so it is compiled again in
     the system's temporary directory and runs; nothing is kept."""
-    real = c_add._load
+    real = c_library._load
 
     def load(fd: int, lib: str) -> Any:  # (loaded through the descriptor fd: lib says where it lies)
         if lib.startswith(str(fresh_cache)):
             raise OSError(f"{lib}: failed to map segment from shared object")
         return real(fd, lib)
 
-    monkeypatch.setattr(c_add, "_load", load)
+    monkeypatch.setattr(c_library, "_load", load)
     runs = _compiles(monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -23,7 +23,7 @@ from test_row_sums import _pieces  # (a sibling module: tests/optim is on sys.pa
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding._util.registry import RULE_KEY
-from torch_tpu_embedding.optim._kernels import c_add, c_rules, row_update
+from torch_tpu_embedding.optim._kernels import c_library, c_rules, kernel_policy, row_update
 from torch_tpu_embedding.optim._kernels.row_sums import RowSums, row_sums
 from torch_tpu_embedding.optim.adam import adam_rule
 from torch_tpu_embedding.optim.rowwise_adagrad import rowwise_adagrad_rule
@@ -42,8 +42,8 @@ def _id(case: tuple[str, dict[str, Any]]) -> str:
 
 
 @pytest.fixture
-def lib() -> c_add.Library:
-    found = c_add.library()
+def lib() -> c_library.Library:
+    found = c_library.library()
     if found is None:
         pytest.skip("no C compiler builds the library here")
     return found
@@ -85,7 +85,7 @@ def _hp(name: str, hp: dict[str, Any], lr: torch.Tensor, step: torch.Tensor) -> 
     return c_rules._hp(name, item, step)
 
 
-def _refused_unwritten(lib: c_add.Library, name: str, p: torch.Tensor, slots: list[torch.Tensor], ids: torch.Tensor,
+def _refused_unwritten(lib: c_library.Library, name: str, p: torch.Tensor, slots: list[torch.Tensor], ids: torch.Tensor,
                        sums: RowSums, threads: int, match: str) -> None:
     """``run_rows`` of loop ``name`` at ``threads`` threads raises ``IndexError`` matching ``match``, and the table
     and its slots are as they were (a refused step writes nothing)."""
@@ -151,7 +151,7 @@ def _numpy(name: str, hp: dict[str, Any], p: torch.Tensor, slots: list[torch.Ten
 @pytest.mark.parametrize("case", CASES, ids=_id)
 @pytest.mark.parametrize("grad", ["rows", "factored", "factored_weighted"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_loop_is_the_rule(lib: c_add.Library, case: tuple[str, dict[str, Any]], grad: str, threads: int,
+def test_the_loop_is_the_rule(lib: c_library.Library, case: tuple[str, dict[str, Any]], grad: str, threads: int,
                               monkeypatch: pytest.MonkeyPatch) -> None:
     name, hp = case
     monkeypatch.setattr(c_rules, "_MIN_ROWS_PER_THREAD", 64)  # (small rows: split over threads all the same)
@@ -180,7 +180,7 @@ def test_the_loop_is_the_rule(lib: c_add.Library, case: tuple[str, dict[str, Any
 @pytest.mark.parametrize("name", ["rowwise_adagrad", "adam"])
 @pytest.mark.parametrize("bad", ["float64_slot", "slot_shape", "strided_table", "float64_table", "short_hp",
                                  "zero_tensor_rows"])
-def test_the_loop_refuses_a_table_slots_or_rows_it_would_misread_and_writes_nothing(lib: c_add.Library, name: str,
+def test_the_loop_refuses_a_table_slots_or_rows_it_would_misread_and_writes_nothing(lib: c_library.Library, name: str,
                                                                                    bad: str) -> None:
     """The loop writes the table and its slots through their pointers as contiguous float32 of the table's shape
     (a slot ``[rows]`` for RowWiseAdagrad, ``[rows, D]`` for Adam) and reads 3 or 7 hyper-parameters: anything
@@ -208,7 +208,7 @@ def test_the_loop_refuses_a_table_slots_or_rows_it_would_misread_and_writes_noth
 
 @pytest.mark.parametrize("name", ["rowwise_adagrad", "adam"])
 @pytest.mark.parametrize("bad", ["id_above", "id_below", "col_above"])
-def test_the_loop_refuses_rows_outside_and_writes_nothing(lib: c_add.Library, name: str, bad: str) -> None:
+def test_the_loop_refuses_rows_outside_and_writes_nothing(lib: c_library.Library, name: str, bad: str) -> None:
     p, slots, ids, _ = _problem(name)
     sums, _ = _factored(ids, weighted=False)
     if bad == "id_above":
@@ -227,7 +227,7 @@ def test_the_loop_refuses_rows_outside_and_writes_nothing(lib: c_add.Library, na
 
 @pytest.mark.parametrize("name", ["rowwise_adagrad", "adam"])
 @pytest.mark.parametrize("bad", ["first_id_below", "last_id_above", "last_col_above"])
-def test_over_threads_a_refused_range_leaves_every_range_unwritten(lib: c_add.Library, name: str, bad: str,
+def test_over_threads_a_refused_range_leaves_every_range_unwritten(lib: c_library.Library, name: str, bad: str,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Two threads, one range each: an id or a gradient row outside in one range writes nothing in the other
     either (a failed step changes nothing), whichever range it is in."""
@@ -247,7 +247,7 @@ def test_over_threads_a_refused_range_leaves_every_range_unwritten(lib: c_add.Li
 @pytest.mark.parametrize("name", ["rowwise_adagrad", "adam"])
 @pytest.mark.parametrize("bad", ["duplicate_in_a_range", "duplicate_across_ranges", "descending"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_loop_refuses_ids_not_distinct_and_ascending_and_writes_nothing(lib: c_add.Library, name: str, bad: str,
+def test_the_loop_refuses_ids_not_distinct_and_ascending_and_writes_nothing(lib: c_library.Library, name: str, bad: str,
                                                                             threads: int,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """The loop takes distinct ids, ascending (as the duplicate sum and ``torch.unique`` give them): an id twice
@@ -268,10 +268,10 @@ def test_the_loop_refuses_ids_not_distinct_and_ascending_and_writes_nothing(lib:
 
 # ------------------------------------------------------------------------------------------------- in training
 @pytest.fixture
-def kernel_path(monkeypatch: pytest.MonkeyPatch, lib: c_add.Library) -> Iterator[list[str]]:
+def kernel_path(monkeypatch: pytest.MonkeyPatch, lib: c_library.Library) -> Iterator[list[str]]:
     """The kernel path from the first step; the rules the C loop ran, one entry per update."""
-    monkeypatch.setattr(row_update, "_ENABLED", True)
-    before = row_update.set_policy(0, 0)
+    monkeypatch.setattr(kernel_policy, "_ENABLED", True)
+    before = kernel_policy.set_policy(0, 0)
     ran: list[str] = []
     real = c_rules.run_rows
 
@@ -281,7 +281,7 @@ def kernel_path(monkeypatch: pytest.MonkeyPatch, lib: c_add.Library) -> Iterator
 
     monkeypatch.setattr(c_rules, "run_rows", counted)
     yield ran
-    row_update.set_policy(*before)
+    kernel_policy.set_policy(*before)
 
 
 def _train(make: Any, dtype: torch.dtype = torch.float32, steps: int = 3) -> tuple[dict[str, torch.Tensor], Any]:
@@ -313,11 +313,11 @@ def test_training_runs_the_loop_without_compiling_and_equals_the_reference_path(
     ours = _train(OPTIMIZERS[opt])
     assert len(kernel_path) == 3  # one update per step, each through the loop
     assert row_update.compiled_kernels() == compiled  # no inductor kernel built for these rules
-    row_update.set_enabled(False)
+    kernel_policy.set_enabled(False)
     try:
         reference = _train(OPTIMIZERS[opt])
     finally:
-        row_update.set_enabled(True)
+        kernel_policy.set_enabled(True)
     for k, v in reference[0].items():
         torch.testing.assert_close(ours[0][k], v, rtol=1e-6, atol=1e-6, msg=k)
     for key, state in reference[1]["state"].items():
@@ -347,13 +347,13 @@ def test_what_the_loop_does_not_cover_takes_the_other_paths(kernel_path: list[st
         "own_rule": _own_rule,
     }.get(case, lambda ps: tte.optim.LazyAdam(ps))
     if case == "warming_up":
-        row_update.set_policy(after=10)
+        kernel_policy.set_policy(after=10)
     if case == "disabled":
-        row_update.set_enabled(False)
+        kernel_policy.set_enabled(False)
     try:
         _train(make, torch.float64 if case == "float64" else torch.float32, steps=2)
     finally:
-        row_update.set_enabled(True)
+        kernel_policy.set_enabled(True)
     assert kernel_path == []
     assert len(taken) == (0 if case == "disabled" else 2)
 
@@ -361,12 +361,12 @@ def test_what_the_loop_does_not_cover_takes_the_other_paths(kernel_path: list[st
 def _run_in_child(name: str) -> None:
     p, slots, ids, rows = _problem(name)
     torch.set_num_threads(2)
-    lib = c_add.library()
+    lib = c_library.library()
     assert lib is not None
     c_rules.run_rows(getattr(lib, name), p, slots, ids, None, rows, _hp(name, {}, torch.tensor(0.1), torch.tensor(1.0)))
 
 
-def test_a_forked_child_runs_the_loop_over_threads(lib: c_add.Library, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_forked_child_runs_the_loop_over_threads(lib: c_library.Library, monkeypatch: pytest.MonkeyPatch) -> None:
     """The ranges' thread pool belongs to the process that made it: a child forked after it ran makes its own
     (the parent's threads are not in the child; a submit to their queue would wait forever)."""
     import multiprocessing
@@ -388,7 +388,7 @@ def test_a_forked_child_runs_the_loop_over_threads(lib: c_add.Library, monkeypat
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 1000, 40000])
-def test_the_duplicate_sums_radix_sort_is_torch_sort(lib: c_add.Library, n: int) -> None:
+def test_the_duplicate_sums_radix_sort_is_torch_sort(lib: c_library.Library, n: int) -> None:
     """``row_sums``' keys (``id · n + position``: distinct) sorted by the C radix sort once the library is loaded, as
     ``torch.sort`` sorts them; the ids of 0 to 2³⁷ rows (1 to 4 digits of 11 bits; the sentinel included)."""
     for rows in (1, 300, 4_000_000, 2**37):
@@ -399,7 +399,7 @@ def test_the_duplicate_sums_radix_sort_is_torch_sort(lib: c_add.Library, n: int)
 
 @pytest.mark.parametrize("n", [0, 1, 2, 1000, 40000])
 @pytest.mark.parametrize("width", [1, 3, 20])
-def test_the_duplicate_sums_grouping_is_torchs(lib: c_add.Library, n: int, width: int) -> None:
+def test_the_duplicate_sums_grouping_is_torchs(lib: c_library.Library, n: int, width: int) -> None:
     """``row_sums``' grouping by one C call (sort of ``(id, position)``, distinct ids, their runs' starts, the
     permutation and it divided by the bag width) equals the torch ops' (``torch.sort``, ``unique_consecutive``,
     ``cumsum``, ``div``), the sentinel included; keys over 62 bits are left to torch."""
@@ -421,7 +421,7 @@ def test_the_duplicate_sums_grouping_is_torchs(lib: c_add.Library, n: int, width
 
 @pytest.mark.parametrize("combiner", ["sum", "mean"])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_the_duplicate_sums_grouped_in_c_are_bitwise_torchs(lib: c_add.Library, combiner: str, weighted: bool) -> None:
+def test_the_duplicate_sums_grouped_in_c_are_bitwise_torchs(lib: c_library.Library, combiner: str, weighted: bool) -> None:
     """:func:`.row_sums.row_sums` with the C grouping gives the same ids, runs, columns, weights and sums."""
     for chunks, plain in [(1, False), (3, False), (3, True)]:
         pieces, _ = _pieces(combiner, weighted, chunks, plain)
@@ -436,7 +436,7 @@ def test_the_duplicate_sums_grouped_in_c_are_bitwise_torchs(lib: c_add.Library, 
 
 @pytest.mark.parametrize("n", [2047, 2048, 2049, 65537])
 @pytest.mark.parametrize("rows", [1, 2046, 2047, 2**22 - 1, 2**22, 2**33 + 5])
-def test_the_grouping_sorts_the_id_digits_alone_stably(lib: c_add.Library, n: int, rows: int) -> None:
+def test_the_grouping_sorts_the_id_digits_alone_stably(lib: c_library.Library, n: int, rows: int) -> None:
     """The C grouping sorts its keys ``(id << shift) | position`` by the id's digits alone, keys made in position
     order (a stable sort keeps ties so): the permutation is the stable sort's at the sizes where the position bits
     (``shift``) and the id bits (1 to 3 digits of 11) end, with many duplicates (few rows) and few (many)."""

@@ -1,4 +1,4 @@
-"""The C add's kernel cache (``optim/_kernels/c_add.py``, ``_util/private_files.py``) trusts nothing it did not
+"""The C add's kernel cache (``optim/_kernels/c_library.py``, ``_util/private_files.py``) trusts nothing it did not
 check through the descriptor it loads: a library or cache directory swapped in between the check and the load
 (interposed at the loader, deterministically) is not what runs; a cache under a directory others may write or
 own is not used; a library cut short (``dlopen`` faults on it: SIGBUS) or altered is compiled again, never
@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 
-from torch_tpu_embedding.optim._kernels import c_add
+from torch_tpu_embedding.optim._kernels import c_add, c_library
 
 ROOT = Path(__file__).parents[2]
 
@@ -33,7 +33,7 @@ ROOT = Path(__file__).parents[2]
 @pytest.fixture
 def cc() -> str:
     """A C compiler's path (the tests build libraries of their own with it); skips where there is none."""
-    found = c_add.c_compiler()
+    found = c_library.c_compiler()
     if found is None:
         pytest.skip("no C compiler here")
     return found[0]
@@ -43,14 +43,14 @@ def cc() -> str:
 def fresh(monkeypatch: pytest.MonkeyPatch, cc: str) -> Iterator[None]:
     """No loop built in this process yet (each ``c_add.loop()`` then builds as a new process's first would)."""
     monkeypatch.delenv("CC", raising=False)
-    monkeypatch.setattr(c_add, "_LOOP", [])
-    monkeypatch.setattr(c_add, "_REFUSED", [], raising=False)  # (warned again in each test)
+    monkeypatch.setattr(c_library, "_LOOP", [])
+    monkeypatch.setattr(c_library, "_REFUSED", [], raising=False)  # (warned again in each test)
     yield
 
 
 def _rebuild(monkeypatch: pytest.MonkeyPatch) -> Any:
     """The loop as the next process would build it."""
-    monkeypatch.setattr(c_add, "_LOOP", [])
+    monkeypatch.setattr(c_library, "_LOOP", [])
     return c_add.loop()
 
 
@@ -300,7 +300,7 @@ _NEOVERSE_V1 = ("processor\t: 0\nBogoMIPS\t: 2100.00\nFeatures\t: fp asimd evtst
 
 
 def _cpuinfo(monkeypatch: pytest.MonkeyPatch, text: str | None) -> None:
-    """``/proc/cpuinfo`` reads as ``text`` in ``c_add`` from now on (``None``: it cannot be read)."""
+    """``/proc/cpuinfo`` reads as ``text`` in ``c_library`` from now on (``None``: it cannot be read)."""
     real = open
 
     def fake(file: Any, *args: Any, **kw: Any) -> Any:
@@ -310,19 +310,19 @@ def _cpuinfo(monkeypatch: pytest.MonkeyPatch, text: str | None) -> None:
             return io.StringIO(text)
         return real(file, *args, **kw)
 
-    monkeypatch.setattr(c_add, "open", fake, raising=False)  # (c_add's open: a module global before the builtin)
+    monkeypatch.setattr(c_library, "open", fake, raising=False)  # (c_library's open: a module global before the builtin)
 
 
 def _counted_compiles(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Where each compile of the loop from now on works (``c_add._compile``'s directory)."""
+    """Where each compile of the loop from now on works (``c_library._compile``'s directory)."""
     where: list[str] = []
-    real = c_add._compile
+    real = c_library._compile
 
     def compile_(cc: Any, flags: Any, where_fd: int, at: str, stem: Any) -> Any:
         where.append(at)
         return real(cc, flags, where_fd, at, stem)
 
-    monkeypatch.setattr(c_add, "_compile", compile_)
+    monkeypatch.setattr(c_library, "_compile", compile_)
     return where
 
 

@@ -23,7 +23,7 @@ import torch_tpu_embedding as tte
 from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding.optim._core import update_paths
 from torch_tpu_embedding.optim._core.update_paths import Path, choose_path
-from torch_tpu_embedding.optim._kernels import row_update
+from torch_tpu_embedding.optim._kernels import kernel_policy, row_update
 
 
 def _path_of(cfg: OptimizerConfig) -> Path:
@@ -32,11 +32,11 @@ def _path_of(cfg: OptimizerConfig) -> Path:
     ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(t, max_ids_per_bag=3)})
     ec.tables.t.row_grad.keep_factored = True  # as every step but the first has it
     ec({"f": tte.Padded(torch.tensor([[0, 1, 1], [2, 3, 0]]))})["f"].sum().backward()
-    before = row_update.set_enabled(True)
+    before = kernel_policy.set_enabled(True)
     try:
         return choose_path(ec.tables.t.weight, cfg.make(ec.parameters()).param_groups[0], row_grad=True)
     finally:
-        row_update.set_enabled(before)
+        kernel_policy.set_enabled(before)
 
 
 # SGD without options adds rule(0, g) per id (Path.ADDITIVE): there is no row update to compile.
@@ -50,14 +50,14 @@ needs_compiler = pytest.mark.usefixtures("compiler")
 def kernel_from_the_first_step() -> Iterator[None]:
     """Every table here is small and every run short: the default policy (tests/optim/test_kernel_warmup.py)
     would keep them on the reference path."""
-    before = row_update.set_policy(0, 0)
+    before = kernel_policy.set_policy(0, 0)
     yield
-    row_update.set_policy(*before)
+    kernel_policy.set_policy(*before)
 
 
 @pytest.fixture
 def kernel_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(row_update, "_ENABLED", True)
+    monkeypatch.setattr(kernel_policy, "_ENABLED", True)
 
 
 def model(cfg: OptimizerConfig, dtype: torch.dtype) -> tuple[tte.EmbeddingCollection, torch.nn.Linear, Any]:
@@ -84,13 +84,13 @@ def step(ec: tte.EmbeddingCollection, head: torch.nn.Linear, opt: Any, s: int, s
         real(item)
         ran.append(item.path)  # after the update: a path that could not compile has become ROW_CHUNKS
 
-    before = row_update.set_enabled(kernel)
+    before = kernel_policy.set_enabled(kernel)
     base.update = spy  # type: ignore[assignment]
     try:
         opt.step()
     finally:
         base.update = real  # type: ignore[assignment]
-        row_update.set_enabled(before)
+        kernel_policy.set_enabled(before)
     opt.zero_grad()
     return ran
 
@@ -210,12 +210,12 @@ def test_tables_of_distinct_sizes_share_one_kernel_and_one_graph(kernel_on: None
     assert row_update.compiled_kernels() - kernels == 1
     assert counters["stats"]["unique_graphs"] - graphs == 1
     assert not any(p in row_update._REFERENCE_ONLY for p in ours[0].parameters())
-    before = row_update.set_enabled(False)
+    before = kernel_policy.set_enabled(False)
     try:
         ref = build()
         train(*ref)
     finally:
-        row_update.set_enabled(before)
+        kernel_policy.set_enabled(before)
     for k, v in ref[0].state_dict().items():
         torch.testing.assert_close(ours[0].state_dict()[k], v, rtol=1e-6, atol=1e-7, msg=k)
 
@@ -234,8 +234,8 @@ def test_a_failed_compile_warns_once_and_runs_the_reference_path(built_before: b
         return fail
 
     monkeypatch.setattr(row_update, "_KERNELS", {("built before",): lambda: None} if built_before else {})
-    monkeypatch.setattr(row_update, "_WARNED", False)
-    monkeypatch.setattr(row_update, "_NO_COMPILER", False)
+    monkeypatch.setattr(kernel_policy, "_WARNED", False)
+    monkeypatch.setattr(kernel_policy, "_NO_COMPILER", False)
     monkeypatch.setattr(torch, "compile", broken)
     ref, got = model(cfg, torch.float32), model(cfg, torch.float32)
     with warnings.catch_warnings(record=True) as caught:
@@ -246,7 +246,7 @@ def test_a_failed_compile_warns_once_and_runs_the_reference_path(built_before: b
             step(*ref, s, 1.0, kernel=False)
     msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(msgs) == 1 and "could not be compiled" in msgs[0] and "something inductor cannot lower" in msgs[0]
-    assert row_update._NO_COMPILER is not built_before
+    assert kernel_policy._NO_COMPILER is not built_before
     for (a, sa), (b, sb) in zip(_tensors(*got), _tensors(*ref), strict=True):
         assert torch.equal(a, b) and all(torch.equal(sa[n], sb[n]) for n in sa)
 
@@ -264,7 +264,7 @@ def test_a_step_under_a_dispatch_mode_updates_its_rows_once_on_the_reference_pat
 
     cfg = next(c for c in cases(KERNEL_PATH) if c.id == "adagrad")
     monkeypatch.setattr(row_update, "_KERNELS", {})
-    monkeypatch.setattr(row_update, "_NO_COMPILER", False)
+    monkeypatch.setattr(kernel_policy, "_NO_COMPILER", False)
     got, ref = model(cfg, torch.float32), model(cfg, torch.float32)
     for s in range(4):
         under = s in (0, 2)
@@ -285,7 +285,7 @@ def test_a_step_under_a_dispatch_mode_updates_its_rows_once_on_the_reference_pat
                 a.copy_(b)
                 for n in sa:
                     sa[n].copy_(sb[n])
-    assert not row_update._NO_COMPILER and row_update.compiled_kernels() >= 1
+    assert not kernel_policy._NO_COMPILER and row_update.compiled_kernels() >= 1
 
 
 def test_without_a_cxx_compiler_one_warning_and_the_reference_path(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -296,8 +296,8 @@ def test_without_a_cxx_compiler_one_warning_and_the_reference_path(monkeypatch: 
 
     monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/g++"))
     monkeypatch.setattr(row_update, "_KERNELS", {})
-    monkeypatch.setattr(row_update, "_WARNED", False)
-    monkeypatch.setattr(row_update, "_NO_COMPILER", False)
+    monkeypatch.setattr(kernel_policy, "_WARNED", False)
+    monkeypatch.setattr(kernel_policy, "_NO_COMPILER", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for name in ("adagrad", "lazy_adam"):
@@ -311,7 +311,7 @@ def test_without_a_cxx_compiler_one_warning_and_the_reference_path(monkeypatch: 
                 assert torch.equal(a, b) and all(torch.equal(sa[n], sb[n]) for n in sa)
     msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(msgs) == 1 and "could not be compiled" in msgs[0] and "/nonexistent/g++" in msgs[0], msgs
-    assert row_update._NO_COMPILER and row_update.compiled_kernels() == 0
+    assert kernel_policy._NO_COMPILER and row_update.compiled_kernels() == 0
 
 
 @needs_compiler
@@ -340,11 +340,11 @@ def test_stacked_table_group_and_state_dict_equal_the_reference_path(clipnorm: f
             ids = torch.randint(0, 300, (30, 4), generator=g)
             out = ec({"a": tte.Padded(ids, ids % 5 != 0), "b": torch.randint(0, 120, (30,), generator=g)})
             (out["a"] * out["b"]).square().sum().backward()
-            before = row_update.set_enabled(kernel)
+            before = kernel_policy.set_enabled(kernel)
             try:
                 opt.step()
             finally:
-                row_update.set_enabled(before)
+                kernel_policy.set_enabled(before)
             opt.zero_grad()
         (ec_f, opt_f), (ec_r, opt_r) = [(ec.state_dict(), opt.state_dict()) for ec, opt in runs.values()]
         assert ec_f.keys() == ec_r.keys()
@@ -438,12 +438,12 @@ def test_summed_rows_by_range_equal_the_reference_path(name: str, combiner: str,
                 real(item)
                 paths.append(item.path)
 
-            before = row_update.set_enabled(kernel)
+            before = kernel_policy.set_enabled(kernel)
             monkeypatch.setattr("torch_tpu_embedding.optim._core.base.update", spy)
             try:
                 opt.step()
             finally:
-                row_update.set_enabled(before)
+                kernel_policy.set_enabled(before)
                 monkeypatch.setattr("torch_tpu_embedding.optim._core.base.update", real)
             opt.zero_grad()
             ran[kernel] = set(paths)

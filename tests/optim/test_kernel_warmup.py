@@ -1,5 +1,5 @@
 """When the kernel eager update (``optim/_kernels/row_update.py``) takes over from the reference path: by the
-optimizer's call count and the table's size alone (:func:`.row_update.policy`),
+optimizer's call count and the table's size alone (:func:`.kernel_policy.policy`),
 never by how long a compile took, so two runs with one seed are bitwise equal across the switch-over.
 """
 
@@ -20,17 +20,17 @@ import torch
 import torch_tpu_embedding as tte
 from torch_tpu_embedding.optim._core import base, update_paths
 from torch_tpu_embedding.optim._core.update_paths import Path
-from torch_tpu_embedding.optim._kernels import row_update
+from torch_tpu_embedding.optim._kernels import kernel_policy, row_update
 
 REPO = FsPath(__file__).resolve().parents[2]
 
 
 @pytest.fixture
 def kernel_on() -> Iterator[None]:
-    before_on, before_policy = row_update.set_enabled(True), row_update.policy()
+    before_on, before_policy = kernel_policy.set_enabled(True), kernel_policy.policy()
     yield
-    row_update.set_enabled(before_on)
-    row_update.set_policy(*before_policy)
+    kernel_policy.set_enabled(before_on)
+    kernel_policy.set_policy(*before_policy)
 
 
 def _paths_taken(steps: int, rows: int, monkeypatch: pytest.MonkeyPatch) -> list[Path]:
@@ -55,13 +55,13 @@ def _paths_taken(steps: int, rows: int, monkeypatch: pytest.MonkeyPatch) -> list
 
 @pytest.mark.usefixtures("compiler", "kernel_on")
 def test_the_reference_path_runs_the_first_after_calls_then_the_kernel_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    row_update.set_policy(after=3, min_elements=0)
+    kernel_policy.set_policy(after=3, min_elements=0)
     assert _paths_taken(5, 50, monkeypatch) == [Path.ROW_CHUNKS] * 3 + [Path.KERNEL] * 2
 
 
 @pytest.mark.usefixtures("kernel_on")
 def test_a_table_below_min_elements_never_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    row_update.set_policy(after=0, min_elements=50 * 4 + 1)  # one more than the table holds
+    kernel_policy.set_policy(after=0, min_elements=50 * 4 + 1)  # one more than the table holds
     kernels = row_update.compiled_kernels()
     assert _paths_taken(3, 50, monkeypatch) == [Path.ROW_CHUNKS] * 3
     assert row_update.compiled_kernels() == kernels
@@ -69,7 +69,7 @@ def test_a_table_below_min_elements_never_compiles(monkeypatch: pytest.MonkeyPat
 
 @pytest.mark.usefixtures("kernel_on")
 def test_the_default_policy_keeps_short_runs_of_small_tables_off_the_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
-    after, min_elements = row_update.policy()
+    after, min_elements = kernel_policy.policy()
     assert after > 3 and min_elements > 50 * 4
     kernels = row_update.compiled_kernels()
     assert _paths_taken(3, 50, monkeypatch) == [Path.ROW_CHUNKS] * 3
@@ -79,9 +79,9 @@ def test_the_default_policy_keeps_short_runs_of_small_tables_off_the_compiler(mo
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
 def test_set_policy_names_a_wrong_value(bad: object) -> None:
     with pytest.raises(ValueError, match=r"set_policy: after must be an int >= 0, got"):
-        row_update.set_policy(after=bad)  # type: ignore[arg-type]
+        kernel_policy.set_policy(after=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"set_policy: min_elements must be an int >= 0, got"):
-        row_update.set_policy(min_elements=bad)  # type: ignore[arg-type]
+        kernel_policy.set_policy(min_elements=bad)  # type: ignore[arg-type]
 
 
 # One training run: a digest of every weight and optimizer state tensor after each step, the paths the

@@ -37,7 +37,7 @@ import torch_tpu_embedding as tte
 from torch_tpu_embedding._rows import dedup
 from torch_tpu_embedding.modules import assembly, plan
 from torch_tpu_embedding.optim._core.update_paths import Path
-from torch_tpu_embedding.optim._kernels import row_update
+from torch_tpu_embedding.optim._kernels import kernel_policy
 from torch_tpu_embedding.optim._kernels.c_gather import join_library
 
 CASES = cases(SYNC_FREE)
@@ -149,7 +149,7 @@ def test_host_ids_joined_in_c_travel_as_one_int32_tensor_without_reading_the_dev
     """The kernel library on (as a user's run has it; the suite's is off, tests/conftest.py): each batch's host ids
     are joined, shifted and padded on the host by the C pass and moved as one int32 tensor, non-blocking, without
     their masks; the steps still read nothing of the device."""
-    monkeypatch.setattr(row_update, "_ENABLED", True)
+    monkeypatch.setattr(kernel_policy, "_ENABLED", True)
     if join_library() is None:
         pytest.skip("no C compiler builds the library here")
     monkeypatch.setattr(plan, "check_not_meta", lambda *args: None)
@@ -229,7 +229,7 @@ def test_the_accelerator_kernel_equals_its_reference_path(cfg: OptimizerConfig, 
     (``Path.ROWS``), in lockstep as tests/optim/test_kernel_update.py compares the CPU's: within 1e-6 (float32)
     after every call. Three configurations: each compiles a kernel of its own (seconds)."""
     monkeypatch.setattr(dedup, "HOST_READ_DEVICE_TYPES", set())
-    before = row_update.set_policy(0, 0)
+    before = kernel_policy.set_policy(0, 0)
     try:
         kernel, ref = kernel_model(cfg, torch.float32), kernel_model(cfg, torch.float32)
         k = cfg.kwargs.get("gradient_accumulation_steps") or 1
@@ -245,7 +245,7 @@ def test_the_accelerator_kernel_equals_its_reference_path(cfg: OptimizerConfig, 
                     for n in sa:
                         sa[n].copy_(sb[n])
     finally:
-        row_update.set_policy(*before)
+        kernel_policy.set_policy(*before)
 
 
 _FROZEN_CASES = [c for c in STACKED_CASES if c.id in ("adagrad-clipnorm", "lazy_adam-ema-accum-gclip", "adafactor")]

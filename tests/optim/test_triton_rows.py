@@ -24,7 +24,7 @@ from test_sync_free_step import _train
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding._rows import dedup
-from torch_tpu_embedding.optim._kernels import row_update, triton_rows
+from torch_tpu_embedding.optim._kernels import kernel_policy, triton_rows
 
 triton = triton_rows.triton
 
@@ -156,12 +156,12 @@ def test_interpreted_sync_free_step_through_triton_gives_the_cpu_results(cfg: Op
 
         monkeypatch.setattr(triton_rows, name, counted)
     monkeypatch.setattr(dedup, "HOST_READ_DEVICE_TYPES", set())
-    before, enabled = row_update.set_policy(2, 0), row_update.set_enabled(True)
+    before, enabled = kernel_policy.set_policy(2, 0), kernel_policy.set_enabled(True)
     try:
         got_w, got_s = _train(cfg)
     finally:
-        row_update.set_policy(*before)
-        row_update.set_enabled(enabled)
+        kernel_policy.set_policy(*before)
+        kernel_policy.set_enabled(enabled)
     # SGD adds each id's increment; the other rules sum the factored rows (add_rows, where there is no loss scale
     # and no accumulation window: their rows are multiplied out first) and copy the updated rows; so does SGD
     # with skip_nonfinite, which needs the summed rows.
@@ -217,15 +217,15 @@ def test_interpreted_deterministic_mode_adds_through_torch(name: str, monkeypatc
             return done
 
         monkeypatch.setattr(triton_rows, fn, counted)
-    before, enabled = row_update.set_policy(2, 0), row_update.set_enabled(True)
+    before, enabled = kernel_policy.set_policy(2, 0), kernel_policy.set_enabled(True)
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         got = _edge_run(_EDGE_OPTIMIZERS[name], static=True)
     finally:
         torch.use_deterministic_algorithms(deterministic)
-        row_update.set_policy(*before)
-        row_update.set_enabled(enabled)
+        kernel_policy.set_policy(*before)
+        kernel_policy.set_enabled(enabled)
     assert "add_rows" not in calls and ("copy_rows" in calls) == (name != "sgd"), calls
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14, msg=lambda msg, i=i: f"tensor {i}: {msg}")
@@ -302,12 +302,12 @@ def test_interpreted_bag_edges_through_triton_give_the_cpu_results(name: str, re
 
     monkeypatch.setattr(triton_rows, "copy_rows", copy_or_refuse)
     monkeypatch.setattr(triton_rows, "add_rows", counted_add)
-    before, enabled = row_update.set_policy(2, 0), row_update.set_enabled(True)
+    before, enabled = kernel_policy.set_policy(2, 0), kernel_policy.set_enabled(True)
     try:
         got = _edge_run(_EDGE_OPTIMIZERS[name], static=True)
     finally:
-        row_update.set_policy(*before)
-        row_update.set_enabled(enabled)
+        kernel_policy.set_policy(*before)
+        kernel_policy.set_enabled(enabled)
     assert "add_rows" in calls, calls
     if name != "sgd":
         assert ("refused" if refuse else "copy_rows") in calls and ("copy_rows" if refuse else "refused") not in calls, \

@@ -12,7 +12,7 @@ import torch
 import torch_tpu_embedding as tte
 from torch_tpu_embedding.optim._core import update_paths
 from torch_tpu_embedding.optim._core.update_paths import Path, choose_path
-from torch_tpu_embedding.optim._kernels import row_update
+from torch_tpu_embedding.optim._kernels import kernel_policy
 
 O = tte.optim  # noqa: E741
 
@@ -80,7 +80,7 @@ def test_with_kernel_updates_on_the_row_chunk_cases_take_kernel(cls: Any, kwargs
     update with summed rows is ``KERNEL``; the other paths do not change. tests/optim/test_kernel_update.py
     steps each optimizer on it."""
 
-    monkeypatch.setattr(row_update, "_ENABLED", True)
+    monkeypatch.setattr(kernel_policy, "_ENABLED", True)
     ec, head = model()
     opt = cls([*ec.parameters(), *head.parameters()], **kwargs)
     p = ec.tables.t.weight if which == "table" else head.weight
@@ -90,7 +90,7 @@ def test_with_kernel_updates_on_the_row_chunk_cases_take_kernel(cls: Any, kwargs
         ec16 = tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(10, 3, name="h", dtype=torch.bfloat16))})
         p16 = ec16.tables.h.weight
         assert choose_path(p16, cls(ec16.parameters(), **kwargs).param_groups[0], row_grad=True) is want
-    monkeypatch.setattr(row_update, "_ENABLED", False)
+    monkeypatch.setattr(kernel_policy, "_ENABLED", False)
     assert choose_path(p, opt.param_groups[0], row_grad=which == "table") is expected
 
 

@@ -20,7 +20,7 @@ from test_sync_free_step import _train as train_host_ids
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding.modules import assembly
-from torch_tpu_embedding.optim._kernels import row_update
+from torch_tpu_embedding.optim._kernels import kernel_policy, row_update
 from torch_tpu_embedding.optim._kernels.c_gather import join_library
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
@@ -137,12 +137,12 @@ def test_a_steady_kernel_step_makes_no_host_device_sync(cfg: OptimizerConfig,
         return call(fn, args)
 
     monkeypatch.setattr(row_update, "call", counted)
-    before, enabled = row_update.set_policy(2, 0), row_update.set_enabled(True)  # (the suite turns it off)
+    before, enabled = kernel_policy.set_policy(2, 0), kernel_policy.set_enabled(True)  # (the suite turns it off)
     try:
         dev = train_host_ids(cfg, "cuda", no_sync)
     finally:
-        row_update.set_policy(*before)
-        row_update.set_enabled(enabled)
+        kernel_policy.set_policy(*before)
+        kernel_policy.set_enabled(enabled)
     assert ran.count("cuda") >= 2, ran
     cpu = train_host_ids(cfg, "cpu")
     # (float64: the kernel's fused arithmetic against the CPU's reference path)
@@ -154,7 +154,7 @@ def test_host_ids_joined_in_c_travel_pinned_as_int32(cfg: OptimizerConfig, monke
     """The kernel library on (as a user's run has it): each batch's host ids are joined by the C pass straight into
     pinned memory, int32, and moved as one tensor without their masks; the steady steps make no sync and give the
     CPU's results."""
-    monkeypatch.setattr(row_update, "_ENABLED", True)
+    monkeypatch.setattr(kernel_policy, "_ENABLED", True)
     if join_library() is None:
         pytest.skip("no C compiler builds the library here")
     moved: list[tuple[torch.dtype, bool]] = []

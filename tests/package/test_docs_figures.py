@@ -82,8 +82,8 @@ def load_script(path: str) -> ModuleType:
 def test_kernel_policy_defaults() -> None:
     """design.md and guide.md: the kernel is built from call ``TTE_KERNEL_AFTER`` (50), for tables of
     ``TTE_KERNEL_MIN_ELEMENTS`` (2**20) numbers or more."""
-    after = source_value("torch_tpu_embedding/optim/_kernels/row_update.py", "_AFTER")
-    min_elements = source_value("torch_tpu_embedding/optim/_kernels/row_update.py", "_MIN_ELEMENTS")
+    after = source_value("torch_tpu_embedding/optim/_kernels/kernel_policy.py", "_AFTER")
+    min_elements = source_value("torch_tpu_embedding/optim/_kernels/kernel_policy.py", "_MIN_ELEMENTS")
     design = found(r"`TTE_KERNEL_AFTER` \((\d+)\) and always when it holds fewer than `TTE_KERNEL_MIN_ELEMENTS` "
                    r"\((\d+\*\*\d+)\) numbers", "docs/design.md")[0]
     assert (number(design[1]), number(design[2])) == (after, min_elements)

@@ -45,7 +45,7 @@ def _kernel_settings(**values: str) -> str:
     """What the kernel path reads at import in a fresh process with only ``values`` of its settings set."""
     base = {k: v for k, v in os.environ.items() if k not in env.RENAMED and k not in env.RENAMED.values()}
     repo = str(Path(__file__).resolve().parents[1])
-    r = subprocess.run([sys.executable, "-c", "from torch_tpu_embedding.optim._kernels import row_update as r; "
+    r = subprocess.run([sys.executable, "-c", "from torch_tpu_embedding.optim._kernels import kernel_policy as r; "
                         "print(r.enabled(), *r.policy())"],
                        env={**base, **values, "PYTHONPATH": os.pathsep.join(p for p in (repo, base.get("PYTHONPATH")) if p)},
                        capture_output=True, text=True, timeout=600)

@@ -16,7 +16,7 @@ torch_xla = pytest.importorskip("torch_xla")
 
 import torch_tpu_embedding as tte  # noqa: E402
 from torch_tpu_embedding.modules import assembly, plan  # noqa: E402
-from torch_tpu_embedding.optim._kernels import row_update  # noqa: E402
+from torch_tpu_embedding.optim._kernels import kernel_policy  # noqa: E402
 from torch_tpu_embedding.optim._kernels.c_gather import join_library  # noqa: E402
 
 DEV = torch_xla.device()  # before any backward (the autograd engine sizes its device queues then)
@@ -97,7 +97,7 @@ def test_replayed_plans_of_an_xla_group_train_as_fresh_ones_and_as_the_cpu(monke
 
 @pytest.mark.parametrize("c_join", [False, True])
 def test_a_bad_id_on_a_replayed_xla_call_names_its_feature(c_join: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(row_update, "_ENABLED", c_join)
+    monkeypatch.setattr(kernel_policy, "_ENABLED", c_join)
     ec = _collection(DEV)
     ec(_batch(0), concat=True)
     assert ec in plan._PLANS
@@ -112,7 +112,7 @@ def test_the_c_join_moves_one_int32_tensor_and_trains_as_the_torch_ops_join(monk
     """Host ids bound for XLA: the C pass's int32 ids are the only transfer of a call (no mask, no int64 ids), and
     every call trains bitwise as the torch ops' join (stack, transfer of ids and masks, shift and ``where`` on the
     device). The suite runs with the kernel library off (tests/conftest.py): on here, as a user's run has it."""
-    monkeypatch.setattr(row_update, "_ENABLED", True)
+    monkeypatch.setattr(kernel_policy, "_ENABLED", True)
     if join_library() is None:
         pytest.skip("no C compiler builds the library here")
     batches: list[tuple[assembly.AssembledBatch, list[torch.dtype]]] = []  # per batch assembled: what it moved

@@ -19,7 +19,7 @@ from torch_tpu_embedding.optim._core import (
     update_paths,
 )
 from torch_tpu_embedding.optim._core.update_paths import Path, choose_path  # noqa: E402
-from torch_tpu_embedding.optim._kernels import row_update
+from torch_tpu_embedding.optim._kernels import kernel_policy, row_update
 
 O = tte.optim  # noqa: E741
 
@@ -44,7 +44,7 @@ def test_xla_paths(cls: type, kwargs: dict, expected: Path) -> None:
 def test_kernel_eager_update_is_never_chosen_on_xla(cfg: OptimizerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel eager row update turned on (the suite turns it off, tests/conftest.py): every
     configuration of the registry's ``kernel_path`` target still takes ROWS for an XLA table."""
-    monkeypatch.setattr(row_update, "_ENABLED", True)
+    monkeypatch.setattr(kernel_policy, "_ENABLED", True)
     ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(20, 3, name="t"))}, device=torch_xla.device())
     assert choose_path(ec.tables.t.weight, cfg.make(ec.parameters()).param_groups[0], row_grad=True) is Path.ROWS
 
@@ -53,7 +53,7 @@ def test_kernel_eager_update_is_never_chosen_on_xla(cfg: OptimizerConfig, monkey
                          ids=str)
 def test_kernel_eager_update_never_runs_on_xla(cfg: OptimizerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
     """Steps on XLA with the kernel path turned on: every update runs ROWS and no update kernel is built."""
-    monkeypatch.setattr(row_update, "_ENABLED", True)
+    monkeypatch.setattr(kernel_policy, "_ENABLED", True)
     dev = torch_xla.device()
     t = tte.TableConfig(20, 3, name="t")
     ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(t, max_ids_per_bag=3)}, device=dev)

@@ -64,7 +64,7 @@ from torch_tpu_embedding.optim._core.ema import ema_rows
 from torch_tpu_embedding.optim._core.rule_pipeline import Path, gated, pipeline
 from torch_tpu_embedding.optim._core.slots import RowSpace, rule_slots
 from torch_tpu_embedding.optim._core.stacked_members import member_rows, segment_of
-from torch_tpu_embedding.optim._kernels import c_rules, row_update, triton_rows
+from torch_tpu_embedding.optim._kernels import c_rules, kernel_policy, row_update, triton_rows
 from torch_tpu_embedding.optim._kernels.c_add import add_rows_kernel
 
 if TYPE_CHECKING:
@@ -111,7 +111,7 @@ def choose_path(p: Tensor, group: Mapping[str, Any], *, row_grad: bool) -> Path:
         return Path.NO_DEDUP
     if is_static_device(p.device) or _whole_slots(p, group):
         return Path.ROWS
-    if row_update.usable(p):  # (on an accelerator its kernel takes the static ids of ROWS: row_update._sink)
+    if kernel_policy.usable(p):  # (on an accelerator its kernel takes the static ids of ROWS: row_update._sink)
         return Path.KERNEL
     return Path.ROWS if sync_free(p.device) else Path.ROW_CHUNKS
 

@@ -4,7 +4,7 @@ A lookup of one id per bag without weights (:mod:`torch_tpu_embedding.modules.lo
 table rows. The rows are scattered over a large table, so each one is a cache miss (and a TLB miss). torch's
 ``index_select`` copies them one after another and waits for each miss. The loop here (source in
 :mod:`.c_rules_source`) is built into the library of SGD's add, with its compiler, flags and verified kernel
-cache (:func:`.c_add.library`). While it copies one row it prefetches the row :data:`.c_rules_source.PREFETCH_ROWS`
+cache (:func:`.c_library.library`). While it copies one row it prefetches the row :data:`.c_rules_source.PREFETCH_ROWS`
 ids ahead. It copies bytes, so the result is bitwise ``index_select``'s for every dtype.
 
 It runs only once this process has loaded the library (the kernel path of an optimizer's step loads it;
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from torch_tpu_embedding.optim._kernels import c_add, c_rules, row_update
+from torch_tpu_embedding.optim._kernels import c_library, c_rules, kernel_policy
 from torch_tpu_embedding.optim._kernels.c_args import in_memory
 from torch_tpu_embedding.optim._kernels.c_rules_source import JOIN_IDS
 
@@ -46,7 +46,7 @@ _MIN_IDS_PER_THREAD = 1 << 17
 def gather_rows(weight: Tensor, ids: Tensor) -> Tensor:
     """``weight.index_select(0, ids)`` for ``ids [n]``: by the prefetching C loop where it applies (see the module's
     text), else by ``index_select``. Bitwise the same either way; no autograd (the lookup's forward calls it)."""
-    lib = None if torch.compiler.is_compiling() else c_add.loaded()  # (traced: index_select, an op dynamo knows)
+    lib = None if torch.compiler.is_compiling() else c_library.loaded()  # (traced: index_select, an op dynamo knows)
     if (lib is None or type(weight) not in (torch.Tensor, torch.nn.Parameter)
             or type(ids) is not torch.Tensor or not in_memory(weight) or not in_memory(ids)
             or weight.dim() != 2 or not weight.is_contiguous() or weight.is_quantized
@@ -101,19 +101,19 @@ def _layout(shifts: tuple[int, ...], vocabs: tuple[int, ...], sentinel: int
     return (ctypes.c_int64 * len(shifts))(*shifts), (ctypes.c_int64 * len(vocabs))(*vocabs), fits
 
 
-def join_library() -> c_add.Library | None:
+def join_library() -> c_library.Library | None:
     """The library for :func:`join_ids` of host ids bound for an accelerator (XLA, CUDA): loaded, or built on this
     first call of the process (about 2 s once per machine: the kernel cache keeps it), so that every step of a run
     takes one path; ``None`` under ``torch.compile``, with ``TTE_UPDATE_KERNEL=0`` (the kernel path off) or where it
     cannot be built (one warning; the torch ops join as before)."""
-    if torch.compiler.is_compiling() or not row_update.enabled():
+    if torch.compiler.is_compiling() or not kernel_policy.enabled():
         return None
-    return c_add.library()
+    return c_library.library()
 
 
 def join_ids(values: Sequence[Tensor], shape: tuple[int, ...], shifts: Sequence[int], vocabs: Sequence[int],
              masks: Sequence[Tensor] | None = None, sentinel: int = 0, narrow: bool = False, pinned: bool = False,
-             lib: c_add.Library | None = None) -> Tensor | None:
+             lib: c_library.Library | None = None) -> Tensor | None:
     """``F`` features' ids, each of ``shape`` (``[B, L]``, or ``[B]``: ``L`` is 1), side by side as ``[B, F, L]``,
     feature ``f``'s plus ``shifts[f]``, by one C pass that checks each id (before its shift) to lie in
     ``[0, vocabs[f])``. With ``masks`` (one bool tensor of ``shape`` per feature) an id masked out is written as
@@ -125,7 +125,7 @@ def join_ids(values: Sequence[Tensor], shape: tuple[int, ...], shifts: Sequence[
     ``shape`` whose memory holds its values, a mask not a contiguous bool one, no ids) or an id is outside its range:
     the caller then joins, checks and shifts with torch ops (``torch.stack``, ``aminmax``, ``add``, ``where``), to the
     same ids, and raises its own error."""
-    lib = None if torch.compiler.is_compiling() else c_add.loaded() if lib is None else lib
+    lib = None if torch.compiler.is_compiling() else c_library.loaded() if lib is None else lib
     if lib is None or not values or len(shape) not in (1, 2):
         return None
     b, width = shape[0], shape[1] if len(shape) == 2 else 1

@@ -4,7 +4,7 @@
 (:meth:`.RowSums.rows`, an ``embedding_bag``) were made first: passes over the summed rows, and no prefetching
 of the table's rows, which are scattered over a large table (a random row costs a cache and a TLB miss, some
 100 ns on an AMD EPYC VM). For the two rules here, one C loop (:mod:`.c_rules_source`, compiled into the
-library of SGD's add, :func:`.c_add.library`: its compiler, flags and verified kernel cache) does it all per
+kernels' one C library, :func:`.c_library.library`: its compiler, flags and verified kernel cache) does it all per
 distinct id: sums its contributions, applies the rule to its weight row and slot rows in place, and prefetches
 the rows of the ids a few ahead. Measured at one thread (docs/benchmarks.md, 2026-11-29, third session).
 
@@ -12,7 +12,7 @@ It covers the rule alone, as :func:`.rule_pipeline.pipeline` runs it when no opt
 contiguous CPU tables and slots, no ``clipvalue``, ``weight_decay_factor``, weight clipping, EMA or update gate
 (accumulation, ``skip_nonfinite``), the rule of the optimizer being exactly :func:`rowwise_adagrad_rule` or
 :func:`adam_rule` (a subclass with its own rule is not covered). Everything else takes
-:func:`.row_update.update` as before, as does every step while :func:`.row_update.warming_up` (the same policy:
+:func:`.row_update.update` as before, as does every step while :func:`.kernel_policy.warming_up` (the same policy:
 which path a step takes depends only on the call count and the configuration). The rules stay the one
 definition of the math (XLA, reference path, numpy references); tests/optim/test_c_rules.py pins this loop to
 them for every option it accepts.
@@ -34,7 +34,7 @@ from torch.autograd.graph import increment_version
 
 from torch_tpu_embedding._rows.dedup import sync_free
 from torch_tpu_embedding._util.registry import rule_of
-from torch_tpu_embedding.optim._kernels import c_add, row_update
+from torch_tpu_embedding.optim._kernels import c_library, kernel_policy
 from torch_tpu_embedding.optim._kernels.c_args import in_memory
 from torch_tpu_embedding.optim._kernels.row_sums import RowSums
 
@@ -102,10 +102,10 @@ def update(item: Work) -> bool:
     apply (:func:`covered`, the warm-up policy, fewer than 2 rows, or no library): :func:`.row_update.update`
     then runs."""
     ids = item.ids
-    if ids is None or ids.shape[0] < 2 or row_update.warming_up(item):
+    if ids is None or ids.shape[0] < 2 or kernel_policy.warming_up(item):
         return False
     name = covered(item)
-    lib = c_add.library() if name is not None else None
+    lib = c_library.library() if name is not None else None
     if name is None or lib is None:
         return False
     p, state = item.p, item.state
@@ -139,7 +139,7 @@ def run_rows(fn: Callable[..., int], p: Tensor, slots: list[Tensor], ids: Tensor
     elif src.dim() != 2 or src.stride(1) != 1:
         src = src.contiguous()
     tensors = [p, *slots, ids, src, hp] + [t for t in (offsets, cols, weights) if t is not None]
-    lib = c_add.loaded()  # (fn is one of its loops: the table's slots and hyper-parameters it reads, by loop)
+    lib = c_library.loaded()  # (fn is one of its loops: the table's slots and hyper-parameters it reads, by loop)
     assert lib is not None
     slot_shapes, hps = {id(lib.rowwise_adagrad): ([(rows,)], 3), id(lib.adam): ([(rows, dim)] * 2, 7)}.get(
         id(fn), ([], -1))
@@ -211,7 +211,7 @@ def sorted_keys(keys: Tensor, bound: int) -> Tensor:
     is compiled here), else by ``torch.sort``, whose comparison sort below 32,768 keys took 0.69–0.89 ms for the
     16,384 keys of a 1-id step against 0.15 ms (docs/benchmarks.md). Distinct keys have one sorted order: the result
     is the same either way."""
-    lib = c_add.loaded() if keys.device.type == "cpu" and keys.dtype == torch.int64 and keys.dim() == 1 else None
+    lib = c_library.loaded() if keys.device.type == "cpu" and keys.dtype == torch.int64 and keys.dim() == 1 else None
     if lib is None:
         return torch.sort(keys).values
     keys, scratch = keys.contiguous(), torch.empty_like(keys)  # (both held until the C sort returns)
@@ -225,7 +225,7 @@ def grouped_ids(ids: Tensor, bound: int, width: int) -> tuple[Tensor, Tensor, Te
     ``[U + 1]``, the positions in (id, position) order ``[n]`` (the stable sort's permutation) and those divided by
     ``width``. ``None`` where it does not apply (not loaded, not a CPU tensor, keys over 62 bits): ``row_sums``
     then sorts and groups with torch ops, to the same result (one order sorts distinct keys)."""
-    lib = c_add.loaded() if ids.device.type == "cpu" and ids.dtype == torch.int64 and ids.dim() == 1 else None
+    lib = c_library.loaded() if ids.device.type == "cpu" and ids.dtype == torch.int64 and ids.dim() == 1 else None
     n = ids.numel()
     shift = max(1, (n - 1).bit_length())
     bits = shift + max(1, (bound - 1).bit_length())

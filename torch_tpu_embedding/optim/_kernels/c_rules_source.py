@@ -2,7 +2,7 @@
 radix sort of the duplicate sum's keys (:func:`.row_sums.row_sums`), and of the lookup's prefetching row gather
 and a stacked group's join of its features' ids (:mod:`.c_gather`).
 
-Compiled into one library with SGD's add loop (:mod:`.c_add` builds, caches and loads it; this module holds
+Compiled into one library with SGD's add loop (:mod:`.c_library` builds, caches and loads it; this module holds
 only the text). Each function takes a table's distinct touched ids, sorted, and where each id's gradient
 contributions are (:class:`~.row_sums.RowSums`: ``offsets``, ``cols``, ``weights``, ``src``), and for each id
 in turn sums its contributions (each ``weight · row`` rounded, then added in lookup order from 0, as

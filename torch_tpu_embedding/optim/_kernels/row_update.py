@@ -22,26 +22,14 @@ the summed rows and the kernel's own ``[rows, D]`` temporaries stay in cache ins
 over ``[U, D]`` arrays in memory (RowWiseAdagrad at 20 ids per bag, 4 tables of 1,000,000 × 64: about
 314,000 distinct rows, 80 MB per such array).
 
-When the kernel is built (:func:`set_policy`): compiling one costs seconds (7–9 s per optimizer on
-an idle 2-core machine, several times that under load), paid where it is first used. So a table's
-update takes the reference path while the optimizer's ``iterations`` (its call count, saved in its
-``state_dict``) is below ``after`` (``TTE_KERNEL_AFTER``, default 50), and always where the table holds
-fewer than ``min_elements`` numbers (``TTE_KERNEL_MIN_ELEMENTS``, default 2**20: the saving per step
-is bounded by the numbers touched, at most 10–20 ms a step at 2**20 as measured, hundreds of steps to
-pay for one compile, and less on smaller tables). The first kernel step compiles in the foreground. Which path a step
-takes depends only on the call count and the configuration, never on how long a compile took, so two
-runs with one seed are bitwise equal (tests/optim/test_kernel_warmup.py); short runs, notebooks and test
-suites never compile. docs/benchmarks.md has the measurements the defaults come from.
-
-If compiling fails (no C++ compiler, say), the update falls back to the reference path with one
-warning. ``TTE_UPDATE_KERNEL=0`` in the environment, or :func:`set_enabled`, turns the path off.
+When a kernel is built (the optimizer's call count, the table's size: :func:`.kernel_policy.policy`), the
+switch that turns the path off (``TTE_UPDATE_KERNEL=0``) and the one warning when a kernel cannot be compiled are
+:mod:`.kernel_policy`'s: if compiling fails (no C++ compiler, say), the update falls back to the reference path.
 """
 
 from __future__ import annotations
 
-import logging
 import types
-import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -50,46 +38,23 @@ import torch.fx.experimental._config as fx_config
 from torch.utils.weak import WeakIdKeyDictionary
 
 from torch_tpu_embedding._rows.dedup import sink_rows, sinks_sentinel
-from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
-from torch_tpu_embedding._util.env import env_setting, switched_on
 from torch_tpu_embedding._util.registry import RULE_KEY, rule_of
 from torch_tpu_embedding.optim._core.contract import RowContext, Slots
 from torch_tpu_embedding.optim._core.ema import ema_row_update, momentum_now
 from torch_tpu_embedding.optim._core.rule_pipeline import gated, pipeline
 from torch_tpu_embedding.optim._core.slots import logical_rows, rule_slots
-from torch_tpu_embedding.optim._kernels import triton_rows
+from torch_tpu_embedding.optim._kernels import kernel_policy, triton_rows
 
 if TYPE_CHECKING:
     from torch_tpu_embedding.optim._core.grad_intake import Work
 
-__all__ = ["call", "chunk_rows", "compiled_kernels", "enabled", "has_compiler", "policy", "set_enabled", "set_policy",
-           "update", "usable", "warming_up", "warn_once"]
+__all__ = ["call", "chunk_rows", "compiled_kernels", "update"]
 
 Tensor = torch.Tensor
 
-_ENABLED = switched_on("TTE_UPDATE_KERNEL")
-
-
-def _env_count(name: str, default: int) -> int:
-    name, value = env_setting(name)  # the variable read: the new name or the deprecated one
-    text = (value or "").strip()
-    if not text:
-        return default
-    if not text.isdigit():
-        raise ValueError(f"environment variable {name} must be an int >= 0, got {text!r}")
-    return int(text)
-
-
-#: optimizer calls that take the reference path before the update kernel is built (see the module doc)
-_AFTER = _env_count("TTE_KERNEL_AFTER", 50)
-#: tables with fewer numbers than this always take the reference path
-_MIN_ELEMENTS = _env_count("TTE_KERNEL_MIN_ELEMENTS", 2**20)
 #: compiled kernels by configuration key; ``None``: compiling failed (the reference path runs)
 _KERNELS: dict[tuple[Any, ...], Callable[..., list[Tensor]] | None] = {}
-_WARNED = False
-#: set when inductor found no C++ compiler: the kernel path is not chosen again in this process
-_NO_COMPILER = False
 #: bytes of summed gradient rows per kernel call (see :func:`chunk_rows`)
 _CHUNK_BYTES = 2**22
 #: group entries that are not hyper-parameters of the rule (``RULE_KEY``: the rule itself)
@@ -100,74 +65,6 @@ _NOT_IN_KERNEL = frozenset({
     "algorithm", "use_gradient_accumulation", "gradient_accumulation_steps", "loss_scale_factor", "clipnorm",
     "global_clipnorm", "skip_nonfinite", "ema_overwrite_frequency",
 })
-
-
-class _NoCudaRuntimeLine(logging.Filter):
-    """Drops torch's ``No CUDA runtime is found, using CUDA_HOME=...`` warning.
-
-    ``torch.utils.cpp_extension`` logs it when imported on a machine with a CUDA toolkit but no CUDA
-    device, and inductor imports it to build a CPU kernel: the only sign of an update-kernel compile was
-    a line about CUDA, which this path does not use. Every other record of that logger passes.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("No CUDA runtime is found")
-
-
-# Installed on import, before anything can import cpp_extension (it logs the line once, at import).
-logging.getLogger("torch.utils.cpp_extension").addFilter(_NoCudaRuntimeLine())
-
-
-def enabled() -> bool:
-    """Whether eager row updates take the kernel path (``TTE_UPDATE_KERNEL``, :func:`set_enabled`)."""
-    return _ENABLED
-
-
-def set_enabled(on: bool) -> bool:
-    """Turn the kernel path on or off for later steps; returns the previous setting."""
-    global _ENABLED
-    before, _ENABLED = _ENABLED, bool(on)
-    return before
-
-
-def policy() -> tuple[int, int]:
-    """``(after, min_elements)``: the kernel path runs from the optimizer's call ``after`` on, for
-    tables of at least ``min_elements`` numbers (``TTE_KERNEL_AFTER``, ``TTE_KERNEL_MIN_ELEMENTS``)."""
-    return _AFTER, _MIN_ELEMENTS
-
-
-def set_policy(after: int | None = None, min_elements: int | None = None) -> tuple[int, int]:
-    """Set :func:`policy` for later steps (``None``: unchanged); returns the previous one.
-
-    ``set_policy(0, 0)``: every eligible table takes the kernel path from its first step (and compiles
-    there). A checkpoint resumed under the same policy takes the same paths (``iterations`` is saved).
-    """
-    global _AFTER, _MIN_ELEMENTS
-    before = (_AFTER, _MIN_ELEMENTS)
-    for name, value in (("after", after), ("min_elements", min_elements)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise ValueError(f"set_policy: {name} must be an int >= 0, got {value!r}")
-    _AFTER = before[0] if after is None else after
-    _MIN_ELEMENTS = before[1] if min_elements is None else min_elements
-    return before
-
-
-def warming_up(item: Work) -> bool:
-    """This step takes the reference path by :func:`policy` (the call count and the table's size alone)."""
-    return item.clock.iterations < _AFTER or item.p.numel() < _MIN_ELEMENTS
-
-
-def usable(p: Tensor) -> bool:
-    """The kernel path may run for ``p``: an eager CPU / CUDA table with the path enabled, whose rows
-    are slot rows (no interleaved row layout of the id exchange, :class:`~.slots.SlotRows`)."""
-    if not _ENABLED or _NO_COMPILER or p.device.type not in ("cpu", "cuda"):
-        return False
-    if torch.compiler.is_compiling():
-        # Inside the user's torch.compile the reference rule is traced into the user's graph (and
-        # compiled with it); a compile of its own here would be a nested compile and split that graph.
-        return False
-    info = table_info(p)
-    return info is None or info.layout is None
 
 
 def compiled_kernels() -> int:
@@ -304,16 +201,15 @@ def update(item: Work) -> bool:
     """Run ``item``'s row update (unique ids, no sentinel; on an accelerator the static ids of
     ``dedup_static``, sentinel tail included) as update kernel calls; ``False`` if no
     kernel could be compiled, fewer than 2 rows were touched (dynamic shapes specialise sizes 0 and 1,
-    and such a step is no work to speed up), a ``TorchDispatchMode`` is active, or :func:`policy` keeps this
-    step on the reference path:
+    and such a step is no work to speed up), a ``TorchDispatchMode`` is active, or
+    :func:`.kernel_policy.policy` keeps this step on the reference path:
     the caller then runs the reference path on ``item.ids`` and ``item.g`` (the rows not yet updated).
 
     With ``item.sums`` (the factored gradient, sorted) the summed rows are made and updated a range of
     :func:`chunk_rows` ids at a time on the CPU; each row's update is the same either way."""
-    global _NO_COMPILER
     p, group, state, ids = item.p, item.group, item.state, item.ids
     assert ids is not None
-    if ids.shape[0] < 2 or warming_up(item):
+    if ids.shape[0] < 2 or kernel_policy.warming_up(item):
         return _to_reference(item)
     if torch._C._len_torch_dispatch_stack():
         # A TorchDispatchMode is active (the user's FLOP or op counter, say). Newer torch (2.13) does not run
@@ -325,7 +221,7 @@ def update(item: Work) -> bool:
     key = _key(item, names)
     first = key not in _KERNELS
     if first:
-        if not has_compiler():
+        if not kernel_policy.has_compiler():
             return _to_reference(item)
         _KERNELS[key] = _build(item, names)
     fn = _KERNELS[key]
@@ -363,8 +259,8 @@ def update(item: Work) -> bool:
                 # headers or OpenMP, say): later configurations would fail too, each after seconds of
                 # tracing. Once a kernel has been built, a failure is this configuration's alone.
                 if "InvalidCxxCompiler" in text or compiled_kernels() == 0:
-                    _NO_COMPILER = True
-                warn_once(f"{type(e).__name__}: {text.splitlines()[0] if text else ''}")
+                    kernel_policy._NO_COMPILER = True
+                kernel_policy.warn_once(f"{type(e).__name__}: {text.splitlines()[0] if text else ''}")
                 return _to_reference(item)
             continue
         try:
@@ -414,42 +310,3 @@ def _write(args: tuple[Any, ...], rows: list[Tensor]) -> None:
 
 
 _REFERENCE_ONLY: WeakIdKeyDictionary = WeakIdKeyDictionary()  # type: ignore[no-untyped-call]
-
-
-def has_compiler() -> bool:
-    """Whether inductor has a C++ compiler; if not, warns once and every later step chooses the reference
-    path (:func:`usable` is then False)."""
-    global _NO_COMPILER
-    missing = _missing_compiler()
-    if missing is not None:
-        _NO_COMPILER = True
-        warn_once(missing)
-    return missing is None
-
-
-def _missing_compiler() -> str | None:
-    """Why inductor has no C++ compiler to build a CPU kernel with (``None``: it has one)."""
-    try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
-    except ImportError:  # another torch: the first compile tells
-        return None
-    try:
-        get_cpp_compiler()
-    except Exception as e:
-        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-    return None
-
-
-def warn_once(why: str) -> None:
-    """Warn, once per process, that a kernel could not be compiled (``why``) and the reference path runs."""
-    global _WARNED
-    if _WARNED:
-        return
-    _WARNED = True
-    warnings.warn(
-        f"torch_tpu_embedding: the kernel row update could not be compiled ({why}); eager updates (and the join "
-        "of host ids bound for an accelerator) run the reference path (slower, same results). Set "
-        "TTE_UPDATE_KERNEL=0 to skip the attempt.",
-        RuntimeWarning,
-        stacklevel=2,
-    )

@@ -30,7 +30,8 @@ from torch_tpu_embedding._util.env import env_setting, switched_on
 if TYPE_CHECKING:
     from torch_tpu_embedding.optim._core.grad_intake import Work
 
-__all__ = ["enabled", "has_compiler", "policy", "set_enabled", "set_policy", "usable", "warming_up", "warn_once"]
+__all__ = ["enabled", "give_up", "has_compiler", "policy", "set_enabled", "set_policy", "usable", "warming_up",
+           "warn_once"]
 
 Tensor = torch.Tensor
 
@@ -124,14 +125,20 @@ def usable(p: Tensor) -> bool:
     return info is None or info.layout is None
 
 
+def give_up(why: str) -> None:
+    """No kernel builds in this process (no compiler, or its first build failed: ``why``): every later step chooses
+    the reference path (:func:`usable` is then False), after one warning."""
+    global _NO_COMPILER
+    _NO_COMPILER = True
+    warn_once(why)
+
+
 def has_compiler() -> bool:
     """Whether inductor has a C++ compiler; if not, warns once and every later step chooses the reference
     path (:func:`usable` is then False)."""
-    global _NO_COMPILER
     missing = _missing_compiler()
     if missing is not None:
-        _NO_COMPILER = True
-        warn_once(missing)
+        give_up(missing)
     return missing is None
 
 

@@ -258,9 +258,11 @@ def update(item: Work) -> bool:
                 # No compiler, or the first build of the process failed (a toolchain without Python's
                 # headers or OpenMP, say): later configurations would fail too, each after seconds of
                 # tracing. Once a kernel has been built, a failure is this configuration's alone.
+                why = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
                 if "InvalidCxxCompiler" in text or compiled_kernels() == 0:
-                    kernel_policy._NO_COMPILER = True
-                kernel_policy.warn_once(f"{type(e).__name__}: {text.splitlines()[0] if text else ''}")
+                    kernel_policy.give_up(why)
+                else:
+                    kernel_policy.warn_once(why)
                 return _to_reference(item)
             continue
         try:

@@ -111,7 +111,7 @@ def choose_path(p: Tensor, group: Mapping[str, Any], *, row_grad: bool) -> Path:
         return Path.NO_DEDUP
     if is_static_device(p.device) or _whole_slots(p, group):
         return Path.ROWS
-    if kernel_policy.usable(p):  # (on an accelerator its kernel takes the static ids of ROWS: row_update._sink)
+    if kernel_policy.usable(p):  # (on an accelerator its kernel takes the static ids of ROWS: row_update.update)
         return Path.KERNEL
     return Path.ROWS if sync_free(p.device) else Path.ROW_CHUNKS
 

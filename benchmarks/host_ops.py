@@ -3,7 +3,7 @@
 Run (from the repository root; about a minute):
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/host_ops.py [--features 1 26 100] [--steps 5] [--rounds 1]
-        [--flush-mb 64] [--same-ids] [--no-xla]
+        [--no-level | --idle-ms MS] [--same-ids] [--no-xla]
 
 A DLRM-like step: ``T`` features, one table each (1,000 rows × 16, ``mean``), default construction (all
 ``T`` tables stacked in one group), bags of 4 host ids (``Padded [256, 4]``, a quarter of them masked
@@ -20,15 +20,21 @@ concatenated by the user's ``torch.cat``; ``concat=True``; and a duck-typed ``Ke
   one process, so that both see the same minutes of a shared machine:
 
   * **warm**: right after the previous step's device work, as a training loop runs;
-  * **cold**: the same, after a ``--flush-mb`` host buffer (default 64 MiB, twice this machine's L3) is
-    written outside the clock. XLA:CPU runs the device's work on the host's cores: T = 100's step (Adam on
-    100,000 rows) takes about 50 ms there and leaves the host's caches cold; T = 1's takes about 1 ms and
-    leaves them warm. The cold step starts every ``T`` from the same cache state.
+  * **levelled**: the same, right after a fixed XLA computation the size of the largest ``T``'s device step
+    (sorting its ids, an Adam-like update of its rows: :class:`Leveller`), run and waited for outside the clock.
+    XLA:CPU runs the device's work on the host's cores: T = 100's step (Adam on 100,000 rows) takes about 30 ms
+    there, T = 1's about 1 ms, and a trace right after such work runs about twice as slowly as one right after
+    the previous trace, whatever it traces (T = 1 traced after T = 100's device work, or after a 20 ms sleep,
+    takes what T = 1 with T = 100's data takes: ``--idle-ms 20``, docs/benchmarks.md). The warm ratio compares a
+    trace after 30 ms of other work with one after 1 ms; the levelled one starts every ``T`` from the same state.
+    On a TPU the device's work runs on the chip, not on the host's cores. (Until 2026-11-30 this kind was
+    **cold**: a 64 MiB host buffer written before the step, which evicts data but not the code the trace runs; it
+    left T = 1 as fast as warm.)
 
   Each kind is given as wall time and as the Python thread's CPU time (``time.thread_time``: what the host
   computed, without time spent preempted or waiting on other threads), and its wall time by phase: the forward
   and the loss, ``backward()``, the optimizers' ``step()`` and ``zero_grad()`` (whose trace reads no host data:
-  where it grows with T, the cache state did, not the work). ``--rounds`` repeats every ``T``'s
+  where it grows with T, the host's state did, not the work). ``--rounds`` repeats every ``T``'s
   process, the ``T`` alternating, and prints each round's ratios and their median.
 
   At a fixed batch, each feature brings its own bags: T = 100's step carries 100 times T = 1's ids (102,400)
@@ -161,9 +167,37 @@ def count_ops(t: int, form: str) -> dict[str, Any]:
             "top": c.counts.most_common(8)}
 
 
-def trace_time(t: int, steps: int, flush_mb: int, scale: int = 1) -> dict[str, Any]:
-    """The XLA trace per step (see the module's text); ``scale``: the table's rows and the batch's bags that many
-    times the usual (1,000 rows, 256 bags), so that one feature brings the ids and rows of ``scale`` features."""
+class Leveller:
+    """A fixed XLA computation the size of the largest ``T``'s device step (sorting its 1,024 · T ids, an Adam-like
+    update of its 1,000 · T rows of 16), run and waited for before a levelled step: whatever ``T`` traces next, the
+    host's cores have just run the same device work (XLA:CPU runs it on them)."""
+
+    def __init__(self, t: int, dev: Any) -> None:
+        g = torch.Generator().manual_seed(2)
+        self.rows, n = 1000 * t, 1024 * t
+        self.keys = torch.randint(0, 2**31, (n,), generator=g).to(dev)
+        self.dev, self.n = dev, n
+        self.w, self.m, self.v = (torch.zeros(self.rows, 16, device=dev) for _ in range(3))
+
+    def run(self) -> None:
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+
+        self.keys = (self.keys * 1103515245 + 12345) % 2**31
+        rows = torch.sort(self.keys)[0] % self.rows
+        g = torch.zeros(self.rows, 16, device=self.dev).index_add(0, rows, torch.ones(self.n, 16, device=self.dev))
+        self.m = 0.9 * self.m + 0.1 * g
+        self.v = 0.999 * self.v + 0.001 * g * g
+        self.w = self.w - 0.001 * self.m / (self.v.sqrt() + 1e-8)
+        torch_xla.sync()
+        xm.wait_device_ops()
+
+
+def trace_time(t: int, steps: int, level: int, scale: int = 1, idle_ms: float = 0.0) -> dict[str, Any]:
+    """The XLA trace per step (see the module's text); ``level``: the largest T (levelled steps after its device
+    work; 0: none); ``scale``: the table's rows and the batch's bags that many times the usual (1,000 rows, 256
+    bags), so that one feature brings the ids and rows of ``scale`` features; ``idle_ms``: levelled steps after
+    that long a sleep instead (the control: no work at all)."""
     import torch_xla
     import torch_xla.core.xla_model as xm
 
@@ -171,13 +205,15 @@ def trace_time(t: int, steps: int, flush_mb: int, scale: int = 1) -> dict[str, A
     ec, head, opts, names = build(t, dev, rows=1000 * scale)
     data = batches(names, 4, "concat", batch=256 * scale)
     y = torch.zeros(256 * scale, device=dev)
-    junk = torch.zeros(flush_mb << 18) if flush_mb else None  # float32: 2**18 per MiB
-    kinds: dict[str, list[tuple[float, float]]] = {"warm": [], "cold": []}
-    phases: dict[str, list[list[float]]] = {"warm": [], "cold": []}  # forward and loss, backward, step
-    for i in range(3 + (2 * steps if junk is not None else steps)):
-        cold = junk is not None and i % 2 == 1
-        if cold:
-            junk.add_(1)  # every cache line of the buffer written: the host's caches hold nothing of the step
+    leveller = Leveller(level, dev) if level and not idle_ms else None
+    kinds: dict[str, list[tuple[float, float]]] = {"warm": [], "levelled": []}
+    phases: dict[str, list[list[float]]] = {"warm": [], "levelled": []}  # forward and loss, backward, step
+    for i in range(3 + (2 * steps if level else steps)):
+        levelled = bool(level) and i % 2 == 1
+        if leveller is not None and (levelled or i < 3):  # (its graph compiled in the first steps)
+            leveller.run()
+        elif levelled:
+            time.sleep(idle_ms / 1e3)
         start, cpu = time.perf_counter(), time.thread_time()
         act = ec(data[i % 4], concat=True)  # (step()'s concat form, its three parts timed)
         loss = torch.nn.functional.mse_loss(head(act).squeeze(1), y)
@@ -191,14 +227,14 @@ def trace_time(t: int, steps: int, flush_mb: int, scale: int = 1) -> dict[str, A
         torch_xla.sync()
         xm.wait_device_ops()
         if i >= 3:
-            kinds["cold" if cold else "warm"].append((traced * 1e3, cpu * 1e3))
-            phases["cold" if cold else "warm"].append([(forward - start) * 1e3, (backward - forward) * 1e3,
-                                                       (traced - (backward - start)) * 1e3])
+            kinds["levelled" if levelled else "warm"].append((traced * 1e3, cpu * 1e3))
+            phases["levelled" if levelled else "warm"].append(
+                [(forward - start) * 1e3, (backward - forward) * 1e3, (traced - (backward - start)) * 1e3])
     out: dict[str, Any] = {}
     for kind, times in kinds.items():
         if times:
             wall = [w for w, _ in times]
-            prefix = "trace" if kind == "warm" else "cold_trace"
+            prefix = "trace" if kind == "warm" else "level_trace"
             out.update({f"{prefix}_ms": statistics.median(wall), f"{prefix}_ms_range": [min(wall), max(wall)],
                         f"{prefix}_cpu_ms": statistics.median(c for _, c in times),
                         f"{prefix}_phases_ms": [statistics.median(p[j] for p in phases[kind]) for j in range(3)]})
@@ -209,7 +245,7 @@ def child(args: argparse.Namespace) -> None:
     t = args.child
     out: dict[str, Any] = {"T": t}
     if args.xla:
-        out.update(trace_time(t, args.steps, args.flush_mb, args.scale))
+        out.update(trace_time(t, args.steps, args.level, args.scale, args.idle_ms))
     else:
         for form in ("dict", "concat", "kjt"):
             out[form] = count_ops(t, form)
@@ -229,13 +265,16 @@ def cpu_model() -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--features", type=int, nargs="+", default=[1, 26, 100])
-    p.add_argument("--steps", type=int, default=5, help="measured steps of each kind (warm, cold) per process")
+    p.add_argument("--steps", type=int, default=5, help="measured steps of each kind (warm, levelled) per process")
     p.add_argument("--rounds", type=int, default=1, help="XLA processes per T, the T alternating")
-    p.add_argument("--flush-mb", type=int, default=64, help="host buffer written before a cold step (0: none)")
+    p.add_argument("--no-level", action="store_true", help="no levelled steps (warm ones only)")
+    p.add_argument("--idle-ms", type=float, default=0.0,
+                   help="levelled steps after this long a sleep instead of the device work (a control)")
     p.add_argument("--same-ids", action="store_true",
                    help="also trace T=1 with the ids and rows of the largest T (its bags and rows that many times)")
     p.add_argument("--no-xla", action="store_true")
     p.add_argument("--scale", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--level", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--child", type=int, help=argparse.SUPPRESS)
     p.add_argument("--xla", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -258,7 +297,8 @@ def main() -> None:
                 runs.append((SAME, 1, max(args.features)))
             for key, t, scale in runs:
                 cmd = [sys.executable, __file__, "--child", str(t), "--xla", "--steps", str(args.steps),
-                       "--flush-mb", str(args.flush_mb), "--scale", str(scale)]
+                       "--level", str(0 if args.no_level else max(args.features)), "--scale", str(scale),
+                       "--idle-ms", str(args.idle_ms)]
                 res = subprocess.run(cmd, env=xenv, check=True, capture_output=True, text=True)
                 got[key] = json.loads(res.stdout.strip().splitlines()[-1])
             rounds.append(got)
@@ -280,10 +320,10 @@ def main() -> None:
         print(f"T={t} most frequent ops (concat): {r['concat']['top']}")
     if not rounds:
         return
-    kinds = [k for k in ("trace", "cold_trace") if f"{k}_ms" in rounds[0][lo]]
+    kinds = [k for k in ("trace", "level_trace") if f"{k}_ms" in rounds[0][lo]]
     print(f"XLA trace per step, ms, median of {args.steps} steps per kind (wall; the Python thread's CPU in brackets)"
           + (f"; {SAME}: T=1 with T={hi}'s ids and rows" if SAME in rounds[0] else ""))
-    name = {"trace": "warm", "cold_trace": "cold"}
+    name = {"trace": "warm", "level_trace": f"after {args.idle_ms:g} ms idle" if args.idle_ms else "levelled"}
 
     def label(t: Any) -> str:  # a T, or the same-ids run
         return str(t) if t == SAME else f"T={t}"

@@ -57,7 +57,7 @@ def time_steps(step: Callable[[Any], object], batches: list[Any], warmup: int, i
         step(batches[i % len(batches)])
         t1 = time.perf_counter()
         if i == 0:
-            first_ms = 1000 * (t1 - t0)  # ours: the reference path (optim/_kernels/row_update.py's policy)
+            first_ms = 1000 * (t1 - t0)  # ours: the reference path (optim/_kernels/kernel_policy.py's policy)
         if i >= warmup:
             times.append(1000 * (t1 - t0))
             faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0

@@ -14,7 +14,7 @@ capped at 1,000,000 rows, 5.6 M rows in all), ours built the default way (tables
 
 First steps: ``... --first-step`` adds, for every ``ours_*`` mode, the same run with
 ``TTE_UPDATE_KERNEL=0`` (``ours_*_reference``, the reference row update throughout) and prints each
-one's first step: ours under the default policy of ``optim/_kernels/row_update.py`` (the reference path for
+one's first step: ours under the default policy of ``optim/_kernels/kernel_policy.py`` (the reference path for
 the first ``TTE_KERNEL_AFTER`` calls: no compile) against the reference run's (goal ≤ 1.5×), and the
 first call of the kernel path, which compiles (``TORCHINDUCTOR_CACHE_DIR`` empty: from nothing; SGD's C add
 is loaded from ``TTE_KERNEL_CACHE`` once a process has compiled it). After

@@ -41,6 +41,8 @@ def model() -> tuple[tte.EmbeddingCollection, torch.nn.Linear]:
 @pytest.mark.parametrize("cls, kwargs, which, expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_choose_path_and_the_step_runs_it(cls: Any, kwargs: dict[str, Any], which: str, expected: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the kernel path off (its cases: the next tests), whatever ``TTE_UPDATE_KERNEL`` the suite runs with."""
+    monkeypatch.setattr(kernel_policy, "_ENABLED", False)
     ec, head = model()
     opt = cls([*ec.parameters(), *head.parameters()], **kwargs)
     p = ec.tables.t.weight if which == "table" else head.weight
@@ -64,7 +66,8 @@ def test_choose_path_and_the_step_runs_it(cls: Any, kwargs: dict[str, Any], whic
     assert (expected, id(p)) in ran
 
 
-def test_sparse_coo_grad_takes_the_row_paths() -> None:
+def test_sparse_coo_grad_takes_the_row_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernel_policy, "_ENABLED", False)  # (with it on Adagrad takes KERNEL)
     emb = torch.nn.Embedding(6, 2, sparse=True)
     # Adafactor: densified (statistics over every row; tests/optim/test_adafactor_sparse_grad.py)
     for cls, expected in ((O.SGD, Path.ADDITIVE), (O.Adagrad, Path.ROW_CHUNKS), (O.Adafactor, Path.DENSE)):

@@ -45,7 +45,7 @@ concatenated by the user's ``torch.cat``; ``concat=True``; and a duck-typed ``Ke
 
 Goals of issue [host] (printed): with ``concat=True`` ops at T = 100 ≤ 1.3× T = 1 and host reads
 independent of T; with the dict output ≤ 3 ops per feature beyond T = 1; XLA trace at T = 100 ≤ 1.5×
-T = 1. ``tests/modules/test_host_ops.py`` asserts the op counts (counts do not depend on the machine).
+T = 1, read levelled (both from the same host state; warm printed beside it). ``tests/modules/test_host_ops.py`` asserts the op counts (counts do not depend on the machine).
 The first-step compile against the number of tables is ``benchmarks/xla_tables.py --parts first-compile``.
 """
 

@@ -130,7 +130,7 @@ def give_up(why: str) -> None:
     the reference path (:func:`usable` is then False), after one warning."""
     global _NO_COMPILER
     _NO_COMPILER = True
-    warn_once(why)
+    warn_once(why, stacklevel=3)  # (the warning names the line that gave up, as when it warned itself)
 
 
 def has_compiler() -> bool:
@@ -155,8 +155,9 @@ def _missing_compiler() -> str | None:
     return None
 
 
-def warn_once(why: str) -> None:
-    """Warn, once per process, that a kernel could not be compiled (``why``) and the reference path runs."""
+def warn_once(why: str, stacklevel: int = 2) -> None:
+    """Warn, once per process, that a kernel could not be compiled (``why``) and the reference path runs; the
+    warning names the line ``stacklevel - 1`` calls up (default: the caller's)."""
     global _WARNED
     if _WARNED:
         return
@@ -166,5 +167,5 @@ def warn_once(why: str) -> None:
         "of host ids bound for an accelerator) run the reference path (slower, same results). Set "
         "TTE_UPDATE_KERNEL=0 to skip the attempt.",
         RuntimeWarning,
-        stacklevel=2,
+        stacklevel=stacklevel,
     )

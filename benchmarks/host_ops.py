@@ -22,11 +22,11 @@ concatenated by the user's ``torch.cat``; ``concat=True``; and a duck-typed ``Ke
   * **warm**: right after the previous step's device work, as a training loop runs;
   * **levelled**: the same, right after a fixed XLA computation the size of the largest ``T``'s device step
     (sorting its ids, an Adam-like update of its rows: :class:`Leveller`), run and waited for outside the clock.
-    XLA:CPU runs the device's work on the host's cores: T = 100's step (Adam on 100,000 rows) takes about 30 ms
-    there, T = 1's about 1 ms, and a trace right after such work runs about twice as slowly as one right after
+    XLA:CPU runs the device's work on the host's cores: T = 100's step (Adam on 100,000 rows) takes tens of ms
+    there, T = 1's under one, and a trace right after such work runs about twice as slowly as one right after
     the previous trace, whatever it traces (T = 1 traced after T = 100's device work, or after a 20 ms sleep,
     takes what T = 1 with T = 100's data takes: ``--idle-ms 20``, docs/benchmarks.md). The warm ratio compares a
-    trace after 30 ms of other work with one after 1 ms; the levelled one starts every ``T`` from the same state.
+    trace after tens of ms of other work with one after one; the levelled one starts every ``T`` from the same state.
     On a TPU the device's work runs on the chip, not on the host's cores. (Until 2026-11-30 this kind was
     **cold**: a 64 MiB host buffer written before the step, which evicts data but not the code the trace runs; it
     left T = 1 as fast as warm.)

@@ -16,7 +16,8 @@ measured — ``index_select`` of every looked-up row of every table into a buffe
 distinct ones back (weights only, no optimizer slots) at torch's own kernels' speed. Times: CUDA events
 around each step, median (p10–p90) of ``--iters`` steps after 5 warm-up steps (past ``TTE_KERNEL_AFTER``,
 set to 2 here). Then each steady step of ours once more under ``torch.cuda.set_sync_debug_mode("error")``:
-"sync-free" or the error it raised (a host–device sync).
+"sync-free" or the error it raised (a host–device sync). ``adafactor_index_add`` is Adafactor again with its
+per-table sums by ``index_add`` (CUDA's atomic adds), the path before ``by_matmul``, for the two in one run.
 
 Goals (printed, not asserted): SGD, Adagrad and LazyAdam ≤ 0.5× torch's sparse SGD, Adagrad and
 SparseAdam; every optimizer ≤ 4× the floor; every steady step sync-free. Record the GPU, torch version and
@@ -37,7 +38,10 @@ import torch
 
 OURS = {"sgd": ("SGD", {}), "adagrad": ("Adagrad", {}), "lazyadam": ("LazyAdam", {}), "adam": ("Adam", {}),
         "ftrl": ("FTRL", {}), "rowwise_adagrad": ("RowWiseAdagrad", {}), "adagrad_momentum": ("AdagradMomentum", {}),
-        "adafactor": ("Adafactor", {})}
+        "adafactor": ("Adafactor", {}), "adafactor_index_add": ("Adafactor", {})}
+#: run with a stacked group's per-member sums by ``index_add`` (atomic adds on CUDA), as before they were one
+#: float64 matmul there (``optim/_core/contract.py``, ``by_matmul``): the two measured in the same run
+INDEX_ADD = {"adafactor_index_add"}
 PEERS = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "lazyadam": torch.optim.SparseAdam}
 
 
@@ -123,6 +127,11 @@ def _floor(ring: list[dict[str, torch.Tensor]], names: list[str], args: argparse
     return _timed(step, args.iters, dev, "floor")
 
 
+def _never(x: torch.Tensor, members: int) -> bool:
+    """``by_matmul`` for the ``INDEX_ADD`` runs: every per-member sum by ``index_add``."""
+    return False
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tables", type=int, default=4)
@@ -137,6 +146,9 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("TTE_KERNEL_AFTER", "2")
     import torch_tpu_embedding as tte
+    from torch_tpu_embedding.optim._core import contract
+
+    chosen = contract.by_matmul
 
     dev = torch.device(args.device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (smoke test: no GPU figures)"
@@ -157,6 +169,7 @@ def main() -> None:
                                          max_ids_per_bag=args.ids) for f in names}
         ec = tte.EmbeddingCollection(features, device=dev)
         opt = getattr(tte.optim, cls_name)(ec.parameters(), lr=0.01, **kw)
+        contract.by_matmul = _never if opt_name in INDEX_ADD else chosen
         inputs = [{f: tte.Padded(b[f]) for f in names} for b in ring]
 
         def ours(i: int, ec: Any = ec, opt: Any = opt, inputs: Any = inputs) -> None:
@@ -184,6 +197,7 @@ def main() -> None:
                 torch.cuda.set_sync_debug_mode("default")
             print(f"  ours {opt_name}: steady step {verdict}")
         del ec, opt
+        contract.by_matmul = chosen
         if opt_name in PEERS:
             torch.manual_seed(0)
             bags = torch.nn.ModuleList(torch.nn.EmbeddingBag(args.rows, args.dim, mode="mean", sparse=True)

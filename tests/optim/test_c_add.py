@@ -236,7 +236,7 @@ def test_without_a_c_compiler_it_warns_once_and_the_eager_path_runs(monkeypatch:
     monkeypatch.setenv("TTE_KERNEL_CACHE", str(tmp_path))  # (nothing cached there to load instead)
     monkeypatch.setattr(kernel_policy, "_ENABLED", True)
     monkeypatch.setattr(kernel_policy, "_WARNED", False)
-    monkeypatch.setattr(c_library, "_LOOP", [])
+    monkeypatch.setattr(c_library, "_LIBRARY", [])
     before = kernel_policy.set_policy(0, 0)
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -249,7 +249,7 @@ def test_without_a_c_compiler_it_warns_once_and_the_eager_path_runs(monkeypatch:
         kernel_policy.set_enabled(True)
     msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(msgs) == 1 and why in msgs[0], msgs
-    assert c_library._LOOP == [None]  # not tried again
+    assert c_library._LIBRARY == [None]  # not tried again
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
 
@@ -280,7 +280,7 @@ def _check_loop(fn: Any) -> None:
 def fresh_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, c_loop: Any) -> Path:
     """An empty kernel cache, and no loop built in this process yet."""
     monkeypatch.setenv("TTE_KERNEL_CACHE", str(tmp_path / "kernels"))
-    monkeypatch.setattr(c_library, "_LOOP", [])
+    monkeypatch.setattr(c_library, "_LIBRARY", [])
     monkeypatch.setattr(c_library, "_REFUSED", [])
     return tmp_path / "kernels"
 
@@ -295,7 +295,7 @@ def test_a_later_process_loads_the_loop_from_the_cache(monkeypatch: pytest.Monke
     assert len(kept) == 1 and not kept[0].stat().st_mode & 0o022 and not fresh_cache.stat().st_mode & 0o077
     assert [p.name for p in fresh_cache.iterdir()] == [kept[0].name]  # (its temporary directory is gone)
     runs.clear()
-    monkeypatch.setattr(c_library, "_LOOP", [])
+    monkeypatch.setattr(c_library, "_LIBRARY", [])
     _check_loop(c_add.loop())
     assert runs == []
 
@@ -309,7 +309,7 @@ def test_a_damaged_cached_library_is_compiled_again_and_replaced(monkeypatch: py
     bad.chmod(0o700)
     os.replace(bad, kept)  # (a new file: the library this process loaded stays mapped as it was)
     runs = _compiles(monkeypatch)
-    monkeypatch.setattr(c_library, "_LOOP", [])
+    monkeypatch.setattr(c_library, "_LIBRARY", [])
     _check_loop(c_add.loop())
     assert runs
     assert kept.read_bytes()[:4] == b"\x7fELF"
@@ -326,7 +326,7 @@ def test_the_cache_is_not_used_when_off_or_writable_by_others(monkeypatch: pytes
         monkeypatch.setenv("TTE_KERNEL_CACHE", "0")
     else:
         c_add.loop()
-        monkeypatch.setattr(c_library, "_LOOP", [])
+        monkeypatch.setattr(c_library, "_LIBRARY", [])
         (kept,) = fresh_cache.glob("add_rows-*.so")
         (fresh_cache if case == "shared_directory" else kept).chmod(0o777)
     runs = _compiles(monkeypatch)

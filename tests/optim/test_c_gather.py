@@ -31,7 +31,7 @@ def gathers(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
         calls.append(args[-1])
         return lib.gather(*args)
 
-    monkeypatch.setattr(c_library, "_LOOP", [lib._replace(gather=counted)])
+    monkeypatch.setattr(c_library, "_LIBRARY", [lib._replace(gather=counted)])
     yield calls
 
 
@@ -77,12 +77,12 @@ def test_the_loop_refuses_an_id_outside_the_table(gathers: list[int], bad: int) 
 
 
 def test_not_loaded_takes_index_select(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(c_library, "_LOOP", [])  # (this process has not loaded the library: nothing is compiled)
+    monkeypatch.setattr(c_library, "_LIBRARY", [])  # (this process has not loaded the library: nothing is compiled)
     weight, ids = torch.randn(50, 4), torch.tensor([1, 2, 2])
     with _Ops() as ops:
         out = c_gather.gather_rows(weight, ids)
     assert ops.counts["index_select"] == 1 and torch.equal(out, weight[ids])
-    assert c_library._LOOP == []
+    assert c_library._LIBRARY == []
 
 
 def test_other_tables_take_index_select(gathers: list[int]) -> None:
@@ -126,7 +126,7 @@ def test_a_lookup_of_one_id_gathers_through_the_loop_bitwise(gathers: list[int],
     with _Ops() as ops:
         ec({"f": torch.tensor([1, 2, 3])})
     assert ops.counts["index_select"] == 0, ops.counts
-    monkeypatch.setattr(c_library, "_LOOP", [None])  # index_select's path
+    monkeypatch.setattr(c_library, "_LIBRARY", [None])  # index_select's path
     reference = _train(dtype, concat, stacked)
     for got, want in zip(ours[0], reference[0], strict=True):
         assert torch.equal(got, want)

@@ -43,14 +43,14 @@ def cc() -> str:
 def fresh(monkeypatch: pytest.MonkeyPatch, cc: str) -> Iterator[None]:
     """No loop built in this process yet (each ``c_add.loop()`` then builds as a new process's first would)."""
     monkeypatch.delenv("CC", raising=False)
-    monkeypatch.setattr(c_library, "_LOOP", [])
+    monkeypatch.setattr(c_library, "_LIBRARY", [])
     monkeypatch.setattr(c_library, "_REFUSED", [], raising=False)  # (warned again in each test)
     yield
 
 
 def _rebuild(monkeypatch: pytest.MonkeyPatch) -> Any:
     """The loop as the next process would build it."""
-    monkeypatch.setattr(c_library, "_LOOP", [])
+    monkeypatch.setattr(c_library, "_LIBRARY", [])
     return c_add.loop()
 
 

@@ -42,13 +42,15 @@ def adafactor_rule(
     total = ctx.all_reduce
     stacked = ctx.segment is not None  # a stacked group: every statistic per member table
 
-    def real(x: torch.Tensor) -> torch.Tensor:  # zero the static-shape padding rows
+    def real(x: torch.Tensor) -> torch.Tensor:  # zero the static-shape padding rows (a scalar zero: no [U, D] made)
         if mask is None:
             return x
-        return torch.where(mask.reshape(-1, *([1] * (x.dim() - 1))), x, torch.zeros_like(x))
+        return torch.where(mask.reshape(-1, *([1] * (x.dim() - 1))), x, 0.0)
 
-    def sum_all(x: torch.Tensor) -> torch.Tensor:  # Σ over rows and columns: () or [members]
-        return ctx.row_sum(x.reshape(x.shape[0], -1).sum(-1)) if stacked else total(x.sum())
+    def sum_all(x: torch.Tensor) -> torch.Tensor:  # Σ over real rows and columns of x: () or [members]
+        if stacked:  # each row summed, then its padding zeroed: the same sums as zeroing [U, D] first
+            return ctx.row_sum(real(x.reshape(x.shape[0], -1).sum(-1)))
+        return total(real(x).sum())
 
     def each_row(v: torch.Tensor) -> torch.Tensor:  # a per-table scalar, broadcast against [U, D]
         return ctx.per_row(v).unsqueeze(-1) if stacked else v
@@ -59,7 +61,7 @@ def adafactor_rule(
     else:
         count = ctx.count.clamp(min=1).to(w.dtype)
         n_elems = count * (w.numel() // max(w.shape[0], 1))
-    alpha = torch.clamp(torch.sqrt(sum_all(real(w * w)) / n_elems), min=hp["epsilon_2"]) * rho
+    alpha = torch.clamp(torch.sqrt(sum_all(w * w) / n_elems), min=hp["epsilon_2"]) * rho
     new: Slots = {}
     if "r" in slots:
         r_old = slots["r"].to(w.dtype)
@@ -88,7 +90,7 @@ def adafactor_rule(
         v = b2 * slots["v"] + (1 - b2) * g2
         new["v"] = v
     u = g * torch.rsqrt(v)
-    rms_u = torch.sqrt(sum_all(real(u * u)) / n_elems)
+    rms_u = torch.sqrt(sum_all(u * u) / n_elems)
     u = u / torch.clamp(each_row(rms_u) / hp["clip_threshold"], min=1.0)
     return w - each_row(alpha) * u, new
 

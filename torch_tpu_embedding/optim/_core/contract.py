@@ -22,12 +22,15 @@ import torch
 from torch_tpu_embedding._util.transfer import upload
 
 __all__ = [
+    "MATMUL_MEMBERS",
     "RowContext",
     "Rule",
     "SlotSpec",
     "Slots",
+    "by_matmul",
     "common_defaults",
     "identity",
+    "member_sums",
 ]
 
 Tensor = torch.Tensor
@@ -52,6 +55,37 @@ class SlotSpec:
 def identity(x: Tensor) -> Tensor:
     """``x`` itself: ``RowContext.all_reduce`` when an update is not split over shards."""
     return x
+
+
+#: Members of a stacked group up to which a CUDA per-member sum is a matmul (its one-hot ``[members, U]`` float64,
+#: at most 64 × 8 bytes per row, no more than the float64 copy of ``[U, D ≥ 64]`` rows it multiplies).
+MATMUL_MEMBERS = 64
+
+
+def by_matmul(x: Tensor, members: int) -> bool:
+    """Whether :meth:`RowContext.row_sum` sums ``x`` per member by :func:`member_sums`: on CUDA, where
+    ``index_add`` into a few rows is atomic adds on as many addresses, serialised (what that cost Adafactor's step
+    on an H200 is in docs/benchmarks.md); for up to :data:`MATMUL_MEMBERS` members; and not under
+    ``torch.use_deterministic_algorithms(True)``, where ``index_add`` is deterministic and cuBLAS asks for
+    ``CUBLAS_WORKSPACE_CONFIG``."""
+    return x.device.type == "cuda" and members <= MATMUL_MEMBERS and not torch.are_deterministic_algorithms_enabled()
+
+
+def member_sums(x: Tensor, segment: Tensor, members: int) -> Tensor:
+    """``Σ`` of the rows of ``x [U, *rest]`` per member ``segment [U]`` (int64 in ``[0, members)``):
+    ``[members, *rest]``, as ``zeros.index_add(0, segment, x)``, by one float64 matmul of the one-hot
+    ``[members, U]`` with the rows — no atomic adds, no TF32 (float64 whatever ``allow_tf32`` says), exact
+    for integer counts below 2**53; the float64 sum is rounded once to ``x.dtype``.
+
+    >>> member_sums(torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]), torch.tensor([0, 0, 2]), 3)
+    tensor([[4., 6.],
+            [0., 0.],
+            [5., 6.]])
+    """
+    wide = torch.float64
+    one_hot = (segment.unsqueeze(0) == torch.arange(members, device=segment.device).unsqueeze(1)).to(wide)
+    out = one_hot @ x.reshape(x.shape[0], -1).to(wide)
+    return out.reshape(members, *x.shape[1:]).to(x.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +119,10 @@ class RowContext:
         per member in a stacked group (all-reduced over shards either way)."""
         if self.segment is None:
             return self.all_reduce(x.sum(0))
-        out = torch.zeros((len(self.member_rows), *x.shape[1:]), dtype=x.dtype, device=x.device)
+        members = len(self.member_rows)
+        if by_matmul(x, members):
+            return self.all_reduce(member_sums(x, self.segment, members))
+        out = torch.zeros((members, *x.shape[1:]), dtype=x.dtype, device=x.device)
         return self.all_reduce(out.index_add(0, self.segment, x))
 
     def per_row(self, v: Tensor) -> Tensor:

@@ -67,7 +67,7 @@ class Library(NamedTuple):
 
 
 #: the compiled library (``None``: it could not be compiled), once per process
-_LOOP: list[Library | None] = []
+_LIBRARY: list[Library | None] = []
 _BUILDING = threading.Lock()  # (held while one thread builds or loads the library: the others wait for it)
 #: the kernel cache refused (others may change it): warned once per process
 _REFUSED: list[str] = []
@@ -129,21 +129,21 @@ def _cpu() -> str:
 
 def loaded() -> Library | None:
     """The library if this process has already loaded it (:func:`library`), else ``None``: nothing is compiled."""
-    return _LOOP[0] if _LOOP else None
+    return _LIBRARY[0] if _LIBRARY else None
 
 
 def library() -> Library | None:
     """The functions of :data:`_SOURCE`, loaded from :func:`cache_dir` or compiled, on the first call; ``None``
     (after one warning) if they cannot be (no compiler, a failed compile or load, a symbol missing: AttributeError)."""
     with _BUILDING:  # (one build: the join of host ids may ask from a pipeline's thread at once)
-        if not _LOOP:
+        if not _LIBRARY:
             try:
-                _LOOP.append(_build())
+                _LIBRARY.append(_build())
             except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
-                _LOOP.append(None)
+                _LIBRARY.append(None)
                 text = str(e).strip()
                 kernel_policy.warn_once(f"{type(e).__name__}: {text.splitlines()[0] if text else ''}")
-        return _LOOP[0]
+        return _LIBRARY[0]
 
 
 def _load(fd: int, path: str) -> Library:

@@ -163,8 +163,9 @@ def warn_once(why: str, stacklevel: int = 2) -> None:
         return
     _WARNED = True
     warnings.warn(
-        f"torch_tpu_embedding: the kernel row update could not be compiled ({why}); eager updates (and the join "
-        "of host ids bound for an accelerator) run the reference path (slower, same results). Set "
+        f"torch_tpu_embedding: a compiled kernel (the row update's, or the C library of SGD's add and the "
+        f"host loops) could not be compiled ({why}); eager updates (and the join of host ids bound for an "
+        "accelerator) run the reference path (slower, same results). Set "
         "TTE_UPDATE_KERNEL=0 to skip the attempt.",
         RuntimeWarning,
         stacklevel=stacklevel,

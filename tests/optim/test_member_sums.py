@@ -1,0 +1,155 @@
+"""A stacked group's per-member sums (``RowContext.row_sum``) by a float64 one-hot matmul, as CUDA takes them.
+
+On CUDA, ``index_add`` into ``[members, D]`` is atomic adds on a few addresses; there the sums are one float64
+matmul instead (:func:`~torch_tpu_embedding.optim._core.contract.member_sums`). It is checked here on the CPU:
+against float64 numpy, and a stacked group trained with it forced on against the ``index_add`` path (every
+stacked configuration of an optimizer whose statistics span rows: Adafactor). The choice itself
+(:func:`~torch_tpu_embedding.optim._core.contract.by_matmul`) is checked on a stand-in with a CUDA device;
+``tests/package/test_cuda.py`` trains every optimizer on a GPU against the CPU.
+"""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+from optim_registry import STACKED, SYNC_FREE, OptimizerConfig, cases
+from test_frozen_tables_and_bag_edges import STACKED_CASES, _freeze_run
+from test_stacked_groups import assert_same_state, build, train
+from test_sync_free_step import _BlockingCopies
+from test_sync_free_step import _train as train_sync_free
+
+from torch_tpu_embedding._rows import dedup
+from torch_tpu_embedding.modules import plan
+from torch_tpu_embedding.optim._core import contract
+from torch_tpu_embedding.optim._core.contract import MATMUL_MEMBERS, RowContext, by_matmul, member_sums
+
+# the stacked configurations whose rule sums over rows (per member table in a group), and the accelerator's ones
+SPANNING = [c for c in cases(STACKED) if not c.info.per_row_rule]
+SPANNING_SYNC_FREE = [c for c in cases(SYNC_FREE) if not c.info.per_row_rule]
+
+
+def _force(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """``by_matmul`` made True everywhere (as on CUDA); returns the members of each per-member sum taken."""
+    taken: list[int] = []
+
+    def forced(x: torch.Tensor, members: int) -> bool:
+        taken.append(members)
+        return True
+
+    monkeypatch.setattr(contract, "by_matmul", forced)
+    return taken
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64])
+@pytest.mark.parametrize("rest", [(), (5,), (2, 3)])
+def test_member_sums_equal_numpy(dtype: torch.dtype, rest: tuple[int, ...]) -> None:
+    g = torch.Generator().manual_seed(3)
+    members, rows = 4, 57
+    segment = torch.sort(torch.randint(0, members, (rows,), generator=g)).values
+    segment[segment == 2] = 1  # a member without rows sums to zero
+    if dtype == torch.int64:
+        x = torch.randint(-9, 10, (rows, *rest), generator=g)
+    else:
+        x = (torch.randn((rows, *rest), generator=g, dtype=torch.float64) * 1e3).to(dtype)
+    got = member_sums(x, segment, members)
+    want = np.zeros((members, *rest))
+    np.add.at(want, segment.numpy(), x.double().numpy())
+    assert got.dtype == dtype and got.shape == (members, *rest)
+    if dtype == torch.int64:
+        assert torch.equal(got, torch.from_numpy(want).to(dtype))  # exact: counts and integer sums
+    else:
+        # the float64 sum rounded once: within half an ulp of the float64 reference (plus float64's own error)
+        eps = torch.finfo(dtype).eps
+        np.testing.assert_allclose(got.double().numpy(), want, rtol=eps, atol=rows * 1e3 * 1e-15)
+    assert torch.equal(got[2], torch.zeros_like(got[2]))
+
+
+def test_row_sum_takes_the_matmul_where_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
+    seg = torch.tensor([0, 0, 1, 2, 2, 2])
+    ctx = RowContext(mask=None, count=None, num_rows=10, segment=seg, member_rows=(3, 3, 4))
+    x = torch.arange(12, dtype=torch.float64).reshape(6, 2)
+    by_index_add = ctx.row_sum(x)  # the CPU: index_add
+    calls: list[int] = []
+
+    def counted(x: torch.Tensor, segment: torch.Tensor, members: int) -> torch.Tensor:
+        calls.append(members)
+        return member_sums(x, segment, members)
+
+    monkeypatch.setattr(contract, "by_matmul", lambda x, members: True)
+    monkeypatch.setattr(contract, "member_sums", counted)
+    assert torch.equal(ctx.row_sum(x), by_index_add) and calls == [3]
+    assert torch.equal(ctx.row_sum(x), torch.tensor([[2.0, 4.0], [4.0, 5.0], [24.0, 27.0]]))
+
+
+def test_by_matmul_on_cuda_only_up_to_the_bound_and_not_deterministic() -> None:
+    on = types.SimpleNamespace(device=torch.device("cuda", 0))  # by_matmul reads the device alone
+    assert by_matmul(on, 4) and by_matmul(on, MATMUL_MEMBERS)  # type: ignore[arg-type]
+    assert not by_matmul(on, MATMUL_MEMBERS + 1)  # type: ignore[arg-type]
+    assert not by_matmul(torch.zeros(3), 4)
+    assert not by_matmul(torch.zeros(3, device="meta"), 4)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not by_matmul(on, 4)  # type: ignore[arg-type]
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
+@pytest.mark.parametrize("cfg", SPANNING, ids=str)
+def test_a_stacked_group_trains_alike_by_matmul(cfg: OptimizerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """float64 tables: the two paths sum the same numbers in another order (index_add row by row, the matmul's
+    own order), so they agree to float64's rounding over six steps (≤ 1e-12), as stacked vs unstacked do."""
+    assert SPANNING, "no stacked configuration sums over rows"
+    ref, opt_ref = build(True, cfg)
+    train(ref, opt_ref)
+    taken = _force(monkeypatch)
+    ec, opt = build(True, cfg)
+    train(ec, opt)
+    assert taken and set(taken) == {4, 2}, taken  # fused_0 (a, b, d, g) and fused_1 (c, e), every step
+    assert_same_state(ref.state_dict(), ec.state_dict(), exact=False)
+    sd_ref, sd = opt_ref.state_dict()["state"], opt.state_dict()["state"]
+    assert sorted(sd_ref) == sorted(sd)
+    for key, slots in sd_ref.items():
+        assert_same_state(slots, sd[key], exact=False)
+
+
+@pytest.mark.parametrize("cfg", SPANNING_SYNC_FREE, ids=str)
+def test_the_accelerator_path_by_matmul_gives_the_cpu_results(cfg: OptimizerConfig,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA's combination on the CPU: the static-shape duplicate sum (its sentinel tail masked out of the sums)
+    with the per-member sums by matmul, against the CPU's own path; then on the meta device (every read of a
+    value raises there), the same steps run and copy nothing blocking."""
+    weights, state = train_sync_free(cfg)
+    monkeypatch.setattr(dedup, "HOST_READ_DEVICE_TYPES", set())
+    taken = _force(monkeypatch)
+    got_weights, got_state = train_sync_free(cfg)
+    assert taken and set(taken) == {2}, taken  # the group of a and b
+    for k, v in weights.items():
+        torch.testing.assert_close(got_weights[k], v, rtol=1e-13, atol=1e-15, msg=lambda m, k=k: f"{k}: {m}")
+    for key, slots in state.items():
+        for slot, v in slots.items():
+            torch.testing.assert_close(got_state[key][slot], v, rtol=1e-13, atol=1e-15,
+                                       msg=lambda m, s=slot: f"{s}: {m}")
+    monkeypatch.setattr(plan, "check_not_meta", lambda *args: None)
+    copies = _BlockingCopies()
+    taken.clear()
+    train_sync_free(cfg, "meta", lambda: copies)
+    assert taken and copies.blocking == []
+
+
+@pytest.mark.parametrize("cfg", [c for c in STACKED_CASES if c.id == "adafactor"], ids=str)
+def test_a_frozen_member_adds_nothing_to_the_matmul_sums(cfg: OptimizerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A frozen member's ids are the sentinel tail on an accelerator: the one-hot matmul, like ``index_add``, sums
+    the masked tail as zeros (tests/optim/test_sync_free_step.py checks the ``index_add`` path)."""
+    _, want = _freeze_run(cfg, True, "module")
+    monkeypatch.setattr(dedup, "HOST_READ_DEVICE_TYPES", set())
+    taken = _force(monkeypatch)
+    _, got = _freeze_run(cfg, True, "module")
+    assert taken
+    for n in ("a", "b", "c"):
+        for k, v in want[n].items():
+            if not k.startswith("acc_"):
+                torch.testing.assert_close(got[n][k], v, rtol=1e-12, atol=1e-14, msg=lambda m, w=f"{n}/{k}": f"{w}: {m}")

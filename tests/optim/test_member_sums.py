@@ -45,7 +45,11 @@ def _force(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64])
 @pytest.mark.parametrize("rest", [(), (5,), (2, 3)])
-def test_member_sums_equal_numpy(dtype: torch.dtype, rest: tuple[int, ...]) -> None:
+@pytest.mark.parametrize("pieces", ["one", "many"])
+def test_member_sums_equal_numpy(dtype: torch.dtype, rest: tuple[int, ...], pieces: str,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    if pieces == "many":  # 5 rows a piece: 12 pieces, the last one short
+        monkeypatch.setattr(contract, "PIECE_BYTES", 8 * (int(np.prod(rest)) + 4) * 5)
     g = torch.Generator().manual_seed(3)
     members, rows = 4, 57
     segment = torch.sort(torch.randint(0, members, (rows,), generator=g)).values
@@ -65,6 +69,11 @@ def test_member_sums_equal_numpy(dtype: torch.dtype, rest: tuple[int, ...]) -> N
         eps = torch.finfo(dtype).eps
         np.testing.assert_allclose(got.double().numpy(), want, rtol=eps, atol=rows * 1e3 * 1e-15)
     assert torch.equal(got[2], torch.zeros_like(got[2]))
+
+
+def test_member_sums_of_no_rows_are_zeros() -> None:
+    got = member_sums(torch.zeros((0, 3)), torch.zeros(0, dtype=torch.int64), 2)
+    assert torch.equal(got, torch.zeros((2, 3)))
 
 
 def test_row_sum_takes_the_matmul_where_chosen(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,6 +14,7 @@ optimizer is one module (see ``docs/design.md``, "The optimizer core").
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -23,6 +24,7 @@ from torch_tpu_embedding._util.transfer import upload
 
 __all__ = [
     "MATMUL_MEMBERS",
+    "PIECE_BYTES",
     "RowContext",
     "Rule",
     "SlotSpec",
@@ -57,9 +59,12 @@ def identity(x: Tensor) -> Tensor:
     return x
 
 
-#: Members of a stacked group up to which a CUDA per-member sum is a matmul (its one-hot ``[members, U]`` float64,
-#: at most 64 × 8 bytes per row, no more than the float64 copy of ``[U, D ≥ 64]`` rows it multiplies).
+#: Members of a stacked group up to which a CUDA per-member sum is a matmul: its work is ``members × U × D``
+#: multiply-adds, against ``U × D`` atomic adds.
 MATMUL_MEMBERS = 64
+#: float64 bytes (one-hot and rows) of one piece of :func:`member_sums`: the transient stays this size whatever
+#: the number of rows (a float64 copy of every row at once would be twice the rows' own float32 bytes)
+PIECE_BYTES = 2**26
 
 
 def by_matmul(x: Tensor, members: int) -> bool:
@@ -73,9 +78,11 @@ def by_matmul(x: Tensor, members: int) -> bool:
 
 def member_sums(x: Tensor, segment: Tensor, members: int) -> Tensor:
     """``Σ`` of the rows of ``x [U, *rest]`` per member ``segment [U]`` (int64 in ``[0, members)``):
-    ``[members, *rest]``, as ``zeros.index_add(0, segment, x)``, by one float64 matmul of the one-hot
-    ``[members, U]`` with the rows — no atomic adds, no TF32 (float64 whatever ``allow_tf32`` says), exact
-    for integer counts below 2**53; the float64 sum is rounded once to ``x.dtype``.
+    ``[members, *rest]``, as ``zeros.index_add(0, segment, x)``, by float64 matmuls of the one-hot
+    ``[members, rows]`` with the rows, a piece of :data:`PIECE_BYTES` at a time — no atomic adds, no TF32 (float64
+    whatever ``allow_tf32`` says, and autocast leaves float64 alone), exact for integer sums below 2**53; the
+    float64 sum is rounded once to ``x.dtype``. The number of pieces follows ``U``, a static shape on an
+    accelerator: no host read.
 
     >>> member_sums(torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]), torch.tensor([0, 0, 2]), 3)
     tensor([[4., 6.],
@@ -83,8 +90,13 @@ def member_sums(x: Tensor, segment: Tensor, members: int) -> Tensor:
             [5., 6.]])
     """
     wide = torch.float64
-    one_hot = (segment.unsqueeze(0) == torch.arange(members, device=segment.device).unsqueeze(1)).to(wide)
-    out = one_hot @ x.reshape(x.shape[0], -1).to(wide)
+    rows = x.reshape(x.shape[0], math.prod(x.shape[1:]))
+    which = torch.arange(members, device=segment.device).unsqueeze(1)
+    step = max(1, PIECE_BYTES // (8 * (rows.shape[1] + members)))
+    out = torch.zeros((members, rows.shape[1]), dtype=wide, device=x.device)
+    for at in range(0, rows.shape[0], step):
+        one_hot = (segment[at : at + step].unsqueeze(0) == which).to(wide)
+        out.addmm_(one_hot, rows[at : at + step].to(wide))
     return out.reshape(members, *x.shape[1:]).to(x.dtype)
 
 

@@ -17,7 +17,8 @@ distinct ones back (weights only, no optimizer slots) at torch's own kernels' sp
 around each step, median (p10–p90) of ``--iters`` steps after 5 warm-up steps (past ``TTE_KERNEL_AFTER``,
 set to 2 here). Then each steady step of ours once more under ``torch.cuda.set_sync_debug_mode("error")``:
 "sync-free" or the error it raised (a host–device sync). ``adafactor_index_add`` is Adafactor again with its
-per-table sums by ``index_add`` (CUDA's atomic adds), the path before ``by_matmul``, for the two in one run.
+per-table sums by plain ``index_add`` (CUDA's atomic adds on a few addresses), the path before they were spread over
+lanes (``contract.spreads``), for the two in one run.
 
 Goals (printed, not asserted): SGD, Adagrad and LazyAdam ≤ 0.5× torch's sparse SGD, Adagrad and
 SparseAdam; every optimizer ≤ 4× the floor; every steady step sync-free. Record the GPU, torch version and
@@ -39,8 +40,8 @@ import torch
 OURS = {"sgd": ("SGD", {}), "adagrad": ("Adagrad", {}), "lazyadam": ("LazyAdam", {}), "adam": ("Adam", {}),
         "ftrl": ("FTRL", {}), "rowwise_adagrad": ("RowWiseAdagrad", {}), "adagrad_momentum": ("AdagradMomentum", {}),
         "adafactor": ("Adafactor", {}), "adafactor_index_add": ("Adafactor", {})}
-#: run with a stacked group's per-member sums by ``index_add`` (atomic adds on CUDA), as before they were one
-#: float64 matmul there (``optim/_core/contract.py``, ``by_matmul``): the two measured in the same run
+#: run with a stacked group's per-member sums by plain ``index_add`` (atomic adds on CUDA), as before they were
+#: spread over lanes there (``optim/_core/contract.py``, ``spreads``): the two measured in the same run
 INDEX_ADD = {"adafactor_index_add"}
 PEERS = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "lazyadam": torch.optim.SparseAdam}
 
@@ -127,8 +128,8 @@ def _floor(ring: list[dict[str, torch.Tensor]], names: list[str], args: argparse
     return _timed(step, args.iters, dev, "floor")
 
 
-def _never(x: torch.Tensor, members: int) -> bool:
-    """``by_matmul`` for the ``INDEX_ADD`` runs: every per-member sum by ``index_add``."""
+def _never(x: torch.Tensor) -> bool:
+    """``spreads`` for the ``INDEX_ADD`` runs: every per-member sum by plain ``index_add``."""
     return False
 
 
@@ -148,7 +149,7 @@ def main() -> None:
     import torch_tpu_embedding as tte
     from torch_tpu_embedding.optim._core import contract
 
-    chosen = contract.by_matmul
+    chosen = contract.spreads
 
     dev = torch.device(args.device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (smoke test: no GPU figures)"
@@ -162,61 +163,64 @@ def main() -> None:
     results["floor"] = _floor(ring, names, args, dev)
     print(f"floor {_summary(results['floor'])}", flush=True)
 
-    for opt_name in args.optimizers:
-        cls_name, kw = OURS[opt_name]
-        torch.manual_seed(0)
-        features = {f: tte.FeatureConfig(tte.TableConfig(args.rows, args.dim, name=f"t{f}", combiner="mean"),
-                                         max_ids_per_bag=args.ids) for f in names}
-        ec = tte.EmbeddingCollection(features, device=dev)
-        opt = getattr(tte.optim, cls_name)(ec.parameters(), lr=0.01, **kw)
-        contract.by_matmul = _never if opt_name in INDEX_ADD else chosen
-        inputs = [{f: tte.Padded(b[f]) for f in names} for b in ring]
-
-        def ours(i: int, ec: Any = ec, opt: Any = opt, inputs: Any = inputs) -> None:
-            ec(inputs[i % 4], concat=True).sum().backward()
-            opt.step()
-            opt.zero_grad()
-
-        try:
-            results[f"ours {opt_name}"] = _timed(ours, args.iters, dev, f"ours {opt_name}")
-        except Exception as e:  # (one optimizer's failure reported, the others still measured)
-            print(f"ours {opt_name} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
-            continue
-        print(f"ours {opt_name} {_summary(results[f'ours {opt_name}'])}", flush=True)
-        if args.profile:
-            _profile(ours, f"ours {opt_name}", args.profile, dev)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                ours(0)
-                verdict = "sync-free"
-            except RuntimeError as e:
-                verdict = f"syncs: {str(e).splitlines()[0][:120]}"
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-            print(f"  ours {opt_name}: steady step {verdict}")
-        del ec, opt
-        contract.by_matmul = chosen
-        if opt_name in PEERS:
+    try:  # (the one setting INDEX_ADD changes, back whatever a run raised)
+        for opt_name in args.optimizers:
+            cls_name, kw = OURS[opt_name]
             torch.manual_seed(0)
-            bags = torch.nn.ModuleList(torch.nn.EmbeddingBag(args.rows, args.dim, mode="mean", sparse=True)
-                                       for _ in names).to(dev)
-            peer = PEERS[opt_name](bags.parameters(), lr=0.01)
+            features = {f: tte.FeatureConfig(tte.TableConfig(args.rows, args.dim, name=f"t{f}", combiner="mean"),
+                                             max_ids_per_bag=args.ids) for f in names}
+            ec = tte.EmbeddingCollection(features, device=dev)
+            opt = getattr(tte.optim, cls_name)(ec.parameters(), lr=0.01, **kw)
+            contract.spreads = _never if opt_name in INDEX_ADD else chosen
+            inputs = [{f: tte.Padded(b[f]) for f in names} for b in ring]
 
-            def theirs(i: int, bags: Any = bags, peer: Any = peer) -> None:
-                b = ring[i % 4]
-                sum(bag(b[f].to(dev, non_blocking=True)).sum() for bag, f in zip(bags, names, strict=True)).backward()
-                peer.step()
-                peer.zero_grad()
+            def ours(i: int, ec: Any = ec, opt: Any = opt, inputs: Any = inputs) -> None:
+                ec(inputs[i % 4], concat=True).sum().backward()
+                opt.step()
+                opt.zero_grad()
 
-            results[f"torch {opt_name}"] = _timed(theirs, args.iters, dev, f"torch {opt_name}")
-            print(f"torch {opt_name} {_summary(results[f'torch {opt_name}'])}", flush=True)
+            try:
+                results[f"ours {opt_name}"] = _timed(ours, args.iters, dev, f"ours {opt_name}")
+            except Exception as e:  # (one optimizer's failure reported, the others still measured)
+                print(f"ours {opt_name} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+                continue
+            print(f"ours {opt_name} {_summary(results[f'ours {opt_name}'])}", flush=True)
             if args.profile:
-                _profile(theirs, f"torch {opt_name}", args.profile, dev)
-            del bags, peer
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+                _profile(ours, f"ours {opt_name}", args.profile, dev)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    ours(0)
+                    verdict = "sync-free"
+                except RuntimeError as e:
+                    verdict = f"syncs: {str(e).splitlines()[0][:120]}"
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                print(f"  ours {opt_name}: steady step {verdict}")
+            del ec, opt
+            if opt_name in PEERS:
+                torch.manual_seed(0)
+                bags = torch.nn.ModuleList(torch.nn.EmbeddingBag(args.rows, args.dim, mode="mean", sparse=True)
+                                           for _ in names).to(dev)
+                peer = PEERS[opt_name](bags.parameters(), lr=0.01)
+
+                def theirs(i: int, bags: Any = bags, peer: Any = peer) -> None:
+                    b = ring[i % 4]
+                    outs = (bag(b[f].to(dev, non_blocking=True)) for bag, f in zip(bags, names, strict=True))
+                    sum(o.sum() for o in outs).backward()
+                    peer.step()
+                    peer.zero_grad()
+
+                results[f"torch {opt_name}"] = _timed(theirs, args.iters, dev, f"torch {opt_name}")
+                print(f"torch {opt_name} {_summary(results[f'torch {opt_name}'])}", flush=True)
+                if args.profile:
+                    _profile(theirs, f"torch {opt_name}", args.profile, dev)
+                del bags, peer
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    finally:
+        contract.spreads = chosen
 
     print(f"{args.tables} tables × {args.rows:,} × {args.dim}, batch {args.batch} × {args.ids} ids, mean; "
           f"ms per step: each step timed alone, median (p10–p90) of {args.iters}; the host's dispatch time of the "

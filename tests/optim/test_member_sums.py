@@ -1,10 +1,11 @@
-"""A stacked group's per-member sums (``RowContext.row_sum``) by a float64 one-hot matmul, as CUDA takes them.
+"""A stacked group's per-member sums (``RowContext.row_sum``) spread over lanes, as CUDA takes them.
 
-On CUDA, ``index_add`` into ``[members, D]`` is atomic adds on a few addresses; there the sums are one float64
-matmul instead (:func:`~torch_tpu_embedding.optim._core.contract.member_sums`). It is checked here on the CPU:
-against float64 numpy, and a stacked group trained with it forced on against the ``index_add`` path (every
-stacked configuration of an optimizer whose statistics span rows: Adafactor). The choice itself
-(:func:`~torch_tpu_embedding.optim._core.contract.by_matmul`) is checked on a stand-in with a CUDA device;
+On CUDA, ``index_add`` into ``[members, D]`` is atomic adds on a few addresses; there the adds are spread over
+lanes first (:func:`~torch_tpu_embedding.optim._core.contract.member_sums`). It is checked here on the CPU: against
+float64 numpy and ``index_add`` (non-finite values included), under ``torch.compile`` for several row counts, and a
+stacked group trained with it forced on against the ``index_add`` path (every stacked configuration of an optimizer
+whose statistics span rows: Adafactor), on the accelerator's static-shape path and the meta device too. The choice
+itself (:func:`~torch_tpu_embedding.optim._core.contract.spreads`) is checked on a stand-in with a CUDA device;
 ``tests/package/test_cuda.py`` trains every optimizer on a GPU against the CPU.
 """
 
@@ -24,50 +25,58 @@ from test_sync_free_step import _train as train_sync_free
 from torch_tpu_embedding._rows import dedup
 from torch_tpu_embedding.modules import plan
 from torch_tpu_embedding.optim._core import contract
-from torch_tpu_embedding.optim._core.contract import MATMUL_MEMBERS, RowContext, by_matmul, member_sums
+from torch_tpu_embedding.optim._core.contract import RowContext, member_sums, spreads
 
 # the stacked configurations whose rule sums over rows (per member table in a group), and the accelerator's ones
 SPANNING = [c for c in cases(STACKED) if not c.info.per_row_rule]
 SPANNING_SYNC_FREE = [c for c in cases(SYNC_FREE) if not c.info.per_row_rule]
 
 
+def test_there_are_configurations_that_sum_over_rows() -> None:
+    assert SPANNING and SPANNING_SYNC_FREE
+
+
 def _force(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """``by_matmul`` made True everywhere (as on CUDA); returns the members of each per-member sum taken."""
+    """``spreads`` made True everywhere (as on CUDA); returns the members of each per-member sum taken."""
     taken: list[int] = []
 
-    def forced(x: torch.Tensor, members: int) -> bool:
+    def counted(x: torch.Tensor, segment: torch.Tensor, members: int) -> torch.Tensor:
         taken.append(members)
-        return True
+        return member_sums(x, segment, members)
 
-    monkeypatch.setattr(contract, "by_matmul", forced)
+    monkeypatch.setattr(contract, "spreads", lambda x: True)
+    monkeypatch.setattr(contract, "member_sums", counted)
     return taken
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64])
 @pytest.mark.parametrize("rest", [(), (5,), (2, 3)])
-@pytest.mark.parametrize("pieces", ["one", "many"])
-def test_member_sums_equal_numpy(dtype: torch.dtype, rest: tuple[int, ...], pieces: str,
+@pytest.mark.parametrize("lanes", ["default", "3", "bounded to 1"])
+def test_member_sums_equal_numpy(dtype: torch.dtype, rest: tuple[int, ...], lanes: str,
                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    if pieces == "many":  # 5 rows a piece: 12 pieces, the last one short
-        monkeypatch.setattr(contract, "PIECE_BYTES", 8 * (int(np.prod(rest)) + 4) * 5)
+    if lanes == "3":  # 19 rows a lane
+        monkeypatch.setattr(contract, "LANES", 3)
+    elif lanes == "bounded to 1":  # the buffer's bound leaves one lane a member: index_add itself
+        monkeypatch.setattr(contract, "LANE_ELEMENTS", 4 * int(np.prod(rest)) + 1)
     g = torch.Generator().manual_seed(3)
     members, rows = 4, 57
-    segment = torch.sort(torch.randint(0, members, (rows,), generator=g)).values
+    segment = torch.randint(0, members, (rows,), generator=g)
     segment[segment == 2] = 1  # a member without rows sums to zero
     if dtype == torch.int64:
         x = torch.randint(-9, 10, (rows, *rest), generator=g)
     else:
         x = (torch.randn((rows, *rest), generator=g, dtype=torch.float64) * 1e3).to(dtype)
     got = member_sums(x, segment, members)
-    want = np.zeros((members, *rest))
+    want, size = np.zeros((members, *rest)), np.zeros((members, *rest))
     np.add.at(want, segment.numpy(), x.double().numpy())
+    np.add.at(size, segment.numpy(), np.abs(x.double().numpy()))
     assert got.dtype == dtype and got.shape == (members, *rest)
     if dtype == torch.int64:
         assert torch.equal(got, torch.from_numpy(want).to(dtype))  # exact: counts and integer sums
     else:
-        # the float64 sum rounded once: within half an ulp of the float64 reference (plus float64's own error)
-        eps = torch.finfo(dtype).eps
-        np.testing.assert_allclose(got.double().numpy(), want, rtol=eps, atol=rows * 1e3 * 1e-15)
+        # any order of n adds in x's dtype is within n·eps·Σ|x| of the exact sum (float64 numpy's own error aside)
+        err = np.abs(got.double().numpy() - want)
+        assert (err <= rows * torch.finfo(dtype).eps * size + 1e-9).all(), err.max()
     assert torch.equal(got[2], torch.zeros_like(got[2]))
 
 
@@ -76,42 +85,52 @@ def test_member_sums_of_no_rows_are_zeros() -> None:
     assert torch.equal(got, torch.zeros((2, 3)))
 
 
-def test_row_sum_takes_the_matmul_where_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_non_finite_value_stays_in_its_member() -> None:
+    """As with ``index_add``: +inf in member 0, +inf and -inf in member 1 (NaN), NaN in member 2, member 3 finite."""
+    x = torch.arange(16, dtype=torch.float32).reshape(8, 2)
+    segment = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    x[0, 0] = torch.inf
+    x[2, 1], x[3, 1] = torch.inf, -torch.inf
+    x[4, 0] = torch.nan
+    want = torch.zeros(4, 2).index_add(0, segment, x)
+    got = member_sums(x, segment, 4)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert torch.isfinite(got[3]).all() and got[0, 0] == torch.inf and got[1, 1].isnan() and got[1, 0] == 10.0
+
+
+def test_one_graph_under_torch_compile_whatever_the_rows() -> None:
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(member_sums, backend=counter, dynamic=True)
+    for rows in (5, 9, 13, 40):
+        segment = torch.arange(rows) % 3
+        x = torch.ones(rows, 4)
+        assert torch.equal(compiled(x, segment, 3), torch.zeros(3, 4).index_add(0, segment, x))
+    assert counter.frame_count == 1
+
+
+def test_row_sum_spreads_where_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
     seg = torch.tensor([0, 0, 1, 2, 2, 2])
     ctx = RowContext(mask=None, count=None, num_rows=10, segment=seg, member_rows=(3, 3, 4))
     x = torch.arange(12, dtype=torch.float64).reshape(6, 2)
     by_index_add = ctx.row_sum(x)  # the CPU: index_add
-    calls: list[int] = []
-
-    def counted(x: torch.Tensor, segment: torch.Tensor, members: int) -> torch.Tensor:
-        calls.append(members)
-        return member_sums(x, segment, members)
-
-    monkeypatch.setattr(contract, "by_matmul", lambda x, members: True)
-    monkeypatch.setattr(contract, "member_sums", counted)
-    assert torch.equal(ctx.row_sum(x), by_index_add) and calls == [3]
+    taken = _force(monkeypatch)
+    assert torch.equal(ctx.row_sum(x), by_index_add) and taken == [3]
     assert torch.equal(ctx.row_sum(x), torch.tensor([[2.0, 4.0], [4.0, 5.0], [24.0, 27.0]]))
 
 
-def test_by_matmul_on_cuda_only_up_to_the_bound_and_not_deterministic() -> None:
-    on = types.SimpleNamespace(device=torch.device("cuda", 0))  # by_matmul reads the device alone
-    assert by_matmul(on, 4) and by_matmul(on, MATMUL_MEMBERS)  # type: ignore[arg-type]
-    assert not by_matmul(on, MATMUL_MEMBERS + 1)  # type: ignore[arg-type]
-    assert not by_matmul(torch.zeros(3), 4)
-    assert not by_matmul(torch.zeros(3, device="meta"), 4)
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        assert not by_matmul(on, 4)  # type: ignore[arg-type]
-    finally:
-        torch.use_deterministic_algorithms(was)
+def test_spreads_on_cuda_only() -> None:
+    assert spreads(types.SimpleNamespace(device=torch.device("cuda", 0)))  # type: ignore[arg-type]
+    assert not spreads(torch.zeros(3))
+    assert not spreads(torch.zeros(3, device="meta"))
 
 
 @pytest.mark.parametrize("cfg", SPANNING, ids=str)
-def test_a_stacked_group_trains_alike_by_matmul(cfg: OptimizerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
-    """float64 tables: the two paths sum the same numbers in another order (index_add row by row, the matmul's
-    own order), so they agree to float64's rounding over six steps (≤ 1e-12), as stacked vs unstacked do."""
-    assert SPANNING, "no stacked configuration sums over rows"
+def test_a_stacked_group_trains_alike_spread(cfg: OptimizerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """float64 tables: the two paths sum the same numbers in another order (index_add row by row, the lanes
+    each in their own order, then summed), so they agree to float64's rounding over six steps (≤ 1e-12), as stacked vs unstacked do."""
     ref, opt_ref = build(True, cfg)
     train(ref, opt_ref)
     taken = _force(monkeypatch)
@@ -126,10 +145,10 @@ def test_a_stacked_group_trains_alike_by_matmul(cfg: OptimizerConfig, monkeypatc
 
 
 @pytest.mark.parametrize("cfg", SPANNING_SYNC_FREE, ids=str)
-def test_the_accelerator_path_by_matmul_gives_the_cpu_results(cfg: OptimizerConfig,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_accelerator_path_spread_gives_the_cpu_results(cfg: OptimizerConfig,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """CUDA's combination on the CPU: the static-shape duplicate sum (its sentinel tail masked out of the sums)
-    with the per-member sums by matmul, against the CPU's own path; then on the meta device (every read of a
+    with the per-member sums spread over lanes, against the CPU's own path; then on the meta device (every read of a
     value raises there), the same steps run and copy nothing blocking."""
     weights, state = train_sync_free(cfg)
     monkeypatch.setattr(dedup, "HOST_READ_DEVICE_TYPES", set())
@@ -150,8 +169,8 @@ def test_the_accelerator_path_by_matmul_gives_the_cpu_results(cfg: OptimizerConf
 
 
 @pytest.mark.parametrize("cfg", [c for c in STACKED_CASES if c.id == "adafactor"], ids=str)
-def test_a_frozen_member_adds_nothing_to_the_matmul_sums(cfg: OptimizerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A frozen member's ids are the sentinel tail on an accelerator: the one-hot matmul, like ``index_add``, sums
+def test_a_frozen_member_adds_nothing_to_the_spread_sums(cfg: OptimizerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A frozen member's ids are the sentinel tail on an accelerator: the spread sums, like ``index_add``'s, take
     the masked tail as zeros (tests/optim/test_sync_free_step.py checks the ``index_add`` path)."""
     _, want = _freeze_run(cfg, True, "module")
     monkeypatch.setattr(dedup, "HOST_READ_DEVICE_TYPES", set())

@@ -23,16 +23,16 @@ import torch
 from torch_tpu_embedding._util.transfer import upload
 
 __all__ = [
-    "MATMUL_MEMBERS",
-    "PIECE_BYTES",
+    "LANES",
+    "LANE_ELEMENTS",
     "RowContext",
     "Rule",
     "SlotSpec",
     "Slots",
-    "by_matmul",
     "common_defaults",
     "identity",
     "member_sums",
+    "spreads",
 ]
 
 Tensor = torch.Tensor
@@ -59,45 +59,39 @@ def identity(x: Tensor) -> Tensor:
     return x
 
 
-#: Members of a stacked group up to which a CUDA per-member sum is a matmul: its work is ``members × U × D``
-#: multiply-adds, against ``U × D`` atomic adds.
-MATMUL_MEMBERS = 64
-#: float64 bytes (one-hot and rows) of one piece of :func:`member_sums`: the transient stays this size whatever
-#: the number of rows (a float64 copy of every row at once would be twice the rows' own float32 bytes)
-PIECE_BYTES = 2**26
+#: Lanes per member of a spread per-member sum (:func:`member_sums`): ``index_add``'s adds land on ``members ×
+#: lanes`` rows instead of ``members``, so each address takes ``U / (members · lanes)`` of them.
+LANES = 1024
+#: Elements of the lanes' buffer (``members × lanes × columns``) at most: fewer lanes for many members or columns.
+LANE_ELEMENTS = 2**22
 
 
-def by_matmul(x: Tensor, members: int) -> bool:
+def spreads(x: Tensor) -> bool:
     """Whether :meth:`RowContext.row_sum` sums ``x`` per member by :func:`member_sums`: on CUDA, where
-    ``index_add`` into a few rows is atomic adds on as many addresses, serialised (what that cost Adafactor's step
-    on an H200 is in docs/benchmarks.md); for up to :data:`MATMUL_MEMBERS` members; and not under
-    ``torch.use_deterministic_algorithms(True)``, where ``index_add`` is deterministic and cuBLAS asks for
-    ``CUBLAS_WORKSPACE_CONFIG``."""
-    return x.device.type == "cuda" and members <= MATMUL_MEMBERS and not torch.are_deterministic_algorithms_enabled()
+    ``index_add`` into a few rows is atomic adds on as many addresses, which the GPU serialises (what that cost
+    Adafactor's step on an H200 is in docs/benchmarks.md). The CPU adds row by row and XLA's scatter is its own:
+    there ``index_add`` stays, in the order the references use."""
+    return x.device.type == "cuda"
 
 
 def member_sums(x: Tensor, segment: Tensor, members: int) -> Tensor:
     """``Σ`` of the rows of ``x [U, *rest]`` per member ``segment [U]`` (int64 in ``[0, members)``):
-    ``[members, *rest]``, as ``zeros.index_add(0, segment, x)``, by float64 matmuls of the one-hot
-    ``[members, rows]`` with the rows, a piece of :data:`PIECE_BYTES` at a time — no atomic adds, no TF32 (float64
-    whatever ``allow_tf32`` says, and autocast leaves float64 alone), exact for integer sums below 2**53; the
-    float64 sum is rounded once to ``x.dtype``. The number of pieces follows ``U``, a static shape on an
-    accelerator: no host read.
+    ``[members, *rest]``, as ``zeros.index_add(0, segment, x)``, with the adds spread first over :data:`LANES`
+    lanes per member (row ``i`` into lane ``i % lanes``) and the lanes then summed. The same adds in another
+    order, in ``x``'s dtype (integers exact); a NaN or infinity stays in its own member, as with ``index_add``.
+    Static shapes, no host read, one graph under ``torch.compile`` whatever ``U``.
 
     >>> member_sums(torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]), torch.tensor([0, 0, 2]), 3)
     tensor([[4., 6.],
             [0., 0.],
             [5., 6.]])
     """
-    wide = torch.float64
-    rows = x.reshape(x.shape[0], math.prod(x.shape[1:]))
-    which = torch.arange(members, device=segment.device).unsqueeze(1)
-    step = max(1, PIECE_BYTES // (8 * (rows.shape[1] + members)))
-    out = torch.zeros((members, rows.shape[1]), dtype=wide, device=x.device)
-    for at in range(0, rows.shape[0], step):
-        one_hot = (segment[at : at + step].unsqueeze(0) == which).to(wide)
-        out.addmm_(one_hot, rows[at : at + step].to(wide))
-    return out.reshape(members, *x.shape[1:]).to(x.dtype)
+    cols = math.prod(x.shape[1:])
+    lanes = max(1, min(LANES, LANE_ELEMENTS // max(1, members * cols)))
+    at = segment * lanes + torch.arange(x.shape[0], device=segment.device) % lanes
+    spread = torch.zeros((members * lanes, cols), dtype=x.dtype, device=x.device)
+    spread.index_add_(0, at, x.reshape(x.shape[0], cols))
+    return spread.view(members, lanes, cols).sum(1).reshape(members, *x.shape[1:])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +126,7 @@ class RowContext:
         if self.segment is None:
             return self.all_reduce(x.sum(0))
         members = len(self.member_rows)
-        if by_matmul(x, members):
+        if spreads(x):
             return self.all_reduce(member_sums(x, self.segment, members))
         out = torch.zeros((members, *x.shape[1:]), dtype=x.dtype, device=x.device)
         return self.all_reduce(out.index_add(0, self.segment, x))

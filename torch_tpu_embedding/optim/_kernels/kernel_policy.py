@@ -156,17 +156,17 @@ def _missing_compiler() -> str | None:
 
 
 def warn_once(why: str, stacklevel: int = 2) -> None:
-    """Warn, once per process, that a kernel could not be compiled (``why``) and the reference path runs; the
-    warning names the line ``stacklevel - 1`` calls up (default: the caller's)."""
+    """Warn, once per process, that a kernel could not be compiled or loaded (``why``) and the reference path
+    runs; the warning names the line ``stacklevel - 1`` calls up (default: the caller's)."""
     global _WARNED
     if _WARNED:
         return
     _WARNED = True
     warnings.warn(
-        f"torch_tpu_embedding: a compiled kernel (the row update's, or the C library of SGD's add and the "
-        f"host loops) could not be compiled ({why}); eager updates (and the join of host ids bound for an "
-        "accelerator) run the reference path (slower, same results). Set "
-        "TTE_UPDATE_KERNEL=0 to skip the attempt.",
+        "torch_tpu_embedding: a compiled kernel (the row update's, or the C library of SGD's add, the fused "
+        f"row loops, the lookup's row gather and the id join) could not be compiled or loaded ({why}); eager "
+        "updates (and the join of host ids bound for an accelerator) run the reference path (slower, same "
+        "results). Set TTE_UPDATE_KERNEL=0 to skip the attempt.",
         RuntimeWarning,
         stacklevel=stacklevel,
     )

@@ -80,6 +80,33 @@ def test_member_sums_equal_numpy(dtype: torch.dtype, rest: tuple[int, ...], lane
     assert torch.equal(got[2], torch.zeros_like(got[2]))
 
 
+@pytest.mark.parametrize(("members", "cols", "want"), [
+    (4, 128, 1024),  # the benchmark's group: LANES
+    (8, 1024, 512),  # members × cols past LANE_ELEMENTS / LANES: fewer lanes
+    (64, 1 << 17, 1),  # past LANE_ELEMENTS itself: one lane, index_add as it was
+    (3, 0, 1024),  # no columns
+])
+def test_lanes_keep_the_buffer_bounded(members: int, cols: int, want: int) -> None:
+    lanes = contract.lanes_of(members, cols)
+    assert lanes == want and lanes >= 1
+    assert members * lanes * cols <= max(contract.LANE_ELEMENTS, members * cols)
+
+
+def test_member_sums_make_the_lanes_buffer_of_lanes_of(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[tuple[int, ...]] = []
+    real = torch.zeros
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: (made.append(tuple(a[0])), real(*a, **k))[1])
+    member_sums(torch.ones(50, 8), torch.arange(50) % 3, 3)
+    assert made == [(3 * contract.lanes_of(3, 8), 8)]
+
+
+def test_small_integers_keep_their_dtype() -> None:
+    x = torch.arange(12, dtype=torch.int32).reshape(6, 2)
+    segment = torch.tensor([0, 1, 1, 0, 2, 2])
+    got = member_sums(x, segment, 3)
+    assert got.dtype == torch.int32 and torch.equal(got, torch.zeros(3, 2, dtype=torch.int32).index_add(0, segment, x))
+
+
 def test_member_sums_of_no_rows_are_zeros() -> None:
     got = member_sums(torch.zeros((0, 3)), torch.zeros(0, dtype=torch.int64), 2)
     assert torch.equal(got, torch.zeros((2, 3)))

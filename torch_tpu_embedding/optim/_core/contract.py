@@ -31,6 +31,7 @@ __all__ = [
     "Slots",
     "common_defaults",
     "identity",
+    "lanes_of",
     "member_sums",
     "spreads",
 ]
@@ -74,12 +75,19 @@ def spreads(x: Tensor) -> bool:
     return x.device.type == "cuda"
 
 
+def lanes_of(members: int, cols: int) -> int:
+    """Lanes per member of :func:`member_sums` for ``members`` of ``cols`` columns: :data:`LANES`, fewer where the
+    buffer (``members × lanes × cols``) would pass :data:`LANE_ELEMENTS`, at least one."""
+    return max(1, min(LANES, LANE_ELEMENTS // max(1, members * cols)))
+
+
 def member_sums(x: Tensor, segment: Tensor, members: int) -> Tensor:
     """``Σ`` of the rows of ``x [U, *rest]`` per member ``segment [U]`` (int64 in ``[0, members)``):
-    ``[members, *rest]``, as ``zeros.index_add(0, segment, x)``, with the adds spread first over :data:`LANES`
-    lanes per member (row ``i`` into lane ``i % lanes``) and the lanes then summed. The same adds in another
-    order, in ``x``'s dtype (integers exact); a NaN or infinity stays in its own member, as with ``index_add``.
-    Static shapes, no host read, one graph under ``torch.compile`` whatever ``U``.
+    ``[members, *rest]``, as ``zeros.index_add(0, segment, x)``, with the adds spread first over
+    :func:`lanes_of` lanes per member (row ``i`` into lane ``i % lanes``) and the lanes then summed. The same
+    adds in another order, in ``x``'s dtype (integers exact); a NaN or infinity stays in its own member, as with
+    ``index_add``.
+    Static shapes, no host read; under ``torch.compile`` with dynamic shapes one graph for every ``U ≥ 2``.
 
     >>> member_sums(torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]), torch.tensor([0, 0, 2]), 3)
     tensor([[4., 6.],
@@ -87,11 +95,11 @@ def member_sums(x: Tensor, segment: Tensor, members: int) -> Tensor:
             [5., 6.]])
     """
     cols = math.prod(x.shape[1:])
-    lanes = max(1, min(LANES, LANE_ELEMENTS // max(1, members * cols)))
+    lanes = lanes_of(members, cols)
     at = segment * lanes + torch.arange(x.shape[0], device=segment.device) % lanes
     spread = torch.zeros((members * lanes, cols), dtype=x.dtype, device=x.device)
     spread.index_add_(0, at, x.reshape(x.shape[0], cols))
-    return spread.view(members, lanes, cols).sum(1).reshape(members, *x.shape[1:])
+    return spread.view(members, lanes, cols).sum(1, dtype=x.dtype).reshape(members, *x.shape[1:])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -163,64 +163,60 @@ def main() -> None:
     results["floor"] = _floor(ring, names, args, dev)
     print(f"floor {_summary(results['floor'])}", flush=True)
 
-    try:  # (the one setting INDEX_ADD changes, back whatever a run raised)
-        for opt_name in args.optimizers:
-            cls_name, kw = OURS[opt_name]
-            torch.manual_seed(0)
-            features = {f: tte.FeatureConfig(tte.TableConfig(args.rows, args.dim, name=f"t{f}", combiner="mean"),
-                                             max_ids_per_bag=args.ids) for f in names}
-            ec = tte.EmbeddingCollection(features, device=dev)
-            opt = getattr(tte.optim, cls_name)(ec.parameters(), lr=0.01, **kw)
-            contract.spreads = _never if opt_name in INDEX_ADD else chosen
-            inputs = [{f: tte.Padded(b[f]) for f in names} for b in ring]
+    for opt_name in args.optimizers:
+        cls_name, kw = OURS[opt_name]
+        torch.manual_seed(0)
+        features = {f: tte.FeatureConfig(tte.TableConfig(args.rows, args.dim, name=f"t{f}", combiner="mean"),
+                                         max_ids_per_bag=args.ids) for f in names}
+        ec = tte.EmbeddingCollection(features, device=dev)
+        opt = getattr(tte.optim, cls_name)(ec.parameters(), lr=0.01, **kw)
+        contract.spreads = _never if opt_name in INDEX_ADD else chosen  # (set for every run: none inherits it)
+        inputs = [{f: tte.Padded(b[f]) for f in names} for b in ring]
 
-            def ours(i: int, ec: Any = ec, opt: Any = opt, inputs: Any = inputs) -> None:
-                ec(inputs[i % 4], concat=True).sum().backward()
-                opt.step()
-                opt.zero_grad()
+        def ours(i: int, ec: Any = ec, opt: Any = opt, inputs: Any = inputs) -> None:
+            ec(inputs[i % 4], concat=True).sum().backward()
+            opt.step()
+            opt.zero_grad()
 
+        try:
+            results[f"ours {opt_name}"] = _timed(ours, args.iters, dev, f"ours {opt_name}")
+        except Exception as e:  # (one optimizer's failure reported, the others still measured)
+            print(f"ours {opt_name} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+            continue
+        print(f"ours {opt_name} {_summary(results[f'ours {opt_name}'])}", flush=True)
+        if args.profile:
+            _profile(ours, f"ours {opt_name}", args.profile, dev)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
             try:
-                results[f"ours {opt_name}"] = _timed(ours, args.iters, dev, f"ours {opt_name}")
-            except Exception as e:  # (one optimizer's failure reported, the others still measured)
-                print(f"ours {opt_name} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
-                continue
-            print(f"ours {opt_name} {_summary(results[f'ours {opt_name}'])}", flush=True)
+                ours(0)
+                verdict = "sync-free"
+            except RuntimeError as e:
+                verdict = f"syncs: {str(e).splitlines()[0][:120]}"
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            print(f"  ours {opt_name}: steady step {verdict}")
+        del ec, opt
+        if opt_name in PEERS:
+            torch.manual_seed(0)
+            bags = torch.nn.ModuleList(torch.nn.EmbeddingBag(args.rows, args.dim, mode="mean", sparse=True)
+                                       for _ in names).to(dev)
+            peer = PEERS[opt_name](bags.parameters(), lr=0.01)
+
+            def theirs(i: int, bags: Any = bags, peer: Any = peer) -> None:
+                b = ring[i % 4]
+                sum(bag(b[f].to(dev, non_blocking=True)).sum() for bag, f in zip(bags, names, strict=True)).backward()
+                peer.step()
+                peer.zero_grad()
+
+            results[f"torch {opt_name}"] = _timed(theirs, args.iters, dev, f"torch {opt_name}")
+            print(f"torch {opt_name} {_summary(results[f'torch {opt_name}'])}", flush=True)
             if args.profile:
-                _profile(ours, f"ours {opt_name}", args.profile, dev)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.set_sync_debug_mode("error")
-                try:
-                    ours(0)
-                    verdict = "sync-free"
-                except RuntimeError as e:
-                    verdict = f"syncs: {str(e).splitlines()[0][:120]}"
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-                print(f"  ours {opt_name}: steady step {verdict}")
-            del ec, opt
-            if opt_name in PEERS:
-                torch.manual_seed(0)
-                bags = torch.nn.ModuleList(torch.nn.EmbeddingBag(args.rows, args.dim, mode="mean", sparse=True)
-                                           for _ in names).to(dev)
-                peer = PEERS[opt_name](bags.parameters(), lr=0.01)
-
-                def theirs(i: int, bags: Any = bags, peer: Any = peer) -> None:
-                    b = ring[i % 4]
-                    outs = (bag(b[f].to(dev, non_blocking=True)) for bag, f in zip(bags, names, strict=True))
-                    sum(o.sum() for o in outs).backward()
-                    peer.step()
-                    peer.zero_grad()
-
-                results[f"torch {opt_name}"] = _timed(theirs, args.iters, dev, f"torch {opt_name}")
-                print(f"torch {opt_name} {_summary(results[f'torch {opt_name}'])}", flush=True)
-                if args.profile:
-                    _profile(theirs, f"torch {opt_name}", args.profile, dev)
-                del bags, peer
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-    finally:
-        contract.spreads = chosen
+                _profile(theirs, f"torch {opt_name}", args.profile, dev)
+            del bags, peer
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
 
     print(f"{args.tables} tables × {args.rows:,} × {args.dim}, batch {args.batch} × {args.ids} ids, mean; "
           f"ms per step: each step timed alone, median (p10–p90) of {args.iters}; the host's dispatch time of the "

@@ -4,7 +4,8 @@ On CUDA, ``index_add`` into ``[members, D]`` is atomic adds on a few addresses; 
 lanes first (:func:`~torch_tpu_embedding.optim._core.contract.member_sums`). It is checked here on the CPU: against
 float64 numpy and ``index_add`` (non-finite values included), under ``torch.compile`` for several row counts, and a
 stacked group trained with it forced on against the ``index_add`` path (every stacked configuration of an optimizer
-whose statistics span rows: Adafactor), on the accelerator's static-shape path and the meta device too. The choice
+whose statistics span rows: Adafactor). tests/optim/test_sync_free_step.py runs its accelerator cases (the
+static-shape path against the CPU, the meta device, a frozen member) with it forced on as well (``-spread``). The choice
 itself (:func:`~torch_tpu_embedding.optim._core.contract.spreads`) is checked on a stand-in with a CUDA device;
 ``tests/package/test_cuda.py`` trains every optimizer on a GPU against the CPU.
 """
@@ -17,17 +18,14 @@ import numpy as np
 import pytest
 import torch
 from optim_registry import STACKED, SYNC_FREE, OptimizerConfig, cases
-from test_frozen_tables_and_bag_edges import STACKED_CASES, _freeze_run
 from test_stacked_groups import assert_same_state, build, train
-from test_sync_free_step import _BlockingCopies
-from test_sync_free_step import _train as train_sync_free
+from torch._dynamo.testing import CompileCounter
 
-from torch_tpu_embedding._rows import dedup
-from torch_tpu_embedding.modules import plan
 from torch_tpu_embedding.optim._core import contract
 from torch_tpu_embedding.optim._core.contract import RowContext, member_sums, spreads
 
 # the stacked configurations whose rule sums over rows (per member table in a group), and the accelerator's ones
+# (test_sync_free_step.py's ``-spread`` cases)
 SPANNING = [c for c in cases(STACKED) if not c.info.per_row_rule]
 SPANNING_SYNC_FREE = [c for c in cases(SYNC_FREE) if not c.info.per_row_rule]
 
@@ -36,7 +34,7 @@ def test_there_are_configurations_that_sum_over_rows() -> None:
     assert SPANNING and SPANNING_SYNC_FREE
 
 
-def _force(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def force_spread(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """``spreads`` made True everywhere (as on CUDA); returns the members of each per-member sum taken."""
     taken: list[int] = []
 
@@ -125,9 +123,7 @@ def test_a_non_finite_value_stays_in_its_member() -> None:
     assert torch.isfinite(got[3]).all() and got[0, 0] == torch.inf and got[1, 1].isnan() and got[1, 0] == 10.0
 
 
-def test_one_graph_under_torch_compile_whatever_the_rows() -> None:
-    from torch._dynamo.testing import CompileCounter
-
+def test_one_graph_under_torch_compile_for_every_row_count() -> None:
     torch._dynamo.reset()
     counter = CompileCounter()
     compiled = torch.compile(member_sums, backend=counter, dynamic=True)
@@ -143,7 +139,7 @@ def test_row_sum_spreads_where_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
     ctx = RowContext(mask=None, count=None, num_rows=10, segment=seg, member_rows=(3, 3, 4))
     x = torch.arange(12, dtype=torch.float64).reshape(6, 2)
     by_index_add = ctx.row_sum(x)  # the CPU: index_add
-    taken = _force(monkeypatch)
+    taken = force_spread(monkeypatch)
     assert torch.equal(ctx.row_sum(x), by_index_add) and taken == [3]
     assert torch.equal(ctx.row_sum(x), torch.tensor([[2.0, 4.0], [4.0, 5.0], [24.0, 27.0]]))
 
@@ -160,7 +156,7 @@ def test_a_stacked_group_trains_alike_spread(cfg: OptimizerConfig, monkeypatch: 
     each in their own order, then summed), so they agree to float64's rounding over six steps (≤ 1e-12), as stacked vs unstacked do."""
     ref, opt_ref = build(True, cfg)
     train(ref, opt_ref)
-    taken = _force(monkeypatch)
+    taken = force_spread(monkeypatch)
     ec, opt = build(True, cfg)
     train(ec, opt)
     assert taken and set(taken) == {4, 2}, taken  # fused_0 (a, b, d, g) and fused_1 (c, e), every step
@@ -169,42 +165,3 @@ def test_a_stacked_group_trains_alike_spread(cfg: OptimizerConfig, monkeypatch: 
     assert sorted(sd_ref) == sorted(sd)
     for key, slots in sd_ref.items():
         assert_same_state(slots, sd[key], exact=False)
-
-
-@pytest.mark.parametrize("cfg", SPANNING_SYNC_FREE, ids=str)
-def test_the_accelerator_path_spread_gives_the_cpu_results(cfg: OptimizerConfig,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """CUDA's combination on the CPU: the static-shape duplicate sum (its sentinel tail masked out of the sums)
-    with the per-member sums spread over lanes, against the CPU's own path; then on the meta device (every read of a
-    value raises there), the same steps run and copy nothing blocking."""
-    weights, state = train_sync_free(cfg)
-    monkeypatch.setattr(dedup, "HOST_READ_DEVICE_TYPES", set())
-    taken = _force(monkeypatch)
-    got_weights, got_state = train_sync_free(cfg)
-    assert taken and set(taken) == {2}, taken  # the group of a and b
-    for k, v in weights.items():
-        torch.testing.assert_close(got_weights[k], v, rtol=1e-13, atol=1e-15, msg=lambda m, k=k: f"{k}: {m}")
-    for key, slots in state.items():
-        for slot, v in slots.items():
-            torch.testing.assert_close(got_state[key][slot], v, rtol=1e-13, atol=1e-15,
-                                       msg=lambda m, s=slot: f"{s}: {m}")
-    monkeypatch.setattr(plan, "check_not_meta", lambda *args: None)
-    copies = _BlockingCopies()
-    taken.clear()
-    train_sync_free(cfg, "meta", lambda: copies)
-    assert taken and copies.blocking == []
-
-
-@pytest.mark.parametrize("cfg", [c for c in STACKED_CASES if c.id == "adafactor"], ids=str)
-def test_a_frozen_member_adds_nothing_to_the_spread_sums(cfg: OptimizerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A frozen member's ids are the sentinel tail on an accelerator: the spread sums, like ``index_add``'s, take
-    the masked tail as zeros (tests/optim/test_sync_free_step.py checks the ``index_add`` path)."""
-    _, want = _freeze_run(cfg, True, "module")
-    monkeypatch.setattr(dedup, "HOST_READ_DEVICE_TYPES", set())
-    taken = _force(monkeypatch)
-    _, got = _freeze_run(cfg, True, "module")
-    assert taken
-    for n in ("a", "b", "c"):
-        for k, v in want[n].items():
-            if not k.startswith("acc_"):
-                torch.testing.assert_close(got[n][k], v, rtol=1e-12, atol=1e-14, msg=lambda m, w=f"{n}/{k}": f"{w}: {m}")

@@ -30,6 +30,7 @@ from test_host_ops import _model, _step
 from test_kernel_update import _tensors, assert_same
 from test_kernel_update import model as kernel_model
 from test_kernel_update import step as kernel_step
+from test_member_sums import force_spread
 from test_stacked_groups import _CountOps
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -41,6 +42,10 @@ from torch_tpu_embedding.optim._kernels import kernel_policy
 from torch_tpu_embedding.optim._kernels.c_gather import join_library
 
 CASES = cases(SYNC_FREE)
+# Each configuration with a stacked group's per-member sums as the CPU takes them (index_add), and those whose rule
+# sums over rows once more with them spread over lanes, as CUDA takes them (tests/optim/test_member_sums.py).
+SUMS = [pytest.param(c, False, id=str(c)) for c in CASES] + [
+    pytest.param(c, True, id=f"{c}-spread") for c in CASES if not c.info.per_row_rule]
 F64 = torch.float64
 
 
@@ -116,12 +121,15 @@ def _train(cfg: OptimizerConfig, device: str | torch.device = "cpu",
     return ec.state_dict(), opt.state_dict()["state"]
 
 
-@pytest.mark.parametrize("cfg", CASES, ids=str)
-def test_the_accelerator_path_gives_the_cpu_results(cfg: OptimizerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("cfg", "spread"), SUMS)
+def test_the_accelerator_path_gives_the_cpu_results(cfg: OptimizerConfig, spread: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     weights, state = _train(cfg)
     monkeypatch.setattr(dedup, "HOST_READ_DEVICE_TYPES", set())
     assert dedup.sync_free(torch.device("cpu"))
+    taken = force_spread(monkeypatch) if spread else []
     static_weights, static_state = _train(cfg)
+    assert set(taken) == ({2} if spread else set()), taken  # (the group of a and b)
     # The same float64 operations on every touched row (N rows with a tail instead of the U distinct ones):
     # bitwise, but where a sum runs over rows (Adafactor's statistics, clipnorm's norm) and adds the tail's
     # zeros in another order: a few ulps.
@@ -134,13 +142,16 @@ def test_the_accelerator_path_gives_the_cpu_results(cfg: OptimizerConfig, monkey
             torch.testing.assert_close(static_state[key][slot], v, **tol, msg=lambda m, s=slot: f"{s}: {m}")
 
 
-@pytest.mark.parametrize("cfg", CASES, ids=str)
-def test_every_step_runs_without_reading_the_device(cfg: OptimizerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("cfg", "spread"), SUMS)
+def test_every_step_runs_without_reading_the_device(cfg: OptimizerConfig, spread: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     # The meta tables hold no values, which a lookup refuses (the user must lay them out first): allowed here.
     monkeypatch.setattr(plan, "check_not_meta", lambda *args: None)
+    taken = force_spread(monkeypatch) if spread else []
     copies = _BlockingCopies()
     _train(cfg, "meta", lambda: copies)
     assert copies.blocking == []  # the batch's ids travel without a blocking copy
+    assert bool(taken) == spread
 
 
 @pytest.mark.parametrize("cfg", [c for c in CASES if str(c) in ("sgd", "lazy_adam", "adafactor")], ids=str)
@@ -249,18 +260,23 @@ def test_the_accelerator_kernel_equals_its_reference_path(cfg: OptimizerConfig, 
 
 
 _FROZEN_CASES = [c for c in STACKED_CASES if c.id in ("adagrad-clipnorm", "lazy_adam-ema-accum-gclip", "adafactor")]
+_FROZEN = [pytest.param(c, False, id=str(c)) for c in _FROZEN_CASES] + [
+    pytest.param(c, True, id=f"{c}-spread") for c in _FROZEN_CASES if c.id == "adafactor"]
 
 
-@pytest.mark.parametrize("cfg", _FROZEN_CASES, ids=str)
-def test_a_frozen_member_adds_nothing_to_what_sums_over_rows(cfg: OptimizerConfig,
+@pytest.mark.parametrize(("cfg", "spread"), _FROZEN)
+def test_a_frozen_member_adds_nothing_to_what_sums_over_rows(cfg: OptimizerConfig, spread: bool,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A frozen member of a stacked group has its ids made the sentinel (the lookup's backward), which the CPU drops
     and the accelerator keeps as the duplicate sum's tail: that tail must carry no rows into a sum over rows
-    (``clipnorm`` per member, ``global_clipnorm``; Adafactor's statistics mask it). With the frozen rows kept it held
-    their sum, and the other members trained up to 1e-2 away from the CPU's (``adagrad-clipnorm``)."""
+    (``clipnorm`` per member, ``global_clipnorm``; Adafactor's statistics mask it, summed by ``index_add`` or, as on
+    CUDA, spread over lanes). With the frozen rows kept it held their sum, and the other members trained up to 1e-2
+    away from the CPU's (``adagrad-clipnorm``)."""
     _, want = _freeze_run(cfg, True, "module")
     monkeypatch.setattr(dedup, "HOST_READ_DEVICE_TYPES", set())
+    taken = force_spread(monkeypatch) if spread else []
     _, got = _freeze_run(cfg, True, "module")
+    assert bool(taken) == spread
     for n in ("a", "b", "c"):
         for k, v in want[n].items():
             if not k.startswith("acc_"):  # (the window's capacity follows the path: N entries, or U)

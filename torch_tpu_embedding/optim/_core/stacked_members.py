@@ -24,7 +24,8 @@ from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.transfer import upload
 from torch_tpu_embedding.optim._core.contract import SlotSpec
 
-__all__ = ["check_created", "clip_members", "created_member_slots", "member_rows", "member_specs", "segment_of"]
+__all__ = ["boundaries", "check_created", "clip_members", "created_member_slots", "member_rows", "member_specs",
+           "members_by_compare", "members_by_search", "segment_of"]
 
 Tensor = torch.Tensor
 
@@ -58,9 +59,41 @@ def member_specs(p: Tensor, out: Mapping[str, SlotSpec]) -> dict[str, SlotSpec]:
     return {k: s if s.rows else dataclasses.replace(s, shape=(m, *s.shape)) for k, s in out.items()}
 
 
+#: each group's member boundaries on a device (:func:`boundaries`), by the identity of its members tuple and the device
+_BOUNDS: dict[tuple[int, torch.device], tuple[tuple[Any, ...], Tensor]] = {}
+
+
+def boundaries(members: tuple[Any, ...], device: torch.device) -> Tensor:
+    """The first logical row of every member of a group but the first, ascending: ``int64 [members - 1]`` on
+    ``device``, made and moved once per group and device (not at every step), kept while the group lives."""
+    firsts = [first for _, first, _ in members[1:]]
+    if torch.compiler.is_compiling():  # (a constant of the graph)
+        return torch.tensor(firsts, dtype=torch.int64, device=device)
+    key = (id(members), device)
+    known = _BOUNDS.get(key)
+    if known is None or known[0] is not members:
+        if len(_BOUNDS) >= 256:  # (a bound: collections come and go in a long process)
+            _BOUNDS.clear()
+        known = _BOUNDS[key] = (members, upload(torch.tensor(firsts, dtype=torch.int64), device))
+    return known[1]
+
+
+def members_by_search(rows: Tensor, bounds: Tensor) -> Tensor:
+    """The member of each logical row of ``rows`` (int64, any shape) of a group of member boundaries ``bounds``
+    (:func:`boundaries`): how many boundaries are at or below the row, by one binary search per row."""
+    return torch.searchsorted(bounds, rows, right=True)
+
+
+def members_by_compare(rows: Tensor, bounds: Tensor) -> Tensor:
+    """:func:`members_by_search`'s result, counted by comparing every row with every boundary: XLA's form, where
+    ``searchsorted`` falls back to the host; the compare and its sum fuse into one pass over the rows there."""
+    return (rows.unsqueeze(-1) >= bounds).sum(-1)
+
+
 def segment_of(p: Tensor, rows: Tensor, *, owned: bool = False) -> Tensor | None:
     """The member of each row of ``rows`` (stored rows of group ``p``, any shape): ``int64``, same shape;
     ``None`` when ``p`` is not a stacked group. Padding and sentinel rows get some member (callers mask them).
+    A fixed number of ops, however many members the group has.
 
     ``owned``: ``rows [n, U]`` are shard-local rows, device-major (the owner-local path), row ``d`` on
     shard ``d``.
@@ -76,10 +109,10 @@ def segment_of(p: Tensor, rows: Tensor, *, owned: bool = False) -> Tensor | None
     rows = rows.clamp(max=p.shape[0] - 1)
     if info.layout is not None:  # stored permuted: the logical row decides the member
         rows = info.layout.ownership(p.shape[0]).logical_id(rows)
-    seg = torch.zeros_like(rows)
-    for _, first, _ in info.members[1:]:
-        seg = seg + (rows >= first).to(torch.int64)
-    return seg
+    bounds = boundaries(info.members, rows.device)
+    if rows.device.type == "xla":
+        return members_by_compare(rows, bounds)
+    return members_by_search(rows, bounds)
 
 
 def clip_members(g: Tensor, seg: Tensor, members: int, clipnorm: float) -> Tensor:

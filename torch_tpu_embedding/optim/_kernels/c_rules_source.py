@@ -7,7 +7,9 @@ only the text). Each function takes a table's distinct touched ids, sorted, and 
 contributions are (:class:`~.row_sums.RowSums`: ``offsets``, ``cols``, ``weights``, ``src``), and for each id
 in turn sums its contributions (each ``weight · row`` rounded, then added in lookup order from 0, as
 :meth:`.RowSums.rows` does) and applies the rule to its weight row and slot rows in place, the rows a few ids
-ahead prefetched: the rows are scattered over a large table, and a random row is a cache (and TLB) miss.
+ahead prefetched: the rows are scattered over a large table, and a random row is a cache (and TLB) miss. Each loop
+prefetches at two distances: :data:`PREFETCH_FAR` ids ahead into the second-level cache, which takes more lines in
+flight than the first, and :data:`PREFETCH_ROWS` ahead into the first (for writing, where the loop writes).
 
 Each product and sum is rounded once, in the order of the rule's torch expression (``-ffp-contract=off``: no
 FMA), so Adam's update is bitwise the rule's; RowWiseAdagrad's mean of ``g²`` over a row is summed in 16
@@ -16,14 +18,19 @@ lanes (torch's sum has its own vectorised order), within a rounding of the rule'
 
 from __future__ import annotations
 
-__all__ = ["JOIN_IDS", "PREFETCH_ROWS", "SOURCE"]
+__all__ = ["JOIN_IDS", "PREFETCH_FAR", "PREFETCH_ROWS", "SOURCE"]
 
-#: distinct ids ahead whose rows are prefetched (4, 8 and 16 measured alike on an AMD EPYC; none 1.5× slower)
+#: distinct ids ahead whose rows are prefetched into the first-level cache (4, 8 and 16 measured alike on an AMD EPYC;
+#: none 1.5× slower)
 PREFETCH_ROWS = 8
+#: distinct ids ahead whose rows are prefetched into the second-level cache, which takes more lines in flight than the
+#: first, so more misses overlap: the gather 10% and the row loops 7% faster on an AMD EPYC; 16, 32 and 64 alike
+#: (docs/benchmarks.md)
+PREFETCH_FAR = 32
 #: ids of one feature a stacked group's join handles at a time (4 KiB of int64), and the widest bag it takes
 JOIN_IDS = 512
 
-SOURCE = f"#define TTE_AHEAD {PREFETCH_ROWS}\n#define TTE_JOIN_IDS {JOIN_IDS}\n" + r"""
+SOURCE = f"#define TTE_AHEAD {PREFETCH_ROWS}\n#define TTE_FAR {PREFETCH_FAR}\n#define TTE_JOIN_IDS {JOIN_IDS}\n" + r"""
 #include <math.h>
 #include <string.h>
 /* The lines of bytes at ptr prefetched, for writing (rw 1) or reading (rw 0). */
@@ -31,6 +38,13 @@ SOURCE = f"#define TTE_AHEAD {PREFETCH_ROWS}\n#define TTE_JOIN_IDS {JOIN_IDS}\n"
   do {                                                                                  \
     const char *at_ = (const char *)(ptr);                                              \
     for (int64_t b_ = 0; b_ < (int64_t)(bytes); b_ += 64) __builtin_prefetch(at_ + b_, rw, 3); \
+  } while (0)
+
+/* The lines of bytes at ptr prefetched for reading into the second-level cache (locality 2: prefetcht1 on x86). */
+#define TTE_PREFETCH_FAR(ptr, bytes)                                                    \
+  do {                                                                                  \
+    const char *at_ = (const char *)(ptr);                                              \
+    for (int64_t b_ = 0; b_ < (int64_t)(bytes); b_ += 64) __builtin_prefetch(at_ + b_, 0, 2); \
   } while (0)
 
 /* The gradient rows of the id TTE_AHEAD ahead of u (its first 4 contributions), prefetched for reading. */
@@ -104,6 +118,11 @@ int tte_rowwise_adagrad_rows(float *restrict p, float *restrict acc, int64_t row
   const float lr = hp[0], eps = hp[1], wd = hp[2];
   const int64_t full = d - d % 16;
   for (int64_t u = 0; u < n; ++u) {
+    if (u + TTE_FAR < n) {
+      const int64_t a = ids[u + TTE_FAR];
+      TTE_PREFETCH_FAR(p + a * d, d * 4);
+      __builtin_prefetch(acc + a, 0, 2);
+    }
     if (u + TTE_AHEAD < n) {
       const int64_t a = ids[u + TTE_AHEAD];
       TTE_PREFETCH(p + a * d, d * 4, 1);
@@ -142,6 +161,12 @@ int tte_adam_rows(float *restrict p, float *restrict mom, float *restrict vel, i
   const float lr = hp[0], b1 = hp[1], c1 = hp[2], b2 = hp[3], c2 = hp[4], eps = hp[5];
   const int inside = hp[6] != 0.0f;
   for (int64_t u = 0; u < n; ++u) {
+    if (u + TTE_FAR < n) {
+      const int64_t a = ids[u + TTE_FAR];
+      TTE_PREFETCH_FAR(p + a * d, d * 4);
+      TTE_PREFETCH_FAR(mom + a * d, d * 4);
+      TTE_PREFETCH_FAR(vel + a * d, d * 4);
+    }
     if (u + TTE_AHEAD < n) {
       const int64_t a = ids[u + TTE_AHEAD];
       TTE_PREFETCH(p + a * d, d * 4, 1);
@@ -178,6 +203,7 @@ int tte_gather_rows(char *restrict out, const char *restrict p, int64_t rows, in
   for (int64_t k = 0; k < n; ++k)
     if (ids[k] < 0 || ids[k] >= rows) return -1;
   for (int64_t k = 0; k < n; ++k) {
+    if (k + TTE_FAR < n) TTE_PREFETCH_FAR(p + ids[k + TTE_FAR] * row_bytes, row_bytes);
     if (k + TTE_AHEAD < n) TTE_PREFETCH(p + ids[k + TTE_AHEAD] * row_bytes, row_bytes, 0);
     memcpy(out + k * row_bytes, p + ids[k] * row_bytes, (size_t)row_bytes);
   }

@@ -134,5 +134,7 @@ def test_a_steady_stacked_step_dispatches_as_many_ops_at_100_tables_as_at_4(
     """The meta device stands in for an accelerator (the static-shape path, tests/optim/test_sync_free_step.py)."""
     monkeypatch.setattr(plan, "check_not_meta", lambda *args: None)
     counts = {t: _steady_ops(t, cfg.make, device) for t in (4, 100)}
-    assert counts[100] == counts[4], {t: sum(c.values()) for t, c in counts.items()}
+    totals = {t: sum(c.values()) for t, c in counts.items()}
+    print(f"{cfg} on {device}: ops in six steady steps at 4 and 100 tables {totals}")
+    assert counts[100] == counts[4], totals
     assert counts[4]["searchsorted"] >= 1  # (the members were asked for)

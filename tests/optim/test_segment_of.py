@@ -8,7 +8,8 @@ host, one compare against every boundary and its sum. Checked here: both forms a
 groups against each member's row range, the boundaries made once per group and device, and the ops of a steady stacked
 step the same at 4 and 100 tables (the meta device: the accelerator's static-shape path). The XLA form runs in
 tests/xla/test_stacked_xla.py (stacked on XLA == unstacked on the CPU, no host fallback) and, sharded,
-tests/xla_spmd/test_stacked_spmd.py.
+tests/xla_spmd/test_stacked_spmd.py, which also covers the rows of a sharded group (``owned``: shard-local rows,
+device-major) and of one stored permuted (``layout``).
 """
 
 from __future__ import annotations
@@ -89,9 +90,13 @@ def test_boundaries_are_made_once_per_group_and_device() -> None:
     first = boundaries(info.members, torch.device("cpu"))
     assert first.tolist() == [4, 10]
     assert boundaries(info.members, torch.device("cpu")) is first  # no tensor made nor moved at later steps
-    assert boundaries(info.members, torch.device("meta")) is not first
+    on_meta = boundaries(info.members, torch.device("meta"))
+    assert on_meta.device.type == "meta" and on_meta.shape == (2,) and on_meta.dtype == torch.int64
+    assert boundaries(info.members, torch.device("meta")) is on_meta
     equal = tuple(list(info.members))  # an equal tuple of another group: its own entry, the same values
-    assert equal is not info.members and boundaries(equal, torch.device("cpu")).tolist() == [4, 10]
+    assert equal is not info.members
+    other = boundaries(equal, torch.device("cpu"))
+    assert other is not first and other.tolist() == [4, 10]
 
 
 class _CountOps(TorchDispatchMode):

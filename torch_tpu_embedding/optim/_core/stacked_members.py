@@ -65,7 +65,8 @@ _BOUNDS: dict[tuple[int, torch.device], tuple[tuple[Any, ...], Tensor]] = {}
 
 def boundaries(members: tuple[Any, ...], device: torch.device) -> Tensor:
     """The first logical row of every member of a group but the first, ascending: ``int64 [members - 1]`` on
-    ``device``, made and moved once per group and device (not at every step), kept while the group lives."""
+    ``device``, made and moved once per group and device (not at every step): kept by the identity of the group's
+    members tuple (held, so that no other tuple takes its id), for up to 256 groups and devices at a time."""
     firsts = [first for _, first, _ in members[1:]]
     if torch.compiler.is_compiling():  # (a constant of the graph)
         return torch.tensor(firsts, dtype=torch.int64, device=device)
@@ -81,7 +82,7 @@ def boundaries(members: tuple[Any, ...], device: torch.device) -> Tensor:
 def members_by_search(rows: Tensor, bounds: Tensor) -> Tensor:
     """The member of each logical row of ``rows`` (int64, any shape) of a group of member boundaries ``bounds``
     (:func:`boundaries`): how many boundaries are at or below the row, by one binary search per row."""
-    return torch.searchsorted(bounds, rows, right=True)
+    return torch.searchsorted(bounds, rows.contiguous(), right=True)  # (it warns on strided rows; clamp keeps strides)
 
 
 def members_by_compare(rows: Tensor, bounds: Tensor) -> Tensor:

@@ -11,7 +11,8 @@ multiplied out, have no gain: ``f · g`` is added). Nothing ``[n, D]`` is writte
 once, and the table rows a few ids ahead are prefetched, at two distances as :mod:`.c_rules_source`'s loops do (the
 rows are scattered over a large table: each is a cache miss). Measured at one thread, a 1 GB table: 4 pieces of
 4,096 ids of 64 floats, 0.49–0.57 ms against 0.9–1.0 ms for the same loop compiled by inductor and 1.3 ms for the
-increments and ``index_add_``; the SGD step at 20 ids per bag 62–64 → 40–41 ms (docs/benchmarks.md).
+increments and ``index_add_``; the SGD step at 20 ids per bag 62–64 → 40–41 ms (docs/benchmarks.md; measured with
+the first-level prefetch alone, before the second distance was added).
 
 The loop (source in :mod:`.c_add_source`) is in the kernels' one C library (:mod:`.c_library`: its compiler,
 flags and verified kernel cache).

@@ -196,8 +196,9 @@ int tte_adam_rows(float *restrict p, float *restrict mom, float *restrict vel, i
   return 0;
 }
 
-/* out[k] = table row ids[k] for k in [0, n), rows of row_bytes bytes (any dtype: a copy), the row TTE_AHEAD ids
-   ahead prefetched for reading. -1 (nothing written) if an id is outside [0, rows). */
+/* out[k] = table row ids[k] for k in [0, n), rows of row_bytes bytes (any dtype: a copy), the rows TTE_FAR ids
+   ahead (into the second-level cache) and TTE_AHEAD ids ahead (into the first) prefetched for reading. -1 (nothing
+   written) if an id is outside [0, rows). */
 int tte_gather_rows(char *restrict out, const char *restrict p, int64_t rows, int64_t row_bytes,
                     const int64_t *restrict ids, int64_t n) {
   for (int64_t k = 0; k < n; ++k)

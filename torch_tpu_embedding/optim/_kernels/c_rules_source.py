@@ -24,8 +24,8 @@ __all__ = ["JOIN_IDS", "PREFETCH_FAR", "PREFETCH_ROWS", "SOURCE"]
 #: none 1.5× slower)
 PREFETCH_ROWS = 8
 #: distinct ids ahead whose rows are prefetched into the second-level cache, which takes more lines in flight than the
-#: first, so more misses overlap: the gather 10% and the row loops 7% faster on an AMD EPYC; 16, 32 and 64 alike
-#: (docs/benchmarks.md)
+#: first, so more misses overlap: on an AMD EPYC the gather 9–15%, RowWiseAdagrad's loop 2–15% and Adam's 25–33%
+#: faster (three arrays of rows in flight); 16, 32 and 64 alike (docs/benchmarks.md)
 PREFETCH_FAR = 32
 #: ids of one feature a stacked group's join handles at a time (4 KiB of int64), and the widest bag it takes
 JOIN_IDS = 512

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 from optim_registry import STACKED, cases
-from torch.utils._python_dispatch import TorchDispatchMode
+from test_stacked_groups import _CountOps
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding._rows.tables import table_info
@@ -97,16 +97,6 @@ def test_boundaries_are_made_once_per_group_and_device() -> None:
     assert equal is not info.members
     other = boundaries(equal, torch.device("cpu"))
     assert other is not first and other.tolist() == [4, 10]
-
-
-class _CountOps(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.counts[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _steady_ops(tables: int, make: Any, device: str) -> collections.Counter[str]:

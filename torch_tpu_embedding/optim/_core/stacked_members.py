@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -30,7 +30,23 @@ __all__ = ["boundaries", "check_created", "clip_members", "created_member_slots"
 Tensor = torch.Tensor
 
 
-#: each group's member rows by the identity of its members tuple (asked at every step; the tuple never changes)
+_T = TypeVar("_T")
+
+
+def _kept(cache: dict[Any, tuple[tuple[Any, ...], _T]], key: Any, members: tuple[Any, ...],
+          make: Callable[[], _T]) -> _T:
+    """``cache[key]``'s value, made by ``make()`` the first time: asked at every step, for a group's members tuple
+    (which never changes). The entry holds the tuple, so that no other tuple takes its id while it is kept; the
+    cache keeps up to 256 entries at a time (collections come and go in a long process)."""
+    known = cache.get(key)
+    if known is None or known[0] is not members:
+        if len(cache) >= 256:
+            cache.clear()
+        known = cache[key] = (members, make())
+    return known[1]
+
+
+#: each group's member rows, by the identity of its members tuple (:func:`_kept`)
 _ROWS: dict[int, tuple[tuple[Any, ...], tuple[int, ...]]] = {}
 
 
@@ -42,12 +58,7 @@ def member_rows(p: Tensor) -> tuple[int, ...]:
         return ()
     if torch.compiler.is_compiling():  # (traced once per graph: no cache to keep)
         return tuple(n for _, _, n in members)
-    known = _ROWS.get(id(members))
-    if known is None or known[0] is not members:
-        if len(_ROWS) >= 256:  # (a bound: collections come and go in a long process)
-            _ROWS.clear()
-        known = _ROWS[id(members)] = (members, tuple(n for _, _, n in members))
-    return known[1]
+    return _kept(_ROWS, id(members), members, lambda: tuple(n for _, _, n in members))
 
 
 def member_specs(p: Tensor, out: Mapping[str, SlotSpec]) -> dict[str, SlotSpec]:
@@ -65,18 +76,13 @@ _BOUNDS: dict[tuple[int, torch.device], tuple[tuple[Any, ...], Tensor]] = {}
 
 def boundaries(members: tuple[Any, ...], device: torch.device) -> Tensor:
     """The first logical row of every member of a group but the first, ascending: ``int64 [members - 1]`` on
-    ``device``, made and moved once per group and device (not at every step): kept by the identity of the group's
-    members tuple (held, so that no other tuple takes its id), for up to 256 groups and devices at a time."""
-    firsts = [first for _, first, _ in members[1:]]
+    ``device``, made and moved once per group and device (not at every step), kept as :func:`_kept` keeps it."""
+    def made(on: torch.device) -> Tensor:
+        return torch.tensor([first for _, first, _ in members[1:]], dtype=torch.int64, device=on)
+
     if torch.compiler.is_compiling():  # (a constant of the graph)
-        return torch.tensor(firsts, dtype=torch.int64, device=device)
-    key = (id(members), device)
-    known = _BOUNDS.get(key)
-    if known is None or known[0] is not members:
-        if len(_BOUNDS) >= 256:  # (a bound: collections come and go in a long process)
-            _BOUNDS.clear()
-        known = _BOUNDS[key] = (members, upload(torch.tensor(firsts, dtype=torch.int64), device))
-    return known[1]
+        return made(device)
+    return _kept(_BOUNDS, (id(members), device), members, lambda: upload(made(torch.device("cpu")), device))
 
 
 def members_by_search(rows: Tensor, bounds: Tensor) -> Tensor:

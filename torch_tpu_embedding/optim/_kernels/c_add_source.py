@@ -6,12 +6,10 @@ checks everything the loop is handed (it trusts its pointers).
 
 from __future__ import annotations
 
-__all__ = ["PREFETCH", "PREFETCH_FAR", "SOURCE"]
+# (the prefetch distances of every loop of the library, defined once)
+from torch_tpu_embedding.optim._kernels.c_rules_source import PREFETCH_FAR, PREFETCH_ROWS
 
-#: ids ahead whose table row is prefetched (4, 8 and 16 measured alike; none is 10-15% slower)
-PREFETCH = 8
-#: ids ahead whose table row is prefetched into the second-level cache first (as :mod:`.c_rules_source`'s loops do)
-PREFETCH_FAR = 32
+__all__ = ["SOURCE"]
 
 SOURCE = r"""
 #include <stdint.h>
@@ -49,4 +47,4 @@ int tte_add_rows(float *restrict p, int64_t rows, int64_t d, const int64_t *rest
   }
   return 0;
 }
-""" % {"ahead": PREFETCH, "far": PREFETCH_FAR}
+""" % {"ahead": PREFETCH_ROWS, "far": PREFETCH_FAR}

@@ -21,7 +21,7 @@ from __future__ import annotations
 __all__ = ["JOIN_IDS", "PREFETCH_FAR", "PREFETCH_ROWS", "SOURCE"]
 
 #: distinct ids ahead whose rows are prefetched into the first-level cache (4, 8 and 16 measured alike on an AMD EPYC;
-#: none 1.5× slower)
+#: none 1.5× slower), here and in SGD's add loop (:mod:`.c_add_source`)
 PREFETCH_ROWS = 8
 #: distinct ids ahead whose rows are prefetched into the second-level cache, which takes more lines in flight than the
 #: first, so more misses overlap: on an AMD EPYC the gather 9–15%, RowWiseAdagrad's loop 2–15% and Adam's 25–33%

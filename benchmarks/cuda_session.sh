@@ -5,8 +5,8 @@
 #
 # 1. benchmarks/cuda_step.py: every optimizer against torch's sparse ones and the step's memory floor, each
 #    steady step once more under set_sync_debug_mode("error"); each step's kernels under torch.profiler
-#    ($OUT/cuda_profile.txt). Adafactor twice: its per-table sums spread over lanes, and by plain index_add
-#    (adafactor_index_add), the path before.
+#    ($OUT/cuda_profile.txt). Adafactor three times: compiled (adafactor), uncompiled with its per-table sums
+#    spread over lanes (adafactor_rows), and uncompiled by plain index_add (adafactor_index_add), the path before.
 #    benchmarks/id_join.py: the host's join of the step's ids, the C pass (into pinned memory) against torch's ops.
 # 2. tests/package/test_cuda.py: every optimizer trains on CUDA as on the CPU; steady steps with host ids pass
 #    torch.cuda.set_sync_debug_mode("error") on the reference path and on the compiled (Triton) one; a GPU

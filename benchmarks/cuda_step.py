@@ -16,9 +16,11 @@ measured — ``index_select`` of every looked-up row of every table into a buffe
 distinct ones back (weights only, no optimizer slots) at torch's own kernels' speed. Times: CUDA events
 around each step, median (p10–p90) of ``--iters`` steps after 5 warm-up steps (past ``TTE_KERNEL_AFTER``,
 set to 2 here). Then each steady step of ours once more under ``torch.cuda.set_sync_debug_mode("error")``:
-"sync-free" or the error it raised (a host–device sync). ``adafactor_index_add`` is Adafactor again with its
-per-table sums by plain ``index_add`` (CUDA's atomic adds on a few addresses), the path before they were spread over
-lanes (``contract.spreads``), for the two in one run.
+"sync-free" or the error it raised (a host–device sync). Adafactor three times: ``adafactor`` is its compiled
+update (``Path.KERNEL``, one kernel, since 2026-11-30); ``adafactor_rows`` the uncompiled one it replaced
+(``Path.ROWS``, some fifteen element-wise passes over ``[N, D]``), its per-table sums spread over lanes
+(``contract.spreads``); ``adafactor_index_add`` that path with the sums by plain ``index_add`` (CUDA's atomic adds
+on a few addresses), as before the lanes: each change measured in one run.
 
 Goals (printed, not asserted): SGD, Adagrad and LazyAdam ≤ 0.5× torch's sparse SGD, Adagrad and
 SparseAdam; every optimizer ≤ 4× the floor; every steady step sync-free. Record the GPU, torch version and
@@ -39,10 +41,12 @@ import torch
 
 OURS = {"sgd": ("SGD", {}), "adagrad": ("Adagrad", {}), "lazyadam": ("LazyAdam", {}), "adam": ("Adam", {}),
         "ftrl": ("FTRL", {}), "rowwise_adagrad": ("RowWiseAdagrad", {}), "adagrad_momentum": ("AdagradMomentum", {}),
-        "adafactor": ("Adafactor", {}), "adafactor_index_add": ("Adafactor", {})}
+        "adafactor": ("Adafactor", {}), "adafactor_rows": ("Adafactor", {}), "adafactor_index_add": ("Adafactor", {})}
 #: run with a stacked group's per-member sums by plain ``index_add`` (atomic adds on CUDA), as before they were
 #: spread over lanes there (``optim/_core/contract.py``, ``spreads``): the two measured in the same run
 INDEX_ADD = {"adafactor_index_add"}
+#: run without the compiled update (``Path.ROWS``, the reference path), as Adafactor ran before it had one
+UNCOMPILED = {"adafactor_rows", "adafactor_index_add"}
 PEERS = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "lazyadam": torch.optim.SparseAdam}
 
 
@@ -148,8 +152,9 @@ def main() -> None:
     os.environ.setdefault("TTE_KERNEL_AFTER", "2")
     import torch_tpu_embedding as tte
     from torch_tpu_embedding.optim._core import contract
+    from torch_tpu_embedding.optim._kernels import kernel_policy
 
-    chosen = contract.spreads
+    chosen, compiled = contract.spreads, kernel_policy.enabled()
 
     dev = torch.device(args.device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (smoke test: no GPU figures)"
@@ -171,6 +176,7 @@ def main() -> None:
         ec = tte.EmbeddingCollection(features, device=dev)
         opt = getattr(tte.optim, cls_name)(ec.parameters(), lr=0.01, **kw)
         contract.spreads = _never if opt_name in INDEX_ADD else chosen  # (set for every run: none inherits it)
+        kernel_policy.set_enabled(compiled and opt_name not in UNCOMPILED)
         inputs = [{f: tte.Padded(b[f]) for f in names} for b in ring]
 
         def ours(i: int, ec: Any = ec, opt: Any = opt, inputs: Any = inputs) -> None:

@@ -92,7 +92,6 @@ TARGETS: dict[str, Target] = {
         noaccum=True,
     ),
     KERNEL_PATH: Target(
-        requires="per_row_rule",
         extras={
             # one compiled kernel per configuration: the options together, not one by one
             "options": {"clipvalue": 0.05, "weight_decay_factor": 0.05,
@@ -653,13 +652,18 @@ ADAFACTOR_INFO = OptimizerInfo(
             keras_rule=lambda shapes, kw: AdafactorRule(shapes, beta_2_decay=kw["beta_2_decay"],
                                                         epsilon_2=kw["epsilon_2"], clip_threshold=kw["clip_threshold"]),
             extra_shapes=[(2, 3, 4)]),  # factored over the last two dims of a rank-3 parameter
-        _in("adafactor", {"lr": 0.1}, GENERIC, XLA, XLA_COMPILE, CKPT_MATRIX, XLA_STACKED),
+        _in("adafactor", {"lr": 0.1}, GENERIC, XLA, XLA_COMPILE, CKPT_MATRIX, XLA_STACKED, KERNEL_PATH),
         # per-table statistics and a per-table clip norm inside a group, accumulation's gate on the rows
         _in("adafactor-clipnorm-accum", {"lr": 0.1, "clipnorm": 0.05, "gradient_accumulation_steps": 2}, XLA_STACKED),
         # the update clip binds, ρ = min(η, 1/√t) is off (so η > 1/√t shows), decay, a larger ε2 floor
         _in("adafactor-clip-decay-steps", {"lr": 0.7, "clip_threshold": 0.3, "weight_decay": 0.05,
                                            "relative_step": False, "epsilon_2": 0.5, "beta_2_decay": -0.5}, GENERIC),
         _in("adafactor-bf16-rows", {"lr": 0.1, "row_stat_dtype": torch.bfloat16}, XLA),
+        # the compiled update with the options it reads (one kernel): its clip binds, ρ off, decay, the gate, the
+        # average (a 16-bit row_stat_dtype keeps the reference path: tests/optim/test_kernel_update.py)
+        _in("adafactor-options", {"lr": 0.7, "clip_threshold": 0.3, "weight_decay": 0.05, "relative_step": False,
+                                  "clipvalue": 0.05, "use_ema": True, "ema_momentum": 0.8, "skip_nonfinite": True,
+                                  "loss_scale_factor": 4.0}, KERNEL_PATH),
         _in("adafactor-ema-overwrite-gclip", {"lr": 0.1, "use_ema": True, "ema_momentum": 0.8,
                                               "ema_overwrite_frequency": 2, "global_clipnorm": 0.5}, XLA),
         _in("adafactor-ema-accum", {"lr": 0.1, "use_ema": True, "ema_momentum": 0.9, "gradient_accumulation_steps": 3,

@@ -21,7 +21,7 @@ from optim_registry import KERNEL_PATH, OptimizerConfig, cases
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding._rows.tables import table_info
-from torch_tpu_embedding.optim._core import update_paths
+from torch_tpu_embedding.optim._core import base, update_paths
 from torch_tpu_embedding.optim._core.update_paths import Path, choose_path
 from torch_tpu_embedding.optim._kernels import kernel_policy, row_update
 
@@ -71,8 +71,6 @@ def model(cfg: OptimizerConfig, dtype: torch.dtype) -> tuple[tte.EmbeddingCollec
 
 def step(ec: tte.EmbeddingCollection, head: torch.nn.Linear, opt: Any, s: int, scale: float, kernel: bool) -> list[Path]:
     """One training call on batch ``s``; the paths its updates took."""
-    from torch_tpu_embedding.optim._core import base
-
     g = torch.Generator().manual_seed(s)
     ids = torch.randint(0, 300, (40, 5), generator=g)
     out = ec({"a": tte.Padded(ids, ids % 7 != 0), "b": torch.randint(0, 300, (40,), generator=g)})
@@ -128,7 +126,8 @@ def run_lockstep(cfg: OptimizerConfig, dtype: torch.dtype = torch.float32, steps
         want = step(*ref, s, scale, kernel=False)
         if (s + 1) % k == 0:
             assert Path.KERNEL in got or s == 0 and cfg.kwargs.get("use_gradient_accumulation") is False, got
-            assert Path.KERNEL not in want and Path.ROW_CHUNKS in want, want
+            # (the reference of a rule with statistics over rows is one pass, ROWS)
+            assert Path.KERNEL not in want and (Path.ROW_CHUNKS in want or Path.ROWS in want), want
         assert_same(kernel, ref, f"call {s}")
         pairs = list(zip(_tensors(*kernel), _tensors(*ref), strict=True))
         bitwise += all(torch.equal(a, b) and all(torch.equal(sa[n], sb[n]) for n in sa)
@@ -157,15 +156,20 @@ def test_16_bit_table_kernel_equals_reference() -> None:
 
 
 @needs_compiler
-def test_compiles_once_over_50_steps_of_changing_batches(kernel_on: None) -> None:
-    """Batch size, bag widths and the number of distinct ids change every step: one kernel, one graph."""
+@pytest.mark.parametrize("name", ["adagrad", "adafactor-stacked"])
+def test_compiles_once_over_50_steps_of_changing_batches(kernel_on: None, name: str) -> None:
+    """Batch size, bag widths and the number of distinct ids change every step: one kernel, one graph. Adafactor on a
+    stacked group of two tables: its statistics per member table, over however many rows a step touches."""
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
     t = tte.TableConfig(1000, 8, name="t", combiner="mean")
-    ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(t), "g": tte.FeatureConfig(t, max_ids_per_bag=9)})
+    u = tte.TableConfig(1000, 8, name="u", combiner="mean") if name == "adafactor-stacked" else t
+    ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(t), "g": tte.FeatureConfig(u, max_ids_per_bag=9)})
     # (Adagrad: RowWiseAdagrad and Adam run the fused C loop, tests/optim/test_c_rules.py, and compile nothing)
-    opt = tte.optim.Adagrad(ec.parameters(), lr=0.01, initial_accumulator_value=0.3)  # (a configuration of its own)
+    opt = tte.optim.Adagrad(ec.parameters(), lr=0.01, initial_accumulator_value=0.3) if name == "adagrad" \
+        else tte.optim.Adafactor(ec.parameters(), lr=0.01, epsilon_2=0.02)  # (configurations of their own)
+    assert len(list(ec.parameters())) == 1
     gen = torch.Generator().manual_seed(2)
     kernels, graphs = row_update.compiled_kernels(), counters["stats"]["unique_graphs"]
     sizes = set()
@@ -181,6 +185,7 @@ def test_compiles_once_over_50_steps_of_changing_batches(kernel_on: None) -> Non
     assert len(sizes) > 40
     assert row_update.compiled_kernels() - kernels == 1
     assert counters["stats"]["unique_graphs"] - graphs == 1
+    assert not any(p in row_update._REFERENCE_ONLY for p in ec.parameters())  # every step ran the kernel
 
 
 @needs_compiler
@@ -315,13 +320,15 @@ def test_without_a_cxx_compiler_one_warning_and_the_reference_path(monkeypatch: 
 
 
 @needs_compiler
-@pytest.mark.parametrize("clipnorm", [None, 0.05], ids=["plain", "clipnorm"])
-def test_stacked_table_group_and_state_dict_equal_the_reference_path(clipnorm: float | None) -> None:
-    """Two tables in one stacked group (``stack_tables=True``), LazyAdam, the kernel update and the reference
-    path in lockstep (as :func:`run_lockstep`): after every call the same ``state_dict`` keys and
-    structure, values within 1e-6. ``clipnorm`` binds (gradient norms far above 0.05) and clips each
-    table of the group by its own norm on both paths."""
-    cfg = next(c for c in cases(KERNEL_PATH) if c.id == "lazy_adam")
+@pytest.mark.parametrize(("name", "clipnorm"), [("lazy_adam", None), ("lazy_adam", 0.05), ("adafactor", None),
+                                                ("adafactor", 0.05)], ids=["plain", "clipnorm", "adafactor",
+                                                                            "adafactor-clipnorm"])
+def test_stacked_table_group_and_state_dict_equal_the_reference_path(name: str, clipnorm: float | None) -> None:
+    """Two tables in one stacked group (``stack_tables=True``), LazyAdam or Adafactor (its statistics per member
+    table), the kernel update and the reference path in lockstep (as :func:`run_lockstep`): after every call the
+    same ``state_dict`` keys and structure, values within 1e-6. ``clipnorm`` binds (gradient norms far above 0.05)
+    and clips each table of the group by its own norm on both paths."""
+    cfg = next(c for c in cases(KERNEL_PATH) if c.id == name)
     if clipnorm is not None:
         cfg = dataclasses.replace(cfg, kwargs={**cfg.kwargs, "clipnorm": clipnorm})
 
@@ -341,10 +348,19 @@ def test_stacked_table_group_and_state_dict_equal_the_reference_path(clipnorm: f
             out = ec({"a": tte.Padded(ids, ids % 5 != 0), "b": torch.randint(0, 120, (30,), generator=g)})
             (out["a"] * out["b"]).square().sum().backward()
             before = kernel_policy.set_enabled(kernel)
+            real, ran = update_paths.update, []
+
+            def spy(item: Any, ran: list[Path] = ran, real: Any = real) -> None:
+                real(item)
+                ran.append(item.path)
+
+            base.update = spy  # type: ignore[assignment]
             try:
                 opt.step()
             finally:
+                base.update = real  # type: ignore[assignment]
                 kernel_policy.set_enabled(before)
+            assert ran == [Path.KERNEL if kernel else Path.ROWS if name == "adafactor" else Path.ROW_CHUNKS], ran
             opt.zero_grad()
         (ec_f, opt_f), (ec_r, opt_r) = [(ec.state_dict(), opt.state_dict()) for ec, opt in runs.values()]
         assert ec_f.keys() == ec_r.keys()
@@ -363,6 +379,14 @@ def test_stacked_table_group_and_state_dict_equal_the_reference_path(clipnorm: f
                 a.copy_(b)
                 for n, v in opt_a.state[a].items():
                     v.copy_(opt_b.state[b][n])
+
+
+def test_a_16_bit_statistic_keeps_the_reference_path() -> None:
+    """Adafactor's ``r`` stored in 16 bits is rounded and read again inside its rule, a round trip inductor's kernel
+    would keep in float32: that configuration takes the reference path (``Path.ROWS``), the plain one the kernel."""
+    cfg = next(c for c in cases(KERNEL_PATH) if c.id == "adafactor")
+    assert _path_of(cfg) is Path.KERNEL
+    assert _path_of(dataclasses.replace(cfg, kwargs={**cfg.kwargs, "row_stat_dtype": torch.bfloat16})) is Path.ROWS
 
 
 @needs_compiler
@@ -391,7 +415,7 @@ def test_a_recompile_limit_hit_later_sends_that_table_to_the_reference_path(monk
 
 
 @needs_compiler
-@pytest.mark.parametrize("name", ["adagrad", "rowwise_adagrad", "lazy_adam"])
+@pytest.mark.parametrize("name", ["adagrad", "rowwise_adagrad", "lazy_adam", "adafactor"])
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
 @pytest.mark.parametrize("chunk", [None, 3], ids=["one-range", "ranges-of-3"])
 @pytest.mark.parametrize("weighted", [True, False], ids=["weights", "no-weights"])
@@ -402,8 +426,9 @@ def test_summed_rows_by_range_equal_the_reference_path(name: str, combiner: str,
     features on one table (bags of up to 6 ids with per-id weights, or without (one gain per bag, applied
     once per bag), heavy duplicates and empty bags; one
     id per bag; a jagged feature, whose rows arrive multiplied out), every combiner; ``ranges-of-3``: the
-    kernel runs on ranges of 3 ids (a last range of 1 id joins the one before), as on 16,384 at full size. Each
-    call starts from the reference's state (last-bit differences of the sums are not carried on)."""
+    kernel runs on ranges of 3 ids (a last range of 1 id joins the one before), as on 16,384 at full size; Adafactor,
+    whose statistics span the rows, in one call all the same. Each call starts from the reference's state (last-bit
+    differences of the sums are not carried on)."""
     if chunk is not None:
         monkeypatch.setattr(row_update, "chunk_rows", lambda dim: chunk)
         assert row_update._spans(22, 7) == [(0, 7), (7, 14), (14, 22)]  # 1 left over: joined
@@ -447,7 +472,7 @@ def test_summed_rows_by_range_equal_the_reference_path(name: str, combiner: str,
                 monkeypatch.setattr("torch_tpu_embedding.optim._core.base.update", real)
             opt.zero_grad()
             ran[kernel] = set(paths)
-        assert ran == {True: {Path.KERNEL}, False: {Path.ROW_CHUNKS}}, ran
+        assert ran == {True: {Path.KERNEL}, False: {Path.ROWS if name == "adafactor" else Path.ROW_CHUNKS}}, ran
         pairs = zip(*[[(p.detach(), dict(opt.state[p])) for p in ec.parameters()] for ec, opt in runs.values()],
                     strict=True)
         for (a, sa), (b, sb) in pairs:

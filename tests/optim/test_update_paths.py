@@ -79,15 +79,15 @@ def test_sparse_coo_grad_takes_the_row_paths(monkeypatch: pytest.MonkeyPatch) ->
 @pytest.mark.parametrize("cls, kwargs, which, expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_with_kernel_updates_on_the_row_chunk_cases_take_kernel(cls: Any, kwargs: dict[str, Any], which: str,
                                                               expected: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``TTE_UPDATE_KERNEL`` on (the suite runs with it off, tests/conftest.py): every eager per-row
-    update with summed rows is ``KERNEL``; the other paths do not change. tests/optim/test_kernel_update.py
-    steps each optimizer on it."""
+    """``TTE_UPDATE_KERNEL`` on (the suite runs with it off, tests/conftest.py): every eager update with summed
+    rows is ``KERNEL``, in chunks (per-row rules) or in one pass (Adafactor); the other paths do not change.
+    tests/optim/test_kernel_update.py steps each optimizer on it."""
 
     monkeypatch.setattr(kernel_policy, "_ENABLED", True)
     ec, head = model()
     opt = cls([*ec.parameters(), *head.parameters()], **kwargs)
     p = ec.tables.t.weight if which == "table" else head.weight
-    want = Path.KERNEL if expected is Path.ROW_CHUNKS else expected
+    want = Path.KERNEL if expected in (Path.ROW_CHUNKS, Path.ROWS) else expected
     assert choose_path(p, opt.param_groups[0], row_grad=which == "table") is want
     if which == "table":
         ec16 = tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(10, 3, name="h", dtype=torch.bfloat16))})

@@ -14,15 +14,16 @@ only in which rows they hand it and how the results are written back:
                       old rows and the changes are added (exact for SGD, an approximation otherwise);
                       on an eager accelerator padding adds ``-0.0`` to the sink row (``sink_padding``)
 ``ROWS``              duplicates summed, the touched rows in one pass: XLA (one static-shape graph),
-                      rules with statistics over rows (Adafactor), and an eager accelerator's reference
-                      (no host read: ``N`` rows with a sentinel tail written through the sink row,
-                      ``_rows.dedup.sink_rows``)
-``KERNEL``            eager with a per-row rule: the same pipeline compiled into one kernel that
+                      the reference of rules with statistics over rows (Adafactor), and an eager
+                      accelerator's reference (no host read: ``N`` rows with a sentinel tail written
+                      through the sink row, ``_rows.dedup.sink_rows``)
+``KERNEL``            eager: the same pipeline compiled into one kernel that
                       reads and writes each touched row and its slots once; on the CPU the duplicate
                       sum done without multiplying the gradient out (:mod:`.row_update`), on an
                       accelerator the static ids of ``ROWS`` (nothing read on the host);
                       RowWiseAdagrad and Adam on CPU float32 tables: one C loop that also sums the
-                      duplicates, prefetching rows (:mod:`.c_rules`)
+                      duplicates, prefetching rows (:mod:`.c_rules`); a rule with statistics over rows
+                      (Adafactor) gets every row in one call
 ``ROW_CHUNKS``        eager with a per-row rule when ``KERNEL`` is off, cannot compile, or its
                       policy keeps the step here (the first calls, small tables: ``policy()``): the
                       touched rows in cache-sized chunks (the reference for ``KERNEL``)
@@ -55,6 +56,7 @@ from torch_tpu_embedding._rows.dedup import (
     sync_free,
     unique_ids,
 )
+from torch_tpu_embedding._rows.placement import process_group_placement
 from torch_tpu_embedding._rows.row_grad import BagRows
 from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
@@ -109,8 +111,17 @@ def choose_path(p: Tensor, group: Mapping[str, Any], *, row_grad: bool) -> Path:
         return Path.ADDITIVE
     if not group["use_gradient_accumulation"]:
         return Path.NO_DEDUP
-    if is_static_device(p.device) or _whole_slots(p, group):
+    if is_static_device(p.device):
         return Path.ROWS
+    if _whole_slots(p, group):
+        # Statistics over every touched row (Adafactor): one pass, compiled where it can be. Not a table split over
+        # a process group, whose sums over rows are also summed over the ranks (RowSpace.all_reduce); not with a
+        # 16-bit statistic (row_stat_dtype), which the rule rounds and reads again: inductor keeps the float32 value
+        # of such a round trip (its emulate_precision_casts fails to build on the CPU, torch 2.9).
+        specs = rule_of(group).slot_specs(tuple(p.shape), group, True).values()
+        compiled = kernel_policy.usable(p) and process_group_placement(p) is None \
+            and all(spec.dtype in (None, math_dtype(p)) for spec in specs)
+        return Path.KERNEL if compiled else Path.ROWS
     if kernel_policy.usable(p):  # (on an accelerator its kernel takes the static ids of ROWS: row_update.update)
         return Path.KERNEL
     return Path.ROWS if sync_free(p.device) else Path.ROW_CHUNKS
@@ -141,8 +152,10 @@ def update(item: Work) -> None:
             # the compiled kernel of the rule (row_update).
             if c_rules.update(item) or row_update.update(item):
                 return
-            # No compiled kernel: the reference path (an accelerator's keeps its static shapes)
-            item.path = Path.ROWS if sync_free(item.p.device) else Path.ROW_CHUNKS
+            # No compiled kernel: the reference path (an accelerator's keeps its static shapes; statistics over rows
+            # take every row at once)
+            one_pass = sync_free(item.p.device) or _whole_slots(item.p, item.group)
+            item.path = Path.ROWS if one_pass else Path.ROW_CHUNKS
         chunk = row_chunk()
         # Under torch.compile the count of touched rows is a symbol with no value to compare (and the
         # compiled code fuses the rule's passes anyway): one pass.

@@ -1,12 +1,17 @@
 """The kernel path of eager row updates (``Path.KERNEL``): one compiled kernel per optimizer configuration.
 
-On the CPU (an eager accelerator takes ``Path.ROWS``, which reads nothing on the host), the reference row
-path (``Path.ROW_CHUNKS``) gathers the weight and each slot separately, runs the rule as a dozen element-wise
-torch ops over ``[U, D]`` temporaries and scatters each array back. Here the same Python — gather →
-:func:`~.rule_pipeline.pipeline` (clipvalue, weight decay, the optimizer's own ``rule``, weight clipping) → the
-``skip_nonfinite`` gate → EMA → scatter — is compiled by ``torch.compile`` (inductor: C++/OpenMP loops) into
-one loop that reads each touched row of the weight and its slots once and writes them back once.
+On the CPU the reference row path (``Path.ROW_CHUNKS``) gathers the weight and each slot separately, runs the
+rule as a dozen element-wise torch ops over ``[U, D]`` temporaries and scatters each array back. Here the same
+Python — gather → :func:`~.rule_pipeline.pipeline` (clipvalue, weight decay, the optimizer's own ``rule``, weight
+clipping) → the ``skip_nonfinite`` gate → EMA → scatter — is compiled by ``torch.compile`` (inductor: C++/OpenMP
+loops; Triton on CUDA, where it takes the static ids of ``Path.ROWS`` and returns the rows to write) into one
+loop that reads each touched row of the weight and its slots once and writes them back once.
 The rule stays the one the XLA path traces and the numpy references mirror; nothing is rewritten.
+
+A rule with statistics over rows (Adafactor, whose ``c`` and ``r_sum`` are slots of the whole table) gets the
+context the reference path makes (which rows are real, how many per member table of a stacked group), every row
+in one call, and returns its whole-table slots, which :func:`update` copies: one kernel instead of some fifteen
+passes over ``[U, D]``.
 
 Shapes are dynamic (the number of touched rows, the table size), so a configuration compiles once
 (plus at most one more for a step with a single touched row, which dynamic shapes specialise); the
@@ -38,12 +43,14 @@ import torch.fx.experimental._config as fx_config
 from torch.utils.weak import WeakIdKeyDictionary
 
 from torch_tpu_embedding._rows.dedup import sink_rows, sinks_sentinel
+from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding._util.registry import RULE_KEY, rule_of
 from torch_tpu_embedding.optim._core.contract import RowContext, Slots
 from torch_tpu_embedding.optim._core.ema import ema_row_update, momentum_now
 from torch_tpu_embedding.optim._core.rule_pipeline import gated, pipeline
-from torch_tpu_embedding.optim._core.slots import logical_rows, rule_slots
+from torch_tpu_embedding.optim._core.slots import logical_rows
+from torch_tpu_embedding.optim._core.stacked_members import member_rows, segment_of
 from torch_tpu_embedding.optim._kernels import kernel_policy, triton_rows
 
 if TYPE_CHECKING:
@@ -75,9 +82,14 @@ def compiled_kernels() -> int:
 # --------------------------------------------------------------------------------------- the update kernel
 def _kernel_source(
     rule_hp: Mapping[str, Any], names: tuple[str, ...], mdtype: torch.dtype, gate: bool, ema: bool, sink: bool,
-    masked: bool = False,
+    masked: bool = False, whole: tuple[str, ...] = (), members: tuple[int, ...] = (),
 ) -> Callable[..., list[Tensor]]:
     """The Python that is compiled: the reference row update of ``_core.update_paths`` for unique ids.
+
+    ``whole``: the rule's whole-table slots (Adafactor's ``c`` and ``r_sum``; ``names`` are then its row slots),
+    passed whole and returned, after the rows, in that order: the rule sums over every row of the update, so it gets
+    the reference path's context (which rows are real, how many per table; ``members``: the logical rows of each
+    member of a stacked group, whose member of each row comes as ``seg``), and the update is one call.
 
     With ``sink`` (an eager accelerator: the sorted ids of ``dedup_static`` with their sentinel tail) it writes
     nothing: it returns the rows to write (in the order slots, weight, EMA), which :func:`update` copies. The
@@ -88,9 +100,10 @@ def _kernel_source(
     carry :func:`~torch_tpu_embedding._rows.dedup.sink_rows`' values, copied at the clamped ids."""
     momentum = float(rule_hp.get("ema_momentum", 0.0))
 
-    def kernel_rows(p: Tensor, ids: Tensor, g: Tensor, row_slots: list[Tensor], lr: Tensor, step: Tensor,
-                   num_rows: int, gate_t: Tensor | None, ema_t: Tensor | None, ema_last: Tensor | None,
-                   it: Tensor | None, keep: Tensor | None, mu: Tensor | None) -> list[Tensor]:
+    def kernel_rows(p: Tensor, ids: Tensor, g: Tensor, row_slots: list[Tensor], whole_slots: list[Tensor],
+                    lr: Tensor, step: Tensor, num_rows: int, gate_t: Tensor | None, ema_t: Tensor | None,
+                    ema_last: Tensor | None, it: Tensor | None, keep: Tensor | None, mu: Tensor | None,
+                    seg: Tensor | None) -> list[Tensor]:
         sentinel = p.shape[0]
         at = ids.clamp(max=sentinel - 1) if sink else ids
         out: list[Tensor] = []
@@ -103,7 +116,16 @@ def _kernel_source(
 
         w0 = p[at].to(mdtype)
         slots: Slots = {k: s[at] for k, s in zip(names, row_slots, strict=True)}
+        slots.update(zip(whole, whole_slots, strict=True))
         ctx = RowContext(mask=None, count=None, num_rows=num_rows)
+        if whole:  # as _core.update_paths._update_rows makes it (the sentinel tail is not real)
+            mask = ids < sentinel
+            if members:
+                ctx = RowContext(mask=mask, count=None, num_rows=num_rows, segment=seg, member_rows=members)
+                ctx = RowContext(mask=mask, count=ctx.row_sum(mask.to(torch.int64)), num_rows=num_rows, segment=seg,
+                                 member_rows=members)
+            else:
+                ctx = RowContext(mask=mask, count=mask.sum(), num_rows=num_rows)
         w, new = pipeline(w0, g, slots, lr, step, rule_hp, ctx)
         if gate:
             w = gated(gate_t, w, w0)
@@ -111,6 +133,8 @@ def _kernel_source(
         for k, s in zip(names, row_slots, strict=True):
             value = new[k].to(s.dtype)
             copy_rows(s, gated(gate_t, value, slots[k]) if gate else value, slots[k])
+        kept = [gated(gate_t, new[k].to(s.dtype), s) if gate else new[k].to(s.dtype)
+                for k, s in zip(whole, whole_slots, strict=True)]
         copy_rows(p, stored, w0.to(p.dtype))
         if ema:
             assert ema_t is not None and ema_last is not None and it is not None and mu is not None
@@ -118,25 +142,26 @@ def _kernel_source(
             avg, last = ema_row_update(avg0, last0, w0, stored.to(mdtype), it, keep, mu, momentum)
             copy_rows(ema_t, avg, avg0)
             copy_rows(ema_last, last, last0)
-        return out
+        return out + kept
 
     return kernel_rows
 
 
-def _key(item: Work, names: tuple[str, ...]) -> tuple[Any, ...]:
+def _key(item: Work, names: tuple[str, ...], whole: tuple[str, ...], members: tuple[int, ...]) -> tuple[Any, ...]:
     p, group, state = item.p, item.group, item.state
     rule = rule_of(group).rule
     hp = tuple(sorted((k, repr(v)) for k, v in group.items() if k not in _NOT_HP | _NOT_IN_KERNEL))
-    slot_dtypes = tuple(state[k].dtype for k in names)
-    return (rule.__module__, rule.__qualname__, hp, p.device.type, p.dtype, p.dim(), slot_dtypes,
+    slot_dtypes = tuple(state[k].dtype for k in names + whole)
+    return (rule.__module__, rule.__qualname__, hp, p.device.type, p.dtype, p.dim(), slot_dtypes, whole, members,
             item.gate is not None, torch.get_num_threads(), sinks_sentinel(p.device), _masked(p))
 
 
-def _build(item: Work, names: tuple[str, ...]) -> Callable[..., list[Tensor]]:
+def _build(item: Work, names: tuple[str, ...], whole: tuple[str, ...], members: tuple[int, ...]
+           ) -> Callable[..., list[Tensor]]:
     group = item.group
     rule_hp = {k: v for k, v in group.items() if k not in _NOT_HP}
     src = _kernel_source(rule_hp, names, math_dtype(item.p), item.gate is not None, bool(group["use_ema"]),
-                         sinks_sentinel(item.p.device), _masked(item.p))
+                         sinks_sentinel(item.p.device), _masked(item.p), whole, members)
     # A code object of its own per configuration: torch.compile keeps its compiled graphs per code
     # object, and a shared one would count every configuration against one recompile limit.
     code = src.__code__.replace(co_name=f"kernel_rows_{group['algorithm']}_{len(_KERNELS)}")
@@ -217,30 +242,36 @@ def update(item: Work) -> bool:
         # rows, and then raises. Caught here, that step's rows were written twice; uncaught, the step failed
         # half applied. The reference path runs the same rule op by op, and the mode sees its ops.
         return _to_reference(item)
-    names = tuple(rule_slots(p, group))
-    key = _key(item, names)
+    specs = rule_of(group).slot_specs(tuple(p.shape), group, table_info(p) is not None)  # (rule_slots' names)
+    whole = tuple(k for k, spec in specs.items() if not spec.rows)  # statistics over rows (Adafactor)
+    names = tuple(k for k in specs if k not in whole)
+    members = member_rows(p) if whole else ()
+    key = _key(item, names, whole, members)
     first = key not in _KERNELS
     if first:
         if not kernel_policy.has_compiler():
             return _to_reference(item)
-        _KERNELS[key] = _build(item, names)
+        _KERNELS[key] = _build(item, names, whole, members)
     fn = _KERNELS[key]
     if fn is None or (not first and p in _REFERENCE_ONLY):
         return _to_reference(item)
     step = state["step"] + 1
     ema = bool(group["use_ema"])
     clock, skip = item.clock, group["skip_nonfinite"]
+    sums, n = item.sums, ids.shape[0]
     rest = (
-        [state[k] for k in names], item.lr, step, logical_rows(p), item.gate,
+        [state[k] for k in names], [state[k] for k in whole], item.lr, step, logical_rows(p), item.gate,
         state["ema"] if ema else None, state["ema_last"] if ema else None,
         clock.ema_on(p.device, skip).to(torch.int32) if ema else None,
         clock.keep(p.device, skip) if ema else None,
         momentum_now(group, clock, p.device, math_dtype(p)) if ema else None,
+        segment_of(p, ids) if members else None,
     )
-    sums, n = item.sums, ids.shape[0]
     chunk = chunk_rows(p.shape[1])
-    # Ranges where the arrays would outgrow the cache many times over; one call below (each costs Python).
-    spans = _spans(n, chunk) if sums is not None and p.device.type == "cpu" and n > 4 * chunk else [(0, n)]
+    # Ranges where the arrays would outgrow the cache many times over; one call below (each costs Python). A rule
+    # that sums over every row (whole-table slots) takes them in one call.
+    spans = _spans(n, chunk) if sums is not None and p.device.type == "cpu" and n > 4 * chunk and not whole \
+        else [(0, n)]
     for start, stop in spans:
         g = item.g if sums is None else sums.rows(start, stop)
         # Not views: the compiled code would guard on each view's base (its size, and whether there is one).
@@ -251,7 +282,7 @@ def update(item: Work) -> bool:
         if first:
             first = False
             try:
-                _write(args, call(fn, args))
+                _write(args, call(fn, args), state, whole)
             except Exception as e:  # compiling failed before anything was written
                 _KERNELS[key] = None
                 text = str(e).strip()
@@ -266,7 +297,7 @@ def update(item: Work) -> bool:
                 return _to_reference(item)
             continue
         try:
-            _write(args, call(fn, args))
+            _write(args, call(fn, args), state, whole)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             # Raised by the guards, before the kernel runs: this table's shapes would need one more
             # compile than torch.compile allows per kernel (a guard that sizes do not pass: tables of
@@ -283,13 +314,18 @@ def _masked(p: Tensor) -> bool:
     return sinks_sentinel(p.device) and triton_rows.available(p.device)
 
 
-def _write(args: tuple[Any, ...], rows: list[Tensor]) -> None:
-    """Copy a sink kernel's rows (:func:`_kernel_source`) into the slots, the weight and the EMA state of its
-    ``args``: with Triton at the real ids alone, else at the clamped ids (duplicates of the sink row carry the
-    same bytes); nothing for a kernel that wrote them itself."""
+def _write(args: tuple[Any, ...], out: list[Tensor], state: dict[str, Tensor], whole: tuple[str, ...]) -> None:
+    """Copy a kernel's whole-table slots (the last ``len(whole)`` of its ``out``) into ``state``, and a sink
+    kernel's rows (:func:`_kernel_source`) into the slots, the weight and the EMA state of its ``args``: with Triton
+    at the real ids alone, else at the clamped ids (duplicates of the sink row carry the same bytes); no rows for a
+    kernel that wrote them itself."""
+    rows = out[: len(out) - len(whole)]
+    with torch.no_grad():
+        for k, value in zip(whole, out[len(rows):], strict=True):
+            state[k].copy_(value)
     if not rows:
         return
-    p, ids, _, row_slots, *_, ema_t, ema_last = args[:10]
+    p, ids, _, row_slots, _, *_, ema_t, ema_last = args[:11]
     dsts = [*row_slots, p, *([ema_t, ema_last] if ema_t is not None else [])]
     sentinel = p.shape[0]
     if _masked(p):

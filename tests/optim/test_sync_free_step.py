@@ -231,6 +231,33 @@ def test_an_accelerator_step_dispatches_as_many_ops_at_100_features_as_at_1(monk
     assert counts[100]["_local_scalar_dense"] == counts[1]["_local_scalar_dense"] == reads, counts
 
 
+def test_an_accelerator_sgd_step_dispatches_as_many_ops_at_163840_ids_as_at_1280(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGD's additive step on the meta device (an accelerator without the add kernel: CUDA with ``TTE_TRITON=0``):
+    4 stacked tables, ``Padded`` bags of 20 host ids, ``concat=True``, batch 16 and 2,048. The ids are added in
+    pieces of up to ``ADDITIVE_CHUNK_DEVICE`` (262,144), not the CPU's 16,384: the ops of a steady step do not grow
+    with the ids (at 2,048 bags they were 203 against 23 at 16: ten pieces of a dozen ops each). (3 more at 2,048: a
+    piece of more than half a chunk is added by itself, a smaller one waits in the scratch buffer for others.)"""
+    monkeypatch.setattr(plan, "check_not_meta", lambda *args: None)
+    counts = {}
+    for batch in (16, 2048):
+        torch.manual_seed(0)
+        features = {f"f{i}": tte.FeatureConfig(tte.TableConfig(5000, 8, name=f"t{i}", combiner="mean"),
+                                               max_ids_per_bag=20) for i in range(4)}
+        ec = tte.EmbeddingCollection(features, device="meta")
+        opt = tte.optim.SGD(ec.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        data = [{f: tte.Padded(torch.randint(0, 5000, (batch, 20), generator=g)) for f in features} for _ in range(2)]
+        for i in range(4):
+            ec(data[i % 2], concat=True).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        ec(data[1], concat=True).sum().backward()
+        with _CountOps() as ops:
+            opt.step()
+        counts[batch] = sum(ops.counts.values())
+    assert counts[2048] <= counts[16] + 3, counts
+
+
 @pytest.mark.usefixtures("compiler")
 @pytest.mark.parametrize("cfg", [case(KERNEL_PATH, c) for c in ("lazy_adam-options", "rowwise_adagrad-accum-clipnorm",
                                                                 "ftrl", "adafactor-options")], ids=str)

@@ -205,7 +205,7 @@ def _update_additive(item: Work) -> None:
         g = g.to(dtype) if item.divisor is None else g.to(dtype) / item.divisor
         return increment(g, lr, out=out)
 
-    chunk, sentinel = ADDITIVE_CHUNK, p.shape[0]
+    chunk, sentinel = ADDITIVE_CHUNK if p.device.type == "cpu" else ADDITIVE_CHUNK_DEVICE, p.shape[0]
     if _compiled_additive(item) or _triton_additive(item, delta):
         return
     small: list[tuple[Tensor, Tensor, bool]] = []  # pieces of fewer rows, added together (see flush)
@@ -326,6 +326,10 @@ def _triton_additive(item: Work, delta: Callable[[Tensor], Tensor]) -> bool:
 #: Rows per piece of ``Path.ADDITIVE``: a few element-wise passes and one ``index_add_`` each, so larger
 #: than the rule pipeline's chunks (measured at 1 and 20 ids per bag: 2,048 rows 1.3× slower than 16,384).
 ADDITIVE_CHUNK = 16384
+#: Rows per piece on an eager accelerator without its add kernel (CUDA with ``TTE_TRITON=0``, the meta device): there
+#: each piece's dozen ops cost host time and no cache is to be kept, so pieces are as large as the temporaries allow
+#: (262,144 rows of 128 float32: 128 MiB). At issue [host]'s GPU step (1,310,720 ids) 5 pieces instead of 80.
+ADDITIVE_CHUNK_DEVICE = 1 << 18
 _SCRATCH: dict[tuple[torch.dtype, torch.device], Tensor] = {}
 
 

@@ -38,7 +38,7 @@ import torch_tpu_embedding as tte
 from torch_tpu_embedding._rows import dedup
 from torch_tpu_embedding.modules import assembly, plan
 from torch_tpu_embedding.optim._core.update_paths import Path
-from torch_tpu_embedding.optim._kernels import kernel_policy
+from torch_tpu_embedding.optim._kernels import kernel_policy, row_update
 from torch_tpu_embedding.optim._kernels.c_gather import join_library
 
 CASES = cases(SYNC_FREE)
@@ -285,6 +285,41 @@ def test_the_accelerator_kernel_equals_its_reference_path(cfg: OptimizerConfig, 
                         sa[n].copy_(sb[n])
     finally:
         kernel_policy.set_policy(*before)
+
+
+@pytest.mark.usefixtures("compiler")
+@pytest.mark.parametrize("spread", [False, True], ids=["index-add", "spread"])
+@pytest.mark.parametrize("cfg", [c for c in CASES if c.id in ("adafactor", "adafactor-ema")], ids=str)
+def test_the_accelerator_kernel_of_a_stacked_group_gives_the_cpu_results(cfg: OptimizerConfig, spread: bool,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adafactor's compiled update on the accelerator's path (forced on the CPU; ``spread``: its per-member sums over
+    lanes, as CUDA takes them), from the third step: a stacked group (statistics per member, the sentinel tail
+    masked, the sink row) and a table of its own, against the CPU's reference path (float64, 1e-8: the kernel sums
+    in its own order). tests/package/test_cuda.py runs the same on CUDA."""
+    weights, state = _train(cfg)
+    monkeypatch.setattr(dedup, "HOST_READ_DEVICE_TYPES", set())
+    taken = force_spread(monkeypatch) if spread else []
+    ran: list[int] = []
+    call = row_update.call
+
+    def counted(fn: Any, args: tuple[Any, ...]) -> Any:
+        ran.append(args[0].shape[0])
+        return call(fn, args)
+
+    monkeypatch.setattr(row_update, "call", counted)
+    before, enabled = kernel_policy.set_policy(2, 0), kernel_policy.set_enabled(True)  # (the suite turns it off)
+    try:
+        got_weights, got_state = _train(cfg)
+    finally:
+        kernel_policy.set_policy(*before)
+        kernel_policy.set_enabled(enabled)
+    assert sorted(set(ran)) == [20, 70], ran  # both groups (c; a and b stacked) on the kernel
+    assert bool(taken) == spread, taken  # (the sums traced into the kernel: spread over lanes, or index_add)
+    for k, v in weights.items():
+        torch.testing.assert_close(got_weights[k], v, rtol=1e-8, atol=1e-8, msg=lambda m, k=k: f"{k}: {m}")
+    for key, slots in state.items():
+        for slot, v in slots.items():
+            torch.testing.assert_close(got_state[key][slot], v, rtol=1e-8, atol=1e-8, msg=lambda m, s=slot: f"{s}: {m}")
 
 
 _FROZEN_CASES = [c for c in STACKED_CASES if c.id in ("adagrad-clipnorm", "lazy_adam-ema-accum-gclip", "adafactor")]

@@ -92,7 +92,9 @@ def test_with_kernel_updates_on_the_row_chunk_cases_take_kernel(cls: Any, kwargs
     if which == "table":
         ec16 = tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(10, 3, name="h", dtype=torch.bfloat16))})
         p16 = ec16.tables.h.weight
-        assert choose_path(p16, cls(ec16.parameters(), **kwargs).param_groups[0], row_grad=True) is want
+        # (a 16-bit table's moving average reads its stored weight, rounded: not compiled, update_paths._compiles)
+        want16 = expected if kwargs.get("use_ema") else want
+        assert choose_path(p16, cls(ec16.parameters(), **kwargs).param_groups[0], row_grad=True) is want16
     monkeypatch.setattr(kernel_policy, "_ENABLED", False)
     assert choose_path(p, opt.param_groups[0], row_grad=which == "table") is expected
 

@@ -123,12 +123,13 @@ def test_a_steady_step_makes_no_host_device_sync(cfg: OptimizerConfig) -> None:
 
 
 @pytest.mark.parametrize("cfg", [c for c in cases(SYNC_FREE) if c.id in ("lazy_adam-options", "rowwise_adagrad",
-                                                                         "ftrl-ema")], ids=str)
+                                                                         "ftrl-ema", "adafactor", "adafactor-ema")],
+                         ids=str)
 def test_a_steady_kernel_step_makes_no_host_device_sync(cfg: OptimizerConfig,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """As above on the compiled update (``Path.KERNEL``: Triton, the sentinel tail copied after it) from the third
     step on: compiled there, outside the check, and run by the steady steps under it (counted: the test cannot
-    pass on the reference path)."""
+    pass on the reference path). Adafactor's: statistics per member of the stacked group, summed over lanes."""
     ran: list[str] = []
     call = row_update.call
 

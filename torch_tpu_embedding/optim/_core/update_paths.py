@@ -113,18 +113,26 @@ def choose_path(p: Tensor, group: Mapping[str, Any], *, row_grad: bool) -> Path:
         return Path.NO_DEDUP
     if is_static_device(p.device):
         return Path.ROWS
-    if _whole_slots(p, group):
-        # Statistics over every touched row (Adafactor): one pass, compiled where it can be. Not a table split over
-        # a process group, whose sums over rows are also summed over the ranks (RowSpace.all_reduce); not with a
-        # 16-bit statistic (row_stat_dtype), which the rule rounds and reads again: inductor keeps the float32 value
-        # of such a round trip (its emulate_precision_casts fails to build on the CPU, torch 2.9).
-        specs = rule_of(group).slot_specs(tuple(p.shape), group, True).values()
-        compiled = kernel_policy.usable(p) and process_group_placement(p) is None \
-            and all(spec.dtype in (None, math_dtype(p)) for spec in specs)
-        return Path.KERNEL if compiled else Path.ROWS
-    if kernel_policy.usable(p):  # (on an accelerator its kernel takes the static ids of ROWS: row_update.update)
-        return Path.KERNEL
-    return Path.ROWS if sync_free(p.device) else Path.ROW_CHUNKS
+    whole = _whole_slots(p, group)  # statistics over every touched row (Adafactor): one pass
+    if kernel_policy.usable(p) and _compiles(p, group, whole):
+        return Path.KERNEL  # (on an accelerator its kernel takes the static ids of ROWS: row_update.update)
+    return Path.ROWS if whole or sync_free(p.device) else Path.ROW_CHUNKS
+
+
+def _compiles(p: Tensor, group: Mapping[str, Any], whole: bool) -> bool:
+    """Whether ``p``'s update may take the compiled kernel (where one runs: :func:`.kernel_policy.usable`).
+
+    Not where the rule rounds a value to 16 bits and reads it again, as the reference path does: inductor keeps such
+    a round trip in float32 (and its ``emulate_precision_casts`` fails to build on the CPU, torch 2.9). That is a
+    16-bit table's stored weight, which the moving average reads (``use_ema``), and a 16-bit statistic
+    (Adafactor's ``row_stat_dtype``). Nor a rule with statistics over rows on a table split over a process group:
+    what it sums over rows is also summed over the ranks (``RowSpace.all_reduce``)."""
+    if group["use_ema"] and math_dtype(p) != p.dtype:
+        return False
+    if not whole:
+        return True
+    specs = rule_of(group).slot_specs(tuple(p.shape), group, True).values()
+    return process_group_placement(p) is None and all(spec.dtype in (None, math_dtype(p)) for spec in specs)
 
 
 def row_chunk() -> int:

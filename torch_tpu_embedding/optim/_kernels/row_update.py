@@ -262,7 +262,8 @@ def update(item: Work) -> bool:
     rest = (
         [state[k] for k in names], [state[k] for k in whole], item.lr, step, logical_rows(p), item.gate,
         state["ema"] if ema else None, state["ema_last"] if ema else None,
-        clock.ema_on(p.device, skip).to(torch.int32) if ema else None,
+        # (a window dropped by skip_nonfinite counts none of its calls, as on the reference path: _core.ema.ema_rows)
+        clock.ema_on(p.device, skip, group["gradient_accumulation_steps"]).to(torch.int32) if ema else None,
         clock.keep(p.device, skip) if ema else None,
         momentum_now(group, clock, p.device, math_dtype(p)) if ema else None,
         segment_of(p, ids) if members else None,

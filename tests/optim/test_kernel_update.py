@@ -1,6 +1,6 @@
 """The kernel eager row update (``Path.KERNEL``, ``optim/_kernels/row_update.py``) against the reference path
-(``Path.ROW_CHUNKS``, which tests/optim/test_optim_reference.py checks against float64 numpy), for every
-optimizer with a per-row rule and every option (tests/optim_registry.py, target ``kernel_path``); the
+(``Path.ROW_CHUNKS``, or ``Path.ROWS`` for Adafactor's statistics over rows, which tests/optim/test_optim_reference.py
+checks against float64 numpy), for every optimizer and option (tests/optim_registry.py, target ``kernel_path``); the
 number of compilations over a loop whose batch sizes and id counts change every step; the fallback
 when nothing can be compiled.
 
@@ -394,6 +394,15 @@ def test_a_16_bit_round_trip_keeps_the_reference_path() -> None:
     ema = dataclasses.replace(ema, kwargs={**ema.kwargs, "use_ema": True})
     assert _path_of(ema) is Path.KERNEL
     assert _path_of(ema, torch.bfloat16) is Path.ROW_CHUNKS
+
+
+def test_adafactor_on_a_table_split_over_processes_keeps_the_reference_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A table sharded over a process group (``tte.distributed.shard``) sums Adafactor's statistics over the ranks too
+    (``RowSpace.all_reduce``), which the kernel does not: ``Path.ROWS``; a per-row rule there keeps the kernel."""
+    monkeypatch.setattr(update_paths, "process_group_placement", lambda p: object())  # (as a shard's table has one)
+    ada = next(c for c in cases(KERNEL_PATH) if c.id == "adafactor")
+    assert _path_of(ada) is Path.ROWS
+    assert _path_of(next(c for c in cases(KERNEL_PATH) if c.id == "adagrad")) is Path.KERNEL
 
 
 @needs_compiler

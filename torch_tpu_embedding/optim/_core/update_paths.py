@@ -42,6 +42,7 @@ a table), so the row bookkeeping is written once.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -213,7 +214,7 @@ def _update_additive(item: Work) -> None:
         g = g.to(dtype) if item.divisor is None else g.to(dtype) / item.divisor
         return increment(g, lr, out=out)
 
-    chunk, sentinel = ADDITIVE_CHUNK if p.device.type == "cpu" else ADDITIVE_CHUNK_DEVICE, p.shape[0]
+    chunk, sentinel = _additive_chunk(p), p.shape[0]
     if _compiled_additive(item) or _triton_additive(item, delta):
         return
     small: list[tuple[Tensor, Tensor, bool]] = []  # pieces of fewer rows, added together (see flush)
@@ -334,10 +335,20 @@ def _triton_additive(item: Work, delta: Callable[[Tensor], Tensor]) -> bool:
 #: Rows per piece of ``Path.ADDITIVE``: a few element-wise passes and one ``index_add_`` each, so larger
 #: than the rule pipeline's chunks (measured at 1 and 20 ids per bag: 2,048 rows 1.3× slower than 16,384).
 ADDITIVE_CHUNK = 16384
-#: Rows per piece on an eager accelerator without its add kernel (CUDA with ``TTE_TRITON=0``, the meta device): there
-#: each piece's dozen ops cost host time and no cache is to be kept, so pieces are as large as the temporaries allow
-#: (262,144 rows of 128 float32: 128 MiB). At issue [host]'s GPU step (1,310,720 ids) 5 pieces instead of 80.
-ADDITIVE_CHUNK_DEVICE = 1 << 18
+#: Bytes of a piece's rows on an eager accelerator without its add kernel (CUDA with ``TTE_TRITON=0``, a 16-bit table
+#: or ``torch.use_deterministic_algorithms``; the meta device): there each piece's dozen ops cost host time and no
+#: cache is to be kept, so pieces are larger (131,072 rows of 128 float32: issue [host]'s GPU step of 1,310,720 ids in
+#: 10 pieces instead of 80). The reused buffer (``_scratch``) holds at most one piece per dtype and device.
+ADDITIVE_DEVICE_BYTES = 64 << 20
+
+
+def _additive_chunk(p: Tensor) -> int:
+    """Rows per piece of ``Path.ADDITIVE`` for table ``p``: :data:`ADDITIVE_CHUNK` on the CPU, else as many as
+    :data:`ADDITIVE_DEVICE_BYTES` of its rows in the update's dtype hold (at least :data:`ADDITIVE_CHUNK`)."""
+    if p.device.type == "cpu":
+        return ADDITIVE_CHUNK
+    row = math.prod(p.shape[1:]) * math_dtype(p).itemsize
+    return max(ADDITIVE_CHUNK, ADDITIVE_DEVICE_BYTES // max(1, row))
 _SCRATCH: dict[tuple[torch.dtype, torch.device], Tensor] = {}
 
 

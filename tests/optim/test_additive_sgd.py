@@ -15,7 +15,7 @@ import torch
 import torch_tpu_embedding as tte
 from torch_tpu_embedding._rows.row_grad import BagRows
 from torch_tpu_embedding.optim import SGD
-from torch_tpu_embedding.optim._core import update_paths
+from torch_tpu_embedding.optim._kernels import additive
 from torch_tpu_embedding.optim.sgd import sgd_rule
 
 
@@ -79,7 +79,7 @@ CASES = ["sum1", "sum5", "mean", "sqrtn", "weighted"]
 @pytest.mark.parametrize("chunk", [16384, 7, 10])  # every piece added together; pieces of a chunk and fewer
 def test_additive_equals_the_summed_update(case: str, options: dict[str, Any], chunk: int,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(update_paths, "ADDITIVE_CHUNK", chunk)
+    monkeypatch.setattr(additive, "ADDITIVE_CHUNK", chunk)
     for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-6)):
         fast = _run(case, dtype, False, **options)
         summed = _run(case, dtype, False, clip_weight_min=-1e9, **options)
@@ -128,8 +128,8 @@ def test_backward_keeps_each_feature_gradient_as_it_came() -> None:
 
 def test_spread_reuses_one_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
     """Bags of several ids: each piece is spread into one buffer, kept between pieces and steps."""
-    monkeypatch.setattr(update_paths, "_SCRATCH", {})
-    monkeypatch.setattr(update_paths, "ADDITIVE_CHUNK", 10)  # two bags of 5 a piece: six pieces a lookup
+    monkeypatch.setattr(additive, "_SCRATCH", {})
+    monkeypatch.setattr(additive, "ADDITIVE_CHUNK", 10)  # two bags of 5 a piece: six pieces a lookup
     torch.manual_seed(0)
     ec = tte.EmbeddingCollection(_features("mean", torch.float32))
     opt = SGD(ec.parameters(), lr=0.1)
@@ -139,7 +139,7 @@ def test_spread_reuses_one_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
         sum(o.sum() for o in ec(_batch("mean", g)).values()).backward()
         opt.step()
         opt.zero_grad()
-        ptrs |= {(k, b.data_ptr()) for k, b in update_paths._SCRATCH.items()}
+        ptrs |= {(k, b.data_ptr()) for k, b in additive._SCRATCH.items()}
     assert len(ptrs) == 1, ptrs
 
 

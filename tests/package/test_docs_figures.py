@@ -25,7 +25,7 @@ from torch_tpu_embedding._util import heap, huge_pages, registry
 from torch_tpu_embedding.checkpoint import logical_rows, publish
 from torch_tpu_embedding.config import DEFAULT_REPLICATE_BELOW_BYTES
 from torch_tpu_embedding.optim._core import update_paths
-from torch_tpu_embedding.optim._kernels import row_update
+from torch_tpu_embedding.optim._kernels import additive, row_update
 from torch_tpu_embedding.optim._kernels.c_rules_source import JOIN_IDS
 from torch_tpu_embedding.routing import default_capacity
 
@@ -90,9 +90,9 @@ def test_kernel_policy_defaults() -> None:
     guide = found(r"The first (\d+) calls of the optimizer \(`TTE_KERNEL_AFTER`\), and every call for a table of "
                   r"fewer than (\d+\*\*\d+) numbers \(`TTE_KERNEL_MIN_ELEMENTS`\)", "docs/guide.md")[0]
     assert (number(guide[1]), number(guide[2])) == (after, min_elements)
-    additive = found(r"\(its `usable` and `policy`: call (\d+) on, tables of (\d+\*\*\d+) numbers or more\)",
-                     "docs/design.md")[0]
-    assert (number(additive[1]), number(additive[2])) == (after, min_elements)
+    sgd_add = found(r"\(its `usable` and `policy`: call (\d+) on, tables of (\d+\*\*\d+) numbers or more\)",
+                    "docs/design.md")[0]
+    assert (number(sgd_add[1]), number(sgd_add[2])) == (after, min_elements)
 
 
 def test_row_chunk_sizes() -> None:
@@ -104,7 +104,10 @@ def test_row_chunk_sizes() -> None:
     chunks = found(r"run in chunks of ([\d,]+) rows \(([\d,]+) with several torch threads\)", "docs/design.md")[0]
     assert (number(chunks[1]), number(chunks[2])) == (update_paths.ROW_CHUNK, update_paths.ROW_CHUNK_PARALLEL)
     spread = found(r"spreads it over the bag's ids by their gains ([\d,]+) rows at a time", "docs/design.md")[0]
-    assert number(spread[1]) == update_paths.ADDITIVE_CHUNK
+    assert number(spread[1]) == additive.ADDITIVE_CHUNK
+    device = found(r"(\d+) MiB of rows at a time, `ADDITIVE_DEVICE_BYTES`, ([\d,]+) rows of (\d+) float32",
+                   "docs/design.md")[0]
+    assert number(device[1]) * MIB == additive.ADDITIVE_DEVICE_BYTES == number(device[2]) * number(device[3]) * 4
 
 
 

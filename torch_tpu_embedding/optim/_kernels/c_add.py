@@ -1,6 +1,6 @@
 """``Path.ADDITIVE``'s kernel on the CPU: ``p[id] += gain · (f · g[bag])``, one C loop over a piece's ids.
 
-The eager additive step (:func:`.update_paths._update_additive`, SGD) makes ``increment(g) = f·g`` (``f = −lr``)
+The eager additive step (:func:`.additive.update_additive`, SGD) makes ``increment(g) = f·g`` (``f = −lr``)
 for every bag, spreads it over the bag's ids by their gains (``BagRows.spread``: an ``[n, D]`` array, one row
 per id) and adds that with ``index_add_``: passes over memory for the product, the spread rows and the add,
 and torch's ``index_add_`` on the CPU runs one ``add`` per id through a ``TensorIterator``. Where the rule's

@@ -145,10 +145,42 @@ class RowContext:
         return v if self.segment is None else v.index_select(0, self.segment)
 
     def rows_of_table(self, like: Tensor) -> Tensor | float:
-        """Logical rows of the table: ``num_rows``, or ``[members]`` in a stacked group."""
+        """Logical rows of the table: ``num_rows``, or ``[members]`` in a stacked group (``like``'s dtype and
+        device; made and moved once per group, dtype and device, not at every step)."""
         if self.segment is None:
             return float(self.num_rows)
-        return upload(torch.tensor(self.member_rows, dtype=like.dtype), like.device)
+        if torch.compiler.is_compiling():  # (a constant of the graph)
+            return torch.tensor(self.member_rows, dtype=like.dtype, device=like.device)
+        key = (self.member_rows, like.dtype, like.device)
+        rows = _TABLE_ROWS.get(key)
+        if rows is None:
+            if len(_TABLE_ROWS) >= 256:  # (collections come and go in a long process)
+                _TABLE_ROWS.clear()
+            rows = _TABLE_ROWS[key] = upload(torch.tensor(self.member_rows, dtype=like.dtype), like.device)
+        return rows
+
+    @classmethod
+    def touched(cls, mask: Tensor, num_rows: int, all_reduce: Callable[[Tensor], Tensor] = identity,
+                segment: Tensor | None = None, member_rows: tuple[int, ...] = ()) -> RowContext:
+        """The context of an update of touched rows ``[U]``: ``mask`` the real ones (False on the static-shape
+        padding tail), ``count`` how many, per member of a stacked group (``member_rows``, with each row's member
+        ``segment``), all-reduced over shards. Made by the reference path and by the compiled kernel alike
+        (constructed, not ``dataclasses.replace``d: the kernel's tracer follows a constructor).
+
+        >>> RowContext.touched(torch.tensor([True, True, False]), num_rows=10).count
+        tensor(2)
+        """
+        if not member_rows:
+            return cls(mask=mask, count=all_reduce(mask.sum()), num_rows=num_rows, all_reduce=all_reduce)
+        assert segment is not None, "a stacked group's rows need their members (segment)"
+        unmasked = cls(mask=mask, count=None, num_rows=num_rows, all_reduce=all_reduce, segment=segment,
+                       member_rows=member_rows)
+        return cls(mask=mask, count=unmasked.row_sum(mask.to(torch.int64)), num_rows=num_rows,
+                   all_reduce=all_reduce, segment=segment, member_rows=member_rows)
+
+
+#: :meth:`RowContext.rows_of_table`'s tensors, by (member rows, dtype, device)
+_TABLE_ROWS: dict[tuple[tuple[int, ...], torch.dtype, torch.device], Tensor] = {}
 
 
 #: ``rule(w [U, D], g [U, D], slots, lr (0-d), step (0-d), hp, ctx) -> (w_new, slots_new)``

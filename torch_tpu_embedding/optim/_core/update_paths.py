@@ -163,16 +163,17 @@ def update(item: Work) -> None:
             # take every row at once)
             one_pass = sync_free(item.p.device) or _whole_slots(item.p, item.group)
             item.path = Path.ROWS if one_pass else Path.ROW_CHUNKS
+        whole = _whole_slots(item.p, item.group)  # (once per update: the chunks below share it)
         chunk = row_chunk()
         # Under torch.compile the count of touched rows is a symbol with no value to compare (and the
         # compiled code fuses the rule's passes anyway): one pass.
         if item.path is not Path.ROW_CHUNKS or torch.compiler.is_compiling() or ids.shape[0] <= chunk:
-            _update_rows(item, space, ids, item.g)
+            _update_rows(item, space, ids, item.g, whole)
             return
         # Cache-sized chunks: the rule's ~10 element-wise passes run over temporaries that stay in
         # cache instead of over [U, D] arrays (Adam's rule ran 3.2× faster at 100k rows × 64).
         for start in range(0, ids.shape[0], chunk):
-            _update_rows(item, space, ids[start : start + chunk], item.g[start : start + chunk])
+            _update_rows(item, space, ids[start : start + chunk], item.g[start : start + chunk], whole)
 
 
 def _update_dense(item: Work, space: RowSpace, g: Tensor) -> None:
@@ -200,11 +201,12 @@ def _update_dense(item: Work, space: RowSpace, g: Tensor) -> None:
     _write(p, gated(gate, w, w0))
 
 
-def _update_rows(item: Work, space: RowSpace, ids: Tensor, g: Tensor, seg: Tensor | None = None) -> None:
+def _update_rows(item: Work, space: RowSpace, ids: Tensor, g: Tensor, whole: bool, seg: Tensor | None = None) -> None:
     """Gather the rows ``ids`` of ``space`` (and their slots), run the pipeline, write them back.
 
-    ``seg``: the member table of each row in a stacked group whose rule keeps whole-table slots (found
-    from ``ids`` when not given; the owner-local path computes it outside its manual region)."""
+    ``whole``: the rule keeps whole-table slots (:func:`_whole_slots`, asked once per update, not per chunk).
+    ``seg``: the member table of each row in a stacked group whose rule keeps them (found from ``ids`` when not
+    given; the owner-local path computes it outside its manual region)."""
     p, group, state, gate, where = space.p, item.group, space.state, item.gate, space.where
     sentinel = p.shape[0]
     dedup = bool(group["use_gradient_accumulation"])  # else ids repeat (NO_DEDUP): changes are added
@@ -213,17 +215,10 @@ def _update_rows(item: Work, space: RowSpace, ids: Tensor, g: Tensor, seg: Tenso
     w0 = p.index_select(0, at).to(math_dtype(p))  # 16-bit tables update in float32
     names = rule_slots(item.p, group)
     slots = {k: space.gather(k, ids) if k in where.numbers else state[k] for k in names}
-    mask = ids < sentinel
-    rows_of = member_rows(item.p) if _whole_slots(item.p, item.group) else ()
-    if rows_of:  # a stacked group: statistics over rows stay per member table
-        seg = segment_of(item.p, ids) if seg is None else seg
-        assert seg is not None
-        ctx = RowContext(mask=mask, count=None, num_rows=space.num_rows, all_reduce=space.all_reduce,
-                         segment=seg, member_rows=rows_of)
-        ctx = dataclasses.replace(ctx, count=ctx.row_sum(mask.to(torch.int64)))
-    else:
-        count = space.all_reduce(mask.sum())
-        ctx = RowContext(mask=mask, count=count, num_rows=space.num_rows, all_reduce=space.all_reduce)
+    rows_of = member_rows(item.p) if whole else ()
+    if rows_of and seg is None:  # a stacked group: statistics over rows stay per member table
+        seg = segment_of(item.p, ids)
+    ctx = RowContext.touched(ids < sentinel, space.num_rows, space.all_reduce, seg if rows_of else None, rows_of)
     ema = group["use_ema"]
     if ema and not dedup:  # ids repeat: the average needs each row once
         ema_ids = unique_ids(ids, sentinel)
@@ -298,7 +293,8 @@ def _update_owner_local(item: Work) -> None:
     clock = item.clock.device_values(item.p.device)
     lazy = rule_of(item.group).is_lazy(item.group)
 
-    seg = segment_of(item.p, item.ids, owned=True) if lazy and _whole_slots(item.p, item.group) else None
+    whole_slots = _whole_slots(item.p, item.group)
+    seg = segment_of(item.p, item.ids, owned=True) if lazy and whole_slots else None
 
     def on_shard(rows: dict[str, Tensor], small: dict[str, Tensor], inputs: list[Tensor],
                  rep: list[Tensor | None]) -> list[Tensor]:
@@ -309,7 +305,7 @@ def _update_owner_local(item: Work) -> None:
                                     all_reduce=sharding.all_reduce)
         mine = dataclasses.replace(item, lr=lr, gate=gate, clock=item.clock.with_device_values(clock_now))
         if lazy:
-            _update_rows(mine, space, ids, g, segs[0] if segs else None)
+            _update_rows(mine, space, ids, g, whole_slots, segs[0] if segs else None)
         else:  # every local row, g = 0 where not looked up (the sentinel's rows are dropped)
             _update_dense(mine, space, torch.zeros_like(space.p, dtype=g.dtype).index_add_(0, ids, g))
         return []

@@ -119,13 +119,7 @@ def _kernel_source(
         slots.update(zip(whole, whole_slots, strict=True))
         ctx = RowContext(mask=None, count=None, num_rows=num_rows)
         if whole:  # as _core.update_paths._update_rows makes it (the sentinel tail is not real)
-            mask = ids < sentinel
-            if members:
-                ctx = RowContext(mask=mask, count=None, num_rows=num_rows, segment=seg, member_rows=members)
-                ctx = RowContext(mask=mask, count=ctx.row_sum(mask.to(torch.int64)), num_rows=num_rows, segment=seg,
-                                 member_rows=members)
-            else:
-                ctx = RowContext(mask=mask, count=mask.sum(), num_rows=num_rows)
+            ctx = RowContext.touched(ids < sentinel, num_rows, segment=seg, member_rows=members)
         w, new = pipeline(w0, g, slots, lr, step, rule_hp, ctx)
         if gate:
             w = gated(gate_t, w, w0)

@@ -134,7 +134,8 @@ def test_the_kernels_compile_for_hopper(dtype: str) -> None:
 
 # ------------------------------------------------------------------ the step through the kernels
 _STEP_CASES = [c for c in cases(SYNC_FREE) if c.id in ("sgd", "sgd-accum2-skip", "lazy_adam-options",
-                                                        "rowwise_adagrad", "ftrl-ema", "adagrad")]
+                                                        "rowwise_adagrad", "ftrl-ema", "adagrad", "adafactor",
+                                                        "adafactor-ema")]
 
 
 @interpreted

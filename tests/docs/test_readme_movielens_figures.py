@@ -1,10 +1,10 @@
 """README.md's MovieLens figures are what ``examples/movielens.py`` prints (issue 29, item 8).
 
 The README shows the last lines of a default run (random split, XLA, XLA:CPU here) for each CPU it
-records (model name, cpu family, model and flags of ``/proc/cpuinfo``): valid AUC, test AUC, log loss,
+records (model name, cpu family, model and flags of ``/proc/cpuinfo``, and the cores the run had): valid AUC, test AUC, log loss,
 best epoch and our model's compile count. The figures depend on the CPU (XLA:CPU compiles for its vector
-instructions, float32 sums round differently, and early stopping turns a last-digit difference into
-another best epoch), so README.md also states bands that every CPU's run must fall in. This test runs
+instructions and splits a reduction over its threads, one per core, so float32 sums round differently,
+and early stopping turns a last-digit difference into another best epoch), so README.md also states bands that every CPU's run must fall in. This test runs
 that command; on a CPU README.md records it fails when any printed figure differs from that CPU's lines
 (the training time is the machine's and is not compared), and on every CPU when a figure falls outside
 the bands. The run takes minutes (2 to 4 on the project's 2-core machines under load). It skips, as
@@ -31,7 +31,7 @@ ROW = re.compile(r"^ours \(Adagrad \+ FTRL \+ Adam\) +(\d\.\d{4}) +(\d\.\d{4}) +
 FINAL = re.compile(r"^test AUC (\d\.\d{4})  log loss (\d\.\d{4})  \(best epoch (\d+)\)$", re.MULTILINE)
 #: the line naming the CPU of the run shown below it
 CPU = re.compile(r"^On an? [^(\n]*\(`/proc/cpuinfo`: model name `([^`]+)`, cpu family (\d+), model (\d+),\s+"
-                 r"flags ([a-z0-9_, ]+)\)", re.MULTILINE)
+                 r"flags ([a-z0-9_, ]+)\),\s+(\d+) cores?,", re.MULTILINE)
 NAMES = ("valid AUC", "test AUC", "log loss", "best epoch", "compiles")
 #: the bands sentence (whitespace joined into single spaces), one "<name> <low> to <high>" per figure
 BANDS = re.compile(r"within these bands: valid AUC ([\d.]+) to ([\d.]+), test AUC ([\d.]+) to ([\d.]+), "
@@ -48,6 +48,7 @@ class Cpu(NamedTuple):
     family: int
     model: int
     flags: frozenset[str]
+    cores: int  # the CPUs the run could use (its affinity): XLA:CPU's threads
 
 
 class Run(NamedTuple):
@@ -75,7 +76,7 @@ def readme_runs() -> list[Run]:
     runs = []
     for m, end in zip(cpus, ends, strict=True):
         flags = frozenset(f.strip() for f in m.group(4).split(",") if f.strip())
-        cpu = Cpu(m.group(1), int(m.group(2)), int(m.group(3)), flags)
+        cpu = Cpu(m.group(1), int(m.group(2)), int(m.group(3)), flags, int(m.group(5)))
         runs.append(Run(cpu, *printed(text[m.end():end])))
     assert len(ROW.findall(text)) == len(FINAL.findall(text)) == len(runs), "a run shown without its CPU line"
     return runs
@@ -97,7 +98,8 @@ def outside_bands(row: dict[str, str], bands: dict[str, tuple[float, float]]) ->
 
 
 def this_cpu() -> Cpu | None:
-    """The running CPU from /proc/cpuinfo (its first processor), or None where there is none to read."""
+    """The running CPU from /proc/cpuinfo (its first processor) and the cores this process may run on, or None
+    where there is none to read."""
     try:
         text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
     except OSError:
@@ -108,17 +110,21 @@ def this_cpu() -> Cpu | None:
         fields[key.strip()] = value.strip()
     try:
         return Cpu(fields["model name"], int(fields["cpu family"]), int(fields["model"]),
-                   frozenset(fields["flags"].split()))
+                   frozenset(fields["flags"].split()), len(os.sched_getaffinity(0)))
     except (KeyError, ValueError):
         return None
 
 
+def _key(cpu: Cpu) -> tuple[str, int, int, int]:
+    return cpu.model_name, cpu.family, cpu.model, cpu.cores
+
+
 def recorded_run(cpu: Cpu | None, runs: list[Run]) -> Run | None:
-    """README.md's run of ``cpu``: the same model name, family and model, and every flag the README lists."""
+    """README.md's run of ``cpu``: the same model name, family, model and cores, and every flag the README lists
+    (on one core the AMD EPYC prints other digits than on two)."""
     if cpu is None:
         return None
-    found = [r for r in runs if (r.cpu.model_name, r.cpu.family, r.cpu.model) == (cpu.model_name, cpu.family, cpu.model)
-             and r.cpu.flags <= cpu.flags]
+    found = [r for r in runs if _key(r.cpu) == _key(cpu) and r.cpu.flags <= cpu.flags]
     assert len(found) <= 1, f"README.md shows {len(found)} runs for this CPU: {cpu[:3]}"
     return found[0] if found else None
 
@@ -131,7 +137,7 @@ def test_readme_figures_agree_with_each_other() -> None:
     for run in runs:
         assert (run.row["test AUC"], run.row["log loss"], run.row["best epoch"]) == run.final, run
         assert not outside_bands(run.row, bands), (run, bands)
-    keys = [r.cpu[:3] for r in runs]
+    keys = [_key(r.cpu) for r in runs]
     assert len(set(keys)) == len(keys), keys
     for name in PROJECT_CPUS:
         assert any(name in r.cpu.model_name for r in runs), f"README.md shows no run on the project's {name}"
@@ -142,12 +148,13 @@ def test_readme_figures_agree_with_each_other() -> None:
 
 
 def test_recorded_run_matches_by_cpu() -> None:
-    """A CPU matches README.md's run by its model name, family and model with the listed flags; another
-    CPU, or one without a listed flag, matches none."""
+    """A CPU matches README.md's run by its model name, family, model and cores with the listed flags; another
+    CPU, another number of cores, or one without a listed flag, matches none."""
     runs = readme_runs()
     for run in runs:
         assert recorded_run(run.cpu._replace(flags=run.cpu.flags | {"sse2"}), runs) == run
         assert recorded_run(run.cpu._replace(model=run.cpu.model + 1000), runs) is None
+        assert recorded_run(run.cpu._replace(cores=run.cpu.cores + 1), runs) is None
         assert recorded_run(run.cpu._replace(flags=frozenset({"sse2"})), runs) is None
     assert recorded_run(None, runs) is None
 

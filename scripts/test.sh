@@ -37,7 +37,8 @@ PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 "$PY" -m pytest -q -p no:cacheprovider tests/x
 # tests/distributed/test_mp_from_spmd.py, which loads the SPMD checkpoint written on torch 2.9 (tests/data/mp_spmd4) here.
 shopt -s nullglob
 TESTS_213=(
-  tests/optim/test_optim_reference.py tests/optim/test_optim_generic.py tests/optim/test_kernel_update.py tests/modules/test_lookup_reference.py
+  tests/optim/test_optim_reference.py tests/optim/test_optim_generic.py tests/optim/test_kernel_update.py tests/optim/test_kernel_fallbacks.py
+  tests/modules/test_lookup_reference.py
   tests/checkpoint/test_checkpoint.py tests/checkpoint/test_ckpt_rows.py tests/modules/test_stacking_default.py tests/modules/test_stacked_groups.py
   tests/distributed/test_data_parallel.py tests/rows/test_routing.py tests/package/test_layers.py tests/modules/test_config_and_input_errors.py
   tests/package/test_safe_files_and_inputs.py tests/docs/test_examples.py tests/package/test_torch_versions.py tests/optim/test_row_sums.py

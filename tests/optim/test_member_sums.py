@@ -7,7 +7,8 @@ stacked group trained with it forced on against the ``index_add`` path (every st
 whose statistics span rows: Adafactor). tests/optim/test_sync_free_step.py runs its accelerator cases (the
 static-shape path against the CPU, the meta device, a frozen member) with it forced on as well (``-spread``). The choice
 itself (:func:`~torch_tpu_embedding.optim._core.contract.spreads`) is checked on a stand-in with a CUDA device;
-``tests/package/test_cuda.py`` trains every optimizer on a GPU against the CPU.
+``tests/package/test_cuda.py`` trains every optimizer on a GPU against the CPU. Last, the context of touched rows
+(``RowContext.touched``) and the rows per member table it hands a rule (``rows_of_table``).
 """
 
 from __future__ import annotations
@@ -165,3 +166,29 @@ def test_a_stacked_group_trains_alike_spread(cfg: OptimizerConfig, monkeypatch: 
     assert sorted(sd_ref) == sorted(sd)
     for key, slots in sd_ref.items():
         assert_same_state(slots, sd[key], exact=False)
+
+
+# ------------------------------------------------------------------ the context of touched rows
+def test_touched_counts_the_real_rows_per_member_over_the_shards() -> None:
+    """``RowContext.touched``, which the reference path and the compiled kernel both make: the real rows counted (the
+    padding tail is not), per member in a stacked group, summed by ``all_reduce``."""
+    mask, seg = torch.tensor([True, True, False, True]), torch.tensor([0, 1, 1, 1])
+    plain = RowContext.touched(mask, 9)
+    assert plain.count is not None and plain.count.item() == 3 and plain.segment is None and plain.num_rows == 9
+    doubled = RowContext.touched(mask, 9, lambda x: 2 * x)
+    assert doubled.count is not None and doubled.count.item() == 6
+    stacked = RowContext.touched(mask, 9, lambda x: 2 * x, seg, (4, 5))
+    assert stacked.count is not None and stacked.count.tolist() == [2, 4]
+    assert stacked.segment is seg and stacked.member_rows == (4, 5) and stacked.mask is mask
+
+
+def test_rows_of_table_is_made_once_per_group_dtype_and_device() -> None:
+    """A stacked group's rows per member, which Adafactor divides by at every step: one tensor per group, dtype and
+    device, not one made and moved per call."""
+    mask, seg, like = torch.tensor([True, False]), torch.tensor([0, 1]), torch.zeros(2)
+    first = RowContext.touched(mask, 9, segment=seg, member_rows=(4, 5)).rows_of_table(like)
+    again = RowContext.touched(mask, 9, segment=seg, member_rows=(4, 5)).rows_of_table(like)
+    assert isinstance(first, torch.Tensor) and first is again and first.tolist() == [4.0, 5.0]
+    wide = RowContext.touched(mask, 9, segment=seg, member_rows=(4, 5)).rows_of_table(like.double())
+    assert isinstance(wide, torch.Tensor) and wide.dtype == torch.float64 and wide.tolist() == [4.0, 5.0]
+    assert RowContext.touched(mask, 9).rows_of_table(like) == 9.0

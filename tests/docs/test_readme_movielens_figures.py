@@ -1,11 +1,12 @@
 """README.md's MovieLens figures are what ``examples/movielens.py`` prints (issue 29, item 8).
 
 The README shows the last lines of a default run (random split, XLA, XLA:CPU here) for each CPU it
-records (model name, cpu family, model and flags of ``/proc/cpuinfo``, and the cores the run had): valid AUC, test AUC, log loss,
-best epoch and our model's compile count. The figures depend on the CPU (XLA:CPU compiles for its vector
-instructions and splits a reduction over its threads, one per core, so float32 sums round differently,
-and early stopping turns a last-digit difference into another best epoch), so README.md also states bands that every CPU's run must fall in. This test runs
-that command; on a CPU README.md records it fails when any printed figure differs from that CPU's lines
+records (model name, cpu family, model and flags of ``/proc/cpuinfo``, and the cores the run had): valid
+AUC, test AUC, log loss, best epoch and our model's compile count. The figures depend on the CPU (XLA:CPU
+compiles for its vector instructions and splits a reduction over its threads, one per core, so float32
+sums round differently, and early stopping turns a last-digit difference into another best epoch), so
+README.md also states bands that every CPU's run must fall in. This test runs that command; on a CPU
+README.md records, with as many cores, it fails when any printed figure differs from that CPU's lines
 (the training time is the machine's and is not compared), and on every CPU when a figure falls outside
 the bands. The run takes minutes (2 to 4 on the project's 2-core machines under load). It skips, as
 tests/docs/test_movielens_example.py does, without recbole's ml-100k files or torch_xla.
@@ -125,7 +126,7 @@ def recorded_run(cpu: Cpu | None, runs: list[Run]) -> Run | None:
     if cpu is None:
         return None
     found = [r for r in runs if _key(r.cpu) == _key(cpu) and r.cpu.flags <= cpu.flags]
-    assert len(found) <= 1, f"README.md shows {len(found)} runs for this CPU: {cpu[:3]}"
+    assert len(found) <= 1, f"README.md shows {len(found)} runs for this CPU: {_key(cpu)}"
     return found[0] if found else None
 
 
@@ -183,7 +184,7 @@ def test_readme_figures_are_what_the_example_prints(tmp_path: Path) -> None:
     assert (row["test AUC"], row["log loss"], row["best epoch"]) == final, out.stdout
     cpu = this_cpu()
     outside = outside_bands(row, readme_bands())
-    assert not outside, f"outside README.md's bands on {cpu and cpu[:3]}: {outside}\n{out.stdout}"
+    assert not outside, f"outside README.md's bands on {cpu and _key(cpu)}: {outside}\n{out.stdout}"
     run = recorded_run(cpu, readme_runs())
     if run is not None:  # a CPU README.md records: its exact digits
-        assert row == run.row, f"README.md's run on {run.cpu[:3]}: {run.row}\n{out.stdout}"
+        assert row == run.row, f"README.md's run on {_key(run.cpu)}: {run.row}\n{out.stdout}"

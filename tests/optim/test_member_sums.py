@@ -192,3 +192,5 @@ def test_rows_of_table_is_made_once_per_group_dtype_and_device() -> None:
     wide = RowContext.touched(mask, 9, segment=seg, member_rows=(4, 5)).rows_of_table(like.double())
     assert isinstance(wide, torch.Tensor) and wide.dtype == torch.float64 and wide.tolist() == [4.0, 5.0]
     assert RowContext.touched(mask, 9).rows_of_table(like) == 9.0
+    with torch.inference_mode():  # (an inference tensor is not kept: a later step records autograd on its own)
+        assert RowContext.touched(mask, 9, segment=seg, member_rows=(4, 5)).rows_of_table(like) is not first

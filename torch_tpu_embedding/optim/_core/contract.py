@@ -146,10 +146,12 @@ class RowContext:
 
     def rows_of_table(self, like: Tensor) -> Tensor | float:
         """Logical rows of the table: ``num_rows``, or ``[members]`` in a stacked group (``like``'s dtype and
-        device; made and moved once per group, dtype and device, not at every step)."""
+        device; made and moved once per group, dtype and device, not at every step, and shared: read-only)."""
         if self.segment is None:
             return float(self.num_rows)
-        if torch.compiler.is_compiling():  # (a constant of the graph)
+        if torch.compiler.is_compiling() or type(like) not in (torch.Tensor, torch.nn.Parameter) \
+                or torch.is_inference_mode_enabled():
+            # (a constant of the graph; under a tracing mode (fake tensors) or inference mode: not kept for real steps)
             return torch.tensor(self.member_rows, dtype=like.dtype, device=like.device)
         key = (self.member_rows, like.dtype, like.device)
         rows = _TABLE_ROWS.get(key)

@@ -154,6 +154,7 @@ def update(item: Work) -> None:
     else:
         ids = item.ids
         assert ids is not None
+        whole = _whole_slots(item.p, item.group)  # (once per update: the chunks below share it)
         if item.path is Path.KERNEL:
             # RowWiseAdagrad and Adam: one fused C loop (c_rules); other rules, or options it does not cover,
             # the compiled kernel of the rule (row_update).
@@ -161,9 +162,8 @@ def update(item: Work) -> None:
                 return
             # No compiled kernel: the reference path (an accelerator's keeps its static shapes; statistics over rows
             # take every row at once)
-            one_pass = sync_free(item.p.device) or _whole_slots(item.p, item.group)
+            one_pass = sync_free(item.p.device) or whole
             item.path = Path.ROWS if one_pass else Path.ROW_CHUNKS
-        whole = _whole_slots(item.p, item.group)  # (once per update: the chunks below share it)
         chunk = row_chunk()
         # Under torch.compile the count of touched rows is a symbol with no value to compare (and the
         # compiled code fuses the rule's passes anyway): one pass.

@@ -99,6 +99,24 @@ def test_boundaries_are_made_once_per_group_and_device() -> None:
     assert other is not first and other.tolist() == [4, 10]
 
 
+def test_boundaries_made_under_inference_mode_or_for_fake_rows_are_not_kept() -> None:
+    """A step's rows under inference mode, or fake ones (a tracing mode outside torch.compile): their boundaries are
+    made for that call alone, so a later real step does not get an inference tensor or a fake one back."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    p, _ = _group([4, 6, 5])
+    info = table_info(p)
+    assert info is not None and info.members is not None
+    rows = torch.tensor([0, 5, 12])
+    with torch.inference_mode():
+        assert segment_of(p, rows).tolist() == [0, 1, 2]  # type: ignore[union-attr]
+    with FakeTensorMode() as fake:
+        assert segment_of(p, fake.from_tensor(rows)).shape == (3,)  # type: ignore[union-attr]
+    kept = boundaries(info.members, torch.device("cpu"))
+    assert type(kept) is torch.Tensor and not kept.is_inference() and kept.tolist() == [4, 10]
+    assert segment_of(p, rows).tolist() == [0, 1, 2]  # type: ignore[union-attr]
+
+
 def _steady_ops(tables: int, make: Any, device: str) -> collections.Counter[str]:
     torch.manual_seed(0)
     names = [f"f{i}" for i in range(tables)]

@@ -31,6 +31,7 @@ __all__ = [
     "Slots",
     "common_defaults",
     "identity",
+    "kept_for_steps",
     "lanes_of",
     "member_sums",
     "spreads",
@@ -53,6 +54,19 @@ class SlotSpec:
     init: float = 0.0
     rows: bool = True
     dtype: torch.dtype | None = None  # None: the parameter's dtype (float32 for a 16-bit parameter)
+
+
+def kept_for_steps(like: Tensor) -> bool:
+    """Whether a tensor made for a step on ``like`` may be kept for later steps (a cache of constants: a stacked
+    group's member boundaries, its rows per member): not while ``torch.compile`` traces (it is then a constant of
+    the graph), nor for a fake tensor (a tracing mode outside ``torch.compile``, such as ``make_fx``'s) or under
+    inference mode, whose tensors a later real step cannot use.
+
+    >>> kept_for_steps(torch.zeros(2)), kept_for_steps(torch.nn.Parameter(torch.zeros(2)))
+    (True, True)
+    """
+    return not (torch.compiler.is_compiling() or type(like) not in (torch.Tensor, torch.nn.Parameter)
+                or torch.is_inference_mode_enabled())
 
 
 def identity(x: Tensor) -> Tensor:
@@ -149,9 +163,7 @@ class RowContext:
         device; made and moved once per group, dtype and device, not at every step, and shared: read-only)."""
         if self.segment is None:
             return float(self.num_rows)
-        if torch.compiler.is_compiling() or type(like) not in (torch.Tensor, torch.nn.Parameter) \
-                or torch.is_inference_mode_enabled():
-            # (a constant of the graph; under a tracing mode (fake tensors) or inference mode: not kept for real steps)
+        if not kept_for_steps(like):
             return torch.tensor(self.member_rows, dtype=like.dtype, device=like.device)
         key = (self.member_rows, like.dtype, like.device)
         rows = _TABLE_ROWS.get(key)

@@ -22,7 +22,7 @@ import torch
 
 from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.transfer import upload
-from torch_tpu_embedding.optim._core.contract import SlotSpec
+from torch_tpu_embedding.optim._core.contract import SlotSpec, kept_for_steps
 
 __all__ = ["boundaries", "check_created", "clip_members", "created_member_slots", "member_rows", "member_specs",
            "members_by_compare", "members_by_search", "segment_of"]
@@ -74,13 +74,14 @@ def member_specs(p: Tensor, out: Mapping[str, SlotSpec]) -> dict[str, SlotSpec]:
 _BOUNDS: dict[tuple[int, torch.device], tuple[tuple[Any, ...], Tensor]] = {}
 
 
-def boundaries(members: tuple[Any, ...], device: torch.device) -> Tensor:
+def boundaries(members: tuple[Any, ...], device: torch.device, keep: bool = True) -> Tensor:
     """The first logical row of every member of a group but the first, ascending: ``int64 [members - 1]`` on
-    ``device``, made and moved once per group and device (not at every step), kept as :func:`_kept` keeps it."""
+    ``device``, made and moved once per group and device (not at every step), kept as :func:`_kept` keeps it;
+    made afresh and not kept where ``keep`` is False (:func:`~.contract.kept_for_steps` of the step's rows)."""
     def made(on: torch.device) -> Tensor:
         return torch.tensor([first for _, first, _ in members[1:]], dtype=torch.int64, device=on)
 
-    if torch.compiler.is_compiling():  # (a constant of the graph)
+    if not keep or torch.compiler.is_compiling():  # (under torch.compile: a constant of the graph)
         return made(device)
     return _kept(_BOUNDS, (id(members), device), members, lambda: upload(made(torch.device("cpu")), device))
 
@@ -116,7 +117,7 @@ def segment_of(p: Tensor, rows: Tensor, *, owned: bool = False) -> Tensor | None
     rows = rows.clamp(max=p.shape[0] - 1)
     if info.layout is not None:  # stored permuted: the logical row decides the member
         rows = info.layout.ownership(p.shape[0]).logical_id(rows)
-    bounds = boundaries(info.members, rows.device)
+    bounds = boundaries(info.members, rows.device, kept_for_steps(rows))
     if rows.device.type == "xla":
         return members_by_compare(rows, bounds)
     return members_by_search(rows, bounds)

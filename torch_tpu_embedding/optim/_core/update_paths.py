@@ -154,16 +154,15 @@ def update(item: Work) -> None:
     else:
         ids = item.ids
         assert ids is not None
-        whole = _whole_slots(item.p, item.group)  # (once per update: the chunks below share it)
+        # RowWiseAdagrad and Adam: one fused C loop (c_rules); other rules, or options it does not cover, the compiled
+        # kernel of the rule (row_update).
+        if item.path is Path.KERNEL and (c_rules.update(item) or row_update.update(item)):
+            return
+        whole = _whole_slots(item.p, item.group)  # (once per update, not on the kernel's: the chunks below share it)
         if item.path is Path.KERNEL:
-            # RowWiseAdagrad and Adam: one fused C loop (c_rules); other rules, or options it does not cover,
-            # the compiled kernel of the rule (row_update).
-            if c_rules.update(item) or row_update.update(item):
-                return
             # No compiled kernel: the reference path (an accelerator's keeps its static shapes; statistics over rows
             # take every row at once)
-            one_pass = sync_free(item.p.device) or whole
-            item.path = Path.ROWS if one_pass else Path.ROW_CHUNKS
+            item.path = Path.ROWS if sync_free(item.p.device) or whole else Path.ROW_CHUNKS
         chunk = row_chunk()
         # Under torch.compile the count of touched rows is a symbol with no value to compare (and the
         # compiled code fuses the rule's passes anyway): one pass.

@@ -44,9 +44,9 @@ def update_additive(item: Work) -> None:
         g = g.to(dtype) if item.divisor is None else g.to(dtype) / item.divisor
         return increment(g, lr, out=out)
 
-    chunk, sentinel = _additive_chunk(p), p.shape[0]
     if _compiled_additive(item) or _triton_additive(item, delta):
         return
+    chunk, sentinel = _additive_chunk(p), p.shape[0]
     small: list[tuple[Tensor, Tensor, bool]] = []  # pieces of fewer rows, added together (see flush)
 
     sink = sinks_sentinel(p.device)  # (no read of which ids are padding)
@@ -179,6 +179,9 @@ def _additive_chunk(p: Tensor) -> int:
         return ADDITIVE_CHUNK
     row = math.prod(p.shape[1:]) * math_dtype(p).itemsize
     return max(ADDITIVE_CHUNK, ADDITIVE_DEVICE_BYTES // max(1, row))
+
+
+#: :func:`_scratch`'s buffer, one per dtype and device
 _SCRATCH: dict[tuple[torch.dtype, torch.device], Tensor] = {}
 
 

@@ -81,21 +81,25 @@ def _batches() -> list[dict[str, tte.Padded]]:
 
 
 class _BlockingCopies(TorchDispatchMode):
-    """Counts the host-to-device copies that block (on CUDA a blocking copy synchronises the stream)."""
+    """Counts the host-to-device copies that block (on CUDA a blocking copy synchronises the stream), and lists
+    every host-to-device copy (``copies``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.blocking: list[str] = []
+        self.copies: list[str] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        if name == "_to_copy" and args[0].device.type == "cpu" and kwargs.get("device", args[0].device).type != "cpu" \
-                and not kwargs.get("non_blocking", False):
-            self.blocking.append(f"_to_copy {tuple(args[0].shape)}")
-        elif name == "copy_" and args[1].device.type == "cpu" and args[0].device.type != "cpu" \
-                and not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False)):
-            self.blocking.append(f"copy_ {tuple(args[1].shape)}")
+        if name == "_to_copy" and args[0].device.type == "cpu" and kwargs.get("device", args[0].device).type != "cpu":
+            self.copies.append(f"_to_copy {tuple(args[0].shape)} {args[0].dtype}")
+            if not kwargs.get("non_blocking", False):
+                self.blocking.append(f"_to_copy {tuple(args[0].shape)}")
+        elif name == "copy_" and args[1].device.type == "cpu" and args[0].device.type != "cpu":
+            self.copies.append(f"copy_ {tuple(args[1].shape)} {args[1].dtype}")
+            if not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False)):
+                self.blocking.append(f"copy_ {tuple(args[1].shape)}")
         return func(*args, **kwargs)
 
 
@@ -377,6 +381,27 @@ def test_a_learning_rate_schedule_copies_nothing_blocking(monkeypatch: pytest.Mo
             opt.zero_grad()
         if i >= 2:  # (the first steps make the state and the cached bounds: once)
             assert copies.blocking == [], (i, copies.blocking)
+
+
+@pytest.mark.parametrize("name", ["Adagrad", "RowWiseAdagrad"])
+def test_clipnorm_per_table_copies_nothing_from_the_host(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stacked group's ``clipnorm`` (each table's own norm) makes what it compares rows with on the device: a
+    steady step copies from the host what the same step without ``clipnorm`` copies (the batch), nothing per step
+    of its own (on XLA a transfer, on CUDA a pinned copy, each step)."""
+    monkeypatch.setattr(plan, "check_not_meta", lambda *args: None)
+    seen = {}
+    for clip in ({}, {"clipnorm": 0.05}):
+        ec = _collection("meta")
+        opt = getattr(tte.optim, name)(ec.parameters(), lr=0.1, **clip)
+        for i, batch in enumerate(_batches()):
+            copies = _BlockingCopies()
+            with copies if i == 4 else contextlib.nullcontext():
+                out = ec(batch)
+                sum(v.sum() for v in out.values()).backward()
+                opt.step()
+                opt.zero_grad()
+        seen[bool(clip)] = copies.copies
+    assert seen[True] == seen[False] != [], seen
 
 
 def test_jagged_sparse_and_nested_host_ids_step_without_reading_the_device(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -127,7 +127,8 @@ def clip_members(g: Tensor, seg: Tensor, members: int, clipnorm: float) -> Tenso
     """Keras ``clipnorm`` per member: rows ``g [..., D]`` of member ``seg [...]`` scaled by
     ``c / max(‖g_member‖₂, c)``. Masked sums (no scatter, no cross-member NaN): fine on a sharded ``g``."""
     sq = (g * g).sum(-1)
-    which = seg.unsqueeze(-1) == upload(torch.arange(members, dtype=seg.dtype), seg.device)
+    # (made where it is used: an iota of the graph on XLA, a kernel on CUDA; no host copy per step)
+    which = seg.unsqueeze(-1) == torch.arange(members, dtype=seg.dtype, device=seg.device)
     per = torch.where(which, sq.unsqueeze(-1), torch.zeros_like(sq).unsqueeze(-1))
     norms = torch.sqrt(per.reshape(-1, members).sum(0))
     scale = clipnorm / torch.clamp(norms, min=clipnorm)

@@ -167,3 +167,19 @@ def test_a_keyed_input_with_other_keys_raises_with_the_way_out() -> None:
         ec(_keyed(bags, ["fa", "other", "fb", "fc"]))
     with pytest.raises(ValueError, match=r"missing: \['fc'\]$"):
         ec(_keyed(bags, ["fa", "fb"]))
+
+
+def test_offsets_and_weights_of_a_wrong_dtype_or_order_raise_naming_them() -> None:
+    """``offsets()`` of bools crashed inside their differences (torch's "Subtraction ... with two bool tensors");
+    integer weights were named as the first feature's (``Feature `fa`: weights``), and offsets that go back as
+    ``lengths``, which the input does not have: each error names the KeyedJaggedTensor's own part."""
+    ec = _collection()
+    good = _keyed(_bags(4, 0, True), list(_KEYS), offsets=True)
+    with pytest.raises(TypeError, match=r"offsets\(\) must be an integer tensor\. Received torch\.bool"):
+        ec(_KJT(list(_KEYS), good.values(), offsets=good.offsets() > 0))
+    with pytest.raises(TypeError, match=r"weights_or_none\(\) must be a floating point tensor\. Received torch\.int64"):
+        ec(_KJT(list(_KEYS), good.values(), offsets=good.offsets(), weights=good.weights_or_none().long()))
+    back = good.offsets().clone()
+    back[1] = back[2] + 1  # bag 1 of length -1, bag 0 one longer: still from 0 to len(values())
+    with pytest.raises(ValueError, match=r"offsets\(\) must be non-decreasing\. Received a bag of length -1$"):
+        ec(_KJT(list(_KEYS), good.values(), offsets=back))

@@ -80,6 +80,9 @@ def keyed_inputs(features: Any, config: Any, order: list[tuple[Path, str, Featur
             raise TypeError("A KeyedJaggedTensor input's offsets() must be a 1-D tensor of len(keys()) · B + 1 "
                             f"entries. Received {type(offsets).__name__}"
                             f"{'' if not isinstance(offsets, torch.Tensor) else tuple(offsets.shape)}")
+        if offsets.dtype not in INDEX_DTYPES:  # (before the differences: bool offsets have none, float would truncate)
+            raise TypeError("A KeyedJaggedTensor input's offsets() must be an integer tensor. Received "
+                            f"{offsets.dtype}")
         lengths, first = offsets[1:] - offsets[:-1], offsets[:1]
     for what, t in (("values()", values), ("lengths()", lengths), ("weights_or_none()", weights)):
         if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != 1):
@@ -90,6 +93,9 @@ def keyed_inputs(features: Any, config: Any, order: list[tuple[Path, str, Featur
     if lengths.dtype not in INDEX_DTYPES or values.dtype not in INDEX_DTYPES:
         raise TypeError("A KeyedJaggedTensor input's values() and lengths() must be integer tensors. Received "
                         f"{values.dtype} and {lengths.dtype}")
+    if weights is not None and not weights.is_floating_point():  # (checked per feature below, named as the KJT's)
+        raise TypeError(f"A KeyedJaggedTensor input's weights_or_none() must be a floating point tensor. Received "
+                        f"{weights.dtype}")
     f, nnz = len(keys), values.numel()
     b = lengths.numel() // f
     lengths = lengths.to(torch.int64)
@@ -106,6 +112,9 @@ def keyed_inputs(features: Any, config: Any, order: list[tuple[Path, str, Featur
     if first is not None and (stats[f + 2] != 0 or total != nnz):  # (bag n: values()[offsets[n]:offsets[n + 1]])
         raise ValueError("A KeyedJaggedTensor input's offsets() must start at 0 and end at len(values()) = "
                          f"{nnz}. Received offsets from {stats[f + 2]} to {stats[f + 2] + total}")
+    if first is not None and shortest < 0:  # (the lengths are its differences: name what was given)
+        raise ValueError("A KeyedJaggedTensor input's offsets() must be non-decreasing. Received a bag of length "
+                         f"{shortest}")
     if total != nnz or shortest < 0:
         raise ValueError(f"A KeyedJaggedTensor input's lengths must be >= 0 and add up to len(values()) = {nnz}. "
                          f"Received lengths adding up to {total}, the shortest {shortest}")

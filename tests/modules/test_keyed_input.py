@@ -183,3 +183,19 @@ def test_offsets_and_weights_of_a_wrong_dtype_or_order_raise_naming_them() -> No
     back[1] = back[2] + 1  # bag 1 of length -1, bag 0 one longer: still from 0 to len(values())
     with pytest.raises(ValueError, match=r"offsets\(\) must be non-decreasing\. Received a bag of length -1$"):
         ec(_KJT(list(_KEYS), good.values(), offsets=back))
+
+
+@pytest.mark.parametrize("part", ["lengths", "offsets", "weights"])
+def test_a_keyed_input_with_parts_on_two_devices_raises_naming_them(part: str) -> None:
+    """Lengths, offsets or weights on another device than the values (on XLA: host lengths with device values, or
+    the reverse) crashed in the padding with torch's "Expected XLA tensor" or a failed copy; here "meta" stands for
+    the other device (nothing of it is read before the check)."""
+    ec = _collection()
+    good = _keyed(_bags(4, 0, True), list(_KEYS), offsets=part == "offsets")
+    parts = {"lengths": None if part == "offsets" else good.lengths(), "weights": good.weights_or_none(),
+             "offsets": good.offsets() if part == "offsets" else None}
+    parts[part] = parts[part].to("meta")
+    with pytest.raises(ValueError, match=rf"must be on one device \(kjt\.to\(device\) moves them all\)\. Received "
+                                         rf"values\(\) on cpu, .*{part if part != 'weights' else 'weights_or_none'}"
+                                         rf"\(\) on meta"):
+        ec(_KJT(list(_KEYS), good.values(), **parts))

@@ -55,3 +55,15 @@ def test_a_keyed_input_on_the_device_is_not_prepared_ahead_nor_read() -> None:
         ec.prepare(kjt, ahead=True)
     assert met.metric_data("TransferFromDeviceTime") is None  # nothing read back (the lengths' read was one)
     assert ec(ec.prepare(kjt), concat=True).shape == (3, 6)  # prepared on the thread that syncs
+
+
+@pytest.mark.parametrize("values_on, lengths_on", [("xla", "cpu"), ("cpu", "xla")])
+def test_a_keyed_input_with_its_lengths_on_another_device_than_its_values_raises(values_on: str,
+                                                                                  lengths_on: str) -> None:
+    """Host lengths with device values (or the reverse) crashed in the padding with torch_xla's "Expected XLA
+    tensor. Got: torch.LongTensor"."""
+    kjt = _KJT("cpu")
+    kjt._v, kjt._l = kjt._v.to(DEV if values_on == "xla" else "cpu"), kjt._l.to(DEV if lengths_on == "xla" else "cpu")
+    with pytest.raises(ValueError, match=rf"must be on one device .* Received values\(\) on {values_on}.*, "
+                                         rf"lengths\(\) on {lengths_on}"):
+        _collection(DEV)(kjt)

@@ -46,7 +46,8 @@ def keyed_inputs(features: Any, config: Any, order: list[tuple[Path, str, Featur
     ``order``: each feature's position, name and config. Each feature's bags become a
     :class:`~torch_tpu_embedding.inputs.Padded` (views of one ``[F·B, W]`` padding of every key, made by one
     scatter), so a stacked group's features are looked up as one (``modules/assembly.py``). Raises
-    ``ValueError`` naming missing or unknown keys, or the feature with a bag over its ``max_ids_per_bag``.
+    ``ValueError`` naming missing or unknown keys, parts on two devices, or the feature with a bag over its
+    ``max_ids_per_bag``.
 
     ``ahead`` (``EmbeddingCollection.prepare`` off the main thread): parts on an XLA device raise
     :class:`~torch_tpu_embedding.modules.prepared.NotAhead` before any of them is read (the read of the lengths
@@ -88,6 +89,12 @@ def keyed_inputs(features: Any, config: Any, order: list[tuple[Path, str, Featur
         if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != 1):
             raise TypeError(f"A KeyedJaggedTensor input's {what} must be a 1-D tensor. Received "
                             f"{type(t).__name__}{'' if not isinstance(t, torch.Tensor) else tuple(t.shape)}")
+    named = {"values()": values, "lengths()" if first is None else "offsets()": lengths, "weights_or_none()": weights}
+    where = {what: t.device for what, t in named.items() if t is not None}
+    if len(set(where.values())) > 1:  # (the bags are laid out where the values are, indexed by the lengths)
+        raise ValueError("A KeyedJaggedTensor input's values(), lengths() or offsets() and weights_or_none() must be "
+                         "on one device (kjt.to(device) moves them all). Received "
+                         + ", ".join(f"{what} on {d}" for what, d in where.items()))
     if lengths.numel() % len(keys):
         raise ValueError(_PER_FEATURE_BATCH + f"Received {lengths.numel()} lengths for {len(keys)} keys")
     if lengths.dtype not in INDEX_DTYPES or values.dtype not in INDEX_DTYPES:

@@ -7,7 +7,9 @@ names, its values the ids of every feature's bags, feature-major (all bags of ``
 ``keys()[1]``, ...), each feature with the same number of bags ``B = len(lengths) / len(keys)``.
 The bags of every key are padded at once (:func:`keyed_inputs`): widths as the host would pad a
 :class:`~torch_tpu_embedding.inputs.Jagged` input for XLA (``max_ids_per_bag``, else the longest bag
-rounded up to a power of two), so results equal those of the same bags given per feature.
+rounded up to a power of two), so results equal those of the same bags given per feature as
+:class:`~torch_tpu_embedding.inputs.Padded`; given as ``Jagged`` to an eager table they are summed in another
+order (no padding), and agree to rounding (float32: an ulp or so).
 """
 
 from __future__ import annotations

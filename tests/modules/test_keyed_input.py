@@ -183,6 +183,10 @@ def test_offsets_and_weights_of_a_wrong_dtype_or_order_raise_naming_them() -> No
     back[1] = back[2] + 1  # bag 1 of length -1, bag 0 one longer: still from 0 to len(values())
     with pytest.raises(ValueError, match=r"offsets\(\) must be non-decreasing\. Received a bag of length -1$"):
         ec(_KJT(list(_KEYS), good.values(), offsets=back))
+    none = _KJT(list(_KEYS), good.values())
+    none.lengths = lambda: None  # type: ignore[method-assign]  # (a duck type without its bags: no AttributeError)
+    with pytest.raises(TypeError, match=r"must give its bags by lengths\(\) or offsets\(\)\. Received lengths\(\) None"):
+        ec(none)
 
 
 @pytest.mark.parametrize("part", ["lengths", "offsets", "weights"])

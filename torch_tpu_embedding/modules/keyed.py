@@ -71,6 +71,9 @@ def keyed_inputs(features: Any, config: Any, order: list[tuple[Path, str, Featur
         raise ValueError(_PER_FEATURE_BATCH + "Received a KeyedJaggedTensor with variable_stride_per_key() True")
     values = features.values()
     lengths = features.lengths() if callable(getattr(features, "lengths", None)) else None
+    if lengths is None and not callable(getattr(features, "offsets", None)):
+        raise TypeError("A KeyedJaggedTensor input must give its bags by lengths() or offsets(). Received lengths() "
+                        "None and no offsets()")
     offsets = features.offsets() if lengths is None else None
     weights = features.weights_or_none() if callable(getattr(features, "weights_or_none", None)) else None
     given = (values, lengths, offsets, weights)

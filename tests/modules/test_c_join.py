@@ -248,3 +248,42 @@ def test_a_negative_view_of_ids_raises_the_features_own_error(lib: c_library.Lib
         ec(batch)
     assert type(got.value) is type(want.value) and str(got.value) == str(want.value)
     assert "f1" in str(got.value)
+
+
+def _misaligned(ids: torch.Tensor) -> torch.Tensor:
+    """``ids`` (int64) copied into memory 3 bytes past an 8-byte boundary, as ``torch.frombuffer`` of a packed record
+    with a 3-byte header makes it: a tensor torch's ops read as any other."""
+    buf = bytearray(ids.numel() * 8 + 8)
+    at = (3 - torch.frombuffer(buf, dtype=torch.uint8).data_ptr()) % 8
+    out = torch.frombuffer(buf, dtype=torch.int64, count=ids.numel(), offset=at)
+    out.copy_(ids.reshape(-1))
+    return out.view(ids.shape)
+
+
+def test_join_ids_is_never_handed_misaligned_ids(lib: c_library.Library, monkeypatch: pytest.MonkeyPatch) -> None:
+    """int64 ids whose memory does not start on an 8-byte boundary are joined by the torch ops: the C pass reads them
+    as ``int64_t`` (a misaligned load is undefined behaviour: UBSan's "load of misaligned address", and where the
+    compiler aligns its vector loads to the pointer's type, a fault), at the group's lookup too."""
+    handed: list[int] = []
+
+    def seen(out: int, narrow: int, src: Any, *rest: Any) -> int:
+        handed.extend(src[f] for f in range(rest[4]))  # (rest[4]: the number of features)
+        return lib.join_ids(out, narrow, src, *rest)
+
+    spy = lib._replace(join_ids=seen)
+    ids = torch.randint(0, 10, (64, 3))
+    odd = _misaligned(ids)
+    assert odd.data_ptr() % 8 and torch.equal(odd, ids)
+    got = join_ids([ids, odd], (64, 3), [0, 10], [10, 10], None, 20, False, False, spy)
+    assert all(p % 8 == 0 for p in handed), [p % 8 for p in handed]
+    assert got is None or torch.equal(got, torch.stack([ids, ids + 10], 1))
+    monkeypatch.setattr(c_library, "_LIBRARY", [spy])  # (the library a host table's join takes once loaded)
+    ec = _model(True)
+    batch = _batch(True, 0)
+    want = ec(batch)
+    assert handed  # (the spy sees the group's join)
+    handed.clear()
+    batch["f1"] = tte.Padded(_misaligned(batch["f1"].ids))
+    out = ec(batch)
+    assert all(p % 8 == 0 for p in handed), [p % 8 for p in handed]
+    assert all(torch.equal(out[f], want[f]) for f in want)

@@ -76,17 +76,18 @@ def gather_rows(weight: Tensor, ids: Tensor) -> Tensor:
 def _pointers(values: Sequence[Tensor], dtype: torch.dtype, shape: tuple[int, ...]
               ) -> ctypes.Array[ctypes.c_void_p] | None:
     """The addresses of ``values``' memory, or ``None`` unless each is a contiguous CPU tensor of ``dtype`` and
-    ``shape`` whose memory holds its values (not a negative view) and exists (not a zero tensor's null pointer).
+    ``shape`` whose memory holds its values (not a negative view), exists (not a zero tensor's null pointer) and is
+    aligned to its type (``torch.frombuffer`` at an odd offset: the C pass's int64 loads would be undefined).
     :func:`.c_args.in_memory`'s test, inlined: this runs per feature and step, and the call with its conjugate and
     zero-tensor reads (neither applies to int64 or bool ids: the null pointer tells the latter) cost the join a
     third more at 100 features (docs/benchmarks.md)."""
-    tensor, strided, ptrs = torch.Tensor, torch.strided, []
+    tensor, strided, ptrs, size = torch.Tensor, torch.strided, [], dtype.itemsize
     for v in values:
         if (type(v) is not tensor or v.dtype is not dtype or not v.is_cpu or v.layout is not strided or v.is_nested
                 or v.shape != shape or not v.is_contiguous() or v.is_neg()):
             return None
         ptr = v.data_ptr()
-        if not ptr:  # (a zero tensor: no memory)
+        if not ptr or ptr % size:  # (a zero tensor: no memory; misaligned: torch's ops read it, a C int64 load not)
             return None
         ptrs.append(ptr)
     return (ctypes.c_void_p * len(ptrs))(*ptrs)

@@ -68,6 +68,19 @@ def test_a_zero_tensor_takes_index_select(gathers: list[int], operand: str) -> N
     assert gathers == []
 
 
+def test_misaligned_ids_take_index_select(gathers: list[int]) -> None:
+    """int64 ids 3 bytes past an 8-byte boundary (``torch.frombuffer`` at an odd offset) are read by ``index_select``,
+    not by the loop, whose int64 loads of them were undefined behaviour (UBSan: "load of misaligned address")."""
+    weight, want = torch.randn(10, 4), torch.tensor([1, 7, 1, 9])
+    buf = bytearray(8 * want.numel() + 8)
+    ids = torch.frombuffer(buf, dtype=torch.int64, count=want.numel(),
+                           offset=(3 - torch.frombuffer(buf, dtype=torch.uint8).data_ptr()) % 8)
+    ids.copy_(want)
+    assert ids.data_ptr() % 8
+    assert torch.equal(c_gather.gather_rows(weight, ids), weight.index_select(0, want))
+    assert gathers == []
+
+
 @pytest.mark.parametrize("bad", [-1, 500])
 def test_the_loop_refuses_an_id_outside_the_table(gathers: list[int], bad: int) -> None:
     weight = torch.randn(500, 8)

@@ -17,6 +17,7 @@ from test_stacked_groups import _CountOps as _Ops
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding.optim._kernels import c_gather, c_library
+from torch_tpu_embedding.optim._kernels.c_args import in_memory
 
 
 @pytest.fixture
@@ -79,6 +80,19 @@ def test_misaligned_ids_take_index_select(gathers: list[int]) -> None:
     assert ids.data_ptr() % 8
     assert torch.equal(c_gather.gather_rows(weight, ids), weight.index_select(0, want))
     assert gathers == []
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32, torch.float64, torch.bfloat16])
+def test_in_memory_refuses_a_tensor_off_its_type_alignment(dtype: torch.dtype) -> None:
+    """What every C loop is handed (ids, weights, slots, gradients) is checked by ``c_args.in_memory``: a tensor one
+    byte past its type's alignment is not (the loops' typed loads of it would be undefined)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    buf = bytearray(size * 5)
+    base = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
+    aligned = torch.frombuffer(buf, dtype=dtype, count=2, offset=(-base) % size)
+    off = torch.frombuffer(buf, dtype=dtype, count=2, offset=(1 - base) % size)
+    assert in_memory(aligned)
+    assert not in_memory(off)
 
 
 @pytest.mark.parametrize("bad", [-1, 500])

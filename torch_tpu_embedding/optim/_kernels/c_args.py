@@ -19,6 +19,7 @@ __all__ = ["in_memory"]
 def in_memory(t: torch.Tensor) -> bool:
     """Whether ``t``'s values are the memory at its ``data_ptr()``, as a C loop reads them: a strided CPU tensor,
     not a zero tensor (``torch._efficientzerotensor``: no memory, its pointer null) nor a negated or conjugated
-    view (its memory holds the values before the sign)."""
+    view (its memory holds the values before the sign), and aligned to its element type (``torch.frombuffer`` at an
+    odd offset makes tensors torch reads as any other; a C loop's typed loads of them are undefined)."""
     return (t.is_cpu and t.layout == torch.strided and not t._is_zerotensor() and not t.is_neg()
-            and not t.is_conj())
+            and not t.is_conj() and t.data_ptr() % t.element_size() == 0)

@@ -57,22 +57,10 @@ from torch.utils._pytree import tree_map
 
 from torch_tpu_embedding.modules.collection import EmbeddingCollection
 from torch_tpu_embedding.modules.prepared import NotAhead, PreparedFeatures
-from torch_tpu_embedding.train.prefetch import Prefetcher, Ready
+from torch_tpu_embedding.train.prefetch import Prefetcher, Ready, call_weakly
+from torch_tpu_embedding.train.restored import detached, restore
 
 __all__ = ["TrainPipeline"]
-
-
-class _Saved(torch.autograd.Function):
-    """Activations restored from a checkpoint: the saved values, with the gradient of a fresh lookup of the same
-    ids (a lookup's gradient rows depend on its ids and gains, never on the table's values)."""
-
-    @staticmethod
-    def forward(ctx: Any, fresh: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return saved.to(fresh.device, fresh.dtype).clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return grad, None
 
 
 class TrainPipeline:
@@ -207,7 +195,7 @@ class TrainPipeline:
         if self._resume_outputs is not None:  # restored: its activations as looked up before the checkpoint
             self._look_up_ahead(prepared)
         # (looked up ahead: kept should the step fail before its update, for the later run that trains it again)
-        self._ahead_outputs = None if prepared.outputs is None else tree_map(_detached, prepared.outputs)
+        self._ahead_outputs = None if prepared.outputs is None else tree_map(detached, prepared.outputs)
         if self.stale:  # batch N + 1 looked up now: the tables before update N
             try:
                 following = self._take()
@@ -270,7 +258,7 @@ class TrainPipeline:
         if self.prefetch:
             # The thread holds this pipeline weakly: dropped without close(), it is collected and its finalizer
             # stops the thread (a join there could wait on a source that blocks).
-            prepare = functools.partial(_call_weakly, weakref.WeakMethod(self._prepare_ahead))
+            prepare = functools.partial(call_weakly, weakref.WeakMethod(self._prepare_ahead))
             self._prefetcher = Prefetcher(self._source, prepare)
             self._finalizer = weakref.finalize(self, self._prefetcher.stop)
 
@@ -336,7 +324,7 @@ class TrainPipeline:
         if self._resume_outputs is not None:  # restored from a checkpoint: the values looked up before it
             saved, self._resume_outputs = self._resume_outputs, None
             if prepared.outputs is not None:  # (else its error is raised at its step)
-                prepared.outputs = _restore(prepared.outputs, saved)
+                prepared.outputs = restore(prepared.outputs, saved)
 
     def _side_stream(self) -> Any:
         if not any(p.device.type == "cuda" for p in self.collection.parameters()):
@@ -425,25 +413,3 @@ class TrainPipeline:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _detached(value: Any) -> Any:
-    return value.detach() if isinstance(value, torch.Tensor) else value
-
-
-def _call_weakly(method: weakref.WeakMethod[Callable[[Any], Any]], batch: Any) -> Any:
-    """``method(batch)`` while its object lives (else ``None``: nothing prepared, for a pipeline already gone)."""
-    bound = method()
-    return None if bound is None else bound(batch)
-
-
-def _restore(fresh: Any, saved: Any) -> Any:
-    """``fresh`` activations (a structure of tensors) with the values of ``saved`` (the same structure)."""
-    if isinstance(fresh, torch.Tensor):
-        out: torch.Tensor = _Saved.apply(fresh, saved)  # type: ignore[no-untyped-call]
-        return out
-    if isinstance(fresh, dict):
-        return {k: _restore(v, saved[k]) for k, v in fresh.items()}
-    if isinstance(fresh, (list, tuple)):
-        items = [_restore(v, s) for v, s in zip(fresh, saved, strict=True)]
-        return items if isinstance(fresh, list) else tuple(items)
-    return fresh

@@ -19,10 +19,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["Prefetcher", "Ready"]
+__all__ = ["Prefetcher", "Ready", "call_weakly"]
 
 
 @dataclasses.dataclass
@@ -131,3 +132,9 @@ class Prefetcher:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+
+def call_weakly(method: weakref.WeakMethod[Callable[[Any], Any]], batch: Any) -> Any:
+    """``method(batch)`` while its object lives (else ``None``: nothing prepared, for a pipeline already gone)."""
+    bound = method()
+    return None if bound is None else bound(batch)

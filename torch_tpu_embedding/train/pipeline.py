@@ -142,6 +142,10 @@ class TrainPipeline:
         self._late: Prefetcher | None = None
         self._late_at = 0
         self._resumed: collections.deque[Any] = collections.deque()  # _resume's batches the running source holds
+        # The source's error met ahead and not raised when the pipeline stopped (a break, a failed step): raised after
+        # _resume's batches, where the source raised it (a generator that raised is done: it never raises it again).
+        # One error at most, in a list: the source's chain refers to it, never to the pipeline (held weakly).
+        self._source_error: list[BaseException] = []
 
     # ------------------------------------------------------------------ the loop
     def run(self, batches: Iterable[Any]) -> Iterator[Any]:
@@ -239,17 +243,21 @@ class TrainPipeline:
                           "on with a new TrainPipeline (from unfinished()).")
         self._given = source
         if self._failed:  # a step raised: its batch first, then the one looked up ahead during it (looked up again)
-            again = [*self._failed, *([self._next.batch] if self._next is not None and self._next.source_error is None
-                                      else [])]
+            ahead = self._next
+            if ahead is not None and ahead.source_error is not None:  # (met while the failed step looked ahead)
+                self._source_error[:], ahead = [ahead.source_error], None
+            again = [*self._failed, *([ahead.batch] if ahead is not None else [])]
             self._resume, self.taken = [*again, *self._resume], self.taken - len(again)  # (counted again when taken)
             self._failed, self._next = [], None
             self._resume_outputs, self._failed_outputs = self._failed_outputs, None  # (its activations, as looked up)
         resumed = self._resumed = collections.deque(self._resume)  # (what close() finds left goes back to _resume)
-        self._resume = []
+        self._resume, pending = [], self._source_error
 
         def chained() -> Iterator[Any]:
             while resumed:
                 yield resumed.popleft()
+            if pending:
+                raise pending.pop()
             for batch in source:  # (not `yield from`: closing this generator would close the caller's iterator)
                 yield batch
 
@@ -348,7 +356,9 @@ class TrainPipeline:
             prefetcher, self._prefetcher = self._prefetcher, None
             self._finalizer.detach()
             ended = prefetcher.close(self.close_timeout)
-            taken = prefetcher.take_ready()
+            taken, error = prefetcher.take_ready()
+            if error is not None:
+                self._source_error[:] = [error]
             if not ended:
                 self._late, self._late_at = prefetcher, len(taken)
         self._resume = [*taken, *self._resumed, *self._resume]  # (restored batches the source had not yielded)
@@ -365,7 +375,10 @@ class TrainPipeline:
             return
         if self._late is not None:
             late, self._late = self._late, None
-            self._resume[self._late_at:self._late_at] = late.take_ready()
+            batches, error = late.take_ready()
+            self._resume[self._late_at:self._late_at] = batches
+            if error is not None:
+                self._source_error[:] = [error]
 
     def unfinished(self) -> list[Any]:
         """The batches taken from the source and not trained, in order (the batch of a step that raised first): what
@@ -406,6 +419,7 @@ class TrainPipeline:
         self.steps, self.taken = int(state["steps"]), int(state["taken"]) - len(state["unfinished"])
         self._next = None
         self._resume, self._resume_outputs, self._failed = list(state["unfinished"]), state["outputs_ahead"], []
+        self._source_error.clear()  # (the source given to run() from `taken` on raises its own)
 
     def __enter__(self) -> TrainPipeline:
         return self

@@ -121,13 +121,14 @@ class Prefetcher:
             self._thread.join(timeout)
         return not self._thread.is_alive()
 
-    def take_ready(self) -> list[Any]:
+    def take_ready(self) -> tuple[list[Any], BaseException | None]:
         """Remove and return the batches taken and not handed over, in order, without waiting (the one being
-        taken is not among them)."""
+        taken is not among them), and the source's error met after them, if any (raised by whoever goes on)."""
         with self._cond:
             ready, self._ready = self._ready, collections.deque()
             self._cond.notify_all()
-        return [r.batch for r in ready if r.source_error is None]
+        error = next((r.source_error for r in ready if r.source_error is not None), None)
+        return [r.batch for r in ready if r.source_error is None], error
 
     @property
     def alive(self) -> bool:

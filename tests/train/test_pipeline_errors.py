@@ -1,0 +1,68 @@
+"""``tte.TrainPipeline``'s errors met ahead of their step and kept across a stop: the source's error taken by the
+background thread (or by a lookup ahead) before the run stopped is raised when it goes on, at its place; a
+``StopIteration`` from the user's code is not read as the end of the batches. Bounds on waits are hang guards."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from suite_helpers import pipeline_batches, train_by_hand
+from test_pipeline_lifecycle import _model, _opts, _step, _threads
+
+import torch_tpu_embedding as tte
+
+
+def _failing(data: list[Any], raised: threading.Event) -> Iterator[Any]:
+    yield from data
+    raised.set()
+    raise OSError("the reader failed")
+
+
+def _want(data: list[Any], stale: bool) -> torch.nn.Module:
+    plain = _model()
+    train_by_hand(plain, _opts(plain), data, _step, stale=stale)
+    return plain
+
+
+@pytest.mark.parametrize("how", ["break", "failed-step", "failed-step-pipelined"])
+def test_the_sources_error_taken_before_a_stop_is_raised_when_the_run_goes_on(how: str) -> None:
+    """The source raises after batch 2, and the pipeline has met that error (the thread took it, or step 2 looked
+    ahead) when the run stops: by a break after step 2, or by step 2 raising. Going on (with the same source, a
+    generator now done) trains what was taken, then raises the source's error, as the plain loop would."""
+    stale = how == "failed-step-pipelined"
+    data = pipeline_batches(3, seed=11)
+    raised = threading.Event()
+    calls: list[Any] = []
+
+    def step(model: Any, batch: Any) -> torch.Tensor:
+        calls.append(batch)
+        if len(calls) == 3 and how != "break":
+            assert raised.wait(120)  # (the thread, or the lookup ahead, has met the source's error)
+            raise RuntimeError("step 2 failed")
+        return _step(model, batch)
+
+    model = _model()
+    pipe = tte.TrainPipeline(model, _opts(model), step=step, features=lambda b: b["sparse"],
+                             pipeline_execution_with_tensor_core=stale)
+    source = _failing(data, raised)
+    if how == "break":
+        for _ in pipe.run(source):
+            if pipe.steps == 3:
+                assert raised.wait(120)
+                break
+    else:
+        with pytest.raises(RuntimeError, match="step 2 failed"):
+            for _ in pipe.run(source):
+                pass
+    assert not _threads()
+    done = []
+    with pytest.raises(OSError, match="the reader failed"):
+        for loss in pipe.run(source):
+            done.append(loss)
+    assert len(done) == (0 if how == "break" else 1) and pipe.steps == 3 and not _threads()
+    for name, value in _want(data, stale).state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name

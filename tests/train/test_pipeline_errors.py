@@ -66,3 +66,32 @@ def test_the_sources_error_taken_before_a_stop_is_raised_when_the_run_goes_on(ho
     assert len(done) == (0 if how == "break" else 1) and pipe.steps == 3 and not _threads()
     for name, value in _want(data, stale).state_dict().items():
         assert torch.equal(model.state_dict()[name], value), name
+
+
+@pytest.mark.parametrize("where", ["step", "features"])
+@pytest.mark.parametrize("stale", [False, True])
+def test_a_stop_iteration_raised_by_the_users_code_is_an_error_not_the_end(where: str, stale: bool) -> None:
+    """``step`` (or ``features``, on the thread or in the lookup ahead) raising ``StopIteration`` at batch 2 (say, a
+    ``next()`` on an exhausted iterator of its own): the run raises there, as a generator turns it into a
+    RuntimeError; it did end quietly after step 1, as if the batches had run out."""
+    data = pipeline_batches(4, seed=12)
+
+    def step(model: Any, batch: Any) -> torch.Tensor:
+        if where == "step" and batch is data[2]:
+            next(iter(()))
+        return _step(model, batch)
+
+    def features(batch: Any) -> Any:
+        if where == "features" and batch is data[2]:
+            next(iter(()))
+        return batch["sparse"]
+
+    model = _model()
+    pipe = tte.TrainPipeline(model, _opts(model), step=step, features=features,
+                             pipeline_execution_with_tensor_core=stale)
+    done = []
+    with pytest.raises(RuntimeError, match="StopIteration was raised in step 2 of TrainPipeline") as info:
+        for loss in pipe.run(data):
+            done.append(loss)
+    assert isinstance(info.value.__cause__, StopIteration)
+    assert len(done) == 2 and pipe.steps == 2 and not _threads() and pipe.unfinished()[0] is data[2]

@@ -183,12 +183,16 @@ class TrainPipeline:
             raise current.source_error
         try:
             return self._train(current)
-        except BaseException:
+        except BaseException as e:
             if not self._updating:  # failed before its update: trained first by a later run, from no gradient
                 self._failed, self._failed_outputs = [current.batch], self._ahead_outputs
                 for opt in self.optimizers:
                     opt.zero_grad()
             self.close()
+            if isinstance(e, StopIteration):  # (as PEP 479's generators do: else it reads as the end of the batches)
+                raise RuntimeError(f"StopIteration was raised in step {self.steps} of TrainPipeline (by `step`, "
+                                   "`features`, `weights`, `after_step` or an optimizer): run() and progress() would "
+                                   "take it for the end of the batches.") from e
             raise
 
     def _train(self, current: Ready) -> Any:

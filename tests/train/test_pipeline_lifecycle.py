@@ -225,3 +225,29 @@ def test_a_keyboard_interrupt_in_a_step_stops_the_thread_and_the_run_goes_on_fro
     assert sum(1 for _ in pipe.run(it)) == 4 and pipe.steps == 5 and not _threads()
     for name, value in plain.state_dict().items():
         assert torch.equal(model.state_dict()[name], value), name
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_a_lookup_under_no_grad_in_the_step_trains_no_table(stale: bool) -> None:
+    """A step that looks its features up under ``torch.no_grad()`` (embeddings used as fixed inputs, the head
+    trained): no gradient reaches the tables, as in the plain loop; with pipelined execution too, where the lookup
+    ran ahead, outside the step's no_grad (its activations carried gradients, and the tables were updated)."""
+
+    def step(model: Any, batch: dict[str, Any]) -> torch.Tensor:
+        with torch.no_grad():
+            out = model["ec"](batch["sparse"])
+        x = torch.cat([out["a"], out["b"], out["c"]], dim=1)
+        return torch.nn.functional.mse_loss(model["head"](torch.tanh(x)).squeeze(1), batch["label"])
+
+    data = pipeline_batches(5, seed=8)
+    plain = _model()
+    train_by_hand(plain, _opts(plain), data, step, stale=stale)
+    model = _model()
+    tables = {n: t.detach().clone() for n, t in model["ec"].named_parameters()}
+    pipe = tte.TrainPipeline(model, _opts(model), step=step, features=lambda b: b["sparse"],
+                             pipeline_execution_with_tensor_core=stale)
+    assert sum(1 for _ in pipe.run(data)) == 5
+    for name, value in model["ec"].named_parameters():
+        assert torch.equal(value, tables[name]), name
+    for name, value in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name

@@ -11,6 +11,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 from torch_tpu_embedding.modules.prepared import NotAhead, PreparedFeatures, leaves_of, versions_of
 from torch_tpu_embedding.modules.table import EmbeddingTable
@@ -74,6 +75,8 @@ class AheadLookups:
                 raise ValueError(f"These features were looked up ahead with concat={prepared.concat}; the forward "
                                  f"asks for concat={concat!r}. Give the pipeline the concat your model uses.")
             outputs, prepared.outputs = prepared.outputs, None
+            if not torch.is_grad_enabled():  # (looked up ahead with gradients; a forward under no_grad has none)
+                outputs = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, outputs)
             return outputs
         try:
             batches = prepared.take(id(self))

@@ -95,3 +95,31 @@ def test_a_stop_iteration_raised_by_the_users_code_is_an_error_not_the_end(where
             done.append(loss)
     assert isinstance(info.value.__cause__, StopIteration)
     assert len(done) == 2 and pipe.steps == 2 and not _threads() and pipe.unfinished()[0] is data[2]
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_a_step_that_raises_after_its_update_is_counted(stale: bool) -> None:
+    """``after_step`` raising after update 1 (say, a logger's write failing): that update is applied and its batch
+    spent, so ``steps`` counts it and ``state_dict()`` says ``taken == steps + len(unfinished)`` (it said one step
+    fewer: a run resumed from it counts its steps one behind the updates applied). Going on equals the run that never
+    failed."""
+    data = pipeline_batches(5, seed=13)
+    calls = []
+
+    def after() -> None:
+        calls.append(None)
+        if len(calls) == 2:
+            raise OSError("the logger failed")
+
+    model = _model()
+    pipe = tte.TrainPipeline(model, _opts(model), step=_step, features=lambda b: b["sparse"], after_step=after,
+                             pipeline_execution_with_tensor_core=stale)
+    it = iter(data)
+    with pytest.raises(OSError, match="the logger failed"):
+        for _ in pipe.run(it):
+            pass
+    state = pipe.state_dict()
+    assert pipe.steps == 2 and state["steps"] == 2 and state["taken"] == 2 + len(state["unfinished"])
+    assert sum(1 for _ in pipe.run(it)) == 3 and pipe.steps == 5
+    for name, value in _want(data, stale).state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name

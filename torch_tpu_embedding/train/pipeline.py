@@ -232,13 +232,13 @@ class TrainPipeline:
         # From here a failure leaves this update applied, maybe in part: never retried. (The activations kept for a
         # retry are let go before after_step: on XLA a tensor alive at torch_xla.sync() becomes a graph output.)
         self._updating, self._ahead_outputs = True, None
+        self.steps += 1  # (its batch is spent from here: counted, as state_dict()'s `taken` counts it)
         for opt in self.optimizers:
             opt.step()
         for opt in self.optimizers:
             opt.zero_grad()
         if self._after is not None:
             self._after()
-        self.steps += 1
         return result
 
     # ------------------------------------------------------------------ batches

@@ -4,6 +4,7 @@ background thread (or by a lookup ahead) before the run stopped is raised when i
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -123,3 +124,41 @@ def test_a_step_that_raises_after_its_update_is_counted(stale: bool) -> None:
     assert sum(1 for _ in pipe.run(it)) == 3 and pipe.steps == 5
     for name, value in _want(data, stale).state_dict().items():
         assert torch.equal(model.state_dict()[name], value), name
+
+
+def _refilling(data: list[Any]) -> Iterator[Any]:
+    """A reader that gives every batch in the same tensors, refilled in place (it reuses its buffers)."""
+    buffer = copy.deepcopy(data[0])
+    for batch in data:
+        for name in ("ids", "mask"):
+            getattr(buffer["sparse"]["a"], name).copy_(getattr(batch["sparse"]["a"], name))
+        buffer["sparse"]["b"].copy_(batch["sparse"]["b"])
+        buffer["sparse"]["c"] = batch["sparse"]["c"]
+        buffer["label"].copy_(batch["label"])
+        yield buffer
+
+
+@pytest.mark.parametrize(("prefetch", "stale"), [(True, False), (False, True), (True, True)])
+def test_a_source_that_refills_its_buffers_is_told_when_batches_are_taken_ahead(prefetch: bool, stale: bool) -> None:
+    """Taking batch ``N + 1`` while step ``N`` runs rewrites step ``N``'s tensors when the source reuses them: the run
+    raised nothing and trained on the wrong ids and labels (prefetching), or blamed the step or the model
+    (pipelined execution). It now raises naming the input, at the step of the batch taken (pipelined execution:
+    at step 0, before its forward, whose batch was rewritten when batch 1 was taken). Without taking ahead it
+    equals the plain loop."""
+    data = pipeline_batches(4, seed=14)
+    plain = _model()
+    train_by_hand(plain, _opts(plain), data, _step)
+    model = _model()
+    pipe = tte.TrainPipeline(model, _opts(model), step=_step, features=lambda b: b["sparse"], prefetch=False)
+    assert sum(1 for _ in pipe.run(_refilling(data))) == 4
+    for name, value in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+    model = _model()
+    pipe = tte.TrainPipeline(model, _opts(model), step=_step, features=lambda b: b["sparse"], prefetch=prefetch,
+                             pipeline_execution_with_tensor_core=stale)
+    with pytest.raises(ValueError, match=r"Batch 1 from the source holds the tensors of the batch before it, "
+                                         r"rewritten \(input `a`\): the source refills the buffers"):
+        for _ in pipe.run(_refilling(data)):
+            pass
+    assert pipe.steps == (0 if stale else 1) and not _threads()

@@ -102,13 +102,22 @@ class PreparedFeatures:
         now = versions_of(features) + (() if weights is None else versions_of(weights))
         if not self.versions or now == self.versions:
             return None
-        names = [path_name(p) for p, _ in flatten(features)]
-        names += [f"weights {path_name(p)}" for p, _ in flatten(weights)] if weights is not None else []
-        for name, then, later in zip(names, self.versions, now, strict=True):
+        for name, then, later in zip(self.input_names(features, weights), self.versions, now, strict=True):
             current = dict(later)  # (a tensor an input object made since, e.g. a KJT's cached offsets, is not an edit)
             if any(current.get(t, v) != v for t, v in then):
                 return name
         return None
+
+    def input_names(self, features: Any, weights: Any) -> list[str]:
+        """The names of :attr:`versions`' leaves (``"b"``, ``"user/ids"``; a weight's: ``"weights b"``)."""
+        names = [path_name(p) for p, _ in flatten(features)]
+        return names + ([f"weights {path_name(p)}" for p, _ in flatten(weights)] if weights is not None else [])
+
+    def refills(self, earlier: PreparedFeatures) -> int | None:
+        """The index of this input's first leaf that holds a tensor of ``earlier``'s (inputs still alive) written
+        since ``earlier`` was prepared: a source that refills the tensors of the batch it gave before; or ``None``."""
+        then = {t: v for leaf in earlier.versions for t, v in leaf}
+        return next((i for i, leaf in enumerate(self.versions) if any(then.get(t, v) != v for t, v in leaf)), None)
 
     def take(self, owner: int) -> list[Any]:
         """The batches to look up (once), after the CUDA transfers; raises the inputs' error if they had one."""

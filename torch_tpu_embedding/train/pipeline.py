@@ -57,7 +57,7 @@ from torch.utils._pytree import tree_map
 
 from torch_tpu_embedding.modules.collection import EmbeddingCollection
 from torch_tpu_embedding.modules.prepared import NotAhead, PreparedFeatures
-from torch_tpu_embedding.train.prefetch import Prefetcher, Ready, call_weakly
+from torch_tpu_embedding.train.prefetch import Prefetcher, Ready, ReusedBuffersError, call_weakly, refilled
 from torch_tpu_embedding.train.restored import detached, restore
 
 __all__ = ["TrainPipeline"]
@@ -142,6 +142,7 @@ class TrainPipeline:
         self._late: Prefetcher | None = None
         self._late_at = 0
         self._resumed: collections.deque[Any] = collections.deque()  # _resume's batches the running source holds
+        self._handed: Ready | None = None  # the batch prepared last (kept alive: its tensors' ids are compared)
         # The source's error met ahead and not raised when the pipeline stopped (a break, a failed step): raised after
         # _resume's batches, where the source raised it (a generator that raised is done: it never raises it again).
         # One error at most, in a list: the source's chain refers to it, never to the pipeline (held weakly).
@@ -216,6 +217,8 @@ class TrainPipeline:
                          else PreparedFeatures.failed(id(self.collection), following.source_error))
                 self._look_up_ahead(ahead)
             self._next = following
+            if following is not None and isinstance(ahead.error, ReusedBuffersError):  # (this step's batch too)
+                raise ahead.error
         with self.collection.use_prepared(prepared):
             result = self._step_fn(self.model, current.batch)
         if not prepared.used:
@@ -316,6 +319,13 @@ class TrainPipeline:
                 self._fail(item.error)
             item.prepared, item.error = PreparedFeatures.failed(id(self.collection), item.error), None
         prepared: PreparedFeatures = item.prepared
+        if (self.prefetch or self.stale) and self._handed is not None and self._handed is not item:
+            error = refilled(prepared, self._handed.prepared, lambda: self._inputs(item.batch), self.taken - 1)
+            if error is not None:  # (its lookup raises it, at its step: with pipelined execution, this step too)
+                prepared = item.prepared = PreparedFeatures.failed(id(self.collection), error)
+                if not keep_error:
+                    self._fail(error)
+        self._handed = item
         return prepared
 
     def _fail(self, error: BaseException) -> NoReturn:
@@ -367,7 +377,7 @@ class TrainPipeline:
                 self._late, self._late_at = prefetcher, len(taken)
         self._resume = [*taken, *self._resumed, *self._resume]  # (restored batches the source had not yielded)
         self._resumed = collections.deque()
-        self._source = None
+        self._source, self._handed = None, None
 
     def _settle_late(self, timeout: float, what: str = "", advice: str = "") -> None:
         """Put the batch of a thread :meth:`close` left blocked in the source where it belongs in ``_resume``,

@@ -23,7 +23,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["Prefetcher", "Ready", "call_weakly"]
+__all__ = ["Prefetcher", "Ready", "ReusedBuffersError", "call_weakly", "refilled"]
 
 
 @dataclasses.dataclass
@@ -139,3 +139,24 @@ def call_weakly(method: weakref.WeakMethod[Callable[[Any], Any]], batch: Any) ->
     """``method(batch)`` while its object lives (else ``None``: nothing prepared, for a pipeline already gone)."""
     bound = method()
     return None if bound is None else bound(batch)
+
+
+class ReusedBuffersError(ValueError):
+    """A source gave a batch in the tensors of the batch before it, rewritten (see :func:`refilled`)."""
+
+
+def refilled(prepared: Any, earlier: Any, inputs: Callable[[], tuple[Any, Any]],
+             index: int) -> ReusedBuffersError | None:
+    """The error for batch ``index`` (``prepared``) when it holds tensors of the batch before it (``earlier``, still
+    alive) written since that one was prepared: its source refills the buffers of the batches it gave. Taken ahead,
+    a batch is taken while the one before it trains, which then reads its tensors rewritten. (``inputs()``: its
+    ``features`` and ``weights``, to name the input.)"""
+    leaf = prepared.refills(earlier)
+    if leaf is None:
+        return None
+    name = prepared.input_names(*inputs())[leaf]
+    return ReusedBuffersError(
+        f"Batch {index} from the source holds the tensors of the batch before it, rewritten (input `{name}`): the "
+        "source refills the buffers of the batches it gave. TrainPipeline takes each batch while the step before it "
+        "runs (prefetch=True, or pipelined execution), so that step may have read them rewritten: make the source "
+        "give each batch tensors of its own (e.g. clone them), or use prefetch=False without pipelined execution.")

@@ -162,3 +162,20 @@ def test_a_source_that_refills_its_buffers_is_told_when_batches_are_taken_ahead(
         for _ in pipe.run(_refilling(data)):
             pass
     assert pipe.steps == (0 if stale else 1) and not _threads()
+
+
+def test_a_second_run_while_one_goes_on_is_refused_and_leaves_it_running() -> None:
+    """``run()`` while another ``run()`` of the pipeline is not finished: refused, naming run(), the other left as it
+    was (it was refused as a "progress() given another iterator" and stopped the other run's thread)."""
+    data = pipeline_batches(4, seed=15)
+    model = _model()
+    pipe = tte.TrainPipeline(model, _opts(model), step=_step, features=lambda b: b["sparse"])
+    first = pipe.run(data)
+    next(first)
+    (thread,) = _threads()
+    with pytest.raises(ValueError, match=r"TrainPipeline.run\(\) was called while another run\(\)"):
+        next(pipe.run(data))
+    assert _threads() == [thread] and thread.is_alive()
+    assert sum(1 for _ in first) == 3 and pipe.steps == 4 and not _threads()
+    for name, value in _want(data, False).state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name

@@ -152,6 +152,9 @@ class TrainPipeline:
     def run(self, batches: Iterable[Any]) -> Iterator[Any]:
         """Train on ``batches`` (after any restored by :meth:`load_state_dict`); yields each step's result."""
         source = iter(batches)
+        if self._source is not None:  # (refused before the try: closing would stop the run going on)
+            raise ValueError("TrainPipeline.run() was called while another run() (or progress()) of this pipeline is "
+                             "going on: finish it, or break out of it (close() after progress()), first.")
         try:
             while True:
                 try:

@@ -89,7 +89,8 @@ class TrainPipeline:
     :meth:`state_dict` saves them; after a step that raised before its update, a later :meth:`run` trains the
     failed batch first, as if that step had not run. A step may edit its batch's ids in place before its forward
     (they are planned again, as in the plain loop), but not a batch looked up ahead (pipelined execution: that
-    raises).
+    raises). Taken ahead (``prefetch``, or pipelined execution), a batch is taken while the step before it runs: the
+    source must give each batch tensors of its own (one that refills the tensors it gave raises, naming the input).
     """
 
     def __init__(
@@ -322,13 +323,14 @@ class TrainPipeline:
                 self._fail(item.error)
             item.prepared, item.error = PreparedFeatures.failed(id(self.collection), item.error), None
         prepared: PreparedFeatures = item.prepared
-        if (self.prefetch or self.stale) and self._handed is not None and self._handed is not item:
-            error = refilled(prepared, self._handed.prepared, lambda: self._inputs(item.batch), self.taken - 1)
+        if self.prefetch or self.stale:  # (taken while the batch before it trains: a source refilling it is told)
+            earlier, self._handed = self._handed, item
+            error = (None if earlier is None or earlier is item  # (`is`: a Ready's == would compare tensors)
+                     else refilled(prepared, earlier.prepared, lambda: self._inputs(item.batch), self.taken - 1))
             if error is not None:  # (its lookup raises it, at its step: with pipelined execution, this step too)
                 prepared = item.prepared = PreparedFeatures.failed(id(self.collection), error)
                 if not keep_error:
                     self._fail(error)
-        self._handed = item
         return prepared
 
     def _fail(self, error: BaseException) -> NoReturn:

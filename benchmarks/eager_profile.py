@@ -7,6 +7,9 @@ Run (from the repository root):
     OMP_WAIT_POLICY=PASSIVE python benchmarks/eager_profile.py --optimizer Adagrad --bag 20 [--threads 1]
         [--rows 1000000] [--iters 10] [--kernel 0|1]
 
+``--concat`` looks the features up with ``concat=True`` (one ``[B, T·D]``, FBGEMM's output layout) instead of the
+per-feature dict and the caller's ``torch.cat`` of it, which the forward's time then includes.
+
 ``--kernel 0`` runs the uncompiled reference update (``TTE_UPDATE_KERNEL=0``) for comparison; with
 ``--kernel 1`` the kernel path runs from the first call (``set_policy(after=0)``; the first warm-up step
 compiles).
@@ -31,6 +34,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--kernel", type=int, default=1, choices=(0, 1))
     ap.add_argument("--top", type=int, default=12, help="operators listed from the profile")
+    ap.add_argument("--concat", action="store_true", help="ec(batch, concat=True), not the dict and a torch.cat")
     add_workload_args(ap)
     args = ap.parse_args()
     os.environ["TTE_UPDATE_KERNEL"] = str(args.kernel)
@@ -56,8 +60,11 @@ def main() -> None:
 
     def step(batch: dict[str, Any], record: bool) -> None:
         t0 = time.perf_counter()
-        out = ec(batch)
-        loss = torch.cat([out[f] for f in names], dim=1).sum()
+        if args.concat:  # [B, T·D] straight from the lookup, features in ec.feature_names order (= names)
+            loss = ec(batch, concat=True).sum()
+        else:
+            out = ec(batch)
+            loss = torch.cat([out[f] for f in names], dim=1).sum()
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
@@ -80,6 +87,7 @@ def main() -> None:
         if i >= args.warmup:
             phases["floor"].append(1000 * (time.perf_counter() - t0))
     print(f"{args.optimizer}, {n} id{'s' if n > 1 else ''}/bag, {args.threads} thread(s), kernel={args.kernel}, "
+          f"{'concat=True' if args.concat else 'dict + torch.cat'}, "
           f"{t} × {args.rows:,} × {args.dim}, batch {b}; load average {os.getloadavg()[0]:.1f}")
     for k, v in phases.items():
         print(f"  {k:9s} median {statistics.median(v):8.1f} ms  (min {min(v):.1f}, max {max(v):.1f})")

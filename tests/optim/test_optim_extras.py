@@ -261,3 +261,27 @@ def test_loss_scale_factor_undoes_a_scaled_loss(cfg: OptimizerConfig) -> None:
             o.zero_grad()
         runs.append(ec.tables.t.weight.detach())
     torch.testing.assert_close(runs[0], runs[1], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("cfg", CFGS, ids=str)
+def test_clipvalue_with_no_limit_on_either_side_does_not_clip(cfg: OptimizerConfig) -> None:
+    """TF's ``clipvalue=(min, max)`` takes ``None`` for an open side, so ``(None, None)`` sets no gradient
+    limit: it trains exactly as ``clipvalue=None`` (it failed at the first step, in ``torch.clamp``) and,
+    clipping nothing, may go with ``clipnorm``. TF still refuses it without gradient accumulation (any
+    ``clipvalue`` that is not None)."""
+    runs = []
+    for clip in (None, (None, None), [None, None]):
+        ec, head = model()
+        o = cfg.make([ec.tables.t.weight, *head.parameters()], clipvalue=clip)
+        for s in range(3):
+            loss_of(ec({"f": batch(s, False)})["f"], head, s).backward()
+            o.step()
+            o.zero_grad()
+        runs.append([ec.tables.t.weight.detach().clone(), *(p.detach().clone() for p in head.parameters())])
+    for run in runs[1:]:
+        for got, want in zip(run, runs[0], strict=True):
+            assert torch.equal(got, want)
+    cfg.make(list(model()[1].parameters()), clipvalue=(None, None), clipnorm=1.0)
+    if "use_gradient_accumulation" in cfg.info.shared_args:
+        with pytest.raises(ValueError, match="gradient clipping cannot be used"):
+            cfg.make(list(model()[1].parameters()), clipvalue=(None, None), use_gradient_accumulation=False)

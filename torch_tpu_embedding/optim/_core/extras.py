@@ -42,6 +42,7 @@ __all__ = [
     "clip_by_norm",
     "ema_catch_up",
     "global_norm_scale",
+    "unbounded_pair",
 ]
 
 Tensor = torch.Tensor
@@ -83,7 +84,7 @@ def check_extras(hp: dict[str, Any], given: dict[str, Any]) -> None:
     for name in ("clipnorm", "global_clipnorm"):
         if hp[name] is not None:
             hp[name] = check_number(name, hp[name], minimum=0.0)
-    set_clips = [n for n in ("clipnorm", "clipvalue", "global_clipnorm") if hp.get(n)]
+    set_clips = [n for n in ("clipnorm", "clipvalue", "global_clipnorm") if hp.get(n) and not unbounded_pair(hp[n])]
     if len(set_clips) > 1:
         raise ValueError(
             "Only one of `clipnorm`, `clipvalue` and `global_clipnorm` can be set. Received: "
@@ -113,6 +114,11 @@ def check_extras(hp: dict[str, Any], given: dict[str, Any]) -> None:
                     f"`{name}` needs the per-row gradient summed over duplicate ids; it cannot be used "
                     f"with `use_gradient_accumulation=False`. Received: {name}={hp[name]}"
                 )
+
+
+def unbounded_pair(clipvalue: Any) -> bool:
+    """Whether ``clipvalue`` is a ``(None, None)`` pair: TF sets no gradient limit for it (no clipping)."""
+    return isinstance(clipvalue, (tuple, list)) and len(clipvalue) == 2 and all(v is None for v in clipvalue)
 
 
 def clip_by_norm(g: Tensor, clipnorm: float) -> Tensor:

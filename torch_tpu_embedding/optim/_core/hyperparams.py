@@ -18,6 +18,7 @@ import torch
 from torch_tpu_embedding._rows.tables import refuse_stacked_view, table_info
 from torch_tpu_embedding._util.registry import optimizer_class, optimizer_names
 from torch_tpu_embedding._util.validation import arg_error, check_bool, check_number
+from torch_tpu_embedding.optim._core.extras import unbounded_pair
 from torch_tpu_embedding.optim._core.step_values import check_lr
 
 if TYPE_CHECKING:
@@ -38,8 +39,9 @@ TORCH_GROUP_KEYS = frozenset({"params", "param_names", "initial_lr"})
 
 
 def check_clipvalue(clipvalue: Any) -> tuple[float | None, float | None] | None:
-    """``clipvalue`` as a ``(min, max)`` pair (either may be ``None``), or ``None``."""
-    if clipvalue is None:
+    """``clipvalue`` as a ``(min, max)`` pair (either may be ``None``), or ``None``: no clipping, as TF's
+    ``(None, None)`` (no limit on either side) is."""
+    if clipvalue is None or unbounded_pair(clipvalue):
         return None
     if isinstance(clipvalue, (tuple, list)):
         if len(clipvalue) != 2:

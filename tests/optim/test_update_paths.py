@@ -116,3 +116,27 @@ def test_owner_local_is_chosen_for_a_table_trained_through_the_id_exchange() -> 
                 O.Adagrad([p], lr=0.1, use_gradient_accumulation=False)):
         assert choose_path(p, opt.param_groups[0], row_grad=True) is Path.OWNER_LOCAL
     assert choose_path(head.weight, O.Adagrad(head.parameters()).param_groups[0], row_grad=False) is Path.DENSE
+
+
+@pytest.mark.parametrize("cls", [O.SGD, O.Adagrad, O.AdagradMomentum, O.Adam, O.FTRL], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("side", ["max", "min"])
+def test_no_dedup_keeps_the_weights_within_clip_weight(cls: Any, side: str) -> None:
+    """``use_gradient_accumulation=False`` (``Path.NO_DEDUP``) adds the changes of each id's contributions, each
+    clipped to ``[clip_weight_min, clip_weight_max]``; their sum overshot the bound (0.25 + 3·0.04 = 0.37 with
+    ``clip_weight_max=0.3``). TF clips the weights as the last step of an update, so a touched row ends within
+    the bounds whatever the order of the contributions: here three pushes the same way past the bound end
+    exactly at it. An untouched row outside the bounds is not clipped (TF clips the updated rows only)."""
+    sign = -1.0 if side == "max" else 1.0  # the loss pushes the weights towards the bound
+    bound = {"max": {"clip_weight_max": 0.3}, "min": {"clip_weight_min": -0.3}}[side]
+    init = torch.full((4, 2), -0.25 * sign, dtype=torch.float64)
+    init[3] = 0.5 * -sign  # outside the bounds, never looked up
+    t = tte.TableConfig(4, 2, name="t", combiner="sum", dtype=torch.float64, initializer=init)
+    ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(t, max_ids_per_bag=4)})
+    opt = cls(ec.parameters(), lr=0.1, use_gradient_accumulation=False, **bound)
+    ids = torch.tensor([[0, 0, 0, 1], [1, 2, 2, 2]])
+    assert choose_path(ec.tables.t.weight, opt.param_groups[0], row_grad=True) is Path.NO_DEDUP
+    (ec({"f": tte.Padded(ids)})["f"].sum() * sign * 4.0).backward()
+    opt.step()
+    w = ec.tables.t.weight.detach()
+    assert torch.equal(w[:3], torch.full((3, 2), -0.3 * sign, dtype=torch.float64)), w
+    assert torch.equal(w[3], init[3])

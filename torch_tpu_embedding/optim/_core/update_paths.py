@@ -12,7 +12,8 @@ only in which rows they hand it and how the results are written back:
                       one C loop per piece of ids (bags spread in it), bitwise the same (:mod:`.c_add`);
                       the path itself is :mod:`.additive`
 ``NO_DEDUP``          ``use_gradient_accumulation=False``: every contribution updates from the same
-                      old rows and the changes are added (exact for SGD, an approximation otherwise);
+                      old rows and the changes are added (exact for SGD, an approximation otherwise),
+                      then the rows are clipped to ``clip_weight_min/max`` again (TF's last step);
                       on an eager accelerator padding adds ``-0.0`` to the sink row (``sink_padding``)
 ``ROWS``              duplicates summed, the touched rows in one pass: XLA (one static-shape graph),
                       the reference of rules with statistics over rows (Adafactor), and an eager
@@ -219,9 +220,11 @@ def _update_rows(item: Work, space: RowSpace, ids: Tensor, g: Tensor, whole: boo
         seg = segment_of(item.p, ids)
     ctx = RowContext.touched(ids < sentinel, space.num_rows, space.all_reduce, seg if rows_of else None, rows_of)
     ema = group["use_ema"]
-    if ema and not dedup:  # ids repeat: the average needs each row once
-        ema_ids = unique_ids(ids, sentinel)
-        ema_w0 = p.index_select(0, ema_ids.clamp(max=sentinel - 1)).to(w0.dtype)
+    lo, hi = group.get("clip_weight_min"), group.get("clip_weight_max")
+    clip_sum = not dedup and (lo is not None or hi is not None)  # the added changes may overshoot the bounds
+    if (ema or clip_sum) and not dedup:  # ids repeat: the average and the clip need each row once
+        once = unique_ids(ids, sentinel)
+        once_w0 = p.index_select(0, once.clamp(max=sentinel - 1)).to(w0.dtype)
     step = item.step_now if item.step_now is not None else state["step"] + 1
     w, new = pipeline(w0, g, slots, item.lr, step, group, ctx)
     w = gated(gate, w, w0)
@@ -252,11 +255,18 @@ def _update_rows(item: Work, space: RowSpace, ids: Tensor, g: Tensor, whole: boo
         copy_rows(p, None, w.to(p.dtype), w0.to(p.dtype))
     else:
         add_rows(p, None, (w - w0).to(p.dtype))
+        if clip_sum:
+            # Each contribution's update ends clipped, but their changes added may leave [min, max]: the clip is the
+            # last step of TF's update, so the summed rows are clipped once more (each distinct row once).
+            now = p.index_select(0, once.clamp(max=sentinel - 1))
+            clipped = gated(gate, now.clamp(min=lo, max=hi), now)
+            at, clipped = sink_rows(once, clipped, now, sentinel) if sink else (once, clipped)
+            p.index_copy_(0, at, clipped)
     if ema:
         if dedup:
             ema_rows(item, space, ids, w0, w.to(p.dtype).to(w0.dtype))  # the stored weight
         else:
-            ema_rows(item, space, ema_ids, ema_w0, p.index_select(0, ema_ids.clamp(max=sentinel - 1)).to(w0.dtype))
+            ema_rows(item, space, once, once_w0, p.index_select(0, once.clamp(max=sentinel - 1)).to(w0.dtype))
 
 
 def _write(dst: Tensor, value: Tensor) -> None:

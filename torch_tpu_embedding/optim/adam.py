@@ -50,7 +50,8 @@ class Adam(RowSparseOptimizer):
     with :math:`\eta_t = \eta` (TPU: no bias correction) or, with ``bias_correction=True``,
     :math:`\eta_t = \eta \sqrt{1-\beta_2^t} / (1-\beta_1^t)` where ``t`` counts the steps in
     which this parameter had a gradient (as ``torch.optim.SparseAdam``). With
-    ``bias_correction=True, sum_inside_sqrt=False`` the update is exactly SparseAdam / tfa LazyAdam.
+    ``bias_correction=True, sum_inside_sqrt=False`` the update is exactly SparseAdam's, and tfa LazyAdam's while
+    the table has a gradient every step (tfa's ``t`` is the optimizer's global step).
 
     ``lazy_adam=True`` (default): rows not looked up in a step are not changed, nor are their
     slots. ``lazy_adam=False``: every row of a table is updated each step with ``g = 0`` where it
@@ -133,8 +134,9 @@ class LazyAdam(Adam):
     ``bias_correction=True`` :math:`\eta \sqrt{1-\beta_2^t} / (1-\beta_1^t)`, ``t`` counting
     the steps in which the parameter had a gradient. Slots: ``momenta``, ``velocities``.
 
-    For tfa ``LazyAdam`` / ``torch.optim.SparseAdam`` numbers pass
-    ``bias_correction=True, sum_inside_sqrt=False`` (and SparseAdam's ``eps=1e-8``).
+    For ``torch.optim.SparseAdam`` numbers pass ``bias_correction=True, sum_inside_sqrt=False`` (and its
+    ``eps=1e-8``); tfa ``LazyAdam``'s too while the table has a gradient every step (tfa counts ``t`` by the
+    optimizer's global step, ours by the steps with a gradient).
 
     Args:
         params: parameters or parameter groups (tables and/or dense parameters).

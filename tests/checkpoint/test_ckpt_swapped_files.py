@@ -141,3 +141,31 @@ def test_a_sharded_checkpoint_with_rows_of_another_save_copied_in_is_refused(
     tte.checkpoint.load_distributed(ck, model=ec)  # the copy is over: the other save, whole
     assert torch.equal(ec.state_dict()["tables.t.weight"],
                        -torch.arange(10, dtype=torch.float64)[:, None].expand(-1, 4))
+
+
+def test_data_files_renamed_over_between_the_check_and_the_read_are_not_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another save's data files renamed over this one's after they were verified and before DCP reads them
+    (as ``rsync`` puts them; the manifest left as it was): the load reads each file through the descriptor it
+    hashed, so it loads the verified save bitwise. Before, DCP opened them again by name, read the other save's
+    tensors into the model and then raised, the model holding values of both."""
+    ck, other = two_saves(tmp_path)
+    data = [f for f in sorted(other.iterdir()) if f.name.endswith(".distcp")]
+    assert data
+
+    def swap_data() -> None:
+        for f in data:
+            tmp = ck / f".{f.name}.part"
+            shutil.copyfile(f, tmp)
+            os.replace(tmp, ck / f.name)
+
+    def read_after_swap(*args: Any, **kwargs: Any) -> Any:
+        swap_data()
+        return real(*args, **kwargs)
+
+    real = ckpt_api.read_tensors
+    monkeypatch.setattr(ckpt_api, "read_tensors", read_after_swap)
+    m, opt = trained(1)
+    tte.checkpoint.load_distributed(ck, model=m, optimizer=opt)
+    want = trained(3)
+    assert same(state(m, opt), state(*want))

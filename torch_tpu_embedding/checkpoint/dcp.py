@@ -16,7 +16,7 @@ import torch
 
 from torch_tpu_embedding._rows.placement import device_backend
 from torch_tpu_embedding._rows.row_order import layout_of, to_logical
-from torch_tpu_embedding.checkpoint.files import dcp_quiet, dcp_reader, read_dcp_metadata
+from torch_tpu_embedding.checkpoint.files import dcp_quiet, dcp_reader, read_dcp_metadata, through
 from torch_tpu_embedding.checkpoint.host import split_stacked_entries
 from torch_tpu_embedding.checkpoint.publish import read_errors
 
@@ -49,7 +49,7 @@ def read_meta(path: str) -> Any:
     if not os.path.exists(file):
         raise FileNotFoundError(f"No distributed checkpoint at {path} (no {META})")
     try:
-        meta = torch.load(file, map_location="cpu", weights_only=True)
+        meta = torch.load(through(file), map_location="cpu", weights_only=True)
     except Exception as e:  # weights-only refusals and damaged files raise several types
         raise ValueError(f"{file} is not a readable checkpoint file (refused by weights_only loading, "
                          f"truncated or corrupt): {str(e).splitlines()[0]}") from e

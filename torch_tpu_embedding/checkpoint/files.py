@@ -36,11 +36,47 @@ try:  # POSIX advisory locks; elsewhere no stale temporary is ever removed
 except ImportError:  # pragma: no cover - not on Linux
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["TMP_PREFIX", "SaveLock", "check_loadable", "dcp_quiet", "dcp_reader", "load_refusal", "read_dcp_metadata",
-           "remove_stale_temporaries", "write_atomic"]
+__all__ = ["TMP_PREFIX", "SaveLock", "check_loadable", "dcp_quiet", "dcp_reader", "hold", "held", "load_refusal",
+           "read_dcp_metadata", "release", "remove_stale_temporaries", "through", "write_atomic"]
 
 #: name prefix of our temporary files (``.tte-tmp-<target name>-<random>``)
 TMP_PREFIX = ".tte-tmp-"
+
+
+# ----------------------------------------------------------------------------- verified files, read as verified
+# A load hashes each file against the manifest, then reads it again (tte_meta.pt, .metadata, the data and rank
+# files, some through torch's DCP reader). Opened again by name, a file renamed over meanwhile (another save's
+# copied in, as cp or rsync do) would be read unverified; so the descriptor it was hashed through is kept
+# (path -> descriptor) and every read opens the file through it (/proc/self/fd/<fd>: the same inode).
+_HELD: dict[str, int] = {}
+
+
+def hold(path: str, fd: int) -> None:
+    """Keep a duplicate of ``fd`` (the descriptor ``path`` was verified through) for :func:`through`."""
+    key = os.path.normpath(path)
+    old = _HELD.pop(key, None)
+    if old is not None:
+        os.close(old)
+    _HELD[key] = os.dup(fd)
+
+
+def held(path: str) -> int | None:
+    """The descriptor ``path`` was verified through (:func:`hold`), if any."""
+    return _HELD.get(os.path.normpath(path))
+
+
+def through(path: str) -> str:
+    """A path that opens the file ``path`` was verified as (:func:`hold`), else ``path``."""
+    fd = held(path)
+    inner = f"/proc/self/fd/{fd}"
+    return inner if fd is not None and os.path.exists(inner) else path
+
+
+def release(folder: str) -> None:
+    """Close the descriptors held for files of ``folder`` (the load of it is over)."""
+    prefix = os.path.normpath(folder) + os.sep
+    for key in [k for k in _HELD if k.startswith(prefix)]:
+        os.close(_HELD.pop(key))
 
 
 # ----------------------------------------------------------------------------- atomic writes
@@ -285,7 +321,7 @@ def read_dcp_metadata(path: str, non_tensors: bool = False) -> Any:
     md_mod = importlib.import_module("torch.distributed.checkpoint.metadata")
     file = os.path.join(path, ".metadata")
     try:
-        with open(file, "rb") as f:
+        with open(through(file), "rb") as f:
             md = _MetadataUnpickler(f, file).load()
     except FileNotFoundError:
         raise
@@ -335,6 +371,11 @@ def dcp_reader(path: str, non_tensors: bool = False) -> Any:
                 md = read_dcp_metadata(os.fspath(self.path), getattr(self, "tte_non_tensors", False))
                 md.storage_meta.load_id = self.load_id
                 return md
+
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                opens = self.fs.create_stream  # each data file opened as it was verified (through())
+                self.fs.create_stream = lambda p, mode: opens(through(os.fspath(p)) if "r" in mode else p, mode)
 
         _READER = _SafeReader
     reader = _READER(path)

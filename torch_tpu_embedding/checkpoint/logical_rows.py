@@ -52,7 +52,7 @@ from typing import Any, NamedTuple
 import torch
 
 from torch_tpu_embedding.checkpoint.dcp import FORMAT
-from torch_tpu_embedding.checkpoint.files import load_refusal
+from torch_tpu_embedding.checkpoint.files import load_refusal, through
 from torch_tpu_embedding.checkpoint.publish import BUFFER, CHUNK, CheckpointCorruptError
 
 __all__ = ["BUFFER", "CHUNK", "WINDOW_BYTES", "Locate", "Source", "Window", "copy_window", "everything", "mapped",
@@ -172,7 +172,7 @@ def storage_offsets(file: str, part: Any) -> dict[int, int] | None:
     through mappings."""
     if not hasattr(os, "preadv"):  # (Linux and the BSDs have it; elsewhere windows are read through mappings)
         return None
-    reader: Any = torch._C.PyTorchFileReader(file)  # get_record_offset: torch.load's own, missing from the stubs
+    reader: Any = torch._C.PyTorchFileReader(through(file))  # get_record_offset: torch.load's own, missing from the stubs
     offsets = {reader.get_record_offset(n) for n in reader.get_all_records() if n.split("/")[-2:-1] == ["data"]}
     ptrs = {t.untyped_storage().data_ptr() for t in _tensors(part) if t.untyped_storage().nbytes()}
     if not ptrs:
@@ -209,7 +209,7 @@ class _RowFiles:
 
     def _load(self, r: int) -> dict[str, Any]:
         try:
-            part: dict[str, Any] = torch.load(self.files[r], mmap=True, weights_only=True)
+            part: dict[str, Any] = torch.load(through(self.files[r]), mmap=True, weights_only=True)
         except Exception as e:  # weights-only refusals and damaged files raise several types
             raise CheckpointCorruptError(f"{self.files[r]} is not a readable checkpoint file: {load_refusal(e)}. "
                                          "Nothing was loaded.") from e
@@ -231,7 +231,7 @@ class _RowFiles:
                 continue
             window = window_rows(src, dest)
             buffers = window_buffers(min(window, n), src, dest, part[name]["ids"].dtype)
-            with open(self.files[r], "rb", buffering=0) as f:
+            with open(through(self.files[r]), "rb", buffering=0) as f:
                 for a in range(0, n, window):
                     self._copy_window(r, f, (name, slot), slice(a, min(a + window, n)), locate, dest, buffers)
             del buffers  # the mapping goes with it, before the next file's is made

@@ -32,7 +32,7 @@ import os
 import shutil
 from typing import Any
 
-from torch_tpu_embedding.checkpoint.files import SaveLock, read_dcp_metadata
+from torch_tpu_embedding.checkpoint.files import SaveLock, hold, read_dcp_metadata
 
 try:  # POSIX advisory locks; elsewhere an old checkpoint is deleted even while a load reads it
     import fcntl
@@ -257,6 +257,7 @@ def _sha256(path: str, stamps: dict[str, tuple[int, ...]] | None = None) -> str:
     with mmap.mmap(-1, BUFFER) as buffer, open(path, "rb", buffering=0) as f:
         if stamps is not None:  # before reading: a write while it is hashed changes the file's stamp
             stamps[path] = stamp(os.fstat(f.fileno()))
+            hold(path, f.fileno())  # the load reads the file through this descriptor (files.through)
         view = memoryview(buffer)
         try:
             while n := f.readinto(view):

@@ -26,6 +26,7 @@ import os
 import warnings
 from collections.abc import Iterator
 
+from torch_tpu_embedding.checkpoint.files import held, release
 from torch_tpu_embedding.checkpoint.publish import MANIFEST, CheckpointCorruptError, resolve, stamp
 
 try:  # POSIX advisory locks; elsewhere the directory is opened without one
@@ -102,6 +103,7 @@ def pinned(path: str) -> Iterator[str]:
                 raise CheckpointCorruptError(f"{shown} was replaced by another save while it was loaded; load it "
                                              "again (the model may hold values of both).")
     finally:
+        release(inner)
         os.close(fd)
 
 
@@ -130,10 +132,13 @@ class Seal:
     def changed(self) -> str | None:
         """The first file replaced or written to since it was verified (``None``: none)."""
         for file, saw in sorted(self.stamps.items()):
+            fd = held(file)  # the file as it is read (files.through): renamed over or not, written to in place
             try:
-                now: tuple[int, ...] | None = stamp(os.stat(file))
+                now: tuple[int, ...] | None = stamp(os.stat(file) if fd is None else os.fstat(fd))
             except OSError:
                 now = None
+            if fd is not None and now is not None:  # a rename over it changes its change time, not what is read
+                now, saw = now[:4], saw[:4]
             if now != saw:
                 return file
         return None

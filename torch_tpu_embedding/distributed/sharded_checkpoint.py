@@ -50,7 +50,7 @@ from torch_tpu_embedding.checkpoint.checks import (
     slots_for_a_load,
 )
 from torch_tpu_embedding.checkpoint.dcp import META, logical_payload, read_meta
-from torch_tpu_embedding.checkpoint.files import load_refusal
+from torch_tpu_embedding.checkpoint.files import load_refusal, through
 from torch_tpu_embedding.checkpoint.logical_rows import ACC, Locate, Source, select_accumulation
 from torch_tpu_embedding.checkpoint.publish import (
     SHARDED_META,
@@ -256,7 +256,7 @@ def _open(path: str) -> tuple[Source, Seal]:
         seal = Seal(path, verify(path, required=(SHARDED_META,)))  # every file whole and as saved
         file = os.path.join(path, SHARDED_META)
         try:
-            meta = torch.load(file, map_location="cpu", weights_only=True)
+            meta = torch.load(through(file), map_location="cpu", weights_only=True)
         except Exception as e:  # weights-only refusals and damaged files raise several types
             raise CheckpointCorruptError(f"{file} is not a readable checkpoint file: {load_refusal(e)}. "
                                          "Nothing was loaded.") from e

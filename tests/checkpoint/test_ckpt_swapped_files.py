@@ -1,6 +1,7 @@
 """A distributed load reads only the files it verified: files of another save copied into the checkpoint's
 directory (file by file, as ``cp`` or ``rsync`` do) after the load checked them against the manifest are
-refused, before anything is written when they are found before the first write.
+refused, before anything is written when they are found before the first write; a data file renamed over
+between the check and the read is not read at all (each file is read through the descriptor it was hashed with).
 
 The load verifies every file (size, sha256) and then reads ``tte_meta.pt``, ``.metadata`` and the data files
 again by name. Pinning the directory (checkpoint/snapshot.py) covers a save that publishes a new directory,

@@ -172,7 +172,8 @@ def storage_offsets(file: str, part: Any) -> dict[int, int] | None:
     through mappings."""
     if not hasattr(os, "preadv"):  # (Linux and the BSDs have it; elsewhere windows are read through mappings)
         return None
-    reader: Any = torch._C.PyTorchFileReader(through(file))  # get_record_offset: torch.load's own, missing from the stubs
+    # get_record_offset: torch.load's own, missing from the stubs
+    reader: Any = torch._C.PyTorchFileReader(through(file))
     offsets = {reader.get_record_offset(n) for n in reader.get_all_records() if n.split("/")[-2:-1] == ["data"]}
     ptrs = {t.untyped_storage().data_ptr() for t in _tensors(part) if t.untyped_storage().nbytes()}
     if not ptrs:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 import torch
 
@@ -172,17 +173,19 @@ def _mode(feature: str, fc: FeatureConfig, leading: tuple[int, ...]) -> tuple[bo
     """Resolve TF's output-shape rules (§2.4) → (combine, seq_len, out_shape)."""
     b = math.prod(leading)
     os = fc.output_shape
+    sequence = fc.is_sequence
+    if sequence and len(leading) != 1:
+        # TF's enqueue and CPU lookup alike: a sparse input of rank > 2 combines its bags as any feature's do
+        # and max_sequence_length is ignored, with a warning (weights stay rejected: to_bags).
+        warnings.warn(f"Feature `{feature}`: max_sequence_length={fc.max_sequence_length} is ignored: the "
+                      f"input is of rank {len(leading) + 1}, and only rank 2 inputs are sequences", stacklevel=2)
+        sequence = False
     if os is None:
-        if fc.is_sequence:
-            if len(leading) != 1:
-                raise _err(
-                    feature,
-                    f"sequence features need rank-2 inputs [B, L]; got a bag grid of shape {leading}",
-                )
+        if sequence:
             return False, fc.max_sequence_length, (b, fc.max_sequence_length)
         return True, 0, leading
     p = math.prod(os)
-    if fc.is_sequence:
+    if sequence:
         if p != b * fc.max_sequence_length:
             raise _err(
                 feature,
@@ -253,9 +256,10 @@ def to_bags(
     _check_ids(feature, rp.vals, vocab)
     combine, seq_len, out_shape = _mode(feature, fc, rp.leading)
     nbags = math.prod(rp.leading)
+    # (a sequence feature combining a rank > 2 input too, as TF's CPU lookup rejects them by the config alone)
+    if (not combine or fc.is_sequence) and rp.weights is not None:
+        raise ValueError(f"Weight specified for `{feature}`, but this is a sequence feature.")
     if not combine:
-        if rp.weights is not None:
-            raise ValueError(f"Weight specified for `{feature}`, but this is a sequence feature.")
         keep = rp.pos < seq_len
         ids2d = torch.full((nbags, seq_len), sentinel, dtype=torch.int64)
         ids2d[rp.row[keep], rp.pos[keep]] = rp.vals[keep].to(torch.int64) + offset

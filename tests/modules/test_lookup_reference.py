@@ -228,6 +228,21 @@ def test_golden_tf_sequence(form: str, length: int) -> None:
     torch.testing.assert_close(out, torch.tensor(expect, dtype=torch.float64), rtol=1e-6, atol=1e-6)
 
 
+def test_a_sequence_feature_combines_a_sparse_input_of_rank_3() -> None:
+    """TF (tpu_embedding_v2 enqueue, tpu_embedding_for_serving's sparse lookup) ignores max_sequence_length for a
+    sparse input of rank > 2, with a warning: its bags combine to [B, S, D] as those of any feature do."""
+    idx = torch.tensor([[0, 0, 0, 1, 1], [0, 0, 1, 0, 1], [0, 2, 0, 1, 0]])  # bags [1, 2], [3], [4], [5]
+    sp = torch.sparse_coo_tensor(idx, torch.tensor([1, 2, 3, 4, 5]), (2, 2, 3))
+    ec = _tf_collection("mean", max_sequence_length=2)
+    with pytest.warns(UserWarning, match=r"`f`: max_sequence_length=2 is ignored: the input is of rank 3"):
+        out = ec({"f": sp})["f"]
+    expect = torch.stack([(TF_TABLE[1] + TF_TABLE[2]) / 2, TF_TABLE[3], TF_TABLE[4], TF_TABLE[5]]).view(2, 2, 3)
+    torch.testing.assert_close(out, expect, rtol=0, atol=0)  # (0.5·a + 0.5·b and (a + b) / 2: one rounding each)
+    with pytest.raises(ValueError, match=r"Weight specified for `f`, but this is a sequence feature"), \
+            pytest.warns(UserWarning, match="is ignored"):  # (TF's CPU lookup rejects them by the config alone)
+        ec({"f": sp}, {"f": torch.sparse_coo_tensor(idx, torch.ones(5, dtype=torch.float64), (2, 2, 3))})
+
+
 def test_golden_tf_output_shape_cases() -> None:
     out = _tf_collection("sum", output_shape=[2, 2])({"f": _tf_input(False)})["f"]
     torch.testing.assert_close(out, torch.tensor(GOLDEN_A["ragged_output_shape_[2,2]_reduce"]["output"],

@@ -88,6 +88,20 @@ def test_a_keyed_input_equals_its_bags_per_feature(offsets: bool, dtype: torch.d
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+def test_a_keyed_input_truncates_a_sequence_of_output_shape_as_its_bags_per_feature_do() -> None:
+    """An output_shape of k·B positions makes a sequence of length k (TF's rule): longer bags are truncated there
+    whatever max_ids_per_bag says (it bounds the bags a feature combines), as they are given per feature."""
+    torch.manual_seed(0)
+    t = tte.TableConfig(10, 3, name="t", combiner="mean", dtype=torch.float64)
+    ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(t, output_shape=[2, 3], max_ids_per_bag=1)})
+    values, lengths = torch.tensor([1, 2, 3, 4, 5]), torch.tensor([4, 1])
+    want = ec({"f": tte.Jagged(values, lengths=lengths)})["f"]
+    rows = ec.tables.t.weight.detach()
+    torch.testing.assert_close(want, torch.stack([rows[[1, 2, 3]], torch.cat([rows[[5]], torch.zeros(2, 3)])]),
+                               rtol=0, atol=0)  # (rows as they are)
+    torch.testing.assert_close(ec(_KJT(["f"], values, lengths=lengths))["f"], want, rtol=0, atol=0)
+
+
 def test_offsets_that_do_not_start_at_0_raise() -> None:
     """``offsets()`` only, shifted by 2: its bags are not those of its values from 0 (TorchRec's bag n is
     ``values()[offsets[n]:offsets[n + 1]]``); the lengths alone, its differences, were taken and looked up the

@@ -14,6 +14,7 @@ order (no padding), and agree to rounding (float32: an ulp or so).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -136,11 +137,14 @@ def keyed_inputs(features: Any, config: Any, order: list[tuple[Path, str, Featur
     widths = []
     for k, n in zip(keys, longest, strict=True):
         fc = features_of[k]
-        cap = fc.max_ids_per_bag
-        if cap is not None and n > cap and not fc.max_sequence_length:
+        # Sequences (max_sequence_length, or an output_shape of k·B positions) are truncated, not capped: as the
+        # feature's bags given alone (to_bags), where max_ids_per_bag bounds only the bags it combines.
+        cap = None if fc.max_sequence_length or (fc.output_shape is not None and math.prod(fc.output_shape) != b) \
+            else fc.max_ids_per_bag
+        if cap is not None and n > cap:
             raise ValueError(f"Feature `{k}`: a bag holds {n} ids, more than max_ids_per_bag={cap}. Raise the "
                              "capacity; ids are never dropped silently.")
-        widths.append(cap if cap is not None and not fc.max_sequence_length else _next_pow2(n))
+        widths.append(cap if cap is not None else _next_pow2(n))
     # Every key's bags padded at once: id k of bag n of key j at [j·B + n, k], one scatter.
     width = max(widths, default=1)
     offsets = torch.cumsum(lengths, 0) - lengths

@@ -26,3 +26,34 @@ def test_matching_structures_pass_whatever_their_leaves() -> None:
 def test_a_nested_mismatch_is_named(given: object, error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
         check_structure(CONFIG, given, "Inputs")
+
+
+def test_int_keys_are_walked_in_tfs_sorted_order_not_as_text() -> None:
+    # TF's nest.flatten sorts dict keys with sorted(): 9 before 10. Sorting their text put 10 first, so the
+    # unnamed tables were numbered (table_<i>) and concat=True's columns laid out in another order than TF's.
+    import torch_tpu_embedding as tte
+
+    a, b = tte.TableConfig(10, 2), tte.TableConfig(10, 3)
+    ec = tte.EmbeddingCollection({10: tte.FeatureConfig(b), 9: tte.FeatureConfig(a)})
+    assert ec.feature_names == ["9", "10"]
+    assert ec.table_configs["table_0"] is a and ec.table_configs["table_1"] is b
+
+
+def test_activations_come_back_in_the_configs_container_types() -> None:
+    # TF's nest.pack_sequence_as keeps the config's types: an OrderedDict or namedtuple of features gives an
+    # OrderedDict or namedtuple of activations (a plain dict / tuple lost the field names).
+    import collections
+
+    import torch
+
+    import torch_tpu_embedding as tte
+
+    Pair = collections.namedtuple("Pair", ["user", "item"])
+    t = tte.TableConfig(10, 2, name="t")
+    config = collections.OrderedDict(
+        [("z", Pair(tte.FeatureConfig(t), tte.FeatureConfig(t))), ("a", [tte.FeatureConfig(t)])])
+    ids = torch.tensor([1, 2])
+    out = tte.EmbeddingCollection(config)(collections.OrderedDict([("z", Pair(ids, ids)), ("a", [ids])]))
+    assert type(out) is collections.OrderedDict and list(out) == ["z", "a"]
+    assert type(out["z"]) is Pair and out["z"].item.shape == (2, 2)
+    assert type(out["a"]) is list

@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-__all__ = ["Path", "check_structure", "flatten", "path_name", "pick", "rebuild"]
+__all__ = ["Path", "check_structure", "flatten", "path_name", "pick", "rebuild", "sorted_keys"]
 
 #: a leaf's position: the keys and indices from the root
 Path = tuple[Any, ...]
 
 
+def sorted_keys(struct: Mapping[Any, Any]) -> list[Any]:
+    """A mapping's keys in TF ``nest`` order: sorted by value (``9`` before ``10``, as ``sorted``), whatever
+    the insertion order (OrderedDicts too). Keys of mixed types, which TF refuses, are sorted by their text
+    rather than refused: the order stays deterministic."""
+    try:
+        return sorted(struct)
+    except TypeError:
+        return sorted(struct, key=str)
+
+
 def flatten(struct: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
     """Leaves of a nested dict/list/tuple in TF ``nest`` order (dict keys sorted)."""
     if isinstance(struct, Mapping):
-        for key in sorted(struct, key=str):
+        for key in sorted_keys(struct):
             yield from flatten(struct[key], (*path, key))
     elif isinstance(struct, (list, tuple)):
         for i, item in enumerate(struct):
@@ -34,12 +45,24 @@ def pick(struct: Any, path: Path) -> Any:
 
 
 def rebuild(template: Any, values: dict[Path, Any], path: Path = ()) -> Any:
-    """``template``'s structure with the leaf at ``path`` replaced by ``values[path]``."""
+    """``template``'s structure with the leaf at ``path`` replaced by ``values[path]``: keys in the template's
+    order, and its container types kept as TF's ``nest.pack_sequence_as`` keeps them (an OrderedDict or
+    namedtuple of features gives an OrderedDict or namedtuple of activations)."""
     if isinstance(template, Mapping):
-        return {k: rebuild(v, values, (*path, k)) for k, v in template.items()}
+        pairs = [(k, rebuild(v, values, (*path, k))) for k, v in template.items()]
+        if type(template) is dict:
+            return dict(pairs)
+        if isinstance(template, defaultdict):  # its constructor takes the factory first
+            return defaultdict(template.default_factory, pairs)
+        try:
+            return type(template)(pairs)
+        except TypeError:  # a mapping type that cannot be built from pairs: a plain dict
+            return dict(pairs)
     if isinstance(template, (list, tuple)):
         items = [rebuild(v, values, (*path, i)) for i, v in enumerate(template)]
-        return items if isinstance(template, list) else tuple(items)
+        if isinstance(template, list):
+            return items
+        return type(template)(*items) if hasattr(template, "_fields") else tuple(items)  # namedtuples by field
     return values[path]
 
 

@@ -125,6 +125,26 @@ def test_configs_are_never_mutated() -> None:
         t.name = "y"  # type: ignore[misc]
 
 
+@pytest.mark.parametrize("stack", [True, False])
+def test_table_names_that_are_module_dict_attributes_are_tables_like_any_other(stack: bool) -> None:
+    # TF takes any str as a table name; nn.ModuleDict refused "keys", "training", "update"... with a KeyError
+    # naming none of the user's arguments, so such a collection could not be built.
+    k, tr = tte.TableConfig(10, 2, name="keys"), tte.TableConfig(12, 2, name="training")
+    up = tte.TableConfig(5, 2, name="update")
+    config = {"f": tte.FeatureConfig(k), "g": tte.FeatureConfig(tr), "h": tte.FeatureConfig(up)}
+    ec = tte.EmbeddingCollection(config, stack_tables=stack)
+    opt = tte.optim.Adagrad(ec.parameters(), lr=0.5)
+    ids = torch.tensor([1, 2])
+    before = ec.embedding_tables["keys"].detach().clone()
+    sum(o.sum() for o in ec({"f": ids, "g": ids, "h": ids}).values()).backward()
+    opt.step()
+    assert list(ec.embedding_tables) == ["keys", "training", "update"] and ec.training is True
+    assert not torch.equal(ec.embedding_tables["keys"], before)
+    again = tte.EmbeddingCollection(config, stack_tables=stack)
+    again.load_state_dict(ec.state_dict())
+    assert all(torch.equal(again.embedding_tables[n], w) for n, w in ec.embedding_tables.items())
+
+
 def test_import_without_torch_xla() -> None:
     code = (
         "import sys; sys.modules['torch_xla'] = None\n"

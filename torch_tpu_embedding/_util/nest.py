@@ -55,7 +55,7 @@ def rebuild(template: Any, values: dict[Path, Any], path: Path = ()) -> Any:
         if isinstance(template, defaultdict):  # its constructor takes the factory first
             return defaultdict(template.default_factory, pairs)
         try:
-            return type(template)(pairs)
+            return type(template)(pairs)  # type: ignore[call-arg]
         except TypeError:  # a mapping type that cannot be built from pairs: a plain dict
             return dict(pairs)
     if isinstance(template, (list, tuple)):

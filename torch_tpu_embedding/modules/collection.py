@@ -35,6 +35,24 @@ from torch_tpu_embedding.modules.table import EmbeddingTable
 __all__ = ["EmbeddingCollection", "EmbeddingTable", "split_parameters"]
 
 
+class _Named(nn.ModuleDict):
+    """A ``ModuleDict`` keyed by any table name TF accepts, ``keys``, ``training`` or ``update`` too.
+
+    ``nn.Module.add_module`` refuses a name that is already an attribute (a method of ``ModuleDict``), so such
+    a table failed construction with an internal ``KeyError``. Entries are read as items (``tables[name]``) and
+    through ``_modules`` (state_dict, parameters), never as attributes, so the shadowed name is harmless.
+    """
+
+    def add_module(self, name: str, module: nn.Module | None) -> None:
+        if module is not None and name and "." not in name and name not in self._modules and hasattr(self, name):
+            self._modules[name] = module
+            return
+        super().add_module(name, module)
+
+    def _get_name(self) -> str:  # repr(ec) shows the container users know
+        return "ModuleDict"
+
+
 class EmbeddingCollection(AheadLookups, nn.Module):
     """Many embedding tables looked up by many features, with row-sparse gradients.
 
@@ -148,7 +166,7 @@ class EmbeddingCollection(AheadLookups, nn.Module):
         self._located = {n: (cast(EmbeddingTable, t), 0) for n, t in tables.items()}
         if self._fuse:
             tables = stack_groups(tables, self.groups, self._located, placements)
-        self.tables = nn.ModuleDict(tables)
+        self.tables = _Named(tables)
 
     def restack(self, placements: dict[str, str]) -> None:
         """Re-form the groups for each table's resolved placement (``placements``: name → placement).

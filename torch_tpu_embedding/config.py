@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, Union
 
@@ -253,17 +254,13 @@ class FeatureConfig:
             )
         check_int("max_sequence_length", self.max_sequence_length, minimum=0)
         if self.output_shape is not None:
-            shape = self.output_shape
-            if isinstance(shape, torch.Size):
-                shape = tuple(shape)
-            if not isinstance(shape, (tuple, list)) or not all(
-                isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in shape
-            ):
+            dims = _dims(self.output_shape)
+            if dims is None:
                 raise arg_error(
                     "output_shape", "must be a sequence of ints >= 1 (or None)", self.output_shape
                 )
             # Stored as a tuple so the frozen config stays hashable-by-identity and immutable.
-            object.__setattr__(self, "output_shape", tuple(int(s) for s in shape))
+            object.__setattr__(self, "output_shape", dims)
         if self.name is not None and (not isinstance(self.name, str) or not self.name):
             raise arg_error("name", "must be a non-empty str (or None)", self.name)
         if self.max_ids_per_bag is not None:
@@ -279,6 +276,30 @@ class FeatureConfig:
             f"output_shape={self.output_shape}, name={self.name!r}, "
             f"max_ids_per_bag={self.max_ids_per_bag})"
         )
+
+
+def _dims(shape: Any) -> tuple[int, ...] | None:
+    """``shape``'s sizes as Python ints, or ``None`` when it is not a sequence of integers >= 1. Integers
+    as TF's ``TensorShape`` takes them, numpy's too (``np.prod`` and ``array.shape`` give those, as does a
+    numpy array of sizes); never a bool (``True`` is not a size), a float or a str."""
+    if isinstance(shape, (str, bytes)):
+        return None
+    try:
+        items = list(shape)
+    except TypeError:
+        return None
+    dims = []
+    for s in items:
+        if isinstance(s, bool):
+            return None
+        try:
+            d = operator.index(s)  # numpy's ints have __index__; floats and numpy's bools do not
+        except TypeError:
+            return None
+        if d < 1:
+            return None
+        dims.append(d)
+    return tuple(dims)
 
 
 def table_bytes(config: TableConfig) -> int:

@@ -37,6 +37,10 @@ CONFIG_CASES = [
      r"Argument `max_sequence_length` must be an int and must be >= 0. Received: -1"),
     ("output-shape-zero", lambda: tte.FeatureConfig(T, output_shape=[0, 2]), ValueError,
      r"Argument `output_shape` must be a sequence of ints >= 1"),
+    ("output-shape-floats", lambda: tte.FeatureConfig(T, output_shape=(2.0, 2)), ValueError,
+     r"Argument `output_shape` must be a sequence of ints >= 1 \(or None\). Received: \(2.0, 2\)"),
+    ("output-shape-bool", lambda: tte.FeatureConfig(T, output_shape=[True]), ValueError,
+     r"Argument `output_shape` must be a sequence of ints >= 1"),
     ("capacity-zero", lambda: tte.FeatureConfig(T, max_ids_per_bag=0), ValueError,
      r"Argument `max_ids_per_bag` must be an int and must be >= 1. Received: 0"),
     ("duplicate-table-names", lambda: tte.EmbeddingCollection({
@@ -123,6 +127,17 @@ def test_configs_are_never_mutated() -> None:
     assert (repr(t), repr(f)) == before and t.name is None
     with pytest.raises(AttributeError):
         t.name = "y"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("shape", [(np.int64(2), 2), np.array([2, 2]), [np.int32(2), np.int64(2)]],
+                         ids=["numpy-ints", "numpy-array", "numpy-int32"])
+def test_output_shape_takes_numpy_integers_as_tf_does(shape) -> None:
+    # TF's TensorShape takes numpy's ints (what np.prod and array.shape give); only Python ints passed here.
+    t = tte.TableConfig(10, 3, name="t", combiner="sum")
+    fc = tte.FeatureConfig(t, output_shape=shape)
+    assert fc.output_shape == (2, 2) and all(type(d) is int for d in fc.output_shape)
+    bags = tte.Jagged(torch.tensor([1, 2, 3, 3, 5]), lengths=torch.tensor([2, 0, 3, 0]))
+    assert tte.EmbeddingCollection({"f": fc})({"f": bags})["f"].shape == (2, 2, 3)
 
 
 @pytest.mark.parametrize("stack", [True, False])

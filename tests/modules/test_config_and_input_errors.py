@@ -49,6 +49,11 @@ CONFIG_CASES = [
     ("non-feature-leaf", lambda: tte.EmbeddingCollection({"a": T}), TypeError,
      r"must hold only FeatureConfig leaves; found TableConfig at `a`"),
     ("empty-config", lambda: tte.EmbeddingCollection({}), ValueError, r"must hold at least one FeatureConfig"),
+    # TF's initializer(shape, dtype) form failed inside the user's function, naming neither table nor contract.
+    ("tf-style-initializer", lambda: tte.EmbeddingCollection({"a": tte.FeatureConfig(tte.TableConfig(
+        5, 2, name="x", initializer=lambda shape, dtype: torch.ones(shape, dtype=dtype)))}), TypeError,
+     r"Table `x`: its initializer '<lambda>' failed when called as initializer\(weight\) with the \[5, 2\] weight "
+     r"tensor.*missing 1 required positional argument: 'dtype'.*TF's initializer\(shape, dtype\) form is not taken"),
 ]
 
 

@@ -188,7 +188,17 @@ class EmbeddingTable(nn.Module):
             elif isinstance(init, torch.Tensor):
                 host.copy_(init)
             else:
-                result = init(host)
+                try:
+                    result = init(host)
+                except TypeError as e:
+                    # TF calls initializer(shape, dtype=...); such a function called here fails inside
+                    # itself or in torch, with an error that names neither the table nor the contract.
+                    raise TypeError(
+                        f"Table `{self.name}`: its initializer {getattr(init, '__name__', init)!r} failed when "
+                        f"called as initializer(weight) with the {list(host.shape)} weight tensor to fill in place "
+                        f"({e}). TF's initializer(shape, dtype) form is not taken: write it as a function of the "
+                        "tensor (torch.nn.init style), or pass a [num_embeddings, embedding_dim] tensor of values."
+                    ) from e
                 if isinstance(result, torch.Tensor) and result is not host:
                     if tuple(result.shape) != tuple(host.shape):
                         raise ValueError(

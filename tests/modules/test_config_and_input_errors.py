@@ -147,9 +147,9 @@ def test_output_shape_takes_numpy_integers_as_tf_does(shape) -> None:
 
 @pytest.mark.parametrize("stack", [True, False])
 def test_table_names_that_are_module_dict_attributes_are_tables_like_any_other(stack: bool) -> None:
-    # TF takes any str as a table name; nn.ModuleDict refused "keys", "training", "update"... with a KeyError
+    # TF takes any str as a table name; nn.ModuleDict refused "keys", "items", "update"... with a KeyError
     # naming none of the user's arguments, so such a collection could not be built.
-    k, tr = tte.TableConfig(10, 2, name="keys"), tte.TableConfig(12, 2, name="training")
+    k, tr = tte.TableConfig(10, 2, name="keys"), tte.TableConfig(12, 2, name="items")
     up = tte.TableConfig(5, 2, name="update")
     config = {"f": tte.FeatureConfig(k), "g": tte.FeatureConfig(tr), "h": tte.FeatureConfig(up)}
     ec = tte.EmbeddingCollection(config, stack_tables=stack)
@@ -158,11 +158,21 @@ def test_table_names_that_are_module_dict_attributes_are_tables_like_any_other(s
     before = ec.embedding_tables["keys"].detach().clone()
     sum(o.sum() for o in ec({"f": ids, "g": ids, "h": ids}).values()).backward()
     opt.step()
-    assert list(ec.embedding_tables) == ["keys", "training", "update"] and ec.training is True
+    assert list(ec.embedding_tables) == ["keys", "items", "update"] and ec.training is True
+    ec.eval()
+    ec.train()
+    assert ec.training and all(m.training for m in ec.modules())
     assert not torch.equal(ec.embedding_tables["keys"], before)
     again = tte.EmbeddingCollection(config, stack_tables=stack)
     again.load_state_dict(ec.state_dict())
     assert all(torch.equal(again.embedding_tables[n], w) for n, w in ec.embedding_tables.items())
+
+
+@pytest.mark.parametrize("name", ["training", "_parameters"])
+def test_a_table_named_as_a_value_every_module_keeps_is_refused_by_name(name: str) -> None:
+    # (a table "training" was built, and ec.eval() then failed in torch: "cannot assign 'bool' as child module")
+    with pytest.raises(ValueError, match=rf"A table may not be named `{name}`: every torch.nn.Module keeps"):
+        tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(10, 2, name=name))})
 
 
 def test_import_without_torch_xla() -> None:

@@ -36,15 +36,21 @@ __all__ = ["EmbeddingCollection", "EmbeddingTable", "split_parameters"]
 
 
 class _Named(nn.ModuleDict):
-    """A ``ModuleDict`` keyed by any table name TF accepts, ``keys``, ``training`` or ``update`` too.
+    """A ``ModuleDict`` keyed by any table name TF accepts, ``keys``, ``items`` or ``update`` too.
 
     ``nn.Module.add_module`` refuses a name that is already an attribute (a method of ``ModuleDict``), so such
     a table failed construction with an internal ``KeyError``. Entries are read as items (``tables[name]``) and
-    through ``_modules`` (state_dict, parameters), never as attributes, so the shadowed name is harmless.
+    through ``_modules`` (state_dict, parameters), never as attributes, so a shadowed method is harmless. A name
+    every module holds as its own value (``training``, ``_parameters``, ...) is refused by name: torch assigns
+    it (``train()`` sets ``training``), which a child module of that name would break.
     """
 
     def add_module(self, name: str, module: nn.Module | None) -> None:
         if module is not None and name and "." not in name and name not in self._modules and hasattr(self, name):
+            if name in self.__dict__:
+                raise ValueError(f"A table may not be named `{name}`: every torch.nn.Module keeps a value of that "
+                                 "name, which a table of that name would break (module.train() sets `training`). "
+                                 "Give its TableConfig another name.")
             self._modules[name] = module
             return
         super().add_module(name, module)

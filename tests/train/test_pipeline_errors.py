@@ -4,6 +4,7 @@ background thread (or by a lookup ahead) before the run stopped is raised when i
 
 from __future__ import annotations
 
+import collections
 import copy
 import threading
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from suite_helpers import pipeline_batches, train_by_hand
 from test_pipeline_lifecycle import _model, _opts, _step, _threads
 
 import torch_tpu_embedding as tte
+from torch_tpu_embedding.train.restored import restore
 
 
 def _failing(data: list[Any], raised: threading.Event) -> Iterator[Any]:
@@ -179,3 +181,21 @@ def test_a_second_run_while_one_goes_on_is_refused_and_leaves_it_running() -> No
     assert sum(1 for _ in first) == 3 and pipe.steps == 4 and not _threads()
     for name, value in _want(data, False).state_dict().items():
         assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_restored_activations_keep_the_forwards_containers() -> None:
+    """Activations restored into a step (a checkpoint's, looked up ahead) came back as a plain tuple or dict for a
+    namedtuple or OrderedDict of features, where the forward gives the config's own containers."""
+    nt = collections.namedtuple("nt", "a b")
+    t = tte.TableConfig(10, 2, name="t")
+    for config, ids in ((nt(tte.FeatureConfig(t), tte.FeatureConfig(t)), nt(torch.tensor([1]), torch.tensor([2]))),
+                        (collections.OrderedDict(b=tte.FeatureConfig(t), a=tte.FeatureConfig(t)),
+                         collections.OrderedDict(b=torch.tensor([1]), a=torch.tensor([2])))):
+        out = tte.EmbeddingCollection(config)(ids)
+        saved = {k: v.detach() + 1 for k, v in out._asdict().items()} if isinstance(out, tuple) else \
+            {k: v.detach() + 1 for k, v in out.items()}
+        back = restore(out, nt(**saved) if isinstance(out, tuple) else saved)
+        assert type(back) is type(out)
+        assert all(torch.equal(x, y.detach() + 1) for x, y in zip(
+            back if isinstance(back, tuple) else back.values(), out if isinstance(out, tuple) else out.values(),
+            strict=True))

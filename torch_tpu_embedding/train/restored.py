@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from torch_tpu_embedding._util.nest import flatten, pick, rebuild
+
 __all__ = ["detached", "restore"]
 
 
@@ -28,13 +30,9 @@ def detached(value: Any) -> Any:
 
 
 def restore(fresh: Any, saved: Any) -> Any:
-    """``fresh`` activations (a structure of tensors) with the values of ``saved`` (the same structure)."""
-    if isinstance(fresh, torch.Tensor):
-        out: torch.Tensor = _Saved.apply(fresh, saved)  # type: ignore[no-untyped-call]
-        return out
-    if isinstance(fresh, dict):
-        return {k: restore(v, saved[k]) for k, v in fresh.items()}
-    if isinstance(fresh, (list, tuple)):
-        items = [restore(v, s) for v, s in zip(fresh, saved, strict=True)]
-        return items if isinstance(fresh, list) else tuple(items)
-    return fresh
+    """``fresh`` activations (a structure of tensors) with the values of ``saved`` (the same structure), in
+    ``fresh``'s containers (an OrderedDict or a namedtuple of activations stays one, as the forward gives it)."""
+    values = {path: _Saved.apply(leaf, pick(saved, path))  # type: ignore[no-untyped-call]
+              if isinstance(leaf, torch.Tensor) else leaf
+              for path, leaf in flatten(fresh)}
+    return rebuild(fresh, values)

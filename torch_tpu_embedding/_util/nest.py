@@ -6,7 +6,10 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-__all__ = ["Path", "check_structure", "flatten", "path_name", "pick", "rebuild", "sorted_keys"]
+import torch
+from torch.utils._pytree import tree_map
+
+__all__ = ["Path", "check_structure", "detached", "flatten", "path_name", "pick", "rebuild", "sorted_keys"]
 
 #: a leaf's position: the keys and indices from the root
 Path = tuple[Any, ...]
@@ -32,6 +35,12 @@ def flatten(struct: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
             yield from flatten(item, (*path, i))
     else:
         yield path, struct
+
+
+def detached(struct: Any) -> Any:
+    """``struct`` with every tensor detached, in its own containers (torch's pytree: an OrderedDict or a
+    namedtuple of activations stays one)."""
+    return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, struct)
 
 
 def path_name(path: Path) -> str:

@@ -11,8 +11,8 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
 
+from torch_tpu_embedding._util.nest import detached
 from torch_tpu_embedding.modules.prepared import NotAhead, PreparedFeatures, leaves_of, versions_of
 from torch_tpu_embedding.modules.table import EmbeddingTable
 
@@ -76,7 +76,7 @@ class AheadLookups:
                                  f"asks for concat={concat!r}. Give the pipeline the concat your model uses.")
             outputs, prepared.outputs = prepared.outputs, None
             if not torch.is_grad_enabled():  # (looked up ahead with gradients; a forward under no_grad has none)
-                outputs = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, outputs)
+                outputs = detached(outputs)
             return outputs
         try:
             batches = prepared.take(id(self))

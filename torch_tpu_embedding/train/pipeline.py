@@ -55,10 +55,11 @@ from typing import Any, NoReturn
 import torch
 from torch.utils._pytree import tree_map
 
+from torch_tpu_embedding._util.nest import detached
 from torch_tpu_embedding.modules.collection import EmbeddingCollection
 from torch_tpu_embedding.modules.prepared import NotAhead, PreparedFeatures
 from torch_tpu_embedding.train.prefetch import Prefetcher, Ready, ReusedBuffersError, call_weakly, refilled
-from torch_tpu_embedding.train.restored import detached, restore
+from torch_tpu_embedding.train.restored import restore
 
 __all__ = ["TrainPipeline"]
 
@@ -208,7 +209,7 @@ class TrainPipeline:
         if self._resume_outputs is not None:  # restored: its activations as looked up before the checkpoint
             self._look_up_ahead(prepared)
         # (looked up ahead: kept should the step fail before its update, for the later run that trains it again)
-        self._ahead_outputs = None if prepared.outputs is None else tree_map(detached, prepared.outputs)
+        self._ahead_outputs = None if prepared.outputs is None else detached(prepared.outputs)
         if self.stale:  # batch N + 1 looked up now: the tables before update N
             try:
                 following = self._take()

@@ -9,7 +9,7 @@ import torch
 
 from torch_tpu_embedding._util.nest import flatten, pick, rebuild
 
-__all__ = ["detached", "restore"]
+__all__ = ["restore"]
 
 
 class _Saved(torch.autograd.Function):
@@ -23,10 +23,6 @@ class _Saved(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         return grad, None
-
-
-def detached(value: Any) -> Any:
-    return value.detach() if isinstance(value, torch.Tensor) else value
 
 
 def restore(fresh: Any, saved: Any) -> Any:

@@ -140,3 +140,30 @@ def test_no_dedup_keeps_the_weights_within_clip_weight(cls: Any, side: str) -> N
     w = ec.tables.t.weight.detach()
     assert torch.equal(w[:3], torch.full((3, 2), -0.3 * sign, dtype=torch.float64)), w
     assert torch.equal(w[3], init[3])
+
+
+def _index_selects_in_step(**bound: float) -> int:
+    t = tte.TableConfig(8, 2, name="t", combiner="sum", dtype=torch.float64)
+    ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(t, max_ids_per_bag=2)})
+    opt = O.Adagrad(ec.parameters(), lr=0.1, use_gradient_accumulation=False, **bound)
+    ec({"f": tte.Padded(torch.tensor([[0, 0], [1, 2]]))})["f"].sum().backward()
+    with _Count() as count:
+        opt.step()
+    return count.ops.count(torch.ops.aten.index_select.default)
+
+
+class _Count(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[Any] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_no_dedup_clip_weight_without_ema_reads_the_rows_once_more_not_twice() -> None:
+    """With ``use_gradient_accumulation=False`` the clip of the summed rows reads each distinct row after the
+    update; the rows before it are read again only for the moving average (``use_ema``), which this group lacks."""
+    plain, clipped = _index_selects_in_step(), _index_selects_in_step(clip_weight_max=0.3)
+    assert clipped == plain + 1, (plain, clipped)

@@ -222,9 +222,9 @@ def _update_rows(item: Work, space: RowSpace, ids: Tensor, g: Tensor, whole: boo
     ema = group["use_ema"]
     lo, hi = group.get("clip_weight_min"), group.get("clip_weight_max")
     clip_sum = not dedup and (lo is not None or hi is not None)  # the added changes may overshoot the bounds
-    if (ema or clip_sum) and not dedup:  # ids repeat: the average and the clip need each row once
-        once = unique_ids(ids, sentinel)
-        once_w0 = p.index_select(0, once.clamp(max=sentinel - 1)).to(w0.dtype)
+    once = unique_ids(ids, sentinel) if (ema or clip_sum) and not dedup else ids  # ids repeat: each row once
+    # (the moving average's rows before the update; the clip alone reads only the rows after it)
+    once_w0 = p.index_select(0, once.clamp(max=sentinel - 1)).to(w0.dtype) if ema and not dedup else w0
     step = item.step_now if item.step_now is not None else state["step"] + 1
     w, new = pipeline(w0, g, slots, item.lr, step, group, ctx)
     w = gated(gate, w, w0)

@@ -214,6 +214,7 @@ def to_bags(
     dtype: torch.dtype,
     static: bool | None = None,
     offset: int = 0,
+    table: str | None = None,
 ) -> Bags:
     """Normalise one feature's input (and optional weights) to :class:`Bags` on ``device``.
 
@@ -229,12 +230,13 @@ def to_bags(
             variable-length inputs are then rounded up to a power of two.
         offset: added to every real id after its range check (a stacked table's first row in its
             group), in the same pass that writes the sentinel at padding.
+        table: the name of the feature's table in the collection, for the range error.
     """
     vocab = fc.table.num_embeddings
     static = device.type == "xla" if static is None else static
     check_tensor(feature, "the weights", weight)
     if isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_nested:
-        return _dense_bags(feature, fc, value, weight, vocab, device, offset)
+        return _dense_bags(feature, fc, value, weight, vocab, device, offset, table)
     if not isinstance(value, (Jagged, Padded, torch.Tensor)):
         raise TypeError(
             f"Feature `{feature}`: unsupported input type {type(value).__name__}. Use a dense id "
@@ -252,8 +254,8 @@ def to_bags(
             )
     rp = _normalise_variable(feature, value, weight)
     if isinstance(rp, Padded):
-        return _padded_bags(feature, fc, rp, vocab, sentinel, device, dtype, offset)
-    _check_ids(feature, rp.vals, vocab)
+        return _padded_bags(feature, fc, rp, vocab, sentinel, device, dtype, offset, table)
+    _check_ids(feature, rp.vals, vocab, table)
     combine, seq_len, out_shape = _mode(feature, fc, rp.leading)
     nbags = math.prod(rp.leading)
     # (a sequence feature combining a rank > 2 input too, as TF's CPU lookup rejects them by the config alone)
@@ -307,6 +309,7 @@ def _dense_bags(
     vocab: int,
     device: torch.device,
     offset: int = 0,
+    table: str | None = None,
 ) -> Bags:
     if fc.is_sequence:
         raise _err(feature, "is a sequence feature but a dense tensor was passed. Use Jagged, "
@@ -325,7 +328,7 @@ def _dense_bags(
             f"will always be reduced. Received shape {tuple(value.shape)}. For bags of ids use "
             "Padded(ids, mask) or Jagged.",
         )
-    _check_ids(feature, value, vocab)
+    _check_ids(feature, value, vocab, table)
     natural = tuple(value.shape) if value.dim() == 1 else tuple(value.shape[:-1])
     out_shape = natural
     if fc.output_shape is not None:
@@ -357,6 +360,7 @@ def _padded_bags(
     device: torch.device,
     dtype: torch.dtype,
     offset: int = 0,
+    table: str | None = None,
 ) -> Bags:
     ids = p.ids
     if ids.dim() != 2:
@@ -377,7 +381,7 @@ def _padded_bags(
                 "lookup moves them) or both device tensors",
             )
     if ids.device.type != "xla":
-        _check_ids(feature, ids if mask is None or _tracing() else ids[mask], vocab)
+        _check_ids(feature, ids if mask is None or _tracing() else ids[mask], vocab, table)
     elif ids.dtype.is_floating_point:
         _check_ids(feature, ids, vocab)  # dtype error only
     if p.weights is not None:

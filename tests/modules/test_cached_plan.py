@@ -137,7 +137,9 @@ def test_a_bad_id_after_replayed_steps_names_its_feature_and_changes_nothing() -
     bad = _batch(7)
     bad["f4"].ids[3, 1] = 45  # t4 has 40 rows (the stacked group has more: checked per table)
     bad["f4"].mask[3, 1] = True
-    with pytest.raises(ValueError, match=r"Feature `f4`: ids must be in \[0, 40\).*Received: 45"):
+    # (the error names the feature and its table, the user's names)
+    with pytest.raises(ValueError, match=r"Feature `f4`: ids must be in \[0, 40\) \(num_embeddings of table `t4`\)\. "
+                       r"Received: 45"):
         ec(bad, concat=True)
     masked = _batch(8)
     masked["f4"].ids[3, 1] = -7  # a masked-out position holds no id: any value

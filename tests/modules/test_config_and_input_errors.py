@@ -81,7 +81,7 @@ INPUT_CASES = [
     ("dense-rank2-last-not-1", {}, {"f": torch.ones(2, 3, dtype=torch.long), "g": OK_G}, None, ValueError,
      r"Rank 2 or above dense tensor should have last dimension as 1"),
     ("id-out-of-range", {}, {"f": torch.tensor([1, 10]), "g": OK_G}, None, ValueError,
-     r"Feature `f`: ids must be in \[0, 10\).*Received: 10"),
+     r"Feature `f`: ids must be in \[0, 10\) \(num_embeddings of table `t`\)\. Received: 10"),
     ("id-negative", {}, {"f": tte.Jagged(torch.tensor([-1, 2]), lengths=torch.tensor([2])), "g": OK_G[:1]}, None,
      ValueError, r"ids must be in \[0, 10\).*Received: -1"),
     ("float-ids", {}, {"f": torch.tensor([1.0, 2.0]), "g": OK_G}, None, TypeError,

@@ -43,7 +43,8 @@ def check_index_dtype(feature: str, what: str, t: torch.Tensor) -> None:
         )
 
 
-def check_ids(feature: str, ids: torch.Tensor, vocab: int) -> None:
+def check_ids(feature: str, ids: torch.Tensor, vocab: int, table: str | None = None) -> None:
+    """Integer ids in ``[0, vocab)``; ``table``: the user's name of the feature's table, for the error."""
     if ids.dtype not in INDEX_DTYPES:
         raise TypeError(
             f"Feature `{feature}`: ids must be an integer tensor. Received dtype {ids.dtype}."
@@ -55,7 +56,8 @@ def check_ids(feature: str, ids: torch.Tensor, vocab: int) -> None:
         lo, hi = (int(x) for x in torch.aminmax(ids))
         if lo < 0 or hi >= vocab:
             bad = lo if lo < 0 else hi
-            raise err(feature, f"ids must be in [0, {vocab}) (the table's num_embeddings). Received: {bad}")
+            whose = "the table's num_embeddings" if table is None else f"num_embeddings of table `{table}`"
+            raise err(feature, f"ids must be in [0, {vocab}) ({whose}). Received: {bad}")
 
 
 def check_weights(feature: str, w: torch.Tensor, shape: tuple[int, ...], what: str) -> None:

@@ -140,8 +140,8 @@ class AssembledBatch:
     sentinel: int
     items: list[tuple[Path, _Item]] = dataclasses.field(default_factory=list)
     tables: set[str] = dataclasses.field(default_factory=set)
-    #: per feature: its name, config and its table's first row in the group
-    members: list[tuple[str, FeatureConfig, int]] = dataclasses.field(default_factory=list)
+    #: per feature: its name, config, its table's first row in the group and its table's name
+    members: list[tuple[str, FeatureConfig, int, str]] = dataclasses.field(default_factory=list)
     #: per feature: its input and separate weights (dropped once assembled: never the caller's tensors kept)
     _values: list[Any] = dataclasses.field(default_factory=list)
     _wvalues: list[Any] = dataclasses.field(default_factory=list)
@@ -157,7 +157,7 @@ class AssembledBatch:
         shape = self.items[0][1] if self.items else _Item((self.sig[1],))  # every feature's bags: [B]
         self.items.append((path, shape))
         self.tables.add(table)
-        self.members.append((feature, fc, offset))
+        self.members.append((feature, fc, offset, table))
         self._values.append(value)
         self._wvalues.append(weight)
 
@@ -277,8 +277,8 @@ class AssembledBatch:
     def _layout(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The features' tables' ``num_embeddings`` and first rows in the group (made once)."""
         if self._columns is None:
-            self._columns = (tuple(fc.table.num_embeddings for _, fc, _ in self.members),
-                             tuple(o for _, _, o in self.members))
+            self._columns = (tuple(fc.table.num_embeddings for _, fc, _, _ in self.members),
+                             tuple(o for _, _, o, _ in self.members))
         return self._columns
 
     def _shifted(self, ids: torch.Tensor, mask: torch.Tensor | None, offsets: tuple[int, ...]) -> torch.Tensor:
@@ -300,9 +300,9 @@ class AssembledBatch:
 
     def _raise(self) -> None:
         """The first bad feature's own error, from its per-feature normalisation."""
-        for (feature, fc, _), value, weight in zip(self.members, self._values, self._wvalues, strict=True):
+        for (feature, fc, _, table), value, weight in zip(self.members, self._values, self._wvalues, strict=True):
             to_bags(feature, fc, value, weight, sentinel=self.sentinel, device=torch.device("cpu"),
-                    dtype=self.weight.dtype)
+                    dtype=self.weight.dtype, table=table)
         raise AssertionError("the group check found a bad id or weight that no feature's own check finds")
 
     def _lookup(self, columns: int) -> tuple[torch.Tensor, ...]:

@@ -223,6 +223,7 @@ def plan_lookups(ec: Any, features: Any, weights: Any, ahead: bool = False) -> l
             # a routed lookup (the id exchange: SPMD or a process group) buckets padded bags
             static=weight.device.type == "xla" or owner_local,
             offset=0 if on_device else offset,  # a stacked table's rows start at `offset` of its group
+            table=tname,
         )
         if on_device:  # host inputs were checked in to_bags; these are screened before the offset
             ids, valid = ec._screen_device_ids(

@@ -216,3 +216,26 @@ def test_crafted_distributed_counters_and_pending_ids_change_nothing(tmp_path: P
     after = snapshot(m, opt, ckpt)
     for part in before:
         assert same(before[part], after[part]), part
+
+
+def test_a_single_file_save_puts_its_rename_on_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tte.checkpoint.save`` fsyncs the file, renames it over the target, then fsyncs the folder: without the
+    last, a power loss after ``save`` returned may bring back the previous file (the rename not yet on disk)."""
+    ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(6, 2, name="t"))})
+    target = tmp_path / "ckpt.pt"
+    events: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append("fsync dir" if os.path.isdir(f"/proc/self/fd/{fd}") else "fsync file")
+        real_fsync(fd)
+
+    def replace(src: Any, dst: Any) -> None:
+        events.append("rename")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    tte.checkpoint.save(target, model=ec)
+    assert events[-3:] == ["fsync file", "rename", "fsync dir"], events
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]

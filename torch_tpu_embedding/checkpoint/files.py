@@ -36,8 +36,8 @@ try:  # POSIX advisory locks; elsewhere no stale temporary is ever removed
 except ImportError:  # pragma: no cover - not on Linux
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["TMP_PREFIX", "SaveLock", "check_loadable", "dcp_quiet", "dcp_reader", "hold", "held", "load_refusal",
-           "read_dcp_metadata", "release", "remove_stale_temporaries", "through", "write_atomic"]
+__all__ = ["TMP_PREFIX", "SaveLock", "check_loadable", "dcp_quiet", "dcp_reader", "fsync_dir", "hold", "held",
+           "load_refusal", "read_dcp_metadata", "release", "remove_stale_temporaries", "through", "write_atomic"]
 
 #: name prefix of our temporary files (``.tte-tmp-<target name>-<random>``)
 TMP_PREFIX = ".tte-tmp-"
@@ -144,6 +144,15 @@ def _locked_temp(folder: str, name: str) -> Iterator[tuple[IO[bytes], str]]:
         f.close()
 
 
+def fsync_dir(path: str) -> None:
+    """Commit the directory's entries (a rename into it) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_atomic(payload: Any, path: str | os.PathLike[str]) -> None:
     """``torch.save(payload)`` to a locked temporary beside ``path``, fsync, rename: a reader sees the
     old file or the new one, never half of one. Stale temporaries of dead writers are removed first."""
@@ -157,6 +166,11 @@ def write_atomic(payload: Any, path: str | os.PathLike[str]) -> None:
             f.flush()
             os.fsync(f.fileno())
             os.replace(tmp, target)  # still locked: a cleaner cannot take the file before this
+            tmp = ""
+        # The rename on disk too: else a power loss after save() returned may bring back the previous file
+        # (the new one is whole, fsynced above; some file systems refuse fsync on a directory: less durable)
+        with contextlib.suppress(OSError):
+            fsync_dir(folder)
     except BaseException:
         if tmp and os.path.exists(tmp):
             os.unlink(tmp)

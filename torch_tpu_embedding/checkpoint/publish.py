@@ -32,7 +32,7 @@ import os
 import shutil
 from typing import Any
 
-from torch_tpu_embedding.checkpoint.files import SaveLock, hold, read_dcp_metadata
+from torch_tpu_embedding.checkpoint.files import SaveLock, fsync_dir, hold, read_dcp_metadata
 
 try:  # POSIX advisory locks; elsewhere an old checkpoint is deleted even while a load reads it
     import fcntl
@@ -127,14 +127,6 @@ def _siblings(target: str) -> tuple[str, str]:
 def staging_path(target: str) -> str:
     """The staging directory every rank writes a save of ``target`` into."""
     return _siblings(target)[0]
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _dcp_file(name: str) -> bool:
@@ -238,7 +230,7 @@ def prepare_staging(target: str) -> None:
             if os.path.lexists(target):
                 os.rmdir(target)  # e.g. os.makedirs(path, exist_ok=True) on a restart after a kill
             os.rename(previous, target)  # killed between the two renames: the old checkpoint is back
-            _fsync_dir(os.path.dirname(target))
+            fsync_dir(os.path.dirname(target))
         else:
             _remove(previous)  # the new checkpoint was published; the old one was being deleted
     _sweep_retired(target)
@@ -293,7 +285,7 @@ def write_manifest(staging: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(staging, MANIFEST))
-    _fsync_dir(staging)
+    fsync_dir(staging)
 
 
 def publish(staging: str, target: str) -> None:
@@ -302,12 +294,12 @@ def publish(staging: str, target: str) -> None:
     _, previous = _siblings(target)
     if not os.path.lexists(target):
         os.rename(staging, target)
-        _fsync_dir(parent)
+        fsync_dir(parent)
         return
     os.rename(target, previous)
-    _fsync_dir(parent)
+    fsync_dir(parent)
     os.rename(staging, target)
-    _fsync_dir(parent)
+    fsync_dir(parent)
     _remove(previous)
 
 

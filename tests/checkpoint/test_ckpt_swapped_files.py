@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from test_ckpt_snapshot import same, trained
 import torch_tpu_embedding as tte
 from torch_tpu_embedding.checkpoint import CheckpointCorruptError
 from torch_tpu_embedding.checkpoint import api as ckpt_api
+from torch_tpu_embedding.checkpoint import publish as ckpt_publish
 from torch_tpu_embedding.checkpoint.publish import write_manifest
 from torch_tpu_embedding.distributed import sharded_checkpoint
 
@@ -170,3 +172,28 @@ def test_data_files_renamed_over_between_the_check_and_the_read_are_not_read(
     tte.checkpoint.load_distributed(ck, model=m, optimizer=opt)
     want = trained(3)
     assert same(state(m, opt), state(*want))
+
+
+def test_a_manifest_rewritten_whole_before_it_is_read_is_checked_as_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The manifest renamed over by an identical copy just before the load opens it (a sync tool rewriting the
+    same save): the load checks the manifest it read, through the handle it read it with, and loads. Before, the
+    manifest's stamp was taken by name before it was opened, so the load ended saying the manifest was replaced
+    while the checkpoint was loaded."""
+    ck, _ = two_saves(tmp_path)
+    manifest = ck / ckpt_publish.MANIFEST
+
+    def rewrite_then_read(*args: Any, **kwargs: Any) -> Any:
+        if not done and sys._getframe(1).f_code.co_name == "verify":  # (not a listing of the directory's files)
+            done.append(True)
+            shutil.copyfile(manifest, ck / ".manifest.part")
+            os.replace(ck / ".manifest.part", manifest)
+        return real(*args, **kwargs)
+
+    done: list[bool] = []
+    real = ckpt_publish._manifest
+    monkeypatch.setattr(ckpt_publish, "_manifest", rewrite_then_read)
+    m, opt = trained(1)
+    tte.checkpoint.load_distributed(ck, model=m, optimizer=opt)
+    assert done
+    assert same(state(m, opt), state(*trained(3)))

@@ -317,12 +317,16 @@ def resolve(target: str) -> str:
 
 
 # ----------------------------------------------------------------------------- verifying
-def _manifest(path: str) -> dict[str, dict[str, Any]] | None:
+def _manifest(path: str, stamps: dict[str, tuple[int, ...]] | None = None) -> dict[str, dict[str, Any]] | None:
+    """The manifest's ``files`` (``None`` where there is no manifest); ``stamps`` gets the :func:`stamp` of the
+    file read, taken through the handle it was read with (not of whatever holds the name before or after)."""
     file = os.path.join(path, MANIFEST)
     if not os.path.exists(file):
         return None
     try:
         with open(file) as f:
+            if stamps is not None:
+                stamps[file] = stamp(os.fstat(f.fileno()))
             data = json.load(f)
     except RecursionError as e:  # json nests one Python frame per level
         raise CheckpointCorruptError(f"{file} is not a readable checkpoint manifest: it nests deeper than Python's "
@@ -361,9 +365,8 @@ def verify(path: str, required: tuple[str, ...] = (".metadata", _META)) -> dict[
     manifest must list the ``required`` files. Without a manifest (a DCP directory written before
     manifests existed): every byte range ``.metadata`` refers to must exist. Returns each file checked (by
     path) as it was read (:func:`stamp`; ``snapshot.Seal`` checks them again before a load writes)."""
-    manifest = os.path.join(path, MANIFEST)
-    before = stamp(os.stat(manifest)) if os.path.isfile(manifest) else None
-    files = _manifest(path)
+    stamps: dict[str, tuple[int, ...]] = {}
+    files = _manifest(path, stamps)
     if files is None:
         if ".metadata" not in required:
             raise CheckpointCorruptError(f"{os.path.join(path, MANIFEST)} is missing: the save did not finish "
@@ -380,7 +383,6 @@ def verify(path: str, required: tuple[str, ...] = (".metadata", _META)) -> dict[
             found = "it is missing" if size is None else f"it has {size} bytes"
             raise CheckpointCorruptError(f"{file} is truncated, missing or altered: the manifest records "
                                          f"{want['size']} bytes, {found}. Nothing was loaded.")
-    stamps: dict[str, tuple[int, ...]] = {} if before is None else {manifest: before}
     for name, want in sorted(files.items()):
         file = os.path.join(path, name)
         if _sha256(file, stamps) != want["sha256"]:

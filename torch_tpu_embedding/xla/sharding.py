@@ -50,6 +50,7 @@ from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.validation import arg_error, check_int
 from torch_tpu_embedding.config import DEFAULT_REPLICATE_BELOW_BYTES, TableConfig, auto_placement
 from torch_tpu_embedding.modules.collection import EmbeddingCollection
+from torch_tpu_embedding.modules.table import EmbeddingTable
 from torch_tpu_embedding.xla.manual import all_reduce, on_shards, reshard, spec
 from torch_tpu_embedding.xla.mesh import Mesh, device_mesh, shard_slot, sharding_spec, slot_extra_rows, xr, xs
 from torch_tpu_embedding.xla.routed import ExchangeCounts, RoutedLookup
@@ -183,10 +184,17 @@ def shard(
     for name, table in collection.physical_tables().items():
         if table.weight.device.type != "xla":
             raise ValueError(
-                f"Table `{name}` is on {table.weight.device}; move the collection to the XLA device "
+                f"{_tables_of(name, table)} on {table.weight.device}; move the collection to the XLA device "
                 "(EmbeddingCollection(..., device=torch_xla.device())) before sharding it."
             )
     placements = {t: choose_placement(c, n, replicate_below_bytes) for t, c in collection.table_configs.items()}
+    # Checked per table before anything is laid out: a refused call leaves the collection as it was.
+    narrow = [f"Table `{t}`: placement 'column' needs embedding_dim divisible by the {n} devices of mesh axis "
+              f"'{axis}'. Received: embedding_dim={c.embedding_dim}"
+              for t, c in sorted(collection.table_configs.items())
+              if placements[t] == "column" and c.embedding_dim % n]
+    if narrow:
+        raise ValueError("; ".join(narrow))
     collection.restack(placements)
     if n > 1 and not uses_exchange("row", mesh, axis) and (rows := [t for t, p in placements.items() if p == "row"]):
         warnings.warn(
@@ -198,11 +206,6 @@ def shard(
     for name, table in collection.physical_tables().items():  # a stacked group is laid out once
         members = table.members()
         placement = placements[name if members is None else members[0][0]]
-        if placement == "column" and table.config.embedding_dim % n:
-            raise ValueError(
-                f"Table `{name}`: placement 'column' needs embedding_dim divisible by the {n} devices "
-                f"of mesh axis '{axis}'. Received: embedding_dim={table.config.embedding_dim}"
-            )
         layout = TableSharding(placement, mesh, axis, uses_exchange(placement, mesh, axis))
         table.pad_rows(layout.row_block)
         if layout.exchange and table.row_layout is None:
@@ -214,6 +217,14 @@ def shard(
         assert info is not None  # pad_rows / the constructor registered it
         info.sharding = layout
     return placements
+
+
+def _tables_of(name: str, table: EmbeddingTable) -> str:
+    """The user's names of a physical table: ``Table `t` is`` or, for a stacked group, its tables'."""
+    members = table.members()
+    if members is None:
+        return f"Table `{name}` is"
+    return f"Tables {', '.join(f'`{m[0]}`' for m in members)} (stacked into one buffer) are"
 
 
 def shard_batch(x: torch.Tensor, mesh: Mesh | None = None, axis: str | None = None) -> torch.Tensor:

@@ -1,0 +1,46 @@
+"""What ``tte.xla.shard`` refuses: errors name the user's tables (never a stacked group's internal name),
+and a refused call leaves the collection as it was. Run in its own process: PJRT_DEVICE=CPU CPU_NUM_DEVICES=4.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch_xla = pytest.importorskip("torch_xla")
+import torch_xla.runtime as xr  # noqa: E402
+
+if not xr.is_spmd():  # once per process: a second call warns (XLA_USE_SPMD is set by the first)
+    xr.use_spmd()  # before any XLA tensor exists
+import torch_tpu_embedding as tte  # noqa: E402
+from torch_tpu_embedding.xla import device_mesh, shard, sharding_spec  # noqa: E402
+
+
+def test_a_column_table_too_narrow_is_named_and_nothing_is_laid_out() -> None:
+    """Two column tables 6 wide stack into one group; 6 does not split over 4 devices. The error names both
+    tables (not the group), and the row table laid out before the group keeps its rows and has no sharding."""
+    big = tte.TableConfig(1001, 8, name="big", placement="row")
+    user = tte.TableConfig(100, 6, name="user", placement="column")
+    item = tte.TableConfig(50, 6, name="item", placement="column")
+    ec = tte.EmbeddingCollection({"b": tte.FeatureConfig(big), "u": tte.FeatureConfig(user),
+                                  "i": tte.FeatureConfig(item)}, device=torch_xla.device())
+    groups = ec.stacked_members()
+    assert list(groups.values()) == [(("item", 0, 50), ("user", 50, 100))]  # `big` is a table of its own
+    weights = {n: t.weight for n, t in ec.physical_tables().items()}
+    with pytest.raises(ValueError, match="embedding_dim divisible by the 4 devices") as err:
+        shard(ec, device_mesh())
+    message = str(err.value)
+    assert "Table `item`" in message and "Table `user`" in message and "embedding_dim=6" in message, message
+    assert list(groups)[0] not in message, message  # the group's name is ours, not the user's
+    assert {n: t.weight for n, t in ec.physical_tables().items()} == weights  # no parameter replaced
+    assert tuple(ec.tables.big.weight.shape) == (1001, 8) and sharding_spec(ec.tables.big.weight) == ""
+    assert ec.tables.big.row_layout is None
+
+
+def test_a_stacked_group_on_the_cpu_is_named_by_its_tables() -> None:
+    user = tte.TableConfig(100, 8, name="user", placement="row")
+    item = tte.TableConfig(50, 8, name="item", placement="row")
+    ec = tte.EmbeddingCollection({"u": tte.FeatureConfig(user), "i": tte.FeatureConfig(item)})
+    (group,) = ec.stacked_members()
+    with pytest.raises(ValueError, match="move the collection to the XLA device") as err:
+        shard(ec, device_mesh())
+    assert "`item`, `user`" in str(err.value) and group not in str(err.value), str(err.value)

@@ -1,10 +1,11 @@
-"""What ``tte.xla.shard`` refuses: errors name the user's tables (never a stacked group's internal name),
-and a refused call leaves the collection as it was. Run in its own process: PJRT_DEVICE=CPU CPU_NUM_DEVICES=4.
+"""What ``tte.xla.shard``, ``shard_batch`` and ``replicate`` refuse: errors name the argument, the value and the
+user's tables (never a stacked group's internal name), and a refused call changes nothing. Run in its own process: PJRT_DEVICE=CPU CPU_NUM_DEVICES=4.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 torch_xla = pytest.importorskip("torch_xla")
 import torch_xla.runtime as xr  # noqa: E402
@@ -12,7 +13,7 @@ import torch_xla.runtime as xr  # noqa: E402
 if not xr.is_spmd():  # once per process: a second call warns (XLA_USE_SPMD is set by the first)
     xr.use_spmd()  # before any XLA tensor exists
 import torch_tpu_embedding as tte  # noqa: E402
-from torch_tpu_embedding.xla import device_mesh, shard, sharding_spec  # noqa: E402
+from torch_tpu_embedding.xla import device_mesh, replicate, shard, shard_batch, sharding_spec  # noqa: E402
 
 
 def test_a_column_table_too_narrow_is_named_and_nothing_is_laid_out() -> None:
@@ -44,3 +45,22 @@ def test_a_stacked_group_on_the_cpu_is_named_by_its_tables() -> None:
     with pytest.raises(ValueError, match="move the collection to the XLA device") as err:
         shard(ec, device_mesh())
     assert "`item`, `user`" in str(err.value) and group not in str(err.value), str(err.value)
+
+
+def test_shard_batch_and_replicate_name_what_is_wrong() -> None:
+    """A batch or a dense module left on the CPU, a 0-d batch, an unknown axis, a mesh that is not one: each
+    refused naming the argument and the value (before: torch_xla's 'Expected XLA tensor. Got:
+    torch.FloatTensor', an AssertionError on the partition spec, an AttributeError on a str)."""
+    dev = torch_xla.device()
+    with pytest.raises(ValueError, match=r"Argument `x` of shard_batch must be .* on the XLA device.*2-d tensor on cpu"):
+        shard_batch(torch.ones(8, 2))
+    with pytest.raises(ValueError, match=r"Argument `x` of shard_batch must be a tensor with a batch dimension"):
+        shard_batch(torch.tensor(1.0).to(dev))
+    with pytest.raises(ValueError, match=r"Argument `axis` must be one of the mesh axes \('x',\). Received: 'y'"):
+        shard_batch(torch.ones(8, 2).to(dev), axis="y")
+    tower = torch.nn.Sequential(torch.nn.Linear(4, 4).to(dev), torch.nn.Linear(4, 1))  # the second left behind
+    with pytest.raises(ValueError, match=r"Argument `params` of replicate .* Received: \"parameter '1.weight' on cpu\""):
+        replicate(tower)
+    assert sharding_spec(tower[0].weight) == ""  # nothing marked by the refused call
+    with pytest.raises(ValueError, match=r"Argument `mesh` must be a torch_xla.distributed.spmd.Mesh.*Received: 'x'"):
+        shard(tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(8, 4, name="t"))}, device=dev), "x")

@@ -175,10 +175,7 @@ def shard(
             "torch_tpu_embedding.xla.shard needs SPMD mode: call torch_xla.runtime.use_spmd() before "
             "any XLA tensor is created."
         )
-    mesh = device_mesh() if mesh is None else mesh
-    axis = mesh.axis_names[0] if axis is None else axis
-    if axis not in mesh.axis_names:
-        raise arg_error("axis", f"must be one of the mesh axes {tuple(mesh.axis_names)}", axis)
+    mesh, axis = _mesh_axis(mesh, axis)
     check_int("replicate_below_bytes", replicate_below_bytes, minimum=0)
     n = int(mesh.shape()[axis])
     for name, table in collection.physical_tables().items():
@@ -229,8 +226,11 @@ def _tables_of(name: str, table: EmbeddingTable) -> str:
 
 def shard_batch(x: torch.Tensor, mesh: Mesh | None = None, axis: str | None = None) -> torch.Tensor:
     """Mark dim 0 of an XLA tensor as split over ``axis`` (data parallelism); returns ``x``."""
-    mesh = device_mesh() if mesh is None else mesh
-    axis = mesh.axis_names[0] if axis is None else axis
+    mesh, axis = _mesh_axis(mesh, axis)
+    if not isinstance(x, torch.Tensor) or x.device.type != "xla" or x.dim() == 0:
+        got = f"a {x.dim()}-d tensor on {x.device}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise arg_error("x", "of shard_batch must be a tensor with a batch dimension on the XLA device "
+                        "(x.to(torch_xla.device()))", got)
     xs.mark_sharding(x, mesh, (axis, *([None] * (x.dim() - 1))))
     return x
 
@@ -241,8 +241,24 @@ def replicate(params: Any, mesh: Mesh | None = None) -> None:
     Data-parallel parameters should carry an explicit layout: left unmarked, XLA may give the
     updated parameter a sharded layout after the first step, and the second step compiles again.
     """
-    mesh = device_mesh() if mesh is None else mesh
-    tensors = params.parameters() if isinstance(params, torch.nn.Module) else params
-    for p in tensors:
+    mesh, _ = _mesh_axis(mesh, None)
+    named = list(params.named_parameters() if isinstance(params, torch.nn.Module) else enumerate(params))
+    for name, p in named:  # all checked before any is marked
+        if not isinstance(p, torch.Tensor) or p.device.type != "xla":
+            got = f"parameter {name!r} on {p.device}" if isinstance(p, torch.Tensor) else f"item {name!r}: {p!r}"
+            raise arg_error("params", "of replicate must be tensors on the XLA device: move the module there first "
+                            "(module.to(torch_xla.device()))", got)
+    for _, p in named:
         if table_info(p) is None and p.dim():
             xs.mark_sharding(p, mesh, (None,) * p.dim())
+
+
+def _mesh_axis(mesh: Mesh | None, axis: str | None) -> tuple[Mesh, str]:
+    """``mesh`` (default: :func:`device_mesh`) and ``axis`` (default: its first), checked."""
+    mesh = device_mesh() if mesh is None else mesh
+    if not isinstance(mesh, xs.Mesh):
+        raise arg_error("mesh", "must be a torch_xla.distributed.spmd.Mesh, e.g. tte.xla.device_mesh()", mesh)
+    axis = mesh.axis_names[0] if axis is None else axis
+    if axis not in mesh.axis_names:
+        raise arg_error("axis", f"must be one of the mesh axes {tuple(mesh.axis_names)}", axis)
+    return mesh, axis

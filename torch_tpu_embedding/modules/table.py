@@ -323,6 +323,15 @@ def _restore_padding_rows(
         # a plain tensor (the stored rows) agreed on, so that one given on some ranks only raises on every rank
         state_dict[key] = spread.from_logical(value, table.name)
         return
+    logical = (table.config.num_embeddings, table.config.embedding_dim)
+    if table.padding_rows and table.members() is None and isinstance(value, torch.Tensor) \
+            and tuple(value.shape) != logical:
+        # A table padded for the mesh (tte.xla.shard) holds [num_embeddings, D] as the CPU does; compared with
+        # the padded weight, a tensor of the padded row count would load (its rows taken as stored: permuted).
+        error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from "
+                          f"checkpoint, the shape in current model is {logical}.")
+        state_dict[key] = table.weight.detach()  # (nothing written)
+        return
     if later is not None and spread is None and isinstance(value, torch.Tensor):
         # tte.checkpoint.load: written once the user's load code has run (modules/later_writes.py)
         state_dict[key] = later.stand_in(table.weight)

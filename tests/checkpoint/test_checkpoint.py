@@ -226,3 +226,36 @@ def test_ftrl_linears_convert_between_modes() -> None:
     for key, slots in back["state"].items():
         torch.testing.assert_close(slots["linears"], opt_plain.state_dict()["state"][key]["linears"],
                                    rtol=1e-10, atol=1e-12)
+
+
+def _two_tables(rows_a: int, rows_b: int, names: tuple[str, str] = ("a_user", "b_item")) -> tuple[
+        tte.EmbeddingCollection, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    ec = tte.EmbeddingCollection({"a": tte.FeatureConfig(tte.TableConfig(rows_a, 8, name=names[0])),
+                                  "b": tte.FeatureConfig(tte.TableConfig(rows_b, 8, name=names[1]))})
+    return ec, tte.optim.Adagrad(ec.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("here, named", [((300, 1000, ("a_user", "b_item")), ("a_user", "b_item")),
+                                         ((1000, 299, ("a_user", "b_item")), ("b_item",)),
+                                         ((1000, 300, ("users", "items")), ("users", "items", "a_user", "b_item"))],
+                         ids=["sizes-swapped", "one-row-short", "tables-renamed"])
+def test_load_distributed_into_a_group_of_other_tables_is_refused_naming_them(
+        tmp_path: Path, here: tuple[int, int, tuple[str, str]], named: tuple[str, ...]) -> None:
+    """Both collections stack their two tables into one group of the same name. Where the group's tables differ
+    (sizes 1000 + 300 saved, 300 + 1000 here: the same 1,300 rows), the load read the group in place and gave
+    each table the other's rows, silently; with one row short it was refused naming the group `fused_0`, which
+    the user never named. Now each table is checked as saved: refused naming the tables, nothing loaded."""
+    ec, opt = _two_tables(1000, 300)
+    ec({"a": torch.tensor([1, 2]), "b": torch.tensor([3, 4])})["a"].sum().backward()
+    opt.step()
+    tte.checkpoint.save_distributed(tmp_path / "ck", model=ec, optimizer=opt)
+    rows_a, rows_b, names = here
+    m, o = _two_tables(rows_a, rows_b, names)
+    assert list(m.groups) == list(ec.groups)  # (one stacked group of the same name)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(tte.checkpoint.CheckpointMismatchError) as e:
+        tte.checkpoint.load_distributed(tmp_path / "ck", model=m, optimizer=o)
+    assert "fused_0" not in str(e.value) and all(n in str(e.value) for n in named), str(e.value)
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+    assert not o.state_dict()["state"] or o.state_dict()["iterations"] == 0

@@ -292,9 +292,9 @@ def _checked_dcp(target: str, model: torch.nn.Module,
     dest, rows, rest = _physical(model, optimizer)  # the optimizer's slots made (slots_for_a_load)
     saved_layouts, layouts = meta.get("layouts", {}), rest["layouts"]
     saved, saved_dtypes = _saved_sizes(target)
-    if set(saved) != set(dest) and _groups(meta.get("members", {})) != _groups(rest["members"]):
-        # Tables stacked in other groups than here (stack_tables, or a mesh's placements): per table,
-        # through the host.
+    if _groups(meta.get("members", {})) != _groups(rest["members"]) and (set(saved) != set(dest) or "members" in meta):
+        # Tables stacked in other groups than here (stack_tables, or a mesh's placements), or a group of the same
+        # name and size whose tables differ (another table's rows at a table's place): per table, through the host.
         payload = logical_payload(target, meta)
         seal.check()  # what was read is what was verified
         checked = check_payload(payload, target, model, optimizer, strict=True)

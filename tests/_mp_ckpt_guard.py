@@ -28,6 +28,10 @@ then meets the others at a barrier (the job's next collective), which it reaches
   ``item``, so its first move is table ``who``'s while rank 0's is table ``item``'s.
 * ``ckpt_save_rows`` / ``ckpt_save_publish``: ``save_sharded`` over a good checkpoint; rank 1's rows file cannot be
   written (a full disk), or rank 0 cannot publish: nothing is published, the old checkpoint stays.
+* ``ckpt_torch_layout`` / ``ckpt_torch_layout_dtensor``: the optimizer made to give torch.optim's layout
+  (``tte.optim.use_torch_layout``; the second sharded with ``dtensor_state_dict=True``, where its ``state_dict()``
+  is a collective): ``save_sharded`` after 2 steps, ``load_sharded`` after a third; ``restored``: the model and
+  optimizer bitwise as saved.
 """
 
 from __future__ import annotations
@@ -147,6 +151,8 @@ def run(scenario: str, rank: int, model: nn.Module, batch: Any, out: Path) -> di
         return got
     if scenario.startswith("ckpt_dtensor_"):
         return _dtensor(scenario, rank, model, batch)
+    if scenario.startswith("ckpt_torch_layout"):
+        return _torch_layout(scenario, rank, model, batch, saved)
     tte.distributed.shard(model)
     ddp = tte.distributed.DistributedDataParallel(model)
     opt = tte.optim.Adagrad(ddp.parameters(), lr=0.1)
@@ -244,3 +250,22 @@ def _optim(scenario: str, rank: int, model: nn.Module, ddp: Any, opt: Any, batch
     live = opt.state_dict()["state"]["table:item"]  # (our layout, as `plain` was read; its replaced slots)
     loaded = bool(plain["item"]) and all(torch.equal(live[k], v) for k, v in plain["item"].items())
     return got | {"item_loaded": loaded}
+
+
+def _torch_layout(scenario: str, rank: int, model: nn.Module, batch: Any, saved: Path) -> dict[str, Any]:
+    """``ckpt_torch_layout[_dtensor]``: a save and a load of an optimizer whose ``state_dict()`` is torch's layout."""
+    tte.distributed.shard(model, dtensor_state_dict=scenario.endswith("_dtensor"))
+    ddp = tte.distributed.DistributedDataParallel(model)
+    opt = tte.optim.use_torch_layout(tte.optim.Adagrad(ddp.parameters(), lr=0.1))
+    _train(ddp, opt, rank, range(2), batch)
+    try:
+        tte.distributed.save_sharded(saved, model, opt)
+        got: dict[str, Any] = {"errors": []}
+    except Exception as e:  # noqa: BLE001 - recorded
+        got = {"errors": [{"type": type(e).__name__, "message": str(e)}]}
+    at_save = snapshot_state(model, opt, stored=True)
+    _train(ddp, opt, rank, range(2, 3), batch)
+    if not got["errors"]:
+        got = _load(tte.distributed.load_sharded, saved, model, opt)
+    dist.barrier()
+    return got | {"restored": same_state(at_save, snapshot_state(model, opt, stored=True))}

@@ -180,3 +180,15 @@ def test_optimizer_slots_plain_on_every_rank_load_as_each_ranks_stored_rows(tmp_
     for r, res in enumerate(run("ckpt_dtensor_optim_plain_on_every_rank", tmp_path)):
         assert res["errors"] == [] and res["item_loaded"] and not res["unchanged"], (r, res)
         assert res["checks"] == 1, (r, res)
+
+
+@pytest.mark.parametrize("scenario", ["ckpt_torch_layout", "ckpt_torch_layout_dtensor"],
+                         ids=["stored-rows", "dtensor_state_dict"])
+def test_an_optimizer_in_torchs_layout_saves_and_loads_sharded(scenario: str, tmp_path: Path) -> None:
+    """An optimizer made to give torch.optim's layout (``tte.optim.use_torch_layout``, documented for code that reads
+    torch's layout from ``state_dict()``) round-trips through ``save_sharded`` / ``load_sharded``. Before, the save
+    raised ``AttributeError: 'int' object has no attribute 'split'`` on every rank (rank 0 filtered the state's keys,
+    positions in that layout), the load a bare ``KeyError: 0``; with ``dtensor_state_dict=True`` rank 0 alone
+    started the state_dict's collectives (its slots moved into DTensors) and both ranks hung."""
+    for r, res in enumerate(run(scenario, tmp_path)):
+        assert res["errors"] == [] and res["restored"], (r, res)

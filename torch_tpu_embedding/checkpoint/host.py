@@ -11,12 +11,14 @@ from typing import Any
 
 import torch
 
+from torch_tpu_embedding._rows.placement import stored_rows
 from torch_tpu_embedding._rows.row_order import Description, layout_of, to_logical
 from torch_tpu_embedding._rows.stacked_state import split_member_state
 from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
+from torch_tpu_embedding.optim._state import state_save
 
-__all__ = ["host_model_state", "host_optimizer_state", "split_stacked_entries", "to_cpu"]
+__all__ = ["host_model_state", "host_optimizer_state", "own_layout_state", "split_stacked_entries", "to_cpu"]
 
 
 def to_cpu(obj: Any) -> Any:
@@ -114,6 +116,18 @@ def host_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     split_stacked_entries(state, physical.members, physical.logical_rows)
     return {"state": state, "param_groups": physical.param_groups, "iterations": physical.iterations,
             "skipped_steps": optimizer.skipped_steps, "overflowed_steps": optimizer.overflowed_steps}
+
+
+def own_layout_state(optimizer: Any) -> dict[str, Any]:
+    """``optimizer``'s ``state_dict`` in this package's layout (``table:<name>`` keys, a sharded table's slots as
+    its stored rows), as checkpoints hold it, whatever ``optimizer.state_dict()`` gives: with
+    ``tte.optim.use_torch_layout`` that is torch.optim's layout (keys by position) and, for a table sharded with
+    ``dtensor_state_dict``, a collective (its slots moved into DTensors), which one rank alone must not start.
+    No collective: read past the state-dict hooks, as ``host_optimizer_state`` reads it."""
+    if not isinstance(optimizer, RowSparseOptimizer):
+        return dict(optimizer.state_dict())
+    with stored_rows():
+        return state_save.state_dict(optimizer)
 
 
 def split_stacked_entries(

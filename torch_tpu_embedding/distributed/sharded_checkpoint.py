@@ -51,6 +51,7 @@ from torch_tpu_embedding.checkpoint.checks import (
 )
 from torch_tpu_embedding.checkpoint.dcp import META, logical_payload, read_meta
 from torch_tpu_embedding.checkpoint.files import load_refusal, through
+from torch_tpu_embedding.checkpoint.host import own_layout_state
 from torch_tpu_embedding.checkpoint.logical_rows import ACC, Locate, Source, select_accumulation
 from torch_tpu_embedding.checkpoint.publish import (
     SHARDED_META,
@@ -235,7 +236,7 @@ def _write(target: str, rank: int, world: int, group: Any, model: nn.Module, opt
             "model": {k: v for k, v in _stored_state(model).items() if k not in keys},
         }
         if optimizer is not None:
-            sd = optimizer.state_dict()
+            sd = own_layout_state(optimizer)  # (its state_dict() may be a collective: rank 0 alone is here)
             sd["state"] = {k: v for k, v in sd["state"].items() if k.split(":", 1)[-1] not in tables}
             meta["optimizer"] = sd
         torch.save(meta, os.path.join(staging, SHARDED_META))
@@ -302,7 +303,7 @@ def _optimizer_state(
     rank keeps its own, which would drop an id outside the table unseen). ``whole``: the logical entries of
     the tables sharded when saved and whole here."""
     assert source.optimizer is not None
-    state = dict(optimizer.state_dict()["state"])
+    state = dict(own_layout_state(optimizer)["state"])
     state.update({k: v for k, v in source.optimizer["state"].items() if k.split(":", 1)[-1] not in mine})
     state.update(whole)
     row_slots: dict[str, list[str]] = {}

@@ -35,16 +35,21 @@ def configs(rank: int, scenario: str) -> dict[str, tte.FeatureConfig]:
     who = tte.TableConfig(600, DIM, name="who", placement=who_placement)
     kind = tte.TableConfig(20, DIM, name="kinds" if scenario == "names_differ" and rank == 1 else "kind",
                            placement="replicated")
-    return {"item": tte.FeatureConfig(item), "who": tte.FeatureConfig(who), "kind": tte.FeatureConfig(kind)}
+    out = {"item": tte.FeatureConfig(item), "who": tte.FeatureConfig(who), "kind": tte.FeatureConfig(kind)}
+    if scenario == "stacking_differ":  # a second replicated table, stacked with `kind` where stack_tables is on
+        out["tag"] = tte.FeatureConfig(tte.TableConfig(30, DIM, name="tag", placement="replicated"))
+    return out
 
 
 class Model(nn.Module):
-    def __init__(self, features: dict[str, tte.FeatureConfig]) -> None:
+    def __init__(self, features: dict[str, tte.FeatureConfig], stack_tables: bool = True) -> None:
         super().__init__()
-        self.ec = tte.EmbeddingCollection(features)
+        self.ec = tte.EmbeddingCollection(features, stack_tables=stack_tables)
         self.head = nn.Linear(DIM * len(features), 1)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if "tag" in self.ec.feature_names:  # (stacking_differ) looked up by the same ids as `kind`
+            batch = {**batch, "tag": batch["kind"]}
         out = self.ec(batch)
         return self.head(torch.cat([out[k] for k in sorted(out)], dim=1)).squeeze(1)
 
@@ -119,7 +124,7 @@ def pipeline(model: nn.Module, opt: Any, rank: int, fault: str, stale: bool) -> 
 
 def run(scenario: str, rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = Model(configs(rank, scenario))
+    model = Model(configs(rank, scenario), stack_tables=not (scenario == "stacking_differ" and rank == 1))
     if scenario == "forgot_shard":
         if rank == 0:  # rank 1 never calls shard and trains on
             try:
@@ -196,7 +201,7 @@ def run(scenario: str, rank: int, world: int) -> dict[str, Any]:
         return {"errors": []}
     ddp = tte.distributed.DistributedDataParallel(model)
     opt = tte.optim.Adagrad(ddp.parameters(), lr=0.1)
-    if scenario in ("rows_differ", "placement_differ", "names_differ"):
+    if scenario in ("rows_differ", "placement_differ", "names_differ", "stacking_differ"):
         return train(ddp, opt, rank, 2, None)
     if scenario.startswith("pipeline_"):  # "pipeline_<fault>[_stale]": rank 1 fails at batch 2 in tte.TrainPipeline
         return pipeline(ddp, opt, rank, scenario[len("pipeline_"):].removesuffix("_stale"), scenario.endswith("_stale"))

@@ -38,6 +38,7 @@ from torch_tpu_embedding.distributed.exchange import group_sharding
 from torch_tpu_embedding.distributed.grad_sync import mark, spmd_active
 from torch_tpu_embedding.distributed.routed import ProcessGroupLayout
 from torch_tpu_embedding.modules.collection import EmbeddingCollection
+from torch_tpu_embedding.modules.stacking import plan_groups
 from torch_tpu_embedding.modules.table import EmbeddingTable
 
 __all__ = [
@@ -132,8 +133,9 @@ def shard(
     Every rank must shard the same layout: the ranks first meet (each waits at most ``timeout`` for the
     others, default torch's for a new process group, 30 minutes on gloo: a rank that never calls ``shard``
     makes the others raise, naming it, instead of waiting for ever) and agree on it (one
-    ``all_gather_object`` of each rank's tables: names, rows, widths, dtypes and resolved placements); where
-    they differ every rank raises, naming the tables and each rank's value. The sharded tables are named in
+    ``all_gather_object`` of each rank's tables: names, rows, widths, dtypes, resolved placements and the
+    tables each replicated one stays stacked with, by ``stack_tables``); where they differ every rank raises,
+    naming the tables and each rank's value. The sharded tables are named in
     ``module._ddp_params_and_buffers_to_ignore`` (torch's list of parameters its ``DistributedDataParallel``
     leaves alone: each rank's rows are its own).
 
@@ -238,13 +240,19 @@ def _meet(pg: Any, group: Any, timeout: datetime.timedelta | None, rank: int) ->
 
 def _layout(collections: list[EmbeddingCollection], placed: list[dict[str, str]],
             dtensor_state_dict: bool) -> dict[str, Any]:
-    """What every rank must agree on: per table (by name) rows, width, dtype and resolved placement."""
+    """What every rank must agree on: per table (by name) rows, width, dtype, resolved placement and the tables
+    a replicated one is stacked with (its group's row gradients are exchanged as one parameter)."""
     tables = {}
     for ec, placements in zip(collections, placed, strict=True):
+        # the groups restack() forms below (stack_tables=True): only replicated tables stay stacked
+        planned = plan_groups(ec.table_configs, {n: "replicated" if p == "replicated" else "row"
+                                                 for n, p in placements.items()}) if ec._fuse else []
+        stacked = {n: list(g) for g in planned if placements[g[0]] == "replicated" for n in g}
         for name, c in ec.table_configs.items():
             w = ec.tables[name].weight
             tables[name] = {"num_embeddings": c.num_embeddings, "embedding_dim": c.embedding_dim,
-                            "dtype": str(w.dtype).replace("torch.", ""), "placement": placements[name]}
+                            "dtype": str(w.dtype).replace("torch.", ""), "placement": placements[name],
+                            "stacked with": stacked.get(name, "no other table")}
     return {"tables": tables, "dtensor_state_dict": dtensor_state_dict}
 
 
@@ -267,9 +275,9 @@ def _agree_layout(collections: list[EmbeddingCollection], placed: list[dict[str,
             problems.append(f"table `{name}` exists on ranks {[r for r, t in enumerate(per) if t is not None]} "
                             f"but not on ranks {missing}")
             continue
-        for key in ("num_embeddings", "embedding_dim", "dtype", "placement"):
+        for key in ("num_embeddings", "embedding_dim", "dtype", "placement", "stacked with"):
             values = [t[key] for t in per]  # type: ignore[index]
-            if len(set(values)) > 1:
+            if len(set(map(repr, values))) > 1:
                 problems.append(f"table `{name}`: {key} " + ", ".join(f"{v!r} on rank {r}"
                                                                        for r, v in enumerate(values)))
     flags = [lay["dtensor_state_dict"] for lay in every]
@@ -279,7 +287,8 @@ def _agree_layout(collections: list[EmbeddingCollection], placed: list[dict[str,
         raise RuntimeError(
             f"tte.distributed.shard (rank {rank}): the ranks of the process group hold different models, so their "
             "lookups and updates would not pair up; every rank must build the same tables (the same configs, "
-            "placements and dtype) and call shard with the same arguments. Nothing was changed. Received: "
+            "placements, dtype and stack_tables) and call shard with the same arguments. Nothing was changed. "
+            "Received: "
             + "; ".join(problems)
         )
 

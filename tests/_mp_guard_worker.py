@@ -29,7 +29,7 @@ B, DIM = 8, 4
 
 
 def configs(rank: int, scenario: str) -> dict[str, tte.FeatureConfig]:
-    item_rows = 1001 if scenario == "rows_differ" and rank == 0 else 1000
+    item_rows = 1001 if scenario.endswith("rows_differ") and rank == 0 else 1000
     who_placement = "row" if scenario == "placement_differ" and rank == 0 else "table"
     item = tte.TableConfig(item_rows, DIM, name="item", placement="row")
     who = tte.TableConfig(600, DIM, name="who", placement=who_placement)

@@ -162,3 +162,16 @@ def test_data_parallel_agreement_costs_one_host_read_per_training_forward(tmp_pa
         (scalars, lists), (local_scalars, local_lists) = res["reads"]
         assert (scalars - local_scalars, lists - local_lists) == (0, 1), res["reads"]
         assert res["after"] == {"errors": [], "done": [0]}, res
+
+
+@_DP
+def test_data_parallel_ranks_with_different_tables_raise_at_construction(wrapper: str, tmp_path: Path) -> None:
+    """Data parallel, no table sharded: rank 0's table `item` has 1001 rows, rank 1's 1000. Every rank raises
+    when the model is prepared (``data_parallel`` / the ``DistributedDataParallel`` wrapper), naming the table
+    and each rank's shape (before: the broadcast of the tables from rank 0 aborted rank 1 inside gloo, 'Received
+    data size doesn't match expected size', and rank 0 failed on its lost peer at its first step)."""
+    for r, res in enumerate(run(f"dp_{wrapper}_rows_differ", tmp_path)):
+        assert len(res["errors"]) == 1, (r, res)
+        msg = res["errors"][0]["message"]
+        assert "hold different tables" in msg and "Nothing was changed" in msg, (r, msg)
+        assert "table `item`: [1001, 4] float32 on rank 0, [1000, 4] float32 on rank 1" in msg, (r, msg)

@@ -99,9 +99,13 @@ def data_parallel(
     Call it after moving ``module`` to its device (``.to()`` makes new table parameters) and before
     wrapping it in DDP; :class:`DistributedDataParallel` does both in one line.
 
+    With ``broadcast`` (a collective) the ranks first agree on their tables (one ``all_gather_object`` of
+    each table's shape and dtype, and the tables stacked together): where they differ every rank raises,
+    naming the tables and each rank's value, and nothing is changed.
+
     Raises:
-        RuntimeError: under torch_xla SPMD (gradients there are global already), or when
-            ``torch.distributed`` is not initialised.
+        RuntimeError: under torch_xla SPMD (gradients there are global already), when
+            ``torch.distributed`` is not initialised, or (on every rank) the ranks' tables differ.
     """
     if spmd_active():
         raise RuntimeError(
@@ -114,6 +118,12 @@ def data_parallel(
             "torch.distributed.init_process_group(...) first (torchrun sets its environment)."
         )
     tables = _tables(module)
+    group: Any = dist.group.WORLD if process_group is None else process_group
+    # Tables sharded over a process group (shard()) are each rank's own rows: never exchanged or broadcast.
+    replicated = [p for _, p in tables if group_sharding(p) is None]
+    broadcast = broadcast and dist.get_world_size(group) > 1
+    if broadcast:  # (a collective already: the ranks' tables agreed first, before anything changes)
+        _agree_tables(replicated, group)
     names = [n for n, _ in tables]
     # DDP builds a root-level parameter's name as f"{module_name}.{param_name}", i.e. ".weight".
     names += ["." + n for n in names if "." not in n]
@@ -121,17 +131,46 @@ def data_parallel(
     torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(  # type: ignore[no-untyped-call]
         module, ignored + [n for n in names if n not in ignored]
     )
-    group: Any = dist.group.WORLD if process_group is None else process_group
-    # Tables sharded over a process group (shard()) are each rank's own rows: never exchanged or broadcast.
-    replicated = [p for _, p in tables if group_sharding(p) is None]
     for p in replicated:
         mark(p, process_group)
-    if broadcast and dist.get_world_size(group) > 1:
+    if broadcast:
         src = dist.get_global_rank(group, 0)
         with torch.no_grad():
             for p in replicated:
                 dist.broadcast(p.detach(), src=src, group=group)
     return module
+
+
+def _agree_tables(replicated: list[Tensor], group: Any) -> None:
+    """Every rank of ``group`` holds the same replicated tables (each parameter's tables, shape and dtype, in
+    order): one ``all_gather_object``, so that a rank whose tables differ makes every rank raise here instead of
+    one rank aborting in the broadcast or in the first step's exchange of row gradients.
+
+    Raises:
+        RuntimeError: (on every rank) the ranks' tables differ: which tables, which value on which rank.
+    """
+    mine = {}
+    for p in replicated:
+        info = table_info(p)
+        assert info is not None
+        names = [m[0] for m in info.members] if info.members else [info.name]
+        what = f"table `{names[0]}`" if len(names) == 1 else "tables " + ", ".join(f"`{n}`" for n in names) + \
+            " (stacked)"
+        mine[what] = f"{list(p.shape)} {str(p.dtype).replace('torch.', '')}"
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    problems = []
+    for what in dict.fromkeys(k for tables in every for k in tables):
+        values = [tables.get(what, "absent") for tables in every]
+        if len(set(values)) > 1:
+            problems.append(f"{what}: " + ", ".join(f"{v} on rank {r}" for r, v in enumerate(values)))
+    if problems:
+        raise RuntimeError(
+            f"tte.distributed.data_parallel (rank {dist.get_rank(group)}): the ranks of the process group hold "
+            "different tables, so the tables broadcast from its first rank and their row gradients exchanged at "
+            "each step would not pair up; every rank must build the same tables (the same configs, dtype and "
+            "stack_tables). Nothing was changed. Received: " + "; ".join(problems)
+        )
 
 
 _DDP_SIGNATURE = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__)

@@ -201,6 +201,10 @@ def run(scenario: str, rank: int, world: int) -> dict[str, Any]:
         return {"errors": []}
     ddp = tte.distributed.DistributedDataParallel(model)
     opt = tte.optim.Adagrad(ddp.parameters(), lr=0.1)
+    if scenario == "frozen_on_one_rank":  # rank 0 freezes row-sharded table `item` after shard; rank 1 trains it
+        if rank == 0:
+            model.ec.tables["item"].weight.requires_grad_(False)
+        return train(ddp, opt, rank, 2, None)
     if scenario in ("rows_differ", "placement_differ", "names_differ", "stacking_differ"):
         return train(ddp, opt, rank, 2, None)
     if scenario.startswith("pipeline_"):  # "pipeline_<fault>[_stale]": rank 1 fails at batch 2 in tte.TrainPipeline

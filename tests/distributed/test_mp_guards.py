@@ -91,6 +91,18 @@ def test_a_lookup_on_one_rank_only_raises_on_both(tmp_path: Path) -> None:
         assert "at different exchanges" in msg and "without gradients (evaluation)" in msg, msg
 
 
+def test_a_table_frozen_on_one_rank_only_raises_on_both(tmp_path: Path) -> None:
+    """Rank 0 freezes row-sharded table `item` (``requires_grad_(False)``), rank 1 trains it: both raise at its first
+    lookup, naming what each does (before: rank 1 waited in its backward's all-to-all, which rank 0, without a
+    backward through the table, never made, until the process group's timeout: 30 minutes on gloo)."""
+    r0, r1 = run("frozen_on_one_rank", tmp_path)
+    for res in (r0, r1):
+        assert res["done"] == [] and [e["step"] for e in res["errors"]] == [0], res
+        msg = res["errors"][0]["message"]
+        assert "at different exchanges" in msg and "frozen (requires_grad=False)" in msg, msg
+        assert "looks up table `item` with gradients (training)" in msg, msg
+
+
 def test_a_state_dict_on_one_rank_only_raises_on_both(tmp_path: Path) -> None:
     """Rank 0 alone takes the ``state_dict`` of a model sharded with ``dtensor_state_dict`` (a collective: the
     rows move to their logical blocks) while rank 1 trains on: both raise at that exchange."""

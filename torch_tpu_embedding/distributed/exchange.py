@@ -232,8 +232,8 @@ def _tag(what: str, table: str, grad: bool) -> int:
     tag = zlib.crc32(f"{what}|{table}|{grad}".encode()) & 0x3FFFFFFF
     if tag not in _DESCRIBED:
         text = _KINDS[what].format(table=table, of=f"table `{table}`: " if table else "")
-        _DESCRIBED[tag] = text + (" with gradients (training)" if grad else " without gradients (evaluation)"
-                                  if what == "lookup" else "")
+        _DESCRIBED[tag] = text + (" with gradients (training)" if grad else " without gradients (evaluation) or "
+                                  "frozen (requires_grad=False)" if what == "lookup" else "")
     return tag
 
 

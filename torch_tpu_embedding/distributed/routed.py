@@ -111,9 +111,9 @@ class _Route:
     row_grad: RowGrad
     tables: frozenset[str]
     grad_dtype: torch.dtype
-    #: a lookup that records gradients (training): part of the step's agreement (evaluation on one rank only
-    #: is refused, not paired with another rank's training step). Read outside the autograd Function, whose
-    #: forward always runs without gradients.
+    #: a lookup that records gradients (training, the table not frozen): part of the step's agreement (evaluation
+    #: or a frozen table on one rank only is refused, not paired with another rank's training step). Read outside
+    #: the autograd Function, whose forward always runs without gradients.
     grad: bool = False
     slot: Tensor | None = None
     local: Tensor | None = None
@@ -176,7 +176,10 @@ class GroupLookup:
         flat = [bags.ids.reshape(-1).to(weight.device) for _, bags, _ in items]
         ids = flat[0] if len(flat) == 1 else torch.cat(flat)
         tables = frozenset(t for b in self.batches for t in b.tables)
-        route = _Route(layout, info.row_grad, tables, math_dtype(weight), torch.is_grad_enabled())
+        # (a backward follows, with its all-to-all, only where the table trains: one frozen on some ranks only
+        # makes every rank raise at this lookup's agreement instead of the others waiting in their backward)
+        grad = torch.is_grad_enabled() and weight.requires_grad
+        route = _Route(layout, info.row_grad, tables, math_dtype(weight), grad)
         rows: Tensor = _Exchange.apply(weight, ids, route)  # type: ignore[no-untyped-call]
         self._count(route)
         out: dict[Path, Tensor] = {}

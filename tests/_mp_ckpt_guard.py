@@ -28,6 +28,8 @@ then meets the others at a barrier (the job's next collective), which it reaches
   ``item``, so its first move is table ``who``'s while rank 0's is table ``item``'s.
 * ``ckpt_save_rows`` / ``ckpt_save_publish``: ``save_sharded`` over a good checkpoint; rank 1's rows file cannot be
   written (a full disk), or rank 0 cannot publish: nothing is published, the old checkpoint stays.
+* ``ckpt_optimizer_on_rank_0_save`` / ``ckpt_optimizer_on_rank_0_load``: ``save_sharded`` over a good checkpoint, or
+  ``load_sharded`` of it, given the optimizer on rank 0 and ``None`` on rank 1.
 * ``ckpt_torch_layout`` / ``ckpt_torch_layout_dtensor``: the optimizer made to give torch.optim's layout
   (``tte.optim.use_torch_layout``; the second sharded with ``dtensor_state_dict=True``, where its ``state_dict()``
   is a collective): ``save_sharded`` after 2 steps, ``load_sharded`` after a third; ``restored``: the model and
@@ -173,6 +175,14 @@ def run(scenario: str, rank: int, model: nn.Module, batch: Any, out: Path) -> di
             got = {"errors": [{"type": type(e).__name__, "message": str(e)}]}
         dist.barrier()
         return got | {"kept": _digest(saved) == before, "left": sorted(os.listdir(out))}
+    if scenario.startswith("ckpt_optimizer_on_rank_0_"):
+        before = _digest(saved)
+        _train(ddp, opt, rank, range(2, 3), batch)
+        given = opt if rank == 0 else None
+        call = tte.distributed.save_sharded if scenario.endswith("_save") else tte.distributed.load_sharded
+        got = _load(lambda p, m, o: call(p, m, given), saved, model, opt)
+        dist.barrier()
+        return got | {"kept": _digest(saved) == before}
     if scenario == "ckpt_damaged_file":
         mine = _own_copy(saved, out, rank, "rows-1.pt")
     elif scenario == "ckpt_mismatch":

@@ -192,3 +192,17 @@ def test_an_optimizer_in_torchs_layout_saves_and_loads_sharded(scenario: str, tm
     started the state_dict's collectives (its slots moved into DTensors) and both ranks hung."""
     for r, res in enumerate(run(scenario, tmp_path)):
         assert res["errors"] == [] and res["restored"], (r, res)
+
+
+@pytest.mark.parametrize("call", ["save", "load"])
+def test_an_optimizer_given_on_one_rank_only_raises_on_every_rank(call: str, tmp_path: Path) -> None:
+    """``save_sharded`` / ``load_sharded`` given the optimizer on rank 0 and ``None`` on rank 1: every rank raises,
+    naming the argument and the ranks, nothing published or loaded (model, optimizer and files unchanged). Before,
+    the save published a checkpoint holding rank 0's optimizer rows only, from which a load gave rank 1 no
+    accumulators of its own (silently); the load loaded rank 0's optimizer and left rank 1's as it was."""
+    for r, res in enumerate(run(f"ckpt_optimizer_on_rank_0_{call}", tmp_path)):
+        assert [e["type"] for e in res["errors"]] == ["ValueError"], (r, res)
+        msg = res["errors"][0]["message"]
+        assert f"Argument `optimizer` of tte.distributed.{call}_sharded must be given on every rank" in msg, (r, msg)
+        assert "given on ranks [0], None on ranks [1]" in msg, (r, msg)
+        assert res["unchanged"] and res["kept"], (r, res)

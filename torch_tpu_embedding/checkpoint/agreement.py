@@ -20,7 +20,7 @@ from typing import Any
 from torch_tpu_embedding.checkpoint.checks import CheckpointMismatchError
 from torch_tpu_embedding.checkpoint.publish import CheckpointCorruptError, distributed
 
-__all__ = ["Attempt", "agree"]
+__all__ = ["Attempt", "agree", "given_on_every_rank"]
 
 
 class Attempt:
@@ -72,3 +72,14 @@ def agree(error: Exception | None, group: Any = None, value: Any = None, *, done
         cls = CheckpointMismatchError if mismatch else CheckpointCorruptError if corrupt else other
         raise cls(f"Rank {r} of the process group failed{more}: {name}: {message} ({done})")
     return [v for v, _ in got]
+
+
+def given_on_every_rank(given: list[bool], argument: str, function: str, done: str) -> None:
+    """Raises ``ValueError`` (on every rank: ``given`` is every rank's, as :func:`agree` returns them) where
+    ``argument`` of ``function`` was given on some ranks only (a save would publish some ranks' part of it, a
+    load leave the others' as it was); ``done``: what happened instead."""
+    if len(set(given)) > 1:
+        on = [r for r, g in enumerate(given) if g]
+        raise ValueError(f"Argument `{argument}` of tte.distributed.{function} must be given on every rank of the "
+                         f"process group or on none ({done}). Received: given on ranks {on}, None on ranks "
+                         f"{[r for r in range(len(given)) if r not in on]}")

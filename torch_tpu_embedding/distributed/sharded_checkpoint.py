@@ -13,11 +13,10 @@ save's memory grows by a window, never by a shard.
 SPMD's, or one process's), into a model sharded over any number of ranks, or into a model holding every
 table whole (one process; ``tte.checkpoint.load_distributed`` sends an SPMD model here). Into a sharded
 model each rank copies the rows it stores straight into its shard and slots, reading the row files in
-windows whose buffers fit ``_ckpt_publish.BUFFER`` bytes (``checkpoint/logical_rows.py``; where each logical id goes is
-worked out per window from the ownership, :func:`_locator`): its memory grows by at most one chunk
-(``_ckpt_publish.CHUNK``), never by a shard. A
-``save_distributed`` directory is read through the host first (``torch.distributed.checkpoint`` reads a
-table whole): for tables that fit in one host's memory.
+windows whose buffers fit ``_ckpt_publish.BUFFER`` bytes (``checkpoint/logical_rows.py``; where each logical
+id goes is worked out per window from the ownership, :func:`_locator`): its memory grows by at most one chunk
+(``_ckpt_publish.CHUNK``), never by a shard. A ``save_distributed`` directory is read through the host first
+(``torch.distributed.checkpoint`` reads a table whole): for tables that fit in one host's memory.
 
 Saves are crash-safe and loads verify before they write, as ``tte.checkpoint.save_distributed``'s
 (``_ckpt_publish``): every rank writes into a sibling staging directory; when all files are on disk,
@@ -41,7 +40,7 @@ import torch
 from torch import nn
 
 from torch_tpu_embedding._rows.placement import stored_rows
-from torch_tpu_embedding.checkpoint.agreement import Attempt, agree
+from torch_tpu_embedding.checkpoint.agreement import Attempt, agree, given_on_every_rank
 from torch_tpu_embedding.checkpoint.checks import (
     CheckpointMismatchError,
     apply_payload,
@@ -181,8 +180,9 @@ def _stored_state(model: nn.Module) -> dict[str, Any]:
 
 def save_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer: Any = None) -> None:
     """Write ``model`` (and ``optimizer``), sharded by ``tte.distributed.shard``, to ``directory``: call it
-    on every rank of the group. Each rank writes its own rows (``rows-<rank>.pt``); rank 0 writes the rest.
-    Pending gradient-accumulation buffers are saved too: a run resumed mid-window goes on as if uninterrupted."""
+    on every rank of the group (an optimizer on every rank or on none). Each rank writes its own rows
+    (``rows-<rank>.pt``); rank 0 writes the rest. Pending gradient-accumulation buffers are saved too: a run
+    resumed mid-window goes on as if uninterrupted."""
     tables = group_sharded(model)
     if not tables:
         raise ValueError("Argument `model` has no table sharded over a process group (tte.distributed.shard); "
@@ -226,7 +226,9 @@ def _write(target: str, rank: int, world: int, group: Any, model: nn.Module, opt
             part[name] = entry
         write_rows(os.path.join(staging, f"rows-{rank}.pt"), part)
     # Every rank's rows are written (rank 0 fsyncs them before publishing), or none publishes.
-    agree(wrote.error, group, done=f"nothing was published: {target} is as it was", other=RuntimeError)
+    given = agree(wrote.error, group, optimizer is not None, done=f"nothing was published: {target} is as it was",
+                  other=RuntimeError)
+    given_on_every_rank(given, "optimizer", "save_sharded", f"nothing was published: {target} is as it was")
     if rank == 0:
         keys = {key for key, _, _ in tables.values()}
         meta: dict[str, Any] = {
@@ -360,8 +362,10 @@ def _load(path: str, model: nn.Module, optimizer: Any) -> None:
     with Attempt() as checks:  # every check, on this rank's files and model: one rank may fail alone
         plan = _checked(path, model, optimizer, tables, mine)
         save = identity(path)
-    saves = agree(checks.error, group, save, done="every rank refused the load: nothing was loaded on any rank")
-    if len(set(saves)) > 1:  # a save published while the ranks opened the path: some have the old one
+    saves = agree(checks.error, group, (save, optimizer is not None),
+                  done="every rank refused the load: nothing was loaded on any rank")
+    given_on_every_rank([g for _, g in saves], "optimizer", "load_sharded", "nothing was loaded on any rank")
+    if len({save for save, _ in saves}) > 1:  # a save published while the ranks opened the path: some have the old one
         raise CheckpointCorruptError(f"The ranks opened different saves of {path} (another save was published "
                                      "while they opened it); nothing was loaded. Load it again.")
     assert plan is not None

@@ -24,6 +24,7 @@ from _dp_route_worker import ListReads, ScalarReads
 from torch import nn
 
 import torch_tpu_embedding as tte
+from torch_tpu_embedding.distributed import grad_sync
 
 B, DIM = 8, 4
 
@@ -54,13 +55,13 @@ class Model(nn.Module):
         return self.head(torch.cat([out[k] for k in sorted(out)], dim=1)).squeeze(1)
 
 
-def batch(rank: int, step: int, bad: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def batch(rank: int, step: int, bad: bool = False, b: int = B) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     gen = torch.Generator().manual_seed(100 * step + rank)
-    ids = {"item": torch.randint(0, 1000, (B,), generator=gen), "who": torch.randint(0, 600, (B,), generator=gen),
-           "kind": torch.randint(0, 20, (B,), generator=gen)}
+    ids = {"item": torch.randint(0, 1000, (b,), generator=gen), "who": torch.randint(0, 600, (b,), generator=gen),
+           "kind": torch.randint(0, 20, (b,), generator=gen)}
     if bad:
         ids["item"][3] = 1000  # one past the table's rows: refused by the lookup
-    return ids, torch.rand(B, generator=gen)
+    return ids, torch.rand(b, generator=gen)
 
 
 def error(e: BaseException, step: int | None = None) -> dict[str, Any]:
@@ -180,6 +181,20 @@ def run(scenario: str, rank: int, world: int) -> dict[str, Any]:
         if "_pipeline_" in scenario:  # "dp_<wrapper>_pipeline_<fault>[_stale]": as "pipeline_<fault>[_stale]" below
             fault = scenario.split("_pipeline_", 1)[1].removesuffix("_stale")
             return pipeline(dp, opt, rank, fault, scenario.endswith("_stale"))
+        if scenario == "dp_plain_static_sizes":  # an accelerator's exchange (static sizes), forced on the CPU:
+            # the same batch size at step 0, then 8 on rank 0 (a shape it has checked) and 6 on rank 1 (a new one)
+            grad_sync.DEDUP_DEVICE_TYPES.discard("cpu")
+            errors, done = [], []
+            for step, size in enumerate((B, B if rank == 0 else B - 2, B)):
+                ids, label = batch(rank, step, b=size)
+                try:
+                    F.binary_cross_entropy_with_logits(dp(ids), label).backward()
+                    opt.step()
+                    done.append(step)
+                except Exception as e:  # noqa: BLE001 - recorded; every rank skips the step alike
+                    errors.append(error(e, step))
+                opt.zero_grad()
+            return {"errors": errors, "done": done}
         if scenario.endswith("_every_rank_skips"):  # every rank skips a failed step alike: they stay in step
             out = train(dp, opt, rank, 4, (1, 1), (Exception,))
             return out | {"head": [float(x) for x in model.head.weight.detach().reshape(-1)],

@@ -187,3 +187,17 @@ def test_data_parallel_ranks_with_different_tables_raise_at_construction(wrapper
         msg = res["errors"][0]["message"]
         assert "hold different tables" in msg and "Nothing was changed" in msg, (r, msg)
         assert "table `item`: [1001, 4] float32 on rank 0, [1000, 4] float32 on rank 1" in msg, (r, msg)
+
+
+def test_data_parallel_batches_of_other_sizes_at_static_sizes_raise_on_every_rank(tmp_path: Path) -> None:
+    """An accelerator's data parallel exchanges row gradients at static sizes (forced here on the CPU): the same
+    batch size on both ranks at step 0, then 8 bags on rank 0 and 6 on rank 1 at step 1. Every rank raises at
+    step 1's forward, naming the shapes of its ids, and the ranks, skipping that step alike, train on together.
+    (Before, each rank checked its sizes only at a shape it had not seen: rank 1 started the check's collective
+    and rank 0, whose shape repeated, its exchange: gloo aborted a rank; NCCL would hang or mix the buffers.)"""
+    for r, res in enumerate(run("dp_plain_static_sizes", tmp_path)):
+        assert res["done"] == [0, 2] and [e["step"] for e in res["errors"]] == [1], (r, res)
+        msg = res["errors"][0]["message"]
+        assert "different exchanges" in msg and "static sizes" in msg, (r, msg)
+        shape = "[8, 1]" if r == 0 else "[6, 1]"  # (dense ids [B] are bags of one id: [B, 1])
+        assert f"looks up data-parallel tables `item` with ids of shapes {shape}" in msg, (r, msg)

@@ -43,6 +43,7 @@ from torch_tpu_embedding._rows.tables import table_info
 
 __all__ = [
     "DeviceBackend",
+    "Sizes",
     "TablePlacement",
     "all_reduce_sum",
     "all_true",
@@ -215,28 +216,31 @@ def lookup_failed(weights: Iterable[Tensor], training: bool = False) -> None:
     if training:
         for agree in _LOOKUP_AGREEMENTS:
             with contextlib.suppress(Exception):
-                agree(lambda: weights, True)
+                agree(lambda: weights, True, lambda: None)
 
 
-_LOOKUP_AGREEMENTS: list[Callable[[Callable[[], list[Tensor]], bool], None]] = []
+#: a lookup's static sizes: the shapes of its id tensors, ``None`` where some are jagged (counts follow the data)
+Sizes = Callable[[], tuple[tuple[int, ...], ...] | None]
+_LOOKUP_AGREEMENTS: list[Callable[[Callable[[], list[Tensor]], bool, Sizes], None]] = []
 
 
-def install_lookup_agreement(agree: Callable[[Callable[[], list[Tensor]], bool], None]) -> None:
-    """Install data parallel's agreement on each training lookup, ``agree(weights, failed)`` (``weights()``: the
-    forward's tables, asked for only where a process group needs them), run by :func:`lookup_starts` and
-    :func:`lookup_failed` (once)."""
+def install_lookup_agreement(agree: Callable[[Callable[[], list[Tensor]], bool, Sizes], None]) -> None:
+    """Install data parallel's agreement on each training lookup, ``agree(weights, failed, sizes)`` (``weights()``:
+    the forward's tables, ``sizes()``: the shapes of its ids, each asked for only where a process group needs
+    them), run by :func:`lookup_starts` and :func:`lookup_failed` (once)."""
     if agree not in _LOOKUP_AGREEMENTS:
         _LOOKUP_AGREEMENTS.append(agree)
 
 
-def lookup_starts(weights: Callable[[], list[Tensor]], training: bool) -> None:
+def lookup_starts(weights: Callable[[], list[Tensor]], training: bool, sizes: Sizes = lambda: None) -> None:
     """A ``training`` forward accepted its inputs and is about to look ``weights()`` up: the installed agreements
     run (the process-group package's: over a data-parallel group, every rank's training lookup of a step meets
     the others' before the step's first collective, and raises there when another rank's failed, the failed rank
-    taking part through :func:`lookup_failed`). Routed tables' lookups agree on each step themselves."""
+    taking part through :func:`lookup_failed`, or when the ranks' ``sizes()`` differ where the row gradients are
+    exchanged at static sizes). Routed tables' lookups agree on each step themselves."""
     if training:
         for agree in _LOOKUP_AGREEMENTS:
-            agree(weights, False)
+            agree(weights, False, sizes)
 
 
 def reduction_group(p: Tensor) -> Any:

@@ -23,20 +23,27 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from torch_tpu_embedding._rows.placement import Sizes
 from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding.distributed.exchange import agree_capacity
-from torch_tpu_embedding.distributed.grad_sync import exchange_group
+from torch_tpu_embedding.distributed.grad_sync import exchange_group, static_route
 
 __all__ = ["agree_lookup", "agreement_device"]
 
 
-def agree_lookup(weights: Callable[[], list[torch.Tensor]], failed: bool) -> None:
+def agree_lookup(weights: Callable[[], list[torch.Tensor]], failed: bool, sizes: Sizes) -> None:
     """A training forward of ``weights()`` (a collection's tables, in lookup order) meets the other ranks of the
     data-parallel group of its first trainable table whose row gradients are exchanged (none: nothing to do);
-    ``failed``: this rank's forward refused its inputs (its own error is raised by the caller).
+    ``failed``: this rank's forward refused its inputs (its own error is raised by the caller). Where the row
+    gradients are exchanged at static sizes (an accelerator, :func:`~.grad_sync.static_route`), ``sizes()`` (the
+    shapes of the lookup's ids) is part of what the ranks agree on: ranks whose batch sizes or padded widths
+    differ raise here, every one at this step, rather than reach the exchange with buffers of other sizes (before,
+    each rank checked its sizes only at a shape it had not seen, so a rank whose shape repeated made no check
+    while the other did: one collective on one rank, a hang on NCCL).
 
     Raises:
-        RuntimeError: (on every rank but a failed one) another rank failed this step, or is at another exchange.
+        RuntimeError: (on every rank but a failed one) another rank failed this step, is at another exchange, or
+            looks up ids of other shapes where they must be equal.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
@@ -54,8 +61,12 @@ def agree_lookup(weights: Callable[[], list[torch.Tensor]], failed: bool) -> Non
     assert info is not None
     names = [m[0] for m in info.members] if info.members else [info.name]
     where = agreement_device(dist.get_backend_config(group), first.device)
+    tables = ", ".join(f"`{n}`" for n in names)
+    shapes = None if failed or not static_route(first.device) else sizes()
+    if shapes is not None:  # (the failed rank's tag is not compared: the others raise naming its failure)
+        tables += f" with ids of shapes {', '.join(str(list(s)) for s in shapes)}"
     agree_capacity(torch.zeros((), dtype=torch.int64, device=where), group, what="data_parallel",
-                   table=", ".join(f"`{n}`" for n in names), grad=True, failed=failed)
+                   table=tables, grad=True, failed=failed)
 
 
 def agreement_device(backend: str, device: torch.device) -> torch.device:

@@ -17,7 +17,7 @@ from torch_tpu_embedding._util.validation import check_device
 from torch_tpu_embedding.config import PLACEMENTS, FeatureConfig, TableConfig
 from torch_tpu_embedding.modules.ahead import AheadLookups
 from torch_tpu_embedding.modules.keyed import is_keyed, keyed_inputs
-from torch_tpu_embedding.modules.lookup_batch import side_by_side
+from torch_tpu_embedding.modules.lookup_batch import id_shapes, side_by_side
 from torch_tpu_embedding.modules.plan import plan_lookups
 from torch_tpu_embedding.modules.prepared import PreparedFeatures
 from torch_tpu_embedding.modules.screening import DeviceScreen, overflow_problem, warn_unchecked_drops
@@ -336,7 +336,7 @@ class EmbeddingCollection(AheadLookups, nn.Module):
 
     def _outputs(self, batches: list[Any], concat: bool) -> Any:
         # Over a data-parallel group a training lookup meets the other ranks' first (a failed one raises here).
-        lookup_starts(self._weights, self.training and torch.is_grad_enabled())
+        lookup_starts(self._weights, self.training and torch.is_grad_enabled(), lambda: id_shapes(batches))
         if concat is not False:  # (checked to be True there)
             return side_by_side(batches, [(f[0], f[1]) for f in self._features], concat)
         outputs: dict[Path, torch.Tensor] = {}

@@ -17,7 +17,7 @@ from torch_tpu_embedding._util.transfer import upload
 from torch_tpu_embedding.inputs import Bags
 from torch_tpu_embedding.modules.lookup import bags_lookup, jagged_lookup
 
-__all__ = ["LookupBatch", "side_by_side"]
+__all__ = ["LookupBatch", "id_shapes", "side_by_side"]
 
 
 @dataclasses.dataclass
@@ -116,6 +116,20 @@ class LookupBatch:
         pieces = torch.split(out, counts) if len(items) > 1 else (out,)
         dim = weight.shape[1]
         return {path: piece.reshape(*b.out_shape, dim) for (path, b), piece in zip(items, pieces, strict=True)}
+
+
+def id_shapes(batches: list[Any]) -> tuple[tuple[int, ...], ...] | None:
+    """The shapes of a lookup's ids (``LookupBatch``es and assembled groups), batch by batch: what its row gradients
+    hold, fixed by the input's shape; ``None`` where some features are jagged (their counts follow the data)."""
+    shapes: list[tuple[int, ...]] = []
+    for batch in batches:
+        if isinstance(batch, LookupBatch):
+            if any(b.offsets is not None for _, b in batch.items):
+                return None
+            shapes += [tuple(b.ids.shape) for _, b in batch.items]
+        else:
+            shapes += [tuple(t.shape) for t in batch.device_tensors()[:1]]
+    return tuple(shapes)
 
 
 def side_by_side(batches: list[Any], order: list[tuple[Path, str]], concat: Any = True) -> torch.Tensor:

@@ -195,6 +195,11 @@ def run(scenario: str, rank: int, world: int) -> dict[str, Any]:
                     errors.append(error(e, step))
                 opt.zero_grad()
             return {"errors": errors, "done": done}
+        if scenario == "dp_plain_frozen_on_one_rank":  # rank 0 freezes every table (fine-tunes the head only)
+            if rank == 0:
+                for p in model.ec.parameters():
+                    p.requires_grad_(False)
+            return train(dp, opt, rank, 2, None)
         if scenario.endswith("_every_rank_skips"):  # every rank skips a failed step alike: they stay in step
             out = train(dp, opt, rank, 4, (1, 1), (Exception,))
             return out | {"head": [float(x) for x in model.head.weight.detach().reshape(-1)],

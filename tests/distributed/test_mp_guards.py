@@ -201,3 +201,14 @@ def test_data_parallel_batches_of_other_sizes_at_static_sizes_raise_on_every_ran
         assert "different exchanges" in msg and "static sizes" in msg, (r, msg)
         shape = "[8, 1]" if r == 0 else "[6, 1]"  # (dense ids [B] are bags of one id: [B, 1])
         assert f"looks up data-parallel tables `item` with ids of shapes {shape}" in msg, (r, msg)
+
+
+def test_data_parallel_tables_frozen_on_one_rank_only_raise_on_every_rank(tmp_path: Path) -> None:
+    """Data parallel: rank 0 freezes every table (``requires_grad_(False)``: it fine-tunes the head), rank 1
+    trains them. Every rank raises at the first training forward, naming the frozen tables. (Before, rank 0 made
+    no agreement and no exchange of row gradients, and rank 1 waited in its exchange: a hang.)"""
+    for r, res in enumerate(run("dp_plain_frozen_on_one_rank", tmp_path)):
+        assert res["done"] == [] and [e["step"] for e in res["errors"]] == [0], (r, res)
+        msg = res["errors"][0]["message"]
+        assert "different exchanges" in msg and "frozen (requires_grad=False) on some ranks only" in msg, (r, msg)
+        assert "(frozen: `item`, `kind`, `who`)" in msg or r == 1, msg  # (rank 1 cannot read rank 0's tables)

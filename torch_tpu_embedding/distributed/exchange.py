@@ -293,7 +293,8 @@ def agree_capacity(largest: Tensor, group: Any, *, what: str = "rows", table: st
             "and state moves in the same order: a forward on some ranks only (evaluation on rank 0 alone), a batch "
             "skipped on one rank, state_dict() of a model sharded with dtensor_state_dict on one rank only, or its "
             "load_state_dict given a table's DTensor on some ranks and a plain tensor on others pairs one rank's "
-            "collectives with another's; so do batches of other shapes where data parallel exchanges row gradients "
+            "collectives with another's; so do a table frozen (requires_grad=False) on some ranks only, and batches "
+            "of other shapes where data parallel exchanges row gradients "
             "at static sizes (an accelerator: the same batch size and padded widths on every rank). Received: "
             "different exchanges on the ranks of one step"
         )

@@ -33,8 +33,10 @@ __all__ = ["agree_lookup", "agreement_device"]
 
 def agree_lookup(weights: Callable[[], list[torch.Tensor]], failed: bool, sizes: Sizes) -> None:
     """A training forward of ``weights()`` (a collection's tables, in lookup order) meets the other ranks of the
-    data-parallel group of its first trainable table whose row gradients are exchanged (none: nothing to do);
-    ``failed``: this rank's forward refused its inputs (its own error is raised by the caller). Where the row
+    data-parallel group of its tables whose row gradients are exchanged (none: nothing to do), and agrees on which
+    of them are frozen (``requires_grad=False``: a table frozen on some ranks only would leave the others waiting
+    in the exchange of its rows); ``failed``: this rank's forward refused its inputs (its own error is raised by
+    the caller). Where the row
     gradients are exchanged at static sizes (an accelerator, :func:`~.grad_sync.static_route`), ``sizes()`` (the
     shapes of the lookup's ids) is part of what the ranks agree on: ranks whose batch sizes or padded widths
     differ raise here, every one at this step, rather than reach the exchange with buffers of other sizes (before,
@@ -47,26 +49,36 @@ def agree_lookup(weights: Callable[[], list[torch.Tensor]], failed: bool, sizes:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
-    first = group = None
+    exchanged = []
     for w in weights():
         info = table_info(w)
         if info is not None and info.routed:
             return  # its lookup agrees on the step (TablePlacement.lookup_failed)
-        if first is None and w.requires_grad:
-            group = exchange_group(w)
-            first = w if group is not None else None
-    if first is None:
+        if exchange_group(w) is not None:
+            exchanged.append(w)
+    if not exchanged:
         return
-    info = table_info(first)
-    assert info is not None
-    names = [m[0] for m in info.members] if info.members else [info.name]
+    # Frozen tables too (requires_grad=False: no row gradient, no exchange at step()): a table frozen on some
+    # ranks only would leave the others waiting in the exchange, so which are frozen is part of the agreement.
+    first = next((w for w in exchanged if w.requires_grad), exchanged[0])
+    group = exchange_group(first)
     where = agreement_device(dist.get_backend_config(group), first.device)
-    tables = ", ".join(f"`{n}`" for n in names)
+    tables = ", ".join(f"`{n}`" for n in _names(first))
+    frozen = [n for w in exchanged if not w.requires_grad for n in _names(w)]
+    if frozen:
+        tables += f" (frozen: {', '.join(f'`{n}`' for n in frozen)})"
     shapes = None if failed or not static_route(first.device) else sizes()
     if shapes is not None:  # (the failed rank's tag is not compared: the others raise naming its failure)
         tables += f" with ids of shapes {', '.join(str(list(s)) for s in shapes)}"
     agree_capacity(torch.zeros((), dtype=torch.int64, device=where), group, what="data_parallel",
                    table=tables, grad=True, failed=failed)
+
+
+def _names(w: torch.Tensor) -> list[str]:
+    """The user's tables in table parameter ``w`` (a stacked group's members)."""
+    info = table_info(w)
+    assert info is not None
+    return [m[0] for m in info.members] if info.members else [info.name]
 
 
 def agreement_device(backend: str, device: torch.device) -> torch.device:

@@ -19,15 +19,11 @@ id goes is worked out per window from the ownership, :func:`_locator`): its memo
 (``torch.distributed.checkpoint`` reads a table whole): for tables that fit in one host's memory.
 
 Saves are crash-safe and loads verify before they write, as ``tte.checkpoint.save_distributed``'s
-(``_ckpt_publish``): every rank writes into a sibling staging directory; when all files are on disk,
-rank 0 writes ``meta.pt`` and a manifest (each file's size and sha256) and publishes the directory with
-renames, so a process killed at any point leaves the old checkpoint or the new one, complete. A load
-checks every file against the manifest (each rank reads every file once, in chunks) and the whole state
-against the model and optimizer (names, shapes, dtypes, hyper-parameters, accumulation buffers) before
-it changes anything.
-
-A part that fails on some ranks only (a rank's copy of a file damaged, a shape only its model has, a full
-disk under one rank's rows) raises on every rank, none left waiting (``checkpoint/agreement.py``).
+(``_ckpt_publish``): ranks write into a sibling staging directory, which rank 0 seals (``meta.pt``, a manifest
+of each file's size and sha256) and publishes by renames: a process killed at any point leaves the old
+checkpoint or the new one. A load checks every file against the manifest and the whole state against the
+model and optimizer (names, shapes, dtypes, hyper-parameters, accumulation buffers) before it changes
+anything. A part that fails on some ranks only raises on every rank (``checkpoint/agreement.py``).
 """
 
 from __future__ import annotations

@@ -219,7 +219,7 @@ def prepare(
         if path is Path.DENSE:  # a non-lazy table: every row updates, with g = 0 where not looked up
             if sinks_sentinel(p.device):
                 ids, rows = sink_padding(ids, rows, sentinel)
-            g = torch.zeros_like(p).index_add_(0, ids, rows)
+            g = torch.zeros_like(p, dtype=rows.dtype).index_add_(0, ids, rows)  # (float32 for a 16-bit table)
             ids = None
         else:
             g = rows

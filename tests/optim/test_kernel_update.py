@@ -11,6 +11,7 @@ configuration compiles its own kernel, a few seconds each.
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -392,3 +393,20 @@ def test_summed_rows_by_range_equal_the_reference_path(name: str, combiner: str,
                 a.copy_(b)
                 for k in sa:
                     sa[k].copy_(sb[k])
+
+
+def test_tables_on_two_gpus_get_kernels_of_their_own() -> None:
+    """The kernel cache's key holds the device with its index: a kernel compiled for a table on ``cuda:0`` is
+    guarded on that device by torch.compile, so an equal table on ``cuda:1`` sharing it recompiled at each switch
+    until the recompile limit sent both to the reference path. (Two GPUs stood in for by tensors that report them.)"""
+    def on(index: int) -> Any:
+        class OnGpu(torch.Tensor):
+            @property
+            def device(self) -> torch.device:  # type: ignore[override]
+                return torch.device("cuda", index)
+        return torch.zeros(4, 2).as_subclass(OnGpu)
+
+    opt = tte.optim.Adagrad([torch.nn.Parameter(torch.zeros(4, 2))], lr=0.1)
+    keys = [row_update._key(types.SimpleNamespace(p=on(i), group=opt.param_groups[0], state={}, gate=None),  # type: ignore[arg-type]
+                            (), (), ()) for i in (0, 1, 1)]
+    assert keys[0] != keys[1] and keys[1] == keys[2]

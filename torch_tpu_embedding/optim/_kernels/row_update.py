@@ -146,7 +146,8 @@ def _key(item: Work, names: tuple[str, ...], whole: tuple[str, ...], members: tu
     rule = rule_of(group).rule
     hp = tuple(sorted((k, repr(v)) for k, v in group.items() if k not in _NOT_HP | _NOT_IN_KERNEL))
     slot_dtypes = tuple(state[k].dtype for k in names + whole)
-    return (rule.__module__, rule.__qualname__, hp, p.device.type, p.dtype, p.dim(), slot_dtypes, whole, members,
+    # (the device with its index: a kernel compiled for cuda:0 is guarded on it, and would recompile for cuda:1)
+    return (rule.__module__, rule.__qualname__, hp, p.device, p.dtype, p.dim(), slot_dtypes, whole, members,
             item.gate is not None, torch.get_num_threads(), sinks_sentinel(p.device), _masked(p))
 
 

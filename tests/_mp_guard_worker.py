@@ -37,7 +37,8 @@ def configs(rank: int, scenario: str) -> dict[str, tte.FeatureConfig]:
     kind = tte.TableConfig(20, DIM, name="kinds" if scenario == "names_differ" and rank == 1 else "kind",
                            placement="replicated")
     out = {"item": tte.FeatureConfig(item), "who": tte.FeatureConfig(who), "kind": tte.FeatureConfig(kind)}
-    if scenario == "stacking_differ":  # a second replicated table, stacked with `kind` where stack_tables is on
+    if scenario in ("stacking_differ", "dp_plain_member_frozen_on_one_rank"):  # a second replicated table, stacked
+        # with `kind` where stack_tables is on
         out["tag"] = tte.FeatureConfig(tte.TableConfig(30, DIM, name="tag", placement="replicated"))
     return out
 
@@ -195,6 +196,10 @@ def run(scenario: str, rank: int, world: int) -> dict[str, Any]:
                     errors.append(error(e, step))
                 opt.zero_grad()
             return {"errors": errors, "done": done}
+        if scenario == "dp_plain_member_frozen_on_one_rank":  # rank 0 freezes `tag`, stacked with `kind`
+            if rank == 0:
+                model.ec.tables["tag"].requires_grad_(False)
+            return train(dp, opt, rank, 2, None)
         if scenario == "dp_plain_frozen_on_one_rank":  # rank 0 freezes every table (fine-tunes the head only)
             if rank == 0:
                 for p in model.ec.parameters():

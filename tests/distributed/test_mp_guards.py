@@ -212,3 +212,15 @@ def test_data_parallel_tables_frozen_on_one_rank_only_raise_on_every_rank(tmp_pa
         msg = res["errors"][0]["message"]
         assert "different exchanges" in msg and "frozen (requires_grad=False) on some ranks only" in msg, (r, msg)
         assert "(frozen: `item`, `kind`, `who`)" in msg or r == 1, msg  # (rank 1 cannot read rank 0's tables)
+
+
+def test_data_parallel_a_stacked_table_frozen_on_one_rank_only_raises_on_every_rank(tmp_path: Path) -> None:
+    """Rank 0 freezes table `tag` (``ec.tables["tag"].requires_grad_(False)``), stacked with `kind` in one parameter;
+    rank 1 trains it. Every rank raises at the first training forward. (Before, both exchanged the group's rows,
+    rank 0's `tag` ids as padding: rank 1 updated `tag` from both ranks' gradients and rank 0 kept it, the replicas
+    apart, silently.)"""
+    for r, res in enumerate(run("dp_plain_member_frozen_on_one_rank", tmp_path)):
+        assert res["done"] == [] and [e["step"] for e in res["errors"]] == [0], (r, res)
+        msg = res["errors"][0]["message"]
+        assert "different exchanges" in msg and "frozen (requires_grad=False) on some ranks only" in msg, (r, msg)
+        assert "(frozen: `tag`)" in msg or r == 1, msg

@@ -54,7 +54,7 @@ def agree_lookup(weights: Callable[[], list[torch.Tensor]], failed: bool, sizes:
         info = table_info(w)
         if info is not None and info.routed:
             return  # its lookup agrees on the step (TablePlacement.lookup_failed)
-        if exchange_group(w) is not None:
+        if exchange_group(w) is not None and all(w is not x for x in exchanged):  # (a group: once, for its tables)
             exchanged.append(w)
     if not exchanged:
         return
@@ -64,7 +64,7 @@ def agree_lookup(weights: Callable[[], list[torch.Tensor]], failed: bool, sizes:
     group = exchange_group(first)
     where = agreement_device(dist.get_backend_config(group), first.device)
     tables = ", ".join(f"`{n}`" for n in _names(first))
-    frozen = [n for w in exchanged if not w.requires_grad for n in _names(w)]
+    frozen = [n for w in exchanged for n in (_names(w) if not w.requires_grad else _frozen_members(w))]
     if frozen:
         tables += f" (frozen: {', '.join(f'`{n}`' for n in frozen)})"
     shapes = None if failed or not static_route(first.device) else sizes()
@@ -79,6 +79,13 @@ def _names(w: torch.Tensor) -> list[str]:
     info = table_info(w)
     assert info is not None
     return [m[0] for m in info.members] if info.members else [info.name]
+
+
+def _frozen_members(w: torch.Tensor) -> list[str]:
+    """The member tables of stacked group ``w`` frozen on their own (``ec.tables.t.requires_grad_(False)``: their
+    ids are padding in the backward; a member frozen on some ranks only would be updated on the others alone)."""
+    info = table_info(w)
+    return sorted(info.frozen_tables) if info is not None else []
 
 
 def agreement_device(backend: str, device: torch.device) -> torch.device:

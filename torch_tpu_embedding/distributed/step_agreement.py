@@ -49,7 +49,7 @@ def agree_lookup(weights: Callable[[], list[torch.Tensor]], failed: bool, sizes:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
-    exchanged = []
+    exchanged: list[torch.Tensor] = []
     for w in weights():
         info = table_info(w)
         if info is not None and info.routed:

@@ -21,9 +21,8 @@ id goes is worked out per window from the ownership, :func:`_locator`): its memo
 Saves are crash-safe and loads verify before they write, as ``tte.checkpoint.save_distributed``'s
 (``_ckpt_publish``): ranks write into a sibling staging directory, which rank 0 seals (``meta.pt``, a manifest
 of each file's size and sha256) and publishes by renames: a process killed at any point leaves the old
-checkpoint or the new one. A load checks every file against the manifest and the whole state against the
-model and optimizer (names, shapes, dtypes, hyper-parameters, accumulation buffers) before it changes
-anything. A part that fails on some ranks only raises on every rank (``checkpoint/agreement.py``).
+checkpoint or the new one. A load checks every file and the whole state (names, shapes, dtypes, hyper-parameters,
+accumulation buffers) before it changes anything; a part failing on some ranks raises on every rank (``agreement``).
 """
 
 from __future__ import annotations

@@ -60,6 +60,11 @@ class TableInfo:
     #: the names of those frozen members
     frozen_tables: frozenset[str] = frozenset()
 
+    @property
+    def tables(self) -> list[str]:
+        """The user's tables in this parameter: its own name, or a stacked group's members."""
+        return [m[0] for m in self.members] if self.members else [self.name]
+
     def described(self) -> str:
         """The user's names for this parameter in messages: ``embedding table 't'``, or for a stacked group
         ``embedding tables 't', 'u' (stacked in group 'fused_0')`` (the group's name is internal)."""

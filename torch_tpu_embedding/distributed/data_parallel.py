@@ -153,7 +153,7 @@ def _agree_tables(replicated: list[Tensor], group: Any) -> None:
     for p in replicated:
         info = table_info(p)
         assert info is not None
-        names = [m[0] for m in info.members] if info.members else [info.name]
+        names = info.tables
         what = f"table `{names[0]}`" if len(names) == 1 else "tables " + ", ".join(f"`{n}`" for n in names) + \
             " (stacked)"
         mine[what] = f"{list(p.shape)} {str(p.dtype).replace('torch.', '')}"

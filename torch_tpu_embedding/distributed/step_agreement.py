@@ -19,12 +19,13 @@ Installed by :mod:`torch_tpu_embedding.distributed` into the layer below
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from torch_tpu_embedding._rows.placement import Sizes
-from torch_tpu_embedding._rows.tables import table_info
+from torch_tpu_embedding._rows.tables import TableInfo, table_info
 from torch_tpu_embedding.distributed.exchange import agree_capacity
 from torch_tpu_embedding.distributed.grad_sync import exchange_group, static_route
 
@@ -49,22 +50,24 @@ def agree_lookup(weights: Callable[[], list[torch.Tensor]], failed: bool, sizes:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
-    exchanged: list[torch.Tensor] = []
+    exchanged: list[tuple[torch.Tensor, TableInfo, Any]] = []  # (weight, its table info, its exchange group)
     for w in weights():
         info = table_info(w)
         if info is not None and info.routed:
             return  # its lookup agrees on the step (TablePlacement.lookup_failed)
-        if exchange_group(w) is not None and all(w is not x for x in exchanged):  # (a group: once, for its tables)
-            exchanged.append(w)
+        group = exchange_group(w)
+        if info is not None and group is not None and all(w is not x for x, _, _ in exchanged):  # (a group: once)
+            exchanged.append((w, info, group))
     if not exchanged:
         return
     # Frozen tables too (requires_grad=False: no row gradient, no exchange at step()): a table frozen on some
-    # ranks only would leave the others waiting in the exchange, so which are frozen is part of the agreement.
-    first = next((w for w in exchanged if w.requires_grad), exchanged[0])
-    group = exchange_group(first)
+    # ranks only would leave the others waiting in the exchange, so which are frozen is part of the agreement;
+    # so are a stacked group's members frozen on their own (ids padding in the backward: a member frozen on
+    # some ranks only would be updated on the others alone).
+    first, info, group = next((e for e in exchanged if e[0].requires_grad), exchanged[0])
     where = agreement_device(dist.get_backend_config(group), first.device)
-    tables = ", ".join(f"`{n}`" for n in _names(first))
-    frozen = [n for w in exchanged for n in (_names(w) if not w.requires_grad else _frozen_members(w))]
+    tables = ", ".join(f"`{n}`" for n in info.tables)
+    frozen = [n for w, i, _ in exchanged for n in (i.tables if not w.requires_grad else sorted(i.frozen_tables))]
     if frozen:
         tables += f" (frozen: {', '.join(f'`{n}`' for n in frozen)})"
     shapes = None if failed or not static_route(first.device) else sizes()
@@ -72,20 +75,6 @@ def agree_lookup(weights: Callable[[], list[torch.Tensor]], failed: bool, sizes:
         tables += f" with ids of shapes {', '.join(str(list(s)) for s in shapes)}"
     agree_capacity(torch.zeros((), dtype=torch.int64, device=where), group, what="data_parallel",
                    table=tables, grad=True, failed=failed)
-
-
-def _names(w: torch.Tensor) -> list[str]:
-    """The user's tables in table parameter ``w`` (a stacked group's members)."""
-    info = table_info(w)
-    assert info is not None
-    return [m[0] for m in info.members] if info.members else [info.name]
-
-
-def _frozen_members(w: torch.Tensor) -> list[str]:
-    """The member tables of stacked group ``w`` frozen on their own (``ec.tables.t.requires_grad_(False)``: their
-    ids are padding in the backward; a member frozen on some ranks only would be updated on the others alone)."""
-    info = table_info(w)
-    return sorted(info.frozen_tables) if info is not None else []
 
 
 def agreement_device(backend: str, device: torch.device) -> torch.device:

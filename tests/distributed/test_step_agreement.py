@@ -44,3 +44,30 @@ def test_a_gloo_group_names_its_cpu_backend() -> None:
         assert agreement_device(config, CUDA) == CPU, config
     finally:
         dist.destroy_process_group()
+
+
+def test_the_descriptions_of_exchanges_stay_bounded() -> None:
+    """Data parallel's tags follow its input shapes (a new text per distinct set of id shapes): a run whose batch
+    shapes keep changing keeps at most ``_DESCRIBED_MAX`` descriptions, the newest still named in errors."""
+    from torch_tpu_embedding.distributed import exchange
+
+    before = dict(exchange._DESCRIBED)
+    try:
+        tags = [exchange._tag("data_parallel", f"`t` with ids of shapes [{n}, 1]", True)
+                for n in range(exchange._DESCRIBED_MAX + 50)]
+        assert len(exchange._DESCRIBED) <= exchange._DESCRIBED_MAX
+        assert "[4145, 1]" in exchange._DESCRIBED[tags[-1]]
+    finally:
+        exchange._DESCRIBED.clear()
+        exchange._DESCRIBED.update(before)
+
+
+def test_the_shapes_text_is_spelled_once_per_input_structure() -> None:
+    """A steady loop's forwards repeat one set of id shapes: its text is made once, not per forward."""
+    from torch_tpu_embedding.distributed.step_agreement import _with_shapes
+
+    _with_shapes.cache_clear()
+    shapes = tuple((4096, 1) for _ in range(100))
+    texts = {id(_with_shapes("`t`", shapes)) for _ in range(5)}
+    assert len(texts) == 1 and _with_shapes.cache_info().hits == 4
+    assert _with_shapes("`t`", ((2, 3),)) == "`t` with ids of shapes [2, 3]"

@@ -129,3 +129,36 @@ def test_the_optimizer_tells_its_tables_how_their_rows_travel() -> None:
                              lr=0.1)
     opt3.load_state_dict(saved)
     assert fresh["ec"].tables.b.row_grad.raw_exchange and not fresh["ec"].tables.a.row_grad.raw_exchange
+
+
+def test_clipping_keeps_bag_rows_factored_and_broadcast() -> None:
+    """Full mean bags (``constant`` gains) with ``loss = out.sum()`` (a broadcast gradient), the rows kept factored
+    for the optimizer's step: after ``clip_grad_norm_`` they keep their constant gain and stay one row broadcast (no
+    ``[N, D]`` written), and equal the unclipped rows times the clipping coefficient."""
+    from torch_tpu_embedding._rows.row_grad import BagRows
+    from torch_tpu_embedding._rows.tables import table_info
+
+    t = tte.TableConfig(50, 8, name="t", combiner="mean", dtype=torch.float64)
+    ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(t, max_ids_per_bag=3)})
+    opt = tte.optim.SGD(ec.parameters(), lr=0.1)  # its steps add rows piecewise: they are kept factored
+    ids = tte.Padded(torch.randint(0, 50, (16, 3), generator=torch.Generator().manual_seed(0)))
+    ec({"f": ids})["f"].sum().backward()
+    opt.step()  # (the first step tells the table's backward so)
+    opt.zero_grad()
+    ec({"f": ids})["f"].sum().backward()
+    info = table_info(ec.embedding_tables["t"])
+    assert info is not None
+    assert [type(rows) for _, rows in info.row_grad.chunks()] == [BagRows]
+    before = {k: (i.clone(), r.clone()) for k, (i, r) in ec.row_grads().items()}
+    norm = tte.clip_grad_norm_(ec.parameters(), 0.5)
+    assert float(norm) > 0.5
+    coef = 0.5 / (float(norm) + 1e-6)
+    after = ec.row_grads()
+    for k, (i, r) in before.items():
+        assert torch.equal(after[k][0], i)
+        torch.testing.assert_close(after[k][1], r * coef, rtol=1e-12, atol=0)
+    chunks = [rows for _, rows in info.row_grad.chunks()]
+    assert [type(c) for c in chunks] == [BagRows]
+    for c in chunks:
+        assert isinstance(c, BagRows) and c.constant is not None
+        assert c.grad_out.stride(0) == 0  # still one row broadcast

@@ -249,8 +249,12 @@ class RowGrad:
         for i, rows in enumerate(self._rows):
             if isinstance(rows, BagRows):
                 out = rows.grad_out.to(dtype)
-                self._rows[i] = BagRows(rows.gains, out * coef.to(device=out.device, dtype=dtype), rows.unit,
-                                        rows.uniform)
+                scaled = _broadcast_row(out)  # (one row broadcast, as loss = out.sum() gives: kept so)
+                if scaled is not None:
+                    scaled = (scaled * coef.to(device=out.device, dtype=dtype)).expand(out.shape)
+                else:
+                    scaled = out * coef.to(device=out.device, dtype=dtype)
+                self._rows[i] = BagRows(rows.gains, scaled, rows.unit, rows.uniform, rows.constant)
             else:
                 self._rows[i] = rows.to(dtype) * coef.to(device=rows.device, dtype=dtype)
 
@@ -269,6 +273,11 @@ class RowGrad:
         self.exchanged = 0
         self.reached.clear()
         self.variable_rows = False
+
+
+def _broadcast_row(t: torch.Tensor) -> torch.Tensor | None:
+    """``t [N, D]``'s one row ``[1, D]`` where every row is it (row stride 0, N > 0), else ``None``."""
+    return t[:1] if t.dim() == 2 and t.shape[0] and t.stride(0) == 0 else None
 
 
 _HANDLES = itertools.count()

@@ -215,8 +215,10 @@ def send_grads(grad: Tensor, slot: Tensor, k: int, sharding: GroupSharding) -> T
     return exchange(bucket_rows(grad, slot, sharding.world, k), sharding.group).reshape(-1, grad.shape[-1])
 
 
-#: what :func:`agree_capacity` agrees on: a collective's tag (see :func:`_tag`) → its description, for errors
+#: what :func:`agree_capacity` agrees on: a collective's tag (see :func:`_tag`) → its description, for errors; at most
+#: :data:`_DESCRIBED_MAX`, the oldest dropped first (a tag no longer described is named by its number in an error)
 _DESCRIBED: dict[int, str] = {}
+_DESCRIBED_MAX = 4096
 #: the kinds of exchange, named in errors
 _KINDS = {"lookup": "looks up table `{table}`",
           "data_parallel": "looks up data-parallel tables {table}",
@@ -234,6 +236,8 @@ def _tag(what: str, table: str, grad: bool) -> int:
         text = _KINDS[what].format(table=table, of=f"table `{table}`: " if table else "")
         _DESCRIBED[tag] = text + (" with gradients (training)" if grad else " without gradients (evaluation) or "
                                   "frozen (requires_grad=False)" if what == "lookup" else "")
+        if len(_DESCRIBED) > _DESCRIBED_MAX:  # (data parallel's tags follow its input shapes: a bound, not a leak)
+            del _DESCRIBED[next(iter(_DESCRIBED))]
     return tag
 
 

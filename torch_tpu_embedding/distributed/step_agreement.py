@@ -18,6 +18,7 @@ Installed by :mod:`torch_tpu_embedding.distributed` into the layer below
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -72,9 +73,16 @@ def agree_lookup(weights: Callable[[], list[torch.Tensor]], failed: bool, sizes:
         tables += f" (frozen: {', '.join(f'`{n}`' for n in frozen)})"
     shapes = None if failed or not static_route(first.device) else sizes()
     if shapes is not None:  # (the failed rank's tag is not compared: the others raise naming its failure)
-        tables += f" with ids of shapes {', '.join(str(list(s)) for s in shapes)}"
+        tables = _with_shapes(tables, shapes)
     agree_capacity(torch.zeros((), dtype=torch.int64, device=where), group, what="data_parallel",
                    table=tables, grad=True, failed=failed)
+
+
+@functools.lru_cache(maxsize=64)
+def _with_shapes(tables: str, shapes: tuple[tuple[int, ...], ...]) -> str:
+    """The agreement's text for ``tables`` looked up with ids of ``shapes``: spelled out once per distinct input
+    structure (a steady loop repeats one), not on every forward of it."""
+    return f"{tables} with ids of shapes {', '.join(str(list(s)) for s in shapes)}"
 
 
 def agreement_device(backend: str, device: torch.device) -> torch.device:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -318,4 +319,75 @@ def test_interpreted_bag_edges_through_triton_give_the_cpu_results(name: str, re
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14, msg=lambda msg, i=i: f"tensor {i}: {msg}")
 
 
-_INTERPRETED_TESTS = 2 * 4 * 2 + 3 + len(_STEP_CASES) + 1 + 2 + 2 * len(_EDGE_OPTIMIZERS)
+# ------------------------------------------------------------------ a launch that fails
+class _Raising:
+    """A kernel whose launches raise, as Triton's do for a kernel it cannot compile for the GPU or toolchain."""
+
+    def __init__(self, after: int = 0, real: Any = None) -> None:
+        self.after, self.real, self.calls = after, real, 0
+
+    def __getitem__(self, grid: Any) -> Any:
+        def launch(*args: Any, **meta: Any) -> None:
+            self.calls += 1
+            if self.calls > self.after:
+                raise RuntimeError("PTXAS error: Internal Triton PTX codegen error (a stand-in)")
+            self.real[grid](*args, **meta)
+        return launch
+
+
+@interpreted
+@pytest.mark.parametrize("kernel", ["_add_rows_kernel", "_copy_rows_kernel"])
+@pytest.mark.parametrize("name", ["sgd", "rowwise_adagrad"])
+def test_interpreted_a_failed_launch_falls_back_to_torch(kernel: str, name: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first launch of a kernel raises: one RuntimeWarning, nothing written by it, the step's rows written by
+    torch's ops from then on (no other launch), and the CPU's results."""
+    want = _edge_run(_EDGE_OPTIMIZERS[name], static=False)
+    fake = _Raising()
+    monkeypatch.setattr(triton_rows, kernel, fake)
+    monkeypatch.setattr(triton_rows, "_FAILED", [])
+    before, enabled = kernel_policy.set_policy(2, 0), kernel_policy.set_enabled(True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = _edge_run(_EDGE_OPTIMIZERS[name], static=True)
+    finally:
+        kernel_policy.set_policy(*before)
+        kernel_policy.set_enabled(enabled)
+    used = kernel == "_add_rows_kernel" or name != "sgd"  # (SGD's step copies no rows)
+    assert fake.calls == (1 if used else 0)
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "Triton" in str(w.message)]
+    assert len(said) == (1 if used else 0), said
+    assert all("failed to compile or launch (RuntimeError: PTXAS error" in m and "TTE_TRITON=0" in m for m in said)
+    assert bool(triton_rows._FAILED) == used and not triton_rows.available(torch.device("cpu")) == used
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14, msg=lambda msg, i=i: f"tensor {i}: {msg}")
+
+
+@interpreted
+def test_interpreted_a_launch_failing_after_some_pieces_adds_the_rest_through_torch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``add_pieces`` over three pieces whose second launch raises: the first piece added by the kernel, the rest
+    by torch's ops, as ``index_add_`` of every real id (bitwise: one product and one add each, in order)."""
+    g = torch.Generator().manual_seed(3)
+    rows, dim = 9, 5
+    table = torch.randn(rows, dim, generator=g, dtype=torch.float64)
+    pieces = []
+    for width in (1, 2, 3):
+        bags = 4
+        ids = torch.randint(0, rows + 1, (bags * width,), generator=g)
+        pieces.append((ids, torch.randn(bags * width, dim, generator=g, dtype=torch.float64)))
+    want = table.clone()
+    for ids, r in pieces:
+        real = ids < rows
+        want.index_add_(0, ids[real], r[real])
+    monkeypatch.setattr(triton_rows, "_add_rows_kernel", _Raising(after=1, real=triton_rows._add_rows_kernel))
+    monkeypatch.setattr(triton_rows, "_FAILED", [])
+    with pytest.warns(RuntimeWarning, match="failed to compile or launch"):
+        assert triton_rows.add_pieces(table, pieces, lambda t: t)
+    assert torch.equal(table, want)
+    assert not triton_rows.add_pieces(table, pieces, lambda t: t)  # off now: the caller adds through torch
+    assert torch.equal(table, want)
+
+
+_INTERPRETED_TESTS = 2 * 4 * 2 + 3 + len(_STEP_CASES) + 1 + 2 + 2 * len(_EDGE_OPTIMIZERS) + 4 + 1

@@ -18,7 +18,10 @@ bandwidth. Here:
   (``dedup_static``), so no row is written twice and the tail writes nothing (no sink-row value needed).
 
 :func:`available` says whether they run (a CUDA tensor, Triton importable: torch's CUDA builds bring it, and
-``TTE_TRITON`` not ``0``); elsewhere the callers take torch's ops. Triton's interpreter
+``TTE_TRITON`` not ``0``); elsewhere the callers take torch's ops. A launch that raises (a kernel Triton cannot
+compile for this GPU or toolchain, resources the GPU lacks) writes nothing (Triton compiles and checks a launch
+before the kernel runs): it warns once, the kernels are off for the rest of the process, and that write and every
+later one take torch's ops, as with ``TTE_TRITON=0``. Triton's interpreter
 (``TRITON_INTERPRET=1``) runs both on CPU tensors, as tests/optim/test_triton_rows.py does where no GPU is.
 
 Example (on a GPU)::
@@ -34,7 +37,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.autograd.graph import increment_version
@@ -55,12 +60,15 @@ Tensor = torch.Tensor
 #: rows per program, and the widest column block (wider rows loop over blocks)
 _BLOCK_ROWS = 16
 _MAX_BLOCK_D = 256
+#: the first launch that raised in this process (its error's text): the kernels are off from then on
+_FAILED: list[str] = []
 
 
 def available(device: torch.device) -> bool:
     """Whether this module's kernels run for tensors on ``device``: CUDA (or, under Triton's interpreter, the
-    CPU), Triton importable, ``TTE_TRITON`` not ``0``, not while ``torch.compile`` traces."""
-    if triton is None or os.environ.get("TTE_TRITON", "1") == "0" or torch.compiler.is_compiling():
+    CPU), Triton importable, ``TTE_TRITON`` not ``0``, not while ``torch.compile`` traces, and no launch of theirs
+    has raised in this process."""
+    if triton is None or os.environ.get("TTE_TRITON", "1") == "0" or torch.compiler.is_compiling() or _FAILED:
         # (under torch.compile the step is traced: torch's ops there, compiled with the user's graph)
         return False
     if device.type == "cuda":
@@ -112,6 +120,39 @@ if triton is not None:
             tl.store(dst + at[:, None] * dst_stride + c[None, :], v.to(dst.dtype.element_ty), mask=m)
 
 
+def _launched(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> bool:
+    """``kernel[grid](*args, **meta)``; ``False`` where it raises, which writes nothing (Triton compiles the kernel
+    and checks the launch before it runs; errors in a running kernel surface later, at a synchronisation, and are
+    not caught here). The first such failure warns, and turns the kernels off for the process (:func:`available`)."""
+    try:
+        kernel[grid](*args, **meta)
+    except Exception as e:  # (compile errors, OutOfResources, a missing or too old toolchain: Triton's own types)
+        if not _FAILED:  # (the first only: the kernels are off from now on)
+            _FAILED.append(f"{type(e).__name__}: {e}")
+            warnings.warn(
+                "torch_tpu_embedding: a Triton kernel of the CUDA step failed to compile or launch "
+                f"({type(e).__name__}: {str(e)[:500]}). The step writes its rows with torch's ops from now on in this "
+                "process, as it does with TTE_TRITON=0 (set it to skip the kernels from the start).", RuntimeWarning,
+                stacklevel=3)
+        return False
+    return True
+
+
+def _torch_add(dst: Tensor, ids: Tensor, src: Tensor, gains: Tensor | None, width: int) -> None:
+    """:func:`add_rows`'s sum through torch's ops (after a launch failed in the middle of :func:`add_pieces`): each
+    product rounded once, as the kernel's; padding (the sentinel) adds a zero row to the last row, as the eager
+    path's masked ``index_add_`` does."""
+    d, s = _rows_view(dst), _rows_view(_source(src))
+    assert d is not None and s is not None
+    ids = ids.reshape(-1)
+    rows = s.index_select(0, torch.arange(ids.numel(), device=ids.device) // width)
+    if gains is not None:
+        rows = gains.reshape(-1, 1).to(rows.dtype) * rows
+    real = (ids >= 0) & (ids < d.shape[0])
+    with torch.no_grad():
+        d.index_add_(0, ids.clamp(0, d.shape[0] - 1), torch.where(real[:, None], rows, 0).to(d.dtype))
+
+
 def _rows_view(t: Tensor) -> Tensor | None:
     """``t`` as ``[rows, columns]`` with unit column stride (a 1-D slot as one column), or ``None``."""
     v = t.unsqueeze(1) if t.dim() == 1 else t.flatten(1) if t.dim() > 2 and t[0].is_contiguous() else t
@@ -150,8 +191,9 @@ def add_rows(dst: Tensor, ids: Tensor, src: Tensor, gains: Tensor | None, width:
     """``dst[ids[i]] += gains[i] · src[i // width]`` (``gains`` ``None``: ``src[i // width]``) for each ``i`` whose
     id is a row of ``dst`` (the sentinel ``dst.shape[0]``, padding, adds nothing). ``dst [V, D]``; ``ids [B·L]``
     int64; ``src [B, D]`` (rows of any stride, a broadcast one included); ``gains [B·L]`` or ``None``. ``False``
-    (nothing done) where the kernel cannot take the tensors (:func:`accepts_add`): the caller adds through torch."""
-    if not accepts_add(dst, ids, src, gains, width):
+    (nothing done) where the kernel cannot take the tensors (:func:`accepts_add`) or its launch failed
+    (:func:`_launched`): the caller adds through torch."""
+    if _FAILED or not accepts_add(dst, ids, src, gains, width):
         return False
     d, s = _rows_view(dst), _rows_view(_source(src))
     assert d is not None and s is not None
@@ -162,9 +204,10 @@ def add_rows(dst: Tensor, ids: Tensor, src: Tensor, gains: Tensor | None, width:
     g = ids_c if gains is None else gains.reshape(-1).contiguous()
     src_stride = s.stride(0) if s.shape[0] > 1 else 0
     with _on(dst.device):
-        _add_rows_kernel[(triton.cdiv(n, _BLOCK_ROWS),)](
-            d, ids_c, s, g, n, d.shape[0], width, d.stride(0), src_stride, DIM=d.shape[1],
-            HAS_GAINS=gains is not None, BLOCK_R=_BLOCK_ROWS, BLOCK_D=_block_d(d.shape[1]))
+        if not _launched(_add_rows_kernel, (triton.cdiv(n, _BLOCK_ROWS),), d, ids_c, s, g, n, d.shape[0], width,
+                         d.stride(0), src_stride, DIM=d.shape[1], HAS_GAINS=gains is not None,
+                         BLOCK_R=_BLOCK_ROWS, BLOCK_D=_block_d(d.shape[1])):
+            return False
     increment_version(dst)  # (written through its pointer: autograd's check of saved tensors sees the change)
     return True
 
@@ -173,7 +216,9 @@ def add_pieces(dst: Tensor, pieces: list[tuple[Tensor, Tensor | BagRows]], src: 
                at: Tensor | None = None) -> bool:
     """:func:`add_rows` of each piece ``(ids [n], rows)`` of a row gradient (``RowGrad.chunks()``): ``src`` of its
     bag rows ``dL/dout`` spread by its gains (a :class:`BagRows`), or of its rows (width 1), added at its ids, or
-    at the same positions of ``at`` (``[Σn]``). Every piece checked before any is added: ``False``, nothing done."""
+    at the same positions of ``at`` (``[Σn]``). Every piece checked before any is added: ``False``, nothing done
+    (also where the first piece's launch failed); a launch failing after some pieces were added, the rest are added
+    here through torch's ops."""
     todo: list[tuple[Tensor, Tensor, Tensor | None, int]] = []
     start = 0
     for ids, rows in pieces:
@@ -186,25 +231,31 @@ def add_pieces(dst: Tensor, pieces: list[tuple[Tensor, Tensor | BagRows]], src: 
             todo.append((where, src(rows), None, 1))
     if not all(accepts_add(dst, *t) for t in todo):
         return False
-    for t in todo:
-        add_rows(dst, *t)
+    for k, t in enumerate(todo):
+        if not add_rows(dst, *t):  # (a launch failed: nothing of it written)
+            if k == 0:
+                return False  # nothing added: the caller adds every piece through torch
+            for rest in todo[k:]:  # the pieces before it are added: the rest through torch, here
+                _torch_add(dst, *rest)
+            break
     return True
 
 
 def copy_rows(dst: Tensor, ids: Tensor, src: Tensor, bound: int) -> bool:
     """``dst[ids[i]] = src[i]`` for each ``i`` whose id is below ``bound`` (the table's rows: the sentinel tail
     writes nothing). ``ids [N]`` int64, no row twice among the real ones; ``src [N, ...]`` shaped as ``dst``'s
-    rows. ``False`` (nothing done) where the kernel cannot take the tensors: the caller copies through torch."""
+    rows. ``False`` (nothing done) where the kernel cannot take the tensors or its launch failed: the caller copies
+    through torch."""
     d, s = _rows_view(dst), _rows_view(src)
-    if d is None or s is None or ids.dtype != torch.int64 or d.shape[1] != s.shape[1] \
+    if _FAILED or d is None or s is None or ids.dtype != torch.int64 or d.shape[1] != s.shape[1] \
             or s.shape[0] != ids.numel() or bound > d.shape[0] or src.device != dst.device or ids.device != dst.device:
         return False
     n = ids.numel()
     if n == 0:
         return True
     with _on(dst.device):
-        _copy_rows_kernel[(triton.cdiv(n, _BLOCK_ROWS),)](
-            d, ids.contiguous(), s, n, bound, d.stride(0), s.stride(0), DIM=d.shape[1],
-            BLOCK_R=_BLOCK_ROWS, BLOCK_D=_block_d(d.shape[1]))
+        if not _launched(_copy_rows_kernel, (triton.cdiv(n, _BLOCK_ROWS),), d, ids.contiguous(), s, n, bound,
+                         d.stride(0), s.stride(0), DIM=d.shape[1], BLOCK_R=_BLOCK_ROWS, BLOCK_D=_block_d(d.shape[1])):
+            return False  # (nothing written: the caller copies through torch)
     increment_version(dst)
     return True

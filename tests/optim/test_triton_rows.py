@@ -391,3 +391,12 @@ def test_interpreted_a_launch_failing_after_some_pieces_adds_the_rest_through_to
 
 
 _INTERPRETED_TESTS = 2 * 4 * 2 + 3 + len(_STEP_CASES) + 1 + 2 + 2 * len(_EDGE_OPTIMIZERS) + 4 + 1
+
+
+def test_rows_view_of_slots_of_every_rank() -> None:
+    """A slot as ``[rows, columns]``: 1-D as one column, >2-D flattened where that is a view (a copy would not be
+    written back), an empty one included (no row to look at)."""
+    assert triton_rows._rows_view(torch.zeros(4)).shape == (4, 1)
+    assert triton_rows._rows_view(torch.zeros(4, 2, 3)).shape == (4, 6)
+    assert triton_rows._rows_view(torch.zeros(0, 2, 3)).shape == (0, 6)
+    assert triton_rows._rows_view(torch.zeros(4, 3, 2).transpose(1, 2)) is None

@@ -155,7 +155,8 @@ def _torch_add(dst: Tensor, ids: Tensor, src: Tensor, gains: Tensor | None, widt
 
 def _rows_view(t: Tensor) -> Tensor | None:
     """``t`` as ``[rows, columns]`` with unit column stride (a 1-D slot as one column), or ``None``."""
-    v = t.unsqueeze(1) if t.dim() == 1 else t.flatten(1) if t.dim() > 2 and t[0].is_contiguous() else t
+    v = t.unsqueeze(1) if t.dim() == 1 else t.flatten(1) if t.dim() > 2 and (
+        not t.shape[0] or t[0].is_contiguous()) else t  # (a flatten that copies would not write t)
     return v if v.dim() == 2 and (v.stride(1) == 1 or v.shape[1] == 1) else None
 
 

@@ -8,6 +8,7 @@ so a rank that hangs fails the test instead of hanging it.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -124,7 +125,47 @@ def pipeline(model: nn.Module, opt: Any, rank: int, fault: str, stale: bool) -> 
             "unfinished_first": left[0]["step"] if left else None}
 
 
+def skip_model(dtype: torch.dtype = torch.float64) -> Model:
+    """The model of the ``skip_*`` scenarios: the three tables in ``dtype``, the head frozen (no DDP: a rank that
+    skips its backward skips DDP's all-reduce too, which torch's DDP never forgives)."""
+    torch.manual_seed(0)
+    feats = {n: tte.FeatureConfig(dataclasses.replace(f.table, dtype=dtype)) for n, f in configs(0, "").items()}
+    model = Model(feats).to(dtype)
+    model.head.requires_grad_(False)
+    return model
+
+
+def skip_steps(model: Model, opt: Any, rank: int, skip: str, steps: int = 3) -> dict[str, Any]:
+    """``steps`` steps; at step 1 rank 1 looks up its batch and skips its backward (``skip="backward"``: it still
+    calls ``opt.step()``, as a loop that catches an error in its loss does; ``"both"``: no step either)."""
+    errors, done = [], []
+    for step in range(steps):
+        ids, label = batch(rank, step)
+        try:
+            loss = F.binary_cross_entropy_with_logits(model(ids), label.to(torch.float64))
+            if not (rank == 1 and step == 1):
+                loss.backward()
+            if not (rank == 1 and step == 1 and skip == "both"):
+                opt.step()
+            done.append(step)
+        except Exception as e:  # noqa: BLE001 - recorded
+            errors.append(error(e, step))
+            break
+        finally:
+            opt.zero_grad()
+    tables = {}
+    for name, t in model.ec.tables.items():
+        tables[name] = {"ids": tte.distributed.logical_ids(t).tolist(), "rows": t.weight.detach().tolist()}
+    return {"errors": errors, "done": done, "tables": tables}
+
+
 def run(scenario: str, rank: int, world: int) -> dict[str, Any]:
+    if scenario.startswith("skip_"):  # "skip_<backward|both>": rank 1 skips its backward (and its step) at step 1
+        model = skip_model()
+        wait = 10 if scenario == "skip_both" else 60  # (skip_both: how long rank 0 waits for rank 1)
+        tte.distributed.shard(model, timeout=datetime.timedelta(seconds=wait))
+        opt = tte.optim.Adam(model.ec.parameters(), lr=0.05)
+        return skip_steps(model, opt, rank, scenario.removeprefix("skip_"))
     torch.manual_seed(0)
     model = Model(configs(rank, scenario), stack_tables=not (scenario == "stacking_differ" and rank == 1))
     if scenario == "forgot_shard":

@@ -224,3 +224,77 @@ def test_data_parallel_a_stacked_table_frozen_on_one_rank_only_raises_on_every_r
         msg = res["errors"][0]["message"]
         assert "different exchanges" in msg and "frozen (requires_grad=False) on some ranks only" in msg, (r, msg)
         assert "(frozen: `tag`)" in msg or r == 1, msg
+
+
+def _one_process() -> dict[str, Any]:
+    """The ``skip_*`` scenarios' tables as one process trains them on the global batch of both ranks, where rank 1's
+    share at step 1 contributes no gradient: the loss at that step is rank 0's mean halved (each rank's loss is the
+    mean over its equal share of the global batch, so the global mean counts rank 1's share as zero)."""
+    import torch
+    import torch.nn.functional as F
+
+    import torch_tpu_embedding as tte
+
+    worker = _worker()
+    model = worker.skip_model()
+    opt = tte.optim.Adam(model.ec.parameters(), lr=0.05)
+    for step in range(3):
+        parts = [worker.batch(r, step) for r in range(2)]
+        if step == 1:
+            ids, label = parts[0]
+            loss = 0.5 * F.binary_cross_entropy_with_logits(model(ids), label.to(torch.float64))
+        else:
+            ids = {k: torch.cat([p[0][k] for p in parts]) for k in parts[0][0]}
+            label = torch.cat([p[1] for p in parts]).to(torch.float64)
+            loss = F.binary_cross_entropy_with_logits(model(ids), label)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {name: t.logical_weight() for name, t in model.ec.tables.items()}
+
+
+def _worker() -> Any:
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    return importlib.import_module("_mp_guard_worker")
+
+
+def test_a_rank_that_skips_its_backward_but_steps_trains_as_one_process(tmp_path: Path) -> None:
+    """Rows sharded over 2 ranks (float64, Adam): at step 1 rank 1 looks up its batch, skips its backward and calls
+    ``opt.step()``. Every rank steps on, and the tables equal one process's on the global batch in which rank 1's
+    share of step 1 gave no gradient (rows only rank 1 looked up untouched: Adam moves a row given a zero gradient).
+    Before: rank 0 waited in its backward's all-to-all for rank 1, which had gone on to its step and next lookup:
+    a hang until the process group's timeout."""
+    import torch
+
+    ranks = run("skip_backward", tmp_path)
+    for res in ranks:
+        assert res["done"] == [0, 1, 2] and not res["errors"], res
+    want = _one_process()
+    for name, whole in want.items():
+        got = torch.full_like(whole, float("nan"))
+        for res in ranks:
+            ids = torch.tensor(res["tables"][name]["ids"], dtype=torch.int64)  # (none where a rank stores none)
+            rows = torch.tensor(res["tables"][name]["rows"], dtype=torch.float64).reshape(-1, whole.shape[1])
+            real = ids < whole.shape[0]
+            got[ids[real]] = rows[real]
+            if name == "kind":  # replicated: every rank holds the same rows
+                torch.testing.assert_close(rows, whole, rtol=0, atol=1e-12)
+        torch.testing.assert_close(got, whole, rtol=0, atol=1e-12, msg=name)
+
+
+def test_a_rank_that_skips_its_backward_and_its_step_times_out_on_every_rank(tmp_path: Path) -> None:
+    """Rank 1 looks up its batch at step 1, skips its backward and its step, and looks up its next batch: nothing
+    on rank 1 can tell that from a loop that looks up twice before one backward, so rank 0's backward waits for
+    rank 1's gradient exchange, and rank 1 in its next lookup's agreement, until the exchange group's timeout
+    (``shard(timeout=...)``, 10 s here; torch's default: 30 minutes on gloo). Rank 0 then raises, naming the likely
+    cause and the fix (call ``opt.step()`` on the rank that skips), and rank 1's lookup fails on its lost peer."""
+    r0, r1 = run("skip_both", tmp_path)
+    assert r0["done"] == [0] and [e["step"] for e in r0["errors"]] == [1], r0
+    msg = r0["errors"][0]["message"]
+    assert "Table `item`: rank 0 could not exchange the gradients" in msg and "call opt.step()" in msg, msg
+    assert r1["done"] == [0, 1] and [e["step"] for e in r1["errors"]] == [2], r1
+    assert "skipped both the backward and opt.step()" in r1["errors"][0]["message"], r1
+

@@ -52,6 +52,8 @@ __all__ = [
     "process_group_placement",
     "install_lookup_agreement",
     "install_row_grad_sync",
+    "is_looking_ahead",
+    "looking_ahead",
     "lookup_failed",
     "lookup_starts",
     "is_dtensor",
@@ -303,6 +305,27 @@ def install_row_grad_sync(sync: Callable[[list[dict[str, Any]]], None]) -> None:
     """Install data parallel's exchange of row gradients, run at the start of every optimizer step (once)."""
     if sync not in _ROW_GRAD_SYNC:
         _ROW_GRAD_SYNC.append(sync)
+
+
+#: set while a lookup runs ahead of its step (:func:`looking_ahead`)
+_AHEAD = threading.local()
+
+
+@contextlib.contextmanager
+def looking_ahead() -> Iterator[None]:
+    """Mark the lookups made inside as made ahead of their step (``look_up_ahead``: TF's one-step-stale lookups):
+    their backward comes after the optimizer's next step, which must then not take them for skipped ones."""
+    before = getattr(_AHEAD, "on", False)
+    _AHEAD.on = True
+    try:
+        yield
+    finally:
+        _AHEAD.on = before
+
+
+def is_looking_ahead() -> bool:
+    """Whether a lookup now is made ahead of its step (:func:`looking_ahead`)."""
+    return bool(getattr(_AHEAD, "on", False))
 
 
 def sync_row_grads(param_groups: list[dict[str, Any]]) -> None:

@@ -21,12 +21,13 @@ from typing import Any
 
 import torch
 
+from torch_tpu_embedding._rows.placement import is_looking_ahead
 from torch_tpu_embedding._rows.row_grad import RowGrad
 from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding._util.nest import Path
 from torch_tpu_embedding.combiners import bag_gains
-from torch_tpu_embedding.distributed.exchange import GroupSharding, fetch_rows, plan, send_grads
+from torch_tpu_embedding.distributed.exchange import GroupSharding, fetch_rows, grad_payload, plan, send_grads
 from torch_tpu_embedding.distributed.state import (
     from_logical_shard,
     from_logical_slot,
@@ -41,7 +42,7 @@ from torch_tpu_embedding.distributed.state import (
 )
 from torch_tpu_embedding.modules.lookup_batch import LookupBatch
 
-__all__ = ["GroupLookup", "LoadCounts", "ProcessGroupLayout"]
+__all__ = ["GroupLookup", "LoadCounts", "ProcessGroupLayout", "send_pending"]
 
 Tensor = torch.Tensor
 
@@ -118,6 +119,66 @@ class _Route:
     slot: Tensor | None = None
     local: Tensor | None = None
     k: int = 0
+    #: the table's row width, and its stored rows (the padding id of ``local``)
+    width: int = 0
+    pad: int = 0
+    device: torch.device | None = None
+    #: what the backward sends the owners (:func:`~.exchange.grad_payload`), until it is this lookup's turn
+    payload: Tensor | None = None
+    #: looked up ahead of its step (``look_up_ahead``: ``tte.TrainPipeline``'s stale lookups, whose backward comes
+    #: after the next step, every rank alike): not pending, its backward sends its gradient at once
+    ahead: bool = False
+
+
+#: This process's training lookups whose gradients the owners have not had yet, in lookup order. Every rank's
+#: lookups agree (one agreement each, :func:`~.exchange.agree_capacity`), so this order is the same on every rank,
+#: and the gradients travel in it, never in the order autograd happens to run the backwards: a rank whose backward
+#: never ran for a lookup (a batch it skipped, an error it caught) sends the owners an empty gradient at its step
+#: (:func:`send_pending`), where the others' backward waits for it, instead of every rank waiting on another.
+_PENDING: list[_Route] = []
+
+
+def _send(route: _Route) -> None:
+    """``route``'s gradient (its backward's, or none) to the owners, and the rows other ranks sent this one into
+    the table's gradient; the rows of a rank that sent none are padding (dropped)."""
+    assert route.local is not None
+    payload = route.payload
+    if payload is None:  # (no backward here: the others' rows still arrive)
+        payload = grad_payload(None, route.local, route.k, route.sharding, route.width, route.grad_dtype,
+                               route.local.device if route.device is None else route.device)
+    try:
+        rows, present = send_grads(payload, route.sharding, route.width)
+    except RuntimeError as e:  # (gloo's timeout, or a peer gone: name what usually leaves the others waiting here)
+        raise RuntimeError(
+            f"Table `{route.sharding.table}`: rank {route.sharding.rank} could not exchange the gradients of a lookup "
+            "with the rows' owners (the other ranks did not arrive within the exchange group's timeout, or left). "
+            "Every rank must give each training lookup a backward, or call opt.step() (or tte.clip_grad_norm_) "
+            "after it: a rank that skips a batch's backward and then steps sends an empty gradient there, but one "
+            "that skips both and looks up its next batch leaves the others waiting here, and itself in that lookup. "
+            "Skip a batch on every rank alike, or call opt.step() on the rank that skips it. "
+            f"Received: {e}"
+        ) from e
+    local = torch.where(present.unsqueeze(1), route.local, torch.full_like(route.local, route.pad))
+    route.row_grad.add(local.reshape(-1), rows)
+    if route.payload is not None:
+        route.row_grad.reached.update(route.tables)
+    route.payload = route.slot = route.local = None
+
+
+def _drain() -> None:
+    """Send the gradients ready at the front of :data:`_PENDING` (the backward's: in lookup order)."""
+    while _PENDING and _PENDING[0].payload is not None:
+        _send(_PENDING.pop(0))
+
+
+def send_pending(param_groups: Any = None) -> None:
+    """Before an optimizer's step (or ``tte.clip_grad_norm_``), on every rank alike: the pending lookups' gradients
+    to their owners, in lookup order, those whose backward never ran on this rank as empty ones (this rank then
+    adds nothing, and the owners still get every other rank's rows: the update of one process on the batches
+    that had a backward). ``param_groups`` is not read: every pending lookup of this process goes, as on every
+    other rank."""
+    while _PENDING:
+        _send(_PENDING.pop(0))
 
 
 class _Exchange(torch.autograd.Function):
@@ -126,6 +187,7 @@ class _Exchange(torch.autograd.Function):
         routes, k = plan(ids, route.sharding, route.grad)
         rows, local = fetch_rows(weight.detach(), routes.send, route.sharding)
         route.slot, route.local, route.k = routes.slot, local, k
+        route.width, route.pad, route.device = int(weight.shape[1]), int(weight.shape[0]), weight.device
         ctx.route = route
         got = rows.index_select(0, routes.slot.clamp(max=rows.shape[0] - 1))
         return got * (routes.slot < rows.shape[0]).unsqueeze(-1).to(got.dtype)
@@ -136,10 +198,12 @@ class _Exchange(torch.autograd.Function):
         assert route.slot is not None and route.local is not None
         # Data parallel's average over the ranks; 16-bit tables send float32 rows (the update's dtype).
         g = grad.to(route.grad_dtype) / route.sharding.world
-        rows = send_grads(g, route.slot, route.k, route.sharding)
-        route.row_grad.add(route.local.reshape(-1), rows)
-        route.row_grad.reached.update(route.tables)
+        route.payload = grad_payload(g, route.slot, route.k, route.sharding, route.width, route.grad_dtype, g.device)
         ctx.route = None
+        if route.ahead:
+            _send(route)
+        else:
+            _drain()  # this one, once every lookup before it has its gradient (or was sent by a step)
         return None, None, None
 
 
@@ -179,8 +243,10 @@ class GroupLookup:
         # (a backward follows, with its all-to-all, only where the table trains: one frozen on some ranks only
         # makes every rank raise at this lookup's agreement instead of the others waiting in their backward)
         grad = torch.is_grad_enabled() and weight.requires_grad
-        route = _Route(layout, info.row_grad, tables, math_dtype(weight), grad)
+        route = _Route(layout, info.row_grad, tables, math_dtype(weight), grad, ahead=is_looking_ahead())
         rows: Tensor = _Exchange.apply(weight, ids, route)  # type: ignore[no-untyped-call]
+        if grad and not route.ahead:  # a backward (or the step, for a rank that skips it) sends its gradient
+            _PENDING.append(route)
         self._count(route)
         out: dict[Path, Tensor] = {}
         for (path, bags, combiner), piece in zip(items, torch.split(rows, [f.shape[0] for f in flat]), strict=True):

@@ -159,7 +159,59 @@ def skip_steps(model: Model, opt: Any, rank: int, skip: str, steps: int = 3) -> 
     return {"errors": errors, "done": done, "tables": tables}
 
 
+def optimizers_differ(case: str, rank: int) -> dict[str, Any]:
+    """``"<dp|shard>_<case>"``: data parallel or sharded tables, 3 steps, each rank's optimizer built by ``case``:
+    ``lr``: 0.1 on rank 0, 0.2 on rank 1; ``eps``: Adam's 1e-7 and 1e-6; ``class``: Adam and Adagrad; ``changed``:
+    alike, then rank 1 sets Adam's eps to 1e-6 after step 0; ``scheduler``: alike, with an ``ExponentialLR`` on
+    every rank. Records the errors, the steps done and the ``all_gather_object`` calls of the steps."""
+    torch.manual_seed(0)
+    model = Model(configs(rank, ""))
+    if case.startswith("dp_"):
+        tte.distributed.data_parallel(model)
+    else:
+        tte.distributed.shard(model)
+    kind = case.split("_", 1)[1]
+    tables = model.ec.parameters()
+    if kind == "lr":
+        opt: Any = tte.optim.Adagrad(tables, lr=0.1 if rank == 0 else 0.2)
+    elif kind == "eps":
+        opt = tte.optim.Adam(tables, lr=0.1, eps=1e-7 if rank == 0 else 1e-6)
+    elif kind == "class":
+        opt = (tte.optim.Adam if rank == 0 else tte.optim.Adagrad)(tables, lr=0.1)
+    else:
+        opt = tte.optim.Adam(tables, lr=0.1)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, 0.5) if kind == "scheduler" else None
+    gathers = []
+    gather = dist.all_gather_object
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        gathers.append(1)
+        return gather(*args, **kwargs)
+
+    dist.all_gather_object = counted  # type: ignore[assignment]
+    errors, done, lrs = [], [], []
+    for step in range(3):
+        if kind == "changed" and rank == 1 and step == 1:
+            opt.param_groups[0]["eps"] = 1e-6
+        ids, label = batch(rank, step)
+        try:
+            F.binary_cross_entropy_with_logits(model(ids), label).backward()
+            opt.step()
+            done.append(step)
+        except Exception as e:  # noqa: BLE001 - recorded
+            errors.append(error(e, step))
+            break
+        finally:
+            opt.zero_grad()
+        if sched is not None:
+            sched.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    return {"errors": errors, "done": done, "gathers": len(gathers), "lrs": lrs}
+
+
 def run(scenario: str, rank: int, world: int) -> dict[str, Any]:
+    if scenario.startswith("optimizers_"):  # "optimizers_<dp|shard>_<case>": the ranks' optimizers differ, or not
+        return optimizers_differ(scenario.removeprefix("optimizers_"), rank)
     if scenario.startswith("skip_"):  # "skip_<backward|both>": rank 1 skips its backward (and its step) at step 1
         model = skip_model()
         wait = 10 if scenario == "skip_both" else 60  # (skip_both: how long rank 0 waits for rank 1)

@@ -298,3 +298,36 @@ def test_a_rank_that_skips_its_backward_and_its_step_times_out_on_every_rank(tmp
     assert r1["done"] == [0, 1] and [e["step"] for e in r1["errors"]] == [2], r1
     assert "skipped both the backward and opt.step()" in r1["errors"][0]["message"], r1
 
+
+@pytest.mark.parametrize("tables", ["dp", "shard"], ids=["data_parallel", "sharded"])
+@pytest.mark.parametrize("case, want", [
+    ("lr", "`lr` of tables `item`, `kind`, `who`: 0.1 on rank 0, 0.2 on rank 1"),
+    ("eps", "`eps` of tables `item`, `kind`, `who`: 1e-07 on rank 0, 1e-06 on rank 1"),
+    ("class", "optimizer of tables `item`, `kind`, `who`: 'Adam' on rank 0, 'Adagrad' on rank 1"),
+], ids=["lr", "eps", "optimizer class"])
+def test_ranks_whose_optimizers_differ_raise_on_every_rank(tables: str, case: str, want: str, tmp_path: Path) -> None:
+    """Rank 0 and rank 1 build their optimizers of the shared tables with another ``lr``, ``eps`` or class: every
+    rank raises a ValueError at the first training lookup, naming the hyper-parameter, each rank's value and the
+    tables, before anything is updated. (Before, each rank trained its replica or shard with its own settings,
+    silently apart.)"""
+    for r, res in enumerate(run(f"optimizers_{tables}_{case}", tmp_path)):
+        assert res["done"] == [] and [(e["step"], e["type"]) for e in res["errors"]] == [(0, "ValueError")], (r, res)
+        msg = res["errors"][0]["message"]
+        assert want in msg and "different optimizers" in msg, (r, msg)
+
+
+def test_an_optimizer_changed_on_one_rank_raises_on_every_rank_at_the_next_lookup(tmp_path: Path) -> None:
+    """Rows sharded: after step 0, rank 1 alone sets Adam's ``eps`` to 1e-6: both ranks raise at step 1's lookup,
+    naming it (before: rank 1 trained on with its own ``eps``)."""
+    for r, res in enumerate(run("optimizers_shard_changed", tmp_path)):
+        assert res["done"] == [0] and [(e["step"], e["type"]) for e in res["errors"]] == [(1, "ValueError")], (r, res)
+        assert "`eps` of tables `item`, `kind`, `who`: 1e-07 on rank 0, 1e-06 on rank 1" in res["errors"][0]["message"]
+
+
+@pytest.mark.parametrize("tables", ["dp", "shard"], ids=["data_parallel", "sharded"])
+def test_a_scheduler_changing_lr_alike_on_every_rank_adds_no_collective(tables: str, tmp_path: Path) -> None:
+    """An ``ExponentialLR`` halves ``lr`` on every rank at each step: the ranks train on, and the check gathers
+    nothing (``all_gather_object`` never called): ``lr`` is agreed inside each training lookup's agreement."""
+    for r, res in enumerate(run(f"optimizers_{tables}_scheduler", tmp_path)):
+        assert res["done"] == [0, 1, 2] and not res["errors"], (r, res)
+        assert res["lrs"] == [0.05, 0.025, 0.0125] and res["gathers"] == 0, (r, res)

@@ -31,7 +31,9 @@ group is a value the placement carries, and these need no backend.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -50,6 +52,8 @@ __all__ = [
     "device_backend",
     "dtensor_placement",
     "process_group_placement",
+    "register_optimizer",
+    "registered_optimizers",
     "install_lookup_agreement",
     "install_row_grad_sync",
     "is_looking_ahead",
@@ -305,6 +309,22 @@ def install_row_grad_sync(sync: Callable[[list[dict[str, Any]]], None]) -> None:
     """Install data parallel's exchange of row gradients, run at the start of every optimizer step (once)."""
     if sync not in _ROW_GRAD_SYNC:
         _ROW_GRAD_SYNC.append(sync)
+
+
+#: this process's optimizers (:func:`register_optimizer`), in the order they were built
+_OPTIMIZERS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_BUILT = itertools.count()
+
+
+def register_optimizer(optimizer: Any) -> None:
+    """Record ``optimizer`` (a :mod:`torch_tpu_embedding.optim` optimizer the user built): the process-group
+    package agrees on the optimizers of the tables it exchanges (:func:`registered_optimizers`). Weakly held."""
+    _OPTIMIZERS[optimizer] = next(_BUILT)
+
+
+def registered_optimizers() -> list[Any]:
+    """The optimizers :func:`register_optimizer` recorded that are alive, in the order they were built."""
+    return sorted(_OPTIMIZERS.keys(), key=lambda o: _OPTIMIZERS.get(o, 0))
 
 
 #: set while a lookup runs ahead of its step (:func:`looking_ahead`)

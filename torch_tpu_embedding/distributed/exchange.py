@@ -19,7 +19,7 @@ positions:
 
 Only equal-split collectives: it runs where uneven all-to-all does not (TorchTPU's ``tpu_dist``).
 Per rank and step that is ``n·k·(4 + 2·D·b) + n·b`` bytes sent for ``b``-byte rows (``n·k`` is the rank's
-distinct ids plus the imbalance of the largest bucket), plus 32 bytes for the capacity and the step's
+distinct ids plus the imbalance of the largest bucket), plus 48 bytes for the capacity and the step's
 agreement (:func:`agree_capacity`: every rank at the same exchange, none failed before it).
 
 What the optimizer needs summed over every shard of a row-sharded table (``clipnorm``, Adafactor's
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -172,7 +172,8 @@ def group_sharding(p: Tensor) -> GroupSharding | None:
     return sharding if isinstance(sharding, GroupSharding) else None
 
 
-def plan(ids: Tensor, sharding: GroupSharding, grad: bool = False) -> tuple[RoutePlan, int]:
+def plan(ids: Tensor, sharding: GroupSharding, grad: bool = False, config: int = 0,
+         disagree: Callable[[], None] | None = None) -> tuple[RoutePlan, int]:
     """One rank's route plan of logical ``ids [N]`` at the group's eager capacity: ``(plan, k)``.
 
     ``k`` is the largest number of distinct ids any rank has for any owner this step (one
@@ -183,7 +184,7 @@ def plan(ids: Tensor, sharding: GroupSharding, grad: bool = False) -> tuple[Rout
     room = max(1, routed.shape[0])  # every id fits at this capacity
     full = plan_routes(routed, sharding.ownership, room)
     k = agree_capacity(full.load.max() if n else torch.zeros((), dtype=torch.int64), sharding.group, what="lookup",
-                       table=sharding.table, grad=grad)
+                       table=sharding.table, grad=grad, config=config, disagree=disagree)
     # Each owner's ids are at the front of its bucket (ascending), so the buckets are cut to k columns and
     # the slots renumbered: slot = owner·room + rank becomes owner·k + rank; padding n·room becomes n·k.
     owner, rank = full.slot // room, full.slot % room
@@ -270,7 +271,7 @@ def describe_tables(tables: Sequence[str]) -> None:
 
 
 def agree_capacity(largest: Tensor, group: Any, *, what: str = "rows", table: str = "", grad: bool = False,
-                   failed: bool = False) -> int:
+                   failed: bool = False, config: int = 0, disagree: Callable[[], None] | None = None) -> int:
     """The bucket size every rank of ``group`` uses: the largest of every rank's ``largest`` (a 0-d or 1-element
     integer tensor, on the group's device), at least 1. Every rank's buckets then have that size, so every
     all-to-all splits equally and nothing is dropped.
@@ -283,7 +284,10 @@ def agree_capacity(largest: Tensor, group: Any, *, what: str = "rows", table: st
     that the maximum and the minimum of the tags arrive; the highest
     rank that ``failed`` plus one), read back once. A rank whose step failed before its first collective takes
     part with ``failed=True`` (:meth:`GroupSharding.lookup_failed`) instead of skipping it: the others then
-    raise at that step rather than pair this exchange with the failed rank's next one.
+    raise at that step rather than pair this exchange with the failed rank's next one. A training lookup adds
+    ``config`` (a number for this rank's optimizers, :func:`~.optim_agreement.fingerprint`) and its negation: where
+    the ranks' numbers differ (every rank sees it, none failed, all at the same exchange) each calls ``disagree``,
+    which raises.
 
     Raises:
         RuntimeError: (on every rank but a failed one) another rank failed this step, or the ranks are at
@@ -291,7 +295,7 @@ def agree_capacity(largest: Tensor, group: Any, *, what: str = "rows", table: st
     """
     tag = _tag(what, table, grad)
     rank = dist.get_rank(group)
-    step = torch.tensor([tag, -tag, rank + 1 if failed else 0], dtype=torch.int64).to(largest.device)
+    step = torch.tensor([tag, -tag, rank + 1 if failed else 0, config, -config], dtype=torch.int64).to(largest.device)
     k = torch.cat([largest.detach().to(torch.int64).reshape(1), step])  # a new tensor: all_reduce writes in place
     try:
         dist.all_reduce(k, op=dist.ReduceOp.MAX, group=group)
@@ -327,6 +331,8 @@ def agree_capacity(largest: Tensor, group: Any, *, what: str = "rows", table: st
             "at static sizes (an accelerator: the same batch size and padded widths on every rank). Received: "
             "different exchanges on the ranks of one step"
         )
+    if disagree is not None and got[4] != -got[5]:
+        disagree()
     return max(1, int(got[0]))
 
 

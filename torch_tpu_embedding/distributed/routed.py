@@ -28,6 +28,7 @@ from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding._util.nest import Path
 from torch_tpu_embedding.combiners import bag_gains
 from torch_tpu_embedding.distributed.exchange import GroupSharding, fetch_rows, grad_payload, plan, send_grads
+from torch_tpu_embedding.distributed.optim_agreement import explain, fingerprint
 from torch_tpu_embedding.distributed.state import (
     from_logical_shard,
     from_logical_slot,
@@ -125,6 +126,9 @@ class _Route:
     device: torch.device | None = None
     #: what the backward sends the owners (:func:`~.exchange.grad_payload`), until it is this lookup's turn
     payload: Tensor | None = None
+    #: this rank's optimizers, as a number (:func:`~.optim_agreement.fingerprint`): part of a training lookup's
+    #: agreement
+    config: int = 0
     #: looked up ahead of its step (``look_up_ahead``: ``tte.TrainPipeline``'s stale lookups, whose backward comes
     #: after the next step, every rank alike): not pending, its backward sends its gradient at once
     ahead: bool = False
@@ -184,7 +188,9 @@ def send_pending(param_groups: Any = None) -> None:
 class _Exchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, weight: Tensor, ids: Tensor, route: _Route) -> Tensor:  # type: ignore[override]
-        routes, k = plan(ids, route.sharding, route.grad)
+        group = route.sharding.group  # (a training lookup also agrees on the ranks' optimizers: optim_agreement.py)
+        disagree = (lambda: explain(group)) if route.grad else None
+        routes, k = plan(ids, route.sharding, route.grad, route.config, disagree)
         rows, local = fetch_rows(weight.detach(), routes.send, route.sharding)
         route.slot, route.local, route.k = routes.slot, local, k
         route.width, route.pad, route.device = int(weight.shape[1]), int(weight.shape[0]), weight.device
@@ -243,7 +249,8 @@ class GroupLookup:
         # (a backward follows, with its all-to-all, only where the table trains: one frozen on some ranks only
         # makes every rank raise at this lookup's agreement instead of the others waiting in their backward)
         grad = torch.is_grad_enabled() and weight.requires_grad
-        route = _Route(layout, info.row_grad, tables, math_dtype(weight), grad, ahead=is_looking_ahead())
+        route = _Route(layout, info.row_grad, tables, math_dtype(weight), grad, config=fingerprint() if grad else 0,
+                       ahead=is_looking_ahead())
         rows: Tensor = _Exchange.apply(weight, ids, route)  # type: ignore[no-untyped-call]
         if grad and not route.ahead:  # a backward (or the step, for a rank that skips it) sends its gradient
             _PENDING.append(route)

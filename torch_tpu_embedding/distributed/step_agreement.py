@@ -29,6 +29,7 @@ from torch_tpu_embedding._rows.placement import Sizes
 from torch_tpu_embedding._rows.tables import TableInfo, table_info
 from torch_tpu_embedding.distributed.exchange import agree_capacity
 from torch_tpu_embedding.distributed.grad_sync import exchange_group, static_route
+from torch_tpu_embedding.distributed.optim_agreement import explain, fingerprint
 
 __all__ = ["agree_lookup", "agreement_device"]
 
@@ -75,7 +76,8 @@ def agree_lookup(weights: Callable[[], list[torch.Tensor]], failed: bool, sizes:
     if shapes is not None:  # (the failed rank's tag is not compared: the others raise naming its failure)
         tables = _with_shapes(tables, shapes)
     agree_capacity(torch.zeros((), dtype=torch.int64, device=where), group, what="data_parallel",
-                   table=tables, grad=True, failed=failed)
+                   table=tables, grad=True, failed=failed, config=0 if failed else fingerprint(),
+                   disagree=lambda: explain(group))  # (the ranks' optimizers: distributed/optim_agreement.py)
 
 
 @functools.lru_cache(maxsize=64)

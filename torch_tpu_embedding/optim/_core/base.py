@@ -28,13 +28,14 @@ from typing import Any, ClassVar
 
 import torch
 
-from torch_tpu_embedding._rows.placement import sync_row_grads
+from torch_tpu_embedding._rows.placement import register_optimizer, sync_row_grads
 from torch_tpu_embedding._rows.tables import check_live_tables, retired_count, stacked_rows, table_info
 from torch_tpu_embedding._util.registry import optimizer_class, register, resolve_rule
 from torch_tpu_embedding.optim._core import ema, grad_intake, step_gates
 from torch_tpu_embedding.optim._core.contract import RowContext, Slots, SlotSpec
 from torch_tpu_embedding.optim._core.extras import EXTRA_DEFAULTS, EXTRA_NAMES, check_extras
 from torch_tpu_embedding.optim._core.hyperparams import (
+    OVERRIDE_GROUP,
     check_group_options,
     check_stacked,
     mark_exchange,
@@ -102,6 +103,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         self._groups_checked = True
         super().__init__(param_groups(groups), defaults)
         self._groups_checked = False
+        if not any(isinstance(g, dict) and g.get(OVERRIDE_GROUP) for g in groups):  # (not a table override's own)
+            register_optimizer(self)  # its configuration agreed over a process group (distributed/optim_agreement.py)
         self.state = StateMapping(dict, self.state)
 
     # ------------------------------------------------------------------ subclass API

@@ -25,13 +25,13 @@ if TYPE_CHECKING:
     from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
 
 __all__ = [
-    "TORCH_GROUP_KEYS", "check_clipvalue", "check_group_options", "check_stacked", "mark_exchange", "param_groups",
-    "refuse_complex", "user_groups", "validate_common",
+    "OVERRIDE_GROUP", "TORCH_GROUP_KEYS", "check_clipvalue", "check_group_options", "check_stacked", "mark_exchange",
+    "param_groups", "refuse_complex", "user_groups", "validate_common",
 ]
 
 #: Marks the parameter group a table override's own optimizer is built from: that optimizer must
 #: not look for overrides again (the table's config still names the override).
-_OVERRIDE_GROUP = "_tte_table_override"
+_OVERRIDE_GROUP = OVERRIDE_GROUP = "_tte_table_override"  # (base.py: such an optimizer is not registered)
 
 #: Keys torch.optim itself puts in a parameter group besides an optimizer's options: named
 #: parameters (``param_names``) and the LR schedulers' ``initial_lr`` (given in a group to resume one).

@@ -1,0 +1,125 @@
+"""Every rank's optimizer for the tables it shares with the others is the same: checked at each training lookup,
+inside the agreement it makes already.
+
+Data parallel (replicated tables) and tables sharded over a process group train as one process only if every rank
+updates its rows with the same rule and hyper-parameters: a rank with ``lr=0.2`` where the others have ``0.1``
+(another ``eps``, another optimizer class) would apply other updates to its replica, or its shard, silently.
+:func:`fingerprint` is a number every rank computes on the host from the parameter groups of its
+:mod:`torch_tpu_embedding.optim` optimizers (each one registers when it is built,
+:func:`~torch_tpu_embedding._rows.placement.register_optimizer`) that hold a table exchanged over a process group:
+each group's optimizer, tables and hyper-parameters. It rides in the agreement of each training lookup
+(:func:`~torch_tpu_embedding.distributed.exchange.agree_capacity`: two more int64 in its one ``all_reduce``, read
+back with it), so the check adds no collective and no host read to a step, and a learning-rate scheduler that
+changes ``lr`` alike on every rank at every step costs nothing: ``lr`` is part of the number. Only where the
+numbers differ do the ranks gather their configurations (one ``all_gather_object``, every rank alike: each saw the
+same reduced numbers) and every rank raises a ``ValueError`` naming the hyper-parameter, each rank's value and the
+tables. A change made between a lookup and its step is checked at the next training lookup (the one after that
+step). Values that would need a read of the device (a tensor ``lr``) are compared by their kind only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torch_tpu_embedding._rows.placement import registered_optimizers
+from torch_tpu_embedding._rows.tables import table_info
+from torch_tpu_embedding.distributed.exchange import group_sharding
+from torch_tpu_embedding.distributed.grad_sync import exchange_group
+
+__all__ = ["explain", "fingerprint"]
+
+#: group keys that are not hyper-parameters (torch's, and the tensors themselves)
+_SKIP = frozenset({"params", "param_names", "initial_lr"})
+#: optimizer → (its groups' parameter lists, as ids and lengths; each group's shared tables)
+_TABLES: weakref.WeakKeyDictionary[Any, tuple[tuple[tuple[int, int], ...], list[list[str]]]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _value(v: Any) -> Any:
+    """``v`` as every process writes it alike: numbers, strings and their tuples as they are; a tensor, a function
+    or another object by its kind (a tensor is not read: that would wait for its device; a repr would hold its
+    address)."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (tuple, list)):
+        return tuple(_value(x) for x in v)
+    if isinstance(v, torch.Tensor):
+        return f"a {tuple(v.shape)} tensor"
+    if isinstance(v, type) or callable(v):
+        return getattr(v, "__qualname__", type(v).__qualname__)
+    return type(v).__qualname__
+
+
+def _shared_tables(opt: Any) -> list[list[str]]:
+    """Each parameter group's tables exchanged over a process group, by name; looked up again only when a group's
+    list of parameters changes (each training lookup asks: a walk over every dense parameter would cost more)."""
+    key = tuple((id(g["params"]), len(g["params"])) for g in opt.param_groups)
+    cached = _TABLES.get(opt)
+    if cached is None or cached[0] != key:
+        cached = _TABLES[opt] = (key, [sorted(
+            n for p in g["params"] for info in [table_info(p)] if info is not None
+            and (group_sharding(p) is not None or exchange_group(p) is not None) for n in info.tables)
+            for g in opt.param_groups])
+    return cached[1]
+
+
+def configurations() -> dict[str, dict[str, Any]]:
+    """This rank's optimizers of the tables exchanged over a process group: each parameter group's tables (as
+    ``"`a`, `b`"``, marked when another optimizer holds the same tables) → its optimizer and hyper-parameters."""
+    out: dict[str, dict[str, Any]] = {}
+    for opt in registered_optimizers():
+        for group, tables in zip(opt.param_groups, _shared_tables(opt), strict=True):
+            if not tables:
+                continue
+            config = {"optimizer": _value(group.get("_rule", type(opt)))}
+            config.update((k, _value(v)) for k, v in sorted(group.items()) if k not in _SKIP and not k.startswith("_"))
+            key = ", ".join(f"`{n}`" for n in tables)
+            while key in out:  # (another optimizer of the same tables)
+                key += " (another optimizer)"
+            out[key] = config
+    return out
+
+
+def fingerprint() -> int:
+    """A number for :func:`configurations` (62 bits: it and its negation fit an int64)."""
+    mine = configurations()
+    if not mine:
+        return 0
+    return int.from_bytes(hashlib.blake2b(repr(sorted(mine.items())).encode(), digest_size=8).digest()) >> 2
+
+
+def explain(group: Any) -> None:
+    """The agreement found the ranks' optimizers different: gather every rank's :func:`configurations` over
+    ``group`` (a collective: every rank of the group calls it at the same agreement) and raise.
+
+    Raises:
+        ValueError: naming each hyper-parameter that differs, each rank's value, and the tables.
+    """
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, configurations(), group=group)
+    problems = []
+    for tables in dict.fromkeys(k for configs in every for k in configs):
+        keys = dict.fromkeys(k for configs in every for k in configs.get(tables, {}))
+        for key in keys:
+            values = [configs[tables].get(key, "absent") if tables in configs else "no optimizer" for configs in every]
+            if len(set(map(repr, values))) > 1:
+                per_rank = ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(values))
+                what = "optimizer" if key == "optimizer" else f"`{key}`"
+                problems.append(f"{what} of tables {tables}: {per_rank}")
+                if key == "optimizer" or any(tables not in c for c in every):
+                    break  # (another rule, or none: its hyper-parameters differ as a matter of course)
+    if not problems:  # (two configurations alike but for their order, or a hash collision: nothing to name)
+        problems.append("their hyper-parameters, in another order")
+    raise ValueError(
+        "The ranks of the process group update their shared tables (data parallel, or sharded over the group) with "
+        "different optimizers, so their replicas or shards would train apart: " + "; ".join(problems) + ". Every "
+        "rank must build the same optimizer with the same hyper-parameters for these tables (a learning-rate "
+        "scheduler changing `lr` alike on every rank is fine). Raised on every rank at a training lookup, before "
+        "its step (a change made between a lookup and its step is found at the next lookup). Received: each "
+        "rank's optimizers of tables exchanged over the process group"
+    )

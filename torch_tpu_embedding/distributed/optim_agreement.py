@@ -31,7 +31,7 @@ from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding.distributed.exchange import group_sharding
 from torch_tpu_embedding.distributed.grad_sync import exchange_group
 
-__all__ = ["explain", "fingerprint"]
+__all__ = ["configurations", "explain", "fingerprint"]
 
 #: group keys that are not hyper-parameters (torch's, and the tensors themselves)
 _SKIP = frozenset({"params", "param_names", "initial_lr"})

@@ -159,6 +159,36 @@ def skip_steps(model: Model, opt: Any, rank: int, skip: str, steps: int = 3) -> 
     return {"errors": errors, "done": done, "tables": tables}
 
 
+def lookahead_steps(model: Model, opt: Any, rank: int, order: str, steps: int = 3) -> dict[str, Any]:
+    """Every rank looks its next batch up before this step's update, in its own loop (no ``look_up_ahead``):
+    ``order="before"``: the next lookup, then this batch's backward and step; ``"after"``: the backward, then the
+    next lookup, then the step (on a rank, nothing tells that lookup from a skipped batch's)."""
+    errors, done = [], []
+    ids, label = batch(rank, 0)
+    out = model(ids)
+    for step in range(steps):
+        try:
+            loss = F.binary_cross_entropy_with_logits(out, label.to(torch.float64))
+            if order == "before" and step + 1 < steps:
+                ids, label = batch(rank, step + 1)
+                out = model(ids)
+            loss.backward()
+            if order == "after" and step + 1 < steps:
+                ids, label = batch(rank, step + 1)
+                out = model(ids)
+            opt.step()
+            done.append(step)
+        except Exception as e:  # noqa: BLE001 - recorded
+            errors.append(error(e, step))
+            break
+        finally:
+            opt.zero_grad()
+    tables = {}
+    for name, t in model.ec.tables.items():
+        tables[name] = {"ids": tte.distributed.logical_ids(t).tolist(), "rows": t.weight.detach().tolist()}
+    return {"errors": errors, "done": done, "tables": tables}
+
+
 def optimizers_differ(case: str, rank: int) -> dict[str, Any]:
     """``"<dp|shard>_<case>"``: data parallel or sharded tables, 3 steps, each rank's optimizer built by ``case``:
     ``lr``: 0.1 on rank 0, 0.2 on rank 1; ``eps``: Adam's 1e-7 and 1e-6; ``class``: Adam and Adagrad; ``changed``:
@@ -212,6 +242,11 @@ def optimizers_differ(case: str, rank: int) -> dict[str, Any]:
 def run(scenario: str, rank: int, world: int) -> dict[str, Any]:
     if scenario.startswith("optimizers_"):  # "optimizers_<dp|shard>_<case>": the ranks' optimizers differ, or not
         return optimizers_differ(scenario.removeprefix("optimizers_"), rank)
+    if scenario.startswith("lookahead_"):  # "lookahead_<before|after>": every rank looks up a batch ahead
+        model = skip_model()
+        tte.distributed.shard(model, timeout=datetime.timedelta(seconds=60))
+        opt = tte.optim.Adam(model.ec.parameters(), lr=0.05)
+        return lookahead_steps(model, opt, rank, scenario.removeprefix("lookahead_"))
     if scenario.startswith("skip_"):  # "skip_<backward|both>": rank 1 skips its backward (and its step) at step 1
         model = skip_model()
         wait = 10 if scenario == "skip_both" else 60  # (skip_both: how long rank 0 waits for rank 1)

@@ -253,6 +253,65 @@ def _one_process() -> dict[str, Any]:
     return {name: t.logical_weight() for name, t in model.ec.tables.items()}
 
 
+def _one_process_ahead() -> dict[str, Any]:
+    """The ``lookahead_before`` scenario's tables as one process trains them on the global batch: each batch looked
+    up before the update of the one before it (its rows one step stale)."""
+    import torch
+    import torch.nn.functional as F
+
+    import torch_tpu_embedding as tte
+
+    worker = _worker()
+    model = worker.skip_model()
+    opt = tte.optim.Adam(model.ec.parameters(), lr=0.05)
+
+    def global_batch(step: int) -> tuple[dict[str, Any], Any]:
+        parts = [worker.batch(r, step) for r in range(2)]
+        return ({k: torch.cat([p[0][k] for p in parts]) for k in parts[0][0]},
+                torch.cat([p[1] for p in parts]).to(torch.float64))
+
+    ids, label = global_batch(0)
+    out = model(ids)
+    for step in range(3):
+        loss = F.binary_cross_entropy_with_logits(out, label)
+        if step + 1 < 3:
+            ids, label = global_batch(step + 1)
+            out = model(ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {name: t.logical_weight() for name, t in model.ec.tables.items()}
+
+
+def test_a_loop_that_looks_its_next_batch_up_before_the_step_trains_as_one_process(tmp_path: Path) -> None:
+    """Every rank looks batch N + 1 up, then runs batch N's backward and step (its own look-ahead loop): the lookup
+    of N + 1 stays pending past step N (a backward ran after it: it is no skipped batch) and its own backward sends
+    its gradient; the tables equal one process's running the same loop on the global batch."""
+    import torch
+
+    ranks = run("lookahead_before", tmp_path)
+    for res in ranks:
+        assert res["done"] == [0, 1, 2] and not res["errors"], res
+    for name, whole in _one_process_ahead().items():
+        got = torch.full_like(whole, float("nan"))
+        for res in ranks:
+            ids = torch.tensor(res["tables"][name]["ids"], dtype=torch.int64)
+            rows = torch.tensor(res["tables"][name]["rows"], dtype=torch.float64).reshape(-1, whole.shape[1])
+            real = ids < whole.shape[0]
+            got[ids[real]] = rows[real]
+        torch.testing.assert_close(got, whole, rtol=0, atol=1e-12, msg=name)
+
+
+def test_a_lookup_between_the_backward_and_the_step_is_refused_at_its_backward(tmp_path: Path) -> None:
+    """Every rank runs batch N's backward, then looks N + 1 up, then steps: nothing on a rank tells that lookup from
+    a skipped batch's, so the step sends its gradient empty, and its backward raises on every rank, naming the
+    look-ahead API, instead of its gradient going nowhere."""
+    for res in run("lookahead_after", tmp_path):
+        assert res["done"] == [0] and [e["step"] for e in res["errors"]] == [1], res
+        msg = res["errors"][0]["message"]
+        assert "reached it after an opt.step()" in msg and "ec.look_up_ahead" in msg, msg
+
+
 def _worker() -> Any:
     import importlib
     import sys

@@ -132,6 +132,8 @@ class _Route:
     #: looked up ahead of its step (``look_up_ahead``: ``tte.TrainPipeline``'s stale lookups, whose backward comes
     #: after the next step, every rank alike): not pending, its backward sends its gradient at once
     ahead: bool = False
+    #: how many lookup backwards this process had run when it was made (:data:`_BACKWARDS`)
+    made_at: int = 0
 
 
 #: This process's training lookups whose gradients the owners have not had yet, in lookup order. Every rank's
@@ -140,6 +142,9 @@ class _Route:
 #: never ran for a lookup (a batch it skipped, an error it caught) sends the owners an empty gradient at its step
 #: (:func:`send_pending`), where the others' backward waits for it, instead of every rank waiting on another.
 _PENDING: list[_Route] = []
+#: the lookup backwards this process has run (one number: a lookup's ``made_at`` against it tells whether a backward
+#: ran after it)
+_BACKWARDS = [0]
 
 
 def _send(route: _Route) -> None:
@@ -180,9 +185,22 @@ def send_pending(param_groups: Any = None) -> None:
     to their owners, in lookup order, those whose backward never ran on this rank as empty ones (this rank then
     adds nothing, and the owners still get every other rank's rows: the update of one process on the batches
     that had a backward). ``param_groups`` is not read: every pending lookup of this process goes, as on every
-    other rank."""
-    while _PENDING:
-        _send(_PENDING.pop(0))
+    other rank; but for a lookup made before the backward of an earlier one (``next_out = model(batch)``, then
+    ``loss.backward()`` and ``opt.step()``: a loop that looks its next batch up before this step's update) and
+    with none after it that had its backward: it is a look-ahead, every rank alike, and its own backward, after
+    this step, sends it.
+
+    (A lookup made after this step's backward, with no backward after it, is sent empty: on this rank nothing
+    tells it from a skipped batch. Its backward then raises; ``ec.look_up_ahead`` or ``tte.TrainPipeline`` look a
+    batch up ahead of its step.)"""
+    ready = max((i for i, r in enumerate(_PENDING) if r.payload is not None), default=-1)
+    kept = []
+    for i, route in enumerate(_PENDING):
+        if route.payload is not None or i < ready or route.made_at == _BACKWARDS[0]:
+            _send(route)
+        else:
+            kept.append(route)
+    _PENDING[:] = kept
 
 
 class _Exchange(torch.autograd.Function):
@@ -201,7 +219,17 @@ class _Exchange(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None]:  # type: ignore[override]
         route: _Route = ctx.route
-        assert route.slot is not None and route.local is not None
+        _BACKWARDS[0] += 1
+        if route.slot is None or route.local is None:  # (sent empty by a step before this backward)
+            raise RuntimeError(
+                f"Table `{route.sharding.table}`: the backward of a lookup reached it after an opt.step() (or "
+                "tte.clip_grad_norm_) had sent its gradient to the rows' owners as an empty one: this rank had run no "
+                "backward since the lookup, as a rank that skips a batch's backward and steps (the other ranks' "
+                "backward waits for it there). To look a batch up before the step of the one before it, use "
+                "ec.look_up_ahead(ec.prepare(batch)) or tte.TrainPipeline(..., pipeline_execution_with_tensor_core="
+                "True), or run the previous batch's backward before this lookup. Received: a backward after its "
+                "lookup's step"
+            )
         # Data parallel's average over the ranks; 16-bit tables send float32 rows (the update's dtype).
         g = grad.to(route.grad_dtype) / route.sharding.world
         route.payload = grad_payload(g, route.slot, route.k, route.sharding, route.width, route.grad_dtype, g.device)
@@ -253,6 +281,7 @@ class GroupLookup:
                        ahead=is_looking_ahead())
         rows: Tensor = _Exchange.apply(weight, ids, route)  # type: ignore[no-untyped-call]
         if grad and not route.ahead:  # a backward (or the step, for a rank that skips it) sends its gradient
+            route.made_at = _BACKWARDS[0]
             _PENDING.append(route)
         self._count(route)
         out: dict[Path, Tensor] = {}

@@ -58,7 +58,11 @@ def ema_rows(item: Work, space: RowSpace, ids: Tensor, w_old: Tensor, w_new: Ten
     """
     p, group, state, where = space.p, item.group, space.state, space.where
     it = item.clock.ema_on(p.device, group["skip_nonfinite"], group["gradient_accumulation_steps"]).to(torch.int32)
-    keep = item.clock.keep(p.device, group["skip_nonfinite"])
+    # The item's gate, not only the call's (clock.keep): on XLA it also holds the accumulation window's, and an
+    # accumulate-only call, which runs the update there (one graph) over the window's buffer (stale slots of the
+    # last window included), must bring no row's average up to date, as eagerly, where it updates nothing: else
+    # ema_last (and the raw ema) name another call than the CPU's, for rows the call did not even touch.
+    keep = item.gate
     avg0 = space.gather("ema", ids)
     last0 = space.gather("ema_last", ids)
     mu = momentum_now(group, item.clock, p.device, w_new.dtype)

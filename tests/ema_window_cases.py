@@ -8,6 +8,12 @@ gated by the window; the touched rows' averages were not gated by it, so an accu
 rows of the window's buffer, stale slots of the last window included (rows the call did not touch): ``ema_last`` then
 named that call, one to k - 1 calls after the CPU's, and the raw ``ema`` was caught up further (the caught-up averages
 agreed, which is why comparisons of ``moving_average`` did not see it).
+
+With ``skip_nonfinite`` XLA also checked the accumulate-only calls (over the window so far and the last window's stale
+slots), counting each that saw a NaN, and took one call off the average's counter per count, where the CPU counts a
+dropped window once and takes its k calls off: ``skipped_steps`` (saved) meant another thing on each layout, so a
+checkpoint moved after a dropped window continued with the counter off, and a window with two NaN micro-batches set
+the counter one call apart (``ema_last`` too) in a single run.
 """
 
 from __future__ import annotations
@@ -46,10 +52,13 @@ def build(device: torch.device, case: str, setup: Setup | None) -> tuple[tte.Emb
     return ec, opt
 
 
-def train(ec: tte.EmbeddingCollection, opt: Any, device: torch.device, calls: range, sync: Sync) -> None:
+def train(ec: tte.EmbeddingCollection, opt: Any, device: torch.device, calls: range, sync: Sync,
+          nan_at: tuple[int, ...] = ()) -> None:
+    """``nan_at``: the calls whose gradients are NaN (a window ``skip_nonfinite`` drops)."""
     for i in calls:  # rows >= 20 are never looked up
         ids = torch.randint(0, 20, (4, 2), generator=torch.Generator().manual_seed(i))
-        ec({"f": tte.Padded(ids.to(device))})["f"].square().sum().backward()
+        loss = ec({"f": tte.Padded(ids.to(device))})["f"].square().sum()
+        (loss * float("nan") if i in nan_at else loss).backward()
         opt.step()
         opt.zero_grad()
         if device != CPU:
@@ -77,24 +86,26 @@ def check_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
             torch.testing.assert_close(got[k], v, rtol=1e-12, atol=1e-14, msg=k)
 
 
-def raw_slots_equal(dev: torch.device, case: str, setup: Setup | None, sync: Sync) -> None:
+def raw_slots_equal(dev: torch.device, case: str, setup: Setup | None, sync: Sync, nan_at: tuple[int, ...] = ()) -> None:
     """7 calls (the last accumulate-only): every slot, ``ema_last`` and the raw ``ema`` included, as on the CPU, on
-    touched and untouched rows."""
+    touched and untouched rows; and ``skipped_steps``."""
     got, want = build(dev, case, setup), build(CPU, case, None)
-    train(*got, dev, range(7), sync)
-    train(*want, CPU, range(7), sync)
+    train(*got, dev, range(7), sync, nan_at)
+    train(*want, CPU, range(7), sync, nan_at)
+    assert got[1].skipped_steps == want[1].skipped_steps == (1 if nan_at else 0)
     g, w = saved(*got), saved(*want)
     if "ema_last" in w:  # lazy tables: rows brought up to date at different calls, untouched rows at -1
         assert len(set(w["ema_last"].tolist())) >= 3 and (w["ema_last"][20:] == -1).all()
     check_equal(g, w)
 
 
-def moved_checkpoint_continues(dev: torch.device, case: str, direction: str, setup: Setup | None, sync: Sync) -> None:
-    """6 calls on one layout, saved, loaded on the other, 5 more calls there (ending mid-window): weights, ``ema``,
-    ``ema_last`` as the layout it came from continued, and the caught-up averages too."""
+def moved_checkpoint_continues(dev: torch.device, case: str, direction: str, setup: Setup | None, sync: Sync,
+                               nan_at: tuple[int, ...] = ()) -> None:
+    """6 calls on one layout (``nan_at`` among them), saved, loaded on the other, 5 more calls there (ending
+    mid-window): weights, ``ema``, ``ema_last`` as the layout it came from continued, and the caught-up averages too."""
     src, dst = (CPU, dev) if direction == "cpu-to-xla" else (dev, CPU)
     ec, opt = build(src, case, setup)
-    train(ec, opt, src, range(6), sync)
+    train(ec, opt, src, range(6), sync, nan_at)
     # Copies: a state dict's tensors may be the live ones, which the next calls change.
     model_sd = {k: v.cpu().clone() for k, v in ec.state_dict().items()}
     opt_sd = tree_map(lambda v: v.cpu().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v), opt.state_dict())

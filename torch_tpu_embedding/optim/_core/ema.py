@@ -11,11 +11,13 @@ A call that ``skip_nonfinite`` drops changes no average and no weight, and does 
 of the average (:meth:`StepClock.ema_on`), so lazy rows and dense parameters agree; nor does a call an
 exchange overflow drops (:meth:`StepClock.on`).
 
-With gradient accumulation (``k`` calls a window, eagerly) the check sees a window's sum at its last call,
+With gradient accumulation (``k`` calls a window; on XLA too, whose accumulate-only calls go unchecked:
+``step_gates.gate_nonfinite``) the check sees a window's sum at its last call,
 so a non-finite micro-batch drops the whole window: none of its ``k`` calls counts (the counter counts the
 calls of applied windows), a lazy row's catch-up never sees them, and a non-lazy parameter's average, which
 Keras moves at every call, goes back to what it was when the window began (:func:`ema_calls`' record of it).
-A window dropped is then as if it had not happened.
+A window dropped is then as if it had not happened (on XLA, which keeps no record, but for a non-lazy
+parameter's average: it keeps the moves of the window's accumulate-only calls).
 """
 
 from __future__ import annotations
@@ -155,7 +157,7 @@ def _restore_dropped(starts: dict[int, Tensor], p: Tensor, avg: Tensor, keep: Te
     of the parameter, once a window); at its last call, when the call is dropped (``keep`` False), the window's
     accumulate-only calls are undone (the average it began with), so the dropped window counts no call."""
     if is_static_device(p.device):
-        return avg  # one graph every call: each call's average is gated on its own (not covered)
+        return avg  # one graph every call, no record: the accumulate-only calls' moves stay (not covered)
     k = group["gradient_accumulation_steps"]
     if iterations % k == 0:
         starts[id(p)] = avg.clone()

@@ -74,7 +74,15 @@ def gate_nonfinite(work: list[Work]) -> Tensor | None:
     dev = checked[0].g.device
     finite = torch.ones((), dtype=torch.bool, device=dev)
     for w in checked:
-        finite = finite & torch.isfinite(w.g).all().to(dev)
+        ok = torch.isfinite(w.g).all()
+        if w.gate is not None:
+            # An update its gate drops is not checked, as eagerly, where an accumulate-only call has no update to
+            # check: on XLA that call runs one over the window so far and the last window's stale slots, and
+            # counting it (once per call that sees a non-finite row, not once per window) set the moving
+            # average's counter (and skipped_steps, saved) apart from the CPU's. (A call the exchange's overflow
+            # drops is not counted as a skip anyway: StepCounters.count.)
+            ok = ok | ~w.gate
+        finite = finite & ok.to(dev)
     groups = [s.group for s in (process_group_placement(w.p) for w in checked) if s is not None]
     if groups:  # tables sharded over a process group: every rank skips when any rank's part is not finite
         finite = all_true(finite, groups[0])

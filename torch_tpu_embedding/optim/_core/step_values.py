@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from torch_tpu_embedding._rows.dedup import is_static_device
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding._util.transfer import upload
 from torch_tpu_embedding._util.validation import check_number
@@ -162,13 +161,14 @@ class StepClock:
 
     def ema_on(self, device: torch.device, skip_nonfinite: bool, window: int | None = None) -> Tensor:
         """The moving average's call counter: calls dropped by ``skip_nonfinite`` do not count. ``window``:
-        the group's ``gradient_accumulation_steps``; eagerly a non-finite window is dropped at its last call,
-        the one call ``skipped`` counts, and none of its ``window`` calls counts (the counter counts the calls
-        of applied windows)."""
+        the group's ``gradient_accumulation_steps``; a non-finite window is dropped at its last call, the one call
+        ``skipped`` counts, and none of its ``window`` calls counts (the counter counts the calls of applied
+        windows). So on XLA too, whose accumulate-only calls are not checked (``step_gates.gate_nonfinite``): one
+        meaning of ``skipped_steps`` in every layout, so that a checkpoint moved between them continues alike."""
         it = self.on(device)
         if not skip_nonfinite or self.skipped is None:
             return it
-        per = window if window and not is_static_device(device) else 1
+        per = window or 1
         return it - self.skipped.to(device) * per
 
     def keep(self, device: torch.device, skip_nonfinite: bool) -> Tensor | None:

@@ -112,8 +112,7 @@ def test_reshard_8_to_2_in_place_and_to_cpu(tmp_path: Path) -> None:
         same_state(flat(tmp_path / name), ref, name)  # every stage holds exactly the saved state
     trained = flat(tmp_path / "trained8.pt")
     same_state(flat(tmp_path / "trained8to2.pt"), trained, "trained on 2", exact=False)
-    # The CPU's lazy tables bring a row's moving average up to date at other calls (the caught-up value is the same).
-    same_state(flat(tmp_path / "trainedcpu8.pt"), trained, "trained on the CPU", exact=False, skip=("/ema", "/ema_last"))
+    same_state(flat(tmp_path / "trainedcpu8.pt"), trained, "trained on the CPU", exact=False)  # raw ema, ema_last too
     import torch.distributed.checkpoint as dcp
 
     md = dcp.FileSystemReader(str(tmp_path / "dcp8")).read_metadata()
@@ -132,7 +131,7 @@ def test_reshard_6_to_4_through_the_host_and_to_cpu(tmp_path: Path) -> None:
         same_state(flat(tmp_path / name), ref, name)
     trained = flat(tmp_path / "trained6.pt")
     same_state(flat(tmp_path / "trained6to4.pt"), trained, "trained on 4", exact=False)
-    same_state(flat(tmp_path / "trainedcpu6.pt"), trained, "trained on the CPU", exact=False, skip=("/ema", "/ema_last"))
+    same_state(flat(tmp_path / "trainedcpu6.pt"), trained, "trained on the CPU", exact=False)
 
 
 def test_checkpoint_written_before_the_exchange_loads(tmp_path: Path) -> None:
@@ -142,5 +141,10 @@ def test_checkpoint_written_before_the_exchange_loads(tmp_path: Path) -> None:
     for name, devices in (("spmd4", 4), ("spmd8", 8), ("cpu", 0)):
         assert stage(name, devices, tmp_path, script) == "ok"
         same_state(flat(tmp_path / f"loaded-{name}.pt"), ref, f"loaded {name}")
-        skip = ("/ema", "/ema_last") if name == "cpu" else ()
-        same_state(flat(tmp_path / f"trained-{name}.pt"), after, f"trained {name}", exact=False, skip=skip)
+        # after.pt holds the old code's raw averages on 4 devices, where an accumulate-only call brought rows up to date
+        # (tests/ema_window_cases.py): the trained runs' raw ema and ema_last are compared with the CPU's below.
+        same_state(flat(tmp_path / f"trained-{name}.pt"), after, f"trained {name}", exact=False,
+                   skip=("/ema", "/ema_last"))
+    for name in ("spmd4", "spmd8"):
+        same_state(flat(tmp_path / f"trained-{name}.pt"), flat(tmp_path / "trained-cpu.pt"), f"trained {name} vs cpu",
+                   exact=False)

@@ -8,7 +8,8 @@ Run (from the repository root):
         [--rows 1000000] [--iters 10] [--kernel 0|1]
 
 ``--concat`` looks the features up with ``concat=True`` (one ``[B, T·D]``, FBGEMM's output layout) instead of the
-per-feature dict and the caller's ``torch.cat`` of it, which the forward's time then includes.
+per-feature dict and the caller's ``torch.cat`` of it, which the forward's time then includes; ``--concat --copy``
+copies that output (``.clone()``) before the loss: a copy as large as the dict mode's ``torch.cat``, without the dict.
 
 ``--kernel 0`` runs the uncompiled reference update (``TTE_UPDATE_KERNEL=0``) for comparison; with
 ``--kernel 1`` the kernel path runs from the first call (``set_policy(after=0)``; the first warm-up step
@@ -35,6 +36,9 @@ def main() -> None:
     ap.add_argument("--kernel", type=int, default=1, choices=(0, 1))
     ap.add_argument("--top", type=int, default=12, help="operators listed from the profile")
     ap.add_argument("--concat", action="store_true", help="ec(batch, concat=True), not the dict and a torch.cat")
+    ap.add_argument("--copy", action="store_true",
+                    help="with --concat: the [B, T·D] output copied (.clone()) before the loss, a copy of the size the "
+                         "dict mode's torch.cat makes (what that copy costs, apart from the dict)")
     add_workload_args(ap)
     args = ap.parse_args()
     os.environ["TTE_UPDATE_KERNEL"] = str(args.kernel)
@@ -61,7 +65,8 @@ def main() -> None:
     def step(batch: dict[str, Any], record: bool) -> None:
         t0 = time.perf_counter()
         if args.concat:  # [B, T·D] straight from the lookup, features in ec.feature_names order (= names)
-            loss = ec(batch, concat=True).sum()
+            out = ec(batch, concat=True)
+            loss = (out.clone() if args.copy else out).sum()
         else:
             out = ec(batch)
             loss = torch.cat([out[f] for f in names], dim=1).sum()
@@ -87,7 +92,7 @@ def main() -> None:
         if i >= args.warmup:
             phases["floor"].append(1000 * (time.perf_counter() - t0))
     print(f"{args.optimizer}, {n} id{'s' if n > 1 else ''}/bag, {args.threads} thread(s), kernel={args.kernel}, "
-          f"{'concat=True' if args.concat else 'dict + torch.cat'}, "
+          f"{('concat=True + a copy' if args.copy else 'concat=True') if args.concat else 'dict + torch.cat'}, "
           f"{t} × {args.rows:,} × {args.dim}, batch {b}; load average {os.getloadavg()[0]:.1f}")
     for k, v in phases.items():
         print(f"  {k:9s} median {statistics.median(v):8.1f} ms  (min {min(v):.1f}, max {max(v):.1f})")

@@ -193,6 +193,8 @@ def send_pending(param_groups: Any = None) -> None:
     (A lookup made after this step's backward, with no backward after it, is sent empty: on this rank nothing
     tells it from a skipped batch. Its backward then raises; ``ec.look_up_ahead`` or ``tte.TrainPipeline`` look a
     batch up ahead of its step.)"""
+    if not _PENDING:  # (the steady case; also what torch.compile traces of a step: no loop to trace)
+        return
     ready = max((i for i, r in enumerate(_PENDING) if r.payload is not None), default=-1)
     kept = []
     for i, route in enumerate(_PENDING):

@@ -159,23 +159,20 @@ def skip_steps(model: Model, opt: Any, rank: int, skip: str, steps: int = 3) -> 
     return {"errors": errors, "done": done, "tables": tables}
 
 
-def lookahead_steps(model: Model, opt: Any, rank: int, order: str, steps: int = 3) -> dict[str, Any]:
-    """Every rank looks its next batch up before this step's update, in its own loop (no ``look_up_ahead``):
-    ``order="before"``: the next lookup, then this batch's backward and step; ``"after"``: the backward, then the
-    next lookup, then the step (on a rank, nothing tells that lookup from a skipped batch's)."""
+def unused_steps(model: Model, opt: Any, rank: int, case: str, steps: int = 3) -> dict[str, Any]:
+    """``steps`` steps whose loss leaves out table `who`'s activations (``case="every_rank"``: on every rank, every
+    step after the first, as a model that looks up a feature it only logs; ``"one_rank"``: on rank 1 at step 1 only, the rest of its
+    backward run). Records the errors, the steps done and the tables' stored rows."""
     errors, done = [], []
-    ids, label = batch(rank, 0)
-    out = model(ids)
+    before: dict[str, torch.Tensor] = {}
     for step in range(steps):
+        ids, label = batch(rank, step)
         try:
-            loss = F.binary_cross_entropy_with_logits(out, label.to(torch.float64))
-            if order == "before" and step + 1 < steps:
-                ids, label = batch(rank, step + 1)
-                out = model(ids)
-            loss.backward()
-            if order == "after" and step + 1 < steps:
-                ids, label = batch(rank, step + 1)
-                out = model(ids)
+            out = model.ec(ids)
+            drop = (case == "every_rank" and step >= 1) or (rank == 1 and step == 1)
+            used = [out[k] if not (drop and k == "who") else torch.zeros_like(out[k]).detach() for k in sorted(out)]
+            logit = model.head(torch.cat(used, dim=1)).squeeze(1)
+            F.binary_cross_entropy_with_logits(logit, label.to(torch.float64)).backward()
             opt.step()
             done.append(step)
         except Exception as e:  # noqa: BLE001 - recorded
@@ -183,17 +180,73 @@ def lookahead_steps(model: Model, opt: Any, rank: int, order: str, steps: int = 
             break
         finally:
             opt.zero_grad()
+        if step == 0:  # (what the steps after the first move)
+            before = {name: t.weight.detach().clone() for name, t in model.ec.tables.items()}
     tables = {}
     for name, t in model.ec.tables.items():
         tables[name] = {"ids": tte.distributed.logical_ids(t).tolist(), "rows": t.weight.detach().tolist()}
-    return {"errors": errors, "done": done, "tables": tables}
+    moved = {name: float((t.weight.detach() - before[name]).abs().max()) if t.weight.numel() else 0.0
+             for name, t in model.ec.tables.items()}
+    return {"errors": errors, "done": done, "tables": tables, "moved": moved}
+
+
+def two_losses(model: Model, rank: int, order: tuple[str, str] = ("item", "who"), steps: int = 3) -> dict[str, Any]:
+    """Two losses and two optimizers on one forward (table `item`'s, then table `who`'s): ``loss1.backward()``,
+    ``opt1.step()``, ``loss2.backward()``, ``opt2.step()`` at every step. Records the errors, the steps done and the
+    tables' stored rows."""
+    tables = model.ec.tables
+    opts = [tte.optim.Adam(tables[n].parameters(), lr=0.05, lazy_adam=False) for n in order]
+    errors, done = [], []
+    for step in range(steps):
+        ids, _ = batch(rank, step)
+        try:
+            out = model.ec(ids)
+            for name, opt in zip(order, opts, strict=True):
+                out[name].square().mean().backward()
+                opt.step()
+            done.append(step)
+        except Exception as e:  # noqa: BLE001 - recorded
+            errors.append(error(e, step))
+            break
+        finally:
+            for opt in opts:
+                opt.zero_grad()
+    rows = {name: {"ids": tte.distributed.logical_ids(t).tolist(), "rows": t.weight.detach().tolist()}
+            for name, t in tables.items()}
+    return {"errors": errors, "done": done, "tables": rows}
+
+
+def zeroed_steps(model: Model, opt: Any, rank: int) -> dict[str, Any]:
+    """Step 0; an evaluation outside ``torch.no_grad()`` (``model.eval()`` alone: its lookup pending, no backward);
+    step 1's backward, then ``opt.zero_grad()`` without its step (a batch dropped after its backward); step 2.
+    Records the errors, the steps done and the tables' stored rows."""
+    errors, done = [], []
+    for step in range(3):
+        ids, label = batch(rank, step)
+        try:
+            F.binary_cross_entropy_with_logits(model(ids), label.to(torch.float64)).backward()
+            if step != 1:
+                opt.step()
+                done.append(step)
+        except Exception as e:  # noqa: BLE001 - recorded
+            errors.append(error(e, step))
+            break
+        finally:
+            opt.zero_grad()
+        if step == 0:
+            model.eval()(batch(rank, 9)[0])
+            model.train()
+    rows = {name: {"ids": tte.distributed.logical_ids(t).tolist(), "rows": t.weight.detach().tolist()}
+            for name, t in model.ec.tables.items()}
+    return {"errors": errors, "done": done, "tables": rows}
 
 
 def optimizers_differ(case: str, rank: int) -> dict[str, Any]:
     """``"<dp|shard>_<case>"``: data parallel or sharded tables, 3 steps, each rank's optimizer built by ``case``:
     ``lr``: 0.1 on rank 0, 0.2 on rank 1; ``eps``: Adam's 1e-7 and 1e-6; ``class``: Adam and Adagrad; ``changed``:
-    alike, then rank 1 sets Adam's eps to 1e-6 after step 0; ``scheduler``: alike, with an ``ExponentialLR`` on
-    every rank. Records the errors, the steps done and the ``all_gather_object`` calls of the steps."""
+    alike, then rank 1 sets Adam's eps to 1e-6 after step 0; ``rebuilt``: alike, built anew on every rank after
+    step 0, the old one kept alive on rank 0 (``rebuilt_lr``: the new one's lr 0.2 on rank 1); ``scheduler``: alike,
+    with an ``ExponentialLR`` on every rank. Records the errors, the steps done and the ``all_gather_object`` calls of the steps."""
     torch.manual_seed(0)
     model = Model(configs(rank, ""))
     if case.startswith("dp_"):
@@ -201,7 +254,7 @@ def optimizers_differ(case: str, rank: int) -> dict[str, Any]:
     else:
         tte.distributed.shard(model)
     kind = case.split("_", 1)[1]
-    tables = model.ec.parameters()
+    tables = list(model.ec.parameters())
     if kind == "lr":
         opt: Any = tte.optim.Adagrad(tables, lr=0.1 if rank == 0 else 0.2)
     elif kind == "eps":
@@ -220,9 +273,14 @@ def optimizers_differ(case: str, rank: int) -> dict[str, Any]:
 
     dist.all_gather_object = counted  # type: ignore[assignment]
     errors, done, lrs = [], [], []
+    kept = []
     for step in range(3):
         if kind == "changed" and rank == 1 and step == 1:
             opt.param_groups[0]["eps"] = 1e-6
+        if kind.startswith("rebuilt") and step == 1:  # every rank builds its optimizer anew (rebuilt_lr: with lr 0.2
+            if rank == 0:  # on rank 1); rank 0 keeps the old one alive (a helper of its own refers to it)
+                kept.append(opt)
+            opt = tte.optim.Adam(tables, lr=0.2 if kind == "rebuilt_lr" and rank == 1 else 0.1)
         ids, label = batch(rank, step)
         try:
             F.binary_cross_entropy_with_logits(model(ids), label).backward()
@@ -242,11 +300,57 @@ def optimizers_differ(case: str, rank: int) -> dict[str, Any]:
 def run(scenario: str, rank: int, world: int) -> dict[str, Any]:
     if scenario.startswith("optimizers_"):  # "optimizers_<dp|shard>_<case>": the ranks' optimizers differ, or not
         return optimizers_differ(scenario.removeprefix("optimizers_"), rank)
-    if scenario.startswith("lookahead_"):  # "lookahead_<before|after>": every rank looks up a batch ahead
+    if scenario == "local_after_training":  # a sharded model, and a second one trained data parallel, then each
+        # rank's own (tte.distributed.local_tables), rank 1's with lr 0.2: a run of its own, not a difference
         model = skip_model()
-        tte.distributed.shard(model, timeout=datetime.timedelta(seconds=60))
-        opt = tte.optim.Adam(model.ec.parameters(), lr=0.05)
-        return lookahead_steps(model, opt, rank, scenario.removeprefix("lookahead_"))
+        tte.distributed.shard(model, timeout=datetime.timedelta(seconds=20))
+        torch.manual_seed(1)
+        side = tte.distributed.data_parallel(tte.EmbeddingCollection(
+            {"tag": tte.FeatureConfig(tte.TableConfig(30, DIM, name="tag", dtype=torch.float64))}))
+        opts = [tte.optim.Adam(model.ec.parameters(), lr=0.05), tte.optim.Adagrad(side.parameters(), lr=0.1)]
+        errors, done = [], []
+        for step in range(3):
+            if step == 1:
+                tte.distributed.local_tables(side)
+                opts[1].param_groups[0]["lr"] = 0.2 if rank == 1 else 0.1
+            ids, label = batch(rank, step)
+            try:
+                loss = F.binary_cross_entropy_with_logits(model(ids), label.to(torch.float64))
+                (loss + side({"tag": ids["kind"]})["tag"].sum()).backward()
+                for opt in opts:
+                    opt.step()
+                done.append(step)
+            except Exception as e:  # noqa: BLE001 - recorded
+                errors.append(error(e, step))
+                break
+            finally:
+                for opt in opts:
+                    opt.zero_grad()
+        return {"errors": errors, "done": done}
+    if scenario == "double_backward":  # every rank: loss.backward(retain_graph=True), then a second backward
+        model = skip_model()
+        tte.distributed.shard(model, timeout=datetime.timedelta(seconds=20))
+        ids, label = batch(rank, 0)
+        loss = F.binary_cross_entropy_with_logits(model(ids), label.to(torch.float64))
+        loss.backward(retain_graph=True)
+        try:
+            loss.backward()
+        except Exception as e:  # noqa: BLE001 - recorded
+            return {"errors": [error(e, 0)]}
+        return {"errors": []}
+    if scenario == "zeroed":  # a backward whose gradient zero_grad() drops, behind an evaluation's pending lookup
+        model = skip_model()
+        tte.distributed.shard(model, timeout=datetime.timedelta(seconds=20))
+        return zeroed_steps(model, tte.optim.Adam(model.ec.parameters(), lr=0.05), rank)
+    if scenario.startswith("two_losses"):  # two losses, two optimizers, each loss's backward and step in turn
+        model = skip_model()
+        tte.distributed.shard(model, timeout=datetime.timedelta(seconds=20))
+        return two_losses(model, rank, ("who", "item") if scenario.endswith("_reversed") else ("item", "who"))
+    if scenario.startswith("unused_"):  # "unused_<every_rank|one_rank>": table `who` left out of a loss
+        model = skip_model()
+        tte.distributed.shard(model, timeout=datetime.timedelta(seconds=20))
+        opt = tte.optim.Adam(model.ec.parameters(), lr=0.05, lazy_adam=False)
+        return unused_steps(model, opt, rank, scenario.removeprefix("unused_"))
     if scenario.startswith("skip_"):  # "skip_<backward|both>": rank 1 skips its backward (and its step) at step 1
         model = skip_model()
         wait = 10 if scenario == "skip_both" else 60  # (skip_both: how long rank 0 waits for rank 1)

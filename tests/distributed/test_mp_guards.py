@@ -226,92 +226,6 @@ def test_data_parallel_a_stacked_table_frozen_on_one_rank_only_raises_on_every_r
         assert "(frozen: `tag`)" in msg or r == 1, msg
 
 
-def _one_process() -> dict[str, Any]:
-    """The ``skip_*`` scenarios' tables as one process trains them on the global batch of both ranks, where rank 1's
-    share at step 1 contributes no gradient: the loss at that step is rank 0's mean halved (each rank's loss is the
-    mean over its equal share of the global batch, so the global mean counts rank 1's share as zero)."""
-    import torch
-    import torch.nn.functional as F
-
-    import torch_tpu_embedding as tte
-
-    worker = _worker()
-    model = worker.skip_model()
-    opt = tte.optim.Adam(model.ec.parameters(), lr=0.05)
-    for step in range(3):
-        parts = [worker.batch(r, step) for r in range(2)]
-        if step == 1:
-            ids, label = parts[0]
-            loss = 0.5 * F.binary_cross_entropy_with_logits(model(ids), label.to(torch.float64))
-        else:
-            ids = {k: torch.cat([p[0][k] for p in parts]) for k in parts[0][0]}
-            label = torch.cat([p[1] for p in parts]).to(torch.float64)
-            loss = F.binary_cross_entropy_with_logits(model(ids), label)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return {name: t.logical_weight() for name, t in model.ec.tables.items()}
-
-
-def _one_process_ahead() -> dict[str, Any]:
-    """The ``lookahead_before`` scenario's tables as one process trains them on the global batch: each batch looked
-    up before the update of the one before it (its rows one step stale)."""
-    import torch
-    import torch.nn.functional as F
-
-    import torch_tpu_embedding as tte
-
-    worker = _worker()
-    model = worker.skip_model()
-    opt = tte.optim.Adam(model.ec.parameters(), lr=0.05)
-
-    def global_batch(step: int) -> tuple[dict[str, Any], Any]:
-        parts = [worker.batch(r, step) for r in range(2)]
-        return ({k: torch.cat([p[0][k] for p in parts]) for k in parts[0][0]},
-                torch.cat([p[1] for p in parts]).to(torch.float64))
-
-    ids, label = global_batch(0)
-    out = model(ids)
-    for step in range(3):
-        loss = F.binary_cross_entropy_with_logits(out, label)
-        if step + 1 < 3:
-            ids, label = global_batch(step + 1)
-            out = model(ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return {name: t.logical_weight() for name, t in model.ec.tables.items()}
-
-
-def test_a_loop_that_looks_its_next_batch_up_before_the_step_trains_as_one_process(tmp_path: Path) -> None:
-    """Every rank looks batch N + 1 up, then runs batch N's backward and step (its own look-ahead loop): the lookup
-    of N + 1 stays pending past step N (a backward ran after it: it is no skipped batch) and its own backward sends
-    its gradient; the tables equal one process's running the same loop on the global batch."""
-    import torch
-
-    ranks = run("lookahead_before", tmp_path)
-    for res in ranks:
-        assert res["done"] == [0, 1, 2] and not res["errors"], res
-    for name, whole in _one_process_ahead().items():
-        got = torch.full_like(whole, float("nan"))
-        for res in ranks:
-            ids = torch.tensor(res["tables"][name]["ids"], dtype=torch.int64)
-            rows = torch.tensor(res["tables"][name]["rows"], dtype=torch.float64).reshape(-1, whole.shape[1])
-            real = ids < whole.shape[0]
-            got[ids[real]] = rows[real]
-        torch.testing.assert_close(got, whole, rtol=0, atol=1e-12, msg=name)
-
-
-def test_a_lookup_between_the_backward_and_the_step_is_refused_at_its_backward(tmp_path: Path) -> None:
-    """Every rank runs batch N's backward, then looks N + 1 up, then steps: nothing on a rank tells that lookup from
-    a skipped batch's, so the step sends its gradient empty, and its backward raises on every rank, naming the
-    look-ahead API, instead of its gradient going nowhere."""
-    for res in run("lookahead_after", tmp_path):
-        assert res["done"] == [0] and [e["step"] for e in res["errors"]] == [1], res
-        msg = res["errors"][0]["message"]
-        assert "reached it after an opt.step()" in msg and "ec.look_up_ahead" in msg, msg
-
-
 def _worker() -> Any:
     import importlib
     import sys
@@ -320,42 +234,20 @@ def _worker() -> Any:
     return importlib.import_module("_mp_guard_worker")
 
 
-def test_a_rank_that_skips_its_backward_but_steps_trains_as_one_process(tmp_path: Path) -> None:
-    """Rows sharded over 2 ranks (float64, Adam): at step 1 rank 1 looks up its batch, skips its backward and calls
-    ``opt.step()``. Every rank steps on, and the tables equal one process's on the global batch in which rank 1's
-    share of step 1 gave no gradient (rows only rank 1 looked up untouched: Adam moves a row given a zero gradient).
-    Before: rank 0 waited in its backward's all-to-all for rank 1, which had gone on to its step and next lookup:
-    a hang until the process group's timeout."""
-    import torch
-
-    ranks = run("skip_backward", tmp_path)
-    for res in ranks:
-        assert res["done"] == [0, 1, 2] and not res["errors"], res
-    want = _one_process()
-    for name, whole in want.items():
-        got = torch.full_like(whole, float("nan"))
-        for res in ranks:
-            ids = torch.tensor(res["tables"][name]["ids"], dtype=torch.int64)  # (none where a rank stores none)
-            rows = torch.tensor(res["tables"][name]["rows"], dtype=torch.float64).reshape(-1, whole.shape[1])
-            real = ids < whole.shape[0]
-            got[ids[real]] = rows[real]
-            if name == "kind":  # replicated: every rank holds the same rows
-                torch.testing.assert_close(rows, whole, rtol=0, atol=1e-12)
-        torch.testing.assert_close(got, whole, rtol=0, atol=1e-12, msg=name)
-
-
-def test_a_rank_that_skips_its_backward_and_its_step_times_out_on_every_rank(tmp_path: Path) -> None:
-    """Rank 1 looks up its batch at step 1, skips its backward and its step, and looks up its next batch: nothing
-    on rank 1 can tell that from a loop that looks up twice before one backward, so rank 0's backward waits for
-    rank 1's gradient exchange, and rank 1 in its next lookup's agreement, until the exchange group's timeout
-    (``shard(timeout=...)``, 10 s here; torch's default: 30 minutes on gloo). Rank 0 then raises, naming the likely
-    cause and the fix (call ``opt.step()`` on the rank that skips), and rank 1's lookup fails on its lost peer."""
+def test_a_rank_that_skips_its_backward_times_out_on_every_rank_naming_it(tmp_path: Path) -> None:
+    """Rank 1 looks up its batch at step 1, skips its backward (and its step) and looks up its next batch. A sharded
+    table's gradient rows go to their owners in the backward, an exchange every rank makes: rank 0 waits there for
+    rank 1, and rank 1 in its next lookup's agreement, until the exchange group's timeout (``shard(timeout=...)``,
+    10 s here; torch's default: 30 minutes on gloo). Each then raises naming the likely cause and what to do (skip a
+    batch on every rank alike), not gloo's bare timeout."""
     r0, r1 = run("skip_both", tmp_path)
     assert r0["done"] == [0] and [e["step"] for e in r0["errors"]] == [1], r0
     msg = r0["errors"][0]["message"]
-    assert "Table `item`: rank 0 could not exchange the gradients" in msg and "call opt.step()" in msg, msg
+    assert msg.startswith("Table `") and "rank 0 could not send a lookup's gradient rows" in msg, msg
+    assert "skip the batch on every rank alike" in msg, msg
     assert r1["done"] == [0, 1] and [e["step"] for e in r1["errors"]] == [2], r1
-    assert "skipped both the backward and opt.step()" in r1["errors"][0]["message"], r1
+    msg = r1["errors"][0]["message"]
+    assert "one still in the backward of a batch this rank skipped" in msg, msg
 
 
 @pytest.mark.parametrize("tables", ["dp", "shard"], ids=["data_parallel", "sharded"])
@@ -390,3 +282,153 @@ def test_a_scheduler_changing_lr_alike_on_every_rank_adds_no_collective(tables: 
     for r, res in enumerate(run(f"optimizers_{tables}_scheduler", tmp_path)):
         assert res["done"] == [0, 1, 2] and not res["errors"], (r, res)
         assert res["lrs"] == [0.05, 0.025, 0.0125] and res["gathers"] == 0, (r, res)
+
+
+def _one_process_unused(case: str) -> dict[str, Any]:
+    """The ``unused_*`` scenarios' tables as one process trains them on the global batch (Adam, ``lazy_adam=False``):
+    table `who`'s activations replaced by zeros in the loss of every rank's share at the steps after the first
+    (``"every_rank"``: one process then has no gradient of `who`, and steps no row of it), or of rank 1's share at
+    step 1 (``"one_rank"``)."""
+    import torch
+    import torch.nn.functional as F
+
+    import torch_tpu_embedding as tte
+
+    worker = _worker()
+    model = worker.skip_model()
+    opt = tte.optim.Adam(model.ec.parameters(), lr=0.05, lazy_adam=False)
+    for step in range(3):
+        parts = [worker.batch(r, step) for r in range(2)]
+        ids = {k: torch.cat([p[0][k] for p in parts]) for k in parts[0][0]}
+        label = torch.cat([p[1] for p in parts]).to(torch.float64)
+        out = model.ec(ids)
+        who = out["who"]
+        if case == "every_rank" and step >= 1:
+            out["who"] = torch.zeros_like(who).detach()
+        elif case == "one_rank" and step == 1:
+            out["who"] = torch.cat([who[:worker.B], torch.zeros_like(who[worker.B:]).detach()])
+        logit = model.head(torch.cat([out[k] for k in sorted(out)], dim=1)).squeeze(1)
+        F.binary_cross_entropy_with_logits(logit, label).backward()
+        opt.step()
+        opt.zero_grad()
+    return {name: t.logical_weight() for name, t in model.ec.tables.items()}
+
+
+@pytest.mark.parametrize("case", ["every_rank"])
+def test_a_loss_that_leaves_a_table_out_trains_as_one_process(case: str, tmp_path: Path) -> None:
+    """Every rank's loss leaves table `who`'s activations out at the steps after the first (a feature the model only
+    logs: its lookup made with gradients, its backward never run): the tables equal one process's on the global batch
+    (Adam with ``lazy_adam=False``, which moves every row of a table that has a gradient): no row of `who` moves."""
+    import torch
+
+    ranks = run(f"unused_{case}", tmp_path)
+    for res in ranks:
+        assert res["done"] == [0, 1, 2] and not res["errors"], res
+    if case == "every_rank":
+        assert all(res["moved"]["who"] == 0 for res in ranks), [res["moved"] for res in ranks]
+    for name, whole in _one_process_unused(case).items():
+        got = torch.full_like(whole, float("nan"))
+        for res in ranks:
+            ids = torch.tensor(res["tables"][name]["ids"], dtype=torch.int64)
+            rows = torch.tensor(res["tables"][name]["rows"], dtype=torch.float64).reshape(-1, whole.shape[1])
+            real = ids < whole.shape[0]
+            got[ids[real]] = rows[real]
+        torch.testing.assert_close(got, whole, rtol=0, atol=1e-12, msg=name)
+
+
+def test_two_losses_each_with_its_optimizer_step_in_turn(tmp_path: Path) -> None:
+    """One forward, two losses and two optimizers (table `item`'s, then table `who`'s): ``loss1.backward()``,
+    ``opt1.step()``, ``loss2.backward()``, ``opt2.step()``: the tables equal one process's on the global batch."""
+    import torch
+
+    import torch_tpu_embedding as tte
+
+    ranks = run("two_losses", tmp_path)
+    for res in ranks:
+        assert res["done"] == [0, 1, 2] and not res["errors"], res
+    worker = _worker()
+    model = worker.skip_model()
+    tables = model.ec.tables
+    opts = [tte.optim.Adam(tables[n].parameters(), lr=0.05, lazy_adam=False) for n in ("item", "who")]
+    for step in range(3):
+        parts = [worker.batch(r, step)[0] for r in range(2)]
+        out = model.ec({k: torch.cat([p[k] for p in parts]) for k in parts[0]})
+        for name, opt in zip(("item", "who"), opts, strict=True):
+            out[name].square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    for name, t in tables.items():
+        whole = t.logical_weight()
+        got = torch.full_like(whole, float("nan"))
+        for res in ranks:
+            ids = torch.tensor(res["tables"][name]["ids"], dtype=torch.int64)
+            rows = torch.tensor(res["tables"][name]["rows"], dtype=torch.float64).reshape(-1, whole.shape[1])
+            real = ids < whole.shape[0]
+            got[ids[real]] = rows[real]
+        torch.testing.assert_close(got, whole, rtol=0, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("case", ["rebuilt", "rebuilt_lr"])
+def test_an_optimizer_rebuilt_with_the_old_one_alive_on_one_rank(case: str, tmp_path: Path) -> None:
+    """Rows sharded: after step 0 every rank builds its Adam anew, and rank 0 keeps the old one alive (a helper of its
+    own refers to it). Alike (``rebuilt``): the ranks train on, nothing gathered (before: every rank raised, 'optimizer
+    of tables ... (another optimizer): 'Adam' on rank 0, 'no optimizer' on rank 1'); the new one's ``lr`` 0.2 on
+    rank 1 (``rebuilt_lr``): both raise at step 1, naming it against the new one's 0.1 on rank 0."""
+    for r, res in enumerate(run(f"optimizers_shard_{case}", tmp_path)):
+        if case == "rebuilt":
+            assert res["done"] == [0, 1, 2] and not res["errors"] and res["gathers"] == 0, (r, res)
+            continue
+        assert res["done"] == [0] and [(e["step"], e["type"]) for e in res["errors"]] == [(1, "ValueError")], (r, res)
+        assert "`lr` of tables `item`, `kind`, `who`: 0.1 on rank 0, 0.2 on rank 1" in res["errors"][0]["message"]
+
+
+def test_a_gradient_dropped_by_zero_grad_after_an_evaluation_with_gradients_is_not_applied(tmp_path: Path) -> None:
+    """Step 0; an evaluation outside ``torch.no_grad()`` (a lookup with gradients and no backward); step 1's
+    backward, then ``opt.zero_grad()`` without a step; step 2: step 1's gradients are dropped, as one process drops
+    them, and the tables equal one process's that trains steps 0 and 2 on the global batch."""
+    import torch
+    import torch.nn.functional as F
+
+    import torch_tpu_embedding as tte
+
+    ranks = run("zeroed", tmp_path)
+    for res in ranks:
+        assert res["done"] == [0, 2] and not res["errors"], res
+    worker = _worker()
+    model = worker.skip_model()
+    opt = tte.optim.Adam(model.ec.parameters(), lr=0.05)
+    for step in (0, 2):
+        parts = [worker.batch(r, step) for r in range(2)]
+        ids = {k: torch.cat([p[0][k] for p in parts]) for k in parts[0][0]}
+        label = torch.cat([p[1] for p in parts]).to(torch.float64)
+        F.binary_cross_entropy_with_logits(model(ids), label).backward()
+        opt.step()
+        opt.zero_grad()
+    for name, t in model.ec.tables.items():
+        whole = t.logical_weight()
+        got = torch.full_like(whole, float("nan"))
+        for res in ranks:
+            ids = torch.tensor(res["tables"][name]["ids"], dtype=torch.int64)
+            rows = torch.tensor(res["tables"][name]["rows"], dtype=torch.float64).reshape(-1, whole.shape[1])
+            real = ids < whole.shape[0]
+            got[ids[real]] = rows[real]
+        torch.testing.assert_close(got, whole, rtol=0, atol=1e-12, msg=name)
+
+
+def test_a_second_backward_of_a_sharded_lookup_names_the_table(tmp_path: Path) -> None:
+    """``loss.backward(retain_graph=True)`` then ``loss.backward()`` on every rank: the second reaches a lookup whose
+    gradient went to the owners at the first; both ranks raise a RuntimeError naming the table and what to do
+    (before: ``'NoneType' object has no attribute ...``)."""
+    for r, res in enumerate(run("double_backward", tmp_path)):
+        assert [e["type"] for e in res["errors"]] == ["RuntimeError"], (r, res)
+        msg = res["errors"][0]["message"]
+        assert "a second backward reached a lookup of this sharded table" in msg and "retain_graph=True" in msg, msg
+        assert msg.startswith("Table `"), msg
+
+
+def test_tables_made_local_after_training_are_no_longer_compared(tmp_path: Path) -> None:
+    """A sharded model, and a second one trained data parallel at step 0; then ``tte.distributed.local_tables`` makes
+    the second one each rank's own, and rank 1 trains it with ``lr`` 0.2: the ranks train on (before: both raised,
+    '`lr` of tables `tag`: 0.1 on rank 0, 0.2 on rank 1': the tables compared were those found at step 0)."""
+    for r, res in enumerate(run("local_after_training", tmp_path)):
+        assert res["done"] == [0, 1, 2] and not res["errors"], (r, res)

@@ -56,8 +56,6 @@ __all__ = [
     "registered_optimizers",
     "install_lookup_agreement",
     "install_row_grad_sync",
-    "is_looking_ahead",
-    "looking_ahead",
     "lookup_failed",
     "lookup_starts",
     "is_dtensor",
@@ -325,27 +323,6 @@ def register_optimizer(optimizer: Any) -> None:
 def registered_optimizers() -> list[Any]:
     """The optimizers :func:`register_optimizer` recorded that are alive, in the order they were built."""
     return sorted(_OPTIMIZERS.keys(), key=lambda o: _OPTIMIZERS.get(o, 0))
-
-
-#: set while a lookup runs ahead of its step (:func:`looking_ahead`)
-_AHEAD = threading.local()
-
-
-@contextlib.contextmanager
-def looking_ahead() -> Iterator[None]:
-    """Mark the lookups made inside as made ahead of their step (``look_up_ahead``: TF's one-step-stale lookups):
-    their backward comes after the optimizer's next step, which must then not take them for skipped ones."""
-    before = getattr(_AHEAD, "on", False)
-    _AHEAD.on = True
-    try:
-        yield
-    finally:
-        _AHEAD.on = before
-
-
-def is_looking_ahead() -> bool:
-    """Whether a lookup now is made ahead of its step (:func:`looking_ahead`)."""
-    return bool(getattr(_AHEAD, "on", False))
 
 
 def sync_row_grads(param_groups: list[dict[str, Any]]) -> None:

@@ -10,15 +10,11 @@ from torch_tpu_embedding._rows.placement import install_lookup_agreement as _ins
 from torch_tpu_embedding._rows.placement import install_row_grad_sync as _install_row_grad_sync  # noqa: E402
 from torch_tpu_embedding.checkpoint import sharded as _sharded  # noqa: E402
 from torch_tpu_embedding.distributed import grad_sync as _grad_sync  # noqa: E402
-from torch_tpu_embedding.distributed import routed as _routed  # noqa: E402
 from torch_tpu_embedding.distributed import sharded_checkpoint as _sharded_checkpoint  # noqa: E402
 from torch_tpu_embedding.distributed import step_agreement as _step_agreement  # noqa: E402
 from torch_tpu_embedding.distributed.data_parallel import *  # noqa: F403
 from torch_tpu_embedding.distributed.data_parallel import __all__ as __all__
 
-# The sharded tables' pending gradients first: a rank that skipped its backward sends them (empty) here, where the
-# other ranks' backward waits, before the replicated tables' exchange, which they make at their step.
-_install_row_grad_sync(_routed.send_pending)
 _install_row_grad_sync(_grad_sync.sync_row_grads)
 _install_lookup_agreement(_step_agreement.agree_lookup)
 _sharded.install(_sharded_checkpoint.CHECKPOINTS)

@@ -11,14 +11,13 @@ positions:
    (eager capacity: no id is ever dropped, and every rank's buckets have the same size);
 2. :func:`fetch_rows`: one ``all_to_all_single`` of the ``[n, k]`` int32 local rows (equal splits),
    each owner gathers its rows, a second ``all_to_all_single`` of ``[n, k, D]`` returns them;
-3. :func:`send_grads` (the backward, in lookup order: ``routed.py``): each position's gradient row summed
-   into its bucket slot (:func:`grad_payload`), one ``all_to_all_single`` of ``[n, k·D + 1]`` to the owners
-   (the last column: whether the rank had a gradient), which add ``(local rows, rows)`` to the shard's
-   :class:`~torch_tpu_embedding._rows.row_grad.RowGrad`: the optimizer then updates the shard as an ordinary
-   table of its own rows.
+3. :func:`send_grads` (the backward): each position's gradient row summed into its bucket slot
+   (``routing.bucket_rows``), one ``all_to_all_single`` of ``[n, k, D]`` to the owners, which add
+   ``(local rows, rows)`` to the shard's :class:`~torch_tpu_embedding._rows.row_grad.RowGrad`: the optimizer
+   then updates the shard as an ordinary table of its own rows.
 
 Only equal-split collectives: it runs where uneven all-to-all does not (TorchTPU's ``tpu_dist``).
-Per rank and step that is ``n·k·(4 + 2·D·b) + n·b`` bytes sent for ``b``-byte rows (``n·k`` is the rank's
+Per rank and step that is ``n·k·(4 + 2·D·b)`` bytes sent for ``b``-byte rows (``n·k`` is the rank's
 distinct ids plus the imbalance of the largest bucket), plus 48 bytes for the capacity and the step's
 agreement (:func:`agree_capacity`: every rank at the same exchange, none failed before it).
 
@@ -52,7 +51,6 @@ __all__ = [
     "describe_tables",
     "exchange",
     "fetch_rows",
-    "grad_payload",
     "group_sharding",
     "plan",
     "send_grads",
@@ -211,25 +209,11 @@ def fetch_rows(shard: Tensor, send: Tensor, sharding: GroupSharding) -> tuple[Te
     return back.reshape(-1, shard.shape[1]), local
 
 
-def grad_payload(grad: Tensor | None, slot: Tensor, k: int, sharding: GroupSharding, width: int,
-                 dtype: torch.dtype, device: torch.device) -> Tensor:
-    """What the backward sends each owner: each position's gradient row ``grad [N, D]`` summed into its bucket
-    slot, and a last column 1: ``[n, k·D + 1]``. ``grad=None``: this rank has no gradient for the lookup (its
-    backward never ran): zeros, the last column 0, so that the owners add none of its rows (a zero row would
-    still be a touched row: Adam's moments, weight decay)."""
-    n = sharding.world
-    if grad is None:
-        return torch.zeros(n, k * width + 1, dtype=dtype, device=device)
-    buckets = bucket_rows(grad, slot, n, k).reshape(n, k * width)
-    return torch.cat([buckets, buckets.new_ones(n, 1)], dim=1)
-
-
-def send_grads(payload: Tensor, sharding: GroupSharding, width: int) -> tuple[Tensor, Tensor]:
-    """The backward's all-to-all of :func:`grad_payload` s: returns the rows this rank owns, ``[n·k, D]`` (in the
-    order of the ``asked`` local rows of :func:`fetch_rows`), and whether each rank sent a gradient, ``[n]`` bool
-    (on the device: nothing is read on the host)."""
-    got = exchange(payload, sharding.group)
-    return got[:, :-1].reshape(-1, width), got[:, -1] > 0
+def send_grads(grad: Tensor, slot: Tensor, k: int, sharding: GroupSharding) -> Tensor:
+    """The backward's all-to-all: each position's gradient row ``grad [N, D]`` summed into its bucket
+    slot and sent to the owner; returns the rows this rank owns, ``[n·k, D]`` (in the order of the
+    ``asked`` local rows of :func:`fetch_rows`)."""
+    return exchange(bucket_rows(grad, slot, sharding.world, k), sharding.group).reshape(-1, grad.shape[-1])
 
 
 #: what :func:`agree_capacity` agrees on: a collective's tag (see :func:`_tag`) → its description, for errors; at most
@@ -302,10 +286,10 @@ def agree_capacity(largest: Tensor, group: Any, *, what: str = "rows", table: st
     except RuntimeError as e:  # (gloo's timeout, or a peer gone: name what usually leaves a rank waiting here)
         raise RuntimeError(
             f"Rank {rank} of the process group waited where it {_DESCRIBED[tag]}, and the other ranks did not "
-            "arrive within the group's timeout, or left. A rank elsewhere leaves it here: one that skipped both "
-            "the backward and opt.step() of a batch this rank trained is still waiting for its gradients (call "
-            "opt.step() on a rank that skips a batch's backward, or skip on every rank alike), or one that "
-            f"failed or stopped outside the library. Received: {e}"
+            "arrive within the group's timeout, or left. A rank elsewhere leaves it here: one still in the backward "
+            "of a batch this rank skipped without a backward (every rank must run the backward of each training "
+            "lookup of a sharded table, or skip the batch on every rank alike), or one that failed or stopped "
+            f"outside the library. Received: {e}"
         ) from e
     got = k.tolist()  # the step's one host read
     if failed:

@@ -70,6 +70,8 @@ Tensor = torch.Tensor
 LOCAL = "local"
 #: table parameter → its process group (``data_parallel(process_group=...)``) or :data:`LOCAL`
 _MARKS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # type: ignore[no-untyped-call]
+#: how many times :func:`mark` ran: what a cache of which tables are exchanged keys on (optim_agreement.py)
+MARKED = [0]
 #: static-shape exchanges whose per-table sizes were checked equal on every rank: (group id, sizes)
 _CHECKED_SIZES: set[tuple[int, tuple[int, ...]]] = set()
 #: device types whose exchange sums duplicates and reads the ranks' row counts on the host each step
@@ -83,6 +85,7 @@ _PIECE_ROWS = 8192
 def mark(table: Tensor, group: Any) -> None:
     """Exchange ``table``'s row gradients over ``group`` (a process group), never (:data:`LOCAL`), or as
     by default (``None``: the default group; an earlier :data:`LOCAL` mark is lifted)."""
+    MARKED[0] += 1
     if group is not None:
         _MARKS[table] = group
     elif isinstance(_MARKS.get(table), str):  # type: ignore[no-untyped-call]

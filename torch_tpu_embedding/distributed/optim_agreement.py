@@ -29,15 +29,14 @@ import torch.distributed as dist
 from torch_tpu_embedding._rows.placement import registered_optimizers
 from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding.distributed.exchange import group_sharding
-from torch_tpu_embedding.distributed.grad_sync import exchange_group
+from torch_tpu_embedding.distributed.grad_sync import MARKED, exchange_group
 
 __all__ = ["configurations", "explain", "fingerprint"]
 
 #: group keys that are not hyper-parameters (torch's, and the tensors themselves)
 _SKIP = frozenset({"params", "param_names", "initial_lr"})
 #: optimizer → (its groups' parameter lists, as ids and lengths; each group's shared tables)
-_TABLES: weakref.WeakKeyDictionary[Any, tuple[tuple[tuple[int, int], ...], list[list[str]]]] = \
-    weakref.WeakKeyDictionary()
+_TABLES: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], list[list[str]]]] = weakref.WeakKeyDictionary()
 
 
 def _value(v: Any) -> Any:
@@ -57,8 +56,10 @@ def _value(v: Any) -> Any:
 
 def _shared_tables(opt: Any) -> list[list[str]]:
     """Each parameter group's tables exchanged over a process group, by name; looked up again only when a group's
-    list of parameters changes (each training lookup asks: a walk over every dense parameter would cost more)."""
-    key = tuple((id(g["params"]), len(g["params"])) for g in opt.param_groups)
+    list of parameters changes, or a table's exchange is marked (``data_parallel``, ``local_tables``: a table each
+    rank trains on its own since is no longer compared); each training lookup asks, and a walk over every dense
+    parameter would cost more."""
+    key = (MARKED[0], *((id(g["params"]), len(g["params"])) for g in opt.param_groups))
     cached = _TABLES.get(opt)
     if cached is None or cached[0] != key:
         cached = _TABLES[opt] = (key, [sorted(
@@ -70,18 +71,21 @@ def _shared_tables(opt: Any) -> list[list[str]]:
 
 def configurations() -> dict[str, dict[str, Any]]:
     """This rank's optimizers of the tables exchanged over a process group: each parameter group's tables (as
-    ``"`a`, `b`"``, marked when another optimizer holds the same tables) → its optimizer and hyper-parameters."""
+    ``"`a`, `b`"``) → its optimizer and hyper-parameters. A table that several live optimizers hold counts for the
+    newest only: an optimizer rebuilt mid-training leaves the old one alive wherever something still refers to it
+    (a rank's own checkpoint or logging helper, an exception's traceback), which is no difference between the ranks
+    while the new one steps the table."""
     out: dict[str, dict[str, Any]] = {}
-    for opt in registered_optimizers():
+    claimed: set[str] = set()
+    for opt in reversed(registered_optimizers()):  # the newest first
         for group, tables in zip(opt.param_groups, _shared_tables(opt), strict=True):
-            if not tables:
+            mine = [n for n in tables if n not in claimed]
+            if not mine:
                 continue
+            claimed.update(mine)
             config = {"optimizer": _value(group.get("_rule", type(opt)))}
             config.update((k, _value(v)) for k, v in sorted(group.items()) if k not in _SKIP and not k.startswith("_"))
-            key = ", ".join(f"`{n}`" for n in tables)
-            while key in out:  # (another optimizer of the same tables)
-                key += " (another optimizer)"
-            out[key] = config
+            out[", ".join(f"`{n}`" for n in mine)] = config
     return out
 
 

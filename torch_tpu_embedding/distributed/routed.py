@@ -21,13 +21,12 @@ from typing import Any
 
 import torch
 
-from torch_tpu_embedding._rows.placement import is_looking_ahead
 from torch_tpu_embedding._rows.row_grad import RowGrad
 from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding._util.nest import Path
 from torch_tpu_embedding.combiners import bag_gains
-from torch_tpu_embedding.distributed.exchange import GroupSharding, fetch_rows, grad_payload, plan, send_grads
+from torch_tpu_embedding.distributed.exchange import GroupSharding, fetch_rows, plan, send_grads
 from torch_tpu_embedding.distributed.optim_agreement import explain, fingerprint
 from torch_tpu_embedding.distributed.state import (
     from_logical_shard,
@@ -43,7 +42,7 @@ from torch_tpu_embedding.distributed.state import (
 )
 from torch_tpu_embedding.modules.lookup_batch import LookupBatch
 
-__all__ = ["GroupLookup", "LoadCounts", "ProcessGroupLayout", "send_pending"]
+__all__ = ["GroupLookup", "LoadCounts", "ProcessGroupLayout"]
 
 Tensor = torch.Tensor
 
@@ -120,89 +119,9 @@ class _Route:
     slot: Tensor | None = None
     local: Tensor | None = None
     k: int = 0
-    #: the table's row width, and its stored rows (the padding id of ``local``)
-    width: int = 0
-    pad: int = 0
-    device: torch.device | None = None
-    #: what the backward sends the owners (:func:`~.exchange.grad_payload`), until it is this lookup's turn
-    payload: Tensor | None = None
     #: this rank's optimizers, as a number (:func:`~.optim_agreement.fingerprint`): part of a training lookup's
     #: agreement
     config: int = 0
-    #: looked up ahead of its step (``look_up_ahead``: ``tte.TrainPipeline``'s stale lookups, whose backward comes
-    #: after the next step, every rank alike): not pending, its backward sends its gradient at once
-    ahead: bool = False
-    #: how many lookup backwards this process had run when it was made (:data:`_BACKWARDS`)
-    made_at: int = 0
-
-
-#: This process's training lookups whose gradients the owners have not had yet, in lookup order. Every rank's
-#: lookups agree (one agreement each, :func:`~.exchange.agree_capacity`), so this order is the same on every rank,
-#: and the gradients travel in it, never in the order autograd happens to run the backwards: a rank whose backward
-#: never ran for a lookup (a batch it skipped, an error it caught) sends the owners an empty gradient at its step
-#: (:func:`send_pending`), where the others' backward waits for it, instead of every rank waiting on another.
-_PENDING: list[_Route] = []
-#: the lookup backwards this process has run (one number: a lookup's ``made_at`` against it tells whether a backward
-#: ran after it)
-_BACKWARDS = [0]
-
-
-def _send(route: _Route) -> None:
-    """``route``'s gradient (its backward's, or none) to the owners, and the rows other ranks sent this one into
-    the table's gradient; the rows of a rank that sent none are padding (dropped)."""
-    assert route.local is not None
-    payload = route.payload
-    if payload is None:  # (no backward here: the others' rows still arrive)
-        payload = grad_payload(None, route.local, route.k, route.sharding, route.width, route.grad_dtype,
-                               route.local.device if route.device is None else route.device)
-    try:
-        rows, present = send_grads(payload, route.sharding, route.width)
-    except RuntimeError as e:  # (gloo's timeout, or a peer gone: name what usually leaves the others waiting here)
-        raise RuntimeError(
-            f"Table `{route.sharding.table}`: rank {route.sharding.rank} could not exchange the gradients of a lookup "
-            "with the rows' owners (the other ranks did not arrive within the exchange group's timeout, or left). "
-            "Every rank must give each training lookup a backward, or call opt.step() (or tte.clip_grad_norm_) "
-            "after it: a rank that skips a batch's backward and then steps sends an empty gradient there, but one "
-            "that skips both and looks up its next batch leaves the others waiting here, and itself in that lookup. "
-            "Skip a batch on every rank alike, or call opt.step() on the rank that skips it. "
-            f"Received: {e}"
-        ) from e
-    local = torch.where(present.unsqueeze(1), route.local, torch.full_like(route.local, route.pad))
-    route.row_grad.add(local.reshape(-1), rows)
-    if route.payload is not None:
-        route.row_grad.reached.update(route.tables)
-    route.payload = route.slot = route.local = None
-
-
-def _drain() -> None:
-    """Send the gradients ready at the front of :data:`_PENDING` (the backward's: in lookup order)."""
-    while _PENDING and _PENDING[0].payload is not None:
-        _send(_PENDING.pop(0))
-
-
-def send_pending(param_groups: Any = None) -> None:
-    """Before an optimizer's step (or ``tte.clip_grad_norm_``), on every rank alike: the pending lookups' gradients
-    to their owners, in lookup order, those whose backward never ran on this rank as empty ones (this rank then
-    adds nothing, and the owners still get every other rank's rows: the update of one process on the batches
-    that had a backward). ``param_groups`` is not read: every pending lookup of this process goes, as on every
-    other rank; but for a lookup made before the backward of an earlier one (``next_out = model(batch)``, then
-    ``loss.backward()`` and ``opt.step()``: a loop that looks its next batch up before this step's update) and
-    with none after it that had its backward: it is a look-ahead, every rank alike, and its own backward, after
-    this step, sends it.
-
-    (A lookup made after this step's backward, with no backward after it, is sent empty: on this rank nothing
-    tells it from a skipped batch. Its backward then raises; ``ec.look_up_ahead`` or ``tte.TrainPipeline`` look a
-    batch up ahead of its step.)"""
-    if not _PENDING:  # (the steady case; also what torch.compile traces of a step: no loop to trace)
-        return
-    ready = max((i for i, r in enumerate(_PENDING) if r.payload is not None), default=-1)
-    kept = []
-    for i, route in enumerate(_PENDING):
-        if route.payload is not None or i < ready or route.made_at == _BACKWARDS[0]:
-            _send(route)
-        else:
-            kept.append(route)
-    _PENDING[:] = kept
 
 
 class _Exchange(torch.autograd.Function):
@@ -213,7 +132,6 @@ class _Exchange(torch.autograd.Function):
         routes, k = plan(ids, route.sharding, route.grad, route.config, disagree)
         rows, local = fetch_rows(weight.detach(), routes.send, route.sharding)
         route.slot, route.local, route.k = routes.slot, local, k
-        route.width, route.pad, route.device = int(weight.shape[1]), int(weight.shape[0]), weight.device
         ctx.route = route
         got = rows.index_select(0, routes.slot.clamp(max=rows.shape[0] - 1))
         return got * (routes.slot < rows.shape[0]).unsqueeze(-1).to(got.dtype)
@@ -221,25 +139,28 @@ class _Exchange(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None]:  # type: ignore[override]
         route: _Route = ctx.route
-        _BACKWARDS[0] += 1
-        if route.slot is None or route.local is None:  # (sent empty by a step before this backward)
+        if route.slot is None or route.local is None:  # (every rank alike: the same graph backwarded again)
             raise RuntimeError(
-                f"Table `{route.sharding.table}`: the backward of a lookup reached it after an opt.step() (or "
-                "tte.clip_grad_norm_) had sent its gradient to the rows' owners as an empty one: this rank had run no "
-                "backward since the lookup, as a rank that skips a batch's backward and steps (the other ranks' "
-                "backward waits for it there). To look a batch up before the step of the one before it, use "
-                "ec.look_up_ahead(ec.prepare(batch)) or tte.TrainPipeline(..., pipeline_execution_with_tensor_core="
-                "True), or run the previous batch's backward before this lookup. Received: a backward after its "
-                "lookup's step"
+                f"Table `{route.sharding.table}`: a second backward reached a lookup of this sharded table (loss."
+                "backward(retain_graph=True), then another backward through the same activations): its gradient went "
+                "to the rows' owners at the first, and a lookup over a process group sends one. Sum the losses and run "
+                "one backward, or look the batch up again for the second. Received: a second backward of one lookup"
             )
         # Data parallel's average over the ranks; 16-bit tables send float32 rows (the update's dtype).
         g = grad.to(route.grad_dtype) / route.sharding.world
-        route.payload = grad_payload(g, route.slot, route.k, route.sharding, route.width, route.grad_dtype, g.device)
-        ctx.route = None
-        if route.ahead:
-            _send(route)
-        else:
-            _drain()  # this one, once every lookup before it has its gradient (or was sent by a step)
+        try:
+            rows = send_grads(g, route.slot, route.k, route.sharding)
+        except RuntimeError as e:  # (gloo's timeout, or a peer gone: name what usually leaves a rank waiting here)
+            raise RuntimeError(
+                f"Table `{route.sharding.table}`: rank {route.sharding.rank} could not send a lookup's gradient rows "
+                "to their owners: the other ranks did not arrive within the exchange group's timeout, or left. A rank "
+                "that skips the backward of a batch the others train (a batch it chose to skip, an error caught in "
+                "its loss) leaves them waiting here: every rank must run the backward of each training lookup, or "
+                f"skip the batch on every rank alike. Received: {e}"
+            ) from e
+        route.row_grad.add(route.local.reshape(-1), rows)
+        route.row_grad.reached.update(route.tables)
+        route.slot = route.local = None  # (sent: a second backward of this lookup is refused above)
         return None, None, None
 
 
@@ -279,12 +200,8 @@ class GroupLookup:
         # (a backward follows, with its all-to-all, only where the table trains: one frozen on some ranks only
         # makes every rank raise at this lookup's agreement instead of the others waiting in their backward)
         grad = torch.is_grad_enabled() and weight.requires_grad
-        route = _Route(layout, info.row_grad, tables, math_dtype(weight), grad, config=fingerprint() if grad else 0,
-                       ahead=is_looking_ahead())
+        route = _Route(layout, info.row_grad, tables, math_dtype(weight), grad, config=fingerprint() if grad else 0)
         rows: Tensor = _Exchange.apply(weight, ids, route)  # type: ignore[no-untyped-call]
-        if grad and not route.ahead:  # a backward (or the step, for a rank that skips it) sends its gradient
-            route.made_at = _BACKWARDS[0]
-            _PENDING.append(route)
         self._count(route)
         out: dict[Path, Tensor] = {}
         for (path, bags, combiner), piece in zip(items, torch.split(rows, [f.shape[0] for f in flat]), strict=True):

@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from torch_tpu_embedding._rows.placement import looking_ahead
 from torch_tpu_embedding._util.nest import detached
 from torch_tpu_embedding.modules.prepared import NotAhead, PreparedFeatures, leaves_of, versions_of
 from torch_tpu_embedding.modules.table import EmbeddingTable
@@ -154,8 +153,7 @@ class AheadLookups:
         if prepared.outputs is not None or prepared.ahead_error is not None:
             raise ValueError("These prepared features were looked up ahead already.")
         try:
-            with looking_ahead():  # (a process group's optimizer step then leaves these lookups' gradients pending)
-                outputs = self._look_up_prepared(prepared, concat)
+            outputs = self._look_up_prepared(prepared, concat)
         except Exception as e:
             if not keep_error:
                 raise

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import _mp_ckpt_guard
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -243,7 +244,7 @@ def zeroed_steps(model: Model, opt: Any, rank: int) -> dict[str, Any]:
 
 def optimizers_differ(case: str, rank: int) -> dict[str, Any]:
     """``"<dp|shard>_<case>"``: data parallel or sharded tables, 3 steps, each rank's optimizer built by ``case``:
-    ``lr``: 0.1 on rank 0, 0.2 on rank 1; ``eps``: Adam's 1e-7 and 1e-6; ``class``: Adam and Adagrad; ``changed``:
+    ``lr``: 0.1 on rank 0, 0.2 on rank 1 (``numpy_lr``: as ``np.float32``); ``eps``: Adam's 1e-7 and 1e-6; ``class``: Adam and Adagrad; ``changed``:
     alike, then rank 1 sets Adam's eps to 1e-6 after step 0; ``rebuilt``: alike, built anew on every rank after
     step 0, the old one kept alive on rank 0 (``rebuilt_lr``: the new one's lr 0.2 on rank 1); ``scheduler``: alike,
     with an ``ExponentialLR`` on every rank. Records the errors, the steps done and the ``all_gather_object`` calls of the steps."""
@@ -257,6 +258,8 @@ def optimizers_differ(case: str, rank: int) -> dict[str, Any]:
     tables = list(model.ec.parameters())
     if kind == "lr":
         opt: Any = tte.optim.Adagrad(tables, lr=0.1 if rank == 0 else 0.2)
+    elif kind == "numpy_lr":  # numpy scalars, which the optimizers take for numbers
+        opt = tte.optim.Adagrad(tables, lr=np.float32(0.1 if rank == 0 else 0.2))
     elif kind == "eps":
         opt = tte.optim.Adam(tables, lr=0.1, eps=1e-7 if rank == 0 else 1e-6)
     elif kind == "class":

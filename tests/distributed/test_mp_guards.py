@@ -254,8 +254,9 @@ def test_a_rank_that_skips_its_backward_times_out_on_every_rank_naming_it(tmp_pa
 @pytest.mark.parametrize("case, want", [
     ("lr", "`lr` of tables `item`, `kind`, `who`: 0.1 on rank 0, 0.2 on rank 1"),
     ("eps", "`eps` of tables `item`, `kind`, `who`: 1e-07 on rank 0, 1e-06 on rank 1"),
+    ("numpy_lr", "`lr` of tables `item`, `kind`, `who`: 0.10000000149011612 on rank 0, 0.20000000298023224 on rank 1"),
     ("class", "optimizer of tables `item`, `kind`, `who`: 'Adam' on rank 0, 'Adagrad' on rank 1"),
-], ids=["lr", "eps", "optimizer class"])
+], ids=["lr", "eps", "numpy lr", "optimizer class"])
 def test_ranks_whose_optimizers_differ_raise_on_every_rank(tables: str, case: str, want: str, tmp_path: Path) -> None:
     """Rank 0 and rank 1 build their optimizers of the shared tables with another ``lr``, ``eps`` or class: every
     rank raises a ValueError at the first training lookup, naming the hyper-parameter, each rank's value and the
@@ -282,6 +283,21 @@ def test_a_scheduler_changing_lr_alike_on_every_rank_adds_no_collective(tables: 
     for r, res in enumerate(run(f"optimizers_{tables}_scheduler", tmp_path)):
         assert res["done"] == [0, 1, 2] and not res["errors"], (r, res)
         assert res["lrs"] == [0.05, 0.025, 0.0125] and res["gathers"] == 0, (r, res)
+
+
+def _assert_gathered(ranks: list[dict[str, Any]], want: dict[str, Any]) -> None:
+    """Each table's rows as the ranks reported their shards (``res["tables"][name]``: ``ids`` and ``rows``, padding
+    ids past the table) equal ``want[name]``, one process's ``[V, D]`` float64 table, every row held by some rank."""
+    import torch
+
+    for name, whole in want.items():
+        got = torch.full_like(whole, float("nan"))
+        for res in ranks:
+            ids = torch.tensor(res["tables"][name]["ids"], dtype=torch.int64)
+            rows = torch.tensor(res["tables"][name]["rows"], dtype=torch.float64).reshape(-1, whole.shape[1])
+            real = ids < whole.shape[0]
+            got[ids[real]] = rows[real]
+        torch.testing.assert_close(got, whole, rtol=0, atol=1e-12, msg=name)
 
 
 def _one_process_unused(case: str) -> dict[str, Any]:
@@ -319,21 +335,13 @@ def test_a_loss_that_leaves_a_table_out_trains_as_one_process(case: str, tmp_pat
     """Every rank's loss leaves table `who`'s activations out at the steps after the first (a feature the model only
     logs: its lookup made with gradients, its backward never run): the tables equal one process's on the global batch
     (Adam with ``lazy_adam=False``, which moves every row of a table that has a gradient): no row of `who` moves."""
-    import torch
 
     ranks = run(f"unused_{case}", tmp_path)
     for res in ranks:
         assert res["done"] == [0, 1, 2] and not res["errors"], res
     if case == "every_rank":
         assert all(res["moved"]["who"] == 0 for res in ranks), [res["moved"] for res in ranks]
-    for name, whole in _one_process_unused(case).items():
-        got = torch.full_like(whole, float("nan"))
-        for res in ranks:
-            ids = torch.tensor(res["tables"][name]["ids"], dtype=torch.int64)
-            rows = torch.tensor(res["tables"][name]["rows"], dtype=torch.float64).reshape(-1, whole.shape[1])
-            real = ids < whole.shape[0]
-            got[ids[real]] = rows[real]
-        torch.testing.assert_close(got, whole, rtol=0, atol=1e-12, msg=name)
+    _assert_gathered(ranks, _one_process_unused(case))
 
 
 def test_two_losses_each_with_its_optimizer_step_in_turn(tmp_path: Path) -> None:
@@ -357,15 +365,7 @@ def test_two_losses_each_with_its_optimizer_step_in_turn(tmp_path: Path) -> None
             out[name].square().mean().backward()
             opt.step()
             opt.zero_grad()
-    for name, t in tables.items():
-        whole = t.logical_weight()
-        got = torch.full_like(whole, float("nan"))
-        for res in ranks:
-            ids = torch.tensor(res["tables"][name]["ids"], dtype=torch.int64)
-            rows = torch.tensor(res["tables"][name]["rows"], dtype=torch.float64).reshape(-1, whole.shape[1])
-            real = ids < whole.shape[0]
-            got[ids[real]] = rows[real]
-        torch.testing.assert_close(got, whole, rtol=0, atol=1e-12, msg=name)
+    _assert_gathered(ranks, {name: t.logical_weight() for name, t in tables.items()})
 
 
 @pytest.mark.parametrize("case", ["rebuilt", "rebuilt_lr"])
@@ -404,15 +404,7 @@ def test_a_gradient_dropped_by_zero_grad_after_an_evaluation_with_gradients_is_n
         F.binary_cross_entropy_with_logits(model(ids), label).backward()
         opt.step()
         opt.zero_grad()
-    for name, t in model.ec.tables.items():
-        whole = t.logical_weight()
-        got = torch.full_like(whole, float("nan"))
-        for res in ranks:
-            ids = torch.tensor(res["tables"][name]["ids"], dtype=torch.int64)
-            rows = torch.tensor(res["tables"][name]["rows"], dtype=torch.float64).reshape(-1, whole.shape[1])
-            real = ids < whole.shape[0]
-            got[ids[real]] = rows[real]
-        torch.testing.assert_close(got, whole, rtol=0, atol=1e-12, msg=name)
+    _assert_gathered(ranks, {name: t.logical_weight() for name, t in model.ec.tables.items()})
 
 
 def test_a_second_backward_of_a_sharded_lookup_names_the_table(tmp_path: Path) -> None:

@@ -61,8 +61,9 @@ class BagRows:
             # grad_out[n, j] · gain (the number is the gains' value: a scalar operand of their dtype); a
             # gradient that is one row broadcast (row stride 0, as loss = out.sum() gives) has one row of
             # them, kept broadcast (row_sums and the C row loops read it so).
-            if out is None and grad_out.dim() == 2 and grad_out.shape[0] and grad_out.stride(0) == 0:
-                return torch.mul(grad_out[:1], self.constant).expand(grad_out.shape)
+            row = _broadcast_row(grad_out) if out is None else None
+            if row is not None:
+                return torch.mul(row, self.constant).expand(grad_out.shape)
             return torch.mul(grad_out, self.constant, out=out)
         # amax: the bag's gain (padding holds 0, real ids the gain, which is >= 0 without per-id weights);
         # bags of width 0 have no id to take a row

@@ -20,6 +20,7 @@ step). Values that would need a read of the device (a tensor ``lr``) are compare
 from __future__ import annotations
 
 import hashlib
+import numbers
 import weakref
 from typing import Any
 
@@ -40,11 +41,15 @@ _TABLES: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], list[list[str]]]]
 
 
 def _value(v: Any) -> Any:
-    """``v`` as every process writes it alike: numbers, strings and their tuples as they are; a tensor, a function
-    or another object by its kind (a tensor is not read: that would wait for its device; a repr would hold its
-    address)."""
+    """``v`` as every process writes it alike: numbers, strings and their tuples as they are (a numpy scalar, which
+    the optimizers accept for a number, as the Python number of its value); a tensor, a function or another object
+    by its kind (a tensor is not read: that would wait for its device; a repr would hold its address)."""
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
+    if isinstance(v, numbers.Integral):
+        return int(v)
+    if isinstance(v, numbers.Real):
+        return float(v)
     if isinstance(v, (tuple, list)):
         return tuple(_value(x) for x in v)
     if isinstance(v, torch.Tensor):

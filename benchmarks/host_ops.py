@@ -3,7 +3,7 @@
 Run (from the repository root; about a minute):
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/host_ops.py [--features 1 26 100] [--steps 5] [--rounds 1]
-        [--no-level | --idle-ms MS] [--same-ids] [--no-xla]
+        [--no-level | --idle-ms MS | --synthetic-level] [--same-ids] [--no-xla]
 
 A DLRM-like step: ``T`` features, one table each (1,000 rows × 16, ``mean``), default construction (all
 ``T`` tables stacked in one group), bags of 4 host ids (``Padded [256, 4]``, a quarter of them masked
@@ -20,16 +20,19 @@ concatenated by the user's ``torch.cat``; ``concat=True``; and a duck-typed ``Ke
   one process, so that both see the same minutes of a shared machine:
 
   * **warm**: right after the previous step's device work, as a training loop runs;
-  * **levelled**: the same, right after a fixed XLA computation the size of the largest ``T``'s device step
-    (sorting its ids, an Adam-like update of its rows: :class:`Leveller`), run and waited for outside the clock.
-    XLA:CPU runs the device's work on the host's cores: T = 100's step (Adam on 100,000 rows) takes tens of ms
-    there, T = 1's under one, and a trace right after such work runs about twice as slowly as one right after
-    the previous trace, whatever it traces (T = 1 traced after T = 100's device work, or after a 20 ms sleep,
-    takes what T = 1 with T = 100's data takes: ``--idle-ms 20``, docs/benchmarks.md). The warm ratio compares a
-    trace after tens of ms of other work with one after one; the levelled one starts every ``T`` from the same state.
-    On a TPU the device's work runs on the chip, not on the host's cores. (Until 2026-11-30 this kind was
-    **cold**: a 64 MiB host buffer written before the step, which evicts data but not the code the trace runs; it
-    left T = 1 as fast as warm.)
+  * **levelled**: the same, right after the largest ``T``'s own training step (a second model of that many
+    features in the process, its batch, forward, backward and update: :class:`Leveller`), run and waited for outside
+    the clock. XLA:CPU runs the device's work on the host's cores: T = 100's step (Adam on 102,400 looked-up rows)
+    takes tens of ms there, T = 1's under one, and a trace right after such work runs slower than one right after the
+    previous trace, whatever it traces: the device work leaves the core's caches and predictors holding its own data
+    (no page faults, no system time, no other thread: the Python thread's CPU time grows with its wall time). The
+    warm ratio compares a trace after T = 100's device work with one after T = 1's; the levelled one starts every
+    ``T`` after the same device work. On a TPU the device's work runs on the chip, not on the host's cores.
+    ``--synthetic-level``: after a fixed computation of the same size instead (sorting 1,024 · T ids, an Adam-like
+    update of 1,000 · T rows: :class:`SyntheticLeveller`, this benchmark's leveller until 2026-12-01); on an AMD EPYC
+    it slowed T = 1's trace as T = 100's step does, on an Intel Xeon much less (docs/benchmarks.md). (Until
+    2026-11-30 this kind was **cold**: a 64 MiB host buffer written before the step, which evicts data but not the
+    code the trace runs; it left T = 1 as fast as warm.)
 
   Each kind is given as wall time and as the Python thread's CPU time (``time.thread_time``: what the host
   computed, without time spent preempted or waiting on other threads), and its wall time by phase: the forward
@@ -171,9 +174,29 @@ def count_ops(t: int, form: str) -> dict[str, Any]:
 
 
 class Leveller:
+    """The largest ``T``'s own training step, run and waited for before a levelled step: a second model of ``t``
+    features (:func:`build`), its batches and :func:`step`; whatever ``T`` traces next, the host's cores have just
+    run that step's device work (XLA:CPU runs it on them)."""
+
+    def __init__(self, t: int, dev: Any) -> None:
+        self.ec, self.head, self.opts, names = build(t, dev)
+        self.data = batches(names, 4, "concat")
+        self.y = torch.zeros(256, device=dev)
+        self.i = 0
+
+    def run(self) -> None:
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+
+        step(self.ec, self.head, self.opts, self.data[self.i % 4], "concat", self.y)
+        self.i += 1
+        torch_xla.sync()
+        xm.wait_device_ops()
+
+
+class SyntheticLeveller:
     """A fixed XLA computation the size of the largest ``T``'s device step (sorting its 1,024 · T ids, an Adam-like
-    update of its 1,000 · T rows of 16), run and waited for before a levelled step: whatever ``T`` traces next, the
-    host's cores have just run the same device work (XLA:CPU runs it on them)."""
+    update of its 1,000 · T rows of 16), run and waited for before a levelled step (``--synthetic-level``)."""
 
     def __init__(self, t: int, dev: Any) -> None:
         g = torch.Generator().manual_seed(2)
@@ -196,11 +219,12 @@ class Leveller:
         xm.wait_device_ops()
 
 
-def trace_time(t: int, steps: int, level: int, scale: int = 1, idle_ms: float = 0.0) -> dict[str, Any]:
+def trace_time(t: int, steps: int, level: int, scale: int = 1, idle_ms: float = 0.0,
+               synthetic: bool = False) -> dict[str, Any]:
     """The XLA trace per step (see the module's text); ``level``: the largest T (levelled steps after its device
-    work; 0: none); ``scale``: the table's rows and the batch's bags that many times the usual (1,000 rows, 256
-    bags), so that one feature brings the ids and rows of ``scale`` features; ``idle_ms``: levelled steps after
-    that long a sleep instead (the control: no work at all)."""
+    work, or after :class:`SyntheticLeveller`'s where ``synthetic``; 0: none); ``scale``: the table's rows and the
+    batch's bags that many times the usual (1,000 rows, 256 bags), so that one feature brings the ids and rows of
+    ``scale`` features; ``idle_ms``: levelled steps after that long a sleep instead (the control: no work at all)."""
     import torch_xla
     import torch_xla.core.xla_model as xm
 
@@ -208,7 +232,7 @@ def trace_time(t: int, steps: int, level: int, scale: int = 1, idle_ms: float = 
     ec, head, opts, names = build(t, dev, rows=1000 * scale)
     data = batches(names, 4, "concat", batch=256 * scale)
     y = torch.zeros(256 * scale, device=dev)
-    leveller = Leveller(level, dev) if level and not idle_ms else None
+    leveller = (SyntheticLeveller if synthetic else Leveller)(level, dev) if level and not idle_ms else None
     kinds: dict[str, list[tuple[float, float]]] = {"warm": [], "levelled": []}
     phases: dict[str, list[list[float]]] = {"warm": [], "levelled": []}  # forward and loss, backward, step
     for i in range(3 + (2 * steps if level else steps)):
@@ -248,7 +272,7 @@ def child(args: argparse.Namespace) -> None:
     t = args.child
     out: dict[str, Any] = {"T": t}
     if args.xla:
-        out.update(trace_time(t, args.steps, args.level, args.scale, args.idle_ms))
+        out.update(trace_time(t, args.steps, args.level, args.scale, args.idle_ms, args.synthetic_level))
     else:
         for form in ("dict", "concat", "kjt"):
             out[form] = count_ops(t, form)
@@ -274,6 +298,8 @@ def main() -> None:
     level.add_argument("--no-level", action="store_true", help="no levelled steps (warm ones only)")
     level.add_argument("--idle-ms", type=float, default=0.0,
                        help="levelled steps after this long a sleep instead of the device work (a control)")
+    level.add_argument("--synthetic-level", action="store_true",
+                       help="levelled steps after a fixed computation the size of the largest T's step instead")
     p.add_argument("--same-ids", action="store_true",
                    help="also trace T=1 with the ids and rows of the largest T (its bags and rows that many times)")
     p.add_argument("--no-xla", action="store_true")
@@ -302,7 +328,8 @@ def main() -> None:
             for key, t, scale in runs:
                 cmd = [sys.executable, __file__, "--child", str(t), "--xla", "--steps", str(args.steps),
                        "--level", str(0 if args.no_level else max(args.features)), "--scale", str(scale),
-                       "--idle-ms", str(args.idle_ms)]
+                       *(["--idle-ms", str(args.idle_ms)] if args.idle_ms else []),
+                       *(["--synthetic-level"] if args.synthetic_level else [])]
                 res = subprocess.run(cmd, env=xenv, check=True, capture_output=True, text=True)
                 got[key] = json.loads(res.stdout.strip().splitlines()[-1])
             rounds.append(got)
@@ -327,7 +354,8 @@ def main() -> None:
     kinds = [k for k in ("trace", "level_trace") if f"{k}_ms" in rounds[0][lo]]
     print(f"XLA trace per step, ms, median of {args.steps} steps per kind (wall; the Python thread's CPU in brackets)"
           + (f"; {SAME}: T=1 with T={hi}'s ids and rows" if SAME in rounds[0] else ""))
-    name = {"trace": "warm", "level_trace": f"after {args.idle_ms:g} ms idle" if args.idle_ms else "levelled"}
+    name = {"trace": "warm", "level_trace": f"after {args.idle_ms:g} ms idle" if args.idle_ms
+            else "levelled (synthetic)" if args.synthetic_level else "levelled"}
 
     def label(t: Any) -> str:  # a T, or the same-ids run
         return str(t) if t == SAME else f"T={t}"

@@ -13,7 +13,7 @@ import torch_xla.runtime as xr  # noqa: E402
 
 if not xr.is_spmd():  # once per process: a second call warns (XLA_USE_SPMD is set by the first)
     xr.use_spmd()  # before any XLA tensor exists
-from ema_window_cases import CASES, moved_checkpoint_continues, raw_slots_equal  # noqa: E402
+from ema_window_cases import CASES, DROPPED, moved_checkpoint_continues, raw_slots_equal  # noqa: E402
 
 import torch_tpu_embedding as tte  # noqa: E402
 from torch_tpu_embedding.xla import device_mesh, shard  # noqa: E402
@@ -40,15 +40,17 @@ def test_a_checkpoint_moved_between_the_cpu_and_the_mesh_continues_as_on_its_own
     moved_checkpoint_continues(DEV, case, direction, SETUP, torch_xla.sync)
 
 
-@pytest.mark.parametrize("nan_at", [(2,), (3,), (2, 3)], ids=["first", "last", "both"])
-def test_a_window_skip_nonfinite_drops_counts_as_on_the_cpu(nan_at: tuple[int, ...]) -> None:
-    """The window of calls 2-3 dropped (a NaN in its first, last or both micro-batches): ``skipped_steps`` 1, and
-    every slot as on the CPU."""
-    raw_slots_equal(DEV, "adagrad-skip", SETUP, torch_xla.sync, nan_at)
+@pytest.mark.parametrize("case, nan_at", DROPPED, ids=[f"{c}-{n}" for c, n in DROPPED])
+def test_a_window_skip_nonfinite_drops_counts_as_on_the_cpu(case: str, nan_at: tuple[int, ...]) -> None:
+    """A window dropped (a NaN in its first, last or both micro-batches): ``skipped_steps`` 1, and every slot as on
+    the CPU (a non-lazy table's average back where the window began: before, it kept the moves of the window's
+    accumulate-only calls here)."""
+    raw_slots_equal(DEV, case, SETUP, torch_xla.sync, nan_at)
 
 
-@pytest.mark.parametrize("nan_at", [(2,), (3,)], ids=["first", "last"])
+@pytest.mark.parametrize("case, nan_at", [d for d in DROPPED if len(d[1]) == 1],
+                         ids=[f"{c}-{n}" for c, n in DROPPED if len(n) == 1])
 @pytest.mark.parametrize("direction", ["cpu-to-xla", "xla-to-cpu"])
 def test_a_checkpoint_moved_after_a_dropped_window_continues_as_on_its_own_layout(direction: str,
-                                                                                 nan_at: tuple[int, ...]) -> None:
-    moved_checkpoint_continues(DEV, "adagrad-skip", direction, SETUP, torch_xla.sync, nan_at)
+                                                                                 case: str, nan_at: tuple[int, ...]) -> None:
+    moved_checkpoint_continues(DEV, case, direction, SETUP, torch_xla.sync, nan_at)

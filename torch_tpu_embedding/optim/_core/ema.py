@@ -16,8 +16,8 @@ With gradient accumulation (``k`` calls a window; on XLA too, whose accumulate-o
 so a non-finite micro-batch drops the whole window: none of its ``k`` calls counts (the counter counts the
 calls of applied windows), a lazy row's catch-up never sees them, and a non-lazy parameter's average, which
 Keras moves at every call, goes back to what it was when the window began (:func:`ema_calls`' record of it).
-A window dropped is then as if it had not happened (on XLA, which keeps no record, but for a non-lazy
-parameter's average: it keeps the moves of the window's accumulate-only calls).
+A window dropped is then as if it had not happened, on XLA too (the record there is rewritten at every call, in
+the one graph every call traces).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torch_tpu_embedding._rows.dedup import is_static_device, sink_rows, sinks_sentinel
+from torch_tpu_embedding._rows.placement import device_backend
 from torch_tpu_embedding.optim._core.extras import ema_catch_up
 from torch_tpu_embedding.optim._core.rule_pipeline import gated
 from torch_tpu_embedding.optim._core.slots import RowSpace, lazy_table
@@ -108,7 +109,7 @@ def ema_calls(
     groups: list[dict[str, Any]],
     state_for: Callable[[Tensor, dict[str, Any]], dict[str, Tensor]],
     clock: StepClock,
-    window_start: dict[int, Tensor] | None = None,
+    window_start: dict[int, Any] | None = None,
 ) -> None:
     """After the updates of a call: EMA of dense (and non-lazy) parameters, and the periodic overwrite.
 
@@ -124,7 +125,7 @@ def ema_calls(
             keep = clock.keep(p.device, group["skip_nonfinite"])
             avg = space.table_order("ema")
             if starts is not None and not lazy_table(p, group):
-                avg = _restore_dropped(starts, p, avg, keep, group, clock.iterations)
+                avg = _restore_dropped(starts, p, avg, keep, group, clock)
             if lazy_table(p, group):
                 if overwrite:  # O(V·D), every f calls, as in Keras
                     it = clock.ema_on(p.device, group["skip_nonfinite"], group["gradient_accumulation_steps"])
@@ -142,28 +143,52 @@ def ema_calls(
 
 
 def window_averages(group: Mapping[str, Any], iterations: int,
-                    window_start: dict[int, Tensor] | None) -> dict[int, Tensor] | None:
-    """The store of the group's averages at its window's start, or ``None`` where none is kept: only eagerly,
-    with gradient accumulation and ``skip_nonfinite``, where a window's accumulate-only calls average (Keras's
-    per-call EMA) before the check at its last call can drop the window."""
+                    window_start: dict[int, Any] | None) -> dict[int, Any] | None:
+    """The store of the group's averages at its window's start, or ``None`` where none is kept: only with gradient
+    accumulation and ``skip_nonfinite``, where a window's accumulate-only calls average (Keras's per-call EMA)
+    before the check at its last call can drop the window."""
     if window_start is None or not group["gradient_accumulation_steps"] or not group["skip_nonfinite"]:
         return None
     return window_start
 
 
-def _restore_dropped(starts: dict[int, Tensor], p: Tensor, avg: Tensor, keep: Tensor | None,
-                     group: Mapping[str, Any], iterations: int) -> Tensor:
+def _restore_dropped(starts: dict[int, Any], p: Tensor, avg: Tensor, keep: Tensor | None,
+                     group: Mapping[str, Any], clock: StepClock) -> Tensor:
     """Non-lazy ``p``'s average before this call's: at a window's first call it is recorded (a copy, the size
     of the parameter, once a window); at its last call, when the call is dropped (``keep`` False), the window's
     accumulate-only calls are undone (the average it began with), so the dropped window counts no call."""
-    if is_static_device(p.device):
-        return avg  # one graph every call, no record: the accumulate-only calls' moves stay (not covered)
     k = group["gradient_accumulation_steps"]
-    if iterations % k == 0:
+    if is_static_device(p.device):
+        return _restore_dropped_static(starts, p, avg, keep, k, clock)
+    if clock.iterations % k == 0:
         starts[id(p)] = avg.clone()
-    if (iterations + 1) % k == 0 and keep is not None and id(p) in starts:
+    if (clock.iterations + 1) % k == 0 and keep is not None and id(p) in starts:
         avg = gated(keep, avg, starts.pop(id(p)))
     return avg
+
+
+def _restore_dropped_static(starts: dict[int, Any], p: Tensor, avg: Tensor, keep: Tensor | None, k: int,
+                            clock: StepClock) -> Tensor:
+    """:func:`_restore_dropped` in one graph for every call (XLA): the record is a buffer the size of the average,
+    rewritten at a window's first call (``where``, on the device's call counter, as the accumulation's window runs),
+    with a flag saying it holds one (as eagerly, a window begun before the record existed, under another optimizer
+    object or before a load, keeps its averages). Made as device data (uploaded, not a constant of the graph), so the
+    first call traces the graph every call traces."""
+    record = starts.get(id(p))
+    if record is None:
+        buffer = torch.zeros(avg.shape, dtype=avg.dtype).to(avg.device)
+        if avg.device.type == "xla" and avg.shape == p.shape:  # (the parameter's layout on a mesh, not a replica)
+            device_backend("xla").shard_slot(p, buffer, rows=True)
+        record = (buffer, torch.zeros(1, dtype=torch.bool).to(avg.device).reshape(()))
+    start, held = record
+    it = clock.on(avg.device)
+    first = torch.remainder(it, k) == 0
+    start, held = torch.where(first, avg, start), held | first
+    starts[id(p)] = (start, held)
+    if keep is None:
+        return avg
+    last = torch.remainder(it + 1, k) == 0
+    return torch.where(last & held & ~keep.to(avg.device), start, avg)
 
 
 def last_call(

@@ -101,8 +101,9 @@ class StepCounters:
         self.skipped: Tensor | None = None  # device-side count of calls dropped by skip_nonfinite
         self.dropped: Tensor | None = None  # device-side count of calls dropped by an exchange overflow
         self.last_skipped: Tensor | None = None  # whether the last call was dropped (0-d bool, device)
-        #: non-lazy parameters' moving averages as the accumulation window under way began, by id (ema.ema_calls)
-        self.ema_window: dict[int, Tensor] = {}
+        #: non-lazy parameters' moving averages as the accumulation window under way began, by id (ema.ema_calls):
+        #: a tensor eagerly; on XLA the buffer and whether it holds a record
+        self.ema_window: dict[int, Any] = {}
 
     def start(self, clean: Tensor | None) -> None:
         """A call begins; ``clean``: whether its lookups dropped no id (``None``: no table of the call goes

@@ -9,6 +9,7 @@ average (lazy tables caught up, dense parameters) equal, bit for bit, the run th
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -69,3 +70,42 @@ def test_a_dense_average_mid_window_is_keras_per_call_average(k: int) -> None:
         avg = w if avg is None else m * avg + (1 - m) * w
         torch.testing.assert_close(opt.moving_average(head.weight), avg, rtol=1e-13, atol=1e-15)
     assert math.isfinite(float(avg.sum()))
+
+
+@pytest.mark.parametrize("info", [i for i in OPTIMIZER_INFOS if i.name in ("adam", "sgd")], ids=lambda i: i.name)
+def test_a_load_forgets_the_window_record_of_the_run_before(info: OptimizerInfo) -> None:
+    """An optimizer that recorded its non-lazy averages at a window's first call (call 4 of windows of 2), then loads
+    a checkpoint saved mid-window (after call 2 of another run), whose last call is then dropped: it goes on as a fresh
+    optimizer loaded with the same checkpoint (which has no record: the window keeps its averages, the documented
+    case), not back to the record of its own run before the load (which it took before: another run's averages)."""
+    ec, head = two_tables()
+    saver = info.cls([*ec.parameters(), *head.parameters()], **info.default, use_ema=True, ema_momentum=MU,
+                     skip_nonfinite=True, gradient_accumulation_steps=2)
+    for s in range(3):
+        forward_backward(ec, head, s)
+        saver.step()
+        saver.zero_grad()
+    ckpt = {"model": copy.deepcopy(ec.state_dict()), "head": copy.deepcopy(head.state_dict()),
+            "opt": copy.deepcopy(saver.state_dict())}
+    runs = []
+    for before in (0, 5):  # a fresh optimizer, and one that trained 5 calls (on other data) first
+        ec, head = two_tables()
+        opt = info.cls([*ec.parameters(), *head.parameters()], **info.default, use_ema=True, ema_momentum=MU,
+                       skip_nonfinite=True, gradient_accumulation_steps=2)
+        for s in range(before):
+            forward_backward(ec, head, 100 + s)
+            opt.step()
+            opt.zero_grad()
+        ec.load_state_dict(ckpt["model"])
+        head.load_state_dict(ckpt["head"])
+        opt.load_state_dict(ckpt["opt"])
+        forward_backward(ec, head, 3)
+        head.weight.grad[0, 0] = float("nan")  # the window of calls 2-3 dropped at its last call
+        opt.step()
+        opt.zero_grad()
+        assert opt.skipped_steps == 1
+        runs.append((head, opt))
+    (fresh, fresh_opt), (used, used_opt) = runs
+    for p, q in ((fresh.weight, used.weight), (fresh.bias, used.bias)):
+        assert torch.equal(p, q)
+        assert torch.equal(fresh_opt.moving_average(p), used_opt.moving_average(q))

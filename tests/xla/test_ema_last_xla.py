@@ -82,4 +82,4 @@ def test_a_dense_average_after_a_dropped_window_is_as_if_it_never_happened(nan_a
         torch.testing.assert_close(p.cpu(), q.cpu(), rtol=1e-13, atol=1e-15)
         torch.testing.assert_close(opt.moving_average(p).cpu(), ref_opt.moving_average(q).cpu(), rtol=1e-13,
                                    atol=1e-15)
-    assert sum(compiles[4:]) == 0, compiles
+    assert sum(compiles[2:]) == 0, compiles  # (the first two calls compile, as without the record)

@@ -179,16 +179,18 @@ def _restore_dropped_static(starts: dict[int, Any], p: Tensor, avg: Tensor, keep
         buffer = torch.zeros(avg.shape, dtype=avg.dtype).to(avg.device)
         if avg.device.type == "xla" and avg.shape == p.shape:  # (the parameter's layout on a mesh, not a replica)
             device_backend("xla").shard_slot(p, buffer, rows=True)
-        record = (buffer, torch.zeros(1, dtype=torch.bool).to(avg.device).reshape(()))
+        # (the flag kept [1]-shaped: a 0-d one would enter the first call as an upload and later ones as the call
+        # before's 0-d output, two graphs; StepCounters keeps its counters so)
+        record = (buffer, torch.zeros(1, dtype=torch.bool).to(avg.device))
     start, held = record
     it = clock.on(avg.device)
     first = torch.remainder(it, k) == 0
-    start, held = torch.where(first, avg, start), held | first
+    start, held = torch.where(first, avg, start), held | first.reshape(1)
     starts[id(p)] = (start, held)
     if keep is None:
         return avg
     last = torch.remainder(it + 1, k) == 0
-    return torch.where(last & held & ~keep.to(avg.device), start, avg)
+    return torch.where(last & held.reshape(()) & ~keep.to(avg.device), start, avg)
 
 
 def last_call(

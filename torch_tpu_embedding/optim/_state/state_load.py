@@ -248,6 +248,9 @@ def write_checked(opt: RowSparseOptimizer, done: CheckedState) -> None:
             else:
                 state[name].copy_(to_device(v.to(state[name].dtype), p.device))
     opt._run.iterations = int(sd.get("iterations", 0))
+    # The record of the averages as the window under way began is this object's run's, not the checkpoint's (which
+    # saves none): a window begun before the load and then dropped keeps its averages, as under a fresh optimizer.
+    opt._run.ema_window.clear()
     # skipped_steps counts both kinds of dropped calls; the overflow's also move the call counter.
     overflowed = int(sd.get("overflowed_steps", 0))
     skipped = int(sd.get("skipped_steps", 0)) - overflowed
@@ -281,6 +284,7 @@ def load_physical_rest(opt: RowSparseOptimizer, rest: Mapping[str, Any]) -> None
     saved = rest["param_groups"]
     _apply_groups(opt, saved)
     opt._run.iterations = int(rest["iterations"])
+    opt._run.ema_window.clear()  # (as in write_checked: the record is this object's run's)
     for key, bufs in rest["acc"].items():
         p = by_key[key]
         _restore_accumulation(opt.state[p], bufs, p)

@@ -57,8 +57,11 @@ class AheadLookups:
             return None
         self._held = None
         name = held.modified(features, weights)
-        if name is None:
+        if name is None and (held.outputs is not None or not self._replaced_tables(held)):
             return held
+        if name is None:  # a table's weight replaced since: planned again, for the tables as they are now
+            held.used = True
+            return None
         if held.outputs is not None or held.ahead_error is not None:
             raise ValueError(f"Input `{name}` was modified in place after it was looked up ahead (look_up_ahead(); "
                              "tte.TrainPipeline(pipeline_execution_with_tensor_core=True) looks a batch up during the "
@@ -80,10 +83,25 @@ class AheadLookups:
             return outputs
         try:
             batches = prepared.take(id(self))
+            replaced = self._replaced_tables(prepared)
+            if replaced:
+                raise ValueError(
+                    "These prepared features were prepared before the weight of table(s) "
+                    f"{', '.join(f'`{n}`' for n in replaced)} was replaced "
+                    "(load_state_dict(assign=True), a new Parameter, unstack/restack, a move that made a new "
+                    "parameter): their lookup would read the old weight and give it the gradient. Call prepare() "
+                    "again after replacing a table's weight.")
         except Exception:
             self._lookup_failed()
             raise
         return self._outputs(batches, concat)
+
+    def _replaced_tables(self, prepared: PreparedFeatures) -> list[str]:
+        """The tables whose batches in ``prepared`` look up a weight that is no longer a table's (replaced since
+        it was prepared: the lookup would read stale rows and its gradient reach no optimizer), sorted."""
+        live = {id(t.weight) for t in self.physical_tables().values()}
+        return sorted({n for batch in prepared.batches or () for b in getattr(batch, "batches", [batch])
+                       if id(b.weight) not in live for n in b.tables})
 
     # ------------------------------------------------------------------ inputs prepared ahead
     def prepare(self, features: Any, weights: Any = None, *, ahead: bool = False,

@@ -1,7 +1,8 @@
 """Features prepared (``EmbeddingCollection.prepare``) before a table's weight was replaced: their batches hold the
 weight they were planned for, so looking them up would read the old rows and send the gradient where no optimizer
 built since looks (silently untrained). ``ec(prepared)`` raises naming the tables; the forward that
-``use_prepared`` feeds (``tte.TrainPipeline``) plans its inputs again, for the tables as they are now."""
+``use_prepared`` feeds (``tte.TrainPipeline``) plans its inputs again, for the tables as they are now. Features
+looked up ahead (``look_up_ahead``) hold a graph of the old weight: their forward raises naming the tables."""
 
 from __future__ import annotations
 
@@ -78,3 +79,17 @@ def test_prepared_features_of_live_tables_are_looked_up() -> None:
     prepared = ec.prepare(_inputs())
     ec.load_state_dict({k: v + 100 for k, v in ec.state_dict().items()})
     assert torch.equal(ec(prepared, concat=True), ec(_inputs(), concat=True))
+
+
+@pytest.mark.parametrize("change", CHANGES, ids=[c.__name__.strip("_") for c in CHANGES])
+def test_features_looked_up_ahead_of_a_replaced_weight_raise_naming_the_tables(change: Any) -> None:
+    """Looked up ahead (the pipeline's one-step-stale schedule), then the weight replaced: the activations' graph
+    holds the old weight, so their backward trained nothing the optimizer built since steps (silently)."""
+    ec = _collection()
+    x = _inputs()
+    prepared = ec.prepare(x)
+    ec.look_up_ahead(prepared, concat=True)
+    change(ec)
+    with ec.use_prepared(prepared), pytest.raises(
+            ValueError, match=r"looked up ahead .* before the weight of table\(s\) `t0`, `t1`, `t2` was replaced"):
+        ec(x, concat=True)

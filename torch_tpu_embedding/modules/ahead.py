@@ -77,6 +77,14 @@ class AheadLookups:
             if concat is not prepared.concat:
                 raise ValueError(f"These features were looked up ahead with concat={prepared.concat}; the forward "
                                  f"asks for concat={concat!r}. Give the pipeline the concat your model uses.")
+            replaced = self._replaced_tables(prepared)
+            if replaced:  # (its graph holds the old weight: a backward would train nothing any optimizer steps)
+                raise ValueError(
+                    "These features were looked up ahead (look_up_ahead(); tte.TrainPipeline(pipeline_execution_"
+                    "with_tensor_core=True)) before the weight of table(s) "
+                    f"{', '.join(f'`{n}`' for n in replaced)} was replaced: their activations read the old weight "
+                    "and their gradient would reach no optimizer. Write new values in place (load_state_dict "
+                    "without assign) or replace weights between pipelines.")
             outputs, prepared.outputs = prepared.outputs, None
             if not torch.is_grad_enabled():  # (looked up ahead with gradients; a forward under no_grad has none)
                 outputs = detached(outputs)

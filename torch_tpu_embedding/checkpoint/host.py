@@ -115,7 +115,7 @@ def host_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         state.setdefault(key, {}).update(bufs)
     split_stacked_entries(state, physical.members, physical.logical_rows)
     return {"state": state, "param_groups": physical.param_groups, "iterations": physical.iterations,
-            "skipped_steps": optimizer.skipped_steps, "overflowed_steps": optimizer.overflowed_steps}
+            "skipped_steps": physical.skipped_steps, "overflowed_steps": physical.overflowed_steps}
 
 
 def own_layout_state(optimizer: Any) -> dict[str, Any]:

@@ -105,6 +105,18 @@ class StepCounters:
         #: a tensor eagerly; on XLA the buffer and whether it holds a record
         self.ema_window: dict[int, Any] = {}
 
+    def restore(self, iterations: int, skipped_steps: int = 0, overflowed_steps: int = 0) -> None:
+        """The counters as a checkpoint saved them (``skipped_steps`` counts both kinds of dropped calls, as
+        :attr:`RowSparseOptimizer.skipped_steps` does; ``overflowed_steps`` of them the exchange's). The record of
+        the averages as the window under way began (``ema_window``) is this object's run's, which a checkpoint
+        does not save: it is forgotten, so a window begun before the load and then dropped keeps its averages, as
+        under a fresh optimizer."""
+        skipped = skipped_steps - overflowed_steps
+        self.iterations = iterations
+        self.skipped = torch.tensor([skipped], dtype=torch.int64) if skipped else None
+        self.dropped = torch.tensor([overflowed_steps], dtype=torch.int64) if overflowed_steps else None
+        self.ema_window.clear()
+
     def start(self, clean: Tensor | None) -> None:
         """A call begins; ``clean``: whether its lookups dropped no id (``None``: no table of the call goes
         through the id exchange)."""

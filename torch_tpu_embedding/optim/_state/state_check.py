@@ -124,9 +124,10 @@ def accumulation_problems(key: str, s: Mapping[str, Any], rows: int, dim: int) -
 
 
 def counter_problems(sd: Mapping[str, Any]) -> list[str]:
-    """``iterations`` and ``skipped_steps`` must be integers >= 0 (0-d integer tensors accepted)."""
-    problems = []
-    for name in ("iterations", "skipped_steps"):
+    """``iterations``, ``skipped_steps`` and ``overflowed_steps`` must be integers >= 0 (0-d integer tensors
+    accepted), ``overflowed_steps`` at most ``skipped_steps`` (it counts some of them)."""
+    problems, values = [], {}
+    for name in ("iterations", "skipped_steps", "overflowed_steps"):
         if name not in sd:
             continue
         v = sd[name]
@@ -135,6 +136,11 @@ def counter_problems(sd: Mapping[str, Any]) -> list[str]:
             v = int(v.item())
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             problems.append(f"'{name}' must be an integer >= 0. Received {_describe(sd[name])}")
+        else:
+            values[name] = v
+    if values.get("overflowed_steps", 0) > values.get("skipped_steps", 0):
+        problems.append(f"'overflowed_steps' counts some of 'skipped_steps', so it must be at most it. Received "
+                        f"{values['overflowed_steps']} and {values.get('skipped_steps', 0)}")
     return problems
 
 

@@ -247,16 +247,18 @@ def write_checked(opt: RowSparseOptimizer, done: CheckedState) -> None:
                 _write_logical_slot(p, state[name], v, numbers[name])
             else:
                 state[name].copy_(to_device(v.to(state[name].dtype), p.device))
-    opt._run.iterations = int(sd.get("iterations", 0))
-    # The record of the averages as the window under way began is this object's run's, not the checkpoint's (which
-    # saves none): a window begun before the load and then dropped keeps its averages, as under a fresh optimizer.
-    opt._run.ema_window.clear()
-    # skipped_steps counts both kinds of dropped calls; the overflow's also move the call counter.
-    overflowed = int(sd.get("overflowed_steps", 0))
-    skipped = int(sd.get("skipped_steps", 0)) - overflowed
-    opt._run.skipped = torch.tensor([skipped], dtype=torch.int64) if skipped else None
-    opt._run.dropped = torch.tensor([overflowed], dtype=torch.int64) if overflowed else None
+    _restore_counters(opt, sd)
     opt._lrs.clear()
+
+
+def _restore_counters(opt: RowSparseOptimizer, saved: Mapping[str, Any]) -> None:
+    """The call counters as saved (checked by ``counter_problems``; a checkpoint written before they were
+    saved, none: 0)."""
+    opt._run.restore(*(_counter(saved.get(k, 0)) for k in ("iterations", "skipped_steps", "overflowed_steps")))
+
+
+def _counter(v: Any) -> int:
+    return int(v.item()) if isinstance(v, torch.Tensor) else int(v)
 
 
 def rest_problems(opt: RowSparseOptimizer, rest: Mapping[str, Any]) -> list[str]:
@@ -283,8 +285,7 @@ def load_physical_rest(opt: RowSparseOptimizer, rest: Mapping[str, Any]) -> None
     by_key = {keys[id(p)]: p for g in opt.param_groups for p in g["params"]}
     saved = rest["param_groups"]
     _apply_groups(opt, saved)
-    opt._run.iterations = int(rest["iterations"])
-    opt._run.ema_window.clear()  # (as in write_checked: the record is this object's run's)
+    _restore_counters(opt, rest)
     for key, bufs in rest["acc"].items():
         p = by_key[key]
         _restore_accumulation(opt.state[p], bufs, p)

@@ -42,7 +42,7 @@ class PhysicalState:
     ``logical_rows`` the same key's rows in :func:`state_dict` (``None``: saved whole) and ``layouts``
     how they are stored (``torch_tpu_embedding._rows.row_order.describe``; ``None``: in order). The rest is
     small and on the host: hyper-parameters (``param_groups`` as :func:`state_dict` saves them), the
-    call counter, pending accumulation buffers by key, and each stacked group's tables by key.
+    call counters, pending accumulation buffers by key, and each stacked group's tables by key.
     """
 
     tensors: dict[str, Tensor]
@@ -52,11 +52,15 @@ class PhysicalState:
     accumulation: dict[str, dict[str, Tensor]]
     members: dict[str, Members]
     layouts: dict[str, Description] = dataclasses.field(default_factory=dict)
+    #: calls that changed nothing, and of them those an exchange overflow dropped (``skipped_steps``)
+    skipped_steps: int = 0
+    overflowed_steps: int = 0
 
     def rest(self) -> dict[str, Any]:
         """What a distributed checkpoint stores beside the tensors (read back by
         :func:`.state_load.load_physical_rest`)."""
-        return {"param_groups": self.param_groups, "iterations": self.iterations, "acc": self.accumulation}
+        return {"param_groups": self.param_groups, "iterations": self.iterations, "acc": self.accumulation,
+                "skipped_steps": self.skipped_steps, "overflowed_steps": self.overflowed_steps}
 
 
 def param_keys(opt: RowSparseOptimizer, *, group_as_one: bool = False) -> dict[int, str]:
@@ -165,7 +169,8 @@ def physical_state(opt: RowSparseOptimizer) -> PhysicalState:
             if name in numbers and info is not None:
                 layouts[f"{key}/{name}"] = describe(info.layout, numbers[name])
     members = {keys[id(p)]: m for p in opt.state if (m := members_of(p)) is not None}
-    return PhysicalState(tensors, rows, _saved_groups(opt, keys), opt._run.iterations, acc, members, layouts)
+    return PhysicalState(tensors, rows, _saved_groups(opt, keys), opt._run.iterations, acc, members, layouts,
+                         opt.skipped_steps, opt.overflowed_steps)
 
 
 def _logical_slot(p: Tensor, slot: Tensor, k: int) -> Tensor:

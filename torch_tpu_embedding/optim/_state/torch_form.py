@@ -16,8 +16,8 @@ for every caller. ``load_state_dict`` reads either layout (:func:`from_torch_lay
 tables' state joined in their logical rows (``[Σ num_embeddings, ...]``). Each saved group keeps,
 under ``tte_params``, every parameter's tables and rows (and a group's row slots), so a group's entry
 is split per table again and loads into a collection stacked otherwise; and, under ``iterations`` /
-``skipped_steps``, the optimizer's call counters (torch's helpers keep only ``state`` and
-``param_groups``).
+``skipped_steps`` / ``overflowed_steps``, the optimizer's call counters (torch's helpers keep only ``state`` and
+``param_groups``; ``overflowed_steps``, saved since 2026-12-01, reads as 0 where absent).
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ if TYPE_CHECKING:
 __all__ = ["called_by_torch_helpers", "from_torch_layout", "state_dict", "to_torch_layout", "use_torch_layout"]
 
 _TTE = "tte_params"  # a saved group's key: per parameter, {"keys", "rows", "row_slots"}
-_COUNTERS = ("iterations", "skipped_steps")
+_COUNTERS = ("iterations", "skipped_steps")  # required in a saved group
+_OPTIONAL_COUNTERS = ("overflowed_steps",)  # 0 where absent (saved since 2026-12-01)
 _PENDING = "tte_pending"  # a table's pending accumulation window: (acc_ids, acc_rows) or () (_pack_pending)
 _UNSAVED = "tte_unsaved"  # a saved group's key: the keys saved as None placeholders (see to_torch_layout)
 # Where torch's helpers call ``optim.state_dict()`` (torch 2.9 to 2.13: ``_get_optim_state_dict``, which
@@ -151,7 +152,7 @@ def to_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str,
             out["params"].append(pid)
             out[_TTE].append(desc)
             pid += 1
-        for k in _COUNTERS:
+        for k in (*_COUNTERS, *_OPTIONAL_COUNTERS):
             out[k] = int(sd.get(k, 0))
         # What is not saved (callables: `slot_creation_fn`, a callable `lr`) as None: torch's helpers
         # look every key of the live groups up; loading keeps the live value (as for our layout).
@@ -385,7 +386,9 @@ def _read_torch_layout(opt: torch.optim.Optimizer, sd: Mapping[str, Any], keys: 
                     "save without it (use_torch_layout's state_dict keeps it in each group)."
                 )
             counters[k] = max(counters.get(k, 0), int(saved[k]))
-        out = {k: v for k, v in saved.items() if k not in ("params", _TTE, _UNSAVED, *_COUNTERS,
+        for k in _OPTIONAL_COUNTERS:
+            counters[k] = max(counters.get(k, 0), int(saved.get(k, 0)))
+        out = {k: v for k, v in saved.items() if k not in ("params", _TTE, _UNSAVED, *_COUNTERS, *_OPTIONAL_COUNTERS,
                                                      *saved.get(_UNSAVED, []))}
         out["params"] = []
         for k, desc in zip(saved["params"], descs, strict=True):

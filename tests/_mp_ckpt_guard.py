@@ -10,6 +10,8 @@ then meets the others at a barrier (the job's next collective), which it reaches
 * ``ckpt_dcp_write_fails``: data parallel, a ``save_distributed`` directory read in place through
   ``torch.distributed.checkpoint``; on rank 1 alone the check after the read finds a file changed (injected: as
   a file copied into that rank's directory while DCP read it), after every rank's checks agreed.
+* ``ckpt_dcp_extra_state_fails``: data parallel, a ``save_distributed`` directory of a model with a module's extra
+  state, whose ``set_extra_state`` raises on rank 1 alone (the user's load code, run before anything is written).
 * ``ckpt_dtensor_wrong_table``: ``shard(..., dtensor_state_dict=True)``; rank 1's ``load_state_dict`` is given another
   table's DTensor for table ``item``: refused there before the rows' move, which every other rank makes.
 * ``ckpt_dtensor_optim_wrong_slot``: the same sharding, Adagrad; torch's ``set_optimizer_state_dict`` where rank 1's
@@ -139,6 +141,19 @@ def run(scenario: str, rank: int, model: nn.Module, batch: Any, out: Path) -> di
         got = _load(lambda p, m, o: tte.checkpoint.load_distributed(p, model=m, optimizer=o), saved, model, opt)
         dist.barrier()
         return got
+    if scenario == "ckpt_dcp_extra_state_fails":
+        dp = tte.distributed.data_parallel(model)
+        opt = tte.optim.Adagrad(dp.parameters(), lr=0.1)
+        _train(dp, opt, rank, range(2), batch)
+        whole = nn.ModuleDict({"model": model, "tally": _Tally(4)})
+        tte.checkpoint.save_distributed(saved, model=whole, optimizer=opt)
+        _train(dp, opt, rank, range(2, 3), batch)
+        tally = whole["tally"]
+        assert isinstance(tally, _Tally)
+        tally.seen, tally.refuse = 9, rank == 1
+        got = _load(lambda p, m, o: tte.checkpoint.load_distributed(p, model=m, optimizer=o), saved, whole, opt)
+        dist.barrier()
+        return got | {"tally": tally.seen}
     if scenario == "ckpt_dtensor_wrong_table":  # rank 1 loads table `who`'s DTensor into table `item`
         tte.distributed.shard(model, dtensor_state_dict=True)
         sd = model.state_dict()  # (a collective: every rank's rows to their logical blocks)
@@ -195,6 +210,22 @@ def run(scenario: str, rank: int, model: nn.Module, batch: Any, out: Path) -> di
     got = _load(tte.distributed.load_sharded, mine, model, opt)
     dist.barrier()
     return got
+
+
+class _Tally(nn.Module):
+    """A module with an extra state whose ``set_extra_state`` refuses it where ``refuse`` is set."""
+
+    def __init__(self, seen: int) -> None:
+        super().__init__()
+        self.seen, self.refuse = seen, False
+
+    def get_extra_state(self) -> Any:
+        return {"seen": self.seen}
+
+    def set_extra_state(self, state: Any) -> None:
+        if self.refuse:
+            raise ValueError("the tally refused its saved state (injected)")
+        self.seen = state["seen"]
 
 
 def _dtensor(scenario: str, rank: int, model: nn.Module, batch: Any) -> dict[str, Any]:

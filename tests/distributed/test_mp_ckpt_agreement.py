@@ -31,6 +31,19 @@ def test_a_file_damaged_on_one_rank_refuses_the_load_on_every_rank(scenario: str
     assert r0["unchanged"] and r1["unchanged"], (r0, r1)
 
 
+def test_a_set_extra_state_that_raises_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
+    """load_distributed sets the modules' extra states first (the user's code), then reads the tensors in place
+    through DCP's collectives: rank 1's set_extra_state raising must not leave rank 0 in them, nor its own extra
+    state set. Both raise, both unchanged, the extra state as it was (9, not the saved 4) on both."""
+    r0, r1 = run("ckpt_dcp_extra_state_fails", tmp_path)
+    assert [e["type"] for e in r1["errors"]] == ["ValueError"], r1
+    assert "the tally refused its saved state (injected)" in r1["errors"][0]["message"], r1
+    msg = r0["errors"][0]["message"]
+    assert msg.startswith("Rank 1 of the process group failed: ValueError: the tally refused"), msg
+    assert "nothing was loaded on any rank" in msg, msg
+    assert r0["unchanged"] and r1["unchanged"] and r0["tally"] == r1["tally"] == 9, (r0, r1)
+
+
 def test_a_checkpoint_that_fits_one_rank_only_is_loaded_on_none(tmp_path: Path) -> None:
     """Rank 1 loads a checkpoint of Adagrad into Adam. Before, rank 1 raised after the ranks' last collective
     and rank 0 loaded (a job half loaded). Now both raise CheckpointMismatchError, both unchanged."""

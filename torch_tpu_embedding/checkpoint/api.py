@@ -56,6 +56,7 @@ from torch_tpu_embedding.checkpoint.publish import (
     verify,
     write_manifest,
 )
+from torch_tpu_embedding.checkpoint.rollback import extra_states, put_extra_states
 from torch_tpu_embedding.checkpoint.sharded import sharded
 from torch_tpu_embedding.checkpoint.snapshot import Seal, UnverifiedCheckpointWarning, pinned
 from torch_tpu_embedding.modules.collection import EmbeddingCollection
@@ -130,7 +131,10 @@ def _physical(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -
     rows: dict[str, int | None] = {}
     layouts: dict[str, Description] = {}
     members: dict[str, Any] = {}  # stacked groups: their tables, for convert_distributed
-    for name, p in [*model.named_parameters(), *model.named_buffers()]:
+    # (a non-persistent buffer is no state: as in state_dict(), neither saved nor loaded)
+    unsaved = _non_persistent(model)
+    buffers = [(n, b) for n, b in model.named_buffers() if n not in unsaved]
+    for name, p in [*model.named_parameters(), *buffers]:
         info = table_info(p)
         tensors[f"model/{name}"] = p.detach()
         rows[f"model/{name}"] = None if info is None else info.num_embeddings
@@ -148,6 +152,11 @@ def _physical(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -
         layouts.update({f"optim/{k}": v for k, v in physical.layouts.items()})
     rest["layouts"] = layouts
     return tensors, rows, rest
+
+
+def _non_persistent(model: torch.nn.Module) -> set[str]:
+    """The names of ``model``'s non-persistent buffers (which ``state_dict()`` leaves out)."""
+    return {f"{name}.{b}" if name else b for name, m in model.named_modules() for b in m._non_persistent_buffers_set}
 
 
 def _row_sparse(optimizer: torch.optim.Optimizer) -> Any:
@@ -190,8 +199,12 @@ def save_distributed(
     layouts = rest.pop("layouts")
     # "layouts": the stored row order of each table-indexed tensor (absent in checkpoints written
     # before the id exchange: every tensor in logical order).
+    # The modules' extra states (state_dict()'s "<module>._extra_state"), as :func:`save` keeps them: loaded with
+    # weights_only=True, so they hold what such a load reads (tensors, numbers, strings, lists, dicts).
+    extra = {key: to_cpu(m.get_extra_state()) for key, m in extra_states(model).items()}
+    check_loadable(extra, "extra_state")  # before anything on disk changes
     meta = {"format": FORMAT, "rows": rows, "members": members, "layouts": layouts,
-            "optimizer": to_cpu(rest) if optimizer is not None else None}
+            "optimizer": to_cpu(rest) if optimizer is not None else None, "extra_state": extra}
     # Written into a staging directory beside the target and published whole (checkpoint/publish.py): a
     # process killed at any point leaves the previous checkpoint or this one, complete, never a mix. Rank 0
     # holds the save lock throughout: a second save to the path (another job) is refused, not mixed in.
@@ -270,22 +283,35 @@ def _load_dcp(target: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
     ``all_gather_object``): a rank whose checks fail makes every rank raise, before any of them writes or enters
     DCP's read, whose collectives it would not join. They agree again after the writes: a file found changed
     after the read on one rank (a file system of its own), or the user's load code raising there, raises on
-    every rank, saying that the others loaded their part (two small collectives per load besides DCP's)."""
-    write = None
+    every rank, saying that the others loaded their part (two small collectives per load besides DCP's). A model
+    with extra states (``get_extra_state``) has them set first, and the ranks agree on that too (a third)."""
+    write, extra = None, None
     with Attempt() as checks:
-        write = _checked_dcp(target, model, optimizer)
+        write, extra = _checked_dcp(target, model, optimizer)
     agree(checks.error, done="every rank refused the load: nothing was loaded on any rank")
     assert write is not None
+    if extra:  # the user's set_extra_state first: one that raises, on any rank, leaves everything as it was
+        undo = None
+        with Attempt() as user:
+            undo = put_extra_states(model, extra)
+        try:
+            agree(user.error, done="every rank refused the load: nothing was loaded on any rank")
+        except BaseException:
+            if undo is not None:
+                undo()
+            raise
     with Attempt() as writes:
         write()
     agree(writes.error, done="the other ranks loaded their part: the job holds values of two states. Load a "
           "checkpoint again on every rank")
 
 
-def _checked_dcp(target: str, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer | None) -> Callable[[], None]:
+def _checked_dcp(target: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+                 ) -> tuple[Callable[[], None], dict[str, Any] | None]:
     """Check the ``save_distributed`` directory ``target`` against ``model`` and ``optimizer`` (raises, writing
-    nothing); returns what writes it (DCP's read in place, or the logical payload read here)."""
+    nothing); returns what writes it (DCP's read in place, or the logical payload read here) and the modules'
+    extra states to set before (``None``: that write sets them, or the checkpoint, written before 2026-12-01,
+    saved none)."""
     present(target)
     seal = Seal(target, verify(target))  # every file whole and as saved, before anything is written
     meta = read_meta(target)
@@ -297,17 +323,32 @@ def _checked_dcp(target: str, model: torch.nn.Module,
         # name and size whose tables differ (another table's rows at a table's place): per table, through the host.
         payload = logical_payload(target, meta)
         seal.check()  # what was read is what was verified
+        # (non-persistent buffers, which checkpoints written before 2026-12-01 hold: no state, not loaded)
+        unsaved = _non_persistent(model)
+        payload["model"] = {k: v for k, v in payload["model"].items() if k not in unsaved}
         checked = check_payload(payload, target, model, optimizer, strict=True)
 
         def write_logical() -> None:
             write_payload(checked, model, optimizer, strict=True)
 
-        return write_logical
+        return write_logical, None
     missing = sorted(set(dest) - set(saved))
-    unexpected = sorted(k for k in set(saved) - set(dest) if optimizer is not None or k.startswith("model/"))
+    unsaved = {f"model/{k}" for k in _non_persistent(model)}  # (saved before 2026-12-01: not loaded)
+    unexpected = sorted(k for k in set(saved) - set(dest) - unsaved if optimizer is not None or k.startswith("model/"))
     problems = [f"missing {missing}"] if missing else []
     if unexpected:
         problems.append(f"unexpected {unexpected}")
+    extra = meta.get("extra_state")
+    if extra is not None:
+        here = extra_states(model)
+        if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
+            problems.append("its extra states are not a mapping of module keys to values")
+        else:
+            if set(here) - set(extra):
+                problems.append(f"missing the extra state of {sorted(set(here) - set(extra))}")
+            if set(extra) - set(here):
+                problems.append(f"unexpected extra state {sorted(set(extra) - set(here))} (no module here "
+                                "overrides get_extra_state)")
     for k in sorted(set(dest) & set(saved)):
         n_saved, n_here = meta["rows"].get(k), rows[k]
         logical_saved = (n_saved, *saved[k][1:]) if n_saved is not None else tuple(saved[k])
@@ -353,7 +394,7 @@ def _checked_dcp(target: str, model: torch.nn.Module,
         if optimizer is not None:
             _row_sparse(optimizer).load_physical_rest(meta["optimizer"])
 
-    return write
+    return write, extra
 
 
 def convert_distributed(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> None:

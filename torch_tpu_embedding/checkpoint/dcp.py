@@ -115,7 +115,10 @@ def logical_payload(target: str, meta: Any) -> dict[str, Any]:
             state.setdefault(key, {}).update(bufs)
         split_stacked_entries(state, members, meta["rows"], prefix="optim/")
         optimizer_sd = {"state": state, "param_groups": meta["optimizer"]["param_groups"],
-                        "iterations": meta["optimizer"]["iterations"]}
+                        **{k: v for k, v in meta["optimizer"].items()
+                           if k in ("iterations", "skipped_steps", "overflowed_steps")}}
+    # The modules' extra states (checkpoints written before 2026-12-01: none saved)
+    model_sd.update(meta.get("extra_state") or {})
     return {"format": FORMAT, "model": model_sd, "optimizer": optimizer_sd, "extra": None}
 
 

@@ -33,13 +33,49 @@ from torch_tpu_embedding.modules.later_writes import tables_written_later
 from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
 from torch_tpu_embedding.optim._state.state_check import CheckedState
 
-__all__ = ["load_in_order"]
+__all__ = ["EXTRA_STATE", "extra_states", "load_in_order", "put_extra_states"]
+
+#: a module's extra state in ``state_dict()``: ``<module path>.`` + this (torch's key)
+EXTRA_STATE = "_extra_state"
 
 
 def _has_extra_state(module: torch.nn.Module) -> bool:
     kind = type(module)
     return (kind.set_extra_state is not torch.nn.Module.set_extra_state
             and kind.get_extra_state is not torch.nn.Module.get_extra_state)
+
+
+def extra_states(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The modules of ``model`` whose ``state_dict()`` holds an extra state, by its key there (torch's rule: the
+    module's class overrides ``get_extra_state``)."""
+    return {f"{name}.{EXTRA_STATE}" if name else EXTRA_STATE: m for name, m in model.named_modules()
+            if type(m).get_extra_state is not torch.nn.Module.get_extra_state}
+
+
+def put_extra_states(model: torch.nn.Module, saved: dict[str, Any]) -> Callable[[], None]:
+    """Each module's ``set_extra_state`` with its value in ``saved`` (keys as :func:`extra_states` gives them,
+    checked against them); returns what puts the values before back. The user's code: run before anything else of
+    a load is written, and where one raises, those already set are put back before the error goes on."""
+    modules = extra_states(model)
+    done: list[tuple[torch.nn.Module, Any]] = []
+
+    def undo() -> None:
+        for module, state in reversed(done):
+            module.set_extra_state(state)
+
+    try:
+        for key, value in saved.items():
+            module = modules[key]
+            before = copy.deepcopy(module.get_extra_state())
+            module.set_extra_state(value)
+            done.append((module, before))
+    except BaseException as e:
+        try:
+            undo()
+        except Exception as again:  # the load's own error is the one raised
+            e.add_note(f"An extra state set before could not be put back: {type(again).__name__}: {again}")
+        raise
+    return undo
 
 
 def _small_state(model: torch.nn.Module) -> Callable[[BaseException], None]:

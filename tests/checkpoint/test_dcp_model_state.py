@@ -1,0 +1,129 @@
+"""What a distributed checkpoint (``tte.checkpoint.save_distributed``) keeps of a model besides its parameters: as
+``state_dict()`` does, the persistent buffers and each module's extra state (``get_extra_state``), and not the
+non-persistent buffers.
+
+Until 2026-12-01 it kept every buffer and no extra state: a module's ``get_extra_state`` (a step counter, a
+vocabulary) came back from a load as the loading model had it, silently, and a non-persistent buffer (a cache) was
+overwritten with the saving model's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import torch_tpu_embedding as tte
+from torch_tpu_embedding.checkpoint import api
+
+
+class Counter(torch.nn.Module):
+    """A module with an extra state, a persistent buffer and a non-persistent one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = 0
+        self.names: list[str] = []
+        self.register_buffer("kept", torch.zeros(2))
+        self.register_buffer("cache", torch.zeros(3), persistent=False)
+
+    def get_extra_state(self) -> Any:
+        return {"seen": self.seen, "names": list(self.names), "t": torch.tensor([float(self.seen)])}
+
+    def set_extra_state(self, state: Any) -> None:
+        if state["seen"] < 0:
+            raise ValueError("a negative count")
+        self.seen, self.names = state["seen"], list(state["names"])
+
+
+class Model(torch.nn.Module):
+    def __init__(self, seed: int, stack: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        a = tte.TableConfig(20, 3, name="a", combiner="sum")
+        b = tte.TableConfig(10, 3, name="b", combiner="sum")
+        self.ec = tte.EmbeddingCollection({"fa": tte.FeatureConfig(a), "fb": tte.FeatureConfig(b)},
+                                          stack_tables=stack)
+        self.counter = Counter()
+        self.head = torch.nn.Sequential(torch.nn.Linear(3, 1), Counter())
+
+
+def _trained(seed: int = 0) -> Model:
+    m = Model(seed)
+    m.counter.seen, m.counter.names = 7, ["x", "y"]
+    m.head[1].seen = 3
+    with torch.no_grad():
+        m.counter.kept += 2
+        m.counter.cache += 5
+    return m
+
+
+def _state(m: Model) -> dict[str, Any]:
+    return {"sd": {k: v.clone() for k, v in m.state_dict().items() if isinstance(v, torch.Tensor)},
+            "extra": [(c.seen, list(c.names)) for c in (m.counter, m.head[1])], "cache": m.counter.cache.clone()}
+
+
+def _assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["extra"] == b["extra"]
+    assert set(a["sd"]) == set(b["sd"])
+    for k in a["sd"]:
+        assert torch.equal(a["sd"][k], b["sd"][k]), k
+    assert torch.equal(a["cache"], b["cache"])
+
+
+@pytest.mark.parametrize("how", ["in place", "restacked", "converted"])
+def test_extra_states_and_persistent_buffers_come_back(how: str, tmp_path: Path) -> None:
+    """In place (the same layout), through the host (tables stacked otherwise) and as a :func:`save` file
+    (``convert_distributed``); the loading model's non-persistent buffer stays its own."""
+    saved = _trained()
+    tte.checkpoint.save_distributed(tmp_path / "c", model=saved)
+    m = Model(seed=5, stack=how != "restacked")
+    if how == "converted":
+        tte.checkpoint.convert_distributed(tmp_path / "c", tmp_path / "c.pt")
+        tte.checkpoint.load(tmp_path / "c.pt", model=m)
+    else:
+        tte.checkpoint.load_distributed(tmp_path / "c", model=m)
+    assert (m.counter.seen, m.counter.names, m.head[1].seen) == (7, ["x", "y"], 3)
+    assert torch.equal(m.counter.kept, torch.full((2,), 2.0))
+    assert torch.equal(m.counter.cache, torch.zeros(3))  # not state: not saved, not loaded
+    want, got = saved.ec.state_dict(), m.ec.state_dict()
+    for name in ("a", "b"):
+        assert torch.equal(got[f"tables.{name}.weight"], want[f"tables.{name}.weight"]), name
+
+
+def test_a_raising_set_extra_state_changes_nothing(tmp_path: Path) -> None:
+    saved = _trained()
+    saved.head[1].seen = -1  # the second module's set_extra_state refuses it; the first's is set before
+    tte.checkpoint.save_distributed(tmp_path / "c", model=saved)
+    m = Model(seed=5)
+    m.counter.seen = 2
+    before = _state(m)
+    with pytest.raises(ValueError, match="a negative count"):
+        tte.checkpoint.load_distributed(tmp_path / "c", model=m)
+    _assert_same(_state(m), before)
+
+
+def test_extra_states_that_do_not_match_are_refused_before_anything_changes(tmp_path: Path) -> None:
+    saved = _trained()
+    tte.checkpoint.save_distributed(tmp_path / "c", model=saved)
+    m = Model(seed=5)
+    m.extra = Counter()  # a module with an extra state the checkpoint lacks
+    before = _state(m)
+    with pytest.raises(tte.checkpoint.CheckpointMismatchError,
+                       match=r"missing the extra state of \['extra._extra_state'\]"):
+        tte.checkpoint.load_distributed(tmp_path / "c", model=m)
+    _assert_same(_state(m), before)
+    assert m.extra.seen == 0
+
+
+def test_a_checkpoint_that_saved_a_non_persistent_buffer_still_loads(tmp_path: Path, monkeypatch: Any) -> None:
+    """As checkpoints written before 2026-12-01 did: the buffer's saved value is not loaded."""
+    saved = _trained()
+    with monkeypatch.context() as patch:
+        patch.setattr(api, "_non_persistent", lambda model: set())
+        tte.checkpoint.save_distributed(tmp_path / "c", model=saved)
+    m = Model(seed=5)
+    tte.checkpoint.load_distributed(tmp_path / "c", model=m)
+    assert torch.equal(m.counter.cache, torch.zeros(3)) and m.counter.seen == 7

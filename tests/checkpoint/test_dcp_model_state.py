@@ -2,7 +2,7 @@
 ``state_dict()`` does, the persistent buffers and each module's extra state (``get_extra_state``), and not the
 non-persistent buffers.
 
-Until 2026-12-01 it kept every buffer and no extra state: a module's ``get_extra_state`` (a step counter, a
+Until 2026-12-02 it kept every buffer and no extra state: a module's ``get_extra_state`` (a step counter, a
 vocabulary) came back from a load as the loading model had it, silently, and a non-persistent buffer (a cache) was
 overwritten with the saving model's.
 """
@@ -119,7 +119,7 @@ def test_extra_states_that_do_not_match_are_refused_before_anything_changes(tmp_
 
 
 def test_a_checkpoint_that_saved_a_non_persistent_buffer_still_loads(tmp_path: Path, monkeypatch: Any) -> None:
-    """As checkpoints written before 2026-12-01 did: the buffer's saved value is not loaded."""
+    """As checkpoints written before 2026-12-02 did: the buffer's saved value is not loaded."""
     saved = _trained()
     with monkeypatch.context() as patch:
         patch.setattr(api, "_non_persistent", lambda model: set())

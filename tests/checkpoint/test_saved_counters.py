@@ -2,7 +2,7 @@
 
 ``skipped_steps`` is state: the moving average's counter leaves the calls ``skip_nonfinite`` dropped out, and the
 call counter leaves out those an exchange overflow dropped (``overflowed_steps``). A distributed checkpoint
-(``tte.checkpoint.save_distributed``) saved neither until 2026-12-01: the run it resumed reported no skipped call,
+(``tte.checkpoint.save_distributed``) saved neither until 2026-12-02: the run it resumed reported no skipped call,
 kept the loading optimizer's own count, and its moving averages drifted from the run that saved it.
 """
 

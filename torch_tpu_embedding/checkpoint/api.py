@@ -310,7 +310,7 @@ def _checked_dcp(target: str, model: torch.nn.Module, optimizer: torch.optim.Opt
                  ) -> tuple[Callable[[], None], dict[str, Any] | None]:
     """Check the ``save_distributed`` directory ``target`` against ``model`` and ``optimizer`` (raises, writing
     nothing); returns what writes it (DCP's read in place, or the logical payload read here) and the modules'
-    extra states to set before (``None``: that write sets them, or the checkpoint, written before 2026-12-01,
+    extra states to set before (``None``: that write sets them, or the checkpoint, written before 2026-12-02,
     saved none)."""
     present(target)
     seal = Seal(target, verify(target))  # every file whole and as saved, before anything is written
@@ -323,7 +323,7 @@ def _checked_dcp(target: str, model: torch.nn.Module, optimizer: torch.optim.Opt
         # name and size whose tables differ (another table's rows at a table's place): per table, through the host.
         payload = logical_payload(target, meta)
         seal.check()  # what was read is what was verified
-        # (non-persistent buffers, which checkpoints written before 2026-12-01 hold: no state, not loaded)
+        # (non-persistent buffers, which checkpoints written before 2026-12-02 hold: no state, not loaded)
         unsaved = _non_persistent(model)
         payload["model"] = {k: v for k, v in payload["model"].items() if k not in unsaved}
         checked = check_payload(payload, target, model, optimizer, strict=True)
@@ -333,7 +333,7 @@ def _checked_dcp(target: str, model: torch.nn.Module, optimizer: torch.optim.Opt
 
         return write_logical, None
     missing = sorted(set(dest) - set(saved))
-    unsaved = {f"model/{k}" for k in _non_persistent(model)}  # (saved before 2026-12-01: not loaded)
+    unsaved = {f"model/{k}" for k in _non_persistent(model)}  # (saved before 2026-12-02: not loaded)
     unexpected = sorted(k for k in set(saved) - set(dest) - unsaved if optimizer is not None or k.startswith("model/"))
     problems = [f"missing {missing}"] if missing else []
     if unexpected:

@@ -117,7 +117,7 @@ def logical_payload(target: str, meta: Any) -> dict[str, Any]:
         optimizer_sd = {"state": state, "param_groups": meta["optimizer"]["param_groups"],
                         **{k: v for k, v in meta["optimizer"].items()
                            if k in ("iterations", "skipped_steps", "overflowed_steps")}}
-    # The modules' extra states (checkpoints written before 2026-12-01: none saved)
+    # The modules' extra states (checkpoints written before 2026-12-02: none saved)
     model_sd.update(meta.get("extra_state") or {})
     return {"format": FORMAT, "model": model_sd, "optimizer": optimizer_sd, "extra": None}
 

@@ -17,7 +17,7 @@ tables' state joined in their logical rows (``[Σ num_embeddings, ...]``). Each 
 under ``tte_params``, every parameter's tables and rows (and a group's row slots), so a group's entry
 is split per table again and loads into a collection stacked otherwise; and, under ``iterations`` /
 ``skipped_steps`` / ``overflowed_steps``, the optimizer's call counters (torch's helpers keep only ``state`` and
-``param_groups``; ``overflowed_steps``, saved since 2026-12-01, reads as 0 where absent).
+``param_groups``; ``overflowed_steps``, saved since 2026-12-02, reads as 0 where absent).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ __all__ = ["called_by_torch_helpers", "from_torch_layout", "state_dict", "to_tor
 
 _TTE = "tte_params"  # a saved group's key: per parameter, {"keys", "rows", "row_slots"}
 _COUNTERS = ("iterations", "skipped_steps")  # required in a saved group
-_OPTIONAL_COUNTERS = ("overflowed_steps",)  # 0 where absent (saved since 2026-12-01)
+_OPTIONAL_COUNTERS = ("overflowed_steps",)  # 0 where absent (saved since 2026-12-02)
 _PENDING = "tte_pending"  # a table's pending accumulation window: (acc_ids, acc_rows) or () (_pack_pending)
 _UNSAVED = "tte_unsaved"  # a saved group's key: the keys saved as None placeholders (see to_torch_layout)
 # Where torch's helpers call ``optim.state_dict()`` (torch 2.9 to 2.13: ``_get_optim_state_dict``, which

@@ -296,9 +296,12 @@ def _load_dcp(target: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
             undo = put_extra_states(model, extra)
         try:
             agree(user.error, done="every rank refused the load: nothing was loaded on any rank")
-        except BaseException:
-            if undo is not None:
-                undo()
+        except BaseException as e:
+            try:
+                if undo is not None:  # (another rank's set_extra_state raised: this rank's are put back)
+                    undo()
+            except Exception as again:  # the load's own error is the one raised
+                e.add_note(f"The extra states set could not be put back: {type(again).__name__}: {again}")
             raise
     with Attempt() as writes:
         write()

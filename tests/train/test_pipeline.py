@@ -336,6 +336,30 @@ def test_arguments_are_checked_at_construction() -> None:
                               "pipeline_execution_with_tensor_core": True})
 
 
+@pytest.mark.parametrize(("change", "why"), [
+    ({"outputs_ahead": None}, "The state has no ['outputs_ahead']: it is not a TrainPipeline.state_dict()"),
+    ({"taken": -1}, "The state's 'taken' must be an integer >= 0. Received -1"),
+    ({"steps": 2.0}, "The state's 'steps' must be an integer >= 0. Received 2.0"),
+    ({"unfinished": "ab"}, "The state's 'unfinished' must be a list of batches. Received str"),
+    ({"taken": 1}, "The state's 'taken' (1) counts its 'unfinished' batches (2) too, so it cannot be fewer"),
+])
+def test_a_state_that_cannot_be_is_refused_before_anything_changes(change: dict[str, Any], why: str) -> None:
+    """Before, a state without ``outputs_ahead`` set the step counters and dropped the batch looked up ahead, and
+    then raised a KeyError."""
+    model = _model()
+    opts = _opts(model, OPTIMIZER_INFOS[0], OPTIMIZER_INFOS[0].default)
+    pipe = tte.TrainPipeline(model, opts, step=_step, features=lambda b: b["sparse"])
+    good = {"steps": 4, "taken": 6, "unfinished": ["x", "y"], "outputs_ahead": None,
+            "pipeline_execution_with_tensor_core": False}
+    pipe.load_state_dict(good)
+    before = (pipe.steps, pipe.taken, pipe.unfinished())
+    bad = {k: v for k, v in {**good, **change}.items() if not (k in change and k == "outputs_ahead")}
+    with pytest.raises(ValueError) as info:
+        pipe.load_state_dict(bad)
+    assert why in str(info.value), str(info.value)
+    assert (pipe.steps, pipe.taken, pipe.unfinished()) == before == (4, 4, ["x", "y"])
+
+
 def test_prepared_features_are_looked_up_once_by_their_collection() -> None:
     model = _model()
     ec = model["ec"]

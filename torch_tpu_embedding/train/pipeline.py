@@ -59,7 +59,7 @@ from torch_tpu_embedding._util.nest import detached
 from torch_tpu_embedding.modules.collection import EmbeddingCollection
 from torch_tpu_embedding.modules.prepared import NotAhead, PreparedFeatures
 from torch_tpu_embedding.train.prefetch import Prefetcher, Ready, ReusedBuffersError, call_weakly, refilled
-from torch_tpu_embedding.train.restored import restore
+from torch_tpu_embedding.train.restored import restore, state_problem
 
 __all__ = ["TrainPipeline"]
 
@@ -433,9 +433,9 @@ class TrainPipeline:
         if self._source is not None:
             raise RuntimeError("TrainPipeline.load_state_dict() must come before run() or progress().")
         self._settle_late(0.0, "load_state_dict()", "Restore the state into a new TrainPipeline.")
-        if state.get("pipeline_execution_with_tensor_core") != self.stale:
-            raise ValueError("The state was saved by a pipeline with pipeline_execution_with_tensor_core="
-                             f"{state.get('pipeline_execution_with_tensor_core')!r}; this one has {self.stale}.")
+        problem = state_problem(state, self.stale)  # (checked whole before anything changes)
+        if problem is not None:
+            raise ValueError(problem)
         self.steps, self.taken = int(state["steps"]), int(state["taken"]) - len(state["unfinished"])
         self._next = None
         self._resume, self._resume_outputs, self._failed = list(state["unfinished"]), state["outputs_ahead"], []

@@ -1,15 +1,41 @@
-"""Activations restored into a step (``tte.TrainPipeline``'s pipelined execution): a checkpoint's activations looked
-up ahead, or those of a failed step's batch trained again, given the gradient of a fresh lookup of the same ids."""
+"""What a ``tte.TrainPipeline`` restores: its ``state_dict`` checked before anything changes, and activations restored
+into a step (pipelined execution): a checkpoint's activations looked up ahead, or those of a failed step's batch
+trained again, given the gradient of a fresh lookup of the same ids."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from torch_tpu_embedding._util.nest import flatten, pick, rebuild
 
-__all__ = ["restore"]
+__all__ = ["restore", "state_problem"]
+
+_KEYS = ("steps", "taken", "unfinished", "outputs_ahead", "pipeline_execution_with_tensor_core")
+
+
+def state_problem(state: Any, stale: bool) -> str | None:
+    """Why ``TrainPipeline.load_state_dict`` refuses ``state`` (``None``: it loads); ``stale``: the pipeline's
+    ``pipeline_execution_with_tensor_core``."""
+    if not isinstance(state, Mapping):
+        return f"The state must be a mapping (TrainPipeline.state_dict()'s). Received {type(state).__name__}."
+    missing = [k for k in _KEYS if k not in state]
+    if missing:
+        return f"The state has no {missing}: it is not a TrainPipeline.state_dict()."
+    if state["pipeline_execution_with_tensor_core"] != stale:
+        return ("The state was saved by a pipeline with pipeline_execution_with_tensor_core="
+                f"{state['pipeline_execution_with_tensor_core']!r}; this one has {stale}.")
+    for key in ("steps", "taken"):
+        if not isinstance(state[key], int) or isinstance(state[key], bool) or state[key] < 0:
+            return f"The state's '{key}' must be an integer >= 0. Received {state[key]!r}."
+    if not isinstance(state["unfinished"], list | tuple):
+        return f"The state's 'unfinished' must be a list of batches. Received {type(state['unfinished']).__name__}."
+    if state["taken"] < len(state["unfinished"]):
+        return (f"The state's 'taken' ({state['taken']}) counts its 'unfinished' batches "
+                f"({len(state['unfinished'])}) too, so it cannot be fewer.")
+    return None
 
 
 class _Saved(torch.autograd.Function):

@@ -63,9 +63,9 @@ def _resume(path: str, name: str, rank: int, w: int, steps: range) -> dict[str, 
         tte.distributed.shard(model, group)
         ddp = tte.distributed.DistributedDataParallel(model, process_group=dense)
         opt = W.make_opt(name, ddp.parameters())
-        tte.checkpoint.load_distributed(path, model=model, optimizer=opt)
+        extra = tte.checkpoint.load_distributed(path, model=model, optimizer=opt)
         W.train(model, ddp, opt, torch.float64, rank, w, steps=steps)
-        out = result(model, opt)
+        out = result(model, opt) | {"extra": extra}
     dist.barrier()
     return out
 
@@ -108,7 +108,8 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     opt = W.make_opt(ACCUM, ddp.parameters())
     W.train(model, ddp, opt, torch.float64, rank, world, steps=range(5))
     pending = {n: opt.state[model.ec.physical_tables()[n].weight]["acc_ids"].clone() for n in W.SHARDED}
-    tte.checkpoint.save_distributed(path, model=model, optimizer=opt)
+    # (each rank gives its own: rank 0's is saved)
+    tte.checkpoint.save_distributed(path, model=model, optimizer=opt, extra={"step": 5, "rank": rank})
     results: dict[str, Any] = {"pending": pending}
     for w in (2, 3):
         results[w] = _resume(path, ACCUM, rank, w, range(5, W.STEPS))

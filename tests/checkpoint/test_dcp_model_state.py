@@ -127,3 +127,31 @@ def test_a_checkpoint_that_saved_a_non_persistent_buffer_still_loads(tmp_path: P
     m = Model(seed=5)
     tte.checkpoint.load_distributed(tmp_path / "c", model=m)
     assert torch.equal(m.counter.cache, torch.zeros(3)) and m.counter.seen == 7
+
+
+def test_extra_comes_back_from_every_load(tmp_path: Path) -> None:
+    """``extra`` as :func:`tte.checkpoint.save` takes it: published with the tensors, returned by
+    ``load_distributed`` (in place and through the host) and by ``load`` of the converted file."""
+    saved = _trained()
+    given = {"step": 1200, "loader": {"epoch": 2, "offset": torch.tensor([3, 4])}}
+    tte.checkpoint.save_distributed(tmp_path / "c", model=saved, extra=given)
+    for stack in (True, False):
+        got = tte.checkpoint.load_distributed(tmp_path / "c", model=Model(seed=5, stack=stack))
+        assert got is not None and got["step"] == 1200 and got["loader"]["epoch"] == 2
+        assert torch.equal(got["loader"]["offset"], torch.tensor([3, 4]))
+    tte.checkpoint.convert_distributed(tmp_path / "c", tmp_path / "c.pt")
+    assert tte.checkpoint.load(tmp_path / "c.pt", model=Model(seed=5))["step"] == 1200
+    tte.checkpoint.save_distributed(tmp_path / "c", model=saved)
+    assert tte.checkpoint.load_distributed(tmp_path / "c", model=Model(seed=5)) is None
+
+
+def test_an_extra_a_load_could_not_read_is_refused_before_anything_changes(tmp_path: Path) -> None:
+    saved = _trained()
+    tte.checkpoint.save_distributed(tmp_path / "c", model=saved, extra={"step": 1})
+    before = sorted(p.name for p in (tmp_path / "c").iterdir())
+    with pytest.raises(Exception, match="extra") as info:
+        tte.checkpoint.save_distributed(tmp_path / "c", model=saved, extra={"step": 2, "bad": Counter()})
+    assert "Counter" in str(info.value), str(info.value)
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+    assert tte.checkpoint.load_distributed(tmp_path / "c", model=Model(seed=5)) == {"step": 1}

@@ -49,6 +49,7 @@ def test_pending_accumulation_is_saved_and_resumed(tmp_path_factory: pytest.Temp
     ref = reference(C.ACCUM, torch.float64)
     for w in (2, 3):
         for r in range(w):
+            assert results[r][w]["extra"] == {"step": 5, "rank": 0}, (r, w)  # save_sharded's extra: rank 0's
             try:
                 compare(results[r][w], ref, torch.float64, bound("", torch.float64, w))
             except AssertionError as e:
@@ -59,7 +60,7 @@ def test_pending_accumulation_into_one_process(tmp_path_factory: pytest.TempPath
     out, _ = accum_run(tmp_path_factory)
     model = W.Model(torch.float64, seed=7)
     opt = W.make_opt(C.ACCUM, model.parameters())
-    tte.checkpoint.load_distributed(out / "accum", model=model, optimizer=opt)
+    assert tte.checkpoint.load_distributed(out / "accum", model=model, optimizer=opt) == {"step": 5, "rank": 0}
     assert opt.state_dict()["state"]["table:big"]["acc_ids"].shape[0] == 2
     W.train(model, model, opt, torch.float64, steps=range(5, W.STEPS))
     # after 10 calls no window is pending: the buffers are stale
@@ -73,7 +74,7 @@ def test_convert_a_sharded_checkpoint(tmp_path_factory: pytest.TempPathFactory, 
     tte.checkpoint.convert_distributed(out / "accum", tmp_path / "one.pt")
     a, b = W.Model(torch.float64, seed=3), W.Model(torch.float64, seed=4)
     oa, ob = W.make_opt(C.ACCUM, a.parameters()), W.make_opt(C.ACCUM, b.parameters())
-    tte.checkpoint.load(tmp_path / "one.pt", model=a, optimizer=oa)
+    assert tte.checkpoint.load(tmp_path / "one.pt", model=a, optimizer=oa) == {"step": 5, "rank": 0}
     tte.checkpoint.load_distributed(out / "accum", model=b, optimizer=ob)
     for k, v in a.state_dict().items():
         assert torch.equal(v, b.state_dict()[k]), k

@@ -166,9 +166,12 @@ def _row_sparse(optimizer: torch.optim.Optimizer) -> Any:
 
 
 def save_distributed(
-    path: str | os.PathLike[str], *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+    path: str | os.PathLike[str], *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> None:
-    """Write a ``torch.distributed.checkpoint`` directory: each device's shards of every table and slot.
+    """Write a ``torch.distributed.checkpoint`` directory: each device's shards of every table and slot, and
+    ``extra`` as :func:`save` takes it (a training step, a data loader's position: published with the tensors, so
+    never from another save; :func:`load_distributed` returns it; on several processes, rank 0's).
 
     No table is gathered: on XLA the tensors are written shard by shard with torch_xla's
     ``SPMDSavePlanner``. Physical shapes include padding and trash rows, which are the same in every
@@ -187,7 +190,7 @@ def save_distributed(
     process and into a torch_xla SPMD model.
     """
     if sharded().owns(model):
-        sharded().save(path, model, optimizer)
+        sharded().save(path, model, optimizer, extra)
         return
     api = dcp()
     for name, m in model.named_modules():  # what state_dict() warns of, for a save that does not call it
@@ -201,10 +204,12 @@ def save_distributed(
     # before the id exchange: every tensor in logical order).
     # The modules' extra states (state_dict()'s "<module>._extra_state"), as :func:`save` keeps them: loaded with
     # weights_only=True, so they hold what such a load reads (tensors, numbers, strings, lists, dicts).
-    extra = {key: to_cpu(m.get_extra_state()) for key, m in extra_states(model).items()}
-    check_loadable(extra, "extra_state")  # before anything on disk changes
+    states = {key: to_cpu(m.get_extra_state()) for key, m in extra_states(model).items()}
+    check_loadable(states, "extra_state")  # before anything on disk changes
+    given = to_cpu(extra)
+    check_loadable(given, "extra")
     meta = {"format": FORMAT, "rows": rows, "members": members, "layouts": layouts,
-            "optimizer": to_cpu(rest) if optimizer is not None else None, "extra_state": extra}
+            "optimizer": to_cpu(rest) if optimizer is not None else None, "extra_state": states, "extra": given}
     # Written into a staging directory beside the target and published whole (checkpoint/publish.py): a
     # process killed at any point leaves the previous checkpoint or this one, complete, never a mix. Rank 0
     # holds the save lock throughout: a second save to the path (another job) is refused, not mixed in.
@@ -248,8 +253,9 @@ def _kind(dtype: torch.dtype) -> tuple[bool, bool, bool]:
 
 def load_distributed(
     path: str | os.PathLike[str], *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
-) -> None:
-    """Load a :func:`save_distributed` directory into ``model`` (and ``optimizer``) on any device/layout.
+) -> dict[str, Any] | None:
+    """Load a :func:`save_distributed` directory into ``model`` (and ``optimizer``) on any device/layout; returns
+    the save's ``extra`` (``None``: none).
 
     Tensors whose physical shape matches the saved one are loaded in place, shard by shard (sharded
     XLA tensors through ``SPMDLoadPlanner``, which reshards). Others (a CPU model without padding
@@ -270,14 +276,14 @@ def load_distributed(
     through ``tte.distributed.load_sharded`` (each rank its own rows).
     """
     if sharded().owns(model) or is_sharded(resolve(os.fspath(path))):
-        sharded().load(path, model, optimizer)  # (the optimizer's slots made as below)
-        return
+        return sharded().load(path, model, optimizer)  # (the optimizer's slots made as below)
     # One directory read throughout (a save publishing meanwhile changes nothing read here): checkpoint/snapshot.py
     with pinned(os.fspath(path)) as target, slots_for_a_load(optimizer):
-        _load_dcp(target, model, optimizer)
+        return _load_dcp(target, model, optimizer)
 
 
-def _load_dcp(target: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+def _load_dcp(target: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+              ) -> dict[str, Any] | None:
     """:func:`load_distributed` of the ``save_distributed`` directory ``target`` (pinned). Every check runs
     before the ranks of the default process group (if any) agree (``checkpoint/agreement.py``: an
     ``all_gather_object``): a rank whose checks fail makes every rank raise, before any of them writes or enters
@@ -303,16 +309,19 @@ def _load_dcp(target: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
             except Exception as again:  # the load's own error is the one raised
                 e.add_note(f"The extra states set could not be put back: {type(again).__name__}: {again}")
             raise
+    given = None
     with Attempt() as writes:
-        write()
+        given = write()
     agree(writes.error, done="the other ranks loaded their part: the job holds values of two states. Load a "
           "checkpoint again on every rank")
+    return given
 
 
 def _checked_dcp(target: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
-                 ) -> tuple[Callable[[], None], dict[str, Any] | None]:
+                 ) -> tuple[Callable[[], dict[str, Any] | None], dict[str, Any] | None]:
     """Check the ``save_distributed`` directory ``target`` against ``model`` and ``optimizer`` (raises, writing
-    nothing); returns what writes it (DCP's read in place, or the logical payload read here) and the modules'
+    nothing); returns what writes it and returns the save's ``extra`` (DCP's read in place, or the logical payload
+    read here) and the modules'
     extra states to set before (``None``: that write sets them, or the checkpoint, written before 2026-12-02,
     saved none)."""
     present(target)
@@ -331,8 +340,8 @@ def _checked_dcp(target: str, model: torch.nn.Module, optimizer: torch.optim.Opt
         payload["model"] = {k: v for k, v in payload["model"].items() if k not in unsaved}
         checked = check_payload(payload, target, model, optimizer, strict=True)
 
-        def write_logical() -> None:
-            write_payload(checked, model, optimizer, strict=True)
+        def write_logical() -> dict[str, Any] | None:
+            return write_payload(checked, model, optimizer, strict=True)
 
         return write_logical, None
     missing = sorted(set(dest) - set(saved))
@@ -376,7 +385,7 @@ def _checked_dcp(target: str, model: torch.nn.Module, optimizer: torch.optim.Opt
             wanted[k] = staged[k]
     seal.check()  # the metadata read above is the one verified: nothing written yet
 
-    def write() -> None:
+    def write() -> dict[str, Any] | None:
         read_tensors(target, wanted)  # (DCP's collectives: a read error reaches every rank)
         # A file replaced while DCP read it (a copy into the directory): found by the ranks whose files it is
         # (every rank on a file system they share), then raised on every rank (_load_dcp's second agreement).
@@ -396,6 +405,8 @@ def _checked_dcp(target: str, model: torch.nn.Module, optimizer: torch.optim.Opt
                 t.copy_(from_logical(value.to(current.device), current, order, slot_k))
         if optimizer is not None:
             _row_sparse(optimizer).load_physical_rest(meta["optimizer"])
+        given: dict[str, Any] | None = meta.get("extra")  # (absent before 2026-12-02)
+        return given
 
     return write, extra
 

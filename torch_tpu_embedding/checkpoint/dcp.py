@@ -119,7 +119,7 @@ def logical_payload(target: str, meta: Any) -> dict[str, Any]:
                            if k in ("iterations", "skipped_steps", "overflowed_steps")}}
     # The modules' extra states (checkpoints written before 2026-12-02: none saved)
     model_sd.update(meta.get("extra_state") or {})
-    return {"format": FORMAT, "model": model_sd, "optimizer": optimizer_sd, "extra": None}
+    return {"format": FORMAT, "model": model_sd, "optimizer": optimizer_sd, "extra": meta.get("extra")}
 
 
 def read_torch_dcp(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -299,17 +299,20 @@ class Source:
 
     ``tables``: name → logical rows of each table read from rank files; ``model``: the logical model
     state (without those tables); ``optimizer``: the optimizer's ``state_dict`` (without their entries)
-    or ``None``; ``files``: the rank files, ``None`` for a logical payload.
+    or ``None``; ``files``: the rank files, ``None`` for a logical payload; ``extra``: what the save was given
+    as ``extra`` (``None``: nothing).
     """
 
     def __init__(self, model: dict[str, Any], optimizer: dict[str, Any] | None,
-                 tables: dict[str, dict[str, Any]] | None = None, files: tuple[str, int] | None = None) -> None:
-        self.model, self.optimizer, self.tables = model, optimizer, dict(tables or {})
+                 tables: dict[str, dict[str, Any]] | None = None, files: tuple[str, int] | None = None,
+                 extra: dict[str, Any] | None = None) -> None:
+        self.model, self.optimizer, self.tables, self.extra = model, optimizer, dict(tables or {}), extra
         self.files = None if files is None else _RowFiles(*files)
 
     @classmethod
     def sharded(cls, path: str, meta: dict[str, Any]) -> Source:
-        return cls(meta["model"], meta.get("optimizer"), meta["tables"], (path, int(meta["world"])))
+        return cls(meta["model"], meta.get("optimizer"), meta["tables"], (path, int(meta["world"])),
+                   meta.get("extra"))
 
     def _entry(self, name: str) -> dict[str, Any]:
         """The rank-file entry of table ``name`` that holds its whole-table slots: any rank's for a
@@ -403,7 +406,7 @@ class Source:
             if acc is not None:
                 entry["acc_ids"], entry["acc_rows"] = acc
             optimizer["state"][f"table:{name}"] = entry
-        return {"format": FORMAT, "model": model, "optimizer": optimizer, "extra": None}
+        return {"format": FORMAT, "model": model, "optimizer": optimizer, "extra": self.extra}
 
 
 def merge_accumulation(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:

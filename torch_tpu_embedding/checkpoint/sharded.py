@@ -22,11 +22,13 @@ class ShardedCheckpoints(Protocol):
     def owns(self, model: torch.nn.Module) -> bool:
         """Whether ``model`` has tables sharded over a process group."""
 
-    def save(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any) -> None:
-        """Write ``model`` (and ``optimizer``) as each rank's rows (every rank calls it)."""
+    def save(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any,
+             extra: dict[str, Any] | None) -> None:
+        """Write ``model`` (and ``optimizer``) as each rank's rows, and ``extra`` (every rank calls it)."""
 
-    def load(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any) -> None:
-        """Load a sharded or a ``save_distributed`` directory into ``model`` (and ``optimizer``)."""
+    def load(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any) -> dict[str, Any] | None:
+        """Load a sharded or a ``save_distributed`` directory into ``model`` (and ``optimizer``); returns its
+        ``extra``."""
 
     def payload(self, path: str) -> dict[str, Any]:
         """A sharded directory as one ``tte.checkpoint.save`` payload (logical rows, CPU)."""

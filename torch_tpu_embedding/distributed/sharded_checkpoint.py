@@ -1,26 +1,22 @@
 """Checkpoints of models sharded over a process group: each rank writes and reads only its own rows.
 
-:func:`save_sharded` writes a directory: ``rows-<rank>.pt`` per rank (each row- or table-sharded table's
-rows that rank stores, in ascending logical id, with their logical ids and the rows of every optimizer
-row slot; the table's whole-table slots and ``step``; its pending gradient-accumulation buffers, with
-logical ids) and ``meta.pt`` from rank 0 (the world size, each sharded table's placement, rows and
-``state_dict`` key, and the rest of the model's and optimizer's ``state_dict``: dense layers, replicated
-tables). Checkpoints are in logical row order whatever the ownership scheme. A rank's rows are written a
-window at a time (``checkpoint/row_writer.py``; the order worked out per window, :func:`_in_order`): a
-save's memory grows by a window, never by a shard.
+:func:`save_sharded` writes a directory: ``rows-<rank>.pt`` per rank (the rows of each row- or table-sharded
+table that rank stores, in ascending logical id, with their ids and the rows of every optimizer row slot; the
+table's whole-table slots and ``step``; its pending accumulation buffers, with logical ids) and ``meta.pt`` from
+rank 0 (the world size, each sharded table's placement, rows and ``state_dict`` key, the rest of the model's and
+optimizer's ``state_dict``, and ``extra``). Rows are in logical order whatever the ownership scheme, written a
+window at a time (``checkpoint/row_writer.py``; :func:`_in_order`): a save's memory grows by a window.
 
-:func:`load_sharded` loads such a directory, or a ``tte.checkpoint.save_distributed`` one (torch_xla
-SPMD's, or one process's), into a model sharded over any number of ranks, or into a model holding every
-table whole (one process; ``tte.checkpoint.load_distributed`` sends an SPMD model here). Into a sharded
-model each rank copies the rows it stores straight into its shard and slots, reading the row files in
-windows whose buffers fit ``_ckpt_publish.BUFFER`` bytes (``checkpoint/logical_rows.py``; where each logical
-id goes is worked out per window from the ownership, :func:`_locator`): its memory grows by at most one chunk
-(``_ckpt_publish.CHUNK``), never by a shard. A ``save_distributed`` directory is read through the host first
-(``torch.distributed.checkpoint`` reads a table whole): for tables that fit in one host's memory.
+:func:`load_sharded` loads such a directory, or a ``tte.checkpoint.save_distributed`` one, into a model sharded
+over any number of ranks, or into one holding every table whole (one process; ``load_distributed`` sends an SPMD
+model here). Into a sharded model each rank copies the rows it stores into its shard and slots, reading the row
+files in windows of at most ``checkpoint/publish.py``'s ``BUFFER`` bytes (``checkpoint/logical_rows.py``;
+:func:`_locator`): its memory grows by at most one chunk, never by a shard. A ``save_distributed`` directory is
+read through the host first (DCP reads a table whole): for tables that fit in one host's memory.
 
 Saves are crash-safe and loads verify before they write, as ``tte.checkpoint.save_distributed``'s
-(``_ckpt_publish``): ranks write into a sibling staging directory, which rank 0 seals (``meta.pt``, a manifest
-of each file's size and sha256) and publishes by renames: a process killed at any point leaves the old
+(``checkpoint/publish.py``): ranks write into a sibling staging directory, which rank 0 seals (``meta.pt``, a
+manifest of each file's size and sha256) and publishes by renames: a process killed at any point leaves the old
 checkpoint or the new one. A load checks every file and the whole state (names, shapes, dtypes, hyper-parameters,
 accumulation buffers) before it changes anything; a part failing on some ranks raises on every rank (``agreement``).
 """
@@ -44,8 +40,8 @@ from torch_tpu_embedding.checkpoint.checks import (
     slots_for_a_load,
 )
 from torch_tpu_embedding.checkpoint.dcp import META, logical_payload, read_meta
-from torch_tpu_embedding.checkpoint.files import load_refusal, through
-from torch_tpu_embedding.checkpoint.host import own_layout_state
+from torch_tpu_embedding.checkpoint.files import check_loadable, load_refusal, through
+from torch_tpu_embedding.checkpoint.host import own_layout_state, to_cpu
 from torch_tpu_embedding.checkpoint.logical_rows import ACC, Locate, Source, select_accumulation
 from torch_tpu_embedding.checkpoint.publish import (
     SHARDED_META,
@@ -173,11 +169,12 @@ def _stored_state(model: nn.Module) -> dict[str, Any]:
         return dict(model.state_dict())
 
 
-def save_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer: Any = None) -> None:
-    """Write ``model`` (and ``optimizer``), sharded by ``tte.distributed.shard``, to ``directory``: call it
-    on every rank of the group (an optimizer on every rank or on none). Each rank writes its own rows
-    (``rows-<rank>.pt``); rank 0 writes the rest. Pending gradient-accumulation buffers are saved too: a run
-    resumed mid-window goes on as if uninterrupted."""
+def save_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer: Any = None,
+                 extra: dict[str, Any] | None = None) -> None:
+    """Write ``model`` (and ``optimizer``), sharded by ``tte.distributed.shard``, to ``directory``: call it on every
+    rank of the group (an optimizer on every rank or on none). Each rank writes its own rows (``rows-<rank>.pt``);
+    rank 0 the rest, with its ``extra`` (as ``tte.checkpoint.save``'s: a training step, published with the rows;
+    :func:`load_sharded` returns it). Pending accumulation buffers too: a run resumed mid-window goes on alike."""
     tables = group_sharded(model)
     if not tables:
         raise ValueError("Argument `model` has no table sharded over a process group (tte.distributed.shard); "
@@ -188,7 +185,7 @@ def save_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer:
     lock = begin_save(target, rank == 0, group)  # a refusal on every rank, nothing changed
     with Attempt() as published:
         try:
-            _write(target, rank, world, group, model, optimizer, tables)
+            _write(target, rank, world, group, model, optimizer, tables, extra)
         finally:
             if lock is not None:
                 lock.release()
@@ -199,11 +196,13 @@ def save_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer:
 
 
 def _write(target: str, rank: int, world: int, group: Any, model: nn.Module, optimizer: Any,
-           tables: dict[str, tuple[str, EmbeddingTable, GroupSharding]]) -> None:
+           tables: dict[str, tuple[str, EmbeddingTable, GroupSharding]], extra: dict[str, Any] | None) -> None:
     """:func:`save_sharded`'s files, each rank's rows streamed a window at a time (``checkpoint/row_writer.py``:
     a save's memory grows by a window, never by a shard), published by rank 0."""
     staging = staging_path(target)
     with Attempt() as wrote:  # (a full disk, an unwritable directory: on some ranks only)
+        extra = to_cpu(extra)
+        check_loadable(extra, "extra")  # (what load_sharded could not read back: refused on the rank given it)
         part: dict[str, Any] = {}
         for name, (_, t, s) in tables.items():
             at = _in_order(s)
@@ -231,6 +230,7 @@ def _write(target: str, rank: int, world: int, group: Any, model: nn.Module, opt
             "tables": {n: {"placement": s.placement, "rows": s.rows, "owner": s.owner, "key": key}
                        for n, (key, _, s) in tables.items()},
             "model": {k: v for k, v in _stored_state(model).items() if k not in keys},
+            "extra": extra,
         }
         if optimizer is not None:
             sd = own_layout_state(optimizer)  # (its state_dict() may be a collective: rank 0 alone is here)
@@ -262,7 +262,7 @@ def _open(path: str) -> tuple[Source, Seal]:
     if os.path.isfile(os.path.join(path, META)):
         seal = Seal(path, verify(path))
         payload = logical_payload(path, read_meta(path))
-        return Source(payload["model"], payload["optimizer"]), seal
+        return Source(payload["model"], payload["optimizer"], extra=payload["extra"]), seal
     raise FileNotFoundError(f"No distributed checkpoint at {path} (neither {SHARDED_META} of "
                             f"tte.distributed.save_sharded nor {META} of tte.checkpoint.save_distributed)")
 
@@ -325,12 +325,13 @@ def _optimizer_state(
     return {**source.optimizer, "state": state}, row_slots, problems
 
 
-def load_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer: Any = None) -> None:
+def load_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer: Any = None
+                 ) -> dict[str, Any] | None:
     """Load a :func:`save_sharded` or ``tte.checkpoint.save_distributed`` directory into ``model`` (and
-    ``optimizer``): sharded over any number of ranks (call it on every rank, after ``shard``, DDP and
-    building the optimizer) or not sharded at all (one process, torch_xla SPMD: every table whole). Each
-    rank reads only the rows it stores. Nothing changes unless everything fits (files, names, shapes,
-    dtypes, the optimizer's hyper-parameters): :class:`CheckpointCorruptError` or
+    ``optimizer``); returns the save's ``extra`` (``None``: none). Sharded over any number of ranks (call it on
+    every rank, after ``shard``, DDP and building the optimizer) or not sharded at all (one process, torch_xla
+    SPMD: every table whole). Each rank reads only the rows it stores. Nothing changes unless everything fits
+    (files, names, shapes, dtypes, the optimizer's hyper-parameters): :class:`CheckpointCorruptError` or
     :class:`CheckpointMismatchError` otherwise, on every rank when any rank's checks fail (that rank its own
     error, the others one naming it): nothing is loaded on any rank, none is left waiting.
 
@@ -339,10 +340,10 @@ def load_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer:
     cut while a rank copied its rows: every rank raises, saying that the others loaded their part)."""
     # One directory read throughout (checkpoint/snapshot.py); the slots made for the checks go if it fails.
     with pinned(os.fspath(directory)) as path, slots_for_a_load(optimizer):
-        _load(path, model, optimizer)
+        return _load(path, model, optimizer)
 
 
-def _load(path: str, model: nn.Module, optimizer: Any) -> None:
+def _load(path: str, model: nn.Module, optimizer: Any) -> dict[str, Any] | None:
     """:func:`load_sharded` of the pinned directory ``path``."""
     tables = _tables(model)
     mine = group_sharded(model)
@@ -350,8 +351,7 @@ def _load(path: str, model: nn.Module, optimizer: Any) -> None:
         source, seal = _open(path)
         payload = source.payload(_saved_keys(source, tables))
         seal.check()  # what was read is what was verified
-        apply_payload(payload, path, model, optimizer, strict=True)
-        return
+        return apply_payload(payload, path, model, optimizer, strict=True)
     group = next(iter(mine.values()))[2].group
     plan, save = None, None
     with Attempt() as checks:  # every check, on this rank's files and model: one rank may fail alone
@@ -368,6 +368,7 @@ def _load(path: str, model: nn.Module, optimizer: Any) -> None:
         _write_state(plan, model, optimizer, mine)
     agree(writes.error, group, done="the other ranks loaded their part: the job holds values of two states. "
           "Load a checkpoint again on every rank")
+    return plan[0].extra
 
 
 #: :func:`_checked`'s source, seal, model and optimizer ``state_dict`` to load, each sharded table's row slots.
@@ -437,11 +438,12 @@ class _Checkpoints:
     def owns(self, model: nn.Module) -> bool:
         return bool(group_sharded(model))
 
-    def save(self, path: str | os.PathLike[str], model: nn.Module, optimizer: Any) -> None:
-        save_sharded(path, model, optimizer)
+    def save(self, path: str | os.PathLike[str], model: nn.Module, optimizer: Any,
+             extra: dict[str, Any] | None) -> None:
+        save_sharded(path, model, optimizer, extra)
 
-    def load(self, path: str | os.PathLike[str], model: nn.Module, optimizer: Any) -> None:
-        load_sharded(path, model, optimizer)
+    def load(self, path: str | os.PathLike[str], model: nn.Module, optimizer: Any) -> dict[str, Any] | None:
+        return load_sharded(path, model, optimizer)
 
     def payload(self, path: str) -> dict[str, Any]:
         return sharded_payload(path)

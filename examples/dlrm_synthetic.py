@@ -44,7 +44,7 @@ Checkpoints (``--save``): a directory is written with ``tte.checkpoint.save_dist
 process writes its shards; no table is gathered; on several hosts the script first joins a ``gloo``
 process group with ``init_method='xla://'``, as torch_xla's distributed-checkpoint guide
 prescribes, since ``torch.distributed.checkpoint`` coordinates the writers; a ``torch.optim`` dense
-optimizer's state goes to ``<dir>.dense_optimizer.pt`` beside it); a path ending in ``.pt`` with
+optimizer's state goes in as its ``extra``); a path ending in ``.pt`` with
 ``tte.checkpoint.save``, called by every process because gathering a sharded table to the host is a
 computation over all devices (on several hosts, each writes the same file: use a local path).
 
@@ -398,25 +398,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         weights = {n: physical[owner.get(n, n)].weight for n in model.embeddings.tables}
         log("shardings: " + json.dumps({n: [placements[n], w.shape[0], sharding_spec(w)] for n, w in weights.items()}))
     if args.save:
-        save(args.save, model, optimizers, process_index)
+        save(args.save, model, optimizers)
         log(f"saved {args.save}")
 
 
-def save(path: str, model: DLRM, optimizers: list[torch.optim.Optimizer], process_index: int) -> None:
-    """Tables and slots with ``tte.checkpoint``; a ``torch.optim`` dense optimizer's state as ``extra``."""
+def save(path: str, model: DLRM, optimizers: list[torch.optim.Optimizer]) -> None:
+    """Tables and slots with ``tte.checkpoint``; a ``torch.optim`` dense optimizer's state as ``extra`` (every
+    process: the gather of a sharded table, or of a sharded slot in ``extra``, runs on every device)."""
     opt, rest = optimizers[0], optimizers[1:]
     extra = {"dense_optimizer": rest[0].state_dict()} if rest else None
-    if path.endswith(".pt"):  # every process: the gather of a sharded table runs on every device
+    if path.endswith(".pt"):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         tte.checkpoint.save(path, model=model, optimizer=opt, extra=extra)
-    else:
-        tte.checkpoint.save_distributed(path, model=model, optimizer=opt)
-        if extra is not None:
-            host = tte.checkpoint.to_cpu(extra)  # every process (a sharded slot would gather)
-            if process_index == 0:
-                # Beside the directory, not in it: a later save replaces the directory whole (and
-                # refuses to replace one holding other files than a checkpoint's).
-                torch.save(host, os.path.abspath(path).rstrip(os.sep) + ".dense_optimizer.pt")
+    else:  # (extra published with the shards: never another save's dense state beside these tables)
+        tte.checkpoint.save_distributed(path, model=model, optimizer=opt, extra=extra)
 
 
 if __name__ == "__main__":

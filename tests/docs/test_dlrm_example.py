@@ -57,3 +57,22 @@ def test_dlrm_cpu_per_table_optimizer_and_torch_dense_optimizer() -> None:
     assert "optimizer=ftrl(lr=5.0) dense_optimizer=torch-adam" in out, out
     first, last = losses(out)
     assert last < first - 0.03, out
+
+
+def test_dlrm_directory_checkpoint_holds_the_dense_optimizer(tmp_path: Path) -> None:
+    """``--save <dir>``: save_distributed with the torch dense optimizer's state as its ``extra`` (published with
+    the tables), which load_distributed returns and a torch optimizer loads."""
+    ckpt = tmp_path / "dlrm"
+    run("--dense-optimizer", "torch-adam", "--save", str(ckpt))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dlrm"]  # nothing beside the directory
+    spec = importlib.util.spec_from_file_location("dlrm_synthetic", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    dlrm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dlrm)
+    args = dlrm.parse_args([*SHORT, "--dense-optimizer", "torch-adam"])
+    model = dlrm.build_model(args, torch.device("cpu"))
+    opt, dense = dlrm.build_optimizers(model, args)
+    extra = tte.checkpoint.load_distributed(ckpt, model=model, optimizer=opt)
+    assert extra is not None and isinstance(dense, torch.optim.Adam)
+    dense.load_state_dict(extra["dense_optimizer"])
+    assert dense.state and all(int(s["step"]) > 0 for s in dense.state.values())

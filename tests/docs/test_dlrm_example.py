@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,6 +28,15 @@ def run(*args: str) -> str:
     return done.stdout
 
 
+def example() -> Any:
+    """The example script as a module (its model and optimizers, built as it builds them)."""
+    spec = importlib.util.spec_from_file_location("dlrm_synthetic", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    dlrm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dlrm)
+    return dlrm
+
+
 def losses(out: str) -> tuple[float, float]:
     first, last = re.search(r"loss first ([\d.]+) last ([\d.]+)", out).groups()  # type: ignore[union-attr]
     return float(first), float(last)
@@ -39,10 +49,7 @@ def test_dlrm_cpu_learns_and_checkpoint_loads(tmp_path: Path) -> None:
     first, last = losses(out)
     assert last < first - 0.03, out
 
-    spec = importlib.util.spec_from_file_location("dlrm_synthetic", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    dlrm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(dlrm)
+    dlrm = example()
     args = dlrm.parse_args(SHORT)
     model = dlrm.build_model(args, torch.device("cpu"))
     opt = dlrm.build_optimizers(model, args)[0]
@@ -65,10 +72,7 @@ def test_dlrm_directory_checkpoint_holds_the_dense_optimizer(tmp_path: Path) -> 
     ckpt = tmp_path / "dlrm"
     run("--dense-optimizer", "torch-adam", "--save", str(ckpt))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dlrm"]  # nothing beside the directory
-    spec = importlib.util.spec_from_file_location("dlrm_synthetic", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    dlrm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(dlrm)
+    dlrm = example()
     args = dlrm.parse_args([*SHORT, "--dense-optimizer", "torch-adam"])
     model = dlrm.build_model(args, torch.device("cpu"))
     opt, dense = dlrm.build_optimizers(model, args)

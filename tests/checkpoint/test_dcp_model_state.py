@@ -155,3 +155,82 @@ def test_an_extra_a_load_could_not_read_is_refused_before_anything_changes(tmp_p
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
     assert tte.checkpoint.load_distributed(tmp_path / "c", model=Model(seed=5)) == {"step": 1}
+
+
+class SavesOnly(torch.nn.Module):
+    """``get_extra_state`` without ``set_extra_state``: torch's ``state_dict()`` saves its key, and its strict
+    ``load_state_dict`` finds the key unexpected."""
+
+    def get_extra_state(self) -> Any:
+        return {"v": 1}
+
+
+class SetsOnly(torch.nn.Module):
+    """``set_extra_state`` without ``get_extra_state``: nothing saved, and torch's strict load misses the key."""
+
+    def set_extra_state(self, state: Any) -> None:
+        self.state = state
+
+
+@pytest.mark.parametrize("kind", [SavesOnly, SetsOnly])
+@pytest.mark.parametrize("how", ["in place", "restacked", "converted"])
+def test_extra_states_follow_torchs_rule_for_each_direction(kind: type[torch.nn.Module], how: str,
+                                                             tmp_path: Path) -> None:
+    """torch saves an extra state where ``get_extra_state`` is overridden and loads one where ``set_extra_state``
+    is: a module with one of them cannot take its own state_dict back (strict). Every load of ours refuses the same,
+    before anything changes (until 2026-12-02 the distributed load judged the load by the saving rule: a module that
+    only sets had nothing checked and loaded as if it had no state)."""
+    saved = _trained()
+    saved.odd = kind()
+    m = Model(seed=5, stack=how != "restacked")
+    m.odd = kind()
+    with pytest.raises(RuntimeError):  # torch itself: its own state_dict back
+        m.load_state_dict(saved.state_dict())
+    word = "unexpected" if kind is SavesOnly else "missing"
+    tte.checkpoint.save_distributed(tmp_path / "c", model=saved)
+    before = _state(m)
+    with pytest.raises(tte.checkpoint.CheckpointMismatchError, match=f"(?i){word}.*odd._extra_state"):
+        if how == "converted":
+            tte.checkpoint.convert_distributed(tmp_path / "c", tmp_path / "c.pt")
+            tte.checkpoint.load(tmp_path / "c.pt", model=m)
+        else:
+            tte.checkpoint.load_distributed(tmp_path / "c", model=m)
+    _assert_same(_state(m), before)
+
+
+class Shared(torch.nn.Module):
+    """Modules reached by two paths (``state_dict()`` holds their state under each): one with an extra state and
+    buffers, the embedding collection (its stacked groups' tables); and a weight two modules hold."""
+
+    def __init__(self, seed: int, stack: bool = True) -> None:
+        super().__init__()
+        self.model = Model(seed, stack)
+        self.alias = self.model.counter
+        self.ec_too = self.model.ec
+        self.tied = torch.nn.Linear(3, 1, bias=False)
+        self.tied.weight = self.model.head[0].weight
+
+
+@pytest.mark.parametrize("how", ["in place", "restacked", "converted"])
+def test_a_module_reached_by_two_paths_has_its_extra_state_under_each(how: str, tmp_path: Path) -> None:
+    """As torch's ``state_dict()``: under each path (until 2026-12-02 the distributed save kept it under the first
+    alone, and a load through the host or a converted file then missed the second)."""
+    saved = Shared(0)
+    saved.model.counter.seen, saved.model.counter.names = 7, ["x"]
+    with torch.no_grad():
+        saved.alias.kept += 4
+    want = saved.state_dict()
+    assert {"model.counter._extra_state", "alias._extra_state", "alias.kept", "ec_too.tables.a.weight",
+            "tied.weight"} <= set(want)
+    tte.checkpoint.save_distributed(tmp_path / "c", model=saved)
+    m = Shared(5, stack=how != "restacked")
+    if how == "converted":
+        tte.checkpoint.convert_distributed(tmp_path / "c", tmp_path / "c.pt")
+        tte.checkpoint.load(tmp_path / "c.pt", model=m)
+    else:
+        tte.checkpoint.load_distributed(tmp_path / "c", model=m)
+    assert (m.alias.seen, m.alias.names) == (7, ["x"])
+    got = m.state_dict()
+    for k, v in want.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(got[k], v), k

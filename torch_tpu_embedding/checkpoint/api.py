@@ -24,6 +24,7 @@ from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding.checkpoint.agreement import Attempt, agree
 from torch_tpu_embedding.checkpoint.checks import (
     CheckpointMismatchError,
+    aliases,
     apply_payload,
     check_payload,
     is_row_sparse,
@@ -209,7 +210,8 @@ def save_distributed(
     given = to_cpu(extra)
     check_loadable(given, "extra")
     meta = {"format": FORMAT, "rows": rows, "members": members, "layouts": layouts,
-            "optimizer": to_cpu(rest) if optimizer is not None else None, "extra_state": states, "extra": given}
+            "optimizer": to_cpu(rest) if optimizer is not None else None, "extra_state": states, "extra": given,
+            "aliases": aliases(model)}
     # Written into a staging directory beside the target and published whole (checkpoint/publish.py): a
     # process killed at any point leaves the previous checkpoint or this one, complete, never a mix. Rank 0
     # holds the save lock throughout: a second save to the path (another job) is refused, not mixed in.
@@ -303,11 +305,8 @@ def _load_dcp(target: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
         try:
             agree(user.error, done="every rank refused the load: nothing was loaded on any rank")
         except BaseException as e:
-            try:
-                if undo is not None:  # (another rank's set_extra_state raised: this rank's are put back)
-                    undo()
-            except Exception as again:  # the load's own error is the one raised
-                e.add_note(f"The extra states set could not be put back: {type(again).__name__}: {again}")
+            if undo is not None:  # (another rank's set_extra_state raised: this rank's are put back)
+                undo(e)
             raise
     given = None
     with Attempt() as writes:
@@ -352,7 +351,7 @@ def _checked_dcp(target: str, model: torch.nn.Module, optimizer: torch.optim.Opt
         problems.append(f"unexpected {unexpected}")
     extra = meta.get("extra_state")
     if extra is not None:
-        here = extra_states(model)
+        here = extra_states(model, loaded=True)
         if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
             problems.append("its extra states are not a mapping of module keys to values")
         else:
@@ -360,7 +359,7 @@ def _checked_dcp(target: str, model: torch.nn.Module, optimizer: torch.optim.Opt
                 problems.append(f"missing the extra state of {sorted(set(here) - set(extra))}")
             if set(extra) - set(here):
                 problems.append(f"unexpected extra state {sorted(set(extra) - set(here))} (no module here "
-                                "overrides get_extra_state)")
+                                "overrides set_extra_state)")
     for k in sorted(set(dest) & set(saved)):
         n_saved, n_here = meta["rows"].get(k), rows[k]
         logical_saved = (n_saved, *saved[k][1:]) if n_saved is not None else tuple(saved[k])

@@ -16,13 +16,13 @@ import torch
 
 from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.dtypes import dtype_kind
-from torch_tpu_embedding.checkpoint.rollback import load_in_order
+from torch_tpu_embedding.checkpoint.rollback import extra_states, load_in_order
 from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
 from torch_tpu_embedding.optim._state import state_load
 from torch_tpu_embedding.optim._state.state_check import CheckedState, tensor_problem
 
 __all__ = [
-    "CheckpointMismatchError", "apply_payload", "check_payload", "expected_model_state", "is_row_sparse",
+    "CheckpointMismatchError", "aliases", "apply_payload", "check_payload", "expected_model_state", "is_row_sparse",
     "model_problems", "optimizer_problems", "slots_for_a_load", "write_payload",
 ]
 
@@ -36,7 +36,8 @@ class CheckpointMismatchError(ValueError, RuntimeError):
 
 
 def expected_model_state(model: torch.nn.Module) -> dict[str, tuple[torch.Size, torch.dtype] | None]:
-    """``model.state_dict()``'s keys with the logical shape and dtype of each tensor (``None``: extra state).
+    """The keys ``model.load_state_dict`` expects, with the logical shape and dtype of each tensor (``None``: an extra
+    state).
 
     Tables answer with ``[num_embeddings, D]`` (no padding rows); a stacked group answers to each of its
     tables' ``tables.<name>.weight`` keys, as the collection's ``state_dict`` hook writes them.
@@ -59,9 +60,32 @@ def expected_model_state(model: torch.nn.Module) -> dict[str, tuple[torch.Size, 
         for name, b in module._buffers.items():
             if b is not None and name not in module._non_persistent_buffers_set:
                 out[dot + name] = (b.shape, b.dtype)
-        if type(module).get_extra_state is not torch.nn.Module.get_extra_state:
-            out[dot + "_extra_state"] = None
+    out.update(dict.fromkeys(extra_states(model, loaded=True)))
     return out
+
+
+def aliases(model: torch.nn.Module) -> dict[str, str]:
+    """The keys of ``model.state_dict()`` that name what another key names, each mapped to that key (the first in
+    ``state_dict()``'s order): the keys under every path but the first of a module reached by several paths, and a
+    tensor (not a table) held by several modules. A save that stores each tensor once records these, and a load
+    through the host gives the value under every key, as ``load_state_dict`` (strict) expects."""
+    keys = [*expected_model_state(model), *extra_states(model)]
+    known, out = set(keys), {}
+    paths: dict[int, list[str]] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        paths.setdefault(id(m), []).append(f"{name}." if name else "")
+    for prefixes in paths.values():
+        first = prefixes[0]
+        for k in keys:
+            if len(prefixes) > 1 and k.startswith(first):
+                out.update({p + k[len(first):]: k for p in prefixes[1:] if p + k[len(first):] in known})
+    by_tensor: dict[int, str] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if name in known and table_info(t) is None:
+            first = by_tensor.setdefault(id(t), name)
+            if first != name and name not in out:
+                out[name] = out.get(first, first)
+    return {k: v for k, v in out.items() if k != v}
 
 
 def model_problems(model: torch.nn.Module, state: Mapping[str, Any], strict: bool) -> list[str]:

@@ -19,6 +19,7 @@ from torch_tpu_embedding._rows.row_order import layout_of, to_logical
 from torch_tpu_embedding.checkpoint.files import dcp_quiet, dcp_reader, read_dcp_metadata, through
 from torch_tpu_embedding.checkpoint.host import split_stacked_entries
 from torch_tpu_embedding.checkpoint.publish import read_errors
+from torch_tpu_embedding.optim._core.step_values import COUNTERS
 
 __all__ = ["FORMAT", "META", "dcp", "logical_payload", "present", "read_meta", "read_tensors", "read_torch_dcp",
            "uses_xla", "xla_planner"]
@@ -115,10 +116,11 @@ def logical_payload(target: str, meta: Any) -> dict[str, Any]:
             state.setdefault(key, {}).update(bufs)
         split_stacked_entries(state, members, meta["rows"], prefix="optim/")
         optimizer_sd = {"state": state, "param_groups": meta["optimizer"]["param_groups"],
-                        **{k: v for k, v in meta["optimizer"].items()
-                           if k in ("iterations", "skipped_steps", "overflowed_steps")}}
-    # The modules' extra states (checkpoints written before 2026-12-02: none saved)
+                        **{k: v for k, v in meta["optimizer"].items() if k in COUNTERS}}
+    # The modules' extra states (checkpoints written before 2026-12-02: none saved), and the keys that name what
+    # another names, stored once (``aliases``; checkpoints written before 2026-12-03: none recorded)
     model_sd.update(meta.get("extra_state") or {})
+    model_sd.update({alias: model_sd[k] for alias, k in (meta.get("aliases") or {}).items() if k in model_sd})
     return {"format": FORMAT, "model": model_sd, "optimizer": optimizer_sd, "extra": meta.get("extra")}
 
 

@@ -39,41 +39,42 @@ __all__ = ["EXTRA_STATE", "extra_states", "load_in_order", "put_extra_states"]
 EXTRA_STATE = "_extra_state"
 
 
-def _has_extra_state(module: torch.nn.Module) -> bool:
-    kind = type(module)
-    return (kind.set_extra_state is not torch.nn.Module.set_extra_state
-            and kind.get_extra_state is not torch.nn.Module.get_extra_state)
+def extra_states(model: torch.nn.Module, *, loaded: bool = False) -> dict[str, torch.nn.Module]:
+    """The modules of ``model`` with an extra state, by its key in ``state_dict()`` (a module reached by two paths,
+    under each, as torch has it). torch has a rule for each direction: ``state_dict()`` saves one where the module's
+    class overrides ``get_extra_state``, ``load_state_dict`` sets one (``loaded=True``) where it overrides
+    ``set_extra_state`` (a key that no module sets is unexpected)."""
+    method = "set_extra_state" if loaded else "get_extra_state"
+    base = getattr(torch.nn.Module, method)
+    return {f"{name}.{EXTRA_STATE}" if name else EXTRA_STATE: m
+            for name, m in model.named_modules(remove_duplicate=False) if getattr(type(m), method) is not base}
 
 
-def extra_states(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """The modules of ``model`` whose ``state_dict()`` holds an extra state, by its key there (torch's rule: the
-    module's class overrides ``get_extra_state``)."""
-    return {f"{name}.{EXTRA_STATE}" if name else EXTRA_STATE: m for name, m in model.named_modules()
-            if type(m).get_extra_state is not torch.nn.Module.get_extra_state}
+def put_extra_states(model: torch.nn.Module, saved: dict[str, Any]) -> Callable[[BaseException], None]:
+    """Each module's ``set_extra_state`` with its value in ``saved`` (keys as ``extra_states(model, loaded=True)``
+    gives them, checked against them). Returns what puts the values before back (each module's
+    ``get_extra_state`` gives them), given the error that undoes the load: it names there what it could not put
+    back. The user's code: run before anything else of a load is written, and where one raises, those already
+    set are put back before the error goes on."""
+    modules = extra_states(model, loaded=True)
+    done: list[tuple[str, torch.nn.Module, Any]] = []
 
-
-def put_extra_states(model: torch.nn.Module, saved: dict[str, Any]) -> Callable[[], None]:
-    """Each module's ``set_extra_state`` with its value in ``saved`` (keys as :func:`extra_states` gives them,
-    checked against them); returns what puts the values before back. The user's code: run before anything else of
-    a load is written, and where one raises, those already set are put back before the error goes on."""
-    modules = extra_states(model)
-    done: list[tuple[torch.nn.Module, Any]] = []
-
-    def undo() -> None:
-        for module, state in reversed(done):
-            module.set_extra_state(state)
+    def undo(error: BaseException) -> None:
+        for key, module, state in reversed(done):
+            try:
+                module.set_extra_state(state)
+            except Exception as e:  # the load's own error is the one raised
+                error.add_note(f"The extra state '{key}' could not be put back: set_extra_state raised "
+                               f"{type(e).__name__}: {e}")
 
     try:
         for key, value in saved.items():
             module = modules[key]
             before = copy.deepcopy(module.get_extra_state())
             module.set_extra_state(value)
-            done.append((module, before))
+            done.append((key, module, before))
     except BaseException as e:
-        try:
-            undo()
-        except Exception as again:  # the load's own error is the one raised
-            e.add_note(f"An extra state set before could not be put back: {type(again).__name__}: {again}")
+        undo(e)
         raise
     return undo
 
@@ -83,28 +84,28 @@ def _small_state(model: torch.nn.Module) -> Callable[[BaseException], None]:
     state); the function returned puts it back (a tensor a hook replaced included) and names on the
     error what it could not."""
     tensors: list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]] = []
-    extras: list[tuple[str, torch.nn.Module, Any]] = []
-    for name, module in model.named_modules():
+    for module in model.modules():
         for where, held in (("p", module._parameters), ("b", module._buffers)):
             for key, t in held.items():
                 if t is None or table_info(t) is not None or (
                         where == "b" and key in module._non_persistent_buffers_set):
                     continue
                 tensors.append((held, key, t, t.detach().clone()))
-        if _has_extra_state(module):
-            extras.append((name, module, copy.deepcopy(module.get_extra_state())))
+    loaded = extra_states(model, loaded=True)  # (those a load sets that can say what they held: both methods)
+    extras = [(key, module, copy.deepcopy(module.get_extra_state())) for key, module in extra_states(model).items()
+              if key in loaded]
 
     def restore(error: BaseException) -> None:
         with torch.no_grad():
             for held, key, t, saved in tensors:
                 held[key] = t  # (a hook may have put another tensor there)
                 t.copy_(saved)
-        for name, module, state in extras:
+        for key, module, state in extras:
             try:
                 module.set_extra_state(state)
             except Exception as e:  # the load's own error is the one raised
-                error.add_note(f"The extra state of module '{name}' could not be put back: "
-                               f"set_extra_state raised {type(e).__name__}: {e}")
+                error.add_note(f"The extra state '{key}' could not be put back: set_extra_state raised "
+                               f"{type(e).__name__}: {e}")
 
     return restore
 

@@ -17,9 +17,13 @@ from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding._util.transfer import upload
 from torch_tpu_embedding._util.validation import check_number
 
-__all__ = ["LearningRates", "StepClock", "StepCounters", "check_lr", "lr_value", "to_device"]
+__all__ = ["COUNTERS", "LearningRates", "StepClock", "StepCounters", "check_lr", "lr_value", "to_device"]
 
 Tensor = torch.Tensor
+
+#: The call counters an optimizer's saved state holds, by their keys in it, in :meth:`StepCounters.restore`'s
+#: order (``overflowed_steps``, saved since 2026-12-02, reads as 0 where absent).
+COUNTERS = ("iterations", "skipped_steps", "overflowed_steps")
 
 
 def to_device(v: Tensor, device: torch.device) -> Tensor:

@@ -25,9 +25,10 @@ from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.dtypes import dtype_kind, math_dtype
 from torch_tpu_embedding.optim._core.contract import SlotSpec
 from torch_tpu_embedding.optim._core.slots import ACCUMULATION
+from torch_tpu_embedding.optim._core.step_values import COUNTERS
 
-__all__ = ["CheckedState", "accumulation_problems", "counter_problems", "entry_problems", "refuse", "step_problem",
-           "step_value", "tensor_problem"]
+__all__ = ["CheckedState", "accumulation_problems", "counter_problems", "entry_problems", "refuse", "saved_count",
+           "step_problem", "step_value", "tensor_problem"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,18 +124,24 @@ def accumulation_problems(key: str, s: Mapping[str, Any], rows: int, dim: int) -
     return []
 
 
+def saved_count(v: Any) -> int | None:
+    """A saved call counter's value: an integer >= 0, or a 0-d / 1-element integer tensor holding one; None
+    for anything else."""
+    if isinstance(v, torch.Tensor) and tensor_problem("counter", v) is None and v.numel() == 1 \
+            and dtype_kind(v.dtype) == "integer":
+        v = int(v.item())
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
 def counter_problems(sd: Mapping[str, Any]) -> list[str]:
-    """``iterations``, ``skipped_steps`` and ``overflowed_steps`` must be integers >= 0 (0-d integer tensors
-    accepted), ``overflowed_steps`` at most ``skipped_steps`` (it counts some of them)."""
+    """The call counters (``COUNTERS``) present in ``sd`` must be integers >= 0 (0-d integer tensors
+    accepted, :func:`saved_count`), ``overflowed_steps`` at most ``skipped_steps`` (it counts some of them)."""
     problems, values = [], {}
-    for name in ("iterations", "skipped_steps", "overflowed_steps"):
+    for name in COUNTERS:
         if name not in sd:
             continue
-        v = sd[name]
-        if isinstance(v, torch.Tensor) and tensor_problem(name, v) is None and v.numel() == 1 \
-                and dtype_kind(v.dtype) == "integer":
-            v = int(v.item())
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        v = saved_count(sd[name])
+        if v is None:
             problems.append(f"'{name}' must be an integer >= 0. Received {_describe(sd[name])}")
         else:
             values[name] = v

@@ -30,13 +30,14 @@ from torch_tpu_embedding.optim._core.slots import (
     specs,
     write_whole,
 )
-from torch_tpu_embedding.optim._core.step_values import to_device
+from torch_tpu_embedding.optim._core.step_values import COUNTERS, to_device
 from torch_tpu_embedding.optim._state.state_check import (
     CheckedState,
     accumulation_problems,
     counter_problems,
     entry_problems,
     refuse,
+    saved_count,
     step_value,
 )
 from torch_tpu_embedding.optim._state.state_save import groups_by_param, logical_keys, members_of, param_keys
@@ -254,11 +255,7 @@ def write_checked(opt: RowSparseOptimizer, done: CheckedState) -> None:
 def _restore_counters(opt: RowSparseOptimizer, saved: Mapping[str, Any]) -> None:
     """The call counters as saved (checked by ``counter_problems``; a checkpoint written before they were
     saved, none: 0)."""
-    opt._run.restore(*(_counter(saved.get(k, 0)) for k in ("iterations", "skipped_steps", "overflowed_steps")))
-
-
-def _counter(v: Any) -> int:
-    return int(v.item()) if isinstance(v, torch.Tensor) else int(v)
+    opt._run.restore(*(saved_count(saved.get(k, 0)) or 0 for k in COUNTERS))
 
 
 def rest_problems(opt: RowSparseOptimizer, rest: Mapping[str, Any]) -> list[str]:

@@ -40,6 +40,7 @@ from torch_tpu_embedding._rows.stacked_state import merge_member_state, split_me
 from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding.optim._core.slots import logical_rows, specs
+from torch_tpu_embedding.optim._core.step_values import COUNTERS
 from torch_tpu_embedding.optim._state import state_load, state_save
 from torch_tpu_embedding.optim._state.state_check import CheckedState, refuse
 from torch_tpu_embedding.optim._state.state_save import param_keys
@@ -50,8 +51,7 @@ if TYPE_CHECKING:
 __all__ = ["called_by_torch_helpers", "from_torch_layout", "state_dict", "to_torch_layout", "use_torch_layout"]
 
 _TTE = "tte_params"  # a saved group's key: per parameter, {"keys", "rows", "row_slots"}
-_COUNTERS = ("iterations", "skipped_steps")  # required in a saved group
-_OPTIONAL_COUNTERS = ("overflowed_steps",)  # 0 where absent (saved since 2026-12-02)
+_REQUIRED_COUNTERS = ("iterations", "skipped_steps")  # of COUNTERS, those a saved group must have
 _PENDING = "tte_pending"  # a table's pending accumulation window: (acc_ids, acc_rows) or () (_pack_pending)
 _UNSAVED = "tte_unsaved"  # a saved group's key: the keys saved as None placeholders (see to_torch_layout)
 # Where torch's helpers call ``optim.state_dict()`` (torch 2.9 to 2.13: ``_get_optim_state_dict``, which
@@ -152,7 +152,7 @@ def to_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str,
             out["params"].append(pid)
             out[_TTE].append(desc)
             pid += 1
-        for k in (*_COUNTERS, *_OPTIONAL_COUNTERS):
+        for k in COUNTERS:
             out[k] = int(sd.get(k, 0))
         # What is not saved (callables: `slot_creation_fn`, a callable `lr`) as None: torch's helpers
         # look every key of the live groups up; loading keeps the live value (as for our layout).
@@ -378,17 +378,16 @@ def _read_torch_layout(opt: torch.optim.Optimizer, sd: Mapping[str, Any], keys: 
                 )
             descs = [_describe(p, group, keys[id(p)]) for p in group["params"]]
         _check_descs(gi, saved["params"], descs)
-        for k in _COUNTERS:
+        for k in _REQUIRED_COUNTERS:
             if k not in saved:
                 raise ValueError(
                     f"Optimizer state does not match: group {gi} has no '{k}' (an optimizer counter). torch's "
                     "flatten_optimizer_state_dict=True keeps only keys the live groups have, and drops it: "
                     "save without it (use_torch_layout's state_dict keeps it in each group)."
                 )
-            counters[k] = max(counters.get(k, 0), int(saved[k]))
-        for k in _OPTIONAL_COUNTERS:
+        for k in COUNTERS:
             counters[k] = max(counters.get(k, 0), int(saved.get(k, 0)))
-        out = {k: v for k, v in saved.items() if k not in ("params", _TTE, _UNSAVED, *_COUNTERS, *_OPTIONAL_COUNTERS,
+        out = {k: v for k, v in saved.items() if k not in ("params", _TTE, _UNSAVED, *COUNTERS,
                                                      *saved.get(_UNSAVED, []))}
         out["params"] = []
         for k, desc in zip(saved["params"], descs, strict=True):

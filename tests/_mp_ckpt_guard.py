@@ -58,7 +58,7 @@ from torch.distributed.tensor import DTensor
 import torch_tpu_embedding as tte
 from torch_tpu_embedding._rows.placement import stored_rows
 from torch_tpu_embedding.checkpoint import snapshot
-from torch_tpu_embedding.distributed import sharded_checkpoint
+from torch_tpu_embedding.distributed import sharded_save
 from torch_tpu_embedding.optim._state import state_load
 
 __all__ = ["run"]
@@ -182,7 +182,7 @@ def run(scenario: str, rank: int, model: nn.Module, batch: Any, out: Path) -> di
         if rank == failing:
             def full(*args: Any, **kwargs: Any) -> None:
                 raise OSError(errno.ENOSPC, "No space left on device (injected)")
-            setattr(sharded_checkpoint, name, full)
+            setattr(sharded_save, name, full)
         try:
             tte.distributed.save_sharded(saved, model, opt)
             got = {"errors": []}

@@ -18,7 +18,7 @@ from suite_helpers import free_port
 from torch_tpu_embedding.checkpoint import row_writer
 from torch_tpu_embedding.checkpoint.publish import CHUNK
 from torch_tpu_embedding.checkpoint.row_writer import Rows, write_rows
-from torch_tpu_embedding.distributed import sharded_checkpoint as sc
+from torch_tpu_embedding.distributed import sharded_save as sc
 from torch_tpu_embedding.distributed.exchange import GroupSharding
 from torch_tpu_embedding.distributed.sharding import ROW_ALIGNMENT
 from torch_tpu_embedding.routing import RowOwnership

@@ -41,7 +41,8 @@ from torch_tpu_embedding.distributed.grad_sync import (
     spmd_active,
     sync_row_grads,
 )
-from torch_tpu_embedding.distributed.sharded_checkpoint import load_sharded, save_sharded
+from torch_tpu_embedding.distributed.sharded_checkpoint import load_sharded
+from torch_tpu_embedding.distributed.sharded_save import save_sharded
 from torch_tpu_embedding.distributed.sharding import (
     DEFAULT_REPLICATE_BELOW_BYTES,
     assign_tables,

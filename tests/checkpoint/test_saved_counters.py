@@ -93,6 +93,7 @@ def test_every_form_keeps_the_overflowed_calls(form: str, tmp_path: Path) -> Non
     ec2, head2 = _model(seed=5)
     opt2 = tte.optim.Adam([*ec2.parameters(), *head2.parameters()], lr=0.1, skip_nonfinite=True, use_ema=True)
     _steps(ec2, head2, opt2, [float("inf")])
+    assert bool(opt2.last_step_skipped)
     both, both2 = torch.nn.ModuleList([ec, head]), torch.nn.ModuleList([ec2, head2])
     if form == "state_dict":
         opt2.load_state_dict(opt.state_dict())
@@ -105,6 +106,7 @@ def test_every_form_keeps_the_overflowed_calls(form: str, tmp_path: Path) -> Non
         tte.checkpoint.save_distributed(tmp_path / "c", model=both, optimizer=opt)
         tte.checkpoint.load_distributed(tmp_path / "c", model=both2, optimizer=opt2)
     assert (opt2._run.iterations, opt2.skipped_steps, opt2.overflowed_steps) == (9, 3, 2)
+    assert not bool(opt2.last_step_skipped)  # no call since the load (until 2026-12-03: the loading one's last)
     if form in ("state_dict", "torch_layout"):  # (the checkpoints carry the model)
         both2.load_state_dict(both.state_dict())
     _steps(ec, head, opt, [1.0, float("nan"), 0.5])  # the call counter leaves the 2 overflowed calls out

@@ -288,7 +288,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
     def last_step_skipped(self) -> Tensor:
         """Whether the last :meth:`step` changed nothing (``skip_nonfinite``, or an exchange overflow): a
         0-d bool tensor on the device, read without a sync, e.g. to gate another optimizer's update
-        (``torch.where(flag, old, new)``). ``False`` (on the CPU) before a step that could skip."""
+        (``torch.where(flag, old, new)``). ``False`` (on the CPU) before a step that could skip, and after a load
+        until the next step (a checkpoint does not keep it)."""
         if self._run.last_skipped is None:
             return torch.zeros((), dtype=torch.bool)
         return self._run.last_skipped

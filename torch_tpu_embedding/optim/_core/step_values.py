@@ -119,6 +119,7 @@ class StepCounters:
         self.iterations = iterations
         self.skipped = torch.tensor([skipped], dtype=torch.int64) if skipped else None
         self.dropped = torch.tensor([overflowed_steps], dtype=torch.int64) if overflowed_steps else None
+        self.last_skipped = None  # (no call since the load: a checkpoint does not keep the last call's flag)
         self.ema_window.clear()
 
     def start(self, clean: Tensor | None) -> None:

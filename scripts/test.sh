@@ -19,12 +19,14 @@ echo "== import layers (import-linter contracts in pyproject.toml)"; "$ENV_DIR/b
 echo "== import graph (no cycle, imports inside functions only of torch_xla modules)"
 "$PY" scripts/import_graph.py
 status=0
+# Each stage lists its 15 slowest tests: CI must stay under 45 minutes on the 2-core machine.
+SLOWEST=(--durations=15)
 echo "== CPU tests (torch 2.9)"
-"$PY" -m pytest -q -p no:cacheprovider tests --ignore=tests/xla --ignore=tests/xla_spmd "$@" || status=$?
+"$PY" -m pytest -q -p no:cacheprovider "${SLOWEST[@]}" tests --ignore=tests/xla --ignore=tests/xla_spmd "$@" || status=$?
 echo "== XLA tests, 1 device (PJRT_DEVICE=CPU)"
-PJRT_DEVICE=CPU "$PY" -m pytest -q -p no:cacheprovider tests/xla "$@" || status=$?
+PJRT_DEVICE=CPU "$PY" -m pytest -q -p no:cacheprovider "${SLOWEST[@]}" tests/xla "$@" || status=$?
 echo "== XLA SPMD tests, 4 devices (PJRT_DEVICE=CPU CPU_NUM_DEVICES=4)"
-PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 "$PY" -m pytest -q -p no:cacheprovider tests/xla_spmd "$@" || status=$?
+PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 "$PY" -m pytest -q -p no:cacheprovider "${SLOWEST[@]}" tests/xla_spmd "$@" || status=$?
 
 # torch 2.13: the optimizers (the kernel update included: its kernel is built by torch.compile, whose
 # output depends on the torch version), lookups, checkpoints (the rank-file reader included: it reads
@@ -52,6 +54,6 @@ TESTS_213=(
 )
 echo "== CPU tests on torch 2.13 (CPU build, no torch_xla; a representative subset)"
 start=$SECONDS
-"$ENV_213/bin/python" -m pytest -q -p no:cacheprovider "${TESTS_213[@]}" "$@" || status=$?
+"$ENV_213/bin/python" -m pytest -q -p no:cacheprovider "${SLOWEST[@]}" "${TESTS_213[@]}" "$@" || status=$?
 echo "(torch 2.13 stage: $((SECONDS - start)) s)"
 exit $status

@@ -74,11 +74,10 @@ def aliases(model: torch.nn.Module) -> dict[str, str]:
     paths: dict[int, list[str]] = {}
     for name, m in model.named_modules(remove_duplicate=False):
         paths.setdefault(id(m), []).append(f"{name}." if name else "")
-    for prefixes in paths.values():
-        first = prefixes[0]
+    for first, *others in (p for p in paths.values() if len(p) > 1):
         for k in keys:
-            if len(prefixes) > 1 and k.startswith(first):
-                out.update({p + k[len(first):]: k for p in prefixes[1:] if p + k[len(first):] in known})
+            if k.startswith(first):
+                out.update({p + k[len(first):]: k for p in others if p + k[len(first):] in known})
     by_tensor: dict[int, str] = {}
     for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
         if name in known and table_info(t) is None:

@@ -17,6 +17,7 @@ import torch
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding.checkpoint import api
+from torch_tpu_embedding.checkpoint.dcp import META, read_meta
 
 
 class Counter(torch.nn.Module):
@@ -234,3 +235,14 @@ def test_a_module_reached_by_two_paths_has_its_extra_state_under_each(how: str, 
     for k, v in want.items():
         if isinstance(v, torch.Tensor):
             assert torch.equal(got[k], v), k
+
+
+@pytest.mark.parametrize("bad", [["model.x"], {"alias.kept": 3}])
+def test_a_meta_file_whose_aliases_are_not_keys_is_refused_as_damaged(bad: Any, tmp_path: Path) -> None:
+    """The aliases are read before the tensors: anything but a mapping of keys to keys is a damaged file, named."""
+    tte.checkpoint.save_distributed(tmp_path / "c", model=Shared(0))
+    meta = read_meta(str(tmp_path / "c"))
+    assert meta["aliases"]["alias.kept"] == "model.counter.kept"
+    torch.save({**meta, "aliases": bad}, tmp_path / "c" / META)
+    with pytest.raises(ValueError, match="is damaged: 'aliases' must map state_dict keys"):
+        read_meta(str(tmp_path / "c"))

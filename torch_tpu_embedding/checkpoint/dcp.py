@@ -61,6 +61,9 @@ def read_meta(path: str) -> Any:
             or not isinstance(meta.get("members", {}), dict) or "optimizer" not in meta:
         raise ValueError(f"{file} is damaged: 'rows' must map each tensor to its logical rows (an int or None), "
                          "with 'members' and 'optimizer' beside it.")
+    named = meta.get("aliases", {})
+    if not isinstance(named, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in named.items()):
+        raise ValueError(f"{file} is damaged: 'aliases' must map state_dict keys to state_dict keys.")
     return meta
 
 

@@ -13,7 +13,20 @@
 # Usage: bash scripts/test.sh [extra pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ENV_DIR="$(bash scripts/env.sh)"
+logs="$(mktemp -d)"
+trap 'rm -rf "$logs"' EXIT
+# The two environments are built (where missing) side by side: mostly downloads and unpacking.
+bash scripts/env.sh torch213 > "$logs/env_213" 2> "$logs/env_213.err" &
+env_213_pid=$!
+ENV_DIR="$(bash scripts/env.sh)" || { kill "$env_213_pid" 2> /dev/null; exit 1; }
+if ! wait "$env_213_pid"; then
+  cat "$logs/env_213.err" >&2
+  echo "scripts/test.sh: the torch 2.13 environment could not be built (bash scripts/env.sh torch213)" >&2
+  exit 1
+fi
+cat "$logs/env_213.err" >&2
+ENV_213="$(cat "$logs/env_213")"
+echo "(environments ready: $SECONDS s)"
 PY="$ENV_DIR/bin/python"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_WAIT_POLICY=PASSIVE  # spinning OpenMP threads stall a busy 2-core machine
@@ -75,15 +88,11 @@ lane2() {
     env PJRT_DEVICE=CPU "$PY" -m pytest -q -p no:cacheprovider "${SLOWEST[@]}" tests/xla "$@"
   stage "XLA SPMD tests, 4 devices (PJRT_DEVICE=CPU CPU_NUM_DEVICES=4)" \
     env PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 "$PY" -m pytest -q -p no:cacheprovider "${SLOWEST[@]}" tests/xla_spmd "$@"
-  local env_213
-  env_213="$(bash scripts/env.sh torch213)" || { echo "== torch 2.13 environment: not built"; return 1; }
   stage "CPU tests on torch 2.13 (CPU build, no torch_xla; a representative subset)" \
-    "$env_213/bin/python" -m pytest -q -p no:cacheprovider "${SLOWEST[@]}" "${TESTS_213[@]}" "$@"
+    "$ENV_213/bin/python" -m pytest -q -p no:cacheprovider "${SLOWEST[@]}" "${TESTS_213[@]}" "$@"
   return $lane_status
 }
 
-logs="$(mktemp -d)"
-trap 'rm -rf "$logs"' EXIT
 status=0
 start=$SECONDS
 if [ "${TTE_LANES:-$(nproc)}" -ge 2 ]; then

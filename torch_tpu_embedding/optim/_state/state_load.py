@@ -255,7 +255,12 @@ def write_checked(opt: RowSparseOptimizer, done: CheckedState) -> None:
 def _restore_counters(opt: RowSparseOptimizer, saved: Mapping[str, Any]) -> None:
     """The call counters as saved (checked by ``counter_problems``; a checkpoint written before they were
     saved, none: 0)."""
-    opt._run.restore(*(saved_count(saved.get(k, 0)) or 0 for k in COUNTERS))
+    counts = []
+    for name in COUNTERS:
+        count = saved_count(saved.get(name, 0))
+        assert count is not None, f"{name!r} reached the load unchecked (counter_problems refuses it first)"
+        counts.append(count)
+    opt._run.restore(*counts)
 
 
 def rest_problems(opt: RowSparseOptimizer, rest: Mapping[str, Any]) -> list[str]:

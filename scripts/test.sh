@@ -96,8 +96,15 @@ lane2() {
 status=0
 start=$SECONDS
 if [ "${TTE_LANES:-$(nproc)}" -ge 2 ]; then
+  # Lane 2 in a process group of its own, so that an interrupted run (Ctrl-C, a CI timeout) stops it and
+  # every process it started instead of leaving them running.
+  set -m
   lane2 "$@" > "$logs/2" 2>&1 &
   lane2_pid=$!
+  set +m
+  trap 'kill -- -"$lane2_pid" 2> /dev/null || true; rm -rf "$logs"' EXIT
+  trap 'exit 130' INT
+  trap 'exit 143' TERM
   lane1 "$@" || status=$?
   wait "$lane2_pid" || status=$?
   cat "$logs/2"

@@ -13,6 +13,12 @@
 # Usage: bash scripts/test.sh [extra pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+lanes="${TTE_LANES:-$(nproc)}"
+case "$lanes" in
+  '' | *[!0-9]* | 0)
+    echo "scripts/test.sh: TTE_LANES must be a whole number >= 1 (1: one lane after the other; 2 or more: side by side), got '$lanes'" >&2
+    exit 2 ;;
+esac
 logs="$(mktemp -d)"
 trap 'rm -rf "$logs"' EXIT
 # The two environments are built (where missing) side by side: mostly downloads and unpacking.
@@ -95,7 +101,7 @@ lane2() {
 
 status=0
 start=$SECONDS
-if [ "${TTE_LANES:-$(nproc)}" -ge 2 ]; then
+if [ "$lanes" -ge 2 ]; then
   # Lane 2 in a process group of its own, so that an interrupted run (Ctrl-C, a CI timeout) stops it and
   # every process it started instead of leaving them running.
   set -m

@@ -410,3 +410,35 @@ def test_tables_on_two_gpus_get_kernels_of_their_own() -> None:
     keys = [row_update._key(types.SimpleNamespace(p=on(i), group=opt.param_groups[0], state={}, gate=None),  # type: ignore[arg-type]
                             (), (), ()) for i in (0, 1, 1)]
     assert keys[0] != keys[1] and keys[1] == keys[2]
+
+
+@needs_compiler
+@pytest.mark.parametrize("name", ["adagrad_momentum", "adam"])
+def test_a_momentum_schedule_compiles_one_kernel(kernel_on: None, name: str) -> None:
+    """OneCycleLR and CyclicLR (``cycle_momentum``, their default) write a new ``momentum`` or ``betas[0]`` into
+    every group at every step: the kernel takes them as data, as it takes the learning rate. They were constants
+    of it, so each step compiled a kernel of its own (seconds each) and kept it. The numbers: the reference path's."""
+    def run(kernel: bool) -> tuple[tte.EmbeddingCollection, Any]:
+        torch.manual_seed(0)
+        ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(300, 6, name="t"), max_ids_per_bag=4)})
+        opt = tte.optim.AdagradMomentum(ec.parameters(), lr=0.1, momentum=0.9) if name == "adagrad_momentum" \
+            else tte.optim.Adam(ec.parameters(), lr=0.1, weight_decay_factor=0.01)  # (weight decay: not the C loop)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.5, total_steps=8)
+        gen, before = torch.Generator().manual_seed(1), kernel_policy.set_enabled(kernel)
+        try:
+            for _ in range(5):
+                ec({"f": tte.Padded(torch.randint(0, 300, (40, 4), generator=gen))})["f"].square().sum().backward()
+                opt.step()
+                opt.zero_grad()
+                sched.step()
+        finally:
+            kernel_policy.set_enabled(before)
+        return ec, opt
+
+    kernels = row_update.compiled_kernels()
+    (ours, opt), (ref, ref_opt) = run(True), run(False)
+    assert row_update.compiled_kernels() - kernels == 1
+    assert not any(p in row_update._REFERENCE_ONLY for p in ours.parameters())
+    torch.testing.assert_close(ours.tables.t.weight, ref.tables.t.weight, rtol=1e-6, atol=1e-6)
+    for k, v in opt.state_dict()["state"]["table:t"].items():
+        torch.testing.assert_close(v, ref_opt.state_dict()["state"]["table:t"][k], rtol=1e-6, atol=1e-6, msg=k)

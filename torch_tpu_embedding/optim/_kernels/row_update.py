@@ -16,7 +16,8 @@ passes over ``[U, D]``.
 Shapes are dynamic (the number of touched rows, the table size), so a configuration compiles once
 (plus at most one more for a step with a single touched row, which dynamic shapes specialise); the
 hyper-parameters are constants of its kernel (a new configuration compiles a new kernel); the
-learning rate and step count are tensors (a schedule does not recompile). inductor keeps compiled
+learning rate and step count are tensors, and so are ``momentum`` and ``betas``, which torch's
+``OneCycleLR`` and ``CyclicLR`` rewrite at every step (a schedule does not recompile). inductor keeps compiled
 kernels on disk (``TORCHINDUCTOR_CACHE_DIR``, by default ``/tmp/torchinductor_<user>``), so a new
 process with the same configuration reuses them.
 
@@ -46,6 +47,7 @@ from torch_tpu_embedding._rows.dedup import sink_rows, sinks_sentinel
 from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding._util.registry import RULE_KEY, rule_of
+from torch_tpu_embedding._util.transfer import upload
 from torch_tpu_embedding.optim._core.contract import RowContext, Slots
 from torch_tpu_embedding.optim._core.ema import ema_row_update, momentum_now
 from torch_tpu_embedding.optim._core.rule_pipeline import gated, pipeline
@@ -66,6 +68,9 @@ _KERNELS: dict[tuple[Any, ...], Callable[..., list[Tensor]] | None] = {}
 _CHUNK_BYTES = 2**22
 #: group entries that are not hyper-parameters of the rule (``RULE_KEY``: the rule itself)
 _NOT_HP = frozenset({"params", "lr", "slot_creation_fn", RULE_KEY})
+#: group entries torch's schedulers rewrite at every step (``OneCycleLR`` and ``CyclicLR`` with ``cycle_momentum``,
+#: their default: ``momentum``, or ``betas[0]``): the kernel takes their values as data (:func:`_scheduled`)
+_SCHEDULED = ("betas", "momentum")
 #: group entries the kernel does not read (the intake's, the per-call EMA's, the rule's name: the key
 #: names the rule itself): configurations that differ only here share a kernel
 _NOT_IN_KERNEL = frozenset({
@@ -99,11 +104,18 @@ def _kernel_source(
     skips the tail (:func:`.triton_rows.copy_rows`), so the rows are returned as computed; without it they
     carry :func:`~torch_tpu_embedding._rows.dedup.sink_rows`' values, copied at the clamped ids."""
     momentum = float(rule_hp.get("ema_momentum", 0.0))
+    # the scheduled entries present, each with its length (0: a number, not a tuple), read outside the traced code
+    scheduled = [(k, len(rule_hp[k]) if isinstance(rule_hp[k], tuple | list) else 0) for k in _SCHEDULED
+                 if k in rule_hp]
 
     def kernel_rows(p: Tensor, ids: Tensor, g: Tensor, row_slots: list[Tensor], whole_slots: list[Tensor],
                     lr: Tensor, step: Tensor, num_rows: int, gate_t: Tensor | None, ema_t: Tensor | None,
                     ema_last: Tensor | None, it: Tensor | None, keep: Tensor | None, mu: Tensor | None,
-                    seg: Tensor | None) -> list[Tensor]:
+                    seg: Tensor | None, values: Tensor) -> list[Tensor]:
+        hp, at_value = dict(rule_hp), 0  # the scheduled entries' numbers from ``values``, in their own shapes
+        for k, n in scheduled:
+            hp[k] = tuple(values[at_value + i] for i in range(n)) if n else values[at_value]
+            at_value += max(n, 1)
         sentinel = p.shape[0]
         at = ids.clamp(max=sentinel - 1) if sink else ids
         out: list[Tensor] = []
@@ -120,7 +132,7 @@ def _kernel_source(
         ctx = RowContext(mask=None, count=None, num_rows=num_rows)
         if whole:  # as _core.update_paths._update_rows makes it (the sentinel tail is not real)
             ctx = RowContext.touched(ids < sentinel, num_rows, segment=seg, member_rows=members)
-        w, new = pipeline(w0, g, slots, lr, step, rule_hp, ctx)
+        w, new = pipeline(w0, g, slots, lr, step, hp, ctx)
         if gate:
             w = gated(gate_t, w, w0)
         stored = w.to(p.dtype)
@@ -144,7 +156,9 @@ def _kernel_source(
 def _key(item: Work, names: tuple[str, ...], whole: tuple[str, ...], members: tuple[int, ...]) -> tuple[Any, ...]:
     p, group, state = item.p, item.group, item.state
     rule = rule_of(group).rule
-    hp = tuple(sorted((k, repr(v)) for k, v in group.items() if k not in _NOT_HP | _NOT_IN_KERNEL))
+    # (a scheduled entry by its shape alone: its numbers are the kernel's data)
+    hp = tuple(sorted((k, len(v) if isinstance(v, tuple | list) else None) if k in _SCHEDULED else (k, repr(v))
+                      for k, v in group.items() if k not in _NOT_HP | _NOT_IN_KERNEL))
     slot_dtypes = tuple(state[k].dtype for k in names + whole)
     # (the device with its index: a kernel compiled for cuda:0 is guarded on it, and would recompile for cuda:1)
     return (rule.__module__, rule.__qualname__, hp, p.device, p.dtype, p.dim(), slot_dtypes, whole, members,
@@ -166,6 +180,14 @@ def _build(item: Work, names: tuple[str, ...], whole: tuple[str, ...], members: 
     compiled: Callable[..., list[Tensor]] = torch.compile(fn, dynamic=True, fullgraph=True,
                                                   options={"compile_threads": 1})
     return compiled
+
+
+def _scheduled(group: Mapping[str, Any], device: torch.device) -> Tensor:
+    """The numbers of the group's :data:`_SCHEDULED` entries, in order, as a float64 tensor on ``device``: the
+    rule computes with them as with the Python numbers (``1 - b1`` in float64, the product in the rows' dtype)."""
+    values = [float(x) for k in _SCHEDULED if k in group
+              for x in (group[k] if isinstance(group[k], tuple | list) else (group[k],))]
+    return upload(torch.tensor(values, dtype=torch.float64), device)
 
 
 def call(fn: Callable[..., list[Tensor]], args: tuple[Any, ...]) -> list[Tensor]:
@@ -261,7 +283,7 @@ def update(item: Work) -> bool:
         clock.ema_on(p.device, skip, group["gradient_accumulation_steps"]).to(torch.int32) if ema else None,
         clock.keep(p.device, skip) if ema else None,
         momentum_now(group, clock, p.device, math_dtype(p)) if ema else None,
-        segment_of(p, ids) if members else None,
+        segment_of(p, ids) if members else None, _scheduled(group, p.device),
     )
     chunk = chunk_rows(p.shape[1])
     # Ranges where the arrays would outgrow the cache many times over; one call below (each costs Python). A rule

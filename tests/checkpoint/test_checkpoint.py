@@ -259,3 +259,31 @@ def test_load_distributed_into_a_group_of_other_tables_is_refused_naming_them(
     assert "fused_0" not in str(e.value) and all(n in str(e.value) for n in named), str(e.value)
     assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
     assert not o.state_dict()["state"] or o.state_dict()["iterations"] == 0
+
+
+@pytest.mark.parametrize("kind", ["unnamed tables", "stacked member", "named parameters"])
+def test_two_parameters_of_one_key_are_refused_naming_it(tmp_path: Path, kind: str) -> None:
+    """Two collections' tables of one name (unnamed: ``table_0`` in each), or dense parameters given with one name,
+    in one optimizer: its state was keyed by the name, so ``state_dict`` kept one table's slots and dropped the
+    other's without a word, and a resumed run started that table's slots afresh. Now saving and loading refuse,
+    naming the key and what to do."""
+    torch.manual_seed(0)
+    if kind == "named parameters":
+        a, b = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+        params: list = [*a.named_parameters(), *b.named_parameters()]
+        key = "param:weight"
+    else:
+        names = (None, None) if kind == "unnamed tables" else ("table_0", "x")
+        user = tte.EmbeddingCollection({"u": tte.FeatureConfig(tte.TableConfig(20, 4, name=names[0])),
+                                        "v": tte.FeatureConfig(tte.TableConfig(20, 4, name=names[1]))})
+        item = tte.EmbeddingCollection({"i": tte.FeatureConfig(tte.TableConfig(30, 4))})
+        params, key = [*user.parameters(), *item.parameters()], "table:table_0"
+    opt = tte.optim.Adagrad(params, lr=0.1)
+    message = re.escape(f"Two parameters of this optimizer would be saved under one key, '{key}'")
+    with pytest.raises(ValueError, match=message):
+        opt.state_dict()
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict({"state": {}, "param_groups": [], "iterations": 0})
+    with pytest.raises(ValueError, match=message):
+        tte.checkpoint.save(str(tmp_path / "x.pt"), optimizer=opt)
+    assert not os.listdir(tmp_path)

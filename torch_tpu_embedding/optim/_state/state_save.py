@@ -83,7 +83,27 @@ def param_keys(opt: RowSparseOptimizer, *, group_as_one: bool = False) -> dict[i
             else:
                 keys[id(p)] = f"param:{i}"
             i += 1 if info is None or info.members is None or group_as_one else len(info.members)
+    _check_distinct(opt, keys)
     return keys
+
+
+def _check_distinct(opt: RowSparseOptimizer, keys: Mapping[int, str]) -> None:
+    """Raise if two parameters (or tables of stacked groups) would be saved under one key: their state would
+    overwrite each other's in :func:`state_dict` and a load could not tell them apart."""
+    seen: set[str] = set()
+    for p in (p for g in opt.param_groups for p in g["params"]):
+        for key, _ in logical_keys(p, keys[id(p)], 0):
+            if key not in seen:
+                seen.add(key)
+                continue
+            what = (
+                "tables of different EmbeddingCollections with one name (a table given no name is `table_<i>` in "
+                "its collection). Give them distinct names (TableConfig(name=...)), or each collection an optimizer "
+                "of its own" if key.startswith("table:") else
+                "parameters given with one name (the named parameters of two modules, say). Give them distinct "
+                "names, or pass the parameters without names"
+            )
+            raise ValueError(f"Two parameters of this optimizer would be saved under one key, {key!r}: {what}.")
 
 
 def members_of(p: Tensor) -> Members | None:

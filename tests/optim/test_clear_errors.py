@@ -59,6 +59,31 @@ def test_a_plain_torch_optimizer_names_the_stacked_tables() -> None:
     assert torch.equal(ec.groups.fused_0.weight.detach(), w)
 
 
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "own"])
+def test_a_table_weight_used_outside_a_lookup_is_refused_naming_it(stacked: bool) -> None:
+    """A loss term on a table's weight itself (an L2 penalty over the table, the table as a tied output layer)
+    gives it a dense ``.grad``, which the optimizers, reading a table's row gradient only, dropped without a
+    word: the step trained the looked-up rows and nothing else. Refused now, naming the tables, before anything
+    changes; the lookup's row gradient is still pending."""
+    torch.manual_seed(0)
+    t, u = tte.TableConfig(10, 4, name="t"), tte.TableConfig(12, 4, name="u")
+    ec = tte.EmbeddingCollection({"a": tte.FeatureConfig(t), "b": tte.FeatureConfig(u)}, stack_tables=stacked)
+    opt = tte.optim.Adagrad(ec.parameters(), lr=0.1)
+    out = ec({"a": torch.tensor([1, 2]), "b": torch.tensor([3, 4])})
+    (out["a"].sum() + out["b"].sum() + 1e-3 * ec.embedding_tables["t"].square().sum()).backward()
+    before = [p.detach().clone() for p in ec.parameters()]
+    named = "embedding tables 't', 'u' (stacked in group 'fused_0')" if stacked else "embedding table 't'"
+    with pytest.raises(RuntimeError, match=re.escape(f"The optimizer was given {named}, whose weight has a dense "
+                                                     "`.grad`")):
+        opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(ec.parameters(), before, strict=True))
+    assert not any(opt.state.get(p) for p in ec.parameters())
+    assert all(table.row_grad for table in ec.physical_tables().values())
+    opt.zero_grad()  # clears the dense .grad too: the next step trains as usual
+    _backward(ec)
+    opt.step()
+
+
 _DDP = """
 import os, torch, torch.distributed as dist
 import torch_tpu_embedding as tte

@@ -1,10 +1,12 @@
 """The guards against torch's own machinery touching a table: a ``torch.optim`` optimizer that would step it (a
 table's gradient is row-sparse and never in ``.grad``, so such an optimizer would silently leave it untrained;
-installed on import of the package), and torch's ``DistributedDataParallel`` reducing it (checked by each lookup)."""
+installed on import of the package), torch's ``DistributedDataParallel`` reducing it (checked by each lookup), and
+autograd writing a dense ``.grad`` into it (a loss term on the weight itself, checked by each ``step()``)."""
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -12,7 +14,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from torch_tpu_embedding._rows.tables import table_info
 
-__all__ = ["check_not_ddp_managed", "ddp_message", "install_stock_optimizer_guard"]
+__all__ = ["check_no_dense_grad", "check_not_ddp_managed", "ddp_message", "install_stock_optimizer_guard"]
 
 _GUARD_INSTALLED = False
 _CHECKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
@@ -68,3 +70,23 @@ def ddp_message(info: Any) -> str:
         "goes unseen. Wrap the model with tte.distributed.DistributedDataParallel(model, ...) instead, or "
         "call tte.distributed.data_parallel(model) before torch's DistributedDataParallel(model)."
     )
+
+
+def check_no_dense_grad(params: Iterable[torch.Tensor]) -> None:
+    """Raise if a table among ``params`` has a dense ``.grad``: a loss term used its weight outside a lookup (an L2
+    penalty over the table, the table as a tied output layer), and autograd accumulated a ``[V, D]`` gradient that
+    the optimizers, which read a table's row gradient only, would drop without a word."""
+    for p in params:
+        grad = p.grad
+        if grad is None or grad.is_sparse:
+            continue
+        info = table_info(p)
+        if info is not None:
+            raise RuntimeError(
+                f"The optimizer was given {info.described()}, whose weight has a dense `.grad` of shape "
+                f"{tuple(grad.shape)}: a loss term used the weight outside a lookup (a penalty over the table, or "
+                "the table as a tied output layer, say). A table trains from its lookups' row gradients only, so "
+                "that gradient would be silently dropped. Look the rows up through the collection instead (every "
+                "row: ids torch.arange(num_embeddings)), use the optimizer's `weight_decay_factor` for a decay, or "
+                "detach the weight there; then zero_grad()."
+            )

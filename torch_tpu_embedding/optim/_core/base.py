@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 import torch
 
 from torch_tpu_embedding._rows.placement import register_optimizer, sync_row_grads
+from torch_tpu_embedding._rows.stock_guard import check_no_dense_grad
 from torch_tpu_embedding._rows.tables import check_live_tables, retired_count, stacked_rows, table_info
 from torch_tpu_embedding._util.registry import optimizer_class, register, resolve_rule
 from torch_tpu_embedding.optim._core import ema, grad_intake, step_gates
@@ -235,8 +236,11 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():  # type: ignore[no-untyped-call]
                 loss = closure()
         self._check_live_tables()
-        # Data parallel (torch_tpu_embedding.distributed): the tables' row gradients made global first.
+        # Data parallel (torch_tpu_embedding.distributed): the tables' row gradients made global first. (A table's
+        # dense .grad is refused by it before anything is sent under a process group, as torch's DDP's; by
+        # check_no_dense_grad without one.)
         sync_row_grads(self.param_groups)
+        check_no_dense_grad(p for g in self.param_groups for p in g["params"])
         pending = [[p for p in g["params"] if grad_intake.has_gradient(p, g, self.state.get(p))]
                    for g in self.param_groups]
         # A lookup over the id exchange's capacity drops the whole call, before anything (the accumulation

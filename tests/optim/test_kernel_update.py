@@ -422,7 +422,8 @@ def test_a_momentum_schedule_compiles_one_kernel(kernel_on: None, name: str) -> 
         torch.manual_seed(0)
         ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(300, 6, name="t"), max_ids_per_bag=4)})
         opt = tte.optim.AdagradMomentum(ec.parameters(), lr=0.1, momentum=0.9) if name == "adagrad_momentum" \
-            else tte.optim.Adam(ec.parameters(), lr=0.1, weight_decay_factor=0.01)  # (weight decay: not the C loop)
+            else tte.optim.Adam(ec.parameters(), lr=0.1, weight_decay_factor=0.01,  # (weight decay: not the C loop)
+                                 bias_correction=True)  # (betas^t: in the step's dtype, not float64: 3e-5 apart)
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.5, total_steps=8)
         gen, before = torch.Generator().manual_seed(1), kernel_policy.set_enabled(kernel)
         try:

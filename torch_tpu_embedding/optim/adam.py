@@ -32,7 +32,9 @@ def adam_rule(
     v = b2 * slots["velocities"] + (1 - b2) * g * g
     if hp["bias_correction"]:
         t = step.to(w.dtype)  # bias corrections in the parameter dtype (not fp32) for fp64 tests
-        lr = lr * torch.sqrt(1 - torch.pow(b2, t)) / (1 - torch.pow(b1, t))
+        # (betas as the update kernel's float64 data: in t's dtype, as a Python number's power of t is computed)
+        p1, p2 = (torch.pow(b.to(t.dtype) if isinstance(b, torch.Tensor) else b, t) for b in (b1, b2))
+        lr = lr * torch.sqrt(1 - p2) / (1 - p1)
     # eps inside the sqrt is the TPU default; outside matches SparseAdam / Keras.
     denom = torch.sqrt(v + eps * eps) if hp["sum_inside_sqrt"] else torch.sqrt(v) + eps
     return w - lr * m / denom, {"momenta": m, "velocities": v}

@@ -71,6 +71,8 @@ _NOT_HP = frozenset({"params", "lr", "slot_creation_fn", RULE_KEY})
 #: group entries torch's schedulers rewrite at every step (``OneCycleLR`` and ``CyclicLR`` with ``cycle_momentum``,
 #: their default: ``momentum``, or ``betas[0]``): the kernel takes their values as data (:func:`_scheduled`)
 _SCHEDULED = ("betas", "momentum")
+#: their numbers on a device, by device and numbers (read only by the kernels: shared by every group and call)
+_UPLOADED: dict[tuple[torch.device, tuple[float, ...]], Tensor] = {}
 #: group entries the kernel does not read (the intake's, the per-call EMA's, the rule's name: the key
 #: names the rule itself): configurations that differ only here share a kernel
 _NOT_IN_KERNEL = frozenset({
@@ -184,10 +186,16 @@ def _build(item: Work, names: tuple[str, ...], whole: tuple[str, ...], members: 
 
 def _scheduled(group: Mapping[str, Any], device: torch.device) -> Tensor:
     """The numbers of the group's :data:`_SCHEDULED` entries, in order, as a float64 tensor on ``device``: the
-    rule computes with them as with the Python numbers (``1 - b1`` in float64, the product in the rows' dtype)."""
-    values = [float(x) for k in _SCHEDULED if k in group
-              for x in (group[k] if isinstance(group[k], tuple | list) else (group[k],))]
-    return upload(torch.tensor(values, dtype=torch.float64), device)
+    rule computes with them as with the Python numbers (``1 - b1`` in float64, the product in the rows' dtype).
+    Uploaded when they change (a schedule's step), else the tensor of the last call with the same numbers."""
+    values = tuple(float(x) for k in _SCHEDULED if k in group
+                   for x in (group[k] if isinstance(group[k], tuple | list) else (group[k],)))
+    key = (device, values)
+    if key not in _UPLOADED:
+        if len(_UPLOADED) >= 64:  # (a schedule's numbers, one set per step: the oldest go)
+            del _UPLOADED[next(iter(_UPLOADED))]
+        _UPLOADED[key] = upload(torch.tensor(values, dtype=torch.float64), device)
+    return _UPLOADED[key]
 
 
 def call(fn: Callable[..., list[Tensor]], args: tuple[Any, ...]) -> list[Tensor]:

@@ -217,3 +217,16 @@ def test_a_keyed_input_with_parts_on_two_devices_raises_naming_them(part: str) -
                                          rf"values\(\) on cpu, .*{part if part != 'weights' else 'weights_or_none'}"
                                          rf"\(\) on meta"):
         ec(_KJT(list(_KEYS), good.values(), **parts))
+
+
+def test_a_weighted_keyed_input_with_a_sequence_feature_raises_with_the_way_out() -> None:
+    """A weighted KeyedJaggedTensor weighs every key; a sequence feature takes no weights: the error names the
+    feature and the two inputs that work (the weights dropped, or the features as a dict)."""
+    ec = _collection(sequence=True)
+    bags = _bags(4, 0, weighted=True)
+    with pytest.raises(ValueError, match=r"\['fc'\] is a sequence feature.*without weights.*tte.Jagged"):
+        ec(_keyed(bags, list(_KEYS)))
+    unweighted = {k: (v, n, None) for k, (v, n, _) in bags.items()}
+    given = {k: tte.Jagged(v, lengths=n, weights=w if k != "fc" else None) for k, (v, n, w) in bags.items()}
+    assert _flat(ec(_keyed(unweighted, list(_KEYS)))).shape == _flat(ec(given)).shape
+

@@ -134,13 +134,22 @@ def keyed_inputs(features: Any, config: Any, order: list[tuple[Path, str, Featur
     if weights is not None and weights.numel() != nnz:
         raise ValueError(f"A KeyedJaggedTensor input's weights_or_none() must hold one weight per id: "
                          f"len(values()) = {nnz}. Received {weights.numel()} weights")
+    # Sequences (max_sequence_length, or an output_shape of k·B positions) are truncated, not capped: as the
+    # feature's bags given alone (to_bags), where max_ids_per_bag bounds only the bags it combines.
+    shapes = {k: features_of[k].output_shape for k in keys}
+    sequences = [k for k, shape in shapes.items()
+                 if features_of[k].max_sequence_length or (shape is not None and math.prod(shape) != b)]
+    if weights is not None and sequences:
+        raise ValueError(
+            f"A KeyedJaggedTensor input's weights_or_none() weighs the ids of every key, and {sequences} "
+            f"{'is a sequence feature' if len(sequences) == 1 else 'are sequence features'}, which take no weights "
+            "(TorchRec's EmbeddingCollection ignores them). Pass a KeyedJaggedTensor without weights, or the "
+            "features as a dict, {name: tte.Jagged(values, lengths=..., weights=...)}, with weights for the bagged "
+            "features only (docs/migration.md, From TorchRec)")
     widths = []
     for k, n in zip(keys, longest, strict=True):
         fc = features_of[k]
-        # Sequences (max_sequence_length, or an output_shape of k·B positions) are truncated, not capped: as the
-        # feature's bags given alone (to_bags), where max_ids_per_bag bounds only the bags it combines.
-        cap = None if fc.max_sequence_length or (fc.output_shape is not None and math.prod(fc.output_shape) != b) \
-            else fc.max_ids_per_bag
+        cap = None if k in sequences else fc.max_ids_per_bag
         if cap is not None and n > cap:
             raise ValueError(f"Feature `{k}`: a bag holds {n} ids, more than max_ids_per_bag={cap}. Raise the "
                              "capacity; ids are never dropped silently.")

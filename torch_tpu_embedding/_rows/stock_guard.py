@@ -14,7 +14,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from torch_tpu_embedding._rows.tables import table_info
 
-__all__ = ["check_no_dense_grad", "check_not_ddp_managed", "ddp_message", "install_stock_optimizer_guard"]
+__all__ = [
+    "OUTSIDE_A_LOOKUP", "check_no_dense_grad", "check_not_ddp_managed", "ddp_message", "install_stock_optimizer_guard",
+]
 
 _GUARD_INSTALLED = False
 _CHECKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
@@ -61,6 +63,16 @@ def check_not_ddp_managed(weight: torch.Tensor) -> None:
         raise RuntimeError(ddp_message(table_info(weight)))
 
 
+#: a dense ``.grad`` on a table from the user's own loss: what happened and what to do (:func:`check_no_dense_grad`,
+#: and under a process group after :func:`ddp_message`)
+OUTSIDE_A_LOOKUP = (
+    "a loss term used the weight outside a lookup (a penalty over the table, or the table as a tied output layer, "
+    "say). A table trains from its lookups' row gradients only, so that gradient would be silently dropped. Look the "
+    "rows up through the collection instead (every row: ids torch.arange(num_embeddings)), use the optimizer's "
+    "`weight_decay_factor` for a decay, or detach the weight there; then zero_grad()."
+)
+
+
 def ddp_message(info: Any) -> str:
     what = "An embedding table" if info is None else info.described()[0].upper() + info.described()[1:]
     verb = "are" if info is not None and info.members else "is"
@@ -84,9 +96,5 @@ def check_no_dense_grad(params: Iterable[torch.Tensor]) -> None:
         if info is not None:
             raise RuntimeError(
                 f"The optimizer was given {info.described()}, whose weight has a dense `.grad` of shape "
-                f"{tuple(grad.shape)}: a loss term used the weight outside a lookup (a penalty over the table, or "
-                "the table as a tied output layer, say). A table trains from its lookups' row gradients only, so "
-                "that gradient would be silently dropped. Look the rows up through the collection instead (every "
-                "row: ids torch.arange(num_embeddings)), use the optimizer's `weight_decay_factor` for a decay, or "
-                "detach the weight there; then zero_grad()."
+                f"{tuple(grad.shape)}: " + OUTSIDE_A_LOOKUP
             )

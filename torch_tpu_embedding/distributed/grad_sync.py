@@ -48,7 +48,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from torch_tpu_embedding._rows.dedup import coalesce_rows, is_static_device, sync_free
 from torch_tpu_embedding._rows.row_grad import RowGrad
-from torch_tpu_embedding._rows.stock_guard import check_not_ddp_managed, ddp_message
+from torch_tpu_embedding._rows.stock_guard import OUTSIDE_A_LOOKUP, check_not_ddp_managed, ddp_message
 from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
 
@@ -149,7 +149,8 @@ def sync_row_grads(param_groups: Iterable[Mapping[str, Any]]) -> None:
 
     Raises:
         RuntimeError: a table has a dense ``.grad`` under an initialised process group (torch's
-            ``DistributedDataParallel`` reduced it; see :class:`DistributedDataParallel`).
+            ``DistributedDataParallel`` reduced it, see :class:`DistributedDataParallel`; or a loss term used its
+            weight outside a lookup).
     """
     if not (dist.is_available() and dist.is_initialized()) or spmd_active():
         return
@@ -162,8 +163,8 @@ def sync_row_grads(param_groups: Iterable[Mapping[str, Any]]) -> None:
             if info is None or id(p) in seen:
                 continue
             seen.add(id(p))
-            if p.grad is not None and not p.grad.is_sparse:
-                raise RuntimeError(ddp_message(info))
+            if p.grad is not None and not p.grad.is_sparse:  # (the two ways a table gets one, the likelier first)
+                raise RuntimeError(f"{ddp_message(info)} Or else {OUTSIDE_A_LOOKUP}")
             pg = exchange_group(p)
             if pg is not None:
                 buckets.setdefault((id(pg), p.device), (pg, []))[1].append((p, info.row_grad, dedup))

@@ -137,6 +137,37 @@ def test_lazy_table_matches_numpy(dtype: torch.dtype, tol: float) -> None:
     assert np.all(state["r"].numpy()[12:] == 0)
 
 
+def test_a_stacked_group_with_no_ids_in_a_step_trains_as_unstacked_tables() -> None:
+    """A step whose bags are all empty for every table of a stacked group (the group is looked up, with no ids)
+    crashed in the per-member sums (``reshape(0, -1)``); unstacked tables took it. Both now keep every row and
+    statistic, advance the step counter, and then train alike."""
+    got = {}
+    for stack in (True, False):
+        a = tte.TableConfig(4, 2, name="a", combiner="sum", dtype=torch.float64)
+        b = tte.TableConfig(3, 2, name="b", combiner="sum", dtype=torch.float64)
+        torch.manual_seed(0)
+        ec = tte.EmbeddingCollection({"fa": tte.FeatureConfig(a), "fb": tte.FeatureConfig(b)}, stack_tables=stack)
+        opt = tte.optim.Adafactor(ec.parameters(), lr=0.1)
+        for ids in ([1, 2], [], [2, 3]):
+            out = ec({"fa": tte.Jagged(torch.tensor(ids, dtype=torch.int64), lengths=torch.tensor([len(ids), 0])),
+                      "fb": tte.Jagged(torch.tensor([0]), lengths=torch.tensor([0, 1]))
+                      if ids == [2, 3] else tte.Jagged(torch.zeros(0, dtype=torch.int64), lengths=torch.tensor([0, 0]))})
+            (out["fa"] * torch.tensor([[1.0, -2.0], [0.5, 3.0]], dtype=torch.float64) + out["fb"]).sum().backward()
+            before = {n: w.detach().clone() for n, w in ec.embedding_tables.items()}
+            opt.step()
+            opt.zero_grad()
+            if not ids:
+                for n, w in ec.embedding_tables.items():
+                    assert torch.equal(w.detach(), before[n])
+        got[stack] = ({n: w.detach().clone() for n, w in ec.embedding_tables.items()},
+                      opt.state_dict()["state"])
+    for n in ("a", "b"):
+        torch.testing.assert_close(got[True][0][n], got[False][0][n], rtol=1e-12, atol=1e-12)
+        for k in ("r", "c", "r_sum", "step"):
+            torch.testing.assert_close(got[True][1][f"table:{n}"][k], got[False][1][f"table:{n}"][k],
+                                       rtol=1e-12, atol=1e-12)
+
+
 def test_table_state_is_o_v_plus_d_and_under_1_1_percent() -> None:
     """1,000,000 × 64 float32: r [V] in bfloat16 + c [D] + r_sum = 0.78% of the table (Adam: 200%)."""
     V, D = 1_000_000, 64

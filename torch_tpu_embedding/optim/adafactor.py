@@ -49,7 +49,7 @@ def adafactor_rule(
 
     def sum_all(x: torch.Tensor) -> torch.Tensor:  # Σ over real rows and columns of x: () or [members]
         if stacked:  # each row summed, then its padding zeroed: the same sums as zeroing [U, D] first
-            return ctx.row_sum(real(x.reshape(x.shape[0], -1).sum(-1)))
+            return ctx.row_sum(real(x.flatten(1).sum(-1)))  # (flatten, not reshape(U, -1): U may be 0)
         return total(real(x).sum())
 
     def each_row(v: torch.Tensor) -> torch.Tensor:  # a per-table scalar, broadcast against [U, D]

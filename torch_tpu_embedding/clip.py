@@ -80,7 +80,9 @@ def clip_grad_norm_(
     if spread:  # tables sharded over a process group: every rank holds a part of the gradient
         total = _group_norm(params, summed, spread, float(norm_type), error_if_nonfinite, foreach)
     else:
-        grads = [p.grad for p in dense if p.grad is not None] + [r for _, r in summed]
+        # A table looked up with empty bags only has no rows: its densified gradient is zeros, which add
+        # nothing (torch's norm of an empty tensor raises for inf and negative orders).
+        grads = [p.grad for p in dense if p.grad is not None] + [r for _, r in summed if r.numel()]
         if norm_type < 0 and any(_has_zero_rows(p) for p, _ in summed):
             # A negative order (-inf: the smallest |g|) sees the zero rows of the dense [V, D] gradient
             # torch would hold, which the row-sparse form leaves out.
@@ -130,8 +132,8 @@ def _group_norm(params: list[Tensor], summed: list[tuple[Tensor, Tensor]], sprea
                          f"(tte.distributed.shard); received {norm_type}")
     mine = {id(p) for p in spread}
     local = [p.grad for p in params if p.grad is not None and table_info(p) is None]
-    local += [r for p, r in summed if id(p) not in mine]
-    theirs = [r for p, r in summed if id(p) in mine]
+    local += [r for p, r in summed if id(p) not in mine and r.numel()]  # (no rows: zeros, as in clip_grad_norm_)
+    theirs = [r for p, r in summed if id(p) in mine and r.numel()]
     sharding = process_group_placement(spread[0])
     assert sharding is not None
     group = sharding.group

@@ -104,6 +104,23 @@ def test_torch_signature_and_edge_cases() -> None:
         tte.clip_grad_norm_(m.parameters(), 1.0, error_if_nonfinite=True)
 
 
+@pytest.mark.parametrize("stack", [False, True], ids=["unstacked", "stacked"])
+@pytest.mark.parametrize("norm_type", [math.inf, -math.inf, -1.0, 2.0], ids=["inf", "-inf", "-1", "l2"])
+def test_a_table_looked_up_with_empty_bags_only_counts_as_zeros(stack: bool, norm_type: float) -> None:
+    """Table ``b``'s feature has only empty bags: its densified gradient is zeros. Unstacked, its row gradient has
+    no rows, and the norm of orders inf, -inf and < 0 raised (torch's norm of an empty tensor)."""
+    torch.manual_seed(0)
+    a = tte.TableConfig(2, 3, name="a", combiner="sum", dtype=torch.float64)
+    b = tte.TableConfig(3, 3, name="b", dtype=torch.float64)
+    ec = tte.EmbeddingCollection({"x": tte.FeatureConfig(a), "z": tte.FeatureConfig(b)}, stack_tables=stack)
+    out = ec({"x": tte.Jagged(torch.tensor([0, 1, 1]), lengths=torch.tensor([3, 0])),
+              "z": tte.Jagged(torch.zeros(0, dtype=torch.int64), lengths=torch.tensor([0, 0]))})
+    (out["x"] * torch.tensor([[1.0, -2.0, 0.5], [3.0, 3.0, 3.0]], dtype=torch.float64) + out["z"]).sum().backward()
+    g = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)  # a's row 0 gets g, row 1 2·g; b: zeros
+    want = {math.inf: 4.0, -math.inf: 0.0, -1.0: 0.0, 2.0: float((5 * g.square()).sum().sqrt())}[norm_type]
+    assert float(tte.clip_grad_norm_(ec.parameters(), 1e9, norm_type=norm_type)) == pytest.approx(want, abs=1e-12)
+
+
 def test_torch_clip_grad_norm_does_not_see_tables() -> None:
     """Why tte.clip_grad_norm_ exists: torch's reads `.grad` only, so its norm leaves the tables out."""
     m = model()

@@ -113,8 +113,12 @@ def test_owner_local_is_chosen_for_a_table_trained_through_the_id_exchange() -> 
     assert info is not None and not info.owner_local
     info.sharding = types.SimpleNamespace(exchange=True)
     for opt in (O.Adagrad([p], lr=0.1), O.SGD([p], lr=0.1), O.Adam([p], lazy_adam=False),
-                O.Adagrad([p], lr=0.1, use_gradient_accumulation=False)):
+                O.SGD([p], lr=0.1, use_gradient_accumulation=False)):
         assert choose_path(p, opt.param_groups[0], row_grad=True) is Path.OWNER_LOCAL
+    # Each device's duplicates are summed before they travel: no-dedup is refused but where it is exact (SGD's add;
+    # tests/xla_spmd/test_shard_refusals.py)
+    with pytest.raises(ValueError, match="use_gradient_accumulation=False"):
+        choose_path(p, O.Adagrad([p], lr=0.1, use_gradient_accumulation=False).param_groups[0], row_grad=True)
     assert choose_path(head.weight, O.Adagrad(head.parameters()).param_groups[0], row_grad=False) is Path.DENSE
 
 

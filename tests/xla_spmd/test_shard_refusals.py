@@ -64,3 +64,37 @@ def test_shard_batch_and_replicate_name_what_is_wrong() -> None:
     assert sharding_spec(tower[0].weight) == ""  # nothing marked by the refused call
     with pytest.raises(ValueError, match=r"Argument `mesh` must be a torch_xla.distributed.spmd.Mesh.*Received: 'x'"):
         shard(tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(8, 4, name="t"))}, device=dev), "x")
+
+
+@pytest.mark.parametrize("stack", [False, True], ids=["own", "stacked"])
+def test_no_dedup_on_a_row_sharded_table_is_refused_naming_the_tables(stack: bool) -> None:
+    """Through the id exchange each device sums its duplicate ids before they travel, so
+    ``use_gradient_accumulation=False`` cannot update from every duplicate as one device does: it trained on
+    per-device sums (other weights than on one device, and than with the default). Refused at ``step()`` as
+    over a process group, naming the user's tables; SGD without options that need summed rows is exact and runs."""
+    def model() -> tte.EmbeddingCollection:
+        t = tte.TableConfig(8, 4, name="t", combiner="sum", placement="row", initializer=torch.nn.init.ones_)
+        u = tte.TableConfig(8, 4, name="u", combiner="sum", placement="row", initializer=torch.nn.init.ones_)
+        ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(t), "g": tte.FeatureConfig(u)},
+                                     device=torch_xla.device(), stack_tables=stack)
+        shard(ec, device_mesh())
+        return ec
+
+    for make, refused in ((lambda ps: tte.optim.Adagrad(ps, lr=0.5, use_gradient_accumulation=False), True),
+                          (lambda ps: tte.optim.SGD(ps, lr=0.5, use_gradient_accumulation=False), False)):
+        ec = model()
+        opt = make(ec.parameters())
+        ids = tte.Jagged(torch.tensor([1, 1, 1, 2, 1, 3, 1, 2]), lengths=torch.tensor([3, 1, 2, 2]))
+        out = ec({"f": ids, "g": torch.tensor([0, 0, 5, 0])})
+        (out["f"] + out["g"]).sum().backward()
+        if not refused:
+            opt.step()
+            torch_xla.sync()
+            w = ec.state_dict()["tables.t.weight"].cpu()
+            assert torch.equal(w[1], torch.full((4,), 1.0 - 0.5 * 5)) and torch.equal(w[0], torch.ones(4))
+            continue
+        with pytest.raises(ValueError, match=r"use_gradient_accumulation=False.*cannot be applied") as err:
+            opt.step()
+        message = str(err.value)
+        assert "'t'" in message and ("'u'" in message) == stack, message
+        assert "Received: use_gradient_accumulation=False" in message

@@ -94,7 +94,16 @@ def choose_path(p: Tensor, group: Mapping[str, Any], *, row_grad: bool) -> Path:
     or a sparse COO ``.grad``) rather than as a dense ``.grad``."""
     cls = rule_of(group)
     info = table_info(p)
+    summed_rows = any(group.get(k) not in (None, False, 0) for k in _NEEDS_SUMMED_ROWS)
     if row_grad and info is not None and info.owner_local:
+        if not group["use_gradient_accumulation"] and not (cls.additive and not summed_rows):
+            raise ValueError(
+                f"The {info.described()} is row-sharded over the mesh through the id exchange (tte.xla.shard), where "
+                "each device's duplicate ids are summed before they travel to the row's owner, so "
+                "`use_gradient_accumulation=False` (every duplicate updating from the same old row) cannot be applied "
+                "as one device would. Use use_gradient_accumulation=True (the default) for it. Received: "
+                "use_gradient_accumulation=False"
+            )
         return Path.OWNER_LOCAL
     if not row_grad or not cls.is_lazy(group):
         return Path.DENSE
@@ -103,8 +112,7 @@ def choose_path(p: Tensor, group: Mapping[str, Any], *, row_grad: bool) -> Path:
         # over all its rows (Adafactor): densified, as Keras densifies IndexedSlices, so it trains as on a
         # dense .grad. Only a table keeps the bookkeeping (Adafactor's r_sum) a lazy update of them needs.
         return Path.DENSE
-    if cls.additive and not is_static_device(p.device) \
-            and not any(group.get(k) not in (None, False, 0) for k in _NEEDS_SUMMED_ROWS):
+    if cls.additive and not is_static_device(p.device) and not summed_rows:
         # Not KERNEL, even where it runs: adding each looked-up id's increment reads and writes each row once,
         # as the kernel's gather and scatter do, without their sort and sum (measured slower on KERNEL at
         # 1 and 20 ids per bag, docs/benchmarks.md); where KERNEL would run, the add is one C loop (c_add).

@@ -251,3 +251,36 @@ def test_a_lookup_under_no_grad_in_the_step_trains_no_table(stale: bool) -> None
         assert torch.equal(value, tables[name]), name
     for name, value in plain.state_dict().items():
         assert torch.equal(model.state_dict()[name], value), name
+
+
+def _twice_step(model: Any, batch: dict[str, Any]) -> torch.Tensor:
+    """A step that looks its batch up twice: both lookups train."""
+    first, second = model["ec"](batch["sparse"]), model["ec"](batch["sparse"])
+    x = torch.cat([first["a"], second["b"], first["c"] * second["c"]], dim=1)
+    return torch.nn.functional.mse_loss(model["head"](torch.tanh(x)).squeeze(1), batch["label"])
+
+
+def _target_step(model: Any, batch: dict[str, Any]) -> torch.Tensor:
+    """A step that looks its batch up under ``torch.no_grad()`` first (a fixed target), then to train."""
+    with torch.no_grad():
+        target = model["ec"](batch["sparse"])
+    out = model["ec"](batch["sparse"])
+    x = torch.cat([out["a"], out["b"], out["c"] - target["c"]], dim=1)
+    return torch.nn.functional.mse_loss(model["head"](torch.tanh(x)).squeeze(1), batch["label"])
+
+
+@pytest.mark.parametrize("step", [_twice_step, _target_step], ids=["twice", "no_grad-first"])
+@pytest.mark.parametrize(("stale", "prefetch"), [(False, True), (True, True), (True, False)])
+def test_a_step_that_looks_its_batch_up_twice_equals_its_schedule(step: Any, stale: bool, prefetch: bool) -> None:
+    """Every lookup of a step's batch is one step stale with pipelined execution, as in TF's schedule (the hand-written
+    reference looks the whole step up in the tables before the last update): the second lookup of the batch used to
+    read the tables as they are, silently, a schedule of neither kind."""
+    data = pipeline_batches(6, seed=31)
+    plain = _model()
+    train_by_hand(plain, _opts(plain), data, step, stale=stale)
+    model = _model()
+    pipe = tte.TrainPipeline(model, _opts(model), step=step, features=lambda b: b["sparse"], prefetch=prefetch,
+                             pipeline_execution_with_tensor_core=stale)
+    assert sum(1 for _ in pipe.run(data)) == 6
+    for name, value in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name

@@ -55,14 +55,18 @@ class AheadLookups:
         held: PreparedFeatures | None = self.__dict__.get("_held")
         if held is None or not held.matches(features, weights):
             return None
-        self._held = None
+        looked_up = held.outputs is not None or held.served is not None
+        if not looked_up:  # (looked up ahead: held for the step's every forward, all one step stale)
+            self._held = None
         name = held.modified(features, weights)
-        if name is None and (held.outputs is not None or not self._replaced_tables(held)):
+        if name is None and (looked_up or not self._replaced_tables(held)):
+            if held.outputs is not None:
+                held.served = held.outputs
             return held
         if name is None:  # a table's weight replaced since: planned again, for the tables as they are now
             held.used = True
             return None
-        if held.outputs is not None or held.ahead_error is not None:
+        if looked_up or held.ahead_error is not None:
             raise ValueError(f"Input `{name}` was modified in place after it was looked up ahead (look_up_ahead(); "
                              "tte.TrainPipeline(pipeline_execution_with_tensor_core=True) looks a batch up during the "
                              "step before its own): modify it before the pipeline takes the batch (in your data "
@@ -73,7 +77,8 @@ class AheadLookups:
     def _look_up_prepared(self, prepared: PreparedFeatures, concat: bool) -> Any:
         if prepared.ahead_error is not None:  # (this rank took part in its step's agreement when it was looked up)
             raise prepared.ahead_error
-        if prepared.outputs is not None:  # looked up ahead (tte.TrainPipeline's one-step-stale schedule)
+        ahead = prepared.outputs if prepared.outputs is not None else prepared.served
+        if ahead is not None:  # looked up ahead (tte.TrainPipeline's one-step-stale schedule)
             if concat is not prepared.concat:
                 raise ValueError(f"These features were looked up ahead with concat={prepared.concat}; the forward "
                                  f"asks for concat={concat!r}. Give the pipeline the concat your model uses.")
@@ -85,7 +90,7 @@ class AheadLookups:
                     f"{', '.join(f'`{n}`' for n in replaced)} was replaced: their activations read the old weight "
                     "and their gradient would reach no optimizer. Write new values in place (load_state_dict "
                     "without assign) or replace weights between pipelines.")
-            outputs, prepared.outputs = prepared.outputs, None
+            outputs, prepared.outputs = ahead, None
             if not torch.is_grad_enabled():  # (looked up ahead with gradients; a forward under no_grad has none)
                 outputs = detached(outputs)
             return outputs
@@ -198,13 +203,16 @@ class AheadLookups:
     def use_prepared(self, prepared: PreparedFeatures | None) -> Iterator[None]:
         """While inside, the first forward whose ``features`` (and ``weights``) are the very objects ``prepared``
         was made from looks ``prepared`` up instead of preparing them again (how ``tte.TrainPipeline`` feeds a
-        model that calls the collection itself)."""
+        model that calls the collection itself). Looked up ahead, ``prepared``'s activations are what every such
+        forward gets (a step that looks its batch up twice: both one step stale, as TF's schedule has them)."""
         before = self.__dict__.get("_held")
         self._held = prepared
         try:
             yield
         finally:
             self._held = before
+            if prepared is not None:  # (let go: on XLA a tensor alive at torch_xla.sync() becomes a graph output)
+                prepared.served = None
 
     def _side_stream(self) -> Any:
         """CUDA tables: the stream inputs prepared ahead are moved on (one per device); else ``None``."""

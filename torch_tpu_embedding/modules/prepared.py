@@ -64,7 +64,7 @@ class PreparedFeatures:
     Made by ``EmbeddingCollection.prepare``; looked up once, by ``ec(prepared)`` (or by the forward whose
     ``features`` are the very objects prepared, while ``tte.TrainPipeline`` holds it). ``outputs``: the
     activations when they were looked up ahead (the pipeline's one-step-stale schedule), with the
-    ``concat`` they were looked up with.
+    ``concat`` they were looked up with; every forward of those inputs while the pipeline holds them gets them.
     """
 
     owner: int  # id() of the collection that prepared it
@@ -76,6 +76,9 @@ class PreparedFeatures:
     outputs: Any = None
     concat: bool | None = None
     used: bool = False
+    #: ``outputs`` once a forward took them while ``use_prepared`` holds these features: a later forward of the same
+    #: step on the same inputs gets them too (every lookup of the batch one step stale, as the first)
+    served: Any = None
     #: the error of a lookup ahead (``look_up_ahead(..., keep_error=True)``): raised by the forward that uses these
     #: features, at their own step (over a process group every rank took part in that lookup's agreement already)
     ahead_error: BaseException | None = None

@@ -105,7 +105,8 @@ def load(
     """Load a :func:`save` file (``weights_only=True``) into ``model`` / ``optimizer``; returns ``extra``.
 
     Build the model on its device and layout first (and ``optimizer.init_state()`` on XLA); the
-    tensors are copied into the existing parameters and slots, which keep their sharding.
+    tensors are copied into the existing parameters and slots, which keep their sharding. ``strict``: the
+    model's keys, as ``Module.load_state_dict``'s; an optimizer's state loads whole (as torch's optimizers do).
     """
     target = os.fspath(path)
     if not os.path.exists(target):

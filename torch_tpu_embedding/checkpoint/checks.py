@@ -201,7 +201,11 @@ def check_payload(
     if model is not None:
         problems += [f"model: {p}" for p in model_problems(model, payload["model"], strict)]
     if optimizer is not None:
-        problems += [f"optimizer: {p}" for p in optimizer_problems(optimizer, payload["optimizer"])]
+        refused = optimizer_problems(optimizer, payload["optimizer"])
+        if refused and not strict:  # (the user asked for leniency: say where it stops)
+            refused[-1] += (" (strict=False applies to the model's keys only: an optimizer's state loads whole. Load "
+                            "the model alone, without `optimizer`, for its slots to start fresh)")
+        problems += [f"optimizer: {p}" for p in refused]
     if problems:
         raise CheckpointMismatchError(f"{target} does not match (nothing was loaded): " + "; ".join(problems))
     if optimizer is None or not is_row_sparse(optimizer):

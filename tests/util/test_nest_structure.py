@@ -57,3 +57,23 @@ def test_activations_come_back_in_the_configs_container_types() -> None:
     assert type(out) is collections.OrderedDict and list(out) == ["z", "a"]
     assert type(out["z"]) is Pair and out["z"].item.shape == (2, 2)
     assert type(out["a"]) is list
+
+
+@pytest.mark.parametrize("config,given,message", [
+    ({1: 0, 2: 0}, {"1": 0, "2": 0}, r"missing \[1, 2\], unknown \['1', '2'\]"),
+    ({"1": 0}, {1: 0}, r"missing \['1'\], unknown \[1\]"),
+], ids=["int-config-str-inputs", "str-config-int-inputs"])
+def test_keys_that_differ_only_in_type_are_a_mismatch_named_as_such(config: dict, given: dict, message: str) -> None:
+    # The keys were compared as text, so {1: ...} and {"1": ...} matched and the lookup failed later: KeyError 1.
+    with pytest.raises(ValueError, match=r"Inputs do not match the feature config: " + message):
+        check_structure(config, given, "Inputs")
+    import torch
+
+    import torch_tpu_embedding as tte
+
+    ec = tte.EmbeddingCollection({0: tte.FeatureConfig(tte.TableConfig(10, 2)), 5: tte.FeatureConfig(tte.TableConfig(10, 2))})
+    ids = torch.tensor([1])
+    with pytest.raises(ValueError, match=r"Inputs `features` do not match the feature config: missing \[0, 5\]"):
+        ec({"0": ids, "5": ids})
+    with pytest.raises(ValueError, match=r"Argument `weights` do not match the feature config: missing \[5\]"):
+        ec({0: ids, 5: ids}, {0: None, "5": None})

@@ -98,8 +98,10 @@ def check_structure(config: Any, given: Any, what: str, path: Path = ()) -> None
             raise TypeError(f"{what}{_where(path)} must be a mapping like the feature config. "
                             f"Received: {type(given).__name__}")
         if given.keys() != config.keys():  # (equal keys, the usual case: nothing to list)
-            missing = sorted(set(map(str, config)) - set(map(str, given)))
-            unknown = sorted(set(map(str, given)) - set(map(str, config)))
+            # The keys themselves, not their text: an int key 1 and a str key "1" are two keys (a lookup of
+            # one by the other failed later with a bare KeyError).
+            missing = [k for k in sorted_keys(config) if k not in given]
+            unknown = [k for k in sorted_keys(given) if k not in config]
             if missing or unknown:
                 raise ValueError(
                     f"{what}{_where(path)} do not match the feature config: missing {missing}, "

@@ -179,6 +179,14 @@ class TableConfig:
                     "a tensor",
                     tuple(init.shape),
                 )
+            if init.is_meta or init.layout != torch.strided or init.is_complex():
+                # (else the table's build failed inside torch: "Cannot copy out of meta tensor; no data!")
+                raise arg_error(
+                    "initializer",
+                    "must hold real values when it is a tensor: a dense (strided) tensor, not complex, not on the "
+                    "meta device (pass the pretrained values, e.g. .to_dense() or loaded from their file)",
+                    f"{init.dtype} {init.layout} tensor on {init.device}",
+                )
         elif init is not None and not callable(init):
             raise arg_error("initializer", "must be a callable, a tensor or None", init)
         if not isinstance(self.combiner, str):

@@ -25,6 +25,13 @@ CONFIG_CASES = [
     ("combiner-not-str", lambda: tte.TableConfig(5, 4, combiner=1), ValueError, r"Argument `combiner` must be a str"),
     ("initializer-shape", lambda: tte.TableConfig(5, 4, initializer=torch.zeros(4, 5)), ValueError,
      r"Argument `initializer` must have shape \(5, 4\).*Received: \(4, 5\)"),
+    ("initializer-meta", lambda: tte.TableConfig(5, 4, initializer=torch.zeros(5, 4, device="meta")), ValueError,
+     r"Argument `initializer` must hold real values .*not on the meta device.*Received: 'torch.float32 torch.strided "
+     r"tensor on meta'"),
+    ("initializer-sparse", lambda: tte.TableConfig(5, 4, initializer=torch.ones(5, 4).to_sparse()), ValueError,
+     r"Argument `initializer` must hold real values when it is a tensor: a dense \(strided\) tensor.*sparse_coo"),
+    ("initializer-complex", lambda: tte.TableConfig(5, 4, initializer=torch.ones(5, 4, dtype=torch.complex64)),
+     ValueError, r"Argument `initializer` must hold real values.*not complex.*complex64"),
     ("initializer-not-callable", lambda: tte.TableConfig(5, 4, initializer=3), ValueError,
      r"Argument `initializer` must be a callable, a tensor or None. Received: 3"),
     ("name-with-dot", lambda: tte.TableConfig(5, 4, name="a.b"), ValueError, r"Argument `name` .* Received: 'a.b'"),

@@ -52,7 +52,16 @@ CONFIG_CASES = [
      r"Argument `max_ids_per_bag` must be an int and must be >= 1. Received: 0"),
     ("duplicate-table-names", lambda: tte.EmbeddingCollection({
         "a": tte.FeatureConfig(tte.TableConfig(5, 2, name="x")), "b": tte.FeatureConfig(tte.TableConfig(5, 2, name="x"))}),
-     ValueError, r"Tables must have a unique name. Multiple tables with name 'x' found."),
+     ValueError, r"Tables must have a unique name. Multiple tables with name 'x' found \(distinct TableConfig objects, "
+     r"looked up by the features at \['a', 'b'\];.*To share one table, pass the same TableConfig object"),
+    # An unnamed table is table_<i>: the message said only "Multiple tables with name 'table_0' found".
+    ("default-name-taken", lambda: tte.EmbeddingCollection({
+        "a": tte.FeatureConfig(tte.TableConfig(5, 2)), "b": tte.FeatureConfig(tte.TableConfig(5, 2, name="table_0"))}),
+     ValueError, r"name 'table_0' found .*\['a', 'b'\]; a TableConfig without a name is called table_<i>"),
+    ("duplicate-feature-names", lambda: tte.EmbeddingCollection({
+        "a": tte.FeatureConfig(T, name="b"), "b": tte.FeatureConfig(T)}),
+     ValueError, r"Features must have unique names. Duplicated: \['b'\] \(the features at \['a', 'b'\];.*Give them "
+     r"distinct names"),
     ("non-feature-leaf", lambda: tte.EmbeddingCollection({"a": T}), TypeError,
      r"must hold only FeatureConfig leaves; found TableConfig at `a`"),
     ("empty-config", lambda: tte.EmbeddingCollection({}), ValueError, r"must hold at least one FeatureConfig"),

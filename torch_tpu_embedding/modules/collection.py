@@ -137,9 +137,12 @@ class EmbeddingCollection(AheadLookups, nn.Module):
         names = list(table_names.values())
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
+            users = [path_name(p) for p, fc in flat if table_names[id(fc.table)] == dupes[0]]
             raise ValueError(
-                f"Tables must have a unique name. Multiple tables with name {dupes[0]!r} found."
-            )
+                f"Tables must have a unique name. Multiple tables with name {dupes[0]!r} found (distinct TableConfig "
+                f"objects, looked up by the features at {users}; a TableConfig without a name is called table_<i> in "
+                "table order). To share one table, pass the same TableConfig object to those features; else give each "
+                "TableConfig its own name.")
         self._config = feature_config
         self._features: list[tuple[Path, str, FeatureConfig, str]] = [
             (path, fc.name or path_name(path), fc, table_names[id(fc.table)]) for path, fc in flat
@@ -147,7 +150,9 @@ class EmbeddingCollection(AheadLookups, nn.Module):
         feature_names = [f[1] for f in self._features]
         dupe_features = sorted({n for n in feature_names if feature_names.count(n) > 1})
         if dupe_features:
-            raise ValueError(f"Features must have unique names. Duplicated: {dupe_features}")
+            at = [path_name(f[0]) for f in self._features if f[1] == dupe_features[0]]
+            raise ValueError(f"Features must have unique names. Duplicated: {dupe_features} (the features at {at}; a "
+                             "feature's name is its FeatureConfig(name=...), else its path). Give them distinct names.")
         self._screen = DeviceScreen()  # device-side counts of bad ids and weights, see check_ids()
         self._exchange_counts: dict[str, Any] = {}  # row-sharded tables: overflow and loads, see check_ids()
         # device="meta": built there (each table records its draw, tte.distributed.shard draws a rank's rows)

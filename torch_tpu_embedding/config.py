@@ -164,6 +164,12 @@ class TableConfig:
     max_unique_ids_per_shard: int | None = None
 
     def __post_init__(self) -> None:
+        try:
+            self._check()
+        except ValueError as e:  # built in a loop over many tables, the argument alone does not say which table
+            raise ValueError(f"{e} (in the TableConfig {_label(self.name)})") from None
+
+    def _check(self) -> None:
         check_int("num_embeddings", self.num_embeddings, minimum=1)
         check_int("embedding_dim", self.embedding_dim, minimum=1)
         if self.name is not None and (
@@ -255,6 +261,13 @@ class FeatureConfig:
     max_ids_per_bag: int | None = None
 
     def __post_init__(self) -> None:
+        try:
+            self._check()
+        except ValueError as e:
+            table = _label(self.table.name)
+            raise ValueError(f"{e} (in the FeatureConfig {_label(self.name)} of table {table})") from None
+
+    def _check(self) -> None:
         if not isinstance(self.table, TableConfig):
             raise TypeError(
                 f"Argument `table` has invalid type {type(self.table).__name__}. "
@@ -284,6 +297,11 @@ class FeatureConfig:
             f"output_shape={self.output_shape}, name={self.name!r}, "
             f"max_ids_per_bag={self.max_ids_per_bag})"
         )
+
+
+def _label(name: Any) -> str:
+    """A config's ``name`` for an error message: quoted, or ``'without a name'`` when it is not a usable one."""
+    return repr(name) if isinstance(name, str) and name else "without a name"
 
 
 def _dims(shape: Any) -> tuple[int, ...] | None:

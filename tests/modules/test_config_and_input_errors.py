@@ -79,6 +79,18 @@ def test_invalid_config(build, exc, pattern) -> None:
         build()
 
 
+@pytest.mark.parametrize("build, pattern", [
+    (lambda: tte.TableConfig(0, 4, name="user"), r"Received: 0 \(in the TableConfig 'user'\)$"),
+    (lambda: tte.TableConfig(5, 4, combiner="SUM"), r"Received: 'SUM' \(in the TableConfig without a name\)$"),
+    (lambda: tte.FeatureConfig(T, name="clicks", max_ids_per_bag=0),
+     r"Received: 0 \(in the FeatureConfig 'clicks' of table 't'\)$"),
+], ids=["table", "unnamed-table", "feature"])
+def test_a_config_error_names_the_users_table_and_feature(build, pattern) -> None:
+    # Tables built in a loop from a TF or TorchRec config: the argument alone did not say which table was wrong.
+    with pytest.raises(ValueError, match=pattern):
+        build()
+
+
 def _ec(**fc):
     return tte.EmbeddingCollection({"f": tte.FeatureConfig(T, **fc), "g": tte.FeatureConfig(T)})
 

@@ -136,6 +136,8 @@ def load_torchrec_state_dict(
     if missing and not given and unexpected:
         problems.append(f"keys are read as '{head}<table>.weight': pass the prefix of your keys (prefix="
                         "'embeddings' for TorchRec's EmbeddingCollection), or strip your model's module path")
+    elif unexpected and given:  # e.g. a whole model's state_dict: its dense layers' keys too
+        problems.append(f"pass the tables' keys only: {{k: v for k, v in sd.items() if k.startswith({head!r})}}")
     spread = {n: s for n, s in ((n, _spread(t)) for n, t in want.items()) if s is not None}
     _agree(problems, spread.values(), "state_dict")
     if problems:

@@ -74,6 +74,18 @@ def test_keys_under_another_prefix_raise_with_the_way_out() -> None:
     assert all(torch.equal(ec.embedding_tables[n], w) for n, w in tables(src).items())
 
 
+def test_a_whole_models_state_dict_raises_with_the_way_out() -> None:
+    # A TorchRec model's state_dict holds its dense layers too: the error listed them and said nothing more.
+    ec, src = collection(), collection(seed=1)
+    sd = {**tte.interop.to_torchrec_state_dict(src, prefix="sparse.ebc"), "over.weight": torch.zeros(1, 4)}
+    with pytest.raises(ValueError, match=r"unexpected keys \['over\.weight'\]; pass the tables' keys only: "
+                                         r"\{k: v for k, v in sd\.items\(\) if k\.startswith\('sparse\.ebc\.'\)\}"):
+        tte.interop.load_torchrec_state_dict(ec, sd, prefix="sparse.ebc")
+    tte.interop.load_torchrec_state_dict(ec, {k: v for k, v in sd.items() if k.startswith("sparse.ebc.")},
+                                         prefix="sparse.ebc")
+    assert all(torch.equal(ec.embedding_tables[n], w) for n, w in tables(src).items())
+
+
 def _numpy_bags(weight: torch.Tensor, ids: list[list[int]], w: list[list[float]] | None, combiner: str) -> np.ndarray:
     """Each bag combined in float64 numpy: Σ wᵢ·eᵢ, divided by Σ wᵢ (mean); an empty bag is zeros."""
     table = weight.detach().double().numpy()

@@ -9,6 +9,7 @@ its first large host table, not before, nor where ``TTE_HEAP_PRIME=0``.
 
 from __future__ import annotations
 
+import doctest
 import os
 import platform
 import subprocess
@@ -77,3 +78,8 @@ def test_off_where_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(heap, "_ENABLED", False)
     monkeypatch.setattr(heap, "_DONE", False)
     assert not heap.enabled() and not heap.prime()
+
+
+def test_the_docstring_example_runs() -> None:
+    result = doctest.testmod(heap)
+    assert result.attempted >= 2 and result.failed == 0

@@ -22,8 +22,8 @@ large host table (:func:`~torch_tpu_embedding._util.huge_pages.empty`). ``TTE_HE
 
 Example::
 
-    >>> from torch_tpu_embedding import _heap
-    >>> _heap.prime() in (True, False)  # False after the first call, off Linux/glibc, or turned off
+    >>> from torch_tpu_embedding._util import heap
+    >>> heap.prime() in (True, False)  # False after the first call, off Linux/glibc, or turned off
     True
 """
 

@@ -92,3 +92,24 @@ def test_a_weight_copied_on_its_own_is_not_a_table(stack: bool) -> None:
         for twin in (v.detach(), v.view_as(v)):
             assert table_info(twin) is None and stacked_rows(twin) is None
     assert all(table_info(p) is not None for p in params)  # the originals still are
+
+
+@pytest.mark.parametrize("stack", [True, False])
+def test_functional_call_reads_substituted_weights_and_leaves_the_tables_trainable(stack: bool) -> None:
+    """``torch.func.functional_call`` with other values for the tables: the lookup reads them (under no_grad),
+    a gradient for them is refused by name (a table's gradient reaches only its own parameter, so it would be
+    lost), and the collection's own weights stay its tables: an optimizer still trains them afterwards."""
+    ec = _make(stack)
+    opt = tte.optim.SGD(ec.parameters(), lr=1.0)
+    ids = {n: torch.tensor([1, 3]) for n in "abc"}
+    values = {k: torch.arange(v.numel(), dtype=v.dtype).view_as(v) for k, v in ec.named_parameters()}
+    with torch.no_grad():
+        out = torch.func.functional_call(ec, values, (ids,))
+    first = next(iter(values.values()))
+    torch.testing.assert_close(out["a"], first[ids["a"]], rtol=0, atol=0)
+    wanting = {k: v.clone().requires_grad_() for k, v in values.items()}
+    with pytest.raises(RuntimeError, match=r"Table `\w+`.*substituted.*torch.no_grad"):
+        torch.func.functional_call(ec, wanting, (ids,))
+    before = {k: v.clone() for k, v in ec.state_dict().items()}
+    _train(ec, opt, 1, seed=1)  # the tables' own weights: still registered, trained
+    assert any(not torch.equal(before[k], v) for k, v in ec.state_dict().items())

@@ -238,9 +238,28 @@ class EmbeddingTable(nn.Module):
     @property
     def row_grad(self) -> RowGrad:
         info = table_info(self.weight)
-        if info is None:  # the Parameter object was replaced (e.g. by .to() or load with assign)
+        if info is None and not isinstance(self.weight, nn.Parameter):
+            info = self._substituted()
+        elif info is None:  # the Parameter object was replaced (e.g. by .to() or load with assign)
             info = self._register()
         return info.row_grad
+
+    def _substituted(self) -> TableInfo:
+        """The info of a plain tensor in place of the weight for one call (``torch.func.functional_call``):
+        looked up as the table, whose own weight stays registered (an optimizer still trains it). A gradient
+        for it is refused: a table's gradient is row-sparse and reaches only the table's own parameter."""
+        if self.weight.requires_grad and torch.is_grad_enabled():
+            raise RuntimeError(
+                f"Table `{self.name}`: a tensor substituted for its weight (torch.func.functional_call, "
+                "torch.nn.utils.stateless) cannot get a gradient: a table's gradient is row-sparse and reaches "
+                "only the table's own parameter, for the optimizer. Look up under torch.no_grad() (or with "
+                "tensors that do not require grad) to read with other values; to train them, load them into "
+                "the table (load_state_dict)."
+            )
+        return register_table(
+            self.weight, self.name, self.config.num_embeddings, self.config.optimizer, self.members(),
+            self.row_layout,
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         # What the library knows about the weight lives beside it, keyed by the tensor (_rows): a copy

@@ -222,3 +222,13 @@ def test_import_without_torch_xla() -> None:
                          cwd=Path(__file__).parents[2], timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_torchscript_is_refused_naming_what_to_use_instead() -> None:
+    """TorchScript cannot compile the collection (inputs of any structure, Python-side planning): refused by
+    name, pointing to torch.export and torch.compile (torch's own error named a keyword argument of forward)."""
+    ec = tte.EmbeddingCollection({"a": tte.FeatureConfig(tte.TableConfig(10, 4, name="t"))})
+    with pytest.raises(RuntimeError, match=r"TorchScript.*torch\.export.*Padded.*torch\.compile"):
+        torch.jit.script(ec)
+    with pytest.raises(RuntimeError, match="TorchScript"):
+        torch.jit.script(torch.nn.Sequential(ec))

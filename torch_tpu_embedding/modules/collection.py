@@ -321,6 +321,10 @@ class EmbeddingCollection(AheadLookups, nn.Module):
             raise
         return self._outputs(batches, concat)
 
+    def __prepare_scriptable__(self) -> nn.Module:  # torch.jit.script's hook: refused by name
+        raise RuntimeError("EmbeddingCollection does not support TorchScript (torch.jit.script). Use torch.export "
+                           "(bags as tte.Padded ids and masks; docs/guide.md section 9) or torch.compile.")
+
     def _plan(self, features: Any, weights: Any, ahead: bool) -> list[Any]:
         if is_keyed(features):  # TorchRec's KeyedJaggedTensor (modules/keyed.py)
             if weights is not None:

@@ -125,9 +125,6 @@ def _normalise_variable(
             raise _err(feature, "weights given twice (inside Padded and in `weights`)")
         return value if weight is None else dataclasses.replace(value, weights=weight)
     if isinstance(value, Jagged):
-        if torch.compiler.is_exporting():  # (its padding on the host has data-dependent shapes)
-            raise _err(feature, "torch.export cannot trace a Jagged input: give the bags as Padded(ids, mask) "
-                       "(docs/guide.md section 9)")
         if weight is not None and value.weights is not None:
             raise _err(feature, "weights given twice (inside Jagged and in `weights`)")
         w = weight if weight is not None else value.weights

@@ -417,13 +417,11 @@ class EmbeddingCollection(AheadLookups, nn.Module):
             tag = fname + (f"[seq {fc.max_sequence_length}]" if fc.is_sequence else "")
             by_table.setdefault(tname, []).append(tag)
         lines = [f"features: {len(self._features)}, tables: {len(self.tables)}"]
-        for tname, feats in by_table.items():
-            lines.append(f"{tname} ← {', '.join(feats)}")
-        for gname, group in self.groups.items():  # stacked tables: one line per group, in group order
-            g = cast(StackedTables, group)
-            c = g.config
-            lines.append(f"group {gname} = {' + '.join(m[0] for m in g.members())}: {c.num_embeddings} rows × "
-                         f"{c.embedding_dim}, {c.dtype}, placement {c.placement!r}")
+        lines += [f"{tname} ← {', '.join(feats)}" for tname, feats in by_table.items()]
+        for gname, g in self.groups.items():  # stacked tables: one line per group, in group order
+            c = cast(StackedTables, g).config
+            lines.append(f"group {gname} = {' + '.join(m[0] for m in cast(StackedTables, g).members())}: "
+                         f"{c.num_embeddings} rows × {c.embedding_dim}, {c.dtype}, placement {c.placement!r}")
         return "\n".join(lines)
 
 

@@ -125,6 +125,11 @@ def _normalise_variable(
             raise _err(feature, "weights given twice (inside Padded and in `weights`)")
         return value if weight is None else dataclasses.replace(value, weights=weight)
     if isinstance(value, Jagged):
+        # Its padding on the host has data-dependent shapes. The flag, not torch.compiler.is_exporting():
+        # dynamo (torch.compile of a Jagged lookup) cannot trace that function on torch 2.9; it reads the flag.
+        if torch.compiler._is_exporting_flag:
+            raise _err(feature, "torch.export cannot trace a Jagged input: give the bags as Padded(ids, mask) "
+                       "(docs/guide.md section 9)")
         if weight is not None and value.weights is not None:
             raise _err(feature, "weights given twice (inside Jagged and in `weights`)")
         w = weight if weight is not None else value.weights

@@ -185,6 +185,23 @@ def test_torch_export_matches_eager() -> None:
         torch.testing.assert_close(ep.module()(*x), m(*x), rtol=0, atol=0)
 
 
+def test_torch_export_refuses_a_jagged_input_naming_padded() -> None:
+    """A Jagged bag is padded on the host with data-dependent shapes, which export cannot trace (guide section 9):
+    refused naming the feature and Padded (torch's GuardOnDataDependentSymNode error named neither)."""
+    ec = tte.EmbeddingCollection({"a": tte.FeatureConfig(tte.TableConfig(10, 4, name="t"))})
+
+    class Jag(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ec = ec
+
+        def forward(self, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+            return self.ec({"a": tte.Jagged(values, offsets)})["a"]
+
+    with pytest.raises(ValueError, match=r"Feature `a`.*torch\.export.*Jagged.*Padded\(ids, mask\)"):
+        torch.export.export(Jag(), (torch.tensor([1, 2, 3]), torch.tensor([0, 1, 3])))
+
+
 # ------------------------------------------------------------------ interop
 def test_torchrec_layout_round_trip_and_embedding_bag_lookups() -> None:
     m = model(combiner="sum", extra_table=True)

@@ -232,3 +232,14 @@ def test_torchscript_is_refused_naming_what_to_use_instead() -> None:
         torch.jit.script(ec)
     with pytest.raises(RuntimeError, match="TorchScript"):
         torch.jit.script(torch.nn.Sequential(ec))
+
+
+def test_torch_jit_trace_is_refused_naming_what_to_use_instead() -> None:
+    """A trace would keep the host's id checks and the sizes of the one batch it saw (torch's own trace check failed
+    on it; with ``check_trace=False`` a traced module skipped the id checks): refused by name, as scripting is."""
+    ec = tte.EmbeddingCollection({"a": tte.FeatureConfig(tte.TableConfig(10, 4, name="t"))})
+    with pytest.raises(RuntimeError, match=r"TorchScript \(torch\.jit\.trace\).*torch\.export.*Padded.*torch\.compile"):
+        torch.jit.trace(ec, ({"a": torch.tensor([1, 2])},), strict=False)
+    with pytest.raises(RuntimeError, match=r"torch\.jit\.trace"):
+        torch.jit.trace(ec, ({"a": torch.tensor([1, 2])},), strict=False, check_trace=False)
+    assert ec({"a": torch.tensor([1, 2])})["a"].shape == (2, 4)  # the collection is unharmed

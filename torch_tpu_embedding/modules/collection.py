@@ -12,12 +12,13 @@ from torch import nn
 
 from torch_tpu_embedding._rows.placement import lookup_failed, lookup_starts
 from torch_tpu_embedding._rows.tables import retire_table
-from torch_tpu_embedding._util.nest import Path, check_structure, flatten, path_name, rebuild
+from torch_tpu_embedding._util.nest import Path, check_structure, flatten, rebuild
 from torch_tpu_embedding._util.validation import check_device
-from torch_tpu_embedding.config import PLACEMENTS, FeatureConfig, TableConfig
+from torch_tpu_embedding.config import PLACEMENTS, TableConfig
 from torch_tpu_embedding.modules.ahead import AheadLookups
 from torch_tpu_embedding.modules.keyed import is_keyed, keyed_inputs
 from torch_tpu_embedding.modules.lookup_batch import id_shapes, side_by_side
+from torch_tpu_embedding.modules.naming import name_features
 from torch_tpu_embedding.modules.plan import plan_lookups
 from torch_tpu_embedding.modules.prepared import PreparedFeatures
 from torch_tpu_embedding.modules.screening import DeviceScreen, overflow_problem, warn_unchecked_drops
@@ -33,6 +34,8 @@ from torch_tpu_embedding.modules.stacking import (
 from torch_tpu_embedding.modules.table import EmbeddingTable
 
 __all__ = ["EmbeddingCollection", "EmbeddingTable", "split_parameters"]
+_NO_TORCHSCRIPT = ("EmbeddingCollection does not support TorchScript ({}). Use torch.export (bags as tte.Padded ids "
+                   "and masks; docs/guide.md section 9) or torch.compile.")
 
 
 class _Named(nn.ModuleDict):
@@ -121,46 +124,14 @@ class EmbeddingCollection(AheadLookups, nn.Module):
         if not flat:
             raise ValueError("Argument `feature_config` must hold at least one FeatureConfig. Received: "
                              f"{feature_config!r}")
-        for path, fc in flat:
-            if not isinstance(fc, FeatureConfig):
-                raise TypeError(
-                    f"Argument `feature_config` must hold only FeatureConfig leaves; found "
-                    f"{type(fc).__name__} at `{path_name(path)}`."
-                )
-        table_names: dict[int, str] = {}  # id(TableConfig) -> name
-        configs: dict[int, TableConfig] = {}
-        for _, fc in flat:
-            if id(fc.table) not in configs:
-                configs[id(fc.table)] = fc.table
-                i = len(table_names)
-                table_names[id(fc.table)] = fc.table.name if fc.table.name is not None else f"table_{i}"
-        names = list(table_names.values())
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            users = [path_name(p) for p, fc in flat if table_names[id(fc.table)] == dupes[0]]
-            raise ValueError(
-                f"Tables must have a unique name. Multiple tables with name {dupes[0]!r} found (distinct TableConfig "
-                f"objects, looked up by the features at {users}; a TableConfig without a name is called table_<i> in "
-                "table order). To share one table, pass the same TableConfig object to those features; else give each "
-                "TableConfig its own name.")
+        configs, self._features = name_features(flat)
         self._config = feature_config
-        self._features: list[tuple[Path, str, FeatureConfig, str]] = [
-            (path, fc.name or path_name(path), fc, table_names[id(fc.table)]) for path, fc in flat
-        ]
-        feature_names = [f[1] for f in self._features]
-        dupe_features = sorted({n for n in feature_names if feature_names.count(n) > 1})
-        if dupe_features:
-            at = [path_name(f[0]) for f in self._features if f[1] == dupe_features[0]]
-            raise ValueError(f"Features must have unique names. Duplicated: {dupe_features} (the features at {at}; a "
-                             "feature's name is its FeatureConfig(name=...), else its path). Give them distinct names.")
         self._screen = DeviceScreen()  # device-side counts of bad ids and weights, see check_ids()
         self._exchange_counts: dict[str, Any] = {}  # row-sharded tables: overflow and loads, see check_ids()
         # device="meta": built there (each table records its draw, tte.distributed.shard draws a rank's rows)
         where = check_device("device", device)
         with torch.device("meta") if where is not None and where.type == "meta" else nullcontext():
-            tables: dict[str, nn.Module] = {
-                table_names[key]: EmbeddingTable(cfg, table_names[key]) for key, cfg in configs.items()
-            }
+            tables: dict[str, nn.Module] = {name: EmbeddingTable(cfg, name) for name, cfg in configs.items()}
         self._fuse = stack_tables  # the saved name (pickled models restore it)
         self._stack(tables)
         self._register_state_dict_hook(split_stacked_weights)  # type: ignore[no-untyped-call]
@@ -322,10 +293,11 @@ class EmbeddingCollection(AheadLookups, nn.Module):
         return self._outputs(batches, concat)
 
     def __prepare_scriptable__(self) -> nn.Module:  # torch.jit.script's hook: refused by name
-        raise RuntimeError("EmbeddingCollection does not support TorchScript (torch.jit.script). Use torch.export "
-                           "(bags as tte.Padded ids and masks; docs/guide.md section 9) or torch.compile.")
+        raise RuntimeError(_NO_TORCHSCRIPT.format("torch.jit.script"))
 
     def _plan(self, features: Any, weights: Any, ahead: bool) -> list[Any]:
+        if torch._C._get_tracing_state() is not None:  # a trace would keep the host checks and sizes of one batch
+            raise RuntimeError(_NO_TORCHSCRIPT.format("torch.jit.trace"))
         if is_keyed(features):  # TorchRec's KeyedJaggedTensor (modules/keyed.py)
             if weights is not None:
                 raise TypeError("Argument `weights` must be None with a KeyedJaggedTensor input: its per-id "

@@ -9,7 +9,7 @@ import torch
 
 from torch_tpu_embedding._util.validation import check_bool, check_number
 from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
-from torch_tpu_embedding.optim._core.contract import RowContext, Slots
+from torch_tpu_embedding.optim._core.contract import RowContext, Slots, is_number
 from torch_tpu_embedding.optim._core.extras import KerasExtras
 from torch_tpu_embedding.optim._core.keywords import constructor_options
 
@@ -28,7 +28,7 @@ def adagrad_momentum_rule(
     """TF SparseCore ``BuildAdagradMomentumOptimizerComputation`` (formulas: the class docstring)."""
     beta2 = hp["beta2"]
     a = slots["accumulators"]
-    a = a + g * g if beta2 == 1 else beta2 * a + (1 - beta2) * g * g
+    a = a + g * g if is_number(beta2, 1) else beta2 * a + (1 - beta2) * g * g
     s = g * torch.pow(a + hp["epsilon"], -1.0 / hp["exponent"])
     m = hp["momentum"] * slots["momenta"] + s
     update = hp["momentum"] * m + s if hp["use_nesterov"] else m

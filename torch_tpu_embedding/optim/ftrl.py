@@ -11,7 +11,7 @@ import torch
 
 from torch_tpu_embedding._util.validation import arg_error, check_bool, check_number
 from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
-from torch_tpu_embedding.optim._core.contract import RowContext, Slots
+from torch_tpu_embedding.optim._core.contract import RowContext, Slots, is_number
 from torch_tpu_embedding.optim._core.extras import KerasExtras
 from torch_tpu_embedding.optim._core.keywords import constructor_options
 
@@ -37,11 +37,11 @@ def ftrl_rule(
     if hp["multiply_linear_by_learning_rate"]:  # linears hold lr·z: no division by lr
         z = slots["linears"] + lr * g - delta * w
         bound = lr * l1
-        num = -z if l1 == 0 else torch.minimum(torch.maximum(z, -bound), bound) - z
+        num = -z if is_number(l1, 0) else torch.minimum(torch.maximum(z, -bound), bound) - z
         den = pow_new + 2 * lr * l2 + beta
     else:
         z = slots["linears"] + g - delta * w / lr
-        num = -z if l1 == 0 else z.clamp(-l1, l1) - z
+        num = -z if is_number(l1, 0) else z.clamp(-l1, l1) - z
         den = (pow_new + beta) / lr + 2 * l2
     if hp["allow_zero_accumulator"]:
         # A coordinate that never saw a non-zero gradient (n = 0, beta = l2 = 0) has 0/0: keep 0.

@@ -9,7 +9,7 @@ import torch
 
 from torch_tpu_embedding._util.validation import check_number
 from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
-from torch_tpu_embedding.optim._core.contract import RowContext, Slots, SlotSpec
+from torch_tpu_embedding.optim._core.contract import RowContext, Slots, SlotSpec, is_set
 from torch_tpu_embedding.optim._core.extras import KerasExtras
 from torch_tpu_embedding.optim._core.keywords import constructor_options
 
@@ -30,7 +30,7 @@ def rowwise_adagrad_rule(
     ``w, g``: ``[U, ...]`` rows (``m [U]``), or a 1-D / 0-d parameter (``m`` like ``w``: per element).
     """
     wd = hp["weight_decay"]
-    if wd:
+    if is_set(wd):
         g = g + wd * w  # L2 penalty in the gradient (FBGEMM's WeightDecayMode.L2, torch's weight_decay)
     g2 = g * g
     if w.dim() >= 2:

@@ -31,6 +31,8 @@ __all__ = [
     "Slots",
     "common_defaults",
     "identity",
+    "is_number",
+    "is_set",
     "kept_for_steps",
     "lanes_of",
     "member_sums",
@@ -67,6 +69,18 @@ def kept_for_steps(like: Tensor) -> bool:
     """
     return not (torch.compiler.is_compiling() or type(like) not in (torch.Tensor, torch.nn.Parameter)
                 or torch.is_inference_mode_enabled())
+
+
+def is_set(v: Any) -> bool:
+    """Whether hyper-parameter ``v`` is on (not ``None``, 0 or ``False``). A rule asks this, not ``bool(v)``: the
+    update kernel (``optim/_kernels/row_update.py``) takes a number other than 0 and 1 as a tensor, whose truth
+    cannot be read while it compiles; 0 and 1 stay numbers there, so a branch on them is its configuration's."""
+    return isinstance(v, Tensor) or bool(v)
+
+
+def is_number(v: Any, x: float) -> bool:
+    """Whether hyper-parameter ``v`` is the number ``x``, 0 or 1 (a tensor is neither, as in :func:`is_set`)."""
+    return not isinstance(v, Tensor) and v == x
 
 
 def identity(x: Tensor) -> Tensor:

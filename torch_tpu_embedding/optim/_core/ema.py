@@ -80,7 +80,7 @@ def ema_rows(item: Work, space: RowSpace, ids: Tensor, w_old: Tensor, w_new: Ten
 
 def ema_row_update(
     avg: Tensor, last: Tensor, w_old: Tensor, w_new: Tensor, it: Tensor, keep: Tensor | None, mu: Tensor,
-    momentum: float,
+    momentum: float | Tensor,
 ) -> tuple[Tensor, Tensor]:
     """The touched rows' new ``(ema, ema_last)``: caught up over their idle calls, then this call's
     average (``it``: this call's counter, int32; ``keep``: the non-finite gate; ``mu``: μ' now)."""

@@ -133,7 +133,7 @@ def global_norm_scale(sq_norm: Tensor, clipnorm: float) -> Tensor:
     return clipnorm * torch.clamp(1.0 / norm, max=1.0 / clipnorm) + (norm - norm)
 
 
-def ema_catch_up(avg: Tensor, w: Tensor, idle: Tensor, momentum: float) -> Tensor:
+def ema_catch_up(avg: Tensor, w: Tensor, idle: Tensor, momentum: float | Tensor) -> Tensor:
     """Average after ``idle`` calls in which the weight stayed ``w``: ``w + μ^idle (avg − w)``.
 
     ``avg, w``: ``[U, ...]``; ``idle``: ``[U]`` integer counts.

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from torch_tpu_embedding._util.registry import rule_of
-from torch_tpu_embedding.optim._core.contract import RowContext, Slots
+from torch_tpu_embedding.optim._core.contract import RowContext, Slots, is_set
 
 __all__ = ["Path", "gated", "pipeline"]
 
@@ -57,13 +57,23 @@ def pipeline(
     """clipvalue → decoupled weight decay → the rule → weight clipping (TF's order)."""
     clip = group["clipvalue"]
     if clip is not None:
-        g = g.clamp(min=clip[0], max=clip[1])
-    wd = group.get("weight_decay_factor")
-    if wd:
-        decay = lr * wd if group.get("multiply_weight_decay_factor_by_learning_rate") else wd
-        w = w - decay * w
+        g = _clamp(g, clip[0], clip[1])
+    wd: Any = group.get("weight_decay_factor")
+    if is_set(wd):
+        if group.get("multiply_weight_decay_factor_by_learning_rate"):
+            # (the update kernel's float64 tensor in the lr's dtype, as a Python number multiplies a 0-d tensor)
+            wd = lr * (wd.to(lr.dtype) if isinstance(wd, Tensor) else wd)
+        w = w - wd * w
     w, slots = rule_of(group).rule(w, g, slots, lr, step, group, ctx)
     lo, hi = group.get("clip_weight_min"), group.get("clip_weight_max")
     if lo is not None or hi is not None:
-        w = w.clamp(min=lo, max=hi)
+        w = _clamp(w, lo, hi)
     return w, slots
+
+
+def _clamp(x: Tensor, lo: Any, hi: Any) -> Tensor:
+    """``x.clamp(lo, hi)``; bounds that are not both numbers or both tensors (the update kernel's data, and a 0, 1 or
+    ``None`` it keeps as a number) one at a time, the same values: ``torch.clamp`` takes no mix of the two."""
+    if lo is None or hi is None or isinstance(lo, Tensor) == isinstance(hi, Tensor):
+        return x.clamp(min=lo, max=hi)
+    return x.clamp(min=lo).clamp(max=hi)

@@ -14,10 +14,12 @@ in one call, and returns its whole-table slots, which :func:`update` copies: one
 passes over ``[U, D]``.
 
 Shapes are dynamic (the number of touched rows, the table size), so a configuration compiles once
-(plus at most one more for a step with a single touched row, which dynamic shapes specialise); the
-hyper-parameters are constants of its kernel (a new configuration compiles a new kernel); the
-learning rate and step count are tensors, and so are ``momentum`` and ``betas``, which torch's
-``OneCycleLR`` and ``CyclicLR`` rewrite at every step (a schedule does not recompile). inductor keeps compiled
+(plus at most one more for a step with a single touched row, which dynamic shapes specialise). The learning
+rate and step count are tensors, and so is every number of the group other than 0 and 1 (``momentum`` and
+``betas``, which torch's ``OneCycleLR`` and ``CyclicLR`` rewrite at every step, a weight decay, an epsilon, FTRL's
+strengths, clipping limits, ...: :func:`_form`), so a schedule of them does not recompile; flags, ``None``, 0 and
+1 (on which a rule may branch: a decay that is off, FTRL's ``l1 = 0``) and the exponents (:data:`_CONSTANT`) are
+constants of the kernel, and a new one compiles a new kernel. inductor keeps compiled
 kernels on disk (``TORCHINDUCTOR_CACHE_DIR``, by default ``/tmp/torchinductor_<user>``), so a new
 process with the same configuration reuses them.
 
@@ -35,6 +37,7 @@ switch that turns the path off (``TTE_UPDATE_KERNEL=0``) and the one warning whe
 
 from __future__ import annotations
 
+import numbers
 import types
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -68,10 +71,12 @@ _KERNELS: dict[tuple[Any, ...], Callable[..., list[Tensor]] | None] = {}
 _CHUNK_BYTES = 2**22
 #: group entries that are not hyper-parameters of the rule (``RULE_KEY``: the rule itself)
 _NOT_HP = frozenset({"params", "lr", "slot_creation_fn", RULE_KEY})
-#: group entries torch's schedulers rewrite at every step (``OneCycleLR`` and ``CyclicLR`` with ``cycle_momentum``,
-#: their default: ``momentum``, or ``betas[0]``): the kernel takes their values as data (:func:`_scheduled`)
-_SCHEDULED = ("betas", "momentum")
-#: their numbers on a device, by device and numbers (read only by the kernels: shared by every group and call)
+#: the form (:func:`_form`) of a number the kernel takes as data, in a configuration's key
+_DATA = "<data>"
+#: numbers that stay constants of the kernel: exponents, whose value picks the code of a power as eager torch picks
+#: it (``x ** -0.5`` as ``1 / sqrt(x)``; a tensor exponent is a general ``pow()``, a last bit apart)
+_CONSTANT = frozenset({"learning_rate_power", "exponent"})
+#: the data numbers on a device, by device and numbers (read only by the kernels: shared by every group and call)
 _UPLOADED: dict[tuple[torch.device, tuple[float, ...]], Tensor] = {}
 #: group entries the kernel does not read (the intake's, the per-call EMA's, the rule's name: the key
 #: names the rule itself): configurations that differ only here share a kernel
@@ -105,19 +110,17 @@ def _kernel_source(
     order): measured as the update applied twice to the sink row. With ``masked`` (CUDA with Triton) the copy
     skips the tail (:func:`.triton_rows.copy_rows`), so the rows are returned as computed; without it they
     carry :func:`~torch_tpu_embedding._rows.dedup.sink_rows`' values, copied at the clamped ids."""
-    momentum = float(rule_hp.get("ema_momentum", 0.0))
-    # the scheduled entries present, each with its length (0: a number, not a tuple), read outside the traced code
-    scheduled = [(k, len(rule_hp[k]) if isinstance(rule_hp[k], tuple | list) else 0) for k in _SCHEDULED
-                 if k in rule_hp]
+    # the entries with data numbers, each with its form (read outside the traced code), in ``values``' order
+    forms = [(k, f) for k, f in _forms(rule_hp) if _DATA in (f if isinstance(f, tuple) else (f,))]
 
     def kernel_rows(p: Tensor, ids: Tensor, g: Tensor, row_slots: list[Tensor], whole_slots: list[Tensor],
                     lr: Tensor, step: Tensor, num_rows: int, gate_t: Tensor | None, ema_t: Tensor | None,
                     ema_last: Tensor | None, it: Tensor | None, keep: Tensor | None, mu: Tensor | None,
                     seg: Tensor | None, values: Tensor) -> list[Tensor]:
-        hp, at_value = dict(rule_hp), 0  # the scheduled entries' numbers from ``values``, in their own shapes
-        for k, n in scheduled:
-            hp[k] = tuple(values[at_value + i] for i in range(n)) if n else values[at_value]
-            at_value += max(n, 1)
+        hp, taken = dict(rule_hp), iter(range(values.shape[0]))  # the data numbers from ``values``, in their shapes
+        for k, f in forms:
+            hp[k] = tuple(values[next(taken)] if x == _DATA else x for x in f) if isinstance(f, tuple) \
+                else values[next(taken)]
         sentinel = p.shape[0]
         at = ids.clamp(max=sentinel - 1) if sink else ids
         out: list[Tensor] = []
@@ -147,7 +150,7 @@ def _kernel_source(
         if ema:
             assert ema_t is not None and ema_last is not None and it is not None and mu is not None
             avg0, last0 = ema_t[at], ema_last[at]
-            avg, last = ema_row_update(avg0, last0, w0, stored.to(mdtype), it, keep, mu, momentum)
+            avg, last = ema_row_update(avg0, last0, w0, stored.to(mdtype), it, keep, mu, hp["ema_momentum"])
             copy_rows(ema_t, avg, avg0)
             copy_rows(ema_last, last, last0)
         return out + kept
@@ -158,9 +161,7 @@ def _kernel_source(
 def _key(item: Work, names: tuple[str, ...], whole: tuple[str, ...], members: tuple[int, ...]) -> tuple[Any, ...]:
     p, group, state = item.p, item.group, item.state
     rule = rule_of(group).rule
-    # (a scheduled entry by its shape alone: its numbers are the kernel's data)
-    hp = tuple(sorted((k, len(v) if isinstance(v, tuple | list) else None) if k in _SCHEDULED else (k, repr(v))
-                      for k, v in group.items() if k not in _NOT_HP | _NOT_IN_KERNEL))
+    hp = tuple((k, repr(f)) for k, f in _forms(group))  # (a data number by its form alone)
     slot_dtypes = tuple(state[k].dtype for k in names + whole)
     # (the device with its index: a kernel compiled for cuda:0 is guarded on it, and would recompile for cuda:1)
     return (rule.__module__, rule.__qualname__, hp, p.device, p.dtype, p.dim(), slot_dtypes, whole, members,
@@ -184,13 +185,31 @@ def _build(item: Work, names: tuple[str, ...], whole: tuple[str, ...], members: 
     return compiled
 
 
+def _form(k: str, v: Any) -> Any:
+    """How the kernel holds group entry ``k``'s value ``v``: :data:`_DATA` for a number it takes as data (a real
+    number other than 0 and 1, outside :data:`_CONSTANT`), else ``v`` itself, a constant of the kernel; a tuple
+    (``betas``, ``clipvalue``) by element. 0 and 1 stay constants: a rule branches on them
+    (:func:`~torch_tpu_embedding.optim._core.contract.is_set`), as XLA keeps them constants of its graphs."""
+    if isinstance(v, tuple | list):
+        return tuple(_form(k, x) for x in v)
+    data = isinstance(v, numbers.Real) and not isinstance(v, bool) and v not in (0, 1) and k not in _CONSTANT
+    return _DATA if data else v
+
+
+def _forms(group: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """The forms of the group entries the kernel reads, by name."""
+    return [(k, _form(k, group[k])) for k in sorted(group) if k not in _NOT_HP | _NOT_IN_KERNEL]
+
+
 def _scheduled(group: Mapping[str, Any], device: torch.device) -> Tensor:
-    """The numbers of the group's :data:`_SCHEDULED` entries, in order, as a float64 tensor on ``device``: the
+    """The group's data numbers (:func:`_form`), in :func:`_forms`' order, as a float64 tensor on ``device``: the
     rule computes with them as with the Python numbers (``1 - b1`` in float64, the product in the rows' dtype).
     Uploaded when they change (a schedule's step), else the tensor of the last call with the same numbers."""
-    values = tuple(float(x) for k in _SCHEDULED if k in group
-                   for x in (group[k] if isinstance(group[k], tuple | list) else (group[k],)))
-    key = (device, values)
+    values: list[float] = []
+    for k, f in _forms(group):
+        pairs = zip(group[k], f, strict=True) if isinstance(f, tuple) else [(group[k], f)]
+        values.extend(float(x) for x, form in pairs if form == _DATA)
+    key = (device, tuple(values))
     if key not in _UPLOADED:
         if len(_UPLOADED) >= 64:  # (a schedule's numbers, one set per step: the oldest go)
             del _UPLOADED[next(iter(_UPLOADED))]
@@ -200,11 +219,11 @@ def _scheduled(group: Mapping[str, Any], device: torch.device) -> Tensor:
 
 def call(fn: Callable[..., list[Tensor]], args: tuple[Any, ...]) -> list[Tensor]:
     """``fn(*args)``, a compiled kernel, under the settings every kernel here is compiled with."""
-    # Hyper-parameters are constants of the kernel, as they are Python numbers of the eager rule (an
-    # unspecialised float exponent makes inductor call pow() where eager torch.pow computes x ** -0.5
-    # as 1 / sqrt(x)). No duck sizing: sizes that happen to be equal in the first call (the touched
-    # rows and the rows of a buffer) must not become one symbol, or the next call recompiles. The few
-    # shape guards are checked in Python: compiled to C++ they cost a compiler run per kernel.
+    # Python numbers of the kernel are constants of it, as in the eager rule (an unspecialised float
+    # exponent makes inductor call pow() where eager torch.pow computes x ** -0.5 as 1 / sqrt(x)). No
+    # duck sizing: sizes that happen to be equal in the first call (the touched rows and the rows of a
+    # buffer) must not become one symbol, or the next call recompiles. The few shape guards are checked in
+    # Python: compiled to C++ they cost a compiler run per kernel.
     no_duck, dynamo = _settings()
     with dynamo, no_duck, torch.no_grad():
         return fn(*args)

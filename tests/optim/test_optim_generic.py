@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -353,6 +354,32 @@ def test_load_state_dict_reports_mismatches() -> None:
     ec2 = tte.EmbeddingCollection({"a": tte.FeatureConfig(t2)})
     with pytest.raises(ValueError, match=re.escape("missing ['table:u'], unexpected ['table:t']")):
         tte.optim.Adagrad(ec2.parameters(), lr=0.1).load_state_dict(sd)
+
+
+def test_load_state_dict_names_groups_built_in_another_order() -> None:
+    """Groups built in another order than saved (each table's own ``lr``): one message that says so, naming each
+    table's group here and saved. The groups were compared by position: "group 0: missing ['table:u'], unexpected
+    ['table:t']" (and so on for every group), as if tables were missing."""
+    def build(order: str) -> tuple[tte.EmbeddingCollection, Any]:
+        torch.manual_seed(0)
+        ec = tte.EmbeddingCollection({"a": tte.FeatureConfig(tte.TableConfig(10, 4, name="t")),
+                                      "b": tte.FeatureConfig(tte.TableConfig(12, 4, name="u"))}, stack_tables=False)
+        groups = {"t": {"params": [ec.tables.t.weight], "lr": 0.1}, "u": {"params": [ec.tables.u.weight], "lr": 0.5}}
+        return ec, tte.optim.Adagrad([groups[k] for k in order])
+
+    ec, opt = build("tu")
+    out = ec({"a": torch.tensor([1, 2]), "b": torch.tensor([3, 4])})
+    (out["a"] + out["b"]).sum().backward()
+    opt.step()
+    sd = opt.state_dict()
+    ec2, opt2 = build("ut")
+    with pytest.raises(ValueError, match=r"the parameter groups hold the tables they were saved with, in another order "
+                       + re.escape("(['table:u'] in group 0 here, group 1 saved; ['table:t'] in group 1 here, group 0 "
+                                   "saved)") + r".*build the groups in the saved order") as err:
+        opt2.load_state_dict(sd)
+    assert "missing" not in str(err.value)
+    assert [g["lr"] for g in opt2.param_groups] == [0.5, 0.1]  # nothing loaded
+    build("tu")[1].load_state_dict(sd)  # the saved order loads
 
 
 def test_allow_zero_accumulator_gives_zero_not_nan() -> None:

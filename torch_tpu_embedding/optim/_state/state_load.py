@@ -78,13 +78,22 @@ def _check_groups(opt: RowSparseOptimizer, saved: list[dict[str, Any]], keys: Ma
     problems: list[str] = []
     if len(saved) != len(opt.param_groups):
         problems.append(f"{len(saved)} parameter groups saved, {len(opt.param_groups)} here")
+    ours = [sorted(k for p in g["params"] for k, _ in logical_keys(p, keys[id(p)], 0)) for g in opt.param_groups] \
+        if keys is not None else []
+    if ours and sorted(map(sorted, (sg["params"] for sg in saved))) == sorted(ours) \
+            and [sorted(sg["params"]) for sg in saved] != ours:
+        # The same groups in another order: each group's settings would be compared with (and loaded from) another
+        # group's, which names other tables.
+        moved = [f"{mine} in group {i} here, group {[sorted(sg['params']) for sg in saved].index(mine)} saved"
+                 for i, mine in enumerate(ours) if sorted(saved[i]["params"]) != mine]
+        return [f"the parameter groups hold the tables they were saved with, in another order ({'; '.join(moved)}). "
+                "A load matches groups by position, as torch.optim's: build the groups in the saved order"]
     for i, (sg, g) in enumerate(zip(saved, opt.param_groups, strict=False)):
-        if keys is not None:
-            mine = [k for p in g["params"] for k, _ in logical_keys(p, keys[id(p)], 0)]
-            if sorted(sg["params"]) != sorted(mine):
-                missing = sorted(set(mine) - set(sg["params"]))
-                extra = sorted(set(sg["params"]) - set(mine))
-                problems.append(f"group {i}: missing {missing}, unexpected {extra}")
+        if ours and sorted(sg["params"]) != ours[i]:
+            missing = sorted(set(ours[i]) - set(sg["params"]))
+            extra = sorted(set(sg["params"]) - set(ours[i]))
+            problems.append(f"group {i}: missing {missing}, unexpected {extra}")
+            continue  # (its saved settings are other tables': not compared with this group's)
         if sg.get("algorithm") != g["algorithm"]:
             problems.append(f"group {i}: saved by optimizer '{sg.get('algorithm')}', loading into '{g['algorithm']}'")
             continue

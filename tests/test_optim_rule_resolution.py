@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import pickle
 
+import pytest
 import torch
 
 import torch_tpu_embedding as tte
@@ -51,3 +52,20 @@ def test_a_copied_group_gets_the_rule_of_its_own_algorithm() -> None:
     stale[RULE_KEY] = tte.optim.Adagrad
     sgd.add_param_group(stale)
     assert sgd.param_groups[-1][RULE_KEY] is tte.optim.SGD
+
+
+def test_a_group_naming_another_algorithm_without_its_hyper_parameters_is_refused_by_name() -> None:
+    """``{"algorithm": "adam"}`` in a group of a ``tte.optim.Adagrad`` raised a bare ``KeyError: 'betas'`` from Adam's
+    checks (the group took Adagrad's defaults); now a TypeError naming the group, the key and the ways out, and the
+    optimizer is left as it was."""
+    a, b = _params()
+    with pytest.raises(TypeError, match=r"Parameter group 1: its algorithm 'adam' is not Adagrad's.*'betas'.*"
+                                        r"TableConfig optimizer='adam'.*tte\.optim\.Adam"):
+        tte.optim.Adagrad([{"params": [a]}, {"params": [b], "algorithm": "adam"}], lr=0.1)
+    opt = tte.optim.Adagrad([a], lr=0.1)
+    with pytest.raises(TypeError, match=r"Parameter group 1: .*'betas'"):
+        opt.add_param_group({"params": [b], "algorithm": "adam"})
+    assert len(opt.param_groups) == 1
+    full = {**tte.optim.Adam([torch.nn.Parameter(torch.ones(2))], lr=0.1).param_groups[0], "params": [b]}
+    opt.add_param_group(full)  # a whole group of another algorithm is still taken (as a copied group is)
+    assert rule_of(opt.param_groups[1]) is tte.optim.Adam

@@ -184,7 +184,17 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             extras = {k: group[k] for k in EXTRA_DEFAULTS if k in group}
             check_extras(group, extras)
             validate_common(group)
-            rule_cls._validate(group)
+            try:
+                rule_cls._validate(group)
+            except KeyError as e:  # only a group of another algorithm lacks one: this one's defaults fill it
+                raise TypeError(
+                    f"Parameter group {len(self.param_groups) - 1}: its algorithm {group['algorithm']!r} is not "
+                    f"{type(self).__name__}'s ({self.defaults['algorithm']!r}) and the group lacks "
+                    f"{rule_cls.__name__}'s hyper-parameter {e.args[0]!r}; a group of another algorithm carries all "
+                    f"of them (a copy of a param_groups[i] of tte.optim.{rule_cls.__name__}). To update some tables "
+                    f"by another rule, give their TableConfig optimizer={group['algorithm']!r}, or build a "
+                    f"tte.optim.{rule_cls.__name__} for them."
+                ) from e
             check_stacked(group, rule_cls)
             mark_exchange(group)
         except (TypeError, ValueError):

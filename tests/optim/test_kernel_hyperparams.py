@@ -42,7 +42,7 @@ def _around(rule: Callable[[np.ndarray, np.ndarray, Arrays, float, dict[str, Any
     def step(w: np.ndarray, g: np.ndarray, s: Arrays, lr: float, hp: dict[str, Any]) -> np.ndarray:
         clip = hp.get("clipvalue")
         if clip is not None:
-            g = np.clip(g, *clip)
+            g = np.clip(g, *clip) if isinstance(clip, tuple) else np.clip(g, -clip, clip)
         wd = hp.get("weight_decay_factor") or 0.0
         w = w - (lr * wd if hp.get("multiply_weight_decay_factor_by_learning_rate") else wd) * w
         return _clip(rule(w, g, s, lr, hp), hp.get("clip_weight_min"), hp.get("clip_weight_max"))
@@ -95,6 +95,9 @@ CASES = {
     "adam": (tte.optim.Adam, {"lr": 0.05, "weight_decay_factor": 0.1,
                               "multiply_weight_decay_factor_by_learning_rate": True},
              {"eps": [1e-3, 2e-3, 5e-4, 3e-3, 1e-2, 4e-3], "clipvalue": [(-c, c) for c in (0.5, 0.2, 0.3, 0.1, 0.4, 0.25)]}, 1, _adam),
+    # clipvalue written as a number (the constructor's form; the group stored a pair: a number failed to index)
+    "adagrad_clipvalue": (tte.optim.Adagrad, {"lr": 0.1, "clipvalue": 0.5},
+                          {"clipvalue": [0.2, 0.05, 0.3, 0.1, 0.4, 0.25]}, 1, _adagrad),
     "ftrl": (tte.optim.FTRL, {"lr": 0.2},
              {"l1_regularization_strength": [0.01, 0.03, 0.002, 0.02, 0.05, 0.04],
               "l2_regularization_strength": [0.1, 0.3, 0.2, 0.05, 0.4, 0.15],

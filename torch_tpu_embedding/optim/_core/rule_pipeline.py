@@ -56,8 +56,8 @@ def pipeline(
 ) -> tuple[Tensor, Slots]:
     """clipvalue → decoupled weight decay → the rule → weight clipping (TF's order)."""
     clip = group["clipvalue"]
-    if clip is not None:
-        g = _clamp(g, clip[0], clip[1])
+    if clip is not None:  # the constructor's (min, max) pair, or a number written into the group since: (-c, c)
+        g = _clamp(g, clip[0], clip[1]) if isinstance(clip, (tuple, list)) else _clamp(g, -clip, clip)
     wd: Any = group.get("weight_decay_factor")
     if is_set(wd):
         if group.get("multiply_weight_decay_factor_by_learning_rate"):

@@ -51,8 +51,8 @@ DEFAULT_REPLICATE_BELOW_BYTES = 4 << 20
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 #: An initializer fills a ``[num_embeddings, embedding_dim]`` tensor in place (torch.nn.init style,
-#: e.g. ``functools.partial(torch.nn.init.normal_, std=0.01)``), or is a tensor of that shape
-#: holding pretrained values.
+#: e.g. ``functools.partial(torch.nn.init.normal_, std=0.01)``) or returns a tensor of that shape, or
+#: is a tensor of that shape holding pretrained values.
 Initializer = Union[Callable[[torch.Tensor], Any], torch.Tensor]
 
 
@@ -122,7 +122,13 @@ class TableConfig:
         name: unique table name; used in ``state_dict`` keys (``tables.<name>.weight``) and in
             optimizer state. ``None`` → ``"table_<i>"`` in table order. No ``.`` allowed.
         initializer: ``None`` (TF default: truncated normal, std 1/sqrt(D), cut at ±2 std), a
-            callable that fills a ``[V, D]`` tensor in place, or a ``[V, D]`` tensor of values.
+            callable, or a ``[V, D]`` tensor of values. The callable is called with the table's
+            ``[V, D]`` host tensor (uninitialised) and either fills it in place (torch.nn.init
+            style, e.g. ``functools.partial(torch.nn.init.normal_, std=0.01)``; returning it or
+            ``None``) or returns a ``[V, D]`` tensor of values (TF style: what it returns is the
+            table). One that does neither (returns ``None`` or its argument with the tensor's first
+            and last elements unwritten) is refused with a ``ValueError`` naming the table, as is a
+            returned tensor of another shape; a returned non-tensor is a ``TypeError``.
         optimizer: per-table optimizer override, a name in ``OPTIMIZER_NAMES`` or a factory such as
             ``functools.partial(tte.optim.FTRL, lr=0.1)``. ``None`` uses the optimizer's default.
         combiner: how bags of ids are reduced: ``"mean"`` (default), ``"sum"`` or ``"sqrtn"``.

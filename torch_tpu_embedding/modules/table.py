@@ -188,24 +188,7 @@ class EmbeddingTable(nn.Module):
             elif isinstance(init, torch.Tensor):
                 host.copy_(init)
             else:
-                try:
-                    result = init(host)
-                except TypeError as e:
-                    # TF calls initializer(shape, dtype=...); such a function called here fails inside
-                    # itself or in torch, with an error that names neither the table nor the contract.
-                    raise TypeError(
-                        f"Table `{self.name}`: its initializer {getattr(init, '__name__', init)!r} failed when "
-                        f"called as initializer(weight) with the {list(host.shape)} weight tensor to fill in place "
-                        f"({e}). TF's initializer(shape, dtype) form is not taken: write it as a function of the "
-                        "tensor (torch.nn.init style), or pass a [num_embeddings, embedding_dim] tensor of values."
-                    ) from e
-                if isinstance(result, torch.Tensor) and result is not host:
-                    if tuple(result.shape) != tuple(host.shape):
-                        raise ValueError(
-                            f"Table `{self.name}`: the initializer returned shape "
-                            f"{tuple(result.shape)}, expected {tuple(host.shape)}."
-                        )
-                    host.copy_(result)
+                _call_initializer(self.name, init, host)
             if not in_place:
                 w.copy_(host)
 
@@ -302,6 +285,66 @@ class EmbeddingTable(nn.Module):
             f"name={self.name!r}, num_embeddings={c.num_embeddings}, "
             f"embedding_dim={c.embedding_dim}, combiner={c.combiner!r}, dtype={c.dtype}{pad}"
         )
+
+
+def _call_initializer(name: str, init: Callable[[torch.Tensor], Any], host: torch.Tensor) -> None:
+    """Fill ``host`` (table ``name``'s ``[V, D]`` weight on the host, uninitialised) with ``init``: in place
+    (torch.nn.init style), or from the ``[V, D]`` tensor it returns (TF style, the values returned).
+
+    An initializer that does neither would leave uninitialised memory in the table. The first and last
+    elements are set to NaN before the call: both still NaN after it (and no values returned) means it wrote
+    nothing there (``lambda t: None``, ``lambda t: t``) or only scaled what was there (``t.mul_(0.1)``), and
+    is refused. Two elements read, no pass over the table; writes through ``.data`` or ``.numpy()`` count.
+    """
+    host[0, 0] = host[-1, -1] = float("nan")
+    label = getattr(init, "__name__", init)
+    try:
+        result = init(host)
+    except TypeError as e:
+        # TF calls initializer(shape, dtype=...); such a function called here fails inside itself or in
+        # torch, with an error that names neither the table nor the contract.
+        raise TypeError(
+            f"Table `{name}`: its initializer {label!r} failed when called as initializer(weight) with the "
+            f"{list(host.shape)} weight tensor to fill in place ({e}). TF's initializer(shape, dtype) form is not "
+            "taken: write it as a function of the tensor (torch.nn.init style), or pass a "
+            "[num_embeddings, embedding_dim] tensor of values."
+        ) from e
+    shape = tuple(host.shape)
+    if result is not None and not isinstance(result, torch.Tensor):
+        raise TypeError(
+            f"Table `{name}`: its initializer {label!r} returned a {type(result).__name__}, which is neither the "
+            f"values (a {shape} torch.Tensor) nor None. Fill the tensor it is given in place (returning it or "
+            f"None), or return a torch.Tensor of shape {shape} (e.g. torch.as_tensor(values))."
+        )
+    if result is not None and not _same_memory(result, host):
+        if tuple(result.shape) != shape:
+            raise ValueError(
+                f"Table `{name}`: the initializer returned shape {tuple(result.shape)}, expected {shape}."
+            )
+        if result.is_meta or result.layout != torch.strided or result.is_complex():
+            raise ValueError(
+                f"Table `{name}`: its initializer {label!r} returned a {result.dtype} {result.layout} tensor "
+                f"on {result.device}; the values must be a dense real tensor off the meta device."
+            )
+        host.copy_(result)
+        return
+    if bool(host[0, 0].isnan() & host[-1, -1].isnan()):
+        what = "None" if result is None else "the tensor it was given"
+        raise ValueError(
+            f"Table `{name}`: its initializer {label!r} neither filled the {list(shape)} weight tensor it was "
+            f"given in place nor returned a tensor of values (it returned {what}; the tensor's first and last "
+            "elements still hold the NaN put there to see whether it writes), so the table would hold uninitialised "
+            "memory. Fill the tensor in place (torch.nn.init style, e.g. functools.partial(torch.nn.init.normal_, "
+            f"std=0.01)), return a tensor of shape {shape}, or pass the values as initializer=<tensor>."
+        )
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` is ``b``, or a tensor on its very memory (``b.data``, a full view): nothing to copy."""
+    return a is b or (
+        a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+        and a.data_ptr() == b.data_ptr()
+    )
 
 
 def _shifted(local_row: Callable[[torch.Tensor], torch.Tensor], first: int, ids: torch.Tensor) -> torch.Tensor:

@@ -25,11 +25,12 @@ from torch_tpu_embedding.modules.later_writes import later_writes
 __all__ = ["EmbeddingTable", "host_empty", "write_rows"]
 
 
-def host_empty(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def host_empty(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: str | None = None) -> torch.Tensor:
     """``torch.empty(shape, dtype)`` on the host, on huge pages where large (``_util.huge_pages``: rows are
-    read and written all over a table); an allocation failure names the table and its size."""
+    read and written all over a table); an allocation failure names the table and its size. ``device``
+    ``None``: the default device (meta under ``torch.device("meta")``, an XLA device under its context)."""
     try:
-        return empty(shape, dtype)  # the default device: meta under torch.device("meta")
+        return empty(shape, dtype, device)
     except (RuntimeError, MemoryError) as e:  # torch's CPU allocator raises RuntimeError
         size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         raise MemoryError(
@@ -182,7 +183,8 @@ class EmbeddingTable(nn.Module):
                 self.deferred = ((0, defer(self.name, self.config)),)
                 return
             in_place = w.device.type == "cpu" and w.is_contiguous()
-            host = w if in_place else host_empty(self.name, tuple(w.shape), w.dtype)
+            # On the CPU whatever the default device (under `with torch.device(xla):` too): one seed, one table
+            host = w if in_place else host_empty(self.name, tuple(w.shape), w.dtype, "cpu")
             if init is None:
                 default_initializer(host)
             elif isinstance(init, torch.Tensor):

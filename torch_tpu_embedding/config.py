@@ -128,7 +128,10 @@ class TableConfig:
             ``None``) or returns a ``[V, D]`` tensor of values (TF style: what it returns is the
             table). One that does neither (returns ``None`` or its argument with the tensor's first
             and last elements unwritten) is refused with a ``ValueError`` naming the table, as is a
-            returned tensor of another shape; a returned non-tensor is a ``TypeError``.
+            returned tensor of another shape; a returned non-tensor is a ``TypeError``. A tensor given
+            here is checked once, at construction, to fit ``dtype`` (finite values that would become inf,
+            e.g. 7e4 in float16, raise ``ValueError``: one read of the tensor); a callable's values are
+            not checked (that would take a pass over each table as it is built).
         optimizer: per-table optimizer override, a name in ``OPTIMIZER_NAMES`` or a factory such as
             ``functools.partial(tte.optim.FTRL, lr=0.1)``. ``None`` uses the optimizer's default.
         combiner: how bags of ids are reduced: ``"mean"`` (default), ``"sum"`` or ``"sqrtn"``.
@@ -218,6 +221,8 @@ class TableConfig:
             raise arg_error("placement", f"must be one of {PLACEMENTS}", self.placement)
         if self.max_unique_ids_per_shard is not None:
             check_int("max_unique_ids_per_shard", self.max_unique_ids_per_shard, minimum=1)
+        if isinstance(init, torch.Tensor):
+            _check_fits(init, self.dtype)
 
     def __repr__(self) -> str:
         init = self.initializer
@@ -302,6 +307,31 @@ class FeatureConfig:
             f"FeatureConfig(table={self.table!r}, max_sequence_length={self.max_sequence_length}, "
             f"output_shape={self.output_shape}, name={self.name!r}, "
             f"max_ids_per_bag={self.max_ids_per_bag})"
+        )
+
+
+def _check_fits(values: torch.Tensor, dtype: torch.dtype) -> None:
+    """A tensor initializer's finite values must stay finite in the table's ``dtype`` (``.to(float16)`` turns
+    70000.0 into inf, silently). One read of the tensor (``aminmax``), skipped where ``dtype`` holds its
+    dtype's whole range: a float32 tensor for a float32 table is not read."""
+    if values.dtype == torch.bool or values.numel() == 0:
+        return
+    info = torch.finfo(values.dtype) if values.dtype.is_floating_point else torch.iinfo(values.dtype)
+    if float(info.max) <= torch.finfo(dtype).max:
+        return
+    lo, hi = torch.aminmax(values.detach())
+    if bool(lo.isnan() | hi.isnan()):  # aminmax propagates NaN: the extremes of the other values
+        rest = values.detach()[~values.detach().isnan()]
+        if rest.numel() == 0:
+            return
+        lo, hi = torch.aminmax(rest)
+    extremes = torch.stack([lo, hi]).cpu()
+    if bool((extremes.to(dtype).isinf() & extremes.isfinite()).any()):
+        largest = max(extremes.tolist(), key=abs)
+        raise ValueError(
+            f"Argument `initializer` must hold values that the table's dtype {dtype} can represent (its largest "
+            f"finite value is {torch.finfo(dtype).max:g}; larger ones become inf): scale the values, or give the "
+            f"table a wider dtype. Received: a {values.dtype} tensor whose largest value is {largest!r}"
         )
 
 

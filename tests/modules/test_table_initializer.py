@@ -124,3 +124,68 @@ def test_no_extra_pass_over_the_table(init, passes: list[str]) -> None:
     with _BigOps() as seen:
         build(init, False)
     assert seen.ops == passes
+
+
+# ------------------------------------------------------------------ a tensor of values must fit the table's dtype
+OVERFLOW = [
+    ("f64-to-f16", torch.float64, torch.float16, -7e4, r"torch.float16 can represent \(its largest finite value is "
+     r"65504;.*Received: a torch.float64 tensor whose largest value is -70000.0 \(in the TableConfig 'user'\)$"),
+    ("f32-to-f16", torch.float32, torch.float16, 65520.0, r"torch.float16.*torch.float32 tensor whose largest value "
+     r"is 65520.0 "),
+    ("f64-to-bf16", torch.float64, torch.bfloat16, 1e39, r"torch.bfloat16 can represent \(its largest finite value "
+     r"is 3.38953e\+38;.*whose largest value is 1e\+39 "),
+    ("f64-to-f32", torch.float64, torch.float32, -1e39, r"torch.float32.*whose largest value is -1e\+39 "),
+    ("i64-to-f16", torch.int64, torch.float16, 70000, r"torch.float16.*torch.int64 tensor whose largest value is 70000 "),
+]
+
+
+_NP = {torch.float16: np.float16, torch.float32: np.float32,
+       torch.bfloat16: np.float32}  # (numpy has no bfloat16: its float32 overflows at these values too)
+
+
+@pytest.mark.parametrize("src, dtype, big, pattern", [c[1:] for c in OVERFLOW], ids=[c[0] for c in OVERFLOW])
+@pytest.mark.parametrize("nan", [False, True], ids=["", "with-nan"])
+def test_values_beyond_the_tables_dtype_are_refused(src, dtype, big, pattern: str, nan: bool) -> None:
+    values = torch.zeros(V, D, dtype=src)
+    values[V // 2, 3] = big
+    if nan and src.is_floating_point:  # aminmax gives NaN: the other values' extremes are checked
+        values[0, 0] = float("nan")
+    with np.errstate(over="ignore"):
+        assert np.isinf(np.asarray(big, dtype=np.float64).astype(_NP[dtype]))  # numpy rounds it to inf too
+    with pytest.raises(ValueError, match=r"Argument `initializer` must hold values that the table's dtype " + pattern):
+        tte.TableConfig(V, D, name="user", initializer=values, dtype=dtype)
+
+
+
+@pytest.mark.parametrize("dtype, edge", [(torch.float16, 65519.0), (torch.float16, -65504.0),
+                                         (torch.bfloat16, 3.3895e38), (torch.float32, 3.4028234e38)], ids=str)
+def test_values_that_round_into_range_are_kept(dtype: torch.dtype, edge: float) -> None:
+    values = torch.zeros(V, D, dtype=torch.float64)
+    values[1, 2] = edge
+    if dtype == torch.float16:
+        assert np.isfinite(np.float16(edge))  # rounds to ±65504, not to inf (independent of torch)
+    ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(tte.TableConfig(V, D, name="t", initializer=values,
+                                                                          dtype=dtype))})
+    assert torch.equal(ec.tables["t"].weight.detach(), values.to(dtype))
+    assert torch.isfinite(ec.tables["t"].weight).all()
+
+
+def test_a_tensor_its_dtype_holds_is_not_read() -> None:
+    """The check reads a tensor only when the table's dtype is narrower than the tensor's."""
+    class Reads(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    for src, dtype in ((torch.float32, torch.float32), (torch.float16, torch.float32), (torch.float16, torch.bfloat16)):
+        values = torch.ones(V, D, dtype=src)
+        with Reads() as seen:
+            tte.TableConfig(V, D, initializer=values, dtype=dtype)
+        assert "aminmax.default" not in seen.ops, (src, dtype)
+    with Reads() as seen:
+        tte.TableConfig(V, D, initializer=torch.ones(V, D, dtype=torch.float64), dtype=torch.float16)
+    assert "aminmax.default" in seen.ops

@@ -14,6 +14,7 @@ rows: :func:`to_torchrec_state_dict`, :func:`load_torchrec_state_dict`, :func:`t
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -173,18 +174,63 @@ def to_embedding_bag(collection: EmbeddingCollection, table: str) -> nn.Embeddin
 
 def load_embedding_bag(collection: EmbeddingCollection, table: str, module: nn.EmbeddingBag | nn.Embedding) -> None:
     """Copy an ``nn.EmbeddingBag`` / ``nn.Embedding`` weight ``[V, D]`` into ``table`` (the other tables keep
-    theirs; a table sharded over a process group takes its rows: a collective)."""
+    theirs; a table sharded over a process group takes its rows: a collective), cast to the table's dtype.
+
+    Only the weight moves: the table keeps its own lookup and training rules. A module option those rules cannot
+    reproduce gets one ``UserWarning`` naming each: an ``nn.EmbeddingBag`` ``mode`` other than the table's
+    combiner (``"max"`` has none), ``padding_idx`` (the table looks up and trains that row as any other: leave
+    the id out of its inputs), ``max_norm`` (rows are never renormalised) and ``scale_grad_by_freq``.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.EmbeddingBag`` or ``nn.Embedding`` (another module's ``[V, D]``
+            weight, e.g. a tied output layer's, loads with ``collection.load_state_dict({"tables.<table>.weight":
+            weight}, strict=False)``).
+        ValueError: the weight's shape, dtype or device cannot be the table's; nothing is loaded.
+    """
     t = _table(collection, table)
     shape = (t.config.num_embeddings, t.config.embedding_dim)
     spread = _spread(t)
-    why = _problem(table, "the module's weight", module.weight, shape, "in the module") or _on_meta(table, t)
-    problems = [] if why is None else [f"Cannot load the module's weight: {why}."]
+    embedding = isinstance(module, (nn.EmbeddingBag, nn.Embedding))
+    if not embedding:
+        why: str | None = (
+            f"Argument `module` must be an nn.EmbeddingBag or an nn.Embedding (another module's [V, D] weight loads "
+            f"with collection.load_state_dict({{'tables.{table}.weight': weight}}, strict=False)). Received: "
+            f"{type(module).__name__}"
+        )
+    else:
+        why = _problem(table, "the module's weight", module.weight, shape, "in the module") or _on_meta(table, t)
+        why = None if why is None else f"Cannot load the module's weight: {why}."
+    problems = [] if why is None else [why]
     _agree(problems, [] if spread is None else [spread], "module")
     if problems:
-        raise ValueError(problems[0])
+        raise (TypeError if not embedding else ValueError)(problems[0])
     value = module.weight.detach() if spread is None else _stored(t, module.weight, spread)
     with stored_rows():  # (a sharded table's value: its stored rows, moved by _stored)
         collection.load_state_dict({f"tables.{table}.weight": value}, strict=False)
+    lost = _options_lost(module, t.config.combiner)
+    if lost:
+        warnings.warn(
+            f"load_embedding_bag: table `{table}` took the {type(module).__name__}'s weight, but not its "
+            + "; ".join(lost) + ".", UserWarning, stacklevel=2,
+        )
+
+
+def _options_lost(module: nn.EmbeddingBag | nn.Embedding, combiner: str) -> list[str]:
+    """The options of ``module`` whose lookup or training rule a table with ``combiner`` does not follow."""
+    lost = []
+    mode = getattr(module, "mode", None)  # nn.Embedding has none: it combines nothing
+    if mode is not None and mode != combiner:
+        lost.append(f"mode={mode!r} (the table combines its bags with combiner={combiner!r}"
+                    + ("; no combiner takes a max" if mode == "max" else "") + ")")
+    if module.padding_idx is not None:
+        p = module.padding_idx
+        lost.append(f"padding_idx={p} (the table looks up and trains row {p} as any other: leave id {p} out of the "
+                    "inputs)")
+    if module.max_norm is not None:
+        lost.append(f"max_norm={module.max_norm} (the table never renormalises the rows it looks up)")
+    if module.scale_grad_by_freq:
+        lost.append("scale_grad_by_freq=True (row gradients are not scaled by the ids' frequency in the batch)")
+    return lost
 
 
 def convert_ftrl_linears(state_dict: Mapping[str, Any], multiply_linear_by_learning_rate: bool) -> dict[str, Any]:

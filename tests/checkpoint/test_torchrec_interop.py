@@ -6,6 +6,8 @@ The process-group case: tests/distributed/test_mp_torchrec_interop.py."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -161,3 +163,85 @@ def test_a_module_whose_weight_cannot_be_a_table_is_refused_and_loads_nothing() 
         with pytest.raises(ValueError, match=r"^Cannot load the module's weight: table 't_mean' " + why):
             tte.interop.load_embedding_bag(ec, "t_mean", module)
     assert all(torch.equal(ec.embedding_tables[n], w) for n, w in before.items())
+
+
+# ------------------------------------------------------------------ load_embedding_bag: which modules, which options
+class _HasWeight(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(11, 4))
+
+
+@pytest.mark.parametrize("module, kind", [(torch.nn.Linear(4, 11, bias=False), "Linear"), (_HasWeight(), "_HasWeight")],
+                         ids=["linear", "module-with-a-weight"])
+def test_a_module_that_is_no_embedding_is_refused_with_the_way_out(module: torch.nn.Module, kind: str) -> None:
+    """Any module with a [V, D] ``weight`` loaded, an ``nn.Linear(D, V)`` (a tied output layer) among them."""
+    ec = collection()
+    before = tables(ec)
+    with pytest.raises(TypeError, match=r"^Argument `module` must be an nn\.EmbeddingBag or an nn\.Embedding \(another "
+                       r"module's \[V, D\] weight loads with collection\.load_state_dict\(\{'tables\.t_mean\.weight': "
+                       rf"weight\}}, strict=False\)\)\. Received: {kind}$"):
+        tte.interop.load_embedding_bag(ec, "t_mean", module)  # type: ignore[arg-type]
+    assert all(torch.equal(ec.embedding_tables[n], w) for n, w in before.items())
+    ec.load_state_dict({"tables.t_mean.weight": module.weight}, strict=False)  # the way out the message gives
+    assert torch.equal(ec.embedding_tables["t_mean"], module.weight.detach())
+
+
+class _MyEmbedding(torch.nn.Embedding):
+    pass
+
+
+@pytest.mark.parametrize("module, table", [
+    (lambda: torch.nn.EmbeddingBag(11, 4), "t_mean"),
+    (lambda: torch.nn.EmbeddingBag.from_pretrained(torch.randn(10, 4), mode="sum"), "t_sum"),  # frozen: only the weight
+    (lambda: torch.nn.Embedding(12, 4, sparse=True), "t_sqrtn"),
+    (lambda: _MyEmbedding(11, 4), "t_mean"),
+], ids=["bag-mean", "bag-from-pretrained-sum", "embedding", "subclass"])
+def test_a_module_the_table_follows_loads_without_a_warning(module, table: str) -> None:
+    ec, m = collection(), module()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tte.interop.load_embedding_bag(ec, table, m)
+    assert torch.equal(ec.embedding_tables[table], m.weight.detach())
+
+
+LOST = [
+    ("bag-max", lambda: torch.nn.EmbeddingBag(11, 4, mode="max"), "EmbeddingBag",
+     r"mode='max' \(the table combines its bags with combiner='mean'; no combiner takes a max\)\.$"),
+    ("bag-sum-into-mean", lambda: torch.nn.EmbeddingBag(11, 4, mode="sum"), "EmbeddingBag",
+     r"mode='sum' \(the table combines its bags with combiner='mean'\)\.$"),
+    ("bag-padding-idx", lambda: torch.nn.EmbeddingBag(11, 4, padding_idx=0), "EmbeddingBag",
+     r"padding_idx=0 \(the table looks up and trains row 0 as any other: leave id 0 out of the inputs\)\.$"),
+    ("embedding-padding-idx", lambda: torch.nn.Embedding(11, 4, padding_idx=-1), "Embedding", r"padding_idx=10 "),
+    ("max-norm", lambda: torch.nn.Embedding(11, 4, max_norm=1.0), "Embedding",
+     r"max_norm=1\.0 \(the table never renormalises the rows it looks up\)\.$"),
+    ("scale-grad-by-freq", lambda: torch.nn.EmbeddingBag(11, 4, scale_grad_by_freq=True), "EmbeddingBag",
+     r"scale_grad_by_freq=True \(row gradients are not scaled"),
+    ("several", lambda: torch.nn.EmbeddingBag(11, 4, mode="sum", padding_idx=3, max_norm=2.0), "EmbeddingBag",
+     r"mode='sum' .*; padding_idx=3 .*; max_norm=2\.0 "),
+]
+
+
+@pytest.mark.parametrize("module, kind, pattern", [c[1:] for c in LOST], ids=[c[0] for c in LOST])
+def test_an_option_the_table_cannot_follow_is_named_in_a_warning(module, kind: str, pattern: str) -> None:
+    ec, m = collection(), module()
+    with pytest.warns(UserWarning, match=rf"^load_embedding_bag: table `t_mean` took the {kind}'s weight, but not "
+                      rf"its .*{pattern}"):
+        tte.interop.load_embedding_bag(ec, "t_mean", m)
+    assert torch.equal(ec.embedding_tables["t_mean"], m.weight.detach())  # the weight itself is loaded
+
+
+@pytest.mark.parametrize("module", [lambda: torch.nn.EmbeddingBag(11, 4, mode="max"),
+                                    lambda: torch.nn.EmbeddingBag(11, 4, padding_idx=0)], ids=["max", "padding-idx"])
+def test_the_lookups_those_options_change_differ_from_the_tables(module) -> None:
+    """Why they are named: after the load the module and the table give other bags ([0, 3], [5, 6])."""
+    ec, m = collection(), module()
+    with pytest.warns(UserWarning):
+        tte.interop.load_embedding_bag(ec, "t_mean", m)
+    ids, offsets = torch.tensor([0, 3, 5, 6]), torch.tensor([0, 2])
+    w = m.weight.detach().double()
+    mean = torch.stack([w[[0, 3]].mean(0), w[[5, 6]].mean(0)])  # the table's rule, float64 by hand
+    ours = ec({f"f_{n}": tte.Jagged(ids, offsets=torch.tensor([0, 2, 4])) if n == "t_mean"
+               else torch.zeros(2, dtype=torch.int64) for n in ec.tables})["f_t_mean"]
+    torch.testing.assert_close(ours.double(), mean, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(m(ids, offsets).double(), mean, atol=1e-3)

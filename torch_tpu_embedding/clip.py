@@ -17,6 +17,7 @@ import torch
 from torch_tpu_embedding._rows.dedup import coalesce_rows, is_static_device, sinks_sentinel
 from torch_tpu_embedding._rows.placement import all_reduce_sum, process_group_placement, sync_row_grads
 from torch_tpu_embedding._rows.row_grad import RowGrad
+from torch_tpu_embedding._rows.row_order import owned_logical_ids
 from torch_tpu_embedding._rows.tables import refuse_stacked_view, table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
 
@@ -52,7 +53,9 @@ def clip_grad_norm_(
     Args:
         parameters: tensors (or one tensor) whose gradients are clipped, e.g. ``model.parameters()``.
         max_norm: the largest norm allowed.
-        norm_type: the order of the norm (``float("inf")`` for the largest absolute value).
+        norm_type: the order of the norm (``float("inf")`` for the largest absolute value). ``0``, as torch's,
+            counts the gradient tensors that hold a nonzero entry, each table one tensor as its ``[V, D]``
+            gradient, whether it is stacked in a group or not.
         error_if_nonfinite: raise if the total norm is ``nan`` or ``inf``.
         foreach: as torch's (``None``: the foreach kernels where the device has them).
 
@@ -75,14 +78,19 @@ def clip_grad_norm_(
     raw = [p for p in tables if _row_grad(p).raw_exchange]
     sync_row_grads([{"params": [p for p in tables if not _row_grad(p).raw_exchange]},
                     {"params": raw, "use_gradient_accumulation": False}])
-    summed = [(p, r) for p, r in ((p, _summed_rows(p, norm_type < 0)) for p in tables) if r is not None]
+    coalesced = [(p, c) for p, c in ((p, _coalesced(p)) for p in tables) if c is not None]
+    summed = [(p, _norm_rows(p, c, norm_type < 0)) for p, c in coalesced]
     spread = [p for p in tables if process_group_placement(p) is not None]
     if spread:  # tables sharded over a process group: every rank holds a part of the gradient
         total = _group_norm(params, summed, spread, float(norm_type), error_if_nonfinite, foreach)
     else:
         # A table looked up with empty bags only has no rows: its densified gradient is zeros, which add
         # nothing (torch's norm of an empty tensor raises for inf and negative orders).
-        grads = [p.grad for p in dense if p.grad is not None] + [r for _, r in summed if r.numel()]
+        grads = [p.grad for p in dense if p.grad is not None]
+        if norm_type == 0:  # a count of the gradient tensors with a nonzero entry: each table of a group counts
+            grads += [t for p, c in coalesced for t in _table_terms(p, c)]
+        else:
+            grads += [r for _, r in summed if r.numel()]
         if norm_type < 0 and any(_has_zero_rows(p) for p, _ in summed):
             # A negative order (-inf: the smallest |g|) sees the zero rows of the dense [V, D] gradient
             # torch would hold, which the row-sparse form leaves out.
@@ -123,7 +131,7 @@ def _has_zero_rows(p: Tensor) -> bool:
 def _group_norm(params: list[Tensor], summed: list[tuple[Tensor, Tensor]], spread: list[Tensor],
                 norm_type: float, error_if_nonfinite: bool, foreach: bool | None) -> Tensor:
     """The norm over every gradient when some tables are sharded over a process group: the sharded tables'
-    rows (each rank's own, duplicates summed by :func:`_summed_rows`) reduced over the group (a sum of
+    rows (each rank's own, duplicates summed by :func:`_coalesced`) reduced over the group (a sum of
     ``|g|^p``, or a max for ``inf``); dense gradients and replicated tables' rows are global already and
     count once."""
     if norm_type <= 0:
@@ -154,24 +162,54 @@ def _group_norm(params: list[Tensor], summed: list[tuple[Tensor, Tensor]], sprea
     return total
 
 
-def _summed_rows(p: Tensor, distinct: bool = False) -> Tensor | None:
-    """A copy of ``p``'s pending row gradient with duplicate ids summed (float32 for a 16-bit table),
-    for the norm; ``None`` without one. The pending rows themselves are left as they are. ``distinct``: only
-    the rows of ids looked up (a negative ``norm_type`` sees a zero row: the sentinel tail a sync-free device
-    keeps is dropped on an eager accelerator, by a host read, as :func:`_has_zero_rows` reads; on XLA its rows
-    are made ``+inf``)."""
+def _coalesced(p: Tensor) -> tuple[Tensor, Tensor, int] | None:
+    """``(ids, rows, sentinel)``: a copy of ``p``'s pending row gradient with duplicate ids summed (float32 for a
+    16-bit table), ``None`` without one; the pending rows themselves are left as they are. ``ids`` are the
+    table's (logical) ids ``[U]``, or for a table trained through the id exchange shard-local ``[n, M]``
+    (:func:`_owned_rows`); ``sentinel``: the id of the padding entries."""
     info = table_info(p)
     assert info is not None
     rg = info.row_grad
     if not rg:
         return None
     if rg.owned:
-        return _owned_rows(p, distinct)
+        return _owned_rows(p)
     ids, rows = rg.collect()
     uniq, summed = coalesce_rows(ids, rows.to(math_dtype(p)), p.shape[0])
-    if distinct and sinks_sentinel(p.device):
-        return summed[uniq < p.shape[0]]
-    return _no_tail(uniq, summed, p.shape[0]) if distinct and is_static_device(p.device) else summed
+    return uniq, summed, int(p.shape[0])
+
+
+def _norm_rows(p: Tensor, coalesced: tuple[Tensor, Tensor, int], distinct: bool = False) -> Tensor:
+    """:func:`_coalesced`'s rows, for the norm. ``distinct``: only the rows of ids looked up (a negative
+    ``norm_type`` sees a zero row: the sentinel tail a sync-free device keeps is dropped on an eager accelerator,
+    by a host read, as :func:`_has_zero_rows` reads; on XLA, and on each shard of the id exchange, its rows are
+    made ``+inf``: :func:`_no_tail`)."""
+    uniq, summed, sentinel = coalesced
+    if not distinct:
+        return summed
+    if _row_grad(p).owned:
+        return _no_tail(uniq, summed, sentinel)
+    if sinks_sentinel(p.device):
+        return summed[uniq < sentinel]
+    return _no_tail(uniq, summed, sentinel) if is_static_device(p.device) else summed
+
+
+def _table_terms(p: Tensor, coalesced: tuple[Tensor, Tensor, int]) -> list[Tensor]:
+    """The gradient tensors ``norm_type=0`` counts for ``p`` (torch counts those with a nonzero entry, one per
+    tensor): its summed rows for one table; for a stacked group one ``[1]`` tensor per member table, 1 where
+    the table's rows hold a nonzero entry (duplicates summed first: rows that cancel are zero, as in the dense
+    gradient), so the count is the unstacked one. Static: masks combined, no rows selected."""
+    info = table_info(p)
+    assert info is not None
+    uniq, summed, _ = coalesced
+    if not info.members:
+        return [summed] if summed.numel() else []
+    if info.row_grad.owned:  # shard-local rows -> the group's logical ids (padding: past every member)
+        assert info.layout is not None  # owner-local chunks exist only on tables so laid out
+        uniq = owned_logical_ids(uniq, info.layout, int(p.shape[0]), int(p.shape[0]))
+    nonzero = (summed != 0).any(-1)
+    return [((uniq >= off) & (uniq < off + n) & nonzero).any().to(summed.dtype).reshape(1)
+            for _, off, n in info.members]
 
 
 def _no_tail(uniq: Tensor, summed: Tensor, sentinel: int) -> Tensor:
@@ -181,11 +219,11 @@ def _no_tail(uniq: Tensor, summed: Tensor, sentinel: int) -> Tensor:
     return torch.where((uniq < sentinel).unsqueeze(-1), summed, math.inf)
 
 
-def _owned_rows(p: Tensor, distinct: bool = False) -> Tensor:
-    """As :func:`_summed_rows` for a table trained through the id exchange (SPMD, owner-local chunks
+def _owned_rows(p: Tensor) -> tuple[Tensor, Tensor, int]:
+    """As :func:`_coalesced` for a table trained through the id exchange (SPMD, owner-local chunks
     ``ids [n, M]``, ``rows [n, M, D]``): duplicates are summed on each shard (a row lives on one shard),
-    in one manual-sharding region. A chunk whose lookup dropped ids counts zero, as in the step. ``distinct``:
-    each shard's sentinel tail made ``+inf`` (:func:`_no_tail`)."""
+    in one manual-sharding region. A chunk whose lookup dropped ids counts zero, as in the step. The sentinel:
+    each shard's local padding row."""
     info = table_info(p)
     assert info is not None and info.sharding is not None
     sharding = info.sharding
@@ -198,4 +236,4 @@ def _owned_rows(p: Tensor, distinct: bool = False) -> Tensor:
         return list(coalesce_rows(inputs[0], inputs[1], sentinel))
 
     uniq, summed = sharding.on_shards(on_shard, {}, {}, [ids, rows], [])
-    return _no_tail(uniq, summed, sentinel) if distinct else summed
+    return uniq, summed, sentinel

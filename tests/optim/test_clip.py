@@ -179,3 +179,67 @@ def test_clipping_keeps_bag_rows_factored_and_broadcast() -> None:
     for c in chunks:
         assert isinstance(c, BagRows) and c.constant is not None
         assert c.grad_out.stride(0) == 0  # still one row broadcast
+
+
+# ------------------------------------------------------------------ torch's clip_grad_norm_ on each table's dense gradient
+V_C = 5
+
+
+def three_tables(stack: bool) -> torch.nn.ModuleDict:
+    """``model``'s tables a and b, and c (sum), whose looked-up rows' gradients cancel: stacked, one group of 3."""
+    torch.manual_seed(0)
+    a = tte.TableConfig(V_A, 4, name="a", combiner="mean", dtype=torch.float64)
+    b = tte.TableConfig(V_B, 4, name="b", dtype=torch.float64)
+    c = tte.TableConfig(V_C, 4, name="c", combiner="sum", dtype=torch.float64)
+    ec = tte.EmbeddingCollection({"x": tte.FeatureConfig(a), "y": tte.FeatureConfig(a), "z": tte.FeatureConfig(b),
+                                  "w": tte.FeatureConfig(c)}, stack_tables=stack)
+    return torch.nn.ModuleDict({"ec": ec, "head": torch.nn.Linear(12, 1, dtype=torch.float64)})
+
+
+def lookups(step: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(step)
+    return (torch.randint(0, V_A, (8, 3), generator=g), torch.rand(8, 3, generator=g) > 0.3,
+            torch.randint(0, 4, (8, 2), generator=g), torch.randint(0, V_B, (8,), generator=g))
+
+
+def loss(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor, w: torch.Tensor, head: torch.nn.Module) -> torch.Tensor:
+    # c's bags [2] and [2] get dL/dout +1 and -1: its one row's two entries cancel, its dense gradient is 0
+    return (head(torch.cat([x, y, z], dim=1)) ** 2).mean() + (w * torch.tensor([[1.0], [-1.0]], dtype=w.dtype)).sum()
+
+
+def torch_dense_reference(m: torch.nn.ModuleDict, step: int, max_norm: float, norm_type: float):
+    """Plain torch, float64: each table's dense [V, D] gradient from the same lookups (gathers, the combiners by
+    hand), clipped by torch.nn.utils.clip_grad_norm_ with the head's parameters; the total and the grads."""
+    w = {n: t.detach().clone().requires_grad_() for n, t in m["ec"].embedding_tables.items()}
+    head = torch.nn.Linear(12, 1, dtype=torch.float64)
+    head.load_state_dict(m["head"].state_dict())
+    ids_x, mask_x, ids_y, ids_z = lookups(step)
+    mx = mask_x.double()
+    x = (w["a"][ids_x] * mx[..., None]).sum(1) / mx.sum(1, keepdim=True).clamp(min=1)
+    loss(x, w["a"][ids_y].mean(1), w["b"][ids_z], w["c"][torch.tensor([2, 2])], head).backward()
+    params = [w["a"], w["b"], w["c"], head.weight, head.bias]
+    total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+    return float(total), {"a": w["a"].grad, "b": w["b"].grad, "c": w["c"].grad, "weight": head.weight.grad,
+                          "bias": head.bias.grad}
+
+
+@pytest.mark.parametrize("stack", [False, True], ids=["unstacked", "stacked"])
+@pytest.mark.parametrize("norm_type", [0.0, 1.0, 2.0, math.inf, -math.inf, 0.5], ids=["0", "1", "2", "inf", "-inf", "0.5"])
+def test_equals_torch_on_each_tables_dense_gradient(stack: bool, norm_type: float) -> None:
+    """norm_type=0 counts the gradient tensors with a nonzero entry: a, b and the head's weight and bias, not c
+    (its rows cancel). The stacked group of a, b and c counted as one tensor: 3."""
+    m = three_tables(stack)
+    ids_x, mask_x, ids_y, ids_z = lookups(0)
+    out = m["ec"]({"x": tte.Padded(ids_x, mask_x), "y": tte.Padded(ids_y), "z": ids_z,
+                   "w": torch.tensor([2, 2])})
+    loss(out["x"], out["y"], out["z"], out["w"], m["head"]).backward()
+    unclipped, _ = torch_dense_reference(m, 0, math.inf, norm_type)
+    max_norm = unclipped / 2 if unclipped else 1.0  # clips (but -inf's 0)
+    want_total, want = torch_dense_reference(m, 0, max_norm, norm_type)
+    if norm_type == 0:
+        assert want_total == 4.0
+    got = tte.clip_grad_norm_(m.parameters(), max_norm, norm_type=norm_type)
+    assert float(got) == pytest.approx(want_total, rel=1e-13, abs=0.0)
+    after = densified(m)
+    for k, g in want.items():
+        torch.testing.assert_close(after[k], g, rtol=1e-13, atol=1e-16, msg=k)

@@ -68,3 +68,28 @@ def test_every_row_looked_up_gives_the_dense_gradients_norm(norm_type: float) ->
     np.testing.assert_allclose([cpu, xla], [want, want], rtol=1e-6)
     np.testing.assert_allclose(cpu_g, want_g, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(xla_g, want_g, rtol=1e-6, atol=1e-7)
+
+
+def _stacked_norm(device: torch.device, stack: bool, norm_type: float) -> float:
+    """Three tables of one width (stacked: one group): t's bags as above, u's two rows cancel (its dense gradient
+    is 0), v looked up once."""
+    torch.manual_seed(0)
+    tables = [tte.TableConfig(4, 2, name=n, combiner="sum") for n in ("t", "u", "v")]
+    ec = tte.EmbeddingCollection({f"f_{t.name}": tte.FeatureConfig(t, max_ids_per_bag=2) for t in tables},
+                                 device=device, stack_tables=stack)
+    out = ec({"f_t": tte.Padded(torch.tensor(IDS), torch.tensor(MASK)),
+              "f_u": tte.Padded(torch.tensor([[1, 1], [1, 0], [0, 0], [0, 0]]),
+                                torch.tensor([[True, False], [True, False], [False, False], [False, False]])),
+              "f_v": tte.Padded(torch.tensor([[3, 0], [0, 0], [0, 0], [0, 0]]),
+                                torch.tensor([[True, False], [False, False], [False, False], [False, False]]))})
+    u_scale = torch.tensor([[1.0, 1.0], [-1.0, -1.0], [0.0, 0.0], [0.0, 0.0]], device=device)
+    ((out["f_t"] * torch.tensor(SCALE, device=device)).sum() + (out["f_u"] * u_scale).sum() + out["f_v"].sum()).backward()
+    return float(tte.clip_grad_norm_(ec.parameters(), MAX_NORM, norm_type=norm_type).cpu())
+
+
+@pytest.mark.parametrize("stack", [False, True], ids=["unstacked", "stacked"])
+def test_norm_type_0_counts_each_table_stacked_or_not(stack: bool) -> None:
+    """torch's order 0 counts the gradient tensors with a nonzero entry: t's and v's dense gradients, not u's
+    (its rows cancel), so 2 (a stacked group counted as one tensor: 1), on XLA as on the CPU."""
+    assert _stacked_norm(torch.device("cpu"), stack, 0.0) == 2.0
+    assert _stacked_norm(torch_xla.device(), stack, 0.0) == 2.0

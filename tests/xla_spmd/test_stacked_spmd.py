@@ -340,3 +340,17 @@ def test_torchrec_layout_of_sharded_tables(stack: bool) -> None:
         out, ref = ec(inputs), fresh(inputs)
     for k in ref:
         torch.testing.assert_close(out[k].cpu(), ref[k], rtol=1e-6, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("stack", [True, False], ids=["stacked", "unstacked"])
+def test_clip_norm_type_0_counts_each_table_of_a_sharded_group(stack: bool) -> None:
+    """``tte.clip_grad_norm_(norm_type=0)`` is torch's order 0 over each table's dense gradient: the count of
+    tables with a nonzero entry (7 of 8: t1's gradient is zero). A group laid out by row (owner-local rows, its
+    ids shard-local), by column or replicated counted as one tensor: 4 stacked."""
+    for device in (torch.device("cpu"), DEV):
+        ec, _ = build(device, stack)
+        g = torch.Generator().manual_seed(1)
+        out = ec({f"f{i}": tte.Jagged(torch.randint(0, v, (12,), generator=g), lengths=torch.full((6,), 2))
+                  for i, (v, _) in enumerate(TABLES)})
+        sum((0.0 if i == 1 else i + 1.0) * o.sum() for i, o in enumerate(out.values())).backward()
+        assert float(tte.clip_grad_norm_(ec.parameters(), 1e9, norm_type=0).cpu()) == len(TABLES) - 1, device

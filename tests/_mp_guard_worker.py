@@ -485,6 +485,21 @@ def run(scenario: str, rank: int, world: int) -> dict[str, Any]:
         except RuntimeError as e:
             return out | {"errors": [error(e)]}
         return out | {"errors": train_more["errors"]}
+    if scenario == "clip_rank_without_rows":  # tte.clip_grad_norm_ of table-wise `who` alone (float64): its owner,
+        # rank 0, holds every gradient row; rank 1 none, and no dense gradient
+        model = skip_model()
+        tte.distributed.shard(model, timeout=datetime.timedelta(seconds=60))
+        c = torch.arange(1.0, DIM + 1, dtype=torch.float64)
+        opt = tte.optim.SGD(model.ec.parameters(), lr=0.1)
+        norms, ids_seen = [], []
+        for step, norm_type in enumerate((2.0, float("inf"))):
+            ids, _ = batch(rank, step)
+            ((model.ec(ids)["who"] @ c).mean()).backward()  # a linear loss: row i's gradient is count_i · c / (B·n)
+            norms.append(float(tte.clip_grad_norm_([model.ec.tables["who"].weight], 1e-3, norm_type=norm_type)))
+            ids_seen.append(ids["who"].tolist())
+            opt.step()
+            opt.zero_grad()
+        return {"norms": norms, "ids": ids_seen}
     if scenario == "eval_on_one_rank":  # rank 0 alone looks up under no_grad between training steps
         out = train(ddp, opt, rank, 2, None)  # (DDP rebuilds its buckets, a collective, in its second forward)
         try:

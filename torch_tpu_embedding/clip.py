@@ -7,6 +7,7 @@ never scales their update. This one has the same signature and return value and 
 
 from __future__ import annotations
 
+import functools
 import math
 import types
 import warnings
@@ -145,10 +146,18 @@ def _group_norm(params: list[Tensor], summed: list[tuple[Tensor, Tensor]], sprea
     sharding = process_group_placement(spread[0])
     assert sharding is not None
     group = sharding.group
-    dtype = next((g.dtype for g in local + theirs), torch.float32)
-    norm = torch.nn.utils.get_total_norm(local, norm_type, False, foreach) if local else torch.zeros((), dtype=dtype)
-    part = torch.nn.utils.get_total_norm(theirs, norm_type, False, foreach) if theirs else torch.zeros_like(norm)
-    part = part.to(norm.dtype)
+    # The reduced value's dtype from the parameters, alike on every rank: from the gradients a rank holds, a rank
+    # with none (no dense gradient, no row of a table it owns) sent float32 where the others sent float64, and gloo
+    # aborted the processes ("Received data size doesn't match expected size").
+    kinds = [math_dtype(p) if table_info(p) is not None else p.dtype for p in params if p.is_floating_point()]
+    dtype = functools.reduce(torch.promote_types, kinds)
+    device = spread[0].device
+    norm = torch.zeros((), dtype=dtype, device=device)
+    if local:
+        norm = torch.nn.utils.get_total_norm(local, norm_type, False, foreach).to(device=device, dtype=dtype)
+    part = torch.zeros_like(norm)
+    if theirs:
+        part = torch.nn.utils.get_total_norm(theirs, norm_type, False, foreach).to(device=device, dtype=dtype)
     if norm_type == float("inf"):
         out = part.reshape(1).clone()
         torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX, group=group)

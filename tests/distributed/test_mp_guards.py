@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from suite_helpers import run_ranks
 
 ROOT = Path(__file__).parents[2]
@@ -112,6 +113,22 @@ def test_a_state_dict_on_one_rank_only_raises_on_both(tmp_path: Path) -> None:
         msg = res["errors"][0]["message"]
         assert "at different exchanges" in msg and "moves a sharded table's rows between ranks" in msg, msg
         assert "looks up table `item` with gradients (training)" in msg, msg
+
+
+def test_clip_grad_norm_on_a_rank_without_gradient_rows(tmp_path: Path) -> None:
+    """``tte.clip_grad_norm_`` of a float64 table-wise table alone: rank 1 holds none of its rows and no dense
+    gradient, and summed a float32 zero where rank 0 summed float64 (gloo aborted both processes: 'Received data
+    size doesn't match expected size'). Every rank returns the global norm, written out here from the ids of both
+    ranks: the loss is linear, so row i's gradient is count_i · c / (B · 2), c = (1, ..., D)."""
+    r0, r1 = run("clip_rank_without_rows", tmp_path)
+    c = torch.arange(1.0, 5, dtype=torch.float64)
+    want = []
+    for step, order in enumerate((2.0, float("inf"))):
+        counts = torch.bincount(torch.tensor(r0["ids"][step] + r1["ids"][step]), minlength=600).to(torch.float64)
+        grad = counts[:, None] * c / (len(r0["ids"][step]) * 2)
+        want.append(float(torch.linalg.vector_norm(grad, order)))
+    for res in (r0, r1):
+        assert res["norms"] == pytest.approx(want, rel=1e-13, abs=0), (res["norms"], want)
 
 
 def test_torch_ddp_on_a_sharded_model_names_the_wrapper(tmp_path: Path) -> None:

@@ -44,7 +44,12 @@ from torch_tpu_embedding.checkpoint.dcp import (
     xla_planner,
 )
 from torch_tpu_embedding.checkpoint.files import check_loadable, dcp_quiet, read_dcp_metadata, write_atomic
-from torch_tpu_embedding.checkpoint.host import host_model_state, host_optimizer_state, to_cpu
+from torch_tpu_embedding.checkpoint.host import (
+    host_model_state,
+    host_optimizer_state,
+    refuse_process_group_shards,
+    to_cpu,
+)
 from torch_tpu_embedding.checkpoint.publish import (
     CheckpointCorruptError,
     barrier,
@@ -83,7 +88,12 @@ def save(
     Under multi-host SPMD call it from every process, each with a path on its own disk: reading a
     sharded tensor to the host is a computation over all devices, so a process that skips it
     stalls the others. Tables larger than one host's memory: :func:`save_distributed`.
+
+    Raises:
+        ValueError: ``model`` or ``optimizer`` holds tables sharded over a process group
+            (``tte.distributed.shard``), of which this process stores only its rows: use :func:`save_distributed`.
     """
+    refuse_process_group_shards(model, optimizer)  # before anything on disk changes
     payload = {
         "format": FORMAT,
         "model": None if model is None else host_model_state(model),

@@ -11,14 +11,15 @@ from typing import Any
 
 import torch
 
-from torch_tpu_embedding._rows.placement import stored_rows
+from torch_tpu_embedding._rows.placement import process_group_placement, stored_rows
 from torch_tpu_embedding._rows.row_order import Description, layout_of, to_logical
 from torch_tpu_embedding._rows.stacked_state import split_member_state
 from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
 from torch_tpu_embedding.optim._state import state_save
 
-__all__ = ["host_model_state", "host_optimizer_state", "own_layout_state", "split_stacked_entries", "to_cpu"]
+__all__ = ["host_model_state", "host_optimizer_state", "own_layout_state", "refuse_process_group_shards",
+           "split_stacked_entries", "to_cpu"]
 
 
 def to_cpu(obj: Any) -> Any:
@@ -45,6 +46,26 @@ def to_cpu(obj: Any) -> Any:
     if isinstance(obj, tuple):
         return tuple(to_cpu(v) for v in obj)
     return obj
+
+
+def refuse_process_group_shards(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> None:
+    """Refuse a one-file save of tables sharded over a process group: each process holds only its rows of them,
+    and the file would silently keep this process's (one that loads at no other world size, and into no model
+    where the other ranks' rows are wanted back)."""
+    for arg, params in (("model", [] if model is None else list(model.parameters())),
+                        ("optimizer", [] if optimizer is None else
+                         [p for g in optimizer.param_groups for p in g["params"]])):
+        names = sorted({info.name for p in params if process_group_placement(p) is not None
+                        and (info := table_info(p)) is not None})
+        if names:
+            tables = ", ".join(f"`{n}`" for n in names)
+            raise ValueError(
+                f"Argument `{arg}` holds tables sharded over a process group (tte.distributed.shard), of which this "
+                "process stores only its own rows: tte.checkpoint.save writes one process's state to one file and "
+                "would keep those alone. Call tte.checkpoint.save_distributed(directory, model=..., optimizer=...) on "
+                "every rank (tte.checkpoint.convert_distributed(directory, file) then makes one file of every rank's "
+                "rows). "
+                f"Received: tables {tables}")
 
 
 def _host_rows(t: torch.Tensor, n: int | None, layout: Description = None) -> torch.Tensor:

@@ -45,12 +45,24 @@ _WINDOW = 8192
 
 
 def all_tables(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
-    """Every table of every collection in ``model``: name → (its ``state_dict`` key, the table module)."""
+    """Every table of every collection in ``model``: name → (its ``state_dict`` key, the table module).
+
+    Raises:
+        ValueError: two collections hold tables of one name (the files key each table by its name: the second
+            took the first's place, whose stored rows were then saved as rank 0's, and loaded so on every rank).
+    """
     out: dict[str, tuple[str, nn.Module]] = {}
     for prefix, m in model.named_modules():
         if isinstance(m, EmbeddingCollection):
             for name, t in m.tables.items():
-                out[name] = (f"{prefix}.tables.{name}.weight" if prefix else f"tables.{name}.weight", t)
+                key = f"{prefix}.tables.{name}.weight" if prefix else f"tables.{name}.weight"
+                if name in out and out[name][1] is not t:
+                    raise ValueError(
+                        f"Argument `model` holds two tables named `{name}`, in different EmbeddingCollections (a table "
+                        f"given no name is `table_<i>` in its collection), and a process-group checkpoint keys each "
+                        f"table by its name. Give them distinct names (TableConfig(name=...)). Received: "
+                        f"`{out[name][0]}` and `{key}`")
+                out[name] = (key, t)
     return out
 
 

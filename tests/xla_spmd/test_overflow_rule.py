@@ -143,3 +143,23 @@ def test_the_flag_gates_another_optimizer() -> None:
         assert torch.equal(other.weight.cpu(), old[0].cpu()) == skipped
     with pytest.raises(ValueError):
         ec.check_ids()
+
+
+def test_the_report_names_the_features_after_shard_re_formed_their_group() -> None:
+    """Ids dropped by a stacked group, then ``shard`` called again with another threshold (table `ta` becomes
+    replicated: the group is dissolved) before ``check_ids()``: the report still names the user's features and
+    tables (it named none: "Feature(s)  (table `fused_0`)")."""
+    ta = tte.TableConfig(1001, 8, name="ta", max_unique_ids_per_shard=1)  # "auto": row below, replicated above
+    tb = tte.TableConfig(600, 8, name="tb", placement="row", max_unique_ids_per_shard=1)
+    ec = tte.EmbeddingCollection({"fa": tte.FeatureConfig(ta, max_ids_per_bag=4), "fb": tte.FeatureConfig(tb)},
+                                 device=DEV)
+    assert shard(ec, replicate_below_bytes=0) == {"ta": "row", "tb": "row"}
+    assert [[m[0] for m in ms] for ms in ec.stacked_members().values()] == [["ta", "tb"]]
+    out = ec({"fa": tte.Padded(torch.arange(32).reshape(8, 4) * 31 + 7), "fb": torch.arange(8) * 7})
+    (out["fa"].sum() + out["fb"].sum()).backward()
+    torch_xla.sync()
+    assert shard(ec, replicate_below_bytes=1 << 30) == {"ta": "replicated", "tb": "row"}
+    assert ec.stacked_members() == {}
+    with pytest.raises(ValueError, match=r"^Feature\(s\) `fa`, `fb` \(tables `ta`, `tb`, stacked as `fused_0`\): "
+                       r"ids over the exchange capacity 2 were dropped"):
+        ec.check_ids()

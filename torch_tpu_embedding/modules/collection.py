@@ -357,13 +357,15 @@ class EmbeddingCollection(AheadLookups, nn.Module):
         """
         problems = self._screen.problems({fname: fc.table.num_embeddings for _, fname, fc, _ in self._features})
         loads = self.largest_loads()
-        dropped = {t: c.per_shard()[0] for t, c in self._exchange_counts.items()}
+        counted = dict(self._exchange_counts)
         self._exchange_counts.clear()
-        for table, per_shard in sorted(dropped.items()):
-            t = self.physical_tables().get(table)  # gone if the tables were restacked since
-            members = t.members() if t is not None else None
-            text = overflow_problem(self._table_features(table), table, [m[0] for m in members] if members else None,
-                                    per_shard, loads[table]["largest_load"], loads[table]["capacity"])
+        tables_of = self.feature_tables()
+        for table, c in sorted(counted.items()):
+            # The features as counted: `shard` may have re-formed the group (`table`) since.
+            features = list(getattr(c, "features", ())) or self._table_features(table)
+            members = list(dict.fromkeys(tables_of[f] for f in features)) if table not in self.tables else None
+            text = overflow_problem(features, table, members, c.per_shard()[0], loads[table]["largest_load"],
+                                    loads[table]["capacity"])
             problems += [text] if text else []
         if problems:
             raise ValueError(" ".join(problems))

@@ -61,11 +61,13 @@ class ExchangeCounts:
     """Device-side counters of one table's exchange since the last check, ``[n_src, n_dst]`` int32
     sharded on dim 0 (each device keeps its own row: no collective): ``dropped`` ids over capacity
     (summed over steps) and ``largest`` the most distinct ids the device had for a shard in one step;
-    ``capacity`` the last step's capacity. Reduced over the sources on the host when read."""
+    ``capacity`` the last step's capacity. Reduced over the sources on the host when read. ``features``:
+    those counted, kept for the report (the table's group may be re-formed before the next check)."""
 
     dropped: torch.Tensor
     largest: torch.Tensor
     capacity: int
+    features: tuple[str, ...] = ()
 
     @staticmethod
     def zeros(n: int, device: torch.device, capacity: int, mesh: Mesh, axis: str) -> ExchangeCounts:
@@ -233,6 +235,7 @@ class RoutedLookup:
             reshard(prev.dropped + routing.overflow, spec(axis, 0, 2), mesh),
             reshard(torch.maximum(prev.largest, routing.load), spec(axis, 0, 2), mesh),
             cap,
+            tuple(dict.fromkeys([*prev.features, *self.features])),
         )
         ok: torch.Tensor = routing.overflow.sum() == 0
         return ok

@@ -256,7 +256,9 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         # A lookup over the id exchange's capacity drops the whole call, before anything (the accumulation
         # window included) is written: the same gate as skip_nonfinite, over every group.
         clean = step_gates.exchange_clean([p for ps in pending for p in ps])
-        self._run.start(clean)
+        checked = next((ps[0].device for g, ps in zip(self.param_groups, pending, strict=True)
+                        if ps and g["skip_nonfinite"]), None)
+        self._run.start(clean, checked)
         clock = StepClock(self._run.iterations, self._run.skipped_now(), self._run.dropped_now())
         clock.clean = clean
         # Every learning rate first: a callable that raises must find every gradient still pending.

@@ -122,11 +122,13 @@ class StepCounters:
         self.last_skipped = None  # (no call since the load: a checkpoint does not keep the last call's flag)
         self.ema_window.clear()
 
-    def start(self, clean: Tensor | None) -> None:
+    def start(self, clean: Tensor | None, checked: torch.device | None = None) -> None:
         """A call begins; ``clean``: whether its lookups dropped no id (``None``: no table of the call goes
-        through the id exchange)."""
+        through the id exchange); ``checked``: the device of a parameter whose group sets ``skip_nonfinite``."""
         if clean is not None and self.dropped is None:  # uploaded: every step then traces the same graph
             self.dropped = torch.zeros(1, dtype=torch.int64).to(clean.device)
+        if checked is not None and self.skipped is None:  # the same: the moving average's counter subtracts it
+            self.skipped = torch.zeros(1, dtype=torch.int64).to(checked)
 
     def count(self, finite: Tensor | None, clean: Tensor | None) -> None:
         """Count the call as ``skip_nonfinite`` (``finite``: whether its gradients are; ``None``: not checked)

@@ -8,23 +8,12 @@ table loaded 1.49 away from what it saved, without a word). In one process: a gr
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import torch_tpu_embedding as tte
-
-
-@pytest.fixture
-def group_of_one(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 class TwoTowers(torch.nn.Module):

@@ -8,23 +8,12 @@ group of one (gloo).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import torch_tpu_embedding as tte
-
-
-@pytest.fixture
-def group_of_one(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_one_file_save_of_sharded_tables_is_refused(tmp_path: Path, group_of_one: None) -> None:

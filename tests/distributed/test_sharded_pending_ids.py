@@ -9,25 +9,14 @@ of one (gloo), a table row-sharded over it.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding.checkpoint import CheckpointMismatchError
 from torch_tpu_embedding.checkpoint.publish import MANIFEST, write_manifest
-
-
-@pytest.fixture
-def group_of_one(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def build() -> tuple[tte.EmbeddingCollection, torch.optim.Optimizer]:

@@ -145,9 +145,9 @@ def shard(
         RuntimeError: ``torch.distributed`` is not initialised, torch_xla SPMD is on, a table was sharded
             already, or a table was moved to the meta device (its values are gone).
         ValueError: an argument of the wrong type or value (``module`` not a module or holding no collection,
-            ``group`` not a process group, ``device`` not a device name or ``"meta"``, a non-bool
-            ``dtensor_state_dict``), a table's placement is ``"column"``, or ``dtensor_state_dict=True`` where
-            every table is replicated, or ``timeout`` not a positive ``datetime.timedelta`` or given with
+            ``group`` not a process group or one this rank is not in, ``device`` not a device name or ``"meta"``,
+            a non-bool ``dtensor_state_dict``), a table's placement is ``"column"``, or ``dtensor_state_dict=True``
+            where every table is replicated, or ``timeout`` not a positive ``datetime.timedelta`` or given with
             ``group``.
         RuntimeError: the ranks did not all arrive within ``timeout``, or their layouts differ (on every rank).
     """
@@ -315,6 +315,11 @@ def _check_call(module: Any, group: Any, replicate_below_bytes: Any, device: Any
     """
     if not isinstance(module, nn.Module):
         raise arg_error("module", "must be a torch.nn.Module holding EmbeddingCollections", type(module).__name__)
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group returns on the ranks it leaves out (an int)
+        raise arg_error("group", f"must be a process group this rank belongs to: rank {dist.get_rank()} of the default "
+                        "group is not one of its ranks (torch.distributed.new_group returns GroupMember."
+                        "NON_GROUP_MEMBER on the ranks it leaves out). Call tte.distributed.shard only on the "
+                        "group's ranks", group)
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise arg_error("group", "must be None (the default group) or a torch.distributed ProcessGroup",
                         type(group).__name__)

@@ -253,11 +253,11 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         check_no_dense_grad(p for g in self.param_groups for p in g["params"])
         pending = [[p for p in g["params"] if grad_intake.has_gradient(p, g, self.state.get(p))]
                    for g in self.param_groups]
-        # A lookup over the id exchange's capacity drops the whole call, before anything (the accumulation
-        # window included) is written: the same gate as skip_nonfinite, over every group.
+        # A lookup over the id exchange's capacity drops the whole call, accumulation too: skip_nonfinite's gate.
         clean = step_gates.exchange_clean([p for ps in pending for p in ps])
-        checked = next((ps[0].device for g, ps in zip(self.param_groups, pending, strict=True)
-                        if ps and g["skip_nonfinite"]), None)
+        checked = None if self._run.skipped is not None else next(  # (looked for until the count exists)
+            (ps[0].device for g, ps in zip(self.param_groups, pending, strict=True) if ps and g["skip_nonfinite"]),
+            None)
         self._run.start(clean, checked)
         clock = StepClock(self._run.iterations, self._run.skipped_now(), self._run.dropped_now())
         clock.clean = clean

@@ -79,7 +79,8 @@ def is_set(v: Any) -> bool:
 
 
 def is_number(v: Any, x: float) -> bool:
-    """Whether hyper-parameter ``v`` is the number ``x``, 0 or 1 (a tensor is neither, as in :func:`is_set`)."""
+    """Whether hyper-parameter ``v`` is the plain number ``x`` (0 or 1, the values the compiled update folds into
+    its code); a tensor never is, as in :func:`is_set`."""
     return not isinstance(v, Tensor) and v == x
 
 

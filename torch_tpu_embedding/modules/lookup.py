@@ -68,9 +68,41 @@ def _hand_over(ctx: Any, ids: torch.Tensor, rows: torch.Tensor) -> None:
     ctx.row_grad.reached.update(ctx.tables)
 
 
-def _keep(ctx: Any, row_grad: RowGrad, tables: frozenset[str], frozen: torch.Tensor | None) -> None:
-    ctx.row_grad, ctx.tables, ctx.frozen = row_grad, tables, frozen
+def _keep(ctx: Any, row_grad: RowGrad, tables: frozenset[str], frozen: torch.Tensor | None,
+          weight: torch.Tensor) -> None:
+    ctx.row_grad, ctx.tables, ctx.frozen, ctx.weight_shape = row_grad, tables, frozen, tuple(weight.shape)
+    ctx.weight_info = table_info(weight)  # (its tables' names, for an error)
     ctx.handle, ctx.tables_key = row_grad.handle, ".".join(sorted(tables))  # (for add_rows)
+
+
+def _records_rows(ctx: Any) -> bool:
+    """Whether this backward adds the table's rows to its ``RowGrad``: as ``loss.backward()`` accumulates into
+    a parameter's ``.grad`` (and ``backward(inputs=...)`` naming the table's weight), and not for a backward
+    that accumulates nothing into the table: ``torch.autograd.grad`` (which leaves every ``.grad`` as it was)
+    or ``backward(inputs=...)`` without the table's weight. A frozen weight gets no rows, as in torch.
+
+    Raises ``RuntimeError`` when ``torch.autograd.grad`` asks for the table's weight itself: its gradient
+    would be a ``[rows, D]`` tensor, which a table never gets (its gradient is row-sparse)."""
+    if not ctx.needs_input_grad[0]:
+        return False
+    if torch.compiler.is_compiling():  # (a compiled backward: no engine to ask; loss.backward() is what compiles)
+        return True
+    node = ctx.next_functions[0][0]
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError as e:  # torch refuses to answer for a leaf that torch.autograd.grad captures
+        if node is None or node.next_functions:  # (not a leaf's: some other failure)
+            raise
+        info = ctx.weight_info
+        names = ", ".join(f"`{t}`" for t in (sorted(ctx.tables) if info is None else info.tables))
+        raise RuntimeError(
+            f"Argument `inputs` of torch.autograd.grad holds the weight of embedding table(s) {names}: a table's "
+            "gradient is row-sparse (one row per looked-up id), never a [rows, embedding_dim] tensor, so "
+            "torch.autograd.grad cannot return it. Call loss.backward() and read EmbeddingCollection.row_grads() "
+            "(each table's ids and gradient rows), or leave the table's weight out of `inputs` (the lookup's "
+            f"outputs, the per-id weights and every other tensor can be asked for). Received: a weight of shape "
+            f"{list(ctx.weight_shape)}"
+        ) from e
 
 
 def _gather(weight: torch.Tensor, safe: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -95,7 +127,7 @@ class _RowSparseLookup(torch.autograd.Function):
             out = _pooled(weight, ids, gains)
         # The weight is kept only when the gains need a gradient (it costs nothing otherwise).
         ctx.save_for_backward(ids, gains, weight if ctx.needs_input_grad[2] else None)
-        _keep(ctx, row_grad, tables, frozen)
+        _keep(ctx, row_grad, tables, frozen, weight)
         ctx.splits, ctx.unit, ctx.uniform, ctx.columns, ctx.constant = splits, unit, uniform, columns, constant
         if columns:  # bags batch-major ([B·F] rows): each feature's [B, D] a view of [B, F·D], in one op
             # (slices along dim 1, not unbind: on XLA the caller's torch.cat gradient is then one tensor)
@@ -114,7 +146,7 @@ class _RowSparseLookup(torch.autograd.Function):
             grads = (_columns_whole(grads, broadcast=not ctx.needs_input_grad[2]),)
             ctx.splits = (ids.shape[0],)
         grad_out = None
-        if ctx.needs_input_grad[0]:  # a frozen weight (requires_grad False) gets no gradient, as in torch
+        if _records_rows(ctx):
             grad_out = _record_rows(ctx, ids, gains, grads)
         grad_gains = None
         if ctx.needs_input_grad[2]:  # <row, grad_out> per position; padding positions get 0 from bag_gains
@@ -249,7 +281,7 @@ class _JaggedLookup(torch.autograd.Function):
             rows = weight.index_select(0, ids).to(gains.dtype) * gains.unsqueeze(1)
             out = rows.new_zeros(offsets.numel() - 1, weight.shape[1]).index_add_(0, bag, rows).to(weight.dtype)
         ctx.save_for_backward(ids, gains, bag, weight if ctx.needs_input_grad[2] else None)
-        _keep(ctx, row_grad, tables, frozen)
+        _keep(ctx, row_grad, tables, frozen, weight)
         return out
 
     @staticmethod
@@ -258,7 +290,7 @@ class _JaggedLookup(torch.autograd.Function):
     ) -> tuple[None, None, torch.Tensor | None, None, None, None, None, None]:
         ids, gains, bag, weight = ctx.saved_tensors
         per_id = grad_out.to(gains.dtype).index_select(0, bag)  # [nnz, D]: each id's bag's gradient
-        if ctx.needs_input_grad[0]:  # a frozen weight gets no gradient, as in torch
+        if _records_rows(ctx):
             frozen, at, own = ctx.frozen, ids, gains
             if frozen is not None:  # frozen members of a stacked group: their ids become the sentinel, zero rows
                 at = torch.where(frozen[ids], frozen.shape[0], ids)

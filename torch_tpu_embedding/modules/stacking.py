@@ -274,6 +274,10 @@ def split_stacked_weights(module: nn.Module, state_dict: dict[str, Any], prefix:
         value = mine.pop(prefix + f"groups.{gname}.weight", None)
         if value is not None:
             rows = {prefix + f"tables.{t}.weight": value[off : off + n] for t, off, n in members}
+            if isinstance(value, nn.Parameter):  # keep_vars=True: each table's rows as ec.tables.<name>.weight
+                group = cast(StackedTables, cast(nn.ModuleDict, module.groups)[gname])
+                for (t, off, n), view in zip(members, rows.values(), strict=True):
+                    register_view(view, StackedRows(t, gname, off, n, group.weight, group.logical_rows))
             if value.device.type == "xla":  # copies: a view of a parameter updated in place is recomputed
                 rows = {k: v.clone() for k, v in rows.items()}  # from it on every read, one compile per shape
                 lazy.extend(rows.values())

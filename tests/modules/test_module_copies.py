@@ -108,8 +108,38 @@ def test_functional_call_reads_substituted_weights_and_leaves_the_tables_trainab
     first = next(iter(values.values()))
     torch.testing.assert_close(out["a"], first[ids["a"]], rtol=0, atol=0)
     wanting = {k: v.clone().requires_grad_() for k, v in values.items()}
-    with pytest.raises(RuntimeError, match=r"Table `\w+`.*substituted.*torch.no_grad"):
+    tables = r"Tables `a`, `b`, `c` \(stacked together\)" if stack else r"Table `a`"  # the user's names
+    with pytest.raises(RuntimeError, match=tables + r": a tensor substituted.*torch.no_grad"):
         torch.func.functional_call(ec, wanting, (ids,))
     before = {k: v.clone() for k, v in ec.state_dict().items()}
     _train(ec, opt, 1, seed=1)  # the tables' own weights: still registered, trained
     assert any(not torch.equal(before[k], v) for k, v in ec.state_dict().items())
+
+
+@pytest.mark.parametrize("stack", [True, False], ids=["stacked", "unstacked"])
+def test_functional_call_with_replacement_parameters_leaves_the_tables_theirs(stack: bool) -> None:
+    """Replacement ``nn.Parameter`` objects (as ``dict(model.named_parameters())`` copies give) are substitutes
+    for one call like plain tensors: read under no_grad (the plain-torch numbers), a gradient refused (each call,
+    not only the first), and the collection's own weights stay its tables, trained by its optimizer."""
+    ec = _make(stack)
+    opt = tte.optim.SGD(ec.parameters(), lr=0.5)
+    ids = {n: torch.tensor([1, 3, 3]) for n in "abc"}
+    start = {k: v.clone() for k, v in ec.state_dict().items()}
+    swapped = {k: torch.nn.Parameter(v.detach() * 2 + 1) for k, v in ec.named_parameters()}
+    with torch.no_grad():
+        out = torch.func.functional_call(ec, swapped, (ids,))
+    for n in "abc":  # plain torch: the replacement's rows of each table
+        weight = 2 * start[f"tables.{n}.weight"] + 1
+        torch.testing.assert_close(out[n], weight[ids[n]], rtol=0, atol=0)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"a tensor substituted for the weight .* cannot get a gradient"):
+            torch.func.functional_call(ec, swapped, (ids,))
+    assert all(table_info(p) is None for p in swapped.values())  # the caller's tensors stay theirs
+    out = ec(ids)
+    sum((i + 1) * o.sum() for i, o in enumerate(out.values())).backward()
+    opt.step()  # its own weights: still its tables (no "no longer the table's")
+    for i, n in enumerate("abc"):  # plain torch SGD: -lr · (i + 1) per occurrence of an id
+        want = start[f"tables.{n}.weight"].clone()
+        want[1] -= 0.5 * (i + 1)
+        want[3] -= 0.5 * (i + 1) * 2
+        torch.testing.assert_close(ec.state_dict()[f"tables.{n}.weight"], want)

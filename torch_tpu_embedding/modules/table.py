@@ -220,31 +220,40 @@ class EmbeddingTable(nn.Module):
                 "(or EmbeddingCollection(..., device='meta')), or build it with its values."
             )
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "weight" and isinstance(value, nn.Parameter):
+            # A weight set as the module's (load_state_dict(assign=True), `table.weight = ...`) becomes the table's
+            # at its first use; one put in place for a call (torch.func.functional_call writes `_parameters`) is not.
+            self.__dict__["_assigned_weight"] = id(value)
+        super().__setattr__(name, value)
+
     @property
     def row_grad(self) -> RowGrad:
         info = table_info(self.weight)
-        if info is None and not isinstance(self.weight, nn.Parameter):
+        if info is None and self.__dict__.get("_assigned_weight") != id(self.weight):
             info = self._substituted()
-        elif info is None:  # the Parameter object was replaced (e.g. by .to() or load with assign)
+        elif info is None:  # the Parameter object was replaced (load_state_dict with assign=True)
             info = self._register()
         return info.row_grad
 
     def _substituted(self) -> TableInfo:
-        """The info of a plain tensor in place of the weight for one call (``torch.func.functional_call``):
-        looked up as the table, whose own weight stays registered (an optimizer still trains it). A gradient
-        for it is refused: a table's gradient is row-sparse and reaches only the table's own parameter."""
+        """The info of a tensor in place of the weight for one call (``torch.func.functional_call``), not
+        registered: looked up as the table, whose own weight stays registered (an optimizer still trains it). A
+        gradient for it is refused: a table's gradient is row-sparse and reaches only the table's own parameter."""
         if self.weight.requires_grad and torch.is_grad_enabled():
+            members = self.members()  # (the user's tables: a stacked group's name is not theirs)
+            tables = f"Tables {', '.join(f'`{m[0]}`' for m in members)} (stacked together)" if members \
+                else f"Table `{self.name}`"
             raise RuntimeError(
-                f"Table `{self.name}`: a tensor substituted for its weight (torch.func.functional_call, "
+                f"{tables}: a tensor substituted for the weight (torch.func.functional_call, "
                 "torch.nn.utils.stateless) cannot get a gradient: a table's gradient is row-sparse and reaches "
                 "only the table's own parameter, for the optimizer. Look up under torch.no_grad() (or with "
                 "tensors that do not require grad) to read with other values; to train them, load them into "
                 "the table (load_state_dict)."
             )
-        return register_table(
-            self.weight, self.name, self.config.num_embeddings, self.config.optimizer, self.members(),
-            self.row_layout,
-        )
+        # Not registered: the tensor is the caller's, and it stays theirs (the next call is checked again)
+        return TableInfo(self.name, self.config.num_embeddings, self.config.optimizer, members=self.members(),
+                         layout=self.row_layout)
 
     def __getstate__(self) -> dict[str, Any]:
         # What the library knows about the weight lives beside it, keyed by the tensor (_rows): a copy

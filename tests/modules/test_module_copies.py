@@ -143,3 +143,73 @@ def test_functional_call_with_replacement_parameters_leaves_the_tables_theirs(st
         want[1] -= 0.5 * (i + 1)
         want[3] -= 0.5 * (i + 1) * 2
         torch.testing.assert_close(ec.state_dict()[f"tables.{n}.weight"], want)
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, stack: bool) -> None:
+        super().__init__()
+        self.ec = _make(stack)
+        self.scale = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+
+    def forward(self, ids: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = self.ec(ids)
+        return sum(s * o.square().sum() for s, o in zip(self.scale, out.values(), strict=True))
+
+
+_PENDING_IDS = {n: torch.tensor([1, 3, 3, 7]) for n in "abc"}
+
+
+def _sgd_reference(start: dict[str, torch.Tensor], lr: float) -> dict[str, torch.Tensor]:
+    """Plain torch in float64: each table after one SGD step of _Model's loss at ``start``."""
+    out = {}
+    for i, n in enumerate("abc"):
+        w = start[f"ec.tables.{n}.weight"].double().requires_grad_()
+        ((i + 1) * w[_PENDING_IDS[n]].square().sum()).backward()
+        out[f"ec.tables.{n}.weight"] = (w - lr * w.grad).detach()
+    return out
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("stack", [True, False], ids=["stacked", "unstacked"])
+def test_a_copy_made_while_rows_are_pending_starts_without_them(how: str, stack: bool) -> None:
+    """As torch's copies of a parameter carry no ``.grad``, a copy of a model made between backward and step has
+    no pending rows; the original keeps its own, and each steps with its own optimizer to the plain-torch numbers."""
+    model = _Model(stack)
+    start = {k: v.clone() for k, v in model.state_dict().items() if ".tables." in k}
+    model(_PENDING_IDS).backward()
+    twin = copy.deepcopy(model) if how == "deepcopy" else _pickled(model)
+    assert sorted(model.ec.row_grads()) == ["a", "b", "c"] and twin.ec.row_grads() == {}
+    opt, twin_opt = tte.optim.SGD(model.ec.parameters(), lr=0.5), tte.optim.SGD(twin.ec.parameters(), lr=0.5)
+    opt.step()
+    twin_opt.step()  # nothing pending: nothing changes
+    want = _sgd_reference(start, 0.5)
+    for k, v in want.items():
+        torch.testing.assert_close(model.state_dict()[k].double(), v)
+        assert torch.equal(twin.state_dict()[k], start[k]), k
+    twin(_PENDING_IDS).backward()  # the copy's own backward: the same step from the same start
+    twin_opt.step()
+    for k, v in want.items():
+        torch.testing.assert_close(twin.state_dict()[k].double(), v)
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["copy", "swap_module_params_on_conversion"])
+@pytest.mark.parametrize("stack", [True, False], ids=["stacked", "unstacked"])
+def test_pending_rows_survive_a_cast_and_loads_work_with_torch_swapping_params(swap: bool, stack: bool) -> None:
+    """``model.double()`` between backward and step keeps the pending rows (torch casts ``.grad`` along); with
+    ``torch.__future__.set_swap_module_params_on_conversion(True)`` the cast and ``load_state_dict`` work too (a
+    table's weight is written in place: torch's swap refuses tensors with weak references)."""
+    model = _Model(stack)
+    start = {k: v.clone() for k, v in model.state_dict().items() if ".tables." in k}
+    model(_PENDING_IDS).backward()
+    torch.__future__.set_swap_module_params_on_conversion(swap)
+    try:
+        model.double()
+        model.load_state_dict(model.state_dict())
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    assert all(p.dtype == torch.float64 for p in model.parameters())
+    assert sorted(model.ec.row_grads()) == ["a", "b", "c"]
+    opt = tte.optim.SGD(model.ec.parameters(), lr=0.5)
+    opt.step()
+    for k, v in _sgd_reference(start, 0.5).items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-6, atol=1e-6)  # float32 gradient rows

@@ -20,7 +20,7 @@ from torch_tpu_embedding._rows.tables import TableInfo, register_table, retire_t
 from torch_tpu_embedding._util.huge_pages import empty
 from torch_tpu_embedding.config import TableConfig, default_initializer
 from torch_tpu_embedding.modules.deferred_init import DeferredDraw, defer, fill
-from torch_tpu_embedding.modules.later_writes import later_writes
+from torch_tpu_embedding.modules.later_writes import later_writes, written_in_place
 
 __all__ = ["EmbeddingTable", "host_empty", "write_rows"]
 
@@ -272,7 +272,8 @@ class EmbeddingTable(nn.Module):
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> EmbeddingTable:
         old = self.weight
         try:
-            super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+            with written_in_place():  # (torch's swap of tensors refuses the weight)
+                super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         except NotImplementedError as e:
             if not old.is_meta:
                 raise
@@ -288,6 +289,10 @@ class EmbeddingTable(nn.Module):
         if self.weight is not old or table_info(self.weight) is None:
             self._register()
         return self
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        with written_in_place():  # (torch's swap of tensors refuses the weight)
+            super()._load_from_state_dict(*args, **kwargs)  # type: ignore[no-untyped-call]
 
     def extra_repr(self) -> str:
         c = self.config

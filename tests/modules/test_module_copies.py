@@ -213,3 +213,32 @@ def test_pending_rows_survive_a_cast_and_loads_work_with_torch_swapping_params(s
     opt.step()
     for k, v in _sgd_reference(start, 0.5).items():
         torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-6, atol=1e-6)  # float32 gradient rows
+
+
+class _Served(torch.nn.Module):
+    def __init__(self, ec: tte.EmbeddingCollection) -> None:
+        super().__init__()
+        self.ec = ec
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        out = self.ec({n: tte.Padded(ids, mask) for n in "abc"})
+        return torch.cat([out[n] for n in "abc"], dim=1)
+
+
+@pytest.mark.parametrize("stack", [True, False], ids=["stacked", "unstacked"])
+def test_torch_export_leaves_the_tables_theirs(stack: bool) -> None:
+    """torch.export traces with fake parameters in place of the weights (under grad): the export equals eager mode,
+    and the collection's own weights stay its tables (an optimizer built before the export still trains them)."""
+    ec = _make(stack)
+    opt = tte.optim.SGD(ec.parameters(), lr=0.5)
+    ids, mask = torch.tensor([[1, 3], [3, 0]]), torch.tensor([[True, True], [True, False]])
+    program = torch.export.export(_Served(ec), (ids, mask))
+    torch.testing.assert_close(program.module()(ids, mask), _Served(ec)(ids, mask), rtol=0, atol=0)
+    start = {k: v.clone() for k, v in ec.state_dict().items()}
+    out = ec({n: ids[:, 0] for n in "abc"})
+    sum(o.sum() for o in out.values()).backward()
+    opt.step()
+    for n in "abc":  # plain torch SGD: -lr per occurrence of ids 1 and 3
+        want = start[f"tables.{n}.weight"].clone()
+        want[[1, 3]] -= 0.5
+        torch.testing.assert_close(ec.state_dict()[f"tables.{n}.weight"], want)

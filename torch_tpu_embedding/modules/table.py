@@ -240,7 +240,8 @@ class EmbeddingTable(nn.Module):
         """The info of a tensor in place of the weight for one call (``torch.func.functional_call``), not
         registered: looked up as the table, whose own weight stays registered (an optimizer still trains it). A
         gradient for it is refused: a table's gradient is row-sparse and reaches only the table's own parameter."""
-        if self.weight.requires_grad and torch.is_grad_enabled():
+        # (torch.export traces with fake parameters in place of the weights, under grad: nothing to refuse there)
+        if self.weight.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling():
             members = self.members()  # (the user's tables: a stacked group's name is not theirs)
             tables = f"Tables {', '.join(f'`{m[0]}`' for m in members)} (stacked together)" if members \
                 else f"Table `{self.name}`"

@@ -147,4 +147,7 @@ def test_tables_of_two_dtypes_stack_apart_and_keep_their_dtypes() -> None:
     out = ec({"h1": torch.tensor([5]), "f": torch.tensor([4]), "h2": torch.tensor([3])})
     assert {n: o.dtype for n, o in out.items()} == {"h1": torch.float16, "f": torch.float32, "h2": torch.float16}
     assert torch.equal(out["h2"][0], values["tables.h2.weight"][3]) and torch.equal(out["f"][0], values["tables.f.weight"][4])
+    side = ec({"h1": torch.tensor([5]), "f": torch.tensor([4]), "h2": torch.tensor([3])}, concat=True)
+    assert side.dtype == torch.float32  # torch.cat's promotion: the float16 values exactly, side by side
+    assert torch.equal(side[0], torch.cat([out[n][0].float() for n in ec.feature_names]))
     assert {k: v.dtype for k, v in ec.state_dict().items()} == {k: v.dtype for k, v in values.items()}

@@ -66,7 +66,8 @@ class Jagged:
 class Padded:
     """Bags padded to a fixed width: ``ids [B, L]``, ``mask [B, L]`` (True = real id; ``None`` = all).
 
-    The cheapest form on XLA: it can be built on the device and needs no host work.
+    The cheapest form on XLA: it can be built on the device and needs no host work. Where the mask holds no
+    id, neither the id nor the weight is read: either may be any value.
     """
 
     ids: torch.Tensor
@@ -390,8 +391,8 @@ def _padded_bags(
     elif ids.dtype.is_floating_point:
         _check_ids(feature, ids, vocab)  # dtype error only
     if p.weights is not None:
-        _check_weights(feature, p.weights, tuple(ids.shape), "the padded ids")
-        check_weights_fit(feature, p.weights, dtype)
+        _check_weights(feature, p.weights, tuple(ids.shape), "the padded ids", mask)
+        check_weights_fit(feature, p.weights, dtype, mask)
     combine, seq_len, out_shape = _mode(feature, fc, (ids.shape[0],))
     # Without a mask nothing below copies: copy here, so the ids kept for the optimizer step are
     # never the caller's tensor (as for dense ids).
@@ -420,5 +421,5 @@ def _padded_bags(
         ids = torch.where(valid, ids, sentinel)
     w = None if p.weights is None else p.weights.to(device=device, dtype=compute_dtype(dtype))
     if w is not None and p.weights is not None and p.weights.device.type == "xla" and w.device.type != "xla":
-        _check_weights(feature, w, tuple(ids.shape), "the padded ids")  # read back to the host: check here
+        _check_weights(feature, w, tuple(ids.shape), "the padded ids", valid)  # read back to the host: check here
     return Bags(ids, valid, w, out_shape, True)

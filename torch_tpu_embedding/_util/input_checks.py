@@ -60,21 +60,36 @@ def check_ids(feature: str, ids: torch.Tensor, vocab: int, table: str | None = N
             raise err(feature, f"ids must be in [0, {vocab}) ({whose}). Received: {bad}")
 
 
-def check_weights(feature: str, w: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
+def _of_ids(w: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """The weights of real ids: where a ``Padded`` mask holds no id the weight is never used (the combiner takes
+    none there, as the device's count of bad weights skips it), so it may be anything, NaN too."""
+    if valid is None or valid.device != w.device or tracing():
+        return w
+    return w[valid]
+
+
+def check_weights(
+    feature: str, w: torch.Tensor, shape: tuple[int, ...], what: str, valid: torch.Tensor | None = None
+) -> None:
+    """Floating point weights of ``shape``, finite where ``valid`` (a ``Padded`` mask of that shape) holds an id."""
     if not torch.is_floating_point(w):
         raise TypeError(
             f"Feature `{feature}`: weights must be a floating point tensor. Received dtype {w.dtype}."
         )
     if tuple(w.shape) != shape:
         raise err(feature, f"weights must have the shape of {what} {shape}. Received: {tuple(w.shape)}")
-    if w.device.type != "xla" and w.numel() and not tracing() and not bool(torch.isfinite(w).all()):
+    if w.device.type != "xla" and w.numel() and not tracing() and not bool(torch.isfinite(_of_ids(w, valid)).all()):
         raise err(feature, "weights must be finite. Received a NaN or inf weight.")
 
 
-def check_weights_fit(feature: str, w: torch.Tensor, dtype: torch.dtype) -> None:
-    """Host weights stay finite once converted to the compute dtype of a ``dtype`` table."""
+def check_weights_fit(feature: str, w: torch.Tensor, dtype: torch.dtype, valid: torch.Tensor | None = None) -> None:
+    """Host weights stay finite once converted to the compute dtype of a ``dtype`` table (where ``valid`` holds
+    an id)."""
     target = compute_dtype(dtype)
     if w.device.type == "xla" or not w.numel() or tracing() or torch.finfo(target).max >= torch.finfo(w.dtype).max:
+        return
+    w = _of_ids(w, valid)
+    if not w.numel():
         return
     big = float(w.abs().max())
     if big > torch.finfo(target).max:

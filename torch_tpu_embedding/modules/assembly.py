@@ -252,7 +252,9 @@ class AssembledBatch:
                 if not bool(torch.isfinite(w).all()) or (
                         torch.finfo(target).max < torch.finfo(w.dtype).max
                         and bool(w.abs().amax() > torch.finfo(target).max)):
-                    self._raise()
+                    # (a masked-out position holds no id, and its weight may be anything: only the features' own
+                    # checks, under their masks, tell; the lookup's gains take no weight there)
+                    self._raise(masked_weights=self.sig[5])
         moved = not self.resident and not ahead
         if moved:  # one transfer of the batch's ids (and mask, weights); the rest is the device's
             ids = upload(ids, self.weight.device)
@@ -298,12 +300,15 @@ class AssembledBatch:
         """The tensors :meth:`assemble` made (CUDA: recorded on the stream that uses them)."""
         return [t for t in (self._ids, self._weights) if t is not None]
 
-    def _raise(self) -> None:
-        """The first bad feature's own error, from its per-feature normalisation."""
+    def _raise(self, masked_weights: bool = False) -> None:
+        """The first bad feature's own error, from its per-feature normalisation. ``masked_weights``: the group
+        check found a non-finite weight and the features have masks; returns if each lies where its mask holds
+        no id."""
         for (feature, fc, _, table), value, weight in zip(self.members, self._values, self._wvalues, strict=True):
             to_bags(feature, fc, value, weight, sentinel=self.sentinel, device=torch.device("cpu"),
                     dtype=self.weight.dtype, table=table)
-        raise AssertionError("the group check found a bad id or weight that no feature's own check finds")
+        if not masked_weights:
+            raise AssertionError("the group check found a bad id or weight that no feature's own check finds")
 
     def _lookup(self, columns: int) -> tuple[torch.Tensor, ...]:
         assert self._ids is not None, "assemble() first"

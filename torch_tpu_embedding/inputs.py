@@ -175,6 +175,16 @@ def _normalise_variable(
     return _from_sparse(feature, value.cpu(), None if weight is None else weight.cpu())
 
 
+def _sequence_weights(feature: str, fc: FeatureConfig, positions: int) -> ValueError:
+    """TF's error for weights of a sequence feature, with what makes it one: an ``output_shape`` of ``k·B`` positions
+    makes a sequence of a feature without ``max_sequence_length`` (TF ignores its weights; they are refused here)."""
+    why = (f"max_sequence_length={fc.max_sequence_length}" if fc.is_sequence or fc.output_shape is None else
+           f"output_shape {tuple(fc.output_shape)} holds {positions} positions per bag: prod(output_shape) is "
+           f"{positions} × the batch, so each bag's ids are looked up one per position, not combined")
+    return ValueError(f"Weight specified for `{feature}`, but this is a sequence feature ({why}). A sequence takes "
+                      "no weights: give its input without weights (None for it in `weights`).")
+
+
 def _mode(feature: str, fc: FeatureConfig, leading: tuple[int, ...]) -> tuple[bool, int, tuple[int, ...]]:
     """Resolve TF's output-shape rules (§2.4) → (combine, seq_len, out_shape)."""
     b = math.prod(leading)
@@ -266,7 +276,7 @@ def to_bags(
     nbags = math.prod(rp.leading)
     # (a sequence feature combining a rank > 2 input too, as TF's CPU lookup rejects them by the config alone)
     if (not combine or fc.is_sequence) and rp.weights is not None:
-        raise ValueError(f"Weight specified for `{feature}`, but this is a sequence feature.")
+        raise _sequence_weights(feature, fc, seq_len)
     if not combine:
         keep = rp.pos < seq_len
         ids2d = torch.full((nbags, seq_len), sentinel, dtype=torch.int64)
@@ -407,7 +417,7 @@ def _padded_bags(
         )
     if not combine:
         if p.weights is not None:
-            raise ValueError(f"Weight specified for `{feature}`, but this is a sequence feature.")
+            raise _sequence_weights(feature, fc, seq_len)
         width = ids.shape[1]
         if width >= seq_len:
             ids, valid = ids[:, :seq_len], valid[:, :seq_len]

@@ -104,6 +104,18 @@ INPUT_CASES = [
     ("weights-for-sequence", {"max_sequence_length": 2},
      {"f": tte.Jagged(torch.tensor([1, 2]), lengths=torch.tensor([1, 1]), weights=torch.ones(2)), "g": OK_G}, None,
      ValueError, r"Weight specified for `f`, but this is a sequence feature."),
+    # the rule that makes it a sequence, named: max_sequence_length, or an output_shape of k·B positions (k = 2)
+    ("weights-for-sequence-named", {"max_sequence_length": 2},
+     {"f": tte.Padded(torch.tensor([[1, 2]]), None, torch.ones(1, 2)), "g": OK_G[:1]}, None, ValueError,
+     r"Weight specified for `f`, but this is a sequence feature \(max_sequence_length=2\)\. A sequence takes no "
+     r"weights"),
+    ("weights-for-output-shape-sequence", {"output_shape": [2, 2]},
+     {"f": tte.Jagged(torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 1]), weights=torch.ones(3)), "g": OK_G},
+     None, ValueError, r"Weight specified for `f`, but this is a sequence feature \(output_shape \(2, 2\) holds 2 "
+     r"positions per bag: prod\(output_shape\) is 2 × the batch"),
+    ("padded-weights-for-output-shape-sequence", {"output_shape": [2, 2]},
+     {"f": tte.Padded(torch.tensor([[1, 2], [3, 0]]), None, torch.ones(2, 2)), "g": OK_G}, None, ValueError,
+     r"sequence feature \(output_shape \(2, 2\) holds 2 positions per bag"),
     ("dense-for-sequence", {"max_sequence_length": 2}, {"f": torch.tensor([1, 2]), "g": OK_G}, None, ValueError,
      r"is a sequence feature but a dense tensor was passed"),
     ("dense-rank2-last-not-1", {}, {"f": torch.ones(2, 3, dtype=torch.long), "g": OK_G}, None, ValueError,

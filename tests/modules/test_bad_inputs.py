@@ -79,6 +79,14 @@ CASES = [
      r"Feature `f`: ids must be an integer tensor"),
     ("padded-float-ids", ok(f=tte.Padded(torch.ones(2, 2))), None, TypeError, r"Feature `f`: ids must be an integer"),
     ("sparse-float-ids", ok(f=sparse([1.0, 2.0, 3.0])), None, TypeError, r"Feature `f`: ids must be an integer"),
+    # a hybrid sparse COO tensor (values [nnz, 2]: two ids at an index) is no tf.SparseTensor of ids
+    ("sparse-hybrid", ok(f=torch.sparse_coo_tensor(torch.tensor([[0, 1], [0, 2]]), torch.tensor([[1, 2], [3, 4]]),
+                                                   (2, 3, 2))), None, ValueError,
+     r"Feature `f`: a sparse input must hold one id at each index.*hybrid sparse COO tensor of shape \(2, 3, 2\) "
+     r"with 1 dense dim"),
+    ("sparse-hybrid-empty", ok(s=torch.sparse_coo_tensor(torch.zeros(2, 0, dtype=torch.long),
+                                                         torch.zeros(0, 2, dtype=torch.long), (2, 3, 2))), None,
+     ValueError, r"Feature `s`: a sparse input must hold one id at each index"),
     ("bool-ids", ok(g=torch.tensor([True, False])), None, TypeError, r"Feature `g`: ids must be an integer tensor"),
     ("weights-int", ok(f=jag([1, 2, 3], weights=torch.tensor([1, 2, 3]))), None, TypeError,
      r"Feature `f`: weights must be a floating point tensor"),

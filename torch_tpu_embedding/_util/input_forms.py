@@ -57,6 +57,11 @@ def from_offsets(
 def from_sparse(feature: str, sp: torch.Tensor, wsp: torch.Tensor | None) -> RowPos:
     if sp.dim() < 2:
         raise _err(feature, f"a sparse input must have rank >= 2. Received shape {tuple(sp.shape)}")
+    if sp.dense_dim():  # (its values are rows, not ids: its indices would be read as the bags' and positions')
+        raise _err(feature, f"a sparse input must hold one id at each index, as tf.SparseTensor does (dense_dim() 0). "
+                   f"Received a hybrid sparse COO tensor of shape {tuple(sp.shape)} with {sp.dense_dim()} dense "
+                   f"dim(s) (values of shape {tuple(sp._values().shape)}): build it with "
+                   "torch.sparse_coo_tensor(indices, ids) over every dim, or give the bags as Jagged or Padded")
     idx, vals = sp._indices(), sp._values()
     leading = tuple(sp.shape[:-1])
     # Linear bag index over the leading dims, then sort entries by (bag, column) as TF requires.

@@ -39,8 +39,10 @@ from torch_tpu_embedding._util.input_checks import check_weights as _check_weigh
 from torch_tpu_embedding._util.input_checks import err as _err
 from torch_tpu_embedding._util.input_checks import tracing as _tracing
 from torch_tpu_embedding._util.input_forms import RowPos as _RowPos
+from torch_tpu_embedding._util.input_forms import from_nested as _from_nested
 from torch_tpu_embedding._util.input_forms import from_offsets as _from_offsets
 from torch_tpu_embedding._util.input_forms import from_sparse as _from_sparse
+from torch_tpu_embedding._util.input_forms import nested_entries
 from torch_tpu_embedding.config import FeatureConfig
 
 __all__ = ["Bags", "Jagged", "Padded", "to_bags"]
@@ -152,23 +154,13 @@ def _normalise_variable(
                 raise _err(feature, f"lengths must be 1-D and >= 0. Received: {lengths}")
             offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
         if isinstance(w, torch.Tensor) and w.is_nested:
-            w = w.values()
+            w = nested_entries(w)[0]
         return _from_offsets(feature, value.values.cpu(), offsets.cpu(), None if w is None else w.cpu())
     assert isinstance(value, torch.Tensor)
     if value.is_nested:
         if value.layout != torch.jagged or value.dim() != 2:
             raise _err(feature, "nested inputs must be 2-D torch.nested tensors with layout=torch.jagged")
-        w = weight
-        if isinstance(w, torch.Tensor) and w.is_nested:
-            if not torch.equal(w.offsets().cpu(), value.offsets().cpu()):  # type: ignore[attr-defined]
-                raise _err(feature, "nested weights must have the same offsets as the ids")
-            w = w.values()
-        return _from_offsets(
-            feature,
-            value.values().cpu(),
-            value.offsets().cpu(),  # type: ignore[attr-defined]
-            None if w is None else w.cpu(),
-        )
+        return _from_nested(feature, value, weight)
     if value.layout != torch.sparse_coo:
         raise _err(feature, f"sparse inputs must be sparse COO tensors (tf.SparseTensor's layout). Received layout "
                    f"{value.layout}: convert it with .to_sparse_coo()")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 
@@ -13,7 +14,7 @@ from torch_tpu_embedding._util.input_checks import check_weights as _check_weigh
 from torch_tpu_embedding._util.input_checks import err as _err
 from torch_tpu_embedding._util.input_checks import tracing as _tracing
 
-__all__ = ["RowPos", "from_offsets", "from_sparse"]
+__all__ = ["RowPos", "from_nested", "from_offsets", "from_sparse", "nested_entries"]
 
 
 @dataclasses.dataclass
@@ -52,6 +53,46 @@ def from_offsets(
     if weights is not None:
         _check_weights(feature, weights, tuple(values.shape), "the jagged values")
     return RowPos(row, rank, rank, values, weights, (b,))
+
+
+def _layout(nt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A jagged nested tensor's ``(offsets(), lengths())`` (methods torch's type stubs do not list)."""
+    jagged: Any = nt
+    return jagged.offsets(), jagged.lengths()
+
+
+def nested_entries(nt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A jagged nested tensor's own entries as host ``(values, offsets)``, and their positions in its ``values()``
+    (``None``: all of them, in order). One with holes (built with ``lengths=``, or by ``torch.nested.narrow``)
+    holds row ``b`` at ``values()[offsets[b] : offsets[b] + lengths[b]]``; the entries between rows are not its
+    own (``unbind()`` leaves them out), so they are never ids or weights."""
+    offsets, lengths = _layout(nt)
+    values, offsets = nt.values().cpu(), offsets.cpu()
+    if lengths is None:
+        return values, offsets, None
+    lengths = lengths.cpu().to(torch.int64)
+    packed = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
+    row = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    take = offsets[:-1].to(torch.int64)[row] + torch.arange(row.numel()) - packed[:-1][row]
+    return values[take], packed, take
+
+
+def from_nested(feature: str, nt: torch.Tensor, w: torch.Tensor | None) -> RowPos:
+    """A 2-D jagged nested tensor's bags (holes left out); ``w``: nested weights of its offsets and lengths, or
+    one weight per entry of its ``values()``."""
+    ids, offsets, take = nested_entries(nt)
+    if isinstance(w, torch.Tensor) and w.is_nested:
+        (wo, wl), (io, il) = _layout(w), _layout(nt)
+        if not (torch.equal(wo.cpu(), io.cpu()) and (wl is None) == (il is None)
+                and (wl is None or il is None or torch.equal(wl.cpu(), il.cpu()))):
+            raise _err(feature, "nested weights must have the same offsets (and lengths) as the ids")
+        w = nested_entries(w)[0]
+    elif w is not None and take is not None:  # (the ids' holes have weights too: left out with them)
+        if tuple(w.shape) != tuple(nt.values().shape):
+            raise _err(feature, f"weights must have the shape of the nested ids' values() {tuple(nt.values().shape)}"
+                       f". Received: {tuple(w.shape)}")
+        w = w.cpu()[take]
+    return from_offsets(feature, ids, offsets, None if w is None else w.cpu())
 
 
 def from_sparse(feature: str, sp: torch.Tensor, wsp: torch.Tensor | None) -> RowPos:

@@ -72,6 +72,11 @@ def check_weights(
     feature: str, w: torch.Tensor, shape: tuple[int, ...], what: str, valid: torch.Tensor | None = None
 ) -> None:
     """Floating point weights of ``shape``, finite where ``valid`` (a ``Padded`` mask of that shape) holds an id."""
+    if w.layout != torch.strided or w.is_nested:  # (nested weights were unpacked by the caller: not these)
+        kind = "nested" if w.is_nested else str(w.layout).removeprefix("torch.")
+        raise err(feature, f"weights must be a dense (strided) tensor of the shape of {what} {shape}, one weight per "
+                  f"id. Received a {kind} tensor (nested weights go with nested or Jagged ids, sparse COO weights with "
+                  "sparse COO ids at the same indices)")
     if not torch.is_floating_point(w):
         raise TypeError(
             f"Feature `{feature}`: weights must be a floating point tensor. Received dtype {w.dtype}."

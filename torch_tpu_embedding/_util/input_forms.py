@@ -88,9 +88,8 @@ def from_nested(feature: str, nt: torch.Tensor, w: torch.Tensor | None) -> RowPo
             raise _err(feature, "nested weights must have the same offsets (and lengths) as the ids")
         w = nested_entries(w)[0]
     elif w is not None and take is not None:  # (the ids' holes have weights too: left out with them)
-        if tuple(w.shape) != tuple(nt.values().shape):
-            raise _err(feature, f"weights must have the shape of the nested ids' values() {tuple(nt.values().shape)}"
-                       f". Received: {tuple(w.shape)}")
+        if w.layout != torch.strided or tuple(w.shape) != tuple(nt.values().shape):  # (its error: layout, shape)
+            _check_weights(feature, w, tuple(nt.values().shape), "the nested ids' values()")
         w = w.cpu()[take]
     return from_offsets(feature, ids, offsets, None if w is None else w.cpu())
 

@@ -61,11 +61,12 @@ def check_ids(feature: str, ids: torch.Tensor, vocab: int, table: str | None = N
 
 
 def _of_ids(w: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-    """The weights of real ids: where a ``Padded`` mask holds no id the weight is never used (the combiner takes
-    none there, as the device's count of bad weights skips it), so it may be anything, NaN too."""
+    """The weights of real ids, 0 elsewhere: where a ``Padded`` mask holds no id the weight is never used (the
+    combiner takes none there, as the device's count of bad weights skips it), so it may be anything, NaN too.
+    (``torch.where``, not ``w[valid]``: no shape that depends on the data, no sync with a CUDA device.)"""
     if valid is None or valid.device != w.device or tracing():
         return w
-    return w[valid]
+    return torch.where(valid, w, torch.zeros((), dtype=w.dtype, device=w.device))
 
 
 def check_weights(
@@ -93,10 +94,7 @@ def check_weights_fit(feature: str, w: torch.Tensor, dtype: torch.dtype, valid: 
     target = compute_dtype(dtype)
     if w.device.type == "xla" or not w.numel() or tracing() or torch.finfo(target).max >= torch.finfo(w.dtype).max:
         return
-    w = _of_ids(w, valid)
-    if not w.numel():
-        return
-    big = float(w.abs().max())
+    big = float(_of_ids(w, valid).abs().max())
     if big > torch.finfo(target).max:
         raise err(feature, f"weights must be finite in {target} (the dtype the table's combiner computes in). "
                   f"Received {big:g}, which would overflow to inf.")

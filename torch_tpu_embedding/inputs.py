@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from typing import Any
 
 import torch
 
@@ -177,6 +178,21 @@ def _sequence_weights(feature: str, fc: FeatureConfig, positions: int) -> ValueE
                       "no weights: give its input without weights (None for it in `weights`).")
 
 
+def _jagged_tensor(value: object) -> Jagged | None:
+    """TorchRec's ``JaggedTensor`` (a value of ``KeyedJaggedTensor.to_dict()``), or any object with its ``values()``,
+    ``lengths()`` or ``offsets()`` and ``weights_or_none()``, as the :class:`Jagged` of its parts; ``None``: not one
+    (a mapping, which has ``values()`` too, never is)."""
+    jt: Any = value
+    if not callable(getattr(jt, "values", None)) or callable(getattr(jt, "keys", None)):
+        return None
+    lengths = jt.lengths() if callable(getattr(jt, "lengths", None)) else None
+    offsets = jt.offsets() if lengths is None and callable(getattr(jt, "offsets", None)) else None
+    if lengths is None and offsets is None:
+        return None
+    weights = jt.weights_or_none() if callable(getattr(jt, "weights_or_none", None)) else None
+    return Jagged(jt.values(), offsets=offsets, lengths=lengths, weights=weights)
+
+
 def _mode(feature: str, fc: FeatureConfig, leading: tuple[int, ...]) -> tuple[bool, int, tuple[int, ...]]:
     """Resolve TF's output-shape rules (§2.4) → (combine, seq_len, out_shape)."""
     b = math.prod(leading)
@@ -246,10 +262,12 @@ def to_bags(
     if isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_nested:
         return _dense_bags(feature, fc, value, weight, vocab, device, offset, table)
     if not isinstance(value, (Jagged, Padded, torch.Tensor)):
-        raise TypeError(
-            f"Feature `{feature}`: unsupported input type {type(value).__name__}. Use a dense id "
-            "tensor, Jagged, Padded, a sparse COO tensor or a torch.nested jagged tensor."
-        )
+        given, value = type(value).__name__, _jagged_tensor(value)
+        if value is None:
+            raise TypeError(
+                f"Feature `{feature}`: unsupported input type {given}. Use a dense id tensor, Jagged, Padded, a "
+                "sparse COO tensor, a torch.nested jagged tensor or TorchRec's JaggedTensor."
+            )
     if static and not isinstance(value, Padded):
         tensors: list[object] = (
             [value] if isinstance(value, torch.Tensor) else [value.values, value.offsets, value.lengths]

@@ -138,6 +138,11 @@ def _restore_accumulation(state: dict[str, Tensor], bufs: Mapping[str, Tensor], 
         return
     state["acc_ids"] = to_device(from_saved_ids(ids, p.shape[0]), p.device)
     state["acc_rows"] = to_device(rows, p.device)
+    if p.device.type == "xla":
+        # The layout the step gives the buffers it makes: left unannotated, XLA may choose another for the first
+        # step's outputs (a column-sharded group's: split along the entries), and the second step compiles again.
+        device_backend("xla").shard_slot(p, state["acc_ids"], rows=False)
+        device_backend("xla").shard_slot(p, state["acc_rows"], rows=False)
 
 
 def _saved_group_of(saved_groups: list[dict[str, Any]], key: str) -> dict[str, Any]:

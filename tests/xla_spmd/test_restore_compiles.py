@@ -1,8 +1,9 @@
 """A checkpoint with gradient accumulation loaded on the mesh: the steps after the load run one graph.
 
-The pending accumulation buffers of a row-sharded table (through the id exchange) are restored as wide as the
-step makes them. Before, they were as wide as the most entries one shard held, and the first step after the load
-compiled a graph of its own: UncachedCompile [1, 2, 2]. Run with PJRT_DEVICE=CPU
+Restored pending accumulation buffers narrower than the step's (the most entries one shard of a row-sharded
+table held; a checkpoint of the CPU or of another mesh size) are widened on the host at the first step, not
+inside it: widened inside, the first step after the load compiled a graph of its own (UncachedCompile
+[1, 2, 2]). Buffers read from a file get the layout the step gives its own. Run with PJRT_DEVICE=CPU
 CPU_NUM_DEVICES=4.
 """
 
@@ -96,10 +97,29 @@ def test_pending_accumulation_of_a_column_group_loaded_from_a_file_compiles_once
     loaded, loaded_opt = _model(make_opt=_adam)
     tte.checkpoint.load(tmp_path / "ck.pt", model=loaded, optimizer=loaded_opt)
     torch_xla.sync()
-    assert _steps(loaded, loaded_opt, seed=2, n=4, loss="abs") == [1, 1, 1, 1]
-    # The same numbers as six calls on the CPU without a load (float32: a few ulp of the weights).
+    # (A loss of each test's own: the graphs after the load are new to this process, and counted.)
+    assert _steps(loaded, loaded_opt, seed=2, n=4, loss="neg") == [1, 1, 1, 1]
+    # The same numbers as the CPU's seven calls without a load (float32: a few ulp of the weights).
     ref, ref_opt = _model(torch.device("cpu"), make_opt=_adam)
     _steps(ref, ref_opt, seed=1, n=3, loss="square")
-    _steps(ref, ref_opt, seed=2, n=4, loss="abs")
+    _steps(ref, ref_opt, seed=2, n=4, loss="neg")
+    for key, v in ref.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[key].cpu(), v, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize(("make_opt", "loss"), [(None, "sin"), (_adam, "cos")], ids=["adagrad", "adam"])
+def test_pending_accumulation_saved_on_the_cpu_compiles_once(tmp_path: Path, make_opt: Any, loss: str) -> None:
+    """Saved on the CPU, the row table's window is as wide as one call's ids (2x32). Restored on the mesh it
+    was 8x13 (the saved width over the 4 shards, 8, or the most entries one shard owned, 13), where the step
+    keeps 8x32 (4 sources x 8 entries per shard): widened inside the first step, that step was a graph of its
+    own ([1, 2, 2, 2]). The saved width tells the step's only for a checkpoint of the same mesh size."""
+    loaded, loaded_opt = _model(make_opt=make_opt)  # (the XLA runtime starts before the CPU's backward)
+    ref, ref_opt = _model(torch.device("cpu"), make_opt=make_opt)
+    _steps(ref, ref_opt, seed=1, n=3, loss="square")  # the third call's window is pending
+    tte.checkpoint.save(tmp_path / "ck.pt", model=ref, optimizer=ref_opt)
+    tte.checkpoint.load(tmp_path / "ck.pt", model=loaded, optimizer=loaded_opt)
+    torch_xla.sync()
+    assert _steps(loaded, loaded_opt, seed=2, n=4, loss=loss) == [1, 1, 1, 1]
+    _steps(ref, ref_opt, seed=2, n=4, loss=loss)  # the CPU run without a load
     for key, v in ref.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[key].cpu(), v, rtol=1e-5, atol=1e-6, msg=key)

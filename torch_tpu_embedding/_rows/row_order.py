@@ -137,13 +137,12 @@ def owned_logical_ids(local: Tensor, layout: RowLayout, table_rows: int, pad: in
 
 
 def logical_to_owned(
-    ids: Tensor, rows: Tensor, layout: RowLayout, table_rows: int, n: int, min_width: int = 1
+    ids: Tensor, rows: Tensor, layout: RowLayout, table_rows: int, n: int
 ) -> tuple[Tensor, Tensor]:
     """The inverse of :func:`owned_to_logical` for any saved buffer ``ids [k, cap]`` (logical, ``-1``
     = padding), ``rows [k, cap, D]``: each shard gets the entries it owns, packed to the front,
     ``[n·k, w]`` (shard-local rows, ``table_rows / n`` after them) and ``[n·k, w, D]``, ``w`` the most
-    entries one shard owns in one call, at least ``min_width`` (at most ``cap``). On the host: ``w``
-    depends on the values."""
+    entries one shard owns in one call (at least 1). On the host: ``w`` depends on the values."""
     per = table_rows // n
     k, cap = ids.shape
     valid = ids >= 0
@@ -151,7 +150,7 @@ def logical_to_owned(
     mine = valid.unsqueeze(0) & (phys // per == torch.arange(n, dtype=torch.int64).reshape(n, 1, 1))
     local = torch.where(mine, (phys % per).unsqueeze(0), torch.full_like(mine, per, dtype=torch.int64))
     grads = rows.unsqueeze(0) * mine.unsqueeze(-1).to(rows.dtype)
-    width = max(1, min(min_width, cap), int(mine.sum(-1).max()))
+    width = max(1, int(mine.sum(-1).max()))
     order = torch.sort((~mine).to(torch.int8), dim=-1, stable=True).indices[..., :width]  # owned entries first
     local = local.gather(-1, order)
     grads = grads.gather(2, order.unsqueeze(-1).expand(*order.shape, grads.shape[-1]))

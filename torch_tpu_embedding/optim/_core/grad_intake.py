@@ -307,10 +307,12 @@ def _accumulate_rows(
         new_ids = torch.full((k, cap), sentinel, dtype=torch.int64)
         new_rows = torch.zeros((k, cap, dim), dtype=math_dtype(p))
         if buf_ids is not None and buf_rows is not None:
-            old = buf_ids.shape[1]
-            new_ids, new_rows = new_ids.to(p.device), new_rows.to(p.device)
-            new_ids[:, :old] = buf_ids
-            new_rows[:, :old] = buf_rows
+            # On XLA widened on the host too: on the device, the step would be a graph of its own (the first
+            # after loading buffers narrower than the step's, saved on the CPU or on a mesh of another size).
+            if p.device.type != "xla":
+                new_ids, new_rows = new_ids.to(p.device), new_rows.to(p.device)
+            new_ids[:, : buf_ids.shape[1]] = buf_ids.to(new_ids.device)
+            new_rows[:, : buf_ids.shape[1]] = buf_rows.to(new_rows.device)
         buf_ids, buf_rows = new_ids.to(p.device), new_rows.to(p.device)
         if p.device.type == "xla":
             device_backend("xla").shard_slot(p, buf_ids, rows=False)
@@ -429,11 +431,12 @@ def _owned_buffers(
     buf_ids, buf_rows = state.get("acc_ids"), state.get("acc_rows")
     if buf_ids is None or buf_rows is None or buf_ids.shape[1] < width:
         cap = max(width, 0 if buf_ids is None else buf_ids.shape[1])
-        new_ids = torch.full((n * k, cap), sentinel, dtype=torch.int64).to(p.device)
-        new_rows = torch.zeros((n * k, cap, p.shape[1]), dtype=math_dtype(p)).to(p.device)
-        if buf_ids is not None and buf_rows is not None:
-            new_ids[:, : buf_ids.shape[1]] = buf_ids
-            new_rows[:, : buf_ids.shape[1]] = buf_rows
+        new_ids = torch.full((n * k, cap), sentinel, dtype=torch.int64)
+        new_rows = torch.zeros((n * k, cap, p.shape[1]), dtype=math_dtype(p))
+        if buf_ids is not None and buf_rows is not None:  # widened on the host (see _accumulate_rows)
+            new_ids[:, : buf_ids.shape[1]] = buf_ids.cpu()
+            new_rows[:, : buf_ids.shape[1]] = buf_rows.cpu()
+        new_ids, new_rows = new_ids.to(p.device), new_rows.to(p.device)
         device_backend("xla").shard_slot(p, new_ids, rows=True)
         device_backend("xla").shard_slot(p, new_rows, rows=True)
         state["acc_ids"], state["acc_rows"] = new_ids, new_rows

@@ -129,9 +129,7 @@ def _restore_accumulation(state: dict[str, Tensor], bufs: Mapping[str, Tensor], 
     ids, rows = bufs["acc_ids"].detach(), bufs["acc_rows"].detach().to(dtype=math_dtype(p))
     if info is not None and info.owner_local and info.layout is not None:
         n = info.num_shards
-        # At least the width each shard had when saved from as many shards: the buffers then enter the first
-        # step as wide as the step leaves them (narrower, that step would be a graph of its own).
-        ids, rows = logical_to_owned(ids.cpu(), rows.cpu(), info.layout, p.shape[0], n, -(-ids.shape[1] // n))
+        ids, rows = logical_to_owned(ids.cpu(), rows.cpu(), info.layout, p.shape[0], n)
         state["acc_ids"], state["acc_rows"] = ids.to(p.device), rows.to(p.device)
         device_backend("xla").shard_slot(p, state["acc_ids"], rows=True)
         device_backend("xla").shard_slot(p, state["acc_rows"], rows=True)

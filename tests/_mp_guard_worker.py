@@ -431,6 +431,23 @@ def run(scenario: str, rank: int, world: int) -> dict[str, Any]:
                     errors.append(error(e, step))
                 opt.zero_grad()
             return {"errors": errors, "done": done}
+        if "_micro_batches_" in scenario:  # "dp_<wrapper>_micro_batches_<alike|differ>": gradient accumulation,
+            # 2 micro-batches per step on every rank (alike); or (differ) 1 at step 0 (DDP's forward after its first
+            # step makes a collective of its own, the rebuild of its buckets), then 2 on rank 0 and 1 on rank 1
+            errors, done = [], []
+            for step in range(2):
+                try:
+                    for micro in range(2 if scenario.endswith("_alike") or (rank == 0 and step == 1) else 1):
+                        ids, label = batch(rank, 10 * step + micro)
+                        F.binary_cross_entropy_with_logits(dp(ids), label).backward()
+                    opt.step()
+                    done.append(step)
+                except Exception as e:  # noqa: BLE001 - recorded; the loop ends
+                    errors.append(error(e, step))
+                    break
+                opt.zero_grad()
+            return {"errors": errors, "done": done, "kind": float(model.ec.tables["kind"].weight.detach().sum()),
+                    "item": float(model.ec.tables["item"].weight.detach().sum())}
         if scenario == "dp_plain_member_frozen_on_one_rank":  # rank 0 freezes `tag`, stacked with `kind`
             if rank == 0:
                 model.ec.tables["tag"].requires_grad_(False)
@@ -516,7 +533,9 @@ def run(scenario: str, rank: int, world: int) -> dict[str, Any]:
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # (micro_batches: a hang before the fix ends at this short timeout, on both ranks, instead of gloo's 30 minutes)
+    wait = datetime.timedelta(seconds=20) if "_micro_batches_" in scenario else None
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=wait)
     try:
         if scenario.startswith("ckpt_"):  # a checkpoint load or save that fails on one rank (tests/_mp_ckpt_guard.py)
             torch.manual_seed(0)

@@ -182,6 +182,31 @@ def test_data_parallel_every_rank_skipping_the_failed_step_stays_in_step(wrapper
         assert r0["head"] == r1["head"]
 
 
+@_DP
+def test_data_parallel_ranks_with_other_micro_batches_per_step_raise_on_every_rank(wrapper: str,
+                                                                                   tmp_path: Path) -> None:
+    """Gradient accumulation, at step 1 rank 0 two micro-batches, rank 1 one. Rank 0's second forward met rank 1's
+    exchange of row gradients in ``step()`` (its lookup agreement, an ``all_reduce`` of int64, against the
+    ``all_gather`` of rank 1's row counts), and both waited for gloo's timeout (30 minutes by default; 20 s here).
+    The exchange now starts with the step's agreement, the same collective: both raise at step 1, naming the cause
+    and each rank's number of forwards. (Not at step 0 under DDP: its second forward rebuilds its buckets, a
+    collective of torch's own, which meets rank 1's step first.)"""
+    for res in run(f"dp_{wrapper}_micro_batches_differ", tmp_path):
+        assert res["done"] == [0] and [e["step"] for e in res["errors"]] == [1], res
+        msg = res["errors"][0]["message"]
+        assert "ran different numbers of training forward passes (micro-batches) before an optimizer's step()" \
+            in msg and "1 on one rank and 2 on another" in msg, msg
+
+
+def test_data_parallel_ranks_with_as_many_micro_batches_per_step_train_together(tmp_path: Path) -> None:
+    """Two micro-batches per step on every rank: the forwards counted per step agree, nothing raises, and the
+    replicas stay equal."""
+    r0, r1 = run("dp_plain_micro_batches_alike", tmp_path)
+    for res in (r0, r1):
+        assert res["done"] == [0, 1] and not res["errors"], res
+    assert (r0["kind"], r0["item"]) == (r1["kind"], r1["item"])
+
+
 def test_data_parallel_agreement_costs_one_host_read_per_training_forward(tmp_path: Path) -> None:
     """The agreement is one ``tolist()`` per training forward (measured against the same forward with the tables
     opted out of the exchange), and evaluation under ``no_grad`` on rank 0 alone makes no collective: the ranks

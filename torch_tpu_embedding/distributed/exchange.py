@@ -18,7 +18,7 @@ positions:
 
 Only equal-split collectives: it runs where uneven all-to-all does not (TorchTPU's ``tpu_dist``).
 Per rank and step that is ``n·k·(4 + 2·D·b)`` bytes sent for ``b``-byte rows (``n·k`` is the rank's
-distinct ids plus the imbalance of the largest bucket), plus 48 bytes for the capacity and the step's
+distinct ids plus the imbalance of the largest bucket), plus 64 bytes for the capacity and the step's
 agreement (:func:`agree_capacity`: every rank at the same exchange, none failed before it).
 
 What the optimizer needs summed over every shard of a row-sharded table (``clipnorm``, Adafactor's
@@ -227,7 +227,16 @@ _KINDS = {"lookup": "looks up table `{table}`",
           "plain": "loads table `{table}`'s state_dict entry as a plain tensor (its stored rows, given so on every "
                    "rank), not as a DTensor of its logical rows",
           "optim": "checks an optimizer state loaded in torch's layout, its DTensor slots moved (a rank given plain "
-                   "tensors, its stored rows, for table `{table}` or every table moves none)"}
+                   "tensors, its stored rows, for table `{table}` or every table moves none)",
+          "step": "exchanges the row gradients of data-parallel tables (an optimizer's step() or clip_grad_norm_)"}
+#: what a rank whose training forwards per step differ from another's is told (:func:`agree_capacity`)
+_FORWARDS_DIFFER = (
+    "The ranks of the process group ran different numbers of training forward passes (micro-batches) before an "
+    "optimizer's step(): {seen}. Every forward of a data-parallel table meets the other ranks' (the step's "
+    "agreement), and its row gradients are exchanged at step(), so one rank's extra forward meets another's "
+    "step(). Give every rank the same number of micro-batches per step (gradient accumulation alike on every "
+    "rank: split an uneven last batch into as many micro-batches on every rank, or drop it on every rank)."
+)
 
 
 def _tag(what: str, table: str, grad: bool) -> int:
@@ -240,6 +249,10 @@ def _tag(what: str, table: str, grad: bool) -> int:
         if len(_DESCRIBED) > _DESCRIBED_MAX:  # (data parallel's tags follow its input shapes: a bound, not a leak)
             del _DESCRIBED[next(iter(_DESCRIBED))]
     return tag
+
+
+#: the tag of the exchange of data-parallel row gradients at step(), known to every process (named in its errors)
+_STEP_TAG = _tag("step", "", False)
 
 
 def describe_tables(tables: Sequence[str]) -> None:
@@ -255,18 +268,23 @@ def describe_tables(tables: Sequence[str]) -> None:
 
 
 def agree_capacity(largest: Tensor, group: Any, *, what: str = "rows", table: str = "", grad: bool = False,
-                   failed: bool = False, config: int = 0, disagree: Callable[[], None] | None = None) -> int:
+                   failed: bool = False, config: int = 0, disagree: Callable[[], None] | None = None,
+                   forwards: int = 0) -> int:
     """The bucket size every rank of ``group`` uses: the largest of every rank's ``largest`` (a 0-d or 1-element
     integer tensor, on the group's device), at least 1. Every rank's buckets then have that size, so every
     all-to-all splits equally and nothing is dropped.
 
-    The same collective agrees that every rank is at the same step: one ``all_reduce(MAX)`` of four int64 (the
+    The same collective agrees that every rank is at the same step: one ``all_reduce(MAX)`` of eight int64 (the
     largest load; a tag of the exchange (``what``: ``"lookup"`` of ``table``, ``grad``: recording gradients,
     ``"data_parallel"``: a training lookup of replicated tables (``distributed/step_agreement.py``),
+    ``"step"``: the exchange of their row gradients at ``step()`` (``distributed/grad_sync.py``),
     ``"rows"``, ``"plain"``: a load of ``table``'s stored rows, which moves nothing, or ``"optim"``: an
     optimizer's loaded state checked, :meth:`GroupSharding.state_checked`) and its negation, so
     that the maximum and the minimum of the tags arrive; the highest
-    rank that ``failed`` plus one), read back once. A rank whose step failed before its first collective takes
+    rank that ``failed`` plus one; ``forwards``, the training forwards of data-parallel tables since the group's
+    last exchange of their row gradients, and its negation), read back once. Every agreement has these eight
+    numbers: any two that meet have the same size (gloo aborts a process whose collective meets one of
+    another size). A rank whose step failed before its first collective takes
     part with ``failed=True`` (:meth:`GroupSharding.lookup_failed`) instead of skipping it: the others then
     raise at that step rather than pair this exchange with the failed rank's next one. A training lookup adds
     ``config`` (a number for this rank's optimizers, :func:`~.optim_agreement.fingerprint`) and its negation: where
@@ -275,11 +293,14 @@ def agree_capacity(largest: Tensor, group: Any, *, what: str = "rows", table: st
 
     Raises:
         RuntimeError: (on every rank but a failed one) another rank failed this step, or the ranks are at
-            different exchanges (another table, another kind, a lookup with gradients on some ranks only).
+            different exchanges (another table, another kind, a lookup with gradients on some ranks only, a
+            data-parallel lookup on one rank and ``step()`` on another), or ran different numbers of training
+            forwards of data-parallel tables since their last ``step()``.
     """
     tag = _tag(what, table, grad)
     rank = dist.get_rank(group)
-    step = torch.tensor([tag, -tag, rank + 1 if failed else 0, config, -config], dtype=torch.int64).to(largest.device)
+    step = torch.tensor([tag, -tag, rank + 1 if failed else 0, config, -config, forwards, -forwards],
+                        dtype=torch.int64).to(largest.device)
     k = torch.cat([largest.detach().to(torch.int64).reshape(1), step])  # a new tensor: all_reduce writes in place
     try:
         dist.all_reduce(k, op=dist.ReduceOp.MAX, group=group)
@@ -304,6 +325,9 @@ def agree_capacity(largest: Tensor, group: Any, *, what: str = "rows", table: st
     if got[1] != -got[2]:
         theirs = [_DESCRIBED.get(t, f"makes an exchange this rank does not know (tag {t})")
                   for t in (got[1], -got[2])]
+        if _STEP_TAG in (got[1], -got[2]):  # one rank at step(), another at a training forward
+            raise RuntimeError(_FORWARDS_DIFFER.format(seen=_forwards_seen(got, rank, forwards, _DESCRIBED[tag],
+                                                                           theirs[0] if got[1] != tag else theirs[1])))
         raise RuntimeError(
             "The ranks of the process group are at different exchanges: one "
             f"{theirs[0]}, another {theirs[1]} (this rank {_DESCRIBED[tag]}). Every rank must run the same lookups "
@@ -315,9 +339,19 @@ def agree_capacity(largest: Tensor, group: Any, *, what: str = "rows", table: st
             "at static sizes (an accelerator: the same batch size and padded widths on every rank). Received: "
             "different exchanges on the ranks of one step"
         )
+    if got[6] != -got[7]:
+        raise RuntimeError(_FORWARDS_DIFFER.format(seen=_forwards_seen(got, rank, forwards, _DESCRIBED[tag],
+                                                                       _DESCRIBED[tag])))
     if disagree is not None and got[4] != -got[5]:
         disagree()
     return max(1, int(got[0]))
+
+
+def _forwards_seen(got: list[int], rank: int, forwards: int, mine: str, theirs: str) -> str:
+    """The counts of an agreement whose ranks ran different numbers of training forwards per step, in words."""
+    where = f"it {mine}" + ("" if theirs == mine else f", while another rank {theirs}")
+    return (f"{-got[7]} on one rank and {got[6]} on another, counting the training forwards of data-parallel tables "
+            f"since the last step() (rank {rank} has run {forwards}; {where})")
 
 
 def exchange(buckets: Tensor, group: Any) -> Tensor:

@@ -51,10 +51,13 @@ from torch_tpu_embedding._rows.row_grad import RowGrad
 from torch_tpu_embedding._rows.stock_guard import OUTSIDE_A_LOOKUP, check_not_ddp_managed, ddp_message
 from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
+from torch_tpu_embedding.distributed.exchange import agree_capacity
 
 __all__ = [
     "LOCAL",
+    "agreement_device",
     "check_not_ddp_managed",
+    "count_forward",
     "ddp_message",
     "exchange_group",
     "mark",
@@ -80,6 +83,36 @@ _CHECKED_SIZES: set[tuple[int, tuple[int, ...]]] = set()
 DEDUP_DEVICE_TYPES: set[str] = {"cpu"}
 #: rows multiplied out at a time when a factored (SGD) gradient is summed per id before the exchange
 _PIECE_ROWS = 8192
+#: process group (by id) → training forwards of its data-parallel tables since its last exchange of their row
+#: gradients: part of every agreement, so that ranks whose micro-batches per step differ raise (:func:`count_forward`)
+_FORWARDS: dict[int, int] = {}
+
+
+def count_forward(group: Any) -> int:
+    """One more training forward of ``group``'s data-parallel tables; returns how many since the group's last
+    exchange of their row gradients (this one included)."""
+    n = _FORWARDS.get(id(group), 0) + 1
+    _FORWARDS[id(group)] = n
+    return n
+
+
+def agreement_device(backend: str, device: torch.device) -> torch.device:
+    """Where the agreement's numbers are reduced: on the host wherever the group's ``backend`` (as
+    ``torch.distributed.get_backend_config`` gives it) reduces host tensors: gloo (``"cpu:gloo,cuda:gloo"``),
+    MPI, or torch's default ``"cpu:gloo,cuda:nccl"``. Reading the result back then waits for no device (a CUDA
+    or XLA step keeps its device queue full). Else (``"cuda:nccl"``, ``"xla:xla"``) on the tables' ``device``:
+    one device read per training forward.
+
+    Example::
+
+        >>> agreement_device("cpu:gloo,cuda:nccl", torch.device("cuda", 0))
+        device(type='cpu')
+        >>> agreement_device("cuda:nccl", torch.device("cuda", 0))
+        device(type='cuda', index=0)
+    """
+    spec = backend.lower().replace(" ", "")
+    host = spec in ("gloo", "mpi") or any(part.startswith("cpu:") for part in spec.split(","))
+    return torch.device("cpu") if host or device.type == "cpu" else device
 
 
 def mark(table: Tensor, group: Any) -> None:
@@ -229,25 +262,33 @@ def _exchange(items: list[tuple[Tensor, RowGrad, bool]], group: Any) -> None:
     """
     world = dist.get_world_size(group)
     device = items[0][0].device
+    forwards = _FORWARDS.pop(id(group), 0)
     static = static_route(device, any(rg.variable_rows for _, rg, _ in items))
     local = [_local_rows(p, rg, world, dedup, static) for p, rg, dedup in items]
     # Per table, the number of ids this rank sends plus one (0: no gradient at all, as in a step
     # where no backward reached the table): every rank then agrees on which tables get one.
     mine = [0 if x is None else x[0].shape[0] + 1 for x in local]
+    sent = [x[0].to(torch.int64) for x in local if x is not None]
     if static:
         _check_equal_sizes(mine, group, world, device)
         counts = [mine] * world
+        head, block = 0, max(sum(max(c - 1, 0) for c in mine), 0)
+        all_ids = _gather(_padded(sent, block, torch.int64, device), group, world) if block else None
     else:
-        gathered = _gather(torch.tensor(mine, dtype=torch.int64, device=device), group, world)
-        counts = gathered.view(world, len(items)).tolist()
+        # The counted route's first collective is the step's agreement (what every training forward of these
+        # tables makes, of the same size): a rank still at a forward meets it and both raise, naming the cause.
+        # It agrees on the largest id block; each rank's counts travel at the head of its block of ids.
+        head = len(items)
+        where = agreement_device(dist.get_backend_config(group), device)
+        block = agree_capacity(torch.tensor(head + sum(max(c - 1, 0) for c in mine), device=where), group,
+                               what="step", forwards=forwards)
+        mine_t = torch.tensor(mine, dtype=torch.int64, device=device)
+        all_ids = _gather(_padded([mine_t, *sent], block, torch.int64, device), group, world)
+        counts = all_ids.view(world, block)[:, :head].tolist()
     n = [[max(c - 1, 0) for c in row] for row in counts]  # ids per rank and table
     dims = [p.shape[1] for p, _, _ in items]
     dtypes = [math_dtype(p) for p, _, _ in items]
-    sent = [x for x in local if x is not None]
-    ids_cap = max(sum(row) for row in n)
-    all_ids = _gather(_padded([x[0].to(torch.int64) for x in sent], ids_cap, torch.int64, device),
-                      group, world) if ids_cap else None
-    id_at = [_offsets(row) for row in n]
+    id_at = [[r * block + head + at for at in _offsets(row)] for r, row in enumerate(n)]
     rows_of: list[Tensor | None] = [None] * len(items)
     row_at: list[list[int]] = [[0] * len(items) for _ in range(world)]
     for dtype in dict.fromkeys(dtypes):
@@ -273,7 +314,7 @@ def _exchange(items: list[tuple[Tensor, RowGrad, bool]], group: Any) -> None:
             continue
         assert all_ids is not None and rows_of[t] is not None
         rows_all = rows_of[t]
-        ids_t = torch.cat([all_ids[r * ids_cap + id_at[r][t] :][: n[r][t]] for r in blocks])
+        ids_t = torch.cat([all_ids[id_at[r][t] :][: n[r][t]] for r in blocks])
         rows_t = torch.cat([rows_all[row_at[r][t] :][: n[r][t] * dims[t]] for r in blocks])  # type: ignore[index]
         rg.set_local(ids_t, rows_t.view(-1, dims[t]))
 

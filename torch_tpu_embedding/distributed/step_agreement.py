@@ -28,7 +28,12 @@ import torch.distributed as dist
 from torch_tpu_embedding._rows.placement import Sizes
 from torch_tpu_embedding._rows.tables import TableInfo, table_info
 from torch_tpu_embedding.distributed.exchange import agree_capacity
-from torch_tpu_embedding.distributed.grad_sync import exchange_group, static_route
+from torch_tpu_embedding.distributed.grad_sync import (
+    agreement_device,
+    count_forward,
+    exchange_group,
+    static_route,
+)
 from torch_tpu_embedding.distributed.optim_agreement import explain, fingerprint
 
 __all__ = ["agree_lookup", "agreement_device"]
@@ -75,9 +80,10 @@ def agree_lookup(weights: Callable[[], list[torch.Tensor]], failed: bool, sizes:
     shapes = None if failed or not static_route(first.device) else sizes()
     if shapes is not None:  # (the failed rank's tag is not compared: the others raise naming its failure)
         tables = _with_shapes(tables, shapes)
+    # (the ranks' optimizers: distributed/optim_agreement.py; the forwards per step: grad_sync.count_forward)
     agree_capacity(torch.zeros((), dtype=torch.int64, device=where), group, what="data_parallel",
                    table=tables, grad=True, failed=failed, config=0 if failed else fingerprint(),
-                   disagree=lambda: explain(group))  # (the ranks' optimizers: distributed/optim_agreement.py)
+                   disagree=lambda: explain(group), forwards=count_forward(group))
 
 
 @functools.lru_cache(maxsize=64)
@@ -85,22 +91,3 @@ def _with_shapes(tables: str, shapes: tuple[tuple[int, ...], ...]) -> str:
     """The agreement's text for ``tables`` looked up with ids of ``shapes``: spelled out once per distinct input
     structure (a steady loop repeats one), not on every forward of it."""
     return f"{tables} with ids of shapes {', '.join(str(list(s)) for s in shapes)}"
-
-
-def agreement_device(backend: str, device: torch.device) -> torch.device:
-    """Where the agreement's four numbers are reduced: on the host wherever the group's ``backend`` (as
-    ``torch.distributed.get_backend_config`` gives it) reduces host tensors: gloo (``"cpu:gloo,cuda:gloo"``),
-    MPI, or torch's default ``"cpu:gloo,cuda:nccl"``. Reading the result back then waits for no device (a CUDA
-    or XLA step keeps its device queue full). Else (``"cuda:nccl"``, ``"xla:xla"``) on the tables' ``device``:
-    one device read per training forward.
-
-    Example::
-
-        >>> agreement_device("cpu:gloo,cuda:nccl", torch.device("cuda", 0))
-        device(type='cpu')
-        >>> agreement_device("cuda:nccl", torch.device("cuda", 0))
-        device(type='cuda', index=0)
-    """
-    spec = backend.lower().replace(" ", "")
-    host = spec in ("gloo", "mpi") or any(part.startswith("cpu:") for part in spec.split(","))
-    return torch.device("cpu") if host or device.type == "cpu" else device

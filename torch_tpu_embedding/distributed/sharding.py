@@ -104,7 +104,9 @@ def shard(
     timeout: datetime.timedelta | None = None,
 ) -> dict[str, str]:
     """Lay the tables of every :class:`EmbeddingCollection` in ``module`` over the process group ``group``
-    (default: the default group) by their placements; returns table name → placement.
+    (default: the default group) by their placements; returns table name → placement (where collections hold
+    tables of one name, such as two towers' default ``table_0``, each of those is keyed by its module path in
+    ``module`` instead: ``"user_tower.tables.table_0"``, ``"item_tower.tables.table_0"``).
 
     Call it on every rank of the group, with the same model (the same seed: each rank keeps its rows of the
     tables it drew; with ``group`` given the exchange runs on that group, so give the DDP wrapper another
@@ -183,8 +185,9 @@ def shard(
     # The exchange gets a group of its own: its all-to-alls run inside autograd's backward, where a DDP over
     # the same group issues its own all-reduces. new_group needs every process of the default group, which
     # calls shard() only when `group` is the default; a group given is used as it is (give DDP another).
+    keys = _table_keys(module, collections)
     exchange = _meet(pg, group, timeout, rank)
-    _agree_layout(collections, placed, exchange, world, rank, dtensor_state_dict)
+    _agree_layout(collections, placed, keys, exchange, world, rank, dtensor_state_dict)
     out: dict[str, str] = {}
     for ec, placements in zip(collections, placed, strict=True):
         # Tables built on the meta device: their recorded draws by table, followed through the re-stacking
@@ -210,9 +213,22 @@ def shard(
                 t._register("it was drawn from the meta device (a new parameter)")
             if group_sharding(t.weight) is None:
                 mark(t.weight, group)  # replicated: data parallel over the group
-        out.update(placements)
+        out.update({key: placements[name] for key, name in zip(keys[id(ec)], placements, strict=True)})
     _ignore_in_torch_ddp(module)
     return out
+
+
+def _table_keys(module: nn.Module, collections: list[EmbeddingCollection]) -> dict[int, list[str]]:
+    """Each collection's (by id) keys of :func:`shard`'s result, in the order of its tables: the table's name, or
+    where collections hold tables of one name (two towers' default ``table_0``) the table module's path in
+    ``module`` (``"user_tower.tables.table_0"``), so that neither takes the other's place."""
+    paths = {id(m): p for p, m in module.named_modules()}
+    count: dict[str, int] = {}
+    for ec in collections:
+        for name in ec.table_configs:
+            count[name] = count.get(name, 0) + 1
+    return {id(ec): [name if count[name] == 1 else ".".join(filter(None, (paths[id(ec)], "tables", name)))
+                     for name in ec.table_configs] for ec in collections}
 
 
 def _meet(pg: Any, group: Any, timeout: datetime.timedelta | None, rank: int) -> Any:
@@ -238,7 +254,7 @@ def _meet(pg: Any, group: Any, timeout: datetime.timedelta | None, rank: int) ->
         ) from e
 
 
-def _layout(collections: list[EmbeddingCollection], placed: list[dict[str, str]],
+def _layout(collections: list[EmbeddingCollection], placed: list[dict[str, str]], keys: dict[int, list[str]],
             dtensor_state_dict: bool) -> dict[str, Any]:
     """What every rank must agree on: per table (by name) rows, width, dtype, resolved placement and the tables
     a replicated one is stacked with (its group's row gradients are exchanged as one parameter)."""
@@ -248,22 +264,22 @@ def _layout(collections: list[EmbeddingCollection], placed: list[dict[str, str]]
         planned = plan_groups(ec.table_configs, {n: "replicated" if p == "replicated" else "row"
                                                  for n, p in placements.items()}) if ec._fuse else []
         stacked = {n: list(g) for g in planned if placements[g[0]] == "replicated" for n in g}
-        for name, c in ec.table_configs.items():
+        for key, (name, c) in zip(keys[id(ec)], ec.table_configs.items(), strict=True):
             w = ec.tables[name].weight
-            tables[name] = {"num_embeddings": c.num_embeddings, "embedding_dim": c.embedding_dim,
+            tables[key] = {"num_embeddings": c.num_embeddings, "embedding_dim": c.embedding_dim,
                             "dtype": str(w.dtype).replace("torch.", ""), "placement": placements[name],
                             "stacked with": stacked.get(name, "no other table")}
     return {"tables": tables, "dtensor_state_dict": dtensor_state_dict}
 
 
-def _agree_layout(collections: list[EmbeddingCollection], placed: list[dict[str, str]], group: Any, world: int,
-                  rank: int, dtensor_state_dict: bool) -> None:
+def _agree_layout(collections: list[EmbeddingCollection], placed: list[dict[str, str]], keys: dict[int, list[str]],
+                  group: Any, world: int, rank: int, dtensor_state_dict: bool) -> None:
     """One ``all_gather_object`` of every rank's :func:`_layout`; raises on every rank where they differ.
 
     Raises:
         RuntimeError: the ranks' tables differ: which tables, which value on which rank.
     """
-    mine = _layout(collections, placed, dtensor_state_dict)
+    mine = _layout(collections, placed, keys, dtensor_state_dict)
     every: list[Any] = [None] * world
     dist.all_gather_object(every, mine, group=group)
     problems = []

@@ -31,14 +31,14 @@ import torch.distributed as dist
 from torch import nn
 
 from torch_tpu_embedding._rows.routing import RowOwnership
-from torch_tpu_embedding._rows.tables import register_table
+from torch_tpu_embedding._rows.tables import register_table, stacked_rows, table_info
 from torch_tpu_embedding._util.validation import arg_error, check_bool, check_device, check_int
 from torch_tpu_embedding.config import DEFAULT_REPLICATE_BELOW_BYTES, TableConfig, auto_placement, table_bytes
 from torch_tpu_embedding.distributed.exchange import group_sharding
 from torch_tpu_embedding.distributed.grad_sync import mark, spmd_active
 from torch_tpu_embedding.distributed.routed import ProcessGroupLayout
 from torch_tpu_embedding.modules.collection import EmbeddingCollection
-from torch_tpu_embedding.modules.stacking import plan_groups
+from torch_tpu_embedding.modules.stacking import TableView, plan_groups
 from torch_tpu_embedding.modules.table import EmbeddingTable
 
 __all__ = [
@@ -90,10 +90,20 @@ def assign_tables(sizes: dict[str, int], world: int) -> dict[str, int]:
 
 def logical_ids(table: Any) -> torch.Tensor:
     """The logical id of each row this rank stores of a sharded table (an :class:`EmbeddingTable` or its
-    weight): ``[rows stored]`` int64, ``>= num_embeddings`` at padding rows. For any other table
-    ``arange(rows)``."""
-    weight = table.weight if isinstance(table, nn.Module) else table
-    assert isinstance(weight, torch.Tensor)
+    weight): ``[rows stored]`` int64, ``>= num_embeddings`` at padding rows. For any other of the library's tables
+    (one not sharded over a process group, a stacked table's ``collection.tables[name]``) ``arange(rows)``.
+
+    Raises:
+        ValueError: ``table`` is not one of the library's tables (a ``torch.nn.Linear``, a plain tensor).
+    """
+    if isinstance(table, EmbeddingTable | TableView):
+        weight = table.weight
+    elif isinstance(table, torch.Tensor) and (table_info(table) is not None or stacked_rows(table) is not None):
+        weight = table
+    else:
+        what = type(table).__name__ + (f" of shape {list(table.shape)}" if isinstance(table, torch.Tensor) else "")
+        raise arg_error("table", "must be one of the library's tables: an EmbeddingTable or TableView "
+                        "(collection.tables[name]) or its weight", what)
     s = group_sharding(weight)
     return torch.arange(int(weight.shape[0])) if s is None else s.local_logical_ids()
 

@@ -37,6 +37,7 @@ from torch_tpu_embedding.config import DEFAULT_REPLICATE_BELOW_BYTES, TableConfi
 from torch_tpu_embedding.distributed.exchange import group_sharding
 from torch_tpu_embedding.distributed.grad_sync import mark, spmd_active
 from torch_tpu_embedding.distributed.routed import ProcessGroupLayout
+from torch_tpu_embedding.distributed.state import check_whole_tables
 from torch_tpu_embedding.modules.collection import EmbeddingCollection
 from torch_tpu_embedding.modules.stacking import TableView, plan_groups
 from torch_tpu_embedding.modules.table import EmbeddingTable
@@ -225,6 +226,7 @@ def shard(
                 mark(t.weight, group)  # replicated: data parallel over the group
         out.update({key: placements[name] for key, name in zip(keys[id(ec)], placements, strict=True)})
     _ignore_in_torch_ddp(module)
+    module.register_load_state_dict_pre_hook(check_whole_tables)  # type: ignore[no-untyped-call]  # (before any load)
     return out
 
 

@@ -26,11 +26,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from torch_tpu_embedding.distributed.exchange import GroupSharding, agree_capacity, send_to_owners
+from torch_tpu_embedding.distributed.exchange import GroupSharding, agree_capacity, group_sharding, send_to_owners
 
 __all__ = [
-    "block_rows", "from_logical_shard", "from_logical_slot", "gather_whole", "pending_from_logical",
-    "pending_to_logical", "stored_from_whole", "to_logical_shard", "to_logical_slot", "whole_from_saved",
+    "block_rows", "check_whole_tables", "from_logical_shard", "from_logical_slot", "gather_whole",
+    "pending_from_logical", "pending_to_logical", "stored_from_whole", "to_logical_shard", "to_logical_slot",
+    "whole_from_saved",
     "whole_to_saved",
 ]
 
@@ -253,3 +254,33 @@ def stored_from_whole(value: Tensor, s: GroupSharding, name: str, base: Tensor) 
     logical = DTensor.from_local(mine.contiguous(), mesh, [Shard(0)], run_check=False, shape=torch.Size((rows, dim)),
                                  stride=(dim, 1))
     return from_logical_shard(logical, s, name, base)
+
+
+def check_whole_tables(model: torch.nn.Module, state_dict: Any, prefix: str, *_: Any) -> None:
+    """``model``'s ``load_state_dict`` pre-hook (installed by ``tte.distributed.shard``): a plain tensor given for a
+    table sharded over a process group without ``dtensor_state_dict`` must be this rank's stored rows. A whole
+    ``[V, D]`` table (a checkpoint of the model before ``shard``) is refused here, before anything loads, instead of
+    torch's size mismatch after every other entry has loaded. (A ``dtensor_state_dict`` table's load is a collective
+    that refuses such a tensor on every rank alike: ``from_logical_shard``.)
+
+    Raises:
+        ValueError: an entry of other rows than this rank stores, naming the tables and the functions that load
+            whole tables into a sharded model.
+    """
+    wrong = []
+    for path, p in model.named_parameters():
+        s = group_sharding(p)
+        value = state_dict.get(prefix + path)
+        if (s is not None and not s.dtensor_state_dict and isinstance(value, Tensor) and not isinstance(value, DTensor)
+                and (value.dim() < 1 or value.shape[0] != s.local_rows)):
+            wrong.append(f"`{prefix + path}` (table `{s.table}`: {s.local_rows} rows stored on rank {s.rank} of "
+                         f"{s.world}, {s.rows} rows in all) of shape {tuple(value.shape)}")
+    if wrong:
+        raise ValueError(
+            "Argument `state_dict` gives tables sharded over a process group (tte.distributed.shard) other rows than "
+            "each rank stores: their state_dict entries hold each rank's stored rows. Nothing was loaded. To load "
+            "whole [num_embeddings, D] tables (a state_dict of the model before shard) into a sharded model, use "
+            "tte.interop.load_torchrec_state_dict(collection, {'embedding_bags.<table>.weight': whole, ...}) on "
+            "every rank; a checkpoint of the sharded model: tte.distributed.save_sharded / load_sharded (or "
+            "shard(..., dtensor_state_dict=True) with torch.distributed.checkpoint). Received: " + "; ".join(wrong)
+        )

@@ -6,7 +6,7 @@ tables' row gradients at ``step()``. A rank whose forward refused its inputs (an
 feature) skips both, so the others' would pair with its next step's (training on mismatched gradients) or
 wait for it. So a training forward of data-parallel tables (the module in training mode, gradients on) meets
 the other ranks' before it looks up: the lookup agreement of tables sharded over a process group
-(:func:`~torch_tpu_embedding.distributed.exchange.agree_capacity`: one ``all_reduce(MAX)`` of four int64 and
+(:func:`~torch_tpu_embedding.distributed.exchange.agree_capacity`: one ``all_reduce(MAX)`` of eight int64 and
 one host read), its failed rank taking part with ``failed=True``. Every other rank then raises at that step
 (``Rank 1 of the process group failed this step before its exchange ...``), before its backward, and ranks
 that all catch it and move on stay in step. A forward with a table sharded over the group needs none: its

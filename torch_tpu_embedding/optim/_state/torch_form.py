@@ -290,7 +290,7 @@ def from_torch_layout(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> Checked
     holding a table sharded over a process group with ``dtensor_state_dict=True``, every rank then checks the
     state it would write (:func:`~torch_tpu_embedding.optim._state.state_load.state_problems`: hyper-parameters,
     every slot, the moved ones included) and the ranks agree on it before anything is written
-    (:meth:`~torch_tpu_embedding._rows.placement.TablePlacement.state_checked`: one ``all_reduce`` of four int64
+    (:meth:`~torch_tpu_embedding._rows.placement.TablePlacement.state_checked`: one ``all_reduce`` of eight int64
     per load, whether it moved DTensors or read plain tensors, each rank's stored rows). A rank that refuses its
     state takes part in the first move, or in that agreement, as failed: over a process group every rank then
     raises, this one its ``ValueError``, the others a ``RuntimeError`` naming it, none waiting for another and

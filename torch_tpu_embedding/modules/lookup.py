@@ -129,6 +129,11 @@ class _RowSparseLookup(torch.autograd.Function):
         ctx.save_for_backward(ids, gains, weight if ctx.needs_input_grad[2] else None)
         _keep(ctx, row_grad, tables, frozen, weight)
         ctx.splits, ctx.unit, ctx.uniform, ctx.columns, ctx.constant = splits, unit, uniform, columns, constant
+        ctx.rows = weight.shape[0]
+        if not torch.compiler.is_compiling():  # (dynamo does not trace it: compiled, unused outputs get zeros)
+            # A feature whose output the loss does not use gets None, not zeros: its ids are then not touched,
+            # as when it is looked up alone (materialized zeros would touch them: Adam's moments decay).
+            ctx.set_materialize_grads(False)
         if columns:  # bags batch-major ([B·F] rows): each feature's [B, D] a view of [B, F·D], in one op
             # (slices along dim 1, not unbind: on XLA the caller's torch.cat gradient is then one tensor)
             return tuple(torch.split(out.view(-1, columns * out.shape[1]), out.shape[1], dim=1))
@@ -142,6 +147,12 @@ class _RowSparseLookup(torch.autograd.Function):
         ctx: Any, *grads: torch.Tensor
     ) -> tuple[None, None, torch.Tensor | None, None, None, None, None, None, None, None, None, None]:
         ids, gains, weight = ctx.saved_tensors
+        if all(g is None for g in grads):  # (nothing the loss uses: no rows, no gradient for the weights)
+            return None, None, None, None, None, None, None, None, None, None, None, None
+        if any(g is None for g in grads):
+            unused, grads = _unused_bags(grads, (ids.shape[0],) if ctx.columns else ctx.splits, ctx.columns,
+                                         ids.device)
+            ids = torch.where(unused.unsqueeze(1), ctx.rows, ids)
         if ctx.columns:  # each feature's [B, D] gradient back into the bags' batch-major order
             grads = (_columns_whole(grads, broadcast=not ctx.needs_input_grad[2]),)
             ctx.splits = (ids.shape[0],)
@@ -154,6 +165,25 @@ class _RowSparseLookup(torch.autograd.Function):
             rows = _gather(weight, ids.clamp(max=weight.shape[0] - 1), gains.dtype)
             grad_gains = torch.bmm(rows, grad_out.to(gains.dtype).unsqueeze(-1)).squeeze(-1)
         return None, None, grad_gains, None, None, None, None, None, None, None, None, None
+
+
+def _unused_bags(grads: tuple[torch.Tensor | None, ...], splits: tuple[int, ...], columns: int,
+                 device: torch.device) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """For outputs whose gradient is ``None`` (unused by the loss): ``[N]`` bool, True at their bags (bag ``n``
+    is output ``n % columns``'s batch-major, else ``splits`` bags each in order), and the gradients with zeros
+    in their place. Their ids are then made padding, so that none of their rows is touched."""
+    present = next(g for g in grads if g is not None)
+    unused = torch.tensor([g is None for g in grads])  # made on the host, then moved: one transfer, on XLA too
+    if columns:
+        n = sum(splits) // columns
+        per_bag = unused.repeat(n)
+        sizes = (n,) * columns
+    else:
+        per_bag = unused.repeat_interleave(torch.tensor(splits))
+        sizes = splits
+    per_bag = per_bag.to(device)
+    filled = tuple(g if g is not None else present.new_zeros(sizes[i], present.shape[1]) for i, g in enumerate(grads))
+    return per_bag, filled
 
 
 def _pooled(weight: torch.Tensor, ids: torch.Tensor, gains: torch.Tensor) -> torch.Tensor:
@@ -273,7 +303,8 @@ class _JaggedLookup(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, weight: torch.Tensor, ids: torch.Tensor, gains: torch.Tensor, bag: torch.Tensor,
         offsets: torch.Tensor, row_grad: RowGrad, tables: frozenset[str], frozen: torch.Tensor | None,
-    ) -> torch.Tensor:
+        splits: tuple[int, ...],
+    ) -> tuple[torch.Tensor, ...]:
         if gains.dtype == weight.dtype:
             out = torch.nn.functional.embedding_bag(ids, weight, offsets, mode="sum", per_sample_weights=gains,
                                                     include_last_offset=True)
@@ -282,26 +313,38 @@ class _JaggedLookup(torch.autograd.Function):
             out = rows.new_zeros(offsets.numel() - 1, weight.shape[1]).index_add_(0, bag, rows).to(weight.dtype)
         ctx.save_for_backward(ids, gains, bag, weight if ctx.needs_input_grad[2] else None)
         _keep(ctx, row_grad, tables, frozen, weight)
-        return out
+        ctx.splits, ctx.rows = splits, weight.shape[0]
+        if not torch.compiler.is_compiling():  # unused items get None, not zeros (as _RowSparseLookup)
+            ctx.set_materialize_grads(False)
+        return tuple(out.split_with_sizes(list(splits))) if len(splits) > 1 else (out,)
 
     @staticmethod
     def backward(  # type: ignore[override]
-        ctx: Any, grad_out: torch.Tensor
-    ) -> tuple[None, None, torch.Tensor | None, None, None, None, None, None]:
+        ctx: Any, *grads: torch.Tensor | None
+    ) -> tuple[None, None, torch.Tensor | None, None, None, None, None, None, None]:
         ids, gains, bag, weight = ctx.saved_tensors
+        if all(g is None for g in grads):  # (nothing the loss uses: no rows, no gradient for the weights)
+            return None, None, None, None, None, None, None, None, None
+        unused = None
+        if any(g is None for g in grads):  # an item the loss does not use: its ids are not touched
+            per_bag, grads = _unused_bags(grads, ctx.splits, 0, ids.device)
+            unused = per_bag.index_select(0, bag)  # per id: its bag's item is unused
+        grad_out = _whole(grads)  # type: ignore[arg-type]
         per_id = grad_out.to(gains.dtype).index_select(0, bag)  # [nnz, D]: each id's bag's gradient
         if _records_rows(ctx):
             frozen, at, own = ctx.frozen, ids, gains
             if frozen is not None:  # frozen members of a stacked group: their ids become the sentinel, zero rows
                 at = torch.where(frozen[ids], frozen.shape[0], ids)
                 own = torch.where(frozen[ids], torch.zeros((), dtype=gains.dtype, device=gains.device), gains)
+            if unused is not None:
+                at = torch.where(unused, ctx.rows, at)
             if not torch.compiler.is_compiling():  # rows as many as the data's ids: data parallel counts them
                 ctx.row_grad.variable_rows = True
             _hand_over(ctx, at, (own.unsqueeze(1) * per_id).to(grad_out.dtype))
         grad_gains = None
         if ctx.needs_input_grad[2]:  # <row, grad_out of its bag> per id
             grad_gains = (weight.index_select(0, ids).to(gains.dtype) * per_id).sum(1)
-        return None, None, grad_gains, None, None, None, None, None
+        return None, None, grad_gains, None, None, None, None, None, None
 
 
 def _trained(weight: torch.Tensor, tables: set[str]) -> tuple[torch.Tensor | None, frozenset[str]]:
@@ -339,14 +382,16 @@ def bags_lookup(
 
 def jagged_lookup(
     weight: torch.Tensor, ids: torch.Tensor, w: torch.Tensor | None, combiner: str, bag: torch.Tensor,
-    offsets: torch.Tensor, row_grad: RowGrad, tables: set[str],
-) -> torch.Tensor:
+    offsets: torch.Tensor, row_grad: RowGrad, tables: set[str], splits: tuple[int, ...] | None = None,
+) -> tuple[torch.Tensor, ...]:
     """The pooled ``[N, D]`` lookup of jagged bags (eager devices): ``ids [nnz]`` in bag order with per-id
     weights ``w`` (or ``None``) under ``combiner``, ``bag [nnz]`` each id's bag, ``offsets [N+1]``; for
-    ``tables`` (those frozen in a stacked group get no rows), as :func:`bags_lookup` for padded bags."""
+    ``tables`` (those frozen in a stacked group get no rows), as :func:`bags_lookup` for padded bags. Returns
+    each split's ``[n, D]`` (``splits``: the bags of each item, in order; ``None``: one, all ``N``)."""
     frozen, training = _trained(weight, tables)
     gains = jagged_gains(bag, offsets.numel() - 1, w, combiner, weight.dtype)
     check_not_ddp_managed(weight)
-    out: torch.Tensor = _JaggedLookup.apply(  # type: ignore[no-untyped-call]
-        weight, ids, gains, bag, offsets, row_grad, training, frozen)
+    out: tuple[torch.Tensor, ...] = _JaggedLookup.apply(  # type: ignore[no-untyped-call]
+        weight, ids, gains, bag, offsets, row_grad, training, frozen,
+        (offsets.numel() - 1,) if splits is None else tuple(splits))
     return out

@@ -112,8 +112,7 @@ class LookupBatch:
         # output_size: one bag per id, known without reading ``whole`` (a compiled graph keeps one size).
         bag = torch.repeat_interleave(torch.arange(sum(counts), device=ids.device), whole.diff(),
                                       output_size=ids.numel())
-        out = jagged_lookup(weight, ids, w, self.combiner, bag, whole, self.row_grad, self.tables)
-        pieces = torch.split(out, counts) if len(items) > 1 else (out,)
+        pieces = jagged_lookup(weight, ids, w, self.combiner, bag, whole, self.row_grad, self.tables, tuple(counts))
         dim = weight.shape[1]
         return {path: piece.reshape(*b.out_shape, dim) for (path, b), piece in zip(items, pieces, strict=True)}
 

@@ -1,25 +1,13 @@
 """``tte.distributed.shard(model, group=...)`` on a rank outside ``group``: torch's ``new_group`` returns
 ``GroupMember.NON_GROUP_MEMBER`` (the int -100) there, and ``shard`` said only ``Received: 'int'``. In one process:
-a group of one (gloo), given the value ``new_group`` hands the ranks it leaves out."""
+a group of one (gloo, the ``group_of_one`` fixture of conftest.py), given the value ``new_group`` hands the ranks it leaves out."""
 
 from __future__ import annotations
-
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 import torch_tpu_embedding as tte
-
-
-@pytest.fixture
-def group_of_one(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_rank_outside_the_group_is_told_so(group_of_one: None) -> None:

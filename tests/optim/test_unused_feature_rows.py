@@ -4,8 +4,8 @@ also when it shares its lookup with used features: a table shared with them, or 
 Before, the lookup of several features was one autograd node, whose unused outputs autograd filled with zero
 gradients: their ids were touched, so lazy Adam's moments decayed and moved those rows, and FTRL moved them,
 (a never-touched row to 0) where the same feature alone in its lookup (another table, ``stack_tables=False``)
-touched nothing. Checked
-against float64 numpy of TF's per-row TPU formulas (``tf_spec.md`` §4.2), fed only the used features' ids.
+touched nothing. Checked against float64 numpy of TF's per-row TPU formulas (docs/optimizers.md, "Formulas"),
+fed only the used features' ids.
 """
 
 from __future__ import annotations

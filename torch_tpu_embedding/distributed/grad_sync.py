@@ -269,10 +269,11 @@ def _exchange(items: list[tuple[Tensor, RowGrad, bool]], group: Any) -> None:
     # where no backward reached the table): every rank then agrees on which tables get one.
     mine = [0 if x is None else x[0].shape[0] + 1 for x in local]
     sent = [x[0].to(torch.int64) for x in local if x is not None]
+    own = sum(x[0].shape[0] for x in local if x is not None)  # the ids this rank sends
     if static:
         _check_equal_sizes(mine, group, world, device)
         counts = [mine] * world
-        head, block = 0, max(sum(max(c - 1, 0) for c in mine), 0)
+        head, block = 0, own  # (every rank's sizes are equal: checked just above)
         all_ids = _gather(_padded(sent, block, torch.int64, device), group, world) if block else None
     else:
         # The counted route's first collective is the step's agreement (what every training forward of these
@@ -280,8 +281,7 @@ def _exchange(items: list[tuple[Tensor, RowGrad, bool]], group: Any) -> None:
         # It agrees on the largest id block; each rank's counts travel at the head of its block of ids.
         head = len(items)
         where = agreement_device(dist.get_backend_config(group), device)
-        block = agree_capacity(torch.tensor(head + sum(max(c - 1, 0) for c in mine), device=where), group,
-                               what="step", forwards=forwards)
+        block = agree_capacity(torch.tensor(head + own, device=where), group, what="step", forwards=forwards)
         mine_t = torch.tensor(mine, dtype=torch.int64, device=device)
         all_ids = _gather(_padded([mine_t, *sent], block, torch.int64, device), group, world)
         counts = all_ids.view(world, block)[:, :head].tolist()

@@ -7,6 +7,10 @@ Run (from the repository root; 15–30 min at full size with 2 thread counts, 6 
 
 Quick check: ``... --rows 100000 --iters 3 --threads 1``.
 
+Ranges: ``--rounds N`` runs every contender N times, round by round (all of them once, then again), and prints
+each goal's ratio per round: the ratio of two contenders measured minutes apart moves with the machine (on
+cloud VMs, FBGEMM's step and ours each by 30 % or more between runs), and the rounds show its range.
+
 Many tables: ``... --mixed --dim 16 --bags 1 --threads 2 --modes ours_adagrad ours_adagrad_unstacked
 ours_lazyadam ours_lazyadam_unstacked``: 26 tables of mixed sizes (Criteo's 26 categorical features
 capped at 1,000,000 rows, 5.6 M rows in all), ours built the default way (tables stacked) against
@@ -65,6 +69,7 @@ import argparse
 import hashlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -399,6 +404,26 @@ def print_tables(args: argparse.Namespace, threads: int, results: dict[tuple[str
         print(f"{label:{w}s} " + " ".join(cells))
 
 
+def print_rounds(args: argparse.Namespace, threads: int,
+                 rounds: list[dict[tuple[str, int], dict[str, Any]]]) -> None:
+    """The goals' ratios of every round side by side: the contenders of a round ran one after the other, so a
+    round's ratio compares steps taken minutes apart, and the rounds give its range on this machine."""
+    print(f"\n== the goals over {len(rounds)} rounds, threads={threads} (each round: every contender once, in "
+          "--modes order; ratio of medians, ours / peer)")
+    for label, ours, peer, goals in RATIOS:
+        if ours not in args.modes or peer not in args.modes or not goals:
+            continue
+        for b in args.bags:
+            ratios = [r[(ours, b)]["median_ms"] / r[(peer, b)]["median_ms"] for r in rounds
+                      if "error" not in r[(ours, b)] and "error" not in r[(peer, b)]]
+            if not ratios or b not in goals:
+                continue
+            met = sum(x <= goals[b] for x in ratios)
+            print(f"{label} ({b} id{'s' if b > 1 else ''}/bag): " + ", ".join(f"{x:.2f}" for x in ratios)
+                  + f"; median {statistics.median(ratios):.2f}; goal ≤ {goals[b]:.2f} met in {met} of "
+                    f"{len(ratios)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -414,11 +439,15 @@ def main() -> None:
     ap.add_argument("--no-fbgemm", action="store_true", help="leave the FBGEMM rows out")
     ap.add_argument("--first-step", action="store_true",
                     help="add ours_*_reference (TTE_UPDATE_KERNEL=0) for every ours_* mode: first steps compared")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every contender this many times, round by round, and print each goal's ratio per round")
     ap.add_argument("--child-timeout", type=float, default=3600)
     ap.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     ap.add_argument("--bag", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--pool", default="sum", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.child:
         child(args)
         return
@@ -444,19 +473,26 @@ def main() -> None:
             if fbgemm_py is None:
                 args.modes = [m for m in args.modes if m not in FBGEMM]
     for threads in args.threads:
-        results: dict[tuple[str, int], dict[str, Any]] = {}
-        for bag in args.bags:
-            for mode in args.modes:
-                t0 = time.perf_counter()
-                try:
-                    res = run_one(args, mode, bag, threads, fbgemm_py)
-                except subprocess.TimeoutExpired:
-                    res = {"error": f"timed out after {args.child_timeout:.0f} s"}
-                results[(mode, bag)] = res
-                status = f"failed: {res['error']}" if "error" in res else f"{fmt_ms(res)} ms"
-                print(f"  threads={threads} bag={bag:<3d} {mode:24s} {status}  ({time.perf_counter() - t0:.0f} s)",
-                      file=sys.stderr, flush=True)
-        print_tables(args, threads, results)
+        rounds: list[dict[tuple[str, int], dict[str, Any]]] = []
+        for k in range(args.rounds):
+            results: dict[tuple[str, int], dict[str, Any]] = {}
+            for bag in args.bags:
+                for mode in args.modes:
+                    t0 = time.perf_counter()
+                    try:
+                        res = run_one(args, mode, bag, threads, fbgemm_py)
+                    except subprocess.TimeoutExpired:
+                        res = {"error": f"timed out after {args.child_timeout:.0f} s"}
+                    results[(mode, bag)] = res
+                    status = f"failed: {res['error']}" if "error" in res else f"{fmt_ms(res)} ms"
+                    print(f"  threads={threads} round {k + 1}/{args.rounds} bag={bag:<3d} {mode:24s} {status}  "
+                          f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+            if args.rounds > 1:
+                print(f"\n#### round {k + 1} of {args.rounds}")
+            print_tables(args, threads, results)
+            rounds.append(results)
+        if args.rounds > 1:
+            print_rounds(args, threads, rounds)
     print(f"\nload average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

@@ -199,3 +199,32 @@ def test_restored_activations_keep_the_forwards_containers() -> None:
         assert all(torch.equal(x, y.detach() + 1) for x, y in zip(
             back if isinstance(back, tuple) else back.values(), out if isinstance(out, tuple) else out.values(),
             strict=True))
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_an_interrupt_while_the_next_batch_is_looked_up_ahead_keeps_that_batch(prefetch: bool) -> None:
+    """With pipelined execution step 2 looks batch 3 up ahead; a ``KeyboardInterrupt`` there (Ctrl-C in
+    ``features(batch)``, or in the lookup) dropped batch 3: ``unfinished()`` listed batch 2 then 4, and the run
+    that went on trained 5 of 6 batches. Now step 2 is retried with batch 3 after it, and the run equals the
+    uninterrupted one."""
+    data = pipeline_batches(6, seed=17)
+    interrupted = []
+
+    def features(batch: dict[str, Any]) -> Any:
+        if batch is data[3] and not interrupted:
+            interrupted.append(batch)
+            raise KeyboardInterrupt
+        return batch["sparse"]
+
+    model = _model()
+    pipe = tte.TrainPipeline(model, _opts(model), step=_step, features=features, prefetch=prefetch,
+                             pipeline_execution_with_tensor_core=True)
+    it = iter(data)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in pipe.run(it):
+            pass
+    assert interrupted and pipe.steps == 2 and not _threads()
+    assert [id(b) for b in pipe.unfinished()[:2]] == [id(data[2]), id(data[3])]
+    assert sum(1 for _ in pipe.run(it)) == 4 and pipe.steps == 6 and pipe.unfinished() == []
+    for name, value in _want(data, stale=True).state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name

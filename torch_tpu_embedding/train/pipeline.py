@@ -215,13 +215,14 @@ class TrainPipeline:
                 following = self._take()
             except Exception as e:  # the source's error, raised after this step, at its place in the stream
                 following = Ready(None, source_error=e)
+            # (kept before its lookup: a step interrupted there, a KeyboardInterrupt, lists it and trains it later)
+            self._next = following
             if following is not None:
                 # Looked up even when its inputs (or the source) failed, the error kept for its step: over a process
                 # group the failed rank takes part in this lookup's agreement, so that every rank raises at that step.
                 ahead = (self._prepared(following, keep_error=True) if following.source_error is None
                          else PreparedFeatures.failed(id(self.collection), following.source_error))
                 self._look_up_ahead(ahead)
-            self._next = following
             if following is not None and isinstance(ahead.error, ReusedBuffersError):  # (this step's batch too)
                 raise ahead.error
         with self.collection.use_prepared(prepared):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import io
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -228,3 +229,49 @@ def test_an_interrupt_while_the_next_batch_is_looked_up_ahead_keeps_that_batch(p
     assert sum(1 for _ in pipe.run(it)) == 4 and pipe.steps == 6 and pipe.unfinished() == []
     for name, value in _want(data, stale=True).state_dict().items():
         assert torch.equal(model.state_dict()[name], value), name
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_an_interrupt_in_the_first_step_after_a_restore_keeps_the_restored_activations(prefetch: bool) -> None:
+    """Restored from a checkpoint taken after step 3 (pipelined execution), batch 3 is trained with the activations
+    saved with it. A ``KeyboardInterrupt`` in that step before its lookup (Ctrl-C in ``features(batch)``) let go of
+    them: the run that went on looked batch 3 up afresh, one update too new, and differed from the uninterrupted
+    run. Now the retried step uses them."""
+    data = pipeline_batches(6, seed=19)
+    model = _model()
+    opts = _opts(model)
+    pipe = tte.TrainPipeline(model, opts, step=_step, features=lambda b: b["sparse"],
+                             pipeline_execution_with_tensor_core=True)
+    run = pipe.run(data)
+    for _ in range(3):
+        next(run)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opts": [o.state_dict() for o in opts], "pipe": pipe.state_dict()},
+               buffer)
+    run.close()
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=False)
+    interrupted = []
+
+    def features(batch: dict[str, Any]) -> Any:
+        if not interrupted:
+            interrupted.append(batch)
+            raise KeyboardInterrupt
+        return batch["sparse"]
+
+    resumed = _model()
+    resumed_opts = _opts(resumed)
+    resumed.load_state_dict(saved["model"])
+    for opt, state in zip(resumed_opts, saved["opts"], strict=True):
+        opt.load_state_dict(state)
+    again = tte.TrainPipeline(resumed, resumed_opts, step=_step, features=features, prefetch=prefetch,
+                              pipeline_execution_with_tensor_core=True)
+    again.load_state_dict(saved["pipe"])
+    it = iter(data[saved["pipe"]["taken"]:])
+    with pytest.raises(KeyboardInterrupt):
+        for _ in again.run(it):
+            pass
+    assert interrupted and again.steps == 3 and not _threads()
+    assert sum(1 for _ in again.run(it)) == 3 and again.steps == 6
+    for name, value in _want(data, stale=True).state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], value), name

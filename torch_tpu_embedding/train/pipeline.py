@@ -191,7 +191,8 @@ class TrainPipeline:
             return self._train(current)
         except BaseException as e:
             if not self._updating:  # failed before its update: trained first by a later run, from no gradient
-                self._failed, self._failed_outputs = [current.batch], self._ahead_outputs
+                self._failed = [current.batch]  # (restored activations it had not kept yet: still its own)
+                self._failed_outputs = self._ahead_outputs if self._ahead_outputs is not None else self._resume_outputs
                 for opt in self.optimizers:
                     opt.zero_grad()
             self.close()
@@ -207,9 +208,11 @@ class TrainPipeline:
         if prepared.ahead_error is not None:  # its lookup, during the previous step, failed (here or on another rank)
             raise prepared.ahead_error
         if self._resume_outputs is not None:  # restored: its activations as looked up before the checkpoint
-            self._look_up_ahead(prepared)
-        # (looked up ahead: kept should the step fail before its update, for the later run that trains it again)
+            self._look_up_ahead(prepared, self._resume_outputs)
+        # (looked up ahead: kept should the step fail before its update, for the later run that trains it again;
+        # restored ones are let go only once kept there: an interrupt before keeps them too)
         self._ahead_outputs = None if prepared.outputs is None else detached(prepared.outputs)
+        self._resume_outputs = None
         if self.stale:  # batch N + 1 looked up now: the tables before update N
             try:
                 following = self._take()
@@ -341,7 +344,7 @@ class TrainPipeline:
         self.collection(PreparedFeatures.failed(id(self.collection), error))
         raise error  # (the lookup raised it already)
 
-    def _look_up_ahead(self, prepared: PreparedFeatures) -> None:
+    def _look_up_ahead(self, prepared: PreparedFeatures, saved: Any = None) -> None:  # saved: restored values
         stream = self._side_stream()
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
@@ -350,10 +353,8 @@ class TrainPipeline:
         if stream is not None and prepared.outputs is not None:  # made on the side stream, used on this one:
             current = torch.cuda.current_stream()  # their memory kept until it has used them
             tree_map(lambda t: t.record_stream(current) if isinstance(t, torch.Tensor) else t, prepared.outputs)
-        if self._resume_outputs is not None:  # restored from a checkpoint: the values looked up before it
-            saved, self._resume_outputs = self._resume_outputs, None
-            if prepared.outputs is not None:  # (else its error is raised at its step)
-                prepared.outputs = restore(prepared.outputs, saved)
+        if saved is not None and prepared.outputs is not None:  # (else its error is raised at its step)
+            prepared.outputs = restore(prepared.outputs, saved)
 
     def _side_stream(self) -> Any:
         if not any(p.device.type == "cuda" for p in self.collection.parameters()):

@@ -275,3 +275,34 @@ def test_an_interrupt_in_the_first_step_after_a_restore_keeps_the_restored_activ
     assert sum(1 for _ in again.run(it)) == 3 and again.steps == 6
     for name, value in _want(data, stale=True).state_dict().items():
         assert torch.equal(resumed.state_dict()[name], value), name
+
+
+def _concat_step(model: Any, batch: dict[str, Any]) -> torch.Tensor:
+    x = model["ec"](batch["sparse"], concat=True)  # (a, b, c side by side: the head's 9 inputs)
+    return torch.nn.functional.mse_loss(model["head"](torch.tanh(x)).squeeze(1), batch["label"])
+
+
+@pytest.mark.parametrize("saved_concat", [False, True])
+def test_a_state_resumed_with_another_concat_names_it(saved_concat: bool) -> None:
+    """A pipelined-execution state holds the activations of its first batch as the lookup gave them: a dict of
+    features, or the one tensor of ``concat=True``. Resumed by a pipeline with the other ``concat``, the first step
+    raised ``AttributeError: 'dict' object has no attribute 'to'`` (or ``new(): invalid data type 'str'``) from the
+    library's internals; it now names the state's key, both layouts and the argument."""
+    data = pipeline_batches(4, seed=23)
+    model = _model()
+    steps = {False: _step, True: _concat_step}
+    pipe = tte.TrainPipeline(model, _opts(model), step=steps[saved_concat], features=lambda b: b["sparse"],
+                             concat=saved_concat, pipeline_execution_with_tensor_core=True)
+    run = pipe.run(data)
+    next(run)
+    state = copy.deepcopy(pipe.state_dict())
+    run.close()
+    resumed = _model()
+    again = tte.TrainPipeline(resumed, _opts(resumed), step=steps[not saved_concat], features=lambda b: b["sparse"],
+                              concat=not saved_concat, pipeline_execution_with_tensor_core=True)
+    again.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"'outputs_ahead'.*Resume with the `concat`") as raised:
+        next(again.run(data[state["taken"]:]))
+    layouts = ["`a` [6, 3], `b` [6, 3], `c` [6, 3]", "one tensor of shape [6, 9] (concat=True)"]
+    assert f"saved {layouts[saved_concat]}; looked up now {layouts[not saved_concat]}." in str(raised.value)
+    assert again.steps == 1 and again.unfinished()[0] is state["unfinished"][0]

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from torch_tpu_embedding._util.nest import flatten, pick, rebuild
+from torch_tpu_embedding._util.nest import flatten, path_name, rebuild
 
 __all__ = ["restore", "state_problem"]
 
@@ -51,10 +51,27 @@ class _Saved(torch.autograd.Function):
         return grad, None
 
 
+def _shapes(struct: Any) -> dict[Any, tuple[int, ...] | None]:
+    return {path: tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else None for path, leaf in flatten(struct)}
+
+
+def _described(shapes: dict[Any, tuple[int, ...] | None]) -> str:
+    if list(shapes) == [()]:
+        return f"one tensor of shape {list(shapes[()] or ())} (concat=True)"
+    return ", ".join(f"`{path_name(p)}` {list(s) if s is not None else None}" for p, s in shapes.items())
+
+
 def restore(fresh: Any, saved: Any) -> Any:
     """``fresh`` activations (a structure of tensors) with the values of ``saved`` (the same structure), in
     ``fresh``'s containers (an OrderedDict or a namedtuple of activations stays one, as the forward gives it)."""
-    values = {path: _Saved.apply(leaf, pick(saved, path))  # type: ignore[no-untyped-call]
+    want, have = _shapes(fresh), _shapes(saved)
+    if want != have:  # (resumed with another `concat`, or other features: else an error of this module's internals)
+        raise ValueError(
+            "The activations looked up ahead that TrainPipeline.load_state_dict() restored (the state's "
+            f"'outputs_ahead') do not fit this pipeline's lookup of their batch: saved {_described(have)}; looked up "
+            f"now {_described(want)}. Resume with the `concat` and the features the pipeline had when it was saved.")
+    saved_leaves = dict(flatten(saved))
+    values = {path: _Saved.apply(leaf, saved_leaves[path])  # type: ignore[no-untyped-call]
               if isinstance(leaf, torch.Tensor) else leaf
               for path, leaf in flatten(fresh)}
     return rebuild(fresh, values)

@@ -306,3 +306,47 @@ def test_a_state_resumed_with_another_concat_names_it(saved_concat: bool) -> Non
     layouts = ["`a` [6, 3], `b` [6, 3], `c` [6, 3]", "one tensor of shape [6, 9] (concat=True)"]
     assert f"saved {layouts[saved_concat]}; looked up now {layouts[not saved_concat]}." in str(raised.value)
     assert again.steps == 1 and again.unfinished()[0] is state["unfinished"][0]
+
+
+class _InterruptedOnce:
+    """A reader whose ``next()`` is interrupted once, before batch ``at`` (Ctrl-C while it waits for its data); it
+    goes on when asked again, as a DataLoader's iterator does."""
+
+    def __init__(self, data: list[Any], at: int) -> None:
+        self.data, self.at, self.i = data, at, 0
+
+    def __iter__(self) -> _InterruptedOnce:
+        return self
+
+    def __next__(self) -> Any:
+        if self.i == self.at:
+            self.at = -1
+            raise KeyboardInterrupt
+        if self.i == len(self.data):
+            raise StopIteration
+        self.i += 1
+        return self.data[self.i - 1]
+
+
+@pytest.mark.parametrize("stale", [False, True])
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_progress_goes_on_after_the_source_is_interrupted(prefetch: bool, stale: bool) -> None:
+    """``progress()`` after the source's ``next()`` raised ``KeyboardInterrupt`` raised ``StopIteration``: the
+    interrupt had ended the pipeline's chain of the source (or its thread), and the 3 batches still in the source
+    were never trained, silently. Now the next call goes on with the source, and the run equals the uninterrupted
+    one. (With pipelined execution the interrupt comes in step 2, looking batch 3 up ahead: that step is retried.)"""
+    data = pipeline_batches(6, seed=29)
+    model = _model()
+    pipe = tte.TrainPipeline(model, _opts(model), step=_step, features=lambda b: b["sparse"], prefetch=prefetch,
+                             pipeline_execution_with_tensor_core=stale)
+    source, interrupts = _InterruptedOnce(data, 3), 0
+    while True:
+        try:
+            pipe.progress(source)
+        except StopIteration:
+            break
+        except KeyboardInterrupt:
+            interrupts += 1
+    assert interrupts == 1 and pipe.steps == 6 and pipe.unfinished() == [] and not _threads()
+    for name, value in _want(data, stale).state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name

@@ -59,7 +59,7 @@ from torch_tpu_embedding._util.nest import detached
 from torch_tpu_embedding.modules.collection import EmbeddingCollection
 from torch_tpu_embedding.modules.prepared import NotAhead, PreparedFeatures
 from torch_tpu_embedding.train.prefetch import Prefetcher, Ready, ReusedBuffersError, call_weakly, refilled
-from torch_tpu_embedding.train.restored import restore, state_problem
+from torch_tpu_embedding.train.restored import host_copy, restore, state_problem
 
 __all__ = ["TrainPipeline"]
 
@@ -180,6 +180,10 @@ class TrainPipeline:
         except Exception as e:  # the source's error
             self.close()
             self._fail(e)
+        except BaseException:  # an interrupt: the source's own (its chain, or the thread, ended), or while waiting
+            if self._prefetcher is None or self._prefetcher.done:  # (a later call starts on the source again)
+                self.close()
+            raise
         self._next = None
         if current is None:
             self.close()
@@ -419,12 +423,8 @@ class TrainPipeline:
             raise RuntimeError("A step raised: state_dict() is taken between steps. unfinished() lists the batches "
                                "not trained, the failed step's first.")
         self._settle_late(0.0, "state_dict()", "Take it once the source has returned it (unfinished() lists it then).")
-        outputs = None
-        if self._next is not None and self._next.prepared is not None and self._next.prepared.outputs is not None:
-            outputs = tree_map(lambda t: t.detach().cpu().clone() if isinstance(t, torch.Tensor) else t,
-                               self._next.prepared.outputs)
-        elif self._resume_outputs is not None:
-            outputs = self._resume_outputs
+        ahead = None if self._next is None or self._next.prepared is None else self._next.prepared.outputs
+        outputs = host_copy(ahead) if ahead is not None else self._resume_outputs
         unfinished = self.unfinished()
         handed = int(self._next is not None and self._next.source_error is None)  # (counted in self.taken already)
         return {"steps": self.steps, "taken": self.taken + len(unfinished) - handed, "unfinished": unfinished,

@@ -134,6 +134,12 @@ class Prefetcher:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def done(self) -> bool:
+        """Whether the thread takes no more batches: its source is exhausted or raised."""
+        with self._cond:
+            return self._done
+
 
 def call_weakly(method: weakref.WeakMethod[Callable[[Any], Any]], batch: Any) -> Any:
     """``method(batch)`` while its object lives (else ``None``: nothing prepared, for a pipeline already gone)."""

@@ -8,10 +8,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 from torch_tpu_embedding._util.nest import flatten, path_name, rebuild
 
-__all__ = ["restore", "state_problem"]
+__all__ = ["host_copy", "restore", "state_problem"]
 
 _KEYS = ("steps", "taken", "unfinished", "outputs_ahead", "pipeline_execution_with_tensor_core")
 
@@ -75,3 +76,8 @@ def restore(fresh: Any, saved: Any) -> Any:
               if isinstance(leaf, torch.Tensor) else leaf
               for path, leaf in flatten(fresh)}
     return rebuild(fresh, values)
+
+
+def host_copy(outputs: Any) -> Any:
+    """Activations looked up ahead as a checkpoint keeps them: detached copies on the host."""
+    return tree_map(lambda t: t.detach().cpu().clone() if isinstance(t, torch.Tensor) else t, outputs)

@@ -303,7 +303,7 @@ def test_a_state_resumed_with_another_concat_names_it(saved_concat: bool) -> Non
     again.load_state_dict(state)
     with pytest.raises(ValueError, match=r"'outputs_ahead'.*Resume with the `concat`") as raised:
         next(again.run(data[state["taken"]:]))
-    layouts = ["`a` [6, 3], `b` [6, 3], `c` [6, 3]", "one tensor of shape [6, 9] (concat=True)"]
+    layouts = ["`a` [6, 3], `b` [6, 3], `c` [6, 3]", "one tensor of shape [6, 9]"]
     assert f"saved {layouts[saved_concat]}; looked up now {layouts[not saved_concat]}." in str(raised.value)
     assert again.steps == 1 and again.unfinished()[0] is state["unfinished"][0]
 

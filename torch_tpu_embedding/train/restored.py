@@ -58,7 +58,7 @@ def _shapes(struct: Any) -> dict[Any, tuple[int, ...] | None]:
 
 def _described(shapes: dict[Any, tuple[int, ...] | None]) -> str:
     if list(shapes) == [()]:
-        return f"one tensor of shape {list(shapes[()] or ())} (concat=True)"
+        return f"one tensor of shape {list(shapes[()] or ())}"
     return ", ".join(f"`{path_name(p)}` {list(s) if s is not None else None}" for p, s in shapes.items())
 
 

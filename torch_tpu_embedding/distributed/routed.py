@@ -40,6 +40,7 @@ from torch_tpu_embedding.distributed.state import (
     whole_from_saved,
     whole_to_saved,
 )
+from torch_tpu_embedding.modules.lookup import keep_table, records_rows
 from torch_tpu_embedding.modules.lookup_batch import LookupBatch
 
 __all__ = ["GroupLookup", "LoadCounts", "ProcessGroupLayout"]
@@ -133,6 +134,7 @@ class _Exchange(torch.autograd.Function):
         rows, local = fetch_rows(weight.detach(), routes.send, route.sharding)
         route.slot, route.local, route.k = routes.slot, local, k
         ctx.route = route
+        keep_table(ctx, route.tables, weight)
         got = rows.index_select(0, routes.slot.clamp(max=rows.shape[0] - 1))
         return got * (routes.slot < rows.shape[0]).unsqueeze(-1).to(got.dtype)
 
@@ -146,6 +148,9 @@ class _Exchange(torch.autograd.Function):
                 "to the rows' owners at the first, and a lookup over a process group sends one. Sum the losses and run "
                 "one backward, or look the batch up again for the second. Received: a second backward of one lookup"
             )
+        # Asked by torch.autograd.grad for the table's weight: refused here, before the exchange (every rank that
+        # asks raises alike); a backward that accumulates into the table records its rows.
+        record = records_rows(ctx)
         # Data parallel's average over the ranks; 16-bit tables send float32 rows (the update's dtype).
         g = grad.to(route.grad_dtype) / route.sharding.world
         try:
@@ -158,8 +163,9 @@ class _Exchange(torch.autograd.Function):
                 "its loss) leaves them waiting here: every rank must run the backward of each training lookup, or "
                 f"skip the batch on every rank alike. Received: {e}"
             ) from e
-        route.row_grad.add(route.local.reshape(-1), rows)
-        route.row_grad.reached.update(route.tables)
+        if record:
+            route.row_grad.add(route.local.reshape(-1), rows)
+            route.row_grad.reached.update(route.tables)
         route.slot = route.local = None  # (sent: a second backward of this lookup is refused above)
         return None, None, None
 

@@ -34,7 +34,7 @@ from torch_tpu_embedding._util.dtypes import compute_dtype
 from torch_tpu_embedding.combiners import bag_gains, full_mean_gain, jagged_gains
 from torch_tpu_embedding.optim._kernels.c_gather import gather_rows
 
-__all__ = ["add_rows", "bags_lookup", "jagged_lookup", "lookup"]
+__all__ = ["add_rows", "bags_lookup", "jagged_lookup", "keep_table", "lookup", "records_rows"]
 
 
 @torch.library.custom_op("torch_tpu_embedding::add_rows", mutates_args=())
@@ -68,21 +68,29 @@ def _hand_over(ctx: Any, ids: torch.Tensor, rows: torch.Tensor) -> None:
     ctx.row_grad.reached.update(ctx.tables)
 
 
+def keep_table(ctx: Any, tables: frozenset[str], weight: torch.Tensor) -> None:
+    """What :func:`records_rows` reads, kept on the ``ctx`` of a lookup whose first input is the table's ``weight``
+    (this module's lookups, and the sharded ones of the backends): ``tables``, the names recorded."""
+    ctx.tables, ctx.weight_shape = tables, tuple(weight.shape)
+    ctx.weight_info = table_info(weight)  # (its tables' names, for an error)
+
+
 def _keep(ctx: Any, row_grad: RowGrad, tables: frozenset[str], frozen: torch.Tensor | None,
           weight: torch.Tensor) -> None:
-    ctx.row_grad, ctx.tables, ctx.frozen, ctx.weight_shape = row_grad, tables, frozen, tuple(weight.shape)
-    ctx.weight_info = table_info(weight)  # (its tables' names, for an error)
+    keep_table(ctx, tables, weight)
+    ctx.row_grad, ctx.frozen = row_grad, frozen
     ctx.handle, ctx.tables_key = row_grad.handle, ".".join(sorted(tables))  # (for add_rows)
 
 
-def _records_rows(ctx: Any) -> bool:
+def records_rows(ctx: Any) -> bool:
     """Whether this backward adds the table's rows to its ``RowGrad``: as ``loss.backward()`` accumulates into
     a parameter's ``.grad`` (and ``backward(inputs=...)`` naming the table's weight), and not for a backward
     that accumulates nothing into the table: ``torch.autograd.grad`` (which leaves every ``.grad`` as it was)
     or ``backward(inputs=...)`` without the table's weight. A frozen weight gets no rows, as in torch.
 
     Raises ``RuntimeError`` when ``torch.autograd.grad`` asks for the table's weight itself: its gradient
-    would be a ``[rows, D]`` tensor, which a table never gets (its gradient is row-sparse)."""
+    would be a ``[rows, D]`` tensor, which a table never gets (its gradient is row-sparse). ``ctx``: a lookup's,
+    its first input the table's weight, with :func:`keep_table`'s attributes."""
     if not ctx.needs_input_grad[0]:
         return False
     if torch.compiler.is_compiling():  # (a compiled backward: no engine to ask; loss.backward() is what compiles)
@@ -157,7 +165,7 @@ class _RowSparseLookup(torch.autograd.Function):
             grads = (_columns_whole(grads, broadcast=not ctx.needs_input_grad[2]),)
             ctx.splits = (ids.shape[0],)
         grad_out = None
-        if _records_rows(ctx):
+        if records_rows(ctx):
             grad_out = _record_rows(ctx, ids, gains, grads)
         grad_gains = None
         if ctx.needs_input_grad[2]:  # <row, grad_out> per position; padding positions get 0 from bag_gains
@@ -331,7 +339,7 @@ class _JaggedLookup(torch.autograd.Function):
             unused = per_bag.index_select(0, bag)  # per id: its bag's item is unused
         grad_out = _whole(grads)  # type: ignore[arg-type]
         per_id = grad_out.to(gains.dtype).index_select(0, bag)  # [nnz, D]: each id's bag's gradient
-        if _records_rows(ctx):
+        if records_rows(ctx):
             frozen, at, own = ctx.frozen, ids, gains
             if frozen is not None:  # frozen members of a stacked group: their ids become the sentinel, zero rows
                 at = torch.where(frozen[ids], frozen.shape[0], ids)

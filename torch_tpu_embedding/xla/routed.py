@@ -38,6 +38,7 @@ from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding._util.nest import Path
 from torch_tpu_embedding.combiners import bag_gains
+from torch_tpu_embedding.modules.lookup import keep_table, records_rows
 from torch_tpu_embedding.modules.lookup_batch import LookupBatch
 from torch_tpu_embedding.xla.exchange import Routing, exchange_grad, exchange_lookup
 from torch_tpu_embedding.xla.manual import Mesh, annotate, reshard, spec
@@ -93,6 +94,8 @@ class _Route:
     axis: str
     row_grad: RowGrad
     grad_dtype: torch.dtype
+    #: the tables looked up (a stacked group's members), named where torch.autograd.grad asks for the weight
+    tables: frozenset[str] = frozenset()
     routing: Routing | None = None
     ok: torch.Tensor | None = None
 
@@ -103,12 +106,16 @@ class _Exchange(torch.autograd.Function):
         rows, routing = exchange_lookup(weight, ids, route.ownership, route.capacity, route.mesh, route.axis)
         route.routing = routing
         ctx.route = route
+        keep_table(ctx, route.tables, weight)
         return rows
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:  # type: ignore[override]
         route: _Route = ctx.route
         assert route.routing is not None and route.ok is not None
+        if not records_rows(ctx):  # (torch.autograd.grad of the table's weight raises in records_rows)
+            ctx.route = route.routing = route.ok = None
+            return None, None, None
         # 16-bit tables: gradient rows travel and are summed in the update's float32.
         ids, rows = exchange_grad(grad.to(route.grad_dtype), route.routing)
         route.row_grad.add_owned(ids, rows, route.ok)
@@ -201,7 +208,8 @@ class RoutedLookup:
         ordered = [parts[i] for i in range(len(items))]
         ids = ordered[0] if len(ordered) == 1 else torch.cat(ordered, dim=1)
         cap = capacity(ids.shape[1], n, self.configured)
-        route = _Route(info.layout.ownership(rows_total, n), cap, mesh, axis, info.row_grad, math_dtype(weight))
+        route = _Route(info.layout.ownership(rows_total, n), cap, mesh, axis, info.row_grad, math_dtype(weight),
+                       frozenset(t for b in self.batches for t in b.tables))
         rows: torch.Tensor = _Exchange.apply(weight, ids, route)  # type: ignore[no-untyped-call]
         assert route.routing is not None
         route.ok = self._count(route.routing, n, weight.device, cap, mesh, axis)

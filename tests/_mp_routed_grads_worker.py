@@ -5,6 +5,9 @@ Run as ``python tests/_mp_routed_grads_worker.py CASE OUT_DIR`` with ``RANK``, `
 ``MASTER_PORT`` set (``suite_helpers.run_ranks``); writes ``OUT_DIR/rank<r>.pt``: the case's largest distances
 from the reference, or the error it raised. ``CASE``:
 
+- ``unused``: features ``u`` and ``v`` of one row-sharded table, lazy Adam, three steps: both used on both ranks,
+  then ``u`` alone, then ``v`` used by rank 0's loss only. A feature a loss does not use touches no row (its rows and
+  moments stay as they were), and every rank still takes part in the backward's exchange (no rank waits).
 - ``autograd_grad``: ``torch.autograd.grad`` of the per-id weights adds no row, so the next ``backward`` and SGD
   step are one step; ``torch.autograd.grad`` of the table's weight is refused by table name, on every rank, before
   any exchange, and records nothing.
@@ -37,6 +40,10 @@ def act_grad(rank: int, step: int, feature: str) -> torch.Tensor:
     return torch.randn(B, D, generator=g, dtype=torch.float64)
 
 
+def used(rank: int, step: int) -> tuple[str, ...]:
+    return (("u", "v"), ("u",), ("u", "v") if rank == 0 else ("u",))[step]
+
+
 class Model(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -52,6 +59,37 @@ def _by_logical(model: Model, stored: torch.Tensor) -> dict[int, torch.Tensor]:
 
 def _distance(model: Model, stored: torch.Tensor, want: torch.Tensor) -> float:
     return max(float((row - want[i]).abs().max()) for i, row in _by_logical(model, stored).items())
+
+
+def reference_adam() -> dict[str, torch.Tensor]:
+    """Lazy Adam (betas 0.9, 0.999, eps 1e-7 inside the sqrt, no bias correction) on the global batch: each step the
+    mean over the ranks of their losses' row gradients, on the rows the used features looked up only."""
+    w, m, v = INIT.clone(), torch.zeros(V, D, dtype=torch.float64), torch.zeros(V, D, dtype=torch.float64)
+    for step in range(3):
+        g, touched = torch.zeros(V, D, dtype=torch.float64), torch.zeros(V, dtype=torch.bool)
+        for r in range(WORLD):
+            for f in used(r, step):
+                g.index_add_(0, ids(r, step, f), act_grad(r, step, f) / WORLD)
+                touched[ids(r, step, f)] = True
+        m[touched] = 0.9 * m[touched] + 0.1 * g[touched]
+        v[touched] = 0.999 * v[touched] + 0.001 * g[touched] ** 2
+        w[touched] -= LR * m[touched] / torch.sqrt(v[touched] + 1e-14)
+    return {"weight": w, "momenta": m, "velocities": v}
+
+
+def unused(rank: int) -> dict[str, Any]:
+    model = Model()
+    tte.distributed.shard(model)
+    opt = tte.optim.Adam(model.parameters(), lr=LR)
+    for step in range(3):
+        out = model.ec({f: ids(rank, step, f) for f in "uv"})
+        sum((out[f] * act_grad(rank, step, f)).sum() for f in used(rank, step)).backward()
+        opt.step()
+        opt.zero_grad()
+    want = reference_adam()
+    weight = model.ec.tables.t.weight
+    state = opt.state[weight]
+    return {k: _distance(model, weight.detach() if k == "weight" else state[k], v) for k, v in want.items()}
 
 
 _PER_ID = torch.tensor([0.5, 2.0, -1.0, 3.0], dtype=torch.float64)
@@ -98,7 +136,7 @@ def autograd_grad(rank: int) -> dict[str, Any]:
     return out
 
 
-CASES = {"autograd_grad": autograd_grad}
+CASES = {"unused": unused, "autograd_grad": autograd_grad}
 
 
 def main() -> None:

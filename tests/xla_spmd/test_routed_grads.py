@@ -1,6 +1,9 @@
 """Row-sharded tables under SPMD (the id exchange, ``xla/routed.py``) against float64 numpy written here, on a
 4-device mesh (``PJRT_DEVICE=CPU CPU_NUM_DEVICES=4``), a table shared by two features and a stacked group:
 
+* a feature whose activations the loss does not use touches no row (docs/optimizers.md, "Touched rows"), as in one
+  device's lookup (tests/optim/test_unused_feature_rows.py): before, the exchange's backward got zeros for it and
+  its ids reached their owners, so lazy Adam's moments decayed and moved those rows;
 * ``torch.autograd.grad`` of a table's weight is refused by table name and records no row (before, with
   ``allow_unused=True`` it returned, and the rows it recorded were applied on top of the next backward's);
   ``torch.autograd.grad`` of the per-id weights adds no row either (docs/guide.md).
@@ -30,6 +33,10 @@ ACT_GRAD = [{f: RNG.normal(size=(B, D)) for f in "uvw"} for _ in range(3)]
 PER_ID = RNG.uniform(0.5, 2.0, size=B)
 
 
+def used(step: int) -> tuple[str, ...]:
+    return ("u", "v", "w") if step == 1 else ("u", "w")  # v is looked up every step, used only in step 1
+
+
 def build(stacked: bool) -> tte.EmbeddingCollection:
     cfgs = {t: tte.TableConfig(V, D, name=t, combiner="sum", dtype=torch.float64, placement="row",
                                initializer=torch.tensor(INIT[t])) for t in "ab"}
@@ -37,6 +44,42 @@ def build(stacked: bool) -> tte.EmbeddingCollection:
                                  device=DEV)
     assert set(shard(ec).values()) == {"row"}
     return ec
+
+
+def np_lazy_adam(w: np.ndarray, m: np.ndarray, v: np.ndarray, g: np.ndarray, touched: set[int]) -> None:
+    """TF TPU lazy Adam (betas 0.9, 0.999, eps 1e-7 inside the sqrt, no bias correction) on the touched rows."""
+    for r in touched:
+        m[r] = 0.9 * m[r] + 0.1 * g[r]
+        v[r] = 0.999 * v[r] + 0.001 * g[r] ** 2
+        w[r] -= LR * m[r] / np.sqrt(v[r] + 1e-14)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["shared_table", "stacked"])
+def test_a_feature_the_loss_does_not_use_touches_no_row(stacked: bool) -> None:
+    ec = build(stacked)
+    opt = tte.optim.Adam(ec.parameters(), lr=LR)
+    w = {t: INIT[t].copy() for t in "ab"}
+    m = {t: np.zeros((V, D)) for t in "ab"}
+    v = {t: np.zeros((V, D)) for t in "ab"}
+    for step in range(3):
+        out = ec({f: torch.tensor(IDS[f]) for f in "uvw"})
+        sum((out[f] * torch.tensor(ACT_GRAD[step][f]).to(DEV)).sum() for f in used(step)).backward()
+        opt.step()
+        opt.zero_grad()
+        torch_xla.sync()
+        for t in "ab":  # sum combiner, one id per bag: each id's row gradient is its bag's activation gradient
+            g, touched = np.zeros((V, D)), set()
+            for f in used(step):
+                if TABLE[f] == t:
+                    for i, r in enumerate(IDS[f]):
+                        g[r] += ACT_GRAD[step][f][i]
+                        touched.add(int(r))
+            np_lazy_adam(w[t], m[t], v[t], g, touched)
+    state = opt.state_dict()["state"]
+    for t in "ab":
+        np.testing.assert_allclose(ec.state_dict()[f"tables.{t}.weight"].cpu().numpy(), w[t], rtol=0, atol=1e-12)
+        for slot, want in (("momenta", m[t]), ("velocities", v[t])):
+            np.testing.assert_allclose(state[f"table:{t}"][slot].cpu().numpy(), want, rtol=0, atol=1e-12, err_msg=slot)
 
 
 def _loss(ec: tte.EmbeddingCollection, per_id: torch.Tensor) -> torch.Tensor:

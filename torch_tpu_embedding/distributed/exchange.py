@@ -17,7 +17,8 @@ positions:
    then updates the shard as an ordinary table of its own rows.
 
 Only equal-split collectives: it runs where uneven all-to-all does not (TorchTPU's ``tpu_dist``).
-Per rank and step that is ``n·k·(4 + 2·D·b)`` bytes sent for ``b``-byte rows (``n·k`` is the rank's
+Per rank and step that is ``n·k·(4 + (2·D + 1)·b)`` bytes sent for ``b``-byte rows (the backward's rows carry one
+more column, each slot's count of used positions: ``routed.py``; ``n·k`` is the rank's
 distinct ids plus the imbalance of the largest bucket), plus 64 bytes for the capacity and the step's
 agreement (:func:`agree_capacity`: every rank at the same exchange, none failed before it).
 

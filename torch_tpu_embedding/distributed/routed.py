@@ -40,7 +40,7 @@ from torch_tpu_embedding.distributed.state import (
     whole_from_saved,
     whole_to_saved,
 )
-from torch_tpu_embedding.modules.lookup import keep_table, records_rows
+from torch_tpu_embedding.modules.lookup import keep_table, records_rows, unused_bags
 from torch_tpu_embedding.modules.lookup_batch import LookupBatch
 
 __all__ = ["GroupLookup", "LoadCounts", "ProcessGroupLayout"]
@@ -126,20 +126,30 @@ class _Route:
 
 
 class _Exchange(torch.autograd.Function):
+    """The rows of every id position, one output per item (``splits`` positions each), and in the backward
+    their gradient rows sent to the owners. An item the loss does not use gets ``None`` (not zeros): its
+    positions count as unused, and an owner's row that only unused positions asked for is not touched
+    (``modules/lookup.py`` does the same for one process's lookup)."""
+
     @staticmethod
-    def forward(ctx: Any, weight: Tensor, ids: Tensor, route: _Route) -> Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, weight: Tensor, ids: Tensor, route: _Route, splits: tuple[int, ...]
+    ) -> tuple[Tensor, ...]:
         group = route.sharding.group  # (a training lookup also agrees on the ranks' optimizers: optim_agreement.py)
         disagree = (lambda: explain(group)) if route.grad else None
         routes, k = plan(ids, route.sharding, route.grad, route.config, disagree)
         rows, local = fetch_rows(weight.detach(), routes.send, route.sharding)
         route.slot, route.local, route.k = routes.slot, local, k
-        ctx.route = route
+        ctx.route, ctx.splits, ctx.rows = route, splits, weight.shape[0]
         keep_table(ctx, route.tables, weight)
+        if not torch.compiler.is_compiling():  # (as modules/lookup.py: compiled, unused outputs get zeros)
+            ctx.set_materialize_grads(False)
         got = rows.index_select(0, routes.slot.clamp(max=rows.shape[0] - 1))
-        return got * (routes.slot < rows.shape[0]).unsqueeze(-1).to(got.dtype)
+        out = got * (routes.slot < rows.shape[0]).unsqueeze(-1).to(got.dtype)
+        return tuple(out.split_with_sizes(list(splits)))
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[None, None, None, None]:  # type: ignore[override]
         route: _Route = ctx.route
         if route.slot is None or route.local is None:  # (every rank alike: the same graph backwarded again)
             raise RuntimeError(
@@ -151,10 +161,22 @@ class _Exchange(torch.autograd.Function):
         # Asked by torch.autograd.grad for the table's weight: refused here, before the exchange (every rank that
         # asks raises alike); a backward that accumulates into the table records its rows.
         record = records_rows(ctx)
+        # Every rank takes part in the exchange, also where its loss uses none of the items (all None): an extra
+        # column counts each bucket slot's used positions, so that the owner touches only rows some loss used.
+        # It travels on every rank (the same size everywhere: whether another rank has unused items is not known).
+        n, dev, dtype = sum(ctx.splits), route.slot.device, route.grad_dtype
+        present = [x for x in grads if x is not None]
+        if not present:
+            whole, used = torch.zeros(n, ctx.weight_shape[1], dtype=dtype, device=dev), torch.zeros(n, 1, dtype=dtype)
+        elif len(present) < len(grads):
+            unused, filled = unused_bags(grads, ctx.splits, 0, dev)
+            whole, used = torch.cat(filled), (~unused).to(dtype).unsqueeze(1)
+        else:
+            whole, used = present[0] if len(present) == 1 else torch.cat(present), torch.ones(n, 1, dtype=dtype)
         # Data parallel's average over the ranks; 16-bit tables send float32 rows (the update's dtype).
-        g = grad.to(route.grad_dtype) / route.sharding.world
+        g = torch.cat([whole.to(dtype) / route.sharding.world, used.to(dev)], dim=1)
         try:
-            rows = send_grads(g, route.slot, route.k, route.sharding)
+            got = send_grads(g, route.slot, route.k, route.sharding)
         except RuntimeError as e:  # (gloo's timeout, or a peer gone: name what usually leaves a rank waiting here)
             raise RuntimeError(
                 f"Table `{route.sharding.table}`: rank {route.sharding.rank} could not send a lookup's gradient rows "
@@ -164,10 +186,11 @@ class _Exchange(torch.autograd.Function):
                 f"skip the batch on every rank alike. Received: {e}"
             ) from e
         if record:
-            route.row_grad.add(route.local.reshape(-1), rows)
+            local = torch.where(got[:, -1] > 0, route.local.reshape(-1), ctx.rows)
+            route.row_grad.add(local, got[:, :-1])
             route.row_grad.reached.update(route.tables)
         route.slot = route.local = None  # (sent: a second backward of this lookup is refused above)
-        return None, None, None
+        return None, None, None, None
 
 
 def _combine(rows: Tensor, gains: Tensor, n: int, width: int) -> Tensor:
@@ -207,10 +230,11 @@ class GroupLookup:
         # makes every rank raise at this lookup's agreement instead of the others waiting in their backward)
         grad = torch.is_grad_enabled() and weight.requires_grad
         route = _Route(layout, info.row_grad, tables, math_dtype(weight), grad, config=fingerprint() if grad else 0)
-        rows: Tensor = _Exchange.apply(weight, ids, route)  # type: ignore[no-untyped-call]
+        pieces: tuple[Tensor, ...] = _Exchange.apply(  # type: ignore[no-untyped-call]
+            weight, ids, route, tuple(f.shape[0] for f in flat))
         self._count(route)
         out: dict[Path, Tensor] = {}
-        for (path, bags, combiner), piece in zip(items, torch.split(rows, [f.shape[0] for f in flat]), strict=True):
+        for (path, bags, combiner), piece in zip(items, pieces, strict=True):
             n, width = bags.ids.shape
             w = None if bags.weights is None else bags.weights.to(weight.device)
             gains = bag_gains(bags.valid.to(weight.device), w, combiner, weight.dtype)

@@ -34,7 +34,7 @@ from torch_tpu_embedding._util.dtypes import compute_dtype
 from torch_tpu_embedding.combiners import bag_gains, full_mean_gain, jagged_gains
 from torch_tpu_embedding.optim._kernels.c_gather import gather_rows
 
-__all__ = ["add_rows", "bags_lookup", "jagged_lookup", "keep_table", "lookup", "records_rows"]
+__all__ = ["add_rows", "bags_lookup", "jagged_lookup", "keep_table", "lookup", "records_rows", "unused_bags"]
 
 
 @torch.library.custom_op("torch_tpu_embedding::add_rows", mutates_args=())
@@ -158,7 +158,7 @@ class _RowSparseLookup(torch.autograd.Function):
         if all(g is None for g in grads):  # (nothing the loss uses: no rows, no gradient for the weights)
             return None, None, None, None, None, None, None, None, None, None, None, None
         if any(g is None for g in grads):
-            unused, grads = _unused_bags(grads, (ids.shape[0],) if ctx.columns else ctx.splits, ctx.columns,
+            unused, grads = unused_bags(grads, (ids.shape[0],) if ctx.columns else ctx.splits, ctx.columns,
                                          ids.device)
             ids = torch.where(unused.unsqueeze(1), ctx.rows, ids)
         if ctx.columns:  # each feature's [B, D] gradient back into the bags' batch-major order
@@ -175,11 +175,13 @@ class _RowSparseLookup(torch.autograd.Function):
         return None, None, grad_gains, None, None, None, None, None, None, None, None, None
 
 
-def _unused_bags(grads: tuple[torch.Tensor | None, ...], splits: tuple[int, ...], columns: int,
+def unused_bags(grads: tuple[torch.Tensor | None, ...], splits: tuple[int, ...], columns: int,
                  device: torch.device) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """For outputs whose gradient is ``None`` (unused by the loss): ``[N]`` bool, True at their bags (bag ``n``
     is output ``n % columns``'s batch-major, else ``splits`` bags each in order), and the gradients with zeros
-    in their place. Their ids are then made padding, so that none of their rows is touched."""
+    in their place. Their ids are then made padding, so that none of their rows is touched. The gradients are
+    ``[n, D]``, or ``[..., n, D]`` (bags on the next-to-last dimension: the device-major pieces of the SPMD
+    exchange); the sharded lookups pass one "bag" per id position."""
     present = next(g for g in grads if g is not None)
     unused = torch.tensor([g is None for g in grads])  # made on the host, then moved: one transfer, on XLA too
     if columns:
@@ -190,7 +192,9 @@ def _unused_bags(grads: tuple[torch.Tensor | None, ...], splits: tuple[int, ...]
         per_bag = unused.repeat_interleave(torch.tensor(splits))
         sizes = splits
     per_bag = per_bag.to(device)
-    filled = tuple(g if g is not None else present.new_zeros(sizes[i], present.shape[1]) for i, g in enumerate(grads))
+    lead = present.shape[:-2]
+    filled = tuple(g if g is not None else present.new_zeros(*lead, sizes[i], present.shape[-1])
+                   for i, g in enumerate(grads))
     return per_bag, filled
 
 
@@ -335,7 +339,7 @@ class _JaggedLookup(torch.autograd.Function):
             return None, None, None, None, None, None, None, None, None
         unused = None
         if any(g is None for g in grads):  # an item the loss does not use: its ids are not touched
-            per_bag, grads = _unused_bags(grads, ctx.splits, 0, ids.device)
+            per_bag, grads = unused_bags(grads, ctx.splits, 0, ids.device)
             unused = per_bag.index_select(0, bag)  # per id: its bag's item is unused
         grad_out = _whole(grads)  # type: ignore[arg-type]
         per_id = grad_out.to(gains.dtype).index_select(0, bag)  # [nnz, D]: each id's bag's gradient

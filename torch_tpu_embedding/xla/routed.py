@@ -38,7 +38,7 @@ from torch_tpu_embedding._rows.tables import table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding._util.nest import Path
 from torch_tpu_embedding.combiners import bag_gains
-from torch_tpu_embedding.modules.lookup import keep_table, records_rows
+from torch_tpu_embedding.modules.lookup import keep_table, records_rows, unused_bags
 from torch_tpu_embedding.modules.lookup_batch import LookupBatch
 from torch_tpu_embedding.xla.exchange import Routing, exchange_grad, exchange_lookup
 from torch_tpu_embedding.xla.manual import Mesh, annotate, reshard, spec
@@ -101,28 +101,52 @@ class _Route:
 
 
 class _Exchange(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, ids: torch.Tensor, route: _Route) -> torch.Tensor:  # type: ignore[override]
-        rows, routing = exchange_lookup(weight, ids, route.ownership, route.capacity, route.mesh, route.axis)
-        route.routing = routing
-        ctx.route = route
-        keep_table(ctx, route.tables, weight)
-        return rows
+    """The rows ``[n, N_i, D]`` of each item's device-major id positions (``splits``: the ``N_i``), and in the
+    backward their gradient rows sent to the owners. An item the loss does not use gets ``None`` (not zeros):
+    where some item is unused (the same on every device: one program), an extra column counts each bucket slot's
+    used positions, and an owner's row that only unused positions asked for is not touched
+    (``modules/lookup.py`` does the same for one device's lookup)."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, weight: torch.Tensor, ids: torch.Tensor, route: _Route, splits: tuple[int, ...]
+    ) -> tuple[torch.Tensor, ...]:
+        rows, routing = exchange_lookup(weight, ids, route.ownership, route.capacity, route.mesh, route.axis)
+        route.routing = routing
+        ctx.route, ctx.splits = route, splits
+        keep_table(ctx, route.tables, weight)
+        if not torch.compiler.is_compiling():  # (as modules/lookup.py: compiled, unused outputs get zeros)
+            ctx.set_materialize_grads(False)
+        return tuple(torch.split(rows, list(splits), dim=1))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, None, None, None]:  # type: ignore[override]
         route: _Route = ctx.route
         assert route.routing is not None and route.ok is not None
-        if not records_rows(ctx):  # (torch.autograd.grad of the table's weight raises in records_rows)
+        present = [g for g in grads if g is not None]
+        if not records_rows(ctx) or not present:  # (torch.autograd.grad of the weight raises)
             ctx.route = route.routing = route.ok = None
-            return None, None, None
+            return None, None, None, None
+        used = None
+        if len(present) < len(grads):
+            unused, filled = unused_bags(grads, ctx.splits, 0, present[0].device)
+            grad = torch.cat(filled, dim=1)
+            used = (~unused).to(route.grad_dtype).view(1, -1, 1).expand(grad.shape[0], -1, 1)
+        else:
+            grad = present[0] if len(present) == 1 else torch.cat(present, dim=1)
         # 16-bit tables: gradient rows travel and are summed in the update's float32.
-        ids, rows = exchange_grad(grad.to(route.grad_dtype), route.routing)
+        grad = grad.to(route.grad_dtype)
+        if used is None:
+            ids, rows = exchange_grad(grad, route.routing)
+        else:
+            ids, rows = exchange_grad(torch.cat([grad, used], dim=-1), route.routing)
+            ids = torch.where(rows[..., -1] > 0, ids, route.ownership.rows_per_shard)
+            rows = rows[..., :-1]
         route.row_grad.add_owned(ids, rows, route.ok)
         # Released: the caller may keep the outputs (and so this node) past the step; the routing would
         # then be live tensors, materialized as extra outputs of every step.
         ctx.route = route.routing = route.ok = None
-        return None, None, None
+        return None, None, None, None
 
 
 class _NoIds(torch.autograd.Function):
@@ -210,11 +234,12 @@ class RoutedLookup:
         cap = capacity(ids.shape[1], n, self.configured)
         route = _Route(info.layout.ownership(rows_total, n), cap, mesh, axis, info.row_grad, math_dtype(weight),
                        frozenset(t for b in self.batches for t in b.tables))
-        rows: torch.Tensor = _Exchange.apply(weight, ids, route)  # type: ignore[no-untyped-call]
+        pieces: tuple[torch.Tensor, ...] = _Exchange.apply(  # type: ignore[no-untyped-call]
+            weight, ids, route, tuple(p.shape[1] for p in ordered))
         assert route.routing is not None
         route.ok = self._count(route.routing, n, weight.device, cap, mesh, axis)
         out: dict[Path, torch.Tensor] = {}
-        for i, piece in enumerate(torch.split(rows, [p.shape[1] for p in ordered], dim=1)):
+        for i, piece in enumerate(pieces):
             path, bags, combiner, _ = items[i]
             width = bags.ids.shape[1]
             local_ids = ordered[i].reshape(-1, width)  # [B + pad, L], batch-sharded

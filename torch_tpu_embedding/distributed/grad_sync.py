@@ -75,24 +75,27 @@ LOCAL = "local"
 _MARKS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # type: ignore[no-untyped-call]
 #: how many times :func:`mark` ran: what a cache of which tables are exchanged keys on (optim_agreement.py)
 MARKED = [0]
-#: static-shape exchanges whose per-table sizes were checked equal on every rank: (group id, sizes)
-_CHECKED_SIZES: set[tuple[int, tuple[int, ...]]] = set()
+# Per-group state is held weakly by the group object, not by ``id(group)``: a group destroyed and another made at
+# its address would inherit it (a count left by a forward whose backward never ran, a size check the other
+# ranks' new groups have not made) and the ranks would disagree or wait.
+#: process group → the static-shape exchanges' per-table sizes checked equal on every rank of it
+_CHECKED_SIZES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # type: ignore[no-untyped-call]
 #: device types whose exchange sums duplicates and reads the ranks' row counts on the host each step
 #: (:func:`static_route`): the CPU, where a host read stalls nothing. Remove "cpu" to exchange CPU
 #: tables as accelerators do (the tests do); add "cuda" to let CUDA ranks send row counts that differ.
 DEDUP_DEVICE_TYPES: set[str] = {"cpu"}
 #: rows multiplied out at a time when a factored (SGD) gradient is summed per id before the exchange
 _PIECE_ROWS = 8192
-#: process group (by id) → training forwards of its data-parallel tables since its last exchange of their row
+#: process group → training forwards of its data-parallel tables since its last exchange of their row
 #: gradients: part of every agreement, so that ranks whose micro-batches per step differ raise (:func:`count_forward`)
-_FORWARDS: dict[int, int] = {}
+_FORWARDS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # type: ignore[no-untyped-call]
 
 
 def count_forward(group: Any) -> int:
     """One more training forward of ``group``'s data-parallel tables; returns how many since the group's last
     exchange of their row gradients (this one included)."""
-    n = _FORWARDS.get(id(group), 0) + 1
-    _FORWARDS[id(group)] = n
+    n: int = _FORWARDS.get(group, 0) + 1  # type: ignore[no-untyped-call]
+    _FORWARDS[group] = n
     return n
 
 
@@ -262,7 +265,7 @@ def _exchange(items: list[tuple[Tensor, RowGrad, bool]], group: Any) -> None:
     """
     world = dist.get_world_size(group)
     device = items[0][0].device
-    forwards = _FORWARDS.pop(id(group), 0)
+    forwards: int = _FORWARDS.pop(group, 0)  # type: ignore[no-untyped-call]
     static = static_route(device, any(rg.variable_rows for _, rg, _ in items))
     local = [_local_rows(p, rg, world, dedup, static) for p, rg, dedup in items]
     # Per table, the number of ids this rank sends plus one (0: no gradient at all, as in a step
@@ -322,8 +325,8 @@ def _exchange(items: list[tuple[Tensor, RowGrad, bool]], group: Any) -> None:
 def _check_equal_sizes(mine: list[int], group: Any, world: int, device: torch.device) -> None:
     """Static-size exchange: every rank must send the same number of rows per table (checked once per
     shape: one host round trip; a rank whose shape repeats trusts the earlier check)."""
-    key = (id(group), tuple(mine))
-    if key in _CHECKED_SIZES:
+    checked: set[tuple[int, ...]] = _CHECKED_SIZES.setdefault(group, set())  # type: ignore[no-untyped-call]
+    if tuple(mine) in checked:
         return
     theirs = _gather(torch.tensor(mine, dtype=torch.int64).to(device), group, world).cpu().view(world, -1)
     if not bool((theirs == theirs[0]).all()):
@@ -335,4 +338,4 @@ def _check_equal_sizes(mine: list[int], group: Any, world: int, device: torch.de
             "every process (the same batch size and padded width per feature). Per process and table: "
             f"{theirs.tolist()}.{remedy}"
         )
-    _CHECKED_SIZES.add(key)
+    checked.add(tuple(mine))

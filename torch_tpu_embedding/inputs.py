@@ -39,11 +39,11 @@ from torch_tpu_embedding._util.input_checks import (
 from torch_tpu_embedding._util.input_checks import check_weights as _check_weights
 from torch_tpu_embedding._util.input_checks import err as _err
 from torch_tpu_embedding._util.input_checks import tracing as _tracing
+from torch_tpu_embedding._util.input_forms import JAGGED, JaggedNames, nested_entries
 from torch_tpu_embedding._util.input_forms import RowPos as _RowPos
 from torch_tpu_embedding._util.input_forms import from_nested as _from_nested
 from torch_tpu_embedding._util.input_forms import from_offsets as _from_offsets
 from torch_tpu_embedding._util.input_forms import from_sparse as _from_sparse
-from torch_tpu_embedding._util.input_forms import nested_entries
 from torch_tpu_embedding.config import FeatureConfig
 
 __all__ = ["Bags", "Jagged", "Padded", "to_bags"]
@@ -118,9 +118,10 @@ def _check_strided(feature: str, what: str, t: torch.Tensor | None, form: str) -
 
 
 def _normalise_variable(
-    feature: str, value: object, weight: torch.Tensor | None
+    feature: str, value: object, weight: torch.Tensor | None, names: JaggedNames = JAGGED
 ) -> _RowPos | Padded:
-    """Variable-length forms → :class:`_RowPos` on the host; :class:`Padded` is passed through."""
+    """Variable-length forms → :class:`_RowPos` on the host; :class:`Padded` is passed through. ``names``: a
+    :class:`Jagged`'s parts as the user gave them (the methods of a TorchRec ``JaggedTensor`` it was made of)."""
     if isinstance(value, Padded):
         for what, t in (("Padded ids", value.ids), ("Padded mask", value.mask), ("Padded weights", value.weights)):
             check_tensor(feature, what, t)
@@ -132,31 +133,31 @@ def _normalise_variable(
         # Its padding on the host has data-dependent shapes. The flag, not torch.compiler.is_exporting():
         # dynamo (torch.compile of a Jagged lookup) cannot trace that function on torch 2.9; it reads the flag.
         if torch.compiler._is_exporting_flag:
-            raise _err(feature, "torch.export cannot trace a Jagged input: give the bags as Padded(ids, mask) "
+            raise _err(feature, f"torch.export cannot trace a {names.form} input: give the bags as Padded(ids, mask) "
                        "(docs/guide.md section 9)")
         if weight is not None and value.weights is not None:
-            raise _err(feature, "weights given twice (inside Jagged and in `weights`)")
+            raise _err(feature, f"weights given twice ({names('weights')} and `weights`)")
         w = weight if weight is not None else value.weights
-        for what, t in (("Jagged values", value.values), ("Jagged offsets", value.offsets),
-                        ("Jagged lengths", value.lengths), ("Jagged weights", w)):
-            check_tensor(feature, what, t)
-            if what != "Jagged weights":  # (weights may be nested: the ids' offsets, checked below)
-                _check_strided(feature, what, t, "Jagged")
+        for part, t in (("values", value.values), ("offsets", value.offsets), ("lengths", value.lengths)):
+            check_tensor(feature, names(part), t)
+            _check_strided(feature, names(part), t, names.form)
+        check_tensor(feature, names("weights"), w)  # (they may be nested: the ids' offsets, checked below)
         if (value.offsets is None) == (value.lengths is None):
             raise _err(feature, "Jagged needs exactly one of `offsets` and `lengths`")
         if value.offsets is not None:
             offsets = value.offsets
-            check_index_dtype(feature, "Jagged offsets", offsets)
+            check_index_dtype(feature, names("offsets"), offsets)
         else:
             lengths = value.lengths
             assert lengths is not None  # for type checkers; guarded just above
-            check_index_dtype(feature, "Jagged lengths", lengths)
+            check_index_dtype(feature, names("lengths"), lengths)
             if lengths.dim() != 1 or (not _tracing() and bool((lengths < 0).any())):  # (values: see _check_ids)
-                raise _err(feature, f"lengths must be 1-D and >= 0. Received: {lengths}")
+                raise _err(feature, f"{names('lengths')} must be 1-D and >= 0. Received: {lengths}")
             offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
         if isinstance(w, torch.Tensor) and w.is_nested:
             w = nested_entries(w)[0]
-        return _from_offsets(feature, value.values.cpu(), offsets.cpu(), None if w is None else w.cpu())
+        return _from_offsets(feature, value.values.cpu(), offsets.cpu(), None if w is None else w.cpu(),
+                             None if names is JAGGED else names, value.lengths is not None)
     assert isinstance(value, torch.Tensor)
     if value.is_nested:
         if value.layout != torch.jagged or value.dim() != 2:
@@ -261,6 +262,7 @@ def to_bags(
     check_tensor(feature, "the weights", weight)
     if isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_nested:
         return _dense_bags(feature, fc, value, weight, vocab, device, offset, table)
+    names = JAGGED
     if not isinstance(value, (Jagged, Padded, torch.Tensor)):
         given, value = type(value).__name__, _jagged_tensor(value)
         if value is None:
@@ -268,6 +270,7 @@ def to_bags(
                 f"Feature `{feature}`: unsupported input type {given}. Use a dense id tensor, Jagged, Padded, a "
                 "sparse COO tensor, a torch.nested jagged tensor or TorchRec's JaggedTensor."
             )
+        names = JaggedNames(given, methods=True)  # (its errors name its methods, not the Jagged made of them)
     if static and not isinstance(value, Padded):
         tensors: list[object] = (
             [value] if isinstance(value, torch.Tensor) else [value.values, value.offsets, value.lengths]
@@ -278,7 +281,7 @@ def to_bags(
                 "variable-length inputs must be host (CPU) tensors when the table is on XLA: "
                 "they are padded on the host to a static shape. Pass CPU tensors, or a Padded input.",
             )
-    rp = _normalise_variable(feature, value, weight)
+    rp = _normalise_variable(feature, value, weight, names)
     if isinstance(rp, Padded):
         return _padded_bags(feature, fc, rp, vocab, sentinel, device, dtype, offset, table)
     _check_ids(feature, rp.vals, vocab, table)

@@ -6,6 +6,7 @@ numpy reference of TF's combiners: the forward and the rows after one SGD step, 
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -91,7 +92,8 @@ def test_a_jagged_tensor_per_feature_equals_the_reference(stack: bool, by: str) 
 def test_weights_given_twice_and_objects_without_bags_are_refused_by_feature() -> None:
     ec = _collection(True)
     inputs = {f: JaggedTensorLike(BAGS[f], WEIGHTS[f], "lengths") for f in BAGS}
-    with pytest.raises(ValueError, match=r"Feature `a`: weights given twice"):
+    with pytest.raises(ValueError, match=r"Feature `a`: weights given twice \(JaggedTensorLike weights_or_none\(\) and "
+                                         r"`weights`\)"):
         ec(inputs, {"a": torch.ones(4, dtype=torch.float64), "b": None})
 
     class ValuesOnly:
@@ -100,3 +102,47 @@ def test_weights_given_twice_and_objects_without_bags_are_refused_by_feature() -
 
     with pytest.raises(TypeError, match=r"Feature `b`: unsupported input type ValuesOnly.*JaggedTensor"):
         ec({"a": inputs["a"], "b": ValuesOnly()})
+
+
+def _jt(by: str = "lengths", **parts: object) -> JaggedTensorLike:
+    jt = JaggedTensorLike(BAGS["a"], WEIGHTS["a"], by)
+    for name, value in parts.items():
+        setattr(jt, f"_{name}", value)
+    return jt
+
+
+I32 = torch.int32
+BAD_PARTS = {  # (the input of feature `b`, the error's type, its message after "Feature `b`: ")
+    "values-list": (_jt(values=[1, 2, 2, 7]), TypeError,
+                    r"JaggedTensorLike values\(\) must be a torch.Tensor. Received list"),
+    "values-sparse": (_jt(values=torch.tensor([1, 2, 2, 7]).to_sparse()), ValueError,
+                      r"JaggedTensorLike values\(\) must be a dense \(strided\) tensor. Received a sparse_coo tensor.*"
+                      r"not inside JaggedTensorLike$"),
+    "values-2d": (_jt(values=torch.tensor([[1, 2], [2, 7]])), ValueError,
+                  r"JaggedTensorLike values\(\) must be 1-D. Received shape \(2, 2\)"),
+    "lengths-float": (_jt(lengths=torch.tensor([3.0, 0.0, 1.0])), TypeError,
+                      r"JaggedTensorLike lengths\(\) must be an integer tensor. Received dtype torch.float32"),
+    "lengths-negative": (_jt(lengths=torch.tensor([3, -1, 2], dtype=I32)), ValueError,
+                         r"JaggedTensorLike lengths\(\) must be 1-D and >= 0"),
+    "lengths-sum": (_jt(lengths=torch.tensor([3, 0, 2], dtype=I32)), ValueError,
+                    r"JaggedTensorLike lengths\(\) must add up to len\(JaggedTensorLike values\(\)\)=4. "
+                    r"Received: \[3, 0, 2\]"),
+    "offsets-end": (_jt("offsets", lengths=torch.tensor([3, 0, 2], dtype=I32)), ValueError,
+                    r"JaggedTensorLike offsets\(\) must start at 0, be non-decreasing and end at "
+                    r"len\(JaggedTensorLike values\(\)\)=4. Received: \[0, 3, 3, 5\]"),
+    "weights-list": (_jt(weights=[1.0] * 4), TypeError,
+                     r"JaggedTensorLike weights_or_none\(\) must be a torch.Tensor. Received list"),
+    "weights-shape": (_jt(weights=torch.ones(3, dtype=torch.float64)), ValueError,
+                      r"weights must have the shape of JaggedTensorLike values\(\) \(4,\). Received: \(3,\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PARTS))
+def test_errors_name_the_feature_and_the_jagged_tensor_s_own_parts(case: str) -> None:
+    """A JaggedTensor's errors name what the user passed (its type, its methods), not the tte.Jagged it is read as
+    (they said "Jagged values", "Jagged lengths", or "offsets" for bags given by lengths())."""
+    value, kind, message = BAD_PARTS[case]
+    ec = _collection(False)
+    with pytest.raises(kind, match=r"^Feature `b`: " + message) as info:
+        ec({"a": _jt(), "b": value})
+    assert not re.search(r"Jagged (values|offsets|lengths|weights)|inside Jagged\b|a Jagged input", str(info.value))

@@ -14,7 +14,27 @@ from torch_tpu_embedding._util.input_checks import check_weights as _check_weigh
 from torch_tpu_embedding._util.input_checks import err as _err
 from torch_tpu_embedding._util.input_checks import tracing as _tracing
 
-__all__ = ["RowPos", "from_nested", "from_offsets", "from_sparse", "nested_entries"]
+__all__ = ["JAGGED", "JaggedNames", "RowPos", "from_nested", "from_offsets", "from_sparse", "nested_entries"]
+
+
+@dataclasses.dataclass(frozen=True)
+class JaggedNames:
+    """A jagged input's parts as its errors name them: what the user passed. ``tte.Jagged``'s fields
+    (``Jagged lengths``), or, with ``methods``, the methods of the user's TorchRec ``JaggedTensor`` under its own type
+    name ``form`` (``JaggedTensor lengths()``, ``JaggedTensor weights_or_none()``)."""
+
+    form: str = "Jagged"
+    methods: bool = False
+
+    def __call__(self, part: str) -> str:
+        """``part`` (``values``, ``offsets``, ``lengths`` or ``weights``) as the user gave it."""
+        if not self.methods:
+            return f"{self.form} {part}"
+        return f"{self.form} {'weights_or_none' if part == 'weights' else part}()"
+
+
+#: ``tte.Jagged``'s parts
+JAGGED = JaggedNames()
 
 
 @dataclasses.dataclass
@@ -30,20 +50,27 @@ class RowPos:
 
 
 def from_offsets(
-    feature: str, values: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None
+    feature: str, values: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
+    names: JaggedNames | None = None, by_lengths: bool = False,
 ) -> RowPos:
+    """Bags ``[offsets[b], offsets[b+1])`` of ``values``; ``names``: the parts as the user's input names them (else
+    generic words), ``by_lengths``: ``offsets`` are the running sum of lengths the user gave (checked >= 0)."""
+    vals, offs = ("jagged values", "offsets") if names is None else (names("values"), names("offsets"))
     if values.dim() != 1:
-        raise _err(feature, f"jagged values must be 1-D. Received shape {tuple(values.shape)}")
+        raise _err(feature, f"{vals} must be 1-D. Received shape {tuple(values.shape)}")
     if offsets.dim() != 1 or offsets.numel() < 1:
-        raise _err(feature, f"offsets must be 1-D with B+1 entries. Received shape {tuple(offsets.shape)}")
+        raise _err(feature, f"{offs} must be 1-D with B+1 entries. Received shape {tuple(offsets.shape)}")
     offsets = offsets.to(torch.int64)
     lengths = offsets[1:] - offsets[:-1]
     # Values are read where they exist: not while torch.compile / torch.export trace (as inputs.py checks ids).
     if not _tracing() and (int(offsets[0]) != 0 or int(offsets[-1]) != values.numel() or bool((lengths < 0).any())):
+        got = lengths if by_lengths else offsets
         raise _err(
             feature,
-            f"offsets must start at 0, be non-decreasing and end at len(values)={values.numel()}. "
-            f"Received: {offsets.tolist() if offsets.numel() <= 16 else offsets}",
+            (f"{names('lengths')} must add up to len({vals})={values.numel()}"  # (>= 0: checked by the caller)
+             if by_lengths and names is not None else
+             f"{offs} must start at 0, be non-decreasing and end at len({vals if names else 'values'})="
+             f"{values.numel()}") + f". Received: {got.tolist() if got.numel() <= 16 else got}",
         )
     b = lengths.numel()
     # output_size: the count it has (checked above), known without reading lengths, so a compiled
@@ -51,7 +78,7 @@ def from_offsets(
     row = torch.repeat_interleave(torch.arange(b), lengths, output_size=values.numel())
     rank = torch.arange(values.numel()) - offsets[:-1][row]
     if weights is not None:
-        _check_weights(feature, weights, tuple(values.shape), "the jagged values")
+        _check_weights(feature, weights, tuple(values.shape), "the jagged values" if names is None else vals)
     return RowPos(row, rank, rank, values, weights, (b,))
 
 

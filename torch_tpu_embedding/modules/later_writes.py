@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["LaterWrites", "later_writes", "tables_written_later", "written_in_place"]
+__all__ = ["LaterWrites", "later_writes", "tables_written_later"]
 
 
 class LaterWrites:
@@ -97,22 +97,3 @@ def tables_written_later() -> Iterator[LaterWrites]:
             yield writes
     finally:
         _ACTIVE.reset(token)
-
-
-@contextlib.contextmanager
-def written_in_place() -> Iterator[None]:
-    """Inside, ``torch.__future__``'s ``swap_module_params_on_conversion`` is off (as by default): a table's
-    ``.to()`` / ``.double()`` and ``load_state_dict`` write into its weight (or give it a new one), never swap it.
-
-    ``torch.utils.swap_tensors`` refuses a tensor that has weak references, and a table's weight has them (the
-    library's record of it, cached lookup plans): with the flag on, every move, cast and load of a table failed
-    ("Couldn't swap EmbeddingTable.weight"). A table's weight written in place keeps its identity, as a swap would.
-    """
-    if not torch.__future__.get_swap_module_params_on_conversion():
-        yield
-        return
-    torch.__future__.set_swap_module_params_on_conversion(False)
-    try:
-        yield
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(True)

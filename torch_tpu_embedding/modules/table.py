@@ -20,7 +20,8 @@ from torch_tpu_embedding._rows.tables import TableInfo, register_table, retire_t
 from torch_tpu_embedding._util.huge_pages import empty
 from torch_tpu_embedding.config import TableConfig, default_initializer
 from torch_tpu_embedding.modules.deferred_init import DeferredDraw, defer, fill
-from torch_tpu_embedding.modules.later_writes import later_writes, written_in_place
+from torch_tpu_embedding.modules.in_place import apply_in_place, load_in_place, swapping
+from torch_tpu_embedding.modules.later_writes import later_writes
 
 __all__ = ["EmbeddingTable", "host_empty", "write_rows"]
 
@@ -273,7 +274,9 @@ class EmbeddingTable(nn.Module):
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> EmbeddingTable:
         old = self.weight
         try:
-            with written_in_place():  # (torch's swap of tensors refuses the weight)
+            if swapping():  # (torch's swap of tensors refuses the weight: written in place, modules/in_place.py)
+                apply_in_place(self, fn)
+            else:
                 super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         except NotImplementedError as e:
             if not old.is_meta:
@@ -291,9 +294,12 @@ class EmbeddingTable(nn.Module):
             self._register()
         return self
 
-    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        with written_in_place():  # (torch's swap of tensors refuses the weight)
-            super()._load_from_state_dict(*args, **kwargs)  # type: ignore[no-untyped-call]
+    def _load_from_state_dict(self, *args: Any) -> None:
+        load = functools.partial(super()._load_from_state_dict, *args)
+        if swapping():  # (torch's swap of tensors refuses the weight: written in place, modules/in_place.py)
+            load_in_place(self, "weight", load, *args)
+        else:
+            load()
 
     def extra_repr(self) -> str:
         c = self.config

@@ -202,6 +202,9 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             raise
         self._run.checked_retired = -1  # the new group's tables are checked at the next step
 
+    def __getstate__(self) -> dict[str, Any]:  # torch.optim's three entries and the call counters (a copy counts on)
+        return {**super().__getstate__(), "_run": self._run}
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         if not isinstance(self.state, StateMapping):

@@ -109,6 +109,18 @@ class StepCounters:
         #: a tensor eagerly; on XLA the buffer and whether it holds a record
         self.ema_window: dict[int, Any] = {}
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy of the optimizer (``copy.deepcopy``, ``pickle``) keeps: the counts, without which it would
+        begin again at call 0 (shifting the accumulation windows, the moving average's clock, ``skipped_steps``), as
+        a copy of a torch.optim optimizer keeps its ``state``. As after a load (:meth:`restore`), not the record of
+        the averages as a window under way began, which is kept by parameter ``id``."""
+        return {"iterations": self.iterations, "skipped": self.skipped, "dropped": self.dropped,
+                "last_skipped": self.last_skipped}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        StepCounters.__init__(self, state["iterations"])
+        self.skipped, self.dropped, self.last_skipped = state["skipped"], state["dropped"], state["last_skipped"]
+
     def restore(self, iterations: int, skipped_steps: int = 0, overflowed_steps: int = 0) -> None:
         """The counters as a checkpoint saved them (``skipped_steps`` counts both kinds of dropped calls, as
         :attr:`RowSparseOptimizer.skipped_steps` does; ``overflowed_steps`` of them the exchange's). The record of

@@ -9,6 +9,7 @@ group's state split per table) is checked whole before anything is written, then
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -112,11 +113,13 @@ def _callable(v: Any) -> bool:
 
 
 def _apply_groups(opt: RowSparseOptimizer, saved: list[dict[str, Any]]) -> None:
-    """Saved hyper-parameters into our groups (our callables — a callable ``lr`` — are kept)."""
+    """Saved hyper-parameters into our groups (our callables — a callable ``lr`` — are kept). Copies, as torch.optim
+    copies them: a tensor ``lr`` of the saved dict is the saving optimizer's own (``state_dict`` gives the live
+    value), which its scheduler goes on changing in place."""
     for sg, g in zip(saved, opt.param_groups, strict=True):
         for k, v in sg.items():
             if k != "params" and not _callable(g.get(k)):
-                g[k] = v
+                g[k] = copy.deepcopy(v)
         resolve_rule(g)  # the loaded group's rule, resolved again from its (checked) algorithm
         mark_exchange(g)  # a loaded use_gradient_accumulation: how data parallel (and the clip) send its rows
 

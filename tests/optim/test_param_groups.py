@@ -178,6 +178,22 @@ def test_params_must_be_an_iterable_like_torch(info: OptimizerInfo) -> None:
 
 
 @pytest.mark.parametrize("info", OPTIMIZER_INFOS, ids=lambda i: i.name)
+def test_a_group_of_a_set_is_refused_like_torch(info: OptimizerInfo) -> None:
+    """A group's ``params`` given as a set is torch.optim's TypeError at construction as in ``add_param_group``: a
+    set's order changes between runs, and dense parameters' state is saved by their position."""
+    w, b = torch.nn.Parameter(torch.ones(3, 2)), torch.nn.Parameter(torch.ones(2))
+    message = "optimizer parameters need to be organized in ordered collections"
+    with pytest.raises(TypeError, match=message):
+        torch.optim.SGD([{"params": {w, b}}], lr=0.1)  # torch's own
+    with pytest.raises(TypeError, match=message):
+        info.cls([{"params": {w, b}}], **info.default)
+    opt = info.cls([w], **info.default)
+    with pytest.raises(TypeError, match=message):
+        opt.add_param_group({"params": {b}})
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("info", OPTIMIZER_INFOS, ids=lambda i: i.name)
 @pytest.mark.parametrize("named_first", [True, False])
 def test_named_and_unnamed_parameters_mixed_is_torch_error(info: OptimizerInfo, named_first: bool) -> None:
     w, b = torch.nn.Parameter(torch.ones(3, 2)), torch.nn.Parameter(torch.ones(2))

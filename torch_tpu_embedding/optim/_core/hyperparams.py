@@ -213,6 +213,11 @@ def param_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for group in groups:
         group = {k: v for k, v in group.items() if k != _OVERRIDE_GROUP}
         ps = group["params"]
+        if isinstance(ps, set):  # refused before list() below hides it, as torch.optim's add_param_group refuses it
+            raise TypeError(
+                "optimizer parameters need to be organized in ordered collections, but the ordering of tensors in "
+                "sets will change between runs. Please use a list instead."
+            )
         ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
         keep: list[Any] = []
         for item in ps:

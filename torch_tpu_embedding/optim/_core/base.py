@@ -38,6 +38,7 @@ from torch_tpu_embedding.optim._core.extras import EXTRA_DEFAULTS, EXTRA_NAMES, 
 from torch_tpu_embedding.optim._core.hyperparams import (
     OVERRIDE_GROUP,
     check_group_options,
+    check_slot_options,
     check_stacked,
     mark_exchange,
     param_groups,
@@ -249,6 +250,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():  # type: ignore[no-untyped-call]
                 loss = closure()
         self._check_live_tables()
+        check_slot_options(self.param_groups, self.state, self._run.slot_options)  # before any gradient is sent
         # Data parallel (torch_tpu_embedding.distributed): the tables' row gradients made global first. (A table's
         # dense .grad is refused by it before anything is sent under a process group, as torch's DDP's; by
         # check_no_dense_grad without one.)

@@ -25,8 +25,9 @@ if TYPE_CHECKING:
     from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
 
 __all__ = [
-    "OVERRIDE_GROUP", "TORCH_GROUP_KEYS", "check_clipvalue", "check_group_options", "check_stacked", "mark_exchange",
-    "param_groups", "refuse_complex", "user_groups", "validate_common",
+    "OVERRIDE_GROUP", "SLOT_OPTIONS", "TORCH_GROUP_KEYS", "check_clipvalue", "check_group_options",
+    "check_slot_options", "check_stacked", "mark_exchange", "param_groups", "refuse_complex", "user_groups",
+    "validate_common",
 ]
 
 #: Marks the parameter group a table override's own optimizer is built from: that optimizer must
@@ -111,6 +112,30 @@ def check_stacked(group: Mapping[str, Any], rule_cls: type[RowSparseOptimizer]) 
                 "EmbeddingCollection with stack_tables=False, or give these tables their own optimizer with "
                 "TableConfig.optimizer (tables with different optimizers are not stacked)."
             )
+
+
+#: The options that shape a parameter's optimizer state: the moving averages' slots, the accumulation buffers (a
+#: table's holds one entry per call of a window) and the windows themselves.
+SLOT_OPTIONS = ("use_ema", "gradient_accumulation_steps")
+
+
+def check_slot_options(groups: list[dict[str, Any]], state: Mapping[Any, Any],
+                       seen: dict[int, tuple[Any, ...]]) -> None:
+    """Raise, before a step takes any gradient, if a group's :data:`SLOT_OPTIONS` changed since the last step (as
+    ``seen`` records them, by group position) while its parameters have state made for the old values: that state
+    lacks the new slots (``use_ema``) or holds windows of another length (``gradient_accumulation_steps``)."""
+    for i, group in enumerate(groups):
+        now = tuple(group[k] for k in SLOT_OPTIONS)
+        before = seen.get(i, now)
+        if before != now and any(state.get(p) for p in group["params"]):
+            name, old, new = next((k, a, b) for k, a, b in zip(SLOT_OPTIONS, before, now, strict=True) if a != b)
+            raise ValueError(
+                f"Parameter group {i}: `{name}` changed from {old!r} to {new!r} after the optimizer state of its "
+                f"parameters was made for {old!r} (`{name}` sets up their moving averages or accumulation windows). "
+                f"Give `{name}` when building the optimizer, or to parameters added with add_param_group; to change "
+                f"it during training, build a new optimizer with it. Nothing was changed by this step."
+            )
+        seen[i] = now
 
 
 def user_groups(params: Any) -> list[dict[str, Any]]:

@@ -96,7 +96,7 @@ class StepCounters:
     cannot trace an assignment to an attribute of a ``torch.optim.Optimizer`` (its ``OptimizerVariable``
     takes no attribute mutation), while it traces one to this object's."""
 
-    __slots__ = ("checked_retired", "dropped", "ema_window", "iterations", "last_skipped", "skipped")
+    __slots__ = ("checked_retired", "dropped", "ema_window", "iterations", "last_skipped", "skipped", "slot_options")
 
     def __init__(self, iterations: int = 0) -> None:
         #: calls of ``step()`` so far (Keras ``iterations`` before the ``// k`` of accumulation)
@@ -108,6 +108,8 @@ class StepCounters:
         #: non-lazy parameters' moving averages as the accumulation window under way began, by id (ema.ema_calls):
         #: a tensor eagerly; on XLA the buffer and whether it holds a record
         self.ema_window: dict[int, Any] = {}
+        #: each group's options that shape its state, by position, as the last step saw them (check_slot_options)
+        self.slot_options: dict[int, tuple[Any, ...]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         """What a copy of the optimizer (``copy.deepcopy``, ``pickle``) keeps: the counts, without which it would
@@ -115,11 +117,12 @@ class StepCounters:
         a copy of a torch.optim optimizer keeps its ``state``. As after a load (:meth:`restore`), not the record of
         the averages as a window under way began, which is kept by parameter ``id``."""
         return {"iterations": self.iterations, "skipped": self.skipped, "dropped": self.dropped,
-                "last_skipped": self.last_skipped}
+                "last_skipped": self.last_skipped, "slot_options": dict(self.slot_options)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         StepCounters.__init__(self, state["iterations"])
         self.skipped, self.dropped, self.last_skipped = state["skipped"], state["dropped"], state["last_skipped"]
+        self.slot_options = state.get("slot_options", {})
 
     def restore(self, iterations: int, skipped_steps: int = 0, overflowed_steps: int = 0) -> None:
         """The counters as a checkpoint saved them (``skipped_steps`` counts both kinds of dropped calls, as
@@ -133,6 +136,7 @@ class StepCounters:
         self.dropped = torch.tensor([overflowed_steps], dtype=torch.int64) if overflowed_steps else None
         self.last_skipped = None  # (no call since the load: a checkpoint does not keep the last call's flag)
         self.ema_window.clear()
+        self.slot_options.clear()  # (the loaded state is made for the loaded options)
 
     def start(self, clean: Tensor | None, checked: torch.device | None = None) -> None:
         """A call begins; ``clean``: whether its lookups dropped no id (``None``: no table of the call goes

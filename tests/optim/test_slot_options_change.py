@@ -103,3 +103,36 @@ def test_a_load_that_changes_the_option_is_no_change() -> None:
     _backward(ec, lin, 2)
     loaded.step()
     assert loaded.param_groups[0]["use_ema"] is True and "ema" in loaded.state[lin.weight]
+
+
+@pytest.mark.parametrize("saved, edited", [(4, 2), (2, 4)])
+def test_a_loaded_table_buffer_of_another_window_length_is_refused(saved: int, edited: int) -> None:
+    """A state dict whose group says ``gradient_accumulation_steps`` = ``edited`` while its table's pending buffer
+    holds ``saved`` calls is refused by the load's check (it loaded, then added 2 stale calls to every window or
+    wrote past the buffer's end); the dict as saved loads into an optimizer built with another ``k`` (the saved ``k``
+    wins, as torch.optim's loaded hyper-parameters do) and goes on as the float64 numpy Keras accumulation."""
+    ec, lin = _model()
+    w = ec.tables.t.weight.detach().numpy().copy()
+    opt = tte.optim.SGD([ec.tables.t.weight], lr=0.1, gradient_accumulation_steps=saved)
+    for s in range(saved + 1):  # one call into the second window
+        _backward(ec, lin, s)
+        opt.step()
+        opt.zero_grad()
+    sd = copy.deepcopy(opt.state_dict())
+    bad = copy.deepcopy(sd)
+    bad["param_groups"][0]["gradient_accumulation_steps"] = edited
+    loaded = tte.optim.SGD([ec.tables.t.weight], lr=0.1, gradient_accumulation_steps=edited)
+    with pytest.raises(ValueError, match=f"table:t: pending accumulation buffers hold {saved} calls, but the "
+                                         f"group's `gradient_accumulation_steps` is {edited}"):
+        loaded.load_state_dict(bad)
+    loaded.load_state_dict(sd)
+    for s in range(saved + 1, 2 * saved):
+        _backward(ec, lin, s)
+        loaded.step()
+        loaded.zero_grad()
+    for window in (range(saved), range(saved, 2 * saved)):
+        g = np.zeros((V, D))
+        for s in window:
+            np.add.at(g, _ids(s).numpy(), _grads(s)[0].numpy())
+        w = w - 0.1 * g / saved
+    np.testing.assert_allclose(ec.tables.t.weight.detach().numpy(), w, rtol=1e-13, atol=1e-13)

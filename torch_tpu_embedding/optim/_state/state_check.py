@@ -99,10 +99,12 @@ def step_problem(where: str, v: Any) -> str | None:
     return None if math.isfinite(x) and x >= 0 else f"{where} must be a finite number >= 0. Received {x!r}"
 
 
-def accumulation_problems(key: str, s: Mapping[str, Any], rows: int, dim: int) -> list[str]:
+def accumulation_problems(key: str, s: Mapping[str, Any], rows: int, dim: int, calls: Any = None) -> list[str]:
     """Problems of ``key``'s saved pending accumulation buffers: ``acc_ids`` ``[k, cap]`` integers, each
     ``-1`` (padding) or a row of this table (``[0, rows)``: for a stacked member its own rows, not the
-    group's), and ``acc_rows`` ``[k, cap, dim]`` floating point."""
+    group's), and ``acc_rows`` ``[k, cap, dim]`` floating point; ``k`` = ``calls`` (the loaded group's
+    ``gradient_accumulation_steps``) where given: a buffer of more calls would add its stale calls to every window,
+    one of fewer would be written past its end."""
     if "acc_ids" not in s and "acc_rows" not in s:
         return []
     if "acc_ids" not in s or "acc_rows" not in s:
@@ -116,6 +118,9 @@ def accumulation_problems(key: str, s: Mapping[str, Any], rows: int, dim: int) -
     if ids.dim() != 2 or tuple(acc.shape) != (*ids.shape, dim):
         return [f"{key}: pending accumulation buffers must be 'acc_ids' [k, cap] and 'acc_rows' [k, cap, {dim}]. "
                 f"Received {tuple(ids.shape)} and {tuple(acc.shape)}"]
+    if calls and ids.shape[0] != calls:
+        return [f"{key}: pending accumulation buffers hold {ids.shape[0]} calls, but the group's "
+                f"`gradient_accumulation_steps` is {calls}"]
     ids = ids.detach().cpu()  # a device buffer: checked on the host (a boolean mask is no XLA shape)
     bad = ids[(ids < -1) | (ids >= rows)]
     if bad.numel():
@@ -152,11 +157,12 @@ def counter_problems(sd: Mapping[str, Any]) -> list[str]:
 
 
 def entry_problems(key: str, s: Mapping[str, Any], p: torch.Tensor, all_specs: Mapping[str, SlotSpec],
-                   rows: int) -> list[str]:
+                   rows: int, calls: Any = None) -> list[str]:
     """Problems of one saved state entry ``s`` (``key``: a table's or a dense parameter's) for ``p``, whose
-    slots are ``all_specs`` (``rows``: the entry's logical rows; a stacked member's own)."""
+    slots are ``all_specs`` (``rows``: the entry's logical rows; a stacked member's own; ``calls``: the loaded
+    group's ``gradient_accumulation_steps``)."""
     info = table_info(p)
-    problems = accumulation_problems(key, s, rows, p.shape[-1]) if info is not None else []
+    problems = accumulation_problems(key, s, rows, p.shape[-1], calls) if info is not None else []
     for name, v in s.items():
         if name == "step":
             problems += [m for m in [step_problem(f"{key}: slot 'step'", v)] if m]

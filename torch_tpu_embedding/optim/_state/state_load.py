@@ -218,8 +218,8 @@ def state_problems(opt: RowSparseOptimizer, sd: Any) -> list[str]:
         p = by_key.get(key)
         if p is None:
             continue  # reported above through the groups
-        all_specs = specs(p, {**group_of[id(p)], **_saved_group_of(saved_groups, key)})
-        found = entry_problems(key, s, p, all_specs, rows_of[key])
+        group = {**group_of[id(p)], **_saved_group_of(saved_groups, key)}
+        found = entry_problems(key, s, p, specs(p, group), rows_of[key], group.get("gradient_accumulation_steps"))
         problems += found
         if "acc_ids" in s and not found:
             pending.setdefault(id(p), set()).add(s["acc_ids"].shape[0])

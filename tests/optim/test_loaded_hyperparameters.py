@@ -1,10 +1,12 @@
 """``load_state_dict`` takes the saved hyper-parameters as its own copies, as torch.optim does: a tensor ``lr`` of a
 state dict is the saving optimizer's live tensor (``state_dict`` returns it, as torch.optim's does), which that
-optimizer's scheduler goes on changing in place."""
+optimizer's scheduler goes on changing in place. A torch.optim optimizer's state dict is refused as not this
+package's."""
 
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -83,3 +85,23 @@ def test_no_loaded_hyperparameter_is_the_saved_dicts_object(info: OptimizerInfo)
     shared = [k for k, v in loaded.param_groups[0].items()
               if k != "params" and isinstance(v, (torch.Tensor, list, dict)) and v is sd["param_groups"][0].get(k)]
     assert shared == []
+
+
+@pytest.mark.parametrize("info", OPTIMIZER_INFOS, ids=lambda i: i.name)
+@pytest.mark.parametrize("torch_cls", [torch.optim.Adam, torch.optim.SGD, torch.optim.Adagrad],
+                         ids=lambda c: c.__name__)
+def test_a_torch_optim_state_dict_is_named_as_not_ours(info: OptimizerInfo, torch_cls: type) -> None:
+    """A torch.optim optimizer's state_dict (a user moving a model to this package) is refused as not this package's
+    optimizer's, naming its slots and what to do, not as a state dict that torch's ``flatten_optimizer_state_dict``
+    stripped of a counter; nothing is loaded."""
+    lin = torch.nn.Linear(3, 2).double()
+    ref = torch_cls(lin.parameters(), lr=0.1)
+    lin(torch.ones(1, 3, dtype=torch.float64)).sum().backward()
+    ref.step()
+    opt = info.cls(lin.parameters(), **info.default)
+    slots = sorted({n for entry in ref.state_dict()["state"].values() for n in entry})
+    with pytest.raises(ValueError, match=r"param_groups\[0\] has no 'algorithm': this is the state_dict of another "
+                                         rf"kind of optimizer .* with slots {re.escape(str(slots))}, not of a "
+                                         r"torch_tpu_embedding.optim optimizer"):
+        opt.load_state_dict(ref.state_dict())
+    assert len(opt.state_dict()["state"]) == 0 and opt.param_groups[0]["algorithm"] == info.name

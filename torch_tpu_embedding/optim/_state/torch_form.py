@@ -378,6 +378,14 @@ def _read_torch_layout(opt: torch.optim.Optimizer, sd: Mapping[str, Any], keys: 
                 )
             descs = [_describe(p, group, keys[id(p)]) for p in group["params"]]
         _check_descs(gi, saved["params"], descs)
+        if "algorithm" not in saved:  # every group of ours has it, in either layout (and flattened, as live groups do)
+            slots = sorted({n for e in sd["state"].values() if isinstance(e, Mapping) for n in e})
+            raise ValueError(
+                f"Optimizer state does not match: param_groups[{gi}] has no 'algorithm': this is the state_dict of "
+                f"another kind of optimizer (a torch.optim one, for example), with slots {slots}, not of a "
+                f"torch_tpu_embedding.optim optimizer. {type(opt).__name__} cannot take those slots: start it from a "
+                f"fresh state, or load a state_dict that a tte.optim.{type(opt).__name__} saved."
+            )
         for k in _REQUIRED_COUNTERS:
             if k not in saved:
                 raise ValueError(

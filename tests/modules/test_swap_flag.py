@@ -1,5 +1,5 @@
 """Under ``torch.__future__.set_swap_module_params_on_conversion(True)`` a table's weight is written in place
-(``modules/in_place.py``: torch's swap refuses a tensor with weak references) without the process-wide flag being
+(``_util/in_place.py``: torch's swap refuses a tensor with weak references) without the process-wide flag being
 turned off: another thread's modules are still converted and loaded by swapping. The flag-off path is torch's own:
 each load below is compared with it (same values, same errors)."""
 

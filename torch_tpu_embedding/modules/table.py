@@ -18,9 +18,9 @@ from torch_tpu_embedding._rows.row_order import RowLayout, from_logical, owned_l
 from torch_tpu_embedding._rows.stacked_state import member_entries
 from torch_tpu_embedding._rows.tables import TableInfo, register_table, retire_table, table_info
 from torch_tpu_embedding._util.huge_pages import empty
+from torch_tpu_embedding._util.in_place import apply_in_place, load_in_place, swapping
 from torch_tpu_embedding.config import TableConfig, default_initializer
 from torch_tpu_embedding.modules.deferred_init import DeferredDraw, defer, fill
-from torch_tpu_embedding.modules.in_place import apply_in_place, load_in_place, swapping
 from torch_tpu_embedding.modules.later_writes import later_writes
 
 __all__ = ["EmbeddingTable", "host_empty", "write_rows"]
@@ -274,7 +274,7 @@ class EmbeddingTable(nn.Module):
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> EmbeddingTable:
         old = self.weight
         try:
-            if swapping():  # (torch's swap of tensors refuses the weight: written in place, modules/in_place.py)
+            if swapping():  # (torch's swap of tensors refuses the weight: written in place, _util/in_place.py)
                 apply_in_place(self, fn)
             else:
                 super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
@@ -296,7 +296,7 @@ class EmbeddingTable(nn.Module):
 
     def _load_from_state_dict(self, *args: Any) -> None:
         load = functools.partial(super()._load_from_state_dict, *args)
-        if swapping():  # (torch's swap of tensors refuses the weight: written in place, modules/in_place.py)
+        if swapping():  # (torch's swap of tensors refuses the weight: written in place, _util/in_place.py)
             load_in_place(self, "weight", load, *args)
         else:
             load()

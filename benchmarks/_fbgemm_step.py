@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import resource
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,7 +35,7 @@ def make_batches(
     return [[torch.randint(0, rows, (batch * bag,), generator=g) for _ in range(tables)] for _ in range(nbatches)]
 
 
-def _percentile(sorted_ms: list[float], q: float) -> float:
+def percentile(sorted_ms: list[float], q: float) -> float:
     """Linear interpolation between the closest ranks (numpy's default)."""
     pos = q * (len(sorted_ms) - 1)
     lo = int(pos)
@@ -42,28 +43,53 @@ def _percentile(sorted_ms: list[float], q: float) -> float:
     return sorted_ms[lo] + (sorted_ms[hi] - sorted_ms[lo]) * (pos - lo)
 
 
-def time_steps(step: Callable[[Any], object], batches: list[Any], warmup: int, iters: int) -> dict[str, Any]:
+#: set by eager_cpu.py --paired: the child serves bursts of timed steps on request (see time_steps)
+SERVE = "TTE_BENCH_SERVE"
+
+
+def time_steps(step: Callable[[Any], object], batches: list[Any], warmup: int, iters: int,
+               extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run ``warmup + iters`` steps over the ring of pre-built ``batches``; ms/step of the timed ones.
 
     Also counts minor page faults per timed step: memory the allocator gave back to the OS and takes
     again (glibc trims freed heap above its trim threshold), paid on every step that allocates it.
+
+    With ``TTE_BENCH_SERVE=1`` (``eager_cpu.py --paired``) it runs the warm-up, prints ``READY``, then times
+    ``iters`` more steps for every ``run`` line on stdin, printing ``RESULT {json}`` for each, until ``exit``;
+    it returns the last burst's result. ``extra``: what each burst's line adds (the first step's time is the
+    warm-up's).
     """
+    res = _timed(step, batches, warmup, iters, 0)
+    if os.environ.get(SERVE) != "1":
+        return res
+    print("READY", flush=True)
+    done = warmup + iters
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
+        res = {**_timed(step, batches, 0, iters, done), "first_step_ms": res["first_step_ms"]}
+        done += iters
+        print("RESULT " + json.dumps({**res, **environment(), **(extra or {})}), flush=True)
+    return res
+
+
+def _timed(step: Callable[[Any], object], batches: list[Any], warmup: int, iters: int, start: int) -> dict[str, Any]:
     times = []
     faults = 0
     first_ms = 0.0
-    for i in range(warmup + iters):
+    for i in range(start, start + warmup + iters):
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         step(batches[i % len(batches)])
         t1 = time.perf_counter()
         if i == 0:
             first_ms = 1000 * (t1 - t0)  # ours: the reference path (optim/_kernels/kernel_policy.py's policy)
-        if i >= warmup:
+        if i >= start + warmup:
             times.append(1000 * (t1 - t0))
             faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
     times.sort()
-    return {"median_ms": _percentile(times, 0.5), "p10_ms": _percentile(times, 0.1),
-            "p90_ms": _percentile(times, 0.9), "iters": iters, "warmup": warmup,
+    return {"median_ms": percentile(times, 0.5), "p10_ms": percentile(times, 0.1),
+            "p90_ms": percentile(times, 0.9), "iters": iters, "warmup": warmup,
             "page_faults_per_step": faults / max(iters, 1), "first_step_ms": first_ms}
 
 
@@ -129,8 +155,9 @@ def main() -> None:
     def step(ids: torch.Tensor) -> None:
         tbe(ids, offsets).sum().backward()
 
-    res = time_steps(step, batches, args.warmup, args.iters)
-    res.update(environment(), fbgemm_gpu=fbgemm_gpu.__version__, optimizer=optim.name)
+    extra = {"fbgemm_gpu": fbgemm_gpu.__version__, "optimizer": optim.name}
+    res = time_steps(step, batches, args.warmup, args.iters, extra)
+    res.update(environment(), **extra)
     print("RESULT " + json.dumps(res), flush=True)
 
 

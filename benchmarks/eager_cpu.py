@@ -10,6 +10,10 @@ Quick check: ``... --rows 100000 --iters 3 --threads 1``.
 Ranges: ``--rounds N`` runs every contender N times, round by round (all of them once, then again), and prints
 each goal's ratio per round: the ratio of two contenders measured minutes apart moves with the machine (on
 cloud VMs, FBGEMM's step and ours each by 30 % or more between runs), and the rounds show its range.
+``--paired N`` starts every contender once (all held in memory at once, each idle while another runs) and
+takes N rounds of one burst of ``--iters`` steps each, the order reversed every other round: the contenders
+of a round run seconds apart, so the machine's drift moves both sides of a ratio alike. The table then gives
+each contender's median over the bursts (p10–p90 of the bursts' medians).
 
 Many tables: ``... --mixed --dim 16 --bags 1 --threads 2 --modes ours_adagrad ours_adagrad_unstacked
 ours_lazyadam ours_lazyadam_unstacked``: 26 tables of mixed sizes (Criteo's 26 categorical features
@@ -72,13 +76,14 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 # A sibling script: benchmarks/ is sys.path[0].
 import torch
-from _fbgemm_step import add_workload_args, environment, make_batches, time_steps
+from _fbgemm_step import SERVE, add_workload_args, environment, make_batches, percentile, time_steps
 
 REPO = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
@@ -298,6 +303,73 @@ def fbgemm_python(args: argparse.Namespace) -> tuple[str | None, str]:
 
 # ---------------------------------------------------------------------------------------- parent
 def run_one(args: argparse.Namespace, mode: str, bag: int, threads: int, fbgemm_py: str | None) -> dict[str, Any]:
+    cmd, env = command(args, mode, bag, threads, fbgemm_py)
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
+    for line in r.stdout.splitlines():
+        if line.startswith("RESULT "):
+            res: dict[str, Any] = json.loads(line[len("RESULT "):])
+            return res
+    tail = (r.stderr.strip() or r.stdout.strip() or "no output").splitlines()[-1]
+    return {"error": f"exit {r.returncode}: {tail}"}
+
+
+def run_paired(args: argparse.Namespace, bag: int, threads: int,
+               fbgemm_py: str | None) -> list[dict[tuple[str, int], dict[str, Any]]]:
+    """``--paired``: every contender's child started once and warmed up (all held at once, idle while another
+    runs), then ``args.paired`` rounds of one burst of ``--iters`` timed steps each, the order reversed every
+    other round: the contenders of a round run seconds apart, not minutes."""
+    procs: dict[str, subprocess.Popen[str]] = {}
+    logs: dict[str, Any] = {}
+
+    def read(mode: str, prefix: str) -> str:
+        out = procs[mode].stdout
+        assert out is not None
+        for line in out:
+            if line.startswith(prefix):
+                return line
+        logs[mode].seek(0)
+        tail = (logs[mode].read().strip() or "no output").splitlines()[-1]
+        raise RuntimeError(f"{mode} ended before {prefix.strip()}: {tail}")
+
+    rounds: list[dict[tuple[str, int], dict[str, Any]]] = []
+    try:
+        for mode in args.modes:
+            cmd, env = command(args, mode, bag, threads, fbgemm_py)
+            logs[mode] = tempfile.TemporaryFile("w+")
+            procs[mode] = subprocess.Popen(cmd, env={**env, SERVE: "1"}, stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE, stderr=logs[mode], text=True)
+            read(mode, "READY")
+            print(f"  threads={threads} bag={bag:<3d} {mode:24s} ready", file=sys.stderr, flush=True)
+        for k in range(args.paired):
+            results: dict[tuple[str, int], dict[str, Any]] = {}
+            for mode in (args.modes if k % 2 == 0 else args.modes[::-1]):
+                stdin = procs[mode].stdin
+                assert stdin is not None
+                stdin.write("run\n")
+                stdin.flush()
+                results[(mode, bag)] = json.loads(read(mode, "RESULT ")[len("RESULT "):])
+            rounds.append(results)
+            done = ", ".join(f"{m} {r['median_ms']:.2f}" for (m, _), r in results.items())
+            print(f"  threads={threads} bag={bag:<3d} round {k + 1}/{args.paired}: {done}", file=sys.stderr, flush=True)
+    finally:
+        for mode, proc in procs.items():
+            if proc.stdin is not None and not proc.stdin.closed:
+                try:
+                    proc.stdin.write("exit\n")
+                    proc.stdin.close()
+                except BrokenPipeError:
+                    pass
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            logs[mode].close()
+    return rounds
+
+
+def command(args: argparse.Namespace, mode: str, bag: int, threads: int,
+            fbgemm_py: str | None) -> tuple[list[str], dict[str, str]]:
+    """A contender's child: its command line and environment."""
     pool = "sum" if bag == 1 else "mean"
     common = ["--bag", str(bag), "--pool", pool, "--rows", str(args.rows), "--dim", str(args.dim),
               "--tables", str(args.tables), "--batch", str(args.batch), "--iters", str(args.iters),
@@ -315,13 +387,7 @@ def run_one(args: argparse.Namespace, mode: str, bag: int, threads: int, fbgemm_
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", mode, "--dense-iters",
                str(args.dense_iters), *common]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
-    for line in r.stdout.splitlines():
-        if line.startswith("RESULT "):
-            res: dict[str, Any] = json.loads(line[len("RESULT "):])
-            return res
-    tail = (r.stderr.strip() or r.stdout.strip() or "no output").splitlines()[-1]
-    return {"error": f"exit {r.returncode}: {tail}"}
+    return cmd, env
 
 
 def fmt_ms(res: dict[str, Any] | None) -> str:
@@ -404,12 +470,20 @@ def print_tables(args: argparse.Namespace, threads: int, results: dict[tuple[str
         print(f"{label:{w}s} " + " ".join(cells))
 
 
+def _median_result(bursts: list[dict[str, Any]]) -> dict[str, Any]:
+    """``--paired``: a contender's bursts as one result: the median of their medians, p10 and p90 of them."""
+    ms = sorted(b["median_ms"] for b in bursts)
+    return {**bursts[-1], "median_ms": statistics.median(ms), "p10_ms": percentile(ms, 0.1),
+            "p90_ms": percentile(ms, 0.9),
+            "page_faults_per_step": statistics.median(b["page_faults_per_step"] for b in bursts)}
+
+
 def print_rounds(args: argparse.Namespace, threads: int,
                  rounds: list[dict[tuple[str, int], dict[str, Any]]]) -> None:
     """The goals' ratios of every round side by side: the contenders of a round ran one after the other, so a
     round's ratio compares steps taken minutes apart, and the rounds give its range on this machine."""
-    print(f"\n== the goals over {len(rounds)} rounds, threads={threads} (each round: every contender once, in "
-          "--modes order; ratio of medians, ours / peer)")
+    print(f"\n== the goals over {len(rounds)} rounds, threads={threads} (each round: every contender once; "
+          "ratio of medians, ours / peer)")
     for label, ours, peer, goals in RATIOS:
         if ours not in args.modes or peer not in args.modes or not goals:
             continue
@@ -441,13 +515,17 @@ def main() -> None:
                     help="add ours_*_reference (TTE_UPDATE_KERNEL=0) for every ours_* mode: first steps compared")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every contender this many times, round by round, and print each goal's ratio per round")
+    ap.add_argument("--paired", type=int, default=0, metavar="N",
+                    help="start every contender once, then N rounds of one burst of --iters steps each, seconds "
+                         "apart (the order reversed every other round); print each goal's ratio per round")
     ap.add_argument("--child-timeout", type=float, default=3600)
     ap.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     ap.add_argument("--bag", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--pool", default="sum", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.rounds < 1:
-        ap.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.rounds < 1 or args.paired < 0 or (args.paired and args.rounds > 1):
+        ap.error(f"--rounds must be at least 1 and --paired at least 0, not both given; got --rounds {args.rounds} "
+                 f"--paired {args.paired}")
     if args.child:
         child(args)
         return
@@ -473,6 +551,14 @@ def main() -> None:
             if fbgemm_py is None:
                 args.modes = [m for m in args.modes if m not in FBGEMM]
     for threads in args.threads:
+        if args.paired:
+            paired: list[dict[tuple[str, int], dict[str, Any]]] = [{} for _ in range(args.paired)]
+            for bag in args.bags:
+                for k, results in enumerate(run_paired(args, bag, threads, fbgemm_py)):
+                    paired[k].update(results)
+            print_tables(args, threads, {key: _median_result([r[key] for r in paired]) for key in paired[0]})
+            print_rounds(args, threads, paired)
+            continue
         rounds: list[dict[tuple[str, int], dict[str, Any]]] = []
         for k in range(args.rounds):
             results: dict[tuple[str, int], dict[str, Any]] = {}

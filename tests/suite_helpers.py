@@ -131,9 +131,10 @@ def pipeline_batches(n: int, seed: int = 0, dtype: torch.dtype = torch.float64, 
 
 
 def train_by_hand(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], batches: Sequence[Any],
-                  step: Callable[[Any, Any], torch.Tensor], stale: bool = False) -> None:
-    """One process, by hand: per batch ``step(model, batch)``, backward, every optimizer's ``step()``, then every
-    ``zero_grad()``. ``stale``: TF's pipelined execution written out: step ``n`` looks up the tables as they were
+                  step: Callable[[Any, Any], torch.Tensor], stale: bool = False,
+                  clip: Callable[[], Any] | None = None) -> None:
+    """One process, by hand: per batch ``step(model, batch)``, backward, ``clip()`` (where given), every optimizer's
+    ``step()``, then every ``zero_grad()``. ``stale``: TF's pipelined execution written out: step ``n`` looks up the tables as they were
     before update ``n - 1`` (steps 0 and 1 both read the initial tables), and its gradient is applied to the
     tables as they are."""
     tables = tte.split_parameters(model)[0] if stale else []
@@ -152,6 +153,8 @@ def train_by_hand(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
         else:
             loss = step(model, batch)
         loss.backward()  # type: ignore[no-untyped-call]
+        if clip is not None:
+            clip()
         for o in optimizers:
             o.step()
         for o in optimizers:

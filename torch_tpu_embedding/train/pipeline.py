@@ -1,7 +1,8 @@
 """``TrainPipeline``: a training loop whose input work overlaps the step, with TF's one-step-stale lookups on request.
 
 Each step is the user's: ``step(model, batch)`` returns the loss (or ``(loss, anything)``), the pipeline calls
-``backward`` and every optimizer's ``step`` and ``zero_grad``. Around it:
+``backward``, the optional ``before_update()`` (a gradient clip) and every optimizer's ``step`` and ``zero_grad``.
+Around it:
 
 * **Input prefetch** (``prefetch=True``, exact): a background thread takes batch ``N + 1`` from the source and
   prepares it (``EmbeddingCollection.prepare(..., ahead=True)``: checks, padding, the group assembly, the
@@ -49,15 +50,14 @@ import collections
 import functools
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import nullcontext
 from typing import Any, NoReturn
 
 import torch
-from torch.utils._pytree import tree_map
 
 from torch_tpu_embedding._util.nest import detached
 from torch_tpu_embedding.modules.collection import EmbeddingCollection
 from torch_tpu_embedding.modules.prepared import NotAhead, PreparedFeatures
+from torch_tpu_embedding.train.lookahead import LookupsAhead
 from torch_tpu_embedding.train.prefetch import Prefetcher, Ready, ReusedBuffersError, call_weakly, refilled
 from torch_tpu_embedding.train.restored import host_copy, restore, state_problem
 
@@ -81,6 +81,9 @@ class TrainPipeline:
             tables on XLA: prepared on the main thread); ``False`` does both in the step, as the plain loop does.
         pipeline_execution_with_tensor_core: TF's flag: look up batch ``N + 1`` before update ``N`` (one step
             stale). Default ``False``.
+        before_update: called after each step's ``backward()`` and before its optimizers' ``step()``: to clip the
+            gradients (``lambda: tte.clip_grad_norm_(model.parameters(), 1.0)``). If it raises, the step failed
+            before its update, as if its loss had raised: its gradients are dropped, its batch trained again first.
         after_step: called after each step's optimizer steps (on XLA: ``torch_xla.sync``, so that a step is one
             graph).
 
@@ -99,7 +102,7 @@ class TrainPipeline:
         step: Callable[[Any, Any], Any], features: Callable[[Any], Any],
         collection: EmbeddingCollection | None = None, weights: Callable[[Any], Any] | None = None,
         concat: bool = False, prefetch: bool = True, pipeline_execution_with_tensor_core: bool = False,
-        after_step: Callable[[], Any] | None = None,
+        after_step: Callable[[], Any] | None = None, before_update: Callable[[], Any] | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"Argument `model` must be a torch.nn.Module. Received: {type(model).__name__}")
@@ -107,7 +110,8 @@ class TrainPipeline:
         if not opts or not all(isinstance(o, torch.optim.Optimizer) for o in opts):
             raise TypeError("Argument `optimizers` must be a torch.optim.Optimizer or a sequence of them. "
                             f"Received: {optimizers!r}")
-        for name, fn in (("step", step), ("features", features), ("weights", weights), ("after_step", after_step)):
+        for name, fn in (("step", step), ("features", features), ("weights", weights), ("after_step", after_step),
+                         ("before_update", before_update)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"Argument `{name}` must be callable. Received: {fn!r}")
         if collection is None:
@@ -125,6 +129,7 @@ class TrainPipeline:
                 raise TypeError(f"Argument `{name}` must be a bool. Received: {flag!r}")
         self.model, self.optimizers, self.collection = model, opts, collection
         self._step_fn, self._features, self._weights, self._after = step, features, weights, after_step
+        self._before_update = before_update
         self.concat, self.prefetch, self.stale = concat, prefetch, pipeline_execution_with_tensor_core
         #: steps trained, and batches taken from the sources (trained, or waiting in :meth:`unfinished`)
         self.steps, self.taken = 0, 0
@@ -138,7 +143,7 @@ class TrainPipeline:
         self._updating = False  # the current step's optimizers have begun its update
         self._ahead_outputs: Any = None  # the current batch's activations looked up ahead (pipelined execution)
         self._failed_outputs: Any = None  # the failed batch's (restored when trained again, as a checkpoint's)
-        self._lookup_stream: Any = None
+        self._lookups_ahead = LookupsAhead(collection)  # (on CUDA: on a side stream)
         self._finalizer: Any = None  # stops the thread of a pipeline collected without close()
         # A thread close() left blocked in the source's next(): the batch it returns goes into _resume at _late_at.
         self._late: Prefetcher | None = None
@@ -202,8 +207,8 @@ class TrainPipeline:
             self.close()
             if isinstance(e, StopIteration):  # (as PEP 479's generators do: else it reads as the end of the batches)
                 raise RuntimeError(f"StopIteration was raised in step {self.steps} of TrainPipeline (by `step`, "
-                                   "`features`, `weights`, `after_step` or an optimizer): run() and progress() would "
-                                   "take it for the end of the batches.") from e
+                                   "`features`, `weights`, `before_update`, `after_step` or an optimizer): run() and "
+                                   "progress() would take it for the end of the batches.") from e
             raise
 
     def _train(self, current: Ready) -> Any:
@@ -243,8 +248,9 @@ class TrainPipeline:
             raise TypeError(f"`step(model, batch)` must return the loss tensor, or a tuple whose first item is the "
                             f"loss. Received: {type(loss).__name__}")
         loss.backward()  # type: ignore[no-untyped-call]  # (torch 2.9 leaves Tensor.backward unannotated)
-        if self._lookup_stream is not None:  # the update writes the rows the lookup ahead reads
-            torch.cuda.current_stream().wait_stream(self._lookup_stream)
+        self._lookups_ahead.wait()  # (before `before_update` too: it may write the rows they read)
+        if self._before_update is not None:  # (raising: a failure before the update, as the loss's)
+            self._before_update()
         # From here a failure leaves this update applied, maybe in part: never retried. (The activations kept for a
         # retry are let go before after_step: on XLA a tensor alive at torch_xla.sync() becomes a graph output.)
         self._updating, self._ahead_outputs = True, None
@@ -349,23 +355,9 @@ class TrainPipeline:
         raise error  # (the lookup raised it already)
 
     def _look_up_ahead(self, prepared: PreparedFeatures, saved: Any = None) -> None:  # saved: restored values
-        stream = self._side_stream()
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            self.collection.look_up_ahead(prepared, self.concat, keep_error=True)
-        if stream is not None and prepared.outputs is not None:  # made on the side stream, used on this one:
-            current = torch.cuda.current_stream()  # their memory kept until it has used them
-            tree_map(lambda t: t.record_stream(current) if isinstance(t, torch.Tensor) else t, prepared.outputs)
+        self._lookups_ahead(prepared, self.concat)
         if saved is not None and prepared.outputs is not None:  # (else its error is raised at its step)
             prepared.outputs = restore(prepared.outputs, saved)
-
-    def _side_stream(self) -> Any:
-        if not any(p.device.type == "cuda" for p in self.collection.parameters()):
-            return None
-        if self._lookup_stream is None:
-            self._lookup_stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        return self._lookup_stream
 
     # ------------------------------------------------------------------ stopping, checkpoints
     #: seconds :meth:`close` waits for the background thread (a source blocked in ``next()`` holds it)

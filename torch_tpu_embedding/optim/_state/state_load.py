@@ -285,15 +285,23 @@ def rest_problems(opt: RowSparseOptimizer, rest: Mapping[str, Any]) -> list[str]
     if not isinstance(rest, Mapping) or not isinstance(rest.get("param_groups"), list) \
             or not isinstance(rest.get("acc"), Mapping) or "iterations" not in rest:
         return ["the optimizer entry of tte_meta.pt is not a mapping with 'param_groups', 'iterations' and 'acc'"]
-    problems = _check_groups(opt, rest["param_groups"], None) + counter_problems(rest)
+    saved = rest["param_groups"]
+    problems = _check_groups(opt, saved, None) + counter_problems(rest)
     keys = param_keys(opt)
     by_key = {keys[id(p)]: p for g in opt.param_groups for p in g["params"]}
+    # The window length the load gives each parameter: its group's as saved (groups match by position; a stacked
+    # group's buffers are saved under its physical key, which no saved group's logical 'params' names).
+    calls = {id(p): {**g, **(saved[i] if i < len(saved) and isinstance(saved[i], Mapping) else {})}.get(
+        "gradient_accumulation_steps") for i, g in enumerate(opt.param_groups) for p in g["params"]}
     for key, bufs in rest["acc"].items():
         p = by_key.get(key)
         if p is None or table_info(p) is None or not isinstance(bufs, Mapping):
             problems.append(f"pending accumulation buffers saved for {key!r}, which is no table here")
             continue
-        problems += accumulation_problems(key, bufs, logical_rows(p), p.shape[-1])
+        # A stacked group's buffers are saved under the group's own key: named by the user's tables instead.
+        named = ", ".join(k for k, _ in logical_keys(p, key, 0))
+        named += " (stacked together)" if members_of(p) is not None else ""
+        problems += accumulation_problems(named, bufs, logical_rows(p), p.shape[-1], calls[id(p)])
     return problems
 
 

@@ -229,3 +229,23 @@ def test_user_metadata_is_kept_and_a_misspelt_option_is_refused(info: OptimizerI
     for typo in ("clipnrom", "weight_decay_facter"):
         with pytest.raises(TypeError, match=rf"Parameter group 0: .* `{typo}`"):
             info.cls([{"params": [w], typo: 1.0}], **info.default)
+
+
+@pytest.mark.parametrize("info", OPTIMIZER_INFOS, ids=lambda i: i.name)
+def test_repr_shows_the_users_hyper_parameters_in_torchs_format(info: OptimizerInfo) -> None:
+    """``print(optimizer)`` is torch.optim's listing of each group's keys less ``params``, without the rule class
+    the core keeps in each group (it showed ``_rule: <class ...>``; ``state_dict`` never saved it): the keys shown
+    are the ones ``state_dict`` saves, and ``slot_creation_fn`` (a callable, which it does not)."""
+    ec, head = make_model()
+    opt = info.cls([{"params": list(ec.parameters()), "name": "tables"}, {"params": list(head.parameters())}],
+                   **info.default)
+
+    class Listed:  # torch's own __repr__ over what the user gave, under our class name
+        param_groups = [{k: v for k, v in g.items() if not k.startswith("_")} for g in opt.param_groups]
+
+    Listed.__name__ = type(opt).__name__
+    assert repr(opt) == torch.optim.Optimizer.__repr__(Listed())  # type: ignore[arg-type]
+    shown = {line.split(":")[0].strip() for line in repr(opt).splitlines() if line.startswith("    ")}
+    saved = {k for g in opt.state_dict()["param_groups"] for k in g} - {"params"}
+    assert {"algorithm", "lr", "name"} <= shown and not [k for k in shown if k.startswith("_")], sorted(shown)
+    assert sorted(shown - saved) == ["slot_creation_fn"] and saved <= shown  # (a callable: never saved)

@@ -31,7 +31,7 @@ import torch
 from torch_tpu_embedding._rows.placement import register_optimizer, sync_row_grads
 from torch_tpu_embedding._rows.stock_guard import check_no_dense_grad
 from torch_tpu_embedding._rows.tables import check_live_tables, retired_count, stacked_rows, table_info
-from torch_tpu_embedding._util.registry import optimizer_class, register, resolve_rule
+from torch_tpu_embedding._util.registry import RULE_KEY, optimizer_class, register, resolve_rule
 from torch_tpu_embedding.optim._core import ema, grad_intake, step_gates
 from torch_tpu_embedding.optim._core.contract import RowContext, Slots, SlotSpec
 from torch_tpu_embedding.optim._core.extras import EXTRA_DEFAULTS, EXTRA_NAMES, check_extras
@@ -202,6 +202,11 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
         self._run.checked_retired = -1  # the new group's tables are checked at the next step
+
+    def __repr__(self) -> str:  # torch.optim's format, less the rule class the core keeps in each group (not saved)
+        return f"{type(self).__name__} (" + "".join(f"\nParameter Group {i}\n" + "".join(
+            f"    {k}: {g[k]}\n" for k in sorted(g) if k not in ("params", RULE_KEY))
+            for i, g in enumerate(self.param_groups)) + ")"
 
     def __getstate__(self) -> dict[str, Any]:  # torch.optim's three entries and the call counters (a copy counts on)
         return {**super().__getstate__(), "_run": self._run}

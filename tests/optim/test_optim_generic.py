@@ -7,6 +7,7 @@ import functools
 import re
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from optim_registry import GENERIC, OVERRIDE, OptimizerConfig, cases
@@ -279,6 +280,58 @@ def test_sparse_grad_of_nn_embedding_takes_row_path() -> None:
             o.zero_grad()
     torch.testing.assert_close(emb.weight, ref.weight, rtol=1e-6, atol=1e-12)
     assert torch.equal(emb.weight[6:], ref.weight[6:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_adam_takes_betas_given_as_tensors_as_torch_does(dtype: torch.dtype) -> None:
+    """torch.optim.Adam takes ``betas`` as one-element tensors; ours refused them ("must be a finite number ...
+    Received: tensor(0.9000)"). Their values are taken (a float32 0.8 as that float32 number), in the constructor
+    and in a group: a table and a dense parameter against float64 numpy Adam (bias-corrected rate, eps outside the
+    root; the table lazy), the dense one against torch.optim.Adam given the same tensors too (which adds eps after
+    dividing by sqrt(1 - b2^t): 2e-8 apart)."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 3, sparse=True).double()
+    lin, ref_lin = torch.nn.Linear(3, 1, bias=False).double(), torch.nn.Linear(3, 1, bias=False).double()
+    ref_lin.load_state_dict(lin.state_dict())
+    betas = (torch.tensor(0.8, dtype=dtype), torch.tensor([0.99], dtype=dtype))
+    opt = tte.optim.Adam([{"params": emb.parameters()}], lr=0.01, betas=betas, bias_correction=True,
+                         sum_inside_sqrt=False, eps=1e-8)
+    opt.add_param_group({"params": lin.parameters(), "betas": betas})
+    b1, b2 = (float(b) for b in betas)
+    assert opt.param_groups[1]["betas"] == opt.param_groups[0]["betas"] == (b1, b2)
+    ref = torch.optim.Adam(ref_lin.parameters(), lr=0.01, betas=(betas[0], betas[1].reshape(())), eps=1e-8)
+    w = {"emb": emb.weight.detach().numpy().copy(), "lin": lin.weight.detach().numpy().copy()}
+    m = {k: np.zeros_like(v) for k, v in w.items()}
+    v = {k: np.zeros_like(x) for k, x in w.items()}
+    for t in range(1, 7):
+        g = torch.Generator().manual_seed(t)
+        ids, g_rows, g_lin = torch.randint(0, 6, (7,), generator=g), torch.randn(7, 3, generator=g).double(), \
+            torch.randn(1, 3, generator=g).double()
+        ((emb(ids) * g_rows).sum() + (lin.weight * g_lin).sum()).backward()
+        (ref_lin.weight * g_lin).sum().backward()
+        for o in (opt, ref):
+            o.step()
+            o.zero_grad()
+        grads = {"emb": np.zeros_like(w["emb"]), "lin": g_lin.numpy()}
+        np.add.at(grads["emb"], ids.numpy(), g_rows.numpy())
+        rate = 0.01 * np.sqrt(1 - b2**t) / (1 - b1**t)
+        for k, rows in (("emb", np.unique(ids.numpy())), ("lin", slice(None))):
+            m[k][rows] = b1 * m[k][rows] + (1 - b1) * grads[k][rows]
+            v[k][rows] = b2 * v[k][rows] + (1 - b2) * grads[k][rows] ** 2
+            w[k][rows] = w[k][rows] - rate * m[k][rows] / (np.sqrt(v[k][rows]) + 1e-8)
+    np.testing.assert_allclose(emb.weight.detach().numpy(), w["emb"], rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(lin.weight.detach().numpy(), w["lin"], rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(lin.weight, ref_lin.weight, rtol=1e-6, atol=1e-12)
+    sd = opt.state_dict()
+    sd["param_groups"][0]["betas"] = betas  # (as torch.optim.Adam saves them): loaded as the constructor takes them
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["betas"] == (b1, b2) and all(type(b) is float for b in opt.param_groups[0]["betas"])
+    with pytest.raises(ValueError, match=r"Argument `betas\[0\]` must be a finite number in \[0, 1\): a float or a "
+                                         r"one-element real tensor. Received a torch.float32 tensor of shape \(2,\)"):
+        tte.optim.Adam(emb.parameters(), betas=(torch.tensor([0.9, 0.8]), 0.999))
+    with pytest.raises(ValueError, match=r"Argument `betas\[1\]` must be a finite number and >= 0.0 and < 1.0. "
+                                         r"Received: 1.5"):
+        tte.optim.Adam(emb.parameters(), betas=(0.9, torch.tensor(1.5)))
 
 
 def test_lazy_adam_matches_torch_sparse_adam_on_tables() -> None:

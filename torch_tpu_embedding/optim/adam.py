@@ -60,7 +60,9 @@ class Adam(RowSparseOptimizer):
     was not looked up (moments decay, momentum keeps moving the weights) — O(V·D) per step.
 
     Args:
-        lr: η (TF default 0.001). betas: (β1, β2), each in [0, 1). eps: ε > 0 (TF default 1e-7).
+        lr: η (TF default 0.001). betas: (β1, β2), each in [0, 1): floats or one-element tensors (as
+            torch.optim.Adam's; a tensor's value is read once, when the group is made, and the group holds
+            floats: change ``group["betas"]`` to change them). eps: ε > 0 (TF default 1e-7).
         lazy_adam, sum_inside_sqrt, bias_correction: as above.
         {tf_keywords}
         {slot_creation_fn}
@@ -78,7 +80,7 @@ class Adam(RowSparseOptimizer):
         self,
         params: Iterable[Any],
         lr: Any = 0.001,
-        betas: tuple[float, float] = (0.9, 0.999),
+        betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
         eps: float = 1e-07,
         lazy_adam: bool = True,
         sum_inside_sqrt: bool = True,
@@ -102,9 +104,8 @@ class Adam(RowSparseOptimizer):
         betas = hp["betas"]
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise arg_error("betas", "must be a pair (beta_1, beta_2)", betas)
-        for i, b in enumerate(betas):
-            check_number(f"betas[{i}]", b, minimum=0.0, maximum=1.0, max_inclusive=False)
-        hp["betas"] = (float(betas[0]), float(betas[1]))
+        hp["betas"] = tuple(check_number(f"betas[{i}]", _beta_value(f"betas[{i}]", b), minimum=0.0, maximum=1.0,
+                                         max_inclusive=False) for i, b in enumerate(betas))
         check_number("eps", hp["eps"], minimum=0.0, min_inclusive=False)
         if hp["sum_inside_sqrt"] and not float(torch.tensor(hp["eps"], dtype=torch.float32) ** 2) > 0:
             # sqrt(v + eps²) would be 0 for a row whose gradient is 0: the update 0/0 is NaN.
@@ -121,6 +122,17 @@ class Adam(RowSparseOptimizer):
     @classmethod
     def is_lazy(cls, hp: Mapping[str, Any]) -> bool:
         return bool(hp["lazy_adam"])
+
+
+def _beta_value(name: str, b: Any) -> Any:
+    """A one-element real tensor beta (torch.optim.Adam takes them) as its Python number, read once when the group is
+    made: the group holds floats, which the update kernels take as data (on XLA too) and schedulers rewrite."""
+    if not isinstance(b, torch.Tensor):
+        return b
+    if b.numel() != 1 or b.is_complex() or b.dtype == torch.bool:
+        raise ValueError(f"Argument `{name}` must be a finite number in [0, 1): a float or a one-element real "
+                         f"tensor. Received a {b.dtype} tensor of shape {tuple(b.shape)}")
+    return b.detach().reshape(()).cpu().item()
 
 
 class LazyAdam(Adam):
@@ -142,7 +154,7 @@ class LazyAdam(Adam):
 
     Args:
         params: parameters or parameter groups (tables and/or dense parameters).
-        lr: η (float, 0-d tensor or callable; TF default 0.001). betas: (β1, β2), each in [0, 1).
+        lr: η (float, 0-d tensor or callable; TF default 0.001). betas: (β1, β2), each in [0, 1), as :class:`Adam`'s.
         eps: ε > 0 (TF default 1e-7). sum_inside_sqrt, bias_correction: as above.
         Others (keyword): as :class:`Adam`, except ``lazy_adam``, which is refused.
 
@@ -159,7 +171,7 @@ class LazyAdam(Adam):
         self,
         params: Iterable[Any],
         lr: Any = 0.001,
-        betas: tuple[float, float] = (0.9, 0.999),
+        betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
         eps: float = 1e-07,
         sum_inside_sqrt: bool = True,
         bias_correction: bool = False,

@@ -121,6 +121,7 @@ def _apply_groups(opt: RowSparseOptimizer, saved: list[dict[str, Any]]) -> None:
             if k != "params" and not _callable(g.get(k)):
                 g[k] = copy.deepcopy(v)
         resolve_rule(g)  # the loaded group's rule, resolved again from its (checked) algorithm
+        rule_of(g)._validate(g)  # normalised as the constructor normalises (a tensor beta: its float); checked above
         mark_exchange(g)  # a loaded use_gradient_accumulation: how data parallel (and the clip) send its rows
 
 

@@ -37,12 +37,10 @@ from torch_tpu_embedding.optim._core.contract import RowContext, Slots, SlotSpec
 from torch_tpu_embedding.optim._core.extras import EXTRA_DEFAULTS, EXTRA_NAMES, check_extras
 from torch_tpu_embedding.optim._core.hyperparams import (
     OVERRIDE_GROUP,
+    check_added_group,
     check_group_options,
     check_slot_options,
-    check_stacked,
-    mark_exchange,
     param_groups,
-    refuse_complex,
     user_groups,
     validate_common,
 )
@@ -178,26 +176,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             check_group_options(param_group, len(self.param_groups), rule_cls, self.defaults)
             rule_cls._options_to_hp(param_group)
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
         try:
-            rule_cls = resolve_rule(group) if group.get("algorithm") else type(self)  # read by rule_of(group)
-            refuse_complex(group, len(self.param_groups) - 1, type(self).__name__)
-            extras = {k: group[k] for k in EXTRA_DEFAULTS if k in group}
-            check_extras(group, extras)
-            validate_common(group)
-            try:
-                rule_cls._validate(group)
-            except KeyError as e:  # only a group of another algorithm lacks one: this one's defaults fill it
-                raise TypeError(
-                    f"Parameter group {len(self.param_groups) - 1}: its algorithm {group['algorithm']!r} is not "
-                    f"{type(self).__name__}'s ({self.defaults['algorithm']!r}) and the group lacks "
-                    f"{rule_cls.__name__}'s hyper-parameter {e.args[0]!r}; a group of another algorithm carries all "
-                    f"of them (a copy of a param_groups[i] of tte.optim.{rule_cls.__name__}). To update some tables "
-                    f"by another rule, give their TableConfig optimizer={group['algorithm']!r}, or build a "
-                    f"tte.optim.{rule_cls.__name__} for them."
-                ) from e
-            check_stacked(group, rule_cls)
-            mark_exchange(group)
+            check_added_group(self.param_groups[-1], len(self.param_groups) - 1, type(self), self.defaults)
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise

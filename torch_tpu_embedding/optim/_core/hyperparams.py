@@ -16,16 +16,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torch_tpu_embedding._rows.tables import refuse_stacked_view, table_info
-from torch_tpu_embedding._util.registry import optimizer_class, optimizer_names
+from torch_tpu_embedding._util.registry import optimizer_class, optimizer_names, resolve_rule
 from torch_tpu_embedding._util.validation import arg_error, check_bool, check_number
-from torch_tpu_embedding.optim._core.extras import unbounded_pair
+from torch_tpu_embedding.optim._core.extras import EXTRA_DEFAULTS, check_extras, unbounded_pair
 from torch_tpu_embedding.optim._core.step_values import check_lr
 
 if TYPE_CHECKING:
     from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
 
 __all__ = [
-    "OVERRIDE_GROUP", "SLOT_OPTIONS", "TORCH_GROUP_KEYS", "check_clipvalue", "check_group_options",
+    "OVERRIDE_GROUP", "SLOT_OPTIONS", "TORCH_GROUP_KEYS", "check_added_group", "check_clipvalue", "check_group_options",
     "check_slot_options", "check_stacked", "mark_exchange", "param_groups", "refuse_complex", "user_groups",
     "validate_common",
 ]
@@ -295,3 +295,26 @@ def mark_exchange(group: Mapping[str, Any]) -> None:
         info = table_info(p)
         if info is not None:
             info.row_grad.raw_exchange = not group["use_gradient_accumulation"]
+
+
+def check_added_group(group: dict[str, Any], index: int, optimizer: Any, defaults: Mapping[str, Any]) -> None:
+    """The checks of ``group``, added as group ``index`` of an ``optimizer`` (its class) by ``add_param_group``
+    after torch's own: its rule resolved, its values validated and normalised as the constructor's, its tables'
+    stacking and exchange marked. Raises ``TypeError`` / ``ValueError`` (the caller then drops the group)."""
+    rule_cls = resolve_rule(group) if group.get("algorithm") else optimizer  # (read by rule_of(group))
+    refuse_complex(group, index, optimizer.__name__)
+    check_extras(group, {k: group[k] for k in EXTRA_DEFAULTS if k in group})
+    validate_common(group)
+    try:
+        rule_cls._validate(group)
+    except KeyError as e:  # only a group of another algorithm lacks one: this one's defaults fill it
+        raise TypeError(
+            f"Parameter group {index}: its algorithm {group['algorithm']!r} is not "
+            f"{optimizer.__name__}'s ({defaults['algorithm']!r}) and the group lacks "
+            f"{rule_cls.__name__}'s hyper-parameter {e.args[0]!r}; a group of another algorithm carries all "
+            f"of them (a copy of a param_groups[i] of tte.optim.{rule_cls.__name__}). To update some tables "
+            f"by another rule, give their TableConfig optimizer={group['algorithm']!r}, or build a "
+            f"tte.optim.{rule_cls.__name__} for them."
+        ) from e
+    check_stacked(group, rule_cls)
+    mark_exchange(group)

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -28,7 +29,8 @@ import torch.distributed as dist
 import torch_tpu_embedding as tte
 from torch_tpu_embedding._rows.placement import stored_rows
 
-__all__ = ["finish_rank", "free_port", "init_rank", "pipeline_batches", "run_ranks", "run_script", "same_state",
+__all__ = ["finish_rank", "free_port", "init_rank", "pipeline_batches", "run_ranks", "run_script", "same_state", "same_tree",
+           "summed_bag_rows",
            "snapshot_state", "train_by_hand"]
 
 #: the repository root (on a spawned rank's PYTHONPATH)
@@ -106,6 +108,32 @@ def snapshot_state(model: torch.nn.Module, opt: torch.optim.Optimizer, stored: b
 def same_state(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     """Whether two :func:`snapshot_state` lists are bitwise equal."""
     return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def same_tree(a: Any, b: Any) -> bool:
+    """Whether two nested structures (dicts, lists, tuples; a state dict) are equal: tensors of one dtype and equal
+    values, containers of one type and length, other leaves ``==``."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_tree(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(same_tree(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def summed_bag_rows(table: str, features: Sequence[str], table_of: dict[str, str], ids: dict[str, Any],
+                    act_grads: dict[str, Any], shape: tuple[int, int]) -> tuple[Any, set[int]]:
+    """float64 numpy reference of one table's row gradient for bags of one id, sum combiner: each id's row gets its
+    bag's activation gradient (``act_grads[f][i]`` for ``ids[f][i]``), summed over ``features`` that look ``table``
+    up (``table_of[f]``); with the set of rows touched."""
+    g, touched = np.zeros(shape), set()
+    for f in features:
+        if table_of[f] == table:
+            for i, r in enumerate(ids[f]):
+                g[r] += act_grads[f][i]
+                touched.add(int(r))
+    return g, touched
 
 
 # ---------------------------------------------------------------------------------- the pipeline's references

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from suite_helpers import same_tree
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding.checkpoint import CheckpointMismatchError
@@ -57,16 +57,6 @@ def _reference(w: dict[str, np.ndarray], k: int, calls: range) -> dict[str, np.n
     return w
 
 
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
-
-
 def _weights(ec: tte.EmbeddingCollection) -> dict[str, np.ndarray]:
     return {t: ec.tables[t].weight.detach().numpy().copy() for t in ROWS}
 
@@ -97,7 +87,7 @@ def test_a_pending_buffer_of_another_window_length_is_refused(tmp_path: Path, sa
                                                       f"hold {saved} calls, but the group's "
                                                       f"`gradient_accumulation_steps` is {edited}"):
         tte.checkpoint.load_distributed(bad, model=other, optimizer=other_opt)
-    assert _same(before, (other.state_dict(), other_opt.state_dict()))
+    assert same_tree(before, (other.state_dict(), other_opt.state_dict()))
 
     # The checkpoint as saved loads into the optimizer built with another k: the saved k wins, and the window
     # goes on as the float64 numpy reference of the run that never stopped.

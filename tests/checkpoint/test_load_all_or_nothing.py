@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from suite_helpers import same_tree
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding.checkpoint import CheckpointMismatchError
@@ -63,16 +64,6 @@ def snapshot(m: torch.nn.ModuleDict, opt: torch.optim.Optimizer, folder: Path) -
         "dense_grads": {n: None if p.grad is None else p.grad.clone() for n, p in m.named_parameters()},
         "files": {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()},
     }
-
-
-def same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
 
 
 def prepared(tmp_path: Path, **good: Any) -> tuple[torch.nn.ModuleDict, torch.optim.Optimizer, Path]:
@@ -136,7 +127,7 @@ def test_a_failed_load_changes_nothing_and_the_good_checkpoint_still_loads(tmp_p
         assert re.search(p, str(err.value)), (p, str(err.value))
     after = snapshot(m, opt, tmp_path)
     for part in before:
-        assert same(before[part], after[part]), part
+        assert same_tree(before[part], after[part]), part
     # The good checkpoint still loads into the same objects and training goes on as in a fresh twin.
     ref, ref_opt = build(**mine)
     tte.checkpoint.load(good, model=ref, optimizer=ref_opt)
@@ -145,7 +136,7 @@ def test_a_failed_load_changes_nothing_and_the_good_checkpoint_still_loads(tmp_p
     for s in range(3, 6):
         step(m, opt, s)
         step(ref, ref_opt, s)
-    assert same(m.state_dict(), ref.state_dict()) and same(opt.state_dict(), ref_opt.state_dict())
+    assert same_tree(m.state_dict(), ref.state_dict()) and same_tree(opt.state_dict(), ref_opt.state_dict())
 
 
 def test_model_and_optimizer_problems_in_one_error(tmp_path: Path) -> None:
@@ -167,7 +158,7 @@ def test_invalid_saved_hyper_parameters_change_nothing(tmp_path: Path) -> None:
     with pytest.raises(CheckpointMismatchError, match=r"optimizer: group 0: Argument `lr` must be a finite number and >= 0.0. Received: -5.0"):
         tte.checkpoint.load(tmp_path / "lr.pt", model=m, optimizer=opt)
     after = snapshot(m, opt, tmp_path)
-    assert all(same(before[k], after[k]) for k in before)
+    assert all(same_tree(before[k], after[k]) for k in before)
 
 
 def test_a_torch_optimizer_refusal_leaves_the_model_unwritten(tmp_path: Path) -> None:
@@ -183,7 +174,7 @@ def test_a_torch_optimizer_refusal_leaves_the_model_unwritten(tmp_path: Path) ->
     wrong = torch.optim.Adam([*other["head"].parameters(), *other["ec"].parameters()], lr=0.01)  # 4 params, not 2
     with pytest.raises(ValueError, match="parameter group that doesn't match the size"):
         tte.checkpoint.load(tmp_path / "c.pt", model=other, optimizer=wrong)
-    assert same(before, other.state_dict())
+    assert same_tree(before, other.state_dict())
 
 
 def test_a_failed_distributed_load_changes_nothing(tmp_path: Path) -> None:
@@ -201,7 +192,7 @@ def test_a_failed_distributed_load_changes_nothing(tmp_path: Path) -> None:
     with pytest.raises(CheckpointMismatchError, match=r"nothing was loaded\): group 0: .*betas"):
         tte.checkpoint.load_distributed(ckpt, model=other, optimizer=other_opt)
     after = snapshot(other, other_opt, ckpt)
-    assert all(same(before[k], after[k]) for k in before)
+    assert all(same_tree(before[k], after[k]) for k in before)
 
 
 @pytest.mark.parametrize("damage, pattern", [
@@ -225,7 +216,7 @@ def test_a_damaged_structure_is_named_and_changes_nothing(tmp_path: Path, damage
     with pytest.raises(CheckpointMismatchError, match=pattern):
         tte.checkpoint.load(tmp_path / "damaged.pt", model=m, optimizer=opt)
     after = snapshot(m, opt, tmp_path)
-    assert all(same(before[k], after[k]) for k in before)
+    assert all(same_tree(before[k], after[k]) for k in before)
 
 
 # ------------------------------------------------------------------ crafted or damaged values ([hardening3] 5)
@@ -307,7 +298,7 @@ def test_a_crafted_value_is_refused_before_anything_changes(tmp_path: Path, case
             opt.load_state_dict(payload["optimizer"])
     after = snapshot(m, opt, tmp_path)
     for part in before:
-        assert same(before[part], after[part]), part
+        assert same_tree(before[part], after[part]), part
 
 
 @pytest.mark.parametrize("stack", [False, True], ids=["unstacked", "stacked"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from suite_helpers import summed_bag_rows
 
 import torch_tpu_embedding as tte
 
@@ -77,13 +78,8 @@ def test_unused_feature_sharing_a_lookup_touches_no_row(kind: str, stacked: bool
         sum((out[f] * torch.tensor(ACT_GRAD[step][f])).sum() for f in used(step)).backward()
         opt.step()
         opt.zero_grad()
-        for t in "ab":  # sum combiner, one id per bag: each id's row gradient is its bag's activation gradient
-            g, touched = np.zeros((V, D)), set()
-            for f in used(step):
-                if TABLE[f] == t:
-                    for i, r in enumerate(IDS[f]):
-                        g[r] += ACT_GRAD[step][f][i]
-                        touched.add(r)
+        for t in "ab":
+            g, touched = summed_bag_rows(t, used(step), TABLE, IDS, ACT_GRAD[step], (V, D))
             np_rule(w[t], g, slots[t], touched)
     state = opt.state_dict()["state"]
     for t in "ab":

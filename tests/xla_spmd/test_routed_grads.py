@@ -20,6 +20,8 @@ import torch_xla.runtime as xr  # noqa: E402
 
 if not xr.is_spmd():  # once per process: a second call warns (XLA_USE_SPMD is set by the first)
     xr.use_spmd()
+from suite_helpers import summed_bag_rows  # noqa: E402
+
 import torch_tpu_embedding as tte  # noqa: E402
 from torch_tpu_embedding.xla import shard  # noqa: E402
 
@@ -67,14 +69,8 @@ def test_a_feature_the_loss_does_not_use_touches_no_row(stacked: bool) -> None:
         opt.step()
         opt.zero_grad()
         torch_xla.sync()
-        for t in "ab":  # sum combiner, one id per bag: each id's row gradient is its bag's activation gradient
-            g, touched = np.zeros((V, D)), set()
-            for f in used(step):
-                if TABLE[f] == t:
-                    for i, r in enumerate(IDS[f]):
-                        g[r] += ACT_GRAD[step][f][i]
-                        touched.add(int(r))
-            np_lazy_adam(w[t], m[t], v[t], g, touched)
+        for t in "ab":
+            np_lazy_adam(w[t], m[t], v[t], *summed_bag_rows(t, used(step), TABLE, IDS, ACT_GRAD[step], (V, D)))
     state = opt.state_dict()["state"]
     for t in "ab":
         np.testing.assert_allclose(ec.state_dict()[f"tables.{t}.weight"].cpu().numpy(), w[t], rtol=0, atol=1e-12)

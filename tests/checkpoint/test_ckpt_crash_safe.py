@@ -24,7 +24,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from _crash_child import build, train
-from test_load_all_or_nothing import prepared, same, snapshot, step
+from suite_helpers import same_tree
+from test_load_all_or_nothing import prepared, snapshot, step
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding.checkpoint import CheckpointCorruptError, CheckpointMismatchError
@@ -57,7 +58,7 @@ def test_a_save_killed_at_any_operation_leaves_the_old_or_the_new_checkpoint(tmp
     assert run.returncode == 0 and lines and lines[-1].endswith("status 0"), run.stdout + run.stderr[-3000:]
     kills = len(lines) - 1
     old, new = from_file(tmp_path / "old.pt"), from_file(tmp_path / "new.pt")
-    assert not same(old["model"], new["model"]) and not same(old["optimizer"], new["optimizer"])
+    assert not same_tree(old["model"], new["model"]) and not same_tree(old["optimizer"], new["optimizer"])
     outcomes: dict[str, list[int]] = {}
     for k in range(1, kills + 2):
         folder = tmp_path / f"k{k}"
@@ -66,7 +67,7 @@ def test_a_save_killed_at_any_operation_leaves_the_old_or_the_new_checkpoint(tmp
         left = tuple(sorted(p.name for p in folder.iterdir() if p.name != ".ck.tte-lock"))
         try:  # never raises: a complete checkpoint is always there
             got = loaded(ck)
-            which = "old" if same(got, old) else "new" if same(got, new) else "mixed"
+            which = "old" if same_tree(got, old) else "new" if same_tree(got, new) else "mixed"
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             which = f"error {type(e).__name__}: {str(e)[:200]}"
         outcomes.setdefault(f"{which} {left}", []).append(k)
@@ -76,7 +77,7 @@ def test_a_save_killed_at_any_operation_leaves_the_old_or_the_new_checkpoint(tmp
         train(m, opt, 5)
         tte.checkpoint.save_distributed(ck, model=m, optimizer=opt)
         assert sorted(p.name for p in folder.iterdir()) == ["ck"], k
-        assert same(loaded(ck), state(m, opt)), k
+        assert same_tree(loaded(ck), state(m, opt)), k
     # Every state a kill can leave was seen: a staging directory beside the old checkpoint (killed
     # while writing it), the old one set aside with no checkpoint in place (between the renames),
     # and the new one in place with the old one half deleted.
@@ -112,7 +113,7 @@ def test_several_ranks_publish_one_checkpoint(tmp_path: Path) -> None:
         assert extra["listing"] == ["ck"], extra  # published, no staging or previous directory left
         assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "tte_meta.pt", "tte_manifest.json"} <= set(
             extra["files"]), extra
-        assert same(from_file(tmp_path / f"rank{r}.pt"), want), r
+        assert same_tree(from_file(tmp_path / f"rank{r}.pt"), want), r
 
 
 # ------------------------------------------------------------------ a damaged checkpoint changes nothing
@@ -155,7 +156,7 @@ def test_a_truncated_file_is_named_and_changes_nothing(tmp_path: Path, name: str
         assert isinstance(err.value, CheckpointCorruptError) and "Nothing was loaded" in str(err.value)
     after = snapshot(m, opt, ckpt)
     for part in before:
-        assert same(before[part], after[part]), part
+        assert same_tree(before[part], after[part]), part
     with pytest.raises(ValueError, match=str(ckpt / name).replace(".", r"\.")):
         tte.checkpoint.convert_distributed(ckpt, tmp_path / "out.pt")
     assert not (tmp_path / "out.pt").exists()
@@ -179,7 +180,7 @@ def test_the_mix_a_killed_save_used_to_leave_is_refused(tmp_path: Path) -> None:
         tte.checkpoint.load_distributed(old, model=m, optimizer=opt)
     after = snapshot(m, opt, old)
     for part in before:
-        assert same(before[part], after[part]), part
+        assert same_tree(before[part], after[part]), part
 
 
 def test_a_failed_read_is_an_exception_naming_the_checkpoint(tmp_path: Path) -> None:
@@ -215,7 +216,7 @@ def test_crafted_distributed_counters_and_pending_ids_change_nothing(tmp_path: P
         tte.checkpoint.load_distributed(ckpt, model=m, optimizer=opt)
     after = snapshot(m, opt, ckpt)
     for part in before:
-        assert same(before[part], after[part]), part
+        assert same_tree(before[part], after[part]), part
 
 
 def test_a_single_file_save_puts_its_rename_on_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

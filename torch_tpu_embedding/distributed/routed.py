@@ -167,14 +167,17 @@ class _Exchange(torch.autograd.Function):
         n, dev, dtype = sum(ctx.splits), route.slot.device, route.grad_dtype
         present = [x for x in grads if x is not None]
         if not present:
-            whole, used = torch.zeros(n, ctx.weight_shape[1], dtype=dtype, device=dev), torch.zeros(n, 1, dtype=dtype)
+            whole = torch.zeros(n, ctx.weight_shape[1], dtype=dtype, device=dev)
+            used = torch.zeros(n, 1, dtype=dtype, device=dev)
         elif len(present) < len(grads):
             unused, filled = unused_bags(grads, ctx.splits, 0, dev)
             whole, used = torch.cat(filled), (~unused).to(dtype).unsqueeze(1)
         else:
-            whole, used = present[0] if len(present) == 1 else torch.cat(present), torch.ones(n, 1, dtype=dtype)
-        # Data parallel's average over the ranks; 16-bit tables send float32 rows (the update's dtype).
-        g = torch.cat([whole.to(dtype) / route.sharding.world, used.to(dev)], dim=1)
+            whole = present[0] if len(present) == 1 else torch.cat(present)
+            used = torch.ones(n, 1, dtype=dtype, device=dev)
+        # Data parallel's average over the ranks; 16-bit tables send float32 rows (the update's dtype). The column
+        # is made on the rows' device: a host tensor here would be a host-to-device copy in every step.
+        g = torch.cat([whole.to(dtype) / route.sharding.world, used], dim=1)
         try:
             got = send_grads(g, route.slot, route.k, route.sharding)
         except RuntimeError as e:  # (gloo's timeout, or a peer gone: name what usually leaves a rank waiting here)

@@ -8,6 +8,7 @@ so a rank that hangs fails the test instead of hanging it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import json
@@ -247,7 +248,10 @@ def optimizers_differ(case: str, rank: int) -> dict[str, Any]:
     ``lr``: 0.1 on rank 0, 0.2 on rank 1 (``numpy_lr``: as ``np.float32``); ``eps``: Adam's 1e-7 and 1e-6; ``class``: Adam and Adagrad; ``changed``:
     alike, then rank 1 sets Adam's eps to 1e-6 after step 0; ``rebuilt``: alike, built anew on every rank after
     step 0, the old one kept alive on rank 0 (``rebuilt_lr``: the new one's lr 0.2 on rank 1); ``scheduler``: alike,
-    with an ``ExponentialLR`` on every rank. Records the errors, the steps done and the ``all_gather_object`` calls of the steps."""
+    with an ``ExponentialLR`` on every rank; ``copied``: alike, then after step 0 every rank trains a
+    ``copy.deepcopy`` of the model and optimizer (the originals kept alive), rank 1's copy with eps 1e-6;
+    ``snapshot``: as ``scheduler``, and after step 0 rank 0 alone keeps a ``copy.deepcopy`` of both aside. Records
+    the errors, the steps done and the ``all_gather_object`` calls of the steps."""
     torch.manual_seed(0)
     model = Model(configs(rank, ""))
     if case.startswith("dp_"):
@@ -266,7 +270,7 @@ def optimizers_differ(case: str, rank: int) -> dict[str, Any]:
         opt = (tte.optim.Adam if rank == 0 else tte.optim.Adagrad)(tables, lr=0.1)
     else:
         opt = tte.optim.Adam(tables, lr=0.1)
-    sched = torch.optim.lr_scheduler.ExponentialLR(opt, 0.5) if kind == "scheduler" else None
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, 0.5) if kind in ("scheduler", "snapshot") else None
     gathers = []
     gather = dist.all_gather_object
 
@@ -280,6 +284,13 @@ def optimizers_differ(case: str, rank: int) -> dict[str, Any]:
     for step in range(3):
         if kind == "changed" and rank == 1 and step == 1:
             opt.param_groups[0]["eps"] = 1e-6
+        if kind == "copied" and step == 1:  # every rank trains a copy on, the original kept alive; rank 1 alone
+            kept.append((model, opt))  # sets the copy's eps
+            model, opt = copy.deepcopy((model, opt))
+            if rank == 1:
+                opt.param_groups[0]["eps"] = 1e-6
+        if kind == "snapshot" and step == 1 and rank == 0:  # rank 0 alone keeps a copy aside (its lr stays 0.05)
+            kept.append(copy.deepcopy((model, opt)))
         if kind.startswith("rebuilt") and step == 1:  # every rank builds its optimizer anew (rebuilt_lr: with lr 0.2
             if rank == 0:  # on rank 1); rank 0 keeps the old one alive (a helper of its own refers to it)
                 kept.append(opt)

@@ -424,6 +424,28 @@ def test_an_optimizer_rebuilt_with_the_old_one_alive_on_one_rank(case: str, tmp_
         assert "`lr` of tables `item`, `kind`, `who`: 0.1 on rank 0, 0.2 on rank 1" in res["errors"][0]["message"]
 
 
+@pytest.mark.parametrize("tables", ["dp", "shard"], ids=["data_parallel", "sharded"])
+def test_a_copied_optimizer_is_agreed_on(tables: str, tmp_path: Path) -> None:
+    """After step 0 every rank trains on a ``copy.deepcopy`` of its model and optimizer (the originals kept alive),
+    rank 1's copy with Adam's ``eps`` 1e-6: both raise at step 1's lookup, naming it. (Before, a copy was not
+    registered for the agreement: only the originals, alike, were compared, and rank 1 trained its replica or
+    shard with its own ``eps``, silently apart.)"""
+    for r, res in enumerate(run(f"optimizers_{tables}_copied", tmp_path)):
+        assert res["done"] == [0] and [(e["step"], e["type"]) for e in res["errors"]] == [(1, "ValueError")], (r, res)
+        assert "`eps` of tables `item`, `kind`, `who`: 1e-07 on rank 0, 1e-06 on rank 1" in res["errors"][0]["message"]
+
+
+@pytest.mark.parametrize("tables", ["dp", "shard"], ids=["data_parallel", "sharded"])
+def test_a_copy_kept_aside_on_one_rank_is_no_difference(tables: str, tmp_path: Path) -> None:
+    """An ``ExponentialLR`` halves ``lr`` on every rank at each step, and after step 0 rank 0 alone keeps a
+    ``copy.deepcopy`` of its model and optimizer aside (a snapshot, its ``lr`` staying 0.05): the ranks train on,
+    nothing gathered. The lookups of the trained model agree on the optimizers of its own tables, not on a copy's
+    whose tables only share their names."""
+    for r, res in enumerate(run(f"optimizers_{tables}_snapshot", tmp_path)):
+        assert res["done"] == [0, 1, 2] and not res["errors"], (r, res)
+        assert res["lrs"] == [0.05, 0.025, 0.0125] and res["gathers"] == 0, (r, res)
+
+
 def test_a_gradient_dropped_by_zero_grad_after_an_evaluation_with_gradients_is_not_applied(tmp_path: Path) -> None:
     """Step 0; an evaluation outside ``torch.no_grad()`` (a lookup with gradients and no backward); step 1's
     backward, then ``opt.zero_grad()`` without a step; step 2: step 1's gradients are dropped, as one process drops

@@ -136,7 +136,7 @@ class _Exchange(torch.autograd.Function):
         ctx: Any, weight: Tensor, ids: Tensor, route: _Route, splits: tuple[int, ...]
     ) -> tuple[Tensor, ...]:
         group = route.sharding.group  # (a training lookup also agrees on the ranks' optimizers: optim_agreement.py)
-        disagree = (lambda: explain(group)) if route.grad else None
+        disagree = (lambda: explain(group, [weight])) if route.grad else None
         routes, k = plan(ids, route.sharding, route.grad, route.config, disagree)
         rows, local = fetch_rows(weight.detach(), routes.send, route.sharding)
         route.slot, route.local, route.k = routes.slot, local, k
@@ -232,7 +232,8 @@ class GroupLookup:
         # (a backward follows, with its all-to-all, only where the table trains: one frozen on some ranks only
         # makes every rank raise at this lookup's agreement instead of the others waiting in their backward)
         grad = torch.is_grad_enabled() and weight.requires_grad
-        route = _Route(layout, info.row_grad, tables, math_dtype(weight), grad, config=fingerprint() if grad else 0)
+        config = fingerprint([weight]) if grad else 0  # (the optimizers of this table: a copy's are not)
+        route = _Route(layout, info.row_grad, tables, math_dtype(weight), grad, config=config)
         pieces: tuple[Tensor, ...] = _Exchange.apply(  # type: ignore[no-untyped-call]
             weight, ids, route, tuple(f.shape[0] for f in flat))
         self._count(route)

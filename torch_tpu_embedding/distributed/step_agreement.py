@@ -81,9 +81,10 @@ def agree_lookup(weights: Callable[[], list[torch.Tensor]], failed: bool, sizes:
     if shapes is not None:  # (the failed rank's tag is not compared: the others raise naming its failure)
         tables = _with_shapes(tables, shapes)
     # (the ranks' optimizers: distributed/optim_agreement.py; the forwards per step: grad_sync.count_forward)
+    held = [w for w, _, _ in exchanged]
     agree_capacity(torch.zeros((), dtype=torch.int64, device=where), group, what="data_parallel",
-                   table=tables, grad=True, failed=failed, config=0 if failed else fingerprint(),
-                   disagree=lambda: explain(group), forwards=count_forward(group))
+                   table=tables, grad=True, failed=failed, config=0 if failed else fingerprint(held),
+                   disagree=lambda: explain(group, held), forwards=count_forward(group))
 
 
 @functools.lru_cache(maxsize=64)

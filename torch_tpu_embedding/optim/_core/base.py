@@ -193,6 +193,9 @@ class RowSparseOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        # A copy (copy.deepcopy, pickle) steps tables as the original does: its configuration is agreed over a
+        # process group as the original's (its own tables'), not left out of the check
+        register_optimizer(self)
         if not isinstance(self.state, StateMapping):
             self.state = StateMapping(dict, self.state)
         self.__dict__.setdefault("_lrs", LearningRates())

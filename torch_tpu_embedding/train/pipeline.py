@@ -59,7 +59,7 @@ from torch_tpu_embedding.modules.collection import EmbeddingCollection
 from torch_tpu_embedding.modules.prepared import NotAhead, PreparedFeatures
 from torch_tpu_embedding.train.lookahead import LookupsAhead
 from torch_tpu_embedding.train.prefetch import Prefetcher, Ready, ReusedBuffersError, call_weakly, refilled
-from torch_tpu_embedding.train.restored import host_copy, restore, state_problem
+from torch_tpu_embedding.train.restored import failed_update, host_copy, restore, state_problem
 
 __all__ = ["TrainPipeline"]
 
@@ -141,6 +141,7 @@ class TrainPipeline:
         self._resume_outputs: Any = None  # their first's activations looked up ahead (pipelined execution)
         self._failed: list[Any] = []  # the batch of a step that raised before its update (trained first by a later run)
         self._updating = False  # the current step's optimizers have begun its update
+        self._in_update = False  # an optimizer's step() raised: its update may be applied in part
         self._ahead_outputs: Any = None  # the current batch's activations looked up ahead (pipelined execution)
         self._failed_outputs: Any = None  # the failed batch's (restored when trained again, as a checkpoint's)
         self._lookups_ahead = LookupsAhead(collection)  # (on CUDA: on a side stream)
@@ -212,7 +213,7 @@ class TrainPipeline:
             raise
 
     def _train(self, current: Ready) -> Any:
-        self._updating, self._ahead_outputs = False, None
+        self._updating, self._ahead_outputs, self._in_update = False, None, False
         prepared = self._prepared(current)
         if prepared.ahead_error is not None:  # its lookup, during the previous step, failed (here or on another rank)
             raise prepared.ahead_error
@@ -253,10 +254,11 @@ class TrainPipeline:
             self._before_update()
         # From here a failure leaves this update applied, maybe in part: never retried. (The activations kept for a
         # retry are let go before after_step: on XLA a tensor alive at torch_xla.sync() becomes a graph output.)
-        self._updating, self._ahead_outputs = True, None
+        self._updating, self._ahead_outputs, self._in_update = True, None, True
         self.steps += 1  # (its batch is spent from here: counted, as state_dict()'s `taken` counts it)
         for opt in self.optimizers:
             opt.step()
+        self._in_update = False
         for opt in self.optimizers:
             opt.zero_grad()
         if self._after is not None:
@@ -410,16 +412,22 @@ class TrainPipeline:
 
     def state_dict(self) -> dict[str, Any]:
         """Between steps: ``steps``, ``taken`` and the batches not yet trained (``unfinished``, as given by the
-        source), with the activations already looked up for the first of them (pipelined execution)."""
-        if self._failed:
-            raise RuntimeError("A step raised: state_dict() is taken between steps. unfinished() lists the batches "
-                               "not trained, the failed step's first.")
+        source), with the activations already looked up for the first of them (pipelined execution). After a step
+        that raised before its update (which wrote no table, slot or counter), the state after the last step done.
+
+        Raises:
+            RuntimeError: an optimizer's ``step()`` raised (its update may be in part); a source blocks (:meth:`close`).
+        """
+        if self._in_update:
+            raise RuntimeError(failed_update(self.steps - 1))
         self._settle_late(0.0, "state_dict()", "Take it once the source has returned it (unfinished() lists it then).")
-        ahead = None if self._next is None or self._next.prepared is None else self._next.prepared.outputs
-        outputs = host_copy(ahead) if ahead is not None else self._resume_outputs
+        failed = len(self._failed)  # (its batch, first in unfinished(), was counted in self.taken when taken)
+        ahead = self._failed_outputs if failed else (  # (its own activations: the ones looked up during it, again)
+            None if self._next is None or self._next.prepared is None else self._next.prepared.outputs)
+        outputs = host_copy(ahead) if ahead is not None else None if failed else self._resume_outputs
         unfinished = self.unfinished()
         handed = int(self._next is not None and self._next.source_error is None)  # (counted in self.taken already)
-        return {"steps": self.steps, "taken": self.taken + len(unfinished) - handed, "unfinished": unfinished,
+        return {"steps": self.steps, "taken": self.taken + len(unfinished) - handed - failed, "unfinished": unfinished,
                 "outputs_ahead": outputs, "pipeline_execution_with_tensor_core": self.stale}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -431,7 +439,7 @@ class TrainPipeline:
         if problem is not None:
             raise ValueError(problem)
         self.steps, self.taken = int(state["steps"]), int(state["taken"]) - len(state["unfinished"])
-        self._next = None
+        self._next, self._in_update = None, False
         self._resume, self._resume_outputs, self._failed = list(state["unfinished"]), state["outputs_ahead"], []
         self._source_error.clear()  # (the source given to run() from `taken` on raises its own)
 

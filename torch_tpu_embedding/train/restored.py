@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_map
 
 from torch_tpu_embedding._util.nest import flatten, path_name, rebuild
 
-__all__ = ["host_copy", "restore", "state_problem"]
+__all__ = ["failed_update", "host_copy", "restore", "state_problem"]
 
 _KEYS = ("steps", "taken", "unfinished", "outputs_ahead", "pipeline_execution_with_tensor_core")
 
@@ -37,6 +37,14 @@ def state_problem(state: Any, stale: bool) -> str | None:
         return (f"The state's 'taken' ({state['taken']}) counts its 'unfinished' batches "
                 f"({len(state['unfinished'])}) too, so it cannot be fewer.")
     return None
+
+
+def failed_update(step: int) -> str:
+    """Why ``TrainPipeline.state_dict`` refuses after an optimizer's ``step()`` raised in step ``step``."""
+    return (f"TrainPipeline.state_dict(): an optimizer's step() raised in step {step}, so the tables and the "
+            "optimizers' state may hold part of its update and are no checkpoint of a step. Resume from the last "
+            "checkpoint, or train on (run() goes on from the next batch) and save after a step. Received: a call "
+            "after a failed update")
 
 
 class _Saved(torch.autograd.Function):

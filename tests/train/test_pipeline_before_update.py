@@ -99,7 +99,11 @@ def test_a_before_update_that_raises_leaves_the_state_a_failed_loss_leaves(stale
         assert sum(1 for _ in pipe.run(it)) == 4 and pipe.steps == 6 and pipe.unfinished() == []
         _same(model, want)
     (loss_model, loss_opts, loss_left, loss_taken), (hook_model, hook_opts, hook_left, hook_taken) = stopped
-    assert hook_left == loss_left and hook_taken == loss_taken
+    # Each leaves the stream from the failed batch on: how many of them the prefetch thread had taken by then
+    # depends on the machine's load, not on where the step failed.
+    for left in (loss_left, hook_left):
+        assert left == [id(b) for b in data[2:2 + len(left)]]
+    assert hook_taken - len(hook_left) == loss_taken - len(loss_left)
     _equal(hook_model, loss_model)
     _equal(hook_opts, loss_opts)
 

@@ -128,6 +128,10 @@ INPUT_CASES = [
      r"Feature `f`: ids must be an integer tensor. Received dtype torch.float32"),
     ("offsets-inconsistent", {}, {"f": tte.Jagged(torch.tensor([1, 2, 3]), offsets=torch.tensor([0, 2])),
                                   "g": OK_G[:1]}, None, ValueError, r"offsets must start at 0.*end at len\(values\)=3"),
+    # given lengths, the error names them, not the offsets made from them (it said "offsets must start at 0")
+    ("lengths-inconsistent", {}, {"f": tte.Jagged(torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 2])),
+                                  "g": OK_G}, None, ValueError,
+     r"Feature `f`: Jagged lengths must add up to len\(Jagged values\)=3\. Received: \[2, 2\]$"),
     ("jagged-both-offsets-lengths", {}, {"f": tte.Jagged(torch.tensor([1]), offsets=torch.tensor([0, 1]),
                                                          lengths=torch.tensor([1])), "g": OK_G[:1]}, None,
      ValueError, r"exactly one of `offsets` and `lengths`"),

@@ -65,10 +65,12 @@ def from_offsets(
     # Values are read where they exist: not while torch.compile / torch.export trace (as inputs.py checks ids).
     if not _tracing() and (int(offsets[0]) != 0 or int(offsets[-1]) != values.numel() or bool((lengths < 0).any())):
         got = lengths if by_lengths else offsets
+        # A tte.Jagged given lengths is named as the user wrote it (its offsets are ours, made from them).
+        by = JAGGED if names is None else names
         raise _err(
             feature,
-            (f"{names('lengths')} must add up to len({vals})={values.numel()}"  # (>= 0: checked by the caller)
-             if by_lengths and names is not None else
+            (f"{by('lengths')} must add up to len({by('values')})={values.numel()}"  # (>= 0: checked by the caller)
+             if by_lengths else
              f"{offs} must start at 0, be non-decreasing and end at len({vals if names else 'values'})="
              f"{values.numel()}") + f". Received: {got.tolist() if got.numel() <= 16 else got}",
         )

@@ -39,7 +39,7 @@ from torch_tpu_embedding._util.input_checks import (
 from torch_tpu_embedding._util.input_checks import check_weights as _check_weights
 from torch_tpu_embedding._util.input_checks import err as _err
 from torch_tpu_embedding._util.input_checks import tracing as _tracing
-from torch_tpu_embedding._util.input_forms import JAGGED, JaggedNames, nested_entries
+from torch_tpu_embedding._util.input_forms import JAGGED, JaggedNames, nested_weights
 from torch_tpu_embedding._util.input_forms import RowPos as _RowPos
 from torch_tpu_embedding._util.input_forms import from_nested as _from_nested
 from torch_tpu_embedding._util.input_forms import from_offsets as _from_offsets
@@ -155,7 +155,7 @@ def _normalise_variable(
                 raise _err(feature, f"{names('lengths')} must be 1-D and >= 0. Received: {lengths}")
             offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
         if isinstance(w, torch.Tensor) and w.is_nested:
-            w = nested_entries(w)[0]
+            w = nested_weights(feature, w, offsets, names("weights") if weight is None else "the weights")
         return _from_offsets(feature, value.values.cpu(), offsets.cpu(), None if w is None else w.cpu(),
                              None if names is JAGGED else names, value.lengths is not None)
     assert isinstance(value, torch.Tensor)

@@ -112,3 +112,23 @@ def test_weights_with_other_holes_are_refused() -> None:
         _collection("mean")({"f": ids}, {"f": other})
     with pytest.raises(ValueError, match=r"Feature `f`: weights must have the shape of the nested ids' values\(\)"):
         _collection("mean")({"f": ids}, {"f": torch.ones(6)})
+
+
+@pytest.mark.parametrize("where", ["inside-jagged", "weights-argument"])
+def test_nested_weights_of_other_bags_beside_jagged_ids_are_refused(where: str) -> None:
+    # Bags [1, 2], [3, 3, 5], [0], [] with weights nested as [0.5], [2, 1, -1], [0.5, 3], []: as many weights,
+    # so they were taken entry by entry, bag 0's second id weighed by what the user put in bag 1.
+    ids = torch.tensor([i for b in BAGS for i in b])
+    lengths = torch.tensor([len(b) for b in BAGS])
+    other = torch.nested.nested_tensor_from_jagged(torch.tensor([w for b in WEIGHTS for w in b]),
+                                                   torch.tensor([0, 1, 4, 6, 6]))
+    feats = {"f": tte.Jagged(ids, lengths=lengths, weights=other if where == "inside-jagged" else None)}
+    name = "Jagged weights" if where == "inside-jagged" else "the weights"
+    with pytest.raises(ValueError, match=rf"Feature `f`: {name}, a nested tensor, must hold the bags of the ids: "
+                       r"bag lengths \[2, 3, 1, 0\]\. Received bag lengths \[1, 3, 2, 0\]$"):
+        _collection("mean")(feats, None if where == "inside-jagged" else {"f": other})
+    ec = _collection("mean")  # the same weights in the ids' bags: taken
+    right = torch.nested.nested_tensor_from_jagged(torch.tensor([w for b in WEIGHTS for w in b]),
+                                                   torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]))
+    _check(ec, {"f": tte.Jagged(ids, lengths=lengths, weights=right if where == "inside-jagged" else None)},
+           None if where == "inside-jagged" else {"f": right}, "mean", True)

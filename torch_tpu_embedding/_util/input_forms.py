@@ -14,7 +14,8 @@ from torch_tpu_embedding._util.input_checks import check_weights as _check_weigh
 from torch_tpu_embedding._util.input_checks import err as _err
 from torch_tpu_embedding._util.input_checks import tracing as _tracing
 
-__all__ = ["JAGGED", "JaggedNames", "RowPos", "from_nested", "from_offsets", "from_sparse", "nested_entries"]
+__all__ = ["JAGGED", "JaggedNames", "RowPos", "from_nested", "from_offsets", "from_sparse", "nested_entries",
+           "nested_weights"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +105,22 @@ def nested_entries(nt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     row = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
     take = offsets[:-1].to(torch.int64)[row] + torch.arange(row.numel()) - packed[:-1][row]
     return values[take], packed, take
+
+
+def _bag_lengths(offsets: torch.Tensor) -> object:
+    lengths = offsets[1:] - offsets[:-1]
+    return lengths.tolist() if lengths.numel() <= 16 else lengths
+
+
+def nested_weights(feature: str, w: torch.Tensor, offsets: torch.Tensor, what: str) -> torch.Tensor:
+    """The entries of nested weights ``what`` given beside jagged ids (``offsets``: the ids' ``[B+1]``), which must
+    hold the ids' bags: of the same count and total alone, a weight would weigh an id of another bag than its own."""
+    entries, packed, _ = nested_entries(w)
+    offsets = offsets.cpu().to(torch.int64)
+    if not _tracing() and not torch.equal(packed.to(torch.int64), offsets):
+        raise _err(feature, f"{what}, a nested tensor, must hold the bags of the ids: bag lengths "
+                   f"{_bag_lengths(offsets)}. Received bag lengths {_bag_lengths(packed)}")
+    return entries
 
 
 def from_nested(feature: str, nt: torch.Tensor, w: torch.Tensor | None) -> RowPos:

@@ -249,3 +249,30 @@ def test_repr_shows_the_users_hyper_parameters_in_torchs_format(info: OptimizerI
     saved = {k for g in opt.state_dict()["param_groups"] for k in g} - {"params"}
     assert {"algorithm", "lr", "name"} <= shown and not [k for k in shown if k.startswith("_")], sorted(shown)
     assert sorted(shown - saved) == ["slot_creation_fn"] and saved <= shown  # (a callable: never saved)
+
+
+def test_a_callable_lr_shared_by_groups_is_called_once_per_step() -> None:
+    """TF's test_variable_learning_rate: the rate of call j is max(0.5, 1 − 0.05·j) and a row (SGD, gradient 1 each
+    step) ends at its initial value − Σ_j lr_j. The constructor's callable is every group's (a table's, a dense
+    layer's): TF evaluates a callable once per step for all the tables holding it, so each group gets call j's rate
+    at step j (called once per group, the table took calls 0, 2, 4 and the dense layer 1, 3, 5)."""
+    calls: list[int] = []
+
+    def lr() -> float:
+        calls.append(1)
+        return max(0.5, 1 - 0.05 * (len(calls) - 1))
+
+    t = tte.TableConfig(4, 2, name="t", combiner="sum", dtype=torch.float64)
+    ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(t)})
+    dense = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    opt = tte.optim.SGD([{"params": ec.parameters()}, {"params": [dense]}], lr=lr)
+    row0 = ec.tables.t.weight.detach()[1].clone()
+    steps = 12  # past the floor of 0.5 at call 10
+    for _ in range(steps):
+        (ec({"f": torch.tensor([1])})["f"].sum() + dense.sum()).backward()
+        opt.step()
+        opt.zero_grad()
+    total = sum(max(0.5, 1 - 0.05 * j) for j in range(steps))  # float64, the rates TF's test expects
+    assert len(calls) == steps
+    torch.testing.assert_close(ec.tables.t.weight.detach()[1], row0 - total, rtol=0, atol=1e-12)
+    torch.testing.assert_close(dense.detach(), torch.full((2,), -total, dtype=torch.float64), rtol=0, atol=1e-12)

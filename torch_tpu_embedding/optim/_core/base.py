@@ -47,7 +47,7 @@ from torch_tpu_embedding.optim._core.hyperparams import (
 from torch_tpu_embedding.optim._core.keywords import fill_doc
 from torch_tpu_embedding.optim._core.slots import RowSpace, lazy_table, make_state
 from torch_tpu_embedding.optim._core.state_mapping import StateMapping
-from torch_tpu_embedding.optim._core.step_values import LearningRates, StepClock, StepCounters, lr_value
+from torch_tpu_embedding.optim._core.step_values import LearningRates, StepClock, StepCounters, step_lrs
 from torch_tpu_embedding.optim._core.update_paths import choose_path, update
 from torch_tpu_embedding.optim._state import state_load, state_save, torch_form
 from torch_tpu_embedding.optim._state.state_check import CheckedState
@@ -255,7 +255,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         clock = StepClock(self._run.iterations, self._run.skipped_now(), self._run.dropped_now())
         clock.clean = clean
         # Every learning rate first: a callable that raises must find every gradient still pending.
-        lrs = [lr_value(g) if ps else None for g, ps in zip(self.param_groups, pending, strict=True)]
+        lrs = step_lrs(self.param_groups, pending)
         work: list[grad_intake.Work] = []
         for gi, (group, params) in enumerate(zip(self.param_groups, pending, strict=True)):
             for p in params:

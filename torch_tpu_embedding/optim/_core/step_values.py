@@ -17,7 +17,7 @@ from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding._util.transfer import upload
 from torch_tpu_embedding._util.validation import check_number
 
-__all__ = ["COUNTERS", "LearningRates", "StepClock", "StepCounters", "check_lr", "lr_value", "to_device"]
+__all__ = ["COUNTERS", "LearningRates", "StepClock", "StepCounters", "check_lr", "lr_value", "step_lrs", "to_device"]
 
 Tensor = torch.Tensor
 
@@ -59,6 +59,26 @@ def lr_value(group: dict[str, Any]) -> float | Tensor:
         )
     check_lr(value)
     return value
+
+
+def step_lrs(groups: list[dict[str, Any]], pending: list[list[Tensor]]) -> list[float | Tensor | None]:
+    """Each group's learning rate for this step (:func:`lr_value`; ``None`` where no gradient is pending). A callable
+    ``lr`` held by several groups (the constructor's, which every group without its own inherits) is called once and
+    its value shared, as TF evaluates each distinct learning-rate callable once per step for every table holding it:
+    a callable that counts its calls (a schedule of its own) would otherwise advance once per group."""
+    called: dict[int, float | Tensor] = {}
+    out: list[float | Tensor | None] = []
+    for group, params in zip(groups, pending, strict=True):
+        lr = group["lr"]
+        if not params:
+            out.append(None)
+        elif callable(lr) and not isinstance(lr, Tensor):
+            if id(lr) not in called:  # (the groups hold lr for the whole call: its id is not reused meanwhile)
+                called[id(lr)] = lr_value(group)
+            out.append(called[id(lr)])
+        else:
+            out.append(lr_value(group))
+    return out
 
 
 class LearningRates:

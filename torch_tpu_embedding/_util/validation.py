@@ -12,10 +12,16 @@ from typing import Any
 
 import torch
 
+#: The smallest normal float32. XLA devices flush a smaller (subnormal) float32 number to 0 (the TPU, and XLA's CPU
+#: client: measured), and float32 storage rounds one below 1.4e-45 to 0.
+FLOAT32_NORMAL_MIN = float(torch.finfo(torch.float32).tiny)
+
 __all__ = [
+    "FLOAT32_NORMAL_MIN",
     "arg_error",
     "check_bool",
     "check_device",
+    "check_float32_normal",
     "check_not_meta",
     "check_int",
     "check_number",
@@ -99,3 +105,16 @@ def check_one_of(name: str, value: Any, allowed: tuple[Any, ...]) -> Any:
     if value not in allowed:
         raise arg_error(name, f"must be one of {allowed}", value)
     return value
+
+
+def check_float32_normal(name: str, value: float, rule: str, *, squared: bool = False) -> None:
+    """A positive hyper-parameter that an update divides by where a gradient is 0 (an epsilon, an initial
+    accumulator; ``squared``: one the update squares first) must be at least the smallest normal float32: a smaller
+    one is 0 on an XLA device, and such a coordinate is then updated by 0/0 = NaN. ``rule`` begins the message."""
+    floor = math.sqrt(FLOAT32_NORMAL_MIN) if squared else FLOAT32_NORMAL_MIN
+    v32 = torch.tensor(value, dtype=torch.float32)  # (as the update holds it: a float32 number, squared in float32)
+    if not float(v32 * v32 if squared else v32) >= FLOAT32_NORMAL_MIN:
+        what = "the square root of the smallest normal float32 (an XLA device flushes a smaller square" if squared \
+            else "the smallest normal float32 (an XLA device flushes a smaller one"
+        raise arg_error(name, f"{rule} >= {floor:.8g}, {what} to 0, and a coordinate whose gradient is 0 would then be "
+                        "updated by 0/0 = NaN)", value)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from torch_tpu_embedding._util.validation import arg_error, check_bool, check_number
+from torch_tpu_embedding._util.validation import arg_error, check_bool, check_float32_normal, check_number
 from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
 from torch_tpu_embedding.optim._core.contract import RowContext, Slots, SlotSpec
 from torch_tpu_embedding.optim._core.keywords import constructor_options
@@ -185,6 +185,7 @@ class Adafactor(RowSparseOptimizer):
         hp["beta_2_decay"] = check_number("beta_2_decay", hp["beta_2_decay"], maximum=0.0)
         # epsilon_1 = 0 gives 0/0 = NaN in the factored second moment of a row whose gradient is 0.
         hp["epsilon_1"] = check_number("epsilon_1", hp["epsilon_1"], minimum=0.0, min_inclusive=False)
+        check_float32_normal("epsilon_1", hp["epsilon_1"], "must be a float")
         hp["epsilon_2"] = check_number("epsilon_2", hp["epsilon_2"], minimum=0.0)
         hp["clip_threshold"] = check_number("clip_threshold", hp["clip_threshold"], minimum=0.0, min_inclusive=False)
         check_bool("relative_step", hp["relative_step"])

@@ -9,7 +9,7 @@ from typing import Any, Unpack
 
 import torch
 
-from torch_tpu_embedding._util.validation import arg_error
+from torch_tpu_embedding._util.validation import arg_error, check_float32_normal
 from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
 from torch_tpu_embedding.optim._core.contract import RowContext, Slots
 from torch_tpu_embedding.optim._core.extras import KerasExtras
@@ -81,6 +81,7 @@ class Adagrad(RowSparseOptimizer):
         v = hp["initial_accumulator_value"]
         if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 < float(v) < math.inf:
             raise arg_error("initial_accumulator_value", "must be a positive float", v)
+        check_float32_normal("initial_accumulator_value", float(v), "must be a positive float")
 
     @classmethod
     def slot_initial_values(cls, hp: Mapping[str, Any]) -> dict[str, float]:

@@ -7,7 +7,7 @@ from typing import Any, Unpack
 
 import torch
 
-from torch_tpu_embedding._util.validation import check_bool, check_number
+from torch_tpu_embedding._util.validation import check_bool, check_float32_normal, check_number
 from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
 from torch_tpu_embedding.optim._core.contract import RowContext, Slots, is_number
 from torch_tpu_embedding.optim._core.extras import KerasExtras
@@ -88,3 +88,4 @@ class AdagradMomentum(RowSparseOptimizer):
         check_number("exponent", hp["exponent"], minimum=0.0, min_inclusive=False)
         check_number("beta2", hp["beta2"], minimum=0.0, maximum=1.0)
         check_number("epsilon", hp["epsilon"], minimum=0.0, min_inclusive=False)
+        check_float32_normal("epsilon", hp["epsilon"], "must be a float")  # (a + ε: a starts at 0)

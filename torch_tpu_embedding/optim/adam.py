@@ -7,7 +7,7 @@ from typing import Any, Unpack
 
 import torch
 
-from torch_tpu_embedding._util.validation import arg_error, check_bool, check_number
+from torch_tpu_embedding._util.validation import arg_error, check_bool, check_float32_normal, check_number
 from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
 from torch_tpu_embedding.optim._core.contract import RowContext, Slots
 from torch_tpu_embedding.optim._core.extras import KerasExtras
@@ -107,10 +107,10 @@ class Adam(RowSparseOptimizer):
         hp["betas"] = tuple(check_number(f"betas[{i}]", _beta_value(f"betas[{i}]", b), minimum=0.0, maximum=1.0,
                                          max_inclusive=False) for i, b in enumerate(betas))
         check_number("eps", hp["eps"], minimum=0.0, min_inclusive=False)
-        if hp["sum_inside_sqrt"] and not float(torch.tensor(hp["eps"], dtype=torch.float32) ** 2) > 0:
-            # sqrt(v + eps²) would be 0 for a row whose gradient is 0: the update 0/0 is NaN.
-            raise arg_error("eps", "must have a square that is > 0 in float32 (eps >= 4e-23) when "
-                            "`sum_inside_sqrt=True`", hp["eps"])
+        # sqrt(v + eps²) (or sqrt(v) + eps) would be 0 for a row whose gradient is 0: the update 0/0 is NaN.
+        inside = hp["sum_inside_sqrt"] is True
+        rule = "must have a square that is > 0 in float32 and a normal float32 when `sum_inside_sqrt=True`: eps"
+        check_float32_normal("eps", float(hp["eps"]), rule if inside else "must be a float", squared=inside)
         for name in ("lazy_adam", "sum_inside_sqrt", "bias_correction"):
             check_bool(name, hp[name])
         if not hp["lazy_adam"] and not hp["use_gradient_accumulation"]:

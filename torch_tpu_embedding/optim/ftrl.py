@@ -9,7 +9,7 @@ from typing import Any, Unpack
 
 import torch
 
-from torch_tpu_embedding._util.validation import arg_error, check_bool, check_number
+from torch_tpu_embedding._util.validation import arg_error, check_bool, check_float32_normal, check_number
 from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
 from torch_tpu_embedding.optim._core.contract import RowContext, Slots, is_number
 from torch_tpu_embedding.optim._core.extras import KerasExtras
@@ -120,6 +120,9 @@ class FTRL(RowSparseOptimizer):
                 raise arg_error("initial_accumulator_value", "must be a float >= 0", v)
         elif not ok or not v > 0:
             raise arg_error("initial_accumulator_value", "must be a positive float", v)
+        else:  # (n^-p with n = 0 over a zero gradient: 0/0; allow_zero_accumulator=True sets that weight to 0)
+            check_float32_normal("initial_accumulator_value", float(v),
+                                 "must be a positive float (or 0 with `allow_zero_accumulator=True`)")
 
     @classmethod
     def slot_initial_values(cls, hp: Mapping[str, Any]) -> dict[str, float]:

@@ -7,7 +7,7 @@ from typing import Any, Unpack
 
 import torch
 
-from torch_tpu_embedding._util.validation import check_number
+from torch_tpu_embedding._util.validation import check_float32_normal, check_number
 from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
 from torch_tpu_embedding.optim._core.contract import RowContext, Slots, SlotSpec, is_set
 from torch_tpu_embedding.optim._core.extras import KerasExtras
@@ -105,6 +105,7 @@ class RowWiseAdagrad(RowSparseOptimizer):
     @classmethod
     def _validate(cls, hp: dict[str, Any]) -> None:
         hp["eps"] = check_number("eps", hp["eps"], minimum=0.0, min_inclusive=False)
+        check_float32_normal("eps", hp["eps"], "must be a float")  # (√m + ε: m is 0 on a row of zeros from 0)
         hp["initial_accumulator_value"] = check_number(
             "initial_accumulator_value", hp["initial_accumulator_value"], minimum=0.0
         )

@@ -216,3 +216,38 @@ def test_table_config_can_name_adafactor() -> None:
     (ec({"a": torch.tensor([1, 2]), "b": torch.tensor([3, 4])})["a"].sum() * 1.0).backward()
     opt.step()
     assert sorted(opt.state[ec.tables.t.weight]) == ["c", "r", "r_sum", "step"]
+
+
+# ------------------------------------------------------------------ a zero row meeting a zero column
+#: float32 rounding of one step of a weight: some 20 rounded operations (g², the means, r/mean(r)·c, rsqrt, RMS(u),
+#: α, the subtraction), each within half an ulp, relative to |w| (< 1.5 here).
+F32_STEP = 20 * 2.0**-24
+
+
+def test_a_zero_row_meeting_a_zero_column_trains_finitely_as_the_float64_formula() -> None:
+    """Where a row (looked up, gradient 0) and a column (gradient 0 in every touched row) meet, both statistics hold
+    only ε1, and r_i·c_j/mean(r) ≈ 1e-60 underflows to 0 in float32: g·rsqrt(0) = 0·inf was NaN there and, through
+    RMS(u), everywhere (a whole dense parameter; a table's touched rows). In float64 (the reference) v > 0 and u = 0:
+    the weights at those coordinates stay, the others move. A table (lazy) and a dense parameter (every row)."""
+    torch.manual_seed(0)
+    t = tte.TableConfig(6, 3, name="t", combiner="sum")
+    ec = tte.EmbeddingCollection({"f": tte.FeatureConfig(t)})
+    dense = torch.nn.Parameter(torch.randn(5, 3))
+    opt = tte.optim.Adafactor([*ec.parameters(), dense], lr=0.3)
+    hp = {"epsilon_1": 1e-30, "epsilon_2": 1e-3, "clip_threshold": 1.0, "beta_2_decay": -0.8}
+    table, tr, tc, tsum = ec.tables.t.weight.detach().double().numpy().copy(), np.zeros(6), np.zeros(3), 0.0
+    dw, dr, dc, dsum = dense.detach().double().numpy().copy(), np.zeros(5), np.zeros(3), 0.0
+    coef = torch.tensor([[0.5, -1.0], [2.0, 0.25]])
+    for step in range(1, 4):
+        out = ec({"f": torch.tensor([1, 2, 3])})["f"]  # row 3 looked up with gradient 0, column 0 with gradient 0
+        ((out[:2, 1:] * coef * step).sum() + (dense[1:3, 1:] * coef).sum()).backward()
+        ids, rows = ec.row_grads()["t"]
+        table, tr, tc, tsum = np_lazy_adafactor(table, tr, tc, tsum, ids.numpy(), rows.double().numpy(), step, 0.3, hp)
+        dw, dr, dc, dsum = np_lazy_adafactor(dw, dr, dc, dsum, np.arange(5), dense.grad.double().numpy(), step, 0.3, hp)
+        opt.step()
+        opt.zero_grad()
+        for got, want in ((ec.tables.t.weight, table), (dense, dw)):
+            got = got.detach().double().numpy()
+            assert np.isfinite(got).all(), got
+            np.testing.assert_allclose(got, want, rtol=0, atol=step * F32_STEP * 1.5)  # steps add; |w| < 1.5
+    assert np.array_equal(table[3], ec.tables.t.weight.detach().double().numpy()[3])  # row 3 never moved

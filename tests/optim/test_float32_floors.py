@@ -58,8 +58,7 @@ def test_ftrl_allows_any_small_accumulator_with_allow_zero_accumulator() -> None
     O.FTRL([torch.nn.Parameter(torch.zeros(3, 2))], initial_accumulator_value=TINY / 4, allow_zero_accumulator=True)
 
 
-@pytest.mark.parametrize("cls, name, floor, extra", [c[1:] for c in CASES if c[0] != "adafactor"],
-                         ids=[i for i in IDS if i != "adafactor"])
+@pytest.mark.parametrize("cls, name, floor, extra", [c[1:] for c in CASES], ids=IDS)
 def test_the_floor_trains_zero_gradient_coordinates_finitely_when_flushed(flushing: None, cls: Any, name: str,
                                                                           floor: float, extra: dict[str, Any]) -> None:
     """At the floor (its float32 value rounded up), one step on float32 rows with a gradient of 0 in column 0 and in

@@ -89,7 +89,10 @@ def adafactor_rule(
     else:
         v = b2 * slots["v"] + (1 - b2) * g2
         new["v"] = v
-    u = g * torch.rsqrt(v)
+    # r_i·c_j/mean(r) underflows to 0 in float32 where row i and column j both hold only ε1 (ε1² = 1e-60 at the
+    # default): the exact v is > 0 and u = 0 there, but g·rsqrt(0) = 0·inf would be NaN, and through RMS(u) the whole
+    # update NaN. (Keras computes the same product: its float32 update NaNs there.)
+    u = g * torch.rsqrt(v.clamp(min=torch.finfo(v.dtype).tiny))
     rms_u = torch.sqrt(sum_all(u * u) / n_elems)
     u = u / torch.clamp(each_row(rms_u) / hp["clip_threshold"], min=1.0)
     return w - each_row(alpha) * u, new

@@ -1,8 +1,11 @@
 """Helpers the test suites share (tests/ is on ``sys.path``: tests/conftest.py; a spawned rank inherits it).
 
 * A process-group test's ranks: :func:`free_port` (the parent's), :func:`init_rank` and :func:`finish_rank` (each
-  rank's start and end in the ``tests/_*_worker.py`` modules); :func:`run_ranks`, ranks started as torchrun
-  starts them (one ``python`` each) under a timeout, so that a hang fails the test instead of the suite.
+  rank's start and end in the ``tests/_*_worker.py`` modules); :func:`run_ranks`, each rank a worker script run as
+  its ``__main__`` under a timeout, so that a hang fails the test instead of the suite; :func:`start_ranks`, each
+  rank a function (``torch.multiprocessing.start_processes``). Both fork every rank, a fresh process per case, from
+  one server that imported torch and the package once (:func:`rank_context`): a rank started as its own
+  interpreter spent about 3 s importing them, most of such a case's time.
 * ``tte.TrainPipeline``'s references: :func:`pipeline_batches`, the batches of the pipeline suites (tests/train,
   tests/xla), and :func:`train_by_hand`, the plain loop and TF's one-step-stale schedule written out by hand, which
   the pipeline must equal (tests/train/test_pipeline.py in one process, tests/_mp_pipe_worker.py over a group).
@@ -13,10 +16,15 @@
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
+import multiprocessing.context
+import multiprocessing.forkserver
 import os
+import runpy
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,13 +33,13 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding._rows.placement import stored_rows
 
-__all__ = ["finish_rank", "free_port", "init_rank", "pipeline_batches", "run_ranks", "run_script", "same_state", "same_tree",
-           "summed_bag_rows",
-           "snapshot_state", "train_by_hand"]
+__all__ = ["finish_rank", "free_port", "init_rank", "pipeline_batches", "rank_context", "run_ranks", "run_script",
+           "same_state", "same_tree", "snapshot_state", "start_ranks", "summed_bag_rows", "train_by_hand"]
 
 #: the repository root (on a spawned rank's PYTHONPATH)
 ROOT = Path(__file__).parents[1]
@@ -45,25 +53,89 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: what every rank imports before its own code: imported once, by the fork server (:func:`rank_context`)
+PRELOAD = ["numpy", "pytest", "torch", "torch.distributed", "torch.distributed.checkpoint", "torch.nn.parallel",
+           "torch_tpu_embedding"]
+
+
+def rank_context() -> multiprocessing.context.ForkServerContext:
+    """The ``forkserver`` context the ranks start from. Its server (one per test process, started here the first
+    time) imports :data:`PRELOAD` and nothing else: it runs no torch op, so it has no OpenMP threads and no
+    process group, and each rank forked from it is a fresh process with those modules imported. The server's
+    ``PYTHONPATH`` ends with the repository, as a rank's does (:func:`run_ranks`), so that the package is found
+    there; every other setting is the test process's."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    before = os.environ.get("PYTHONPATH")
+    # (the server inherits this process's environment: the only way to give it the package's path)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [before, str(ROOT)]))
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+    return ctx
+
+
+def start_ranks(fn: Callable[..., None], args: tuple[Any, ...], world: int) -> None:
+    """``fn(rank, *args)`` in ``world`` ranks forked from :func:`rank_context`'s server; returns when every one
+    has ended, and raises (stopping the others) with a failing rank's traceback, as
+    ``torch.multiprocessing.start_processes`` does."""
+    rank_context()
+    mp.start_processes(fn, args=args, nprocs=world, start_method="forkserver")
+
+
+def _script_rank(worker: str, args: list[str], env: dict[str, str], log: str) -> None:
+    """One rank of :func:`run_ranks` (in a process forked from the server): ``python worker *args`` as that
+    would run it, with ``env`` as its whole environment, its output (stdout and stderr) to the file ``log``."""
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(out, 1)  # (the descriptors: what C++ (gloo, torch) writes goes there too)
+    os.dup2(out, 2)
+    os.close(out)
+    # line-buffered: a worker may end in os._exit, which flushes nothing
+    sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", buffering=1, closefd=False)
+    os.environ.clear()
+    os.environ.update(env)
+    # the server imported torch before OMP_NUM_THREADS was set: the rank's thread count set as the variable says
+    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    sys.argv = [worker, *args]
+    sys.path.insert(0, os.path.dirname(worker))  # as ``python worker`` puts the script's folder first
+    runpy.run_path(worker, run_name="__main__")
+
+
 def run_ranks(worker: Path, args: Sequence[str], world: int = 2, hang: float = 240, what: str = "") -> list[str]:
-    """Start ``world`` ranks of ``python worker *args`` (``RANK``, ``WORLD_SIZE``, ``MASTER_*`` set, one OpenMP
-    thread) and return each one's output, in rank order. A rank still running after ``hang`` seconds (two
-    processes importing torch on a loaded machine take a few) is killed with the others, and the test fails
-    naming ``what``."""
+    """Run ``world`` ranks of ``python worker *args`` (``RANK``, ``WORLD_SIZE``, ``MASTER_*`` set, one OpenMP
+    thread), each a process forked from :func:`rank_context`'s server that runs ``worker`` as its ``__main__``,
+    and return each one's output, in rank order. A rank still running ``hang`` seconds after the one before it
+    ended (two processes on a loaded machine take a few) is killed with the others, and the test fails naming
+    ``what``, with the end of every rank's output."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
            "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)])),
            "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(worker), *args], env={**env, "RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    logs = []
-    try:
+    ctx = rank_context()
+    with tempfile.TemporaryDirectory(prefix="tte_ranks_") as logs:
+        paths = [os.path.join(logs, f"rank{r}.log") for r in range(world)]
+        procs = [ctx.Process(target=_script_rank, args=(str(worker), list(args), {**env, "RANK": str(r)}, paths[r]),
+                             name=f"rank {r}") for r in range(world)]
         for p in procs:
-            logs.append(p.communicate(timeout=hang)[0])
-    except subprocess.TimeoutExpired:
+            p.start()
         for p in procs:
-            p.kill()
-        pytest.fail(f"{what + ': ' if what else ''}a rank hung (still running after {hang} s)", pytrace=False)
-    return logs
+            p.join(hang)
+            if p.is_alive():
+                break
+        hung = any(p.is_alive() for p in procs)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        texts = [Path(f).read_text(encoding="utf-8", errors="replace") if os.path.exists(f) else "" for f in paths]
+    if hung:
+        tails = "".join(f"\n--- rank {r}'s output (end):\n{t[-2000:]}" for r, t in enumerate(texts))
+        pytest.fail(f"{what + ': ' if what else ''}a rank hung (still running after {hang} s){tails}", pytrace=False)
+    return texts
 
 
 def run_script(script: str, timeout: float = 300) -> str:

@@ -1,8 +1,8 @@
 """A process group whose ranks a user gets out of step: every rank raises, naming the cause, and none hangs.
 
-Each case starts 2 gloo processes (tests/_mp_guard_worker.py, one ``python`` per rank as torchrun starts them)
-under a timeout: a rank that hangs fails the test (as each of these did before the guards) instead of hanging
-the suite.
+Each case starts 2 fresh gloo processes, each running tests/_mp_guard_worker.py as its ``__main__`` as torchrun's
+``python`` would (forked from a server that imported torch and the package once: suite_helpers.run_ranks), under
+a timeout: a rank that hangs fails the test (as each of these did before the guards) instead of hanging the suite.
 """
 
 from __future__ import annotations

@@ -22,9 +22,8 @@ from typing import Any
 import _crash_child
 import pytest
 import torch
-import torch.multiprocessing as mp
 from _crash_child import build, train
-from suite_helpers import same_tree
+from suite_helpers import same_tree, start_ranks
 from test_load_all_or_nothing import prepared, snapshot, step
 
 import torch_tpu_embedding as tte
@@ -106,7 +105,7 @@ def test_several_ranks_publish_one_checkpoint(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
-    mp.start_processes(_crash_child.ranks_worker, args=(2, port, str(tmp_path)), nprocs=2, start_method="spawn")
+    start_ranks(_crash_child.ranks_worker, (2, port, str(tmp_path)), 2)
     want = from_file(tmp_path / "ref.pt")
     for r in range(2):
         extra = torch.load(tmp_path / f"rank{r}.pt", weights_only=True)["extra"]

@@ -14,8 +14,7 @@ import _dp_worker as W
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from suite_helpers import free_port
+from suite_helpers import free_port, start_ranks
 
 import torch_tpu_embedding as tte
 
@@ -34,7 +33,7 @@ def ranks(world: int, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[di
     """Every rank's results of one spawn of ``world`` processes (run once per session)."""
     if world not in _RUNS:
         out = tmp_path_factory.mktemp(f"dp{world}")
-        mp.start_processes(W.worker, args=(world, free_port(), str(out)), nprocs=world, start_method="spawn")
+        start_ranks(W.worker, (world, free_port(), str(out)), world)
         _RUNS[world] = ([torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)], out)
     return _RUNS[world]
 

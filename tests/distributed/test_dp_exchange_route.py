@@ -16,8 +16,7 @@ import _dp_route_worker as R
 import _dp_worker as W
 import pytest
 import torch
-import torch.multiprocessing as mp
-from suite_helpers import free_port
+from suite_helpers import free_port, start_ranks
 from test_data_parallel import assert_close, assert_replicas_equal
 
 from torch_tpu_embedding._rows.row_grad import RowGrad
@@ -32,7 +31,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Every rank's results of one spawn (tests/_dp_route_worker.py)."""
     if not _RUN:
         out: Path = tmp_path_factory.mktemp("route")
-        mp.start_processes(R.worker, args=(WORLD, free_port(), str(out)), nprocs=WORLD, start_method="spawn")
+        start_ranks(R.worker, (WORLD, free_port(), str(out)), WORLD)
         _RUN.append([torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)])
     return _RUN[0]
 

@@ -15,8 +15,7 @@ import _mp_build_worker as B
 import _mp_worker as W
 import pytest
 import torch
-import torch.multiprocessing as mp
-from suite_helpers import free_port
+from suite_helpers import free_port, start_ranks
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding.modules import deferred_init
@@ -31,7 +30,7 @@ def ranks(world: int, job: str, tmp_path_factory: pytest.TempPathFactory,
     key = (world, job, worker)  # (two workers may both have a job called "dcp")
     if key not in _RUNS:
         out = tmp_path_factory.mktemp(f"build{world}{job.split(':')[0]}")
-        mp.start_processes(worker, args=(world, free_port(), str(out), job), nprocs=world, start_method="spawn")
+        start_ranks(worker, (world, free_port(), str(out), job), world)
         _RUNS[key] = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
     return _RUNS[key]
 

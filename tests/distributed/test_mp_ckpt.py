@@ -15,8 +15,7 @@ import _mp_ckpt_worker as C
 import _mp_worker as W
 import pytest
 import torch
-import torch.multiprocessing as mp
-from suite_helpers import free_port
+from suite_helpers import free_port, start_ranks
 from test_mp_shard import assert_equals_reference, bound, compare, reference
 
 import torch_tpu_embedding as tte
@@ -28,7 +27,7 @@ _RUN: dict[str, Any] = {}
 def accum_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     if "ranks" not in _RUN:
         out = tmp_path_factory.mktemp("mpckpt")
-        mp.start_processes(C.worker, args=(4, free_port(), str(out)), nprocs=4, start_method="spawn")
+        start_ranks(C.worker, (4, free_port(), str(out)), 4)
         _RUN["dir"], _RUN["ranks"] = out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
     return _RUN["dir"], _RUN["ranks"]
 
@@ -110,7 +109,7 @@ def test_loading_memory_is_one_chunk(tmp_path: Path) -> None:
     2**19 rows saved by one rank, so that each rank gathers half of every window. A 4096-row load first
     warms the code paths (not measured: a process's first load faults in the code it runs). The rows and
     accumulators come back bitwise."""
-    mp.start_processes(C.memory_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    start_ranks(C.memory_worker, (2, free_port(), str(tmp_path)), 2)
     for r in range(2):
         got = torch.load(tmp_path / f"mem{r}.pt", weights_only=True)
         for case, rows in [(n, n) for n in C.MEMORY_ROWS] + [("resharded", C.MEMORY_ROWS[1])]:

@@ -12,8 +12,7 @@ from pathlib import Path
 import _mp_ckpt_worker as C
 import pytest
 import torch
-import torch.multiprocessing as mp
-from suite_helpers import free_port
+from suite_helpers import free_port, start_ranks
 
 from torch_tpu_embedding.checkpoint import row_writer
 from torch_tpu_embedding.checkpoint.publish import CHUNK
@@ -71,7 +70,7 @@ def test_saving_memory_is_within_two_chunks(tmp_path: Path) -> None:
     accumulators): save_sharded grows a rank's peak resident memory (VmHWM) over its memory before the save
     by at most 2 chunks (8 MiB); before, it copied the shard and the accumulators into logical order first
     (+256 MiB). A 4096-row save first warms the code paths (not measured). The rows come back bitwise."""
-    mp.start_processes(C.save_memory_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    start_ranks(C.save_memory_worker, (2, free_port(), str(tmp_path)), 2)
     for r in range(2):
         got = torch.load(tmp_path / f"save{r}.pt", weights_only=True)
         for rows in (C.MEMORY_ROWS[0], C.MEMORY_ROWS[2]):
@@ -90,7 +89,7 @@ def test_ranks_that_opened_different_saves_all_refuse(tmp_path: Path) -> None:
     rank raises CheckpointCorruptError before writing anything (none hangs), its model and optimizer
     unchanged. A save that rank 0 refuses (a user's file in the directory) raises on every rank, none left
     waiting in a barrier."""
-    mp.start_processes(C.two_saves_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    start_ranks(C.two_saves_worker, (2, free_port(), str(tmp_path)), 2)
     for r in range(2):
         got = torch.load(tmp_path / f"two{r}.pt", weights_only=True)
         assert got["error"] is not None and "The ranks opened different saves of" in got["error"], (r, got)

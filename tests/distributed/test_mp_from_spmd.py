@@ -12,8 +12,7 @@ from pathlib import Path
 import _mp_ckpt_worker as C
 import _mp_worker as W
 import torch
-import torch.multiprocessing as mp
-from suite_helpers import free_port
+from suite_helpers import free_port, start_ranks
 from test_mp_shard import _close, bound, compare
 
 FIXTURE = Path(__file__).parents[1] / "data" / "mp_spmd4"
@@ -25,8 +24,7 @@ def expected() -> dict[str, object]:
 
 
 def test_spmd4_checkpoint_loads_at_world_3(tmp_path: Path) -> None:
-    mp.start_processes(C.resume_worker, args=(3, free_port(), str(FIXTURE / "ckpt"), str(tmp_path), OPTIMIZER), nprocs=3,
-                       start_method="spawn")
+    start_ranks(C.resume_worker, (3, free_port(), str(FIXTURE / "ckpt"), str(tmp_path), OPTIMIZER), 3)
     want = expected()
     for r in range(3):
         got = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)

@@ -18,8 +18,7 @@ from typing import Any
 import _mp_pipe_worker as W
 import pytest
 import torch
-import torch.multiprocessing as mp
-from suite_helpers import free_port
+from suite_helpers import free_port, start_ranks
 from test_data_parallel import assert_close, assert_replicas_equal
 from test_mp_guards import run as run_ranks
 from test_mp_shard import compare
@@ -33,7 +32,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Every rank's results of one spawn (run once per session)."""
     if not _RUNS:
         out = tmp_path_factory.mktemp("pipe")
-        mp.start_processes(W.worker, args=(WORLD, free_port(), str(out)), nprocs=WORLD, start_method="spawn")
+        start_ranks(W.worker, (WORLD, free_port(), str(out)), WORLD)
         _RUNS.append([torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)])
     return _RUNS[0]
 

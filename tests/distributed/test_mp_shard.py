@@ -23,8 +23,7 @@ from typing import Any
 import _mp_worker as W
 import pytest
 import torch
-import torch.multiprocessing as mp
-from suite_helpers import free_port
+from suite_helpers import free_port, start_ranks
 
 import torch_tpu_embedding as tte
 
@@ -42,7 +41,7 @@ def ranks(world: int, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str
     """Every rank's results of one spawn of ``world`` processes (run once per session)."""
     if world not in _RUNS:
         out = tmp_path_factory.mktemp(f"mp{world}")
-        mp.start_processes(W.worker, args=(world, free_port(), str(out)), nprocs=world, start_method="spawn")
+        start_ranks(W.worker, (world, free_port(), str(out)), world)
         _RUNS[world] = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
         _DIRS[world] = out
     return _RUNS[world]

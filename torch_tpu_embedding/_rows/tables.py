@@ -3,7 +3,8 @@
 A table parameter carries a :class:`TableInfo` (its name, rows, placement, stored row order and its
 :class:`~torch_tpu_embedding._rows.row_grad.RowGrad`, the row-sparse gradient its lookups add to), set by
 :func:`register_table` and read by :func:`table_info`; a stacked table's ``weight`` carries its
-:class:`StackedRows` (:func:`register_view`, :func:`stacked_rows`). A table whose weight was replaced is
+:class:`StackedRows` (:func:`register_view`, :func:`stacked_rows`), and where ``tte.distributed`` marked it, the
+process group its row gradients are exchanged over (:func:`exchange_mark`). A table whose weight was replaced is
 retired (:func:`retire_table`) and named by :func:`check_live_tables`.
 """
 
@@ -15,6 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from torch_tpu_embedding._rows.row_grad import RowGrad
 from torch_tpu_embedding._rows.row_order import RowLayout
@@ -23,14 +25,17 @@ if TYPE_CHECKING:
     from torch_tpu_embedding._rows.placement import TablePlacement
 
 __all__ = [
+    "GROUP_NOT_PICKLED",
+    "CarriedMark",
     "StackedRows",
     "TableInfo",
     "check_live_tables",
+    "exchange_mark",
     "register_table",
     "refuse_stacked_view",
     "register_view",
     "retire_table",
-    "retired_count", "stacked_rows",
+    "retired_count", "set_exchange_mark", "stacked_rows",
     "table_info",
 ]
 
@@ -97,6 +102,7 @@ class TableInfo:
 # compiled step stays one graph (dynamo skips ``WeakIdKeyDictionary.get``: one graph break per lookup).
 _INFO_ATTR = "_tte_table_info"
 _ROWS_ATTR = "_tte_stacked_rows"
+_MARK_ATTR = "_tte_exchange_mark"
 
 
 class _Tag:
@@ -221,3 +227,52 @@ def stacked_rows(t: torch.Tensor) -> StackedRows | None:
     if torch.compiler.is_compiling():  # an attribute dynamo traces (the dictionary it cannot)
         return _tag(t, _ROWS_ATTR)  # type: ignore[no-any-return]
     return _registered(t, _ROWS_ATTR)  # type: ignore[no-any-return]
+
+
+def exchange_mark(t: torch.Tensor) -> Any:
+    """What ``tte.distributed`` marked table ``t`` with (a process group its row gradients are exchanged over,
+    or a string: never exchanged, or :data:`GROUP_NOT_PICKLED`), or ``None`` (the default)."""
+    return _registered(t, _MARK_ATTR)
+
+
+def set_exchange_mark(t: torch.Tensor, value: Any) -> None:
+    """Mark table ``t`` (``None``: lift the mark)."""
+    if value is None:
+        t.__dict__.pop(_MARK_ATTR, None)
+    else:
+        t.__dict__[_MARK_ATTR] = _Tag(value, t)
+
+
+#: the mark of a table unpickled from one exchanged over a process group other than the default one, which a
+#: pickle cannot hold: the table's exchange refuses until it is marked again
+GROUP_NOT_PICKLED = "group not pickled"
+
+
+class CarriedMark:
+    """A table's :func:`exchange_mark` as a copy of its module carries it to the copy's new weight (the mark
+    belongs to the model's table, as its registration does)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> CarriedMark:
+        return cls(exchange_mark(t))
+
+    def put_on(self, t: torch.Tensor) -> None:
+        set_exchange_mark(t, self.value)
+
+    def __deepcopy__(self, memo: Any) -> CarriedMark:
+        # A process group is a handle on the running processes, not data: a copy is exchanged over the same one.
+        return self
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        value = self.value
+        if not isinstance(value, str) and value is not None:
+            # The default group is what an unmarked table is exchanged over; any other cannot be pickled, and
+            # dropping it would exchange the unpickled table over the default group: different numbers, or a
+            # wait where only some ranks make the copy.
+            value = None if value is dist.group.WORLD else GROUP_NOT_PICKLED
+        return (CarriedMark, (value,))

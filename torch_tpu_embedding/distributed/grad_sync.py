@@ -49,7 +49,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from torch_tpu_embedding._rows.dedup import coalesce_rows, is_static_device, sync_free
 from torch_tpu_embedding._rows.row_grad import RowGrad
 from torch_tpu_embedding._rows.stock_guard import OUTSIDE_A_LOOKUP, check_not_ddp_managed, ddp_message
-from torch_tpu_embedding._rows.tables import table_info
+from torch_tpu_embedding._rows.tables import GROUP_NOT_PICKLED, exchange_mark, set_exchange_mark, table_info
 from torch_tpu_embedding._util.dtypes import math_dtype
 from torch_tpu_embedding.distributed.exchange import agree_capacity
 
@@ -71,8 +71,6 @@ Tensor = torch.Tensor
 
 #: the mark of a table whose row gradients are never exchanged (``tte.distributed.local_tables``)
 LOCAL = "local"
-#: table parameter → its process group (``data_parallel(process_group=...)``) or :data:`LOCAL`
-_MARKS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # type: ignore[no-untyped-call]
 #: how many times :func:`mark` ran: what a cache of which tables are exchanged keys on (optim_agreement.py)
 MARKED = [0]
 # Per-group state is held weakly by the group object, not by ``id(group)``: a group destroyed and another made at
@@ -120,12 +118,13 @@ def agreement_device(backend: str, device: torch.device) -> torch.device:
 
 def mark(table: Tensor, group: Any) -> None:
     """Exchange ``table``'s row gradients over ``group`` (a process group), never (:data:`LOCAL`), or as
-    by default (``None``: the default group; an earlier :data:`LOCAL` mark is lifted)."""
+    by default (``None``: the default group; an earlier :data:`LOCAL` mark is lifted). The mark is the table's:
+    a copy of its module (``copy.deepcopy``, pickle) keeps it (``EmbeddingTable.__getstate__``)."""
     MARKED[0] += 1
     if group is not None:
-        _MARKS[table] = group
-    elif isinstance(_MARKS.get(table), str):  # type: ignore[no-untyped-call]
-        del _MARKS[table]  # type: ignore[no-untyped-call]
+        set_exchange_mark(table, group)
+    elif isinstance(exchange_mark(table), str):
+        set_exchange_mark(table, None)
 
 
 def spmd_active() -> bool:
@@ -148,10 +147,20 @@ def exchange_group(table: Tensor) -> Any:
     (``tte.distributed.local_tables``) or sharded over a process group (their gradient goes to the owners),
     and for groups of one process (:func:`should_exchange`).
     """
-    marked = _MARKS.get(table)  # type: ignore[no-untyped-call]
+    marked = exchange_mark(table)
     info = table_info(table)
-    local = isinstance(marked, str) or (info is not None and info.sharding is not None
-                                        and info.sharding.over_process_group)
+    if marked == GROUP_NOT_PICKLED:
+        names = [f"`{n}`" for n in (info.tables if info is not None else [])]
+        what = f"Table {names[0]}" if len(names) == 1 else f"Tables {', '.join(names)} (stacked together)"
+        raise RuntimeError(
+            f"{what}: unpickled from a model whose tables' row gradients were exchanged over a process group "
+            "other than the default one (tte.distributed.data_parallel(model, process_group=...)), and a "
+            "process group cannot be pickled. Call tte.distributed.data_parallel(model, process_group=...) on the "
+            "unpickled model (broadcast=False keeps its values) before training it, or "
+            "tte.distributed.local_tables(model) to train each process's tables alone."
+        )
+    local = marked == LOCAL or (info is not None and info.sharding is not None
+                                and info.sharding.over_process_group)
     group = None if local else marked
     if group is None and dist.is_available() and dist.is_initialized():
         group = dist.group.WORLD

@@ -16,7 +16,7 @@ from torch_tpu_embedding._rows.placement import dtensor_placement
 from torch_tpu_embedding._rows.row_grad import RowGrad
 from torch_tpu_embedding._rows.row_order import RowLayout, from_logical, owned_logical_ids, to_logical
 from torch_tpu_embedding._rows.stacked_state import member_entries
-from torch_tpu_embedding._rows.tables import TableInfo, register_table, retire_table, table_info
+from torch_tpu_embedding._rows.tables import CarriedMark, TableInfo, register_table, retire_table, table_info
 from torch_tpu_embedding._util.huge_pages import empty
 from torch_tpu_embedding._util.in_place import apply_in_place, load_in_place, swapping
 from torch_tpu_embedding.config import TableConfig, default_initializer
@@ -258,18 +258,21 @@ class EmbeddingTable(nn.Module):
                          layout=self.row_layout)
 
     def __getstate__(self) -> dict[str, Any]:
-        # What the library knows about the weight lives beside it, keyed by the tensor (_rows): a copy
-        # or an unpickled module gets new tensors, registered again in __setstate__ (with the layout).
+        # What the library knows about the weight lives beside it, keyed by the tensor (_rows): a copy or an unpickled
+        # module gets new tensors, registered again in __setstate__ (with the layout and tte.distributed's mark).
         state = dict(self.__dict__)
         state.pop("_registered_weight", None)  # a weak reference: neither copied nor pickled
         info = table_info(self.weight)
         state["_tte_sharding"] = None if info is None else info.sharding
+        state["_tte_exchange"] = CarriedMark.of(self.weight)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         sharding = state.pop("_tte_sharding", None)
+        carried = state.pop("_tte_exchange", CarriedMark(None))  # (absent: pickled before marks were carried)
         super().__setstate__(state)  # type: ignore[no-untyped-call]
         self._register().sharding = sharding
+        carried.put_on(self.weight)
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> EmbeddingTable:
         old = self.weight

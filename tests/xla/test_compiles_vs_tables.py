@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,7 @@ print(json.dumps({"until_first_step": counts[0], "executions_until_first_step": 
 """
 
 
+@cache  # both tests read the fresh-process counts of (1, init_state) and (20, init_state): one run each
 def _compiles(tables: int, init_state: bool) -> dict[str, int]:
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(ROOT)}
     for k in ("XLA_USE_SPMD", "CPU_NUM_DEVICES", "XLA_PERSISTENT_CACHE_PATH"):

@@ -1,7 +1,8 @@
 """Checkpoint interchange matrix worker (used by test_ckpt_matrix.py).
 
-Usage: python _ckpt_script.py LAYOUT PHASE DIR (float32 and float64 runs, each optimizer)
-  LAYOUT: cpu | xla1 | row4 | col4 (row4/col4: 4-device SPMD, the big table row- or column-sharded)
+Usage: python _ckpt_script.py LAYOUT[,LAYOUT] PHASE DIR (float32 and float64 runs, each optimizer)
+  LAYOUT: cpu | xla1 | row4 | col4 (row4/col4: 4-device SPMD, the big table row- or column-sharded); layouts
+          of one process share its device count and SPMD mode: cpu,xla1 or row4,col4
   PHASE save:   per optimizer, 5 steps → DIR/<layout>-<opt>.pt (tte.checkpoint.save), 5 more steps →
                 DIR/final-<layout>-<opt>.pt (the uninterrupted run)
   PHASE resume: per saved checkpoint of any layout, load here, 5 steps → DIR/resumed-<from>-<layout>-<opt>.pt
@@ -14,17 +15,18 @@ import sys
 
 import torch
 
-LAYOUT, PHASE, DIR = sys.argv[1], sys.argv[2], sys.argv[3]
-xla = LAYOUT != "cpu"
-if xla:
+LAYOUTS, PHASE, DIR = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
+SPMD = {"row4", "col4"}
+# One device count and SPMD mode per process: the 4-device layouts together, the CPU and XLA-1 together.
+assert set(LAYOUTS) <= SPMD or not set(LAYOUTS) & SPMD, LAYOUTS
+if any(layout != "cpu" for layout in LAYOUTS):
     import torch_xla
     import torch_xla.runtime as xr
 
-    if LAYOUT in ("row4", "col4"):
+    if set(LAYOUTS) <= SPMD:
         xr.use_spmd()
-    DEV = torch_xla.device()
-else:
-    DEV = torch.device("cpu")
+    # Started before any backward, the CPU layout's included: autograd sizes its device queues at the first one.
+    XLA_DEV = torch_xla.device()
 
 import torch_tpu_embedding as tte  # noqa: E402
 
@@ -35,15 +37,16 @@ OPTS = {c.id: c.make for c in cases(CKPT_MATRIX)}  # tests/optim_registry.py, ta
 V, D = 1001, 8
 
 
-def build(opt_name: str, dtype: torch.dtype):
+def build(layout: str, opt_name: str, dtype: torch.dtype):
     torch.manual_seed(0)
-    placement = {"row4": "row", "col4": "column"}.get(LAYOUT, "auto")
+    placement = {"row4": "row", "col4": "column"}.get(layout, "auto")
     big = tte.TableConfig(V, D, name="big", combiner="mean", placement=placement, dtype=dtype)
     small = tte.TableConfig(40, D, name="small", combiner="sum", placement="replicated", dtype=dtype)
+    dev = torch.device("cpu") if layout == "cpu" else XLA_DEV
     ec = tte.EmbeddingCollection({"a": tte.FeatureConfig(big, max_ids_per_bag=8), "b": tte.FeatureConfig(small)},
-                                 device=DEV)
-    head = torch.nn.Linear(2 * D, 1).to(device=DEV, dtype=dtype)
-    if LAYOUT in ("row4", "col4"):
+                                 device=dev)
+    head = torch.nn.Linear(2 * D, 1).to(device=dev, dtype=dtype)
+    if layout in SPMD:
         from torch_tpu_embedding.xla import replicate, shard
 
         shard(ec)
@@ -51,12 +54,12 @@ def build(opt_name: str, dtype: torch.dtype):
     model = torch.nn.ModuleDict({"ec": ec, "head": head})
     opt = OPTS[opt_name](list(model.parameters()))
     opt.init_state()
-    if xla:
+    if layout != "cpu":
         torch_xla.sync()
     return model, opt
 
 
-def train(model, opt, start: int, steps: int) -> None:
+def train(layout: str, model, opt, start: int, steps: int) -> None:
     for s in range(start, start + steps):
         g = torch.Generator().manual_seed(s)
         a = torch.randint(0, 600, (16,), generator=g)  # rows >= 600 never touched
@@ -66,44 +69,45 @@ def train(model, opt, start: int, steps: int) -> None:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        if xla:
+        if layout != "cpu":
             torch_xla.sync()
 
 
-def spec(model) -> str:
-    if LAYOUT not in ("row4", "col4"):
+def spec(layout: str, model) -> str:
+    if layout not in SPMD:
         return ""
     from torch_tpu_embedding.xla import sharding_spec
 
     return str(sharding_spec(model["ec"].tables.big.weight))
 
 
-def write_final(model, opt, path: str) -> None:
+def write_final(layout: str, model, opt, path: str) -> None:
     torch.save({"model": tte.checkpoint.to_cpu(model.state_dict()),
-                "optimizer": tte.checkpoint.to_cpu(opt.state_dict()["state"]), "spec": spec(model)}, path)
+                "optimizer": tte.checkpoint.to_cpu(opt.state_dict()["state"]), "spec": spec(layout, model)}, path)
 
 
-for dt in ("float32", "float64"):
-    dtype = getattr(torch, dt)
-    for opt_name in OPTS:
-        tag = f"{opt_name}.{dt}"
-        if PHASE == "save":
-            model, opt = build(opt_name, dtype)
-            train(model, opt, 0, 5)
-            tte.checkpoint.save(os.path.join(DIR, f"{LAYOUT}-{tag}.pt"), model=model, optimizer=opt)
-            train(model, opt, 5, 5)
-            write_final(model, opt, os.path.join(DIR, f"final-{LAYOUT}-{tag}.pt"))
-            continue
-        for ckpt in sorted(glob.glob(os.path.join(DIR, f"*-{tag}.pt"))):
-            source = os.path.basename(ckpt).split("-")[0]
-            if source in ("final", "resumed"):
+for layout in LAYOUTS:
+    for dt in ("float32", "float64"):
+        dtype = getattr(torch, dt)
+        for opt_name in OPTS:
+            tag = f"{opt_name}.{dt}"
+            if PHASE == "save":
+                model, opt = build(layout, opt_name, dtype)
+                train(layout, model, opt, 0, 5)
+                tte.checkpoint.save(os.path.join(DIR, f"{layout}-{tag}.pt"), model=model, optimizer=opt)
+                train(layout, model, opt, 5, 5)
+                write_final(layout, model, opt, os.path.join(DIR, f"final-{layout}-{tag}.pt"))
                 continue
-            model, opt = build(opt_name, dtype)
-            before = spec(model)
-            tte.checkpoint.load(ckpt, model=model, optimizer=opt)
-            if xla:
-                torch_xla.sync()
-            assert spec(model) == before, (spec(model), before)  # loading keeps the layout
-            train(model, opt, 5, 5)
-            write_final(model, opt, os.path.join(DIR, f"resumed-{source}-{LAYOUT}-{tag}.pt"))
+            for ckpt in sorted(glob.glob(os.path.join(DIR, f"*-{tag}.pt"))):
+                source = os.path.basename(ckpt).split("-")[0]
+                if source in ("final", "resumed"):
+                    continue
+                model, opt = build(layout, opt_name, dtype)
+                before = spec(layout, model)
+                tte.checkpoint.load(ckpt, model=model, optimizer=opt)
+                if layout != "cpu":
+                    torch_xla.sync()
+                assert spec(layout, model) == before, (spec(layout, model), before)  # loading keeps the layout
+                train(layout, model, opt, 5, 5)
+                write_final(layout, model, opt, os.path.join(DIR, f"resumed-{source}-{layout}-{tag}.pt"))
 print("ok")

@@ -2,8 +2,8 @@
 steps, vs the uninterrupted run — for LazyAdam, FTRL and Adafactor, float32 and float64, optimizer state
 included. Same layout: bitwise. Across layouts: float64 1e-6 relative, float32 1e-5.
 
-Each layout is its own process (device count and SPMD mode are fixed per process): 4 save processes,
-then 4 resume processes that load every checkpoint (_ckpt_script.py).
+Device count and SPMD mode are fixed per process: one process for the CPU and XLA-1 layouts and one for the
+two SPMD-4 layouts save, then two such processes resume from every checkpoint (_ckpt_script.py).
 """
 
 from __future__ import annotations
@@ -22,18 +22,19 @@ pytest.importorskip("torch_xla")
 SCRIPT = Path(__file__).with_name("_ckpt_script.py")
 ROOT = Path(__file__).parents[2]
 LAYOUTS = ["cpu", "xla1", "row4", "col4"]
+PROCESSES = [["cpu", "xla1"], ["row4", "col4"]]  # one torch_xla start-up (~7 s) per device count and mode
 OPTS = ids(CKPT_MATRIX)  # lazy_adam, ftrl, adafactor (tests/optim_registry.py)
 
 
-def worker(layout: str, phase: str, folder: Path) -> None:
+def worker(layouts: list[str], phase: str, folder: Path) -> None:
     env = {**os.environ, "PJRT_DEVICE": "CPU"}
     env.pop("XLA_USE_SPMD", None)
     env.pop("CPU_NUM_DEVICES", None)
-    if layout in ("row4", "col4"):
+    if layouts == ["row4", "col4"]:
         env["CPU_NUM_DEVICES"] = "4"
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, str(SCRIPT), layout, phase, str(folder)], env=env,
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, str(SCRIPT), ",".join(layouts), phase, str(folder)], env=env,
+                         capture_output=True, text=True, timeout=1200)  # two layouts a process
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
@@ -41,8 +42,8 @@ def worker(layout: str, phase: str, folder: Path) -> None:
 def matrix(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("ckpt")
     for phase in ("save", "resume"):
-        for layout in LAYOUTS:
-            worker(layout, phase, folder)
+        for layouts in PROCESSES:
+            worker(layouts, phase, folder)
     return folder
 
 

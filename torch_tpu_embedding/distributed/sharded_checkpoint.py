@@ -42,7 +42,7 @@ from torch_tpu_embedding.checkpoint.publish import (
 )
 from torch_tpu_embedding.checkpoint.snapshot import Seal, identity, pinned
 from torch_tpu_embedding.distributed.exchange import GroupSharding
-from torch_tpu_embedding.distributed.sharded_save import all_tables, group_sharded, save_sharded, stored_state
+from torch_tpu_embedding.distributed.sharded_save import all_tables, group_sharded, save_sharded
 from torch_tpu_embedding.modules.table import EmbeddingTable
 from torch_tpu_embedding.optim._state.state_check import accumulation_problems
 
@@ -206,8 +206,9 @@ def _checked(path: str, model: nn.Module, optimizer: Any, tables: dict[str, tupl
     before anything is written."""
     source, seal = _open(path)
     problems: list[str] = []
-    sd = stored_state(model)
-    sd.update(source.model)
+    # The checkpoint's keys alone (a key the model has and the save lacks is reported missing, as a load into one
+    # process reports it, instead of keeping the model's own value), the sharded tables' as stand-ins below.
+    sd: dict[str, Any] = dict(source.model)
     whole = {n: k for n, k in _saved_keys(source, tables).items() if n not in mine}
     # sharded when saved, whole here (a replicated table): every logical row
     payload = source.payload(whole) if whole else {"model": {}, "optimizer": {"state": {}}}

@@ -32,6 +32,8 @@ then meets the others at a barrier (the job's next collective), which it reaches
   written (a full disk), or rank 0 cannot publish: nothing is published, the old checkpoint stays.
 * ``ckpt_optimizer_on_rank_0_save`` / ``ckpt_optimizer_on_rank_0_load``: ``save_sharded`` over a good checkpoint, or
   ``load_sharded`` of it, given the optimizer on rank 0 and ``None`` on rank 1.
+* ``ckpt_file_cut``: ``tte.checkpoint.load`` of a one-process ``save`` file into the sharded model, each rank its own
+  copy, rank 1's cut short: only rank 1's read fails; then rank 0's copy, loaded on every rank.
 * ``ckpt_torch_layout`` / ``ckpt_torch_layout_dtensor``: the optimizer made to give torch.optim's layout
   (``tte.optim.use_torch_layout``; the second sharded with ``dtensor_state_dict=True``, where its ``state_dict()``
   is a collective): ``save_sharded`` after 2 steps, ``load_sharded`` after a third; ``restored``: the model and
@@ -170,6 +172,8 @@ def run(scenario: str, rank: int, model: nn.Module, batch: Any, out: Path) -> di
         return _dtensor(scenario, rank, model, batch)
     if scenario.startswith("ckpt_torch_layout"):
         return _torch_layout(scenario, rank, model, batch, saved)
+    if scenario == "ckpt_file_cut":
+        return _file(rank, model, batch, out)
     tte.distributed.shard(model)
     ddp = tte.distributed.DistributedDataParallel(model)
     opt = tte.optim.Adagrad(ddp.parameters(), lr=0.1)
@@ -210,6 +214,36 @@ def run(scenario: str, rank: int, model: nn.Module, batch: Any, out: Path) -> di
     got = _load(tte.distributed.load_sharded, mine, model, opt)
     dist.barrier()
     return got
+
+
+def _file(rank: int, model: nn.Module, batch: Any, out: Path) -> dict[str, Any]:
+    """``ckpt_file_cut``: a one-process ``tte.checkpoint.save`` file (the model whole, Adagrad, 2 steps of rank 0's
+    batches on every rank: equal everywhere), each rank its own copy, rank 1's cut short; the sharded model loads
+    its copy (refused), then rank 0's (``rows``: whether each rank's stored rows and accumulators of the sharded
+    tables are bitwise the file's at their logical ids)."""
+    opt = tte.optim.Adagrad(model.parameters(), lr=0.1)
+    _train(model, opt, 0, range(2), lambda _, step: batch(0, step))
+    tte.checkpoint.save(out / f"one{rank}.pt", model=model, optimizer=opt)
+    if rank == 1:
+        (out / "one1.pt").write_bytes((out / "one1.pt").read_bytes()[:-100])
+    saved = torch.load(out / "one0.pt", weights_only=True)
+    tte.distributed.shard(model)
+    ddp = tte.distributed.DistributedDataParallel(model)
+    opt = tte.optim.Adagrad(ddp.parameters(), lr=0.1)
+    _train(ddp, opt, rank, range(2, 3), batch)
+    got = _load(lambda p, m, o: tte.checkpoint.load(p, model=m, optimizer=o), out / f"one{rank}.pt", model, opt)
+    dist.barrier()
+    tte.checkpoint.load(out / "one0.pt", model=model, optimizer=opt)
+    rows = True
+    for name in ("item", "who"):
+        table = model.ec.tables[name]
+        ids = tte.distributed.logical_ids(table)
+        real = ids < table.config.num_embeddings
+        want = saved["model"][f"ec.tables.{name}.weight"][ids[real]]
+        slot = saved["optimizer"]["state"][f"table:{name}"]["accumulators"][ids[real]]
+        rows &= torch.equal(table.weight.detach()[real], want)
+        rows &= torch.equal(opt.state[table.weight]["accumulators"][real], slot)
+    return got | {"rows": rows}
 
 
 class _Tally(nn.Module):

@@ -44,6 +44,21 @@ def test_a_set_extra_state_that_raises_on_one_rank_raises_on_every_rank(tmp_path
     assert r0["unchanged"] and r1["unchanged"] and r0["tally"] == r1["tally"] == 9, (r0, r1)
 
 
+def test_a_one_file_checkpoint_cut_on_one_rank_is_loaded_on_none(tmp_path: Path) -> None:
+    """``tte.checkpoint.load`` of a one-process ``save`` file into a sharded model: each rank reads the file inside the
+    ranks' agreement, so rank 1's copy cut short raises on both ranks, none hangs, both unchanged. Before, the load
+    was refused on every rank as torch's "size mismatch" of the rank's stored rows, whole copy or cut. Then the whole
+    copy loads on every rank: each rank's rows and accumulators are the file's, bitwise."""
+    r0, r1 = run("ckpt_file_cut", tmp_path)
+    assert [e["type"] for e in r1["errors"]] == ["ValueError"], r1
+    assert "is not a readable checkpoint" in r1["errors"][0]["message"], r1
+    msg = r0["errors"][0]["message"]
+    assert msg.startswith("Rank 1 of the process group failed: ValueError: ") and "one1.pt" in msg, msg
+    assert "nothing was loaded on any rank" in msg, msg
+    assert r0["unchanged"] and r1["unchanged"], (r0, r1)
+    assert r0["rows"] and r1["rows"], (r0, r1)
+
+
 def test_a_checkpoint_that_fits_one_rank_only_is_loaded_on_none(tmp_path: Path) -> None:
     """Rank 1 loads a checkpoint of Adagrad into Adam. Before, rank 1 raised after the ranks' last collective
     and rank 0 loaded (a job half loaded). Now both raise CheckpointMismatchError, both unchanged."""

@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable
 from typing import Any
@@ -75,7 +76,6 @@ __all__ = [
 ]
 
 
-
 def save(
     path: str | os.PathLike[str],
     *,
@@ -117,18 +117,31 @@ def load(
     Build the model on its device and layout first (and ``optimizer.init_state()`` on XLA); the
     tensors are copied into the existing parameters and slots, which keep their sharding. ``strict``: the
     model's keys, as ``Module.load_state_dict``'s; an optimizer's state loads whole (as torch's optimizers do).
+    Into a model sharded over a process group (``tte.distributed.shard``): call it on every rank (each keeps its rows).
     """
     target = os.fspath(path)
+    if model is not None and sharded().owns(model):  # each rank keeps its rows (read inside the ranks' agreement)
+        return sharded().load_file(target, lambda: _read(target, digest=True), model, optimizer, strict)
+    return apply_payload(_read(target)[0], target, model, optimizer, strict)
+
+
+def _read(target: str, digest: bool = False) -> tuple[dict[str, Any], str]:
+    """The :func:`save` file ``target`` (``weights_only``) and (``digest``) the sha256 of the bytes read."""
     if not os.path.exists(target):
         raise FileNotFoundError(f"No checkpoint at {target}")
     try:
-        payload = torch.load(target, map_location="cpu", weights_only=True)
+        with open(target, "rb") as f:  # (hashed and read through one descriptor: a file renamed over is not mixed in)
+            sha = hashlib.sha256()
+            while digest and (block := f.read(1 << 22)):
+                sha.update(block)
+            f.seek(0)
+            payload = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several types for a damaged zip / pickle stream
         raise ValueError(f"{target} is not a readable checkpoint (truncated or corrupt): {e}") from e
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
-        raise ValueError(f"{os.fspath(path)} is not a torch_tpu_embedding checkpoint ({FORMAT}). Found: {found!r}")
-    return apply_payload(payload, target, model, optimizer, strict)
+        raise ValueError(f"{target} is not a torch_tpu_embedding checkpoint ({FORMAT}). Found: {found!r}")
+    return payload, sha.hexdigest() if digest else ""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ installs on import (:func:`install`), so that nothing in this package imports th
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -29,6 +30,11 @@ class ShardedCheckpoints(Protocol):
     def load(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any) -> dict[str, Any] | None:
         """Load a sharded or a ``save_distributed`` directory into ``model`` (and ``optimizer``); returns its
         ``extra``."""
+
+    def load_file(self, path: str, read: Callable[[], tuple[dict[str, Any], str]], model: torch.nn.Module,
+                  optimizer: Any, strict: bool) -> dict[str, Any] | None:
+        """Load the ``tte.checkpoint.save`` file ``path`` (``read()``: its payload and its bytes' sha256) into
+        ``model``, sharded here (and ``optimizer``): each rank its rows; returns its ``extra``."""
 
     def payload(self, path: str) -> dict[str, Any]:
         """A sharded directory as one ``tte.checkpoint.save`` payload (logical rows, CPU)."""

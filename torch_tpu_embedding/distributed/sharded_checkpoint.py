@@ -16,6 +16,7 @@ anything; a part failing on some ranks raises on every rank (``agreement``).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -165,32 +166,51 @@ def load_sharded(directory: str | os.PathLike[str], model: nn.Module, optimizer:
     cut while a rank copied its rows: every rank raises, saying that the others loaded their part)."""
     # One directory read throughout (checkpoint/snapshot.py); the slots made for the checks go if it fails.
     with pinned(os.fspath(directory)) as path, slots_for_a_load(optimizer):
-        return _load(path, model, optimizer)
+        return _load(path, model, optimizer, lambda: (*_open(path), identity(path)))
 
 
-def _load(path: str, model: nn.Module, optimizer: Any) -> dict[str, Any] | None:
-    """:func:`load_sharded` of the pinned directory ``path``."""
+def load_file(path: str, read: Callable[[], tuple[dict[str, Any], str]], model: nn.Module, optimizer: Any,
+              strict: bool) -> dict[str, Any] | None:
+    """``tte.checkpoint.load`` of the ``tte.checkpoint.save`` file ``path`` into ``model``, sharded here: every rank
+    reads it whole (``read()``: the payload and the sha256 of its bytes, which the ranks compare) and keeps its rows,
+    as a ``save_distributed`` directory loads (its tables read through the host)."""
+    def opened() -> tuple[Source, Seal, str]:
+        payload, digest = read()
+        if payload.get("model") is None:
+            raise ValueError(f"{path} holds no model state.")
+        return Source(payload["model"], payload.get("optimizer"), extra=payload.get("extra")), Seal(path, {}), digest
+
+    with slots_for_a_load(optimizer):
+        return _load(path, model, optimizer, opened, strict)
+
+
+def _load(path: str, model: nn.Module, optimizer: Any, opened: Callable[[], tuple[Source, Seal, str]],
+          strict: bool = True) -> dict[str, Any] | None:
+    """:func:`load_sharded` of the pinned directory ``path`` (or :func:`load_file` of a file); ``opened()``: its
+    source, the seal of its files and which save it is (read on each rank inside the ranks' agreement)."""
     tables = all_tables(model)
     mine = group_sharded(model)
     if not mine:  # every table whole here: the logical payload, checked and loaded as tte.checkpoint.load's
-        source, seal = _open(path)
+        source, seal, _ = opened()
         payload = source.payload(_saved_keys(source, tables))
         seal.check()  # what was read is what was verified
-        return apply_payload(payload, path, model, optimizer, strict=True)
+        return apply_payload(payload, path, model, optimizer, strict=strict)
     group = next(iter(mine.values()))[2].group
     plan, save = None, None
     with Attempt() as checks:  # every check, on this rank's files and model: one rank may fail alone
-        plan = _checked(path, model, optimizer, tables, mine)
-        save = identity(path)
+        source, seal, save = opened()
+        plan = _checked(path, model, optimizer, tables, mine, source, seal, strict)
     saves = agree(checks.error, group, (save, optimizer is not None),
                   done="every rank refused the load: nothing was loaded on any rank")
     given_on_every_rank([g for _, g in saves], "optimizer", "load_sharded", "nothing was loaded on any rank")
     if len({save for save, _ in saves}) > 1:  # a save published while the ranks opened the path: some have the old one
         raise CheckpointCorruptError(f"The ranks opened different saves of {path} (another save was published "
-                                     "while they opened it); nothing was loaded. Load it again.")
+                                     "while they opened it" + (", or the ranks' copies of the file differ" if
+                                                               os.path.isfile(path) else "")
+                                     + "); nothing was loaded. Load it again.")
     assert plan is not None
     with Attempt() as writes:  # (a rank file cut or replaced since it was verified; a failed allocation)
-        _write_state(plan, model, optimizer, mine)
+        _write_state(plan, model, optimizer, mine, strict)
     agree(writes.error, group, done="the other ranks loaded their part: the job holds values of two states. "
           "Load a checkpoint again on every rank")
     return plan[0].extra
@@ -201,10 +221,10 @@ _Plan = tuple[Source, Seal, dict[str, Any], "dict[str, Any] | None", dict[str, l
 
 
 def _checked(path: str, model: nn.Module, optimizer: Any, tables: dict[str, tuple[str, nn.Module]],
-             mine: dict[str, tuple[str, EmbeddingTable, GroupSharding]]) -> _Plan:
-    """Open and check the pinned directory ``path`` against ``model`` and ``optimizer`` on this rank: raises
-    before anything is written."""
-    source, seal = _open(path)
+             mine: dict[str, tuple[str, EmbeddingTable, GroupSharding]], source: Source, seal: Seal,
+             strict: bool) -> _Plan:
+    """Check the checkpoint ``path`` (opened: ``source``, ``seal``) against ``model`` and ``optimizer`` on this rank:
+    raises before anything is written. ``strict``: the model's keys, as ``Module.load_state_dict``'s."""
     problems: list[str] = []
     # The checkpoint's keys alone (a key the model has and the save lacks is reported missing, as a load into one
     # process reports it, instead of keeping the model's own value), the sharded tables' as stand-ins below.
@@ -222,7 +242,7 @@ def _checked(path: str, model: nn.Module, optimizer: Any, tables: dict[str, tupl
             sd[key] = _stand_in(like, t.weight.shape[0])
         if saved is not None and saved != t.config.num_embeddings:
             problems.append(f"model: table `{name}` has {saved} rows saved, {t.config.num_embeddings} here")
-    problems += [f"model: {p}" for p in model_problems(model, sd, strict=True)]
+    problems += [f"model: {p}" for p in model_problems(model, sd, strict)]
     osd: dict[str, Any] | None = None
     row_slots: dict[str, list[str]] = {}
     if optimizer is not None:
@@ -242,13 +262,14 @@ def _checked(path: str, model: nn.Module, optimizer: Any, tables: dict[str, tupl
 
 
 def _write_state(plan: _Plan, model: nn.Module, optimizer: Any,
-                 mine: dict[str, tuple[str, EmbeddingTable, GroupSharding]]) -> None:
+                 mine: dict[str, tuple[str, EmbeddingTable, GroupSharding]], strict: bool) -> None:
     """Write the checked ``plan`` (:func:`_checked`) into ``model`` and ``optimizer``: each rank its rows."""
     source, seal, sd, osd, row_slots = plan
     with stored_rows():  # the sharded tables' entries are their stored rows (as stored_state read them)
-        model.load_state_dict(sd)  # the shards get zeros from their stand-ins: their rows are copied next
+        model.load_state_dict(sd, strict=strict)  # the shards get zeros from their stand-ins: their rows come next
     for name, (key, t, s) in mine.items():
-        source.copy_rows(name, key, None, _locator(s), t.weight.data)
+        if key in sd:  # (strict=False: a table the checkpoint lacks keeps its rows)
+            source.copy_rows(name, key, None, _locator(s), t.weight.data)
     if optimizer is not None:
         optimizer.load_state_dict(osd)
         for name, (key, t, s) in mine.items():
@@ -270,6 +291,10 @@ class _Checkpoints:
 
     def load(self, path: str | os.PathLike[str], model: nn.Module, optimizer: Any) -> dict[str, Any] | None:
         return load_sharded(path, model, optimizer)
+
+    def load_file(self, path: str, read: Callable[[], tuple[dict[str, Any], str]], model: nn.Module,
+                  optimizer: Any, strict: bool) -> dict[str, Any] | None:
+        return load_file(path, read, model, optimizer, strict)
 
     def payload(self, path: str) -> dict[str, Any]:
         return sharded_payload(path)

@@ -29,6 +29,7 @@ from torch_tpu_embedding.checkpoint.checks import (
     apply_payload,
     check_payload,
     is_row_sparse,
+    meta_problems,
     slots_for_a_load,
     write_payload,
 )
@@ -371,6 +372,7 @@ def _checked_dcp(target: str, model: torch.nn.Module, optimizer: torch.optim.Opt
     unsaved = {f"model/{k}" for k in _non_persistent(model)}  # (saved before 2026-12-02: not loaded)
     unexpected = sorted(k for k in set(saved) - set(dest) - unsaved if optimizer is not None or k.startswith("model/"))
     problems = [f"missing {missing}"] if missing else []
+    problems += meta_problems(model)  # (DCP's read into a meta tensor fails: refused as the host path refuses it)
     if unexpected:
         problems.append(f"unexpected {unexpected}")
     extra = meta.get("extra_state")

@@ -23,7 +23,7 @@ from torch_tpu_embedding.optim._state.state_check import CheckedState, tensor_pr
 
 __all__ = [
     "CheckpointMismatchError", "aliases", "apply_payload", "check_payload", "expected_model_state", "is_row_sparse",
-    "model_problems", "optimizer_problems", "slots_for_a_load", "write_payload",
+    "meta_problems", "model_problems", "optimizer_problems", "slots_for_a_load", "write_payload",
 ]
 
 
@@ -92,7 +92,7 @@ def model_problems(model: torch.nn.Module, state: Mapping[str, Any], strict: boo
     if not isinstance(state, Mapping):
         return [f"not a state_dict (a mapping of names to tensors): found {type(state).__name__}"]
     expected = expected_model_state(model)
-    problems = []
+    problems = meta_problems(model, state)
     if strict:
         missing = [k for k in expected if k not in state]
         unexpected = [k for k in state if k not in expected]
@@ -128,6 +128,31 @@ def model_problems(model: torch.nn.Module, state: Mapping[str, Any], strict: boo
             problems.append(f"{key}: the checkpoint holds {dtype_kind(value.dtype)} values ({value.dtype}), "
                             f"the model a {dtype_kind(dtype)} tensor ({dtype})")
     return problems
+
+
+def meta_problems(model: torch.nn.Module, state: Mapping[str, Any] | None = None) -> list[str]:
+    """``model``'s tensors on the meta device that a load of ``state`` (``None``: every key) would write: a copy into
+    one writes nothing (torch only warns), so a load into a model built there and not drawn yet is refused."""
+    out, seen = [], set()
+    kept = [(f"{prefix}.{n}" if prefix else n, t) for prefix, m in model.named_modules()
+            for n, t in [*m._parameters.items(), *m._buffers.items()] if n not in m._non_persistent_buffers_set]
+    for name, t in kept:
+        if t is None or not t.is_meta or id(t) in seen:
+            continue
+        seen.add(id(t))
+        info = table_info(t)
+        if info is None:
+            if state is None or name in state:
+                out.append(f"`{name}` is on the meta device (it holds no values for a load to write): call "
+                           "module.to_empty(device=...) for it first")
+            continue
+        owner = name[: -len(f"{info.name}.weight")].removesuffix("groups.").removesuffix("tables.")
+        names = [m[0] for m in info.members] if info.members is not None else [info.name]
+        if state is None or any(f"{owner}tables.{n}.weight" in state for n in names) or name in state:
+            out += [f"table `{n}` is on the meta device (built with device=\"meta\": it holds no values for a load to "
+                    "write): call model.to_empty(device=...) or tte.distributed.shard(model, device=...) first"
+                    for n in names]
+    return out
 
 
 def _group_keys(model: torch.nn.Module) -> dict[str, tuple[torch.Size, torch.dtype, list[str]]]:

@@ -22,6 +22,7 @@ import torch
 
 from torch_tpu_embedding._rows.row_order import Description, describe, from_logical, layout_of, to_logical
 from torch_tpu_embedding._rows.tables import table_info
+from torch_tpu_embedding._util.dtypes import dtype_kind
 from torch_tpu_embedding.checkpoint.agreement import Attempt, agree
 from torch_tpu_embedding.checkpoint.checks import (
     CheckpointMismatchError,
@@ -30,6 +31,7 @@ from torch_tpu_embedding.checkpoint.checks import (
     check_payload,
     is_row_sparse,
     meta_problems,
+    named_keys,
     slots_for_a_load,
     write_payload,
 )
@@ -274,10 +276,6 @@ def _saved_sizes(path: str) -> tuple[dict[str, torch.Size], dict[str, torch.dtyp
     return {k: v.size for k, v in entries}, {k: v.properties.dtype for k, v in entries}
 
 
-def _kind(dtype: torch.dtype) -> tuple[bool, bool, bool]:
-    return dtype.is_floating_point, dtype.is_complex, dtype == torch.bool
-
-
 def load_distributed(
     path: str | os.PathLike[str], *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
 ) -> dict[str, Any] | None:
@@ -371,10 +369,10 @@ def _checked_dcp(target: str, model: torch.nn.Module, optimizer: torch.optim.Opt
     missing = sorted(set(dest) - set(saved))
     unsaved = {f"model/{k}" for k in _non_persistent(model)}  # (saved before 2026-12-02: not loaded)
     unexpected = sorted(k for k in set(saved) - set(dest) - unsaved if optimizer is not None or k.startswith("model/"))
-    problems = [f"missing {missing}"] if missing else []
+    problems = [f"missing {named_keys(missing, rest['members'])}"] if missing else []
     problems += meta_problems(model)  # (DCP's read into a meta tensor fails: refused as the host path refuses it)
     if unexpected:
-        problems.append(f"unexpected {unexpected}")
+        problems.append(f"unexpected {named_keys(unexpected, meta.get('members', {}))}")
     extra = meta.get("extra_state")
     if extra is not None:
         here = extra_states(model, loaded=True)
@@ -390,10 +388,11 @@ def _checked_dcp(target: str, model: torch.nn.Module, optimizer: torch.optim.Opt
         n_saved, n_here = meta["rows"].get(k), rows[k]
         logical_saved = (n_saved, *saved[k][1:]) if n_saved is not None else tuple(saved[k])
         logical_here = (n_here, *dest[k].shape[1:]) if n_here is not None else tuple(dest[k].shape)
+        name = named_keys([k], rest["members"])[0]
         if tuple(logical_saved) != tuple(logical_here):
-            problems.append(f"{k} has shape {tuple(logical_saved)} saved, {tuple(logical_here)} here")
-        elif _kind(saved_dtypes[k]) != _kind(dest[k].dtype):
-            problems.append(f"{k} holds {saved_dtypes[k]} values saved, {dest[k].dtype} here")
+            problems.append(f"{name} has shape {tuple(logical_saved)} saved, {tuple(logical_here)} here")
+        elif dtype_kind(saved_dtypes[k]) != dtype_kind(dest[k].dtype):
+            problems.append(f"{name} holds {saved_dtypes[k]} values saved, {dest[k].dtype} here")
     if optimizer is not None and meta["optimizer"] is None:
         raise ValueError(f"{target} holds no optimizer state.")
     if optimizer is not None:  # hyper-parameters too, before any tensor is read in place

@@ -23,7 +23,7 @@ from torch_tpu_embedding.optim._state.state_check import CheckedState, tensor_pr
 
 __all__ = [
     "CheckpointMismatchError", "aliases", "apply_payload", "check_payload", "expected_model_state", "is_row_sparse",
-    "meta_problems", "model_problems", "optimizer_problems", "slots_for_a_load", "write_payload",
+    "meta_problems", "model_problems", "named_keys", "optimizer_problems", "slots_for_a_load", "write_payload",
 ]
 
 
@@ -152,6 +152,20 @@ def meta_problems(model: torch.nn.Module, state: Mapping[str, Any] | None = None
             out += [f"table `{n}` is on the meta device (built with device=\"meta\": it holds no values for a load to "
                     "write): call model.to_empty(device=...) or tte.distributed.shard(model, device=...) first"
                     for n in names]
+    return out
+
+
+def named_keys(keys: list[str], members: Mapping[str, Any]) -> list[str]:
+    """Keys of a distributed checkpoint (``model/<state_dict key>``, ``optim/table:<name>/<slot>``) as a message names
+    them: a stacked group's with its tables (``members``: each group's ``(table, first row, rows)``), whose own name
+    (``fused_0``) the user never gave."""
+    out = []
+    for key in keys:
+        where, _, rest = key.partition("/")
+        name, _, slot = rest.partition("/") if where == "optim" else (rest, "", "")
+        group = members.get(f"{where}/{name}")
+        tables = f" (stacked tables {', '.join(f'`{m[0]}`' for m in group)})" if group else ""
+        out.append(f"optimizer slot '{slot}' of {name}{tables}" if slot else f"{name}{tables}")
     return out
 
 

@@ -84,6 +84,7 @@ from typing import Any
 # A sibling script: benchmarks/ is sys.path[0].
 import torch
 from _fbgemm_step import SERVE, add_workload_args, environment, make_batches, percentile, time_steps
+from host_ops import cpu_model
 
 REPO = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
@@ -538,6 +539,7 @@ def main() -> None:
         ap.error(f"--mixed runs ours only (the peers here take one table size); drop --modes {' '.join(others)}")
 
     policy = os.environ.get("OMP_WAIT_POLICY")
+    print(f"CPU: {cpu_model()}")
     print(f"parent: torch {torch.__version__}, torch threads={torch.get_num_threads()}, OMP_WAIT_POLICY="
           f"{policy or 'unset (children get PASSIVE)'}; {os.cpu_count()} CPUs, load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")

@@ -280,10 +280,15 @@ def child(args: argparse.Namespace) -> None:
 
 
 def cpu_model() -> str:
+    """The CPU's model name with its family, model and stepping (cloud machines name several CPUs "AMD EPYC")."""
     try:
+        fields: dict[str, str] = {}
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+        if "model name" in fields:
+            ids = ", ".join(f"{k} {fields[k]}" for k in ("cpu family", "model", "stepping") if k in fields)
+            return fields["model name"] + (f" ({ids})" if ids else "")
     except OSError:
         pass
     return platform.processor() or "unknown"

@@ -94,16 +94,17 @@ def test_a_before_update_that_raises_leaves_the_state_a_failed_loss_leaves(stale
         left = state["unfinished"]
         assert state["steps"] == 2 and left == pipe.unfinished() and state["taken"] == 2 + len(left)
         stopped.append(({k: v.clone() for k, v in model.state_dict().items()}, copy.deepcopy([o.state_dict() for o in opts]),
-                        [id(b) for b in pipe.unfinished()], pipe.taken))
+                        [id(b) for b in pipe.unfinished()]))
         count["armed"] = False
         assert sum(1 for _ in pipe.run(it)) == 4 and pipe.steps == 6 and pipe.unfinished() == []
         _same(model, want)
-    (loss_model, loss_opts, loss_left, loss_taken), (hook_model, hook_opts, hook_left, hook_taken) = stopped
+    (loss_model, loss_opts, loss_left), (hook_model, hook_opts, hook_left) = stopped
     # Each leaves the stream from the failed batch on: how many of them the prefetch thread had taken by then
     # depends on the machine's load, not on where the step failed.
+    # (the pipeline's own count of batches taken moves with that thread too: state_dict()'s `taken`, checked above for
+    # each run, is the count a resumed run starts from)
     for left in (loss_left, hook_left):
         assert left == [id(b) for b in data[2:2 + len(left)]]
-    assert hook_taken - len(hook_left) == loss_taken - len(loss_left)
     _equal(hook_model, loss_model)
     _equal(hook_opts, loss_opts)
 

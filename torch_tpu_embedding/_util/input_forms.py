@@ -73,7 +73,7 @@ def from_offsets(
             (f"{by('lengths')} must add up to len({by('values')})={values.numel()}"  # (>= 0: checked by the caller)
              if by_lengths else
              f"{offs} must start at 0, be non-decreasing and end at len({vals if names else 'values'})="
-             f"{values.numel()}") + f". Received: {got.tolist() if got.numel() <= 16 else got}",
+             f"{values.numel()}") + f". Received: {_shown(got)}",
         )
     b = lengths.numel()
     # output_size: the count it has (checked above), known without reading lengths, so a compiled
@@ -107,9 +107,9 @@ def nested_entries(nt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return values[take], packed, take
 
 
-def _bag_lengths(offsets: torch.Tensor) -> object:
-    lengths = offsets[1:] - offsets[:-1]
-    return lengths.tolist() if lengths.numel() <= 16 else lengths
+def _shown(t: torch.Tensor) -> object:
+    """``t`` as an error message shows it: its entries where few, else the tensor's own (abridged) form."""
+    return t.tolist() if t.numel() <= 16 else t
 
 
 def nested_weights(feature: str, w: torch.Tensor, offsets: torch.Tensor, what: str) -> torch.Tensor:
@@ -119,7 +119,7 @@ def nested_weights(feature: str, w: torch.Tensor, offsets: torch.Tensor, what: s
     offsets = offsets.cpu().to(torch.int64)
     if not _tracing() and not torch.equal(packed.to(torch.int64), offsets):
         raise _err(feature, f"{what}, a nested tensor, must hold the bags of the ids: bag lengths "
-                   f"{_bag_lengths(offsets)}. Received bag lengths {_bag_lengths(packed)}")
+                   f"{_shown(offsets.diff())}. Received bag lengths {_shown(packed.diff())}")
     return entries
 
 

@@ -44,10 +44,12 @@ from torch_tpu_embedding.checkpoint.dcp import (
     read_meta,
     read_tensors,
     read_torch_dcp,
+    saved_groups,
+    saved_sizes,
     uses_xla,
     xla_planner,
 )
-from torch_tpu_embedding.checkpoint.files import check_loadable, dcp_quiet, read_dcp_metadata, write_atomic
+from torch_tpu_embedding.checkpoint.files import check_loadable, dcp_quiet, write_atomic
 from torch_tpu_embedding.checkpoint.host import (
     host_model_state,
     host_optimizer_state,
@@ -263,19 +265,6 @@ def save_distributed(
           "complete", other=RuntimeError)
 
 
-def _groups(members: Any) -> Any:
-    """A model's stacked groups as recorded in a distributed checkpoint: ``{key: [(table, first row, rows)]}``."""
-    if not isinstance(members, dict):
-        return members
-    return {k: [tuple(m) for m in v] for k, v in members.items() if str(k).startswith("model/")}
-
-
-def _saved_sizes(path: str) -> tuple[dict[str, torch.Size], dict[str, torch.dtype]]:
-    md = read_dcp_metadata(path)  # allow-listed unpickling: a crafted .metadata runs no code
-    entries = [(k, v) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")]
-    return {k: v.size for k, v in entries}, {k: v.properties.dtype for k, v in entries}
-
-
 def load_distributed(
     path: str | os.PathLike[str], *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
 ) -> dict[str, Any] | None:
@@ -351,8 +340,9 @@ def _checked_dcp(target: str, model: torch.nn.Module, optimizer: torch.optim.Opt
     meta = read_meta(target)
     dest, rows, rest = _physical(model, optimizer)  # the optimizer's slots made (slots_for_a_load)
     saved_layouts, layouts = meta.get("layouts", {}), rest["layouts"]
-    saved, saved_dtypes = _saved_sizes(target)
-    if _groups(meta.get("members", {})) != _groups(rest["members"]) and (set(saved) != set(dest) or "members" in meta):
+    saved, saved_dtypes = saved_sizes(target)
+    regrouped = saved_groups(meta.get("members", {})) != saved_groups(rest["members"])
+    if regrouped and (set(saved) != set(dest) or "members" in meta):
         # Tables stacked in other groups than here (stack_tables, or a mesh's placements), or a group of the same
         # name and size whose tables differ (another table's rows at a table's place): per table, through the host.
         payload = logical_payload(target, meta)

@@ -22,7 +22,7 @@ from torch_tpu_embedding.checkpoint.publish import read_errors
 from torch_tpu_embedding.optim._core.step_values import COUNTERS
 
 __all__ = ["FORMAT", "META", "dcp", "logical_payload", "present", "read_meta", "read_tensors", "read_torch_dcp",
-           "uses_xla", "xla_planner"]
+           "saved_groups", "saved_sizes", "uses_xla", "xla_planner"]
 
 #: written into every checkpoint; ``tte.checkpoint.load`` refuses other formats
 FORMAT = "torch_tpu_embedding.checkpoint/1"
@@ -165,6 +165,20 @@ def read_torch_dcp(path: str | os.PathLike[str]) -> dict[str, Any]:
     for k, v in flat.items():
         _set_path(out, tuple(mapping.get(k, (k,))), v)
     return out
+
+
+def saved_groups(members: Any) -> Any:
+    """A model's stacked groups as recorded in a distributed checkpoint: ``{key: [(table, first row, rows)]}``."""
+    if not isinstance(members, dict):
+        return members
+    return {k: [tuple(m) for m in v] for k, v in members.items() if str(k).startswith("model/")}
+
+
+def saved_sizes(path: str) -> tuple[dict[str, torch.Size], dict[str, torch.dtype]]:
+    """The shape and dtype of every tensor of the ``torch.distributed.checkpoint`` directory ``path``."""
+    md = read_dcp_metadata(path)  # allow-listed unpickling: a crafted .metadata runs no code
+    entries = [(k, v) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")]
+    return {k: v.size for k, v in entries}, {k: v.properties.dtype for k, v in entries}
 
 
 def _safe_planner() -> Any:

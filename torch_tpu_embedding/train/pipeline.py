@@ -59,7 +59,7 @@ from torch_tpu_embedding.modules.collection import EmbeddingCollection
 from torch_tpu_embedding.modules.prepared import NotAhead, PreparedFeatures
 from torch_tpu_embedding.train.lookahead import LookupsAhead
 from torch_tpu_embedding.train.prefetch import Prefetcher, Ready, ReusedBuffersError, call_weakly, refilled
-from torch_tpu_embedding.train.restored import failed_update, host_copy, restore, state_problem
+from torch_tpu_embedding.train.restored import failed_update, host_copy, restore, saved_state, state_problem
 
 __all__ = ["TrainPipeline"]
 
@@ -427,8 +427,7 @@ class TrainPipeline:
         outputs = host_copy(ahead) if ahead is not None else None if failed else self._resume_outputs
         unfinished = self.unfinished()
         handed = int(self._next is not None and self._next.source_error is None)  # (counted in self.taken already)
-        return {"steps": self.steps, "taken": self.taken + len(unfinished) - handed - failed, "unfinished": unfinished,
-                "outputs_ahead": outputs, "pipeline_execution_with_tensor_core": self.stale}
+        return saved_state(self.steps, self.taken - handed - failed, unfinished, outputs, self.stale)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` before :meth:`run`: its unfinished batches are trained first."""

@@ -12,9 +12,17 @@ from torch.utils._pytree import tree_map
 
 from torch_tpu_embedding._util.nest import flatten, path_name, rebuild
 
-__all__ = ["failed_update", "host_copy", "restore", "state_problem"]
+__all__ = ["failed_update", "host_copy", "restore", "saved_state", "state_problem"]
 
 _KEYS = ("steps", "taken", "unfinished", "outputs_ahead", "pipeline_execution_with_tensor_core")
+
+
+def saved_state(steps: int, trained_taken: int, unfinished: list[Any], outputs: Any, stale: bool) -> dict[str, Any]:
+    """``TrainPipeline.state_dict``'s mapping (what :func:`state_problem` checks on load): ``taken`` counts the
+    ``unfinished`` batches too (``trained_taken``: the batches taken and trained, or failed and listed first in
+    ``unfinished``, not counted again)."""
+    return {"steps": steps, "taken": trained_taken + len(unfinished), "unfinished": unfinished,
+            "outputs_ahead": outputs, "pipeline_execution_with_tensor_core": stale}
 
 
 def state_problem(state: Any, stale: bool) -> str | None:

@@ -53,9 +53,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-#: what every rank imports before its own code: imported once, by the fork server (:func:`rank_context`)
-PRELOAD = ["numpy", "pytest", "torch", "torch.distributed", "torch.distributed.checkpoint", "torch.nn.parallel",
-           "torch_tpu_embedding"]
+#: what every rank imports before its own code: imported once, by the fork server (:func:`rank_context`).
+#: ``torch._dynamo``: DistributedDataParallel imports it at its first forward (about 1 CPU s in every rank that
+#: wraps a head in DDP); importing it starts no thread, so the server stays safe to fork.
+PRELOAD = ["numpy", "pytest", "torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint",
+           "torch.nn.parallel", "torch_tpu_embedding"]
 
 
 def rank_context() -> multiprocessing.context.ForkServerContext:

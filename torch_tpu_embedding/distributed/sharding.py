@@ -56,6 +56,9 @@ __all__ = [
 ROW_ALIGNMENT = 512
 #: how long shard() waits for the other ranks without a `timeout`: torch's default for a new group
 _DEFAULT_WAIT = "torch's default timeout (30 minutes on gloo)"
+#: shard()'s groups over the default group by the `timeout` they wait: (that default group, the ranks' meeting
+#: group, the exchange's group), made once (:func:`_meet`)
+_GROUPS: dict[datetime.timedelta | None, tuple[Any, Any, Any]] = {}
 
 
 def group_placement(name: str, config: TableConfig, world: int, replicate_below_bytes: int) -> str:
@@ -150,7 +153,8 @@ def shard(
     tables each replicated one stays stacked with, by ``stack_tables``); where they differ every rank raises,
     naming the tables and each rank's value. The sharded tables are named in
     ``module._ddp_params_and_buffers_to_ignore`` (torch's list of parameters its ``DistributedDataParallel``
-    leaves alone: each rank's rows are its own).
+    leaves alone: each rank's rows are its own). Over the default group ``shard`` makes two process groups of its
+    own (the ranks' meeting, the exchange) once per ``timeout``: every model sharded with it shares them.
 
     Every argument and table is checked before anything changes: a refused call leaves the model as it was.
 
@@ -197,8 +201,16 @@ def shard(
     # the same group issues its own all-reduces. new_group needs every process of the default group, which
     # calls shard() only when `group` is the default; a group given is used as it is (give DDP another).
     keys = _table_keys(module, collections)
-    exchange = _meet(pg, group, timeout, rank)
-    _agree_layout(collections, placed, keys, exchange, world, rank, dtensor_state_dict)
+    meeting, exchange = _meet(pg, group, timeout, rank)
+    layouts: list[Any] = [None] * world
+    try:
+        dist.all_gather_object(layouts, _layout(collections, placed, keys, dtensor_state_dict), group=meeting)
+    except RuntimeError as e:  # (gloo's timeout is a plain RuntimeError)
+        if group is not None:
+            raise
+        _GROUPS.pop(timeout, None)  # (a meeting group that timed out is not met in again)
+        raise _absent(rank, timeout, e) from e
+    _agree_layout(layouts, rank)
     out: dict[str, str] = {}
     for ec, placements in zip(collections, placed, strict=True):
         # Tables built on the meta device: their recorded draws by table, followed through the re-stacking
@@ -243,27 +255,43 @@ def _table_keys(module: nn.Module, collections: list[EmbeddingCollection]) -> di
                      for name in ec.table_configs] for ec in collections}
 
 
-def _meet(pg: Any, group: Any, timeout: datetime.timedelta | None, rank: int) -> Any:
-    """Every rank of ``pg`` at :func:`shard`, each waiting at most ``timeout``; returns the exchange's group.
+def _meet(pg: Any, group: Any, timeout: datetime.timedelta | None, rank: int) -> tuple[Any, Any]:
+    """Every rank of ``pg`` at :func:`shard`, each waiting at most ``timeout``; returns the group the ranks agree on the
+    layout in and the exchange's group.
 
     The exchange gets a group of its own: its all-to-alls run inside autograd's backward, where a DDP over the
     same group issues its own all-reduces. ``new_group`` needs every process of the default group, which calls
-    ``shard`` only when ``group`` is the default; its connection through the store waits ``timeout`` and never
-    pairs with another collective, so a rank that never calls ``shard`` is named rather than waited for. A group
-    given is used as it is (give DDP another; the layout agreement then waits its timeout).
+    ``shard`` only when ``group`` is the default. Those groups are made once per ``timeout`` (as torch's functional
+    collectives find theirs by ranks and tag) and kept in :data:`_GROUPS`: one per call was a gloo group (threads,
+    sockets) for every model sharded, never freed. The ranks meet in a group of its own, which nothing but
+    ``shard`` uses: the first time in its connection through the store, later in the layout agreement; either waits
+    ``timeout`` and never pairs with another collective (a live model's exchange, a DDP all-reduce), so a rank that
+    never calls ``shard`` is named rather than waited for. A group given is used as it is (give DDP another; the
+    layout agreement then waits its timeout).
     """
     if group is not None:
-        return group
+        return group, group
+    made = _GROUPS.get(timeout)
+    if made is not None and made[0] is dist.group.WORLD:  # (not the groups of a default group since destroyed)
+        return made[1], made[2]
+    ranks = dist.get_process_group_ranks(pg)
     try:
-        return dist.new_group(dist.get_process_group_ranks(pg), timeout=timeout)
+        meeting = dist.new_group(ranks, timeout=timeout)
     except dist.DistError as e:
-        raise RuntimeError(
-            f"tte.distributed.shard on rank {rank} waited {timeout or _DEFAULT_WAIT} for the other "
-            "ranks of the process group, and some never arrived: every rank must call tte.distributed.shard(model) "
-            "(with the same model) before its first step. A rank that skipped it, or one that failed or is still "
-            "loading before it, leaves the others here; shard(..., timeout=datetime.timedelta(...)) sets the wait. "
-            f"Received: {e}"
-        ) from e
+        raise _absent(rank, timeout, e) from e
+    _GROUPS[timeout] = (dist.group.WORLD, meeting, dist.new_group(ranks, timeout=timeout))
+    return _GROUPS[timeout][1:]
+
+
+def _absent(rank: int, timeout: datetime.timedelta | None, e: Exception) -> RuntimeError:
+    """:func:`shard`'s error where the ranks did not all arrive within ``timeout``."""
+    return RuntimeError(
+        f"tte.distributed.shard on rank {rank} waited {timeout or _DEFAULT_WAIT} for the other "
+        "ranks of the process group, and some never arrived: every rank must call tte.distributed.shard(model) "
+        "(with the same model) before its first step. A rank that skipped it, or one that failed or is still "
+        "loading before it, leaves the others here; shard(..., timeout=datetime.timedelta(...)) sets the wait. "
+        f"Received: {e}"
+    )
 
 
 def _layout(collections: list[EmbeddingCollection], placed: list[dict[str, str]], keys: dict[int, list[str]],
@@ -284,16 +312,12 @@ def _layout(collections: list[EmbeddingCollection], placed: list[dict[str, str]]
     return {"tables": tables, "dtensor_state_dict": dtensor_state_dict}
 
 
-def _agree_layout(collections: list[EmbeddingCollection], placed: list[dict[str, str]], keys: dict[int, list[str]],
-                  group: Any, world: int, rank: int, dtensor_state_dict: bool) -> None:
-    """One ``all_gather_object`` of every rank's :func:`_layout`; raises on every rank where they differ.
+def _agree_layout(every: list[Any], rank: int) -> None:
+    """Every rank's :func:`_layout` (by one ``all_gather_object``); raises on every rank where they differ.
 
     Raises:
         RuntimeError: the ranks' tables differ: which tables, which value on which rank.
     """
-    mine = _layout(collections, placed, keys, dtensor_state_dict)
-    every: list[Any] = [None] * world
-    dist.all_gather_object(every, mine, group=group)
     problems = []
     names = dict.fromkeys(n for lay in every for n in lay["tables"])
     for name in names:

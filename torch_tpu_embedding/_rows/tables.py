@@ -264,6 +264,13 @@ class CarriedMark:
     def put_on(self, t: torch.Tensor) -> None:
         set_exchange_mark(t, self.value)
 
+    @staticmethod
+    def move(old: torch.Tensor | None, new: torch.Tensor) -> None:
+        """A table's new weight gets the mark of the ``old`` one it replaces (``load_state_dict(assign=True)``, a
+        conversion that makes new parameters), unless it was marked itself: the mark is the table's."""
+        if old is not None and old is not new and exchange_mark(new) is None:
+            set_exchange_mark(new, exchange_mark(old))
+
     def __deepcopy__(self, memo: Any) -> CarriedMark:
         # A process group is a handle on the running processes, not data: a copy is exchanged over the same one.
         return self

@@ -417,6 +417,7 @@ def _lay_out(module: nn.Module, placement: str, owner: int, group: Any, world: i
         local = _rows_of(table, layout)
     table.weight = nn.Parameter(local)  # the whole table goes with its last reference
     table._register("its rows were sharded over a process group (a new parameter)")
+    mark(table.weight, None)  # (one the whole table had, carried: its rows go to their owners, never exchanged)
     info = register_table(table.weight, table.name, layout.local_rows, table.config.optimizer)
     info.sharding = layout  # never exchanged as data parallel (grad_sync.exchange_group reads the placement)
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from torch_tpu_embedding._rows.dedup import is_static_device
-from torch_tpu_embedding._rows.placement import dtensor_placement
+from torch_tpu_embedding._rows.placement import dtensor_placement, process_group_placement
 from torch_tpu_embedding._rows.row_grad import RowGrad
 from torch_tpu_embedding._rows.row_order import RowLayout, from_logical, owned_logical_ids, to_logical
 from torch_tpu_embedding._rows.stacked_state import member_entries
@@ -61,9 +61,7 @@ class EmbeddingTable(nn.Module):
         #: (:meth:`fill_rows`, ``tte.distributed.shard``); empty once drawn or when built with values
         self.deferred: tuple[tuple[int, DeferredDraw], ...] = ()
         if weight is None:
-            self.weight = nn.Parameter(
-                host_empty(name, (config.num_embeddings, config.embedding_dim), config.dtype)
-            )
+            self.weight = nn.Parameter(host_empty(name, (config.num_embeddings, config.embedding_dim), config.dtype))
             self.reset_parameters()
         else:  # initial values given (a stacked group stacks its tables' drawn weights)
             self.weight = nn.Parameter(weight)
@@ -81,10 +79,8 @@ class EmbeddingTable(nn.Module):
         return int(self.weight.shape[0]) - self.config.num_embeddings
 
     def pad_rows(self, multiple: int) -> None:
-        """Round the physical rows up to a multiple of ``multiple`` with zero rows (never looked up).
-
-        Replaces ``weight`` with a new parameter: call before building the optimizer.
-        """
+        """Round the physical rows up to a multiple of ``multiple`` with zero rows (never looked up). Replaces
+        ``weight`` with a new parameter: call before building the optimizer."""
         n = self.config.num_embeddings
         rows = -(-n // multiple) * multiple
         if rows == self.weight.shape[0]:
@@ -159,9 +155,9 @@ class EmbeddingTable(nn.Module):
         if old is not None and old is not self.weight:
             retire_table(old, replaced)
         self.__dict__["_registered_weight"] = weakref.ref(self.weight)
-        old_info = None if old is None else table_info(old)
-        spread = None if old_info is None else old_info.sharding
-        if old is not self.weight and spread is not None and spread.over_process_group:
+        CarriedMark.move(old, self.weight)  # (a conversion that made new parameters: torch's overwrite_module_params)
+        spread = None if old is None else process_group_placement(old)
+        if old is not self.weight and spread is not None:
             # One rank's rows of a table sharded over a process group (tte.distributed.shard), moved or cast:
             # still those rows, with that layout (else its lookups would read the shard as a whole table).
             info = register_table(self.weight, self.name, int(self.weight.shape[0]), self.config.optimizer)
@@ -222,11 +218,15 @@ class EmbeddingTable(nn.Module):
             )
 
     def __setattr__(self, name: str, value: Any) -> None:
+        old = self.__dict__.get("_parameters", {}).get("weight") if name == "weight" else None
         if name == "weight" and isinstance(value, nn.Parameter):
             # A weight set as the module's (load_state_dict(assign=True), `table.weight = ...`) becomes the table's
             # at its first use; one put in place for a call (torch.func.functional_call writes `_parameters`) is not.
             self.__dict__["_assigned_weight"] = id(value)
+            CarriedMark.move(old, value)  # tte.distributed's mark: the old weight may be gone by the first use
         super().__setattr__(name, value)
+        if old is not None and old is not value and process_group_placement(old) is not None:
+            self._register()  # one rank's rows (tte.distributed.shard): their layout carried while `old` lives
 
     @property
     def row_grad(self) -> RowGrad:

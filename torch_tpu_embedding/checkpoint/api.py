@@ -49,7 +49,7 @@ from torch_tpu_embedding.checkpoint.dcp import (
     uses_xla,
     xla_planner,
 )
-from torch_tpu_embedding.checkpoint.files import check_loadable, dcp_quiet, write_atomic
+from torch_tpu_embedding.checkpoint.files import check_loadable, check_records, dcp_quiet, write_atomic
 from torch_tpu_embedding.checkpoint.host import (
     host_model_state,
     host_optimizer_state,
@@ -139,7 +139,7 @@ def _read(target: str, digest: bool = False) -> tuple[dict[str, Any], str]:
             sha = hashlib.sha256()
             while digest and (block := f.read(1 << 22)):
                 sha.update(block)
-            f.seek(0)
+            check_records(f)  # (before anything is loaded: torch.load checks no CRC)
             payload = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several types for a damaged zip / pickle stream
         raise ValueError(f"{target} is not a readable checkpoint (truncated or corrupt): {e}") from e

@@ -5,6 +5,8 @@
   its temporary behind; the kernel drops its lock. Every later write in that folder removes the
   temporaries of ours (``.tte-tmp-*``) that no live process holds locked — never one being written
   (a concurrent saver holds its lock until its rename), never a file of another name.
+* :func:`check_records` reads every record of a ``torch.save`` file against the CRC-32 its writer stored: torch's
+  reader checks none (a flipped byte inside a tensor loads as another value, torch 2.9 and 2.13 alike).
 * :func:`check_loadable` refuses, before anything is written, a payload that ``torch.load(...,
   weights_only=True)`` could not read back (numpy values, paths, datetimes, custom objects), naming
   the key path and the type.
@@ -26,6 +28,7 @@ import pickle
 import re
 import tempfile
 import warnings
+import zipfile
 from collections.abc import Iterator
 from typing import IO, Any
 
@@ -36,8 +39,9 @@ try:  # POSIX advisory locks; elsewhere no stale temporary is ever removed
 except ImportError:  # pragma: no cover - not on Linux
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["TMP_PREFIX", "SaveLock", "check_loadable", "dcp_quiet", "dcp_reader", "fsync_dir", "hold", "held",
-           "load_refusal", "read_dcp_metadata", "release", "remove_stale_temporaries", "through", "write_atomic"]
+__all__ = ["TMP_PREFIX", "SaveLock", "check_loadable", "check_records", "dcp_quiet", "dcp_reader", "fsync_dir",
+           "hold", "held", "load_refusal", "read_dcp_metadata", "release", "remove_stale_temporaries", "through",
+           "write_atomic"]
 
 #: name prefix of our temporary files (``.tte-tmp-<target name>-<random>``)
 TMP_PREFIX = ".tte-tmp-"
@@ -181,6 +185,30 @@ def write_atomic(payload: Any, path: str | os.PathLike[str]) -> None:
         # device tensors, a fresh host copy of every table and slot per save (RSS grew ~8% over 2
         # saves in benchmarks/soak.py; tests/xla/test_ckpt_memory.py).
         gc.collect()
+
+
+def check_records(f: IO[bytes]) -> None:
+    """Read every record of the ``torch.save`` file ``f`` (a zip archive: the pickle, one record per storage) against
+    the CRC-32 torch stored for it, and return to the start. torch's own reader checks none of them: a byte flipped
+    on disk or in transit inside a tensor's data loads silently as another value (torch 2.9 and 2.13). Every file
+    torch has written since 1.6 holds them, so files saved by earlier versions are checked too; a file that is no
+    zip archive is left to ``torch.load``.
+
+    Raises:
+        ValueError: a record whose bytes differ from those written, naming it.
+    """
+    f.seek(0)
+    if zipfile.is_zipfile(f):
+        with zipfile.ZipFile(f) as archive:
+            for record in archive.infolist():
+                try:
+                    with archive.open(record) as r:
+                        while r.read(1 << 22):  # (zipfile compares the CRC-32 at the record's end)
+                            pass
+                except zipfile.BadZipFile as e:
+                    raise ValueError(f"record {record.filename!r} is not the bytes torch.save wrote (its CRC-32 "
+                                     f"differs: altered on disk or in transit). Nothing was loaded. ({e})") from e
+    f.seek(0)
 
 
 # ----------------------------------------------------------------------------- one save at a time

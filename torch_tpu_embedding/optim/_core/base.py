@@ -38,6 +38,7 @@ from torch_tpu_embedding.optim._core.extras import EXTRA_DEFAULTS, EXTRA_NAMES, 
 from torch_tpu_embedding.optim._core.hyperparams import (
     OVERRIDE_GROUP,
     check_added_group,
+    check_edited_groups,
     check_group_options,
     check_slot_options,
     param_groups,
@@ -239,6 +240,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._check_live_tables()
         check_slot_options(self.param_groups, self.state, self._run.slot_options)  # before any gradient is sent
+        if not torch.compiler.is_compiling():  # (its checks read numbers on the host: a graph break)
+            check_edited_groups(self.param_groups, self._run.groups_checked)
         # Data parallel (torch_tpu_embedding.distributed): the tables' row gradients made global first. (A table's
         # dense .grad is refused by it before anything is sent under a process group, as torch's DDP's; by
         # check_no_dense_grad without one.)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torch_tpu_embedding._rows.tables import refuse_stacked_view, table_info
-from torch_tpu_embedding._util.registry import optimizer_class, optimizer_names, resolve_rule
+from torch_tpu_embedding._util.registry import optimizer_class, optimizer_names, resolve_rule, rule_of
 from torch_tpu_embedding._util.validation import arg_error, check_bool, check_number
 from torch_tpu_embedding.optim._core.extras import EXTRA_DEFAULTS, check_extras, unbounded_pair
 from torch_tpu_embedding.optim._core.step_values import check_lr
@@ -25,9 +25,9 @@ if TYPE_CHECKING:
     from torch_tpu_embedding.optim._core.base import RowSparseOptimizer
 
 __all__ = [
-    "OVERRIDE_GROUP", "SLOT_OPTIONS", "TORCH_GROUP_KEYS", "check_added_group", "check_clipvalue", "check_group_options",
-    "check_slot_options", "check_stacked", "mark_exchange", "param_groups", "refuse_complex", "user_groups",
-    "validate_common",
+    "OVERRIDE_GROUP", "SLOT_OPTIONS", "TORCH_GROUP_KEYS", "check_added_group", "check_clipvalue", "check_edited_groups",
+    "check_group_options", "check_slot_options", "check_stacked", "mark_exchange", "param_groups", "refuse_complex",
+    "user_groups", "validate_common",
 ]
 
 #: Marks the parameter group a table override's own optimizer is built from: that optimizer must
@@ -136,6 +136,32 @@ def check_slot_options(groups: list[dict[str, Any]], state: Mapping[Any, Any],
                 f"it during training, build a new optimizer with it. Nothing was changed by this step."
             )
         seen[i] = now
+
+
+def check_edited_groups(groups: list[dict[str, Any]], seen: dict[int, dict[str, Any]]) -> None:
+    """Raise, before a step takes any gradient, if a group's hyper-parameters were set since the last step
+    (``param_groups[i]["eps"] = 0.0``, as torch users edit them; a scheduler's ``betas``) to a value the constructor
+    refuses: unchecked, a zero ``eps`` or ``initial_accumulator_value`` turns the rows of a zero gradient NaN. A group
+    that passes is normalised as the constructor normalises it; ``seen`` records each group, by position, as last
+    checked. (``lr`` is checked at every step, without reading a device tensor: ``step_values.lr_value``.)"""
+    for i, group in enumerate(groups):
+        before = seen.get(i)
+        if before is not None and len(before) == len(group) and all(
+                k == "lr" or (k in before and _same(v, before[k])) for k, v in group.items()):
+            continue
+        checked = {**group, "lr": 0.0}
+        try:
+            check_extras(checked, {k: checked[k] for k in EXTRA_DEFAULTS if k in checked})
+            validate_common(checked)
+            rule_of(group)._validate(checked)
+        except (TypeError, ValueError) as e:
+            kind = TypeError if isinstance(e, TypeError) else ValueError
+            raise kind(f"optimizer.param_groups[{i}] was given a value its optimizer refuses: {e}. Nothing was changed "
+                       "by this step.") from None
+        for k, v in checked.items():  # (normalised values: a tensor beta's float, clipvalue's pair)
+            if k not in ("params", "lr") and v is not group.get(k):
+                group[k] = v
+        seen[i] = dict(group)
 
 
 def user_groups(params: Any) -> list[dict[str, Any]]:

@@ -116,7 +116,8 @@ class StepCounters:
     cannot trace an assignment to an attribute of a ``torch.optim.Optimizer`` (its ``OptimizerVariable``
     takes no attribute mutation), while it traces one to this object's."""
 
-    __slots__ = ("checked_retired", "dropped", "ema_window", "iterations", "last_skipped", "skipped", "slot_options")
+    __slots__ = ("checked_retired", "dropped", "ema_window", "groups_checked", "iterations", "last_skipped", "skipped",
+                 "slot_options")
 
     def __init__(self, iterations: int = 0) -> None:
         #: calls of ``step()`` so far (Keras ``iterations`` before the ``// k`` of accumulation)
@@ -130,6 +131,8 @@ class StepCounters:
         self.ema_window: dict[int, Any] = {}
         #: each group's options that shape its state, by position, as the last step saw them (check_slot_options)
         self.slot_options: dict[int, tuple[Any, ...]] = {}
+        #: each group's hyper-parameters, by position, as the last step checked them (check_edited_groups)
+        self.groups_checked: dict[int, dict[str, Any]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         """What a copy of the optimizer (``copy.deepcopy``, ``pickle``) keeps: the counts, without which it would
@@ -157,6 +160,7 @@ class StepCounters:
         self.last_skipped = None  # (no call since the load: a checkpoint does not keep the last call's flag)
         self.ema_window.clear()
         self.slot_options.clear()  # (the loaded state is made for the loaded options)
+        self.groups_checked.clear()
 
     def start(self, clean: Tensor | None, checked: torch.device | None = None) -> None:
         """A call begins; ``clean``: whether its lookups dropped no id (``None``: no table of the call goes

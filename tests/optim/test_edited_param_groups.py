@@ -103,3 +103,20 @@ def test_betas_a_scheduler_sets_each_step_are_taken_as_torch_adams() -> None:
                 o.param_groups[0]["betas"] = (o.param_groups[0]["betas"][0], 0.99)
     assert ours.param_groups[0]["betas"] == theirs.param_groups[0]["betas"]
     torch.testing.assert_close(ec.tables["t"].weight.detach(), ref.weight.detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_an_lr_tensor_of_several_numbers_set_in_a_group_is_named() -> None:
+    ec, lin = _model()
+    opt = tte.optim.SGD([*ec.parameters(), *lin.parameters()], lr=0.1)
+    before, lin_w = ec.tables["t"].weight.detach().clone(), lin.weight.detach().numpy().copy()
+    _backward(ec, lin)
+    opt.param_groups[0]["lr"] = torch.tensor([0.1, 0.2])  # before: "shape '[]' is invalid for input of size 2"
+    with pytest.raises(ValueError, match=r"`lr`.*Received: a tensor of shape \(2,\)"):
+        opt.step()
+    assert torch.equal(ec.tables["t"].weight.detach(), before)
+    opt.param_groups[0]["lr"] = torch.tensor(0.1, dtype=torch.float64)
+    opt.step()
+    g = np.zeros((V, D))
+    g[[1, 3], 0] = 1.0
+    g[[1, 3]] += lin_w[0]
+    np.testing.assert_allclose(ec.tables["t"].weight.detach().numpy(), before.numpy() - 0.1 * g, rtol=1e-14, atol=1e-15)

@@ -57,6 +57,9 @@ def lr_value(group: dict[str, Any]) -> float | Tensor:
             f"The callable `lr` ({lr!r}) must return one number (a float or a 0-d tensor). It returned a tensor "
             f"of shape {tuple(value.shape)}."
         )
+    if isinstance(value, Tensor) and value.numel() != 1:  # set in a group after construction: named, not reshaped
+        raise ValueError(f"Argument `lr` (a parameter group's 'lr') must be a float, a 0-d tensor or a callable. "
+                         f"Received: a tensor of shape {tuple(value.shape)}")
     check_lr(value)
     return value
 

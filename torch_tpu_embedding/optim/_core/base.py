@@ -169,18 +169,22 @@ class RowSparseOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ construction
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """As ``torch.optim.Optimizer.add_param_group``; options given in the group are validated
-        (and normalised) like the constructor's, and a rejected group is not added. A key the
-        constructor does not take raises ``TypeError`` naming it and the group's index."""
+        """As ``torch.optim.Optimizer.add_param_group``; options given in the group are validated (and normalised)
+        like the constructor's, and a rejected group is not added. A key the constructor does not take raises
+        ``TypeError`` naming it and the group's index. A table whose ``TableConfig.optimizer`` is set gets a group of
+        its own with that optimizer, as in the constructor."""
+        groups, size = [param_group], len(self.param_groups)
         if not self.__dict__.get("_groups_checked") and isinstance(param_group, dict):
             rule_cls = optimizer_class(param_group["algorithm"]) if param_group.get("algorithm") else type(self)
             check_group_options(param_group, len(self.param_groups), rule_cls, self.defaults)
             rule_cls._options_to_hp(param_group)
-        super().add_param_group(param_group)
+            groups = param_groups([param_group]) or [param_group]  # (split as the constructor splits its groups)
         try:
-            check_added_group(self.param_groups[-1], len(self.param_groups) - 1, type(self), self.defaults)
+            for group in groups:
+                super().add_param_group(group)
+                check_added_group(self.param_groups[-1], len(self.param_groups) - 1, type(self), self.defaults)
         except (TypeError, ValueError):
-            self.param_groups.pop()
+            del self.param_groups[size:]
             raise
         self._run.checked_retired = -1  # the new group's tables are checked at the next step
 

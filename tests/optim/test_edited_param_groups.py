@@ -120,3 +120,13 @@ def test_an_lr_tensor_of_several_numbers_set_in_a_group_is_named() -> None:
     g[[1, 3], 0] = 1.0
     g[[1, 3]] += lin_w[0]
     np.testing.assert_allclose(ec.tables["t"].weight.detach().numpy(), before.numpy() - 0.1 * g, rtol=1e-14, atol=1e-15)
+
+
+def test_a_users_own_key_holding_a_new_array_each_step_is_no_error() -> None:
+    ec, lin = _model()
+    opt = tte.optim.SGD(ec.parameters(), lr=0.1)
+    for s in range(2):  # (torch.optim keeps keys of the user's own in a group; == of two arrays has no truth value)
+        opt.param_groups[0]["my_stats"] = np.array([s, s + 1.0])
+        _backward(ec, lin)
+        opt.step()
+        opt.zero_grad()

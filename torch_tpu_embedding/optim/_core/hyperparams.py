@@ -252,7 +252,10 @@ def _same(a: Any, b: Any) -> bool:
         return True
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or type(a) is not type(b):
         return False
-    return bool(a == b)
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError, RuntimeError):  # a user's key holding an array (no truth value): not the same
+        return False
 
 
 def param_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -130,3 +130,28 @@ def test_a_users_own_key_holding_a_new_array_each_step_is_no_error() -> None:
         _backward(ec, lin)
         opt.step()
         opt.zero_grad()
+
+
+@pytest.mark.parametrize("shape", [(1,), (1, 1)], ids=["[1]", "[1,1]"])
+def test_a_one_element_lr_set_in_a_group_trains_a_0d_parameter_as_torch_sgd(shape: tuple[int, ...]) -> None:
+    # (before: the table was updated, then the 0-d parameter's update raised "output with shape [] doesn't match
+    # the broadcast shape [1]", the step applied in part)
+    ec, _ = _model()
+    ref = torch.nn.EmbeddingBag(V, D, mode="sum", dtype=torch.float64)
+    with torch.no_grad():
+        ref.weight.copy_(ec.tables["t"].weight)
+    s, s_ref = (torch.nn.Parameter(torch.tensor(1.5, dtype=torch.float64)) for _ in range(2))
+    ours = tte.optim.SGD([*ec.parameters(), s], lr=0.1)
+    theirs = torch.optim.SGD([*ref.parameters(), s_ref], lr=0.1)
+    for o in (ours, theirs):
+        o.param_groups[0]["lr"] = torch.full(shape, 0.05, dtype=torch.float64)
+    ids = torch.tensor([[1, 3], [3, 4]])
+    for _ in range(2):
+        (ec({"f": tte.Padded(ids, torch.ones_like(ids, dtype=torch.bool))})["f"].pow(2).sum() * s).backward()
+        (ref(ids).pow(2).sum() * s_ref).backward()
+        for o in (ours, theirs):
+            o.step()
+            o.zero_grad()
+    assert s.shape == ()
+    torch.testing.assert_close(s.detach(), s_ref.detach(), rtol=1e-14, atol=0)
+    torch.testing.assert_close(ec.tables["t"].weight.detach(), ref.weight.detach(), rtol=1e-14, atol=1e-15)

@@ -98,9 +98,11 @@ class LearningRates:
         update arithmetic (:func:`~torch_tpu_embedding._util.dtypes.math_dtype`)."""
         dtype = math_dtype(p)
         if isinstance(lr, Tensor):
+            # 0-d whatever its shape (lr_value: one number): a [1] lr set in a group, as torch.optim takes it, would
+            # make a 0-d parameter's update [1]-shaped. Through a 1-element shape: a 0-d host tensor would become an
+            # XLA constant.
             lr = lr.detach().to(dtype=dtype)
-            # Through a 1-element shape: a 0-d host tensor would become an XLA constant.
-            return lr if lr.device == p.device else upload(lr.reshape(1), p.device).reshape(())
+            return lr.reshape(()) if lr.device == p.device else upload(lr.reshape(1), p.device).reshape(())
         key = (gi, p.device, dtype)
         cached = self._cache.get(key)
         if cached is None or cached[0] != lr:

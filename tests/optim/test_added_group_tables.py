@@ -35,14 +35,12 @@ def _step(ec: tte.EmbeddingCollection, lin: torch.nn.Linear, opt: torch.optim.Op
     opt.zero_grad()
 
 
-def test_a_table_with_its_own_optimizer_added_later_is_trained_by_that_optimizer() -> None:
-    ec, lin = _model(functools.partial(tte.optim.Adagrad, lr=0.5, initial_accumulator_value=0.2))
+_ADAGRAD = functools.partial(tte.optim.Adagrad, lr=0.5, initial_accumulator_value=0.2)
+
+
+def _train_and_check(ec: tte.EmbeddingCollection, lin: torch.nn.Linear, opt: torch.optim.Optimizer) -> None:
+    """Trains BAGS and compares the table with the float64 TF Adagrad formula (_ADAGRAD's lr and accumulator)."""
     w = ec.tables["t"].weight.detach().numpy().copy()
-    opt = tte.optim.SGD(lin.parameters(), lr=0.1)
-    opt.add_param_group({"params": list(ec.parameters())})
-    assert [g["algorithm"] for g in opt.param_groups] == ["sgd", "adagrad"]
-    built = tte.optim.SGD([*lin.parameters(), *ec.parameters()], lr=0.1)  # as the constructor groups it
-    assert [g["algorithm"] for g in built.param_groups] == ["adagrad", "sgd"]
     acc = np.full((V, D), 0.2)
     for s in range(len(BAGS)):
         _step(ec, lin, opt, s)
@@ -54,6 +52,31 @@ def test_a_table_with_its_own_optimizer_added_later_is_trained_by_that_optimizer
         acc[rows] += g[rows] ** 2
         w[rows] -= 0.5 * g[rows] / np.sqrt(acc[rows])
     np.testing.assert_allclose(ec.tables["t"].weight.detach().numpy(), w, rtol=1e-13, atol=1e-14)
+
+
+def test_a_table_with_its_own_optimizer_added_later_is_trained_by_that_optimizer() -> None:
+    ec, lin = _model(_ADAGRAD)
+    opt = tte.optim.SGD(lin.parameters(), lr=0.1)
+    opt.add_param_group({"params": list(ec.parameters())})
+    assert [g["algorithm"] for g in opt.param_groups] == ["sgd", "adagrad"]
+    built = tte.optim.SGD([*lin.parameters(), *ec.parameters()], lr=0.1)  # as the constructor groups it
+    assert [g["algorithm"] for g in built.param_groups] == ["adagrad", "sgd"]
+    _train_and_check(ec, lin, opt)
+
+
+@pytest.mark.parametrize("later", [False, True], ids=["constructor", "add_param_group"])
+def test_named_parameters_with_a_table_of_its_own_optimizer(later: bool) -> None:
+    # (before: torch's "all optimizer param groups should be with/without names": the table's own group was built
+    # from the bare tensor, without its name)
+    ec, lin = _model(_ADAGRAD)
+    if later:
+        opt = tte.optim.SGD(list(lin.named_parameters()), lr=0.1)
+        opt.add_param_group({"params": list(ec.named_parameters())})
+    else:
+        opt = tte.optim.SGD([*lin.named_parameters(), *ec.named_parameters()], lr=0.1)
+    table_group = next(g for g in opt.param_groups if g["algorithm"] == "adagrad")
+    assert table_group["param_names"] == [n for n, _ in ec.named_parameters()]
+    _train_and_check(ec, lin, opt)
 
 
 def test_a_refused_group_adds_no_table_group_either() -> None:

@@ -285,7 +285,7 @@ def param_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                 "build the EmbeddingCollection with stack_tables=False.")
             info = table_info(p)
             if overrides and info is not None and info.optimizer is not None and "algorithm" not in group:
-                out.append(_override_group(p, info.name, info.optimizer))
+                out.append(_override_group(p, info.name, info.optimizer, item))
             else:
                 keep.append(item)
         if keep:
@@ -294,8 +294,9 @@ def param_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _override_group(p: torch.Tensor, name: str, spec: Any) -> dict[str, Any]:
-    """One parameter group for table ``p`` with the optimizer its TableConfig names."""
+def _override_group(p: torch.Tensor, name: str, spec: Any, given: Any) -> dict[str, Any]:
+    """One parameter group for table ``p`` with the optimizer its TableConfig names; ``given``: ``p`` as the user
+    gave it (``(name, p)`` from ``named_parameters()``: torch.optim refuses groups with and without names mixed)."""
     factory: Callable[..., Any] = optimizer_class(spec) if isinstance(spec, str) else spec
     try:
         inner = factory([{"params": [p], _OVERRIDE_GROUP: True}])
@@ -313,7 +314,7 @@ def _override_group(p: torch.Tensor, name: str, spec: Any) -> dict[str, Any]:
             f"{type(inner).__name__}; expected a torch_tpu_embedding.optim optimizer."
         )
     group = dict(inner.param_groups[0])
-    group["params"] = [p]
+    group["params"] = [given]
     return group
 
 

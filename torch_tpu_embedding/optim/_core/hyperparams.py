@@ -146,8 +146,7 @@ def check_edited_groups(groups: list[dict[str, Any]], seen: dict[int, dict[str, 
     checked. (``lr`` is checked at every step, without reading a device tensor: ``step_values.lr_value``.)"""
     for i, group in enumerate(groups):
         before = seen.get(i)
-        if before is not None and len(before) == len(group) and all(
-                k == "lr" or (k in before and _same(v, before[k])) for k, v in group.items()):
+        if before is not None and _unchanged(group, before):
             continue
         checked = {**group, "lr": 0.0}
         try:
@@ -245,6 +244,17 @@ def refuse_complex(group: Mapping[str, Any], index: int, optimizer: str) -> None
                 "train complex parameters. Keep it as a real parameter with a last dim of 2 (the real and "
                 "imaginary parts, as torch.view_as_real gives) and use torch.view_as_complex(param) in forward."
             )
+
+
+def _unchanged(group: Mapping[str, Any], before: Mapping[str, Any]) -> bool:
+    """Whether ``group`` holds what ``before`` held, ``lr`` aside (a loop, not a generator: it runs every step)."""
+    if len(before) != len(group):
+        return False
+    for k, v in group.items():
+        was = before.get(k, before)  # (``before`` itself: a key it lacks)
+        if v is not was and k != "lr" and not _same(v, was):
+            return False
+    return True
 
 
 def _same(a: Any, b: Any) -> bool:

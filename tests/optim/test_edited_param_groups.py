@@ -155,3 +155,22 @@ def test_a_one_element_lr_set_in_a_group_trains_a_0d_parameter_as_torch_sgd(shap
     assert s.shape == ()
     torch.testing.assert_close(s.detach(), s_ref.detach(), rtol=1e-14, atol=0)
     torch.testing.assert_close(ec.tables["t"].weight.detach(), ref.weight.detach(), rtol=1e-14, atol=1e-15)
+
+
+def test_adafactors_weight_decay_set_in_a_group_is_its_decoupled_decay_as_built() -> None:
+    # (before: the group kept `weight_decay` beside the weight_decay_factor it was built with, which the rule reads:
+    # the new value was ignored without a word, the rows decayed by 1 - 0.1 · 0.01)
+    ec, _ = _model()
+    w0 = ec.tables["t"].weight.detach().clone()
+    opt = tte.optim.Adafactor(ec.parameters(), lr=0.1, weight_decay=0.01)
+    opt.param_groups[0]["weight_decay"] = 0.5
+    ids = torch.tensor([[1]])
+    (ec({"f": tte.Padded(ids, torch.ones_like(ids, dtype=torch.bool))})["f"].sum() * 0).backward()
+    opt.step()
+    assert "weight_decay" not in opt.param_groups[0] and opt.param_groups[0]["weight_decay_factor"] == 0.5
+    want = w0.numpy().copy()  # Keras: w ← w − w · wd · lr, then the update (0 for a zero gradient), looked-up rows only
+    want[1] -= want[1] * 0.5 * 0.1
+    np.testing.assert_allclose(ec.tables["t"].weight.detach().numpy(), want, rtol=1e-15, atol=0)
+    opt.param_groups[0]["weight_decay"] = -1.0
+    with pytest.raises(ValueError, match=r"param_groups\[0\].*`weight_decay`.*Received: -1.0"):
+        opt.step()

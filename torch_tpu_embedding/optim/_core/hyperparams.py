@@ -150,6 +150,7 @@ def check_edited_groups(groups: list[dict[str, Any]], seen: dict[int, dict[str, 
             continue
         checked = {**group, "lr": 0.0}
         try:
+            rule_of(group)._options_to_hp(checked)  # (Adafactor's `weight_decay`: its decoupled factor, as built)
             check_extras(checked, {k: checked[k] for k in EXTRA_DEFAULTS if k in checked})
             validate_common(checked)
             rule_of(group)._validate(checked)
@@ -157,6 +158,8 @@ def check_edited_groups(groups: list[dict[str, Any]], seen: dict[int, dict[str, 
             kind = TypeError if isinstance(e, TypeError) else ValueError
             raise kind(f"optimizer.param_groups[{i}] was given a value its optimizer refuses: {e}. Nothing was changed "
                        "by this step.") from None
+        for k in [k for k in group if k not in checked]:  # (an option stored under another key)
+            del group[k]
         for k, v in checked.items():  # (normalised values: a tensor beta's float, clipvalue's pair)
             if k not in ("params", "lr") and v is not group.get(k):
                 group[k] = v

@@ -346,7 +346,8 @@ class Recording(dist.ProcessGroup):
         self.inner = inner
 
     def _log(self, name: str, tensors: list[torch.Tensor], splits: tuple[Any, ...] = ()) -> None:
-        LOG.append({"name": name, "sizes": [t.numel() for t in tensors], "splits": [list(x) for x in splits]})
+        LOG.append({"name": name, "sizes": [t.numel() for t in tensors], "splits": [list(x) for x in splits],
+                    "bytes": [t.numel() * t.element_size() for t in tensors]})
 
     def allreduce(self, tensors: Any, opts: Any = None) -> Any:
         self._log("all_reduce", tensors)

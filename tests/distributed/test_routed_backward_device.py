@@ -42,17 +42,18 @@ def backward_payload(monkeypatch: pytest.MonkeyPatch, device: str, grads: tuple[
     """What the backward sends to the owners for ``grads`` (one per item), and every op it ran."""
     sent: list[torch.Tensor] = []
 
-    def send(g: torch.Tensor, slot: torch.Tensor, k: int, sharding: Any) -> torch.Tensor:
-        sent.append(g)
+    def send(g: list[torch.Tensor], slot: list[torch.Tensor], k: int, sharding: Any) -> list[torch.Tensor]:
+        sent.extend(g)
         return g
 
     monkeypatch.setattr(routed, "send_grads", send)
     n = sum(SPLITS)
-    route = routed._Route(SimpleNamespace(world=WORLD, rank=0, table="t"), None, frozenset({"t"}),  # type: ignore[arg-type]
-                          torch.float64, grad=True, slot=torch.zeros(n, dtype=torch.int64, device=device),
-                          local=torch.zeros(n, dtype=torch.int64, device=device), k=n)
-    ctx = SimpleNamespace(route=route, splits=SPLITS, rows=20, weight_shape=(20, D),
-                          needs_input_grad=(False, False, False, False))
+    table = routed._Table(SimpleNamespace(world=WORLD, rank=0, table="t"), None, frozenset({"t"}),  # type: ignore[arg-type]
+                          torch.float64, torch.zeros(n, dtype=torch.int64, device=device), SPLITS, grad=True,
+                          slot=torch.zeros(n, dtype=torch.int64, device=device),
+                          local=torch.zeros(n, dtype=torch.int64, device=device))
+    ctx = SimpleNamespace(joint=routed._Joint([table], k=n), weight_shapes=[(20, D)], weight_infos=[None],
+                          needs_input_grad=(False, False), next_functions=((None, 0),))
     with _Devices() as seen:
         routed._Exchange.backward(ctx, *grads)
     assert len(sent) == 1

@@ -3,24 +3,28 @@
 The counterpart of the SPMD exchange (:mod:`torch_tpu_embedding.xla.exchange`) for ``torchrun``
 processes (gloo, NCCL, any backend with ``all_to_all_single`` and ``all_reduce``): the same per-device
 steps of :mod:`torch_tpu_embedding.routing` (dedup, owner, bucket, capacity), with the bytes moved by
-``torch.distributed`` collectives. One rank's part of a step for a table of ``n`` shards, ``N`` id
-positions:
+``torch.distributed`` collectives. One rank's part of a step, for the ``m`` tables (``n`` shards each) a
+forward call looks up over one group, ``N_t`` id positions each (:mod:`~.lookup_exchange`):
 
-1. :func:`plan` deduplicates the rank's ids and buckets them by owner; the bucket size ``k`` is the
-   largest load of any rank for any owner this step, agreed by one ``all_reduce(MAX)`` of four integers
-   (eager capacity: no id is ever dropped, and every rank's buckets have the same size);
-2. :func:`fetch_rows`: one ``all_to_all_single`` of the ``[n, k]`` int32 local rows (equal splits),
-   each owner gathers its rows, a second ``all_to_all_single`` of ``[n, k, D]`` returns them;
-3. :func:`send_grads` (the backward): each position's gradient row summed into its bucket slot
-   (``routing.bucket_rows``), one ``all_to_all_single`` of ``[n, k, D]`` to the owners, which add
-   ``(local rows, rows)`` to the shard's :class:`~torch_tpu_embedding._rows.row_grad.RowGrad`: the optimizer
-   then updates the shard as an ordinary table of its own rows.
+1. ``plan`` deduplicates the rank's ids of each table and buckets them by owner; the bucket size ``k`` is the
+   largest load of any rank for any owner of any of the tables this step, agreed by ONE ``all_reduce(MAX)``
+   of eight integers for all the tables (eager capacity: no id is ever dropped, and every rank's buckets
+   have the same size), the step's one host read;
+2. ``fetch_rows``: one ``all_to_all_single`` of every table's ``[n, k]`` int32 local rows (equal splits),
+   each owner gathers its rows, a second ``all_to_all_single`` returns every table's ``[n, k, D_t]`` (side by
+   side, as bytes);
+3. ``send_grads`` (the backward): each position's gradient row summed into its bucket slot
+   (``routing.bucket_rows``), one ``all_to_all_single`` of every training table's ``[n, k, D_t + 1]`` to the
+   owners, which add ``(local rows, rows)`` to each shard's
+   :class:`~torch_tpu_embedding._rows.row_grad.RowGrad`: the optimizer then updates the shard as an ordinary
+   table of its own rows.
 
 Only equal-split collectives: it runs where uneven all-to-all does not (TorchTPU's ``tpu_dist``).
-Per rank and step that is ``n·k·(4 + (2·D + 1)·b)`` bytes sent for ``b``-byte rows (the backward's rows carry one
-more column, each slot's count of used positions: ``routed.py``; ``n·k`` is the rank's
-distinct ids plus the imbalance of the largest bucket), plus 64 bytes for the capacity and the step's
-agreement (:func:`agree_capacity`: every rank at the same exchange, none failed before it).
+Per rank and step that is ``n·k·(4·m + Σ_t (2·D_t + 1)·b_t) + 4·n·m`` bytes sent for ``b_t``-byte rows (the
+backward's rows carry one more column, each slot's count of used positions: ``routed.py``; ``n·k`` is the
+rank's distinct ids of its most loaded table plus the imbalance of the largest bucket; the ``4·n·m``: each
+table's largest load, for ``largest_loads()``), plus 64 bytes for the capacity and the step's
+agreement (:func:`agree_capacity`: every rank at the same exchange, none failed before it), whatever ``m``.
 
 What the optimizer needs summed over every shard of a row-sharded table (``clipnorm``, Adafactor's
 statistics over rows, ``global_clipnorm``, the ``skip_nonfinite`` gate) is all-reduced over the group the
@@ -44,17 +48,15 @@ import torch
 import torch.distributed as dist
 
 from torch_tpu_embedding._rows.placement import TablePlacement, process_group_placement
-from torch_tpu_embedding._rows.routing import RoutePlan, RowOwnership, bucket_rows, gather_owned_rows, plan_routes
+from torch_tpu_embedding._rows.routing import RowOwnership
 
 __all__ = [
     "GroupSharding",
     "agree_capacity",
     "describe_tables",
     "exchange",
-    "fetch_rows",
     "group_sharding",
-    "plan",
-    "send_grads",
+    "lookups_named",
     "send_to_owners",
 ]
 
@@ -171,58 +173,13 @@ def group_sharding(p: Tensor) -> GroupSharding | None:
     return sharding if isinstance(sharding, GroupSharding) else None
 
 
-def plan(ids: Tensor, sharding: GroupSharding, grad: bool = False, config: int = 0,
-         disagree: Callable[[], None] | None = None) -> tuple[RoutePlan, int]:
-    """One rank's route plan of logical ``ids [N]`` at the group's eager capacity: ``(plan, k)``.
-
-    ``k`` is the largest number of distinct ids any rank has for any owner this step (one
-    ``all_reduce(MAX)``, :func:`agree_capacity`), so every bucket fits and every rank sends ``[n, k]``.
-    """
-    n = sharding.world
-    routed = sharding.route_ids(ids.to(torch.int64))
-    room = max(1, routed.shape[0])  # every id fits at this capacity
-    full = plan_routes(routed, sharding.ownership, room)
-    k = agree_capacity(full.load.max() if n else torch.zeros((), dtype=torch.int64), sharding.group, what="lookup",
-                       table=sharding.table, grad=grad, config=config, disagree=disagree)
-    # Each owner's ids are at the front of its bucket (ascending), so the buckets are cut to k columns and
-    # the slots renumbered: slot = owner·room + rank becomes owner·k + rank; padding n·room becomes n·k.
-    owner, rank = full.slot // room, full.slot % room
-    slot = torch.where(owner < n, owner * k + rank, torch.full_like(full.slot, n * k))
-    send = full.send[:, :k] if k <= room else torch.cat(
-        [full.send, full.send.new_full((n, k - room), sharding.ownership.rows_per_shard)], dim=1)
-    return RoutePlan(send.contiguous(), slot, full.load), k
-
-
-def fetch_rows(shard: Tensor, send: Tensor, sharding: GroupSharding) -> tuple[Tensor, Tensor]:
-    """The forward's two all-to-alls: ``send [n, k]`` local rows to their owners, the owners' rows back.
-
-    Returns ``(rows [n·k, D]`` in bucket order, ``asked [n, k]`` int64: the local rows the other ranks
-    asked this rank for, row ``s`` from rank ``s``; ``local_rows`` where nothing was asked).
-    """
-    asked = exchange(send, sharding.group)
-    per = sharding.ownership.rows_per_shard
-    asked64 = asked.to(torch.int64)
-    if shard.shape[0] != per:  # "table" off its owner: nothing is stored, nothing can have been asked
-        asked64 = torch.full_like(asked64, per)
-    rows = gather_owned_rows(shard, asked64) if shard.shape[0] else shard.new_zeros(*asked.shape, shard.shape[1])
-    back = exchange(rows, sharding.group)
-    local = torch.where(asked64 < per, asked64, torch.full_like(asked64, shard.shape[0]))
-    return back.reshape(-1, shard.shape[1]), local
-
-
-def send_grads(grad: Tensor, slot: Tensor, k: int, sharding: GroupSharding) -> Tensor:
-    """The backward's all-to-all: each position's gradient row ``grad [N, D]`` summed into its bucket
-    slot and sent to the owner; returns the rows this rank owns, ``[n·k, D]`` (in the order of the
-    ``asked`` local rows of :func:`fetch_rows`)."""
-    return exchange(bucket_rows(grad, slot, sharding.world, k), sharding.group).reshape(-1, grad.shape[-1])
-
-
 #: what :func:`agree_capacity` agrees on: a collective's tag (see :func:`_tag`) → its description, for errors; at most
 #: :data:`_DESCRIBED_MAX`, the oldest dropped first (a tag no longer described is named by its number in an error)
 _DESCRIBED: dict[int, str] = {}
 _DESCRIBED_MAX = 4096
 #: the kinds of exchange, named in errors
 _KINDS = {"lookup": "looks up table `{table}`",
+          "lookups": "looks up {table}",
           "data_parallel": "looks up data-parallel tables {table}",
           "rows": "moves a sharded table's rows between ranks ({of}its state_dict, load_state_dict or a checkpoint)",
           "plain": "loads table `{table}`'s state_dict entry as a plain tensor (its stored rows, given so on every "
@@ -268,6 +225,30 @@ def describe_tables(tables: Sequence[str]) -> None:
     _tag("rows", "", False)
 
 
+def _lookups_text(entries: Sequence[tuple[str, bool]]) -> str:
+    # (each table in the words of its own lookup's tag: an error names each as a one-table forward would)
+    return ", ".join(f"table `{t}` " + ("with gradients (training)" if g else
+                                        "without gradients (evaluation) or frozen (requires_grad=False)")
+                     for t, g in entries)
+
+
+def lookups_named(entries: Sequence[tuple[str, bool]]) -> str:
+    """The ``table`` of :func:`agree_capacity` (``what="lookups"``) for one forward's lookups of several tables
+    over a group, ``entries``: each table's name and whether its lookup records gradients, in the order looked
+    up. The lookups another rank most likely runs instead are made known too (each table's gradients on or off,
+    every table's, one table left out), so that this rank's error names them when it meets one."""
+    for i in range(len(entries)):
+        flipped = [(t, g if j != i else not g) for j, (t, g) in enumerate(entries)]
+        fewer = [e for j, e in enumerate(entries) if j != i]
+        _tag("lookups", _lookups_text(flipped), False)
+        if len(fewer) > 1:  # (one table's lookup alone: its own tag, described by describe_tables)
+            _tag("lookups", _lookups_text(fewer), False)
+    _tag("lookups", _lookups_text([(t, not g) for t, g in entries]), False)
+    text = _lookups_text(entries)
+    _tag("lookups", text, False)
+    return text
+
+
 def agree_capacity(largest: Tensor, group: Any, *, what: str = "rows", table: str = "", grad: bool = False,
                    failed: bool = False, config: int = 0, disagree: Callable[[], None] | None = None,
                    forwards: int = 0) -> int:
@@ -277,6 +258,7 @@ def agree_capacity(largest: Tensor, group: Any, *, what: str = "rows", table: st
 
     The same collective agrees that every rank is at the same step: one ``all_reduce(MAX)`` of eight int64 (the
     largest load; a tag of the exchange (``what``: ``"lookup"`` of ``table``, ``grad``: recording gradients,
+    ``"lookups"``: a forward's lookups of several tables, ``table`` from :func:`lookups_named`,
     ``"data_parallel"``: a training lookup of replicated tables (``distributed/step_agreement.py``),
     ``"step"``: the exchange of their row gradients at ``step()`` (``distributed/grad_sync.py``),
     ``"rows"``, ``"plain"``: a load of ``table``'s stored rows, which moves nothing, or ``"optim"``: an

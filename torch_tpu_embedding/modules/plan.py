@@ -145,7 +145,8 @@ def plan_lookups(ec: Any, features: Any, weights: Any, ahead: bool = False) -> l
     (TorchRec's KJT and TBE do the same). The batches of a table trained through the id exchange
     (row-sharded under SPMD) are routed together: one routed lookup per table, made by the table's
     placement (``TablePlacement.routed_lookup``, ``torch_tpu_embedding/_rows/placement.py``), which the
-    backend that laid the table out recorded on it.
+    backend that laid the table out recorded on it. Routed lookups that have a ``together`` (the process group's)
+    are handed to it, all at once: it returns the lookups to run, those of one group joined into one.
 
     A call whose features were all assembled is kept (:class:`_Plan`) and replayed by the next call whose
     inputs have the same signatures, with no per-feature grouping; anything else plans afresh.
@@ -257,4 +258,8 @@ def plan_lookups(ec: Any, features: Any, weights: Any, ahead: bool = False) -> l
         for b in plain:
             if isinstance(b, LookupBatch) and not b.resident and b.weight.device.type != "xla":
                 b.move_ahead()  # (XLA: moved by its lookup, on the thread that syncs; see modules/ahead.py)
-    return plain + list(routed.values())
+    lookups = list(routed.values())
+    # A backend whose lookups run best together (one agreement and one exchange for every table of a process
+    # group: distributed/routed.py) joins them here; the others' lookups have no `together`.
+    together = next((r.together for r in lookups if hasattr(r, "together")), None)
+    return plain + (lookups if together is None else together(lookups))

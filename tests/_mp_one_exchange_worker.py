@@ -8,7 +8,8 @@ table looked up by three features; ``"three"``: three tables of dims 4, 3 and 2,
 one feature each), ``largest_loads()`` and the same counted here from the ids, the counts of step 2 (``dist.all_reduce`` of the agreement's eight int64, ``all_to_all_single``
 in the forward and in the backward, host reads: ``Tensor.tolist`` and ``aten._local_scalar_dense``, which
 ``.item()``, ``int()`` and ``bool()`` of a tensor run), and the largest distance of every stored row from the
-reference after three SGD steps; or the error it raised.
+reference after three SGD steps; or the error it raised. ``"left_out"``: the three tables, rank 1's loss using no
+feature of table ``b`` (rank 0's does): its rows owned by rank 1 still get rank 0's gradient.
 """
 
 from __future__ import annotations
@@ -86,8 +87,13 @@ class _Counts:
         torch.Tensor.tolist = counted_tolist  # type: ignore[assignment,method-assign]
 
 
-def reference(model: str) -> dict[str, torch.Tensor]:
-    """SGD on the mean of the ranks' losses, each ``Σ_f activations_f · act_grad_f``, in float64."""
+#: the features each rank's loss leaves out, by case (``"left_out"``: rank 1's loss uses no feature of table ``b``)
+LEFT_OUT: dict[str, dict[int, set[str]]] = {"one": {}, "three": {}, "left_out": {1: {"fb"}}}
+
+
+def reference(model: str, case: str) -> dict[str, torch.Tensor]:
+    """SGD on the mean of the ranks' losses, each ``Σ_f activations_f · act_grad_f`` (``f`` not left out), in
+    float64."""
     world = dist.get_world_size()
     tables = {t: init(t).double() for t in {t for t, _ in FEATURES[model].values()}}
     for step in range(STEPS):
@@ -95,6 +101,8 @@ def reference(model: str) -> dict[str, torch.Tensor]:
         loss = torch.zeros((), dtype=torch.float64)
         for r in range(world):
             for f, (t, _) in FEATURES[model].items():
+                if f in LEFT_OUT[case].get(r, set()):
+                    continue
                 bags = ws[t][ids(model, r, step, f)]  # [B, L, D]
                 pooled = bags.sum(1) if TABLES[t][4] == "sum" else bags.mean(1)
                 loss = loss + (pooled * act_grad(r, step, f, pooled.shape[1])).sum() / world
@@ -123,7 +131,7 @@ def loads(model: str, ec: tte.EmbeddingCollection) -> dict[str, dict[str, Any]]:
     return out
 
 
-def run(model: str, rank: int, counts: _Counts) -> dict[str, Any]:
+def run(model: str, rank: int, counts: _Counts, case: str) -> dict[str, Any]:
     configs = {t: tte.TableConfig(TABLES[t][0], TABLES[t][1], name=t, combiner=TABLES[t][4], dtype=TABLES[t][2],
                                   initializer=init(t).clone(), placement=TABLES[t][3])
                for t in {t for t, _ in FEATURES[model].values()}}
@@ -139,7 +147,8 @@ def run(model: str, rank: int, counts: _Counts) -> dict[str, Any]:
             acts = ec({f: tte.Padded(ids(model, rank, step, f)) for f in FEATURES[model]})
         if counts.on:
             out["forward_all_to_all"] = counts.all_to_all
-        loss = sum((a.double() * act_grad(rank, step, f, a.shape[1])).sum() for f, a in acts.items())
+        loss = sum((a.double() * act_grad(rank, step, f, a.shape[1])).sum() for f, a in acts.items()
+                   if f not in LEFT_OUT[case].get(rank, set()))
         with _HostReads() as backward_reads:
             loss.backward()
         if counts.on:
@@ -149,7 +158,7 @@ def run(model: str, rank: int, counts: _Counts) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
     out["loads"], out["want_loads"] = ec.largest_loads(), loads(model, ec)
-    want, err = reference(model), 0.0
+    want, err = reference(model, case), 0.0
     for name, table in ec.physical_tables().items():
         stored = table.weight.detach().double()
         for j, i in enumerate(tte.distributed.logical_ids(table).tolist()):
@@ -189,11 +198,11 @@ def main() -> None:
     init_rank(rank, int(os.environ["WORLD_SIZE"]), int(os.environ["MASTER_PORT"]))
     counts = _Counts()
     results: dict[str, Any] = {}
-    for model in FEATURES:
+    for case in LEFT_OUT:
         try:
-            results[model] = run(model, rank, counts)
+            results[case] = run("three" if case == "left_out" else case, rank, counts, case)
         except Exception as e:  # (recorded for the test, which shows it)
-            results[model] = {"error": f"{type(e).__name__}: {e}"}
+            results[case] = {"error": f"{type(e).__name__}: {e}"}
     for case, everywhere in (("frozen", True), ("frozen_on_one_rank", False)):
         try:
             results[case] = frozen(rank, counts, everywhere)

@@ -3,7 +3,8 @@ in a steady training step, one agreement (one ``all_reduce`` of its eight int64)
 forward and one in the backward, and as many host reads, whether the model has one sharded table or three (dims 4, 3
 and 2, row- and table-sharded, float64 and float32: their rows travel side by side as bytes). The three tables'
 rows after three SGD steps equal plain torch in float64 (tests/_mp_one_exchange_worker.py), and ``largest_loads()``
-gives each table's own largest load (counted from the ids in the worker), on 2 and 4 gloo ranks.
+gives each table's own largest load (counted from the ids in the worker), on 2 and 4 gloo ranks; so do they where
+one rank's loss leaves a table out and another's uses it.
 
 Before, each table had its own: with three tables, three agreements (three host reads) and nine all-to-alls a step.
 """
@@ -40,6 +41,11 @@ def test_one_agreement_and_three_all_to_alls_a_step_whatever_the_tables(world: i
         assert one["distance"] <= 1e-12 and three["distance"] <= 1e-6, (r, got)  # (table c is float32)
         for model in (one, three):  # each table's own largest load, though the exchange's capacity is shared
             assert model["loads"] == model["want_loads"], (r, model["loads"], model["want_loads"])
+        # Rank 1's loss uses no feature of table b, rank 0's does: every row of b is still plain torch's on the ranks'
+        # mean loss (rank 1 owns some of b's rows and records rank 0's gradient rows for them: it once dropped them,
+        # as they reached no lookup of its own loss).
+        left_out = got["left_out"]
+        assert "error" not in left_out and left_out["distance"] <= 1e-6, (r, left_out)  # (c is float32)
 
 
 def test_a_frozen_table_joins_the_forward_s_exchange_not_the_backward_s(tmp_path: Path) -> None:
@@ -55,3 +61,4 @@ def test_a_frozen_table_joins_the_forward_s_exchange_not_the_backward_s(tmp_path
         every = "table `a` with gradients (training), table `b` with gradients (training), table `c` "
         assert every + "with gradients (training)" in text, (r, text)
         assert every + "without gradients (evaluation) or frozen (requires_grad=False)" in text, (r, text)
+

@@ -41,10 +41,13 @@ def backward_payload(monkeypatch: pytest.MonkeyPatch, device: str, grads: tuple[
                      ) -> tuple[torch.Tensor, list[tuple[str, set[str]]]]:
     """What the backward sends to the owners for ``grads`` (one per item), and every op it ran."""
     sent: list[torch.Tensor] = []
+    # (no other rank's loss used the table: a host tensor, as read after a real exchange; made before the ops are seen)
+    none_used = torch.zeros(1, dtype=torch.bool)
 
-    def send(g: list[torch.Tensor], slot: list[torch.Tensor], k: int, sharding: Any) -> list[torch.Tensor]:
+    def send(g: list[torch.Tensor], slot: list[torch.Tensor], k: int, sharding: Any, reached: torch.Tensor
+             ) -> tuple[list[torch.Tensor], torch.Tensor]:
         sent.extend(g)
-        return g
+        return g, none_used
 
     monkeypatch.setattr(routed, "send_grads", send)
     n = sum(SPLITS)

@@ -20,11 +20,12 @@ forward call looks up over one group, ``N_t`` id positions each (:mod:`~.lookup_
    table of its own rows.
 
 Only equal-split collectives: it runs where uneven all-to-all does not (TorchTPU's ``tpu_dist``).
-Per rank and step that is ``n·k·(4·m + Σ_t (2·D_t + 1)·b_t) + 4·n·m`` bytes sent for ``b_t``-byte rows (the
+Per rank and step that is ``n·k·(4·m + Σ_t (2·D_t + 1)·b_t) + 5·n·m`` bytes sent for ``b_t``-byte rows (the
 backward's rows carry one more column, each slot's count of used positions: ``routed.py``; ``n·k`` is the
-rank's distinct ids of its most loaded table plus the imbalance of the largest bucket; the ``4·n·m``: each
-table's largest load, for ``largest_loads()``), plus 64 bytes for the capacity and the step's
-agreement (:func:`agree_capacity`: every rank at the same exchange, none failed before it), whatever ``m``.
+rank's distinct ids of its most loaded table plus the imbalance of the largest bucket; the ``5·n·m``: each
+table's largest load, for ``largest_loads()``, and whether this rank's loss used it), plus 64 bytes for the
+capacity and the step's agreement (:func:`agree_capacity`: every rank at the same exchange, none failed before
+it), whatever ``m``.
 
 What the optimizer needs summed over every shard of a row-sharded table (``clipnorm``, Adafactor's
 statistics over rows, ``global_clipnorm``, the ``skip_nonfinite`` gate) is all-reduced over the group the

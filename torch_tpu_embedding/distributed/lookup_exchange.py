@@ -15,9 +15,11 @@ table) together, each rank ``m`` tables over a group of ``n`` ranks:
    so each table's ``[n, k, D_t]`` rows are viewed as ``uint8`` (no copy), set side by side and viewed back on
    arrival (bytes are exact in any dtype, so the rows are those of one exchange per table);
 3. :func:`send_grads` (the backward, of the tables that record gradients only): each table's ``[n, k, D_t + 1]``
-   gradient buckets, side by side as bytes, in ONE ``all_to_all_single``.
+   gradient buckets, side by side as bytes, in ONE ``all_to_all_single``, with ``m`` bytes more per destination:
+   whether this rank's loss used each table, so that an owner whose own loss left a table out still records the
+   rows another rank's loss sent it (it reads those ``m`` flags: a host read only then).
 
-Cost, per rank and step: ``n·k·(4·m + Σ_t (2·D_t + 1)·b_t) + 4·n·m`` bytes sent for ``b_t``-byte rows (the
+Cost, per rank and step: ``n·k·(4·m + Σ_t (2·D_t + 1)·b_t) + 5·n·m`` bytes sent for ``b_t``-byte rows (the
 backward's rows in the update's dtype), and 64 bytes for the agreement. ``k`` is shared: a table whose own
 largest load is below it sends padding up to ``k`` (at most ``m`` times the bytes of one exchange per table at
 its own size, when one table's load dominates the others'), for ``m`` times fewer collectives and host reads.
@@ -98,13 +100,17 @@ def fetch_rows(shards: Sequence[Tensor], sends: Sequence[Tensor], loads: Tensor,
     return [b.reshape(-1, b.shape[-1]) for b in back], asked, largest
 
 
-def send_grads(grads: Sequence[Tensor], slots: Sequence[Tensor], k: int, sharding: GroupSharding) -> list[Tensor]:
+def send_grads(grads: Sequence[Tensor], slots: Sequence[Tensor], k: int, sharding: GroupSharding,
+               reached: Tensor) -> tuple[list[Tensor], Tensor]:
     """The backward's all-to-all, for every table that records gradients: each position's gradient row
-    ``grads[t] [N_t, D_t]`` summed into its bucket slot and sent to the owner; returns the rows this rank owns,
-    each ``[n·k, D_t]`` (in the order of the table's ``asked`` local rows of :func:`fetch_rows`)."""
+    ``grads[t] [N_t, D_t]`` summed into its bucket slot and sent to the owner, with ``reached [m]`` uint8 (whether
+    this rank's loss used each table) sent to every rank. Returns the rows this rank owns, each ``[n·k, D_t]`` (in
+    the order of the table's ``asked`` local rows of :func:`fetch_rows`), and ``[m]`` bool on the device: whether
+    some rank's loss used each table (read only by a rank whose own loss left a table out)."""
     n = sharding.world
     buckets = [bucket_rows(g, s, n, k) for g, s in zip(grads, slots, strict=True)]
-    return [b.reshape(-1, b.shape[-1]) for b in _exchange_side_by_side(buckets, sharding.group)]
+    got = _exchange_side_by_side([*buckets, reached.unsqueeze(0).expand(n, -1).contiguous()], sharding.group)
+    return [b.reshape(-1, b.shape[-1]) for b in got[:-1]], got[-1].sum(0) > 0
 
 
 def _exchange_side_by_side(parts: Sequence[Tensor], group: object) -> list[Tensor]:

@@ -230,8 +230,12 @@ class _Exchange(torch.autograd.Function):
                   for t in trained]
         payloads = [_payload(mine[t], joint.tables[t], ctx.weight_shapes[t][1]) for t in trained]
         s0 = joint.tables[0].sharding
+        flags = torch.ones(len(trained), dtype=torch.uint8, device=payloads[0].device)  # (made on the device)
+        for i, t in enumerate(trained):
+            if t not in reached:
+                flags[i] = 0
         try:
-            got = send_grads(payloads, [_slot(joint.tables[t]) for t in trained], joint.k, s0)
+            got, anyone = send_grads(payloads, [_slot(joint.tables[t]) for t in trained], joint.k, s0, flags)
         except RuntimeError as e:  # (gloo's timeout, or a peer gone: name what usually leaves a rank waiting here)
             raise RuntimeError(
                 f"{names[0].upper()}{names[1:]}: rank {s0.rank} could not send a lookup's gradient rows to their "
@@ -240,6 +244,15 @@ class _Exchange(torch.autograd.Function):
                 "loss) leaves them waiting here: every rank must run the backward of each training lookup, or skip "
                 f"the batch on every rank alike. Received: {e}"
             ) from e
+        # A table this rank's loss left out that another rank's used: the rows sent here for it are that rank's
+        # gradient, recorded as if this rank's loss had used it (one process on the global batch uses it), and the
+        # table is sent on every rank alike. Only then is the exchange's flag read (a host read).
+        late = [i for i, t in enumerate(trained) if t not in reached]
+        used = anyone.tolist() if late else []
+        for i in late:
+            if used[i]:
+                reached.add(trained[i])
+                record[i] = records_rows(_Ctx(ctx, trained[i], joint.tables[trained[i]].tables))
         for t, rows, rec in zip(trained, got, record, strict=True):
             table = joint.tables[t]
             if rec and table.local is not None:

@@ -182,6 +182,45 @@ def test_touched_counts_the_real_rows_per_member_over_the_shards() -> None:
     assert stacked.segment is seg and stacked.member_rows == (4, 5) and stacked.mask is mask
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["one-table", "stacked"])
+def test_the_count_is_summed_when_read_and_with_the_rule_s_sums(stacked: bool) -> None:
+    """Over a process group ``all_reduce`` is a collective: ``RowContext.touched`` calls none until ``count`` is read,
+    and ``counted_sums`` sums the count and every value it is given with one call, each element as alone."""
+    calls: list[torch.Tensor] = []
+
+    def over_three_shards(x: torch.Tensor) -> torch.Tensor:  # each shard held the same part
+        calls.append(x)
+        return 3 * x
+
+    mask, seg = torch.tensor([True, True, False, True]), torch.tensor([0, 1, 1, 1])
+    members = (4, 5) if stacked else ()
+
+    def ctx() -> RowContext:
+        return RowContext.touched(mask, 9, over_three_shards, seg if stacked else None, members)
+
+    want_count = [3, 6] if stacked else 9
+    read = ctx()
+    assert not calls
+    assert read.count is not None and read.count.tolist() == want_count and len(calls) == 1
+    assert read.count.tolist() == want_count and len(calls) == 1  # (summed once)
+    calls.clear()
+    both = ctx()
+    col, total = torch.tensor([[1.5, -2.0], [0.25, 4.0]], dtype=torch.float64), torch.tensor(7.0, dtype=torch.float64)
+    count, (col3, total3) = both.counted_sums(col, total)
+    assert len(calls) == 1 and calls[0].dtype == torch.float64 and calls[0].numel() == (2 if stacked else 1) + 5
+    assert count is not None and count.dtype == torch.int64 and count.tolist() == want_count
+    assert col3.tolist() == [[4.5, -6.0], [0.75, 12.0]] and total3.item() == 21.0
+    assert both.count is count and len(calls) == 1  # (the count came with the sums)
+    calls.clear()
+    known = ctx()
+    assert known.count is not None and len(calls) == 1
+    _, (col3,) = known.counted_sums(col)
+    assert len(calls) == 2 and calls[1].numel() == 4 and col3.tolist() == [[4.5, -6.0], [0.75, 12.0]]
+    plain = RowContext.touched(mask, 9, segment=seg if stacked else None, member_rows=members)
+    count, (same,) = plain.counted_sums(col)
+    assert same is col and count is not None and count.tolist() == ([1, 2] if stacked else 3)
+
+
 def test_rows_of_table_is_made_once_per_group_dtype_and_device() -> None:
     """A stacked group's rows per member, which Adafactor divides by at every step: one tensor per group, dtype and
     device, not one made and moved per call."""

@@ -47,38 +47,54 @@ def adafactor_rule(
             return x
         return torch.where(mask.reshape(-1, *([1] * (x.dim() - 1))), x, 0.0)
 
-    def sum_all(x: torch.Tensor) -> torch.Tensor:  # Σ over real rows and columns of x: () or [members]
+    def part_all(x: torch.Tensor) -> torch.Tensor:  # Σ over this part's real rows and columns of x: () or [members]
         if stacked:  # each row summed, then its padding zeroed: the same sums as zeroing [U, D] first
-            return ctx.row_sum(real(x.flatten(1).sum(-1)))  # (flatten, not reshape(U, -1): U may be 0)
-        return total(real(x).sum())
+            return ctx.part_sum(real(x.flatten(1).sum(-1)))  # (flatten, not reshape(U, -1): U may be 0)
+        return real(x).sum()
+
+    def sum_all(x: torch.Tensor) -> torch.Tensor:  # part_all summed over the shards
+        return total(part_all(x))
+
+    def part_rows(x: torch.Tensor) -> torch.Tensor:  # Σ over this part's real rows of x [U, *rest], per member
+        return ctx.part_sum(real(x)) if stacked else real(x).sum(0)
 
     def each_row(v: torch.Tensor) -> torch.Tensor:  # a per-table scalar, broadcast against [U, D]
         return ctx.per_row(v).unsqueeze(-1) if stacked else v
 
-    if mask is None or ctx.count is None:
-        n_elems: torch.Tensor | float = float(w.numel())
-        count: torch.Tensor | None = None
-    else:
-        count = ctx.count.clamp(min=1).to(w.dtype)
-        n_elems = count * (w.numel() // max(w.shape[0], 1))
-    alpha = torch.clamp(torch.sqrt(sum_all(w * w) / n_elems), min=hp["epsilon_2"]) * rho
-    new: Slots = {}
-    if "r" in slots:
+    factored = "r" in slots
+    if factored:
         r_old = slots["r"].to(w.dtype)
         # Stored precision (row_stat_dtype) decides r, so r_sum stays the sum of the stored values.
         r = (b2 * r_old + (1 - b2) * g2.mean(-1)).to(slots["r"].dtype).to(w.dtype)
+    lazy = mask is not None and (ctx.part_count is not None or ctx.summed_count is not None)
+    touched_rows: torch.Tensor | None = None
+    if not lazy:
+        n_elems: torch.Tensor | float = float(w.numel())
+        count: torch.Tensor | None = None
+        w2 = sum_all(w * w)
+    else:
+        # Every sum over rows that does not depend on the update (the touched rows, RMS(w)'s Σw², the column sum of
+        # g² and r's change) in one collective where the rows are split over shards.
+        touched_rows, (w2, *stats) = ctx.counted_sums(
+            part_all(w * w), *((part_rows(g2), part_rows(r - r_old)) if factored else ()))
+        assert touched_rows is not None  # (a context with a mask counts its rows)
+        count = touched_rows.clamp(min=1).to(w.dtype)
+        n_elems = count * (w.numel() // max(w.shape[0], 1))
+    alpha = torch.clamp(torch.sqrt(w2 / n_elems), min=hp["epsilon_2"]) * rho
+    new: Slots = {}
+    if factored:
         c_old = slots["c"]
         if count is None:
             c = b2 * c_old + (1 - b2) * g2.mean(-2)
             r_mean = r.mean(-1, keepdim=True)
         else:
-            assert ctx.count is not None
-            col = ctx.row_sum(real(g2)) if stacked else total(real(g2).sum(-2))
+            col, r_change = stats
+            assert touched_rows is not None
             per = count.unsqueeze(-1) if stacked else count
             c = b2 * c_old + (1 - b2) * col / per
-            touched = (ctx.count > 0).unsqueeze(-1) if stacked else ctx.count > 0
+            touched = (touched_rows > 0).unsqueeze(-1) if stacked else touched_rows > 0
             c = torch.where(touched, c, c_old)  # a step without touched rows keeps c
-            r_sum = slots["r_sum"] + (ctx.row_sum(real(r - r_old)) if stacked else total(real(r - r_old).sum()))
+            r_sum = slots["r_sum"] + r_change
             new["r_sum"] = r_sum
             r_mean = r_sum / ctx.rows_of_table(w)
             if stacked:

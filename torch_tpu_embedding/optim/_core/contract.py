@@ -131,7 +131,7 @@ def member_sums(x: Tensor, segment: Tensor, members: int) -> Tensor:
     return spread.view(members, lanes, cols).sum(1, dtype=x.dtype).reshape(members, *x.shape[1:])
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class RowContext:
     """What a rule may need beyond its rows: which of them are real, the table's size, and how to
     reduce over every row of the update.
@@ -139,9 +139,13 @@ class RowContext:
     ``mask [U]`` is True for touched rows and False for the static-shape padding tail on XLA;
     ``count`` is the number of touched rows of the whole update. Both are ``None`` for a dense update
     (every row real). ``all_reduce(x)`` sums ``x`` over every part of the update: the identity, except
-    when each shard of a row-sharded table updates its own rows (the owner-local path), where it is a
-    sum over the shards — so ``all_reduce(f(rows).sum())`` is the sum over all touched rows on every
-    device. Per-row rules ignore the context; rules with reductions over rows (Adafactor) use it.
+    when each shard of a row-sharded table updates its own rows (the owner-local path, or a table split over
+    a process group), where it is a sum over the shards — so ``all_reduce(f(rows).sum())`` is the sum over all
+    touched rows on every device. Per-row rules ignore the context; rules with reductions over rows (Adafactor)
+    use it, and :meth:`counted_sums` sums several of their values and the count with one collective.
+
+    ``count`` is summed over the shards when it is first read (``part_count``: this part's touched rows), so
+    a rule that never reads it costs no collective for it.
 
     In a stacked table group (several tables stacked in one parameter, ``torch_tpu_embedding/modules/stacking.py``)
     statistics stay per table: ``segment [U]`` is the table (member) of each row, ``member_rows`` the
@@ -151,22 +155,66 @@ class RowContext:
     """
 
     mask: Tensor | None
-    count: Tensor | None
     num_rows: int  # logical rows of the whole parameter
-    all_reduce: Callable[[Tensor], Tensor] = identity
-    segment: Tensor | None = None  # [U] member index of each row (stacked groups only)
-    member_rows: tuple[int, ...] = ()  # logical rows of each member (stacked groups only)
+    all_reduce: Callable[[Tensor], Tensor]
+    segment: Tensor | None  # [U] member index of each row (stacked groups only)
+    member_rows: tuple[int, ...]  # logical rows of each member (stacked groups only)
+    part_count: Tensor | None  # this part's touched rows (``count`` before the sum over shards)
+    summed_count: Tensor | None  # ``count`` once known
+
+    def __init__(self, mask: Tensor | None, count: Tensor | None, num_rows: int,
+                 all_reduce: Callable[[Tensor], Tensor] = identity, segment: Tensor | None = None,
+                 member_rows: tuple[int, ...] = (), part_count: Tensor | None = None) -> None:
+        put = object.__setattr__  # (frozen: as the dataclass's own __init__ writes)
+        put(self, "mask", mask)
+        put(self, "num_rows", num_rows)
+        put(self, "all_reduce", all_reduce)
+        put(self, "segment", segment)
+        put(self, "member_rows", member_rows)
+        put(self, "part_count", part_count)
+        put(self, "summed_count", count)
+
+    @property
+    def count(self) -> Tensor | None:
+        """Touched rows of the whole update (``[members]`` in a stacked group); ``None`` for a dense update."""
+        if self.summed_count is None and self.part_count is not None:
+            object.__setattr__(self, "summed_count", self.all_reduce(self.part_count))
+        return self.summed_count
+
+    def counted_sums(self, *xs: Tensor) -> tuple[Tensor | None, list[Tensor]]:
+        """``(count, [all_reduce(x) for x in xs])`` with one collective where the update is split over shards:
+        every element of ``xs`` (and of this part's count, while ``count`` is not yet known) in one vector of
+        ``xs[0]``'s dtype, summed element by element as each would be alone. The count travels in that dtype:
+        exact while the touched rows stay below ``2**24`` in float32 (a rule converts it to its dtype anyway)."""
+        if self.all_reduce is identity:
+            return self.count, list(xs)
+        count = self.part_count if self.summed_count is None else None
+        parts = list(xs) if count is None else [count, *xs]
+        dtype = xs[0].dtype
+        summed = self.all_reduce(torch.cat([x.reshape(-1).to(dtype) for x in parts]))
+        out, at = [], 0
+        for x in parts:
+            out.append(summed[at : at + x.numel()].reshape(x.shape).to(x.dtype))
+            at += x.numel()
+        if count is not None:
+            object.__setattr__(self, "summed_count", out.pop(0))
+        return self.count, out
+
+    def part_sum(self, x: Tensor) -> Tensor:
+        """``Σ`` of ``x [U, *rest]`` over this part's rows, per member in a stacked group, not yet summed over
+        shards (:meth:`row_sum` is ``all_reduce`` of it)."""
+        if self.segment is None:
+            return x.sum(0)
+        members = len(self.member_rows)
+        if spreads(x):
+            return member_sums(x, self.segment, members)
+        out = torch.zeros((members, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        return out.index_add(0, self.segment, x)
 
     def row_sum(self, x: Tensor) -> Tensor:
         """``Σ`` over every row of the update of ``x [U, *rest]``: ``[*rest]``, or ``[members, *rest]``
         per member in a stacked group (all-reduced over shards either way)."""
-        if self.segment is None:
-            return self.all_reduce(x.sum(0))
-        members = len(self.member_rows)
-        if spreads(x):
-            return self.all_reduce(member_sums(x, self.segment, members))
-        out = torch.zeros((members, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        return self.all_reduce(out.index_add(0, self.segment, x))
+        return self.all_reduce(self.part_sum(x))
 
     def per_row(self, v: Tensor) -> Tensor:
         """A per-table value ``v`` (``[members, *rest]`` in a stacked group) for each row: ``[U, *rest]``;
@@ -199,13 +247,16 @@ class RowContext:
         >>> RowContext.touched(torch.tensor([True, True, False]), num_rows=10).count
         tensor(2)
         """
-        if not member_rows:
-            return cls(mask=mask, count=all_reduce(mask.sum()), num_rows=num_rows, all_reduce=all_reduce)
-        assert segment is not None, "a stacked group's rows need their members (segment)"
-        unmasked = cls(mask=mask, count=None, num_rows=num_rows, all_reduce=all_reduce, segment=segment,
-                       member_rows=member_rows)
-        return cls(mask=mask, count=unmasked.row_sum(mask.to(torch.int64)), num_rows=num_rows,
-                   all_reduce=all_reduce, segment=segment, member_rows=member_rows)
+        if member_rows:
+            assert segment is not None, "a stacked group's rows need their members (segment)"
+            unmasked = cls(mask=mask, count=None, num_rows=num_rows, segment=segment, member_rows=member_rows)
+            part = unmasked.part_sum(mask.to(torch.int64))
+        else:
+            part, segment = mask.sum(), None
+        # Summed over the shards only when read (RowContext.count): where the sum is a collective, a rule that
+        # never reads it does not pay for it, and one that does may sum it with its own sums (counted_sums).
+        return cls(mask=mask, count=part if all_reduce is identity else None, num_rows=num_rows,
+                   all_reduce=all_reduce, segment=segment, member_rows=member_rows, part_count=part)
 
 
 #: :meth:`RowContext.rows_of_table`'s tensors, by (member rows, dtype, device)

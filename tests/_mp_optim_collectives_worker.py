@@ -5,6 +5,8 @@ and ``MASTER_PORT`` set (``suite_helpers.run_ranks``); writes ``OUT_DIR/rank<r>.
 
 - ``counts``: for every optimizer of tte.optim (``CONFIGS``) with each option that sums over the ranks
   (``OPTIONS``), the ``torch.distributed.all_reduce`` calls its third ``step()`` makes (wrapped here), by name.
+- ``clip_skip``: SGD with ``clipnorm`` and ``skip_nonfinite``, three steps, the second with a NaN gradient row on
+  rank 1 only: each table's rows after each step, and the reference of plain torch in float64 written here.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "global_clipnorm+skip_nonfinite": {"global_clipnorm": 0.05, "skip_nonfinite": True},
     "clipnorm+skip_nonfinite": {"clipnorm": 0.05, "skip_nonfinite": True},
 }
+CLIP, LR, NAN_STEP = 0.3, 0.5, 1
 
 
 class Model(nn.Module):
@@ -65,7 +68,10 @@ def ids(rank: int, step: int, table: str) -> torch.Tensor:
 
 def act_grad(rank: int, step: int, table: str) -> torch.Tensor:
     g = torch.Generator().manual_seed(5000 + 1000 * step + 10 * rank + (table == "b"))
-    return torch.randn(B, DIM[table], generator=g, dtype=torch.float64)
+    out = torch.randn(B, DIM[table], generator=g, dtype=torch.float64)
+    if step == NAN_STEP and rank == 1 and table == "a":
+        out[2, 1] = float("nan")
+    return out
 
 
 def backward(model: Model, rank: int, step: int) -> None:
@@ -87,7 +93,7 @@ def counts(rank: int) -> dict[str, int]:
             model = Model()
             tte.distributed.shard(model)
             opt = cls(model.parameters(), **kw, **more)
-            for step in range(STEPS):  # the last one steady: every slot made
+            for step in range(10, 10 + STEPS):  # (no NaN: the last one a steady step, every slot made)
                 backward(model, rank, step)
                 calls[0] = 0
                 dist.all_reduce = counted  # the step's own calls: not the lookup's nor the backward's
@@ -100,7 +106,58 @@ def counts(rank: int) -> dict[str, int]:
     return out
 
 
-CASES = {"counts": counts}
+def reference_clip_skip() -> list[dict[str, torch.Tensor]]:
+    """Each table after each step: the mean over the ranks of their losses' row gradients, clipped by its own norm
+    (clipnorm), one SGD step; a step where any gradient is not finite changes nothing."""
+    w = {t: INIT[t].clone() for t in VOCAB}
+    out = []
+    for step in range(STEPS):
+        g = {t: torch.zeros(VOCAB[t], DIM[t], dtype=torch.float64) for t in VOCAB}
+        for r in range(WORLD):
+            for t in VOCAB:
+                g[t].index_add_(0, ids(r, step, t), act_grad(r, step, t) / WORLD)
+        if all(bool(torch.isfinite(x).all()) for x in g.values()):
+            for t in VOCAB:
+                norm = float(g[t].norm())
+                w[t] = w[t] - LR * g[t] * (CLIP / max(norm, CLIP))
+        out.append({t: w[t].clone() for t in VOCAB})
+    return out
+
+
+def unclipped_first_step() -> dict[str, torch.Tensor]:
+    """The first step without the clip (to show that the clip is exercised)."""
+    out = {}
+    for t in VOCAB:
+        g = torch.zeros(VOCAB[t], DIM[t], dtype=torch.float64)
+        for r in range(WORLD):
+            g.index_add_(0, ids(r, 0, t), act_grad(r, 0, t) / WORLD)
+        out[t] = INIT[t] - LR * g
+    return out
+
+
+def clip_skip(rank: int) -> dict[str, Any]:
+    model = Model()
+    tte.distributed.shard(model)
+    opt = O.SGD(model.parameters(), lr=LR, clipnorm=CLIP, skip_nonfinite=True)
+    want = reference_clip_skip()
+    dist_each: list[dict[str, float]] = []
+    for step in range(STEPS):
+        backward(model, rank, step)
+        opt.step()
+        opt.zero_grad()
+        far = {}
+        for t in VOCAB:
+            table = getattr(model.ec.tables, t)
+            lids = tte.distributed.logical_ids(table)
+            real = lids < VOCAB[t]
+            far[t] = float((table.weight.detach()[real] - want[step][t][lids[real]]).abs().max())
+        dist_each.append(far)
+    plain = unclipped_first_step()
+    return {"distance": dist_each, "skipped": opt.skipped_steps,
+            "clip_moves": min(float((want[0][t] - plain[t]).abs().max()) for t in VOCAB)}
+
+
+CASES = {"counts": counts, "clip_skip": clip_skip}
 
 
 def main() -> None:

@@ -275,12 +275,9 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 assert lr is not None
                 item.lr = self._lrs.tensor(gi, lr, p)
                 work.append(item)
-        scale = step_gates.global_clip_scales(work)
-        for item in work:
-            if item.group["global_clipnorm"]:
-                item.g = item.g * scale[item.g.device].to(item.g.dtype)
-        step_gates.gate_clean(work, clean)  # after the norm: a dropped call updates nothing, whatever its norm
-        finite = clock.finite = step_gates.gate_nonfinite(work)
+        # global_clipnorm's scale, then the overflow's and skip_nonfinite's gates (a dropped call updates nothing,
+        # whatever its norm): over a process group, one all_reduce for the norm and the check together
+        finite = clock.finite = step_gates.call_gates(work, clean)
         self._run.count(finite, clean)
         for item in work:
             update(item)

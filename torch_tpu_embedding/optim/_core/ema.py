@@ -12,7 +12,7 @@ of the average (:meth:`StepClock.ema_on`), so lazy rows and dense parameters agr
 exchange overflow drops (:meth:`StepClock.on`).
 
 With gradient accumulation (``k`` calls a window; on XLA too, whose accumulate-only calls go unchecked:
-``step_gates.gate_nonfinite``) the check sees a window's sum at its last call,
+``step_gates.call_gates``) the check sees a window's sum at its last call,
 so a non-finite micro-batch drops the whole window: none of its ``k`` calls counts (the counter counts the
 calls of applied windows), a lazy row's catch-up never sees them, and a non-lazy parameter's average, which
 Keras moves at every call, goes back to what it was when the window began (:func:`ema_calls`' record of it).

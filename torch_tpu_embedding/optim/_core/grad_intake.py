@@ -2,7 +2,7 @@
 
 In Keras's order: loss scale ``g ← g / s`` → gradient accumulation over ``k`` calls → duplicate ids
 summed (tables) → ``clipnorm``. ``global_clipnorm`` and ``skip_nonfinite`` look at every gradient
-of the call at once (:func:`global_clip_scales`, :func:`gate_nonfinite`).
+of the call at once (:func:`.step_gates.call_gates`).
 
 Where a table's gradient comes from: its :class:`~torch_tpu_embedding._rows.row_grad.RowGrad` (the lookup's
 backward), or a sparse COO ``.grad`` (``nn.Embedding(sparse=True)``); a dense parameter's from
@@ -33,7 +33,6 @@ from torch_tpu_embedding._rows.dedup import (
 )
 from torch_tpu_embedding._rows.placement import (
     TablePlacement,
-    all_reduce_sum,
     device_backend,
     process_group_placement,
     reduction_group,
@@ -84,6 +83,9 @@ class Work:
     #: KERNEL: the factored gradient sorted by id, summed a range of rows at a time by the update
     #: (``g`` is then empty; :func:`.row_update.update` makes it for the reference path)
     sums: RowSums | None = None
+    #: ``clipnorm`` of a table whose rows are split over a process group: this rank's ``Σ g²``, summed over the group
+    #: and applied by :func:`.step_gates.call_gates` (``g`` is then not yet clipped)
+    norm_part: Tensor | None = None
 
 
 def arrives_as_rows(p: Tensor) -> bool:
@@ -150,7 +152,10 @@ def prepare(
     ids: Tensor | None = None
 
     def work(ids: Tensor | None, g: Tensor, gate: Tensor | None, **more: Any) -> Work:
-        return Work(p=p, group=group, state=state, path=path, clock=clock, ids=ids, g=g, gate=gate, **more)
+        item = Work(p=p, group=group, state=state, path=path, clock=clock, ids=ids, g=g, gate=gate, **more)
+        if group["clipnorm"] and reduction_group(p) is not None:  # (_clip left g as it is)
+            item.norm_part = (g * g).sum()
+        return item
 
     if path is Path.NO_DEDUP and process_group_placement(p) is not None:
         info = table_info(p)
@@ -256,11 +261,10 @@ def _summed_on_device(p: Tensor, pieces: RowGrad) -> tuple[Tensor, Tensor] | Non
 def _clip(p: Tensor, g: Tensor, ids: Tensor | None, clipnorm: float, owned: bool = False) -> Tensor:
     """``clipnorm`` on ``p``'s gradient ``g`` (rows ``ids``; ``None``: every row): in a stacked group each
     member table's rows by that table's own norm, as for tables of their own. A table whose rows are
-    split over a process group: the norm over every rank's rows (one all-reduce)."""
-    pg = reduction_group(p)
-    if pg is not None:
-        norm = torch.sqrt(all_reduce_sum((g * g).sum(), pg))
-        return g * (clipnorm / torch.clamp(norm, min=clipnorm))
+    split over a process group: ``g`` as it is, clipped by :func:`.step_gates.call_gates` once every table's part
+    of its norm is known (``Work.norm_part``), all summed over the group in one all-reduce."""
+    if reduction_group(p) is not None:
+        return g
     if not member_rows(p):
         return clip_by_norm(g, clipnorm)
     rows = torch.arange(p.shape[0], device=g.device) if ids is None else ids

@@ -228,7 +228,7 @@ class StepClock:
         """The moving average's call counter: calls dropped by ``skip_nonfinite`` do not count. ``window``:
         the group's ``gradient_accumulation_steps``; a non-finite window is dropped at its last call, the one call
         ``skipped`` counts, and none of its ``window`` calls counts (the counter counts the calls of applied
-        windows). So on XLA too, whose accumulate-only calls are not checked (``step_gates.gate_nonfinite``): one
+        windows). So on XLA too, whose accumulate-only calls are not checked (``step_gates.call_gates``): one
         meaning of ``skipped_steps`` in every layout, so that a checkpoint moved between them continues alike."""
         it = self.on(device)
         if not skip_nonfinite or self.skipped is None:

@@ -124,6 +124,9 @@ def _exchange_side_by_side(parts: Sequence[Tensor], group: object) -> list[Tenso
     got = exchange(torch.cat(raw, dim=1), group)
     out, at = [], 0
     for p, r in zip(parts, raw, strict=True):
-        out.append(got[:, at:at + r.shape[1]].contiguous().view(p.dtype).reshape(p.shape))
+        # (a copy at offset 0, whose rows start on the dtype's alignment: a slice of one rank's share (n = 1) is
+        # already "contiguous" and would keep its offset and row stride, which need not divide the element size)
+        out.append(got[:, at:at + r.shape[1]].clone(memory_format=torch.contiguous_format).view(p.dtype)
+                   .reshape(p.shape))
         at += r.shape[1]
     return out

@@ -23,8 +23,10 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from _stacked_model import Model, batches
 from optim_registry import OPTIMIZER_INFOS, OptimizerInfo
+from suite_helpers import free_port
 
 import torch_tpu_embedding as tte
 from torch_tpu_embedding._rows.row_grad import RowGrad, row_grad_by_handle
@@ -84,6 +86,21 @@ def test_compiled_step_is_one_graph_and_equals_eager(info: OptimizerInfo) -> Non
             else:
                 assert got == want, (key, slot)
     assert compiled_opt.state_dict()["param_groups"] == eager_opt.state_dict()["param_groups"]
+
+
+def test_compiled_step_under_an_initialised_process_group() -> None:
+    """Under torchrun ``torch.distributed`` is initialised: the compiled step reads each table's
+    ``tte.distributed`` mark (``exchange_mark``), which dynamo once failed to trace (``InternalTorchDynamoError``,
+    the tensor's ``__dict__``). A group of one process exchanges nothing: the compiled step equals the eager one."""
+    info = next(i for i in PER_ROW if str(i) == "sgd")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        eager_model, _ = train(info, lambda opt: opt.step)
+        compiled_model, _ = train(info, lambda opt: torch.compile(opt.step, fullgraph=True))
+    finally:
+        dist.destroy_process_group()
+    for (name, want), got in zip(eager_model.state_dict().items(), compiled_model.state_dict().values(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
 
 
 # Causes of graph breaks that are torch's own: (what, a phrase of dynamo's reason). Dynamo cannot trace

@@ -232,6 +232,8 @@ def stacked_rows(t: torch.Tensor) -> StackedRows | None:
 def exchange_mark(t: torch.Tensor) -> Any:
     """What ``tte.distributed`` marked table ``t`` with (a process group its row gradients are exchanged over,
     or a string: never exchanged, or :data:`GROUP_NOT_PICKLED`), or ``None`` (the default)."""
+    if torch.compiler.is_compiling():  # an attribute dynamo traces (the dictionary it cannot: a compiled step under
+        return _tag(t, _MARK_ATTR)  # an initialised process group read it in every step)
     return _registered(t, _MARK_ATTR)
 
 
